@@ -1,0 +1,135 @@
+use half::{bf16, f16};
+
+use crate::{cpu, Bytes, DType, EngineError};
+
+/// A row-major `[rows, cols]` matrix of f32, f16 or bf16 values, viewed in place.
+/// Used for unquantized linear layers and embeddings.
+#[derive(Debug, Clone)]
+pub struct FloatMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub dtype: DType,
+    data: Bytes,
+}
+
+/// A typed view of float weights.
+#[derive(Clone, Copy)]
+pub enum FloatSlice<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+}
+
+impl FloatSlice<'_> {
+    /// Converts `range` of the values to f32 into `out`.
+    pub fn to_f32(&self, start: usize, out: &mut [f32]) {
+        let end = start + out.len();
+        match self {
+            FloatSlice::F32(v) => out.copy_from_slice(&v[start..end]),
+            FloatSlice::F16(v) => {
+                for (o, x) in out.iter_mut().zip(&v[start..end]) {
+                    *o = x.to_f32();
+                }
+            }
+            FloatSlice::BF16(v) => {
+                for (o, x) in out.iter_mut().zip(&v[start..end]) {
+                    *o = x.to_f32();
+                }
+            }
+        }
+    }
+
+    /// One value as f32.
+    #[inline]
+    pub fn get(&self, i: usize) -> f32 {
+        match self {
+            FloatSlice::F32(v) => v[i],
+            FloatSlice::F16(v) => v[i].to_f32(),
+            FloatSlice::BF16(v) => v[i].to_f32(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            FloatSlice::F32(v) => v.len(),
+            FloatSlice::F16(v) => v.len(),
+            FloatSlice::BF16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Checks that `data` holds `count` floats of `dtype` and returns it aligned for viewing.
+pub(crate) fn checked_float_bytes(
+    what: &str,
+    dtype: DType,
+    count: usize,
+    data: Bytes,
+) -> Result<Bytes, EngineError> {
+    if !dtype.is_float() {
+        return Err(EngineError::UnsupportedDType {
+            what: what.to_string(),
+            dtype: dtype.to_string(),
+        });
+    }
+    let expected = count * dtype.size_in_bytes();
+    if data.len() != expected {
+        return Err(EngineError::SizeMismatch {
+            what: what.to_string(),
+            expected,
+            found: data.len(),
+        });
+    }
+    Ok(data.aligned(dtype.size_in_bytes()))
+}
+
+/// Views float bytes checked by [`checked_float_bytes`].
+pub(crate) fn float_slice(dtype: DType, data: &Bytes) -> FloatSlice<'_> {
+    match dtype {
+        DType::F32 => FloatSlice::F32(data.view()),
+        DType::F16 => FloatSlice::F16(data.view()),
+        DType::BF16 => FloatSlice::BF16(data.view()),
+        other => unreachable!("float bytes were checked at construction, found {other}"),
+    }
+}
+
+impl FloatMatrix {
+    pub fn new(rows: usize, cols: usize, dtype: DType, data: Bytes) -> Result<Self, EngineError> {
+        let data = checked_float_bytes("float matrix", dtype, rows * cols, data)?;
+        Ok(FloatMatrix {
+            rows,
+            cols,
+            dtype,
+            data,
+        })
+    }
+
+    /// An owned f32 matrix, for tests and small derived weights.
+    pub fn from_f32(rows: usize, cols: usize, values: &[f32]) -> Result<Self, EngineError> {
+        FloatMatrix::new(rows, cols, DType::F32, Bytes::from_values(values))
+    }
+
+    pub fn values(&self) -> FloatSlice<'_> {
+        float_slice(self.dtype, &self.data)
+    }
+
+    /// Row `row` as f32.
+    pub fn row_to_f32(&self, row: usize, out: &mut [f32]) {
+        self.values().to_f32(row * self.cols, &mut out[..self.cols]);
+    }
+
+    /// All values as f32.
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.rows * self.cols];
+        self.values().to_f32(0, &mut out);
+        out
+    }
+
+    /// `y[m, rows] = x[m, cols] · Wᵀ`.
+    pub fn matmul(&self, x: &[f32], m: usize, y: &mut [f32]) {
+        cpu::dense::matmul(self, x, m, y);
+    }
+}

@@ -1,0 +1,142 @@
+//! Element-wise and attention ops on f32 activations.
+
+use crate::cpu::dense::dot;
+
+/// RMSNorm of each `weight.len()`-wide row of `x` into `out`: `x / sqrt(mean(x²) + eps) * weight`.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let dim = weight.len();
+    for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+        let mean_sq = dot(xr, xr) / dim as f32;
+        let inv = 1.0 / (mean_sq + eps).sqrt();
+        for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
+            *o = v * inv * w;
+        }
+    }
+}
+
+/// RMSNorm in place.
+pub fn rms_norm_inplace(x: &mut [f32], weight: &[f32], eps: f32) {
+    let dim = weight.len();
+    for xr in x.chunks_exact_mut(dim) {
+        let mean_sq = dot(xr, xr) / dim as f32;
+        let inv = 1.0 / (mean_sq + eps).sqrt();
+        for (v, &w) in xr.iter_mut().zip(weight) {
+            *v = *v * inv * w;
+        }
+    }
+}
+
+/// Rotary position embedding, in place, on `x` laid out `[tokens, heads, head_dim]`.
+///
+/// Token `t` sits at `positions[t]`; pair `i` of the first `2 * inv_freqs.len()` features turns by
+/// `positions[t] * inv_freqs[i]`. `traditional` pairs neighbours `(2i, 2i+1)`, otherwise the
+/// halves `(i, i + dims/2)` are paired, as `mx.fast.rope` does.
+pub fn rope_inplace(
+    x: &mut [f32],
+    heads: usize,
+    head_dim: usize,
+    positions: &[usize],
+    inv_freqs: &[f32],
+    traditional: bool,
+) {
+    let half = inv_freqs.len();
+    let mut cos = vec![0.0f32; half];
+    let mut sin = vec![0.0f32; half];
+    for (t, &pos) in positions.iter().enumerate() {
+        for i in 0..half {
+            let theta = pos as f32 * inv_freqs[i];
+            cos[i] = theta.cos();
+            sin[i] = theta.sin();
+        }
+        for h in 0..heads {
+            let base = (t * heads + h) * head_dim;
+            let v = &mut x[base..base + head_dim];
+            for i in 0..half {
+                let (a, b) = if traditional {
+                    (2 * i, 2 * i + 1)
+                } else {
+                    (i, i + half)
+                };
+                let (x0, x1) = (v[a], v[b]);
+                v[a] = x0 * cos[i] - x1 * sin[i];
+                v[b] = x0 * sin[i] + x1 * cos[i];
+            }
+        }
+    }
+}
+
+/// `gate = silu(gate) * up`, the SwiGLU activation.
+pub fn silu_mul_inplace(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+/// `x += y`.
+pub fn add_inplace(x: &mut [f32], y: &[f32]) {
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// Numerically stable softmax in place.
+pub fn softmax_inplace(x: &mut [f32]) {
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let mut sum = 0.0;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// Keys and values of one layer as attention reads them: `[kv_heads, capacity, head_dim]`, of
+/// which the first `len` positions are filled.
+pub struct KvView<'a> {
+    pub keys: &'a [f32],
+    pub values: &'a [f32],
+    pub kv_heads: usize,
+    pub capacity: usize,
+    pub len: usize,
+}
+
+/// Scaled dot-product attention of `q` (`[tokens, heads, head_dim]`) over `kv`, writing
+/// `[tokens, heads, head_dim]` into `out`. Query `t` sees keys `0..=positions[t]` (causal), and
+/// query head `h` reads key head `h / (heads / kv_heads)` (grouped-query attention).
+pub fn attention(
+    q: &[f32],
+    heads: usize,
+    head_dim: usize,
+    positions: &[usize],
+    kv: &KvView,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let group = heads / kv.kv_heads;
+    let mut scores = vec![0.0f32; kv.len];
+    for (t, &pos) in positions.iter().enumerate() {
+        let visible = (pos + 1).min(kv.len);
+        for h in 0..heads {
+            let kvh = h / group;
+            let qv = &q[(t * heads + h) * head_dim..][..head_dim];
+            let head_keys = &kv.keys[kvh * kv.capacity * head_dim..];
+            let head_values = &kv.values[kvh * kv.capacity * head_dim..];
+            let s = &mut scores[..visible];
+            for (j, sj) in s.iter_mut().enumerate() {
+                *sj = dot(qv, &head_keys[j * head_dim..(j + 1) * head_dim]) * scale;
+            }
+            softmax_inplace(s);
+            let o = &mut out[(t * heads + h) * head_dim..][..head_dim];
+            o.fill(0.0);
+            for (j, &p) in s.iter().enumerate() {
+                let vj = &head_values[j * head_dim..(j + 1) * head_dim];
+                for (od, &vd) in o.iter_mut().zip(vj) {
+                    *od += p * vd;
+                }
+            }
+        }
+    }
+}

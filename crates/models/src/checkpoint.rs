@@ -1,0 +1,322 @@
+//! Reading an MLX model directory: `config.json`, the safetensors shards (memory-mapped), and
+//! the quantization settings that say how each layer is stored.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use oxlm_engine::{Bytes, DType};
+use serde::de::DeserializeOwned;
+use serde_json::{Map, Value};
+
+use crate::LoadError;
+
+/// Reads and parses a JSON file, naming the file in any error.
+pub fn read_json(path: &Path) -> Result<Value, LoadError> {
+    let text = std::fs::read_to_string(path).map_err(|source| match source.kind() {
+        std::io::ErrorKind::NotFound => LoadError::MissingFile(path.to_path_buf()),
+        _ => LoadError::Io {
+            path: path.to_path_buf(),
+            source,
+        },
+    })?;
+    serde_json::from_str(&text).map_err(|source| LoadError::Json {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// `config.json`, with the keys of a nested `text_config` (multimodal wrappers) taking
+/// precedence over the top level, as mlx-lm's text models read them.
+#[derive(Debug, Clone)]
+pub struct Config {
+    top: Map<String, Value>,
+    text: Map<String, Value>,
+}
+
+impl Config {
+    pub fn from_value(value: Value) -> Result<Self, LoadError> {
+        let Value::Object(top) = value else {
+            return Err(LoadError::Config(
+                "the top level is not a JSON object".into(),
+            ));
+        };
+        let mut text = top.clone();
+        if let Some(Value::Object(nested)) = top.get("text_config") {
+            text.extend(nested.clone());
+        }
+        Ok(Config { top, text })
+    }
+
+    /// The architecture name mlx-lm dispatches on (the top-level `model_type`).
+    pub fn model_type(&self) -> Result<&str, LoadError> {
+        self.top
+            .get("model_type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| LoadError::Config("`model_type` is missing".into()))
+    }
+
+    /// The raw value of `key` in the text model's settings.
+    pub fn raw(&self, key: &str) -> Option<&Value> {
+        self.text.get(key).filter(|v| !v.is_null())
+    }
+
+    /// `key` parsed as `T`, or `None` when absent or null.
+    pub fn get<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>, LoadError> {
+        self.raw(key)
+            .map(|v| {
+                serde_json::from_value(v.clone())
+                    .map_err(|e| LoadError::Config(format!("`{key}` has an unexpected value: {e}")))
+            })
+            .transpose()
+    }
+
+    /// `key` parsed as `T`; an error naming the key when it is absent.
+    pub fn require<T: DeserializeOwned>(&self, key: &str) -> Result<T, LoadError> {
+        self.get(key)?
+            .ok_or_else(|| LoadError::Config(format!("`{key}` is missing")))
+    }
+}
+
+/// How one layer's weights are quantized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuantSpec {
+    pub bits: u32,
+    pub group_size: usize,
+}
+
+/// The `quantization` (or `quantization_config`) section: a default and per-module overrides,
+/// e.g. `{"group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}}`.
+#[derive(Debug, Clone, Default)]
+pub struct Quantization {
+    default: Option<QuantSpec>,
+    overrides: HashMap<String, QuantSpec>,
+}
+
+fn parse_spec(where_: &str, v: &Map<String, Value>) -> Result<QuantSpec, LoadError> {
+    if let Some(mode) = v.get("mode").and_then(Value::as_str) {
+        if mode != "affine" {
+            return Err(LoadError::UnsupportedQuantization(format!(
+                "mode `{mode}` in {where_} (supported: affine)"
+            )));
+        }
+    }
+    let bits = v.get("bits").and_then(Value::as_u64);
+    let group_size = v.get("group_size").and_then(Value::as_u64);
+    match (bits, group_size) {
+        (Some(bits), Some(group_size)) => Ok(QuantSpec {
+            bits: bits as u32,
+            group_size: group_size as usize,
+        }),
+        _ => Err(LoadError::Config(format!(
+            "{where_} needs integer `bits` and `group_size`"
+        ))),
+    }
+}
+
+impl Quantization {
+    pub fn from_config(config: &Config) -> Result<Self, LoadError> {
+        let section = config
+            .top
+            .get("quantization")
+            .or_else(|| config.top.get("quantization_config"));
+        let Some(section) = section.filter(|v| !v.is_null()) else {
+            return Ok(Quantization::default());
+        };
+        let Value::Object(map) = section else {
+            return Err(LoadError::Config("`quantization` is not an object".into()));
+        };
+        let mut quant = Quantization {
+            default: Some(parse_spec("`quantization`", map)?),
+            overrides: HashMap::new(),
+        };
+        for (key, value) in map {
+            if let Value::Object(m) = value {
+                quant.overrides.insert(
+                    key.clone(),
+                    parse_spec(&format!("`quantization.{key}`"), m)?,
+                );
+            }
+        }
+        Ok(quant)
+    }
+
+    /// The settings for the module at `path` (e.g. `model.layers.0.self_attn.q_proj`).
+    pub fn for_module(&self, path: &str) -> Option<QuantSpec> {
+        self.overrides.get(path).copied().or(self.default)
+    }
+}
+
+/// One array of a checkpoint, still in the file's bytes.
+#[derive(Debug, Clone)]
+pub struct RawTensor {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub data: Bytes,
+}
+
+impl RawTensor {
+    pub fn describe(&self) -> String {
+        format!("{:?} {}", self.shape, self.dtype)
+    }
+}
+
+struct MappedFile(memmap2::Mmap);
+
+impl AsRef<[u8]> for MappedFile {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+fn engine_dtype(dtype: safetensors::Dtype) -> Option<DType> {
+    use safetensors::Dtype as S;
+    Some(match dtype {
+        S::F32 => DType::F32,
+        S::F16 => DType::F16,
+        S::BF16 => DType::BF16,
+        S::U32 => DType::U32,
+        S::I32 => DType::I32,
+        S::U8 => DType::U8,
+        S::I8 => DType::I8,
+        S::BOOL => DType::Bool,
+        S::I64 => DType::I64,
+        S::U64 => DType::U64,
+        S::F64 => DType::F64,
+        S::U16 => DType::U16,
+        S::I16 => DType::I16,
+        _ => return None,
+    })
+}
+
+/// Memory-maps one safetensors file and lists its arrays without copying them.
+pub fn map_safetensors(path: &Path) -> Result<HashMap<String, RawTensor>, LoadError> {
+    let file = std::fs::File::open(path).map_err(|source| match source.kind() {
+        std::io::ErrorKind::NotFound => LoadError::MissingFile(path.to_path_buf()),
+        _ => LoadError::Io {
+            path: path.to_path_buf(),
+            source,
+        },
+    })?;
+    // SAFETY: the map is read-only; a checkpoint changed under a running model is outside
+    // what any engine can defend against, as with every mmap-based loader.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| LoadError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let bad = |reason: String| LoadError::Safetensors {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let file_bytes = Bytes::from_owner(Arc::new(MappedFile(map)));
+    let parsed = safetensors::SafeTensors::deserialize(file_bytes.as_slice())
+        .map_err(|e| bad(format!("{e:?}")))?;
+    let base = file_bytes.as_slice().as_ptr() as usize;
+    let mut out = HashMap::new();
+    for (name, view) in parsed.tensors() {
+        let dtype = engine_dtype(view.dtype())
+            .ok_or_else(|| bad(format!("`{name}` has unsupported dtype {:?}", view.dtype())))?;
+        let start = view.data().as_ptr() as usize - base;
+        let data = file_bytes
+            .slice(start, view.data().len())
+            .ok_or_else(|| bad(format!("`{name}` lies outside the file")))?;
+        out.insert(
+            name,
+            RawTensor {
+                dtype,
+                shape: view.shape().to_vec(),
+                data,
+            },
+        );
+    }
+    Ok(out)
+}
+
+/// The safetensors files of a model directory: those named by `model.safetensors.index.json`
+/// when it exists, else every `model*.safetensors`.
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let value = read_json(&index)?;
+        let map = value
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| LoadError::Json {
+                path: index.clone(),
+                source: serde::de::Error::custom("no `weight_map` object"),
+            })?;
+        let files: BTreeSet<&str> = map.values().filter_map(Value::as_str).collect();
+        return Ok(files.into_iter().map(|f| dir.join(f)).collect());
+    }
+    let mut files = Vec::new();
+    let entries = std::fs::read_dir(dir).map_err(|source| LoadError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with("model") && name.ends_with(".safetensors") {
+            files.push(entry.path());
+        }
+    }
+    if files.is_empty() {
+        return Err(LoadError::MissingFile(dir.join("model.safetensors")));
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// An opened model directory. Layers take their weights out of it by name; what is left at the
+/// end is reported by [`Checkpoint::finish`], so a config that does not match the weights fails.
+pub struct Checkpoint {
+    pub dir: PathBuf,
+    pub config: Config,
+    pub quantization: Quantization,
+    tensors: HashMap<String, RawTensor>,
+}
+
+impl Checkpoint {
+    pub fn open(dir: &Path) -> Result<Self, LoadError> {
+        if !dir.is_dir() {
+            return Err(LoadError::MissingFile(dir.to_path_buf()));
+        }
+        let config = Config::from_value(read_json(&dir.join("config.json"))?)?;
+        let quantization = Quantization::from_config(&config)?;
+        let mut tensors = HashMap::new();
+        for file in weight_files(dir)? {
+            tensors.extend(map_safetensors(&file)?);
+        }
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            config,
+            quantization,
+            tensors,
+        })
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Removes and returns the array `name`.
+    pub fn take(&mut self, name: &str) -> Result<RawTensor, LoadError> {
+        self.tensors
+            .remove(name)
+            .ok_or_else(|| LoadError::MissingTensor(name.to_string()))
+    }
+
+    /// Drops arrays the models never read (e.g. precomputed rotary frequencies).
+    pub fn discard_where(&mut self, unused: impl Fn(&str) -> bool) {
+        self.tensors.retain(|name, _| !unused(name));
+    }
+
+    /// Fails if any array was not taken by the model.
+    pub fn finish(self) -> Result<(), LoadError> {
+        if self.tensors.is_empty() {
+            return Ok(());
+        }
+        let mut names: Vec<String> = self.tensors.into_keys().collect();
+        names.sort();
+        Err(LoadError::UnusedTensors(names))
+    }
+}

@@ -1,0 +1,110 @@
+//! Models over the oxlm engine: reading MLX checkpoints, shared layers, caches, and one file
+//! per architecture, as mlx-lm arranges them. Nothing here knows about HTTP or tokenizers.
+
+pub mod cache;
+pub mod checkpoint;
+mod error;
+pub mod layers;
+pub mod llama;
+
+use std::path::Path;
+
+pub use cache::Cache;
+pub use checkpoint::{Checkpoint, Config};
+pub use error::{ForwardError, LoadError};
+use oxlm_engine::Tensor;
+
+/// What callers need to know about a loaded model.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    pub model_type: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    /// `max_position_embeddings`, when the config states it.
+    pub max_context: Option<usize>,
+}
+
+/// Which positions' logits a forward pass returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last position's: `[1, vocab]` (prefill and decoding).
+    Last,
+    /// Every position's: `[tokens, vocab]` (scoring, training).
+    All,
+}
+
+/// A causal language model.
+pub trait LanguageModel: Send + Sync {
+    fn info(&self) -> &ModelInfo;
+
+    /// Fresh per-layer state for one sequence.
+    fn new_cache(&self) -> Cache;
+
+    /// Runs `tokens` at the positions following what `cache` holds and appends their state.
+    fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        logits: Logits,
+    ) -> Result<Tensor, ForwardError>;
+}
+
+/// Rejects input that a forward pass cannot take.
+pub(crate) fn check_tokens(
+    info: &ModelInfo,
+    tokens: &[u32],
+    offset: usize,
+) -> Result<(), ForwardError> {
+    if tokens.is_empty() {
+        return Err(ForwardError::EmptyInput);
+    }
+    if let Some(&id) = tokens.iter().find(|&&t| t as usize >= info.vocab_size) {
+        return Err(ForwardError::TokenOutOfRange {
+            id,
+            vocab: info.vocab_size,
+        });
+    }
+    if let Some(limit) = info.max_context {
+        let needed = offset + tokens.len();
+        if needed > limit {
+            return Err(ForwardError::ContextOverflow { needed, limit });
+        }
+    }
+    Ok(())
+}
+
+type Constructor = fn(Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError>;
+
+fn llama(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
+    Ok(Box::new(llama::Llama::load(ckpt)?))
+}
+
+/// `model_type` → constructor; the first column is what `--help` and errors list as supported.
+const REGISTRY: &[(&str, Constructor)] = &[
+    ("llama", llama),
+    ("mistral", llama),
+    ("qwen2", llama),
+    ("qwen3", llama),
+];
+
+/// The `model_type`s this build can load.
+pub fn supported_model_types() -> Vec<&'static str> {
+    REGISTRY.iter().map(|(name, _)| *name).collect()
+}
+
+/// Opens the MLX model directory `dir` and builds its architecture.
+pub fn load(dir: &Path) -> Result<Box<dyn LanguageModel>, LoadError> {
+    // The architecture is checked before any weight file is opened.
+    let config = Config::from_value(checkpoint::read_json(&dir.join("config.json"))?)?;
+    let model_type = config.model_type()?.to_string();
+    let constructor = REGISTRY
+        .iter()
+        .find(|(name, _)| *name == model_type)
+        .map(|(_, c)| *c)
+        .ok_or_else(|| LoadError::UnsupportedModelType {
+            found: model_type,
+            supported: supported_model_types(),
+        })?;
+    constructor(Checkpoint::open(dir)?)
+}

@@ -1,0 +1,241 @@
+//! The llama family as mlx-lm's `llama.py`, `qwen2.py` and `qwen3.py` define it: Llama 2/3
+//! (with llama3 RoPE scaling), Mistral, SmolLM, Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm).
+
+use serde_json::Value;
+
+use crate::cache::{Cache, KvCache, LayerCache};
+use crate::checkpoint::Checkpoint;
+use crate::layers::{Attention, Embedding, Linear, Mlp, RmsNorm, Rope};
+use crate::{check_tokens, LanguageModel, LoadError, Logits, ModelInfo};
+use oxlm_engine::{ops, Tensor};
+
+use crate::ForwardError;
+
+struct Block {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+pub struct Llama {
+    info: ModelInfo,
+    embed_tokens: Embedding,
+    layers: Vec<Block>,
+    norm: RmsNorm,
+    /// `None` when the output head is tied to the embeddings.
+    lm_head: Option<Linear>,
+}
+
+/// The per-family switches that distinguish the model types this file serves.
+struct Flavour {
+    qkv_bias: bool,
+    qk_norm: bool,
+    mlp_bias: bool,
+}
+
+fn flavour(model_type: &str, ckpt: &Checkpoint) -> Result<Flavour, LoadError> {
+    let cfg = &ckpt.config;
+    Ok(match model_type {
+        "qwen2" => Flavour {
+            qkv_bias: true,
+            qk_norm: false,
+            mlp_bias: false,
+        },
+        "qwen3" => Flavour {
+            qkv_bias: false,
+            qk_norm: true,
+            mlp_bias: false,
+        },
+        _ => Flavour {
+            qkv_bias: cfg.get("attention_bias")?.unwrap_or(false),
+            qk_norm: false,
+            mlp_bias: cfg.get("mlp_bias")?.unwrap_or(false),
+        },
+    })
+}
+
+impl Llama {
+    pub fn load(mut ckpt: Checkpoint) -> Result<Self, LoadError> {
+        let model_type = ckpt.config.model_type()?.to_string();
+        let f = flavour(&model_type, &ckpt)?;
+        let cfg = &ckpt.config;
+        let hidden: usize = cfg.require("hidden_size")?;
+        let layers: usize = cfg.require("num_hidden_layers")?;
+        let intermediate: usize = cfg.require("intermediate_size")?;
+        let heads: usize = cfg.require("num_attention_heads")?;
+        let kv_heads: usize = cfg.get("num_key_value_heads")?.unwrap_or(heads);
+        let head_dim: usize = cfg.get("head_dim")?.unwrap_or(hidden / heads.max(1));
+        let vocab: usize = cfg.require("vocab_size")?;
+        let eps: f32 = cfg.require("rms_norm_eps")?;
+        let tied: bool = cfg
+            .get("tie_word_embeddings")?
+            .unwrap_or(model_type != "qwen3");
+        let max_context: Option<usize> = cfg.get("max_position_embeddings")?;
+        // transformers ≥ 5 nests rope_theta and the scaling under `rope_parameters`.
+        let rope_parameters = cfg.raw("rope_parameters").cloned();
+        let rope_theta: f32 = match cfg.get("rope_theta")? {
+            Some(theta) => theta,
+            None => rope_parameters
+                .as_ref()
+                .and_then(|p| p.get("rope_theta"))
+                .and_then(Value::as_f64)
+                .unwrap_or(10000.0) as f32,
+        };
+        let scaling = cfg.raw("rope_scaling").cloned().or(rope_parameters);
+        let traditional: bool = cfg.get("rope_traditional")?.unwrap_or(false);
+        if let Some(types) = cfg.get::<Vec<String>>("layer_types")? {
+            if types.iter().any(|t| t != "full_attention") {
+                return Err(LoadError::Config(
+                    "sliding-window llama layers are not supported yet".into(),
+                ));
+            }
+        }
+        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(LoadError::Config(format!(
+                "{heads} attention heads cannot be grouped over {kv_heads} key/value heads"
+            )));
+        }
+        let rope = Rope::new(head_dim, rope_theta, traditional, scaling.as_ref())?;
+        ckpt.discard_where(|name| name.contains("self_attn.rotary_emb.inv_freq"));
+        if tied {
+            ckpt.discard_where(|name| name.starts_with("lm_head."));
+        }
+
+        let embed_tokens = Embedding::load(&mut ckpt, "model.embed_tokens", vocab, hidden)?;
+        let mut blocks = Vec::with_capacity(layers);
+        for i in 0..layers {
+            let p = format!("model.layers.{i}");
+            let a = format!("{p}.self_attn");
+            let qk_norm = |ckpt: &mut Checkpoint, which: &str| {
+                f.qk_norm
+                    .then(|| RmsNorm::load(ckpt, &format!("{a}.{which}"), head_dim, eps))
+                    .transpose()
+            };
+            let self_attn = Attention {
+                q_proj: Linear::load(
+                    &mut ckpt,
+                    &format!("{a}.q_proj"),
+                    hidden,
+                    heads * head_dim,
+                    f.qkv_bias,
+                )?,
+                k_proj: Linear::load(
+                    &mut ckpt,
+                    &format!("{a}.k_proj"),
+                    hidden,
+                    kv_heads * head_dim,
+                    f.qkv_bias,
+                )?,
+                v_proj: Linear::load(
+                    &mut ckpt,
+                    &format!("{a}.v_proj"),
+                    hidden,
+                    kv_heads * head_dim,
+                    f.qkv_bias,
+                )?,
+                o_proj: Linear::load(
+                    &mut ckpt,
+                    &format!("{a}.o_proj"),
+                    heads * head_dim,
+                    hidden,
+                    false,
+                )?,
+                q_norm: qk_norm(&mut ckpt, "q_norm")?,
+                k_norm: qk_norm(&mut ckpt, "k_norm")?,
+                rope: rope.clone(),
+                heads,
+                kv_heads,
+                head_dim,
+                scale: (head_dim as f32).powf(-0.5),
+            };
+            blocks.push(Block {
+                input_layernorm: RmsNorm::load(
+                    &mut ckpt,
+                    &format!("{p}.input_layernorm"),
+                    hidden,
+                    eps,
+                )?,
+                self_attn,
+                post_attention_layernorm: RmsNorm::load(
+                    &mut ckpt,
+                    &format!("{p}.post_attention_layernorm"),
+                    hidden,
+                    eps,
+                )?,
+                mlp: Mlp::load(
+                    &mut ckpt,
+                    &format!("{p}.mlp"),
+                    hidden,
+                    intermediate,
+                    f.mlp_bias,
+                )?,
+            });
+        }
+        let norm = RmsNorm::load(&mut ckpt, "model.norm", hidden, eps)?;
+        let lm_head = (!tied)
+            .then(|| Linear::load(&mut ckpt, "lm_head", hidden, vocab, false))
+            .transpose()?;
+        ckpt.finish()?;
+        Ok(Llama {
+            info: ModelInfo {
+                model_type,
+                vocab_size: vocab,
+                hidden_size: hidden,
+                num_layers: layers,
+                max_context,
+            },
+            embed_tokens,
+            layers: blocks,
+            norm,
+            lm_head,
+        })
+    }
+}
+
+impl LanguageModel for Llama {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn new_cache(&self) -> Cache {
+        Cache {
+            layers: self
+                .layers
+                .iter()
+                .map(|b| LayerCache::Kv(KvCache::new(b.self_attn.kv_heads, b.self_attn.head_dim)))
+                .collect(),
+        }
+    }
+
+    fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        logits: Logits,
+    ) -> Result<Tensor, ForwardError> {
+        let offset = cache.offset();
+        check_tokens(&self.info, tokens, offset)?;
+        let n = tokens.len();
+        let positions: Vec<usize> = (offset..offset + n).collect();
+        let mut h = self.embed_tokens.forward(tokens);
+        for (block, layer_cache) in self.layers.iter().zip(&mut cache.layers) {
+            let LayerCache::Kv(kv) = layer_cache;
+            let x = block.input_layernorm.forward(&h);
+            ops::add_inplace(&mut h, &block.self_attn.forward(&x, &positions, kv));
+            let x = block.post_attention_layernorm.forward(&h);
+            ops::add_inplace(&mut h, &block.mlp.forward(&x, n));
+        }
+        let hidden = self.info.hidden_size;
+        let (mut h, rows) = match logits {
+            Logits::All => (h, n),
+            Logits::Last => (h.split_off((n - 1) * hidden), 1),
+        };
+        self.norm.forward_inplace(&mut h);
+        let out = match &self.lm_head {
+            Some(head) => head.forward(&h, rows),
+            None => self.embed_tokens.as_linear(&h, rows),
+        };
+        Ok(Tensor::new(vec![rows, self.info.vocab_size], out))
+    }
+}

@@ -1,0 +1,168 @@
+//! Broken checkpoints are refused with an error that says what is wrong, never a panic.
+
+use std::path::{Path, PathBuf};
+
+use oxlm_models::{load, LoadError};
+use serde_json::Value;
+
+fn tiny(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tiny")
+        .join(name)
+}
+
+/// A writable copy of a tiny model directory.
+fn copy_of(name: &str) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(tiny(name)).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), tmp.path().join(entry.file_name())).unwrap();
+    }
+    tmp
+}
+
+fn edit_config(dir: &Path, edit: impl FnOnce(&mut Value)) {
+    let path = dir.join("config.json");
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(path, serde_json::to_string_pretty(&config).unwrap()).unwrap();
+}
+
+fn load_err(dir: &Path) -> LoadError {
+    match load(dir) {
+        Ok(_) => panic!("{} loaded but should not have", dir.display()),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn missing_directory_and_missing_weights() {
+    let err = load_err(Path::new("/nonexistent/model"));
+    assert!(
+        err.to_string()
+            .contains("/nonexistent/model/config.json: no such file"),
+        "{err}"
+    );
+
+    let dir = copy_of("llama-8bit-g32");
+    std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
+    let err = load_err(dir.path());
+    assert!(
+        matches!(err, LoadError::MissingFile(ref p) if p.ends_with("model.safetensors")),
+        "{err}"
+    );
+}
+
+#[test]
+fn truncated_safetensors() {
+    let dir = copy_of("llama-8bit-g32");
+    let path = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() - 1000]).unwrap();
+    let err = load_err(dir.path());
+    assert!(matches!(err, LoadError::Safetensors { .. }), "{err}");
+    assert!(
+        err.to_string()
+            .contains("model.safetensors: not a valid safetensors file"),
+        "{err}"
+    );
+
+    std::fs::write(&path, &bytes[..5]).unwrap();
+    assert!(matches!(
+        load_err(dir.path()),
+        LoadError::Safetensors { .. }
+    ));
+}
+
+#[test]
+fn header_that_lies_about_sizes() {
+    let dir = copy_of("llama-8bit-g32");
+    let path = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    // Claim that the norm weight is twice as long as its byte range.
+    let entry = header.get_mut("model.norm.weight").unwrap();
+    entry["shape"] = serde_json::json!([128]);
+    let mut text = serde_json::to_vec(&header).unwrap();
+    text.resize(header_len, b' ');
+    let mut out = bytes[..8].to_vec();
+    out.extend_from_slice(&text);
+    out.extend_from_slice(&bytes[8 + header_len..]);
+    std::fs::write(&path, out).unwrap();
+    let err = load_err(dir.path());
+    assert!(matches!(err, LoadError::Safetensors { .. }), "{err}");
+}
+
+#[test]
+fn config_that_does_not_match_the_weights() {
+    let dir = copy_of("llama-8bit-g32");
+    edit_config(dir.path(), |c| c["hidden_size"] = 128.into());
+    let err = load_err(dir.path());
+    assert!(matches!(err, LoadError::TensorShape { .. }), "{err}");
+    assert!(
+        err.to_string().contains("model.embed_tokens.weight"),
+        "{err}"
+    );
+
+    let dir = copy_of("llama-8bit-g32");
+    edit_config(dir.path(), |c| c["num_hidden_layers"] = 1.into());
+    let err = load_err(dir.path());
+    assert!(
+        matches!(err, LoadError::UnusedTensors(ref names) if names.iter().all(|n| n.starts_with("model.layers.1."))),
+        "{err}"
+    );
+
+    let dir = copy_of("llama-8bit-g32");
+    edit_config(dir.path(), |c| c["num_hidden_layers"] = 3.into());
+    let err = load_err(dir.path());
+    assert!(
+        matches!(err, LoadError::MissingTensor(ref n) if n.starts_with("model.layers.2.")),
+        "{err}"
+    );
+
+    // Bits in the config disagree with the packed weights.
+    let dir = copy_of("llama-8bit-g32");
+    edit_config(dir.path(), |c| c["quantization"]["bits"] = 4.into());
+    let err = load_err(dir.path());
+    assert!(err.to_string().contains("4-bit, group size 32"), "{err}");
+}
+
+#[test]
+fn unsupported_model_type_lists_the_supported_ones() {
+    let dir = copy_of("llama-8bit-g32");
+    edit_config(dir.path(), |c| c["model_type"] = "mamba".into());
+    let err = load_err(dir.path());
+    assert_eq!(
+        err.to_string(),
+        "unsupported model_type `mamba`; supported: llama, mistral, qwen2, qwen3"
+    );
+}
+
+#[test]
+fn unsupported_quantization_mode() {
+    let dir = copy_of("llama-8bit-g32");
+    edit_config(dir.path(), |c| c["quantization"]["mode"] = "mxfp4".into());
+    let err = load_err(dir.path());
+    assert!(
+        matches!(err, LoadError::UnsupportedQuantization(_)),
+        "{err}"
+    );
+    assert!(err.to_string().contains("mode `mxfp4`"), "{err}");
+}
+
+#[test]
+fn malformed_config_json() {
+    let dir = copy_of("llama-8bit-g32");
+    std::fs::write(
+        dir.path().join("config.json"),
+        "{\"model_type\": \"llama\",",
+    )
+    .unwrap();
+    let err = load_err(dir.path());
+    assert!(matches!(err, LoadError::Json { .. }), "{err}");
+    assert!(
+        err.to_string().contains("config.json: malformed JSON"),
+        "{err}"
+    );
+}

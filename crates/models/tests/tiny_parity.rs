@@ -1,0 +1,136 @@
+//! Parity with mlx-lm on the seeded tiny models in tests/fixtures/tiny (made by
+//! scripts/oracle/make_tiny_all.sh): logits of every prompt position, then 32 greedy steps
+//! through the KV cache, fed the oracle's tokens so one early difference cannot hide later ones.
+
+use std::path::{Path, PathBuf};
+
+use oxlm_models::{load, Logits};
+
+/// Largest |Δlogit| allowed: both sides compute in f32, differing only in summation order.
+const LOGIT_TOLERANCE: f32 = 2e-3;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny")
+}
+
+struct Golden {
+    prompt_ids: Vec<u32>,
+    greedy_ids: Vec<u32>,
+    step_logits: Vec<f32>,
+    prompt_logits: Vec<f32>,
+}
+
+fn read_golden(dir: &Path) -> Golden {
+    let bytes = std::fs::read(dir.join("golden.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let ints = |name: &str| -> Vec<u32> {
+        bytemuck_i32(st.tensor(name).unwrap().data())
+            .into_iter()
+            .map(|v| v as u32)
+            .collect()
+    };
+    let floats = |name: &str| -> Vec<f32> {
+        st.tensor(name)
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    };
+    Golden {
+        prompt_ids: ints("prompt_ids"),
+        greedy_ids: ints("greedy_ids"),
+        step_logits: floats("step_logits"),
+        prompt_logits: floats("prompt_logits"),
+    }
+}
+
+fn bytemuck_i32(data: &[u8]) -> Vec<i32> {
+    data.chunks_exact(4)
+        .map(|b| i32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn argmax(v: &[f32]) -> usize {
+    v.iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |best, (i, &x)| {
+            if x > best.1 {
+                (i, x)
+            } else {
+                best
+            }
+        })
+        .0
+}
+
+/// The gap between the two largest logits.
+fn margin(v: &[f32]) -> f32 {
+    let top = argmax(v);
+    let second = v
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != top)
+        .fold(f32::NEG_INFINITY, |m, (_, &x)| m.max(x));
+    v[top] - second
+}
+
+fn check_model(name: &str) {
+    let dir = fixtures().join(name);
+    let golden = read_golden(&dir);
+    let model = load(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let vocab = model.info().vocab_size;
+
+    let mut cache = model.new_cache();
+    let all = model
+        .forward(&golden.prompt_ids, &mut cache, Logits::All)
+        .unwrap();
+    let d = max_abs_diff(all.data(), &golden.prompt_logits);
+    assert!(d < LOGIT_TOLERANCE, "{name}: prompt logits differ by {d}");
+
+    let mut cache = model.new_cache();
+    let mut logits = model
+        .forward(&golden.prompt_ids, &mut cache, Logits::Last)
+        .unwrap();
+    for (step, &expected_id) in golden.greedy_ids.iter().enumerate() {
+        let want = &golden.step_logits[step * vocab..(step + 1) * vocab];
+        let d = max_abs_diff(logits.data(), want);
+        assert!(
+            d < LOGIT_TOLERANCE,
+            "{name}: step {step} logits differ by {d}"
+        );
+        if margin(want) > 2.0 * LOGIT_TOLERANCE {
+            assert_eq!(
+                argmax(logits.data()),
+                expected_id as usize,
+                "{name}: greedy step {step}"
+            );
+        }
+        logits = model
+            .forward(&[expected_id], &mut cache, Logits::Last)
+            .unwrap();
+    }
+}
+
+macro_rules! parity_tests {
+    ($($test:ident => $dir:literal),* $(,)?) => {
+        $(#[test] fn $test() { check_model($dir); })*
+    };
+}
+
+parity_tests! {
+    llama_4bit_g64_llama3_rope_8bit_head_dense_down => "llama-4bit-g64",
+    llama_8bit_g32_tied => "llama-8bit-g32",
+    llama_4bit_g32_embed_8bit => "llama-embed8-g32",
+    mistral_4bit_g32 => "mistral-4bit-g32",
+    qwen2_4bit_g64_qkv_bias => "qwen2-4bit-g64",
+    qwen3_8bit_g128_qk_norm => "qwen3-8bit-g128",
+}
