@@ -87,7 +87,7 @@ impl KvCache {
     }
 }
 
-/// The state of one layer: what kind depends on the layer (later: rotating and recurrent).
+/// The state of one layer; each architecture picks the kind its layers need.
 #[derive(Debug, Clone)]
 pub enum LayerCache {
     Kv(KvCache),
@@ -97,24 +97,23 @@ pub enum LayerCache {
 #[derive(Debug, Clone)]
 pub struct Cache {
     pub layers: Vec<LayerCache>,
+    /// Tokens processed so far; the position of the next token.
+    pub offset: usize,
 }
 
 impl Cache {
-    /// Tokens processed so far.
-    pub fn offset(&self) -> usize {
-        match self.layers.first() {
-            Some(LayerCache::Kv(kv)) => kv.len(),
-            None => 0,
-        }
+    pub fn new(layers: Vec<LayerCache>) -> Self {
+        Cache { layers, offset: 0 }
     }
 
-    /// Keeps the first `len` tokens.
+    /// Keeps the first `len` tokens (a prompt cache reusing a shared prefix).
     pub fn truncate(&mut self, len: usize) {
         for layer in &mut self.layers {
             match layer {
                 LayerCache::Kv(kv) => kv.truncate(len),
             }
         }
+        self.offset = self.offset.min(len);
     }
 }
 

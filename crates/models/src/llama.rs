@@ -199,13 +199,12 @@ impl LanguageModel for Llama {
     }
 
     fn new_cache(&self) -> Cache {
-        Cache {
-            layers: self
-                .layers
+        Cache::new(
+            self.layers
                 .iter()
                 .map(|b| LayerCache::Kv(KvCache::new(b.self_attn.kv_heads, b.self_attn.head_dim)))
                 .collect(),
-        }
+        )
     }
 
     fn forward(
@@ -214,7 +213,7 @@ impl LanguageModel for Llama {
         cache: &mut Cache,
         logits: Logits,
     ) -> Result<Tensor, ForwardError> {
-        let offset = cache.offset();
+        let offset = cache.offset;
         check_tokens(&self.info, tokens, offset)?;
         let n = tokens.len();
         let positions: Vec<usize> = (offset..offset + n).collect();
@@ -226,6 +225,7 @@ impl LanguageModel for Llama {
             let x = block.post_attention_layernorm.forward(&h);
             ops::add_inplace(&mut h, &block.mlp.forward(&x, n));
         }
+        cache.offset += n;
         let hidden = self.info.hidden_size;
         let (mut h, rows) = match logits {
             Logits::All => (h, n),
