@@ -72,7 +72,7 @@ impl Bytes {
 
     /// This range if it starts on a multiple of `align`, else an aligned owned copy.
     pub fn aligned(self, align: usize) -> Bytes {
-        if (self.as_slice().as_ptr() as usize) % align == 0 {
+        if (self.as_slice().as_ptr() as usize).is_multiple_of(align) {
             self
         } else {
             Bytes::copy_from(self.as_slice())

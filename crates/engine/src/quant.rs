@@ -66,7 +66,7 @@ impl QuantizedMatrix {
                 "group size {group_size} (supported: {SUPPORTED_GROUP_SIZES:?})"
             )));
         }
-        if cols % group_size != 0 {
+        if !cols.is_multiple_of(group_size) {
             return Err(EngineError::Shape(format!(
                 "{cols} input features do not divide into groups of {group_size}"
             )));

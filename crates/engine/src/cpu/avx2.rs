@@ -1,0 +1,493 @@
+//! AVX2 + FMA + F16C kernels. Every function here is `unsafe` because it may only run once
+//! [`super::Isa::Avx2`] was found available; pointer bounds are checked at each entry point.
+
+use std::arch::x86_64::*;
+
+use half::{bf16, f16};
+
+use super::gemm::Kernel;
+use crate::float::FloatSlice;
+
+/// The float types weights, scales and biases come in.
+pub(super) trait Elem: Copy {
+    const KIND: Kind;
+    fn to_f32(self) -> f32;
+}
+
+pub(super) enum Kind {
+    F32,
+    F16,
+    BF16,
+}
+
+impl Elem for f32 {
+    const KIND: Kind = Kind::F32;
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Elem for f16 {
+    const KIND: Kind = Kind::F16;
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+
+impl Elem for bf16 {
+    const KIND: Kind = Kind::BF16;
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
+
+/// Eight values from `p` as f32.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn load8<T: Elem>(p: *const T) -> __m256 {
+    match T::KIND {
+        Kind::F32 => _mm256_loadu_ps(p.cast()),
+        Kind::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+        // A bf16 is the top half of the f32 with the same value.
+        Kind::BF16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+            _mm_loadu_si128(p.cast()),
+        ))),
+    }
+}
+
+/// The sum of the eight lanes.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+}
+
+/// The lane sums of four vectors, in order.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn hsum4(v: &[__m256; 4]) -> __m128 {
+    let t = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t))
+}
+
+/// All-ones in lanes `0..n` (`n < 8`), zero above: a mask for a row's last partial vector.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn tail_mask(n: usize) -> __m256i {
+    const ONES_THEN_ZEROS: [i32; 16] = [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
+    _mm256_loadu_si256(ONES_THEN_ZEROS.as_ptr().add(8 - n).cast())
+}
+
+/// Eight little-endian bytes from `off`, zero-filled past the end of `bytes`.
+#[inline(always)]
+fn read_u64(bytes: &[u8], off: usize) -> u64 {
+    match bytes.get(off..off + 8) {
+        Some(b) => u64::from_le_bytes(b.try_into().unwrap()),
+        None => {
+            let rest = &bytes[off..];
+            let mut b = [0u8; 8];
+            b[..rest.len()].copy_from_slice(rest);
+            u64::from_le_bytes(b)
+        }
+    }
+}
+
+/// `a · b` with four accumulators.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len();
+    assert!(b.len() >= n);
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 32 <= n {
+        for (j, acc) in acc.iter_mut().enumerate() {
+            let o = i + 8 * j;
+            *acc = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(o)), _mm256_loadu_ps(pb.add(o)), *acc);
+        }
+        i += 32;
+    }
+    while i + 8 <= n {
+        acc[0] = _mm256_fmadd_ps(
+            _mm256_loadu_ps(pa.add(i)),
+            _mm256_loadu_ps(pb.add(i)),
+            acc[0],
+        );
+        i += 8;
+    }
+    let mut s = hsum(_mm256_add_ps(
+        _mm256_add_ps(acc[0], acc[1]),
+        _mm256_add_ps(acc[2], acc[3]),
+    ));
+    for j in i..n {
+        s += a[j] * b[j];
+    }
+    s
+}
+
+/// `dst[i] = src[i]` as f32 over the shorter of the two.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn convert<T: Elem>(src: &[T], dst: &mut [f32]) {
+    let n = src.len().min(dst.len());
+    let full = n / 8 * 8;
+    for c in (0..full).step_by(8) {
+        _mm256_storeu_ps(dst.as_mut_ptr().add(c), load8(src.as_ptr().add(c)));
+    }
+    for c in full..n {
+        dst[c] = src[c].to_f32();
+    }
+}
+
+/// `dst[i] = src[start + i]` as f32.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn convert_slice(src: FloatSlice, start: usize, dst: &mut [f32]) {
+    let end = start + dst.len();
+    match src {
+        FloatSlice::F32(v) => dst.copy_from_slice(&v[start..end]),
+        FloatSlice::F16(v) => convert(&v[start..end], dst),
+        FloatSlice::BF16(v) => convert(&v[start..end], dst),
+    }
+}
+
+/// `x · w_r` for `R` float rows `ws` apart, each `x.len()` long: the dense GEMV.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dense_rows<T: Elem, const R: usize>(
+    w: &[T],
+    ws: usize,
+    x: &[f32],
+) -> [f32; R] {
+    let k = x.len();
+    assert!(w.len() >= (R - 1) * ws + k);
+    let (pw, px) = (w.as_ptr(), x.as_ptr());
+    // Two accumulators per row so that R = 1 still keeps two FMA chains in flight.
+    let mut a0 = [_mm256_setzero_ps(); R];
+    let mut a1 = [_mm256_setzero_ps(); R];
+    let mut c = 0;
+    while c + 16 <= k {
+        let (x0, x1) = (_mm256_loadu_ps(px.add(c)), _mm256_loadu_ps(px.add(c + 8)));
+        for r in 0..R {
+            let row = pw.add(r * ws + c);
+            a0[r] = _mm256_fmadd_ps(load8(row), x0, a0[r]);
+            a1[r] = _mm256_fmadd_ps(load8(row.add(8)), x1, a1[r]);
+        }
+        c += 16;
+    }
+    if c + 8 <= k {
+        let x0 = _mm256_loadu_ps(px.add(c));
+        for (r, a) in a0.iter_mut().enumerate() {
+            *a = _mm256_fmadd_ps(load8(pw.add(r * ws + c)), x0, *a);
+        }
+        c += 8;
+    }
+    let mut out = [0.0f32; R];
+    for (r, o) in out.iter_mut().enumerate() {
+        *o = hsum(_mm256_add_ps(a0[r], a1[r]));
+        for j in c..k {
+            *o += w[r * ws + j].to_f32() * x[j];
+        }
+    }
+    out
+}
+
+impl Kernel<'_> {
+    /// The GEMM micro-kernel: `R × C` dot products of length `kc`, eight lanes wide.
+    #[allow(clippy::needless_range_loop)] // `acc[i][j]` reads clearer than nested iterators
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn avx2<const R: usize, const C: usize>(self) {
+        let (px, pw) = (self.x.as_ptr(), self.w.as_ptr());
+        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        let full = self.kc / 8 * 8;
+        let mut c = 0;
+        while c < full {
+            let mut xv = [_mm256_setzero_ps(); R];
+            for (i, v) in xv.iter_mut().enumerate() {
+                *v = _mm256_loadu_ps(px.add(i * self.xs + c));
+            }
+            for j in 0..C {
+                let wv = _mm256_loadu_ps(pw.add(j * self.ws + c));
+                for i in 0..R {
+                    acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+                }
+            }
+            c += 8;
+        }
+        if full < self.kc {
+            let mask = tail_mask(self.kc - full);
+            for j in 0..C {
+                let wv = _mm256_maskload_ps(pw.add(j * self.ws + c), mask);
+                for i in 0..R {
+                    let xv = _mm256_maskload_ps(px.add(i * self.xs + c), mask);
+                    acc[i][j] = _mm256_fmadd_ps(xv, wv, acc[i][j]);
+                }
+            }
+        }
+        for (i, acc) in acc.iter().enumerate() {
+            let y = self.y.as_mut_ptr().add(i * self.ys);
+            if let Ok(four) = <&[__m256; 4]>::try_from(&acc[..]) {
+                let mut s = hsum4(four);
+                if self.accumulate {
+                    s = _mm_add_ps(s, _mm_loadu_ps(y));
+                }
+                _mm_storeu_ps(y, s);
+            } else {
+                for (j, &a) in acc.iter().enumerate() {
+                    let s = hsum(a);
+                    *y.add(j) = if self.accumulate { *y.add(j) + s } else { s };
+                }
+            }
+        }
+    }
+}
+
+/// The eight 4-bit integers of one packed word, in order, as i32 lanes.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn unpack_word4(word: u32) -> __m256i {
+    let v = _mm256_srlv_epi32(
+        _mm256_set1_epi32(word as i32),
+        _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
+    );
+    _mm256_and_si256(v, _mm256_set1_epi32(0xf))
+}
+
+/// The eight `B`-bit integers of the 8-element block at byte `off` of an MLX-packed row (eight
+/// elements always start on a byte), in order, as i32 lanes.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn unpack8<const B: u32>(bytes: &[u8], off: usize) -> __m256i {
+    // Elements 0-3 lie in the low 4B bits and 4-7 in the next 4B (B <= 8): put each half in its
+    // own 32-bit word, spread the words over four lanes each, then shift each lane's element down.
+    let v = read_u64(bytes, off);
+    let halves = (v & 0xffff_ffff) | ((v >> (4 * B)) << 32);
+    let v = _mm256_permutevar8x32_epi32(
+        _mm256_castsi128_si256(_mm_cvtsi64_si128(halves as i64)),
+        _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
+    );
+    let b = B as i32;
+    let v = _mm256_srlv_epi32(v, _mm256_setr_epi32(0, b, 2 * b, 3 * b, 0, b, 2 * b, 3 * b));
+    _mm256_and_si256(v, _mm256_set1_epi32((1 << B) - 1))
+}
+
+/// Dequantizes columns `k0..k0 + out.len()` of row `row` (whole groups) exactly as
+/// `QuantizedView::dequantize_row` does: `scale * q`, then `+ bias`, each rounded.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dequantize<const B: u32>(
+    w: &crate::quant::QuantizedView,
+    row: usize,
+    k0: usize,
+    out: &mut [f32],
+) {
+    const BATCH: usize = 16;
+    let g = w.group_size;
+    assert!(k0.is_multiple_of(g) && out.len().is_multiple_of(g) && k0 + out.len() <= w.cols);
+    let bytes: &[u8] = bytemuck::cast_slice(w.packed);
+    let first = row * w.cols + k0;
+    // Scales and biases are converted a batch of groups at a time, with the vector conversions.
+    for (bi, batch) in out.chunks_mut(BATCH * g).enumerate() {
+        let groups = batch.len() / g;
+        let mut sb = [0.0f32; 2 * BATCH];
+        let g0 = first / g + bi * BATCH;
+        convert_slice(w.scales, g0, &mut sb[..groups]);
+        convert_slice(w.biases, g0, &mut sb[BATCH..BATCH + groups]);
+        for (gi, group) in batch.chunks_exact_mut(g).enumerate() {
+            let (s, b) = (_mm256_set1_ps(sb[gi]), _mm256_set1_ps(sb[BATCH + gi]));
+            let e0 = first + (bi * BATCH + gi) * g;
+            let dq = |q: __m256i, dst: &mut [f32]| {
+                let v = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), s), b);
+                _mm256_storeu_ps(dst.as_mut_ptr(), v);
+            };
+            match B {
+                // One word is eight elements.
+                4 => {
+                    let words = &w.packed[e0 / 8..(e0 + g) / 8];
+                    for (&word, dst) in words.iter().zip(group.chunks_exact_mut(8)) {
+                        dq(unpack_word4(word), dst);
+                    }
+                }
+                // Two words are eight elements.
+                8 => {
+                    let words = &w.packed[e0 / 4..(e0 + g) / 4];
+                    for (pair, dst) in words.chunks_exact(2).zip(group.chunks_exact_mut(8)) {
+                        dq(
+                            _mm256_cvtepu8_epi32(_mm_loadl_epi64(pair.as_ptr().cast())),
+                            dst,
+                        );
+                    }
+                }
+                _ => {
+                    for (i, dst) in group.chunks_exact_mut(8).enumerate() {
+                        dq(unpack8::<B>(bytes, (e0 / 8 + i) * B as usize), dst);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `Σ_groups s · Σ q·x` for `R` consecutive rows of a `B`-bit matrix, `B` in {2, 4, 8}, against
+/// one activation row laid out by `qmatmul::permute_planes`. The bias term is the caller's.
+///
+/// Eight packed words are loaded as one vector; "plane" `k` of it is bits `B*k..B*(k+1)` of every
+/// word, isolated with one AND as `q << B*k`, which converts to f32 exactly and meets
+/// `x · 2^(-B*k)` (pre-scaled, so the product is exact too). The top plane is shifted down
+/// instead, as `q << 32-B` would not fit a signed lane.
+///
+/// `packed` starts at the first row (rows are `row_words` apart); `scales` holds each row's
+/// scales as f32, rows `scale_stride` apart and at least 8 past the last group (read 8 at a time).
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn qrows_pow2<const B: usize, const R: usize>(
+    packed: &[u32],
+    row_words: usize,
+    words_per_group: usize,
+    scales: &[f32],
+    scale_stride: usize,
+    xp: &[f32],
+) -> [f32; R] {
+    let planes = 32 / B;
+    let chunks = row_words.div_ceil(8);
+    let groups = row_words / words_per_group;
+    assert!(
+        packed.len() >= R * row_words
+            && scales.len() >= (R - 1) * scale_stride + groups + 8
+            && scale_stride >= groups + 8
+            && xp.len() >= chunks * 8 * planes
+    );
+    assert!(words_per_group.is_power_of_two());
+    let wpg_log2 = words_per_group.trailing_zeros();
+    // Lane l of a chunk belongs to group `first + l / words_per_group`.
+    let mut lanes = [0i32; 8];
+    for (l, v) in lanes.iter_mut().enumerate() {
+        *v = (l / words_per_group) as i32;
+    }
+    let lane_group = _mm256_loadu_si256(lanes.as_ptr().cast());
+    let mut masks = [_mm256_setzero_si256(); 15];
+    for (k, m) in masks.iter_mut().enumerate().take(planes - 1) {
+        *m = _mm256_set1_epi32(((1 << B) - 1) << (B * k));
+    }
+    let top = _mm256_set1_epi32(32 - B as i32);
+    let (pw, ps) = (packed.as_ptr(), scales.as_ptr());
+    let mut total = [_mm256_setzero_ps(); R];
+    let mut words = [_mm256_setzero_si256(); R];
+    let tail = row_words % 8;
+    for c in 0..chunks {
+        if c * 8 + 8 <= row_words {
+            for (r, v) in words.iter_mut().enumerate() {
+                *v = _mm256_loadu_si256(pw.add(r * row_words + c * 8).cast());
+            }
+        } else {
+            let mask = tail_mask(tail);
+            for (r, v) in words.iter_mut().enumerate() {
+                *v = _mm256_maskload_epi32(pw.add(r * row_words + c * 8).cast(), mask);
+            }
+        }
+        let x = xp.as_ptr().add(c * 8 * planes);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (k, mask) in masks.iter().enumerate().take(planes - 1) {
+            let xk = _mm256_loadu_ps(x.add(8 * k));
+            for r in 0..R {
+                let q = _mm256_cvtepi32_ps(_mm256_and_si256(words[r], *mask));
+                acc[r] = _mm256_fmadd_ps(q, xk, acc[r]);
+            }
+        }
+        let xk = _mm256_loadu_ps(x.add(8 * (planes - 1)));
+        let first = (c * 8) >> wpg_log2;
+        for r in 0..R {
+            let q = _mm256_cvtepi32_ps(_mm256_srlv_epi32(words[r], top));
+            acc[r] = _mm256_fmadd_ps(q, xk, acc[r]);
+            let s = _mm256_loadu_ps(ps.add(r * scale_stride + first));
+            total[r] = _mm256_fmadd_ps(acc[r], _mm256_permutevar8x32_ps(s, lane_group), total[r]);
+        }
+    }
+    let mut out = [0.0f32; R];
+    for r in 0..R {
+        out[r] = hsum(total[r]);
+    }
+    out
+}
+
+/// 32 elements of a 3-, 5- or 6-bit row (`4B` bytes from `off`), spread so that dword lane `l`
+/// holds the four bytes from byte `4lB/8`, which contain elements `4l..4l + 4`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn spread32<const B: usize>(bytes: &[u8], off: usize, control: __m256i) -> __m256i {
+    // Elements 0-15 lie in bytes 0..2B and 16-31 in 2B..4B: one 16-byte load per 128-bit half,
+    // then one in-lane shuffle with the same control for both halves.
+    let half = 2 * B;
+    let v = if off + half + 16 <= bytes.len() {
+        let p = bytes.as_ptr().add(off);
+        _mm256_loadu2_m128i(p.add(half).cast(), p.cast())
+    } else {
+        let mut buf = [0u8; 32];
+        let n = 4 * B;
+        buf[..n].copy_from_slice(&bytes[off..off + n]);
+        _mm256_loadu2_m128i(buf.as_ptr().add(half).cast(), buf.as_ptr().cast())
+    };
+    _mm256_shuffle_epi8(v, control)
+}
+
+/// `Σ_groups s · Σ q·x` for `R` consecutive rows of a `B`-bit matrix, `B` in {3, 5, 6}, against
+/// one activation row laid out by `qmatmul::permute_spread`. The bias term is the caller's.
+///
+/// After [`spread32`], element `4l + k` sits in lane `l` at bit `o_l + B*k`, `o_l = 4lB mod 8`;
+/// one AND per plane `k` isolates it as `q << (o_l + B*k)` (below 2^28, so exact in f32), which
+/// meets x pre-scaled by `2^-(o_l + B*k)`. A chunk of 32 elements lies in one group.
+///
+/// `bytes` starts at the first row's packed bytes (rows `row_bytes` apart; bytes past the rows
+/// may be read but are ignored); `scales` holds each row's scales as f32, `scale_stride` apart.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn qrows_spread<const B: usize, const R: usize>(
+    bytes: &[u8],
+    row_bytes: usize,
+    group_size: usize,
+    scales: &[f32],
+    scale_stride: usize,
+    xp: &[f32],
+) -> [f32; R] {
+    let chunks = row_bytes / (4 * B);
+    assert!(
+        bytes.len() >= R * row_bytes
+            && scales.len() >= (R - 1) * scale_stride + chunks * 32 / group_size
+            && xp.len() >= chunks * 32
+    );
+    let mut control = [0i8; 16];
+    for (i, c) in control.iter_mut().enumerate() {
+        *c = (4 * (i / 4) * B / 8 + i % 4) as i8;
+    }
+    let control = _mm256_broadcastsi128_si256(_mm_loadu_si128(control.as_ptr().cast()));
+    let mut masks = [_mm256_setzero_si256(); 4];
+    for (k, m) in masks.iter_mut().enumerate() {
+        let mut lanes = [0i32; 8];
+        for (l, v) in lanes.iter_mut().enumerate() {
+            *v = ((1 << B) - 1) << ((4 * l * B) % 8 + B * k);
+        }
+        *m = _mm256_loadu_si256(lanes.as_ptr().cast());
+    }
+    let mut total = [_mm256_setzero_ps(); R];
+    let mut words = [_mm256_setzero_si256(); R];
+    for c in 0..chunks {
+        for (r, v) in words.iter_mut().enumerate() {
+            *v = spread32::<B>(bytes, r * row_bytes + c * 4 * B, control);
+        }
+        let x = xp.as_ptr().add(c * 32);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (k, mask) in masks.iter().enumerate() {
+            let xk = _mm256_loadu_ps(x.add(8 * k));
+            for r in 0..R {
+                let q = _mm256_cvtepi32_ps(_mm256_and_si256(words[r], *mask));
+                acc[r] = _mm256_fmadd_ps(q, xk, acc[r]);
+            }
+        }
+        let group = c * 32 / group_size;
+        for r in 0..R {
+            let s = _mm256_set1_ps(scales[r * scale_stride + group]);
+            total[r] = _mm256_fmadd_ps(acc[r], s, total[r]);
+        }
+    }
+    let mut out = [0.0f32; R];
+    for r in 0..R {
+        out[r] = hsum(total[r]);
+    }
+    out
+}

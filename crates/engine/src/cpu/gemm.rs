@@ -1,0 +1,164 @@
+//! The blocked f32 GEMM both weight formats share, `y[m, n] = x[m, k] · Wᵀ`: weight rows arrive as
+//! f32 panels (dequantized, converted or copied into a small tile) and an `MR × NR`
+//! register-blocked kernel takes dot products of activation rows with panel rows.
+//!
+//! Loops, outer to inner: `KC` columns, `MC` activation rows (kept in L2), `NC` weight rows (the
+//! panel, kept in L1), `MR` activation rows, `NR` weight rows. A panel is built once per `MC`
+//! activation rows, so unpacking is paid once for many rows rather than once per row.
+
+use super::{with_scratch, Isa};
+
+/// Columns per panel; a multiple of every group size, so panels start on a group.
+const KC: usize = 512;
+/// Weight rows per panel: `NC × KC` f32 is 32 KiB, which stays in L1 while it is swept.
+const NC: usize = 16;
+/// Activation rows per sweep of the panels: `MC × KC` f32 is 384 KiB, which stays in L2.
+const MC: usize = 192;
+/// Activation rows × weight rows per kernel call: 12 accumulators, 3 activation vectors and one
+/// weight vector fill the 16 AVX2 registers.
+const MR: usize = 3;
+const NR: usize = 4;
+
+/// A `[rows, cols]` weight matrix seen as f32 panels.
+pub(super) trait Panels {
+    fn rows(&self) -> usize;
+    fn cols(&self) -> usize;
+    /// Writes rows `n0..n0 + nc`, columns `k0..k0 + kc` as f32 into `tile`, rows `kc` apart.
+    ///
+    /// Even f32 weights are copied: rows of the matrix itself lie a power of two apart in typical
+    /// shapes, so a panel read in place would crowd a few L1 sets and miss.
+    fn panel(&self, isa: Isa, n0: usize, nc: usize, k0: usize, kc: usize, tile: &mut [f32]);
+}
+
+/// `y[m, w.rows] = x[m, w.cols] · Wᵀ`.
+pub(super) fn gemm(isa: Isa, w: &impl Panels, x: &[f32], m: usize, y: &mut [f32]) {
+    let (n, k) = (w.rows(), w.cols());
+    assert!(
+        x.len() >= m * k && y.len() >= m * n,
+        "matmul operands too short"
+    );
+    if k == 0 {
+        y[..m * n].fill(0.0);
+        return;
+    }
+    with_scratch(NC * KC, |tile| {
+        for k0 in (0..k).step_by(KC) {
+            let kc = KC.min(k - k0);
+            for i0 in (0..m).step_by(MC) {
+                let mc = MC.min(m - i0);
+                for n0 in (0..n).step_by(NC) {
+                    let nc = NC.min(n - n0);
+                    w.panel(isa, n0, nc, k0, kc, tile);
+                    let blk = Block {
+                        x: &x[i0 * k + k0..],
+                        xs: k,
+                        w: tile,
+                        ws: kc,
+                        kc,
+                        accumulate: k0 > 0,
+                    };
+                    blk.run(isa, mc, nc, &mut y[i0 * n + n0..], n);
+                }
+            }
+        }
+    })
+}
+
+/// Calls `$k.$f::<MR, NR>()` for the runtime shape `($mr, $nr)`.
+macro_rules! by_shape {
+    ($mr:expr, $nr:expr, $k:ident . $f:ident) => {
+        match ($mr, $nr) {
+            (3, 4) => $k.$f::<3, 4>(),
+            (3, 3) => $k.$f::<3, 3>(),
+            (3, 2) => $k.$f::<3, 2>(),
+            (3, 1) => $k.$f::<3, 1>(),
+            (2, 4) => $k.$f::<2, 4>(),
+            (2, 3) => $k.$f::<2, 3>(),
+            (2, 2) => $k.$f::<2, 2>(),
+            (2, 1) => $k.$f::<2, 1>(),
+            (1, 4) => $k.$f::<1, 4>(),
+            (1, 3) => $k.$f::<1, 3>(),
+            (1, 2) => $k.$f::<1, 2>(),
+            (1, 1) => $k.$f::<1, 1>(),
+            _ => unreachable!(),
+        }
+    };
+}
+
+/// Activation rows (stride `xs`) and panel rows (stride `ws`), `kc` columns of each.
+struct Block<'a> {
+    x: &'a [f32],
+    xs: usize,
+    w: &'a [f32],
+    ws: usize,
+    kc: usize,
+    /// Add to `y` (a later column block) rather than overwrite it.
+    accumulate: bool,
+}
+
+impl Block<'_> {
+    /// `y[i, j] (+)= x_i · w_j` for `mc` activation rows and `nc` panel rows; `y` has stride `ys`.
+    fn run(&self, isa: Isa, mc: usize, nc: usize, y: &mut [f32], ys: usize) {
+        for i in (0..mc).step_by(MR) {
+            let mr = MR.min(mc - i);
+            for j in (0..nc).step_by(NR) {
+                let nr = NR.min(nc - j);
+                let x = &self.x[i * self.xs..];
+                let w = &self.w[j * self.ws..];
+                let y = &mut y[i * ys + j..];
+                // The AVX2 kernel reads through raw pointers within exactly these bounds.
+                assert!(
+                    x.len() >= (mr - 1) * self.xs + self.kc
+                        && w.len() >= (nr - 1) * self.ws + self.kc
+                        && y.len() >= (mr - 1) * ys + nr
+                );
+                let k = Kernel {
+                    x,
+                    xs: self.xs,
+                    w,
+                    ws: self.ws,
+                    kc: self.kc,
+                    y,
+                    ys,
+                    accumulate: self.accumulate,
+                };
+                match isa {
+                    Isa::Portable => by_shape!(mr, nr, k.portable),
+                    // SAFETY: the caller checked that the processor has AVX2 and FMA, and the
+                    // bounds were asserted above.
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 => unsafe { by_shape!(mr, nr, k.avx2) },
+                    #[cfg(not(target_arch = "x86_64"))]
+                    Isa::Avx2 => unreachable!(),
+                }
+            }
+        }
+    }
+}
+
+/// One kernel call's operands: `y[i * ys + j] (+)= Σ_c x[i * xs + c] · w[j * ws + c]`.
+pub(super) struct Kernel<'a> {
+    pub x: &'a [f32],
+    pub xs: usize,
+    pub w: &'a [f32],
+    pub ws: usize,
+    pub kc: usize,
+    pub y: &'a mut [f32],
+    pub ys: usize,
+    pub accumulate: bool,
+}
+
+impl Kernel<'_> {
+    /// One dot product per output in eight-lane arrays, which the compiler vectorises for any
+    /// target (a register-blocked version in arrays was left scalar).
+    fn portable<const R: usize, const C: usize>(self) {
+        for i in 0..R {
+            let x = &self.x[i * self.xs..][..self.kc];
+            for j in 0..C {
+                let s = super::dense::dot_portable(x, &self.w[j * self.ws..][..self.kc]);
+                let out = &mut self.y[i * self.ys + j];
+                *out = if self.accumulate { *out + s } else { s };
+            }
+        }
+    }
+}

@@ -1,0 +1,306 @@
+//! The CPU kernels against the plain definitions: every bit width, group size and scale dtype,
+//! both methods (GEMV, GEMM) and every instruction set the processor runs, on shapes chosen to
+//! hit every remainder (rows not a multiple of the row blocks, columns past one panel, rows of
+//! packed words that are not a multiple of eight).
+//!
+//! Tolerance: |y - ref| <= 1e-5 · Σ|w·x| per output, with `ref` in f64 on the f32 weights that
+//! `QuantizedView::dequantize` gives; the kernels differ from it only in summation order and, on
+//! the GEMV path, in applying scale and bias once per group (`s·Σq·x + b·Σx`).
+
+use half::{bf16, f16};
+use oxlm_engine::cpu::{dense, qmatmul, Isa};
+use oxlm_engine::quant::{QuantizedView, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES};
+use oxlm_engine::{Bytes, DType, FloatMatrix, QuantizedMatrix};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const TOLERANCE: f64 = 1e-5;
+const MS: [usize; 4] = [1, 3, 17, 64];
+const SCALE_DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+type Method = fn(Isa, &QuantizedView, &[f32], usize, &mut [f32]);
+const METHODS: [(&str, Method); 2] = [("gemv", qmatmul::gemv), ("gemm", qmatmul::gemm)];
+
+fn floats_as(dtype: DType, v: &[f32]) -> Bytes {
+    match dtype {
+        DType::F32 => Bytes::from_values(v),
+        DType::F16 => Bytes::from_values(&v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>()),
+        DType::BF16 => {
+            Bytes::from_values(&v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>())
+        }
+        other => panic!("{other} is not a float type"),
+    }
+}
+
+/// Random packed words (every bit pattern), scales of either sign and biases.
+fn random_matrix(
+    rng: &mut StdRng,
+    rows: usize,
+    cols: usize,
+    bits: u32,
+    g: usize,
+    dtype: DType,
+) -> QuantizedMatrix {
+    let words: Vec<u32> = (0..rows * cols * bits as usize / 32)
+        .map(|_| rng.random())
+        .collect();
+    let groups = rows * cols / g;
+    let scales: Vec<f32> = (0..groups)
+        .map(|_| rng.random_range(0.001f32..0.02) * if rng.random() { 1.0 } else { -1.0 })
+        .collect();
+    let biases: Vec<f32> = (0..groups)
+        .map(|_| rng.random_range(-0.1f32..0.1))
+        .collect();
+    QuantizedMatrix::new(
+        rows,
+        cols,
+        bits,
+        g,
+        Bytes::from_values(&words),
+        dtype,
+        floats_as(dtype, &scales),
+        floats_as(dtype, &biases),
+    )
+    .unwrap()
+}
+
+fn random_vec(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+/// `x · Wᵀ` in f64 on the given f32 weights, with `Σ|w·x|` per output.
+fn reference(w: &[f32], rows: usize, cols: usize, x: &[f32], m: usize) -> (Vec<f64>, Vec<f64>) {
+    let mut y = vec![0.0; m * rows];
+    let mut mag = vec![0.0; m * rows];
+    for i in 0..m {
+        for r in 0..rows {
+            for c in 0..cols {
+                let p = w[r * cols + c] as f64 * x[i * cols + c] as f64;
+                y[i * rows + r] += p;
+                mag[i * rows + r] += p.abs();
+            }
+        }
+    }
+    (y, mag)
+}
+
+fn compare(got: &[f32], (want, mag): &(Vec<f64>, Vec<f64>)) -> Result<(), String> {
+    for (i, ((&g, &w), &m)) in got.iter().zip(want).zip(mag).enumerate() {
+        let err = (g as f64 - w).abs();
+        if err.is_nan() || err > TOLERANCE * m + 1e-30 {
+            return Err(format!(
+                "output {i}: got {g}, want {w} (error {err:e}, Σ|w·x| {m:e})"
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn the_avx2_kernels_are_tested_when_the_processor_has_them() {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        assert_eq!(Isa::best(), Isa::Avx2);
+    }
+    assert!(Isa::available().contains(&Isa::Portable));
+}
+
+#[test]
+fn quantized_matmul_matches_the_dequantized_reference() {
+    let mut rng = StdRng::seed_from_u64(1);
+    for &g in &SUPPORTED_GROUP_SIZES {
+        // 5 groups leave half a chunk of eight words at 2 and 4 bits; 1152 columns span three
+        // GEMM panels, the last one partial; 7 and 37 rows leave remainders of every block.
+        for (rows, cols) in [(7, 5 * g), (37, 1152)] {
+            for &bits in &SUPPORTED_BITS {
+                for dtype in SCALE_DTYPES {
+                    let w = random_matrix(&mut rng, rows, cols, bits, g, dtype);
+                    let v = w.view();
+                    let deq = v.dequantize();
+                    for m in MS {
+                        let x = random_vec(&mut rng, m * cols);
+                        let want = reference(&deq, rows, cols, &x, m);
+                        for isa in Isa::available() {
+                            for (name, method) in METHODS {
+                                let mut y = vec![f32::NAN; m * rows];
+                                method(isa, &v, &x, m, &mut y);
+                                let case = format!("{bits}-bit g{g} {dtype} [{rows}x{cols}] m={m}");
+                                compare(&y, &want)
+                                    .unwrap_or_else(|e| panic!("{case} {isa:?} {name}: {e}"));
+                            }
+                        }
+                        let mut y = vec![f32::NAN; m * rows];
+                        w.matmul(&x, m, &mut y);
+                        compare(&y, &want).unwrap();
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn fast_dequantization_is_bit_exact() {
+    let mut rng = StdRng::seed_from_u64(2);
+    for &g in &SUPPORTED_GROUP_SIZES {
+        for &bits in &SUPPORTED_BITS {
+            for dtype in SCALE_DTYPES {
+                let (rows, cols) = (5, 3 * g);
+                let w = random_matrix(&mut rng, rows, cols, bits, g, dtype);
+                let v = w.view();
+                let deq = v.dequantize();
+                for isa in Isa::available() {
+                    let mut row = vec![f32::NAN; cols];
+                    for r in 0..rows {
+                        qmatmul::dequantize_row(isa, &v, r, &mut row);
+                        let want = &deq[r * cols..(r + 1) * cols];
+                        let same = row
+                            .iter()
+                            .zip(want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{bits}-bit g{g} {dtype} {isa:?} row {r}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The comparison is sharp enough to see one wrong scale, bias or packed integer.
+#[test]
+fn a_corrupted_matrix_fails_the_comparison() {
+    let mut rng = StdRng::seed_from_u64(3);
+    let (rows, cols, bits, g) = (9, 256, 4, 64);
+    let w = random_matrix(&mut rng, rows, cols, bits, g, DType::F32);
+    let v = w.view();
+    let groups = rows * cols / g;
+    let x = random_vec(&mut rng, 3 * cols);
+    let want = reference(&v.dequantize(), rows, cols, &x, 3);
+
+    let scales: Vec<f32> = (0..groups).map(|i| v.scales.get(i)).collect();
+    let biases: Vec<f32> = (0..groups).map(|i| v.biases.get(i)).collect();
+    let mut bad_scales = scales.clone();
+    bad_scales[13] *= 1.001;
+    let mut bad_biases = biases.clone();
+    bad_biases[30] += 1e-4;
+    let mut bad_words = v.packed.to_vec();
+    bad_words[77] ^= 1 << 9;
+    let corrupted = [
+        (v.packed.to_vec(), bad_scales, biases.clone()),
+        (v.packed.to_vec(), scales.clone(), bad_biases),
+        (bad_words, scales, biases),
+    ];
+    for (words, scales, biases) in corrupted {
+        let bad = QuantizedMatrix::new(
+            rows,
+            cols,
+            bits,
+            g,
+            Bytes::from_values(&words),
+            DType::F32,
+            Bytes::from_values(&scales),
+            Bytes::from_values(&biases),
+        )
+        .unwrap();
+        for isa in Isa::available() {
+            for (name, method) in METHODS {
+                let mut y = vec![0.0; 3 * rows];
+                method(isa, &bad.view(), &x, 3, &mut y);
+                assert!(
+                    compare(&y, &want).is_err(),
+                    "{isa:?} {name} missed the corruption"
+                );
+            }
+        }
+    }
+}
+
+/// Each value comes back as the nearest representable one after clamping to the group's range,
+/// which MLX's rounding of the scale (so that the bias edge is exact) may leave short of the far
+/// end.
+#[test]
+fn quantize_rounds_to_the_nearest_representable_value() {
+    let mut rng = StdRng::seed_from_u64(4);
+    let (rows, cols) = (3, 256);
+    let values = random_vec(&mut rng, rows * cols);
+    for &bits in &SUPPORTED_BITS {
+        let levels = ((1u32 << bits) - 1) as f32;
+        for &g in &SUPPORTED_GROUP_SIZES {
+            let (words, scales, biases) =
+                oxlm_engine::quant::quantize(&values, rows, cols, bits, g);
+            let w = QuantizedMatrix::new(
+                rows,
+                cols,
+                bits,
+                g,
+                Bytes::from_values(&words),
+                DType::F32,
+                Bytes::from_values(&scales),
+                Bytes::from_values(&biases),
+            )
+            .unwrap();
+            for (i, (a, b)) in w.view().dequantize().iter().zip(&values).enumerate() {
+                let (s, bias) = (scales[i / g], biases[i / g]);
+                let far = bias + levels * s;
+                let b = b.clamp(bias.min(far), bias.max(far));
+                assert!(
+                    (a - b).abs() <= s.abs() * 0.5001,
+                    "{bits}-bit g{g} element {i}: {a} vs {b}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn dense_matmul_matches_the_reference() {
+    let mut rng = StdRng::seed_from_u64(5);
+    type Dense = fn(Isa, &FloatMatrix, &[f32], usize, &mut [f32]);
+    let methods: [(&str, Dense); 2] = [("gemv", dense::gemv), ("gemm", dense::gemm)];
+    // 45 and 1100 columns leave partial vectors; 1100 spans three GEMM panels.
+    for (rows, cols) in [(7, 45), (37, 1100), (5, 8)] {
+        for dtype in SCALE_DTYPES {
+            let values = random_vec(&mut rng, rows * cols);
+            let w = FloatMatrix::new(rows, cols, dtype, floats_as(dtype, &values)).unwrap();
+            let exact = w.to_f32_vec();
+            for m in MS {
+                let x = random_vec(&mut rng, m * cols);
+                let want = reference(&exact, rows, cols, &x, m);
+                for isa in Isa::available() {
+                    for (name, method) in methods {
+                        let mut y = vec![f32::NAN; m * rows];
+                        method(isa, &w, &x, m, &mut y);
+                        compare(&y, &want).unwrap_or_else(|e| {
+                            panic!("{dtype} [{rows}x{cols}] m={m} {isa:?} {name}: {e}")
+                        });
+                    }
+                }
+                let mut y = vec![f32::NAN; m * rows];
+                w.matmul(&x, m, &mut y);
+                compare(&y, &want).unwrap();
+            }
+        }
+    }
+}
+
+#[test]
+fn dot_matches_the_reference_at_every_length() {
+    let mut rng = StdRng::seed_from_u64(6);
+    for n in (0..80).chain([1000, 4099]) {
+        let a = random_vec(&mut rng, n);
+        let b = random_vec(&mut rng, n + 3);
+        let want: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
+        let mag: f64 = a
+            .iter()
+            .zip(&b)
+            .map(|(&x, &y)| (x as f64 * y as f64).abs())
+            .sum();
+        for isa in Isa::available() {
+            let got = dense::dot_with(isa, &a, &b) as f64;
+            assert!(
+                (got - want).abs() <= TOLERANCE * mag + 1e-30,
+                "{isa:?} n={n}: {got} vs {want}"
+            );
+        }
+    }
+}
