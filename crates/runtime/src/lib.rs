@@ -1,1 +1,28 @@
+//! The runtime: tokenizers and chat templates, sampling, and the generation loop over a model.
 
+pub mod chat_template;
+pub mod detokenizer;
+pub mod generate;
+pub mod loaded;
+pub mod sampler;
+pub mod tokenizer;
+
+pub use generate::{generate, FinishReason, GenerateOptions, Generation};
+pub use loaded::LoadedModel;
+
+use thiserror::Error;
+
+/// Everything that can go wrong between a model directory and generated text.
+#[derive(Debug, Error)]
+pub enum RuntimeError {
+    #[error(transparent)]
+    Load(#[from] oxlm_models::LoadError),
+    #[error(transparent)]
+    Forward(#[from] oxlm_models::ForwardError),
+    #[error(transparent)]
+    Tokenizer(#[from] tokenizer::TokenizerError),
+    #[error(transparent)]
+    ChatTemplate(#[from] chat_template::ChatTemplateError),
+    #[error(transparent)]
+    Sampler(#[from] sampler::SamplerError),
+}

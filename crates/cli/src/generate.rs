@@ -1,0 +1,123 @@
+//! `oxlm generate`: a drop-in for `mlx_lm.generate`, printing the same report.
+
+use std::io::{Read, Write};
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use oxlm_runtime::generate::{peak_memory_bytes, DEFAULT_PREFILL_STEP};
+use oxlm_runtime::sampler::SamplerConfig;
+use oxlm_runtime::{generate, GenerateOptions, LoadedModel};
+use serde_json::{json, Map, Value};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The MLX model directory (config.json, *.safetensors, tokenizer files).
+    #[arg(long)]
+    model: PathBuf,
+    /// The message to send; `-` reads it from standard input.
+    #[arg(long, short = 'p', default_value = "hello")]
+    prompt: String,
+    /// Maximum number of tokens to generate.
+    #[arg(long, short = 'm', default_value_t = 100)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 picks the most likely token (greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temp: f32,
+    /// Nucleus sampling: keep the most likely tokens whose probabilities sum to this.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep only the K most likely tokens (0 keeps all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Drop tokens less likely than this fraction of the most likely one.
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Seed of the sampler's random numbers.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// A system message placed before the prompt in the chat template.
+    #[arg(long)]
+    system_prompt: Option<String>,
+    /// Send the prompt as raw text, without the tokenizer's chat template.
+    #[arg(long)]
+    ignore_chat_template: bool,
+    /// Extra variables for the chat template, as a JSON object (e.g. '{"enable_thinking": false}').
+    #[arg(long)]
+    chat_template_config: Option<String>,
+    /// Prompt tokens processed per forward pass.
+    #[arg(long, default_value_t = DEFAULT_PREFILL_STEP)]
+    prefill_step_size: usize,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let loaded = LoadedModel::load(&args.model)
+        .with_context(|| format!("loading {}", args.model.display()))?;
+    let mut prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t");
+    if prompt == "-" {
+        prompt.clear();
+        std::io::stdin().read_to_string(&mut prompt)?;
+    }
+    let template = loaded
+        .chat_template
+        .as_ref()
+        .filter(|_| !args.ignore_chat_template);
+    let ids = match template {
+        Some(template) => {
+            let extra: Map<String, Value> = match &args.chat_template_config {
+                Some(text) => serde_json::from_str(text).context("--chat-template-config")?,
+                None => Map::new(),
+            };
+            let mut messages = Vec::new();
+            if let Some(system) = &args.system_prompt {
+                messages.push(json!({"role": "system", "content": system}));
+            }
+            messages.push(json!({"role": "user", "content": prompt}));
+            let text = template.render(&Value::Array(messages), None, true, &extra)?;
+            loaded.tokenizer.encode(&text, false)?
+        }
+        None => loaded.tokenizer.encode(&prompt, true)?,
+    };
+    let options = GenerateOptions {
+        max_tokens: args.max_tokens,
+        sampler: SamplerConfig {
+            temperature: args.temp,
+            top_p: args.top_p,
+            top_k: args.top_k,
+            min_p: args.min_p,
+            seed: args.seed,
+            ..SamplerConfig::default()
+        },
+        prefill_step: args.prefill_step_size,
+    };
+    println!("==========");
+    let mut stdout = std::io::stdout();
+    let generation = generate(
+        loaded.model.as_ref(),
+        &loaded.tokenizer,
+        &ids,
+        &loaded.eos_ids,
+        &options,
+        &mut |text| {
+            let _ = stdout.write_all(text.as_bytes());
+            let _ = stdout.flush();
+        },
+    )?;
+    println!();
+    println!("==========");
+    if generation.text.is_empty() {
+        println!("No text generated for this prompt");
+        return Ok(());
+    }
+    println!(
+        "Prompt: {} tokens, {:.3} tokens-per-sec",
+        generation.prompt_tokens, generation.prompt_tps
+    );
+    println!(
+        "Generation: {} tokens, {:.3} tokens-per-sec",
+        generation.tokens.len(),
+        generation.generation_tps
+    );
+    let peak = peak_memory_bytes().unwrap_or(0) as f64 / 1e9;
+    println!("Peak memory: {peak:.3} GB");
+    Ok(())
+}

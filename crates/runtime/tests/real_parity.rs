@@ -1,0 +1,150 @@
+//! Parity with mlx-lm on the real models that scripts/models/fetch_models.sh builds (the test
+//! command builds them; without the cache these tests say so and pass). For each golden prompt:
+//! the chat template and tokenizer give the oracle's prompt ids, the first step's logits match,
+//! and 32 greedy steps (fed the oracle's tokens) pick the oracle's token wherever the oracle's
+//! top-1/top-2 margin is larger than our tolerance.
+
+use std::path::{Path, PathBuf};
+
+use oxlm_models::Logits;
+use oxlm_runtime::LoadedModel;
+use serde_json::{Map, Value};
+
+/// Largest |Δlogit| allowed. Both sides compute in f32 from the same bf16/fp16 parameters; what
+/// differs is summation order through 24–30 layers.
+const LOGIT_TOLERANCE: f32 = 0.02;
+
+fn model_dir(name: &str) -> Option<PathBuf> {
+    let cache = std::env::var_os("OXLM_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/oxlm")))?;
+    let dir = cache.join("models").join(name);
+    dir.join("config.json").exists().then_some(dir)
+}
+
+fn fixture(name: &str, ext: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/real")
+        .join(format!("{name}.{ext}"))
+}
+
+fn floats(st: &safetensors::SafeTensors, name: &str) -> Vec<f32> {
+    st.tensor(name)
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+fn ints(st: &safetensors::SafeTensors, name: &str) -> Vec<u32> {
+    st.tensor(name)
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as u32)
+        .collect()
+}
+
+fn argmax(v: &[f32]) -> usize {
+    v.iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |best, (i, &x)| {
+            if x > best.1 {
+                (i, x)
+            } else {
+                best
+            }
+        })
+        .0
+}
+
+fn check_real_model(name: &str) {
+    let Some(dir) = model_dir(name) else {
+        eprintln!("{name}: model cache missing; run scripts/models/fetch_models.sh (skipped)");
+        return;
+    };
+    let sidecar: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture(name, "json")).unwrap()).unwrap();
+    let bytes = std::fs::read(fixture(name, "safetensors")).unwrap();
+    let golden = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let loaded = LoadedModel::load(&dir).unwrap();
+    let template = loaded.chat_template.as_ref().expect("chat template");
+    let mut checked_steps = 0;
+    for prompt in sidecar["prompts"].as_array().unwrap() {
+        let i = prompt["index"].as_u64().unwrap();
+        let text = template
+            .render(&prompt["messages"], None, true, &Map::new())
+            .unwrap();
+        assert_eq!(
+            text,
+            prompt["prompt_text"].as_str().unwrap(),
+            "{name} p{i}: template"
+        );
+        let ids = loaded.tokenizer.encode(&text, false).unwrap();
+        assert_eq!(
+            ids,
+            ints(&golden, &format!("p{i}.prompt_ids")),
+            "{name} p{i}: prompt ids"
+        );
+
+        let greedy = ints(&golden, &format!("p{i}.greedy_ids"));
+        let top2 = floats(&golden, &format!("p{i}.step_top2"));
+        let first = floats(&golden, &format!("p{i}.first_logits"));
+        let mut cache = loaded.model.new_cache();
+        let mut logits = loaded
+            .model
+            .forward(&ids, &mut cache, Logits::Last)
+            .unwrap()
+            .into_data();
+        let d = logits
+            .iter()
+            .zip(&first)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(
+            d < LOGIT_TOLERANCE,
+            "{name} p{i}: first-step logits differ by {d}"
+        );
+        for (step, &want) in greedy.iter().enumerate() {
+            let (top1, top2) = (top2[2 * step], top2[2 * step + 1]);
+            let ours = argmax(&logits);
+            let d = (logits[ours].max(logits[want as usize]) - top1).abs();
+            assert!(
+                d < LOGIT_TOLERANCE,
+                "{name} p{i} step {step}: top logit {} vs {top1}",
+                logits[ours]
+            );
+            if top1 - top2 > 2.0 * LOGIT_TOLERANCE {
+                assert_eq!(ours, want as usize, "{name} p{i} step {step}: greedy token");
+                checked_steps += 1;
+            }
+            logits = loaded
+                .model
+                .forward(&[want], &mut cache, Logits::Last)
+                .unwrap()
+                .into_data();
+        }
+    }
+    eprintln!("{name}: {checked_steps} greedy steps matched the oracle");
+    assert!(
+        checked_steps >= 80,
+        "{name}: too few decisive steps ({checked_steps})"
+    );
+}
+
+#[test]
+fn smollm2_135m_instruct_4bit_g32_matches_mlx_lm() {
+    check_real_model("smollm2-135m-instruct-4bit");
+}
+
+#[test]
+fn qwen2_5_coder_0_5b_instruct_4bit_g64_matches_mlx_lm() {
+    check_real_model("qwen2.5-coder-0.5b-instruct-4bit");
+}
+
+/// Opt-in model (`scripts/models/fetch_models.sh gemma3`): a base model with a 512-token window.
+#[test]
+fn gemma_3_270m_4bit_g64_matches_mlx_lm() {
+    check_real_model("gemma-3-270m-4bit");
+}
