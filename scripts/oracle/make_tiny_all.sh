@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates every fixture under tests/fixtures/tiny (tokenizer, 6 tiny MLX checkpoints, goldens). ~10 s on 2 CPU cores.
+# Regenerates every fixture under tests/fixtures/tiny (tokenizer, tiny MLX checkpoints, goldens). ~20 s on 2 CPU cores.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=$(scripts/oracle/venv.sh)
@@ -7,4 +7,6 @@ out="${1:-tests/fixtures/tiny}"
 "$PY" scripts/oracle/make_tiny_tokenizer.py "$out/tokenizer"
 "$PY" scripts/oracle/make_tiny_models.py "$out"
 "$PY" scripts/oracle/make_goldens.py "$out"
+"$PY" scripts/oracle/make_tiny_qwen3_5.py "$out"   # builds its models and their goldens
+"$PY" scripts/oracle/make_tiny_gemma.py "$out"     # builds its models and their goldens
 "$PY" scripts/oracle/numpy_reference.py "$out"   # independent numpy forward must match the goldens (< 1e-3)

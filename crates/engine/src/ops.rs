@@ -140,3 +140,79 @@ pub fn attention(
         }
     }
 }
+
+/// `gate = gelu_approx(gate) * up`, the GeGLU activation (GELU with the tanh approximation, as
+/// `mlx.nn.gelu_approx`).
+pub fn gelu_approx_mul_inplace(gate: &mut [f32], up: &[f32]) {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        *g = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh()) * u;
+    }
+}
+
+/// `x = tanh(x / cap) * cap`: squashes logits smoothly into `(-cap, cap)`.
+pub fn softcap_inplace(x: &mut [f32], cap: f32) {
+    for v in x.iter_mut() {
+        *v = (*v / cap).tanh() * cap;
+    }
+}
+
+/// `x *= s`.
+pub fn scale_inplace(x: &mut [f32], s: f32) {
+    for v in x.iter_mut() {
+        *v *= s;
+    }
+}
+
+/// Keys and values of a sliding-window layer kept in a ring: `[kv_heads, capacity, head_dim]`
+/// each, position `p` in slot `p % capacity`, positions `start..end` present. A query sees the
+/// `window` positions ending at its own.
+pub struct RingKvView<'a> {
+    pub keys: &'a [f32],
+    pub values: &'a [f32],
+    pub kv_heads: usize,
+    pub capacity: usize,
+    pub start: usize,
+    pub end: usize,
+    pub window: usize,
+}
+
+/// As [`attention`], but over a ring and with a sliding window: query `t` sees positions
+/// `positions[t] + 1 - window ..= positions[t]` (from 0 while fewer precede it).
+pub fn sliding_window_attention(
+    q: &[f32],
+    heads: usize,
+    head_dim: usize,
+    positions: &[usize],
+    kv: &RingKvView,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let group = heads / kv.kv_heads;
+    let mut scores = vec![0.0f32; kv.window.min(kv.end - kv.start)];
+    for (t, &pos) in positions.iter().enumerate() {
+        let hi = (pos + 1).min(kv.end);
+        let lo = (pos + 1).saturating_sub(kv.window).max(kv.start).min(hi);
+        let slots = || (lo..hi).map(|p| p % kv.capacity);
+        for h in 0..heads {
+            let kvh = h / group;
+            let qv = &q[(t * heads + h) * head_dim..][..head_dim];
+            let head_keys = &kv.keys[kvh * kv.capacity * head_dim..];
+            let head_values = &kv.values[kvh * kv.capacity * head_dim..];
+            let s = &mut scores[..hi - lo];
+            for (sj, slot) in s.iter_mut().zip(slots()) {
+                *sj = dot(qv, &head_keys[slot * head_dim..][..head_dim]) * scale;
+            }
+            softmax_inplace(s);
+            let o = &mut out[(t * heads + h) * head_dim..][..head_dim];
+            o.fill(0.0);
+            for (&p, slot) in s.iter().zip(slots()) {
+                let vj = &head_values[slot * head_dim..][..head_dim];
+                for (od, &vd) in o.iter_mut().zip(vj) {
+                    *od += p * vd;
+                }
+            }
+        }
+    }
+}

@@ -2,6 +2,10 @@
 
 use oxlm_engine::ops::KvView;
 
+pub use crate::recurrent_cache::RecurrentCache;
+pub use crate::rotating_cache::RotatingKvCache;
+use crate::TruncateError;
+
 /// Keys and values grow in blocks of this many positions, as mlx-lm's `KVCache` does, so that
 /// decoding does not reallocate per token.
 const GROWTH_STEP: usize = 256;
@@ -36,6 +40,11 @@ impl KvCache {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// `(kv_heads, head_dim)`, to check that a cache fits the layer it is handed to.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.kv_heads, self.head_dim)
     }
 
     fn grow_to(&mut self, needed: usize) {
@@ -91,6 +100,10 @@ impl KvCache {
 #[derive(Debug, Clone)]
 pub enum LayerCache {
     Kv(KvCache),
+    /// A sliding-window layer's ring of its last `window` positions.
+    Rotating(RotatingKvCache),
+    /// A recurrent layer's fixed-size state (no per-token history).
+    Recurrent(RecurrentCache),
 }
 
 /// The state of a whole model for one sequence.
@@ -107,13 +120,36 @@ impl Cache {
     }
 
     /// Keeps the first `len` tokens (a prompt cache reusing a shared prefix).
-    pub fn truncate(&mut self, len: usize) {
+    ///
+    /// Recurrent layers keep no per-token history, and sliding-window layers only their last
+    /// positions, so going back past what they hold is refused and the cache is left as it was. A prompt cache over such a model keeps
+    /// snapshots instead: `Cache` is `Clone`, so clone it at the prefix to resume from.
+    pub fn truncate(&mut self, len: usize) -> Result<(), TruncateError> {
+        if len >= self.offset {
+            return Ok(());
+        }
+        // A sliding window holds only its last positions; going back inside it is fine.
+        let lost = |l: &LayerCache| match l {
+            LayerCache::Kv(_) => false,
+            LayerCache::Rotating(ring) => !ring.can_truncate(len),
+            LayerCache::Recurrent(_) => true,
+        };
+        if let Some(layer) = self.layers.iter().position(lost) {
+            return Err(TruncateError {
+                layer,
+                offset: self.offset,
+                len,
+            });
+        }
         for layer in &mut self.layers {
             match layer {
                 LayerCache::Kv(kv) => kv.truncate(len),
+                LayerCache::Rotating(ring) => ring.truncate(len),
+                LayerCache::Recurrent(_) => {} // refused above
             }
         }
-        self.offset = self.offset.min(len);
+        self.offset = len;
+        Ok(())
     }
 }
 

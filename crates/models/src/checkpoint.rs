@@ -61,6 +61,18 @@ impl Config {
         self.text.get(key).filter(|v| !v.is_null())
     }
 
+    /// The raw value of `key` at the top level, not overridden by `text_config` (a multimodal
+    /// wrapper's own settings).
+    pub fn top_level(&self, key: &str) -> Option<&Value> {
+        self.top.get(key).filter(|v| !v.is_null())
+    }
+
+    /// Whether the text model's `key` is present and `null`: mlx-lm then passes `None`, which
+    /// overrides a non-`None` default (e.g. turns a feature off).
+    pub fn is_null(&self, key: &str) -> bool {
+        self.text.get(key).is_some_and(Value::is_null)
+    }
+
     /// `key` parsed as `T`, or `None` when absent or null.
     pub fn get<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>, LoadError> {
         self.raw(key)
@@ -298,11 +310,31 @@ impl Checkpoint {
         self.tensors.contains_key(name)
     }
 
+    /// The array `name`, left in place (to look at its shape or dtype before loading).
+    pub fn peek(&self, name: &str) -> Option<&RawTensor> {
+        self.tensors.get(name)
+    }
+
     /// Removes and returns the array `name`.
     pub fn take(&mut self, name: &str) -> Result<RawTensor, LoadError> {
         self.tensors
             .remove(name)
             .ok_or_else(|| LoadError::MissingTensor(name.to_string()))
+    }
+
+    /// Renames each array for which `rename` gives a new name (a model's `sanitize`: checkpoints
+    /// exported elsewhere name the same weights differently).
+    pub fn rename(&mut self, rename: impl Fn(&str) -> Option<String>) {
+        let renamed: Vec<(String, String)> = self
+            .tensors
+            .keys()
+            .filter_map(|name| rename(name).map(|new| (name.clone(), new)))
+            .collect();
+        for (old, new) in renamed {
+            if let Some(t) = self.tensors.remove(&old) {
+                self.tensors.insert(new, t);
+            }
+        }
     }
 
     /// Drops arrays the models never read (e.g. precomputed rotary frequencies).

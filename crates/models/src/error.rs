@@ -55,4 +55,19 @@ pub enum ForwardError {
     TokenOutOfRange { id: u32, vocab: usize },
     #[error("empty input: at least one token is needed")]
     EmptyInput,
+    #[error("the cache was not made by this model's `new_cache`")]
+    CacheMismatch,
+}
+
+/// Why a [`Cache`](crate::Cache) could not be cut back to an earlier position.
+#[derive(Debug, Error, PartialEq, Eq)]
+#[error(
+    "cannot go back from {offset} to {len} tokens: layer {layer} is recurrent or a sliding window \
+     and keeps no per-token history that far back (keep a clone of the cache taken at the prefix \
+     instead)"
+)]
+pub struct TruncateError {
+    pub layer: usize,
+    pub offset: usize,
+    pub len: usize,
 }

@@ -4,7 +4,7 @@ use oxlm_engine::ops::{self, KvView};
 use oxlm_engine::{DType, FloatMatrix, QuantizedMatrix};
 use serde_json::Value;
 
-use crate::cache::KvCache;
+use crate::cache::{KvCache, RotatingKvCache};
 use crate::checkpoint::{Checkpoint, RawTensor};
 use crate::LoadError;
 
@@ -303,9 +303,25 @@ impl Rope {
                     })
                     .collect()
             }
+            "proportional" => {
+                // Gemma 4's global layers: the first `rotated` features of each half turn, with
+                // periods still spaced over all `dims`; the other pairs never turn.
+                let factor = number("factor", Some(1.0))?;
+                let rotated = (dims as f64 * number("partial_rotary_factor", Some(1.0))?) as usize;
+                if rotated > dims {
+                    return Err(LoadError::Config(format!(
+                        "partial rotary factor gives {rotated} rotated features of {dims}"
+                    )));
+                }
+                periods
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, p)| if 2 * i < rotated { p * factor } else { f64::INFINITY })
+                    .collect()
+            }
             other => {
                 return Err(LoadError::Config(format!(
-                "rope_scaling type `{other}` is not supported (supported: default, linear, llama3)"
+                "rope_scaling type `{other}` is not supported (supported: default, linear, llama3, proportional)"
             )))
             }
         };
@@ -405,5 +421,83 @@ impl Mlp {
         let up = self.up_proj.forward(x, n);
         ops::silu_mul_inplace(&mut gate, &up);
         self.down_proj.forward(&gate, n)
+    }
+}
+
+impl RmsNorm {
+    /// Gemma's norm, which scales by `1 + weight`: the checkpoint stores offsets from 1.
+    pub fn load_plus_one(
+        ckpt: &mut Checkpoint,
+        prefix: &str,
+        dim: usize,
+        eps: f32,
+    ) -> Result<Self, LoadError> {
+        let mut norm = RmsNorm::load(ckpt, prefix, dim, eps)?;
+        for w in &mut norm.weight {
+            *w += 1.0;
+        }
+        Ok(norm)
+    }
+
+    /// A norm without a learned scale (`mx.fast.rms_norm(x, None, eps)`).
+    pub fn unscaled(dim: usize, eps: f32) -> Self {
+        RmsNorm {
+            weight: vec![1.0; dim],
+            eps,
+        }
+    }
+}
+
+impl Mlp {
+    /// The GeGLU feed-forward block of Gemma: `down(gelu_approx(gate(x)) * up(x))`.
+    pub fn forward_geglu(&self, x: &[f32], n: usize) -> Vec<f32> {
+        let mut gate = self.gate_proj.forward(x, n);
+        let up = self.up_proj.forward(x, n);
+        ops::gelu_approx_mul_inplace(&mut gate, &up);
+        self.down_proj.forward(&gate, n)
+    }
+}
+
+impl Attention {
+    /// Queries, keys and values of `x` (`[tokens, hidden]`), normed and rotated.
+    pub fn project(&self, x: &[f32], positions: &[usize]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let n = positions.len();
+        let mut q = self.q_proj.forward(x, n);
+        let mut k = self.k_proj.forward(x, n);
+        let v = self.v_proj.forward(x, n);
+        if let Some(norm) = &self.q_norm {
+            norm.forward_inplace(&mut q);
+        }
+        if let Some(norm) = &self.k_norm {
+            norm.forward_inplace(&mut k);
+        }
+        self.rope
+            .apply(&mut q, self.heads, self.head_dim, positions);
+        self.rope
+            .apply(&mut k, self.kv_heads, self.head_dim, positions);
+        (q, k, v)
+    }
+
+    /// As [`Attention::forward`] for a sliding-window layer: each query sees the window its
+    /// `cache` keeps.
+    pub fn forward_sliding(
+        &self,
+        x: &[f32],
+        positions: &[usize],
+        cache: &mut RotatingKvCache,
+    ) -> Vec<f32> {
+        let (q, k, v) = self.project(x, positions);
+        cache.append(&k, &v);
+        let mut out = vec![0.0; q.len()];
+        ops::sliding_window_attention(
+            &q,
+            self.heads,
+            self.head_dim,
+            positions,
+            &cache.view(),
+            self.scale,
+            &mut out,
+        );
+        self.o_proj.forward(&out, positions.len())
     }
 }

@@ -4,14 +4,20 @@
 pub mod cache;
 pub mod checkpoint;
 mod error;
+pub mod gemma3;
+pub mod gemma4;
 pub mod layers;
 pub mod llama;
+pub mod qwen3_5;
+mod recurrent_cache;
+mod rotating_cache;
+mod switch;
 
 use std::path::Path;
 
 pub use cache::Cache;
 pub use checkpoint::{Checkpoint, Config};
-pub use error::{ForwardError, LoadError};
+pub use error::{ForwardError, LoadError, TruncateError};
 use oxlm_engine::Tensor;
 
 /// What callers need to know about a loaded model.
@@ -80,12 +86,31 @@ fn llama(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
     Ok(Box::new(llama::Llama::load(ckpt)?))
 }
 
+fn qwen3_5(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
+    Ok(Box::new(qwen3_5::Qwen3_5::load(ckpt)?))
+}
+
+fn gemma3(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
+    Ok(Box::new(gemma3::Gemma3::load(ckpt)?))
+}
+
+fn gemma4(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
+    Ok(Box::new(gemma4::Gemma4::load(ckpt)?))
+}
+
 /// `model_type` → constructor; the first column is what `--help` and errors list as supported.
 const REGISTRY: &[(&str, Constructor)] = &[
     ("llama", llama),
     ("mistral", llama),
     ("qwen2", llama),
     ("qwen3", llama),
+    ("gemma3_text", gemma3),
+    ("gemma3", gemma3),
+    ("gemma4_text", gemma4),
+    ("gemma4", gemma4),
+    ("qwen3_5", qwen3_5),
+    ("qwen3_5_text", qwen3_5),
+    ("qwen3_5_moe", qwen3_5),
 ];
 
 /// The `model_type`s this build can load.

@@ -91,7 +91,7 @@ impl Llama {
                 ));
             }
         }
-        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             return Err(LoadError::Config(format!(
                 "{heads} attention heads cannot be grouped over {kv_heads} key/value heads"
             )));
@@ -219,7 +219,9 @@ impl LanguageModel for Llama {
         let positions: Vec<usize> = (offset..offset + n).collect();
         let mut h = self.embed_tokens.forward(tokens);
         for (block, layer_cache) in self.layers.iter().zip(&mut cache.layers) {
-            let LayerCache::Kv(kv) = layer_cache;
+            let LayerCache::Kv(kv) = layer_cache else {
+                return Err(ForwardError::CacheMismatch);
+            };
             let x = block.input_layernorm.forward(&h);
             ops::add_inplace(&mut h, &block.self_attn.forward(&x, &positions, kv));
             let x = block.post_attention_layernorm.forward(&h);

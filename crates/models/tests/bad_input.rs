@@ -132,11 +132,14 @@ fn config_that_does_not_match_the_weights() {
 fn unsupported_model_type_lists_the_supported_ones() {
     let dir = copy_of("llama-8bit-g32");
     edit_config(dir.path(), |c| c["model_type"] = "mamba".into());
-    let err = load_err(dir.path());
+    let err = load_err(dir.path()).to_string();
+    let supported = oxlm_models::supported_model_types().join(", ");
     assert_eq!(
-        err.to_string(),
-        "unsupported model_type `mamba`; supported: llama, mistral, qwen2, qwen3"
+        err,
+        format!("unsupported model_type `mamba`; supported: {supported}")
     );
+    assert!(supported.starts_with("llama, mistral, qwen2, qwen3, "));
+    assert!(supported.contains("qwen3_5, qwen3_5_text, qwen3_5_moe"));
 }
 
 #[test]

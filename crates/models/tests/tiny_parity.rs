@@ -93,16 +93,21 @@ fn check_model(name: &str) {
     let all = model
         .forward(&golden.prompt_ids, &mut cache, Logits::All)
         .unwrap();
-    let d = max_abs_diff(all.data(), &golden.prompt_logits);
-    assert!(d < LOGIT_TOLERANCE, "{name}: prompt logits differ by {d}");
+    let prompt_diff = max_abs_diff(all.data(), &golden.prompt_logits);
+    assert!(
+        prompt_diff < LOGIT_TOLERANCE,
+        "{name}: prompt logits differ by {prompt_diff}"
+    );
 
     let mut cache = model.new_cache();
     let mut logits = model
         .forward(&golden.prompt_ids, &mut cache, Logits::Last)
         .unwrap();
+    let mut step_diff = 0.0f32;
     for (step, &expected_id) in golden.greedy_ids.iter().enumerate() {
         let want = &golden.step_logits[step * vocab..(step + 1) * vocab];
         let d = max_abs_diff(logits.data(), want);
+        step_diff = step_diff.max(d);
         assert!(
             d < LOGIT_TOLERANCE,
             "{name}: step {step} logits differ by {d}"
@@ -118,6 +123,8 @@ fn check_model(name: &str) {
             .forward(&[expected_id], &mut cache, Logits::Last)
             .unwrap();
     }
+    // shown with `--nocapture`
+    println!("{name}: max |Δlogit| prompt {prompt_diff:.2e}, greedy steps {step_diff:.2e}");
 }
 
 macro_rules! parity_tests {
@@ -133,4 +140,13 @@ parity_tests! {
     mistral_4bit_g32 => "mistral-4bit-g32",
     qwen2_4bit_g64_qkv_bias => "qwen2-4bit-g64",
     qwen3_8bit_g128_qk_norm => "qwen3-8bit-g128",
+    gemma3_4bit_g64_sliding_window => "gemma3-4bit-g64",
+    gemma3_vlm_8bit_g32_wrapper_linear_rope => "gemma3-vlm-8bit-g32",
+    gemma4_4bit_g32_per_layer_inputs_kv_shared => "gemma4-4bit-g32",
+    gemma4_vlm_8bit_g64_k_eq_v => "gemma4-vlm-8bit-g64",
+    gemma4_moe_4bit_g64_routed_experts => "gemma4-moe-4bit-g64",
+    qwen3_5_4bit_g64_hybrid_tied_text_config => "qwen3_5-4bit-g64",
+    qwen3_5_8bit_g32_hybrid_flat_config_4bit_head => "qwen3_5-8bit-g32",
+    qwen3_5_moe_4bit_g64_hybrid_experts => "qwen3_5_moe-4bit-g64",
+    qwen3_5_hf_layout_sanitized_on_load => "qwen3_5-hf-layout-8bit-g32",
 }

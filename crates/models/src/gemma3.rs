@@ -1,0 +1,270 @@
+//! Gemma 3 as mlx-lm's `gemma3_text.py` defines it, and the text part of the multimodal
+//! `gemma3` wrapper (`gemma3.py`): settings under `text_config`, weights under `language_model.`.
+//!
+//! Gemma's departures from llama: embeddings scaled by √hidden, RMSNorm by `1 + weight`, q/k norms,
+//! GeGLU feed-forward, norms after attention and MLP as well as before, `query_pre_attn_scalar`,
+//! and every `sliding_window_pattern`-th layer global, the others sliding-window layers with their
+//! own RoPE base and a ring cache.
+
+use half::bf16;
+use serde_json::{Map, Value};
+
+use crate::cache::{Cache, KvCache, LayerCache, RotatingKvCache};
+use crate::checkpoint::{Checkpoint, Config};
+use crate::layers::{Attention, Embedding, Linear, Mlp, RmsNorm, Rope};
+use crate::{check_tokens, ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
+use oxlm_engine::{ops, Tensor};
+
+/// The text model's settings inside a multimodal wrapper, completed as the wrapper's `ModelArgs`
+/// does: the wrapper's `vocab_size` (or `vocab_default`) replaces the nested one, and the head
+/// counts get the wrapper's defaults.
+pub(crate) fn wrapped_text_config(
+    config: &Config,
+    vocab_default: usize,
+    heads_default: usize,
+    kv_heads_default: usize,
+) -> Result<Config, LoadError> {
+    let mut text = match config.top_level("text_config") {
+        Some(Value::Object(text)) => text.clone(),
+        _ => Map::new(),
+    };
+    let vocab = match config.top_level("vocab_size") {
+        Some(v) => v.clone(),
+        None => vocab_default.into(),
+    };
+    text.insert("vocab_size".into(), vocab);
+    for (key, default) in [
+        ("num_attention_heads", heads_default),
+        ("num_key_value_heads", kv_heads_default),
+    ] {
+        text.entry(key).or_insert(default.into());
+    }
+    Config::from_value(Value::Object(text))
+}
+
+struct Block {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    pre_feedforward_layernorm: RmsNorm,
+    mlp: Mlp,
+    post_feedforward_layernorm: RmsNorm,
+    /// A sliding-window layer (else global).
+    sliding: bool,
+}
+
+impl Block {
+    fn attention(
+        &self,
+        x: &[f32],
+        positions: &[usize],
+        cache: &mut LayerCache,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let shape = (self.self_attn.kv_heads, self.self_attn.head_dim);
+        match cache {
+            LayerCache::Kv(kv) if !self.sliding && kv.shape() == shape => {
+                Ok(self.self_attn.forward(x, positions, kv))
+            }
+            LayerCache::Rotating(ring) if self.sliding && ring.shape() == shape => {
+                Ok(self.self_attn.forward_sliding(x, positions, ring))
+            }
+            _ => Err(ForwardError::CacheMismatch),
+        }
+    }
+}
+
+pub struct Gemma3 {
+    info: ModelInfo,
+    embed_tokens: Embedding,
+    /// √hidden rounded to bf16, as mlx-lm multiplies it in.
+    embed_scale: f32,
+    layers: Vec<Block>,
+    norm: RmsNorm,
+    /// `None` when the output head is tied to the embeddings.
+    lm_head: Option<Linear>,
+    sliding_window: usize,
+}
+
+impl Gemma3 {
+    pub fn load(mut ckpt: Checkpoint) -> Result<Self, LoadError> {
+        let model_type = ckpt.config.model_type()?.to_string();
+        let (cfg, prefix) = if model_type == "gemma3" {
+            ckpt.discard_where(|name| {
+                name.starts_with("vision_tower.") || name.starts_with("multi_modal_projector.")
+            });
+            (
+                wrapped_text_config(&ckpt.config, 262208, 8, 4)?,
+                "language_model.",
+            )
+        } else {
+            (ckpt.config.clone(), "")
+        };
+        // mlx-lm's `ModelArgs` defaults.
+        let hidden: usize = cfg.get("hidden_size")?.unwrap_or(1152);
+        let layers: usize = cfg.get("num_hidden_layers")?.unwrap_or(26);
+        let intermediate: usize = cfg.get("intermediate_size")?.unwrap_or(6912);
+        let heads: usize = cfg.get("num_attention_heads")?.unwrap_or(4);
+        let head_dim: usize = cfg.get("head_dim")?.unwrap_or(256);
+        let eps: f32 = cfg.get("rms_norm_eps")?.unwrap_or(1e-6);
+        let vocab: usize = cfg.get("vocab_size")?.unwrap_or(262144);
+        let kv_heads: usize = cfg.get("num_key_value_heads")?.unwrap_or(1);
+        let rope_theta: f32 = cfg.get("rope_theta")?.unwrap_or(1_000_000.0);
+        let rope_local_base: f32 = cfg.get("rope_local_base_freq")?.unwrap_or(10_000.0);
+        let query_pre_attn_scalar: f64 = cfg.get("query_pre_attn_scalar")?.unwrap_or(256.0);
+        let sliding_window: usize = cfg.get("sliding_window")?.unwrap_or(512);
+        let pattern: usize = cfg.get("sliding_window_pattern")?.unwrap_or(6);
+        let max_context: usize = cfg.get("max_position_embeddings")?.unwrap_or(32768);
+        let scaling = cfg.raw("rope_scaling").cloned();
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(LoadError::Config(format!(
+                "{heads} attention heads cannot be grouped over {kv_heads} key/value heads"
+            )));
+        }
+        if pattern == 0 || sliding_window == 0 {
+            return Err(LoadError::Config(
+                "`sliding_window` and `sliding_window_pattern` must be positive".into(),
+            ));
+        }
+        let local_rope = Rope::new(head_dim, rope_local_base, false, None)?;
+        let global_rope = Rope::new(head_dim, rope_theta, false, scaling.as_ref())?;
+
+        let m = format!("{prefix}model");
+        let embed_tokens = Embedding::load(&mut ckpt, &format!("{m}.embed_tokens"), vocab, hidden)?;
+        let mut blocks = Vec::with_capacity(layers);
+        for i in 0..layers {
+            let p = format!("{m}.layers.{i}");
+            let a = format!("{p}.self_attn");
+            let sliding = (i + 1) % pattern != 0;
+            let linear = |ckpt: &mut Checkpoint, name: &str, inputs, outputs| {
+                Linear::load(ckpt, &format!("{a}.{name}"), inputs, outputs, false)
+            };
+            let self_attn = Attention {
+                q_proj: linear(&mut ckpt, "q_proj", hidden, heads * head_dim)?,
+                k_proj: linear(&mut ckpt, "k_proj", hidden, kv_heads * head_dim)?,
+                v_proj: linear(&mut ckpt, "v_proj", hidden, kv_heads * head_dim)?,
+                o_proj: linear(&mut ckpt, "o_proj", heads * head_dim, hidden)?,
+                q_norm: Some(RmsNorm::load_plus_one(
+                    &mut ckpt,
+                    &format!("{a}.q_norm"),
+                    head_dim,
+                    eps,
+                )?),
+                k_norm: Some(RmsNorm::load_plus_one(
+                    &mut ckpt,
+                    &format!("{a}.k_norm"),
+                    head_dim,
+                    eps,
+                )?),
+                rope: if sliding {
+                    local_rope.clone()
+                } else {
+                    global_rope.clone()
+                },
+                heads,
+                kv_heads,
+                head_dim,
+                scale: query_pre_attn_scalar.powf(-0.5) as f32,
+            };
+            let norm = |ckpt: &mut Checkpoint, name: &str| {
+                RmsNorm::load_plus_one(ckpt, &format!("{p}.{name}"), hidden, eps)
+            };
+            blocks.push(Block {
+                input_layernorm: norm(&mut ckpt, "input_layernorm")?,
+                self_attn,
+                post_attention_layernorm: norm(&mut ckpt, "post_attention_layernorm")?,
+                pre_feedforward_layernorm: norm(&mut ckpt, "pre_feedforward_layernorm")?,
+                mlp: Mlp::load(&mut ckpt, &format!("{p}.mlp"), hidden, intermediate, false)?,
+                post_feedforward_layernorm: norm(&mut ckpt, "post_feedforward_layernorm")?,
+                sliding,
+            });
+        }
+        let norm = RmsNorm::load_plus_one(&mut ckpt, &format!("{m}.norm"), hidden, eps)?;
+        // As mlx-lm's `sanitize`: the head is tied exactly when the checkpoint has none.
+        let head = format!("{prefix}lm_head");
+        let lm_head = ckpt
+            .contains(&format!("{head}.weight"))
+            .then(|| Linear::load(&mut ckpt, &head, hidden, vocab, false))
+            .transpose()?;
+        ckpt.finish()?;
+        Ok(Gemma3 {
+            info: ModelInfo {
+                model_type,
+                vocab_size: vocab,
+                hidden_size: hidden,
+                num_layers: layers,
+                max_context: Some(max_context),
+            },
+            embed_tokens,
+            embed_scale: bf16::from_f32((hidden as f64).sqrt() as f32).to_f32(),
+            layers: blocks,
+            norm,
+            lm_head,
+            sliding_window,
+        })
+    }
+}
+
+impl LanguageModel for Gemma3 {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn new_cache(&self) -> Cache {
+        Cache::new(
+            self.layers
+                .iter()
+                .map(|b| {
+                    let (kv_heads, head_dim) = (b.self_attn.kv_heads, b.self_attn.head_dim);
+                    if b.sliding {
+                        LayerCache::Rotating(RotatingKvCache::new(
+                            kv_heads,
+                            head_dim,
+                            self.sliding_window,
+                        ))
+                    } else {
+                        LayerCache::Kv(KvCache::new(kv_heads, head_dim))
+                    }
+                })
+                .collect(),
+        )
+    }
+
+    fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        logits: Logits,
+    ) -> Result<Tensor, ForwardError> {
+        let offset = cache.offset;
+        check_tokens(&self.info, tokens, offset)?;
+        if cache.layers.len() != self.layers.len() {
+            return Err(ForwardError::CacheMismatch);
+        }
+        let n = tokens.len();
+        let positions: Vec<usize> = (offset..offset + n).collect();
+        let mut h = self.embed_tokens.forward(tokens);
+        ops::scale_inplace(&mut h, self.embed_scale);
+        for (block, layer_cache) in self.layers.iter().zip(&mut cache.layers) {
+            let x = block.input_layernorm.forward(&h);
+            let mut r = block.attention(&x, &positions, layer_cache)?;
+            block.post_attention_layernorm.forward_inplace(&mut r);
+            ops::add_inplace(&mut h, &r);
+            let x = block.pre_feedforward_layernorm.forward(&h);
+            let mut r = block.mlp.forward_geglu(&x, n);
+            block.post_feedforward_layernorm.forward_inplace(&mut r);
+            ops::add_inplace(&mut h, &r);
+        }
+        cache.offset += n;
+        let hidden = self.info.hidden_size;
+        let (mut h, rows) = match logits {
+            Logits::All => (h, n),
+            Logits::Last => (h.split_off((n - 1) * hidden), 1),
+        };
+        self.norm.forward_inplace(&mut h);
+        let out = match &self.lm_head {
+            Some(head) => head.forward(&h, rows),
+            None => self.embed_tokens.as_linear(&h, rows),
+        };
+        Ok(Tensor::new(vec![rows, self.info.vocab_size], out))
+    }
+}

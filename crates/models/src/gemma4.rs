@@ -1,0 +1,776 @@
+//! Gemma 4 as mlx-lm's `gemma4_text.py` defines it, and the text part of the multimodal `gemma4`
+//! wrapper (`gemma4.py`: settings under `text_config`, weights under `language_model.`).
+//!
+//! Beyond Gemma 3: plain RMSNorm scales, attention scale 1 with an unscaled norm on the values,
+//! global layers with their own head dim (and, in the large models, one projection for keys
+//! and values) and proportional partial RoPE, per-layer input embeddings (E-series), the last
+//! `num_kv_shared_layers` layers reading the cache of the last earlier layer of their kind, a
+//! learned per-layer output scalar, an optional mixture-of-experts block beside the MLP, and
+//! final logit softcapping.
+
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
+
+use crate::cache::{Cache, KvCache, LayerCache, RotatingKvCache};
+use crate::checkpoint::{Checkpoint, Config};
+use crate::gemma3::wrapped_text_config;
+use crate::layers::{load_vector, Embedding, Linear, Mlp, RmsNorm, Rope};
+use crate::switch::load_stacked;
+use crate::{check_tokens, ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
+use oxlm_engine::{ops, Tensor};
+
+/// `key` as mlx-lm's `ModelArgs` reads it: `default` when absent, `None` when null.
+fn setting<T: DeserializeOwned>(
+    cfg: &Config,
+    key: &str,
+    default: Option<T>,
+) -> Result<Option<T>, LoadError> {
+    if cfg.is_null(key) {
+        return Ok(None);
+    }
+    Ok(cfg.get(key)?.or(default))
+}
+
+/// The key and value projections of a layer that computes its own.
+struct KvProjections {
+    k_proj: Linear,
+    /// `None` when values are the keys' projection (`attention_k_eq_v`, global layers).
+    v_proj: Option<Linear>,
+    k_norm: RmsNorm,
+    v_norm: RmsNorm,
+}
+
+struct Attention {
+    q_proj: Linear,
+    /// `None` in a KV-shared layer.
+    kv: Option<KvProjections>,
+    o_proj: Linear,
+    q_norm: RmsNorm,
+    rope: Rope,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    sliding: bool,
+}
+
+impl Attention {
+    /// Appends this layer's keys and values of `x` to `cache` (not for KV-shared layers).
+    fn store_kv(
+        &self,
+        kv: &KvProjections,
+        x: &[f32],
+        positions: &[usize],
+        cache: &mut LayerCache,
+    ) -> Result<(), ForwardError> {
+        let n = positions.len();
+        let mut k = kv.k_proj.forward(x, n);
+        let mut v = match &kv.v_proj {
+            Some(v_proj) => v_proj.forward(x, n),
+            None => k.clone(),
+        };
+        kv.k_norm.forward_inplace(&mut k);
+        self.rope
+            .apply(&mut k, self.kv_heads, self.head_dim, positions);
+        kv.v_norm.forward_inplace(&mut v);
+        match cache {
+            LayerCache::Kv(c) if self.fits(false, c.shape()) => c.append(&k, &v),
+            LayerCache::Rotating(c) if self.fits(true, c.shape()) => c.append(&k, &v),
+            _ => return Err(ForwardError::CacheMismatch),
+        }
+        Ok(())
+    }
+
+    /// Whether a cache of this kind (`sliding`) and `shape` is one this layer made.
+    fn fits(&self, sliding: bool, shape: (usize, usize)) -> bool {
+        self.sliding == sliding && shape == (self.kv_heads, self.head_dim)
+    }
+
+    /// Attends with queries of `x` over `cache`, which this layer's keys and values (or those
+    /// of the layer it shares with) are already in.
+    fn forward(
+        &self,
+        x: &[f32],
+        positions: &[usize],
+        cache: &LayerCache,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let n = positions.len();
+        let mut q = self.q_proj.forward(x, n);
+        self.q_norm.forward_inplace(&mut q);
+        self.rope
+            .apply(&mut q, self.heads, self.head_dim, positions);
+        let mut out = vec![0.0; q.len()];
+        let (h, d) = (self.heads, self.head_dim);
+        match cache {
+            LayerCache::Kv(c) if self.fits(false, c.shape()) => {
+                ops::attention(&q, h, d, positions, &c.view(), 1.0, &mut out)
+            }
+            LayerCache::Rotating(c) if self.fits(true, c.shape()) => {
+                ops::sliding_window_attention(&q, h, d, positions, &c.view(), 1.0, &mut out)
+            }
+            _ => return Err(ForwardError::CacheMismatch),
+        }
+        Ok(self.o_proj.forward(&out, n))
+    }
+}
+
+/// The E-series gate that mixes a layer's slice of the per-layer inputs into the residual.
+struct PerLayerGate {
+    per_layer_input_gate: Linear,
+    per_layer_projection: Linear,
+    post_per_layer_input_norm: RmsNorm,
+}
+
+/// The 26B-A4B model's routed experts, run beside the dense MLP of every layer.
+struct MoeBlock {
+    router_proj: Linear,
+    /// `router.scale / √hidden`, the router's input norm.
+    router_norm: RmsNorm,
+    per_expert_scale: Vec<f32>,
+    top_k: usize,
+    /// GeGLU experts, each viewing its slice of the stacked `switch_glu` weights.
+    experts: Vec<Mlp>,
+    pre_feedforward_layernorm_2: RmsNorm,
+    post_feedforward_layernorm_1: RmsNorm,
+    post_feedforward_layernorm_2: RmsNorm,
+}
+
+impl MoeBlock {
+    fn load(
+        ckpt: &mut Checkpoint,
+        prefix: &str,
+        hidden: usize,
+        args: &MoeArgs,
+        eps: f32,
+    ) -> Result<Self, LoadError> {
+        let MoeArgs {
+            experts,
+            top_k,
+            intermediate,
+        } = *args;
+        let switch = format!("{prefix}.experts.switch_glu");
+        let stack = |ckpt: &mut Checkpoint, name: &str, rows, cols| {
+            load_stacked(ckpt, &format!("{switch}.{name}"), experts, rows, cols)
+        };
+        let gates = stack(ckpt, "gate_proj", intermediate, hidden)?;
+        let ups = stack(ckpt, "up_proj", intermediate, hidden)?;
+        let downs = stack(ckpt, "down_proj", hidden, intermediate)?;
+        let linear = |weight| Linear { weight, bias: None };
+        let mlps = gates
+            .into_iter()
+            .zip(ups)
+            .zip(downs)
+            .map(|((g, u), d)| Mlp {
+                gate_proj: linear(g),
+                up_proj: linear(u),
+                down_proj: linear(d),
+            })
+            .collect();
+        let root = (hidden as f64).powf(-0.5) as f32;
+        let scale = load_vector(ckpt, &format!("{prefix}.router.scale"), hidden)?;
+        let router_norm = RmsNorm {
+            weight: scale.iter().map(|s| s * root).collect(),
+            eps,
+        };
+        let norm = |ckpt: &mut Checkpoint, name: &str| {
+            RmsNorm::load(ckpt, &format!("{prefix}.{name}"), hidden, eps)
+        };
+        Ok(MoeBlock {
+            router_proj: Linear::load(
+                ckpt,
+                &format!("{prefix}.router.proj"),
+                hidden,
+                experts,
+                false,
+            )?,
+            router_norm,
+            per_expert_scale: load_vector(
+                ckpt,
+                &format!("{prefix}.router.per_expert_scale"),
+                experts,
+            )?,
+            top_k,
+            experts: mlps,
+            pre_feedforward_layernorm_2: norm(ckpt, "pre_feedforward_layernorm_2")?,
+            post_feedforward_layernorm_1: norm(ckpt, "post_feedforward_layernorm_1")?,
+            post_feedforward_layernorm_2: norm(ckpt, "post_feedforward_layernorm_2")?,
+        })
+    }
+
+    /// `Router`: for each expert, the tokens of `h` (`[n, hidden]`) routed to it and their
+    /// weights: a softmax over the top-k scores, times the expert's own scale.
+    fn route(&self, h: &[f32], n: usize) -> Vec<Vec<(usize, f32)>> {
+        let count = self.experts.len();
+        let scores = self.router_proj.forward(&self.router_norm.forward(h), n);
+        let mut routed = vec![Vec::new(); count];
+        let mut order: Vec<usize> = Vec::with_capacity(count);
+        for (t, scores) in scores.chunks_exact(count).enumerate() {
+            order.clear();
+            order.extend(0..count);
+            order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+            let top = &order[..self.top_k];
+            let mut weights: Vec<f32> = top.iter().map(|&e| scores[e]).collect();
+            ops::softmax_inplace(&mut weights);
+            for (&e, w) in top.iter().zip(weights) {
+                routed[e].push((t, w * self.per_expert_scale[e]));
+            }
+        }
+        routed
+    }
+
+    /// `Experts`: each expert runs once, on all the rows of `x` routed to it, reading only the
+    /// chosen experts' weights.
+    fn experts(&self, x: &[f32], routed: &[Vec<(usize, f32)>]) -> Vec<f32> {
+        let dim = self.pre_feedforward_layernorm_2.weight.len();
+        let mut y = vec![0.0; x.len()];
+        for (expert, tokens) in self.experts.iter().zip(routed) {
+            if tokens.is_empty() {
+                continue;
+            }
+            let rows: Vec<f32> = tokens
+                .iter()
+                .flat_map(|&(t, _)| &x[t * dim..(t + 1) * dim])
+                .copied()
+                .collect();
+            let out = expert.forward_geglu(&rows, tokens.len());
+            for (&(t, w), o) in tokens.iter().zip(out.chunks_exact(dim)) {
+                for (yv, &ov) in y[t * dim..(t + 1) * dim].iter_mut().zip(o) {
+                    *yv += w * ov;
+                }
+            }
+        }
+        y
+    }
+
+    /// The feed-forward output of a MoE layer: dense MLP and experts, each normed, summed.
+    fn forward(
+        &self,
+        mlp: &Mlp,
+        pre_feedforward_layernorm: &RmsNorm,
+        h: &[f32],
+        n: usize,
+    ) -> Vec<f32> {
+        let mut dense = mlp.forward_geglu(&pre_feedforward_layernorm.forward(h), n);
+        self.post_feedforward_layernorm_1
+            .forward_inplace(&mut dense);
+        let routed = self.route(h, n);
+        let mut sparse = self.experts(&self.pre_feedforward_layernorm_2.forward(h), &routed);
+        self.post_feedforward_layernorm_2
+            .forward_inplace(&mut sparse);
+        ops::add_inplace(&mut dense, &sparse);
+        dense
+    }
+}
+
+struct Block {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    pre_feedforward_layernorm: RmsNorm,
+    mlp: Mlp,
+    moe: Option<MoeBlock>,
+    post_feedforward_layernorm: RmsNorm,
+    per_layer: Option<PerLayerGate>,
+    layer_scalar: f32,
+    /// The cache this layer attends over: its own, or for a KV-shared layer that of the last
+    /// earlier layer of the same kind.
+    kv_source: usize,
+}
+
+/// The per-layer input embeddings of the E-series models.
+struct PerLayerInputs {
+    embed_tokens_per_layer: Embedding,
+    per_layer_model_projection: Linear,
+    per_layer_projection_norm: RmsNorm,
+    /// `hidden_size_per_layer_input`.
+    dim: usize,
+}
+
+impl PerLayerInputs {
+    /// `[tokens, layers * dim]`: each layer's input, from the token ids and the scaled embeddings `h`.
+    fn forward(&self, tokens: &[u32], h: &[f32], hidden: usize) -> Vec<f32> {
+        let n = tokens.len();
+        let mut from_ids = self.embed_tokens_per_layer.forward(tokens);
+        ops::scale_inplace(&mut from_ids, (self.dim as f64).sqrt() as f32);
+        let mut projected = self.per_layer_model_projection.forward(h, n);
+        ops::scale_inplace(&mut projected, (hidden as f64).powf(-0.5) as f32);
+        self.per_layer_projection_norm
+            .forward_inplace(&mut projected);
+        ops::add_inplace(&mut projected, &from_ids);
+        ops::scale_inplace(&mut projected, 2f64.powf(-0.5) as f32);
+        projected
+    }
+}
+
+pub struct Gemma4 {
+    info: ModelInfo,
+    embed_tokens: Embedding,
+    embed_scale: f32,
+    per_layer_inputs: Option<PerLayerInputs>,
+    layers: Vec<Block>,
+    norm: RmsNorm,
+    /// `None` when the output head is tied to the embeddings.
+    lm_head: Option<Linear>,
+    final_logit_softcapping: Option<f32>,
+    sliding_window: usize,
+    /// Layers with a cache of their own: the first `num_hidden_layers - num_kv_shared_layers`.
+    cached_layers: usize,
+}
+
+/// The RoPE of one layer kind from `rope_parameters`, as `Attention.__init__` builds it.
+fn rope_for(
+    rope_parameters: &Value,
+    kind: &str,
+    head_dim: usize,
+    traditional: bool,
+) -> Result<Rope, LoadError> {
+    let params = rope_parameters.get(kind).cloned().unwrap_or(json!({}));
+    let theta = params
+        .get("rope_theta")
+        .and_then(Value::as_f64)
+        .unwrap_or(10000.0);
+    Rope::new(head_dim, theta as f32, traditional, Some(&params))
+}
+
+#[derive(Clone, Copy)]
+struct MoeArgs {
+    experts: usize,
+    top_k: usize,
+    intermediate: usize,
+}
+
+/// mlx-lm's `ModelArgs`, with its defaults, checked, and what `__init__` derives from it.
+struct Args {
+    hidden: usize,
+    intermediate: usize,
+    heads: usize,
+    head_dim: usize,
+    global_head_dim: usize,
+    eps: f32,
+    vocab: usize,
+    vocab_per_layer: usize,
+    kv_heads: usize,
+    global_kv_heads: Option<usize>,
+    /// `hidden_size_per_layer_input`, when the model has per-layer inputs.
+    per_layer_dim: Option<usize>,
+    sliding_window: usize,
+    max_context: usize,
+    k_eq_v: bool,
+    softcap: Option<f32>,
+    double_wide: bool,
+    tied: bool,
+    moe: Option<MoeArgs>,
+    /// Per layer: a sliding-window layer (else global).
+    sliding: Vec<bool>,
+    /// Per layer: the layer whose cache it attends over (itself unless KV-shared).
+    kv_sources: Vec<usize>,
+    /// Layers with a cache of their own: the first `num_hidden_layers - num_kv_shared_layers`.
+    cached_layers: usize,
+    sliding_rope: Rope,
+    global_rope: Rope,
+}
+
+impl Args {
+    fn from_config(cfg: &Config) -> Result<Self, LoadError> {
+        let bad = |msg: String| LoadError::Config(msg);
+        let layers: usize = cfg.get("num_hidden_layers")?.unwrap_or(35);
+        let head_dim: usize = cfg.get("head_dim")?.unwrap_or(256);
+        let global_head_dim = setting(cfg, "global_head_dim", Some(512usize))?
+            .filter(|&d| d > 0)
+            .unwrap_or(head_dim);
+        let pattern: usize = cfg.get("sliding_window_pattern")?.unwrap_or(5);
+        let layer_types: Vec<String> = match cfg.get("layer_types")? {
+            Some(types) => types,
+            None if pattern > 0 => (0..layers)
+                .map(|i| match (i + 1) % pattern {
+                    0 => "full_attention".into(),
+                    _ => "sliding_attention".into(),
+                })
+                .collect(),
+            None => return Err(bad("`sliding_window_pattern` must be positive".into())),
+        };
+        if layer_types.len() < layers {
+            return Err(bad(format!(
+                "`layer_types` names {} of {layers} layers",
+                layer_types.len()
+            )));
+        }
+        let sliding = layer_types[..layers]
+            .iter()
+            .map(|t| match t.as_str() {
+                "sliding_attention" => Ok(true),
+                "full_attention" => Ok(false),
+                other => Err(bad(format!("layer type `{other}` is not supported"))),
+            })
+            .collect::<Result<Vec<bool>, LoadError>>()?;
+        // Each KV-shared layer reads the cache of the last earlier layer of its kind.
+        let kv_shared: usize = cfg.get("num_kv_shared_layers")?.unwrap_or(20);
+        let cached_layers = layers.saturating_sub(kv_shared);
+        let mut kv_sources: Vec<usize> = (0..layers).collect();
+        for j in cached_layers..layers {
+            kv_sources[j] = (0..cached_layers)
+                .rev()
+                .find(|&i| sliding[i] == sliding[j])
+                .ok_or_else(|| {
+                    bad(format!(
+                        "KV-shared layer {j} has no earlier {} to share with",
+                        layer_types[j]
+                    ))
+                })?;
+        }
+        let moe = if cfg.get("enable_moe_block")?.unwrap_or(false) {
+            let experts: usize = cfg.require("num_experts")?;
+            let top_k: usize = cfg.require("top_k_experts")?;
+            if top_k == 0 || top_k > experts {
+                return Err(bad(format!("{top_k} experts per token of {experts}")));
+            }
+            Some(MoeArgs {
+                experts,
+                top_k,
+                intermediate: cfg.require("moe_intermediate_size")?,
+            })
+        } else {
+            None
+        };
+        let traditional: bool = cfg.get("rope_traditional")?.unwrap_or(false);
+        let rope_parameters = cfg.raw("rope_parameters").cloned().unwrap_or(json!({
+            "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                               "rope_type": "proportional"},
+            "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 10000.0,
+                                  "rope_type": "default"},
+        }));
+        let args = Args {
+            hidden: cfg.get("hidden_size")?.unwrap_or(1536),
+            intermediate: cfg.get("intermediate_size")?.unwrap_or(6144),
+            heads: cfg.get("num_attention_heads")?.unwrap_or(8),
+            head_dim,
+            global_head_dim,
+            eps: cfg.get("rms_norm_eps")?.unwrap_or(1e-6),
+            vocab: cfg.get("vocab_size")?.unwrap_or(262144),
+            vocab_per_layer: cfg.get("vocab_size_per_layer_input")?.unwrap_or(262144),
+            kv_heads: cfg.get("num_key_value_heads")?.unwrap_or(1),
+            global_kv_heads: cfg.get("num_global_key_value_heads")?,
+            per_layer_dim: setting(cfg, "hidden_size_per_layer_input", Some(256usize))?
+                .filter(|&d| d > 0),
+            sliding_window: cfg.get("sliding_window")?.unwrap_or(512),
+            max_context: cfg.get("max_position_embeddings")?.unwrap_or(131072),
+            k_eq_v: cfg.get("attention_k_eq_v")?.unwrap_or(false),
+            softcap: setting(cfg, "final_logit_softcapping", Some(30.0f32))?,
+            double_wide: cfg.get("use_double_wide_mlp")?.unwrap_or(true),
+            tied: cfg.get("tie_word_embeddings")?.unwrap_or(true),
+            moe,
+            sliding,
+            kv_sources,
+            cached_layers,
+            sliding_rope: rope_for(&rope_parameters, "sliding_attention", head_dim, traditional)?,
+            global_rope: rope_for(
+                &rope_parameters,
+                "full_attention",
+                global_head_dim,
+                traditional,
+            )?,
+        };
+        if args.sliding_window == 0 {
+            return Err(bad("`sliding_window` must be positive".into()));
+        }
+        if args.per_layer_dim.is_some() && args.vocab_per_layer < args.vocab {
+            return Err(bad(format!(
+                "`vocab_size_per_layer_input` {} is smaller than `vocab_size` {}",
+                args.vocab_per_layer, args.vocab
+            )));
+        }
+        Ok(args)
+    }
+
+    fn layers(&self) -> usize {
+        self.sliding.len()
+    }
+}
+
+impl PerLayerInputs {
+    fn load(ckpt: &mut Checkpoint, m: &str, args: &Args, dim: usize) -> Result<Self, LoadError> {
+        let width = args.layers() * dim;
+        Ok(PerLayerInputs {
+            embed_tokens_per_layer: Embedding::load(
+                ckpt,
+                &format!("{m}.embed_tokens_per_layer"),
+                args.vocab_per_layer,
+                width,
+            )?,
+            per_layer_model_projection: Linear::load(
+                ckpt,
+                &format!("{m}.per_layer_model_projection"),
+                args.hidden,
+                width,
+                false,
+            )?,
+            per_layer_projection_norm: RmsNorm::load(
+                ckpt,
+                &format!("{m}.per_layer_projection_norm"),
+                dim,
+                args.eps,
+            )?,
+            dim,
+        })
+    }
+}
+
+impl Attention {
+    fn load(ckpt: &mut Checkpoint, p: &str, args: &Args, i: usize) -> Result<Self, LoadError> {
+        let a = format!("{p}.self_attn");
+        let sliding = args.sliding[i];
+        let (hidden, heads, eps) = (args.hidden, args.heads, args.eps);
+        let d = if sliding {
+            args.head_dim
+        } else {
+            args.global_head_dim
+        };
+        let k_eq_v = args.k_eq_v && !sliding;
+        let kv_heads = match args.global_kv_heads {
+            Some(g) if k_eq_v => g,
+            _ => args.kv_heads,
+        };
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(LoadError::Config(format!(
+                "{heads} attention heads cannot be grouped over {kv_heads} key/value heads"
+            )));
+        }
+        let linear = |ckpt: &mut Checkpoint, name: &str, inputs, outputs| {
+            Linear::load(ckpt, &format!("{a}.{name}"), inputs, outputs, false)
+        };
+        let kv = if i < args.cached_layers {
+            Some(KvProjections {
+                k_proj: linear(ckpt, "k_proj", hidden, kv_heads * d)?,
+                v_proj: (!k_eq_v)
+                    .then(|| linear(ckpt, "v_proj", hidden, kv_heads * d))
+                    .transpose()?,
+                k_norm: RmsNorm::load(ckpt, &format!("{a}.k_norm"), d, eps)?,
+                v_norm: RmsNorm::unscaled(d, eps),
+            })
+        } else {
+            // As mlx-lm's `sanitize`: a KV-shared layer's own projections go unused.
+            let unused = [".k_proj.", ".v_proj.", ".k_norm."].map(|s| format!("{a}{s}"));
+            ckpt.discard_where(|name| unused.iter().any(|u| name.starts_with(u)));
+            None
+        };
+        Ok(Attention {
+            q_proj: linear(ckpt, "q_proj", hidden, heads * d)?,
+            kv,
+            o_proj: linear(ckpt, "o_proj", heads * d, hidden)?,
+            q_norm: RmsNorm::load(ckpt, &format!("{a}.q_norm"), d, eps)?,
+            rope: if sliding {
+                args.sliding_rope.clone()
+            } else {
+                args.global_rope.clone()
+            },
+            heads,
+            kv_heads,
+            head_dim: d,
+            sliding,
+        })
+    }
+}
+
+impl Block {
+    fn load(ckpt: &mut Checkpoint, m: &str, args: &Args, i: usize) -> Result<Self, LoadError> {
+        let p = format!("{m}.layers.{i}");
+        let (hidden, eps) = (args.hidden, args.eps);
+        let norm = |ckpt: &mut Checkpoint, name: &str| {
+            RmsNorm::load(ckpt, &format!("{p}.{name}"), hidden, eps)
+        };
+        // KV-shared layers have a double-wide MLP.
+        let kv_shared = i >= args.cached_layers && args.cached_layers > 0;
+        let mlp_width = args.intermediate * if args.double_wide && kv_shared { 2 } else { 1 };
+        let per_layer = match args.per_layer_dim {
+            Some(dim) => Some(PerLayerGate {
+                per_layer_input_gate: Linear::load(
+                    ckpt,
+                    &format!("{p}.per_layer_input_gate"),
+                    hidden,
+                    dim,
+                    false,
+                )?,
+                per_layer_projection: Linear::load(
+                    ckpt,
+                    &format!("{p}.per_layer_projection"),
+                    dim,
+                    hidden,
+                    false,
+                )?,
+                post_per_layer_input_norm: norm(ckpt, "post_per_layer_input_norm")?,
+            }),
+            None => None,
+        };
+        Ok(Block {
+            input_layernorm: norm(ckpt, "input_layernorm")?,
+            self_attn: Attention::load(ckpt, &p, args, i)?,
+            post_attention_layernorm: norm(ckpt, "post_attention_layernorm")?,
+            pre_feedforward_layernorm: norm(ckpt, "pre_feedforward_layernorm")?,
+            mlp: Mlp::load(ckpt, &format!("{p}.mlp"), hidden, mlp_width, false)?,
+            moe: args
+                .moe
+                .as_ref()
+                .map(|moe| MoeBlock::load(ckpt, &p, hidden, moe, eps))
+                .transpose()?,
+            post_feedforward_layernorm: norm(ckpt, "post_feedforward_layernorm")?,
+            per_layer,
+            layer_scalar: load_vector(ckpt, &format!("{p}.layer_scalar"), 1)?[0],
+            kv_source: args.kv_sources[i],
+        })
+    }
+}
+
+impl Gemma4 {
+    pub fn load(mut ckpt: Checkpoint) -> Result<Self, LoadError> {
+        let model_type = ckpt.config.model_type()?.to_string();
+        let (args, prefix) = if model_type == "gemma4" {
+            // As `gemma4.py`'s `sanitize`: only the language model is kept.
+            let towers = [
+                "vision_tower",
+                "multi_modal_projector",
+                "audio_tower",
+                "embed_audio",
+                "embed_vision",
+                "vision_embedder",
+            ];
+            ckpt.discard_where(|name| {
+                let name = name.strip_prefix("model.").unwrap_or(name);
+                towers.iter().any(|t| name.starts_with(t))
+            });
+            let text = wrapped_text_config(&ckpt.config, 262144, 8, 1)?;
+            (Args::from_config(&text)?, "language_model.")
+        } else {
+            (Args::from_config(&ckpt.config)?, "")
+        };
+        ckpt.discard_where(|name| {
+            let unused = ["input_max", "input_min", "output_max", "output_min"];
+            name.contains("self_attn.rotary_emb") || unused.iter().any(|s| name.contains(s))
+        });
+        let m = format!("{prefix}model");
+        let (hidden, vocab) = (args.hidden, args.vocab);
+        let embed_tokens = Embedding::load(&mut ckpt, &format!("{m}.embed_tokens"), vocab, hidden)?;
+        let per_layer_inputs = args
+            .per_layer_dim
+            .map(|dim| PerLayerInputs::load(&mut ckpt, &m, &args, dim))
+            .transpose()?;
+        let layers = (0..args.layers())
+            .map(|i| Block::load(&mut ckpt, &m, &args, i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let norm = RmsNorm::load(&mut ckpt, &format!("{m}.norm"), hidden, args.eps)?;
+        let lm_head = (!args.tied)
+            .then(|| Linear::load(&mut ckpt, &format!("{prefix}lm_head"), hidden, vocab, false))
+            .transpose()?;
+        ckpt.finish()?;
+        Ok(Gemma4 {
+            info: ModelInfo {
+                model_type,
+                vocab_size: vocab,
+                hidden_size: hidden,
+                num_layers: layers.len(),
+                max_context: Some(args.max_context),
+            },
+            embed_tokens,
+            embed_scale: (hidden as f64).sqrt() as f32,
+            per_layer_inputs,
+            layers,
+            norm,
+            lm_head,
+            final_logit_softcapping: args.softcap,
+            sliding_window: args.sliding_window,
+            cached_layers: args.cached_layers,
+        })
+    }
+}
+
+impl LanguageModel for Gemma4 {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn new_cache(&self) -> Cache {
+        Cache::new(
+            self.layers[..self.cached_layers]
+                .iter()
+                .map(|b| {
+                    let a = &b.self_attn;
+                    if a.sliding {
+                        LayerCache::Rotating(RotatingKvCache::new(
+                            a.kv_heads,
+                            a.head_dim,
+                            self.sliding_window,
+                        ))
+                    } else {
+                        LayerCache::Kv(KvCache::new(a.kv_heads, a.head_dim))
+                    }
+                })
+                .collect(),
+        )
+    }
+
+    fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        logits: Logits,
+    ) -> Result<Tensor, ForwardError> {
+        let offset = cache.offset;
+        check_tokens(&self.info, tokens, offset)?;
+        if cache.layers.len() != self.cached_layers {
+            return Err(ForwardError::CacheMismatch);
+        }
+        let n = tokens.len();
+        let hidden = self.info.hidden_size;
+        let positions: Vec<usize> = (offset..offset + n).collect();
+        let mut h = self.embed_tokens.forward(tokens);
+        ops::scale_inplace(&mut h, self.embed_scale);
+        let per_layer_inputs = self
+            .per_layer_inputs
+            .as_ref()
+            .map(|p| (p.forward(tokens, &h, hidden), p.dim));
+        for (i, block) in self.layers.iter().enumerate() {
+            let attn = &block.self_attn;
+            let x = block.input_layernorm.forward(&h);
+            if let Some(kv) = &attn.kv {
+                attn.store_kv(kv, &x, &positions, &mut cache.layers[i])?;
+            }
+            let mut r = attn.forward(&x, &positions, &cache.layers[block.kv_source])?;
+            block.post_attention_layernorm.forward_inplace(&mut r);
+            ops::add_inplace(&mut h, &r);
+
+            let mut r = match &block.moe {
+                Some(moe) => moe.forward(&block.mlp, &block.pre_feedforward_layernorm, &h, n),
+                None => block
+                    .mlp
+                    .forward_geglu(&block.pre_feedforward_layernorm.forward(&h), n),
+            };
+            block.post_feedforward_layernorm.forward_inplace(&mut r);
+            ops::add_inplace(&mut h, &r);
+
+            if let (Some(gate), Some((inputs, dim))) = (&block.per_layer, &per_layer_inputs) {
+                let mut g = gate.per_layer_input_gate.forward(&h, n);
+                let stride = self.layers.len() * dim;
+                for (t, row) in g.chunks_exact_mut(*dim).enumerate() {
+                    let input = &inputs[t * stride + i * dim..][..*dim];
+                    ops::gelu_approx_mul_inplace(row, input);
+                }
+                let mut g = gate.per_layer_projection.forward(&g, n);
+                gate.post_per_layer_input_norm.forward_inplace(&mut g);
+                ops::add_inplace(&mut h, &g);
+            }
+            ops::scale_inplace(&mut h, block.layer_scalar);
+        }
+        cache.offset += n;
+        let (mut h, rows) = match logits {
+            Logits::All => (h, n),
+            Logits::Last => (h.split_off((n - 1) * hidden), 1),
+        };
+        self.norm.forward_inplace(&mut h);
+        let mut out = match &self.lm_head {
+            Some(head) => head.forward(&h, rows),
+            None => self.embed_tokens.as_linear(&h, rows),
+        };
+        if let Some(cap) = self.final_logit_softcapping {
+            ops::softcap_inplace(&mut out, cap);
+        }
+        Ok(Tensor::new(vec![rows, self.info.vocab_size], out))
+    }
+}

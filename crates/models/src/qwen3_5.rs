@@ -1,0 +1,665 @@
+//! Qwen3.5 as mlx-lm's `qwen3_5.py` defines it, with the layers it takes from `qwen3_next.py`
+//! and `gated_delta.py`: gated-DeltaNet linear attention in most layers and gated full attention
+//! in every `full_attention_interval`-th one. `qwen3_5_moe` (mlx-lm's `qwen3_5_moe.py`) replaces
+//! each MLP with a sparse mixture of experts.
+//!
+//! Checkpoints: mlx-lm saves the text model under `language_model.` (`language_model.model.*`,
+//! `language_model.lm_head`), the config possibly nested under `text_config`. Hugging Face
+//! checkpoints (`model.language_model.*` or `model.*`) are read as mlx-lm's `sanitize` reads
+//! them: their conv1d weights are `[channels, 1, kernel]` and their RMSNorms scale by `1 + w`.
+
+use oxlm_engine::recurrent::{self, DeltaRuleDims};
+use oxlm_engine::{ops, DType, Tensor};
+use serde_json::Value;
+
+use crate::cache::{Cache, KvCache, LayerCache, RecurrentCache};
+use crate::checkpoint::Checkpoint;
+use crate::layers::{load_vector, Embedding, Linear, Mlp, RmsNorm, Rope};
+use crate::switch::SparseMoe;
+use crate::{check_tokens, ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
+
+/// The eps of the L2 normalization of q and k in the delta rule (`normalize_qk`'s `eps`).
+const QK_NORM_EPS: f64 = 1e-6;
+
+fn silu_inplace(x: &mut [f32]) {
+    for v in x {
+        *v /= 1.0 + (-*v).exp();
+    }
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// `log(1 + eˣ)` computed as `logaddexp(x, 0)`, like `nn.softplus`.
+fn softplus(x: f32) -> f32 {
+    x.max(0.0) + (-x.abs()).exp().ln_1p()
+}
+
+/// The linear-attention mixer (mlx-lm's `GatedDeltaNet`).
+struct GatedDeltaNet {
+    in_proj_qkv: Linear,
+    in_proj_z: Linear,
+    in_proj_b: Linear,
+    in_proj_a: Linear,
+    /// Depthwise convolution weights, `[conv_dim, kernel]`.
+    conv1d: Vec<f32>,
+    kernel: usize,
+    dt_bias: Vec<f32>,
+    /// `-exp(A_log)`: each value head's decay rate.
+    neg_a: Vec<f32>,
+    /// RMSNorm of each head's output before the `silu(z)` gate.
+    norm: RmsNorm,
+    out_proj: Linear,
+    dims: DeltaRuleDims,
+}
+
+impl GatedDeltaNet {
+    fn key_dim(&self) -> usize {
+        self.dims.k_heads * self.dims.k_dim
+    }
+
+    /// Channels of the convolution: queries, keys and values side by side.
+    fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.dims.v_heads * self.dims.v_dim
+    }
+
+    fn new_cache(&self) -> RecurrentCache {
+        RecurrentCache::new(self.conv_dim(), self.kernel, self.dims)
+    }
+
+    fn forward(&self, x: &[f32], n: usize, cache: &mut RecurrentCache) -> Vec<f32> {
+        let d = self.dims;
+        let (key_dim, conv_dim) = (self.key_dim(), self.conv_dim());
+        let qkv = self.in_proj_qkv.forward(x, n);
+        let mut z = self.in_proj_z.forward(x, n);
+        let b = self.in_proj_b.forward(x, n);
+        let a = self.in_proj_a.forward(x, n);
+
+        let mut mixed = vec![0.0; n * conv_dim];
+        recurrent::causal_conv1d(
+            &qkv,
+            conv_dim,
+            &self.conv1d,
+            self.kernel,
+            &mut cache.conv,
+            &mut mixed,
+        );
+        silu_inplace(&mut mixed);
+        let mut q = Vec::with_capacity(n * key_dim);
+        let mut k = Vec::with_capacity(n * key_dim);
+        let mut v = Vec::with_capacity(n * (conv_dim - 2 * key_dim));
+        for row in mixed.chunks_exact(conv_dim) {
+            q.extend_from_slice(&row[..key_dim]);
+            k.extend_from_slice(&row[key_dim..2 * key_dim]);
+            v.extend_from_slice(&row[2 * key_dim..]);
+        }
+
+        // `normalize_qk`: L2-normalized q and k (as an RMSNorm with eps scaled by 1/k_dim), with
+        // the 1/sqrt(k_dim) readout scale folded into q.
+        let inv_scale = (d.k_dim as f64).powf(-0.5);
+        let unit = RmsNorm::unscaled(d.k_dim, (QK_NORM_EPS * inv_scale * inv_scale) as f32);
+        unit.forward_inplace(&mut q);
+        unit.forward_inplace(&mut k);
+        let (q_scale, k_scale) = ((inv_scale * inv_scale) as f32, inv_scale as f32);
+        q.iter_mut().for_each(|x| *x *= q_scale);
+        k.iter_mut().for_each(|x| *x *= k_scale);
+
+        // Per token and value head: write strength beta and decay g (f32, as `compute_g`).
+        let beta: Vec<f32> = b.iter().map(|&x| sigmoid(x)).collect();
+        let g: Vec<f32> = a
+            .chunks_exact(d.v_heads)
+            .flat_map(|row| {
+                row.iter()
+                    .zip(&self.dt_bias)
+                    .zip(&self.neg_a)
+                    .map(|((&a, &dt), &neg_a)| (neg_a * softplus(a + dt)).exp())
+            })
+            .collect();
+
+        let mut y = vec![0.0; v.len()];
+        recurrent::gated_delta_rule(&q, &k, &v, &g, &beta, d, &mut cache.state, &mut y);
+        self.norm.forward_inplace(&mut y);
+        ops::silu_mul_inplace(&mut z, &y);
+        self.out_proj.forward(&z, n)
+    }
+}
+
+/// Full attention whose query projection also yields an output gate (mlx-lm's
+/// `Qwen3NextAttention`): per-head q/k RMSNorm, RoPE on the first features only, and the
+/// attention output scaled by `sigmoid(gate)` before `o_proj`.
+struct GatedAttention {
+    /// `[heads × (head_dim queries, head_dim gates)]` per token.
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+    rope: Rope,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+}
+
+impl GatedAttention {
+    fn forward(&self, x: &[f32], positions: &[usize], cache: &mut KvCache) -> Vec<f32> {
+        let (n, hd) = (positions.len(), self.head_dim);
+        let projected = self.q_proj.forward(x, n);
+        let mut q = Vec::with_capacity(n * self.heads * hd);
+        let mut gate = Vec::with_capacity(n * self.heads * hd);
+        for head in projected.chunks_exact(2 * hd) {
+            q.extend_from_slice(&head[..hd]);
+            gate.extend_from_slice(&head[hd..]);
+        }
+        let mut k = self.k_proj.forward(x, n);
+        let v = self.v_proj.forward(x, n);
+        self.q_norm.forward_inplace(&mut q);
+        self.k_norm.forward_inplace(&mut k);
+        self.rope.apply(&mut q, self.heads, hd, positions);
+        self.rope.apply(&mut k, self.kv_heads, hd, positions);
+        cache.append(&k, &v);
+        let mut out = vec![0.0; q.len()];
+        ops::attention(
+            &q,
+            self.heads,
+            hd,
+            positions,
+            &cache.view(),
+            self.scale,
+            &mut out,
+        );
+        for (o, &g) in out.iter_mut().zip(&gate) {
+            *o *= sigmoid(g);
+        }
+        self.o_proj.forward(&out, n)
+    }
+}
+
+enum Mixer {
+    Linear(GatedDeltaNet),
+    Attention(GatedAttention),
+}
+
+// One per layer, held in a Vec: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+enum FeedForward {
+    Dense(Mlp),
+    Moe(SparseMoe),
+}
+
+struct Block {
+    input_layernorm: RmsNorm,
+    mixer: Mixer,
+    post_attention_layernorm: RmsNorm,
+    mlp: FeedForward,
+}
+
+pub struct Qwen3_5 {
+    info: ModelInfo,
+    embed_tokens: Embedding,
+    layers: Vec<Block>,
+    norm: RmsNorm,
+    /// `None` when the output head is tied to the embeddings.
+    lm_head: Option<Linear>,
+}
+
+/// The text model's settings (mlx-lm's `TextModelArgs`), checked for what would not build.
+struct Args {
+    hidden: usize,
+    layers: usize,
+    eps: f32,
+    vocab: usize,
+    tied: bool,
+    full_attention_interval: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    attention_bias: bool,
+    rope: Rope,
+    linear: DeltaRuleDims,
+    conv_kernel: usize,
+    /// `None` for a dense MLP.
+    moe: Option<MoeArgs>,
+    intermediate: usize,
+}
+
+struct MoeArgs {
+    experts: usize,
+    top_k: usize,
+    intermediate: usize,
+    shared_intermediate: usize,
+    norm_topk_prob: bool,
+}
+
+impl Args {
+    fn from_config(ckpt: &Checkpoint) -> Result<Self, LoadError> {
+        let cfg = &ckpt.config;
+        let hidden: usize = cfg.require("hidden_size")?;
+        let layers: usize = cfg.require("num_hidden_layers")?;
+        let heads: usize = cfg.require("num_attention_heads")?;
+        let kv_heads: usize = cfg.require("num_key_value_heads")?;
+        let head_dim: usize = cfg.get("head_dim")?.unwrap_or(hidden / heads.max(1));
+        let full_attention_interval: usize = cfg.get("full_attention_interval")?.unwrap_or(4);
+        let linear = DeltaRuleDims {
+            k_heads: cfg.require("linear_num_key_heads")?,
+            v_heads: cfg.require("linear_num_value_heads")?,
+            k_dim: cfg.require("linear_key_head_dim")?,
+            v_dim: cfg.require("linear_value_head_dim")?,
+        };
+        let conv_kernel: usize = cfg.get("linear_conv_kernel_dim")?.unwrap_or(4);
+        let d = linear;
+        let sizes = [
+            hidden, heads, kv_heads, head_dim, d.k_heads, d.v_heads, d.k_dim, d.v_dim,
+        ];
+        if sizes.contains(&0) {
+            return Err(LoadError::Config(
+                "sizes and head counts must be positive".into(),
+            ));
+        }
+        if !heads.is_multiple_of(kv_heads) {
+            return Err(LoadError::Config(format!(
+                "{heads} attention heads cannot be grouped over {kv_heads} key/value heads"
+            )));
+        }
+        if !linear.v_heads.is_multiple_of(linear.k_heads) {
+            return Err(LoadError::Config(format!(
+                "{} linear value heads cannot be grouped over {} key heads",
+                linear.v_heads, linear.k_heads
+            )));
+        }
+        if full_attention_interval == 0 || conv_kernel == 0 {
+            return Err(LoadError::Config(
+                "`full_attention_interval` and `linear_conv_kernel_dim` must be positive".into(),
+            ));
+        }
+        // mlx-lm places the layers by the interval alone; a `layer_types` list must agree.
+        if let Some(types) = cfg.get::<Vec<String>>("layer_types")? {
+            let expected = (0..layers).map(|i| {
+                if is_linear(i, full_attention_interval) {
+                    "linear_attention"
+                } else {
+                    "full_attention"
+                }
+            });
+            if types.len() != layers || !types.iter().map(String::as_str).eq(expected) {
+                return Err(LoadError::Config(format!(
+                    "`layer_types` does not put full attention every {full_attention_interval} \
+                     layers, as `full_attention_interval` does"
+                )));
+            }
+        }
+
+        // Rope settings live in `rope_parameters` (transformers ≥ 5); without it mlx-lm's
+        // defaults apply: theta 100000, a quarter of each head rotated.
+        let params = cfg.raw("rope_parameters").cloned();
+        let param = |key: &str, default: f64| -> Result<f64, LoadError> {
+            match params.as_ref().and_then(|p| p.get(key)) {
+                None | Some(Value::Null) => Ok(default),
+                Some(v) => v.as_f64().ok_or_else(|| {
+                    LoadError::Config(format!("`rope_parameters.{key}` is not a number"))
+                }),
+            }
+        };
+        let rope_theta = param("rope_theta", cfg.get("rope_theta")?.unwrap_or(100000.0))?;
+        let partial = param(
+            "partial_rotary_factor",
+            cfg.get("partial_rotary_factor")?.unwrap_or(0.25),
+        )?;
+        let rotary_dims = (head_dim as f64 * partial) as usize;
+        if !rotary_dims.is_multiple_of(2) || rotary_dims > head_dim {
+            return Err(LoadError::Config(format!(
+                "partial_rotary_factor {partial} gives {rotary_dims} rotated features of \
+                 {head_dim}: an even number up to head_dim is needed"
+            )));
+        }
+        let rope = Rope::new(rotary_dims, rope_theta as f32, false, params.as_ref())?;
+
+        let experts: usize = cfg.get("num_experts")?.unwrap_or(0);
+        let moe = if experts > 0 {
+            let top_k: usize = cfg.require("num_experts_per_tok")?;
+            if top_k == 0 || top_k > experts {
+                return Err(LoadError::Config(format!(
+                    "{top_k} experts per token of {experts}"
+                )));
+            }
+            Some(MoeArgs {
+                experts,
+                top_k,
+                intermediate: cfg.require("moe_intermediate_size")?,
+                shared_intermediate: cfg.require("shared_expert_intermediate_size")?,
+                norm_topk_prob: cfg.get("norm_topk_prob")?.unwrap_or(true),
+            })
+        } else {
+            None
+        };
+        let intermediate = match moe {
+            Some(_) => 0,
+            None => cfg.require("intermediate_size")?,
+        };
+        Ok(Args {
+            hidden,
+            layers,
+            eps: cfg.get("rms_norm_eps")?.unwrap_or(1e-6),
+            vocab: cfg.require("vocab_size")?,
+            tied: cfg.get("tie_word_embeddings")?.unwrap_or(false),
+            full_attention_interval,
+            heads,
+            kv_heads,
+            head_dim,
+            attention_bias: cfg.get("attention_bias")?.unwrap_or(false),
+            rope,
+            linear,
+            conv_kernel,
+            moe,
+            intermediate,
+        })
+    }
+}
+
+/// Whether layer `i` is a gated-DeltaNet layer (mlx-lm's `is_linear`).
+fn is_linear(i: usize, full_attention_interval: usize) -> bool {
+    !(i + 1).is_multiple_of(full_attention_interval)
+}
+
+/// Where mlx-lm keeps the text model's weights (what `sanitize` renames the others to).
+const MODEL: &str = "language_model.model";
+const LM_HEAD: &str = "language_model.lm_head";
+
+/// Whether the checkpoint is a Hugging Face export, whose conv1d weights are
+/// `[channels, 1, kernel]` and whose RMSNorms scale by `1 + w`.
+struct Layout {
+    hugging_face: bool,
+}
+
+impl Layout {
+    /// mlx-lm's `sanitize`: weights move under `language_model.` (`model.language_model.*` →
+    /// `language_model.model.*`), vision-tower and multi-token-prediction weights are dropped,
+    /// and a conv1d weight whose last axis is not 1 marks a Hugging Face export.
+    fn sanitize(ckpt: &mut Checkpoint, args: &Args) -> Self {
+        ckpt.discard_where(|name| {
+            name.starts_with("vision_tower")
+                || name.starts_with("model.visual")
+                || name.contains("mtp.")
+        });
+        ckpt.rename(|name| {
+            if let Some(rest) = name.strip_prefix("model.language_model") {
+                Some(format!("{MODEL}{rest}"))
+            } else if name.starts_with("language_model.") {
+                None
+            } else {
+                Some(format!("language_model.{name}"))
+            }
+        });
+        let hugging_face = (0..args.layers)
+            .find(|&i| is_linear(i, args.full_attention_interval))
+            .and_then(|i| ckpt.peek(&format!("{MODEL}.layers.{i}.linear_attn.conv1d.weight")))
+            .is_some_and(|t| t.shape.last() != Some(&1));
+        Layout { hugging_face }
+    }
+
+    /// An RMSNorm that Hugging Face stores as an offset from 1: `sanitize` adds the 1 in the
+    /// weight's own dtype, so the sum is rounded to it here as well.
+    fn shifted_norm(
+        &self,
+        ckpt: &mut Checkpoint,
+        prefix: &str,
+        dim: usize,
+        eps: f32,
+    ) -> Result<RmsNorm, LoadError> {
+        let dtype = ckpt.peek(&format!("{prefix}.weight")).map(|t| t.dtype);
+        let mut norm = RmsNorm::load(ckpt, prefix, dim, eps)?;
+        if self.hugging_face {
+            for w in &mut norm.weight {
+                *w = match dtype {
+                    Some(DType::BF16) => half::bf16::from_f32(*w + 1.0).to_f32(),
+                    Some(DType::F16) => half::f16::from_f32(*w + 1.0).to_f32(),
+                    _ => *w + 1.0,
+                };
+            }
+        }
+        Ok(norm)
+    }
+}
+
+fn load_linear_attn(
+    ckpt: &mut Checkpoint,
+    p: &str,
+    args: &Args,
+    layout: &Layout,
+) -> Result<GatedDeltaNet, LoadError> {
+    let d = args.linear;
+    let key_dim = d.k_heads * d.k_dim;
+    let value_dim = d.v_heads * d.v_dim;
+    let conv_dim = 2 * key_dim + value_dim;
+    let h = args.hidden;
+
+    let name = format!("{p}.conv1d.weight");
+    let kernel = args.conv_kernel;
+    let expected = if layout.hugging_face {
+        [conv_dim, 1, kernel]
+    } else {
+        [conv_dim, kernel, 1]
+    };
+    let raw = ckpt
+        .peek(&name)
+        .ok_or_else(|| LoadError::MissingTensor(name.clone()))?;
+    if raw.shape != expected {
+        return Err(LoadError::TensorShape {
+            name,
+            found: raw.shape.clone(),
+            dtype: raw.dtype.to_string(),
+            expected: format!("{expected:?}"),
+        });
+    }
+    // Both layouts hold `[conv_dim, kernel]` in memory.
+    let conv1d = load_flat(ckpt, &name, conv_dim * kernel)?;
+
+    let a_log = load_vector(ckpt, &format!("{p}.A_log"), d.v_heads)?;
+    Ok(GatedDeltaNet {
+        in_proj_qkv: Linear::load(ckpt, &format!("{p}.in_proj_qkv"), h, conv_dim, false)?,
+        in_proj_z: Linear::load(ckpt, &format!("{p}.in_proj_z"), h, value_dim, false)?,
+        in_proj_b: Linear::load(ckpt, &format!("{p}.in_proj_b"), h, d.v_heads, false)?,
+        in_proj_a: Linear::load(ckpt, &format!("{p}.in_proj_a"), h, d.v_heads, false)?,
+        conv1d,
+        kernel,
+        dt_bias: load_vector(ckpt, &format!("{p}.dt_bias"), d.v_heads)?,
+        neg_a: a_log.iter().map(|&x| -x.exp()).collect(),
+        norm: RmsNorm::load(ckpt, &format!("{p}.norm"), d.v_dim, args.eps)?,
+        out_proj: Linear::load(ckpt, &format!("{p}.out_proj"), value_dim, h, false)?,
+        dims: d,
+    })
+}
+
+/// A float array of any shape holding `len` values, as f32.
+fn load_flat(ckpt: &mut Checkpoint, name: &str, len: usize) -> Result<Vec<f32>, LoadError> {
+    let t = ckpt.take(name)?;
+    oxlm_engine::FloatMatrix::new(1, len, t.dtype, t.data)
+        .map(|m| m.to_f32_vec())
+        .map_err(|source| LoadError::Engine {
+            name: name.to_string(),
+            source,
+        })
+}
+
+fn load_self_attn(
+    ckpt: &mut Checkpoint,
+    p: &str,
+    args: &Args,
+    layout: &Layout,
+) -> Result<GatedAttention, LoadError> {
+    let (h, hd, bias) = (args.hidden, args.head_dim, args.attention_bias);
+    let (q_dim, kv_dim) = (args.heads * hd, args.kv_heads * hd);
+    Ok(GatedAttention {
+        q_proj: Linear::load(ckpt, &format!("{p}.q_proj"), h, 2 * q_dim, bias)?,
+        k_proj: Linear::load(ckpt, &format!("{p}.k_proj"), h, kv_dim, bias)?,
+        v_proj: Linear::load(ckpt, &format!("{p}.v_proj"), h, kv_dim, bias)?,
+        o_proj: Linear::load(ckpt, &format!("{p}.o_proj"), q_dim, h, bias)?,
+        q_norm: layout.shifted_norm(ckpt, &format!("{p}.q_norm"), hd, args.eps)?,
+        k_norm: layout.shifted_norm(ckpt, &format!("{p}.k_norm"), hd, args.eps)?,
+        rope: args.rope.clone(),
+        heads: args.heads,
+        kv_heads: args.kv_heads,
+        head_dim: hd,
+        scale: (hd as f32).powf(-0.5),
+    })
+}
+
+impl Qwen3_5 {
+    pub fn load(mut ckpt: Checkpoint) -> Result<Self, LoadError> {
+        let model_type = ckpt.config.model_type()?.to_string();
+        let args = Args::from_config(&ckpt)?;
+        let max_context: Option<usize> = ckpt.config.get("max_position_embeddings")?;
+        let layout = Layout::sanitize(&mut ckpt, &args);
+        if args.tied {
+            ckpt.discard_where(|name| name.starts_with(&format!("{LM_HEAD}.")));
+        }
+
+        let m = MODEL;
+        let (h, eps) = (args.hidden, args.eps);
+        let embed_tokens = Embedding::load(&mut ckpt, &format!("{m}.embed_tokens"), args.vocab, h)?;
+        let mut blocks = Vec::with_capacity(args.layers);
+        for i in 0..args.layers {
+            let p = format!("{m}.layers.{i}");
+            let mixer = if is_linear(i, args.full_attention_interval) {
+                Mixer::Linear(load_linear_attn(
+                    &mut ckpt,
+                    &format!("{p}.linear_attn"),
+                    &args,
+                    &layout,
+                )?)
+            } else {
+                Mixer::Attention(load_self_attn(
+                    &mut ckpt,
+                    &format!("{p}.self_attn"),
+                    &args,
+                    &layout,
+                )?)
+            };
+            let mlp = match &args.moe {
+                None => FeedForward::Dense(Mlp::load(
+                    &mut ckpt,
+                    &format!("{p}.mlp"),
+                    h,
+                    args.intermediate,
+                    false,
+                )?),
+                Some(moe) => FeedForward::Moe(SparseMoe::load(
+                    &mut ckpt,
+                    &format!("{p}.mlp"),
+                    h,
+                    moe.experts,
+                    moe.top_k,
+                    moe.intermediate,
+                    moe.shared_intermediate,
+                    moe.norm_topk_prob,
+                )?),
+            };
+            blocks.push(Block {
+                input_layernorm: layout.shifted_norm(
+                    &mut ckpt,
+                    &format!("{p}.input_layernorm"),
+                    h,
+                    eps,
+                )?,
+                mixer,
+                post_attention_layernorm: layout.shifted_norm(
+                    &mut ckpt,
+                    &format!("{p}.post_attention_layernorm"),
+                    h,
+                    eps,
+                )?,
+                mlp,
+            });
+        }
+        let norm = layout.shifted_norm(&mut ckpt, &format!("{m}.norm"), h, eps)?;
+        let lm_head = (!args.tied)
+            .then(|| Linear::load(&mut ckpt, LM_HEAD, h, args.vocab, false))
+            .transpose()?;
+        ckpt.finish()?;
+        Ok(Qwen3_5 {
+            info: ModelInfo {
+                model_type,
+                vocab_size: args.vocab,
+                hidden_size: h,
+                num_layers: args.layers,
+                max_context,
+            },
+            embed_tokens,
+            layers: blocks,
+            norm,
+            lm_head,
+        })
+    }
+}
+
+impl LanguageModel for Qwen3_5 {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn new_cache(&self) -> Cache {
+        Cache::new(
+            self.layers
+                .iter()
+                .map(|b| match &b.mixer {
+                    Mixer::Linear(m) => LayerCache::Recurrent(m.new_cache()),
+                    Mixer::Attention(m) => LayerCache::Kv(KvCache::new(m.kv_heads, m.head_dim)),
+                })
+                .collect(),
+        )
+    }
+
+    fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        logits: Logits,
+    ) -> Result<Tensor, ForwardError> {
+        let offset = cache.offset;
+        check_tokens(&self.info, tokens, offset)?;
+        // Checked before any layer runs, so that a wrong cache is left untouched.
+        let fits = cache.layers.len() == self.layers.len()
+            && self.layers.iter().zip(&cache.layers).all(|(b, c)| {
+                matches!(
+                    (&b.mixer, c),
+                    (Mixer::Linear(_), LayerCache::Recurrent(_))
+                        | (Mixer::Attention(_), LayerCache::Kv(_))
+                )
+            });
+        if !fits {
+            return Err(ForwardError::CacheMismatch);
+        }
+        let n = tokens.len();
+        let positions: Vec<usize> = (offset..offset + n).collect();
+        let mut h = self.embed_tokens.forward(tokens);
+        for (block, layer_cache) in self.layers.iter().zip(&mut cache.layers) {
+            let x = block.input_layernorm.forward(&h);
+            let r = match (&block.mixer, layer_cache) {
+                (Mixer::Linear(m), LayerCache::Recurrent(c)) => m.forward(&x, n, c),
+                (Mixer::Attention(m), LayerCache::Kv(c)) => m.forward(&x, &positions, c),
+                _ => return Err(ForwardError::CacheMismatch),
+            };
+            ops::add_inplace(&mut h, &r);
+            let x = block.post_attention_layernorm.forward(&h);
+            let r = match &block.mlp {
+                FeedForward::Dense(mlp) => mlp.forward(&x, n),
+                FeedForward::Moe(moe) => moe.forward(&x, n),
+            };
+            ops::add_inplace(&mut h, &r);
+        }
+        cache.offset += n;
+        let hidden = self.info.hidden_size;
+        let (mut h, rows) = match logits {
+            Logits::All => (h, n),
+            Logits::Last => (h.split_off((n - 1) * hidden), 1),
+        };
+        self.norm.forward_inplace(&mut h);
+        let out = match &self.lm_head {
+            Some(head) => head.forward(&h, rows),
+            None => self.embed_tokens.as_linear(&h, rows),
+        };
+        Ok(Tensor::new(vec![rows, self.info.vocab_size], out))
+    }
+}

@@ -1,0 +1,33 @@
+//! The state of a recurrent layer (Qwen3.5's gated DeltaNet; mlx-lm's `ArraysCache(size=2)`).
+
+use oxlm_engine::recurrent::DeltaRuleDims;
+
+/// What one gated-DeltaNet layer carries from token to token: the last `kernel - 1` inputs of
+/// its causal convolution and the delta-rule state of each value head.
+///
+/// Its size is fixed whatever the sequence length, and it keeps no per-token history, so it
+/// cannot be cut back to an earlier position ([`Cache::truncate`](crate::Cache::truncate) refuses).
+/// To resume from a prefix later (a prompt cache), keep a clone of the whole
+/// [`Cache`](crate::Cache) taken at that prefix: snapshots are the way back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecurrentCache {
+    /// The convolution's last inputs, `[kernel - 1, channels]`, oldest first.
+    pub conv: Vec<f32>,
+    /// The delta-rule state, `[v_heads, v_dim, k_dim]`.
+    pub state: Vec<f32>,
+}
+
+impl RecurrentCache {
+    /// The zero state that a sequence starts from.
+    pub fn new(conv_channels: usize, conv_kernel: usize, dims: DeltaRuleDims) -> Self {
+        RecurrentCache {
+            conv: vec![0.0; conv_kernel.saturating_sub(1) * conv_channels],
+            state: vec![0.0; dims.state_len()],
+        }
+    }
+
+    /// Bytes held, whatever the number of tokens seen.
+    pub fn size_in_bytes(&self) -> usize {
+        (self.conv.len() + self.state.len()) * std::mem::size_of::<f32>()
+    }
+}

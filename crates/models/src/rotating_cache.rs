@@ -1,0 +1,197 @@
+//! The key/value cache of a sliding-window attention layer: a ring that keeps only the positions
+//! a query can still see, as mlx-lm's `RotatingKVCache` (with `keep = 0`) does.
+
+use oxlm_engine::ops::RingKvView;
+
+/// Until the window fills, the ring grows in blocks of this many positions (as mlx-lm's
+/// `RotatingKVCache.step`), so that a short sequence does not reserve a whole window.
+const GROWTH_STEP: usize = 256;
+
+/// Keys and values of one sliding-window layer, `[kv_heads, capacity, head_dim]` each, position
+/// `p` in slot `p % capacity`.
+///
+/// Decoding needs `window` slots. A chunk of `n` tokens needs `window - 1 + n`, so that its first
+/// token still sees the `window - 1` positions before it while the last ones are written; the
+/// ring widens for such a chunk and narrows again on the next single token, as mlx-lm's cache
+/// grows to `max_size + S - 1` for a prefill and is trimmed back when decoding starts. Before the
+/// window has filled, positions never wrap and the ring only grows.
+#[derive(Debug, Clone)]
+pub struct RotatingKvCache {
+    kv_heads: usize,
+    head_dim: usize,
+    window: usize,
+    capacity: usize,
+    /// Positions `start..end` are held.
+    start: usize,
+    end: usize,
+    keys: Vec<f32>,
+    values: Vec<f32>,
+}
+
+impl RotatingKvCache {
+    /// A cache for a layer whose queries see `window` positions, their own included.
+    pub fn new(kv_heads: usize, head_dim: usize, window: usize) -> Self {
+        RotatingKvCache {
+            kv_heads,
+            head_dim,
+            window: window.max(1),
+            capacity: 0,
+            start: 0,
+            end: 0,
+            keys: Vec::new(),
+            values: Vec::new(),
+        }
+    }
+
+    /// Positions seen so far (not all of them are still held).
+    pub fn len(&self) -> usize {
+        self.end
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.end == 0
+    }
+
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    /// `(kv_heads, head_dim)`, to check that a cache fits the layer it is handed to.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.kv_heads, self.head_dim)
+    }
+
+    /// Moves the positions still needed into a ring of `capacity` slots.
+    fn resize(&mut self, capacity: usize) {
+        let d = self.head_dim;
+        let keep_from = self.start.max(self.end.saturating_sub(self.window - 1));
+        for buf in [&mut self.keys, &mut self.values] {
+            let mut ring = vec![0.0; self.kv_heads * capacity * d];
+            for h in 0..self.kv_heads {
+                for p in keep_from..self.end {
+                    let src = (h * self.capacity + p % self.capacity) * d;
+                    let dst = (h * capacity + p % capacity) * d;
+                    ring[dst..dst + d].copy_from_slice(&buf[src..src + d]);
+                }
+            }
+            *buf = ring;
+        }
+        self.capacity = capacity;
+        self.start = keep_from;
+    }
+
+    /// Appends `[tokens, kv_heads, head_dim]` keys and values.
+    pub fn append(&mut self, keys: &[f32], values: &[f32]) {
+        let d = self.head_dim;
+        let n = keys.len() / (self.kv_heads * d);
+        let full = self.window - 1 + n.max(1);
+        let capacity = full.min((self.end + n).div_ceil(GROWTH_STEP) * GROWTH_STEP);
+        if capacity != self.capacity {
+            self.resize(capacity);
+        }
+        for t in 0..n {
+            let slot = (self.end + t) % self.capacity;
+            for h in 0..self.kv_heads {
+                let src = (t * self.kv_heads + h) * d;
+                let dst = (h * self.capacity + slot) * d;
+                self.keys[dst..dst + d].copy_from_slice(&keys[src..src + d]);
+                self.values[dst..dst + d].copy_from_slice(&values[src..src + d]);
+            }
+        }
+        self.end += n;
+        self.start = self.start.max(self.end.saturating_sub(self.capacity));
+    }
+
+    /// Whether [`truncate`](Self::truncate)`(len)` leaves every position the next token would
+    /// see: false once the ring has overwritten part of that window.
+    pub fn can_truncate(&self, len: usize) -> bool {
+        len >= self.end || self.start <= (len + 1).saturating_sub(self.window)
+    }
+
+    /// Forgets positions from `len` on (a prompt cache reusing a shared prefix). Positions that
+    /// had already left the ring do not come back; see [`can_truncate`](Self::can_truncate).
+    pub fn truncate(&mut self, len: usize) {
+        self.end = self.end.min(len);
+        self.start = self.start.min(self.end);
+    }
+
+    pub fn view(&self) -> RingKvView<'_> {
+        RingKvView {
+            keys: &self.keys,
+            values: &self.values,
+            kv_heads: self.kv_heads,
+            capacity: self.capacity,
+            start: self.start,
+            end: self.end,
+            window: self.window,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The positions a ring holds, read back through its slots (one head, head_dim 1, key = position).
+    fn held(cache: &RotatingKvCache) -> Vec<f32> {
+        let v = cache.view();
+        (v.start..v.end).map(|p| v.keys[p % v.capacity]).collect()
+    }
+
+    fn push(cache: &mut RotatingKvCache, positions: std::ops::Range<usize>) {
+        let k: Vec<f32> = positions.map(|p| p as f32).collect();
+        cache.append(&k, &k);
+    }
+
+    #[test]
+    fn long_prefill_keeps_every_window_then_narrows_for_decoding() {
+        let mut cache = RotatingKvCache::new(1, 1, 4);
+        push(&mut cache, 0..10);
+        // 10 tokens at once: the first of them needs 3 earlier positions, none exist yet.
+        assert_eq!(held(&cache), (0..10).map(|p| p as f32).collect::<Vec<_>>());
+        push(&mut cache, 10..11);
+        assert_eq!(cache.view().capacity, 4);
+        assert_eq!(held(&cache), vec![7.0, 8.0, 9.0, 10.0]);
+        for p in 11..15 {
+            push(&mut cache, p..p + 1);
+        }
+        assert_eq!(held(&cache), vec![11.0, 12.0, 13.0, 14.0]);
+        // A second chunk sees the 3 positions before it.
+        push(&mut cache, 15..18);
+        assert_eq!(held(&cache), vec![12.0, 13.0, 14.0, 15.0, 16.0, 17.0]);
+        assert_eq!(cache.len(), 18);
+    }
+
+    #[test]
+    fn a_wide_window_grows_in_steps_until_full() {
+        let mut cache = RotatingKvCache::new(1, 1, 600);
+        for p in 0..300 {
+            push(&mut cache, p..p + 1);
+        }
+        assert_eq!(cache.view().capacity, 512);
+        assert_eq!(held(&cache), (0..300).map(|p| p as f32).collect::<Vec<_>>());
+        push(&mut cache, 300..650);
+        for p in 650..700 {
+            push(&mut cache, p..p + 1);
+        }
+        assert_eq!(cache.view().capacity, 600);
+        assert_eq!(
+            held(&cache),
+            (100..700).map(|p| p as f32).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn truncation_inside_the_ring() {
+        let mut cache = RotatingKvCache::new(1, 1, 4);
+        push(&mut cache, 0..3);
+        assert!(cache.can_truncate(2));
+        cache.truncate(2);
+        push(&mut cache, 2..3);
+        assert_eq!(held(&cache), vec![0.0, 1.0, 2.0]);
+        for p in 3..9 {
+            push(&mut cache, p..p + 1);
+        }
+        assert!(cache.can_truncate(8) && !cache.can_truncate(6));
+    }
+}

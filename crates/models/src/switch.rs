@@ -1,0 +1,230 @@
+//! Sparse mixtures of experts: the stacked expert weights of mlx-lm's `switch_layers.py`
+//! (`SwitchGLU`) and the routed block of `qwen3_next.py` (`Qwen3NextSparseMoeBlock`).
+
+use oxlm_engine::{ops, DType, FloatMatrix, QuantizedMatrix};
+
+use crate::checkpoint::{Checkpoint, RawTensor};
+use crate::layers::{Linear, Mlp, Weight};
+use crate::LoadError;
+
+fn shape_error(name: &str, t: &RawTensor, expected: String) -> LoadError {
+    LoadError::TensorShape {
+        name: name.to_string(),
+        found: t.shape.clone(),
+        dtype: t.dtype.to_string(),
+        expected,
+    }
+}
+
+/// Splits the `[experts, rows, cols]` stack `{prefix}.weight` (quantized when `.scales` exist)
+/// into one `[rows, cols]` matrix per expert, each still viewing the checkpoint's bytes.
+pub fn load_stacked(
+    ckpt: &mut Checkpoint,
+    prefix: &str,
+    experts: usize,
+    rows: usize,
+    cols: usize,
+) -> Result<Vec<Weight>, LoadError> {
+    let name = format!("{prefix}.weight");
+    let weight = ckpt.take(&name)?;
+    let engine_err = |source| LoadError::Engine {
+        name: name.clone(),
+        source,
+    };
+    // One expert's slice of a stack whose arrays hold `per_expert` bytes each.
+    let part = |t: &RawTensor, e: usize, what: &str| {
+        let per_expert = t.data.len() / experts;
+        t.data
+            .slice(e * per_expert, per_expert)
+            .ok_or_else(|| shape_error(&format!("{prefix}.{what}"), t, "a stack per expert".into()))
+    };
+    if !ckpt.contains(&format!("{prefix}.scales")) {
+        if weight.shape != [experts, rows, cols] || !weight.dtype.is_float() {
+            return Err(shape_error(
+                &name,
+                &weight,
+                format!("[{experts}, {rows}, {cols}] floats"),
+            ));
+        }
+        return (0..experts)
+            .map(|e| {
+                FloatMatrix::new(rows, cols, weight.dtype, part(&weight, e, "weight")?)
+                    .map(Weight::Dense)
+                    .map_err(engine_err)
+            })
+            .collect();
+    }
+    let scales = ckpt.take(&format!("{prefix}.scales"))?;
+    let biases = ckpt.take(&format!("{prefix}.biases"))?;
+    let spec = ckpt.quantization.for_module(prefix).ok_or_else(|| {
+        LoadError::Config(format!(
+            "`{prefix}` is quantized in the weights but config.json has no `quantization`"
+        ))
+    })?;
+    let words = cols * spec.bits as usize / 32;
+    if weight.dtype != DType::U32 || weight.shape != [experts, rows, words] {
+        return Err(shape_error(
+            &name,
+            &weight,
+            format!(
+                "[{experts}, {rows}, {words}] uint32 ({}-bit, group size {})",
+                spec.bits, spec.group_size
+            ),
+        ));
+    }
+    let groups = cols / spec.group_size.max(1);
+    for (t, what) in [(&scales, "scales"), (&biases, "biases")] {
+        if t.shape != [experts, rows, groups] || t.dtype != scales.dtype {
+            return Err(shape_error(
+                &format!("{prefix}.{what}"),
+                t,
+                format!(
+                    "[{experts}, {rows}, {groups}] (group size {})",
+                    spec.group_size
+                ),
+            ));
+        }
+    }
+    (0..experts)
+        .map(|e| {
+            QuantizedMatrix::new(
+                rows,
+                cols,
+                spec.bits,
+                spec.group_size,
+                part(&weight, e, "weight")?,
+                scales.dtype,
+                part(&scales, e, "scales")?,
+                part(&biases, e, "biases")?,
+            )
+            .map(Weight::Quantized)
+            .map_err(engine_err)
+        })
+        .collect()
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// Top-k routing over SwiGLU experts plus a sigmoid-gated shared expert.
+pub struct SparseMoe {
+    /// Router: `hidden → experts` logits.
+    gate: Linear,
+    /// One SwiGLU MLP per expert (`switch_mlp` holds them stacked).
+    experts: Vec<Mlp>,
+    top_k: usize,
+    norm_topk_prob: bool,
+    shared_expert: Mlp,
+    shared_expert_gate: Linear,
+}
+
+impl SparseMoe {
+    #[allow(clippy::too_many_arguments)]
+    pub fn load(
+        ckpt: &mut Checkpoint,
+        prefix: &str,
+        dim: usize,
+        experts: usize,
+        top_k: usize,
+        intermediate: usize,
+        shared_intermediate: usize,
+        norm_topk_prob: bool,
+    ) -> Result<Self, LoadError> {
+        let switch = format!("{prefix}.switch_mlp");
+        let stack = |ckpt: &mut Checkpoint, name: &str, rows, cols| {
+            load_stacked(ckpt, &format!("{switch}.{name}"), experts, rows, cols)
+        };
+        let gates = stack(ckpt, "gate_proj", intermediate, dim)?;
+        let ups = stack(ckpt, "up_proj", intermediate, dim)?;
+        let downs = stack(ckpt, "down_proj", dim, intermediate)?;
+        let linear = |weight| Linear { weight, bias: None };
+        let mlps = gates
+            .into_iter()
+            .zip(ups)
+            .zip(downs)
+            .map(|((g, u), d)| Mlp {
+                gate_proj: linear(g),
+                up_proj: linear(u),
+                down_proj: linear(d),
+            })
+            .collect();
+        Ok(SparseMoe {
+            gate: Linear::load(ckpt, &format!("{prefix}.gate"), dim, experts, false)?,
+            experts: mlps,
+            top_k,
+            norm_topk_prob,
+            shared_expert: Mlp::load(
+                ckpt,
+                &format!("{prefix}.shared_expert"),
+                dim,
+                shared_intermediate,
+                false,
+            )?,
+            shared_expert_gate: Linear::load(
+                ckpt,
+                &format!("{prefix}.shared_expert_gate"),
+                dim,
+                1,
+                false,
+            )?,
+        })
+    }
+
+    /// `x` is `[n, dim]`. Each expert runs once on all the tokens routed to it.
+    pub fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
+        let dim = x.len() / n;
+        let count = self.experts.len();
+        let logits = self.gate.forward(x, n);
+        // (token, weight) pairs per expert
+        let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); count];
+        let mut order: Vec<usize> = Vec::with_capacity(count);
+        for (t, probs) in logits.chunks_exact(count).enumerate() {
+            let mut probs = probs.to_vec();
+            ops::softmax_inplace(&mut probs);
+            order.clear();
+            order.extend(0..count);
+            order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+            let top = &order[..self.top_k];
+            let total: f32 = top.iter().map(|&e| probs[e]).sum();
+            for &e in top {
+                let weight = if self.norm_topk_prob {
+                    probs[e] / total
+                } else {
+                    probs[e]
+                };
+                routed[e].push((t, weight));
+            }
+        }
+        let mut y = vec![0.0; x.len()];
+        for (expert, tokens) in self.experts.iter().zip(&routed) {
+            if tokens.is_empty() {
+                continue;
+            }
+            let rows: Vec<f32> = tokens
+                .iter()
+                .flat_map(|&(t, _)| &x[t * dim..(t + 1) * dim])
+                .copied()
+                .collect();
+            let out = expert.forward(&rows, tokens.len());
+            for (&(t, weight), o) in tokens.iter().zip(out.chunks_exact(dim)) {
+                for (yv, &ov) in y[t * dim..(t + 1) * dim].iter_mut().zip(o) {
+                    *yv += weight * ov;
+                }
+            }
+        }
+        let shared = self.shared_expert.forward(x, n);
+        let shared_gate = self.shared_expert_gate.forward(x, n);
+        for ((yr, sr), &g) in y
+            .chunks_exact_mut(dim)
+            .zip(shared.chunks_exact(dim))
+            .zip(&shared_gate)
+        {
+            let g = sigmoid(g);
+            for (yv, &sv) in yr.iter_mut().zip(sr) {
+                *yv += g * sv;
+            }
+        }
+        y
+    }
+}
