@@ -15,7 +15,7 @@ use crate::cache::{Cache, KvCache, LayerCache, RotatingKvCache};
 use crate::checkpoint::{Checkpoint, Config};
 use crate::gemma3::wrapped_text_config;
 use crate::layers::{load_vector, Embedding, Linear, Mlp, RmsNorm, Rope};
-use crate::switch::load_stacked;
+use crate::switch::{dispatch, load_experts};
 use crate::{check_tokens, ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
 use oxlm_engine::{ops, Tensor};
 
@@ -147,24 +147,13 @@ impl MoeBlock {
             top_k,
             intermediate,
         } = *args;
-        let switch = format!("{prefix}.experts.switch_glu");
-        let stack = |ckpt: &mut Checkpoint, name: &str, rows, cols| {
-            load_stacked(ckpt, &format!("{switch}.{name}"), experts, rows, cols)
-        };
-        let gates = stack(ckpt, "gate_proj", intermediate, hidden)?;
-        let ups = stack(ckpt, "up_proj", intermediate, hidden)?;
-        let downs = stack(ckpt, "down_proj", hidden, intermediate)?;
-        let linear = |weight| Linear { weight, bias: None };
-        let mlps = gates
-            .into_iter()
-            .zip(ups)
-            .zip(downs)
-            .map(|((g, u), d)| Mlp {
-                gate_proj: linear(g),
-                up_proj: linear(u),
-                down_proj: linear(d),
-            })
-            .collect();
+        let mlps = load_experts(
+            ckpt,
+            &format!("{prefix}.experts.switch_glu"),
+            experts,
+            hidden,
+            intermediate,
+        )?;
         let root = (hidden as f64).powf(-0.5) as f32;
         let scale = load_vector(ckpt, &format!("{prefix}.router.scale"), hidden)?;
         let router_norm = RmsNorm {
@@ -221,24 +210,9 @@ impl MoeBlock {
     /// chosen experts' weights.
     fn experts(&self, x: &[f32], routed: &[Vec<(usize, f32)>]) -> Vec<f32> {
         let dim = self.pre_feedforward_layernorm_2.weight.len();
-        let mut y = vec![0.0; x.len()];
-        for (expert, tokens) in self.experts.iter().zip(routed) {
-            if tokens.is_empty() {
-                continue;
-            }
-            let rows: Vec<f32> = tokens
-                .iter()
-                .flat_map(|&(t, _)| &x[t * dim..(t + 1) * dim])
-                .copied()
-                .collect();
-            let out = expert.forward_geglu(&rows, tokens.len());
-            for (&(t, w), o) in tokens.iter().zip(out.chunks_exact(dim)) {
-                for (yv, &ov) in y[t * dim..(t + 1) * dim].iter_mut().zip(o) {
-                    *yv += w * ov;
-                }
-            }
-        }
-        y
+        dispatch(x, dim, routed, |e, rows, m| {
+            self.experts[e].forward_geglu(rows, m)
+        })
     }
 
     /// The feed-forward output of a MoE layer: dense MLP and experts, each normed, summed.

@@ -103,6 +103,62 @@ pub fn load_stacked(
         .collect()
 }
 
+/// One GLU block per expert from the stacked `{prefix}.{gate,up,down}_proj` tensors.
+pub fn load_experts(
+    ckpt: &mut Checkpoint,
+    prefix: &str,
+    experts: usize,
+    dim: usize,
+    intermediate: usize,
+) -> Result<Vec<Mlp>, LoadError> {
+    let stack = |ckpt: &mut Checkpoint, name: &str, rows, cols| {
+        load_stacked(ckpt, &format!("{prefix}.{name}"), experts, rows, cols)
+    };
+    let gates = stack(ckpt, "gate_proj", intermediate, dim)?;
+    let ups = stack(ckpt, "up_proj", intermediate, dim)?;
+    let downs = stack(ckpt, "down_proj", dim, intermediate)?;
+    let linear = |weight| Linear { weight, bias: None };
+    Ok(gates
+        .into_iter()
+        .zip(ups)
+        .zip(downs)
+        .map(|((g, u), d)| Mlp {
+            gate_proj: linear(g),
+            up_proj: linear(u),
+            down_proj: linear(d),
+        })
+        .collect())
+}
+
+/// Runs expert `e` once on all the rows of `x` (`[n, dim]`) routed to it (`routed[e]` holds
+/// `(token, weight)` pairs), so only the chosen experts' weights are read, and sums the
+/// weighted outputs per token.
+pub fn dispatch(
+    x: &[f32],
+    dim: usize,
+    routed: &[Vec<(usize, f32)>],
+    run_expert: impl Fn(usize, &[f32], usize) -> Vec<f32>,
+) -> Vec<f32> {
+    let mut y = vec![0.0; x.len()];
+    for (e, tokens) in routed.iter().enumerate() {
+        if tokens.is_empty() {
+            continue;
+        }
+        let rows: Vec<f32> = tokens
+            .iter()
+            .flat_map(|&(t, _)| &x[t * dim..(t + 1) * dim])
+            .copied()
+            .collect();
+        let out = run_expert(e, &rows, tokens.len());
+        for (&(t, weight), o) in tokens.iter().zip(out.chunks_exact(dim)) {
+            for (yv, &ov) in y[t * dim..(t + 1) * dim].iter_mut().zip(o) {
+                *yv += weight * ov;
+            }
+        }
+    }
+    y
+}
+
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
@@ -131,24 +187,13 @@ impl SparseMoe {
         shared_intermediate: usize,
         norm_topk_prob: bool,
     ) -> Result<Self, LoadError> {
-        let switch = format!("{prefix}.switch_mlp");
-        let stack = |ckpt: &mut Checkpoint, name: &str, rows, cols| {
-            load_stacked(ckpt, &format!("{switch}.{name}"), experts, rows, cols)
-        };
-        let gates = stack(ckpt, "gate_proj", intermediate, dim)?;
-        let ups = stack(ckpt, "up_proj", intermediate, dim)?;
-        let downs = stack(ckpt, "down_proj", dim, intermediate)?;
-        let linear = |weight| Linear { weight, bias: None };
-        let mlps = gates
-            .into_iter()
-            .zip(ups)
-            .zip(downs)
-            .map(|((g, u), d)| Mlp {
-                gate_proj: linear(g),
-                up_proj: linear(u),
-                down_proj: linear(d),
-            })
-            .collect();
+        let mlps = load_experts(
+            ckpt,
+            &format!("{prefix}.switch_mlp"),
+            experts,
+            dim,
+            intermediate,
+        )?;
         Ok(SparseMoe {
             gate: Linear::load(ckpt, &format!("{prefix}.gate"), dim, experts, false)?,
             experts: mlps,
@@ -196,23 +241,9 @@ impl SparseMoe {
                 routed[e].push((t, weight));
             }
         }
-        let mut y = vec![0.0; x.len()];
-        for (expert, tokens) in self.experts.iter().zip(&routed) {
-            if tokens.is_empty() {
-                continue;
-            }
-            let rows: Vec<f32> = tokens
-                .iter()
-                .flat_map(|&(t, _)| &x[t * dim..(t + 1) * dim])
-                .copied()
-                .collect();
-            let out = expert.forward(&rows, tokens.len());
-            for (&(t, weight), o) in tokens.iter().zip(out.chunks_exact(dim)) {
-                for (yv, &ov) in y[t * dim..(t + 1) * dim].iter_mut().zip(o) {
-                    *yv += weight * ov;
-                }
-            }
-        }
+        let mut y = dispatch(x, dim, &routed, |e, rows, m| {
+            self.experts[e].forward(rows, m)
+        });
         let shared = self.shared_expert.forward(x, n);
         let shared_gate = self.shared_expert_gate.forward(x, n);
         for ((yr, sr), &g) in y
