@@ -4,6 +4,8 @@ use std::io::{Read, Write};
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
+use oxlm_models::lora::{AdaptedModel, Adapters};
+use oxlm_models::LanguageModel;
 use oxlm_runtime::generate::{peak_memory_bytes, DEFAULT_PREFILL_STEP};
 use oxlm_runtime::sampler::SamplerConfig;
 use oxlm_runtime::{generate, GenerateOptions, LoadedModel};
@@ -44,6 +46,9 @@ pub struct Args {
     /// Extra variables for the chat template, as a JSON object (e.g. '{"enable_thinking": false}').
     #[arg(long)]
     chat_template_config: Option<String>,
+    /// A LoRA adapter directory (adapter_config.json, adapters.safetensors) to apply.
+    #[arg(long)]
+    adapter_path: Option<PathBuf>,
     /// Prompt tokens processed per forward pass.
     #[arg(long, default_value_t = DEFAULT_PREFILL_STEP)]
     prefill_step_size: usize,
@@ -52,6 +57,22 @@ pub struct Args {
 pub fn run(args: Args) -> Result<()> {
     let loaded = LoadedModel::load(&args.model)
         .with_context(|| format!("loading {}", args.model.display()))?;
+    let adapters = args
+        .adapter_path
+        .as_deref()
+        .map(|dir| {
+            Adapters::load(dir, loaded.model.as_ref())
+                .with_context(|| format!("loading adapters from {}", dir.display()))
+        })
+        .transpose()?;
+    let adapted = adapters
+        .as_ref()
+        .map(|a| AdaptedModel::new(loaded.model.as_ref(), a))
+        .transpose()?;
+    let model: &dyn LanguageModel = match &adapted {
+        Some(adapted) => adapted,
+        None => loaded.model.as_ref(),
+    };
     let mut prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t");
     if prompt == "-" {
         prompt.clear();
@@ -92,7 +113,7 @@ pub fn run(args: Args) -> Result<()> {
     println!("==========");
     let mut stdout = std::io::stdout();
     let generation = generate(
-        loaded.model.as_ref(),
+        model,
         &loaded.tokenizer,
         &ids,
         &loaded.eos_ids,

@@ -1,6 +1,10 @@
 //! `oxlm`: the command line. Each verb parses its arguments and calls the runtime.
 
+mod bench;
+mod fuse;
 mod generate;
+mod lora;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -19,12 +23,25 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt, as `mlx_lm.generate` does.
     Generate(generate::Args),
+    /// Merge LoRA adapters into a new MLX checkpoint, as `mlx_lm.fuse` does.
+    Fuse(fuse::Args),
+    /// Fine-tune LoRA adapters, as `mlx_lm.lora` does.
+    Lora(lora::Args),
+    /// Serve the OpenAI API over HTTP, as `mlx_lm.server` does.
+    Serve(serve::Args),
+    /// Time prefill and decode on fixed token ids (for benches/).
+    #[command(hide = true)]
+    Bench(bench::Args),
 }
 
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
+        Command::Fuse(args) => fuse::run(args),
+        Command::Lora(args) => lora::run(args),
+        Command::Serve(args) => serve::run(args),
+        Command::Bench(args) => bench::run(args),
     };
     if let Err(err) = result {
         eprintln!("error: {err:#}");

@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use half::bf16;
-use oxlm_engine::cpu::{dense, qmatmul, Isa};
+use oxlm_engine::cpu::{dense, qint, qmatmul, Isa};
 use oxlm_engine::{Bytes, DType, FloatMatrix, QuantizedMatrix};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -69,6 +69,8 @@ fn main() {
 
     println!("\nGEMV, m = 1 (GB/s of weight bytes; ms per call)");
     for (rows, cols, bits, g) in [
+        (512, 2048, 4, 64),
+        (512, 2048, 8, 64),
         (4096, 4096, 4, 64),
         (11008, 4096, 4, 64),
         (4096, 4096, 8, 64),
@@ -78,11 +80,24 @@ fn main() {
         let w = quantized(&mut rng, rows, cols, bits, g);
         let x = random_vec(&mut rng, cols);
         let mut y = vec![0.0; rows];
+        let gbs = |t: f64| w.size_in_bytes() as f64 / t / 1e9;
         for &isa in &isas {
             let (t, best) = time(budget, || qmatmul::gemv(isa, &w.view(), &x, 1, &mut y));
-            let gbs = |t: f64| w.size_in_bytes() as f64 / t / 1e9;
             println!(
                 "  {rows:>5}x{cols} {bits}-bit g{g} {isa:<8?} {:6.2} GB/s (best {:6.2})  {:7.3} ms",
+                gbs(t),
+                gbs(best),
+                t * 1e3
+            );
+        }
+        if !qint::supports(&w.view()) {
+            continue;
+        }
+        for kernel in qint::IntKernel::available() {
+            let (t, best) = time(budget, || qint::gemv(kernel, &w.view(), &x, 1, &mut y));
+            println!(
+                "  {rows:>5}x{cols} {bits}-bit g{g} int8 {:<4} {:6.2} GB/s (best {:6.2})  {:7.3} ms",
+                format!("{kernel:?}"),
                 gbs(t),
                 gbs(best),
                 t * 1e3

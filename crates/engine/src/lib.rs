@@ -10,6 +10,7 @@ pub mod cpu;
 pub mod dtype;
 pub mod error;
 pub mod float;
+pub mod grad;
 pub mod ops;
 pub mod quant;
 pub mod recurrent;

@@ -1,6 +1,9 @@
 //! Element-wise and attention ops on f32 activations.
 
+use crate::cpu::attention::GroupAttention;
 use crate::cpu::dense::dot;
+use crate::cpu::pool::{self, SharedMut};
+use crate::cpu::Isa;
 
 /// RMSNorm of each `weight.len()`-wide row of `x` into `out`: `x / sqrt(mean(x²) + eps) * weight`.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
@@ -116,29 +119,26 @@ pub fn attention(
     out: &mut [f32],
 ) {
     let group = heads / kv.kv_heads;
-    let mut scores = vec![0.0f32; kv.len];
-    for (t, &pos) in positions.iter().enumerate() {
-        let visible = (pos + 1).min(kv.len);
-        for h in 0..heads {
-            let kvh = h / group;
-            let qv = &q[(t * heads + h) * head_dim..][..head_dim];
-            let head_keys = &kv.keys[kvh * kv.capacity * head_dim..];
-            let head_values = &kv.values[kvh * kv.capacity * head_dim..];
-            let s = &mut scores[..visible];
-            for (j, sj) in s.iter_mut().enumerate() {
-                *sj = dot(qv, &head_keys[j * head_dim..(j + 1) * head_dim]) * scale;
-            }
-            softmax_inplace(s);
-            let o = &mut out[(t * heads + h) * head_dim..][..head_dim];
-            o.fill(0.0);
-            for (j, &p) in s.iter().enumerate() {
-                let vj = &head_values[j * head_dim..(j + 1) * head_dim];
-                for (od, &vd) in o.iter_mut().zip(vj) {
-                    *od += p * vd;
-                }
-            }
-        }
-    }
+    let d = head_dim;
+    let isa = Isa::best();
+    let out = SharedMut::new(&mut out[..positions.len() * heads * d]);
+    // One task per token and KV head: the group's query heads share each key and value read.
+    pool::parallel_for(positions.len() * kv.kv_heads, &|task| {
+        let (t, kvh) = (task / kv.kv_heads, task % kv.kv_heads);
+        let visible = (positions[t] + 1).min(kv.len);
+        let first = (t * heads + kvh * group) * d;
+        let head = kvh * kv.capacity * d;
+        let job = GroupAttention {
+            queries: &q[first..first + group * d],
+            keys: &kv.keys[head..head + visible * d],
+            values: &kv.values[head..head + visible * d],
+            head_dim: d,
+            len: visible,
+            scale,
+        };
+        // SAFETY: each task writes its own token's group of heads.
+        job.run(isa, unsafe { out.range(first, group * d) });
+    });
 }
 
 /// `gate = gelu_approx(gate) * up`, the GeGLU activation (GELU with the tanh approximation, as

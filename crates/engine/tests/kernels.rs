@@ -8,7 +8,7 @@
 //! the GEMV path, in applying scale and bias once per group (`s·Σq·x + b·Σx`).
 
 use half::{bf16, f16};
-use oxlm_engine::cpu::{dense, qmatmul, Isa};
+use oxlm_engine::cpu::{dense, pool, qint, qmatmul, Isa};
 use oxlm_engine::quant::{QuantizedView, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES};
 use oxlm_engine::{Bytes, DType, FloatMatrix, QuantizedMatrix};
 use rand::rngs::StdRng;
@@ -303,4 +303,78 @@ fn dot_matches_the_reference_at_every_length() {
             );
         }
     }
+}
+
+/// The int8-activation GEMV against the f64 reference. Rounding x to `dx·xq` moves each
+/// product by at most `|w|·dx/2`, so the bound is `Σ|w|·dx/2` plus the f32 tolerance.
+#[test]
+fn int8_gemv_is_within_the_activation_rounding_bound() {
+    let mut rng = StdRng::seed_from_u64(2);
+    for kernel in qint::IntKernel::available() {
+        for &g in &SUPPORTED_GROUP_SIZES {
+            for bits in [4, 8] {
+                for dtype in SCALE_DTYPES {
+                    // 4-bit rows must be whole 64-element chunks: 5 groups of 32 are not.
+                    let cols = if bits == 4 && g == 32 { 6 * g } else { 5 * g };
+                    let rows = 37;
+                    let w = random_matrix(&mut rng, rows, cols, bits, g, dtype);
+                    let v = w.view();
+                    assert!(qint::supports(&v));
+                    let deq = v.dequantize();
+                    for m in [1, 3] {
+                        let x = random_vec(&mut rng, m * cols);
+                        let (want, mag) = reference(&deq, rows, cols, &x, m);
+                        let mut y = vec![f32::NAN; m * rows];
+                        qint::gemv(kernel, &v, &x, m, &mut y);
+                        for i in 0..m {
+                            let xi = &x[i * cols..(i + 1) * cols];
+                            let dx: Vec<f64> = xi
+                                .chunks(g)
+                                .map(|c| {
+                                    c.iter().fold(0.0f64, |a, &v| a.max(v.abs() as f64)) / 127.0
+                                })
+                                .collect();
+                            for r in 0..rows {
+                                let o = i * rows + r;
+                                let bound: f64 = (0..cols)
+                                    .map(|c| (deq[r * cols + c] as f64).abs() * dx[c / g] / 2.0)
+                                    .sum::<f64>()
+                                    + TOLERANCE * mag[o];
+                                let err = (y[o] as f64 - want[o]).abs();
+                                assert!(
+                                    err <= bound,
+                                    "{kernel:?} {bits}-bit g{g} {dtype} m={m} row {r}: got {}, want {}, bound {bound:e}",
+                                    y[o],
+                                    want[o]
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Splitting the output rows over threads changes no output bit, for either method or format.
+#[test]
+fn matmul_outputs_do_not_depend_on_the_thread_count() {
+    let mut rng = StdRng::seed_from_u64(3);
+    let w = random_matrix(&mut rng, 300, 512, 4, 64, DType::BF16);
+    let values = random_vec(&mut rng, 300 * 512);
+    let dense = FloatMatrix::from_f32(300, 512, &values).unwrap();
+    for m in [1, 40] {
+        let x = random_vec(&mut rng, m * 512);
+        let run = |threads| {
+            pool::set_threads(threads);
+            let mut yq = vec![0.0; m * 300];
+            let mut yd = vec![0.0; m * 300];
+            w.matmul(&x, m, &mut yq);
+            dense.matmul(&x, m, &mut yd);
+            (yq, yd)
+        };
+        let one = run(1);
+        assert_eq!(one, run(3), "m={m}");
+    }
+    pool::set_threads(pool::default_threads());
 }

@@ -306,6 +306,32 @@ impl Checkpoint {
         })
     }
 
+    /// The names of the arrays not taken yet, sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.tensors.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// Parameters of the arrays not taken yet, as mlx-lm's `get_total_parameters` counts them: a
+    /// quantized layer its unpacked weights (not its scales and biases), any other array its
+    /// elements.
+    pub fn parameter_count(&self) -> usize {
+        let quantized = |prefix: &str| self.contains(&format!("{prefix}.scales"));
+        self.tensors
+            .iter()
+            .map(|(name, t)| {
+                let size: usize = t.shape.iter().product();
+                let (prefix, leaf) = name.rsplit_once('.').unwrap_or(("", name));
+                match (leaf, self.quantization.for_module(prefix)) {
+                    ("scales" | "biases", Some(_)) if quantized(prefix) => 0,
+                    ("weight", Some(spec)) if quantized(prefix) => size * 32 / spec.bits as usize,
+                    _ => size,
+                }
+            })
+            .sum()
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
     }

@@ -6,6 +6,7 @@ use serde_json::Value;
 
 use crate::cache::{KvCache, RotatingKvCache};
 use crate::checkpoint::{Checkpoint, RawTensor};
+use crate::lora::{LoraLinear, ModuleAdapters};
 use crate::LoadError;
 
 /// A `[rows, cols]` weight matrix, quantized (when the checkpoint has `.scales` for it) or not.
@@ -163,11 +164,19 @@ impl Linear {
 
     /// Applies the layer to `m` rows of `x`.
     pub fn forward(&self, x: &[f32], m: usize) -> Vec<f32> {
+        self.forward_adapted(x, m, None)
+    }
+
+    /// [`Linear::forward`] plus a LoRA adapter's low-rank update, when one is given.
+    pub fn forward_adapted(&self, x: &[f32], m: usize, adapter: Option<&LoraLinear>) -> Vec<f32> {
         let mut y = self.weight.matmul(x, m);
         if let Some(b) = &self.bias {
             for row in y.chunks_exact_mut(b.len()) {
                 ops::add_inplace(row, b);
             }
+        }
+        if let Some(adapter) = adapter {
+            adapter.add_to(x, m, &mut y);
         }
         y
     }
@@ -363,20 +372,19 @@ pub struct Attention {
 impl Attention {
     /// `x` is `[tokens, hidden]`; the new keys and values are appended to `cache`.
     pub fn forward(&self, x: &[f32], positions: &[usize], cache: &mut KvCache) -> Vec<f32> {
+        self.forward_adapted(x, positions, cache, ModuleAdapters::NONE)
+    }
+
+    /// [`Attention::forward`] with the projections `lora` names adapted.
+    pub fn forward_adapted(
+        &self,
+        x: &[f32],
+        positions: &[usize],
+        cache: &mut KvCache,
+        lora: ModuleAdapters,
+    ) -> Vec<f32> {
         let n = positions.len();
-        let mut q = self.q_proj.forward(x, n);
-        let mut k = self.k_proj.forward(x, n);
-        let v = self.v_proj.forward(x, n);
-        if let Some(norm) = &self.q_norm {
-            norm.forward_inplace(&mut q);
-        }
-        if let Some(norm) = &self.k_norm {
-            norm.forward_inplace(&mut k);
-        }
-        self.rope
-            .apply(&mut q, self.heads, self.head_dim, positions);
-        self.rope
-            .apply(&mut k, self.kv_heads, self.head_dim, positions);
+        let (q, k, v) = self.project_adapted(x, positions, lora);
         cache.append(&k, &v);
         let mut out = vec![0.0; n * self.heads * self.head_dim];
         let kv: KvView = cache.view();
@@ -389,7 +397,7 @@ impl Attention {
             self.scale,
             &mut out,
         );
-        self.o_proj.forward(&out, n)
+        self.o_proj.forward_adapted(&out, n, lora.get("o_proj"))
     }
 }
 
@@ -417,10 +425,16 @@ impl Mlp {
     }
 
     pub fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
-        let mut gate = self.gate_proj.forward(x, n);
-        let up = self.up_proj.forward(x, n);
+        self.forward_adapted(x, n, ModuleAdapters::NONE)
+    }
+
+    /// [`Mlp::forward`] with the projections `lora` names adapted.
+    pub fn forward_adapted(&self, x: &[f32], n: usize, lora: ModuleAdapters) -> Vec<f32> {
+        let mut gate = self.gate_proj.forward_adapted(x, n, lora.get("gate_proj"));
+        let up = self.up_proj.forward_adapted(x, n, lora.get("up_proj"));
         ops::silu_mul_inplace(&mut gate, &up);
-        self.down_proj.forward(&gate, n)
+        self.down_proj
+            .forward_adapted(&gate, n, lora.get("down_proj"))
     }
 }
 
@@ -461,10 +475,20 @@ impl Mlp {
 impl Attention {
     /// Queries, keys and values of `x` (`[tokens, hidden]`), normed and rotated.
     pub fn project(&self, x: &[f32], positions: &[usize]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        self.project_adapted(x, positions, ModuleAdapters::NONE)
+    }
+
+    /// [`Attention::project`] with the projections `lora` names adapted.
+    pub fn project_adapted(
+        &self,
+        x: &[f32],
+        positions: &[usize],
+        lora: ModuleAdapters,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let n = positions.len();
-        let mut q = self.q_proj.forward(x, n);
-        let mut k = self.k_proj.forward(x, n);
-        let v = self.v_proj.forward(x, n);
+        let mut q = self.q_proj.forward_adapted(x, n, lora.get("q_proj"));
+        let mut k = self.k_proj.forward_adapted(x, n, lora.get("k_proj"));
+        let v = self.v_proj.forward_adapted(x, n, lora.get("v_proj"));
         if let Some(norm) = &self.q_norm {
             norm.forward_inplace(&mut q);
         }

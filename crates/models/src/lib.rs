@@ -4,13 +4,18 @@
 pub mod cache;
 pub mod checkpoint;
 mod error;
+pub mod fuse;
 pub mod gemma3;
 pub mod gemma4;
 pub mod layers;
 pub mod llama;
+mod llama_grad;
+pub mod lora;
+pub mod lora_grad;
 pub mod qwen3_5;
 mod recurrent_cache;
 mod rotating_cache;
+pub mod save;
 mod switch;
 
 use std::path::Path;
@@ -54,6 +59,11 @@ pub trait LanguageModel: Send + Sync {
         cache: &mut Cache,
         logits: Logits,
     ) -> Result<Tensor, ForwardError>;
+
+    /// The model as LoRA adapters attach to it; `None` when its architecture takes none yet.
+    fn adaptable(&self) -> Option<&dyn lora::Adaptable> {
+        None
+    }
 }
 
 /// Rejects input that a forward pass cannot take.

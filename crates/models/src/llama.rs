@@ -6,25 +6,28 @@ use serde_json::Value;
 use crate::cache::{Cache, KvCache, LayerCache};
 use crate::checkpoint::Checkpoint;
 use crate::layers::{Attention, Embedding, Linear, Mlp, RmsNorm, Rope};
+use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
+use crate::lora_grad::{Example, LossAndGrads};
 use crate::{check_tokens, LanguageModel, LoadError, Logits, ModelInfo};
 use oxlm_engine::{ops, Tensor};
 
 use crate::ForwardError;
 
-struct Block {
-    input_layernorm: RmsNorm,
-    self_attn: Attention,
-    post_attention_layernorm: RmsNorm,
-    mlp: Mlp,
+// Fields are visible in the crate for the backward pass (`llama_grad`).
+pub(crate) struct Block {
+    pub(crate) input_layernorm: RmsNorm,
+    pub(crate) self_attn: Attention,
+    pub(crate) post_attention_layernorm: RmsNorm,
+    pub(crate) mlp: Mlp,
 }
 
 pub struct Llama {
-    info: ModelInfo,
-    embed_tokens: Embedding,
-    layers: Vec<Block>,
-    norm: RmsNorm,
+    pub(crate) info: ModelInfo,
+    pub(crate) embed_tokens: Embedding,
+    pub(crate) layers: Vec<Block>,
+    pub(crate) norm: RmsNorm,
     /// `None` when the output head is tied to the embeddings.
-    lm_head: Option<Linear>,
+    pub(crate) lm_head: Option<Linear>,
 }
 
 /// The per-family switches that distinguish the model types this file serves.
@@ -213,19 +216,83 @@ impl LanguageModel for Llama {
         cache: &mut Cache,
         logits: Logits,
     ) -> Result<Tensor, ForwardError> {
+        self.run(tokens, cache, logits, None)
+    }
+
+    fn adaptable(&self) -> Option<&dyn Adaptable> {
+        Some(self)
+    }
+}
+
+impl Adaptable for Llama {
+    fn block_linears(&self) -> Vec<Vec<LinearShape>> {
+        let shape = |key, l: &Linear| LinearShape {
+            key,
+            in_features: l.weight.cols(),
+            out_features: l.weight.rows(),
+        };
+        self.layers
+            .iter()
+            .map(|b| {
+                let (a, m) = (&b.self_attn, &b.mlp);
+                vec![
+                    shape("self_attn.q_proj", &a.q_proj),
+                    shape("self_attn.k_proj", &a.k_proj),
+                    shape("self_attn.v_proj", &a.v_proj),
+                    shape("self_attn.o_proj", &a.o_proj),
+                    shape("mlp.gate_proj", &m.gate_proj),
+                    shape("mlp.up_proj", &m.up_proj),
+                    shape("mlp.down_proj", &m.down_proj),
+                ]
+            })
+            .collect()
+    }
+
+    fn forward_adapted(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        logits: Logits,
+        adapters: &Adapters,
+    ) -> Result<Tensor, ForwardError> {
+        self.run(tokens, cache, logits, Some(adapters))
+    }
+
+    fn loss_and_grads(
+        &self,
+        examples: &[Example],
+        adapters: &Adapters,
+        checkpoint: bool,
+    ) -> Result<LossAndGrads, ForwardError> {
+        self.lora_loss_and_grads(examples, adapters, checkpoint)
+    }
+}
+
+impl Llama {
+    fn run(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        logits: Logits,
+        adapters: Option<&Adapters>,
+    ) -> Result<Tensor, ForwardError> {
         let offset = cache.offset;
         check_tokens(&self.info, tokens, offset)?;
         let n = tokens.len();
         let positions: Vec<usize> = (offset..offset + n).collect();
         let mut h = self.embed_tokens.forward(tokens);
-        for (block, layer_cache) in self.layers.iter().zip(&mut cache.layers) {
+        for (i, (block, layer_cache)) in self.layers.iter().zip(&mut cache.layers).enumerate() {
             let LayerCache::Kv(kv) = layer_cache else {
                 return Err(ForwardError::CacheMismatch);
             };
+            let lora = |module| adapters.map_or(ModuleAdapters::NONE, |a| a.module(i, module));
             let x = block.input_layernorm.forward(&h);
-            ops::add_inplace(&mut h, &block.self_attn.forward(&x, &positions, kv));
+            let attn = block
+                .self_attn
+                .forward_adapted(&x, &positions, kv, lora("self_attn"));
+            ops::add_inplace(&mut h, &attn);
             let x = block.post_attention_layernorm.forward(&h);
-            ops::add_inplace(&mut h, &block.mlp.forward(&x, n));
+            ops::add_inplace(&mut h, &block.mlp.forward_adapted(&x, n, lora("mlp")));
         }
         cache.offset += n;
         let hidden = self.info.hidden_size;

@@ -399,6 +399,11 @@ impl ChatTemplate {
         self
     }
 
+    /// The source text of every template (a server infers the model's tool-call format from it).
+    pub fn sources(&self) -> impl Iterator<Item = &str> {
+        self.sources.values().map(String::as_str)
+    }
+
     /// The special-token variables passed to the template.
     pub fn special_tokens(&self) -> &Map<String, Value> {
         &self.special

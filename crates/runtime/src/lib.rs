@@ -3,11 +3,17 @@
 pub mod chat_template;
 pub mod detokenizer;
 pub mod generate;
+pub mod generation_config;
 pub mod loaded;
+pub mod lora;
+pub mod prompt_cache;
 pub mod sampler;
+pub mod stop;
 pub mod tokenizer;
 
-pub use generate::{generate, FinishReason, GenerateOptions, Generation};
+pub use generate::{
+    generate, generate_stream, Event, FinishReason, GenerateOptions, Generation, StreamOptions,
+};
 pub use loaded::LoadedModel;
 
 use thiserror::Error;

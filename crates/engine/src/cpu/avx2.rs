@@ -44,7 +44,7 @@ impl Elem for bf16 {
 /// Eight values from `p` as f32.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn load8<T: Elem>(p: *const T) -> __m256 {
+pub(super) unsafe fn load8<T: Elem>(p: *const T) -> __m256 {
     match T::KIND {
         Kind::F32 => _mm256_loadu_ps(p.cast()),
         Kind::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
@@ -58,7 +58,7 @@ unsafe fn load8<T: Elem>(p: *const T) -> __m256 {
 /// The sum of the eight lanes.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn hsum(v: __m256) -> f32 {
+pub(super) unsafe fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
@@ -224,7 +224,7 @@ impl Kernel<'_> {
             }
         }
         for (i, acc) in acc.iter().enumerate() {
-            let y = self.y.as_mut_ptr().add(i * self.ys);
+            let y = self.y.add(i * self.ys);
             if let Ok(four) = <&[__m256; 4]>::try_from(&acc[..]) {
                 let mut s = hsum4(four);
                 if self.accumulate {
@@ -335,7 +335,8 @@ pub(super) unsafe fn dequantize<const B: u32>(
 /// instead, as `q << 32-B` would not fit a signed lane.
 ///
 /// `packed` starts at the first row (rows are `row_words` apart); `scales` holds each row's
-/// scales as f32, rows `scale_stride` apart and at least 8 past the last group (read 8 at a time).
+/// scales as f32, rows `scale_stride` apart, and at least 8 values past the last row's last group
+/// (read 8 at a time; values past a row's groups only meet zero lanes, so must be finite).
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn qrows_pow2<const B: usize, const R: usize>(
     packed: &[u32],
@@ -351,7 +352,7 @@ pub(super) unsafe fn qrows_pow2<const B: usize, const R: usize>(
     assert!(
         packed.len() >= R * row_words
             && scales.len() >= (R - 1) * scale_stride + groups + 8
-            && scale_stride >= groups + 8
+            && scale_stride >= groups
             && xp.len() >= chunks * 8 * planes
     );
     assert!(words_per_group.is_power_of_two());
@@ -490,4 +491,87 @@ pub(super) unsafe fn qrows_spread<const B: usize, const R: usize>(
         out[r] = hsum(total[r]);
     }
     out
+}
+
+/// `o += Σ_j p[j] · v[j]` for rows `v[j]` of `o.len()` (a multiple of 8) values.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn axpy_rows(p: &[f32], v: &[f32], o: &mut [f32]) {
+    let d = o.len();
+    assert!(d.is_multiple_of(8) && v.len() >= p.len() * d);
+    let (pv, po) = (v.as_ptr(), o.as_mut_ptr());
+    // Eight accumulators cover a 64-wide head in registers; wider heads take several passes.
+    for c0 in (0..d).step_by(64) {
+        let lanes = ((d - c0) / 8).min(8);
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for (l, a) in acc.iter_mut().enumerate().take(lanes) {
+            *a = _mm256_loadu_ps(po.add(c0 + 8 * l));
+        }
+        for (j, &pj) in p.iter().enumerate() {
+            let s = _mm256_set1_ps(pj);
+            let row = pv.add(j * d + c0);
+            for (l, a) in acc.iter_mut().enumerate().take(lanes) {
+                *a = _mm256_fmadd_ps(s, _mm256_loadu_ps(row.add(8 * l)), *a);
+            }
+        }
+        for (l, a) in acc.iter().enumerate().take(lanes) {
+            _mm256_storeu_ps(po.add(c0 + 8 * l), *a);
+        }
+    }
+}
+
+/// `exp(v)` of eight lanes as Cephes' `expf` computes it (range reduction by ln 2 in two parts,
+/// a degree-5 polynomial), within 2 ulp of libm for the arguments softmax gives it (≤ 0).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn exp8(x: __m256) -> __m256 {
+    let x = _mm256_max_ps(
+        _mm256_min_ps(x, _mm256_set1_ps(88.37626)),
+        _mm256_set1_ps(-87.33654),
+    );
+    let fx = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
+    let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), x);
+    let mut p = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [1.398_2e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+        p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(c));
+    }
+    let y = _mm256_fmadd_ps(
+        _mm256_mul_ps(p, x),
+        x,
+        _mm256_add_ps(x, _mm256_set1_ps(1.0)),
+    );
+    let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(fx),
+        _mm256_set1_epi32(127),
+    ));
+    _mm256_mul_ps(y, _mm256_castsi256_ps(e))
+}
+
+/// `x[i] = exp(x[i] - max)`, returning the sum.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn exp_sub_sum(x: &mut [f32], max: f32) -> f32 {
+    let m = _mm256_set1_ps(max);
+    let mut acc = _mm256_setzero_ps();
+    let mut chunks = x.chunks_exact_mut(8);
+    for c in &mut chunks {
+        let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m));
+        _mm256_storeu_ps(c.as_mut_ptr(), e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    let rest = chunks.into_remainder();
+    let mut sum = hsum(acc);
+    if !rest.is_empty() {
+        let mut buf = [f32::NEG_INFINITY; 8];
+        buf[..rest.len()].copy_from_slice(rest);
+        let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(buf.as_ptr()), m));
+        _mm256_storeu_ps(buf.as_mut_ptr(), e);
+        for (r, &b) in rest.iter_mut().zip(&buf) {
+            *r = b;
+            sum += b;
+        }
+    }
+    sum
 }

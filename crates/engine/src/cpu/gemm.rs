@@ -6,7 +6,8 @@
 //! panel, kept in L1), `MR` activation rows, `NR` weight rows. A panel is built once per `MC`
 //! activation rows, so unpacking is paid once for many rows rather than once per row.
 
-use super::{with_scratch, Isa};
+use super::pool::{self, SharedMut};
+use super::{with_task_scratch, Isa};
 
 /// Columns per panel; a multiple of every group size, so panels start on a group.
 const KC: usize = 512;
@@ -30,8 +31,12 @@ pub(super) trait Panels {
     fn panel(&self, isa: Isa, n0: usize, nc: usize, k0: usize, kc: usize, tile: &mut [f32]);
 }
 
-/// `y[m, w.rows] = x[m, w.cols] · Wᵀ`.
-pub(super) fn gemm(isa: Isa, w: &impl Panels, x: &[f32], m: usize, y: &mut [f32]) {
+/// Weight rows per pool task, a multiple of [`NC`]: each task re-reads the activations, so
+/// tasks are kept large.
+const TASK_N: usize = 8 * NC;
+
+/// `y[m, w.rows] = x[m, w.cols] · Wᵀ`, weight rows split over the pool.
+pub(super) fn gemm(isa: Isa, w: &(impl Panels + Sync), x: &[f32], m: usize, y: &mut [f32]) {
     let (n, k) = (w.rows(), w.cols());
     assert!(
         x.len() >= m * k && y.len() >= m * n,
@@ -41,27 +46,31 @@ pub(super) fn gemm(isa: Isa, w: &impl Panels, x: &[f32], m: usize, y: &mut [f32]
         y[..m * n].fill(0.0);
         return;
     }
-    with_scratch(NC * KC, |tile| {
-        for k0 in (0..k).step_by(KC) {
-            let kc = KC.min(k - k0);
-            for i0 in (0..m).step_by(MC) {
-                let mc = MC.min(m - i0);
-                for n0 in (0..n).step_by(NC) {
-                    let nc = NC.min(n - n0);
-                    w.panel(isa, n0, nc, k0, kc, tile);
-                    let blk = Block {
-                        x: &x[i0 * k + k0..],
-                        xs: k,
-                        w: tile,
-                        ws: kc,
-                        kc,
-                        accumulate: k0 > 0,
-                    };
-                    blk.run(isa, mc, nc, &mut y[i0 * n + n0..], n);
+    let y = SharedMut::new(&mut y[..m * n]);
+    pool::parallel_for(n.div_ceil(TASK_N), &|t| {
+        let (t0, t1) = (t * TASK_N, (t * TASK_N + TASK_N).min(n));
+        with_task_scratch(NC * KC, |tile| {
+            for k0 in (0..k).step_by(KC) {
+                let kc = KC.min(k - k0);
+                for i0 in (0..m).step_by(MC) {
+                    let mc = MC.min(m - i0);
+                    for n0 in (t0..t1).step_by(NC) {
+                        let nc = NC.min(t1 - n0);
+                        w.panel(isa, n0, nc, k0, kc, tile);
+                        let blk = Block {
+                            x: &x[i0 * k + k0..],
+                            xs: k,
+                            w: tile,
+                            ws: kc,
+                            kc,
+                            accumulate: k0 > 0,
+                        };
+                        blk.run(isa, mc, nc, y, i0 * n + n0, n);
+                    }
                 }
             }
-        }
-    })
+        })
+    });
 }
 
 /// Calls `$k.$f::<MR, NR>()` for the runtime shape `($mr, $nr)`.
@@ -97,21 +106,21 @@ struct Block<'a> {
 }
 
 impl Block<'_> {
-    /// `y[i, j] (+)= x_i · w_j` for `mc` activation rows and `nc` panel rows; `y` has stride `ys`.
-    fn run(&self, isa: Isa, mc: usize, nc: usize, y: &mut [f32], ys: usize) {
+    /// `y[y0 + i·ys + j] (+)= x_i · w_j` for `mc` activation rows and `nc` panel rows: a block
+    /// of the output that no other task writes.
+    fn run(&self, isa: Isa, mc: usize, nc: usize, y: SharedMut<f32>, y0: usize, ys: usize) {
         for i in (0..mc).step_by(MR) {
             let mr = MR.min(mc - i);
             for j in (0..nc).step_by(NR) {
                 let nr = NR.min(nc - j);
                 let x = &self.x[i * self.xs..];
                 let w = &self.w[j * self.ws..];
-                let y = &mut y[i * ys + j..];
                 // The AVX2 kernel reads through raw pointers within exactly these bounds.
                 assert!(
                     x.len() >= (mr - 1) * self.xs + self.kc
                         && w.len() >= (nr - 1) * self.ws + self.kc
-                        && y.len() >= (mr - 1) * ys + nr
                 );
+                let y = y.ptr(y0 + i * ys + j, (mr - 1) * ys + nr);
                 let k = Kernel {
                     x,
                     xs: self.xs,
@@ -143,7 +152,8 @@ pub(super) struct Kernel<'a> {
     pub w: &'a [f32],
     pub ws: usize,
     pub kc: usize,
-    pub y: &'a mut [f32],
+    /// `(R - 1)·ys + C` writable floats, written by this kernel alone.
+    pub y: *mut f32,
     pub ys: usize,
     pub accumulate: bool,
 }
@@ -156,7 +166,8 @@ impl Kernel<'_> {
             let x = &self.x[i * self.xs..][..self.kc];
             for j in 0..C {
                 let s = super::dense::dot_portable(x, &self.w[j * self.ws..][..self.kc]);
-                let out = &mut self.y[i * self.ys + j];
+                // SAFETY: within the bounds `Block::run` checked, and this kernel's alone.
+                let out = unsafe { &mut *self.y.add(i * self.ys + j) };
                 *out = if self.accumulate { *out + s } else { s };
             }
         }

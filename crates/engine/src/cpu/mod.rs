@@ -1,14 +1,20 @@
 //! CPU kernels: AVX2+FMA where the processor has them (checked at run time), portable code
 //! everywhere else.
 //!
-//! Every kernel is single-threaded and takes f32 activations. Each public entry point has an
+//! Kernels take f32 activations; the matmuls split their output rows over [`pool`]. Each public entry point has an
 //! `Isa`-taking variant so that tests can run the AVX2 and the portable code side by side.
 
+pub mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx2_int;
 pub mod dense;
 mod gemm;
+pub mod pool;
+pub mod qint;
 pub mod qmatmul;
+pub mod transposed;
 
 use std::cell::RefCell;
 
@@ -71,12 +77,25 @@ fn avx2_detected() -> bool {
 
 thread_local! {
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static TASK_SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Runs `f` on `len` floats of this thread's scratch space (contents unspecified), which grows
 /// to the largest size asked for and is then reused, so kernels do not allocate per call.
 fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     SCRATCH.with(|s| {
+        let mut s = s.borrow_mut();
+        if s.len() < len {
+            s.resize(len, 0.0);
+        }
+        f(&mut s[..len])
+    })
+}
+
+/// As [`with_scratch`], for a pool task: a second buffer, since the thread that starts a job
+/// also runs its tasks while it still holds its own scratch.
+fn with_task_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    TASK_SCRATCH.with(|s| {
         let mut s = s.borrow_mut();
         if s.len() < len {
             s.resize(len, 0.0);

@@ -11,7 +11,8 @@
 //!   once per panel rather than once per activation row.
 
 use super::gemm::{self, Panels};
-use super::{with_scratch, Isa};
+use super::pool::{self, SharedMut};
+use super::{qint, with_scratch, with_task_scratch, Isa};
 use crate::float::FloatSlice;
 use crate::quant::QuantizedView;
 
@@ -26,7 +27,11 @@ const GEMV_ROWS: usize = 4;
 pub fn matmul(w: &QuantizedView, x: &[f32], m: usize, y: &mut [f32]) {
     let isa = Isa::best();
     if m <= GEMV_MAX_M {
-        gemv(isa, w, x, m, y);
+        let int = qint::IntKernel::best().filter(|_| qint::enabled() && qint::supports(w));
+        match int {
+            Some(kernel) => qint::gemv(kernel, w, x, m, y),
+            None => gemv(isa, w, x, m, y),
+        }
     } else {
         gemm(isa, w, x, m, y);
     }
@@ -172,27 +177,23 @@ fn permute_spread(x: &[f32], bits: usize, out: &mut [f32]) {
     }
 }
 
+/// Weight rows per pool task: enough to amortise waking a worker, few enough to balance.
+const GEMV_TASK_ROWS: usize = 64;
+
 /// The GEMV: activation rows laid out for the kernels, then [`GEMV_ROWS`] weight rows at a time
-/// against every activation row while those weight rows are in cache.
+/// against every activation row while those weight rows are in cache; blocks of
+/// [`GEMV_TASK_ROWS`] weight rows go to the pool.
 fn gemv_rows(isa: Isa, w: &QuantizedView, x: &[f32], m: usize, y: &mut [f32]) {
     let (rows, cols, g, bits) = (w.rows, w.cols, w.group_size, w.bits as usize);
     let groups = cols / g;
-    let row_words = cols * bits / 32;
     let planes = matches!(bits, 2 | 4 | 8);
     let xp_len = if planes {
-        row_words.div_ceil(8) * 8 * (32 / bits)
+        (cols * bits / 32).div_ceil(8) * 8 * (32 / bits)
     } else {
         cols
     };
-    // Scale and bias rows as f32, padded by 8 zeros because the planes kernel reads 8 scales at
-    // a time.
-    let stride = groups + 8;
-    with_scratch(m * (xp_len + groups) + 2 * GEMV_ROWS * stride, |s| {
-        let (xp, s) = s.split_at_mut(m * xp_len);
-        let (sums, s) = s.split_at_mut(m * groups);
-        let (sc, bi) = s.split_at_mut(GEMV_ROWS * stride);
-        sc.fill(0.0);
-        bi.fill(0.0);
+    with_scratch(m * (xp_len + groups), |s| {
+        let (xp, sums) = s.split_at_mut(m * xp_len);
         for i in 0..m {
             let xi = &x[i * cols..(i + 1) * cols];
             let out = &mut xp[i * xp_len..(i + 1) * xp_len];
@@ -203,28 +204,49 @@ fn gemv_rows(isa: Isa, w: &QuantizedView, x: &[f32], m: usize, y: &mut [f32]) {
             }
             group_sums(xi, g, &mut sums[i * groups..(i + 1) * groups]);
         }
-        for r0 in (0..rows).step_by(GEMV_ROWS) {
-            let rr = GEMV_ROWS.min(rows - r0);
-            for j in 0..rr {
-                to_f32(
-                    isa,
-                    w.scales,
-                    (r0 + j) * groups,
-                    &mut sc[j * stride..][..groups],
-                );
-                to_f32(
-                    isa,
-                    w.biases,
-                    (r0 + j) * groups,
-                    &mut bi[j * stride..][..groups],
-                );
-            }
+        let (xp, sums) = (&*xp, &*sums);
+        let y = SharedMut::new(y);
+        pool::parallel_for(rows.div_ceil(GEMV_TASK_ROWS), &|t| {
+            let r0 = t * GEMV_TASK_ROWS;
+            let r1 = (r0 + GEMV_TASK_ROWS).min(rows);
+            gemv_task(isa, w, xp, xp_len, sums, m, r0..r1, y);
+        });
+    })
+}
+
+/// Weight rows `range` of the GEMV against every laid-out activation row.
+#[allow(clippy::too_many_arguments)]
+fn gemv_task(
+    isa: Isa,
+    w: &QuantizedView,
+    xp: &[f32],
+    xp_len: usize,
+    sums: &[f32],
+    m: usize,
+    range: std::ops::Range<usize>,
+    y: SharedMut<f32>,
+) {
+    let (rows, cols, g, bits) = (w.rows, w.cols, w.group_size, w.bits as usize);
+    let groups = cols / g;
+    let row_words = cols * bits / 32;
+    // The task's scale and bias rows as f32 in one conversion each, followed by 8 zeros because
+    // the planes kernel reads 8 scales at a time.
+    let n = range.len();
+    with_task_scratch(2 * (n * groups + 8), |s| {
+        let (sc, bi) = s.split_at_mut(n * groups + 8);
+        to_f32(isa, w.scales, range.start * groups, &mut sc[..n * groups]);
+        to_f32(isa, w.biases, range.start * groups, &mut bi[..n * groups]);
+        sc[n * groups..].fill(0.0);
+        let stride = groups;
+        for r0 in range.clone().step_by(GEMV_ROWS) {
+            let rr = GEMV_ROWS.min(range.end - r0);
+            let local = (r0 - range.start) * stride;
             let block = GemvRows {
                 rows: rr,
                 packed: &w.packed[r0 * row_words..],
                 row_words,
                 group_size: g,
-                scales: sc,
+                scales: &sc[local..],
                 stride,
             };
             for i in 0..m {
@@ -239,9 +261,12 @@ fn gemv_rows(isa: Isa, w: &QuantizedView, x: &[f32], m: usize, y: &mut [f32]) {
                     b => unreachable!("{b}-bit weights passed construction"),
                 };
                 let sums = &sums[i * groups..(i + 1) * groups];
-                for (j, p) in part.iter().enumerate().take(rr) {
-                    let bias = super::dense::dot_with(isa, &bi[j * stride..][..groups], sums);
-                    y[i * rows + r0 + j] = p + bias;
+                // SAFETY: tasks own disjoint row ranges of each output row.
+                let out = unsafe { y.range(i * rows + r0, rr) };
+                for (j, (o, p)) in out.iter_mut().zip(part).enumerate() {
+                    let bias =
+                        super::dense::dot_with(isa, &bi[local + j * stride..][..groups], sums);
+                    *o = p + bias;
                 }
             }
         }
@@ -267,7 +292,7 @@ struct GemvRows<'a> {
     packed: &'a [u32],
     row_words: usize,
     group_size: usize,
-    /// The rows' scales as f32, `stride` apart.
+    /// The rows' scales as f32, `stride` apart, with 8 readable values past the last row.
     scales: &'a [f32],
     stride: usize,
 }
@@ -347,7 +372,7 @@ impl GemvRows<'_> {
         let e = 32 / B;
         let wpg_log2 = wpg.trailing_zeros();
         let words = &self.packed[j * self.row_words..(j + 1) * self.row_words];
-        let scales = &self.scales[j * self.stride..(j + 1) * self.stride];
+        let scales = &self.scales[j * self.stride..];
         let mut total = [0.0f32; 8];
         for (c, xc) in xp.chunks_exact(8 * e).enumerate() {
             let mut lanes = [0u32; 8];
@@ -371,7 +396,8 @@ impl GemvRows<'_> {
                     total[l] += acc[l] * s;
                 }
             } else {
-                // Lanes past the row's end read the zero padding of the scale row.
+                // Lanes past the row's end read the next row's scales or the zero padding, and
+                // meet zero integers.
                 for l in 0..8 {
                     total[l] += acc[l] * scales[(c * 8 + l) >> wpg_log2];
                 }

@@ -1,0 +1,287 @@
+"""The CPU benchmark: oxlm against llama.cpp and mistral.rs on the same source weights.
+
+usage: $BENCH_PY benches/bench.py --oxlm target/release/oxlm [--models ...] [--repeats 3]
+           [--threads 1,N] [--write BENCHMARKS.md]
+Run through benches/run.sh, which builds everything first.
+
+Each engine runs in a subprocess of its own (peak RSS from wait4), loads the model once, runs a
+short warm-up, then `--repeats` times a 512-token prefill followed by 128 greedy tokens with no
+end-of-sequence stop; the medians are reported. oxlm's decode is also given as a fraction of the
+memory-read bandwidth measured by crates/engine/examples/membw.rs in the same run, counting the
+bytes one decode step must read (every weight except the embedding table, plus the KV cache).
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("OXLM_CACHE", Path.home() / ".cache/oxlm"))
+MODELS = {
+    "llama-0.85b": "synthetic llama 0.85B",
+    "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B",
+    "smollm2-135m": "SmolLM2-135M",
+}
+
+
+def prompt_ids(n, vocab, seed):
+    """The same pseudo-random ids for every engine (random weights make any ids equally good)."""
+    s, out = seed * 2654435761 + 1, []
+    for _ in range(n):
+        s = (s * 6364136223846793005 + 1442695040888963407) % (1 << 64)
+        out.append((s >> 33) % vocab)
+    return out
+
+
+# ---- peers, each run as `bench.py --peer ...` in a subprocess -------------------------------
+
+
+def peer_llamacpp(a):
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(a.model, n_threads=a.threads, n_threads_batch=a.threads, n_ctx=a.prompt + a.gen + 16,
+                n_batch=a.prompt, verbose=False)
+    vocab = llm.n_vocab()
+
+    def once(n_prompt, n_gen, seed):
+        llm.reset()
+        ids = prompt_ids(n_prompt, vocab, seed)
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        t1 = time.perf_counter()
+        for _ in range(n_gen):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        t2 = time.perf_counter()
+        return n_prompt / (t1 - t0), n_gen / (t2 - t1)
+
+    once(16, 4, 0)
+    return [once(a.prompt, a.gen, r + 1) for r in range(a.repeats)]
+
+
+def peer_mistralrs(a):
+    from mistralrs import CompletionRequest, Runner, Which
+    from tokenizers import Tokenizer
+
+    tk = Tokenizer.from_file(str(Path(a.model) / "tokenizer.json"))
+    vocab = tk.get_vocab_size()
+    eos = json.loads((Path(a.model) / "config.json").read_text()).get("eos_token_id", 2)
+    eos = eos if isinstance(eos, list) else [eos]
+    runner = Runner(which=Which.Plain(model_id=a.model), in_situ_quant=a.isq, max_seqs=1,
+                    no_paged_attn=True, prefix_cache_n=0)
+
+    def text(n, seed):
+        # Decoded ids rarely re-encode to the same count: trim until the prompt has n tokens.
+        ids = prompt_ids(n + n // 4, vocab, seed)
+        t = tk.decode(ids, skip_special_tokens=True)
+        while len(tk.encode(t, add_special_tokens=False).ids) > n:
+            t = t[: max(1, len(t) * 95 // 100)]
+        return t
+
+    def once(n_prompt, n_gen, seed):
+        req = CompletionRequest(prompt=text(n_prompt, seed), model="m", max_tokens=n_gen, temperature=0.0,
+                                logit_bias={int(e): -100.0 for e in eos})
+        u = runner.send_completion_request(req).usage
+        return u.avg_prompt_tok_per_sec, u.avg_compl_tok_per_sec, u.prompt_tokens, u.completion_tokens
+
+    once(16, 4, 0)
+    return [once(a.prompt, a.gen, r + 1) for r in range(a.repeats)]
+
+
+def peer_main(a):
+    runs = peer_llamacpp(a) if a.peer == "llamacpp" else peer_mistralrs(a)
+    print(json.dumps({"prefill_tps_runs": [r[0] for r in runs], "decode_tps_runs": [r[1] for r in runs],
+                      "extra": [r[2:] for r in runs]}))
+
+
+# ---- the driver ------------------------------------------------------------------------------
+
+
+def child(cmd, env=None):
+    t = time.time()
+    out_r, out_w = os.pipe()
+    err_path = CACHE / "bench-last-stderr.txt"
+    with open(err_path, "w") as err:
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(out_w, 1)
+            os.dup2(err.fileno(), 2)
+            os.close(out_r)
+            os.execvpe(cmd[0], [str(c) for c in cmd], env or os.environ)
+        os.close(out_w)
+        with os.fdopen(out_r) as f:
+            out = f.read()
+        _, status, ru = os.wait4(pid, 0)
+    secs = time.time() - t
+    if os.waitstatus_to_exitcode(status) != 0:
+        print(f"  FAILED: {' '.join(map(str, cmd))}\n{err_path.read_text()[-2000:]}", file=sys.stderr)
+        return None
+    rep = json.loads([l for l in out.splitlines() if l.startswith("{")][-1])
+    rep["peak_rss_bytes"] = ru.ru_maxrss * 1024
+    rep["wall_s"] = secs
+    rep["prefill_tps"] = statistics.median(rep["prefill_tps_runs"])
+    rep["decode_tps"] = statistics.median(rep["decode_tps_runs"])
+    return rep
+
+
+def membw(oxlm_root):
+    exe = oxlm_root / "target/release/examples/membw"
+    out = subprocess.run([exe, "1024", "1"], capture_output=True, text=True, check=True).stdout
+    return float(out.split("read_gbps=")[1].split()[0]) * 1e9
+
+
+def decode_bytes(mlx_dir, context):
+    """Bytes one decode step reads: every tensor except an untied embedding table (of which one
+    row is read), plus an f32 KV cache of `context` positions."""
+    cfg = json.loads((mlx_dir / "config.json").read_text())
+    sizes = {}
+    for f in mlx_dir.glob("*.safetensors"):
+        with f.open("rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        for name, info in header.items():
+            if name != "__metadata__":
+                sizes[name] = info["data_offsets"][1] - info["data_offsets"][0]
+    untied = any(k.startswith("lm_head.") for k in sizes)
+    total = sum(v for k, v in sizes.items() if not (untied and k.startswith("model.embed_tokens.")))
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads", heads)
+    hd = cfg.get("head_dim", cfg["hidden_size"] // heads)
+    return total + 2 * cfg["num_hidden_layers"] * kv * hd * 4 * context
+
+
+def fmt_rss(b):
+    return f"{b / 2**20:.0f} MiB" if b else "—"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--peer", choices=["llamacpp", "mistralrs"])
+    ap.add_argument("--model")
+    ap.add_argument("--isq")
+    ap.add_argument("--threads", default=None)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--oxlm", default=str(ROOT / "target/release/oxlm"))
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--engines", default="oxlm,llamacpp,mistralrs")
+    ap.add_argument("--depth", type=int, default=4096, help="context for the long-context decode (0 skips)")
+    ap.add_argument("--write", help="markdown file whose benchmark section is replaced")
+    ap.add_argument("--json-out", default=str(CACHE / "bench-results.json"))
+    a = ap.parse_args()
+    if a.peer:
+        a.threads = int(a.threads)
+        return peer_main(a)
+
+    ncpu = os.cpu_count()
+    thread_counts = [int(t) for t in (a.threads or f"1,{ncpu}").split(",")]
+    thread_counts = sorted(set(thread_counts))
+    engines = a.engines.split(",")
+    bw = membw(ROOT)
+    print(f"memory read bandwidth: {bw / 1e9:.2f} GB/s", flush=True)
+    results = []
+    me = [sys.executable, __file__]
+    for name in a.models.split(","):
+        d = CACHE / "bench-models" / name
+        for threads in thread_counts:
+            for bits, gg in [(4, "q4_0"), (8, "q8_0")]:
+                row = {"model": name, "threads": threads, "bits": bits}
+                common = ["--prompt", a.prompt, "--gen", a.gen, "--repeats", a.repeats, "--threads", threads]
+                if "oxlm" in engines:
+                    cmd = [a.oxlm, "bench", "--model", d / f"mlx-{bits}bit", "--prompt-tokens", a.prompt,
+                           "--gen-tokens", a.gen, "--repeats", a.repeats, "--threads", threads]
+                    if a.depth and name == "llama-0.85b" and bits == 4 and threads == 1:
+                        cmd += ["--depth", 128, "--depth", a.depth]
+                    row["oxlm"] = child(cmd)
+                    row["decode_bytes"] = decode_bytes(d / f"mlx-{bits}bit", a.prompt + a.gen // 2)
+                if "llamacpp" in engines:
+                    row["llamacpp"] = child(me + ["--peer", "llamacpp", "--model", d / f"gguf-{gg}.gguf"] + common)
+                if "mistralrs" in engines:
+                    env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
+                    row["mistralrs"] = child(me + ["--peer", "mistralrs", "--model", d / "hf",
+                                                   "--isq", gg.upper()] + common, env)
+                row["load"] = os.getloadavg()[0]
+                results.append(row)
+                print(json.dumps(summary(row, bw)), flush=True)
+    Path(a.json_out).write_text(json.dumps({"bandwidth": bw, "results": results}, indent=1))
+    table = markdown(results, bw, a, thread_counts)
+    print(table)
+    if a.write:
+        write_section(Path(a.write), table)
+
+
+def summary(row, bw):
+    out = {k: row[k] for k in ("model", "threads", "bits", "load")}
+    for e in ("oxlm", "llamacpp", "mistralrs"):
+        if row.get(e):
+            out[e] = (round(row[e]["decode_tps"], 2), round(row[e]["prefill_tps"], 1))
+    if row.get("oxlm"):
+        out["roofline"] = round(row["oxlm"]["decode_tps"] * row["decode_bytes"] / bw, 3)
+    return out
+
+
+def ratio(a, b):
+    return f"{a / b:.2f}×" if a and b else "—"
+
+
+def markdown(results, bw, a, thread_counts):
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    flags = next((l for l in open("/proc/cpuinfo") if l.startswith("flags")), "")
+    isa = ", ".join(f for f in ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "amx_int8")
+                    if f" {f} " in flags + " ")
+    lines = [
+        f"Machine: {cpu}, {os.cpu_count()} CPUs ({isa}), Linux {platform.release()}. "
+        f"Measured memory read bandwidth (1 thread, 1 GiB, `membw`): **{bw / 1e9:.2f} GB/s**.",
+        f"Command: `benches/run.sh` (prompt {a.prompt} tokens, {a.gen} decoded, median of {a.repeats}; "
+        f"threads {', '.join(map(str, thread_counts))}). Load average at each row in the last column: other "
+        "work shared these CPUs, so figures are noisy.",
+        "",
+        "Decode and prefill in tokens/s; oxlm runs MLX affine g64 (4-bit or 8-bit), llama.cpp the GGUF "
+        "Q4_0 / Q8_0 its quantizer makes from the same fp16 weights, mistral.rs the same fp16 weights with "
+        "in-situ Q4_0 / Q8_0. ×: oxlm ÷ peer. Roofline: oxlm decode × bytes read per step ÷ measured "
+        "bandwidth.",
+        "",
+        "| model | bits | threads | oxlm decode | oxlm prefill | roofline | llama.cpp decode | ×  | llama.cpp prefill | × | "
+        "mistral.rs decode | × | mistral.rs prefill | × | peak RSS oxlm / llama.cpp / mistral.rs | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        o, l, m = r.get("oxlm") or {}, r.get("llamacpp") or {}, r.get("mistralrs") or {}
+        g = lambda d, k: d.get(k)
+        f = lambda v, p=1: f"{v:.{p}f}" if v else "—"
+        roof = f"{o['decode_tps'] * r['decode_bytes'] / bw:.0%}" if o else "—"
+        lines.append(
+            f"| {MODELS[r['model']]} | {r['bits']} | {r['threads']} | {f(g(o, 'decode_tps'), 2)} | {f(g(o, 'prefill_tps'))} | "
+            f"{roof} | {f(g(l, 'decode_tps'), 2)} | {ratio(g(o, 'decode_tps'), g(l, 'decode_tps'))} | "
+            f"{f(g(l, 'prefill_tps'))} | {ratio(g(o, 'prefill_tps'), g(l, 'prefill_tps'))} | "
+            f"{f(g(m, 'decode_tps'), 2)} | {ratio(g(o, 'decode_tps'), g(m, 'decode_tps'))} | "
+            f"{f(g(m, 'prefill_tps'))} | {ratio(g(o, 'prefill_tps'), g(m, 'prefill_tps'))} | "
+            f"{fmt_rss(g(o, 'peak_rss_bytes'))} / {fmt_rss(g(l, 'peak_rss_bytes'))} / {fmt_rss(g(m, 'peak_rss_bytes'))} | "
+            f"{r['load']:.1f} |")
+    for r in results:
+        for d in (r.get("oxlm") or {}).get("depths", []):
+            lines.append("")
+            lines.append(f"Long context ({MODELS[r['model']]}, {r['bits']}-bit, {r['threads']} thread): decode "
+                         f"{d['decode_tps']:.2f} tok/s after {d['context']} tokens of context.")
+    return "\n".join(lines)
+
+
+def write_section(path, table):
+    begin, end = "<!-- bench:begin -->", "<!-- bench:end -->"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    block = f"{begin}\n{table}\n{end}"
+    if begin in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

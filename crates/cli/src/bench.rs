@@ -1,0 +1,142 @@
+//! `oxlm bench`: times prefill and greedy decode on fixed token ids, with no tokenizer and no
+//! end-of-sequence stop, for the peer benchmark in `benches/`. Prints one JSON object.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use oxlm_engine::cpu::{pool, qint};
+use oxlm_models::{Cache, LanguageModel, Logits};
+use oxlm_runtime::generate::{peak_memory_bytes, DEFAULT_PREFILL_STEP};
+use serde_json::json;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The MLX model directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt length: the prefill that is timed.
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    /// Tokens decoded after the prompt.
+    #[arg(long, default_value_t = 128)]
+    gen_tokens: usize,
+    /// Kernel threads (default: one on machines of two or fewer CPUs, else all).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Timed runs; the medians are reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Also time decoding `--depth-tokens` tokens after this many tokens of context (repeatable).
+    #[arg(long)]
+    depth: Vec<usize>,
+    #[arg(long, default_value_t = 32)]
+    depth_tokens: usize,
+    /// Quantize activations to int8 in the decode GEMV (faster, less exact; see `qint`).
+    #[arg(long)]
+    int8_activations: bool,
+}
+
+/// Deterministic ids spread over the vocabulary (random weights make any ids equally good).
+fn prompt(len: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Feeds `ids` in chunks as `generate` does; returns the last logits.
+fn prefill(model: &dyn LanguageModel, ids: &[u32], cache: &mut Cache) -> Result<Vec<f32>> {
+    let mut logits = Vec::new();
+    for chunk in ids.chunks(DEFAULT_PREFILL_STEP) {
+        logits = model.forward(chunk, cache, Logits::Last)?.into_data();
+    }
+    Ok(logits)
+}
+
+/// Seconds to decode `n` greedy tokens from `logits` on `cache`.
+fn decode(
+    model: &dyn LanguageModel,
+    mut logits: Vec<f32>,
+    cache: &mut Cache,
+    n: usize,
+) -> Result<f64> {
+    let start = Instant::now();
+    for _ in 0..n {
+        let token = argmax(&logits);
+        logits = model.forward(&[token], cache, Logits::Last)?.into_data();
+    }
+    Ok(start.elapsed().as_secs_f64())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+pub fn run(args: Args) -> Result<()> {
+    if let Some(threads) = args.threads {
+        pool::set_threads(threads);
+    }
+    qint::set_enabled(args.int8_activations);
+    let start = Instant::now();
+    let model = oxlm_models::load(&args.model)
+        .with_context(|| format!("loading {}", args.model.display()))?;
+    let load_s = start.elapsed().as_secs_f64();
+    let vocab = model.info().vocab_size;
+    let (mut prefill_tps, mut decode_tps) = (Vec::new(), Vec::new());
+    // One untimed run first: page in the weights and grow the caches.
+    for rep in 0..=args.repeats.max(1) {
+        let ids = prompt(args.prompt_tokens, vocab, rep as u64);
+        let mut cache = model.new_cache();
+        let t = Instant::now();
+        let logits = prefill(model.as_ref(), &ids, &mut cache)?;
+        let prefill_s = t.elapsed().as_secs_f64();
+        let decode_s = decode(model.as_ref(), logits, &mut cache, args.gen_tokens)?;
+        if rep > 0 {
+            prefill_tps.push(args.prompt_tokens as f64 / prefill_s);
+            decode_tps.push(args.gen_tokens as f64 / decode_s);
+        }
+    }
+    let mut depths = Vec::new();
+    for &depth in &args.depth {
+        let ids = prompt(depth, vocab, 99);
+        let mut cache = model.new_cache();
+        let logits = prefill(model.as_ref(), &ids, &mut cache)?;
+        let s = decode(model.as_ref(), logits, &mut cache, args.depth_tokens)?;
+        depths.push(json!({"context": depth, "decode_tps": args.depth_tokens as f64 / s}));
+    }
+    let report = json!({
+        "model": args.model.display().to_string(),
+        "threads": pool::threads(),
+        "int8_activations": args.int8_activations,
+        "load_s": load_s,
+        "prompt_tokens": args.prompt_tokens,
+        "gen_tokens": args.gen_tokens,
+        "prefill_tps": median(prefill_tps.clone()),
+        "decode_tps": median(decode_tps.clone()),
+        "prefill_tps_runs": prefill_tps,
+        "decode_tps_runs": decode_tps,
+        "depths": depths,
+        "peak_rss_bytes": peak_memory_bytes(),
+    });
+    println!("{report}");
+    Ok(())
+}

@@ -1,0 +1,112 @@
+//! `oxlm serve`: a drop-in for `mlx_lm.server` (the OpenAI API over HTTP).
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use oxlm_runtime::generate::DEFAULT_PREFILL_STEP;
+use oxlm_server::Settings;
+use serde_json::{Map, Value};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The MLX model directory (config.json, *.safetensors, tokenizer files).
+    #[arg(long)]
+    model: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// `max_tokens` of requests that do not set it.
+    #[arg(long, default_value_t = 512)]
+    max_tokens: usize,
+    /// Default sampling temperature (else generation_config.json's, else 0: greedy).
+    #[arg(long)]
+    temp: Option<f32>,
+    /// Default nucleus sampling top-p (else generation_config.json's, else 1: off).
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Default top-k (else generation_config.json's, else 0: off).
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Default min-p (else generation_config.json's, else 0: off).
+    #[arg(long)]
+    min_p: Option<f32>,
+    /// Chat template variables for every request, as a JSON object (e.g. '{"enable_thinking": false}').
+    #[arg(long)]
+    chat_template_args: Option<String>,
+    /// Most prompt cache entries kept.
+    #[arg(long, default_value_t = 10)]
+    prompt_cache_size: usize,
+    /// Most bytes of model state the prompt cache keeps (e.g. 512M, 8G).
+    #[arg(long, default_value = "8G", value_parser = parse_size)]
+    prompt_cache_bytes: usize,
+    /// Require `Authorization: Bearer KEY` on /v1 requests.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Comma-separated CORS origins; * allows any.
+    #[arg(long, default_value = "*", value_delimiter = ',')]
+    allowed_origins: Vec<String>,
+    /// Largest request body accepted (e.g. 32M); larger ones get 413.
+    #[arg(long, default_value = "32M", value_parser = parse_size)]
+    max_request_bytes: usize,
+    /// Prompt tokens processed per forward pass.
+    #[arg(long, default_value_t = DEFAULT_PREFILL_STEP)]
+    prefill_step_size: usize,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let chat_template_args: Map<String, Value> = match &args.chat_template_args {
+        Some(text) => serde_json::from_str(text).context("--chat-template-args")?,
+        None => Map::new(),
+    };
+    let settings = Settings {
+        max_tokens: args.max_tokens,
+        temperature: args.temp,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        min_p: args.min_p,
+        chat_template_args,
+        prompt_cache_size: args.prompt_cache_size,
+        prompt_cache_bytes: args.prompt_cache_bytes,
+        api_key: args.api_key,
+        allowed_origins: args.allowed_origins,
+        max_request_bytes: args.max_request_bytes,
+        prefill_step: args.prefill_step_size,
+    };
+    oxlm_server::run(&args.model, settings, &args.host, args.port)
+        .with_context(|| format!("serving {}", args.model.display()))
+}
+
+/// A byte count with an optional decimal suffix (K, M, G, KB, MB, GB), as mlx-lm's `_parse_size`.
+fn parse_size(text: &str) -> Result<usize, String> {
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (digits, unit) = text.split_at(split);
+    let scale = match unit.trim().to_ascii_uppercase().as_str() {
+        "" => 1.0,
+        "K" | "KB" => 1e3,
+        "M" | "MB" => 1e6,
+        "G" | "GB" => 1e9,
+        other => return Err(format!("unknown size unit `{other}` (use K, M or G)")),
+    };
+    let value: f64 = digits
+        .parse()
+        .map_err(|_| format!("`{text}` is not a size"))?;
+    Ok((value * scale) as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_take_decimal_suffixes() {
+        assert_eq!(parse_size("512"), Ok(512));
+        assert_eq!(parse_size("1.5G"), Ok(1_500_000_000));
+        assert_eq!(parse_size("32MB"), Ok(32_000_000));
+        assert!(parse_size("3X").is_err());
+        assert!(parse_size("G").is_err());
+    }
+}

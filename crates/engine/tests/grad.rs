@@ -1,0 +1,249 @@
+//! Every backward function against central finite differences of its forward, and the transposed
+//! matmuls against the dequantized weights in f64.
+//!
+//! The scalar checked is `L = Σ r·f(x)` for a fixed random `r`, so `∂L/∂x` is the backward of `r`.
+//! Step 1e-2 in f32 leaves about 1e-4 of truncation and rounding error; the tolerance is 1e-3
+//! of the largest gradient.
+
+use oxlm_engine::cpu::Isa;
+use oxlm_engine::grad::{
+    attention_backward, cross_entropy, cross_entropy_backward_inplace, dense_matmul_backward,
+    quantized_matmul_backward, rms_norm_backward, rope_backward_inplace, silu_mul_backward,
+};
+use oxlm_engine::ops::{attention, rms_norm, rope_inplace, silu_mul_inplace, KvView};
+use oxlm_engine::quant::quantize;
+use oxlm_engine::{Bytes, DType, FloatMatrix, QuantizedMatrix};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const STEP: f32 = 1e-2;
+const TOLERANCE: f32 = 1e-3;
+
+fn random(rng: &mut StdRng, n: usize, range: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-range..range)).collect()
+}
+
+fn weighted_sum(r: &[f32], y: &[f32]) -> f64 {
+    r.iter().zip(y).map(|(&a, &b)| a as f64 * b as f64).sum()
+}
+
+/// `∂/∂x_i Σ r·f(x)` by central differences.
+fn numeric_grad(x: &[f32], r: &[f32], f: impl Fn(&[f32]) -> Vec<f32>) -> Vec<f32> {
+    let mut x = x.to_vec();
+    (0..x.len())
+        .map(|i| {
+            let keep = x[i];
+            x[i] = keep + STEP;
+            let up = weighted_sum(r, &f(&x));
+            x[i] = keep - STEP;
+            let down = weighted_sum(r, &f(&x));
+            x[i] = keep;
+            ((up - down) / (2.0 * STEP as f64)) as f32
+        })
+        .collect()
+}
+
+fn assert_close(what: &str, analytic: &[f32], numeric: &[f32]) {
+    let scale = numeric.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let worst = analytic
+        .iter()
+        .zip(numeric)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    println!("{what}: max |analytic - numeric| {worst:.2e} (largest gradient {scale:.2e})");
+    assert!(scale > 1e-3, "{what}: degenerate test");
+    assert!(
+        worst <= TOLERANCE * scale,
+        "{what}: {worst} > {TOLERANCE} · {scale}"
+    );
+}
+
+#[test]
+fn rms_norm_matches_finite_differences() {
+    let mut rng = StdRng::seed_from_u64(1);
+    let (rows, dim) = (3, 16);
+    let x = random(&mut rng, rows * dim, 2.0);
+    let w = random(&mut rng, dim, 1.5);
+    let r = random(&mut rng, rows * dim, 1.0);
+    let f = |x: &[f32]| {
+        let mut y = vec![0.0; x.len()];
+        rms_norm(x, &w, 1e-5, &mut y);
+        y
+    };
+    let mut dx = vec![0.0; x.len()];
+    rms_norm_backward(&x, &w, 1e-5, &r, &mut dx);
+    assert_close("rms_norm", &dx, &numeric_grad(&x, &r, f));
+}
+
+#[test]
+fn rope_matches_finite_differences() {
+    let mut rng = StdRng::seed_from_u64(2);
+    let (heads, head_dim) = (3, 8);
+    let positions = [0, 5, 17, 1000];
+    let inv_freqs: Vec<f32> = (0..head_dim / 2)
+        .map(|i| 10000f32.powf(-((2 * i) as f32) / head_dim as f32))
+        .collect();
+    for traditional in [false, true] {
+        let x = random(&mut rng, positions.len() * heads * head_dim, 1.0);
+        let r = random(&mut rng, x.len(), 1.0);
+        let f = |x: &[f32]| {
+            let mut y = x.to_vec();
+            rope_inplace(&mut y, heads, head_dim, &positions, &inv_freqs, traditional);
+            y
+        };
+        let mut dx = r.clone();
+        rope_backward_inplace(
+            &mut dx,
+            heads,
+            head_dim,
+            &positions,
+            &inv_freqs,
+            traditional,
+        );
+        assert_close(
+            &format!("rope traditional={traditional}"),
+            &dx,
+            &numeric_grad(&x, &r, f),
+        );
+    }
+}
+
+#[test]
+fn swiglu_matches_finite_differences() {
+    let mut rng = StdRng::seed_from_u64(3);
+    let gate = random(&mut rng, 40, 4.0);
+    let up = random(&mut rng, 40, 2.0);
+    let r = random(&mut rng, 40, 1.0);
+    let (dgate, dup) = silu_mul_backward(&gate, &up, &r);
+    let by_gate = |g: &[f32]| {
+        let mut y = g.to_vec();
+        silu_mul_inplace(&mut y, &up);
+        y
+    };
+    let by_up = |u: &[f32]| {
+        let mut y = gate.clone();
+        silu_mul_inplace(&mut y, u);
+        y
+    };
+    assert_close("swiglu gate", &dgate, &numeric_grad(&gate, &r, by_gate));
+    assert_close("swiglu up", &dup, &numeric_grad(&up, &r, by_up));
+}
+
+#[test]
+fn attention_matches_finite_differences() {
+    let mut rng = StdRng::seed_from_u64(4);
+    let (n, heads, kv_heads, d) = (5, 4, 2, 8);
+    let scale = (d as f32).powf(-0.5);
+    let positions: Vec<usize> = (0..n).collect();
+    let q = random(&mut rng, n * heads * d, 1.5);
+    let k = random(&mut rng, kv_heads * n * d, 1.5);
+    let v = random(&mut rng, kv_heads * n * d, 1.5);
+    let r = random(&mut rng, n * heads * d, 1.0);
+    let run = |q: &[f32], k: &[f32], v: &[f32]| {
+        let kv = KvView {
+            keys: k,
+            values: v,
+            kv_heads,
+            capacity: n,
+            len: n,
+        };
+        let mut out = vec![0.0; q.len()];
+        attention(q, heads, d, &positions, &kv, scale, &mut out);
+        out
+    };
+    let kv = KvView {
+        keys: &k,
+        values: &v,
+        kv_heads,
+        capacity: n,
+        len: n,
+    };
+    let g = attention_backward(&q, heads, d, &kv, scale, &r);
+    assert_close(
+        "attention dq",
+        &g.dq,
+        &numeric_grad(&q, &r, |q| run(q, &k, &v)),
+    );
+    assert_close(
+        "attention dk",
+        &g.dk,
+        &numeric_grad(&k, &r, |k| run(&q, k, &v)),
+    );
+    assert_close(
+        "attention dv",
+        &g.dv,
+        &numeric_grad(&v, &r, |v| run(&q, &k, v)),
+    );
+}
+
+#[test]
+fn cross_entropy_matches_finite_differences() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let logits = random(&mut rng, 30, 5.0);
+    let target = 7;
+    let mut grad = logits.clone();
+    cross_entropy_backward_inplace(&mut grad, target, 0.5);
+    let f = |z: &[f32]| vec![cross_entropy(z, target)];
+    assert_close("cross entropy", &grad, &numeric_grad(&logits, &[0.5], f));
+    // logsumexp(z) - z[t], directly.
+    let lse = logits.iter().map(|&v| (v as f64).exp()).sum::<f64>().ln();
+    assert!((cross_entropy(&logits, target) as f64 - (lse - logits[target] as f64)).abs() < 1e-5);
+}
+
+/// `dy · W` in f64 on the f32 weights `w` (`[rows, cols]`).
+fn reference(w: &[f32], rows: usize, cols: usize, dy: &[f32], m: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; m * cols];
+    for i in 0..m {
+        for c in 0..cols {
+            let s: f64 = (0..rows)
+                .map(|r| dy[i * rows + r] as f64 * w[r * cols + c] as f64)
+                .sum();
+            out[i * cols + c] = s as f32;
+        }
+    }
+    out
+}
+
+fn assert_matmul_close(what: &str, got: &[f32], want: &[f32]) {
+    let worst = got
+        .iter()
+        .zip(want)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(worst < 1e-4, "{what}: {worst}");
+}
+
+#[test]
+fn transposed_matmuls_match_the_weights() {
+    let mut rng = StdRng::seed_from_u64(6);
+    assert!(Isa::available().contains(&Isa::Portable));
+    // Rows and columns past one GEMM panel and block, and not multiples of them.
+    for (rows, cols, m) in [(40, 64, 1), (96, 192, 7), (33, 576, 200)] {
+        let values = random(&mut rng, rows * cols, 0.5);
+        let dy = random(&mut rng, m * rows, 1.0);
+        let dense = FloatMatrix::from_f32(rows, cols, &values).unwrap();
+        let mut dx = vec![0.0; m * cols];
+        dense_matmul_backward(&dense, &dy, m, &mut dx);
+        assert_matmul_close("dense", &dx, &reference(&values, rows, cols, &dy, m));
+        for (bits, g) in [(4, 64), (8, 32), (3, 32), (6, 64)] {
+            let (packed, scales, biases) = quantize(&values, rows, cols, bits, g);
+            let w = QuantizedMatrix::new(
+                rows,
+                cols,
+                bits,
+                g,
+                Bytes::from_values(&packed),
+                DType::F32,
+                Bytes::from_values(&scales),
+                Bytes::from_values(&biases),
+            )
+            .unwrap();
+            let mut dx = vec![0.0; m * cols];
+            quantized_matmul_backward(&w, &dy, m, &mut dx);
+            let want = reference(&w.view().dequantize(), rows, cols, &dy, m);
+            assert_matmul_close(
+                &format!("{bits}-bit g{g} [{rows}, {cols}] m={m}"),
+                &dx,
+                &want,
+            );
+        }
+    }
+}

@@ -1,0 +1,386 @@
+//! `mlx_lm.fuse`: merges LoRA adapters into a copy of the base checkpoint. Each adapted layer is
+//! dequantized, `scale · Bᵀ·Aᵀ` is added, and the sum is quantized again with the layer's own
+//! bits and group size; with `dequantize`, every quantized array of the model is written dense
+//! instead. Arithmetic follows MLX step by step (in the weights' dtype, rounding where MLX
+//! rounds) so that the written arrays match what mlx-lm writes.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+use oxlm_engine::quant::quantize;
+use oxlm_engine::{DType, EngineError, FloatMatrix, QuantizedMatrix};
+use serde_json::{json, Map, Value};
+use thiserror::Error;
+
+use crate::checkpoint::{read_json, Checkpoint, QuantSpec, RawTensor};
+use crate::lora::{AdapterError, Adapters, LoraLinear};
+use crate::save::{copy_file, write_json, write_safetensors, SaveError, TensorBytes};
+use crate::LoadError;
+
+/// mlx-lm starts a new weight file past this many bytes (`MAX_FILE_SIZE_GB`).
+const MAX_SHARD_BYTES: usize = 5 << 30;
+
+/// Files besides the weights that a model directory carries over (tokenizer, templates, …).
+const CARRIED_FILES: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+];
+
+#[derive(Debug, Error)]
+pub enum FuseError {
+    #[error(transparent)]
+    Adapter(#[from] AdapterError),
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    #[error(transparent)]
+    Save(#[from] SaveError),
+    #[error("weight `{name}`: {reason}")]
+    Weight { name: String, reason: String },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// What [`fuse`] wrote.
+#[derive(Debug, Clone)]
+pub struct FuseReport {
+    pub fused_layers: usize,
+    pub dequantized_layers: usize,
+    pub weight_files: Vec<PathBuf>,
+}
+
+/// Rounds `v` to the nearest value of `dtype` (floats only), as MLX stores it.
+fn round_to(dtype: DType, v: f32) -> f32 {
+    match dtype {
+        DType::F16 => f16::from_f32(v).to_f32(),
+        DType::BF16 => bf16::from_f32(v).to_f32(),
+        _ => v,
+    }
+}
+
+fn float_bytes(dtype: DType, values: &[f32]) -> Vec<u8> {
+    match dtype {
+        DType::F16 => values
+            .iter()
+            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+            .collect(),
+        DType::BF16 => values
+            .iter()
+            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
+}
+
+/// A quantized layer as read from the checkpoint.
+struct Quantized {
+    matrix: QuantizedMatrix,
+    dtype: DType,
+}
+
+impl Quantized {
+    fn take(ckpt: &mut Checkpoint, prefix: &str, spec: QuantSpec) -> Result<Self, FuseError> {
+        let weight = ckpt.take(&format!("{prefix}.weight"))?;
+        let scales = ckpt.take(&format!("{prefix}.scales"))?;
+        let biases = ckpt.take(&format!("{prefix}.biases"))?;
+        let bad = |e: EngineError| FuseError::Weight {
+            name: format!("{prefix}.weight"),
+            reason: e.to_string(),
+        };
+        let [rows, words] = weight.shape[..] else {
+            return Err(bad(EngineError::Shape(format!(
+                "{:?} is not a matrix",
+                weight.shape
+            ))));
+        };
+        let cols = words * 32 / spec.bits as usize;
+        let matrix = QuantizedMatrix::new(
+            rows,
+            cols,
+            spec.bits,
+            spec.group_size,
+            weight.data,
+            scales.dtype,
+            scales.data,
+            biases.data,
+        )
+        .map_err(bad)?;
+        Ok(Quantized {
+            matrix,
+            dtype: scales.dtype,
+        })
+    }
+
+    /// The weights as `mx.dequantize` computes them: in the scales' dtype, rounded after the
+    /// multiply and again after the add.
+    fn dequantize(&self) -> Vec<f32> {
+        let v = self.matrix.view();
+        let (cols, g) = (v.cols, v.group_size);
+        let mut out = vec![0.0; v.rows * cols];
+        for (r, row) in out.chunks_exact_mut(cols).enumerate() {
+            for (c, o) in row.iter_mut().enumerate() {
+                let group = (r * cols + c) / g;
+                let scaled = round_to(self.dtype, v.scales.get(group) * v.q(r, c) as f32);
+                *o = round_to(self.dtype, scaled + v.biases.get(group));
+            }
+        }
+        out
+    }
+}
+
+/// `weight += scale · Bᵀ·Aᵀ` as `LoRALinear.fuse` does: the product in f32 (fused multiply-adds
+/// over the rank, as a BLAS kernel runs it), rounded to `dtype`, then added in `dtype`.
+fn merge(weight: &mut [f32], lora: &LoraLinear, dtype: DType) {
+    let (cols, r) = (lora.in_features, lora.rank);
+    for (o, row) in weight.chunks_exact_mut(cols).enumerate() {
+        let b: Vec<f32> = (0..r)
+            .map(|k| lora.scale * lora.b[k * lora.out_features + o])
+            .collect();
+        for (w, a) in row.iter_mut().zip(lora.a.chunks_exact(r)) {
+            let delta = b
+                .iter()
+                .zip(a)
+                .fold(0.0f32, |acc, (&bk, &ak)| bk.mul_add(ak, acc));
+            *w = round_to(dtype, *w + round_to(dtype, delta));
+        }
+    }
+}
+
+fn owned(dtype: DType, shape: Vec<usize>, data: Vec<u8>) -> TensorBytes<'static> {
+    TensorBytes {
+        dtype,
+        shape,
+        data: Cow::Owned(data),
+    }
+}
+
+fn raw(t: &RawTensor) -> TensorBytes<'_> {
+    TensorBytes {
+        dtype: t.dtype,
+        shape: t.shape.clone(),
+        data: Cow::Borrowed(t.data.as_slice()),
+    }
+}
+
+/// Quantizes `values` (`[rows, cols]`) as `mx.quantize` does for weights of `dtype`.
+fn requantize(
+    prefix: &str,
+    values: &[f32],
+    rows: usize,
+    cols: usize,
+    spec: QuantSpec,
+    dtype: DType,
+) -> [(String, TensorBytes<'static>); 3] {
+    let (packed, scales, biases) = quantize(values, rows, cols, spec.bits, spec.group_size);
+    let words = cols * spec.bits as usize / 32;
+    let groups = cols / spec.group_size;
+    [
+        (
+            format!("{prefix}.weight"),
+            owned(
+                DType::U32,
+                vec![rows, words],
+                packed.iter().flat_map(|w| w.to_le_bytes()).collect(),
+            ),
+        ),
+        (
+            format!("{prefix}.scales"),
+            owned(dtype, vec![rows, groups], float_bytes(dtype, &scales)),
+        ),
+        (
+            format!("{prefix}.biases"),
+            owned(dtype, vec![rows, groups], float_bytes(dtype, &biases)),
+        ),
+    ]
+}
+
+/// Merges the adapters in `adapter_dir` into the model in `model_dir` and writes the result to
+/// `save_path` as an MLX model directory (weights, index, config, tokenizer files).
+pub fn fuse(
+    model_dir: &Path,
+    adapter_dir: &Path,
+    save_path: &Path,
+    dequantize: bool,
+) -> Result<FuseReport, FuseError> {
+    let adapters = {
+        let model = crate::load(model_dir)?;
+        Adapters::load(adapter_dir, model.as_ref())?
+    };
+    let mut ckpt = Checkpoint::open(model_dir)?;
+    // Fusing and dequantizing change no layer's shape, so the count is the base model's.
+    let total_parameters = ckpt.parameter_count();
+    let mut out: BTreeMap<String, TensorBytes> = BTreeMap::new();
+    for (prefix, lora) in &adapters.layers {
+        let weight_name = format!("{prefix}.weight");
+        match ckpt
+            .quantization
+            .for_module(prefix)
+            .filter(|_| ckpt.contains(&format!("{prefix}.scales")))
+        {
+            Some(spec) => {
+                let q = Quantized::take(&mut ckpt, prefix, spec)?;
+                let (rows, cols, dtype) = (q.matrix.rows, q.matrix.cols, q.dtype);
+                let mut w = q.dequantize();
+                merge(&mut w, lora, dtype);
+                if dequantize {
+                    out.insert(
+                        weight_name,
+                        owned(dtype, vec![rows, cols], float_bytes(dtype, &w)),
+                    );
+                } else {
+                    out.extend(requantize(prefix, &w, rows, cols, spec, dtype));
+                }
+            }
+            None => {
+                let t = ckpt.take(&weight_name)?;
+                let (rows, cols) = (lora.out_features, lora.in_features);
+                let mut w = FloatMatrix::new(rows, cols, t.dtype, t.data)
+                    .map_err(|e| FuseError::Weight {
+                        name: weight_name.clone(),
+                        reason: e.to_string(),
+                    })?
+                    .to_f32_vec();
+                merge(&mut w, lora, t.dtype);
+                out.insert(
+                    weight_name,
+                    owned(t.dtype, vec![rows, cols], float_bytes(t.dtype, &w)),
+                );
+            }
+        }
+    }
+    let mut dequantized_layers = 0;
+    if dequantize {
+        let quantized: Vec<String> = ckpt
+            .names()
+            .iter()
+            .filter_map(|n| n.strip_suffix(".scales").map(str::to_string))
+            .collect();
+        for prefix in quantized {
+            let spec = ckpt
+                .quantization
+                .for_module(&prefix)
+                .ok_or_else(|| FuseError::Weight {
+                    name: prefix.clone(),
+                    reason: "quantized in the weights but config.json has no `quantization`".into(),
+                })?;
+            let q = Quantized::take(&mut ckpt, &prefix, spec)?;
+            let w = q.dequantize();
+            out.insert(
+                format!("{prefix}.weight"),
+                owned(
+                    q.dtype,
+                    vec![q.matrix.rows, q.matrix.cols],
+                    float_bytes(q.dtype, &w),
+                ),
+            );
+            dequantized_layers += 1;
+        }
+    }
+    let rest: Vec<(String, RawTensor)> = ckpt
+        .names()
+        .into_iter()
+        .map(|n| ckpt.take(&n).map(|t| (n, t)))
+        .collect::<Result<_, _>>()?;
+    for (name, t) in &rest {
+        out.insert(name.clone(), raw(t));
+    }
+    std::fs::create_dir_all(save_path).map_err(|source| FuseError::Io {
+        path: save_path.to_path_buf(),
+        source,
+    })?;
+    let weight_files = write_weights(save_path, out, total_parameters)?;
+    write_config(model_dir, save_path, dequantize)?;
+    for file in CARRIED_FILES {
+        let from = model_dir.join(file);
+        if from.exists() {
+            copy_file(&from, &save_path.join(file))?;
+        }
+    }
+    Ok(FuseReport {
+        fused_layers: adapters.layers.len(),
+        dequantized_layers,
+        weight_files,
+    })
+}
+
+/// Writes the arrays in shards of at most [`MAX_SHARD_BYTES`] and the index mlx-lm writes beside them.
+fn write_weights(
+    dir: &Path,
+    tensors: BTreeMap<String, TensorBytes>,
+    total_parameters: usize,
+) -> Result<Vec<PathBuf>, FuseError> {
+    let total_size: usize = tensors.values().map(|t| t.data.len()).sum();
+    let mut shards: Vec<BTreeMap<String, TensorBytes>> = Vec::new();
+    let mut shard_bytes = 0;
+    for (name, t) in tensors {
+        if shards.is_empty() || shard_bytes + t.data.len() > MAX_SHARD_BYTES {
+            shards.push(BTreeMap::new());
+            shard_bytes = 0;
+        }
+        shard_bytes += t.data.len();
+        shards.last_mut().expect("pushed above").insert(name, t);
+    }
+    let count = shards.len();
+    let mut weight_map = Map::new();
+    let mut files = Vec::new();
+    for (i, shard) in shards.iter().enumerate() {
+        let file = if count > 1 {
+            format!("model-{:05}-of-{count:05}.safetensors", i + 1)
+        } else {
+            "model.safetensors".to_string()
+        };
+        write_safetensors(&dir.join(&file), shard)?;
+        for name in shard.keys() {
+            weight_map.insert(name.clone(), json!(file));
+        }
+        files.push(dir.join(file));
+    }
+    let index = json!({
+        "metadata": {"total_size": total_size, "total_parameters": total_parameters},
+        "weight_map": sorted(Value::Object(weight_map)),
+    });
+    write_json(&dir.join("model.safetensors.index.json"), &index)?;
+    Ok(files)
+}
+
+/// The object's keys in sorted order (the workspace's serde_json keeps insertion order).
+fn sorted(value: Value) -> Value {
+    match value {
+        Value::Object(map) => {
+            let mut entries: Vec<(String, Value)> = map.into_iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            Value::Object(entries.into_iter().collect())
+        }
+        other => other,
+    }
+}
+
+/// config.json as `save_config` writes it: keys sorted, `quantization_config` mirroring
+/// `quantization`, both dropped for a dequantized model.
+fn write_config(model_dir: &Path, save_path: &Path, dequantize: bool) -> Result<(), FuseError> {
+    let mut config = read_json(&model_dir.join("config.json"))?;
+    if let Some(map) = config.as_object_mut() {
+        map.remove("_name_or_path");
+        map.remove("vision_config");
+        if dequantize {
+            map.remove("quantization");
+            map.remove("quantization_config");
+        } else if let Some(q) = map.get("quantization").cloned() {
+            map.insert("quantization_config".into(), q);
+        }
+    }
+    write_json(&save_path.join("config.json"), &sorted(config))?;
+    Ok(())
+}

@@ -1,0 +1,377 @@
+//! The loss and LoRA gradients of a llama-family model, one example at a time (the examples of a
+//! batch do not interact, so their gradients simply add): a forward pass that keeps what the
+//! backward pass needs, then the backward pass from the loss down to the lowest adapted block.
+//! With `checkpoint`, only each block's input is kept and the block is run again on the way back.
+
+use std::collections::BTreeMap;
+
+use oxlm_engine::grad::{
+    attention_backward, cross_entropy, cross_entropy_backward_inplace, rms_norm_backward,
+    rope_backward_inplace, silu_mul_backward,
+};
+use oxlm_engine::ops::{self, KvView};
+
+use crate::layers::{Attention, Linear};
+use crate::llama::{Block, Llama};
+use crate::lora::{block_path, Adapters, ModuleAdapters};
+use crate::lora_grad::{
+    base_input_grad, linear_backward, zero_grads, Example, LoraGrad, LossAndGrads,
+};
+use crate::{check_tokens, ForwardError};
+
+/// Rows of logits computed at once, so that `[tokens, vocab]` never exists in full.
+const HEAD_ROWS: usize = 64;
+
+/// What a block's backward pass reads from its forward pass.
+struct Saved {
+    h_in: Vec<f32>,
+    x1: Vec<f32>,
+    /// Queries and keys before their per-head norms (Qwen3), when the block has them.
+    q_raw: Option<Vec<f32>>,
+    k_raw: Option<Vec<f32>>,
+    /// Rotated queries `[n, heads, head_dim]`; keys and values `[kv_heads, n, head_dim]`.
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    h_mid: Vec<f32>,
+    x2: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    act: Vec<f32>,
+}
+
+/// What an adapted block keeps for the backward pass: everything, or (checkpointing) its input.
+enum Kept {
+    All(Box<Saved>),
+    Input(Vec<f32>),
+}
+
+/// `[n, heads, d]` → `[heads, n, d]`: keys and values as attention reads them.
+fn tokens_to_heads(x: &[f32], n: usize, heads: usize, d: usize) -> Vec<f32> {
+    let mut out = vec![0.0; x.len()];
+    for t in 0..n {
+        for h in 0..heads {
+            out[(h * n + t) * d..][..d].copy_from_slice(&x[(t * heads + h) * d..][..d]);
+        }
+    }
+    out
+}
+
+/// `[heads, n, d]` → `[n, heads, d]`.
+fn heads_to_tokens(x: &[f32], n: usize, heads: usize, d: usize) -> Vec<f32> {
+    let mut out = vec![0.0; x.len()];
+    for h in 0..heads {
+        for t in 0..n {
+            out[(t * heads + h) * d..][..d].copy_from_slice(&x[(h * n + t) * d..][..d]);
+        }
+    }
+    out
+}
+
+fn add(mut a: Vec<f32>, b: &[f32]) -> Vec<f32> {
+    ops::add_inplace(&mut a, b);
+    a
+}
+
+/// A block's forward pass over one whole sequence (positions `0..n`), keeping its activations.
+fn forward_block(block: &Block, h_in: Vec<f32>, lora: [ModuleAdapters; 2]) -> Saved {
+    let a: &Attention = &block.self_attn;
+    let n = h_in.len() / block.input_layernorm.weight.len();
+    let positions: Vec<usize> = (0..n).collect();
+    let x1 = block.input_layernorm.forward(&h_in);
+    let mut q = a.q_proj.forward_adapted(&x1, n, lora[0].get("q_proj"));
+    let mut k = a.k_proj.forward_adapted(&x1, n, lora[0].get("k_proj"));
+    let v = a.v_proj.forward_adapted(&x1, n, lora[0].get("v_proj"));
+    let q_raw = a.q_norm.as_ref().map(|norm| {
+        let raw = q.clone();
+        norm.forward_inplace(&mut q);
+        raw
+    });
+    let k_raw = a.k_norm.as_ref().map(|norm| {
+        let raw = k.clone();
+        norm.forward_inplace(&mut k);
+        raw
+    });
+    a.rope.apply(&mut q, a.heads, a.head_dim, &positions);
+    a.rope.apply(&mut k, a.kv_heads, a.head_dim, &positions);
+    let k = tokens_to_heads(&k, n, a.kv_heads, a.head_dim);
+    let v = tokens_to_heads(&v, n, a.kv_heads, a.head_dim);
+    let mut attn = vec![0.0; q.len()];
+    let kv = KvView {
+        keys: &k,
+        values: &v,
+        kv_heads: a.kv_heads,
+        capacity: n,
+        len: n,
+    };
+    ops::attention(&q, a.heads, a.head_dim, &positions, &kv, a.scale, &mut attn);
+    let h_mid = add(
+        h_in.clone(),
+        &a.o_proj.forward_adapted(&attn, n, lora[0].get("o_proj")),
+    );
+    let x2 = block.post_attention_layernorm.forward(&h_mid);
+    let m = &block.mlp;
+    let gate = m
+        .gate_proj
+        .forward_adapted(&x2, n, lora[1].get("gate_proj"));
+    let up = m.up_proj.forward_adapted(&x2, n, lora[1].get("up_proj"));
+    let mut act = gate.clone();
+    ops::silu_mul_inplace(&mut act, &up);
+    Saved {
+        h_in,
+        x1,
+        q_raw,
+        k_raw,
+        q,
+        k,
+        v,
+        attn,
+        h_mid,
+        x2,
+        gate,
+        up,
+        act,
+    }
+}
+
+/// The block's output `h_mid + down(act)`.
+fn block_output(block: &Block, s: &Saved, lora: ModuleAdapters) -> Vec<f32> {
+    let n = s.h_in.len() / block.input_layernorm.weight.len();
+    let down = block
+        .mlp
+        .down_proj
+        .forward_adapted(&s.act, n, lora.get("down_proj"));
+    add(s.h_mid.clone(), &down)
+}
+
+/// One block's adapters and their gradient slots, for the backward pass through its layers.
+struct BlockGrads<'a> {
+    block: usize,
+    tokens: usize,
+    adapters: &'a Adapters,
+    grads: &'a mut BTreeMap<String, LoraGrad>,
+}
+
+impl BlockGrads<'_> {
+    /// Backward of the block's layer `module.name` for input `x` and output gradient `dy`:
+    /// adds its adapter's gradients, returns `dx` when `need_dx`.
+    fn linear(
+        &mut self,
+        linear: &Linear,
+        module: &str,
+        name: &str,
+        x: &[f32],
+        dy: &[f32],
+        need_dx: bool,
+    ) -> Option<Vec<f32>> {
+        let adapter = self.adapters.module(self.block, module).get(name);
+        let path = format!("{}.{module}.{name}", block_path(self.block));
+        let slot = adapter.zip(self.grads.get_mut(&path));
+        linear_backward(linear, slot, x, dy, self.tokens, need_dx)
+    }
+
+    /// [`BlockGrads::linear`] for a layer whose input gradient is needed.
+    fn through(
+        &mut self,
+        linear: &Linear,
+        module: &str,
+        name: &str,
+        x: &[f32],
+        dy: &[f32],
+    ) -> Vec<f32> {
+        self.linear(linear, module, name, x, dy, true)
+            .expect("dx was asked for")
+    }
+}
+
+/// Backward of one block: returns `dh_in` unless `lowest` (nothing below needs it).
+fn backward_block(
+    block: &Block,
+    s: &Saved,
+    dh_out: Vec<f32>,
+    mut g: BlockGrads,
+    lowest: bool,
+) -> Option<Vec<f32>> {
+    let (a, m) = (&block.self_attn, &block.mlp);
+    let n = g.tokens;
+
+    let d_act = g.through(&m.down_proj, "mlp", "down_proj", &s.act, &dh_out);
+    let (dgate, dup) = silu_mul_backward(&s.gate, &s.up, &d_act);
+    let dx2 = add(
+        g.through(&m.gate_proj, "mlp", "gate_proj", &s.x2, &dgate),
+        &g.through(&m.up_proj, "mlp", "up_proj", &s.x2, &dup),
+    );
+    let norm = &block.post_attention_layernorm;
+    let mut dh_mid = vec![0.0; dh_out.len()];
+    rms_norm_backward(&s.h_mid, &norm.weight, norm.eps, &dx2, &mut dh_mid);
+    let dh_mid = add(dh_mid, &dh_out);
+
+    let d_attn = g.through(&a.o_proj, "self_attn", "o_proj", &s.attn, &dh_mid);
+    let kv = KvView {
+        keys: &s.k,
+        values: &s.v,
+        kv_heads: a.kv_heads,
+        capacity: n,
+        len: n,
+    };
+    let grads = attention_backward(&s.q, a.heads, a.head_dim, &kv, a.scale, &d_attn);
+    let mut dq = grads.dq;
+    let mut dk = heads_to_tokens(&grads.dk, n, a.kv_heads, a.head_dim);
+    let dv = heads_to_tokens(&grads.dv, n, a.kv_heads, a.head_dim);
+    let positions: Vec<usize> = (0..n).collect();
+    let (inv, traditional) = (&a.rope.inv_freqs, a.rope.traditional);
+    rope_backward_inplace(&mut dq, a.heads, a.head_dim, &positions, inv, traditional);
+    rope_backward_inplace(
+        &mut dk,
+        a.kv_heads,
+        a.head_dim,
+        &positions,
+        inv,
+        traditional,
+    );
+    for (norm, raw, d) in [
+        (&a.q_norm, &s.q_raw, &mut dq),
+        (&a.k_norm, &s.k_raw, &mut dk),
+    ] {
+        if let (Some(norm), Some(raw)) = (norm, raw) {
+            let mut dx = vec![0.0; d.len()];
+            rms_norm_backward(raw, &norm.weight, norm.eps, d, &mut dx);
+            *d = dx;
+        }
+    }
+    let mut dx1: Option<Vec<f32>> = None;
+    for (linear, name, dy) in [
+        (&a.q_proj, "q_proj", &dq),
+        (&a.k_proj, "k_proj", &dk),
+        (&a.v_proj, "v_proj", &dv),
+    ] {
+        let dx = g.linear(linear, "self_attn", name, &s.x1, dy, !lowest);
+        dx1 = match (dx1, dx) {
+            (Some(acc), Some(dx)) => Some(add(acc, &dx)),
+            (acc, dx) => acc.or(dx),
+        };
+    }
+    let dx1 = dx1?;
+    let norm = &block.input_layernorm;
+    let mut dh_in = vec![0.0; dh_mid.len()];
+    rms_norm_backward(&s.h_in, &norm.weight, norm.eps, &dx1, &mut dh_in);
+    Some(add(dh_in, &dh_mid))
+}
+
+impl Llama {
+    /// The final norm, the head and the loss over the scored positions of `h`; returns the loss
+    /// summed over them and adds `dloss · ∂loss/∂h` into a new `dh`.
+    fn head_backward(&self, h: &[f32], ex: &Example, dloss: f32) -> (f64, Vec<f32>) {
+        let (dim, vocab) = (self.info.hidden_size, self.info.vocab_size);
+        let mut dh = vec![0.0; h.len()];
+        let mut sum = 0.0f64;
+        let n = ex.inputs.len();
+        for start in (ex.loss_from..n).step_by(HEAD_ROWS) {
+            let rows = HEAD_ROWS.min(n - start);
+            let hs = &h[start * dim..(start + rows) * dim];
+            let normed = self.norm.forward(hs);
+            let (mut logits, weight) = match &self.lm_head {
+                Some(head) => (head.forward(&normed, rows), &head.weight),
+                None => (
+                    self.embed_tokens.as_linear(&normed, rows),
+                    &self.embed_tokens.weight,
+                ),
+            };
+            for (t, row) in logits.chunks_exact_mut(vocab).enumerate() {
+                let target = ex.targets[start + t] as usize;
+                sum += cross_entropy(row, target) as f64;
+                cross_entropy_backward_inplace(row, target, dloss);
+            }
+            let dnormed = base_input_grad(weight, &logits, rows);
+            rms_norm_backward(
+                hs,
+                &self.norm.weight,
+                self.norm.eps,
+                &dnormed,
+                &mut dh[start * dim..(start + rows) * dim],
+            );
+        }
+        (sum, dh)
+    }
+
+    fn check_example(&self, ex: &Example) -> Result<(), ForwardError> {
+        check_tokens(&self.info, &ex.inputs, 0)?;
+        check_tokens(&self.info, &ex.targets, 0)?;
+        assert!(
+            ex.targets.len() == ex.inputs.len() && ex.loss_from < ex.inputs.len(),
+            "malformed example"
+        );
+        Ok(())
+    }
+
+    /// See [`crate::lora::Adaptable::loss_and_grads`].
+    pub(crate) fn lora_loss_and_grads(
+        &self,
+        examples: &[Example],
+        adapters: &Adapters,
+        checkpoint: bool,
+    ) -> Result<LossAndGrads, ForwardError> {
+        for ex in examples {
+            self.check_example(ex)?;
+        }
+        let tokens: usize = examples.iter().map(Example::scored).sum();
+        let mut grads = zero_grads(adapters);
+        let lowest = (0..self.layers.len())
+            .find(|&i| {
+                adapters
+                    .layers
+                    .keys()
+                    .any(|p| p.starts_with(&format!("{}.", block_path(i))))
+            })
+            .unwrap_or(self.layers.len());
+        let dloss = 1.0 / tokens.max(1) as f32;
+        let mut sum = 0.0f64;
+        for ex in examples {
+            let mut h = self.embed_tokens.forward(&ex.inputs);
+            let lora = |i| [adapters.module(i, "self_attn"), adapters.module(i, "mlp")];
+            for block in &self.layers[..lowest] {
+                h = block_output(
+                    block,
+                    &forward_block(block, h, [ModuleAdapters::NONE; 2]),
+                    ModuleAdapters::NONE,
+                );
+            }
+            let mut kept = Vec::new();
+            for (i, block) in self.layers.iter().enumerate().skip(lowest) {
+                let s = forward_block(block, h, lora(i));
+                h = block_output(block, &s, lora(i)[1]);
+                kept.push(if checkpoint {
+                    Kept::Input(s.h_in)
+                } else {
+                    Kept::All(Box::new(s))
+                });
+            }
+            let (loss, mut dh) = self.head_backward(&h, ex, dloss);
+            sum += loss;
+            for (j, k) in kept.into_iter().enumerate().rev() {
+                let i = lowest + j;
+                let block = &self.layers[i];
+                let s = match k {
+                    Kept::All(s) => *s,
+                    Kept::Input(h_in) => forward_block(block, h_in, lora(i)),
+                };
+                let g = BlockGrads {
+                    block: i,
+                    tokens: ex.inputs.len(),
+                    adapters,
+                    grads: &mut grads,
+                };
+                match backward_block(block, &s, dh, g, i == lowest) {
+                    Some(d) => dh = d,
+                    None => break,
+                }
+            }
+        }
+        Ok(LossAndGrads {
+            loss: (sum / tokens.max(1) as f64) as f32,
+            tokens,
+            grads,
+        })
+    }
+}

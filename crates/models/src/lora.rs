@@ -1,0 +1,581 @@
+//! LoRA adapters in mlx-lm's format (`adapter_config.json` + `adapters.safetensors`), applied
+//! unfused: `y = base(x) + scale · (x·A)·B`. The base weights stay shared and untouched; an
+//! [`Adapters`] set is a separate object handed to a forward pass, so one loaded model can serve
+//! several adapters (or none) side by side.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use oxlm_engine::{FloatMatrix, Tensor};
+use serde_json::{json, Value};
+use thiserror::Error;
+
+use crate::cache::Cache;
+use crate::checkpoint::{map_safetensors, read_json};
+use crate::lora_grad::{Example, LossAndGrads};
+use crate::save::{write_safetensors, SaveError, TensorBytes};
+use crate::{ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
+
+pub const CONFIG_FILE: &str = "adapter_config.json";
+pub const WEIGHTS_FILE: &str = "adapters.safetensors";
+
+/// Why an adapter could not be loaded or used with a model.
+#[derive(Debug, Error)]
+pub enum AdapterError {
+    #[error("the adapter path does not exist: {0}")]
+    NotFound(PathBuf),
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    #[error("{path}: {reason}")]
+    Config { path: PathBuf, reason: String },
+    #[error("fine_tune_type `{0}` is not supported (supported: lora)")]
+    UnsupportedType(String),
+    #[error("model_type `{0}` does not take LoRA adapters yet (supported: the llama family)")]
+    UnsupportedModel(String),
+    #[error("adapter at {} does not fit the model:\n  {}", .path.display(), .problems.join("\n  "))]
+    Mismatch {
+        path: PathBuf,
+        problems: Vec<String>,
+    },
+}
+
+/// A linear layer an adapter can attach to: its path within a block and its shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinearShape {
+    /// As mlx-lm names the module within a block, e.g. `self_attn.q_proj`.
+    pub key: &'static str,
+    pub in_features: usize,
+    pub out_features: usize,
+}
+
+/// A model whose blocks LoRA adapters attach to.
+pub trait Adaptable: Send + Sync {
+    /// The linear layers of each block that mlx-lm's default LoRA keys select.
+    fn block_linears(&self) -> Vec<Vec<LinearShape>>;
+
+    /// [`LanguageModel::forward`] with each layer that `adapters` names adapted.
+    fn forward_adapted(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        logits: Logits,
+        adapters: &Adapters,
+    ) -> Result<Tensor, ForwardError>;
+
+    /// mlx-lm's training loss over `examples` (the mean cross-entropy of their scored positions)
+    /// and its gradient with respect to every matrix of `adapters`. With `checkpoint`, blocks
+    /// keep only their inputs and run again during the backward pass (less memory, more time).
+    fn loss_and_grads(
+        &self,
+        examples: &[Example],
+        adapters: &Adapters,
+        checkpoint: bool,
+    ) -> Result<LossAndGrads, ForwardError>;
+}
+
+/// `lora_parameters` and the layer selection of `adapter_config.json`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraConfig {
+    /// The last `num_layers` blocks get adapters; 0 or less means all of them (as mlx-lm slices).
+    pub num_layers: i64,
+    pub rank: usize,
+    pub scale: f32,
+    pub dropout: f32,
+    /// Block-relative module paths; `None` is every linear layer of a block.
+    pub keys: Option<Vec<String>>,
+}
+
+impl LoraConfig {
+    /// mlx_lm.lora's defaults (rank 8, scale 20, no dropout) for the last `num_layers` blocks.
+    pub fn new(num_layers: i64) -> Self {
+        LoraConfig {
+            num_layers,
+            rank: 8,
+            scale: 20.0,
+            dropout: 0.0,
+            keys: None,
+        }
+    }
+
+    /// Parses `adapter_config.json`; `path` names the file in errors.
+    pub fn from_json(value: &Value, path: &Path) -> Result<Self, AdapterError> {
+        let bad = |reason: String| AdapterError::Config {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let kind = value
+            .get("fine_tune_type")
+            .and_then(Value::as_str)
+            .unwrap_or("lora");
+        if kind != "lora" {
+            return Err(AdapterError::UnsupportedType(kind.to_string()));
+        }
+        let num_layers = value
+            .get("num_layers")
+            .and_then(Value::as_i64)
+            .ok_or_else(|| bad("`num_layers` is missing or not an integer".into()))?;
+        let params = value
+            .get("lora_parameters")
+            .and_then(Value::as_object)
+            .ok_or_else(|| bad("`lora_parameters` is missing".into()))?;
+        let number = |key: &str| params.get(key).and_then(Value::as_f64);
+        let rank = params
+            .get("rank")
+            .and_then(Value::as_u64)
+            .filter(|&r| r > 0)
+            .ok_or_else(|| bad("`lora_parameters.rank` must be a positive integer".into()))?;
+        // mlx-lm's own message: other frameworks call this `alpha` and divide it by the rank.
+        let scale = number("scale").ok_or_else(|| {
+            bad("`lora_parameters.scale` is missing (mlx-lm uses `scale`, not `alpha`)".into())
+        })?;
+        let keys = match params.get("keys") {
+            None | Some(Value::Null) => None,
+            Some(Value::Array(keys)) => Some(
+                keys.iter()
+                    .map(|k| k.as_str().map(str::to_string))
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(|| bad("`lora_parameters.keys` must hold strings".into()))?,
+            ),
+            Some(_) => return Err(bad("`lora_parameters.keys` must be a list".into())),
+        };
+        Ok(LoraConfig {
+            num_layers,
+            rank: rank as usize,
+            scale: scale as f32,
+            dropout: number("dropout").unwrap_or(0.0) as f32,
+            keys,
+        })
+    }
+
+    /// `adapter_config.json` as mlx-lm reads it back.
+    pub fn to_json(&self) -> Value {
+        let mut params = json!({"rank": self.rank, "dropout": self.dropout, "scale": self.scale});
+        if let Some(keys) = &self.keys {
+            params["keys"] = json!(keys);
+        }
+        json!({"fine_tune_type": "lora", "num_layers": self.num_layers, "lora_parameters": params})
+    }
+
+    /// The first block that gets adapters among `blocks`.
+    fn first_block(&self, blocks: usize) -> usize {
+        match usize::try_from(self.num_layers) {
+            Ok(n) if n > 0 => blocks.saturating_sub(n),
+            _ => 0,
+        }
+    }
+
+    /// Full module path → shape of every layer this config adapts in a model with these blocks,
+    /// following `linear_to_lora_layers`.
+    pub fn targets(&self, blocks: &[Vec<LinearShape>]) -> BTreeMap<String, LinearShape> {
+        let mut out = BTreeMap::new();
+        for (i, linears) in blocks
+            .iter()
+            .enumerate()
+            .skip(self.first_block(blocks.len()))
+        {
+            for shape in linears {
+                let chosen = self
+                    .keys
+                    .as_ref()
+                    .is_none_or(|keys| keys.iter().any(|k| k == shape.key));
+                if chosen {
+                    out.insert(format!("{}.{}", block_path(i), shape.key), shape.clone());
+                }
+            }
+        }
+        out
+    }
+}
+
+/// One adapted layer's low-rank update, in f32.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraLinear {
+    pub in_features: usize,
+    pub out_features: usize,
+    pub rank: usize,
+    pub scale: f32,
+    /// `[in_features, rank]`, row-major.
+    pub a: Vec<f32>,
+    /// `[rank, out_features]`, row-major.
+    pub b: Vec<f32>,
+}
+
+impl LoraLinear {
+    /// `u[m, rank] = x[m, in] · A`.
+    pub fn down(&self, x: &[f32], m: usize) -> Vec<f32> {
+        let r = self.rank;
+        let mut u = vec![0.0; m * r];
+        for (xr, ur) in x
+            .chunks_exact(self.in_features)
+            .zip(u.chunks_exact_mut(r))
+            .take(m)
+        {
+            for (&xv, ar) in xr.iter().zip(self.a.chunks_exact(r)) {
+                for (uv, &av) in ur.iter_mut().zip(ar) {
+                    *uv += xv * av;
+                }
+            }
+        }
+        u
+    }
+
+    /// `y[m, out] += scale · u · B`.
+    pub fn up_into(&self, u: &[f32], y: &mut [f32]) {
+        for (ur, yr) in u
+            .chunks_exact(self.rank)
+            .zip(y.chunks_exact_mut(self.out_features))
+        {
+            for (&uv, br) in ur.iter().zip(self.b.chunks_exact(self.out_features)) {
+                let s = self.scale * uv;
+                for (yv, &bv) in yr.iter_mut().zip(br) {
+                    *yv += s * bv;
+                }
+            }
+        }
+    }
+
+    /// `y[m, out] += scale · (x·A)·B`, the adapter's share of the layer's output.
+    pub fn add_to(&self, x: &[f32], m: usize, y: &mut [f32]) {
+        self.up_into(&self.down(x, m), y);
+    }
+}
+
+/// A set of adapted layers, by full module path (`model.layers.3.self_attn.q_proj`).
+#[derive(Debug, Clone)]
+pub struct Adapters {
+    pub config: LoraConfig,
+    pub layers: BTreeMap<String, LoraLinear>,
+}
+
+/// The adapters of one module's linear layers (e.g. block 3's `self_attn`), by layer name.
+#[derive(Clone, Copy)]
+pub struct ModuleAdapters<'a> {
+    set: Option<&'a Adapters>,
+    block: usize,
+    module: &'a str,
+}
+
+impl<'a> ModuleAdapters<'a> {
+    /// No adapters: every layer runs as loaded.
+    pub const NONE: ModuleAdapters<'static> = ModuleAdapters {
+        set: None,
+        block: 0,
+        module: "",
+    };
+
+    /// The adapter of layer `name` within the module.
+    pub fn get(&self, name: &str) -> Option<&'a LoraLinear> {
+        let set = self.set?;
+        set.layers.get(&format!(
+            "{}.{}.{name}",
+            block_path(self.block),
+            self.module
+        ))
+    }
+}
+
+/// Where mlx-lm's models keep block `i`.
+pub fn block_path(i: usize) -> String {
+    format!("model.layers.{i}")
+}
+
+/// A layer's `lora_a` and `lora_b` as far as a file holds them.
+type Halves = [Option<Vec<f32>>; 2];
+
+/// The `lora_a` / `lora_b` arrays of the safetensors `file` by layer path, each checked against
+/// the layer's `(in, out)` in `shapes` and `rank`.
+fn read_arrays(
+    file: &Path,
+    shapes: &BTreeMap<String, (usize, usize)>,
+    rank: usize,
+) -> Result<BTreeMap<String, Halves>, AdapterError> {
+    let weights = map_safetensors(file)?;
+    let mut problems = Vec::new();
+    let mut out: BTreeMap<String, Halves> = BTreeMap::new();
+    let names: BTreeSet<&String> = weights.keys().collect();
+    for name in names {
+        let t = &weights[name];
+        let parsed = name
+            .rsplit_once('.')
+            .and_then(|(layer, leaf)| {
+                Some((layer, ["lora_a", "lora_b"].iter().position(|l| *l == leaf)?))
+            })
+            .and_then(|(layer, half)| Some((layer, half, shapes.get(layer)?)));
+        let Some((layer, half, &(in_features, out_features))) = parsed else {
+            problems.push(format!("{name}: not an adapter parameter in the model"));
+            continue;
+        };
+        let expected = if half == 0 {
+            [in_features, rank]
+        } else {
+            [rank, out_features]
+        };
+        if t.shape != expected || !t.dtype.is_float() {
+            problems.push(format!(
+                "{name}: adapter shape {:?} ({}) does not match model parameter shape {expected:?}",
+                t.shape, t.dtype
+            ));
+            continue;
+        }
+        let values = FloatMatrix::new(expected[0], expected[1], t.dtype, t.data.clone())
+            .map_err(|source| LoadError::Engine {
+                name: name.clone(),
+                source,
+            })?
+            .to_f32_vec();
+        out.entry(layer.to_string()).or_default()[half] = Some(values);
+    }
+    if problems.is_empty() {
+        Ok(out)
+    } else {
+        Err(AdapterError::Mismatch {
+            path: file.to_path_buf(),
+            problems,
+        })
+    }
+}
+
+fn model_linears(model: &dyn LanguageModel) -> Result<Vec<Vec<LinearShape>>, AdapterError> {
+    model
+        .adaptable()
+        .map(|a| a.block_linears())
+        .ok_or_else(|| AdapterError::UnsupportedModel(model.info().model_type.clone()))
+}
+
+impl Adapters {
+    /// Reads the adapter directory `dir` (as `mlx_lm.tuner.utils.load_adapters`) and checks it
+    /// against `model`: every array must be the `lora_a`/`lora_b` of a layer the config adapts,
+    /// with that layer's shape. A layer without arrays keeps mlx-lm's zero `lora_b` and is left out.
+    pub fn load(dir: &Path, model: &dyn LanguageModel) -> Result<Self, AdapterError> {
+        if !dir.exists() {
+            return Err(AdapterError::NotFound(dir.to_path_buf()));
+        }
+        let config_path = dir.join(CONFIG_FILE);
+        let config = LoraConfig::from_json(&read_json(&config_path)?, &config_path)?;
+        let shapes = config
+            .targets(&model_linears(model)?)
+            .into_iter()
+            .map(|(path, s)| (path, (s.in_features, s.out_features)))
+            .collect();
+        let arrays = read_arrays(&dir.join(WEIGHTS_FILE), &shapes, config.rank)?;
+        let mut layers = BTreeMap::new();
+        for (path, [a, b]) in arrays {
+            // mlx-lm keeps a missing `lora_b` at zero; a missing `lora_a` then does not matter.
+            let (Some(a), Some(b)) = (a, b) else { continue };
+            let (in_features, out_features) = shapes[&path];
+            let layer = LoraLinear {
+                in_features,
+                out_features,
+                rank: config.rank,
+                scale: config.scale,
+                a,
+                b,
+            };
+            layers.insert(path, layer);
+        }
+        Ok(Adapters { config, layers })
+    }
+
+    /// Every layer `config` adapts in `model`, with both matrices zero (training fills `a`).
+    pub fn zeros(config: LoraConfig, model: &dyn LanguageModel) -> Result<Self, AdapterError> {
+        let layers = config
+            .targets(&model_linears(model)?)
+            .into_iter()
+            .map(|(path, s)| {
+                let layer = LoraLinear {
+                    in_features: s.in_features,
+                    out_features: s.out_features,
+                    rank: config.rank,
+                    scale: config.scale,
+                    a: vec![0.0; s.in_features * config.rank],
+                    b: vec![0.0; config.rank * s.out_features],
+                };
+                (path, layer)
+            })
+            .collect();
+        Ok(Adapters { config, layers })
+    }
+
+    /// Replaces matrices with those in the safetensors `file` (`--resume-adapter-file`); every
+    /// array must belong to a layer of this set, with its shape.
+    pub fn load_weights(&mut self, file: &Path) -> Result<(), AdapterError> {
+        if !file.exists() {
+            return Err(AdapterError::NotFound(file.to_path_buf()));
+        }
+        let shapes = self
+            .layers
+            .iter()
+            .map(|(path, l)| (path.clone(), (l.in_features, l.out_features)))
+            .collect();
+        for (path, [a, b]) in read_arrays(file, &shapes, self.config.rank)? {
+            let layer = self
+                .layers
+                .get_mut(&path)
+                .expect("read_arrays keeps known layers");
+            if let Some(a) = a {
+                layer.a = a;
+            }
+            if let Some(b) = b {
+                layer.b = b;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes every matrix to the safetensors `file` (atomically), named as mlx-lm names them.
+    pub fn save_weights(&self, file: &Path) -> Result<(), SaveError> {
+        let mut tensors = BTreeMap::new();
+        for (path, l) in &self.layers {
+            let a = TensorBytes::f32(vec![l.in_features, l.rank], &l.a);
+            let b = TensorBytes::f32(vec![l.rank, l.out_features], &l.b);
+            tensors.insert(format!("{path}.lora_a"), a);
+            tensors.insert(format!("{path}.lora_b"), b);
+        }
+        write_safetensors(file, &tensors)
+    }
+
+    /// Checks that every adapted layer exists in `model` with the adapter's shape.
+    pub fn check(&self, model: &dyn LanguageModel) -> Result<(), AdapterError> {
+        let targets = self.config.targets(&model_linears(model)?);
+        let problems: Vec<String> = self
+            .layers
+            .iter()
+            .filter(|(path, l)| {
+                targets.get(*path).is_none_or(|s| {
+                    (s.in_features, s.out_features) != (l.in_features, l.out_features)
+                })
+            })
+            .map(|(path, _)| format!("{path}: no layer of this shape in the model"))
+            .collect();
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(AdapterError::Mismatch {
+                path: PathBuf::from("<adapters in memory>"),
+                problems,
+            })
+        }
+    }
+
+    /// The adapters of module `module` (e.g. `mlp`) of block `block`.
+    pub fn module<'a>(&'a self, block: usize, module: &'a str) -> ModuleAdapters<'a> {
+        ModuleAdapters {
+            set: Some(self),
+            block,
+            module,
+        }
+    }
+}
+
+/// A shared base model seen through one adapter set: what a request with an adapter runs on.
+pub struct AdaptedModel<'a> {
+    base: &'a dyn LanguageModel,
+    adaptable: &'a dyn Adaptable,
+    adapters: &'a Adapters,
+}
+
+impl<'a> AdaptedModel<'a> {
+    pub fn new(base: &'a dyn LanguageModel, adapters: &'a Adapters) -> Result<Self, AdapterError> {
+        adapters.check(base)?;
+        let adaptable = base
+            .adaptable()
+            .ok_or_else(|| AdapterError::UnsupportedModel(base.info().model_type.clone()))?;
+        Ok(AdaptedModel {
+            base,
+            adaptable,
+            adapters,
+        })
+    }
+}
+
+impl LanguageModel for AdaptedModel<'_> {
+    fn info(&self) -> &ModelInfo {
+        self.base.info()
+    }
+
+    fn new_cache(&self) -> Cache {
+        self.base.new_cache()
+    }
+
+    fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        logits: Logits,
+    ) -> Result<Tensor, ForwardError> {
+        self.adaptable
+            .forward_adapted(tokens, cache, logits, self.adapters)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blocks(n: usize) -> Vec<Vec<LinearShape>> {
+        let shape = |key| LinearShape {
+            key,
+            in_features: 8,
+            out_features: 4,
+        };
+        vec![vec![shape("self_attn.q_proj"), shape("mlp.down_proj")]; n]
+    }
+
+    fn adapted_blocks(config: &LoraConfig, n: usize) -> Vec<String> {
+        let mut out: Vec<String> = config
+            .targets(&blocks(n))
+            .keys()
+            .map(|p| p.split('.').nth(2).unwrap().to_string())
+            .collect();
+        out.dedup();
+        out
+    }
+
+    /// `model.layers[-max(num_layers, 0):]`: 0 and negative counts select every block.
+    #[test]
+    fn num_layers_counts_from_the_last_block_as_mlx_lm_slices() {
+        for (num_layers, want) in [
+            (1, vec!["3"]),
+            (2, vec!["2", "3"]),
+            (0, vec!["0", "1", "2", "3"]),
+        ] {
+            assert_eq!(adapted_blocks(&LoraConfig::new(num_layers), 4), want);
+        }
+        assert_eq!(adapted_blocks(&LoraConfig::new(-1), 4).len(), 4);
+        assert_eq!(adapted_blocks(&LoraConfig::new(9), 4).len(), 4);
+    }
+
+    #[test]
+    fn keys_select_layers_within_each_block() {
+        let mut config = LoraConfig::new(1);
+        config.keys = Some(vec!["mlp.down_proj".into(), "lm_head".into()]);
+        let targets = config.targets(&blocks(2));
+        assert_eq!(
+            targets.keys().collect::<Vec<_>>(),
+            ["model.layers.1.mlp.down_proj"]
+        );
+    }
+
+    #[test]
+    fn the_update_is_scale_times_x_a_b() {
+        let l = LoraLinear {
+            in_features: 2,
+            out_features: 3,
+            rank: 1,
+            scale: 2.0,
+            a: vec![1.0, -1.0],
+            b: vec![1.0, 2.0, 3.0],
+        };
+        let mut y = vec![1.0; 3];
+        l.add_to(&[3.0, 1.0], 1, &mut y);
+        assert_eq!(y, [5.0, 9.0, 13.0]);
+    }
+
+    #[test]
+    fn config_round_trips_through_json() {
+        let mut config = LoraConfig::new(-1);
+        config.keys = Some(vec!["self_attn.q_proj".into()]);
+        let back = LoraConfig::from_json(&config.to_json(), Path::new("x")).unwrap();
+        assert_eq!(back, config);
+    }
+}

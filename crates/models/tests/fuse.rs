@@ -1,0 +1,174 @@
+//! `fuse` writes what `mlx_lm fuse` writes (tests/fixtures/lora, from
+//! scripts/oracle/make_lora_fixture.py): the same re-quantized arrays, and a model directory that
+//! loads and gives mlx-lm's logits for the fused model, quantized or dequantized.
+
+use std::path::{Path, PathBuf};
+
+use oxlm_models::fuse::fuse;
+use oxlm_models::{load, Logits};
+
+const LOGIT_TOLERANCE: f32 = 2e-3;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn f32s(data: &[u8]) -> Vec<f32> {
+    data.chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+fn golden(adapter: &str, name: &str) -> Vec<f32> {
+    let bytes = std::fs::read(
+        fixtures()
+            .join("lora")
+            .join(adapter)
+            .join("golden.safetensors"),
+    )
+    .unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    f32s(st.tensor(name).unwrap().data())
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn logits(dir: &Path, ids: &[u32]) -> Vec<f32> {
+    let model = load(dir).unwrap();
+    let mut cache = model.new_cache();
+    model
+        .forward(ids, &mut cache, Logits::All)
+        .unwrap()
+        .into_data()
+}
+
+const CASES: [(&str, &str); 2] = [
+    ("llama-4bit-g64-r4", "llama-4bit-g64"),
+    ("qwen2-4bit-g64-keys", "qwen2-4bit-g64"),
+];
+
+#[test]
+fn fused_checkpoints_match_mlx_lm() {
+    for (adapter, base) in CASES {
+        let out = tempfile::tempdir().unwrap();
+        let adapter_dir = fixtures().join("lora").join(adapter);
+        let report = fuse(
+            &fixtures().join("tiny").join(base),
+            &adapter_dir,
+            out.path(),
+            false,
+        )
+        .unwrap();
+        assert!(report.fused_layers > 0);
+
+        // Array by array against the file mlx-lm wrote.
+        let ours = std::fs::read(out.path().join("model.safetensors")).unwrap();
+        let theirs = std::fs::read(adapter_dir.join("fused.safetensors")).unwrap();
+        let (ours, theirs) = (
+            safetensors::SafeTensors::deserialize(&ours).unwrap(),
+            safetensors::SafeTensors::deserialize(&theirs).unwrap(),
+        );
+        let mut names = ours.names();
+        names.sort();
+        let mut want = theirs.names();
+        want.sort();
+        assert_eq!(names, want, "{adapter}: array names");
+        let (mut bytes, mut differing) = (0, 0);
+        for name in names {
+            let (a, b) = (ours.tensor(name).unwrap(), theirs.tensor(name).unwrap());
+            assert_eq!(
+                (a.dtype(), a.shape()),
+                (b.dtype(), b.shape()),
+                "{adapter}: {name}"
+            );
+            bytes += a.data().len();
+            differing += a
+                .data()
+                .iter()
+                .zip(b.data())
+                .filter(|(x, y)| x != y)
+                .count();
+        }
+        println!("{adapter}: {differing} of {bytes} weight bytes differ from mlx-lm's fused model");
+        assert_eq!(differing, 0, "{adapter}: fused arrays differ from mlx-lm's");
+
+        let ids: Vec<u32> = golden(adapter, "prompt_ids")
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        let diff = max_abs_diff(&logits(out.path(), &ids), &golden(adapter, "fused_logits"));
+        println!("{adapter}: fused logits max |Δ| {diff:.2e}");
+        assert!(diff < LOGIT_TOLERANCE);
+
+        let config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.path().join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(config["quantization"], config["quantization_config"]);
+        assert!(out.path().join("tokenizer.json").exists());
+        assert!(out.path().join("model.safetensors.index.json").exists());
+    }
+}
+
+#[test]
+fn dequantized_fuse_matches_mlx_lm() {
+    for (adapter, base) in CASES {
+        let out = tempfile::tempdir().unwrap();
+        let adapter_dir = fixtures().join("lora").join(adapter);
+        let report = fuse(
+            &fixtures().join("tiny").join(base),
+            &adapter_dir,
+            out.path(),
+            true,
+        )
+        .unwrap();
+        assert!(report.dequantized_layers > 0);
+        let config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.path().join("config.json")).unwrap())
+                .unwrap();
+        assert!(
+            config.get("quantization").is_none() && config.get("quantization_config").is_none()
+        );
+        let ids: Vec<u32> = golden(adapter, "prompt_ids")
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        let diff = max_abs_diff(
+            &logits(out.path(), &ids),
+            &golden(adapter, "dequantized_logits"),
+        );
+        println!("{adapter}: dequantized fused logits max |Δ| {diff:.2e}");
+        assert!(diff < LOGIT_TOLERANCE);
+    }
+}
+
+#[test]
+fn index_counts_like_mlx_lm() {
+    // Fusing changes no shape, so the index must say what mlx-lm's index of the base says.
+    let (adapter, base) = CASES[0];
+    let out = tempfile::tempdir().unwrap();
+    let base_dir = fixtures().join("tiny").join(base);
+    fuse(
+        &base_dir,
+        &fixtures().join("lora").join(adapter),
+        out.path(),
+        false,
+    )
+    .unwrap();
+    let read = |dir: &Path| -> serde_json::Value {
+        serde_json::from_str(
+            &std::fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap(),
+        )
+        .unwrap()
+    };
+    assert_eq!(read(out.path())["metadata"], read(&base_dir)["metadata"]);
+    assert_eq!(
+        read(out.path())["weight_map"],
+        read(&base_dir)["weight_map"]
+    );
+}

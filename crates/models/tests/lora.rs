@@ -1,0 +1,208 @@
+//! LoRA adapters made by mlx-lm's tuner (tests/fixtures/lora, from
+//! scripts/oracle/make_lora_fixture.py) give mlx-lm's logits when applied unfused, through a full
+//! forward and through the KV cache, and broken or foreign adapters are refused with a clear error.
+
+use std::path::{Path, PathBuf};
+
+use oxlm_models::lora::{AdaptedModel, AdapterError, Adapters};
+use oxlm_models::{load, LanguageModel, Logits};
+use serde_json::Value;
+
+/// As the tiny-model parity tests: both sides compute in f32.
+const LOGIT_TOLERANCE: f32 = 2e-3;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn golden(adapter: &str, name: &str) -> Vec<f32> {
+    let bytes = std::fs::read(
+        fixtures()
+            .join("lora")
+            .join(adapter)
+            .join("golden.safetensors"),
+    )
+    .unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensor(name)
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+fn prompt(adapter: &str) -> Vec<u32> {
+    golden(adapter, "prompt_ids")
+        .into_iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn all_logits(model: &dyn LanguageModel, tokens: &[u32]) -> Vec<f32> {
+    let mut cache = model.new_cache();
+    model
+        .forward(tokens, &mut cache, Logits::All)
+        .unwrap()
+        .into_data()
+}
+
+/// `(adapter fixture, base model)`.
+const CASES: [(&str, &str); 2] = [
+    ("llama-4bit-g64-r4", "llama-4bit-g64"),
+    ("qwen2-4bit-g64-keys", "qwen2-4bit-g64"),
+];
+
+#[test]
+fn adapted_logits_match_mlx_lm() {
+    for (adapter, base) in CASES {
+        let model = load(&fixtures().join("tiny").join(base)).unwrap();
+        let adapters =
+            Adapters::load(&fixtures().join("lora").join(adapter), model.as_ref()).unwrap();
+        let adapted = AdaptedModel::new(model.as_ref(), &adapters).unwrap();
+        let ids = prompt(adapter);
+        let base_diff = max_abs_diff(
+            &all_logits(model.as_ref(), &ids),
+            &golden(adapter, "base_logits"),
+        );
+        let want = golden(adapter, "adapted_logits");
+        let diff = max_abs_diff(&all_logits(&adapted, &ids), &want);
+        println!("{adapter}: max |Δ| base {base_diff:.2e}, adapted {diff:.2e}");
+        assert!(base_diff < LOGIT_TOLERANCE && diff < LOGIT_TOLERANCE);
+
+        // Token by token through the KV cache, after a prefill of all but the last 4.
+        let vocab = model.info().vocab_size;
+        let split = ids.len() - 4;
+        let mut cache = adapted.new_cache();
+        adapted
+            .forward(&ids[..split], &mut cache, Logits::Last)
+            .unwrap();
+        for (t, &id) in ids.iter().enumerate().skip(split) {
+            let got = adapted.forward(&[id], &mut cache, Logits::Last).unwrap();
+            let d = max_abs_diff(got.data(), &want[t * vocab..(t + 1) * vocab]);
+            assert!(d < LOGIT_TOLERANCE, "{adapter} position {t}: {d}");
+        }
+    }
+}
+
+#[test]
+fn the_base_model_is_shared_and_unchanged() {
+    let (adapter, base) = CASES[0];
+    let model = load(&fixtures().join("tiny").join(base)).unwrap();
+    let adapters = Adapters::load(&fixtures().join("lora").join(adapter), model.as_ref()).unwrap();
+    let ids = prompt(adapter);
+    let adapted = all_logits(&AdaptedModel::new(model.as_ref(), &adapters).unwrap(), &ids);
+    let plain = all_logits(model.as_ref(), &ids);
+    assert!(max_abs_diff(&plain, &golden(adapter, "base_logits")) < LOGIT_TOLERANCE);
+    assert!(max_abs_diff(&adapted, &plain) > 0.1);
+}
+
+/// A writable copy of an adapter fixture.
+fn adapter_copy(name: &str) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    for file in ["adapter_config.json", "adapters.safetensors"] {
+        std::fs::copy(
+            fixtures().join("lora").join(name).join(file),
+            tmp.path().join(file),
+        )
+        .unwrap();
+    }
+    tmp
+}
+
+fn edit_config(dir: &Path, edit: impl FnOnce(&mut Value)) {
+    let path = dir.join("adapter_config.json");
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(path, config.to_string()).unwrap();
+}
+
+fn load_err(adapter: &Path, base: &str) -> AdapterError {
+    let model = load(&fixtures().join("tiny").join(base)).unwrap();
+    Adapters::load(adapter, model.as_ref()).expect_err("the adapter should be refused")
+}
+
+#[test]
+fn broken_or_foreign_adapters_are_refused() {
+    let err = load_err(Path::new("/nonexistent/adapter"), "llama-4bit-g64");
+    assert!(matches!(err, AdapterError::NotFound(_)), "{err}");
+    assert!(err.to_string().contains("does not exist"), "{err}");
+
+    // An adapter trained for another model: shapes and layers disagree.
+    let err = load_err(
+        &fixtures().join("lora/qwen2-4bit-g64-keys"),
+        "llama-4bit-g64",
+    );
+    assert!(matches!(err, AdapterError::Mismatch { .. }), "{err}");
+
+    // The config says fewer layers than the weights hold.
+    let dir = adapter_copy("qwen2-4bit-g64-keys");
+    edit_config(dir.path(), |c| c["num_layers"] = 1.into());
+    let err = load_err(dir.path(), "qwen2-4bit-g64");
+    assert!(
+        err.to_string()
+            .contains("model.layers.0.self_attn.q_proj.lora_a: not an adapter parameter"),
+        "{err}"
+    );
+
+    // Another rank than the weights have.
+    let dir = adapter_copy("llama-4bit-g64-r4");
+    edit_config(dir.path(), |c| c["lora_parameters"]["rank"] = 8.into());
+    let err = load_err(dir.path(), "llama-4bit-g64");
+    assert!(
+        err.to_string()
+            .contains("does not match model parameter shape"),
+        "{err}"
+    );
+
+    let dir = adapter_copy("llama-4bit-g64-r4");
+    edit_config(dir.path(), |c| {
+        let p = c["lora_parameters"].as_object_mut().unwrap();
+        let scale = p.remove("scale").unwrap();
+        p.insert("alpha".into(), scale);
+    });
+    let err = load_err(dir.path(), "llama-4bit-g64");
+    assert!(err.to_string().contains("not `alpha`"), "{err}");
+
+    let dir = adapter_copy("llama-4bit-g64-r4");
+    edit_config(dir.path(), |c| c["fine_tune_type"] = "dora".into());
+    let err = load_err(dir.path(), "llama-4bit-g64");
+    assert!(
+        matches!(err, AdapterError::UnsupportedType(ref t) if t == "dora"),
+        "{err}"
+    );
+
+    let dir = adapter_copy("llama-4bit-g64-r4");
+    std::fs::remove_file(dir.path().join("adapters.safetensors")).unwrap();
+    let err = load_err(dir.path(), "llama-4bit-g64");
+    assert!(
+        err.to_string()
+            .contains("adapters.safetensors: no such file"),
+        "{err}"
+    );
+
+    let err = load_err(
+        &fixtures().join("lora/llama-4bit-g64-r4"),
+        "gemma3-4bit-g64",
+    );
+    assert!(matches!(err, AdapterError::UnsupportedModel(_)), "{err}");
+}
+
+#[test]
+fn adapters_loaded_for_one_model_are_checked_against_another() {
+    let llama = load(&fixtures().join("tiny/llama-4bit-g64")).unwrap();
+    let qwen = load(&fixtures().join("tiny/qwen2-4bit-g64")).unwrap();
+    let adapters =
+        Adapters::load(&fixtures().join("lora/qwen2-4bit-g64-keys"), qwen.as_ref()).unwrap();
+    assert!(AdaptedModel::new(qwen.as_ref(), &adapters).is_ok());
+    let err = AdaptedModel::new(llama.as_ref(), &adapters).err().unwrap();
+    assert!(matches!(err, AdapterError::Mismatch { .. }), "{err}");
+}

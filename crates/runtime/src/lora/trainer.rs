@@ -1,0 +1,226 @@
+//! The training loop of `mlx_lm.tuner.trainer.train`: batches, validation at the first step,
+//! every `steps_per_eval` steps and the last, Adam updates, reports every `steps_per_report`
+//! steps, and adapter checkpoints every `save_every` steps. Checkpoints are written atomically.
+//! What happens is told through [`Event`]s, so the caller decides what to print.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use oxlm_models::lora::{AdaptedModel, AdapterError, Adapters, LoraConfig};
+use oxlm_models::lora_grad::loss_sum;
+use oxlm_models::save::SaveError;
+use oxlm_models::{ForwardError, LanguageModel};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use thiserror::Error;
+
+use super::adam::Adam;
+use super::batches::{Batches, TooSmall};
+use super::data::Dataset;
+use super::np_random::NumpyRandom;
+use crate::generate::peak_memory_bytes;
+
+#[derive(Debug, Error)]
+pub enum TrainError {
+    #[error(transparent)]
+    Adapter(#[from] AdapterError),
+    #[error(transparent)]
+    Data(#[from] TooSmall),
+    #[error(transparent)]
+    Forward(#[from] ForwardError),
+    #[error(transparent)]
+    Save(#[from] SaveError),
+}
+
+/// mlx-lm's `TrainingArgs` (and the learning rate).
+#[derive(Debug, Clone)]
+pub struct TrainArgs {
+    pub batch_size: usize,
+    pub iters: usize,
+    /// Validation batches; -1 is the whole validation set.
+    pub val_batches: i64,
+    pub steps_per_report: usize,
+    pub steps_per_eval: usize,
+    pub save_every: usize,
+    pub max_seq_length: usize,
+    pub learning_rate: f32,
+    pub grad_checkpoint: bool,
+    /// Where the adapter weights are saved (`adapters.safetensors` in the adapter directory).
+    pub adapter_file: PathBuf,
+}
+
+/// A training-loss report.
+#[derive(Debug, Clone)]
+pub struct Report {
+    pub iteration: usize,
+    pub train_loss: f32,
+    pub learning_rate: f32,
+    pub iterations_per_second: f64,
+    pub tokens_per_second: f64,
+    pub trained_tokens: usize,
+    pub peak_memory_gb: f64,
+}
+
+/// What the loop tells its caller, in order.
+#[derive(Debug)]
+pub enum Event<'a> {
+    /// A batch held an item longer than `max_seq_length`; it was cut.
+    Truncated {
+        longest: usize,
+        max: usize,
+    },
+    ValStart {
+        iteration: usize,
+        batches: usize,
+    },
+    ValBatch,
+    Val {
+        iteration: usize,
+        loss: f32,
+        seconds: f64,
+    },
+    /// One optimizer step is done.
+    Step {
+        iteration: usize,
+    },
+    Report(&'a Report),
+    Saved(&'a Path),
+}
+
+/// Fresh adapters for every layer `config` adapts: `lora_a` uniform in ±1/√in, `lora_b` zero,
+/// as `LoRALinear` draws them (from another generator, so the numbers differ from mlx-lm's).
+pub fn init_adapters(
+    model: &dyn LanguageModel,
+    config: LoraConfig,
+    seed: u64,
+) -> Result<Adapters, AdapterError> {
+    let mut adapters = Adapters::zeros(config, model)?;
+    let mut rng = StdRng::seed_from_u64(seed);
+    for layer in adapters.layers.values_mut() {
+        let bound = 1.0 / (layer.in_features as f32).sqrt();
+        for a in &mut layer.a {
+            *a = rng.random_range(-bound..bound);
+        }
+    }
+    Ok(adapters)
+}
+
+/// mlx-lm's `evaluate`: the mean loss over `num_batches` batches of one epoch (-1: all of it);
+/// `on_batch` is called after each.
+#[allow(clippy::too_many_arguments)]
+pub fn evaluate(
+    model: &dyn LanguageModel,
+    adapters: &Adapters,
+    dataset: &Dataset,
+    batch_size: usize,
+    num_batches: i64,
+    max_seq_length: usize,
+    rng: &mut NumpyRandom,
+    on_batch: &mut dyn FnMut(),
+) -> Result<f32, TrainError> {
+    let adapted = AdaptedModel::new(model, adapters)?;
+    let mut batches = Batches::new(dataset, batch_size, max_seq_length, false)?;
+    let limit = usize::try_from(num_batches).unwrap_or(usize::MAX);
+    let (mut sum, mut tokens) = (0.0f64, 0usize);
+    for _ in 0..limit {
+        let Some(batch) = batches.next_batch(rng) else {
+            break;
+        };
+        let (s, t) = loss_sum(&adapted, &batch.examples)?;
+        sum += s;
+        tokens += t;
+        on_batch();
+    }
+    Ok((sum / tokens as f64) as f32)
+}
+
+/// Trains `adapters` on `train` (validating on `valid` when it is not empty), saving them to
+/// `args.adapter_file` every `save_every` steps (beside a numbered copy) and at the end.
+pub fn train(
+    model: &dyn LanguageModel,
+    adapters: &mut Adapters,
+    train: &Dataset,
+    valid: &Dataset,
+    args: &TrainArgs,
+    rng: &mut NumpyRandom,
+    on_event: &mut dyn FnMut(Event),
+) -> Result<(), TrainError> {
+    let adaptable = model
+        .adaptable()
+        .ok_or_else(|| AdapterError::UnsupportedModel(model.info().model_type.clone()))?;
+    let mut batches = Batches::new(train, args.batch_size, args.max_seq_length, true)?;
+    let mut adam = Adam::new(args.learning_rate);
+    let (mut losses, mut tokens, mut steps, mut trained_tokens) = (0.0f64, 0usize, 0usize, 0usize);
+    let mut train_time = 0.0f64;
+    for it in 1..=args.iters {
+        // As mlx-lm's loop, the batch is drawn before validation runs.
+        let batch = batches
+            .next_batch(rng)
+            .expect("training batches never run out");
+        if let Some(longest) = batch.truncated_from {
+            on_event(Event::Truncated {
+                longest,
+                max: args.max_seq_length,
+            });
+        }
+        let mut tic = Instant::now();
+        if !valid.is_empty() && (it == 1 || it % args.steps_per_eval == 0 || it == args.iters) {
+            let whole = valid.len() / args.batch_size;
+            let total = usize::try_from(args.val_batches).map_or(whole, |n| n.min(whole));
+            on_event(Event::ValStart {
+                iteration: it,
+                batches: total,
+            });
+            let start = Instant::now();
+            let loss = evaluate(
+                model,
+                adapters,
+                valid,
+                args.batch_size,
+                args.val_batches,
+                args.max_seq_length,
+                rng,
+                &mut || on_event(Event::ValBatch),
+            )?;
+            let seconds = start.elapsed().as_secs_f64();
+            on_event(Event::Val {
+                iteration: it,
+                loss,
+                seconds,
+            });
+            tic = Instant::now();
+        }
+        let step = adaptable.loss_and_grads(&batch.examples, adapters, args.grad_checkpoint)?;
+        adam.update(adapters, &step.grads);
+        losses += step.loss as f64;
+        tokens += step.tokens;
+        steps += 1;
+        train_time += tic.elapsed().as_secs_f64();
+        on_event(Event::Step { iteration: it });
+
+        if it % args.steps_per_report == 0 || it == args.iters {
+            trained_tokens += tokens;
+            let report = Report {
+                iteration: it,
+                train_loss: (losses / steps as f64) as f32,
+                learning_rate: adam.learning_rate,
+                iterations_per_second: args.steps_per_report as f64 / train_time,
+                tokens_per_second: tokens as f64 / train_time,
+                trained_tokens,
+                peak_memory_gb: peak_memory_bytes().unwrap_or(0) as f64 / 1e9,
+            };
+            on_event(Event::Report(&report));
+            (losses, tokens, steps, train_time) = (0.0, 0, 0, 0.0);
+        }
+        if it % args.save_every == 0 {
+            adapters.save_weights(&args.adapter_file)?;
+            let numbered = args
+                .adapter_file
+                .with_file_name(format!("{it:07}_adapters.safetensors"));
+            adapters.save_weights(&numbered)?;
+            on_event(Event::Saved(&numbered));
+        }
+    }
+    adapters.save_weights(&args.adapter_file)?;
+    Ok(())
+}

@@ -1,0 +1,159 @@
+//! The generation loop on tiny models against mlx-lm's greedy goldens: plain, resumed from a
+//! cached prefix, stopped by a stop string, and cancelled.
+
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+
+use oxlm_runtime::generate::prefill;
+use oxlm_runtime::prompt_cache::PromptCache;
+use oxlm_runtime::sampler::SamplerConfig;
+use oxlm_runtime::{
+    generate, generate_stream, Event, FinishReason, GenerateOptions, LoadedModel, StreamOptions,
+};
+use serde_json::Value;
+
+struct Case {
+    loaded: LoadedModel,
+    prompt: Vec<u32>,
+    greedy: Vec<u32>,
+}
+
+fn case(name: &str) -> Case {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tiny")
+        .join(name);
+    let golden: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    let loaded = LoadedModel::load(&dir).unwrap();
+    let prompt = loaded
+        .tokenizer
+        .encode(golden["prompt_text"].as_str().unwrap(), false)
+        .unwrap();
+    assert_eq!(prompt.len() as u64, golden["n_prompt"].as_u64().unwrap());
+    let greedy = serde_json::from_value(golden["greedy_ids"].clone()).unwrap();
+    Case {
+        loaded,
+        prompt,
+        greedy,
+    }
+}
+
+fn options(max_tokens: usize) -> GenerateOptions {
+    GenerateOptions {
+        max_tokens,
+        sampler: SamplerConfig::default(),
+        prefill_step: 16,
+    }
+}
+
+/// Runs `generate_stream` from `cache`; returns the sampled ids and the streamed text.
+fn run(
+    c: &Case,
+    cache: &mut oxlm_models::Cache,
+    max_tokens: usize,
+    stream: &StreamOptions,
+    stop_after: Option<usize>,
+) -> (Vec<u32>, String, FinishReason) {
+    let (mut ids, mut text) = (Vec::new(), String::new());
+    let generation = generate_stream(
+        c.loaded.model.as_ref(),
+        &c.loaded.tokenizer,
+        &c.prompt,
+        cache,
+        &c.loaded.eos_ids,
+        &options(max_tokens),
+        stream,
+        &mut |event| {
+            match event {
+                Event::Token {
+                    id, text: t, top, ..
+                } => {
+                    assert_eq!(top.len(), stream.top_logprobs);
+                    ids.push(id);
+                    text.push_str(t);
+                }
+                Event::Text(t) => text.push_str(t),
+                Event::Prefill { .. } => {}
+            }
+            match stop_after {
+                Some(n) if ids.len() >= n => ControlFlow::Break(()),
+                _ => ControlFlow::Continue(()),
+            }
+        },
+    )
+    .unwrap();
+    assert_eq!(generation.text, text);
+    (ids, text, generation.finish_reason)
+}
+
+#[test]
+fn generate_gives_the_golden_greedy_tokens() {
+    let c = case("llama-8bit-g32");
+    let mut streamed = String::new();
+    let generation = generate(
+        c.loaded.model.as_ref(),
+        &c.loaded.tokenizer,
+        &c.prompt,
+        &c.loaded.eos_ids,
+        &options(32),
+        &mut |t| streamed.push_str(t),
+    )
+    .unwrap();
+    assert_eq!(generation.tokens, c.greedy);
+    assert_eq!(generation.text, streamed);
+    assert_eq!(generation.finish_reason, FinishReason::Length);
+    assert_eq!(generation.prompt_tokens, c.prompt.len());
+}
+
+#[test]
+fn resuming_from_a_cached_prefix_changes_nothing() {
+    for name in ["llama-8bit-g32", "qwen3_5-8bit-g32", "gemma3-4bit-g64"] {
+        let c = case(name);
+        let model = c.loaded.model.as_ref();
+        let plain = StreamOptions::default();
+        let mut fresh = model.new_cache();
+        let (ids, text, _) = run(&c, &mut fresh, 32, &plain, None);
+        assert_eq!(ids, c.greedy, "{name}");
+        // A snapshot of the prompt less its last token, as the server keeps for any model.
+        let mut pc = PromptCache::new(4, usize::MAX);
+        let mut cache = model.new_cache();
+        let n = c.prompt.len() - 1;
+        prefill(model, &c.prompt[..n], &mut cache, 16).unwrap();
+        pc.insert(c.prompt[..n].to_vec(), cache);
+        let hit = pc.fetch(&c.prompt).unwrap();
+        assert_eq!(hit.tokens, n);
+        let mut cache = hit.cache;
+        assert_eq!(run(&c, &mut cache, 32, &plain, None).1, text, "{name}");
+        // The cache then holds the prompt and every generated token but the last.
+        assert_eq!(cache.offset, c.prompt.len() + 31, "{name}");
+    }
+}
+
+#[test]
+fn stop_strings_and_cancellation() {
+    let c = case("llama-8bit-g32");
+    let model = c.loaded.model.as_ref();
+    let full = run(
+        &c,
+        &mut model.new_cache(),
+        32,
+        &StreamOptions::default(),
+        None,
+    )
+    .1;
+    let stop = StreamOptions {
+        stop: vec!["yve".into()],
+        top_logprobs: 2,
+    };
+    let (ids, text, reason) = run(&c, &mut model.new_cache(), 32, &stop, None);
+    assert_eq!(text, full[..full.find("yve").unwrap()]);
+    assert_eq!(reason, FinishReason::Stop);
+    assert_eq!(ids, c.greedy[..7]);
+
+    let mut cache = model.new_cache();
+    let plain = StreamOptions::default();
+    let (ids, _, reason) = run(&c, &mut cache, 32, &plain, Some(3));
+    assert_eq!(reason, FinishReason::Cancelled);
+    assert_eq!(ids, c.greedy[..3]);
+    assert_eq!(cache.offset, c.prompt.len() + 2);
+}

@@ -1,0 +1,329 @@
+//! `oxlm lora`'s pieces against mlx-lm's (tests/fixtures/lora, from
+//! scripts/oracle/make_lora_train_fixture.py): the tokenized data sets, the first batch drawn
+//! after `np.random.seed(0)`, and a 30-step run from the same starting adapter, whose losses,
+//! final adapter and validation losses must follow mlx-lm's.
+
+use std::path::{Path, PathBuf};
+
+use oxlm_models::lora::{AdaptedModel, Adapters, LoraConfig};
+use oxlm_models::lora_grad::{loss_sum, Example};
+use oxlm_models::{load, LanguageModel};
+use oxlm_runtime::chat_template::ChatTemplate;
+use oxlm_runtime::lora::batches::Batches;
+use oxlm_runtime::lora::data::{Dataset, Encoder};
+use oxlm_runtime::lora::np_random::NumpyRandom;
+use oxlm_runtime::lora::trainer::{evaluate, init_adapters, train, Event, TrainArgs};
+use oxlm_runtime::tokenizer::Tokenizer;
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn tokenizer_dir() -> PathBuf {
+    fixtures().join("tiny/llama-4bit-g64")
+}
+
+fn encoder_parts() -> (Tokenizer, Option<ChatTemplate>) {
+    (
+        Tokenizer::from_dir(tokenizer_dir()).unwrap(),
+        ChatTemplate::from_dir(tokenizer_dir()).unwrap(),
+    )
+}
+
+fn load_set(file: &str, mask_prompt: bool) -> Dataset {
+    let (tokenizer, template) = encoder_parts();
+    let encoder = Encoder {
+        tokenizer: &tokenizer,
+        template: template.as_ref(),
+        mask_prompt,
+    };
+    encoder
+        .load_file(&fixtures().join("lora").join(file))
+        .unwrap()
+}
+
+#[test]
+fn data_sets_tokenize_as_mlx_lm() {
+    let golden: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("lora/datasets.json")).unwrap(),
+    )
+    .unwrap();
+    for (key, items) in golden.as_object().unwrap() {
+        let (file, mask) = key.split_once(" mask_prompt=").unwrap();
+        let got = load_set(file, mask == "True");
+        let want: Vec<(Vec<u32>, usize)> = serde_json::from_value(items.clone()).unwrap();
+        assert_eq!(got.len(), want.len(), "{key}");
+        for (i, (item, (tokens, offset))) in got.items.iter().zip(&want).enumerate() {
+            assert_eq!(&item.tokens, tokens, "{key} item {i}");
+            assert_eq!(item.offset, *offset, "{key} item {i}");
+        }
+    }
+}
+
+/// The examples of mlx-lm's first batch, from step.safetensors.
+fn golden_batch(run: &str) -> Vec<Example> {
+    let bytes = std::fs::read(fixtures().join("lora").join(run).join("step.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let ints = |name: &str| -> Vec<u32> {
+        st.tensor(name)
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    };
+    let width = st.tensor("batch").unwrap().shape()[1];
+    let (tokens, lengths) = (ints("batch"), ints("lengths"));
+    tokens
+        .chunks_exact(width)
+        .zip(lengths.chunks_exact(2))
+        .filter_map(|(row, ol)| Example::from_padded(row, ol[0] as usize, ol[1] as usize))
+        .collect()
+}
+
+#[test]
+fn the_first_batch_is_mlx_lms() {
+    let train = load_set("data/train.jsonl", false);
+    let mut rng = NumpyRandom::new(0);
+    let mut batches = Batches::new(&train, 4, 2048, true).unwrap();
+    let batch = batches.next_batch(&mut rng).unwrap();
+    assert_eq!(batch.examples, golden_batch("train-llama-4bit-g64"));
+}
+
+struct Curve {
+    train: Vec<f32>,
+    val: Vec<(usize, f32)>,
+    final_full_val_loss: f32,
+}
+
+fn read_curve(run: &str) -> Curve {
+    let v: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("lora").join(run).join("curve.json")).unwrap(),
+    )
+    .unwrap();
+    let pairs = |key: &str| -> Vec<(usize, f32)> {
+        v[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                (
+                    r[0].as_u64().unwrap() as usize,
+                    r[1].as_f64().unwrap() as f32,
+                )
+            })
+            .collect()
+    };
+    Curve {
+        train: pairs("train").into_iter().map(|(_, l)| l).collect(),
+        val: pairs("val"),
+        final_full_val_loss: v["final_full_val_loss"].as_f64().unwrap() as f32,
+    }
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / y.abs())
+        .fold(0.0, f32::max)
+}
+
+/// The band a 30-step run keeps around mlx-lm's losses. Training at this learning rate is
+/// chaotic: mlx-lm itself, started from the same adapter scaled by 1 + 1e-6·N(0, 1), strays by
+/// up to 7e-3 by step 20. The first ten steps agree far more closely.
+const CURVE_BAND: f32 = 2e-2;
+const EARLY_BAND: f32 = 1e-3;
+
+#[test]
+fn thirty_steps_follow_mlx_lm() {
+    for (run, base) in [
+        ("train-llama-4bit-g64", "llama-4bit-g64"),
+        ("train-qwen3-8bit-g128", "qwen3-8bit-g128"),
+    ] {
+        let model = load(&fixtures().join("tiny").join(base)).unwrap();
+        let mut adapters = Adapters::load(
+            &fixtures().join("lora").join(run).join("init"),
+            model.as_ref(),
+        )
+        .unwrap();
+        let (train_set, valid_set) = (
+            load_set("data/train.jsonl", false),
+            load_set("data/valid.jsonl", false),
+        );
+        let out = tempfile::tempdir().unwrap();
+        let args = TrainArgs {
+            batch_size: 4,
+            iters: 30,
+            val_batches: 2,
+            steps_per_report: 1,
+            steps_per_eval: 10,
+            save_every: 10,
+            max_seq_length: 2048,
+            learning_rate: 1e-3,
+            grad_checkpoint: false,
+            adapter_file: out.path().join("adapters.safetensors"),
+        };
+        let (mut losses, mut vals, mut saved) = (Vec::new(), Vec::new(), Vec::new());
+        let mut rng = NumpyRandom::new(0);
+        train(
+            model.as_ref(),
+            &mut adapters,
+            &train_set,
+            &valid_set,
+            &args,
+            &mut rng,
+            &mut |e| match e {
+                Event::Report(r) => losses.push(r.train_loss),
+                Event::Val {
+                    iteration, loss, ..
+                } => vals.push((iteration, loss)),
+                Event::Saved(p) => {
+                    saved.push(p.file_name().unwrap().to_string_lossy().into_owned())
+                }
+                _ => {}
+            },
+        )
+        .unwrap();
+        let want = read_curve(run);
+        let train_diff = max_rel(&losses, &want.train);
+        let val_diff = max_rel(
+            &vals.iter().map(|v| v.1).collect::<Vec<_>>(),
+            &want.val.iter().map(|v| v.1).collect::<Vec<_>>(),
+        );
+        println!(
+            "{run}: loss {:.4} -> {:.4} (mlx-lm {:.4} -> {:.4}); max relative difference: train {train_diff:.1e}, val {val_diff:.1e}",
+            losses[0], losses[29], want.train[0], want.train[29]
+        );
+        assert_eq!(losses.len(), 30);
+        assert!((losses[0] - want.train[0]).abs() / want.train[0] < 1e-4);
+        assert!(max_rel(&losses[..10], &want.train[..10]) < EARLY_BAND);
+        assert!(train_diff < CURVE_BAND && val_diff < CURVE_BAND);
+        assert_eq!(
+            vals.iter().map(|v| v.0).collect::<Vec<_>>(),
+            want.val.iter().map(|v| v.0).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            saved,
+            [
+                "0000010_adapters.safetensors",
+                "0000020_adapters.safetensors",
+                "0000030_adapters.safetensors"
+            ]
+        );
+
+        // Cross-evaluation on the whole validation set: each engine's final adapter, scored here,
+        // against mlx-lm's score of its own.
+        let score = |dir: &Path| -> f32 {
+            let a = Adapters::load(dir, model.as_ref()).unwrap();
+            evaluate(
+                model.as_ref(),
+                &a,
+                &valid_set,
+                4,
+                -1,
+                2048,
+                &mut NumpyRandom::new(0),
+                &mut || {},
+            )
+            .unwrap()
+        };
+        std::fs::copy(
+            fixtures()
+                .join("lora")
+                .join(run)
+                .join("init/adapter_config.json"),
+            out.path().join("adapter_config.json"),
+        )
+        .unwrap();
+        let theirs = score(&fixtures().join("lora").join(run).join("final"));
+        let ours = score(out.path());
+        println!(
+            "{run}: full validation loss of the final adapters: mlx-lm's by mlx-lm {:.5}, by oxlm {theirs:.5}; oxlm's by oxlm {ours:.5}",
+            want.final_full_val_loss
+        );
+        assert!((theirs - want.final_full_val_loss).abs() / want.final_full_val_loss < 1e-4);
+        assert!((ours - want.final_full_val_loss).abs() / want.final_full_val_loss < CURVE_BAND);
+    }
+}
+
+#[test]
+fn evaluation_is_the_mean_over_scored_tokens() {
+    let model = load(&tokenizer_dir()).unwrap();
+    let adapters = Adapters::load(
+        &fixtures().join("lora/train-llama-4bit-g64/init"),
+        model.as_ref(),
+    )
+    .unwrap();
+    let valid = load_set("data/valid.jsonl", false);
+    let got = evaluate(
+        model.as_ref(),
+        &adapters,
+        &valid,
+        4,
+        1,
+        2048,
+        &mut NumpyRandom::new(0),
+        &mut || {},
+    )
+    .unwrap();
+    let mut batches = Batches::new(&valid, 4, 2048, false).unwrap();
+    let batch = batches.next_batch(&mut NumpyRandom::new(0)).unwrap();
+    let adapted: &dyn LanguageModel = &AdaptedModel::new(model.as_ref(), &adapters).unwrap();
+    let (sum, tokens) = loss_sum(adapted, &batch.examples).unwrap();
+    assert_eq!(tokens, batch.tokens());
+    assert!((got - (sum / tokens as f64) as f32).abs() < 1e-6);
+}
+
+#[test]
+fn resuming_loads_the_saved_checkpoint() {
+    let model = load(&tokenizer_dir()).unwrap();
+    let train_set = load_set("data/train.jsonl", false);
+    let config = LoraConfig::new(1);
+    let mut adapters = init_adapters(model.as_ref(), config.clone(), 7).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let args = TrainArgs {
+        batch_size: 4,
+        iters: 2,
+        val_batches: 0,
+        steps_per_report: 1,
+        steps_per_eval: 100,
+        save_every: 1,
+        max_seq_length: 64,
+        learning_rate: 1e-3,
+        grad_checkpoint: true,
+        adapter_file: out.path().join("adapters.safetensors"),
+    };
+    let mut truncated = false;
+    train(
+        model.as_ref(),
+        &mut adapters,
+        &train_set,
+        &Dataset::default(),
+        &args,
+        &mut NumpyRandom::new(0),
+        &mut |e| truncated |= matches!(e, Event::Truncated { max: 64, .. }),
+    )
+    .unwrap();
+    assert!(
+        truncated,
+        "items longer than 64 tokens are cut, with a warning"
+    );
+    let mut resumed = init_adapters(model.as_ref(), config, 8).unwrap();
+    resumed
+        .load_weights(&out.path().join("0000002_adapters.safetensors"))
+        .unwrap();
+    assert_eq!(resumed.layers, adapters.layers);
+    let step1 = Adapters::zeros(LoraConfig::new(1), model.as_ref()).unwrap();
+    let mut other = step1.clone();
+    other
+        .load_weights(&out.path().join("0000001_adapters.safetensors"))
+        .unwrap();
+    assert_ne!(other.layers, adapters.layers);
+    // A file for other layers is refused.
+    let mut wrong = Adapters::zeros(LoraConfig::new(2), model.as_ref()).unwrap();
+    wrong.layers.retain(|p, _| p.starts_with("model.layers.0."));
+    assert!(wrong
+        .load_weights(&out.path().join("adapters.safetensors"))
+        .is_err());
+}

@@ -1,0 +1,751 @@
+//! Routes, handlers and response shapes (OpenAI's, with mlx_lm.server's extras).
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path as UrlPath, Request, State};
+use axum::http::{header, HeaderValue, Method, StatusCode, Uri};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use oxlm_runtime::{FinishReason, GenerateOptions, StreamOptions};
+use rand::Rng;
+use serde_json::{json, Map, Value};
+
+use crate::error::ApiError;
+use crate::parsers::{OutputParser, Piece, ToolCall};
+use crate::request::{self, Params, Prompt};
+use crate::worker::{Running, Update};
+use crate::{unix_time, AppState};
+
+type Shared = State<Arc<AppState>>;
+
+pub(crate) fn router(state: Arc<AppState>) -> Router {
+    let api = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model))
+        .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
+    Router::new()
+        .merge(api)
+        .route("/health", get(health))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(state.settings.max_request_bytes))
+        .layer(middleware::from_fn_with_state(state.clone(), cors))
+        .with_state(state)
+}
+
+async fn authorize(State(state): Shared, request: Request, next: Next) -> Response {
+    if let Some(key) = &state.settings.api_key {
+        let given = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if !given.is_some_and(|given| same_secret(given.trim(), key)) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(request).await
+}
+
+/// Compares without stopping at the first difference, so timing does not reveal the key.
+fn same_secret(a: &str, b: &str) -> bool {
+    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+/// mlx_lm.server's CORS: the allowed origins (any by default), any method and header; a
+/// preflight `OPTIONS` is answered 204 on every path.
+async fn cors(State(state): Shared, request: Request, next: Next) -> Response {
+    let origin = request.headers().get(header::ORIGIN).cloned();
+    let mut response = if request.method() == Method::OPTIONS {
+        StatusCode::NO_CONTENT.into_response()
+    } else {
+        next.run(request).await
+    };
+    let allowed = &state.settings.allowed_origins;
+    let headers = response.headers_mut();
+    if allowed.iter().any(|o| o == "*") {
+        headers.insert(
+            header::ACCESS_CONTROL_ALLOW_ORIGIN,
+            HeaderValue::from_static("*"),
+        );
+    } else if let Some(origin) =
+        origin.filter(|o| allowed.iter().any(|a| a.as_bytes() == o.as_bytes()))
+    {
+        headers.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, origin);
+        headers.insert(header::VARY, HeaderValue::from_static("Origin"));
+    }
+    headers.insert(
+        header::ACCESS_CONTROL_ALLOW_METHODS,
+        HeaderValue::from_static("*"),
+    );
+    headers.insert(
+        header::ACCESS_CONTROL_ALLOW_HEADERS,
+        HeaderValue::from_static("*"),
+    );
+    response
+}
+
+async fn not_found(method: Method, uri: Uri) -> ApiError {
+    ApiError::not_found(format!("Invalid URL ({method} {})", uri.path()))
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::method_not_allowed(format!("Method {method} is not allowed for {}", uri.path()))
+}
+
+async fn health(State(state): Shared) -> Response {
+    if state.worker.is_alive() {
+        Json(json!({"status": "ok"})).into_response()
+    } else {
+        let body = Json(json!({"status": "unavailable"}));
+        (StatusCode::SERVICE_UNAVAILABLE, body).into_response()
+    }
+}
+
+fn model_object(state: &AppState) -> Value {
+    json!({"id": state.model_id, "object": "model", "created": state.created, "owned_by": "oxlm"})
+}
+
+async fn models(State(state): Shared) -> Json {
+    Json(json!({"object": "list", "data": [model_object(&state)]}))
+}
+
+async fn model(State(state): Shared, UrlPath(id): UrlPath<String>) -> Result<Json, ApiError> {
+    let wanted = id.trim_start_matches('/');
+    if wanted == state.model_id.trim_start_matches('/') {
+        Ok(Json(model_object(&state)))
+    } else {
+        Err(ApiError {
+            code: Some("model_not_found"),
+            ..ApiError::not_found(format!("The model `{id}` does not exist"))
+        })
+    }
+}
+
+/// A JSON response (axum's `Json` needs serde's derive; values are built with `json!` here).
+struct Json(Value);
+
+impl IntoResponse for Json {
+    fn into_response(self) -> Response {
+        let body = self.0.to_string();
+        ([(header::CONTENT_TYPE, "application/json")], body).into_response()
+    }
+}
+
+fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Map<String, Value>, ApiError> {
+    match body {
+        Ok(bytes) => request::parse_body(&bytes),
+        Err(rejection) if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE => Err(
+            ApiError::too_large("The request body is larger than the server accepts"),
+        ),
+        Err(rejection) => Err(ApiError::invalid(rejection.body_text())),
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Text,
+}
+
+/// One request on its way: the ids and settings its responses carry.
+struct Exchange {
+    state: Arc<AppState>,
+    kind: Kind,
+    id: String,
+    created: u64,
+    params: Params,
+    prompt_tokens: usize,
+}
+
+async fn chat_completions(State(state): Shared, body: Result<Bytes, BytesRejection>) -> Response {
+    let result = async {
+        let req = request::chat_request(&read_body(body)?, &state.defaults)?;
+        let st = state.clone();
+        let (req, prompt) = blocking(move || {
+            let prompt = chat_prompt(&st, &req)?;
+            Ok((req, prompt))
+        })
+        .await?;
+        let tools = req.tools.map(|t| (state.tool_format, t));
+        let parser = OutputParser::new(state.think, prompt.in_reasoning, tools);
+        let id = format!("chatcmpl-{}", uuid4());
+        respond(
+            state,
+            Kind::Chat,
+            id,
+            req.params,
+            prompt.ids,
+            "messages",
+            Some(parser),
+        )
+        .await
+    };
+    result.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn completions(State(state): Shared, body: Result<Bytes, BytesRejection>) -> Response {
+    let result = async {
+        let req = request::completion_request(&read_body(body)?, &state.defaults)?;
+        let st = state.clone();
+        let prompt = req.prompt;
+        let ids = blocking(move || text_prompt(&st, &prompt)).await?;
+        let id = format!("cmpl-{}", uuid4());
+        respond(state, Kind::Text, id, req.params, ids, "prompt", None).await
+    };
+    result.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Runs CPU work (templates, tokenizers) off the async executor.
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .unwrap_or_else(|e| Err(ApiError::server(format!("request preparation failed: {e}"))))
+}
+
+struct ChatPrompt {
+    ids: Vec<u32>,
+    /// The template opened a reasoning block that the reply continues.
+    in_reasoning: bool,
+}
+
+fn chat_prompt(state: &AppState, req: &request::ChatRequest) -> Result<ChatPrompt, ApiError> {
+    let tokenizer = &state.model.tokenizer;
+    let Some(template) = &state.model.chat_template else {
+        let text = plain_chat(&req.messages, req.role_mapping.as_ref());
+        let ids = tokenizer.encode(&text, true).map_err(internal)?;
+        return Ok(ChatPrompt {
+            ids,
+            in_reasoning: false,
+        });
+    };
+    let mut kwargs = state.settings.chat_template_args.clone();
+    kwargs.extend(req.template_kwargs.clone());
+    // mlx-lm turns thinking on for models that have think tokens unless told otherwise.
+    if state.think.is_some() {
+        kwargs.entry("enable_thinking").or_insert(Value::Bool(true));
+    }
+    let messages = Value::Array(req.messages.clone());
+    let text = template
+        .render(&messages, req.tools.as_ref(), true, &kwargs)
+        .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+    let ids = tokenizer.encode(&text, false).map_err(internal)?;
+    let in_reasoning = state
+        .think
+        .is_some_and(|(start, end)| text.rfind(start) > text.rfind(end));
+    Ok(ChatPrompt { ids, in_reasoning })
+}
+
+/// mlx_lm.server's `convert_chat`, for models without a chat template.
+fn plain_chat(messages: &[Value], role_mapping: Option<&Map<String, Value>>) -> String {
+    let default: Map<String, Value> = [
+        ("system", "ASSISTANT's RULE: "),
+        ("user", "USER: "),
+        ("assistant", "ASSISTANT: "),
+        ("stop", "\n"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), Value::from(v)))
+    .collect();
+    let mapping = role_mapping.unwrap_or(&default);
+    let get = |key: &str| mapping.get(key).and_then(Value::as_str).unwrap_or("");
+    let mut prompt = String::new();
+    for message in messages {
+        let role = message["role"].as_str().unwrap_or("");
+        let content = message["content"].as_str().unwrap_or("");
+        prompt.push_str(get(role));
+        prompt.push_str(content);
+        prompt.push_str(get("stop"));
+    }
+    prompt.push_str(get("assistant"));
+    prompt.trim_end().to_owned()
+}
+
+fn text_prompt(state: &AppState, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
+    match prompt {
+        Prompt::Text(text) => state.model.tokenizer.encode(text, true).map_err(internal),
+        Prompt::Tokens(ids) => {
+            let vocab = state.model.model.info().vocab_size;
+            match ids.iter().find(|&&id| id as usize >= vocab) {
+                Some(id) => Err(ApiError::invalid_param(
+                    "prompt",
+                    format!("token id {id} is outside the vocabulary of {vocab} tokens"),
+                )),
+                None => Ok(ids.clone()),
+            }
+        }
+    }
+}
+
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    ApiError::server(e.to_string())
+}
+
+/// Checks the prompt against the context, queues it, and answers as JSON or as a stream.
+async fn respond(
+    state: Arc<AppState>,
+    kind: Kind,
+    id: String,
+    mut params: Params,
+    prompt: Vec<u32>,
+    prompt_param: &str,
+    parser: Option<OutputParser>,
+) -> Result<Response, ApiError> {
+    if prompt.is_empty() {
+        return Err(ApiError::invalid_param(prompt_param, "The prompt is empty"));
+    }
+    if let Some(limit) = state.model.model.info().max_context {
+        if prompt.len() > limit {
+            return Err(ApiError::context_length(prompt_param, prompt.len(), limit));
+        }
+        // The last token never goes through the model, so the context holds one more.
+        params.max_tokens = params.max_tokens.min(limit + 1 - prompt.len());
+    }
+    let options = GenerateOptions {
+        max_tokens: params.max_tokens,
+        sampler: params.sampler.clone(),
+        prefill_step: state.settings.prefill_step,
+    };
+    let stream = StreamOptions {
+        stop: params.stop.clone(),
+        top_logprobs: params.top_logprobs,
+    };
+    let running = state.worker.submit(prompt.clone(), options, stream)?;
+    let exchange = Exchange {
+        state,
+        kind,
+        id,
+        created: unix_time(),
+        prompt_tokens: prompt.len(),
+        params,
+    };
+    let reply = Reply::new(&exchange, parser);
+    if exchange.params.stream {
+        Ok(stream_response(exchange, running, reply))
+    } else {
+        complete_response(exchange, running, reply).await
+    }
+}
+
+/// Generated output as it comes: pieces of the message, token log-probabilities, counts.
+struct Reply {
+    /// Chat replies are split into content, reasoning and tool calls; text completions are not.
+    parser: Option<OutputParser>,
+    tokenizer: oxlm_runtime::tokenizer::Tokenizer,
+    logprobs: bool,
+    completion_tokens: usize,
+    cached_tokens: usize,
+    /// Log-probabilities not yet sent.
+    entries: Vec<Value>,
+}
+
+impl Reply {
+    fn new(exchange: &Exchange, parser: Option<OutputParser>) -> Self {
+        Reply {
+            parser,
+            tokenizer: exchange.state.model.tokenizer.clone(),
+            logprobs: exchange.params.logprobs,
+            completion_tokens: 0,
+            cached_tokens: 0,
+            entries: Vec::new(),
+        }
+    }
+
+    fn text(&mut self, text: &str) -> Vec<Piece> {
+        match &mut self.parser {
+            Some(parser) => parser.push(text),
+            None if text.is_empty() => Vec::new(),
+            None => vec![Piece::Content(text.to_owned())],
+        }
+    }
+
+    fn token(&mut self, id: u32, logprob: f32, top: &[(u32, f32)], text: &str) -> Vec<Piece> {
+        self.completion_tokens += 1;
+        if self.logprobs {
+            let mut entry = self.token_info(id, logprob);
+            entry["top_logprobs"] = top.iter().map(|&(t, l)| self.token_info(t, l)).collect();
+            self.entries.push(entry);
+        }
+        self.text(text)
+    }
+
+    fn finish(&mut self) -> Vec<Piece> {
+        self.parser
+            .as_mut()
+            .map(OutputParser::finish)
+            .unwrap_or_default()
+    }
+
+    /// OpenAI's token entry, with mlx_lm.server's `id`.
+    fn token_info(&self, id: u32, logprob: f32) -> Value {
+        let token = self.tokenizer.decode(&[id], false).unwrap_or_default();
+        json!({"id": id, "token": token, "logprob": logprob, "bytes": token.as_bytes()})
+    }
+
+    /// The `logprobs` of a choice for the entries gathered since the last call.
+    fn take_logprobs(&mut self, kind: Kind) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        let entries = std::mem::take(&mut self.entries);
+        match kind {
+            Kind::Chat => json!({"content": entries}),
+            // OpenAI's legacy completion fields, and mlx_lm.server's `content` list.
+            Kind::Text => json!({
+                "tokens": entries.iter().map(|e| e["token"].clone()).collect::<Vec<_>>(),
+                "token_logprobs": entries.iter().map(|e| e["logprob"].clone()).collect::<Vec<_>>(),
+                "top_logprobs": entries.iter().map(|e| {
+                    e["top_logprobs"].as_array().map(|top| top.iter()
+                        .map(|t| (t["token"].as_str().unwrap_or("").to_owned(), t["logprob"].clone()))
+                        .collect::<Map<_, _>>())
+                }).collect::<Vec<_>>(),
+                "content": entries,
+            }),
+        }
+    }
+
+    fn usage(&self, prompt_tokens: usize) -> Value {
+        json!({
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        })
+    }
+}
+
+/// The `finish_reason` a client sees.
+fn finish_reason(reason: FinishReason, tool_calls: bool) -> &'static str {
+    match reason {
+        FinishReason::Stop if tool_calls => "tool_calls",
+        reason => reason.as_str(),
+    }
+}
+
+fn tool_call_json(call: &ToolCall, index: Option<usize>) -> Value {
+    let mut value = json!({
+        "id": format!("call_{}", uuid4().replace('-', "")),
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    });
+    if let Some(index) = index {
+        value["index"] = index.into();
+    }
+    value
+}
+
+/// A chat message (or stream delta) from reply pieces. Reasoning goes under both
+/// `reasoning_content` (the field most clients read) and `reasoning` (mlx_lm.server's name).
+fn message(pieces: &[Piece], first_tool_index: Option<usize>, full: bool) -> Value {
+    let mut content = String::new();
+    let mut reasoning = String::new();
+    let mut calls = Vec::new();
+    for piece in pieces {
+        match piece {
+            Piece::Content(text) => content.push_str(text),
+            Piece::Reasoning(text) => reasoning.push_str(text),
+            Piece::ToolCall(call) => {
+                let index = first_tool_index.map(|first| first + calls.len());
+                calls.push(tool_call_json(call, index));
+            }
+        }
+    }
+    let mut message = json!({"role": "assistant"});
+    if full || !content.is_empty() {
+        // A full message always has `content`, null when empty (as the schema asks).
+        message["content"] = if content.is_empty() {
+            Value::Null
+        } else {
+            content.into()
+        };
+    }
+    if !reasoning.is_empty() {
+        message["reasoning_content"] = reasoning.clone().into();
+        message["reasoning"] = reasoning.into();
+    }
+    if !calls.is_empty() {
+        message["tool_calls"] = calls.into();
+    }
+    message
+}
+
+fn text_of(pieces: &[Piece]) -> String {
+    pieces
+        .iter()
+        .map(|p| match p {
+            Piece::Content(t) | Piece::Reasoning(t) => t.as_str(),
+            Piece::ToolCall(_) => "",
+        })
+        .collect()
+}
+
+impl Exchange {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Text, _) => "text_completion",
+        }
+    }
+
+    /// The fields every response and chunk starts with.
+    fn envelope(&self, chunk: bool, choices: Vec<Value>) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(chunk),
+            "created": self.created,
+            "model": self.state.model_id,
+            "system_fingerprint": concat!("oxlm-", env!("CARGO_PKG_VERSION")),
+            "choices": choices,
+        })
+    }
+
+    fn choice(&self, body: (&str, Value), logprobs: Value, finish: Option<&str>) -> Value {
+        let mut choice = json!({"index": 0});
+        choice[body.0] = body.1;
+        choice["logprobs"] = logprobs;
+        choice["finish_reason"] = finish.into();
+        choice
+    }
+}
+
+async fn complete_response(
+    exchange: Exchange,
+    mut running: Running,
+    mut reply: Reply,
+) -> Result<Response, ApiError> {
+    let mut pieces = Vec::new();
+    let reason = loop {
+        match running.updates.recv().await {
+            Some(Update::Started { cached_tokens }) => reply.cached_tokens = cached_tokens,
+            Some(Update::Prefill { .. }) => {}
+            Some(Update::Token {
+                id,
+                logprob,
+                top,
+                text,
+            }) => pieces.extend(reply.token(id, logprob, &top, &text)),
+            Some(Update::Text(text)) => pieces.extend(reply.text(&text)),
+            Some(Update::Done(result)) => break result.map_err(internal)?,
+            None => return Err(ApiError::server("the generation thread stopped")),
+        }
+    };
+    pieces.extend(reply.finish());
+    let tool_calls = pieces.iter().any(|p| matches!(p, Piece::ToolCall(_)));
+    let finish = finish_reason(reason, tool_calls);
+    let body = match exchange.kind {
+        Kind::Chat => ("message", message(&pieces, None, true)),
+        Kind::Text => ("text", text_of(&pieces).into()),
+    };
+    let logprobs = reply.take_logprobs(exchange.kind);
+    let choice = exchange.choice(body, logprobs, Some(finish));
+    let mut response = exchange.envelope(false, vec![choice]);
+    response["usage"] = reply.usage(exchange.prompt_tokens);
+    Ok(Json(response).into_response())
+}
+
+/// Turns generation updates into SSE events: `data: {chunk}` per piece of output, SSE
+/// comments while the prompt is processed, the final chunk, usage when asked, `data: [DONE]`.
+struct ChunkStream {
+    exchange: Exchange,
+    running: Running,
+    reply: Reply,
+    ready: VecDeque<SseEvent>,
+    tool_calls: usize,
+    done: bool,
+}
+
+fn stream_response(exchange: Exchange, running: Running, reply: Reply) -> Response {
+    let chunks = ChunkStream {
+        exchange,
+        running,
+        reply,
+        ready: VecDeque::new(),
+        tool_calls: 0,
+        done: false,
+    };
+    // Dropping the stream (the client went away) drops `running`, which cancels the job.
+    let events = futures_util::stream::unfold(chunks, |mut chunks| async move {
+        let event = chunks.next().await?;
+        Some((Ok::<_, Infallible>(event), chunks))
+    });
+    Sse::new(events)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+impl ChunkStream {
+    async fn next(&mut self) -> Option<SseEvent> {
+        loop {
+            if let Some(event) = self.ready.pop_front() {
+                return Some(event);
+            }
+            if self.done {
+                return None;
+            }
+            match self.running.updates.recv().await {
+                Some(update) => self.update(update),
+                None => self.fail(ApiError::server("the generation thread stopped")),
+            }
+        }
+    }
+
+    fn update(&mut self, update: Update) {
+        match update {
+            Update::Started { cached_tokens } => self.reply.cached_tokens = cached_tokens,
+            Update::Prefill { done, total } => self
+                .ready
+                .push_back(SseEvent::default().comment(format!("keepalive {done}/{total}"))),
+            Update::Token {
+                id,
+                logprob,
+                top,
+                text,
+            } => {
+                let pieces = self.reply.token(id, logprob, &top, &text);
+                self.chunk(&pieces, None);
+            }
+            Update::Text(text) => {
+                let pieces = self.reply.text(&text);
+                self.chunk(&pieces, None);
+            }
+            Update::Done(Ok(reason)) => {
+                let pieces = self.reply.finish();
+                let tool_calls =
+                    self.tool_calls > 0 || pieces.iter().any(|p| matches!(p, Piece::ToolCall(_)));
+                self.chunk(&pieces, Some(finish_reason(reason, tool_calls)));
+                if self.exchange.params.include_usage {
+                    let mut usage = self.exchange.envelope(true, Vec::new());
+                    usage["usage"] = self.reply.usage(self.exchange.prompt_tokens);
+                    self.send(&usage);
+                }
+                self.ready.push_back(SseEvent::default().data("[DONE]"));
+                self.done = true;
+            }
+            Update::Done(Err(e)) => self.fail(internal(e)),
+        }
+    }
+
+    /// Queues a chunk for `pieces`; nothing when there is nothing to say.
+    fn chunk(&mut self, pieces: &[Piece], finish: Option<&str>) {
+        let empty = pieces.iter().all(|p| match p {
+            Piece::Content(t) | Piece::Reasoning(t) => t.is_empty(),
+            Piece::ToolCall(_) => false,
+        });
+        if empty && finish.is_none() {
+            return;
+        }
+        let body = match self.exchange.kind {
+            Kind::Chat => ("delta", message(pieces, Some(self.tool_calls), false)),
+            Kind::Text => ("text", text_of(pieces).into()),
+        };
+        self.tool_calls += pieces
+            .iter()
+            .filter(|p| matches!(p, Piece::ToolCall(_)))
+            .count();
+        let logprobs = self.reply.take_logprobs(self.exchange.kind);
+        let choice = self.exchange.choice(body, logprobs, finish);
+        let chunk = self.exchange.envelope(true, vec![choice]);
+        self.send(&chunk);
+    }
+
+    fn send(&mut self, value: &Value) {
+        self.ready
+            .push_back(SseEvent::default().data(value.to_string()));
+    }
+
+    /// A failure after the stream started: an error object as the last data, then `[DONE]`.
+    fn fail(&mut self, error: ApiError) {
+        self.send(&error.body());
+        self.ready.push_back(SseEvent::default().data("[DONE]"));
+        self.done = true;
+    }
+}
+
+/// A random (version 4) UUID, as mlx_lm.server's ids use.
+fn uuid4() -> String {
+    let mut b: [u8; 16] = rand::rng().random();
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..]
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_and_deltas_carry_reasoning_and_tool_calls() {
+        let call = ToolCall {
+            name: "get_weather".into(),
+            arguments: "{\"city\":\"Paris\"}".into(),
+        };
+        let pieces = [
+            Piece::Reasoning("Weather needed.".into()),
+            Piece::ToolCall(call.clone()),
+            Piece::ToolCall(call),
+        ];
+        let full = message(&pieces, None, true);
+        assert_eq!(full["content"], Value::Null);
+        assert_eq!(full["reasoning_content"], "Weather needed.");
+        assert_eq!(full["reasoning"], "Weather needed.");
+        let calls = full["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[0]["type"], "function");
+        assert_eq!(
+            calls[0]["function"],
+            json!({"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"})
+        );
+        assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"));
+        assert_ne!(calls[0]["id"], calls[1]["id"]);
+        assert!(calls[0].get("index").is_none());
+        // Stream deltas number calls across chunks and leave out empty content.
+        let delta = message(&pieces[1..], Some(3), false);
+        assert!(delta.get("content").is_none());
+        assert_eq!(delta["tool_calls"][0]["index"], 3);
+        assert_eq!(delta["tool_calls"][1]["index"], 4);
+        assert_eq!(finish_reason(FinishReason::Stop, true), "tool_calls");
+        assert_eq!(finish_reason(FinishReason::Length, true), "length");
+        assert_eq!(finish_reason(FinishReason::Stop, false), "stop");
+    }
+
+    #[test]
+    fn plain_chat_follows_mlx_convert_chat() {
+        let messages = [
+            json!({"role": "system", "content": "Be brief."}),
+            json!({"role": "user", "content": "Hi"}),
+        ];
+        assert_eq!(
+            plain_chat(&messages, None),
+            "ASSISTANT's RULE: Be brief.\nUSER: Hi\nASSISTANT:"
+        );
+    }
+
+    #[test]
+    fn ids_look_like_uuids() {
+        let id = uuid4();
+        assert_eq!(id.len(), 36);
+        assert_eq!(id.as_bytes()[14], b'4');
+        assert!(same_secret("abc", "abc") && !same_secret("abc", "abd") && !same_secret("a", "ab"));
+    }
+}

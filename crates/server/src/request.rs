@@ -1,0 +1,543 @@
+//! Request bodies: parsing and validation of `/v1/chat/completions` and `/v1/completions`
+//! fields, with mlx_lm.server's names, defaults and ranges. Anything invalid is a 400 naming
+//! the field, before any work is queued.
+
+use std::collections::BTreeMap;
+
+use oxlm_runtime::sampler::{Sampler, SamplerConfig};
+use serde_json::{Map, Value};
+
+use crate::error::ApiError;
+
+/// What an unset field becomes: the server's flags, then the model's generation_config.json,
+/// then mlx-lm's defaults.
+#[derive(Debug, Clone)]
+pub struct Defaults {
+    pub max_tokens: usize,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: usize,
+    pub min_p: f32,
+    pub repetition_penalty: Option<f32>,
+    /// Ids XTC never removes; mlx-lm passes `encode("\n")` and the end-of-sequence ids.
+    pub xtc_special_tokens: Vec<u32>,
+}
+
+/// The most alternatives a token's `top_logprobs` may list (OpenAI's limit).
+const MAX_TOP_LOGPROBS: u64 = 20;
+
+/// The most stop strings a request may give (OpenAI allows 4).
+const MAX_STOP: usize = 16;
+
+/// Generation parameters shared by both endpoints.
+#[derive(Debug, Clone)]
+pub struct Params {
+    pub stream: bool,
+    pub include_usage: bool,
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    pub stop: Vec<String>,
+    pub logprobs: bool,
+    pub top_logprobs: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct ChatRequest {
+    pub params: Params,
+    /// Messages ready for the chat template: content joined into strings, tool-call arguments
+    /// parsed into objects.
+    pub messages: Vec<Value>,
+    pub tools: Option<Value>,
+    /// Per-request chat template variables (`chat_template_kwargs`).
+    pub template_kwargs: Map<String, Value>,
+    /// mlx_lm.server's prompt format for models without a chat template.
+    pub role_mapping: Option<Map<String, Value>>,
+}
+
+#[derive(Debug, Clone)]
+pub struct CompletionRequest {
+    pub params: Params,
+    pub prompt: Prompt,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// The body as a JSON object.
+pub fn parse_body(bytes: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    match serde_json::from_slice(bytes) {
+        Ok(Value::Object(body)) => Ok(body),
+        Ok(_) => Err(ApiError::invalid("Request should be a JSON dictionary")),
+        Err(e) => Err(ApiError::invalid(format!(
+            "Invalid JSON in request body: {e}"
+        ))),
+    }
+}
+
+pub fn chat_request(
+    body: &Map<String, Value>,
+    defaults: &Defaults,
+) -> Result<ChatRequest, ApiError> {
+    let fields = Fields(body);
+    let params = params(&fields, defaults, false)?;
+    let messages = match fields.get("messages") {
+        Some(Value::Array(list)) if !list.is_empty() => list
+            .iter()
+            .enumerate()
+            .map(|(i, m)| normalize_message(i, m))
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(Value::Array(_)) => {
+            return Err(ApiError::invalid_param(
+                "messages",
+                "`messages` must not be empty",
+            ))
+        }
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "messages",
+                "`messages` must be an array",
+            ))
+        }
+        None => {
+            return Err(ApiError::invalid_param(
+                "messages",
+                "Request did not contain messages",
+            ))
+        }
+    };
+    let tool_choice_none = fields.get("tool_choice") == Some(&Value::from("none"));
+    let tools = match fields.get("tools") {
+        Some(Value::Array(list)) if list.is_empty() || tool_choice_none => None,
+        Some(tools @ Value::Array(_)) => Some(tools.clone()),
+        Some(_) => return Err(ApiError::invalid_param("tools", "`tools` must be an array")),
+        None => None,
+    };
+    Ok(ChatRequest {
+        params,
+        messages,
+        tools,
+        template_kwargs: fields.object("chat_template_kwargs")?.unwrap_or_default(),
+        role_mapping: fields.object("role_mapping")?,
+    })
+}
+
+pub fn completion_request(
+    body: &Map<String, Value>,
+    defaults: &Defaults,
+) -> Result<CompletionRequest, ApiError> {
+    let fields = Fields(body);
+    let params = params(&fields, defaults, true)?;
+    let bad = || {
+        ApiError::invalid_param(
+            "prompt",
+            "`prompt` must be a string, a list of one string, or a list of token ids",
+        )
+    };
+    let prompt = match fields.get("prompt") {
+        Some(Value::String(text)) => Prompt::Text(text.clone()),
+        Some(Value::Array(list)) => match list.as_slice() {
+            [Value::String(text)] => Prompt::Text(text.clone()),
+            ids => Prompt::Tokens(
+                ids.iter()
+                    .map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok()))
+                    .collect::<Option<_>>()
+                    .ok_or_else(bad)?,
+            ),
+        },
+        Some(_) => return Err(bad()),
+        None => {
+            return Err(ApiError::invalid_param(
+                "prompt",
+                "Request did not contain a prompt",
+            ))
+        }
+    };
+    Ok(CompletionRequest { params, prompt })
+}
+
+fn params(fields: &Fields, defaults: &Defaults, legacy_logprobs: bool) -> Result<Params, ApiError> {
+    if let Some(n) = fields.get("n") {
+        if n.as_u64() != Some(1) {
+            return Err(ApiError::invalid_param("n", "Only n = 1 is supported"));
+        }
+    }
+    if fields.get("model").is_some_and(|m| !m.is_string()) {
+        return Err(ApiError::invalid_param("model", "`model` must be a string"));
+    }
+    let max_tokens = match fields.uint("max_completion_tokens", 1)? {
+        Some(n) => n,
+        None => fields
+            .uint("max_tokens", 1)?
+            .unwrap_or(defaults.max_tokens as u64),
+    };
+    // /v1/completions takes OpenAI's legacy `logprobs: N` (N alternatives per token) too.
+    let (logprobs, legacy_top) = match fields.get("logprobs") {
+        Some(Value::Number(n)) if legacy_logprobs => {
+            let top = n
+                .as_u64()
+                .filter(|&n| n <= MAX_TOP_LOGPROBS)
+                .ok_or_else(|| {
+                    ApiError::invalid_param(
+                        "logprobs",
+                        format!(
+                            "`logprobs` must be a boolean or an integer in [0, {MAX_TOP_LOGPROBS}]"
+                        ),
+                    )
+                })?;
+            (true, Some(top))
+        }
+        _ => (fields.bool("logprobs")?.unwrap_or(false), None),
+    };
+    let top_logprobs = match fields.uint("top_logprobs", 0)? {
+        Some(n) if n > MAX_TOP_LOGPROBS => {
+            return Err(ApiError::invalid_param(
+                "top_logprobs",
+                format!("`top_logprobs` must be at most {MAX_TOP_LOGPROBS}"),
+            ))
+        }
+        n => n.or(legacy_top).unwrap_or(0),
+    };
+    let include_usage = match fields.object("stream_options")? {
+        Some(options) => Fields(&options).bool("include_usage")?.unwrap_or(false),
+        None => false,
+    };
+    let sampler = SamplerConfig {
+        temperature: fields
+            .number("temperature", 0.0, f64::INFINITY)?
+            .unwrap_or(defaults.temperature),
+        top_p: fields.number("top_p", 0.0, 1.0)?.unwrap_or(defaults.top_p),
+        top_k: fields
+            .uint("top_k", 0)?
+            .map_or(defaults.top_k, |k| k as usize),
+        min_p: fields.number("min_p", 0.0, 1.0)?.unwrap_or(defaults.min_p),
+        xtc_probability: fields.number("xtc_probability", 0.0, 1.0)?.unwrap_or(0.0),
+        xtc_threshold: fields.number("xtc_threshold", 0.0, 1.0)?.unwrap_or(0.1),
+        xtc_special_tokens: defaults.xtc_special_tokens.clone(),
+        repetition_penalty: fields
+            .number("repetition_penalty", 0.0, f64::INFINITY)?
+            .or(defaults.repetition_penalty),
+        repetition_context_size: fields.size("repetition_context_size", 20)?,
+        presence_penalty: fields.number("presence_penalty", f64::NEG_INFINITY, f64::INFINITY)?,
+        presence_context_size: fields.size("presence_context_size", 20)?,
+        frequency_penalty: fields.number("frequency_penalty", f64::NEG_INFINITY, f64::INFINITY)?,
+        frequency_context_size: fields.size("frequency_context_size", 20)?,
+        logit_bias: fields.logit_bias()?,
+        seed: fields.seed()?,
+        ..SamplerConfig::default()
+    };
+    // The sampler's own checks (mlx-lm's ValueErrors), before anything is queued.
+    Sampler::new(sampler.clone()).map_err(|e| ApiError::invalid(e.to_string()))?;
+    Ok(Params {
+        stream: fields.bool("stream")?.unwrap_or(false),
+        include_usage,
+        max_tokens: max_tokens.try_into().unwrap_or(usize::MAX),
+        sampler,
+        stop: fields.stop()?,
+        logprobs: logprobs || top_logprobs > 0,
+        top_logprobs: top_logprobs as usize,
+    })
+}
+
+/// mlx_lm.server's `process_message_content`: text parts joined, a null content made empty,
+/// and tool-call arguments given as JSON text parsed for the template.
+fn normalize_message(index: usize, message: &Value) -> Result<Value, ApiError> {
+    let param = format!("messages[{index}]");
+    let Value::Object(message) = message else {
+        return Err(ApiError::invalid_param(
+            &param,
+            "each message must be an object",
+        ));
+    };
+    if !message.get("role").is_some_and(Value::is_string) {
+        return Err(ApiError::invalid_param(
+            &param,
+            "each message needs a string `role`",
+        ));
+    }
+    let mut message = message.clone();
+    match message.get("content") {
+        None | Some(Value::Null) => {
+            message.insert("content".into(), Value::from(""));
+        }
+        Some(Value::String(_)) => {}
+        Some(Value::Array(parts)) => {
+            let text = parts
+                .iter()
+                .map(
+                    |p| match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                        (Some("text"), Some(Value::String(t))) => Some(t.as_str()),
+                        _ => None,
+                    },
+                )
+                .collect::<Option<String>>()
+                .ok_or_else(|| {
+                    ApiError::invalid_param(
+                        &format!("{param}.content"),
+                        "Only 'text' content type is supported.",
+                    )
+                })?;
+            message.insert("content".into(), Value::from(text));
+        }
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                &format!("{param}.content"),
+                "`content` must be a string or a list of content parts",
+            ))
+        }
+    }
+    if let Some(Value::Array(calls)) = message.get_mut("tool_calls") {
+        for call in calls {
+            let args = call.pointer_mut("/function/arguments");
+            if let Some(args @ Value::String(_)) = args {
+                if let Ok(parsed) = serde_json::from_str(args.as_str().unwrap_or_default()) {
+                    *args = parsed;
+                }
+            }
+        }
+    }
+    Ok(Value::Object(message))
+}
+
+/// Typed access to the fields of a request body; `null` counts as unset.
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl Fields<'_> {
+    fn get(&self, name: &str) -> Option<&Value> {
+        self.0.get(name).filter(|v| !v.is_null())
+    }
+
+    fn bool(&self, name: &str) -> Result<Option<bool>, ApiError> {
+        self.get(name)
+            .map(|v| {
+                v.as_bool().ok_or_else(|| {
+                    ApiError::invalid_param(name, format!("`{name}` must be a boolean"))
+                })
+            })
+            .transpose()
+    }
+
+    fn uint(&self, name: &str, min: u64) -> Result<Option<u64>, ApiError> {
+        let Some(v) = self.get(name) else {
+            return Ok(None);
+        };
+        if !(v.is_i64() || v.is_u64()) {
+            return Err(ApiError::invalid_param(
+                name,
+                format!("`{name}` must be an integer"),
+            ));
+        }
+        match v.as_u64() {
+            Some(n) if n >= min => Ok(Some(n)),
+            _ => Err(ApiError::invalid_param(
+                name,
+                format!("`{name}` must be at least {min}"),
+            )),
+        }
+    }
+
+    /// A context size: an integer, at least 0.
+    fn size(&self, name: &str, default: usize) -> Result<usize, ApiError> {
+        Ok(self.uint(name, 0)?.map_or(default, |n| n as usize))
+    }
+
+    fn number(&self, name: &str, min: f64, max: f64) -> Result<Option<f32>, ApiError> {
+        let Some(v) = self.get(name) else {
+            return Ok(None);
+        };
+        let x = v
+            .as_f64()
+            .ok_or_else(|| ApiError::invalid_param(name, format!("`{name}` must be a number")))?;
+        if x < min {
+            return Err(ApiError::invalid_param(
+                name,
+                format!("`{name}` must be at least {min}"),
+            ));
+        }
+        if x > max {
+            return Err(ApiError::invalid_param(
+                name,
+                format!("`{name}` must be at most {max}"),
+            ));
+        }
+        Ok(Some(x as f32))
+    }
+
+    fn object(&self, name: &str) -> Result<Option<Map<String, Value>>, ApiError> {
+        match self.get(name) {
+            Some(Value::Object(map)) => Ok(Some(map.clone())),
+            Some(_) => Err(ApiError::invalid_param(
+                name,
+                format!("`{name}` must be an object"),
+            )),
+            None => Ok(None),
+        }
+    }
+
+    fn stop(&self) -> Result<Vec<String>, ApiError> {
+        let bad =
+            || ApiError::invalid_param("stop", "`stop` must be a string or a list of strings");
+        match self.get("stop") {
+            None => Ok(Vec::new()),
+            Some(Value::String(s)) => Ok(vec![s.clone()]),
+            // Every stop string is searched for at every token, so their number is bounded.
+            Some(Value::Array(list)) if list.len() > MAX_STOP => Err(ApiError::invalid_param(
+                "stop",
+                format!("At most {MAX_STOP} stop strings are supported"),
+            )),
+            Some(Value::Array(list)) => list
+                .iter()
+                .map(|s| s.as_str().map(str::to_owned).ok_or_else(bad))
+                .collect(),
+            Some(_) => Err(bad()),
+        }
+    }
+
+    fn seed(&self) -> Result<Option<u64>, ApiError> {
+        match self.get("seed") {
+            None => Ok(None),
+            // Any integer, as mlx-lm takes; negative seeds wrap.
+            Some(v) => v
+                .as_u64()
+                .or_else(|| v.as_i64().map(|s| s as u64))
+                .map(Some)
+                .ok_or_else(|| ApiError::invalid_param("seed", "`seed` must be an integer")),
+        }
+    }
+
+    fn logit_bias(&self) -> Result<BTreeMap<u32, f32>, ApiError> {
+        let Some(map) = self.object("logit_bias")? else {
+            return Ok(BTreeMap::new());
+        };
+        map.iter()
+            .map(|(id, bias)| Some((id.parse().ok()?, bias.as_f64()? as f32)))
+            .collect::<Option<_>>()
+            .ok_or_else(|| {
+                ApiError::invalid_param("logit_bias", "logit_bias must be a dict of int to float")
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn defaults() -> Defaults {
+        Defaults {
+            max_tokens: 512,
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: None,
+            xtc_special_tokens: vec![],
+        }
+    }
+
+    fn chat(body: Value) -> Result<ChatRequest, ApiError> {
+        chat_request(body.as_object().unwrap(), &defaults())
+    }
+
+    #[test]
+    fn fields_take_mlx_names_and_defaults() {
+        let r = chat(json!({"messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 7, "max_tokens": 9, "temperature": 0.5, "top_k": 3,
+            "stop": "x", "logit_bias": {"12": -100}, "seed": 4, "top_logprobs": 2}))
+        .unwrap();
+        let p = &r.params;
+        assert_eq!(p.max_tokens, 7);
+        assert_eq!((p.sampler.temperature, p.sampler.top_k), (0.5, 3));
+        assert_eq!(p.stop, ["x"]);
+        assert_eq!(p.sampler.logit_bias, BTreeMap::from([(12, -100.0)]));
+        assert_eq!(p.sampler.seed, Some(4));
+        assert!(p.logprobs && p.top_logprobs == 2);
+        assert!(!p.stream && !p.include_usage);
+        let r = chat(json!({"messages": [{"role": "user", "content": "hi"}], "temperature": null}))
+            .unwrap();
+        assert_eq!(r.params.max_tokens, 512);
+        assert_eq!(r.params.sampler.temperature, 0.0);
+    }
+
+    #[test]
+    fn invalid_values_name_their_field() {
+        let msg = json!([{"role": "user", "content": "hi"}]);
+        let param = |body: Value| chat(body).unwrap_err().param;
+        let with = |key: &str, value: Value| {
+            let mut body = json!({"messages": msg});
+            body[key] = value;
+            param(body)
+        };
+        assert_eq!(with("temperature", json!(-1)), Some("temperature".into()));
+        assert_eq!(
+            with("temperature", json!("hot")),
+            Some("temperature".into())
+        );
+        assert_eq!(with("top_p", json!(1.5)), Some("top_p".into()));
+        assert_eq!(with("max_tokens", json!(0)), Some("max_tokens".into()));
+        assert_eq!(with("max_tokens", json!(1.5)), Some("max_tokens".into()));
+        assert_eq!(with("n", json!(2)), Some("n".into()));
+        assert_eq!(with("stop", json!(3)), Some("stop".into()));
+        assert_eq!(with("stop", json!(vec!["x"; 17])), Some("stop".into()));
+        assert_eq!(with("stream", json!("yes")), Some("stream".into()));
+        assert_eq!(with("top_logprobs", json!(21)), Some("top_logprobs".into()));
+        assert_eq!(
+            with("logit_bias", json!({"a": 1})),
+            Some("logit_bias".into())
+        );
+        assert_eq!(param(json!({})), Some("messages".into()));
+        assert_eq!(
+            param(json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})),
+            Some("messages[0].content".into())
+        );
+        // The sampler's own checks are 400s too.
+        let err = chat(json!({"messages": msg, "xtc_probability": 0.5, "xtc_threshold": 0.9}))
+            .unwrap_err();
+        assert_eq!(err.status, 400);
+    }
+
+    #[test]
+    fn messages_are_made_ready_for_templates() {
+        let r = chat(json!({"messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+            {"role": "tool", "tool_call_id": "1", "content": "2"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}]}))
+        .unwrap();
+        assert_eq!(r.messages[0]["content"], "ab");
+        assert_eq!(r.messages[1]["content"], "");
+        assert_eq!(
+            r.messages[1]["tool_calls"][0]["function"]["arguments"],
+            json!({"x": 1})
+        );
+        assert!(r.tools.is_some());
+    }
+
+    #[test]
+    fn completion_prompts_and_legacy_logprobs() {
+        let parse = |body: Value| completion_request(body.as_object().unwrap(), &defaults());
+        let r = parse(json!({"prompt": "hi", "logprobs": 3})).unwrap();
+        assert_eq!(r.prompt, Prompt::Text("hi".into()));
+        assert!(r.params.logprobs && r.params.top_logprobs == 3);
+        let r = parse(json!({"prompt": [1, 2]})).unwrap();
+        assert_eq!(r.prompt, Prompt::Tokens(vec![1, 2]));
+        assert!(parse(json!({"prompt": {}})).is_err());
+        assert!(parse(json!({})).is_err());
+    }
+
+    #[test]
+    fn bodies_must_be_json_objects() {
+        assert!(parse_body(b"{")
+            .unwrap_err()
+            .message
+            .starts_with("Invalid JSON"));
+        assert_eq!(
+            parse_body(b"[1]").unwrap_err().message,
+            "Request should be a JSON dictionary"
+        );
+        assert!(parse_body(b"{}").is_ok());
+    }
+}

@@ -1,0 +1,661 @@
+//! The server over real HTTP on the tiny fixture models: payload shapes, streaming, stop
+//! strings, logprobs, errors and limits, the prompt cache, and serving while generating.
+//! Greedy outputs are checked against the goldens that mlx-lm produced for these models.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use oxlm_runtime::tokenizer::Tokenizer;
+use oxlm_server::{Server, Settings};
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tiny")
+        .join(name)
+}
+
+struct Golden {
+    messages: Value,
+    prompt_text: String,
+    n_prompt: usize,
+    ids: Vec<u32>,
+    tokenizer: Tokenizer,
+}
+
+impl Golden {
+    fn load(name: &str) -> Self {
+        let dir = fixture(name);
+        let golden: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap())
+                .unwrap();
+        Golden {
+            messages: golden["messages"].clone(),
+            prompt_text: golden["prompt_text"].as_str().unwrap().to_owned(),
+            n_prompt: golden["n_prompt"].as_u64().unwrap() as usize,
+            ids: serde_json::from_value(golden["greedy_ids"].clone()).unwrap(),
+            tokenizer: Tokenizer::from_dir(&dir).unwrap(),
+        }
+    }
+
+    /// What streaming the first `n` greedy tokens prints (mlx-lm's streaming detokenizer).
+    fn text(&self, n: usize) -> String {
+        let mut detokenizer = self.tokenizer.detokenizer().unwrap();
+        let mut text: String = self.ids[..n]
+            .iter()
+            .map(|&id| detokenizer.push(id).unwrap())
+            .collect();
+        text.push_str(&detokenizer.finish().unwrap());
+        text
+    }
+}
+
+struct TestServer {
+    base: String,
+    model_id: String,
+    client: reqwest::Client,
+}
+
+async fn start(model: &str, settings: Settings) -> TestServer {
+    let server = Server::load(&fixture(model), settings).unwrap();
+    let model_id = server.model_id().to_owned();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(server.serve(listener));
+    TestServer {
+        base,
+        model_id,
+        client: reqwest::Client::new(),
+    }
+}
+
+impl TestServer {
+    async fn post(&self, path: &str, body: &Value) -> (StatusCode, Value) {
+        self.post_raw(path, body.to_string()).await
+    }
+
+    async fn post_raw(&self, path: &str, body: String) -> (StatusCode, Value) {
+        let response = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        let status = response.status();
+        let text = response.text().await.unwrap();
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    async fn get(&self, path: &str) -> (StatusCode, Value) {
+        let response = self
+            .client
+            .get(format!("{}{path}", self.base))
+            .send()
+            .await
+            .unwrap();
+        (response.status(), response.json_value().await)
+    }
+
+    /// A streamed request's `data:` payloads, in order (`[DONE]` as a string).
+    async fn stream(&self, path: &str, body: &Value) -> Vec<Value> {
+        let response = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .body(body.to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        assert_eq!(response.headers()["content-type"], "text/event-stream");
+        let text = response.text().await.unwrap();
+        text.split("\n\n")
+            .filter_map(|event| event.strip_prefix("data: "))
+            .map(|data| serde_json::from_str(data).unwrap_or(Value::String(data.into())))
+            .collect()
+    }
+}
+
+trait JsonBody {
+    async fn json_value(self) -> Value;
+}
+
+impl JsonBody for reqwest::Response {
+    async fn json_value(self) -> Value {
+        serde_json::from_str(&self.text().await.unwrap()).unwrap()
+    }
+}
+
+fn keys(value: &Value) -> Vec<&str> {
+    let mut keys: Vec<&str> = value
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    keys.sort_unstable();
+    keys
+}
+
+fn chat_body(golden: &Golden, extra: Value) -> Value {
+    let mut body = json!({"model": "any-name", "messages": golden.messages});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+/// The content of a stream's chunks, concatenated.
+fn streamed_text(events: &[Value], field: &str) -> String {
+    events
+        .iter()
+        .filter_map(|e| e.get("choices")?.get(0))
+        .filter_map(|c| match field {
+            "text" => c["text"].as_str(),
+            _ => c["delta"]["content"].as_str(),
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn chat_completion_matches_the_golden_greedy_output() {
+    let golden = Golden::load("llama-8bit-g32");
+    let server = start("llama-8bit-g32", Settings::default()).await;
+    let body = chat_body(
+        &golden,
+        json!({"max_tokens": 32, "logprobs": true, "top_logprobs": 3}),
+    );
+    let (status, r) = server.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(
+        keys(&r),
+        [
+            "choices",
+            "created",
+            "id",
+            "model",
+            "object",
+            "system_fingerprint",
+            "usage"
+        ]
+    );
+    assert!(r["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(r["object"], "chat.completion");
+    assert!(r["created"].is_u64());
+    assert_eq!(r["model"], server.model_id);
+    let choice = &r["choices"][0];
+    assert_eq!(
+        keys(choice),
+        ["finish_reason", "index", "logprobs", "message"]
+    );
+    assert_eq!(choice["index"], 0);
+    assert_eq!(choice["finish_reason"], "length");
+    assert_eq!(
+        choice["message"],
+        json!({"role": "assistant", "content": golden.text(32)})
+    );
+    let entries = choice["logprobs"]["content"].as_array().unwrap();
+    let ids: Vec<u32> = entries
+        .iter()
+        .map(|e| e["id"].as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(ids, golden.ids);
+    for (entry, &id) in entries.iter().zip(&golden.ids) {
+        assert_eq!(
+            keys(entry),
+            ["bytes", "id", "logprob", "token", "top_logprobs"]
+        );
+        let token = golden.tokenizer.decode(&[id], false).unwrap();
+        assert_eq!(entry["token"], token);
+        assert_eq!(entry["bytes"], json!(token.as_bytes()));
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        // Greedy: the chosen token is the most likely one.
+        assert_eq!(top[0]["id"], id);
+        assert_eq!(top[0]["logprob"], entry["logprob"]);
+        assert!(entry["logprob"].as_f64().unwrap() <= 0.0);
+        assert!(top[1]["logprob"].as_f64() <= top[0]["logprob"].as_f64());
+    }
+    assert_eq!(
+        r["usage"],
+        json!({"prompt_tokens": 43, "completion_tokens": 32, "total_tokens": 75,
+               "prompt_tokens_details": {"cached_tokens": 0}})
+    );
+    assert_eq!(golden.n_prompt, 43);
+}
+
+#[tokio::test]
+async fn chat_stream_chunks_usage_and_done() {
+    let golden = Golden::load("llama-8bit-g32");
+    let server = start("llama-8bit-g32", Settings::default()).await;
+    let body = chat_body(
+        &golden,
+        json!({"max_completion_tokens": 32, "stream": true, "stream_options": {"include_usage": true}}),
+    );
+    let events = server.stream("/v1/chat/completions", &body).await;
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks = &events[..events.len() - 1];
+    let id = chunks[0]["id"].as_str().unwrap();
+    for chunk in chunks {
+        assert_eq!(
+            keys(chunk),
+            [
+                "choices",
+                "created",
+                "id",
+                "model",
+                "object",
+                "system_fingerprint"
+            ]
+            .into_iter()
+            .chain(chunk.get("usage").map(|_| "usage"))
+            .collect::<Vec<_>>()
+        );
+        assert_eq!(chunk["id"], id);
+        assert_eq!(chunk["object"], "chat.completion.chunk");
+        assert_eq!(chunk["model"], server.model_id);
+    }
+    let (usage, deltas) = chunks.split_last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(
+        usage["usage"],
+        json!({"prompt_tokens": 43, "completion_tokens": 32, "total_tokens": 75,
+               "prompt_tokens_details": {"cached_tokens": 0}})
+    );
+    for (i, chunk) in deltas.iter().enumerate() {
+        let choice = &chunk["choices"][0];
+        assert_eq!(
+            keys(choice),
+            ["delta", "finish_reason", "index", "logprobs"]
+        );
+        assert_eq!(choice["delta"]["role"], "assistant");
+        let last = i + 1 == deltas.len();
+        assert_eq!(
+            choice["finish_reason"],
+            if last { json!("length") } else { json!(null) }
+        );
+        if !last {
+            assert!(!choice["delta"]["content"].as_str().unwrap().is_empty());
+        }
+    }
+    assert_eq!(streamed_text(deltas, "content"), golden.text(32));
+}
+
+#[tokio::test]
+async fn text_completions_plain_and_streamed() {
+    let golden = Golden::load("llama-8bit-g32");
+    let server = start("llama-8bit-g32", Settings::default()).await;
+    let body = json!({"prompt": golden.prompt_text, "max_tokens": 32, "logprobs": 2});
+    let (status, r) = server.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{r}");
+    assert!(r["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert_eq!(r["object"], "text_completion");
+    let choice = &r["choices"][0];
+    assert_eq!(keys(choice), ["finish_reason", "index", "logprobs", "text"]);
+    assert_eq!(choice["text"], golden.text(32));
+    assert_eq!(choice["finish_reason"], "length");
+    // OpenAI's legacy logprobs, beside mlx_lm.server's `content` list.
+    let logprobs = &choice["logprobs"];
+    assert_eq!(
+        keys(logprobs),
+        ["content", "token_logprobs", "tokens", "top_logprobs"]
+    );
+    assert_eq!(logprobs["tokens"].as_array().unwrap().len(), 32);
+    assert_eq!(
+        logprobs["token_logprobs"][0],
+        logprobs["content"][0]["logprob"]
+    );
+    assert_eq!(logprobs["top_logprobs"][0].as_object().unwrap().len(), 2);
+    assert_eq!(r["usage"]["prompt_tokens"], 43);
+
+    let mut body = json!({"prompt": golden.prompt_text, "max_tokens": 32, "stream": true});
+    let events = server.stream("/v1/completions", &body).await;
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks = &events[..events.len() - 1];
+    assert!(chunks.iter().all(|c| c["object"] == "text_completion"));
+    assert_eq!(streamed_text(chunks, "text"), golden.text(32));
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
+
+    // Token ids are a prompt too.
+    let prompt = golden.tokenizer.encode(&golden.prompt_text, false).unwrap();
+    body = json!({"prompt": prompt, "max_tokens": 4});
+    let (status, r) = server.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["choices"][0]["text"], golden.text(4));
+}
+
+#[tokio::test]
+async fn stop_strings_end_generation_and_never_leak() {
+    let golden = Golden::load("llama-8bit-g32");
+    let server = start("llama-8bit-g32", Settings::default()).await;
+    let full = golden.text(32);
+    // "yve" spans two tokens ("vey" + "vey"), so the stream has to hold back the "y".
+    let expected = &full[..full.find("yve").unwrap()];
+    let body = chat_body(
+        &golden,
+        json!({"max_tokens": 32, "stop": ["absent", "yve"]}),
+    );
+    let (status, r) = server.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["choices"][0]["message"]["content"], expected);
+    assert_eq!(r["choices"][0]["finish_reason"], "stop");
+    assert_eq!(r["usage"]["completion_tokens"], 7);
+
+    let body = chat_body(
+        &golden,
+        json!({"max_tokens": 32, "stop": "yve", "stream": true}),
+    );
+    let events = server.stream("/v1/chat/completions", &body).await;
+    let chunks = &events[..events.len() - 1];
+    assert_eq!(streamed_text(chunks, "content"), expected);
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "stop"
+    );
+}
+
+#[tokio::test]
+async fn max_tokens_ends_with_length() {
+    let golden = Golden::load("llama-8bit-g32");
+    let server = start("llama-8bit-g32", Settings::default()).await;
+    let (status, r) = server
+        .post(
+            "/v1/chat/completions",
+            &chat_body(&golden, json!({"max_tokens": 5})),
+        )
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(r["choices"][0]["finish_reason"], "length");
+    assert_eq!(r["choices"][0]["message"]["content"], golden.text(5));
+    assert_eq!(r["usage"]["completion_tokens"], 5);
+    // Without max_tokens, the server's --max-tokens applies.
+    let settings = Settings {
+        max_tokens: 3,
+        ..Settings::default()
+    };
+    let server = start("llama-8bit-g32", settings).await;
+    let (_, r) = server
+        .post("/v1/chat/completions", &chat_body(&golden, json!({})))
+        .await;
+    assert_eq!(r["usage"]["completion_tokens"], 3);
+}
+
+fn assert_error(status: StatusCode, body: &Value, want: u16, param: Option<&str>) {
+    assert_eq!(status, want, "{body}");
+    assert_eq!(keys(body), ["error"]);
+    let error = &body["error"];
+    assert_eq!(keys(error), ["code", "message", "param", "type"]);
+    assert!(!error["message"].as_str().unwrap().is_empty());
+    assert!(error["type"].is_string());
+    assert_eq!(error["param"], json!(param));
+}
+
+#[tokio::test]
+async fn bad_requests_get_openai_errors() {
+    let golden = Golden::load("llama-8bit-g32");
+    let server = start("llama-8bit-g32", Settings::default()).await;
+    let chat = "/v1/chat/completions";
+
+    let (status, r) = server.post_raw(chat, "{\"messages\": [".into()).await;
+    assert_error(status, &r, 400, None);
+    assert_eq!(r["error"]["type"], "invalid_request_error");
+    assert!(r["error"]["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("Invalid JSON"));
+
+    for (field, value) in [
+        ("n", json!(2)),
+        ("temperature", json!(-0.5)),
+        ("temperature", json!("hot")),
+        ("top_p", json!(2)),
+        ("max_tokens", json!(0)),
+        ("stop", json!(7)),
+        ("logprobs", json!("yes")),
+    ] {
+        let (status, r) = server
+            .post(chat, &chat_body(&golden, json!({field: value})))
+            .await;
+        assert_error(status, &r, 400, Some(field));
+    }
+    let (status, r) = server.post(chat, &json!({"model": "x"})).await;
+    assert_error(status, &r, 400, Some("messages"));
+
+    // A prompt longer than the model's context (2048 tokens).
+    let long = json!([{"role": "user", "content": "sea ".repeat(1500)}]);
+    let (status, r) = server.post(chat, &json!({"messages": long})).await;
+    assert_error(status, &r, 400, Some("messages"));
+    assert_eq!(r["error"]["code"], "context_length_exceeded");
+    let (status, r) = server
+        .post("/v1/completions", &json!({"prompt": "sea ".repeat(1500)}))
+        .await;
+    assert_error(status, &r, 400, Some("prompt"));
+
+    let (status, r) = server.post("/v1/nothing", &json!({})).await;
+    assert_error(status, &r, 404, None);
+    let (status, r) = server.get("/v2/models").await;
+    assert_error(status, &r, 404, None);
+    let (status, r) = server.get(chat).await;
+    assert_error(status, &r, 405, None);
+
+    // The server is still fine.
+    let (status, _) = server
+        .post(chat, &chat_body(&golden, json!({"max_tokens": 2})))
+        .await;
+    assert_eq!(status, 200);
+}
+
+#[tokio::test]
+async fn api_key_and_body_limit() {
+    let golden = Golden::load("llama-8bit-g32");
+    let settings = Settings {
+        api_key: Some("sekrit".into()),
+        max_request_bytes: 4096,
+        ..Settings::default()
+    };
+    let server = start("llama-8bit-g32", settings).await;
+    let url = format!("{}/v1/chat/completions", server.base);
+    let body = chat_body(&golden, json!({"max_tokens": 2})).to_string();
+    for auth in [
+        None,
+        Some("Bearer nope"),
+        Some("sekrit"),
+        Some("Bearer sekrit2"),
+    ] {
+        let mut request = server.client.post(&url).body(body.clone());
+        if let Some(auth) = auth {
+            request = request.header("authorization", auth);
+        }
+        let response = request.send().await.unwrap();
+        let status = response.status();
+        let r = response.json_value().await;
+        assert_error(status, &r, 401, None);
+        assert_eq!(r["error"]["code"], "invalid_api_key");
+    }
+    let ok = |path: &str| {
+        server
+            .client
+            .get(format!("{}{path}", server.base))
+            .bearer_auth("sekrit")
+            .send()
+    };
+    assert_eq!(ok("/v1/models").await.unwrap().status(), 200);
+    let (status, _) = server.get("/v1/models").await;
+    assert_eq!(status, 401);
+    // Health checks need no key.
+    let (status, _) = server.get("/health").await;
+    assert_eq!(status, 200);
+    let response = server
+        .client
+        .post(&url)
+        .bearer_auth("sekrit")
+        .body(body.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+
+    let big = chat_body(&golden, json!({"padding": "x".repeat(10_000)})).to_string();
+    let response = server
+        .client
+        .post(&url)
+        .bearer_auth("sekrit")
+        .body(big)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status();
+    assert_error(status, &response.json_value().await, 413, None);
+}
+
+#[tokio::test]
+async fn models_and_health() {
+    let server = start("llama-8bit-g32", Settings::default()).await;
+    let (status, r) = server.get("/v1/models").await;
+    assert_eq!(status, 200);
+    assert_eq!(keys(&r), ["data", "object"]);
+    assert_eq!(r["object"], "list");
+    let model = &r["data"][0];
+    assert_eq!(keys(model), ["created", "id", "object", "owned_by"]);
+    assert_eq!(model["id"], server.model_id);
+    assert_eq!(model["object"], "model");
+    assert!(server.model_id.ends_with("llama-8bit-g32"));
+    let (status, one) = server.get(&format!("/v1/models/{}", server.model_id)).await;
+    assert_eq!(status, 200);
+    assert_eq!(&one, model);
+    let (status, r) = server.get("/v1/models/other").await;
+    assert_error(status, &r, 404, None);
+    let (status, r) = server.get("/health").await;
+    assert_eq!((status, r), (StatusCode::OK, json!({"status": "ok"})));
+}
+
+/// A request that would run for minutes on the tiny long-context model: its end-of-sequence
+/// tokens are banned and the context is 131072 tokens.
+fn endless(stream: bool) -> Value {
+    json!({"messages": [{"role": "user", "content": "go"}], "max_tokens": 100_000,
+           "logit_bias": {"0": -1000, "2": -1000}, "stream": stream})
+}
+
+/// How long a short request takes to be answered: long when the worker is still busy.
+async fn short_request_time(server: &TestServer) -> Duration {
+    let start = Instant::now();
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let (status, _) = server.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200);
+    start.elapsed()
+}
+
+#[tokio::test]
+async fn serving_continues_during_generation_and_disconnects_cancel_it() {
+    let server = start("llama-4bit-g64", Settings::default()).await;
+    let mut response = server
+        .client
+        .post(format!("{}/v1/chat/completions", server.base))
+        .body(endless(true).to_string())
+        .send()
+        .await
+        .unwrap();
+    let mut received = 0;
+    while received < 3 {
+        let chunk = response.chunk().await.unwrap().unwrap();
+        received += String::from_utf8_lossy(&chunk).matches("data: ").count();
+    }
+    // The generation thread is busy; the HTTP side still answers at once.
+    for path in ["/health", "/v1/models"] {
+        let answer = tokio::time::timeout(Duration::from_secs(2), server.get(path)).await;
+        assert_eq!(answer.expect(path).0, 200);
+    }
+    // Going away cancels the generation: the next request is not stuck behind it.
+    drop(response);
+    let waited = short_request_time(&server).await;
+    assert!(waited < Duration::from_secs(10), "{waited:?}");
+
+    // The same for a plain (non-streamed) request whose client gives up.
+    let quick = reqwest::Client::builder()
+        .timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let gave_up = quick
+        .post(format!("{}/v1/chat/completions", server.base))
+        .body(endless(false).to_string())
+        .send()
+        .await;
+    assert!(gave_up.unwrap_err().is_timeout());
+    let waited = short_request_time(&server).await;
+    assert!(waited < Duration::from_secs(10), "{waited:?}");
+}
+
+/// A second turn reuses the first turn's state; outputs are the same as without a cache.
+async fn check_prompt_cache(model: &str) {
+    let golden = Golden::load(model);
+    let server = start(model, Settings::default()).await;
+    let chat = "/v1/chat/completions";
+    let first = chat_body(&golden, json!({"max_tokens": 8}));
+    let (_, r1) = server.post(chat, &first).await;
+    assert_eq!(r1["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let reply = r1["choices"][0]["message"]["content"].clone();
+    let mut messages = golden.messages.as_array().unwrap().clone();
+    messages.push(json!({"role": "assistant", "content": reply}));
+    messages.push(json!({"role": "user", "content": "And one about the sky?"}));
+    let second = json!({"messages": messages, "max_tokens": 8});
+    let (_, r2) = server.post(chat, &second).await;
+    let cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let prompt = r2["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(
+        cached >= golden.n_prompt as u64 - 2 && cached < prompt,
+        "{model}: {r2}"
+    );
+    // The same request again: all but the last prompt token come from the cache.
+    let (_, r3) = server.post(chat, &second).await;
+    assert_eq!(
+        r3["usage"]["prompt_tokens_details"]["cached_tokens"],
+        prompt - 1
+    );
+    assert_eq!(r3["choices"], r2["choices"]);
+
+    let uncached = Settings {
+        prompt_cache_size: 0,
+        ..Settings::default()
+    };
+    let fresh = start(model, uncached).await;
+    let (_, r4) = fresh.post(chat, &second).await;
+    assert_eq!(r4["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(r4["choices"], r2["choices"], "{model}");
+}
+
+#[tokio::test]
+async fn prompt_cache_reuses_the_previous_turn() {
+    check_prompt_cache("llama-8bit-g32").await;
+}
+
+#[tokio::test]
+async fn prompt_cache_snapshots_recurrent_state() {
+    check_prompt_cache("qwen3_5-8bit-g32").await;
+}
+
+#[tokio::test]
+async fn tools_and_tool_results_are_accepted() {
+    let server = start("llama-8bit-g32", Settings::default()).await;
+    let body = json!({
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18C"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
+        "max_tokens": 4});
+    let (status, r) = server.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["choices"][0]["finish_reason"], "length");
+}

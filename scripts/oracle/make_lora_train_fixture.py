@@ -1,0 +1,204 @@
+"""Training goldens for `oxlm lora`, computed by mlx-lm's own tuner (datasets, iterate_batches, default_loss,
+Adam, train) with fp32 activations on the tiny small-vocabulary models.
+
+usage: PY=$(scripts/oracle/venv.sh); $PY scripts/oracle/make_lora_train_fixture.py [TINY_ROOT] [OUT_ROOT]
+  TINY_ROOT default tests/fixtures/tiny, OUT_ROOT default tests/fixtures/lora
+
+Writes
+  OUT_ROOT/data/{train,valid}.jsonl            chat data: sentences of GPL-3 as user/assistant turns (some with a
+                                               system turn, some with two exchanges), deterministic
+  OUT_ROOT/data-completions/{train,valid}.jsonl  prompt/completion pairs; OUT_ROOT/data-text/train.jsonl: text
+  OUT_ROOT/datasets.json                       what mlx-lm's datasets make of each file: [tokens, offset] per item
+                                               (chat and completions with and without mask_prompt, text)
+  OUT_ROOT/train-<name>/init/                  the starting adapter (mlx-lm's lora_a draw, lora_b = B_STD * N(0,1))
+  OUT_ROOT/train-<name>/step.safetensors       the first batch of iterate_batches after np.random.seed(SEED)
+                                               (batch int32 [B, W], lengths int32 [B, 2]), its loss and ntoks, and
+                                               the gradient of every lora_a / lora_b
+  OUT_ROOT/train-<name>/curve.json             `train` for ITERS iterations from init (Adam, lr LR, report every
+                                               step, validation at 1, every STEPS_PER_EVAL and the end): train and
+                                               val losses; final/ holds the adapter mlx-lm saved at the end
+"""
+import json
+import re
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm import load
+from mlx_lm.tuner.datasets import CacheDataset, create_dataset
+from mlx_lm.tuner.trainer import TrainingArgs, default_loss, evaluate, iterate_batches, train
+from mlx_lm.tuner.callbacks import TrainingCallback
+from mlx_lm.tuner.utils import linear_to_lora_layers
+from mlx_lm.utils import save_config
+
+SEED = 0
+B_STD = 0.01
+BATCH = 4
+ITERS = 30
+LR = 1e-3
+STEPS_PER_EVAL = 10
+VAL_BATCHES = 2
+MAX_SEQ = 2048
+
+RUNS = {
+    # every block, mlx-lm's default keys (down_proj dense), untied 8-bit head
+    "llama-4bit-g64": dict(base="llama-4bit-g64", seed=3, num_layers=2,
+                           lora_parameters={"rank": 8, "dropout": 0.0, "scale": 20.0}),
+    # last block only; q/k RMSNorm, tied 4-bit head
+    "qwen3-8bit-g128": dict(base="qwen3-8bit-g128", seed=4, num_layers=1,
+                            lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
+}
+
+
+def sentences():
+    text = Path("/usr/share/common-licenses/GPL-3").read_text()
+    parts = [re.sub(r"\s+", " ", s).strip() for s in re.split(r"(?<=[.;:])\s+", text)]
+    return [s for s in parts if 20 <= len(s) <= 160]
+
+
+def write_jsonl(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def make_data(root):
+    s = sentences()
+    convs = []
+    for i in range(80):
+        a, b, c, d = (s[(4 * i + j) % len(s)] for j in range(4))
+        msgs = [{"role": "user", "content": a}, {"role": "assistant", "content": b}]
+        if i % 5 == 0:
+            msgs.insert(0, {"role": "system", "content": "Answer with the next sentence."})
+        if i % 7 == 0:
+            msgs += [{"role": "user", "content": c}, {"role": "assistant", "content": d}]
+        convs.append({"messages": msgs})
+    write_jsonl(root / "data" / "train.jsonl", convs[:64])
+    write_jsonl(root / "data" / "valid.jsonl", convs[64:])
+    pairs = [{"prompt": s[2 * i], "completion": s[2 * i + 1]} for i in range(12)]
+    write_jsonl(root / "data-completions" / "train.jsonl", pairs[:8])
+    write_jsonl(root / "data-completions" / "valid.jsonl", pairs[8:])
+    write_jsonl(root / "data-text" / "train.jsonl", [{"text": s[i]} for i in range(8)])
+
+
+def processed(path, tokenizer, mask_prompt):
+    rows = [json.loads(l) for l in open(path)]
+    ds = create_dataset(rows, tokenizer, types.SimpleNamespace(mask_prompt=mask_prompt))
+    return [[list(map(int, t)), int(o)] for t, o in (ds.process(ds[i]) for i in range(len(ds)))]
+
+
+def add_lora(model, spec, weights=None):
+    model.freeze()
+    linear_to_lora_layers(model, spec["num_layers"], spec["lora_parameters"])
+    if weights is not None:
+        model.load_weights(list(weights.items()), strict=False)
+
+
+def make_init(base, out, spec):
+    mx.random.seed(spec["seed"])
+    model, _ = load(str(base))
+    add_lora(model, spec)
+    lora = dict(tree_flatten(model.trainable_parameters()))
+    lora = {k: (B_STD * mx.random.normal(v.shape) if k.endswith("lora_b") else v) for k, v in lora.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "adapters.safetensors"), lora)
+    save_config({"fine_tune_type": "lora", "num_layers": spec["num_layers"],
+                 "lora_parameters": spec["lora_parameters"]}, out / "adapter_config.json")
+    return lora
+
+
+def fp32_model(base, spec, init):
+    model, tok = load(str(base))
+    model.set_dtype(mx.float32)
+    add_lora(model, spec, init)
+    return model, tok
+
+
+def datasets(root, tok):
+    train = create_dataset([json.loads(l) for l in open(root / "data" / "train.jsonl")], tok,
+                           types.SimpleNamespace(mask_prompt=False))
+    valid = create_dataset([json.loads(l) for l in open(root / "data" / "valid.jsonl")], tok,
+                           types.SimpleNamespace(mask_prompt=False))
+    return CacheDataset(train), CacheDataset(valid)
+
+
+def first_step(root, base, spec, init, out):
+    model, tok = fp32_model(base, spec, init)
+    train_set, _ = datasets(root, tok)
+    np.random.seed(SEED)
+    batch, lengths = next(iterate_batches(train_set, BATCH, MAX_SEQ, loop=True))
+    (loss, ntoks), grads = nn.value_and_grad(model, default_loss)(model, batch, lengths)
+    res = {"batch": batch.astype(mx.int32), "lengths": lengths.astype(mx.int32), "loss": loss,
+           "ntoks": ntoks.astype(mx.int32)}
+    res.update({f"grad.{k}": v for k, v in tree_flatten(grads)})
+    mx.save_safetensors(str(out / "step.safetensors"), res)
+    return float(loss), int(ntoks)
+
+
+class Record(TrainingCallback):
+    def __init__(self):
+        self.train, self.val = [], []
+
+    def on_train_loss_report(self, info):
+        self.train.append([info["iteration"], info["train_loss"], info["trained_tokens"]])
+
+    def on_val_loss_report(self, info):
+        self.val.append([info["iteration"] + 1, info["val_loss"]])
+
+
+def curve(root, base, spec, init, out):
+    model, tok = fp32_model(base, spec, init)
+    train_set, valid_set = datasets(root, tok)
+    final = out / "final"
+    final.mkdir(parents=True, exist_ok=True)
+    save_config({"fine_tune_type": "lora", "num_layers": spec["num_layers"],
+                 "lora_parameters": spec["lora_parameters"]}, final / "adapter_config.json")
+    args = TrainingArgs(batch_size=BATCH, iters=ITERS, val_batches=VAL_BATCHES, steps_per_report=1,
+                        steps_per_eval=STEPS_PER_EVAL, steps_per_save=10 ** 9, max_seq_length=MAX_SEQ,
+                        adapter_file=str(final / "adapters.safetensors"))
+    rec = Record()
+    np.random.seed(SEED)
+    train(model=model, optimizer=optim.Adam(learning_rate=LR), train_dataset=train_set, val_dataset=valid_set,
+          args=args, training_callback=rec)
+    # the final adapter's loss on the whole validation set, for cross-evaluation
+    model.eval()
+    full_val = evaluate(model, valid_set, BATCH, -1, MAX_SEQ)
+    info = {"seed": SEED, "batch_size": BATCH, "iters": ITERS, "learning_rate": LR, "steps_per_eval": STEPS_PER_EVAL,
+            "val_batches": VAL_BATCHES, "max_seq_length": MAX_SEQ, "train": rec.train, "val": rec.val,
+            "final_full_val_loss": full_val,
+            "activations": "float32 (model.set_dtype(mx.float32) before linear_to_lora_layers)"}
+    (out / "curve.json").write_text(json.dumps(info, indent=1) + "\n")
+    return info
+
+
+def main():
+    tiny = Path(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/tiny")
+    root = Path(sys.argv[2] if len(sys.argv) > 2 else "tests/fixtures/lora")
+    make_data(root)
+    _, tok = load(str(tiny / "llama-4bit-g64"))
+    sets = {}
+    for name, mask in (("data/train", False), ("data/train", True), ("data-completions/train", False),
+                       ("data-completions/train", True), ("data-text/train", False)):
+        sets[f"{name}.jsonl mask_prompt={mask}"] = processed(root / f"{name}.jsonl", tok, mask)
+    (root / "datasets.json").write_text(json.dumps(sets) + "\n")
+    for name, spec in RUNS.items():
+        base, out = tiny / spec["base"], root / f"train-{name}"
+        if out.exists():
+            shutil.rmtree(out)
+        init = make_init(base, out / "init", spec)
+        loss, ntoks = first_step(root, base, spec, init, out)
+        info = curve(root, base, spec, init, out)
+        print(f"{name}: first-step loss {loss:.6f} over {ntoks} tokens; train {info['train'][0][1]:.4f} -> "
+              f"{info['train'][-1][1]:.4f}; val {[round(v, 4) for _, v in info['val']]}; "
+              f"full val of final {info['final_full_val_loss']:.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
