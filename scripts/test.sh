@@ -10,6 +10,5 @@ fi
 cargo test --workspace
 cargo build --profile test -p oxlm-cli
 PY="$(scripts/oracle/venv.sh)"
-"$PY" -m pip install -q --disable-pip-version-check "openai==2.57.0" 2>/dev/null \
-  || "$PY" -m pip install -q --disable-pip-version-check openai
+"$PY" -m pip install -q --disable-pip-version-check "openai==3.57.0"
 "$PY" crates/server/tests/sdk/openai_sdk.py target/debug/oxlm
