@@ -52,9 +52,15 @@ pub struct Args {
     /// Prompt tokens processed per forward pass.
     #[arg(long, default_value_t = DEFAULT_PREFILL_STEP)]
     prefill_step_size: usize,
+    /// Kernel threads (default: one on machines of two or fewer CPUs, else all).
+    #[arg(long)]
+    threads: Option<usize>,
 }
 
 pub fn run(args: Args) -> Result<()> {
+    if let Some(threads) = args.threads {
+        oxlm_engine::cpu::pool::set_threads(threads);
+    }
     let loaded = LoadedModel::load(&args.model)
         .with_context(|| format!("loading {}", args.model.display()))?;
     let adapters = args
