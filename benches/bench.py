@@ -45,8 +45,10 @@ def peer_llamacpp(a):
     import numpy as np
     from llama_cpp import Llama
 
-    llm = Llama(a.model, n_threads=a.threads, n_threads_batch=a.threads, n_ctx=a.prompt + a.gen + 16,
-                n_batch=a.prompt, verbose=False)
+    # n_batch = n_ctx: llama-cpp-python keeps n_batch rows of logits, indexed by position.
+    n_ctx = a.prompt + a.gen + 16
+    llm = Llama(a.model, n_threads=a.threads, n_threads_batch=a.threads, n_ctx=n_ctx, n_batch=n_ctx,
+                verbose=False)
     vocab = llm.n_vocab()
 
     def once(n_prompt, n_gen, seed):
@@ -168,12 +170,15 @@ def main():
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats-multi", type=int, default=1, help="repeats with more than one thread")
     ap.add_argument("--oxlm", default=str(ROOT / "target/release/oxlm"))
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--engines", default="oxlm,llamacpp,mistralrs")
     ap.add_argument("--depth", type=int, default=4096, help="context for the long-context decode (0 skips)")
     ap.add_argument("--write", help="markdown file whose benchmark section is replaced")
     ap.add_argument("--json-out", default=str(CACHE / "bench-results.json"))
+    ap.add_argument("--merge", action="store_true", help="update the rows of an earlier --json-out")
+    ap.add_argument("--bits", default="4,8")
     a = ap.parse_args()
     if a.peer:
         a.threads = int(a.threads)
@@ -186,16 +191,20 @@ def main():
     bw = membw(ROOT)
     print(f"memory read bandwidth: {bw / 1e9:.2f} GB/s", flush=True)
     results = []
+    if a.merge and Path(a.json_out).exists():
+        results = json.loads(Path(a.json_out).read_text())["results"]
     me = [sys.executable, __file__]
-    for name in a.models.split(","):
-        d = CACHE / "bench-models" / name
-        for threads in thread_counts:
-            for bits, gg in [(4, "q4_0"), (8, "q8_0")]:
-                row = {"model": name, "threads": threads, "bits": bits}
-                common = ["--prompt", a.prompt, "--gen", a.gen, "--repeats", a.repeats, "--threads", threads]
+    # One thread first for every model (the table that matters on small machines), then more.
+    for threads in thread_counts:
+        repeats = a.repeats if threads == 1 else a.repeats_multi
+        for name in a.models.split(","):
+            d = CACHE / "bench-models" / name
+            for bits, gg in [(b, {4: "q4_0", 8: "q8_0"}[b]) for b in map(int, a.bits.split(","))]:
+                row = {"model": name, "threads": threads, "bits": bits, "repeats": repeats}
+                common = ["--prompt", a.prompt, "--gen", a.gen, "--repeats", repeats, "--threads", threads]
                 if "oxlm" in engines:
                     cmd = [a.oxlm, "bench", "--model", d / f"mlx-{bits}bit", "--prompt-tokens", a.prompt,
-                           "--gen-tokens", a.gen, "--repeats", a.repeats, "--threads", threads]
+                           "--gen-tokens", a.gen, "--repeats", repeats, "--threads", threads]
                     if a.depth and name == "llama-0.85b" and bits == 4 and threads == 1:
                         cmd += ["--depth", 128, "--depth", a.depth]
                     row["oxlm"] = child(cmd)
@@ -207,13 +216,20 @@ def main():
                     row["mistralrs"] = child(me + ["--peer", "mistralrs", "--model", d / "hf",
                                                    "--isq", gg.upper()] + common, env)
                 row["load"] = os.getloadavg()[0]
-                results.append(row)
+                key = (name, threads, bits)
+                old = next((r for r in results if (r["model"], r["threads"], r["bits"]) == key), None)
+                if old:
+                    # --merge: the engines run now replace their figures in the earlier row.
+                    old.update({k: v for k, v in row.items() if v is not None})
+                    row = old
+                else:
+                    results.append(row)
                 print(json.dumps(summary(row, bw)), flush=True)
-    Path(a.json_out).write_text(json.dumps({"bandwidth": bw, "results": results}, indent=1))
-    table = markdown(results, bw, a, thread_counts)
-    print(table)
-    if a.write:
-        write_section(Path(a.write), table)
+                # Written after every row, so that an interrupted run keeps what it measured.
+                Path(a.json_out).write_text(json.dumps({"bandwidth": bw, "results": results}, indent=1))
+                if a.write:
+                    write_section(Path(a.write), markdown(results, bw, a, thread_counts))
+    print(markdown(results, bw, a, thread_counts))
 
 
 def summary(row, bw):
@@ -238,7 +254,8 @@ def markdown(results, bw, a, thread_counts):
     lines = [
         f"Machine: {cpu}, {os.cpu_count()} CPUs ({isa}), Linux {platform.release()}. "
         f"Measured memory read bandwidth (1 thread, 1 GiB, `membw`): **{bw / 1e9:.2f} GB/s**.",
-        f"Command: `benches/run.sh` (prompt {a.prompt} tokens, {a.gen} decoded, median of {a.repeats}; "
+        f"Command: `benches/run.sh` (prompt {a.prompt} tokens, {a.gen} decoded, median of {a.repeats} runs with "
+        f"1 thread, {a.repeats_multi} with more; "
         f"threads {', '.join(map(str, thread_counts))}). Load average at each row in the last column: other "
         "work shared these CPUs, so figures are noisy.",
         "",

@@ -49,7 +49,8 @@ def permute(w, heads):
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def vocabulary(hf: Path):
+def vocabulary(hf: Path, size: int):
+    """Tokens, types and merges, padded to the embedding's `size` rows as llama.cpp requires."""
     tk = json.loads((hf / "tokenizer.json").read_text())
     vocab = dict(tk["model"]["vocab"])
     special = set()
@@ -57,7 +58,7 @@ def vocabulary(hf: Path):
         vocab[t["content"]] = t["id"]
         if t.get("special"):
             special.add(t["id"])
-    size = max(vocab.values()) + 1
+    size = max(size, max(vocab.values()) + 1)
     tokens = [f"[PAD{i}]" for i in range(size)]
     types = [gguf.TokenType.UNUSED] * size
     for text, i in vocab.items():
@@ -86,7 +87,7 @@ def write_f16(hf: Path, out: Path):
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    tokens, types, merges = vocabulary(hf)
+    tokens, types, merges = vocabulary(hf, cfg["vocab_size"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "default")
     w.add_token_list(tokens)

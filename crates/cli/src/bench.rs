@@ -27,7 +27,8 @@ pub struct Args {
     /// Timed runs; the medians are reported.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
-    /// Also time decoding `--depth-tokens` tokens after this many tokens of context (repeatable).
+    /// Also time decoding `--depth-tokens` tokens that end at this many tokens of context
+    /// (repeatable).
     #[arg(long)]
     depth: Vec<usize>,
     #[arg(long, default_value_t = 32)]
@@ -117,7 +118,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     let mut depths = Vec::new();
     for &depth in &args.depth {
-        let ids = prompt(depth, vocab, 99);
+        let ids = prompt(depth.saturating_sub(args.depth_tokens).max(1), vocab, 99);
         let mut cache = model.new_cache();
         let logits = prefill(model.as_ref(), &ids, &mut cache)?;
         let s = decode(model.as_ref(), logits, &mut cache, args.depth_tokens)?;

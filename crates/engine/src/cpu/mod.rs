@@ -1,8 +1,9 @@
 //! CPU kernels: AVX2+FMA where the processor has them (checked at run time), portable code
 //! everywhere else.
 //!
-//! Kernels take f32 activations; the matmuls split their output rows over [`pool`]. Each public entry point has an
-//! `Isa`-taking variant so that tests can run the AVX2 and the portable code side by side.
+//! Kernels take f32 activations (the integer GEMV of [`qint`] quantizes them itself); matmuls
+//! and attention split their outputs over [`pool`]. Each public entry point has an `Isa`-taking
+//! variant so that tests can run the AVX2 and the portable code side by side.
 
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
