@@ -106,7 +106,7 @@ pub fn run(args: Args) -> Result<()> {
     // One untimed run first: page in the weights and grow the caches.
     for rep in 0..=args.repeats.max(1) {
         let ids = prompt(args.prompt_tokens, vocab, rep as u64);
-        let mut cache = model.new_cache();
+        let mut cache = model.new_cache()?;
         let t = Instant::now();
         let logits = prefill(model.as_ref(), &ids, &mut cache)?;
         let prefill_s = t.elapsed().as_secs_f64();
@@ -119,7 +119,7 @@ pub fn run(args: Args) -> Result<()> {
     let mut depths = Vec::new();
     for &depth in &args.depth {
         let ids = prompt(depth.saturating_sub(args.depth_tokens).max(1), vocab, 99);
-        let mut cache = model.new_cache();
+        let mut cache = model.new_cache()?;
         let logits = prefill(model.as_ref(), &ids, &mut cache)?;
         let s = decode(model.as_ref(), logits, &mut cache, args.depth_tokens)?;
         depths.push(json!({"context": depth, "decode_tps": args.depth_tokens as f64 / s}));

@@ -15,4 +15,10 @@ pub enum EngineError {
     UnsupportedDType { what: String, dtype: String },
     #[error("shape mismatch: {0}")]
     Shape(String),
+    /// A device that cannot be opened, or operands on different devices.
+    #[error("{0}")]
+    Device(String),
+    /// A CUDA driver, NVRTC or cuBLAS call failed (out of device memory, for one).
+    #[error("CUDA: {0}")]
+    Cuda(String),
 }

@@ -1,6 +1,9 @@
+use std::sync::Arc;
+
 use half::{bf16, f16};
 
-use crate::{cpu, Bytes, DType, EngineError};
+use crate::cuda::{self, DenseWeights, Gpu};
+use crate::{cpu, Bytes, DType, Device, EngineError};
 
 /// A row-major `[rows, cols]` matrix of f32, f16 or bf16 values, viewed in place.
 /// Used for unquantized linear layers and embeddings.
@@ -10,6 +13,8 @@ pub struct FloatMatrix {
     pub cols: usize,
     pub dtype: DType,
     data: Bytes,
+    /// The same matrix in a GPU's memory, once [`place`](Self::place)d there.
+    gpu: Option<Arc<DenseWeights>>,
 }
 
 /// A typed view of float weights.
@@ -104,7 +109,29 @@ impl FloatMatrix {
             cols,
             dtype,
             data,
+            gpu: None,
         })
+    }
+
+    /// Copies the matrix to `device`'s memory as stored (a no-op for the CPU).
+    pub fn place(&mut self, device: &Device) -> Result<(), EngineError> {
+        let Device::Cuda(gpu) = device else {
+            return Ok(());
+        };
+        self.gpu = Some(Arc::new(DenseWeights {
+            data: gpu.upload_raw(self.data.as_slice())?,
+            dtype: cuda::type_suffix(self.dtype)?,
+            gpu: gpu.clone(),
+        }));
+        Ok(())
+    }
+
+    /// The copy on `gpu` that [`place`](Self::place) made.
+    pub(crate) fn on_gpu(&self, gpu: &Gpu) -> Result<&DenseWeights, EngineError> {
+        match &self.gpu {
+            Some(w) if w.gpu.same(gpu) => Ok(w),
+            _ => Err(cuda::not_placed(self.rows, self.cols, gpu)),
+        }
     }
 
     /// An owned f32 matrix, for tests and small derived weights.

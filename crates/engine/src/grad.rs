@@ -1,11 +1,12 @@
-//! Backward passes of the ops in [`crate::ops`] (and of the linear layers), for training adapters
+//! Backward passes of the ops in [`crate::cpu::elementwise`] and [`crate::cpu::attention`] (and of the linear layers), for training adapters
 //! on a frozen model: each takes what its forward saw and the gradient of the loss with respect
 //! to the forward's output, and returns the gradient with respect to its input. Weights of the
 //! frozen model get no gradient.
 
+use crate::cpu::attention::KvView;
 use crate::cpu::dense::dot;
+use crate::cpu::elementwise::softmax_inplace;
 use crate::cpu::{transposed, Isa};
-use crate::ops::{softmax_inplace, KvView};
 use crate::{FloatMatrix, QuantizedMatrix};
 
 /// `dx[m, cols] = dy[m, rows] · W` for `y = x · Wᵀ`, on the packed weights.
@@ -18,7 +19,7 @@ pub fn dense_matmul_backward(w: &FloatMatrix, dy: &[f32], m: usize, dx: &mut [f3
     transposed::dense(Isa::best(), w, dy, m, dx);
 }
 
-/// Backward of [`crate::ops::rms_norm`] for rows of `x`: with `r = 1/sqrt(mean(x²) + eps)` and
+/// Backward of [`crate::cpu::elementwise::rms_norm`] for rows of `x`: with `r = 1/sqrt(mean(x²) + eps)` and
 /// `g = weight · dy`, `dx = r·g - x·r³·mean(g·x)`.
 pub fn rms_norm_backward(x: &[f32], weight: &[f32], eps: f32, dy: &[f32], dx: &mut [f32]) {
     let dim = weight.len();

@@ -1,24 +1,30 @@
 //! The oxlm engine: byte buffers that may borrow a memory map, float and MLX affine-quantized
-//! weight matrices, f32 activations, and the CPU kernels that run them.
+//! weight matrices, f32 activation [`Tensor`]s on a [`Device`], and the kernels that run them:
+//! `cpu` (AVX2/FMA with portable fallbacks) and `cuda` (CUDA C compiled by NVRTC at run time).
 //!
-//! It knows nothing about language models: the `models` crate composes these pieces.
-//! Every op is reached through the types here so that a second backend (CUDA) can be chosen
-//! behind the same calls without the model code changing.
+//! It knows nothing about language models: the `models` crate composes these pieces through
+//! [`ops`] and [`recurrent`], which run on whichever device their operands live on, so a model
+//! is written once for every backend.
 
 pub mod buffer;
 pub mod cpu;
+pub mod cuda;
+mod device;
 pub mod dtype;
 pub mod error;
 pub mod float;
 pub mod grad;
 pub mod ops;
+mod positions;
 pub mod quant;
 pub mod recurrent;
 pub mod tensor;
 
 pub use buffer::Bytes;
+pub use device::Device;
 pub use dtype::DType;
 pub use error::EngineError;
 pub use float::FloatMatrix;
+pub use positions::Positions;
 pub use quant::QuantizedMatrix;
 pub use tensor::Tensor;

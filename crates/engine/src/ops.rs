@@ -1,218 +1,565 @@
-//! Element-wise and attention ops on f32 activations.
+//! The ops the models are written in, on [`Tensor`]s wherever they live: each checks shapes,
+//! then runs the CPU kernels (`crate::cpu`) on host tensors or the CUDA kernels
+//! (`crate::cuda`) on GPU tensors. Operands must share a device.
 
-use crate::cpu::attention::GroupAttention;
-use crate::cpu::dense::dot;
-use crate::cpu::pool::{self, SharedMut};
-use crate::cpu::Isa;
+use crate::cpu;
+use crate::cuda::{self, Buffer};
+use crate::tensor::Storage;
+use crate::{Device, EngineError, FloatMatrix, Positions, QuantizedMatrix, Tensor};
 
-/// RMSNorm of each `weight.len()`-wide row of `x` into `out`: `x / sqrt(mean(x²) + eps) * weight`.
-pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    let dim = weight.len();
-    for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
-        let mean_sq = dot(xr, xr) / dim as f32;
-        let inv = 1.0 / (mean_sq + eps).sqrt();
-        for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
-            *o = v * inv * w;
-        }
+type Result<T> = std::result::Result<T, EngineError>;
+
+/// Two operands' storage, known to be on one device.
+enum Pair<'a> {
+    Host(&'a mut Vec<f32>, &'a [f32]),
+    Cuda(&'a mut Buffer, &'a Buffer),
+}
+
+fn pair<'a>(op: &str, x: &'a mut Tensor, y: &'a Tensor) -> Result<Pair<'a>> {
+    match (&mut x.storage, &y.storage) {
+        (Storage::Host(a), Storage::Host(b)) => Ok(Pair::Host(a, b)),
+        (Storage::Cuda(a), Storage::Cuda(b)) if a.gpu().same(b.gpu()) => Ok(Pair::Cuda(a, b)),
+        _ => Err(mismatch(op)),
     }
 }
 
-/// RMSNorm in place.
-pub fn rms_norm_inplace(x: &mut [f32], weight: &[f32], eps: f32) {
-    let dim = weight.len();
-    for xr in x.chunks_exact_mut(dim) {
-        let mean_sq = dot(xr, xr) / dim as f32;
-        let inv = 1.0 / (mean_sq + eps).sqrt();
-        for (v, &w) in xr.iter_mut().zip(weight) {
-            *v = *v * inv * w;
-        }
+fn mismatch(op: &str) -> EngineError {
+    EngineError::Device(format!("{op}: operands are on different devices"))
+}
+
+fn check(ok: bool, what: impl FnOnce() -> String) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(EngineError::Shape(what()))
     }
 }
 
-/// Rotary position embedding, in place, on `x` laid out `[tokens, heads, head_dim]`.
-///
-/// Token `t` sits at `positions[t]`; pair `i` of the first `2 * inv_freqs.len()` features turns by
-/// `positions[t] * inv_freqs[i]`. `traditional` pairs neighbours `(2i, 2i+1)`, otherwise the
-/// halves `(i, i + dims/2)` are paired, as `mx.fast.rope` does.
-pub fn rope_inplace(
-    x: &mut [f32],
-    heads: usize,
-    head_dim: usize,
-    positions: &[usize],
-    inv_freqs: &[f32],
-    traditional: bool,
-) {
-    let half = inv_freqs.len();
-    let mut cos = vec![0.0f32; half];
-    let mut sin = vec![0.0f32; half];
-    for (t, &pos) in positions.iter().enumerate() {
-        for i in 0..half {
-            let theta = pos as f32 * inv_freqs[i];
-            cos[i] = theta.cos();
-            sin[i] = theta.sin();
-        }
-        for h in 0..heads {
-            let base = (t * heads + h) * head_dim;
-            let v = &mut x[base..base + head_dim];
-            for i in 0..half {
-                let (a, b) = if traditional {
-                    (2 * i, 2 * i + 1)
-                } else {
-                    (i, i + half)
-                };
-                let (x0, x1) = (v[a], v[b]);
-                v[a] = x0 * cos[i] - x1 * sin[i];
-                v[b] = x0 * sin[i] + x1 * cos[i];
-            }
-        }
-    }
+fn same_len(op: &str, x: &Tensor, y: &Tensor) -> Result<()> {
+    check(x.len() == y.len(), || {
+        format!("{op}: {:?} and {:?} differ in size", x.shape(), y.shape())
+    })
 }
 
-/// `gate = silu(gate) * up`, the SwiGLU activation.
-pub fn silu_mul_inplace(gate: &mut [f32], up: &[f32]) {
-    for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
+/// `shape` with its last axis replaced by `last`.
+fn with_last(shape: &[usize], last: usize) -> Vec<usize> {
+    let mut s = shape.to_vec();
+    match s.last_mut() {
+        Some(l) => *l = last,
+        None => s.push(last),
+    }
+    s
+}
+
+// ---- element-wise -------------------------------------------------------------------------------
+
+/// `x = f(x, y)` element by element: the host function or the CUDA kernel of that name.
+fn binary(
+    op: &str,
+    x: &mut Tensor,
+    y: &Tensor,
+    host: fn(&mut [f32], &[f32]),
+    kernel: &str,
+) -> Result<()> {
+    same_len(op, x, y)?;
+    match pair(op, x, y)? {
+        Pair::Host(a, b) => {
+            host(a, b);
+            Ok(())
+        }
+        Pair::Cuda(a, b) => cuda::ops::binary(kernel, a, b),
     }
 }
 
 /// `x += y`.
-pub fn add_inplace(x: &mut [f32], y: &[f32]) {
-    for (a, &b) in x.iter_mut().zip(y) {
-        *a += b;
+pub fn add_inplace(x: &mut Tensor, y: &Tensor) -> Result<()> {
+    binary("add", x, y, cpu::elementwise::add_inplace, "add")
+}
+
+/// `x[r] += row` for every row of `x` (a bias).
+pub fn add_row_inplace(x: &mut Tensor, row: &Tensor) -> Result<()> {
+    check(x.cols() == row.len(), || {
+        format!("bias of {} on rows of {}", row.len(), x.cols())
+    })?;
+    match pair("add_row", x, row)? {
+        Pair::Host(a, b) => {
+            for r in a.chunks_exact_mut(b.len()) {
+                cpu::elementwise::add_inplace(r, b);
+            }
+            Ok(())
+        }
+        Pair::Cuda(a, b) => cuda::ops::add_row(a, b),
     }
 }
 
-/// Numerically stable softmax in place.
-pub fn softmax_inplace(x: &mut [f32]) {
-    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let mut sum = 0.0;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    let inv = 1.0 / sum;
-    for v in x.iter_mut() {
-        *v *= inv;
-    }
-}
-
-/// Keys and values of one layer as attention reads them: `[kv_heads, capacity, head_dim]`, of
-/// which the first `len` positions are filled.
-pub struct KvView<'a> {
-    pub keys: &'a [f32],
-    pub values: &'a [f32],
-    pub kv_heads: usize,
-    pub capacity: usize,
-    pub len: usize,
-}
-
-/// Scaled dot-product attention of `q` (`[tokens, heads, head_dim]`) over `kv`, writing
-/// `[tokens, heads, head_dim]` into `out`. Query `t` sees keys `0..=positions[t]` (causal), and
-/// query head `h` reads key head `h / (heads / kv_heads)` (grouped-query attention).
-pub fn attention(
-    q: &[f32],
-    heads: usize,
-    head_dim: usize,
-    positions: &[usize],
-    kv: &KvView,
-    scale: f32,
-    out: &mut [f32],
-) {
-    let group = heads / kv.kv_heads;
-    let d = head_dim;
-    let isa = Isa::best();
-    let out = SharedMut::new(&mut out[..positions.len() * heads * d]);
-    // One task per token and KV head: the group's query heads share each key and value read.
-    pool::parallel_for(positions.len() * kv.kv_heads, &|task| {
-        let (t, kvh) = (task / kv.kv_heads, task % kv.kv_heads);
-        let visible = (positions[t] + 1).min(kv.len);
-        let first = (t * heads + kvh * group) * d;
-        let head = kvh * kv.capacity * d;
-        let job = GroupAttention {
-            queries: &q[first..first + group * d],
-            keys: &kv.keys[head..head + visible * d],
-            values: &kv.values[head..head + visible * d],
-            head_dim: d,
-            len: visible,
-            scale,
-        };
-        // SAFETY: each task writes its own token's group of heads.
-        job.run(isa, unsafe { out.range(first, group * d) });
-    });
-}
-
-/// `gate = gelu_approx(gate) * up`, the GeGLU activation (GELU with the tanh approximation, as
-/// `mlx.nn.gelu_approx`).
-pub fn gelu_approx_mul_inplace(gate: &mut [f32], up: &[f32]) {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    for (g, &u) in gate.iter_mut().zip(up) {
-        let x = *g;
-        *g = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh()) * u;
-    }
-}
-
-/// `x = tanh(x / cap) * cap`: squashes logits smoothly into `(-cap, cap)`.
-pub fn softcap_inplace(x: &mut [f32], cap: f32) {
-    for v in x.iter_mut() {
-        *v = (*v / cap).tanh() * cap;
+/// `x = f(x)` element by element, on the host or by a kernel.
+fn unary(
+    x: &mut Tensor,
+    host: impl FnOnce(&mut [f32]),
+    gpu: impl FnOnce(&mut Buffer) -> Result<()>,
+) -> Result<()> {
+    match &mut x.storage {
+        Storage::Host(v) => {
+            host(v);
+            Ok(())
+        }
+        Storage::Cuda(b) => gpu(b),
     }
 }
 
 /// `x *= s`.
-pub fn scale_inplace(x: &mut [f32], s: f32) {
-    for v in x.iter_mut() {
-        *v *= s;
+pub fn scale_inplace(x: &mut Tensor, s: f32) -> Result<()> {
+    unary(
+        x,
+        |v| cpu::elementwise::scale_inplace(v, s),
+        |b| cuda::ops::scale(b, s),
+    )
+}
+
+/// `x = tanh(x / cap) · cap`.
+pub fn softcap_inplace(x: &mut Tensor, cap: f32) -> Result<()> {
+    unary(
+        x,
+        |v| cpu::elementwise::softcap_inplace(v, cap),
+        |b| cuda::ops::softcap(b, cap),
+    )
+}
+
+/// `x = silu(x)`.
+pub fn silu_inplace(x: &mut Tensor) -> Result<()> {
+    unary(x, cpu::elementwise::silu_inplace, cuda::ops::silu)
+}
+
+/// `gate = silu(gate) · up`, the SwiGLU activation.
+pub fn silu_mul_inplace(gate: &mut Tensor, up: &Tensor) -> Result<()> {
+    binary(
+        "silu_mul",
+        gate,
+        up,
+        cpu::elementwise::silu_mul_inplace,
+        "silu_mul",
+    )
+}
+
+/// `gate = gelu_approx(gate) · up`, the GeGLU activation.
+pub fn gelu_approx_mul_inplace(gate: &mut Tensor, up: &Tensor) -> Result<()> {
+    binary(
+        "gelu_mul",
+        gate,
+        up,
+        cpu::elementwise::gelu_approx_mul_inplace,
+        "gelu_mul",
+    )
+}
+
+/// `x = x · sigmoid(gate)`.
+pub fn sigmoid_mul_inplace(x: &mut Tensor, gate: &Tensor) -> Result<()> {
+    binary(
+        "sigmoid_mul",
+        x,
+        gate,
+        cpu::elementwise::sigmoid_mul_inplace,
+        "sigmoid_mul",
+    )
+}
+
+// ---- norms and RoPE -----------------------------------------------------------------------------
+
+fn check_norm(x: &Tensor, weight: &Tensor) -> Result<()> {
+    check(
+        !weight.is_empty() && x.len().is_multiple_of(weight.len()),
+        || format!("RMSNorm of width {} over {:?}", weight.len(), x.shape()),
+    )
+}
+
+/// RMSNorm of each `weight.len()`-wide run of `x`: `x / sqrt(mean(x²) + eps) · weight`.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
+    let mut out = x.try_clone()?;
+    rms_norm_inplace(&mut out, weight, eps)?;
+    Ok(out)
+}
+
+/// [`rms_norm`] in place.
+pub fn rms_norm_inplace(x: &mut Tensor, weight: &Tensor, eps: f32) -> Result<()> {
+    check_norm(x, weight)?;
+    let width = weight.len();
+    let rows = x.len() / width;
+    match pair("rms_norm", x, weight)? {
+        Pair::Host(a, w) => {
+            cpu::elementwise::rms_norm_inplace(a, w, eps);
+            Ok(())
+        }
+        Pair::Cuda(a, w) => cuda::ops::rms_norm(a.ptr(), w, a.ptr(), rows, width, eps),
     }
 }
 
-/// Keys and values of a sliding-window layer kept in a ring: `[kv_heads, capacity, head_dim]`
-/// each, position `p` in slot `p % capacity`, positions `start..end` present. A query sees the
-/// `window` positions ending at its own.
-pub struct RingKvView<'a> {
-    pub keys: &'a [f32],
-    pub values: &'a [f32],
+/// Rotary position embedding in place on `x` (`[tokens, heads · head_dim]`): token `t` sits at
+/// `positions[t]`; pair `i` of the first `2 · inv_freqs.len()` features of each head turns by
+/// `positions[t] · inv_freqs[i]`. `traditional` pairs neighbours `(2i, 2i+1)`, otherwise the
+/// halves `(i, i + dims/2)`, as `mx.fast.rope` does.
+pub fn rope_inplace(
+    x: &mut Tensor,
+    heads: usize,
+    head_dim: usize,
+    positions: &Positions,
+    inv_freqs: &Tensor,
+    traditional: bool,
+) -> Result<()> {
+    check(
+        x.len() == positions.len() * heads * head_dim && 2 * inv_freqs.len() <= head_dim,
+        || {
+            format!(
+                "RoPE of {} pairs over {:?} as {} tokens × {heads} heads × {head_dim}",
+                inv_freqs.len(),
+                x.shape(),
+                positions.len()
+            )
+        },
+    )?;
+    match pair("rope", x, inv_freqs)? {
+        Pair::Host(a, f) => {
+            let p = positions.as_slice();
+            cpu::elementwise::rope_inplace(a, heads, head_dim, p, f, traditional);
+            Ok(())
+        }
+        Pair::Cuda(a, f) => cuda::ops::rope(a, heads, head_dim, positions, f, traditional),
+    }
+}
+
+// ---- reshaping copies ---------------------------------------------------------------------------
+
+/// Columns `start..start + width` of every row, as a new `[rows, width]` tensor.
+pub fn columns(x: &Tensor, start: usize, width: usize) -> Result<Tensor> {
+    let cols = x.cols();
+    check(start + width <= cols, || {
+        format!("columns {start}..{} of {:?}", start + width, x.shape())
+    })?;
+    let shape = with_last(x.shape(), width);
+    match &x.storage {
+        Storage::Host(v) => Ok(Tensor::new(
+            shape,
+            v.chunks_exact(cols)
+                .flat_map(|r| &r[start..start + width])
+                .copied()
+                .collect(),
+        )),
+        Storage::Cuda(b) => Ok(Tensor::on_gpu(
+            shape,
+            cuda::ops::columns(b, cols, start, width)?,
+        )),
+    }
+}
+
+/// Rows `start..start + count` (of [`Tensor::cols`] elements), as a new tensor.
+pub fn rows(x: &Tensor, start: usize, count: usize) -> Result<Tensor> {
+    let cols = x.cols();
+    check(start + count <= x.rows(), || {
+        format!("rows {start}..{} of {:?}", start + count, x.shape())
+    })?;
+    let shape = vec![count, cols];
+    match &x.storage {
+        Storage::Host(v) => Ok(Tensor::new(
+            shape,
+            v[start * cols..(start + count) * cols].to_vec(),
+        )),
+        Storage::Cuda(b) => Ok(Tensor::on_gpu(
+            shape,
+            cuda::ops::range(b, start * cols, count * cols)?,
+        )),
+    }
+}
+
+/// The rows `indices` of `x`, in that order.
+pub fn gather_rows(x: &Tensor, indices: &[usize]) -> Result<Tensor> {
+    let (n, cols) = (x.rows(), x.cols());
+    check(indices.iter().all(|&i| i < n), || {
+        format!("row indices past {n} rows")
+    })?;
+    let shape = vec![indices.len(), cols];
+    match &x.storage {
+        Storage::Host(v) => Ok(Tensor::new(
+            shape,
+            indices
+                .iter()
+                .flat_map(|&i| &v[i * cols..(i + 1) * cols])
+                .copied()
+                .collect(),
+        )),
+        Storage::Cuda(b) => Ok(Tensor::on_gpu(
+            shape,
+            cuda::ops::gather_rows(b, cols, indices)?,
+        )),
+    }
+}
+
+/// `y[indices[i]] += weights[i] · src[i]`, for distinct `indices`.
+pub fn scatter_add_rows(
+    y: &mut Tensor,
+    src: &Tensor,
+    indices: &[usize],
+    weights: &[f32],
+) -> Result<()> {
+    let (n, cols) = (y.rows(), y.cols());
+    check(
+        src.cols() == cols
+            && src.rows() == indices.len()
+            && weights.len() == indices.len()
+            && indices.iter().all(|&i| i < n),
+        || format!("scatter of {:?} into {:?}", src.shape(), y.shape()),
+    )?;
+    match pair("scatter_add_rows", y, src)? {
+        Pair::Host(a, s) => {
+            for ((&i, &w), row) in indices.iter().zip(weights).zip(s.chunks_exact(cols)) {
+                for (o, &v) in a[i * cols..(i + 1) * cols].iter_mut().zip(row) {
+                    *o += w * v;
+                }
+            }
+            Ok(())
+        }
+        Pair::Cuda(a, s) => cuda::ops::scatter_add_rows(a, s, cols, indices, weights),
+    }
+}
+
+// ---- key/value caches and attention ---------------------------------------------------------------
+
+/// A layer's cached keys and values as attention reads them: `[kv_heads, capacity, head_dim]`
+/// each, position `p` in slot `p % capacity`, positions `start..end` present.
+pub struct Kv<'a> {
+    pub keys: &'a Tensor,
+    pub values: &'a Tensor,
     pub kv_heads: usize,
     pub capacity: usize,
     pub start: usize,
     pub end: usize,
-    pub window: usize,
+    /// `Some(w)`: a sliding window; a query sees the `w` positions ending at its own.
+    pub window: Option<usize>,
 }
 
-/// As [`attention`], but over a ring and with a sliding window: query `t` sees positions
-/// `positions[t] + 1 - window ..= positions[t]` (from 0 while fewer precede it).
-pub fn sliding_window_attention(
-    q: &[f32],
+/// Writes `src` (`[tokens, kv_heads · head_dim]`) at positions `first..` of `cache`
+/// (`[kv_heads, capacity, head_dim]`, position `p` in slot `p % capacity`).
+pub fn kv_write(
+    cache: &mut Tensor,
+    src: &Tensor,
+    kv_heads: usize,
+    head_dim: usize,
+    capacity: usize,
+    first: usize,
+) -> Result<()> {
+    let row = kv_heads * head_dim;
+    check(
+        cache.len() == capacity * row
+            && src.len().is_multiple_of(row)
+            && src.len() / row <= capacity,
+        || {
+            format!(
+                "writing {:?} into a cache of {capacity} × {row}",
+                src.shape()
+            )
+        },
+    )?;
+    match pair("kv_write", cache, src)? {
+        Pair::Host(c, s) => {
+            cpu::attention::kv_write(c, s, kv_heads, head_dim, capacity, first);
+            Ok(())
+        }
+        Pair::Cuda(c, s) => cuda::ops::kv_write(c, s, kv_heads, head_dim, capacity, first),
+    }
+}
+
+/// Copies positions `positions` from a ring of `src_capacity` slots to one of `dst_capacity`.
+pub fn kv_move(
+    src: &Tensor,
+    src_capacity: usize,
+    dst: &mut Tensor,
+    dst_capacity: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    positions: std::ops::Range<usize>,
+) -> Result<()> {
+    let row = kv_heads * head_dim;
+    check(
+        src.len() == src_capacity * row && dst.len() == dst_capacity * row,
+        || "kv_move between caches of other shapes".into(),
+    )?;
+    let (p0, p1) = (positions.start, positions.end);
+    match pair("kv_move", dst, src)? {
+        Pair::Host(d, s) => {
+            cpu::attention::kv_move(s, src_capacity, d, dst_capacity, kv_heads, head_dim, p0..p1);
+            Ok(())
+        }
+        Pair::Cuda(d, s) => {
+            cuda::ops::kv_move(s, src_capacity, d, dst_capacity, kv_heads, head_dim, p0, p1)
+        }
+    }
+}
+
+/// Scaled dot-product attention of `q` (`[tokens, heads · head_dim]`) over `kv`: query `t`
+/// sees positions up to `positions[t]` (causal) within the window, and query head `h` reads
+/// key head `h / (heads / kv_heads)` (grouped-query attention). Returns `[tokens, heads ·
+/// head_dim]`.
+pub fn attention(
+    q: &Tensor,
     heads: usize,
     head_dim: usize,
-    positions: &[usize],
-    kv: &RingKvView,
+    positions: &Positions,
+    kv: &Kv,
     scale: f32,
-    out: &mut [f32],
-) {
-    let group = heads / kv.kv_heads;
-    let mut scores = vec![0.0f32; kv.window.min(kv.end - kv.start)];
-    for (t, &pos) in positions.iter().enumerate() {
-        let hi = (pos + 1).min(kv.end);
-        let lo = (pos + 1).saturating_sub(kv.window).max(kv.start).min(hi);
-        let slots = || (lo..hi).map(|p| p % kv.capacity);
-        for h in 0..heads {
-            let kvh = h / group;
-            let qv = &q[(t * heads + h) * head_dim..][..head_dim];
-            let head_keys = &kv.keys[kvh * kv.capacity * head_dim..];
-            let head_values = &kv.values[kvh * kv.capacity * head_dim..];
-            let s = &mut scores[..hi - lo];
-            for (sj, slot) in s.iter_mut().zip(slots()) {
-                *sj = dot(qv, &head_keys[slot * head_dim..][..head_dim]) * scale;
-            }
-            softmax_inplace(s);
-            let o = &mut out[(t * heads + h) * head_dim..][..head_dim];
-            o.fill(0.0);
-            for (&p, slot) in s.iter().zip(slots()) {
-                let vj = &head_values[slot * head_dim..][..head_dim];
-                for (od, &vd) in o.iter_mut().zip(vj) {
-                    *od += p * vd;
+) -> Result<Tensor> {
+    let row = kv.kv_heads * head_dim;
+    check(
+        q.len() == positions.len() * heads * head_dim
+            && kv.kv_heads > 0
+            && heads.is_multiple_of(kv.kv_heads)
+            && kv.keys.len() == kv.capacity * row
+            && kv.values.len() == kv.capacity * row
+            && kv.start <= kv.end
+            && kv.end - kv.start <= kv.capacity,
+        || {
+            format!(
+                "attention of {:?} ({heads} heads of {head_dim}) over {} KV heads × {}",
+                q.shape(),
+                kv.kv_heads,
+                kv.capacity
+            )
+        },
+    )?;
+    let shape = vec![positions.len(), heads * head_dim];
+    match (&q.storage, &kv.keys.storage, &kv.values.storage) {
+        (Storage::Host(q), Storage::Host(k), Storage::Host(v)) => {
+            let mut out = vec![0.0; q.len()];
+            match kv.window {
+                None => {
+                    let view = cpu::attention::KvView {
+                        keys: k,
+                        values: v,
+                        kv_heads: kv.kv_heads,
+                        capacity: kv.capacity,
+                        len: kv.end,
+                    };
+                    let p = positions.as_slice();
+                    cpu::attention::attention(q, heads, head_dim, p, &view, scale, &mut out);
+                }
+                Some(window) => {
+                    let view = cpu::attention::RingKvView {
+                        keys: k,
+                        values: v,
+                        kv_heads: kv.kv_heads,
+                        capacity: kv.capacity,
+                        start: kv.start,
+                        end: kv.end,
+                        window,
+                    };
+                    let p = positions.as_slice();
+                    cpu::attention::sliding_window_attention(
+                        q, heads, head_dim, p, &view, scale, &mut out,
+                    );
                 }
             }
+            Ok(Tensor::new(shape, out))
         }
+        (Storage::Cuda(qb), Storage::Cuda(k), Storage::Cuda(v))
+            if qb.gpu().same(k.gpu()) && qb.gpu().same(v.gpu()) =>
+        {
+            let ring = cuda::ops::KvRing {
+                keys: k,
+                values: v,
+                kv_heads: kv.kv_heads,
+                capacity: kv.capacity,
+                start: kv.start,
+                end: kv.end,
+                window: kv.window.unwrap_or(usize::MAX),
+            };
+            let out = cuda::ops::attention(qb, heads, head_dim, positions, &ring, scale)?;
+            Ok(Tensor::on_gpu(shape, out))
+        }
+        _ => Err(mismatch("attention")),
+    }
+}
+
+// ---- matmuls and embeddings ---------------------------------------------------------------------
+
+/// A weight matrix the matmul and row-lookup ops take: MLX-quantized or float.
+pub trait WeightMatrix {
+    /// `[rows, cols]`: rows are output features.
+    fn dims(&self) -> (usize, usize);
+    /// `y[m, rows] = x[m, cols] · Wᵀ` on the host.
+    fn matmul_host(&self, x: &[f32], m: usize, y: &mut [f32]);
+    /// The same on `x`'s GPU, from the copy placed there.
+    fn matmul_gpu(&self, x: &Buffer, m: usize) -> Result<Buffer>;
+    /// Row `i` as f32 on the host.
+    fn row_host(&self, i: usize, out: &mut [f32]);
+    /// Rows `ids` as f32 on `gpu`.
+    fn rows_gpu(&self, gpu: &cuda::Gpu, ids: &[usize]) -> Result<Buffer>;
+}
+
+impl WeightMatrix for QuantizedMatrix {
+    fn dims(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+    fn matmul_host(&self, x: &[f32], m: usize, y: &mut [f32]) {
+        cpu::qmatmul::matmul(&self.view(), x, m, y);
+    }
+    fn matmul_gpu(&self, x: &Buffer, m: usize) -> Result<Buffer> {
+        cuda::ops::quantized_matmul(self.on_gpu(x.gpu())?, self.shape(), x, m)
+    }
+    fn row_host(&self, i: usize, out: &mut [f32]) {
+        self.dequantize_row(i, out);
+    }
+    fn rows_gpu(&self, gpu: &cuda::Gpu, ids: &[usize]) -> Result<Buffer> {
+        cuda::ops::quantized_rows(self.on_gpu(gpu)?, self.shape(), ids)
+    }
+}
+
+impl WeightMatrix for FloatMatrix {
+    fn dims(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+    fn matmul_host(&self, x: &[f32], m: usize, y: &mut [f32]) {
+        cpu::dense::matmul(self, x, m, y);
+    }
+    fn matmul_gpu(&self, x: &Buffer, m: usize) -> Result<Buffer> {
+        cuda::ops::dense_matmul(self.on_gpu(x.gpu())?, self.rows, self.cols, x, m)
+    }
+    fn row_host(&self, i: usize, out: &mut [f32]) {
+        self.row_to_f32(i, out);
+    }
+    fn rows_gpu(&self, gpu: &cuda::Gpu, ids: &[usize]) -> Result<Buffer> {
+        cuda::ops::dense_rows(self.on_gpu(gpu)?, self.cols, ids)
+    }
+}
+
+/// `x · Wᵀ` for `x` of `[…, cols]`: `[…, rows]`, on `x`'s device.
+pub fn matmul(w: &impl WeightMatrix, x: &Tensor) -> Result<Tensor> {
+    let (rows, cols) = w.dims();
+    check(x.cols() == cols, || {
+        format!("matmul of {:?} by [{rows}, {cols}]ᵀ", x.shape())
+    })?;
+    let (m, shape) = (x.rows(), with_last(x.shape(), rows));
+    match &x.storage {
+        Storage::Host(v) => {
+            let mut y = vec![0.0; m * rows];
+            w.matmul_host(v, m, &mut y);
+            Ok(Tensor::new(shape, y))
+        }
+        Storage::Cuda(b) => Ok(Tensor::on_gpu(shape, w.matmul_gpu(b, m)?)),
+    }
+}
+
+/// Rows `ids` of `w` as f32 on `device` (an embedding lookup).
+pub fn matrix_rows(w: &impl WeightMatrix, ids: &[usize], device: &Device) -> Result<Tensor> {
+    let (rows, cols) = w.dims();
+    check(ids.iter().all(|&i| i < rows), || {
+        format!("row index past the {rows} rows of the table")
+    })?;
+    let shape = vec![ids.len(), cols];
+    match device {
+        Device::Cpu => {
+            let mut out = vec![0.0; ids.len() * cols];
+            for (&i, row) in ids.iter().zip(out.chunks_exact_mut(cols)) {
+                w.row_host(i, row);
+            }
+            Ok(Tensor::new(shape, out))
+        }
+        Device::Cuda(gpu) => Ok(Tensor::on_gpu(shape, w.rows_gpu(gpu, ids)?)),
     }
 }

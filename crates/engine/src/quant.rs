@@ -8,8 +8,11 @@
 //!
 //! and element `(r, j)` is `scales[r, j / g] * q + biases[r, j / g]`.
 
+use std::sync::Arc;
+
+use crate::cuda::{self, Gpu, QuantizedWeights};
 use crate::float::{checked_float_bytes, float_slice, FloatSlice};
-use crate::{cpu, Bytes, DType, EngineError};
+use crate::{cpu, Bytes, DType, Device, EngineError};
 
 /// Bit widths MLX's affine mode defines.
 pub const SUPPORTED_BITS: [u32; 6] = [2, 3, 4, 5, 6, 8];
@@ -27,6 +30,8 @@ pub struct QuantizedMatrix {
     scales_dtype: DType,
     scales: Bytes,
     biases: Bytes,
+    /// The same matrix in a GPU's memory, once [`place`](Self::place)d there.
+    gpu: Option<Arc<QuantizedWeights>>,
 }
 
 /// Borrowed parts of a [`QuantizedMatrix`], as the kernels read them.
@@ -91,7 +96,41 @@ impl QuantizedMatrix {
             scales_dtype,
             scales,
             biases,
+            gpu: None,
         })
+    }
+
+    /// Copies the matrix to `device`'s memory, in its packed form, so that matmuls with
+    /// activations there read it (a no-op for the CPU, which reads it in place).
+    pub fn place(&mut self, device: &Device) -> Result<(), EngineError> {
+        let Device::Cuda(gpu) = device else {
+            return Ok(());
+        };
+        self.gpu = Some(Arc::new(QuantizedWeights {
+            packed: gpu.upload_raw(self.packed.view::<u32>())?,
+            scales: gpu.upload_raw(self.scales.as_slice())?,
+            biases: gpu.upload_raw(self.biases.as_slice())?,
+            scale_type: cuda::type_suffix(self.scales_dtype)?,
+            gpu: gpu.clone(),
+        }));
+        Ok(())
+    }
+
+    /// The copy on `gpu` that [`place`](Self::place) made.
+    pub(crate) fn on_gpu(&self, gpu: &Gpu) -> Result<&QuantizedWeights, EngineError> {
+        match &self.gpu {
+            Some(w) if w.gpu.same(gpu) => Ok(w),
+            _ => Err(cuda::not_placed(self.rows, self.cols, gpu)),
+        }
+    }
+
+    pub(crate) fn shape(&self) -> cuda::ops::QuantShape {
+        cuda::ops::QuantShape {
+            rows: self.rows,
+            cols: self.cols,
+            bits: self.bits,
+            group_size: self.group_size,
+        }
     }
 
     pub fn view(&self) -> QuantizedView<'_> {

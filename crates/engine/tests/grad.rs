@@ -5,12 +5,13 @@
 //! Step 1e-2 in f32 leaves about 1e-4 of truncation and rounding error; the tolerance is 1e-3
 //! of the largest gradient.
 
+use oxlm_engine::cpu::attention::{attention, KvView};
+use oxlm_engine::cpu::elementwise::{rms_norm, rope_inplace, silu_mul_inplace};
 use oxlm_engine::cpu::Isa;
 use oxlm_engine::grad::{
     attention_backward, cross_entropy, cross_entropy_backward_inplace, dense_matmul_backward,
     quantized_matmul_backward, rms_norm_backward, rope_backward_inplace, silu_mul_backward,
 };
-use oxlm_engine::ops::{attention, rms_norm, rope_inplace, silu_mul_inplace, KvView};
 use oxlm_engine::quant::quantize;
 use oxlm_engine::{Bytes, DType, FloatMatrix, QuantizedMatrix};
 use rand::rngs::StdRng;

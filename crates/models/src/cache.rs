@@ -1,6 +1,7 @@
 //! Per-layer state carried between forward passes.
 
-use oxlm_engine::ops::KvView;
+use oxlm_engine::ops::{self, Kv};
+use oxlm_engine::{Device, EngineError, Tensor};
 
 pub use crate::recurrent_cache::RecurrentCache;
 pub use crate::rotating_cache::RotatingKvCache;
@@ -10,27 +11,28 @@ use crate::TruncateError;
 /// decoding does not reallocate per token.
 const GROWTH_STEP: usize = 256;
 
-/// The keys and values of one attention layer, `[kv_heads, capacity, head_dim]` each.
+/// The keys and values of one attention layer, `[kv_heads, capacity, head_dim]` each, on the
+/// model's device.
 #[derive(Debug, Clone)]
 pub struct KvCache {
     kv_heads: usize,
     head_dim: usize,
     capacity: usize,
     len: usize,
-    keys: Vec<f32>,
-    values: Vec<f32>,
+    keys: Tensor,
+    values: Tensor,
 }
 
 impl KvCache {
-    pub fn new(kv_heads: usize, head_dim: usize) -> Self {
-        KvCache {
+    pub fn new(kv_heads: usize, head_dim: usize, device: &Device) -> Result<Self, EngineError> {
+        Ok(KvCache {
             kv_heads,
             head_dim,
             capacity: 0,
             len: 0,
-            keys: Vec::new(),
-            values: Vec::new(),
-        }
+            keys: Tensor::zeros(vec![0], device)?,
+            values: Tensor::zeros(vec![0], device)?,
+        })
     }
 
     /// Positions stored so far.
@@ -47,37 +49,31 @@ impl KvCache {
         (self.kv_heads, self.head_dim)
     }
 
-    fn grow_to(&mut self, needed: usize) {
+    fn grow_to(&mut self, needed: usize) -> Result<(), EngineError> {
         if needed <= self.capacity {
-            return;
+            return Ok(());
         }
         let capacity = needed.div_ceil(GROWTH_STEP) * GROWTH_STEP;
-        let d = self.head_dim;
+        let (h, d) = (self.kv_heads, self.head_dim);
+        let device = self.keys.device();
         for buf in [&mut self.keys, &mut self.values] {
-            let mut grown = vec![0.0; self.kv_heads * capacity * d];
-            for h in 0..self.kv_heads {
-                let old = &buf[h * self.capacity * d..][..self.len * d];
-                grown[h * capacity * d..][..self.len * d].copy_from_slice(old);
-            }
+            let mut grown = Tensor::zeros(vec![h, capacity, d], &device)?;
+            ops::kv_move(buf, self.capacity, &mut grown, capacity, h, d, 0..self.len)?;
             *buf = grown;
         }
         self.capacity = capacity;
+        Ok(())
     }
 
-    /// Appends `[tokens, kv_heads, head_dim]` keys and values.
-    pub fn append(&mut self, keys: &[f32], values: &[f32]) {
-        let d = self.head_dim;
-        let n = keys.len() / (self.kv_heads * d);
-        self.grow_to(self.len + n);
-        for t in 0..n {
-            for h in 0..self.kv_heads {
-                let src = (t * self.kv_heads + h) * d;
-                let dst = (h * self.capacity + self.len + t) * d;
-                self.keys[dst..dst + d].copy_from_slice(&keys[src..src + d]);
-                self.values[dst..dst + d].copy_from_slice(&values[src..src + d]);
-            }
-        }
+    /// Appends `[tokens, kv_heads · head_dim]` keys and values.
+    pub fn append(&mut self, keys: &Tensor, values: &Tensor) -> Result<(), EngineError> {
+        let (h, d) = (self.kv_heads, self.head_dim);
+        let n = keys.len() / (h * d);
+        self.grow_to(self.len + n)?;
+        ops::kv_write(&mut self.keys, keys, h, d, self.capacity, self.len)?;
+        ops::kv_write(&mut self.values, values, h, d, self.capacity, self.len)?;
         self.len += n;
+        Ok(())
     }
 
     /// Forgets all but the first `len` positions (a prompt cache reusing a shared prefix).
@@ -85,14 +81,29 @@ impl KvCache {
         self.len = self.len.min(len);
     }
 
-    pub fn view(&self) -> KvView<'_> {
-        KvView {
+    pub fn view(&self) -> Kv<'_> {
+        Kv {
             keys: &self.keys,
             values: &self.values,
             kv_heads: self.kv_heads,
             capacity: self.capacity,
-            len: self.len,
+            start: 0,
+            end: self.len,
+            window: None,
         }
+    }
+
+    /// Bytes of device memory held.
+    pub fn size_in_bytes(&self) -> usize {
+        self.keys.size_in_bytes() + self.values.size_in_bytes()
+    }
+
+    pub fn try_clone(&self) -> Result<Self, EngineError> {
+        Ok(KvCache {
+            keys: self.keys.try_clone()?,
+            values: self.values.try_clone()?,
+            ..*self
+        })
     }
 }
 
@@ -114,9 +125,53 @@ pub struct Cache {
     pub offset: usize,
 }
 
+impl LayerCache {
+    /// Bytes of device memory held.
+    pub fn size_in_bytes(&self) -> usize {
+        match self {
+            LayerCache::Kv(kv) => kv.size_in_bytes(),
+            LayerCache::Rotating(ring) => ring.size_in_bytes(),
+            LayerCache::Recurrent(r) => r.size_in_bytes(),
+        }
+    }
+}
+
 impl Cache {
     pub fn new(layers: Vec<LayerCache>) -> Self {
         Cache { layers, offset: 0 }
+    }
+
+    /// A fresh cache from per-layer results, failing on the first layer that failed (device
+    /// memory, for one).
+    pub fn from_layers(
+        layers: impl IntoIterator<Item = Result<LayerCache, EngineError>>,
+    ) -> Result<Self, EngineError> {
+        Ok(Cache::new(layers.into_iter().collect::<Result<_, _>>()?))
+    }
+
+    /// A copy, which fails rather than panics when device memory runs out (a prompt cache
+    /// keeping a snapshot).
+    pub fn try_clone(&self) -> Result<Cache, EngineError> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(match l {
+                    LayerCache::Kv(kv) => LayerCache::Kv(kv.try_clone()?),
+                    LayerCache::Rotating(ring) => LayerCache::Rotating(ring.try_clone()?),
+                    LayerCache::Recurrent(r) => LayerCache::Recurrent(r.try_clone()?),
+                })
+            })
+            .collect::<Result<_, EngineError>>()?;
+        Ok(Cache {
+            layers,
+            offset: self.offset,
+        })
+    }
+
+    /// Bytes of device memory held by all layers.
+    pub fn size_in_bytes(&self) -> usize {
+        self.layers.iter().map(LayerCache::size_in_bytes).sum()
     }
 
     /// Keeps the first `len` tokens (a prompt cache reusing a shared prefix).
@@ -159,15 +214,17 @@ mod tests {
 
     #[test]
     fn growth_keeps_earlier_positions_per_head() {
-        let mut cache = KvCache::new(2, 1);
+        let mut cache = KvCache::new(2, 1, &Device::Cpu).unwrap();
         for t in 0..300 {
             let t = t as f32;
-            cache.append(&[t, -t], &[t + 0.5, -t - 0.5]);
+            let k = Tensor::new(vec![1, 2], vec![t, -t]);
+            let v = Tensor::new(vec![1, 2], vec![t + 0.5, -t - 0.5]);
+            cache.append(&k, &v).unwrap();
         }
         let v = cache.view();
-        assert_eq!((v.len, v.capacity), (300, 512));
-        assert_eq!(v.keys[299], 299.0);
-        assert_eq!(v.keys[512 + 299], -299.0);
-        assert_eq!(v.values[512 + 7], -7.5);
+        assert_eq!((v.end, v.capacity), (300, 512));
+        assert_eq!(v.keys.data()[299], 299.0);
+        assert_eq!(v.keys.data()[512 + 299], -299.0);
+        assert_eq!(v.values.data()[512 + 7], -7.5);
     }
 }

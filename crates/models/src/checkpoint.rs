@@ -5,7 +5,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use oxlm_engine::{Bytes, DType};
+use oxlm_engine::{Bytes, DType, Device};
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
@@ -284,6 +284,8 @@ pub struct Checkpoint {
     pub dir: PathBuf,
     pub config: Config,
     pub quantization: Quantization,
+    /// Where the layers place the weights they take.
+    pub device: Device,
     tensors: HashMap<String, RawTensor>,
 }
 
@@ -302,6 +304,7 @@ impl Checkpoint {
             dir: dir.to_path_buf(),
             config,
             quantization,
+            device: Device::Cpu,
             tensors,
         })
     }

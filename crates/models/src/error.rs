@@ -57,6 +57,9 @@ pub enum ForwardError {
     EmptyInput,
     #[error("the cache was not made by this model's `new_cache`")]
     CacheMismatch,
+    /// A kernel or device failure (out of GPU memory, for one).
+    #[error(transparent)]
+    Engine(#[from] EngineError),
 }
 
 /// Why a [`Cache`](crate::Cache) could not be cut back to an earlier position.

@@ -11,9 +11,9 @@ use serde_json::{Map, Value};
 
 use crate::cache::{Cache, KvCache, LayerCache, RotatingKvCache};
 use crate::checkpoint::{Checkpoint, Config};
-use crate::layers::{Attention, Embedding, Linear, Mlp, RmsNorm, Rope};
+use crate::layers::{Attention, Embedding, Linear, Mlp, OutputHead, RmsNorm, Rope};
 use crate::{check_tokens, ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
-use oxlm_engine::{ops, Tensor};
+use oxlm_engine::{ops, Positions, Tensor};
 
 /// The text model's settings inside a multimodal wrapper, completed as the wrapper's `ModelArgs`
 /// does: the wrapper's `vocab_size` (or `vocab_default`) replaces the nested one, and the head
@@ -56,17 +56,17 @@ struct Block {
 impl Block {
     fn attention(
         &self,
-        x: &[f32],
-        positions: &[usize],
+        x: &Tensor,
+        positions: &Positions,
         cache: &mut LayerCache,
-    ) -> Result<Vec<f32>, ForwardError> {
+    ) -> Result<Tensor, ForwardError> {
         let shape = (self.self_attn.kv_heads, self.self_attn.head_dim);
         match cache {
             LayerCache::Kv(kv) if !self.sliding && kv.shape() == shape => {
-                Ok(self.self_attn.forward(x, positions, kv))
+                Ok(self.self_attn.forward(x, positions, kv)?)
             }
             LayerCache::Rotating(ring) if self.sliding && ring.shape() == shape => {
-                Ok(self.self_attn.forward_sliding(x, positions, ring))
+                Ok(self.self_attn.forward_sliding(x, positions, ring)?)
             }
             _ => Err(ForwardError::CacheMismatch),
         }
@@ -79,9 +79,7 @@ pub struct Gemma3 {
     /// √hidden rounded to bf16, as mlx-lm multiplies it in.
     embed_scale: f32,
     layers: Vec<Block>,
-    norm: RmsNorm,
-    /// `None` when the output head is tied to the embeddings.
-    lm_head: Option<Linear>,
+    head: OutputHead,
     sliding_window: usize,
 }
 
@@ -125,8 +123,9 @@ impl Gemma3 {
                 "`sliding_window` and `sliding_window_pattern` must be positive".into(),
             ));
         }
-        let local_rope = Rope::new(head_dim, rope_local_base, false, None)?;
-        let global_rope = Rope::new(head_dim, rope_theta, false, scaling.as_ref())?;
+        let device = ckpt.device.clone();
+        let local_rope = Rope::new(head_dim, rope_local_base, false, None, &device)?;
+        let global_rope = Rope::new(head_dim, rope_theta, false, scaling.as_ref(), &device)?;
 
         let m = format!("{prefix}model");
         let embed_tokens = Embedding::load(&mut ckpt, &format!("{m}.embed_tokens"), vocab, hidden)?;
@@ -193,12 +192,16 @@ impl Gemma3 {
                 hidden_size: hidden,
                 num_layers: layers,
                 max_context: Some(max_context),
+                device,
             },
             embed_tokens,
             embed_scale: bf16::from_f32((hidden as f64).sqrt() as f32).to_f32(),
             layers: blocks,
-            norm,
-            lm_head,
+            head: OutputHead {
+                norm,
+                lm_head,
+                softcap: None,
+            },
             sliding_window,
         })
     }
@@ -209,24 +212,21 @@ impl LanguageModel for Gemma3 {
         &self.info
     }
 
-    fn new_cache(&self) -> Cache {
-        Cache::new(
-            self.layers
-                .iter()
-                .map(|b| {
-                    let (kv_heads, head_dim) = (b.self_attn.kv_heads, b.self_attn.head_dim);
-                    if b.sliding {
-                        LayerCache::Rotating(RotatingKvCache::new(
-                            kv_heads,
-                            head_dim,
-                            self.sliding_window,
-                        ))
-                    } else {
-                        LayerCache::Kv(KvCache::new(kv_heads, head_dim))
-                    }
-                })
-                .collect(),
-        )
+    fn new_cache(&self) -> Result<Cache, ForwardError> {
+        let device = &self.info.device;
+        Ok(Cache::from_layers(self.layers.iter().map(|b| {
+            let (kv_heads, head_dim) = (b.self_attn.kv_heads, b.self_attn.head_dim);
+            Ok(if b.sliding {
+                LayerCache::Rotating(RotatingKvCache::new(
+                    kv_heads,
+                    head_dim,
+                    self.sliding_window,
+                    device,
+                )?)
+            } else {
+                LayerCache::Kv(KvCache::new(kv_heads, head_dim, device)?)
+            })
+        }))?)
     }
 
     fn forward(
@@ -240,31 +240,20 @@ impl LanguageModel for Gemma3 {
         if cache.layers.len() != self.layers.len() {
             return Err(ForwardError::CacheMismatch);
         }
-        let n = tokens.len();
-        let positions: Vec<usize> = (offset..offset + n).collect();
-        let mut h = self.embed_tokens.forward(tokens);
-        ops::scale_inplace(&mut h, self.embed_scale);
+        let positions = Positions::following(offset, tokens.len(), &self.info.device)?;
+        let mut h = self.embed_tokens.forward(tokens)?;
+        ops::scale_inplace(&mut h, self.embed_scale)?;
         for (block, layer_cache) in self.layers.iter().zip(&mut cache.layers) {
-            let x = block.input_layernorm.forward(&h);
+            let x = block.input_layernorm.forward(&h)?;
             let mut r = block.attention(&x, &positions, layer_cache)?;
-            block.post_attention_layernorm.forward_inplace(&mut r);
-            ops::add_inplace(&mut h, &r);
-            let x = block.pre_feedforward_layernorm.forward(&h);
-            let mut r = block.mlp.forward_geglu(&x, n);
-            block.post_feedforward_layernorm.forward_inplace(&mut r);
-            ops::add_inplace(&mut h, &r);
+            block.post_attention_layernorm.forward_inplace(&mut r)?;
+            ops::add_inplace(&mut h, &r)?;
+            let x = block.pre_feedforward_layernorm.forward(&h)?;
+            let mut r = block.mlp.forward_geglu(&x)?;
+            block.post_feedforward_layernorm.forward_inplace(&mut r)?;
+            ops::add_inplace(&mut h, &r)?;
         }
-        cache.offset += n;
-        let hidden = self.info.hidden_size;
-        let (mut h, rows) = match logits {
-            Logits::All => (h, n),
-            Logits::Last => (h.split_off((n - 1) * hidden), 1),
-        };
-        self.norm.forward_inplace(&mut h);
-        let out = match &self.lm_head {
-            Some(head) => head.forward(&h, rows),
-            None => self.embed_tokens.as_linear(&h, rows),
-        };
-        Ok(Tensor::new(vec![rows, self.info.vocab_size], out))
+        cache.offset += tokens.len();
+        Ok(self.head.forward(h, logits, &self.embed_tokens)?)
     }
 }

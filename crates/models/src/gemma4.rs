@@ -14,10 +14,13 @@ use serde_json::{json, Value};
 use crate::cache::{Cache, KvCache, LayerCache, RotatingKvCache};
 use crate::checkpoint::{Checkpoint, Config};
 use crate::gemma3::wrapped_text_config;
-use crate::layers::{load_vector, Embedding, Linear, Mlp, RmsNorm, Rope};
+use crate::layers::{
+    load_host_vector, Embedding, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope,
+};
 use crate::switch::{dispatch, load_experts};
 use crate::{check_tokens, ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
-use oxlm_engine::{ops, Tensor};
+use oxlm_engine::cpu::elementwise::softmax_inplace;
+use oxlm_engine::{ops, Device, Positions, Tensor};
 
 /// `key` as mlx-lm's `ModelArgs` reads it: `default` when absent, `None` when null.
 fn setting<T: DeserializeOwned>(
@@ -58,23 +61,22 @@ impl Attention {
     fn store_kv(
         &self,
         kv: &KvProjections,
-        x: &[f32],
-        positions: &[usize],
+        x: &Tensor,
+        positions: &Positions,
         cache: &mut LayerCache,
     ) -> Result<(), ForwardError> {
-        let n = positions.len();
-        let mut k = kv.k_proj.forward(x, n);
+        let mut k = kv.k_proj.forward(x)?;
         let mut v = match &kv.v_proj {
-            Some(v_proj) => v_proj.forward(x, n),
-            None => k.clone(),
+            Some(v_proj) => v_proj.forward(x)?,
+            None => k.try_clone()?,
         };
-        kv.k_norm.forward_inplace(&mut k);
+        kv.k_norm.forward_inplace(&mut k)?;
         self.rope
-            .apply(&mut k, self.kv_heads, self.head_dim, positions);
-        kv.v_norm.forward_inplace(&mut v);
+            .apply(&mut k, self.kv_heads, self.head_dim, positions)?;
+        kv.v_norm.forward_inplace(&mut v)?;
         match cache {
-            LayerCache::Kv(c) if self.fits(false, c.shape()) => c.append(&k, &v),
-            LayerCache::Rotating(c) if self.fits(true, c.shape()) => c.append(&k, &v),
+            LayerCache::Kv(c) if self.fits(false, c.shape()) => c.append(&k, &v)?,
+            LayerCache::Rotating(c) if self.fits(true, c.shape()) => c.append(&k, &v)?,
             _ => return Err(ForwardError::CacheMismatch),
         }
         Ok(())
@@ -89,27 +91,22 @@ impl Attention {
     /// of the layer it shares with) are already in.
     fn forward(
         &self,
-        x: &[f32],
-        positions: &[usize],
+        x: &Tensor,
+        positions: &Positions,
         cache: &LayerCache,
-    ) -> Result<Vec<f32>, ForwardError> {
-        let n = positions.len();
-        let mut q = self.q_proj.forward(x, n);
-        self.q_norm.forward_inplace(&mut q);
+    ) -> Result<Tensor, ForwardError> {
+        let mut q = self.q_proj.forward(x)?;
+        self.q_norm.forward_inplace(&mut q)?;
         self.rope
-            .apply(&mut q, self.heads, self.head_dim, positions);
-        let mut out = vec![0.0; q.len()];
+            .apply(&mut q, self.heads, self.head_dim, positions)?;
         let (h, d) = (self.heads, self.head_dim);
-        match cache {
-            LayerCache::Kv(c) if self.fits(false, c.shape()) => {
-                ops::attention(&q, h, d, positions, &c.view(), 1.0, &mut out)
-            }
-            LayerCache::Rotating(c) if self.fits(true, c.shape()) => {
-                ops::sliding_window_attention(&q, h, d, positions, &c.view(), 1.0, &mut out)
-            }
+        let view = match cache {
+            LayerCache::Kv(c) if self.fits(false, c.shape()) => c.view(),
+            LayerCache::Rotating(c) if self.fits(true, c.shape()) => c.view(),
             _ => return Err(ForwardError::CacheMismatch),
-        }
-        Ok(self.o_proj.forward(&out, n))
+        };
+        let out = ops::attention(&q, h, d, positions, &view, 1.0)?;
+        Ok(self.o_proj.forward(&out)?)
     }
 }
 
@@ -125,6 +122,7 @@ struct MoeBlock {
     router_proj: Linear,
     /// `router.scale / √hidden`, the router's input norm.
     router_norm: RmsNorm,
+    /// Host values: routing is decided on the host.
     per_expert_scale: Vec<f32>,
     top_k: usize,
     /// GeGLU experts, each viewing its slice of the stacked `switch_glu` weights.
@@ -155,11 +153,9 @@ impl MoeBlock {
             intermediate,
         )?;
         let root = (hidden as f64).powf(-0.5) as f32;
-        let scale = load_vector(ckpt, &format!("{prefix}.router.scale"), hidden)?;
-        let router_norm = RmsNorm {
-            weight: scale.iter().map(|s| s * root).collect(),
-            eps,
-        };
+        let scale = load_host_vector(ckpt, &format!("{prefix}.router.scale"), hidden)?;
+        let scale: Vec<f32> = scale.iter().map(|s| s * root).collect();
+        let router_norm = RmsNorm::new(&scale, eps, &ckpt.device)?;
         let norm = |ckpt: &mut Checkpoint, name: &str| {
             RmsNorm::load(ckpt, &format!("{prefix}.{name}"), hidden, eps)
         };
@@ -172,7 +168,7 @@ impl MoeBlock {
                 false,
             )?,
             router_norm,
-            per_expert_scale: load_vector(
+            per_expert_scale: load_host_vector(
                 ckpt,
                 &format!("{prefix}.router.per_expert_scale"),
                 experts,
@@ -187,9 +183,12 @@ impl MoeBlock {
 
     /// `Router`: for each expert, the tokens of `h` (`[n, hidden]`) routed to it and their
     /// weights: a softmax over the top-k scores, times the expert's own scale.
-    fn route(&self, h: &[f32], n: usize) -> Vec<Vec<(usize, f32)>> {
+    fn route(&self, h: &Tensor) -> OpResult<Vec<Vec<(usize, f32)>>> {
         let count = self.experts.len();
-        let scores = self.router_proj.forward(&self.router_norm.forward(h), n);
+        let scores = self
+            .router_proj
+            .forward(&self.router_norm.forward(h)?)?
+            .into_vec()?;
         let mut routed = vec![Vec::new(); count];
         let mut order: Vec<usize> = Vec::with_capacity(count);
         for (t, scores) in scores.chunks_exact(count).enumerate() {
@@ -198,40 +197,33 @@ impl MoeBlock {
             order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
             let top = &order[..self.top_k];
             let mut weights: Vec<f32> = top.iter().map(|&e| scores[e]).collect();
-            ops::softmax_inplace(&mut weights);
+            softmax_inplace(&mut weights);
             for (&e, w) in top.iter().zip(weights) {
                 routed[e].push((t, w * self.per_expert_scale[e]));
             }
         }
-        routed
-    }
-
-    /// `Experts`: each expert runs once, on all the rows of `x` routed to it, reading only the
-    /// chosen experts' weights.
-    fn experts(&self, x: &[f32], routed: &[Vec<(usize, f32)>]) -> Vec<f32> {
-        let dim = self.pre_feedforward_layernorm_2.weight.len();
-        dispatch(x, dim, routed, |e, rows, m| {
-            self.experts[e].forward_geglu(rows, m)
-        })
+        Ok(routed)
     }
 
     /// The feed-forward output of a MoE layer: dense MLP and experts, each normed, summed.
+    /// Each expert runs once, on all the rows routed to it, reading only the chosen experts'
+    /// weights.
     fn forward(
         &self,
         mlp: &Mlp,
         pre_feedforward_layernorm: &RmsNorm,
-        h: &[f32],
-        n: usize,
-    ) -> Vec<f32> {
-        let mut dense = mlp.forward_geglu(&pre_feedforward_layernorm.forward(h), n);
+        h: &Tensor,
+    ) -> OpResult<Tensor> {
+        let mut dense = mlp.forward_geglu(&pre_feedforward_layernorm.forward(h)?)?;
         self.post_feedforward_layernorm_1
-            .forward_inplace(&mut dense);
-        let routed = self.route(h, n);
-        let mut sparse = self.experts(&self.pre_feedforward_layernorm_2.forward(h), &routed);
+            .forward_inplace(&mut dense)?;
+        let routed = self.route(h)?;
+        let x = self.pre_feedforward_layernorm_2.forward(h)?;
+        let mut sparse = dispatch(&x, &routed, |e, rows| self.experts[e].forward_geglu(rows))?;
         self.post_feedforward_layernorm_2
-            .forward_inplace(&mut sparse);
-        ops::add_inplace(&mut dense, &sparse);
-        dense
+            .forward_inplace(&mut sparse)?;
+        ops::add_inplace(&mut dense, &sparse)?;
+        Ok(dense)
     }
 }
 
@@ -261,17 +253,16 @@ struct PerLayerInputs {
 
 impl PerLayerInputs {
     /// `[tokens, layers * dim]`: each layer's input, from the token ids and the scaled embeddings `h`.
-    fn forward(&self, tokens: &[u32], h: &[f32], hidden: usize) -> Vec<f32> {
-        let n = tokens.len();
-        let mut from_ids = self.embed_tokens_per_layer.forward(tokens);
-        ops::scale_inplace(&mut from_ids, (self.dim as f64).sqrt() as f32);
-        let mut projected = self.per_layer_model_projection.forward(h, n);
-        ops::scale_inplace(&mut projected, (hidden as f64).powf(-0.5) as f32);
+    fn forward(&self, tokens: &[u32], h: &Tensor, hidden: usize) -> OpResult<Tensor> {
+        let mut from_ids = self.embed_tokens_per_layer.forward(tokens)?;
+        ops::scale_inplace(&mut from_ids, (self.dim as f64).sqrt() as f32)?;
+        let mut projected = self.per_layer_model_projection.forward(h)?;
+        ops::scale_inplace(&mut projected, (hidden as f64).powf(-0.5) as f32)?;
         self.per_layer_projection_norm
-            .forward_inplace(&mut projected);
-        ops::add_inplace(&mut projected, &from_ids);
-        ops::scale_inplace(&mut projected, 2f64.powf(-0.5) as f32);
-        projected
+            .forward_inplace(&mut projected)?;
+        ops::add_inplace(&mut projected, &from_ids)?;
+        ops::scale_inplace(&mut projected, 2f64.powf(-0.5) as f32)?;
+        Ok(projected)
     }
 }
 
@@ -281,10 +272,7 @@ pub struct Gemma4 {
     embed_scale: f32,
     per_layer_inputs: Option<PerLayerInputs>,
     layers: Vec<Block>,
-    norm: RmsNorm,
-    /// `None` when the output head is tied to the embeddings.
-    lm_head: Option<Linear>,
-    final_logit_softcapping: Option<f32>,
+    head: OutputHead,
     sliding_window: usize,
     /// Layers with a cache of their own: the first `num_hidden_layers - num_kv_shared_layers`.
     cached_layers: usize,
@@ -296,13 +284,14 @@ fn rope_for(
     kind: &str,
     head_dim: usize,
     traditional: bool,
+    device: &Device,
 ) -> Result<Rope, LoadError> {
     let params = rope_parameters.get(kind).cloned().unwrap_or(json!({}));
     let theta = params
         .get("rope_theta")
         .and_then(Value::as_f64)
         .unwrap_or(10000.0);
-    Rope::new(head_dim, theta as f32, traditional, Some(&params))
+    Rope::new(head_dim, theta as f32, traditional, Some(&params), device)
 }
 
 #[derive(Clone, Copy)]
@@ -344,7 +333,7 @@ struct Args {
 }
 
 impl Args {
-    fn from_config(cfg: &Config) -> Result<Self, LoadError> {
+    fn from_config(cfg: &Config, device: &Device) -> Result<Self, LoadError> {
         let bad = |msg: String| LoadError::Config(msg);
         let layers: usize = cfg.get("num_hidden_layers")?.unwrap_or(35);
         let head_dim: usize = cfg.get("head_dim")?.unwrap_or(256);
@@ -435,12 +424,19 @@ impl Args {
             sliding,
             kv_sources,
             cached_layers,
-            sliding_rope: rope_for(&rope_parameters, "sliding_attention", head_dim, traditional)?,
+            sliding_rope: rope_for(
+                &rope_parameters,
+                "sliding_attention",
+                head_dim,
+                traditional,
+                device,
+            )?,
             global_rope: rope_for(
                 &rope_parameters,
                 "full_attention",
                 global_head_dim,
                 traditional,
+                device,
             )?,
         };
         if args.sliding_window == 0 {
@@ -518,7 +514,7 @@ impl Attention {
                     .then(|| linear(ckpt, "v_proj", hidden, kv_heads * d))
                     .transpose()?,
                 k_norm: RmsNorm::load(ckpt, &format!("{a}.k_norm"), d, eps)?,
-                v_norm: RmsNorm::unscaled(d, eps),
+                v_norm: RmsNorm::unscaled(d, eps, &ckpt.device)?,
             })
         } else {
             // As mlx-lm's `sanitize`: a KV-shared layer's own projections go unused.
@@ -587,7 +583,7 @@ impl Block {
                 .transpose()?,
             post_feedforward_layernorm: norm(ckpt, "post_feedforward_layernorm")?,
             per_layer,
-            layer_scalar: load_vector(ckpt, &format!("{p}.layer_scalar"), 1)?[0],
+            layer_scalar: load_host_vector(ckpt, &format!("{p}.layer_scalar"), 1)?[0],
             kv_source: args.kv_sources[i],
         })
     }
@@ -611,9 +607,9 @@ impl Gemma4 {
                 towers.iter().any(|t| name.starts_with(t))
             });
             let text = wrapped_text_config(&ckpt.config, 262144, 8, 1)?;
-            (Args::from_config(&text)?, "language_model.")
+            (Args::from_config(&text, &ckpt.device)?, "language_model.")
         } else {
-            (Args::from_config(&ckpt.config)?, "")
+            (Args::from_config(&ckpt.config, &ckpt.device)?, "")
         };
         ckpt.discard_where(|name| {
             let unused = ["input_max", "input_min", "output_max", "output_min"];
@@ -633,6 +629,7 @@ impl Gemma4 {
         let lm_head = (!args.tied)
             .then(|| Linear::load(&mut ckpt, &format!("{prefix}lm_head"), hidden, vocab, false))
             .transpose()?;
+        let device = ckpt.device.clone();
         ckpt.finish()?;
         Ok(Gemma4 {
             info: ModelInfo {
@@ -641,14 +638,17 @@ impl Gemma4 {
                 hidden_size: hidden,
                 num_layers: layers.len(),
                 max_context: Some(args.max_context),
+                device,
             },
             embed_tokens,
             embed_scale: (hidden as f64).sqrt() as f32,
             per_layer_inputs,
             layers,
-            norm,
-            lm_head,
-            final_logit_softcapping: args.softcap,
+            head: OutputHead {
+                norm,
+                lm_head,
+                softcap: args.softcap,
+            },
             sliding_window: args.sliding_window,
             cached_layers: args.cached_layers,
         })
@@ -660,24 +660,23 @@ impl LanguageModel for Gemma4 {
         &self.info
     }
 
-    fn new_cache(&self) -> Cache {
-        Cache::new(
-            self.layers[..self.cached_layers]
-                .iter()
-                .map(|b| {
-                    let a = &b.self_attn;
-                    if a.sliding {
-                        LayerCache::Rotating(RotatingKvCache::new(
-                            a.kv_heads,
-                            a.head_dim,
-                            self.sliding_window,
-                        ))
-                    } else {
-                        LayerCache::Kv(KvCache::new(a.kv_heads, a.head_dim))
-                    }
+    fn new_cache(&self) -> Result<Cache, ForwardError> {
+        let device = &self.info.device;
+        Ok(Cache::from_layers(
+            self.layers[..self.cached_layers].iter().map(|b| {
+                let a = &b.self_attn;
+                Ok(if a.sliding {
+                    LayerCache::Rotating(RotatingKvCache::new(
+                        a.kv_heads,
+                        a.head_dim,
+                        self.sliding_window,
+                        device,
+                    )?)
+                } else {
+                    LayerCache::Kv(KvCache::new(a.kv_heads, a.head_dim, device)?)
                 })
-                .collect(),
-        )
+            }),
+        )?)
     }
 
     fn forward(
@@ -691,60 +690,44 @@ impl LanguageModel for Gemma4 {
         if cache.layers.len() != self.cached_layers {
             return Err(ForwardError::CacheMismatch);
         }
-        let n = tokens.len();
         let hidden = self.info.hidden_size;
-        let positions: Vec<usize> = (offset..offset + n).collect();
-        let mut h = self.embed_tokens.forward(tokens);
-        ops::scale_inplace(&mut h, self.embed_scale);
-        let per_layer_inputs = self
-            .per_layer_inputs
-            .as_ref()
-            .map(|p| (p.forward(tokens, &h, hidden), p.dim));
+        let positions = Positions::following(offset, tokens.len(), &self.info.device)?;
+        let mut h = self.embed_tokens.forward(tokens)?;
+        ops::scale_inplace(&mut h, self.embed_scale)?;
+        let per_layer_inputs = match &self.per_layer_inputs {
+            Some(p) => Some((p.forward(tokens, &h, hidden)?, p.dim)),
+            None => None,
+        };
         for (i, block) in self.layers.iter().enumerate() {
             let attn = &block.self_attn;
-            let x = block.input_layernorm.forward(&h);
+            let x = block.input_layernorm.forward(&h)?;
             if let Some(kv) = &attn.kv {
                 attn.store_kv(kv, &x, &positions, &mut cache.layers[i])?;
             }
             let mut r = attn.forward(&x, &positions, &cache.layers[block.kv_source])?;
-            block.post_attention_layernorm.forward_inplace(&mut r);
-            ops::add_inplace(&mut h, &r);
+            block.post_attention_layernorm.forward_inplace(&mut r)?;
+            ops::add_inplace(&mut h, &r)?;
 
             let mut r = match &block.moe {
-                Some(moe) => moe.forward(&block.mlp, &block.pre_feedforward_layernorm, &h, n),
+                Some(moe) => moe.forward(&block.mlp, &block.pre_feedforward_layernorm, &h)?,
                 None => block
                     .mlp
-                    .forward_geglu(&block.pre_feedforward_layernorm.forward(&h), n),
+                    .forward_geglu(&block.pre_feedforward_layernorm.forward(&h)?)?,
             };
-            block.post_feedforward_layernorm.forward_inplace(&mut r);
-            ops::add_inplace(&mut h, &r);
+            block.post_feedforward_layernorm.forward_inplace(&mut r)?;
+            ops::add_inplace(&mut h, &r)?;
 
             if let (Some(gate), Some((inputs, dim))) = (&block.per_layer, &per_layer_inputs) {
-                let mut g = gate.per_layer_input_gate.forward(&h, n);
-                let stride = self.layers.len() * dim;
-                for (t, row) in g.chunks_exact_mut(*dim).enumerate() {
-                    let input = &inputs[t * stride + i * dim..][..*dim];
-                    ops::gelu_approx_mul_inplace(row, input);
-                }
-                let mut g = gate.per_layer_projection.forward(&g, n);
-                gate.post_per_layer_input_norm.forward_inplace(&mut g);
-                ops::add_inplace(&mut h, &g);
+                let mut g = gate.per_layer_input_gate.forward(&h)?;
+                let input = ops::columns(inputs, i * dim, *dim)?;
+                ops::gelu_approx_mul_inplace(&mut g, &input)?;
+                let mut g = gate.per_layer_projection.forward(&g)?;
+                gate.post_per_layer_input_norm.forward_inplace(&mut g)?;
+                ops::add_inplace(&mut h, &g)?;
             }
-            ops::scale_inplace(&mut h, block.layer_scalar);
+            ops::scale_inplace(&mut h, block.layer_scalar)?;
         }
-        cache.offset += n;
-        let (mut h, rows) = match logits {
-            Logits::All => (h, n),
-            Logits::Last => (h.split_off((n - 1) * hidden), 1),
-        };
-        self.norm.forward_inplace(&mut h);
-        let mut out = match &self.lm_head {
-            Some(head) => head.forward(&h, rows),
-            None => self.embed_tokens.as_linear(&h, rows),
-        };
-        if let Some(cap) = self.final_logit_softcapping {
-            ops::softcap_inplace(&mut out, cap);
-        }
-        Ok(Tensor::new(vec![rows, self.info.vocab_size], out))
+        cache.offset += tokens.len();
+        Ok(self.head.forward(h, logits, &self.embed_tokens)?)
     }
 }

@@ -1,13 +1,17 @@
 //! Layers shared by every architecture, each built from a [`Checkpoint`] by its weight prefix.
 
-use oxlm_engine::ops::{self, KvView};
-use oxlm_engine::{DType, FloatMatrix, QuantizedMatrix};
+use oxlm_engine::{
+    ops, DType, Device, EngineError, FloatMatrix, Positions, QuantizedMatrix, Tensor,
+};
 use serde_json::Value;
 
 use crate::cache::{KvCache, RotatingKvCache};
 use crate::checkpoint::{Checkpoint, RawTensor};
 use crate::lora::{LoraLinear, ModuleAdapters};
-use crate::LoadError;
+use crate::{LoadError, Logits};
+
+/// What the ops of a forward pass may fail with (device errors, shapes).
+pub type OpResult<T> = Result<T, EngineError>;
 
 /// A `[rows, cols]` weight matrix, quantized (when the checkpoint has `.scales` for it) or not.
 #[derive(Debug, Clone)]
@@ -47,9 +51,10 @@ impl Weight {
                     format!("[{rows}, {cols}] floats"),
                 ));
             }
-            return FloatMatrix::new(rows, cols, weight.dtype, weight.data)
-                .map(Weight::Dense)
-                .map_err(engine_err);
+            let mut dense =
+                FloatMatrix::new(rows, cols, weight.dtype, weight.data).map_err(engine_err)?;
+            dense.place(&ckpt.device).map_err(engine_err)?;
+            return Ok(Weight::Dense(dense));
         }
         let scales = ckpt.take(&format!("{prefix}.scales"))?;
         let biases = ckpt.take(&format!("{prefix}.biases"))?;
@@ -79,7 +84,7 @@ impl Weight {
                 ));
             }
         }
-        QuantizedMatrix::new(
+        let mut quantized = QuantizedMatrix::new(
             rows,
             cols,
             spec.bits,
@@ -89,8 +94,17 @@ impl Weight {
             scales.data,
             biases.data,
         )
-        .map(Weight::Quantized)
-        .map_err(engine_err)
+        .map_err(engine_err)?;
+        quantized.place(&ckpt.device).map_err(engine_err)?;
+        Ok(Weight::Quantized(quantized))
+    }
+
+    /// Copies the weights to `device`'s memory (for matrices made outside a checkpoint).
+    pub fn place(&mut self, device: &Device) -> OpResult<()> {
+        match self {
+            Weight::Dense(w) => w.place(device),
+            Weight::Quantized(w) => w.place(device),
+        }
     }
 
     pub fn rows(&self) -> usize {
@@ -107,27 +121,29 @@ impl Weight {
         }
     }
 
-    /// `x[m, cols] · Wᵀ` as a new `[m, rows]` buffer.
-    pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
-        let mut y = vec![0.0; m * self.rows()];
+    /// `x[…, cols] · Wᵀ`: `[…, rows]`, on `x`'s device.
+    pub fn matmul(&self, x: &Tensor) -> OpResult<Tensor> {
         match self {
-            Weight::Dense(w) => w.matmul(x, m, &mut y),
-            Weight::Quantized(w) => w.matmul(x, m, &mut y),
+            Weight::Dense(w) => ops::matmul(w, x),
+            Weight::Quantized(w) => ops::matmul(w, x),
         }
-        y
     }
 
-    /// Row `row` as f32 (an embedding lookup).
-    pub fn row(&self, row: usize, out: &mut [f32]) {
+    /// Rows `ids` as f32 on `device` (an embedding lookup).
+    pub fn rows_of(&self, ids: &[usize], device: &Device) -> OpResult<Tensor> {
         match self {
-            Weight::Dense(w) => w.row_to_f32(row, out),
-            Weight::Quantized(w) => w.dequantize_row(row, out),
+            Weight::Dense(w) => ops::matrix_rows(w, ids, device),
+            Weight::Quantized(w) => ops::matrix_rows(w, ids, device),
         }
     }
 }
 
-/// Loads a 1-D float array of `len` values as f32 (norm weights, biases).
-pub fn load_vector(ckpt: &mut Checkpoint, name: &str, len: usize) -> Result<Vec<f32>, LoadError> {
+/// Loads a 1-D float array of `len` values as f32, in host memory.
+pub fn load_host_vector(
+    ckpt: &mut Checkpoint,
+    name: &str,
+    len: usize,
+) -> Result<Vec<f32>, LoadError> {
     let t = ckpt.take(name)?;
     if t.shape != [len] || !t.dtype.is_float() {
         return Err(shape_error(name, &t, format!("[{len}] floats")));
@@ -140,11 +156,26 @@ pub fn load_vector(ckpt: &mut Checkpoint, name: &str, len: usize) -> Result<Vec<
         })
 }
 
+/// Loads a 1-D float array of `len` values as f32 on the checkpoint's device (norm weights,
+/// biases).
+pub fn load_vector(ckpt: &mut Checkpoint, name: &str, len: usize) -> Result<Tensor, LoadError> {
+    let values = load_host_vector(ckpt, name, len)?;
+    place_vector(&values, &ckpt.device, name)
+}
+
+/// `values` as a 1-D tensor on `device`; `name` labels an error.
+pub fn place_vector(values: &[f32], device: &Device, name: &str) -> Result<Tensor, LoadError> {
+    Tensor::from_slice(vec![values.len()], values, device).map_err(|source| LoadError::Engine {
+        name: name.to_string(),
+        source,
+    })
+}
+
 /// `y = x Wᵀ (+ b)`.
 #[derive(Debug, Clone)]
 pub struct Linear {
     pub weight: Weight,
-    pub bias: Option<Vec<f32>>,
+    pub bias: Option<Tensor>,
 }
 
 impl Linear {
@@ -162,23 +193,21 @@ impl Linear {
         Ok(Linear { weight, bias })
     }
 
-    /// Applies the layer to `m` rows of `x`.
-    pub fn forward(&self, x: &[f32], m: usize) -> Vec<f32> {
-        self.forward_adapted(x, m, None)
+    /// Applies the layer to the rows of `x`.
+    pub fn forward(&self, x: &Tensor) -> OpResult<Tensor> {
+        self.forward_adapted(x, None)
     }
 
     /// [`Linear::forward`] plus a LoRA adapter's low-rank update, when one is given.
-    pub fn forward_adapted(&self, x: &[f32], m: usize, adapter: Option<&LoraLinear>) -> Vec<f32> {
-        let mut y = self.weight.matmul(x, m);
+    pub fn forward_adapted(&self, x: &Tensor, adapter: Option<&LoraLinear>) -> OpResult<Tensor> {
+        let mut y = self.weight.matmul(x)?;
         if let Some(b) = &self.bias {
-            for row in y.chunks_exact_mut(b.len()) {
-                ops::add_inplace(row, b);
-            }
+            ops::add_row_inplace(&mut y, b)?;
         }
         if let Some(adapter) = adapter {
-            adapter.add_to(x, m, &mut y);
+            adapter.add_to_tensor(x, &mut y)?;
         }
-        y
+        Ok(y)
     }
 }
 
@@ -186,6 +215,8 @@ impl Linear {
 #[derive(Debug, Clone)]
 pub struct Embedding {
     pub weight: Weight,
+    /// Where lookups put their rows: the device the model was loaded for.
+    pub device: Device,
 }
 
 impl Embedding {
@@ -197,6 +228,7 @@ impl Embedding {
     ) -> Result<Self, LoadError> {
         Ok(Embedding {
             weight: Weight::load(ckpt, prefix, vocab, dim)?,
+            device: ckpt.device.clone(),
         })
     }
 
@@ -209,24 +241,21 @@ impl Embedding {
     }
 
     /// `[tokens, dim]` embeddings of `tokens` (ids already checked against the vocabulary).
-    pub fn forward(&self, tokens: &[u32]) -> Vec<f32> {
-        let dim = self.dim();
-        let mut out = vec![0.0; tokens.len() * dim];
-        for (&t, row) in tokens.iter().zip(out.chunks_exact_mut(dim)) {
-            self.weight.row(t as usize, row);
-        }
-        out
+    pub fn forward(&self, tokens: &[u32]) -> OpResult<Tensor> {
+        let ids: Vec<usize> = tokens.iter().map(|&t| t as usize).collect();
+        self.weight.rows_of(&ids, &self.device)
     }
 
     /// Logits `x · Eᵀ` (a tied output head).
-    pub fn as_linear(&self, x: &[f32], m: usize) -> Vec<f32> {
-        self.weight.matmul(x, m)
+    pub fn as_linear(&self, x: &Tensor) -> OpResult<Tensor> {
+        self.weight.matmul(x)
     }
 }
 
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
-    pub weight: Vec<f32>,
+    /// `[dim]`: each run of `dim` features is normed on its own (a row, or a head).
+    pub weight: Tensor,
     pub eps: f32,
 }
 
@@ -243,22 +272,32 @@ impl RmsNorm {
         })
     }
 
-    pub fn forward(&self, x: &[f32]) -> Vec<f32> {
-        let mut out = vec![0.0; x.len()];
-        ops::rms_norm(x, &self.weight, self.eps, &mut out);
-        out
+    /// A norm with the scale `weight`, on `device`.
+    pub fn new(weight: &[f32], eps: f32, device: &Device) -> Result<Self, LoadError> {
+        Ok(RmsNorm {
+            weight: place_vector(weight, device, "norm weight")?,
+            eps,
+        })
     }
 
-    pub fn forward_inplace(&self, x: &mut [f32]) {
-        ops::rms_norm_inplace(x, &self.weight, self.eps);
+    pub fn dim(&self) -> usize {
+        self.weight.len()
+    }
+
+    pub fn forward(&self, x: &Tensor) -> OpResult<Tensor> {
+        ops::rms_norm(x, &self.weight, self.eps)
+    }
+
+    pub fn forward_inplace(&self, x: &mut Tensor) -> OpResult<()> {
+        ops::rms_norm_inplace(x, &self.weight, self.eps)
     }
 }
 
 /// Rotary position embedding with the frequencies of one of mlx-lm's RoPE variants.
 #[derive(Debug, Clone)]
 pub struct Rope {
-    /// Angle per position for each rotated pair.
-    pub inv_freqs: Vec<f32>,
+    /// Angle per position for each rotated pair, on the model's device.
+    pub inv_freqs: Tensor,
     pub traditional: bool,
 }
 
@@ -270,6 +309,7 @@ impl Rope {
         base: f32,
         traditional: bool,
         scaling: Option<&Value>,
+        device: &Device,
     ) -> Result<Self, LoadError> {
         let rope_type = scaling
             .and_then(|s| s.get("type").or_else(|| s.get("rope_type")))
@@ -334,14 +374,21 @@ impl Rope {
             )))
             }
         };
+        let inv_freqs: Vec<f32> = periods.iter().map(|&p| (1.0 / p) as f32).collect();
         Ok(Rope {
-            inv_freqs: periods.iter().map(|&p| (1.0 / p) as f32).collect(),
+            inv_freqs: place_vector(&inv_freqs, device, "rope frequencies")?,
             traditional,
         })
     }
 
-    /// Rotates `x` (`[tokens, heads, head_dim]`) in place for the given positions.
-    pub fn apply(&self, x: &mut [f32], heads: usize, head_dim: usize, positions: &[usize]) {
+    /// Rotates `x` (`[tokens, heads · head_dim]`) in place for the given positions.
+    pub fn apply(
+        &self,
+        x: &mut Tensor,
+        heads: usize,
+        head_dim: usize,
+        positions: &Positions,
+    ) -> OpResult<()> {
         ops::rope_inplace(
             x,
             heads,
@@ -349,7 +396,7 @@ impl Rope {
             positions,
             &self.inv_freqs,
             self.traditional,
-        );
+        )
     }
 }
 
@@ -371,33 +418,34 @@ pub struct Attention {
 
 impl Attention {
     /// `x` is `[tokens, hidden]`; the new keys and values are appended to `cache`.
-    pub fn forward(&self, x: &[f32], positions: &[usize], cache: &mut KvCache) -> Vec<f32> {
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        positions: &Positions,
+        cache: &mut KvCache,
+    ) -> OpResult<Tensor> {
         self.forward_adapted(x, positions, cache, ModuleAdapters::NONE)
     }
 
     /// [`Attention::forward`] with the projections `lora` names adapted.
     pub fn forward_adapted(
         &self,
-        x: &[f32],
-        positions: &[usize],
+        x: &Tensor,
+        positions: &Positions,
         cache: &mut KvCache,
         lora: ModuleAdapters,
-    ) -> Vec<f32> {
-        let n = positions.len();
-        let (q, k, v) = self.project_adapted(x, positions, lora);
-        cache.append(&k, &v);
-        let mut out = vec![0.0; n * self.heads * self.head_dim];
-        let kv: KvView = cache.view();
-        ops::attention(
+    ) -> OpResult<Tensor> {
+        let (q, k, v) = self.project_adapted(x, positions, lora)?;
+        cache.append(&k, &v)?;
+        let out = ops::attention(
             &q,
             self.heads,
             self.head_dim,
             positions,
-            &kv,
+            &cache.view(),
             self.scale,
-            &mut out,
-        );
-        self.o_proj.forward_adapted(&out, n, lora.get("o_proj"))
+        )?;
+        self.o_proj.forward_adapted(&out, lora.get("o_proj"))
     }
 }
 
@@ -424,17 +472,16 @@ impl Mlp {
         })
     }
 
-    pub fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
-        self.forward_adapted(x, n, ModuleAdapters::NONE)
+    pub fn forward(&self, x: &Tensor) -> OpResult<Tensor> {
+        self.forward_adapted(x, ModuleAdapters::NONE)
     }
 
     /// [`Mlp::forward`] with the projections `lora` names adapted.
-    pub fn forward_adapted(&self, x: &[f32], n: usize, lora: ModuleAdapters) -> Vec<f32> {
-        let mut gate = self.gate_proj.forward_adapted(x, n, lora.get("gate_proj"));
-        let up = self.up_proj.forward_adapted(x, n, lora.get("up_proj"));
-        ops::silu_mul_inplace(&mut gate, &up);
-        self.down_proj
-            .forward_adapted(&gate, n, lora.get("down_proj"))
+    pub fn forward_adapted(&self, x: &Tensor, lora: ModuleAdapters) -> OpResult<Tensor> {
+        let mut gate = self.gate_proj.forward_adapted(x, lora.get("gate_proj"))?;
+        let up = self.up_proj.forward_adapted(x, lora.get("up_proj"))?;
+        ops::silu_mul_inplace(&mut gate, &up)?;
+        self.down_proj.forward_adapted(&gate, lora.get("down_proj"))
     }
 }
 
@@ -446,82 +493,106 @@ impl RmsNorm {
         dim: usize,
         eps: f32,
     ) -> Result<Self, LoadError> {
-        let mut norm = RmsNorm::load(ckpt, prefix, dim, eps)?;
-        for w in &mut norm.weight {
+        let mut weight = load_host_vector(ckpt, &format!("{prefix}.weight"), dim)?;
+        for w in &mut weight {
             *w += 1.0;
         }
-        Ok(norm)
+        RmsNorm::new(&weight, eps, &ckpt.device)
     }
 
     /// A norm without a learned scale (`mx.fast.rms_norm(x, None, eps)`).
-    pub fn unscaled(dim: usize, eps: f32) -> Self {
-        RmsNorm {
-            weight: vec![1.0; dim],
-            eps,
-        }
+    pub fn unscaled(dim: usize, eps: f32, device: &Device) -> Result<Self, LoadError> {
+        RmsNorm::new(&vec![1.0; dim], eps, device)
     }
 }
 
 impl Mlp {
     /// The GeGLU feed-forward block of Gemma: `down(gelu_approx(gate(x)) * up(x))`.
-    pub fn forward_geglu(&self, x: &[f32], n: usize) -> Vec<f32> {
-        let mut gate = self.gate_proj.forward(x, n);
-        let up = self.up_proj.forward(x, n);
-        ops::gelu_approx_mul_inplace(&mut gate, &up);
-        self.down_proj.forward(&gate, n)
+    pub fn forward_geglu(&self, x: &Tensor) -> OpResult<Tensor> {
+        let mut gate = self.gate_proj.forward(x)?;
+        let up = self.up_proj.forward(x)?;
+        ops::gelu_approx_mul_inplace(&mut gate, &up)?;
+        self.down_proj.forward(&gate)
     }
 }
 
 impl Attention {
     /// Queries, keys and values of `x` (`[tokens, hidden]`), normed and rotated.
-    pub fn project(&self, x: &[f32], positions: &[usize]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    pub fn project(&self, x: &Tensor, positions: &Positions) -> OpResult<(Tensor, Tensor, Tensor)> {
         self.project_adapted(x, positions, ModuleAdapters::NONE)
     }
 
     /// [`Attention::project`] with the projections `lora` names adapted.
     pub fn project_adapted(
         &self,
-        x: &[f32],
-        positions: &[usize],
+        x: &Tensor,
+        positions: &Positions,
         lora: ModuleAdapters,
-    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-        let n = positions.len();
-        let mut q = self.q_proj.forward_adapted(x, n, lora.get("q_proj"));
-        let mut k = self.k_proj.forward_adapted(x, n, lora.get("k_proj"));
-        let v = self.v_proj.forward_adapted(x, n, lora.get("v_proj"));
+    ) -> OpResult<(Tensor, Tensor, Tensor)> {
+        let mut q = self.q_proj.forward_adapted(x, lora.get("q_proj"))?;
+        let mut k = self.k_proj.forward_adapted(x, lora.get("k_proj"))?;
+        let v = self.v_proj.forward_adapted(x, lora.get("v_proj"))?;
         if let Some(norm) = &self.q_norm {
-            norm.forward_inplace(&mut q);
+            norm.forward_inplace(&mut q)?;
         }
         if let Some(norm) = &self.k_norm {
-            norm.forward_inplace(&mut k);
+            norm.forward_inplace(&mut k)?;
         }
         self.rope
-            .apply(&mut q, self.heads, self.head_dim, positions);
+            .apply(&mut q, self.heads, self.head_dim, positions)?;
         self.rope
-            .apply(&mut k, self.kv_heads, self.head_dim, positions);
-        (q, k, v)
+            .apply(&mut k, self.kv_heads, self.head_dim, positions)?;
+        Ok((q, k, v))
     }
 
     /// As [`Attention::forward`] for a sliding-window layer: each query sees the window its
     /// `cache` keeps.
     pub fn forward_sliding(
         &self,
-        x: &[f32],
-        positions: &[usize],
+        x: &Tensor,
+        positions: &Positions,
         cache: &mut RotatingKvCache,
-    ) -> Vec<f32> {
-        let (q, k, v) = self.project(x, positions);
-        cache.append(&k, &v);
-        let mut out = vec![0.0; q.len()];
-        ops::sliding_window_attention(
+    ) -> OpResult<Tensor> {
+        let (q, k, v) = self.project(x, positions)?;
+        cache.append(&k, &v)?;
+        let out = ops::attention(
             &q,
             self.heads,
             self.head_dim,
             positions,
             &cache.view(),
             self.scale,
-            &mut out,
-        );
-        self.o_proj.forward(&out, positions.len())
+        )?;
+        self.o_proj.forward(&out)
+    }
+}
+
+/// The end of every model: the last positions' hidden states (all for [`Logits::All`]), the
+/// final norm, the output head (the embeddings when tied), optional soft-capping, and the logits
+/// copied to the host for sampling.
+pub struct OutputHead {
+    pub norm: RmsNorm,
+    /// `None` when the head is tied to the embeddings.
+    pub lm_head: Option<Linear>,
+    pub softcap: Option<f32>,
+}
+
+impl OutputHead {
+    /// Logits `[rows, vocab]` of `h` (`[tokens, hidden]`).
+    pub fn forward(&self, h: Tensor, logits: Logits, embed: &Embedding) -> OpResult<Tensor> {
+        let n = h.rows();
+        let mut h = match logits {
+            Logits::All => h,
+            Logits::Last => ops::rows(&h, n - 1, 1)?,
+        };
+        self.norm.forward_inplace(&mut h)?;
+        let mut out = match &self.lm_head {
+            Some(head) => head.forward(&h)?,
+            None => embed.as_linear(&h)?,
+        };
+        if let Some(cap) = self.softcap {
+            ops::softcap_inplace(&mut out, cap)?;
+        }
+        out.into_host()
     }
 }

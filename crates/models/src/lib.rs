@@ -23,7 +23,7 @@ use std::path::Path;
 pub use cache::Cache;
 pub use checkpoint::{Checkpoint, Config};
 pub use error::{ForwardError, LoadError, TruncateError};
-use oxlm_engine::Tensor;
+use oxlm_engine::{Device, Tensor};
 
 /// What callers need to know about a loaded model.
 #[derive(Debug, Clone)]
@@ -34,6 +34,8 @@ pub struct ModelInfo {
     pub num_layers: usize,
     /// `max_position_embeddings`, when the config states it.
     pub max_context: Option<usize>,
+    /// Where the weights live and the forward pass runs.
+    pub device: Device,
 }
 
 /// Which positions' logits a forward pass returns.
@@ -49,8 +51,8 @@ pub enum Logits {
 pub trait LanguageModel: Send + Sync {
     fn info(&self) -> &ModelInfo;
 
-    /// Fresh per-layer state for one sequence.
-    fn new_cache(&self) -> Cache;
+    /// Fresh per-layer state for one sequence, on the model's device.
+    fn new_cache(&self) -> Result<Cache, ForwardError>;
 
     /// Runs `tokens` at the positions following what `cache` holds and appends their state.
     fn forward(
@@ -128,8 +130,14 @@ pub fn supported_model_types() -> Vec<&'static str> {
     REGISTRY.iter().map(|(name, _)| *name).collect()
 }
 
-/// Opens the MLX model directory `dir` and builds its architecture.
+/// Opens the MLX model directory `dir` and builds its architecture on the CPU.
 pub fn load(dir: &Path) -> Result<Box<dyn LanguageModel>, LoadError> {
+    load_on(dir, &Device::Cpu)
+}
+
+/// Opens the MLX model directory `dir` and builds its architecture with its weights on
+/// `device` (copied there once, in their packed form).
+pub fn load_on(dir: &Path, device: &Device) -> Result<Box<dyn LanguageModel>, LoadError> {
     // The architecture is checked before any weight file is opened.
     let config = Config::from_value(checkpoint::read_json(&dir.join("config.json"))?)?;
     let model_type = config.model_type()?.to_string();
@@ -141,5 +149,7 @@ pub fn load(dir: &Path) -> Result<Box<dyn LanguageModel>, LoadError> {
             found: model_type,
             supported: supported_model_types(),
         })?;
-    constructor(Checkpoint::open(dir)?)
+    let mut ckpt = Checkpoint::open(dir)?;
+    ckpt.device = device.clone();
+    constructor(ckpt)
 }

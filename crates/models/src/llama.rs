@@ -5,11 +5,11 @@ use serde_json::Value;
 
 use crate::cache::{Cache, KvCache, LayerCache};
 use crate::checkpoint::Checkpoint;
-use crate::layers::{Attention, Embedding, Linear, Mlp, RmsNorm, Rope};
+use crate::layers::{Attention, Embedding, Linear, Mlp, OutputHead, RmsNorm, Rope};
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::lora_grad::{Example, LossAndGrads};
 use crate::{check_tokens, LanguageModel, LoadError, Logits, ModelInfo};
-use oxlm_engine::{ops, Tensor};
+use oxlm_engine::{ops, Positions, Tensor};
 
 use crate::ForwardError;
 
@@ -25,9 +25,7 @@ pub struct Llama {
     pub(crate) info: ModelInfo,
     pub(crate) embed_tokens: Embedding,
     pub(crate) layers: Vec<Block>,
-    pub(crate) norm: RmsNorm,
-    /// `None` when the output head is tied to the embeddings.
-    pub(crate) lm_head: Option<Linear>,
+    pub(crate) head: OutputHead,
 }
 
 /// The per-family switches that distinguish the model types this file serves.
@@ -99,7 +97,13 @@ impl Llama {
                 "{heads} attention heads cannot be grouped over {kv_heads} key/value heads"
             )));
         }
-        let rope = Rope::new(head_dim, rope_theta, traditional, scaling.as_ref())?;
+        let rope = Rope::new(
+            head_dim,
+            rope_theta,
+            traditional,
+            scaling.as_ref(),
+            &ckpt.device,
+        )?;
         ckpt.discard_where(|name| name.contains("self_attn.rotary_emb.inv_freq"));
         if tied {
             ckpt.discard_where(|name| name.starts_with("lm_head."));
@@ -179,6 +183,7 @@ impl Llama {
         let lm_head = (!tied)
             .then(|| Linear::load(&mut ckpt, "lm_head", hidden, vocab, false))
             .transpose()?;
+        let device = ckpt.device.clone();
         ckpt.finish()?;
         Ok(Llama {
             info: ModelInfo {
@@ -187,11 +192,15 @@ impl Llama {
                 hidden_size: hidden,
                 num_layers: layers,
                 max_context,
+                device,
             },
             embed_tokens,
             layers: blocks,
-            norm,
-            lm_head,
+            head: OutputHead {
+                norm,
+                lm_head,
+                softcap: None,
+            },
         })
     }
 }
@@ -201,13 +210,14 @@ impl LanguageModel for Llama {
         &self.info
     }
 
-    fn new_cache(&self) -> Cache {
-        Cache::new(
-            self.layers
-                .iter()
-                .map(|b| LayerCache::Kv(KvCache::new(b.self_attn.kv_heads, b.self_attn.head_dim)))
-                .collect(),
-        )
+    fn new_cache(&self) -> Result<Cache, ForwardError> {
+        let device = &self.info.device;
+        Ok(Cache::from_layers(self.layers.iter().map(|b| {
+            let a = &b.self_attn;
+            Ok(LayerCache::Kv(KvCache::new(
+                a.kv_heads, a.head_dim, device,
+            )?))
+        }))?)
     }
 
     fn forward(
@@ -278,33 +288,25 @@ impl Llama {
     ) -> Result<Tensor, ForwardError> {
         let offset = cache.offset;
         check_tokens(&self.info, tokens, offset)?;
-        let n = tokens.len();
-        let positions: Vec<usize> = (offset..offset + n).collect();
-        let mut h = self.embed_tokens.forward(tokens);
+        if cache.layers.len() != self.layers.len() {
+            return Err(ForwardError::CacheMismatch);
+        }
+        let positions = Positions::following(offset, tokens.len(), &self.info.device)?;
+        let mut h = self.embed_tokens.forward(tokens)?;
         for (i, (block, layer_cache)) in self.layers.iter().zip(&mut cache.layers).enumerate() {
             let LayerCache::Kv(kv) = layer_cache else {
                 return Err(ForwardError::CacheMismatch);
             };
             let lora = |module| adapters.map_or(ModuleAdapters::NONE, |a| a.module(i, module));
-            let x = block.input_layernorm.forward(&h);
+            let x = block.input_layernorm.forward(&h)?;
             let attn = block
                 .self_attn
-                .forward_adapted(&x, &positions, kv, lora("self_attn"));
-            ops::add_inplace(&mut h, &attn);
-            let x = block.post_attention_layernorm.forward(&h);
-            ops::add_inplace(&mut h, &block.mlp.forward_adapted(&x, n, lora("mlp")));
+                .forward_adapted(&x, &positions, kv, lora("self_attn"))?;
+            ops::add_inplace(&mut h, &attn)?;
+            let x = block.post_attention_layernorm.forward(&h)?;
+            ops::add_inplace(&mut h, &block.mlp.forward_adapted(&x, lora("mlp"))?)?;
         }
-        cache.offset += n;
-        let hidden = self.info.hidden_size;
-        let (mut h, rows) = match logits {
-            Logits::All => (h, n),
-            Logits::Last => (h.split_off((n - 1) * hidden), 1),
-        };
-        self.norm.forward_inplace(&mut h);
-        let out = match &self.lm_head {
-            Some(head) => head.forward(&h, rows),
-            None => self.embed_tokens.as_linear(&h, rows),
-        };
-        Ok(Tensor::new(vec![rows, self.info.vocab_size], out))
+        cache.offset += tokens.len();
+        Ok(self.head.forward(h, logits, &self.embed_tokens)?)
     }
 }

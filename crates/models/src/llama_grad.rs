@@ -5,13 +5,15 @@
 
 use std::collections::BTreeMap;
 
+use oxlm_engine::cpu::attention::KvView;
+use oxlm_engine::cpu::elementwise::add_inplace;
 use oxlm_engine::grad::{
     attention_backward, cross_entropy, cross_entropy_backward_inplace, rms_norm_backward,
     rope_backward_inplace, silu_mul_backward,
 };
-use oxlm_engine::ops::{self, KvView};
+use oxlm_engine::{ops, Positions, Tensor};
 
-use crate::layers::{Attention, Linear};
+use crate::layers::{Attention, Linear, OpResult};
 use crate::llama::{Block, Llama};
 use crate::lora::{block_path, Adapters, ModuleAdapters};
 use crate::lora_grad::{
@@ -22,29 +24,30 @@ use crate::{check_tokens, ForwardError};
 /// Rows of logits computed at once, so that `[tokens, vocab]` never exists in full.
 const HEAD_ROWS: usize = 64;
 
-/// What a block's backward pass reads from its forward pass.
+/// What a block's backward pass reads from its forward pass (host tensors: training runs on
+/// the CPU).
 struct Saved {
-    h_in: Vec<f32>,
-    x1: Vec<f32>,
+    h_in: Tensor,
+    x1: Tensor,
     /// Queries and keys before their per-head norms (Qwen3), when the block has them.
-    q_raw: Option<Vec<f32>>,
-    k_raw: Option<Vec<f32>>,
+    q_raw: Option<Tensor>,
+    k_raw: Option<Tensor>,
     /// Rotated queries `[n, heads, head_dim]`; keys and values `[kv_heads, n, head_dim]`.
-    q: Vec<f32>,
+    q: Tensor,
     k: Vec<f32>,
     v: Vec<f32>,
-    attn: Vec<f32>,
-    h_mid: Vec<f32>,
-    x2: Vec<f32>,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    act: Vec<f32>,
+    attn: Tensor,
+    h_mid: Tensor,
+    x2: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    act: Tensor,
 }
 
 /// What an adapted block keeps for the backward pass: everything, or (checkpointing) its input.
 enum Kept {
     All(Box<Saved>),
-    Input(Vec<f32>),
+    Input(Tensor),
 }
 
 /// `[n, heads, d]` → `[heads, n, d]`: keys and values as attention reads them.
@@ -70,33 +73,45 @@ fn heads_to_tokens(x: &[f32], n: usize, heads: usize, d: usize) -> Vec<f32> {
 }
 
 fn add(mut a: Vec<f32>, b: &[f32]) -> Vec<f32> {
-    ops::add_inplace(&mut a, b);
+    add_inplace(&mut a, b);
     a
 }
 
+/// `[n, dim]` rows as a host tensor.
+fn host(values: Vec<f32>, n: usize) -> Tensor {
+    let dim = values.len() / n;
+    Tensor::new(vec![n, dim], values)
+}
+
 /// A block's forward pass over one whole sequence (positions `0..n`), keeping its activations.
-fn forward_block(block: &Block, h_in: Vec<f32>, lora: [ModuleAdapters; 2]) -> Saved {
+fn forward_block(block: &Block, h_in: Tensor, lora: [ModuleAdapters; 2]) -> OpResult<Saved> {
     let a: &Attention = &block.self_attn;
-    let n = h_in.len() / block.input_layernorm.weight.len();
-    let positions: Vec<usize> = (0..n).collect();
-    let x1 = block.input_layernorm.forward(&h_in);
-    let mut q = a.q_proj.forward_adapted(&x1, n, lora[0].get("q_proj"));
-    let mut k = a.k_proj.forward_adapted(&x1, n, lora[0].get("k_proj"));
-    let v = a.v_proj.forward_adapted(&x1, n, lora[0].get("v_proj"));
-    let q_raw = a.q_norm.as_ref().map(|norm| {
-        let raw = q.clone();
-        norm.forward_inplace(&mut q);
-        raw
-    });
-    let k_raw = a.k_norm.as_ref().map(|norm| {
-        let raw = k.clone();
-        norm.forward_inplace(&mut k);
-        raw
-    });
-    a.rope.apply(&mut q, a.heads, a.head_dim, &positions);
-    a.rope.apply(&mut k, a.kv_heads, a.head_dim, &positions);
-    let k = tokens_to_heads(&k, n, a.kv_heads, a.head_dim);
-    let v = tokens_to_heads(&v, n, a.kv_heads, a.head_dim);
+    let n = h_in.rows();
+    let positions = Positions::following(0, n, &oxlm_engine::Device::Cpu)?;
+    let x1 = block.input_layernorm.forward(&h_in)?;
+    let mut q = a.q_proj.forward_adapted(&x1, lora[0].get("q_proj"))?;
+    let mut k = a.k_proj.forward_adapted(&x1, lora[0].get("k_proj"))?;
+    let v = a.v_proj.forward_adapted(&x1, lora[0].get("v_proj"))?;
+    let q_raw = match &a.q_norm {
+        Some(norm) => {
+            let raw = q.try_clone()?;
+            norm.forward_inplace(&mut q)?;
+            Some(raw)
+        }
+        None => None,
+    };
+    let k_raw = match &a.k_norm {
+        Some(norm) => {
+            let raw = k.try_clone()?;
+            norm.forward_inplace(&mut k)?;
+            Some(raw)
+        }
+        None => None,
+    };
+    a.rope.apply(&mut q, a.heads, a.head_dim, &positions)?;
+    a.rope.apply(&mut k, a.kv_heads, a.head_dim, &positions)?;
+    let k = tokens_to_heads(k.data(), n, a.kv_heads, a.head_dim);
+    let v = tokens_to_heads(v.data(), n, a.kv_heads, a.head_dim);
     let mut attn = vec![0.0; q.len()];
     let kv = KvView {
         keys: &k,
@@ -105,20 +120,29 @@ fn forward_block(block: &Block, h_in: Vec<f32>, lora: [ModuleAdapters; 2]) -> Sa
         capacity: n,
         len: n,
     };
-    ops::attention(&q, a.heads, a.head_dim, &positions, &kv, a.scale, &mut attn);
-    let h_mid = add(
-        h_in.clone(),
-        &a.o_proj.forward_adapted(&attn, n, lora[0].get("o_proj")),
+    let p = positions.as_slice();
+    oxlm_engine::cpu::attention::attention(
+        q.data(),
+        a.heads,
+        a.head_dim,
+        p,
+        &kv,
+        a.scale,
+        &mut attn,
     );
-    let x2 = block.post_attention_layernorm.forward(&h_mid);
+    let attn = host(attn, n);
+    let mut h_mid = h_in.try_clone()?;
+    ops::add_inplace(
+        &mut h_mid,
+        &a.o_proj.forward_adapted(&attn, lora[0].get("o_proj"))?,
+    )?;
+    let x2 = block.post_attention_layernorm.forward(&h_mid)?;
     let m = &block.mlp;
-    let gate = m
-        .gate_proj
-        .forward_adapted(&x2, n, lora[1].get("gate_proj"));
-    let up = m.up_proj.forward_adapted(&x2, n, lora[1].get("up_proj"));
-    let mut act = gate.clone();
-    ops::silu_mul_inplace(&mut act, &up);
-    Saved {
+    let gate = m.gate_proj.forward_adapted(&x2, lora[1].get("gate_proj"))?;
+    let up = m.up_proj.forward_adapted(&x2, lora[1].get("up_proj"))?;
+    let mut act = gate.try_clone()?;
+    ops::silu_mul_inplace(&mut act, &up)?;
+    Ok(Saved {
         h_in,
         x1,
         q_raw,
@@ -132,17 +156,18 @@ fn forward_block(block: &Block, h_in: Vec<f32>, lora: [ModuleAdapters; 2]) -> Sa
         gate,
         up,
         act,
-    }
+    })
 }
 
 /// The block's output `h_mid + down(act)`.
-fn block_output(block: &Block, s: &Saved, lora: ModuleAdapters) -> Vec<f32> {
-    let n = s.h_in.len() / block.input_layernorm.weight.len();
+fn block_output(block: &Block, s: &Saved, lora: ModuleAdapters) -> OpResult<Tensor> {
     let down = block
         .mlp
         .down_proj
-        .forward_adapted(&s.act, n, lora.get("down_proj"));
-    add(s.h_mid.clone(), &down)
+        .forward_adapted(&s.act, lora.get("down_proj"))?;
+    let mut out = s.h_mid.try_clone()?;
+    ops::add_inplace(&mut out, &down)?;
+    Ok(out)
 }
 
 /// One block's adapters and their gradient slots, for the backward pass through its layers.
@@ -196,18 +221,24 @@ fn backward_block(
     let (a, m) = (&block.self_attn, &block.mlp);
     let n = g.tokens;
 
-    let d_act = g.through(&m.down_proj, "mlp", "down_proj", &s.act, &dh_out);
-    let (dgate, dup) = silu_mul_backward(&s.gate, &s.up, &d_act);
+    let d_act = g.through(&m.down_proj, "mlp", "down_proj", s.act.data(), &dh_out);
+    let (dgate, dup) = silu_mul_backward(s.gate.data(), s.up.data(), &d_act);
     let dx2 = add(
-        g.through(&m.gate_proj, "mlp", "gate_proj", &s.x2, &dgate),
-        &g.through(&m.up_proj, "mlp", "up_proj", &s.x2, &dup),
+        g.through(&m.gate_proj, "mlp", "gate_proj", s.x2.data(), &dgate),
+        &g.through(&m.up_proj, "mlp", "up_proj", s.x2.data(), &dup),
     );
     let norm = &block.post_attention_layernorm;
     let mut dh_mid = vec![0.0; dh_out.len()];
-    rms_norm_backward(&s.h_mid, &norm.weight, norm.eps, &dx2, &mut dh_mid);
+    rms_norm_backward(
+        s.h_mid.data(),
+        norm.weight.data(),
+        norm.eps,
+        &dx2,
+        &mut dh_mid,
+    );
     let dh_mid = add(dh_mid, &dh_out);
 
-    let d_attn = g.through(&a.o_proj, "self_attn", "o_proj", &s.attn, &dh_mid);
+    let d_attn = g.through(&a.o_proj, "self_attn", "o_proj", s.attn.data(), &dh_mid);
     let kv = KvView {
         keys: &s.k,
         values: &s.v,
@@ -215,12 +246,12 @@ fn backward_block(
         capacity: n,
         len: n,
     };
-    let grads = attention_backward(&s.q, a.heads, a.head_dim, &kv, a.scale, &d_attn);
+    let grads = attention_backward(s.q.data(), a.heads, a.head_dim, &kv, a.scale, &d_attn);
     let mut dq = grads.dq;
     let mut dk = heads_to_tokens(&grads.dk, n, a.kv_heads, a.head_dim);
     let dv = heads_to_tokens(&grads.dv, n, a.kv_heads, a.head_dim);
     let positions: Vec<usize> = (0..n).collect();
-    let (inv, traditional) = (&a.rope.inv_freqs, a.rope.traditional);
+    let (inv, traditional) = (a.rope.inv_freqs.data(), a.rope.traditional);
     rope_backward_inplace(&mut dq, a.heads, a.head_dim, &positions, inv, traditional);
     rope_backward_inplace(
         &mut dk,
@@ -236,7 +267,7 @@ fn backward_block(
     ] {
         if let (Some(norm), Some(raw)) = (norm, raw) {
             let mut dx = vec![0.0; d.len()];
-            rms_norm_backward(raw, &norm.weight, norm.eps, d, &mut dx);
+            rms_norm_backward(raw.data(), norm.weight.data(), norm.eps, d, &mut dx);
             *d = dx;
         }
     }
@@ -246,7 +277,7 @@ fn backward_block(
         (&a.k_proj, "k_proj", &dk),
         (&a.v_proj, "v_proj", &dv),
     ] {
-        let dx = g.linear(linear, "self_attn", name, &s.x1, dy, !lowest);
+        let dx = g.linear(linear, "self_attn", name, s.x1.data(), dy, !lowest);
         dx1 = match (dx1, dx) {
             (Some(acc), Some(dx)) => Some(add(acc, &dx)),
             (acc, dx) => acc.or(dx),
@@ -255,29 +286,37 @@ fn backward_block(
     let dx1 = dx1?;
     let norm = &block.input_layernorm;
     let mut dh_in = vec![0.0; dh_mid.len()];
-    rms_norm_backward(&s.h_in, &norm.weight, norm.eps, &dx1, &mut dh_in);
+    rms_norm_backward(
+        s.h_in.data(),
+        norm.weight.data(),
+        norm.eps,
+        &dx1,
+        &mut dh_in,
+    );
     Some(add(dh_in, &dh_mid))
 }
 
 impl Llama {
     /// The final norm, the head and the loss over the scored positions of `h`; returns the loss
     /// summed over them and adds `dloss · ∂loss/∂h` into a new `dh`.
-    fn head_backward(&self, h: &[f32], ex: &Example, dloss: f32) -> (f64, Vec<f32>) {
+    fn head_backward(&self, h: &Tensor, ex: &Example, dloss: f32) -> OpResult<(f64, Vec<f32>)> {
         let (dim, vocab) = (self.info.hidden_size, self.info.vocab_size);
         let mut dh = vec![0.0; h.len()];
         let mut sum = 0.0f64;
         let n = ex.inputs.len();
+        let norm = &self.head.norm;
         for start in (ex.loss_from..n).step_by(HEAD_ROWS) {
             let rows = HEAD_ROWS.min(n - start);
-            let hs = &h[start * dim..(start + rows) * dim];
-            let normed = self.norm.forward(hs);
-            let (mut logits, weight) = match &self.lm_head {
-                Some(head) => (head.forward(&normed, rows), &head.weight),
+            let hs = ops::rows(h, start, rows)?;
+            let normed = norm.forward(&hs)?;
+            let (logits, weight) = match &self.head.lm_head {
+                Some(head) => (head.forward(&normed)?, &head.weight),
                 None => (
-                    self.embed_tokens.as_linear(&normed, rows),
+                    self.embed_tokens.as_linear(&normed)?,
                     &self.embed_tokens.weight,
                 ),
             };
+            let mut logits = logits.into_vec()?;
             for (t, row) in logits.chunks_exact_mut(vocab).enumerate() {
                 let target = ex.targets[start + t] as usize;
                 sum += cross_entropy(row, target) as f64;
@@ -285,14 +324,14 @@ impl Llama {
             }
             let dnormed = base_input_grad(weight, &logits, rows);
             rms_norm_backward(
-                hs,
-                &self.norm.weight,
-                self.norm.eps,
+                hs.data(),
+                norm.weight.data(),
+                norm.eps,
                 &dnormed,
                 &mut dh[start * dim..(start + rows) * dim],
             );
         }
-        (sum, dh)
+        Ok((sum, dh))
     }
 
     fn check_example(&self, ex: &Example) -> Result<(), ForwardError> {
@@ -312,6 +351,11 @@ impl Llama {
         adapters: &Adapters,
         checkpoint: bool,
     ) -> Result<LossAndGrads, ForwardError> {
+        if !self.info.device.is_cpu() {
+            return Err(ForwardError::Engine(oxlm_engine::EngineError::Device(
+                "LoRA training runs on the CPU: load the model with the cpu device".into(),
+            )));
+        }
         for ex in examples {
             self.check_example(ex)?;
         }
@@ -328,33 +372,30 @@ impl Llama {
         let dloss = 1.0 / tokens.max(1) as f32;
         let mut sum = 0.0f64;
         for ex in examples {
-            let mut h = self.embed_tokens.forward(&ex.inputs);
+            let mut h = self.embed_tokens.forward(&ex.inputs)?;
             let lora = |i| [adapters.module(i, "self_attn"), adapters.module(i, "mlp")];
             for block in &self.layers[..lowest] {
-                h = block_output(
-                    block,
-                    &forward_block(block, h, [ModuleAdapters::NONE; 2]),
-                    ModuleAdapters::NONE,
-                );
+                let none = [ModuleAdapters::NONE; 2];
+                h = block_output(block, &forward_block(block, h, none)?, none[1])?;
             }
             let mut kept = Vec::new();
             for (i, block) in self.layers.iter().enumerate().skip(lowest) {
-                let s = forward_block(block, h, lora(i));
-                h = block_output(block, &s, lora(i)[1]);
+                let s = forward_block(block, h, lora(i))?;
+                h = block_output(block, &s, lora(i)[1])?;
                 kept.push(if checkpoint {
                     Kept::Input(s.h_in)
                 } else {
                     Kept::All(Box::new(s))
                 });
             }
-            let (loss, mut dh) = self.head_backward(&h, ex, dloss);
+            let (loss, mut dh) = self.head_backward(&h, ex, dloss)?;
             sum += loss;
             for (j, k) in kept.into_iter().enumerate().rev() {
                 let i = lowest + j;
                 let block = &self.layers[i];
                 let s = match k {
                     Kept::All(s) => *s,
-                    Kept::Input(h_in) => forward_block(block, h_in, lora(i)),
+                    Kept::Input(h_in) => forward_block(block, h_in, lora(i))?,
                 };
                 let g = BlockGrads {
                     block: i,

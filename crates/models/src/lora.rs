@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-use oxlm_engine::{FloatMatrix, Tensor};
+use oxlm_engine::{EngineError, FloatMatrix, Tensor};
 use serde_json::{json, Value};
 use thiserror::Error;
 
@@ -237,6 +237,20 @@ impl LoraLinear {
     /// `y[m, out] += scale · (x·A)·B`, the adapter's share of the layer's output.
     pub fn add_to(&self, x: &[f32], m: usize, y: &mut [f32]) {
         self.up_into(&self.down(x, m), y);
+    }
+
+    /// [`LoraLinear::add_to`] on tensors. The update is computed on the host (a rank-r product
+    /// is small); on a GPU the input comes down and the update goes up.
+    pub fn add_to_tensor(&self, x: &Tensor, y: &mut Tensor) -> Result<(), EngineError> {
+        let m = x.rows();
+        if x.is_host() && y.is_host() {
+            self.add_to(x.data(), m, y.data_mut());
+            return Ok(());
+        }
+        let mut update = vec![0.0; m * self.out_features];
+        self.add_to(&x.to_vec()?, m, &mut update);
+        let update = Tensor::from_slice(y.shape().to_vec(), &update, &y.device())?;
+        oxlm_engine::ops::add_inplace(y, &update)
     }
 }
 
@@ -493,7 +507,7 @@ impl LanguageModel for AdaptedModel<'_> {
         self.base.info()
     }
 
-    fn new_cache(&self) -> Cache {
+    fn new_cache(&self) -> Result<Cache, ForwardError> {
         self.base.new_cache()
     }
 

@@ -142,7 +142,7 @@ pub fn loss_sum(
     let vocab = model.info().vocab_size;
     let (mut sum, mut tokens) = (0.0f64, 0);
     for ex in examples {
-        let mut cache = model.new_cache();
+        let mut cache = model.new_cache()?;
         let logits = model.forward(&ex.inputs, &mut cache, Logits::All)?;
         for t in ex.loss_from..ex.inputs.len() {
             let row = &logits.data()[t * vocab..(t + 1) * vocab];

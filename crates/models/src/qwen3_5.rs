@@ -9,32 +9,20 @@
 //! them: their conv1d weights are `[channels, 1, kernel]` and their RMSNorms scale by `1 + w`.
 
 use oxlm_engine::recurrent::{self, DeltaRuleDims};
-use oxlm_engine::{ops, DType, Tensor};
+use oxlm_engine::{ops, DType, Device, Positions, Tensor};
 use serde_json::Value;
 
 use crate::cache::{Cache, KvCache, LayerCache, RecurrentCache};
 use crate::checkpoint::Checkpoint;
-use crate::layers::{load_vector, Embedding, Linear, Mlp, RmsNorm, Rope};
+use crate::layers::{
+    load_host_vector, load_vector, place_vector, Embedding, Linear, Mlp, OpResult, OutputHead,
+    RmsNorm, Rope,
+};
 use crate::switch::SparseMoe;
 use crate::{check_tokens, ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
 
 /// The eps of the L2 normalization of q and k in the delta rule (`normalize_qk`'s `eps`).
 const QK_NORM_EPS: f64 = 1e-6;
-
-fn silu_inplace(x: &mut [f32]) {
-    for v in x {
-        *v /= 1.0 + (-*v).exp();
-    }
-}
-
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
-
-/// `log(1 + eˣ)` computed as `logaddexp(x, 0)`, like `nn.softplus`.
-fn softplus(x: f32) -> f32 {
-    x.max(0.0) + (-x.abs()).exp().ln_1p()
-}
 
 /// The linear-attention mixer (mlx-lm's `GatedDeltaNet`).
 struct GatedDeltaNet {
@@ -43,13 +31,15 @@ struct GatedDeltaNet {
     in_proj_b: Linear,
     in_proj_a: Linear,
     /// Depthwise convolution weights, `[conv_dim, kernel]`.
-    conv1d: Vec<f32>,
+    conv1d: Tensor,
     kernel: usize,
-    dt_bias: Vec<f32>,
+    dt_bias: Tensor,
     /// `-exp(A_log)`: each value head's decay rate.
-    neg_a: Vec<f32>,
+    neg_a: Tensor,
     /// RMSNorm of each head's output before the `silu(z)` gate.
     norm: RmsNorm,
+    /// `normalize_qk`: L2 normalization as an unscaled RMSNorm with eps scaled by 1/k_dim.
+    unit_norm: RmsNorm,
     out_proj: Linear,
     dims: DeltaRuleDims,
 }
@@ -64,64 +54,37 @@ impl GatedDeltaNet {
         2 * self.key_dim() + self.dims.v_heads * self.dims.v_dim
     }
 
-    fn new_cache(&self) -> RecurrentCache {
-        RecurrentCache::new(self.conv_dim(), self.kernel, self.dims)
+    fn new_cache(&self, device: &Device) -> OpResult<RecurrentCache> {
+        RecurrentCache::new(self.conv_dim(), self.kernel, self.dims, device)
     }
 
-    fn forward(&self, x: &[f32], n: usize, cache: &mut RecurrentCache) -> Vec<f32> {
+    fn forward(&self, x: &Tensor, cache: &mut RecurrentCache) -> OpResult<Tensor> {
         let d = self.dims;
-        let (key_dim, conv_dim) = (self.key_dim(), self.conv_dim());
-        let qkv = self.in_proj_qkv.forward(x, n);
-        let mut z = self.in_proj_z.forward(x, n);
-        let b = self.in_proj_b.forward(x, n);
-        let a = self.in_proj_a.forward(x, n);
+        let key_dim = self.key_dim();
+        let qkv = self.in_proj_qkv.forward(x)?;
+        let mut z = self.in_proj_z.forward(x)?;
+        let b = self.in_proj_b.forward(x)?;
+        let a = self.in_proj_a.forward(x)?;
 
-        let mut mixed = vec![0.0; n * conv_dim];
-        recurrent::causal_conv1d(
-            &qkv,
-            conv_dim,
-            &self.conv1d,
-            self.kernel,
-            &mut cache.conv,
-            &mut mixed,
-        );
-        silu_inplace(&mut mixed);
-        let mut q = Vec::with_capacity(n * key_dim);
-        let mut k = Vec::with_capacity(n * key_dim);
-        let mut v = Vec::with_capacity(n * (conv_dim - 2 * key_dim));
-        for row in mixed.chunks_exact(conv_dim) {
-            q.extend_from_slice(&row[..key_dim]);
-            k.extend_from_slice(&row[key_dim..2 * key_dim]);
-            v.extend_from_slice(&row[2 * key_dim..]);
-        }
+        let mut mixed = recurrent::causal_conv1d(&qkv, &self.conv1d, self.kernel, &mut cache.conv)?;
+        ops::silu_inplace(&mut mixed)?;
+        let mut q = ops::columns(&mixed, 0, key_dim)?;
+        let mut k = ops::columns(&mixed, key_dim, key_dim)?;
+        let v = ops::columns(&mixed, 2 * key_dim, self.conv_dim() - 2 * key_dim)?;
 
-        // `normalize_qk`: L2-normalized q and k (as an RMSNorm with eps scaled by 1/k_dim), with
-        // the 1/sqrt(k_dim) readout scale folded into q.
+        // `normalize_qk`: L2-normalized q and k, with the 1/sqrt(k_dim) readout scale folded
+        // into q.
         let inv_scale = (d.k_dim as f64).powf(-0.5);
-        let unit = RmsNorm::unscaled(d.k_dim, (QK_NORM_EPS * inv_scale * inv_scale) as f32);
-        unit.forward_inplace(&mut q);
-        unit.forward_inplace(&mut k);
-        let (q_scale, k_scale) = ((inv_scale * inv_scale) as f32, inv_scale as f32);
-        q.iter_mut().for_each(|x| *x *= q_scale);
-        k.iter_mut().for_each(|x| *x *= k_scale);
+        self.unit_norm.forward_inplace(&mut q)?;
+        self.unit_norm.forward_inplace(&mut k)?;
+        ops::scale_inplace(&mut q, (inv_scale * inv_scale) as f32)?;
+        ops::scale_inplace(&mut k, inv_scale as f32)?;
 
-        // Per token and value head: write strength beta and decay g (f32, as `compute_g`).
-        let beta: Vec<f32> = b.iter().map(|&x| sigmoid(x)).collect();
-        let g: Vec<f32> = a
-            .chunks_exact(d.v_heads)
-            .flat_map(|row| {
-                row.iter()
-                    .zip(&self.dt_bias)
-                    .zip(&self.neg_a)
-                    .map(|((&a, &dt), &neg_a)| (neg_a * softplus(a + dt)).exp())
-            })
-            .collect();
-
-        let mut y = vec![0.0; v.len()];
-        recurrent::gated_delta_rule(&q, &k, &v, &g, &beta, d, &mut cache.state, &mut y);
-        self.norm.forward_inplace(&mut y);
-        ops::silu_mul_inplace(&mut z, &y);
-        self.out_proj.forward(&z, n)
+        let (g, beta) = recurrent::delta_gates(&a, &b, &self.dt_bias, &self.neg_a)?;
+        let mut y = recurrent::gated_delta_rule(&q, &k, &v, &g, &beta, d, &mut cache.state)?;
+        self.norm.forward_inplace(&mut y)?;
+        ops::silu_mul_inplace(&mut z, &y)?;
+        self.out_proj.forward(&z)
     }
 }
 
@@ -144,39 +107,30 @@ struct GatedAttention {
 }
 
 impl GatedAttention {
-    fn forward(&self, x: &[f32], positions: &[usize], cache: &mut KvCache) -> Vec<f32> {
+    fn forward(&self, x: &Tensor, positions: &Positions, cache: &mut KvCache) -> OpResult<Tensor> {
         let (n, hd) = (positions.len(), self.head_dim);
-        let projected = self.q_proj.forward(x, n);
-        let mut q = Vec::with_capacity(n * self.heads * hd);
-        let mut gate = Vec::with_capacity(n * self.heads * hd);
-        for head in projected.chunks_exact(2 * hd) {
-            q.extend_from_slice(&head[..hd]);
-            gate.extend_from_slice(&head[hd..]);
-        }
-        let mut k = self.k_proj.forward(x, n);
-        let v = self.v_proj.forward(x, n);
-        self.q_norm.forward_inplace(&mut q);
-        self.k_norm.forward_inplace(&mut k);
-        self.rope.apply(&mut q, self.heads, hd, positions);
-        self.rope.apply(&mut k, self.kv_heads, hd, positions);
-        cache.append(&k, &v);
-        let mut out = vec![0.0; q.len()];
-        ops::attention(
-            &q,
-            self.heads,
-            hd,
-            positions,
-            &cache.view(),
-            self.scale,
-            &mut out,
-        );
-        for (o, &g) in out.iter_mut().zip(&gate) {
-            *o *= sigmoid(g);
-        }
-        self.o_proj.forward(&out, n)
+        // Per head, `head_dim` queries then `head_dim` gates.
+        let projected = self
+            .q_proj
+            .forward(x)?
+            .reshape(vec![n * self.heads, 2 * hd]);
+        let mut q = ops::columns(&projected, 0, hd)?.reshape(vec![n, self.heads * hd]);
+        let gate = ops::columns(&projected, hd, hd)?.reshape(vec![n, self.heads * hd]);
+        let mut k = self.k_proj.forward(x)?;
+        let v = self.v_proj.forward(x)?;
+        self.q_norm.forward_inplace(&mut q)?;
+        self.k_norm.forward_inplace(&mut k)?;
+        self.rope.apply(&mut q, self.heads, hd, positions)?;
+        self.rope.apply(&mut k, self.kv_heads, hd, positions)?;
+        cache.append(&k, &v)?;
+        let mut out = ops::attention(&q, self.heads, hd, positions, &cache.view(), self.scale)?;
+        ops::sigmoid_mul_inplace(&mut out, &gate)?;
+        self.o_proj.forward(&out)
     }
 }
 
+// One per layer, held in a Vec: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 enum Mixer {
     Linear(GatedDeltaNet),
     Attention(GatedAttention),
@@ -200,9 +154,7 @@ pub struct Qwen3_5 {
     info: ModelInfo,
     embed_tokens: Embedding,
     layers: Vec<Block>,
-    norm: RmsNorm,
-    /// `None` when the output head is tied to the embeddings.
-    lm_head: Option<Linear>,
+    head: OutputHead,
 }
 
 /// The text model's settings (mlx-lm's `TextModelArgs`), checked for what would not build.
@@ -314,7 +266,13 @@ impl Args {
                  {head_dim}: an even number up to head_dim is needed"
             )));
         }
-        let rope = Rope::new(rotary_dims, rope_theta as f32, false, params.as_ref())?;
+        let rope = Rope::new(
+            rotary_dims,
+            rope_theta as f32,
+            false,
+            params.as_ref(),
+            &ckpt.device,
+        )?;
 
         let experts: usize = cfg.get("num_experts")?.unwrap_or(0);
         let moe = if experts > 0 {
@@ -409,9 +367,9 @@ impl Layout {
         eps: f32,
     ) -> Result<RmsNorm, LoadError> {
         let dtype = ckpt.peek(&format!("{prefix}.weight")).map(|t| t.dtype);
-        let mut norm = RmsNorm::load(ckpt, prefix, dim, eps)?;
+        let mut weight = load_host_vector(ckpt, &format!("{prefix}.weight"), dim)?;
         if self.hugging_face {
-            for w in &mut norm.weight {
+            for w in &mut weight {
                 *w = match dtype {
                     Some(DType::BF16) => half::bf16::from_f32(*w + 1.0).to_f32(),
                     Some(DType::F16) => half::f16::from_f32(*w + 1.0).to_f32(),
@@ -419,7 +377,7 @@ impl Layout {
                 };
             }
         }
-        Ok(norm)
+        RmsNorm::new(&weight, eps, &ckpt.device)
     }
 }
 
@@ -455,18 +413,22 @@ fn load_linear_attn(
     }
     // Both layouts hold `[conv_dim, kernel]` in memory.
     let conv1d = load_flat(ckpt, &name, conv_dim * kernel)?;
-
-    let a_log = load_vector(ckpt, &format!("{p}.A_log"), d.v_heads)?;
+    let device = ckpt.device.clone();
+    let a_log = load_host_vector(ckpt, &format!("{p}.A_log"), d.v_heads)?;
+    let neg_a: Vec<f32> = a_log.iter().map(|&x| -x.exp()).collect();
+    let inv_scale = (d.k_dim as f64).powf(-0.5);
+    let qk_eps = QK_NORM_EPS * inv_scale * inv_scale;
     Ok(GatedDeltaNet {
         in_proj_qkv: Linear::load(ckpt, &format!("{p}.in_proj_qkv"), h, conv_dim, false)?,
         in_proj_z: Linear::load(ckpt, &format!("{p}.in_proj_z"), h, value_dim, false)?,
         in_proj_b: Linear::load(ckpt, &format!("{p}.in_proj_b"), h, d.v_heads, false)?,
         in_proj_a: Linear::load(ckpt, &format!("{p}.in_proj_a"), h, d.v_heads, false)?,
-        conv1d,
+        conv1d: place_vector(&conv1d, &device, &name)?.reshape(vec![conv_dim, kernel]),
         kernel,
         dt_bias: load_vector(ckpt, &format!("{p}.dt_bias"), d.v_heads)?,
-        neg_a: a_log.iter().map(|&x| -x.exp()).collect(),
+        neg_a: place_vector(&neg_a, &device, &format!("{p}.A_log"))?,
         norm: RmsNorm::load(ckpt, &format!("{p}.norm"), d.v_dim, args.eps)?,
+        unit_norm: RmsNorm::unscaled(d.k_dim, qk_eps as f32, &device)?,
         out_proj: Linear::load(ckpt, &format!("{p}.out_proj"), value_dim, h, false)?,
         dims: d,
     })
@@ -577,6 +539,7 @@ impl Qwen3_5 {
         let lm_head = (!args.tied)
             .then(|| Linear::load(&mut ckpt, LM_HEAD, h, args.vocab, false))
             .transpose()?;
+        let device = ckpt.device.clone();
         ckpt.finish()?;
         Ok(Qwen3_5 {
             info: ModelInfo {
@@ -585,11 +548,15 @@ impl Qwen3_5 {
                 hidden_size: h,
                 num_layers: args.layers,
                 max_context,
+                device,
             },
             embed_tokens,
             layers: blocks,
-            norm,
-            lm_head,
+            head: OutputHead {
+                norm,
+                lm_head,
+                softcap: None,
+            },
         })
     }
 }
@@ -599,16 +566,16 @@ impl LanguageModel for Qwen3_5 {
         &self.info
     }
 
-    fn new_cache(&self) -> Cache {
-        Cache::new(
-            self.layers
-                .iter()
-                .map(|b| match &b.mixer {
-                    Mixer::Linear(m) => LayerCache::Recurrent(m.new_cache()),
-                    Mixer::Attention(m) => LayerCache::Kv(KvCache::new(m.kv_heads, m.head_dim)),
-                })
-                .collect(),
-        )
+    fn new_cache(&self) -> Result<Cache, ForwardError> {
+        let device = &self.info.device;
+        Ok(Cache::from_layers(self.layers.iter().map(|b| {
+            Ok(match &b.mixer {
+                Mixer::Linear(m) => LayerCache::Recurrent(m.new_cache(device)?),
+                Mixer::Attention(m) => {
+                    LayerCache::Kv(KvCache::new(m.kv_heads, m.head_dim, device)?)
+                }
+            })
+        }))?)
     }
 
     fn forward(
@@ -631,35 +598,24 @@ impl LanguageModel for Qwen3_5 {
         if !fits {
             return Err(ForwardError::CacheMismatch);
         }
-        let n = tokens.len();
-        let positions: Vec<usize> = (offset..offset + n).collect();
-        let mut h = self.embed_tokens.forward(tokens);
+        let positions = Positions::following(offset, tokens.len(), &self.info.device)?;
+        let mut h = self.embed_tokens.forward(tokens)?;
         for (block, layer_cache) in self.layers.iter().zip(&mut cache.layers) {
-            let x = block.input_layernorm.forward(&h);
+            let x = block.input_layernorm.forward(&h)?;
             let r = match (&block.mixer, layer_cache) {
-                (Mixer::Linear(m), LayerCache::Recurrent(c)) => m.forward(&x, n, c),
-                (Mixer::Attention(m), LayerCache::Kv(c)) => m.forward(&x, &positions, c),
+                (Mixer::Linear(m), LayerCache::Recurrent(c)) => m.forward(&x, c)?,
+                (Mixer::Attention(m), LayerCache::Kv(c)) => m.forward(&x, &positions, c)?,
                 _ => return Err(ForwardError::CacheMismatch),
             };
-            ops::add_inplace(&mut h, &r);
-            let x = block.post_attention_layernorm.forward(&h);
+            ops::add_inplace(&mut h, &r)?;
+            let x = block.post_attention_layernorm.forward(&h)?;
             let r = match &block.mlp {
-                FeedForward::Dense(mlp) => mlp.forward(&x, n),
-                FeedForward::Moe(moe) => moe.forward(&x, n),
+                FeedForward::Dense(mlp) => mlp.forward(&x)?,
+                FeedForward::Moe(moe) => moe.forward(&x)?,
             };
-            ops::add_inplace(&mut h, &r);
+            ops::add_inplace(&mut h, &r)?;
         }
-        cache.offset += n;
-        let hidden = self.info.hidden_size;
-        let (mut h, rows) = match logits {
-            Logits::All => (h, n),
-            Logits::Last => (h.split_off((n - 1) * hidden), 1),
-        };
-        self.norm.forward_inplace(&mut h);
-        let out = match &self.lm_head {
-            Some(head) => head.forward(&h, rows),
-            None => self.embed_tokens.as_linear(&h, rows),
-        };
-        Ok(Tensor::new(vec![rows, self.info.vocab_size], out))
+        cache.offset += tokens.len();
+        Ok(self.head.forward(h, logits, &self.embed_tokens)?)
     }
 }

@@ -1,7 +1,8 @@
 //! The key/value cache of a sliding-window attention layer: a ring that keeps only the positions
 //! a query can still see, as mlx-lm's `RotatingKVCache` (with `keep = 0`) does.
 
-use oxlm_engine::ops::RingKvView;
+use oxlm_engine::ops::{self, Kv};
+use oxlm_engine::{Device, EngineError, Tensor};
 
 /// Until the window fills, the ring grows in blocks of this many positions (as mlx-lm's
 /// `RotatingKVCache.step`), so that a short sequence does not reserve a whole window.
@@ -24,23 +25,28 @@ pub struct RotatingKvCache {
     /// Positions `start..end` are held.
     start: usize,
     end: usize,
-    keys: Vec<f32>,
-    values: Vec<f32>,
+    keys: Tensor,
+    values: Tensor,
 }
 
 impl RotatingKvCache {
     /// A cache for a layer whose queries see `window` positions, their own included.
-    pub fn new(kv_heads: usize, head_dim: usize, window: usize) -> Self {
-        RotatingKvCache {
+    pub fn new(
+        kv_heads: usize,
+        head_dim: usize,
+        window: usize,
+        device: &Device,
+    ) -> Result<Self, EngineError> {
+        Ok(RotatingKvCache {
             kv_heads,
             head_dim,
             window: window.max(1),
             capacity: 0,
             start: 0,
             end: 0,
-            keys: Vec::new(),
-            values: Vec::new(),
-        }
+            keys: Tensor::zeros(vec![0], device)?,
+            values: Tensor::zeros(vec![0], device)?,
+        })
     }
 
     /// Positions seen so far (not all of them are still held).
@@ -62,44 +68,42 @@ impl RotatingKvCache {
     }
 
     /// Moves the positions still needed into a ring of `capacity` slots.
-    fn resize(&mut self, capacity: usize) {
-        let d = self.head_dim;
+    fn resize(&mut self, capacity: usize) -> Result<(), EngineError> {
+        let (h, d) = (self.kv_heads, self.head_dim);
         let keep_from = self.start.max(self.end.saturating_sub(self.window - 1));
+        let device = self.keys.device();
         for buf in [&mut self.keys, &mut self.values] {
-            let mut ring = vec![0.0; self.kv_heads * capacity * d];
-            for h in 0..self.kv_heads {
-                for p in keep_from..self.end {
-                    let src = (h * self.capacity + p % self.capacity) * d;
-                    let dst = (h * capacity + p % capacity) * d;
-                    ring[dst..dst + d].copy_from_slice(&buf[src..src + d]);
-                }
-            }
+            let mut ring = Tensor::zeros(vec![h, capacity, d], &device)?;
+            ops::kv_move(
+                buf,
+                self.capacity,
+                &mut ring,
+                capacity,
+                h,
+                d,
+                keep_from..self.end,
+            )?;
             *buf = ring;
         }
         self.capacity = capacity;
         self.start = keep_from;
+        Ok(())
     }
 
-    /// Appends `[tokens, kv_heads, head_dim]` keys and values.
-    pub fn append(&mut self, keys: &[f32], values: &[f32]) {
-        let d = self.head_dim;
-        let n = keys.len() / (self.kv_heads * d);
+    /// Appends `[tokens, kv_heads · head_dim]` keys and values.
+    pub fn append(&mut self, keys: &Tensor, values: &Tensor) -> Result<(), EngineError> {
+        let (h, d) = (self.kv_heads, self.head_dim);
+        let n = keys.len() / (h * d);
         let full = self.window - 1 + n.max(1);
         let capacity = full.min((self.end + n).div_ceil(GROWTH_STEP) * GROWTH_STEP);
         if capacity != self.capacity {
-            self.resize(capacity);
+            self.resize(capacity)?;
         }
-        for t in 0..n {
-            let slot = (self.end + t) % self.capacity;
-            for h in 0..self.kv_heads {
-                let src = (t * self.kv_heads + h) * d;
-                let dst = (h * self.capacity + slot) * d;
-                self.keys[dst..dst + d].copy_from_slice(&keys[src..src + d]);
-                self.values[dst..dst + d].copy_from_slice(&values[src..src + d]);
-            }
-        }
+        ops::kv_write(&mut self.keys, keys, h, d, self.capacity, self.end)?;
+        ops::kv_write(&mut self.values, values, h, d, self.capacity, self.end)?;
         self.end += n;
         self.start = self.start.max(self.end.saturating_sub(self.capacity));
+        Ok(())
     }
 
     /// Whether [`truncate`](Self::truncate)`(len)` leaves every position the next token would
@@ -115,16 +119,29 @@ impl RotatingKvCache {
         self.start = self.start.min(self.end);
     }
 
-    pub fn view(&self) -> RingKvView<'_> {
-        RingKvView {
+    pub fn view(&self) -> Kv<'_> {
+        Kv {
             keys: &self.keys,
             values: &self.values,
             kv_heads: self.kv_heads,
             capacity: self.capacity,
             start: self.start,
             end: self.end,
-            window: self.window,
+            window: Some(self.window),
         }
+    }
+
+    /// Bytes of device memory held.
+    pub fn size_in_bytes(&self) -> usize {
+        self.keys.size_in_bytes() + self.values.size_in_bytes()
+    }
+
+    pub fn try_clone(&self) -> Result<Self, EngineError> {
+        Ok(RotatingKvCache {
+            keys: self.keys.try_clone()?,
+            values: self.values.try_clone()?,
+            ..*self
+        })
     }
 }
 
@@ -135,17 +152,24 @@ mod tests {
     /// The positions a ring holds, read back through its slots (one head, head_dim 1, key = position).
     fn held(cache: &RotatingKvCache) -> Vec<f32> {
         let v = cache.view();
-        (v.start..v.end).map(|p| v.keys[p % v.capacity]).collect()
+        (v.start..v.end)
+            .map(|p| v.keys.data()[p % v.capacity])
+            .collect()
     }
 
     fn push(cache: &mut RotatingKvCache, positions: std::ops::Range<usize>) {
         let k: Vec<f32> = positions.map(|p| p as f32).collect();
-        cache.append(&k, &k);
+        let k = Tensor::new(vec![k.len(), 1], k);
+        cache.append(&k, &k).unwrap();
+    }
+
+    fn ring(window: usize) -> RotatingKvCache {
+        RotatingKvCache::new(1, 1, window, &Device::Cpu).unwrap()
     }
 
     #[test]
     fn long_prefill_keeps_every_window_then_narrows_for_decoding() {
-        let mut cache = RotatingKvCache::new(1, 1, 4);
+        let mut cache = ring(4);
         push(&mut cache, 0..10);
         // 10 tokens at once: the first of them needs 3 earlier positions, none exist yet.
         assert_eq!(held(&cache), (0..10).map(|p| p as f32).collect::<Vec<_>>());
@@ -164,7 +188,7 @@ mod tests {
 
     #[test]
     fn a_wide_window_grows_in_steps_until_full() {
-        let mut cache = RotatingKvCache::new(1, 1, 600);
+        let mut cache = ring(600);
         for p in 0..300 {
             push(&mut cache, p..p + 1);
         }
@@ -183,7 +207,7 @@ mod tests {
 
     #[test]
     fn truncation_inside_the_ring() {
-        let mut cache = RotatingKvCache::new(1, 1, 4);
+        let mut cache = ring(4);
         push(&mut cache, 0..3);
         assert!(cache.can_truncate(2));
         cache.truncate(2);

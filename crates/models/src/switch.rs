@@ -1,10 +1,11 @@
 //! Sparse mixtures of experts: the stacked expert weights of mlx-lm's `switch_layers.py`
 //! (`SwitchGLU`) and the routed block of `qwen3_next.py` (`Qwen3NextSparseMoeBlock`).
 
-use oxlm_engine::{ops, DType, FloatMatrix, QuantizedMatrix};
+use oxlm_engine::cpu::elementwise::softmax_inplace;
+use oxlm_engine::{ops, DType, FloatMatrix, QuantizedMatrix, Tensor};
 
 use crate::checkpoint::{Checkpoint, RawTensor};
-use crate::layers::{Linear, Mlp, Weight};
+use crate::layers::{Linear, Mlp, OpResult, Weight};
 use crate::LoadError;
 
 fn shape_error(name: &str, t: &RawTensor, expected: String) -> LoadError {
@@ -48,9 +49,11 @@ pub fn load_stacked(
         }
         return (0..experts)
             .map(|e| {
-                FloatMatrix::new(rows, cols, weight.dtype, part(&weight, e, "weight")?)
+                let mut w = FloatMatrix::new(rows, cols, weight.dtype, part(&weight, e, "weight")?)
                     .map(Weight::Dense)
-                    .map_err(engine_err)
+                    .map_err(engine_err)?;
+                w.place(&ckpt.device).map_err(engine_err)?;
+                Ok(w)
             })
             .collect();
     }
@@ -87,7 +90,7 @@ pub fn load_stacked(
     }
     (0..experts)
         .map(|e| {
-            QuantizedMatrix::new(
+            let mut w = QuantizedMatrix::new(
                 rows,
                 cols,
                 spec.bits,
@@ -98,7 +101,9 @@ pub fn load_stacked(
                 part(&biases, e, "biases")?,
             )
             .map(Weight::Quantized)
-            .map_err(engine_err)
+            .map_err(engine_err)?;
+            w.place(&ckpt.device).map_err(engine_err)?;
+            Ok(w)
         })
         .collect()
 }
@@ -134,29 +139,20 @@ pub fn load_experts(
 /// `(token, weight)` pairs), so only the chosen experts' weights are read, and sums the
 /// weighted outputs per token.
 pub fn dispatch(
-    x: &[f32],
-    dim: usize,
+    x: &Tensor,
     routed: &[Vec<(usize, f32)>],
-    run_expert: impl Fn(usize, &[f32], usize) -> Vec<f32>,
-) -> Vec<f32> {
-    let mut y = vec![0.0; x.len()];
+    run_expert: impl Fn(usize, &Tensor) -> OpResult<Tensor>,
+) -> OpResult<Tensor> {
+    let mut y = Tensor::zeros(x.shape().to_vec(), &x.device())?;
     for (e, tokens) in routed.iter().enumerate() {
         if tokens.is_empty() {
             continue;
         }
-        let rows: Vec<f32> = tokens
-            .iter()
-            .flat_map(|&(t, _)| &x[t * dim..(t + 1) * dim])
-            .copied()
-            .collect();
-        let out = run_expert(e, &rows, tokens.len());
-        for (&(t, weight), o) in tokens.iter().zip(out.chunks_exact(dim)) {
-            for (yv, &ov) in y[t * dim..(t + 1) * dim].iter_mut().zip(o) {
-                *yv += weight * ov;
-            }
-        }
+        let (rows, weights): (Vec<usize>, Vec<f32>) = tokens.iter().copied().unzip();
+        let out = run_expert(e, &ops::gather_rows(x, &rows)?)?;
+        ops::scatter_add_rows(&mut y, &out, &rows, &weights)?;
     }
-    y
+    Ok(y)
 }
 
 fn sigmoid(x: f32) -> f32 {
@@ -216,17 +212,18 @@ impl SparseMoe {
         })
     }
 
-    /// `x` is `[n, dim]`. Each expert runs once on all the tokens routed to it.
-    pub fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
-        let dim = x.len() / n;
+    /// `x` is `[n, dim]`. Each expert runs once on all the tokens routed to it; routing is
+    /// decided on the host from the router's logits.
+    pub fn forward(&self, x: &Tensor) -> OpResult<Tensor> {
+        let n = x.rows();
         let count = self.experts.len();
-        let logits = self.gate.forward(x, n);
+        let logits = self.gate.forward(x)?.into_vec()?;
         // (token, weight) pairs per expert
         let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); count];
         let mut order: Vec<usize> = Vec::with_capacity(count);
         for (t, probs) in logits.chunks_exact(count).enumerate() {
             let mut probs = probs.to_vec();
-            ops::softmax_inplace(&mut probs);
+            softmax_inplace(&mut probs);
             order.clear();
             order.extend(0..count);
             order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
@@ -241,21 +238,17 @@ impl SparseMoe {
                 routed[e].push((t, weight));
             }
         }
-        let mut y = dispatch(x, dim, &routed, |e, rows, m| {
-            self.experts[e].forward(rows, m)
-        });
-        let shared = self.shared_expert.forward(x, n);
-        let shared_gate = self.shared_expert_gate.forward(x, n);
-        for ((yr, sr), &g) in y
-            .chunks_exact_mut(dim)
-            .zip(shared.chunks_exact(dim))
-            .zip(&shared_gate)
-        {
-            let g = sigmoid(g);
-            for (yv, &sv) in yr.iter_mut().zip(sr) {
-                *yv += g * sv;
-            }
-        }
-        y
+        let mut y = dispatch(x, &routed, |e, rows| self.experts[e].forward(rows))?;
+        let shared = self.shared_expert.forward(x)?;
+        let gates: Vec<f32> = self
+            .shared_expert_gate
+            .forward(x)?
+            .into_vec()?
+            .into_iter()
+            .map(sigmoid)
+            .collect();
+        let all: Vec<usize> = (0..n).collect();
+        ops::scatter_add_rows(&mut y, &shared, &all, &gates)?;
+        Ok(y)
     }
 }

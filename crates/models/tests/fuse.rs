@@ -41,7 +41,7 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 
 fn logits(dir: &Path, ids: &[u32]) -> Vec<f32> {
     let model = load(dir).unwrap();
-    let mut cache = model.new_cache();
+    let mut cache = model.new_cache().unwrap();
     model
         .forward(ids, &mut cache, Logits::All)
         .unwrap()

@@ -56,20 +56,24 @@ fn cache_diff(a: &Cache, b: &Cache) -> f32 {
     for (x, y) in a.layers.iter().zip(&b.layers) {
         let d = match (x, y) {
             (LayerCache::Recurrent(x), LayerCache::Recurrent(y)) => {
-                max_abs_diff(&x.conv, &y.conv).max(max_abs_diff(&x.state, &y.state))
+                max_abs_diff(x.conv.data(), y.conv.data())
+                    .max(max_abs_diff(x.state.data(), y.state.data()))
             }
             (LayerCache::Kv(x), LayerCache::Kv(y)) => {
                 let (x, y) = (x.view(), y.view());
-                assert_eq!((x.len, x.kv_heads), (y.len, y.kv_heads));
+                assert_eq!((x.end, x.kv_heads), (y.end, y.kv_heads));
                 let d = x.keys.len() / (x.kv_heads * x.capacity);
                 let filled = |v: &[f32], cap: usize| -> Vec<f32> {
                     (0..x.kv_heads)
-                        .flat_map(|h| v[h * cap * d..][..x.len * d].to_vec())
+                        .flat_map(|h| v[h * cap * d..][..x.end * d].to_vec())
                         .collect()
                 };
-                max_abs_diff(&filled(x.keys, x.capacity), &filled(y.keys, y.capacity)).max(
-                    max_abs_diff(&filled(x.values, x.capacity), &filled(y.values, y.capacity)),
-                )
+                let (xk, yk) = (x.keys.data(), y.keys.data());
+                let (xv, yv) = (x.values.data(), y.values.data());
+                max_abs_diff(&filled(xk, x.capacity), &filled(yk, y.capacity)).max(max_abs_diff(
+                    &filled(xv, x.capacity),
+                    &filled(yv, y.capacity),
+                ))
             }
             _ => panic!("layer kinds differ"),
         };
@@ -93,11 +97,11 @@ fn prefill_and_single_token_steps_reach_the_same_state_and_logits() {
         let tokens = sequence(name);
         let vocab = model.info().vocab_size;
 
-        let mut prefilled = model.new_cache();
+        let mut prefilled = model.new_cache().unwrap();
         let all = model.forward(&tokens, &mut prefilled, Logits::All).unwrap();
         assert!(recurrent_layers(&prefilled) >= 2, "{name}");
 
-        let mut stepped = model.new_cache();
+        let mut stepped = model.new_cache().unwrap();
         let mut worst = 0.0f32;
         for (t, &token) in tokens.iter().enumerate() {
             let logits = model.forward(&[token], &mut stepped, Logits::Last).unwrap();
@@ -118,10 +122,10 @@ fn prefill_in_chunks_equals_one_prefill() {
     let name = "qwen3_5-4bit-g64";
     let model = load(&tiny(name)).unwrap();
     let tokens = sequence(name);
-    let mut whole = model.new_cache();
+    let mut whole = model.new_cache().unwrap();
     let expected = model.forward(&tokens, &mut whole, Logits::Last).unwrap();
     // chunks shorter and longer than the convolution's kernel of 4
-    let mut chunked = model.new_cache();
+    let mut chunked = model.new_cache().unwrap();
     let mut logits = None;
     for chunk in tokens.chunks(3).take(2).chain(tokens[6..].chunks(17)) {
         logits = Some(model.forward(chunk, &mut chunked, Logits::Last).unwrap());
@@ -138,7 +142,7 @@ fn the_cache_cannot_go_back_but_a_snapshot_can() {
     let tokens = sequence(name);
     let (prefix, rest) = tokens.split_at(20);
 
-    let mut cache = model.new_cache();
+    let mut cache = model.new_cache().unwrap();
     model.forward(prefix, &mut cache, Logits::Last).unwrap();
     let snapshot = cache.clone();
     model.forward(&rest[..5], &mut cache, Logits::Last).unwrap();
@@ -164,7 +168,7 @@ fn the_cache_cannot_go_back_but_a_snapshot_can() {
     let got = model
         .forward(&rest[7..12], &mut resumed, Logits::Last)
         .unwrap();
-    let mut fresh = model.new_cache();
+    let mut fresh = model.new_cache().unwrap();
     let mut input = prefix.to_vec();
     input.extend_from_slice(&rest[7..12]);
     let want = model.forward(&input, &mut fresh, Logits::Last).unwrap();
@@ -183,7 +187,7 @@ fn a_cache_of_another_shape_is_refused_untouched() {
         ForwardError::CacheMismatch
     );
     let other = load(&tiny("qwen3_5-8bit-g32")).unwrap();
-    let mut foreign = other.new_cache();
+    let mut foreign = other.new_cache().unwrap();
     assert_eq!(
         model
             .forward(&[1, 2], &mut foreign, Logits::Last)
@@ -222,10 +226,10 @@ fn text_only_model_type_reads_the_same_checkpoint() {
     let model = load(&tiny(name)).unwrap();
     let tokens = sequence(name);
     let a = text
-        .forward(&tokens, &mut text.new_cache(), Logits::Last)
+        .forward(&tokens, &mut text.new_cache().unwrap(), Logits::Last)
         .unwrap();
     let b = model
-        .forward(&tokens, &mut model.new_cache(), Logits::Last)
+        .forward(&tokens, &mut model.new_cache().unwrap(), Logits::Last)
         .unwrap();
     assert_eq!(a, b);
     assert_eq!(text.info().model_type, "qwen3_5_text");

@@ -89,7 +89,7 @@ fn check_model(name: &str) {
     let model = load(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
     let vocab = model.info().vocab_size;
 
-    let mut cache = model.new_cache();
+    let mut cache = model.new_cache().unwrap();
     let all = model
         .forward(&golden.prompt_ids, &mut cache, Logits::All)
         .unwrap();
@@ -99,7 +99,7 @@ fn check_model(name: &str) {
         "{name}: prompt logits differ by {prompt_diff}"
     );
 
-    let mut cache = model.new_cache();
+    let mut cache = model.new_cache().unwrap();
     let mut logits = model
         .forward(&golden.prompt_ids, &mut cache, Logits::Last)
         .unwrap();

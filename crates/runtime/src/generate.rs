@@ -66,7 +66,7 @@ pub fn generate(
     options: &GenerateOptions,
     on_text: &mut dyn FnMut(&str),
 ) -> Result<Generation, RuntimeError> {
-    let mut cache = model.new_cache();
+    let mut cache = model.new_cache()?;
     generate_stream(
         model,
         tokenizer,

@@ -71,8 +71,10 @@ impl PromptCache {
         }
         let (index, tokens) = best?;
         let entry = self.entries.remove(index);
-        let mut cache = entry.cache.clone();
+        // A copy that does not fit in device memory is a miss: the prompt runs in full.
+        let copy = entry.cache.try_clone();
         self.entries.push(entry);
+        let mut cache = copy.ok()?;
         // `can_truncate` said yes, so this cannot fail.
         cache.truncate(tokens).ok()?;
         Some(Reused { cache, tokens })
@@ -92,7 +94,7 @@ impl PromptCache {
                 i += 1;
             }
         }
-        let bytes = cache_bytes(&cache);
+        let bytes = cache.size_in_bytes();
         self.bytes += bytes;
         self.entries.push(Entry {
             tokens,
@@ -126,37 +128,19 @@ fn can_truncate(cache: &Cache, len: usize) -> bool {
         })
 }
 
-/// Bytes of state a cache holds (its buffers as allocated).
-pub fn cache_bytes(cache: &Cache) -> usize {
-    let floats: usize = cache
-        .layers
-        .iter()
-        .map(|l| match l {
-            LayerCache::Kv(kv) => {
-                let v = kv.view();
-                v.keys.len() + v.values.len()
-            }
-            LayerCache::Rotating(ring) => {
-                let v = ring.view();
-                v.keys.len() + v.values.len()
-            }
-            LayerCache::Recurrent(r) => r.size_in_bytes() / std::mem::size_of::<f32>(),
-        })
-        .sum();
-    floats * std::mem::size_of::<f32>()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use oxlm_engine::recurrent::DeltaRuleDims;
+    use oxlm_engine::{Device, Tensor};
     use oxlm_models::cache::{KvCache, RecurrentCache};
 
     /// A one-layer key/value cache after `tokens` (one float per position).
     fn kv(tokens: &[u32]) -> Cache {
-        let mut layer = KvCache::new(1, 1);
+        let mut layer = KvCache::new(1, 1, &Device::Cpu).unwrap();
         for &t in tokens {
-            layer.append(&[t as f32], &[t as f32]);
+            let x = Tensor::new(vec![1, 1], vec![t as f32]);
+            layer.append(&x, &x).unwrap();
         }
         let mut cache = Cache::new(vec![LayerCache::Kv(layer)]);
         cache.offset = tokens.len();
@@ -170,7 +154,8 @@ mod tests {
             k_dim: 1,
             v_dim: 1,
         };
-        let mut cache = Cache::new(vec![LayerCache::Recurrent(RecurrentCache::new(1, 2, dims))]);
+        let layer = RecurrentCache::new(1, 2, dims, &Device::Cpu).unwrap();
+        let mut cache = Cache::new(vec![LayerCache::Recurrent(layer)]);
         cache.offset = tokens.len();
         cache
     }
@@ -211,12 +196,12 @@ mod tests {
         pc.insert(vec![1, 2, 3], kv(&[1, 2, 3]));
         pc.insert(vec![1, 2, 3], kv(&[1, 2, 3]));
         assert_eq!(pc.len(), 1);
-        assert_eq!(pc.bytes(), cache_bytes(&kv(&[1, 2, 3])));
+        assert_eq!(pc.bytes(), kv(&[1, 2, 3]).size_in_bytes());
     }
 
     #[test]
     fn least_recently_used_goes_first() {
-        let one = cache_bytes(&kv(&[1]));
+        let one = kv(&[1]).size_in_bytes();
         let mut pc = PromptCache::new(2, usize::MAX);
         pc.insert(vec![1], kv(&[1]));
         pc.insert(vec![2], kv(&[2]));

@@ -111,12 +111,12 @@ fn resuming_from_a_cached_prefix_changes_nothing() {
         let c = case(name);
         let model = c.loaded.model.as_ref();
         let plain = StreamOptions::default();
-        let mut fresh = model.new_cache();
+        let mut fresh = model.new_cache().unwrap();
         let (ids, text, _) = run(&c, &mut fresh, 32, &plain, None);
         assert_eq!(ids, c.greedy, "{name}");
         // A snapshot of the prompt less its last token, as the server keeps for any model.
         let mut pc = PromptCache::new(4, usize::MAX);
-        let mut cache = model.new_cache();
+        let mut cache = model.new_cache().unwrap();
         let n = c.prompt.len() - 1;
         prefill(model, &c.prompt[..n], &mut cache, 16).unwrap();
         pc.insert(c.prompt[..n].to_vec(), cache);
@@ -135,7 +135,7 @@ fn stop_strings_and_cancellation() {
     let model = c.loaded.model.as_ref();
     let full = run(
         &c,
-        &mut model.new_cache(),
+        &mut model.new_cache().unwrap(),
         32,
         &StreamOptions::default(),
         None,
@@ -145,12 +145,12 @@ fn stop_strings_and_cancellation() {
         stop: vec!["yve".into()],
         top_logprobs: 2,
     };
-    let (ids, text, reason) = run(&c, &mut model.new_cache(), 32, &stop, None);
+    let (ids, text, reason) = run(&c, &mut model.new_cache().unwrap(), 32, &stop, None);
     assert_eq!(text, full[..full.find("yve").unwrap()]);
     assert_eq!(reason, FinishReason::Stop);
     assert_eq!(ids, c.greedy[..7]);
 
-    let mut cache = model.new_cache();
+    let mut cache = model.new_cache().unwrap();
     let plain = StreamOptions::default();
     let (ids, _, reason) = run(&c, &mut cache, 32, &plain, Some(3));
     assert_eq!(reason, FinishReason::Cancelled);

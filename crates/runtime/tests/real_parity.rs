@@ -91,7 +91,7 @@ fn check_real_model(name: &str) {
         let greedy = ints(&golden, &format!("p{i}.greedy_ids"));
         let top2 = floats(&golden, &format!("p{i}.step_top2"));
         let first = floats(&golden, &format!("p{i}.first_logits"));
-        let mut cache = loaded.model.new_cache();
+        let mut cache = loaded.model.new_cache().unwrap();
         let mut logits = loaded
             .model
             .forward(&ids, &mut cache, Logits::Last)

@@ -155,7 +155,7 @@ fn run(
     let prompt = &job.prompt;
     let (mut cache, cached_tokens) = match prompt_cache.fetch(prompt) {
         Some(hit) => (hit.cache, hit.tokens),
-        None => (model.model.new_cache(), 0),
+        None => (model.model.new_cache().map_err(RuntimeError::from)?, 0),
     };
     if !job.send(Update::Started { cached_tokens }) {
         return Ok(FinishReason::Cancelled);
@@ -179,7 +179,10 @@ fn run(
                 return Ok(FinishReason::Cancelled);
             }
         }
-        prompt_cache.insert(prompt[..snapshot_at].to_vec(), cache.clone());
+        // A snapshot that does not fit in device memory is only a later cache miss.
+        if let Ok(snapshot) = cache.try_clone() {
+            prompt_cache.insert(prompt[..snapshot_at].to_vec(), snapshot);
+        }
     }
     // Progress counts every uncached prompt token, the snapshot's included.
     let (prefilled, to_prefill) = (cache.offset - cached_tokens, prompt.len() - cached_tokens);

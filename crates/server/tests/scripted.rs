@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use oxlm_engine::Tensor;
+use oxlm_engine::{Device, Tensor};
 use oxlm_models::{Cache, ForwardError, LanguageModel, Logits, ModelInfo};
 use oxlm_runtime::chat_template::ChatTemplate;
 use oxlm_runtime::tokenizer::Tokenizer;
@@ -29,8 +29,8 @@ impl LanguageModel for Scripted {
         &self.info
     }
 
-    fn new_cache(&self) -> Cache {
-        Cache::new(Vec::new())
+    fn new_cache(&self) -> Result<Cache, ForwardError> {
+        Ok(Cache::new(Vec::new()))
     }
 
     fn forward(
@@ -89,6 +89,7 @@ async fn start(reply: &str) -> String {
             hidden_size: 1,
             num_layers: 0,
             max_context: None,
+            device: Device::Cpu,
         },
         script: tokenizer.encode(reply, false).unwrap(),
         prompt_len: Mutex::new(0),

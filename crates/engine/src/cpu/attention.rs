@@ -2,6 +2,9 @@
 //! that share one key/value head (grouped-query attention): each key and value is read once for
 //! the whole group, which at long contexts is what decoding spends its memory traffic on.
 
+use super::dense::dot;
+use super::elementwise::softmax_inplace;
+use super::pool::{self, SharedMut};
 use super::{with_task_scratch, Isa};
 
 /// Keys and values of one KV head laid out `[len, head_dim]`, and the group's queries
@@ -95,5 +98,142 @@ pub fn softmax(isa: Isa, x: &mut [f32]) {
     let inv = 1.0 / sum;
     for v in x.iter_mut() {
         *v *= inv;
+    }
+}
+
+/// Keys and values of one layer as attention reads them: `[kv_heads, capacity, head_dim]`, of
+/// which the first `len` positions are filled.
+pub struct KvView<'a> {
+    pub keys: &'a [f32],
+    pub values: &'a [f32],
+    pub kv_heads: usize,
+    pub capacity: usize,
+    pub len: usize,
+}
+
+/// Scaled dot-product attention of `q` (`[tokens, heads, head_dim]`) over `kv`, writing
+/// `[tokens, heads, head_dim]` into `out`. Query `t` sees keys `0..=positions[t]` (causal), and
+/// query head `h` reads key head `h / (heads / kv_heads)` (grouped-query attention).
+pub fn attention(
+    q: &[f32],
+    heads: usize,
+    head_dim: usize,
+    positions: &[usize],
+    kv: &KvView,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let group = heads / kv.kv_heads;
+    let d = head_dim;
+    let isa = Isa::best();
+    let out = SharedMut::new(&mut out[..positions.len() * heads * d]);
+    // One task per token and KV head: the group's query heads share each key and value read.
+    pool::parallel_for(positions.len() * kv.kv_heads, &|task| {
+        let (t, kvh) = (task / kv.kv_heads, task % kv.kv_heads);
+        let visible = (positions[t] + 1).min(kv.len);
+        let first = (t * heads + kvh * group) * d;
+        let head = kvh * kv.capacity * d;
+        let job = GroupAttention {
+            queries: &q[first..first + group * d],
+            keys: &kv.keys[head..head + visible * d],
+            values: &kv.values[head..head + visible * d],
+            head_dim: d,
+            len: visible,
+            scale,
+        };
+        // SAFETY: each task writes its own token's group of heads.
+        job.run(isa, unsafe { out.range(first, group * d) });
+    });
+}
+
+/// Keys and values of a sliding-window layer kept in a ring: `[kv_heads, capacity, head_dim]`
+/// each, position `p` in slot `p % capacity`, positions `start..end` present. A query sees the
+/// `window` positions ending at its own.
+pub struct RingKvView<'a> {
+    pub keys: &'a [f32],
+    pub values: &'a [f32],
+    pub kv_heads: usize,
+    pub capacity: usize,
+    pub start: usize,
+    pub end: usize,
+    pub window: usize,
+}
+
+/// As [`attention`], but over a ring and with a sliding window: query `t` sees positions
+/// `positions[t] + 1 - window ..= positions[t]` (from 0 while fewer precede it).
+pub fn sliding_window_attention(
+    q: &[f32],
+    heads: usize,
+    head_dim: usize,
+    positions: &[usize],
+    kv: &RingKvView,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let group = heads / kv.kv_heads;
+    let mut scores = vec![0.0f32; kv.window.min(kv.end - kv.start)];
+    for (t, &pos) in positions.iter().enumerate() {
+        let hi = (pos + 1).min(kv.end);
+        let lo = (pos + 1).saturating_sub(kv.window).max(kv.start).min(hi);
+        let slots = || (lo..hi).map(|p| p % kv.capacity);
+        for h in 0..heads {
+            let kvh = h / group;
+            let qv = &q[(t * heads + h) * head_dim..][..head_dim];
+            let head_keys = &kv.keys[kvh * kv.capacity * head_dim..];
+            let head_values = &kv.values[kvh * kv.capacity * head_dim..];
+            let s = &mut scores[..hi - lo];
+            for (sj, slot) in s.iter_mut().zip(slots()) {
+                *sj = dot(qv, &head_keys[slot * head_dim..][..head_dim]) * scale;
+            }
+            softmax_inplace(s);
+            let o = &mut out[(t * heads + h) * head_dim..][..head_dim];
+            o.fill(0.0);
+            for (&p, slot) in s.iter().zip(slots()) {
+                let vj = &head_values[slot * head_dim..][..head_dim];
+                for (od, &vd) in o.iter_mut().zip(vj) {
+                    *od += p * vd;
+                }
+            }
+        }
+    }
+}
+
+/// Writes `src` (`[tokens, kv_heads, head_dim]`) at positions `first..` of `cache`
+/// (`[kv_heads, capacity, head_dim]`, position `p` in slot `p % capacity`).
+pub fn kv_write(
+    cache: &mut [f32],
+    src: &[f32],
+    kv_heads: usize,
+    head_dim: usize,
+    capacity: usize,
+    first: usize,
+) {
+    let d = head_dim;
+    for (t, token) in src.chunks_exact(kv_heads * d).enumerate() {
+        let slot = (first + t) % capacity;
+        for (h, head) in token.chunks_exact(d).enumerate() {
+            let dst = (h * capacity + slot) * d;
+            cache[dst..dst + d].copy_from_slice(head);
+        }
+    }
+}
+
+/// Copies `positions` from a ring of `src_capacity` slots to one of `dst_capacity`.
+pub fn kv_move(
+    src: &[f32],
+    src_capacity: usize,
+    dst: &mut [f32],
+    dst_capacity: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    positions: std::ops::Range<usize>,
+) {
+    let d = head_dim;
+    for h in 0..kv_heads {
+        for p in positions.clone() {
+            let from = (h * src_capacity + p % src_capacity) * d;
+            let to = (h * dst_capacity + p % dst_capacity) * d;
+            dst[to..to + d].copy_from_slice(&src[from..from + d]);
+        }
     }
 }

@@ -11,10 +11,12 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx2_int;
 pub mod dense;
+pub mod elementwise;
 mod gemm;
 pub mod pool;
 pub mod qint;
 pub mod qmatmul;
+pub mod recurrent;
 pub mod transposed;
 
 use std::cell::RefCell;

@@ -1,0 +1,658 @@
+// The kernels of oxlm's CUDA backend, compiled at start-up by NVRTC for the device at hand.
+//
+// Activations are f32. Weights stay in the MLX affine layout: per row, uint32 words holding a
+// little-endian bit stream of `bits`-bit integers, and one scale and bias per group of columns
+// (f32, f16 or bf16). No header is included, so that NVRTC needs no CUDA toolkit beside it:
+// half-precision values are converted with PTX or bit shifts.
+//
+// Entry points are `extern "C"`, one per template instance, named `<kernel>_<variant>`.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+#define INFINITY __int_as_float(0x7f800000)
+
+// ---- floats -------------------------------------------------------------------------------
+
+struct F32 {
+    typedef float T;
+    static __device__ __forceinline__ float load(const float *p, i64 i) { return p[i]; }
+};
+
+struct F16 {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(const u16 *p, i64 i) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(p[i]));
+        return f;
+    }
+};
+
+struct BF16 {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(const u16 *p, i64 i) {
+        return __uint_as_float(((u32)p[i]) << 16);
+    }
+};
+
+__device__ __forceinline__ u16 to_bf16(float f) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// ---- MLX affine weights ---------------------------------------------------------------------
+
+// A run of 32 weights is exactly BITS words and lies in one group (groups are 32, 64 or 128).
+template <int BITS>
+__device__ __forceinline__ void load_run(const u32 *__restrict__ p, u32 (&words)[BITS]) {
+    if constexpr (BITS == 4 || BITS == 8) {
+#pragma unroll
+        for (int i = 0; i < BITS; i += 4) {
+            const uint4 v = *reinterpret_cast<const uint4 *>(p + i);
+            words[i] = v.x;
+            words[i + 1] = v.y;
+            words[i + 2] = v.z;
+            words[i + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < BITS; i++) words[i] = p[i];
+    }
+}
+
+// Integer `j` (0..31) of a run; `j` is a compile-time constant once unrolled.
+template <int BITS>
+__device__ __forceinline__ u32 run_value(const u32 (&words)[BITS], int j) {
+    const int bit = j * BITS, w = bit >> 5, shift = bit & 31;
+    u32 v = words[w] >> shift;
+    if (shift + BITS > 32) v |= words[w + 1] << (32 - shift);
+    return v & ((1u << BITS) - 1u);
+}
+
+// y[r, n] = Σ_k x[r, k] · W[n, k] for r < m (m ≤ 8): one warp per ROWS weight rows; each lane
+// takes runs of 32 weights, so every weight byte is read once, in 16-byte loads where the width
+// allows.
+template <int BITS, class S, int ROWS>
+__device__ void qgemv(const u32 *__restrict__ w, const typename S::T *__restrict__ scales,
+                      const typename S::T *__restrict__ biases, const float *__restrict__ x,
+                      float *__restrict__ y, int n, int k, int group, int m) {
+    const int lane = threadIdx.x & 31;
+    const int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS;
+    if (row0 >= n) return;
+    const int runs = k >> 5, groups = k / group;
+    float acc[ROWS][8];
+#pragma unroll
+    for (int i = 0; i < ROWS; i++)
+#pragma unroll
+        for (int r = 0; r < 8; r++) acc[i][r] = 0.f;
+    for (int c = lane; c < runs; c += 32) {
+        u32 words[ROWS][BITS];
+        float s[ROWS], b[ROWS];
+#pragma unroll
+        for (int i = 0; i < ROWS; i++) {
+            const int row = min(row0 + i, n - 1);
+            load_run<BITS>(w + ((i64)row * runs + c) * BITS, words[i]);
+            const i64 g = (i64)row * groups + (c << 5) / group;
+            s[i] = S::load(scales, g);
+            b[i] = S::load(biases, g);
+        }
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            if (r >= m) break;
+            const float4 *xr = reinterpret_cast<const float4 *>(x + (i64)r * k + (c << 5));
+            float dot[ROWS], sum = 0.f;
+#pragma unroll
+            for (int i = 0; i < ROWS; i++) dot[i] = 0.f;
+#pragma unroll
+            for (int q = 0; q < 8; q++) {
+                const float4 v = xr[q];
+                sum += (v.x + v.y) + (v.z + v.w);
+#pragma unroll
+                for (int i = 0; i < ROWS; i++) {
+                    dot[i] += (float)run_value<BITS>(words[i], 4 * q) * v.x;
+                    dot[i] += (float)run_value<BITS>(words[i], 4 * q + 1) * v.y;
+                    dot[i] += (float)run_value<BITS>(words[i], 4 * q + 2) * v.z;
+                    dot[i] += (float)run_value<BITS>(words[i], 4 * q + 3) * v.w;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < ROWS; i++) acc[i][r] += s[i] * dot[i] + b[i] * sum;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < ROWS; i++) {
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            if (r >= m) break;
+            const float v = warp_sum(acc[i][r]);
+            if (lane == 0 && row0 + i < n) y[(i64)r * n + row0 + i] = v;
+        }
+    }
+}
+
+// out[t, :] = W[ids[t], :] dequantized (an embedding lookup): one block per token.
+template <int BITS, class S>
+__device__ void qrows(const u32 *__restrict__ w, const typename S::T *__restrict__ scales,
+                      const typename S::T *__restrict__ biases, const int *__restrict__ ids,
+                      float *__restrict__ out, int k, int group) {
+    const int runs = k >> 5, groups = k / group;
+    const i64 row = ids[blockIdx.x];
+    for (int c = threadIdx.x; c < runs; c += blockDim.x) {
+        u32 words[BITS];
+        load_run<BITS>(w + (row * runs + c) * BITS, words);
+        const i64 g = row * groups + (c << 5) / group;
+        const float s = S::load(scales, g), b = S::load(biases, g);
+        float *o = out + (i64)blockIdx.x * k + (c << 5);
+#pragma unroll
+        for (int j = 0; j < 32; j++) o[j] = s * (float)run_value<BITS>(words, j) + b;
+    }
+}
+
+// The whole matrix dequantized to bf16 (or f32), row-major, for the tensor-core GEMM.
+template <int BITS, class S, bool TO_BF16>
+__device__ void qdequant(const u32 *__restrict__ w, const typename S::T *__restrict__ scales,
+                         const typename S::T *__restrict__ biases, void *__restrict__ out, int n,
+                         int k, int group) {
+    const int runs = k >> 5, groups = k / group;
+    const i64 total = (i64)n * runs;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total;
+         i += (i64)gridDim.x * blockDim.x) {
+        const i64 row = i / runs;
+        const int c = (int)(i - row * runs);
+        u32 words[BITS];
+        load_run<BITS>(w + i * BITS, words);
+        const i64 g = row * groups + (c << 5) / group;
+        const float s = S::load(scales, g), b = S::load(biases, g);
+        if (TO_BF16) {
+            u16 *o = reinterpret_cast<u16 *>(out) + i * 32;
+#pragma unroll
+            for (int j = 0; j < 32; j++) o[j] = to_bf16(s * (float)run_value<BITS>(words, j) + b);
+        } else {
+            float *o = reinterpret_cast<float *>(out) + i * 32;
+#pragma unroll
+            for (int j = 0; j < 32; j++) o[j] = s * (float)run_value<BITS>(words, j) + b;
+        }
+    }
+}
+
+#define QUANTIZED(BITS, S, NAME)                                                                   \
+    extern "C" __global__ void qgemv1_##BITS##_##NAME(                                            \
+        const u32 *w, const S::T *s, const S::T *b, const float *x, float *y, int n, int k,       \
+        int g, int m) {                                                                           \
+        qgemv<BITS, S, 1>(w, s, b, x, y, n, k, g, m);                                             \
+    }                                                                                             \
+    extern "C" __global__ void qgemv2_##BITS##_##NAME(                                            \
+        const u32 *w, const S::T *s, const S::T *b, const float *x, float *y, int n, int k,       \
+        int g, int m) {                                                                           \
+        qgemv<BITS, S, 2>(w, s, b, x, y, n, k, g, m);                                             \
+    }                                                                                             \
+    extern "C" __global__ void qrows_##BITS##_##NAME(const u32 *w, const S::T *s, const S::T *b,  \
+                                                     const int *ids, float *out, int k, int g) {  \
+        qrows<BITS, S>(w, s, b, ids, out, k, g);                                                  \
+    }                                                                                             \
+    extern "C" __global__ void qdequant_bf16_##BITS##_##NAME(                                     \
+        const u32 *w, const S::T *s, const S::T *b, void *out, int n, int k, int g) {            \
+        qdequant<BITS, S, true>(w, s, b, out, n, k, g);                                           \
+    }                                                                                             \
+    extern "C" __global__ void qdequant_f32_##BITS##_##NAME(                                      \
+        const u32 *w, const S::T *s, const S::T *b, void *out, int n, int k, int g) {            \
+        qdequant<BITS, S, false>(w, s, b, out, n, k, g);                                          \
+    }
+
+#define QUANTIZED_BITS(BITS)        \
+    QUANTIZED(BITS, F32, f32)       \
+    QUANTIZED(BITS, F16, f16)       \
+    QUANTIZED(BITS, BF16, bf16)
+
+QUANTIZED_BITS(2)
+QUANTIZED_BITS(3)
+QUANTIZED_BITS(4)
+QUANTIZED_BITS(5)
+QUANTIZED_BITS(6)
+QUANTIZED_BITS(8)
+
+// ---- float weights --------------------------------------------------------------------------
+
+// y[r, n] = Σ_k x[r, k] · W[n, k] for r < m (m ≤ 8), W in f32, f16 or bf16: one warp per row.
+template <class S>
+__device__ void dgemv(const typename S::T *__restrict__ w, const float *__restrict__ x,
+                      float *__restrict__ y, int n, int k, int m) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= n) return;
+    float acc[8];
+#pragma unroll
+    for (int r = 0; r < 8; r++) acc[r] = 0.f;
+    for (int c = lane; c < k; c += 32) {
+        const float wv = S::load(w, (i64)row * k + c);
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            if (r >= m) break;
+            acc[r] += wv * x[(i64)r * k + c];
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        if (r >= m) break;
+        const float v = warp_sum(acc[r]);
+        if (lane == 0) y[(i64)r * n + row] = v;
+    }
+}
+
+template <class S>
+__device__ void drows(const typename S::T *__restrict__ w, const int *__restrict__ ids,
+                      float *__restrict__ out, int k) {
+    const i64 row = ids[blockIdx.x];
+    for (int c = threadIdx.x; c < k; c += blockDim.x)
+        out[(i64)blockIdx.x * k + c] = S::load(w, row * k + c);
+}
+
+template <class S>
+__device__ void dconvert_bf16(const typename S::T *__restrict__ w, u16 *__restrict__ out, i64 len) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < len;
+         i += (i64)gridDim.x * blockDim.x)
+        out[i] = to_bf16(S::load(w, i));
+}
+
+#define DENSE(S, NAME)                                                                          \
+    extern "C" __global__ void dgemv_##NAME(const S::T *w, const float *x, float *y, int n,     \
+                                            int k, int m) {                                     \
+        dgemv<S>(w, x, y, n, k, m);                                                             \
+    }                                                                                           \
+    extern "C" __global__ void drows_##NAME(const S::T *w, const int *ids, float *out, int k) { \
+        drows<S>(w, ids, out, k);                                                               \
+    }                                                                                           \
+    extern "C" __global__ void to_bf16_##NAME(const S::T *w, u16 *out, i64 len) {               \
+        dconvert_bf16<S>(w, out, len);                                                          \
+    }
+
+DENSE(F32, f32)
+DENSE(F16, f16)
+DENSE(BF16, bf16)
+
+// ---- element-wise ---------------------------------------------------------------------------
+
+#define GRID_STRIDE(i, n)                                                  \
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < (n);    \
+         i += (i64)gridDim.x * blockDim.x)
+
+extern "C" __global__ void add(float *x, const float *y, i64 n) {
+    GRID_STRIDE(i, n) x[i] += y[i];
+}
+
+// x[r, c] += row[c]: a bias on every row.
+extern "C" __global__ void add_row(float *x, const float *row, i64 n, int cols) {
+    GRID_STRIDE(i, n) x[i] += row[i % cols];
+}
+
+extern "C" __global__ void scale(float *x, float s, i64 n) {
+    GRID_STRIDE(i, n) x[i] *= s;
+}
+
+extern "C" __global__ void softcap(float *x, float cap, i64 n) {
+    GRID_STRIDE(i, n) x[i] = tanhf(x[i] / cap) * cap;
+}
+
+extern "C" __global__ void silu(float *x, i64 n) {
+    GRID_STRIDE(i, n) x[i] = x[i] / (1.f + expf(-x[i]));
+}
+
+// gate = silu(gate) · up
+extern "C" __global__ void silu_mul(float *gate, const float *up, i64 n) {
+    GRID_STRIDE(i, n) {
+        const float g = gate[i];
+        gate[i] = g / (1.f + expf(-g)) * up[i];
+    }
+}
+
+// gate = gelu_approx(gate) · up (the tanh approximation, as mlx.nn.gelu_approx)
+extern "C" __global__ void gelu_mul(float *gate, const float *up, i64 n) {
+    GRID_STRIDE(i, n) {
+        const float v = gate[i];
+        gate[i] = 0.5f * v * (1.f + tanhf(0.7978846f * (v + 0.044715f * v * v * v))) * up[i];
+    }
+}
+
+// x = x · sigmoid(gate)
+extern "C" __global__ void sigmoid_mul(float *x, const float *gate, i64 n) {
+    GRID_STRIDE(i, n) x[i] *= 1.f / (1.f + expf(-gate[i]));
+}
+
+// out[r, j] = x[r, start + j] for j < width
+extern "C" __global__ void columns(const float *x, float *out, i64 rows, int cols, int start,
+                                   int width) {
+    GRID_STRIDE(i, rows * width) {
+        const i64 r = i / width;
+        out[i] = x[r * cols + start + (i - r * width)];
+    }
+}
+
+// out[i, :] = x[idx[i], :]
+extern "C" __global__ void gather_rows(const float *x, const int *idx, float *out, i64 n,
+                                       int cols) {
+    GRID_STRIDE(i, n * cols) {
+        const i64 r = i / cols;
+        out[i] = x[(i64)idx[r] * cols + (i - r * cols)];
+    }
+}
+
+// y[idx[i], :] += weight[i] · src[i, :] (the indices of one call are distinct)
+extern "C" __global__ void scatter_add_rows(float *y, const float *src, const int *idx,
+                                            const float *weight, i64 n, int cols) {
+    GRID_STRIDE(i, n * cols) {
+        const i64 r = i / cols;
+        y[(i64)idx[r] * cols + (i - r * cols)] += weight[r] * src[i];
+    }
+}
+
+extern "C" __global__ void f32_to_bf16(const float *x, u16 *out, i64 n) {
+    GRID_STRIDE(i, n) out[i] = to_bf16(x[i]);
+}
+
+// ---- norms and RoPE -----------------------------------------------------------------------
+
+// out[r] = x[r] / sqrt(mean(x[r]²) + eps) · weight: one block per row (out may be x).
+extern "C" __global__ void rms_norm(const float *x, const float *weight, float *out, int cols,
+                                    float eps) {
+    __shared__ float partial[32];
+    const float *xr = x + (i64)blockIdx.x * cols;
+    float *orow = out + (i64)blockIdx.x * cols;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) ss += xr[c] * xr[c];
+    ss = warp_sum(ss);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) partial[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+        ss = lane < (int)(blockDim.x >> 5) ? partial[lane] : 0.f;
+        ss = warp_sum(ss);
+        if (lane == 0) partial[0] = ss;
+    }
+    __syncthreads();
+    const float inv = 1.f / sqrtf(partial[0] / cols + eps);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) orow[c] = xr[c] * inv * weight[c];
+}
+
+// Rotates pairs of x ([tokens, heads, head_dim]) by positions[t] · inv_freqs[i]; `traditional`
+// pairs neighbours (2i, 2i+1), otherwise the halves (i, i + half).
+extern "C" __global__ void rope(float *x, const int *positions, const float *inv_freqs,
+                                int tokens, int heads, int head_dim, int half, int traditional) {
+    GRID_STRIDE(i, (i64)tokens * heads * half) {
+        const int p = (int)(i % half);
+        const i64 th = i / half;
+        const int t = (int)(th / heads);
+        float s, c;
+        sincosf((float)positions[t] * inv_freqs[p], &s, &c);
+        float *v = x + th * head_dim;
+        const int a = traditional ? 2 * p : p, b = traditional ? 2 * p + 1 : p + half;
+        const float x0 = v[a], x1 = v[b];
+        v[a] = x0 * c - x1 * s;
+        v[b] = x0 * s + x1 * c;
+    }
+}
+
+// ---- key/value caches -----------------------------------------------------------------------
+
+// Writes new keys or values ([tokens, kv_heads, d]) at positions first.. of a cache laid out
+// [kv_heads, capacity, d], position p in slot p % capacity.
+extern "C" __global__ void kv_write(float *cache, const float *src, int tokens, int kv_heads,
+                                    int d, int capacity, i64 first) {
+    GRID_STRIDE(i, (i64)tokens * kv_heads * d) {
+        const int e = (int)(i % d);
+        const i64 th = i / d;
+        const int h = (int)(th % kv_heads);
+        const i64 t = th / kv_heads;
+        cache[((i64)h * capacity + (first + t) % capacity) * d + e] = src[i];
+    }
+}
+
+// Copies positions p0..p1 from one ring to another of a different capacity.
+extern "C" __global__ void kv_move(const float *src, int src_capacity, float *dst,
+                                   int dst_capacity, int kv_heads, int d, i64 p0, i64 p1) {
+    GRID_STRIDE(i, (p1 - p0) * kv_heads * d) {
+        const int e = (int)(i % d);
+        const i64 hp = i / d;
+        const i64 p = p0 + hp % (p1 - p0);
+        const i64 h = hp / (p1 - p0);
+        dst[(h * dst_capacity + p % dst_capacity) * d + e] =
+            src[(h * src_capacity + p % src_capacity) * d + e];
+    }
+}
+
+// ---- attention -------------------------------------------------------------------------------
+
+// One warp per (query token, head, split of the visible keys), E = ceil(head_dim / 32) output
+// features per lane. Query t sees positions lo..hi: lo = max(start, positions[t] + 1 - window),
+// hi = min(positions[t] + 1, end), slot p % capacity. Keys go 32 at a time, one per lane, with an
+// online softmax. With one split the output is final; otherwise (max, sum, unnormalised output)
+// per split go to `part` for attention_combine.
+template <int E>
+__device__ void attention_split(const float *__restrict__ q, const float *__restrict__ keys,
+                                const float *__restrict__ values, const int *__restrict__ positions,
+                                float *__restrict__ out, float *__restrict__ part, int heads,
+                                int kv_heads, int d, int capacity, i64 start, i64 end, i64 window,
+                                float scale, int splits, int per_split) {
+    __shared__ __align__(16) float qs[E * 32];
+    const int lane = threadIdx.x;
+    const int th = blockIdx.x, split = blockIdx.y;
+    const int t = th / heads, h = th % heads;
+    const int kvh = h / (heads / kv_heads);
+    const float *qv = q + (i64)th * d;
+    for (int e = lane; e < E * 32; e += 32) qs[e] = e < d ? qv[e] : 0.f;
+    __syncwarp();
+    const i64 pos = positions[t];
+    const i64 hi = min(pos + 1, end);
+    i64 lo = max(start, pos + 1 - window);
+    if (lo > hi) lo = hi;
+    const i64 s0 = min(hi, lo + (i64)split * per_split), s1 = min(hi, s0 + per_split);
+    const float *kh = keys + (i64)kvh * capacity * d;
+    const float *vh = values + (i64)kvh * capacity * d;
+    float m = -INFINITY, l = 0.f, acc[E];
+#pragma unroll
+    for (int e = 0; e < E; e++) acc[e] = 0.f;
+    for (i64 p0 = s0; p0 < s1; p0 += 32) {
+        const i64 p = p0 + lane;
+        float s = -INFINITY;
+        if (p < s1) {
+            const float *kr = kh + (p % capacity) * d;
+            float dot = 0.f;
+            if ((d & 3) == 0) {
+                const float4 *k4 = reinterpret_cast<const float4 *>(kr);
+                const float4 *q4 = reinterpret_cast<const float4 *>(qs);
+                for (int e = 0; e < (d >> 2); e++) {
+                    const float4 a = q4[e], b = k4[e];
+                    dot += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+                }
+            } else {
+                for (int e = 0; e < d; e++) dot += qs[e] * kr[e];
+            }
+            s = dot * scale;
+        }
+        const float m_new = fmaxf(m, warp_max(s));
+        const float correction = expf(m - m_new);
+        const float pr = p < s1 ? expf(s - m_new) : 0.f;
+        l = l * correction + warp_sum(pr);
+#pragma unroll
+        for (int e = 0; e < E; e++) acc[e] *= correction;
+        const int count = (int)min((i64)32, s1 - p0);
+        for (int j = 0; j < count; j++) {
+            const float pj = __shfl_sync(0xffffffffu, pr, j);
+            const float *vr = vh + ((p0 + j) % capacity) * d;
+#pragma unroll
+            for (int e = 0; e < E; e++) {
+                const int f = lane + 32 * e;
+                if (f < d) acc[e] += pj * vr[f];
+            }
+        }
+        m = m_new;
+    }
+    if (splits == 1) {
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const int f = lane + 32 * e;
+            if (f < d) out[(i64)th * d + f] = acc[e] * inv;
+        }
+    } else {
+        float *pp = part + ((i64)th * splits + split) * (d + 2);
+        if (lane == 0) {
+            pp[0] = m;
+            pp[1] = l;
+        }
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const int f = lane + 32 * e;
+            if (f < d) pp[2 + f] = acc[e];
+        }
+    }
+}
+
+#define ATTENTION(E)                                                                            \
+    extern "C" __global__ void attention_##E(                                                   \
+        const float *q, const float *keys, const float *values, const int *positions,           \
+        float *out, float *part, int heads, int kv_heads, int d, int capacity, i64 start,       \
+        i64 end, i64 window, float scale, int splits, int per_split) {                          \
+        attention_split<E>(q, keys, values, positions, out, part, heads, kv_heads, d, capacity, \
+                           start, end, window, scale, splits, per_split);                       \
+    }
+
+ATTENTION(1)
+ATTENTION(2)
+ATTENTION(4)
+ATTENTION(8)
+ATTENTION(16)
+
+// Merges the splits of attention_split: one warp per (token, head).
+extern "C" __global__ void attention_combine(const float *part, float *out, int d, int splits) {
+    const int th = blockIdx.x, lane = threadIdx.x;
+    const float *pp = part + (i64)th * splits * (d + 2);
+    float m = -INFINITY;
+    for (int s = 0; s < splits; s++) m = fmaxf(m, pp[s * (d + 2)]);
+    float l = 0.f;
+    for (int s = 0; s < splits; s++) {
+        const float ms = pp[s * (d + 2)];
+        if (ms > -INFINITY) l += expf(ms - m) * pp[s * (d + 2) + 1];
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int f = lane; f < d; f += 32) {
+        float v = 0.f;
+        for (int s = 0; s < splits; s++) {
+            const float ms = pp[s * (d + 2)];
+            if (ms > -INFINITY) v += expf(ms - m) * pp[s * (d + 2) + 2 + f];
+        }
+        out[(i64)th * d + f] = v * inv;
+    }
+}
+
+// ---- recurrent layers ------------------------------------------------------------------------
+
+// Causal depthwise conv1d of x ([tokens, channels]) continuing from state ([kernel-1, channels],
+// oldest first), weight [channels, kernel]; one thread per channel, kernel ≤ 8.
+extern "C" __global__ void causal_conv1d(const float *x, const float *weight, float *state,
+                                         float *out, int tokens, int channels, int kernel) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    float window[8], w[8];
+    for (int j = 0; j < kernel; j++) w[j] = weight[(i64)c * kernel + j];
+    for (int j = 0; j < kernel - 1; j++) window[j] = state[(i64)j * channels + c];
+    for (int t = 0; t < tokens; t++) {
+        window[kernel - 1] = x[(i64)t * channels + c];
+        float acc = 0.f;
+        for (int j = 0; j < kernel; j++) acc += w[j] * window[j];
+        out[(i64)t * channels + c] = acc;
+        for (int j = 0; j + 1 < kernel; j++) window[j] = window[j + 1];
+    }
+    for (int j = 0; j < kernel - 1; j++) state[(i64)j * channels + c] = window[j];
+}
+
+// Per token and value head: decay g = exp(neg_a · softplus(a + dt_bias)) and write strength
+// beta = sigmoid(b), as mlx-lm's `compute_g` (in f32).
+extern "C" __global__ void delta_gates(const float *a, const float *b, const float *dt_bias,
+                                       const float *neg_a, float *g, float *beta, i64 n,
+                                       int v_heads) {
+    GRID_STRIDE(i, n) {
+        const int h = (int)(i % v_heads);
+        const float z = a[i] + dt_bias[h];
+        const float softplus = fmaxf(z, 0.f) + log1pf(expf(-fabsf(z)));
+        g[i] = expf(neg_a[h] * softplus);
+        beta[i] = 1.f / (1.f + expf(-b[i]));
+    }
+}
+
+// The gated delta rule over every token of a chunk: one warp per (value head, row i of the
+// [v_dim, k_dim] state), the row held in registers (E = ceil(k_dim / 32) per lane):
+//   S ← g·S;  δ = β·(v − S k);  S ← S + δ kᵀ;  y = S q
+template <int E>
+__device__ void gated_delta(const float *__restrict__ q, const float *__restrict__ k,
+                            const float *__restrict__ v, const float *__restrict__ g,
+                            const float *__restrict__ beta, float *__restrict__ state,
+                            float *__restrict__ y, int tokens, int k_heads, int v_heads,
+                            int k_dim, int v_dim) {
+    const int lane = threadIdx.x & 31;
+    const i64 hr = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (hr >= (i64)v_heads * v_dim) return;
+    const int h = (int)(hr / v_dim), i = (int)(hr % v_dim);
+    const int kh = h / (v_heads / k_heads);
+    float *row = state + hr * k_dim;
+    float s[E];
+#pragma unroll
+    for (int e = 0; e < E; e++) {
+        const int j = lane + 32 * e;
+        s[e] = j < k_dim ? row[j] : 0.f;
+    }
+    for (int t = 0; t < tokens; t++) {
+        const float *kt = k + ((i64)t * k_heads + kh) * k_dim;
+        const float *qt = q + ((i64)t * k_heads + kh) * k_dim;
+        const float decay = g[(i64)t * v_heads + h], b = beta[(i64)t * v_heads + h];
+        float kk[E], kv = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const int j = lane + 32 * e;
+            kk[e] = j < k_dim ? kt[j] : 0.f;
+            s[e] *= decay;
+            kv += s[e] * kk[e];
+        }
+        kv = warp_sum(kv);
+        const float delta = (v[((i64)t * v_heads + h) * v_dim + i] - kv) * b;
+        float out = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const int j = lane + 32 * e;
+            s[e] += kk[e] * delta;
+            out += s[e] * (j < k_dim ? qt[j] : 0.f);
+        }
+        out = warp_sum(out);
+        if (lane == 0) y[((i64)t * v_heads + h) * v_dim + i] = out;
+    }
+#pragma unroll
+    for (int e = 0; e < E; e++) {
+        const int j = lane + 32 * e;
+        if (j < k_dim) row[j] = s[e];
+    }
+}
+
+#define GATED_DELTA(E)                                                                        \
+    extern "C" __global__ void gated_delta_##E(                                               \
+        const float *q, const float *k, const float *v, const float *g, const float *beta,    \
+        float *state, float *y, int tokens, int k_heads, int v_heads, int k_dim, int v_dim) { \
+        gated_delta<E>(q, k, v, g, beta, state, y, tokens, k_heads, v_heads, k_dim, v_dim);   \
+    }
+
+GATED_DELTA(1)
+GATED_DELTA(2)
+GATED_DELTA(4)
+GATED_DELTA(8)

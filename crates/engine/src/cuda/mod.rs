@@ -1,0 +1,344 @@
+//! The CUDA backend. cudarc opens libcuda, libnvrtc and libcublas when a GPU is first asked
+//! for, so a build needs no CUDA toolkit and runs on machines without one (where
+//! [`Gpu::open`] fails with a clear error). The kernels (`kernels.cu`) are compiled by NVRTC for
+//! the device's architecture on first use and the binary is kept under the cache directory.
+//!
+//! One stream per GPU runs every op in order; buffers come from the driver's stream-ordered
+//! pool, which is told to keep freed memory, so a decode step allocates nothing from the OS.
+
+mod compile;
+pub(crate) mod ops;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    ValidAsZeroBits,
+};
+
+use crate::EngineError;
+
+/// The kernels' CUDA C source.
+const KERNELS: &str = include_str!("kernels.cu");
+
+pub(crate) fn err(e: impl std::fmt::Debug) -> EngineError {
+    EngineError::Cuda(format!("{e:?}"))
+}
+
+/// Whether the CUDA driver, NVRTC and cuBLAS libraries can be opened on this machine (false on
+/// machines without an NVIDIA driver, where opening a GPU is refused instead of crashing).
+pub fn libraries_present() -> bool {
+    // SAFETY: these only try to open the shared libraries.
+    unsafe {
+        cudarc::driver::sys::is_culib_present()
+            && cudarc::nvrtc::sys::is_culib_present()
+            && cudarc::cublas::sys::is_culib_present()
+    }
+}
+
+/// A handle on one GPU: its context, stream, compiled kernels and cuBLAS. Cloning is cheap.
+#[derive(Clone)]
+pub struct Gpu(Arc<Inner>);
+
+struct Inner {
+    ordinal: usize,
+    name: String,
+    multiprocessors: usize,
+    stream: Arc<CudaStream>,
+    module: Arc<CudaModule>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+    blas: CudaBlas,
+    exact_gemm: AtomicBool,
+}
+
+impl Gpu {
+    /// GPU `ordinal`, opened once per process and shared afterwards.
+    pub fn open(ordinal: usize) -> Result<Gpu, EngineError> {
+        static OPEN: OnceLock<Mutex<HashMap<usize, Gpu>>> = OnceLock::new();
+        let mut open = OPEN.get_or_init(Default::default).lock().unwrap();
+        if let Some(gpu) = open.get(&ordinal) {
+            return Ok(gpu.clone());
+        }
+        let gpu = Gpu::create(ordinal)?;
+        open.insert(ordinal, gpu.clone());
+        Ok(gpu)
+    }
+
+    fn create(ordinal: usize) -> Result<Gpu, EngineError> {
+        if !libraries_present() {
+            return Err(EngineError::Device(
+                "CUDA is not available: libcuda, libnvrtc or libcublas could not be opened \
+                 (is the NVIDIA driver installed?)"
+                    .into(),
+            ));
+        }
+        let count = CudaContext::device_count().map_err(err)?;
+        if ordinal >= count.max(0) as usize {
+            return Err(EngineError::Device(format!(
+                "no GPU cuda:{ordinal}: this machine has {count}"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(err)?;
+        // One stream runs everything, so cudarc's per-buffer events would only cost time.
+        // SAFETY: no buffer is shared between streams.
+        unsafe { ctx.disable_event_tracking() };
+        keep_freed_memory(&ctx)?;
+        let (major, minor) = ctx.compute_capability().map_err(err)?;
+        let cubin = compile::cubin(KERNELS, major, minor)?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .map_err(err)?;
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone()).map_err(err)?;
+        let multiprocessors = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(err)? as usize;
+        Ok(Gpu(Arc::new(Inner {
+            ordinal,
+            name: ctx.name().map_err(err)?,
+            multiprocessors,
+            stream,
+            module,
+            functions: Mutex::new(HashMap::new()),
+            blas,
+            exact_gemm: AtomicBool::new(false),
+        })))
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.0.ordinal
+    }
+
+    pub fn name(&self) -> &str {
+        &self.0.name
+    }
+
+    /// Whether `self` and `other` are handles on the same GPU.
+    pub fn same(&self, other: &Gpu) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
+    /// Many-row matmuls (prefill) dequantize weights to bf16 for the tensor cores by default,
+    /// which rounds activations to bf16 as mlx does for bf16 models; `exact` keeps f32 operands
+    /// throughout (slower, for checks against the CPU engine).
+    pub fn set_exact_gemm(&self, exact: bool) {
+        self.0.exact_gemm.store(exact, Ordering::Relaxed);
+    }
+
+    pub(crate) fn exact_gemm(&self) -> bool {
+        self.0.exact_gemm.load(Ordering::Relaxed)
+    }
+
+    pub fn synchronize(&self) -> Result<(), EngineError> {
+        self.0.stream.synchronize().map_err(err)
+    }
+
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.0.stream
+    }
+
+    pub(crate) fn blas(&self) -> &CudaBlas {
+        &self.0.blas
+    }
+
+    pub(crate) fn multiprocessors(&self) -> usize {
+        self.0.multiprocessors
+    }
+
+    /// The kernel `name` of `kernels.cu`.
+    pub(crate) fn function(&self, name: &str) -> Result<CudaFunction, EngineError> {
+        let mut functions = self.0.functions.lock().unwrap();
+        if let Some(f) = functions.get(name) {
+            return Ok(f.clone());
+        }
+        let f = self
+            .0
+            .module
+            .load_function(name)
+            .map_err(|e| EngineError::Cuda(format!("kernel `{name}`: {e:?}")))?;
+        functions.insert(name.to_string(), f.clone());
+        Ok(f)
+    }
+
+    /// `values` copied to a new device buffer.
+    pub(crate) fn upload_raw<T: DeviceRepr>(
+        &self,
+        values: &[T],
+    ) -> Result<CudaSlice<T>, EngineError> {
+        self.0.stream.clone_htod(values).map_err(err)
+    }
+
+    pub(crate) fn alloc_raw<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<CudaSlice<T>, EngineError> {
+        // A zero-length allocation is refused by some drivers; one spare element costs nothing.
+        self.0.stream.alloc_zeros(len.max(1)).map_err(err)
+    }
+
+    pub(crate) fn upload(&self, values: &[f32]) -> Result<Buffer, EngineError> {
+        let slice = if values.is_empty() {
+            self.alloc_raw(1)?
+        } else {
+            self.upload_raw(values)?
+        };
+        Ok(Buffer {
+            slice,
+            len: values.len(),
+            gpu: self.clone(),
+        })
+    }
+
+    /// A zeroed buffer of `len` floats.
+    pub(crate) fn zeros(&self, len: usize) -> Result<Buffer, EngineError> {
+        Ok(Buffer {
+            slice: self.alloc_raw(len)?,
+            len,
+            gpu: self.clone(),
+        })
+    }
+
+    /// Device-side indices (token ids, positions, rows) for a kernel.
+    pub(crate) fn indices(
+        &self,
+        values: impl IntoIterator<Item = usize>,
+    ) -> Result<CudaSlice<i32>, EngineError> {
+        let v: Vec<i32> = values
+            .into_iter()
+            .map(|i| {
+                i32::try_from(i).map_err(|_| EngineError::Shape(format!("index {i} exceeds i32")))
+            })
+            .collect::<Result<_, _>>()?;
+        if v.is_empty() {
+            return self.alloc_raw(1);
+        }
+        self.upload_raw(&v)
+    }
+}
+
+/// Freed buffers go back to the driver's pool, not the OS, so later allocations are cheap.
+fn keep_freed_memory(ctx: &CudaContext) -> Result<(), EngineError> {
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    let mut pool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: plain driver calls on the context's own device; the attribute takes a u64.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+            .result()
+            .map_err(err)?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+        .result()
+        .map_err(err)?;
+    }
+    Ok(())
+}
+
+/// `len` f32s in device memory.
+pub struct Buffer {
+    pub(crate) slice: CudaSlice<f32>,
+    len: usize,
+    gpu: Gpu,
+}
+
+impl Buffer {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    pub(crate) fn download(&self) -> Result<Vec<f32>, EngineError> {
+        let mut out = vec![0.0; self.len];
+        if self.len > 0 {
+            self.gpu
+                .stream()
+                .memcpy_dtoh(&self.slice.slice(..self.len), &mut out)
+                .map_err(err)?;
+        }
+        Ok(out)
+    }
+
+    pub(crate) fn try_clone(&self) -> Result<Buffer, EngineError> {
+        let mut slice = self.gpu.alloc_raw(self.len)?;
+        if self.len > 0 {
+            self.gpu
+                .stream()
+                .memcpy_dtod(&self.slice.slice(..self.len), &mut slice)
+                .map_err(err)?;
+        }
+        Ok(Buffer {
+            slice,
+            len: self.len,
+            gpu: self.gpu.clone(),
+        })
+    }
+
+    /// The raw device address, for cuBLAS.
+    pub(crate) fn ptr(&self) -> sys::CUdeviceptr {
+        self.slice.device_ptr(self.gpu.stream()).0
+    }
+}
+
+/// Scale/bias (or weight) element type as the kernel names spell it.
+pub(crate) fn type_suffix(dtype: crate::DType) -> Result<&'static str, EngineError> {
+    match dtype {
+        crate::DType::F32 => Ok("f32"),
+        crate::DType::F16 => Ok("f16"),
+        crate::DType::BF16 => Ok("bf16"),
+        other => Err(EngineError::UnsupportedDType {
+            what: "GPU weights".into(),
+            dtype: other.to_string(),
+        }),
+    }
+}
+
+/// The error for a weight matrix that was never copied to `gpu`.
+pub(crate) fn not_placed(rows: usize, cols: usize, gpu: &Gpu) -> EngineError {
+    EngineError::Device(format!(
+        "a [{rows}, {cols}] weight is not on cuda:{} (the model was loaded for another device)",
+        gpu.ordinal()
+    ))
+}
+
+/// An MLX affine-quantized matrix in device memory, in its packed form.
+pub struct QuantizedWeights {
+    pub(crate) packed: CudaSlice<u32>,
+    pub(crate) scales: CudaSlice<u8>,
+    pub(crate) biases: CudaSlice<u8>,
+    pub(crate) scale_type: &'static str,
+    pub(crate) gpu: Gpu,
+}
+
+/// A float (f32, f16 or bf16) matrix in device memory, as stored.
+pub struct DenseWeights {
+    pub(crate) data: CudaSlice<u8>,
+    pub(crate) dtype: &'static str,
+    pub(crate) gpu: Gpu,
+}
+
+impl std::fmt::Debug for QuantizedWeights {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(f, "QuantizedWeights(cuda:{})", self.gpu.ordinal())
+    }
+}
+
+impl std::fmt::Debug for DenseWeights {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(f, "DenseWeights(cuda:{})", self.gpu.ordinal())
+    }
+}

@@ -1,0 +1,67 @@
+//! Where tensors live and kernels run: the host CPU, or a CUDA GPU.
+
+use std::fmt;
+
+use crate::cuda::Gpu;
+use crate::EngineError;
+
+/// A device that holds tensors and runs the ops on them. Cloning is cheap (a handle).
+#[derive(Clone)]
+pub enum Device {
+    Cpu,
+    Cuda(Gpu),
+}
+
+impl Device {
+    /// Parses `cpu`, `cuda` (GPU 0) or `cuda:N`, opening the GPU.
+    pub fn open(spec: &str) -> Result<Device, EngineError> {
+        match spec {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Gpu::open(0).map(Device::Cuda),
+            _ => match spec.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(ordinal)) => Gpu::open(ordinal).map(Device::Cuda),
+                _ => Err(EngineError::Device(format!(
+                    "unknown device `{spec}` (expected cpu, cuda or cuda:N)"
+                ))),
+            },
+        }
+    }
+
+    pub fn is_cpu(&self) -> bool {
+        matches!(self, Device::Cpu)
+    }
+
+    /// Waits until the device has finished the work queued on it (a no-op on the CPU), so that
+    /// a timer read afterwards covers it.
+    pub fn synchronize(&self) -> Result<(), EngineError> {
+        match self {
+            Device::Cpu => Ok(()),
+            Device::Cuda(gpu) => gpu.synchronize(),
+        }
+    }
+}
+
+impl PartialEq for Device {
+    fn eq(&self, other: &Device) -> bool {
+        match (self, other) {
+            (Device::Cpu, Device::Cpu) => true,
+            (Device::Cuda(a), Device::Cuda(b)) => a.same(b),
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "cpu"),
+            Device::Cuda(gpu) => write!(f, "cuda:{} ({})", gpu.ordinal(), gpu.name()),
+        }
+    }
+}
+
+impl fmt::Debug for Device {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
