@@ -36,6 +36,9 @@ pub struct Args {
     /// Quantize activations to int8 in the decode GEMV (faster, less exact; see `qint`).
     #[arg(long)]
     int8_activations: bool,
+    /// Where the model runs: cpu, cuda (GPU 0) or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
+    device: oxlm_engine::Device,
 }
 
 /// Deterministic ids spread over the vocabulary (random weights make any ids equally good).
@@ -98,7 +101,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     qint::set_enabled(args.int8_activations);
     let start = Instant::now();
-    let model = oxlm_models::load(&args.model)
+    let model = oxlm_models::load_on(&args.model, &args.device)
         .with_context(|| format!("loading {}", args.model.display()))?;
     let load_s = start.elapsed().as_secs_f64();
     let vocab = model.info().vocab_size;
@@ -126,6 +129,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     let report = json!({
         "model": args.model.display().to_string(),
+        "device": args.device.to_string(),
         "threads": pool::threads(),
         "int8_activations": args.int8_activations,
         "load_s": load_s,

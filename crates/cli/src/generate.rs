@@ -55,13 +55,16 @@ pub struct Args {
     /// Kernel threads (default: one on machines of two or fewer CPUs, else all).
     #[arg(long)]
     threads: Option<usize>,
+    /// Where the model runs: cpu, cuda (GPU 0) or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
+    device: oxlm_engine::Device,
 }
 
 pub fn run(args: Args) -> Result<()> {
     if let Some(threads) = args.threads {
         oxlm_engine::cpu::pool::set_threads(threads);
     }
-    let loaded = LoadedModel::load(&args.model)
+    let loaded = LoadedModel::load_on(&args.model, &args.device)
         .with_context(|| format!("loading {}", args.model.display()))?;
     let adapters = args
         .adapter_path

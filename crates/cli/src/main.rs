@@ -7,12 +7,13 @@ mod lora;
 mod serve;
 
 use clap::{Parser, Subcommand};
+use oxlm_engine::Device;
 
 #[derive(Parser)]
 #[command(
     name = "oxlm",
     version,
-    about = "Run MLX-format LLMs (mlx-community 4/8-bit checkpoints) on CPUs, mlx-lm compatible."
+    about = "Run MLX-format LLMs (mlx-community 4/8-bit checkpoints) on CPUs and NVIDIA GPUs, mlx-lm compatible."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -32,6 +33,12 @@ enum Command {
     /// Time prefill and decode on fixed token ids (for benches/).
     #[command(hide = true)]
     Bench(bench::Args),
+}
+
+/// `--device`: `cpu` (the default), `cuda` (GPU 0) or `cuda:N`, opened as it is parsed so that a
+/// missing driver is reported before any weights are read.
+fn parse_device(spec: &str) -> Result<Device, String> {
+    Device::open(spec).map_err(|e| e.to_string())
 }
 
 fn main() {

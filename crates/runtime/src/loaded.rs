@@ -3,6 +3,7 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
+use oxlm_engine::Device;
 use oxlm_models::checkpoint::read_json;
 use oxlm_models::{LanguageModel, LoadError};
 
@@ -21,8 +22,14 @@ pub struct LoadedModel {
 }
 
 impl LoadedModel {
+    /// The model in `dir`, run on the CPU.
     pub fn load(dir: &Path) -> Result<Self, RuntimeError> {
-        let model = oxlm_models::load(dir)?;
+        LoadedModel::load_on(dir, &Device::Cpu)
+    }
+
+    /// The model in `dir` with its weights on `device`.
+    pub fn load_on(dir: &Path, device: &Device) -> Result<Self, RuntimeError> {
+        let model = oxlm_models::load_on(dir, device)?;
         let tokenizer = Tokenizer::from_dir(dir)?;
         let chat_template = ChatTemplate::from_dir(dir)?;
         let config = read_json(&dir.join("config.json"))?;
