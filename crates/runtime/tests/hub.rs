@@ -484,3 +484,21 @@ fn a_download_cut_short_leaves_nothing_that_passes_for_complete_and_resumes() {
         assert_eq!(std::fs::read(dir.join("model.safetensors")).unwrap(), whole);
     }
 }
+
+#[test]
+fn a_snapshot_python_downloaded_is_used_without_the_hub() {
+    let (hub, cache) = hub_and_cache(Behaviour::default());
+    // huggingface_hub's layout: a ref naming the commit, and the files under its snapshot.
+    let repo_dir = cache.path().join("hub/models--mlx-community--tiny");
+    std::fs::create_dir_all(repo_dir.join("refs")).unwrap();
+    std::fs::write(repo_dir.join("refs/main"), COMMIT).unwrap();
+    let snapshot = repo_dir.join("snapshots").join(COMMIT);
+    std::fs::create_dir_all(&snapshot).unwrap();
+    for entry in std::fs::read_dir(fixture()).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, snapshot.join(path.file_name().unwrap())).unwrap();
+    }
+    let config = hub.config(cache.path());
+    assert_eq!(config.resolve("mlx-community/tiny").unwrap(), snapshot);
+    assert_eq!(hub.requests(), 0);
+}
