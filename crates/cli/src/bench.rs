@@ -8,11 +8,13 @@ use anyhow::{Context, Result};
 use oxlm_engine::cpu::{pool, qint};
 use oxlm_models::{Cache, LanguageModel, Logits};
 use oxlm_runtime::generate::{peak_memory_bytes, DEFAULT_PREFILL_STEP};
+use oxlm_runtime::hub::resolve_model;
 use serde_json::json;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The MLX model directory.
+    /// The MLX model: a local directory, or a Hugging Face repo id (org/name or
+    /// org/name@revision) fetched into the Hugging Face cache.
     #[arg(long)]
     model: PathBuf,
     /// Prompt length: the prefill that is timed.
@@ -100,8 +102,9 @@ pub fn run(args: Args) -> Result<()> {
         pool::set_threads(threads);
     }
     qint::set_enabled(args.int8_activations);
+    let model_dir = resolve_model(&args.model)?;
     let start = Instant::now();
-    let model = oxlm_models::load_on(&args.model, &args.device)
+    let model = oxlm_models::load_on(&model_dir, &args.device)
         .with_context(|| format!("loading {}", args.model.display()))?;
     let load_s = start.elapsed().as_secs_f64();
     let vocab = model.info().vocab_size;

@@ -4,10 +4,12 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use oxlm_models::fuse::fuse;
+use oxlm_runtime::hub::resolve_model;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The MLX model directory the adapters were trained on.
+    /// The MLX model the adapters were trained on: a local directory, or a Hugging Face repo id
+    /// (org/name or org/name@revision) fetched into the Hugging Face cache.
     #[arg(long, default_value = "mlx_model")]
     model: PathBuf,
     /// Where to write the fused model.
@@ -24,7 +26,7 @@ pub struct Args {
 pub fn run(args: Args) -> Result<()> {
     println!("Loading pretrained model");
     let report = fuse(
-        &args.model,
+        &resolve_model(&args.model)?,
         &args.adapter_path,
         &args.save_path,
         args.de_quantize,

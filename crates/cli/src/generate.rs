@@ -7,13 +7,15 @@ use anyhow::{Context, Result};
 use oxlm_models::lora::{AdaptedModel, Adapters};
 use oxlm_models::LanguageModel;
 use oxlm_runtime::generate::{peak_memory_bytes, DEFAULT_PREFILL_STEP};
+use oxlm_runtime::hub::resolve_model;
 use oxlm_runtime::sampler::SamplerConfig;
 use oxlm_runtime::{generate, GenerateOptions, LoadedModel};
 use serde_json::{json, Map, Value};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The MLX model directory (config.json, *.safetensors, tokenizer files).
+    /// The MLX model (config.json, *.safetensors, tokenizer files): a local directory, or a
+    /// Hugging Face repo id (org/name or org/name@revision) fetched into the Hugging Face cache.
     #[arg(long)]
     model: PathBuf,
     /// The message to send; `-` reads it from standard input.
@@ -64,7 +66,7 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(threads) = args.threads {
         oxlm_engine::cpu::pool::set_threads(threads);
     }
-    let loaded = LoadedModel::load_on(&args.model, &args.device)
+    let loaded = LoadedModel::load_on(&resolve_model(&args.model)?, &args.device)
         .with_context(|| format!("loading {}", args.model.display()))?;
     let adapters = args
         .adapter_path

@@ -9,6 +9,7 @@ use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use oxlm_models::checkpoint::Checkpoint;
 use oxlm_models::lora::{Adapters, LoraConfig, CONFIG_FILE, WEIGHTS_FILE};
 use oxlm_models::save::write_json;
+use oxlm_runtime::hub::resolve_model;
 use oxlm_runtime::lora::data::{Dataset, Encoder};
 use oxlm_runtime::lora::np_random::NumpyRandom;
 use oxlm_runtime::lora::trainer::{self, init_adapters, Event, TrainArgs};
@@ -17,7 +18,8 @@ use serde_json::{json, Map, Value};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The MLX model directory to fine-tune.
+    /// The MLX model to fine-tune: a local directory, or a Hugging Face repo id (org/name or
+    /// org/name@revision) fetched into the Hugging Face cache.
     #[arg(long)]
     model: PathBuf,
     /// Train adapters.
@@ -270,7 +272,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     let mut rng = NumpyRandom::new(args.seed);
     println!("Loading pretrained model");
-    let loaded = LoadedModel::load(&args.model)
+    let loaded = LoadedModel::load(&resolve_model(&args.model)?)
         .with_context(|| format!("loading {}", args.model.display()))?;
     let model = loaded.model.as_ref();
     println!("Loading datasets");
@@ -371,7 +373,7 @@ fn train(
         .values()
         .map(|l| l.a.len() + l.b.len())
         .sum();
-    let total = Checkpoint::open(&args.model)?.parameter_count();
+    let total = Checkpoint::open(&loaded.dir)?.parameter_count();
     println!(
         "Trainable parameters: {:.3}% ({:.3}M/{:.3}M)",
         trainable as f64 * 100.0 / total as f64,

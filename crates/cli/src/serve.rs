@@ -4,12 +4,14 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use oxlm_runtime::generate::DEFAULT_PREFILL_STEP;
+use oxlm_runtime::hub::resolve_model;
 use oxlm_server::Settings;
 use serde_json::{Map, Value};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The MLX model directory (config.json, *.safetensors, tokenizer files).
+    /// The MLX model (config.json, *.safetensors, tokenizer files): a local directory, or a
+    /// Hugging Face repo id (org/name or org/name@revision) fetched into the Hugging Face cache.
     #[arg(long)]
     model: PathBuf,
     /// Address to listen on.
@@ -74,7 +76,8 @@ pub fn run(args: Args) -> Result<()> {
         max_request_bytes: args.max_request_bytes,
         prefill_step: args.prefill_step_size,
     };
-    oxlm_server::run(&args.model, settings, &args.host, args.port)
+    let model_dir = resolve_model(&args.model)?;
+    oxlm_server::run(&model_dir, settings, &args.host, args.port)
         .with_context(|| format!("serving {}", args.model.display()))
 }
 

@@ -4,6 +4,7 @@ pub mod chat_template;
 pub mod detokenizer;
 pub mod generate;
 pub mod generation_config;
+pub mod hub;
 pub mod loaded;
 pub mod lora;
 pub mod prompt_cache;
