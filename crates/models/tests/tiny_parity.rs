@@ -1,13 +1,37 @@
 //! Parity with mlx-lm on the seeded tiny models in tests/fixtures/tiny (made by
 //! scripts/oracle/make_tiny_all.sh): logits of every prompt position, then 32 greedy steps
 //! through the KV cache, fed the oracle's tokens so one early difference cannot hide later ones.
+//!
+//! Each model runs on the CPU and, where a CUDA GPU is present, on the GPU twice: with f32
+//! operands throughout (held to the same tolerance) and with the default bf16 tensor-core
+//! prefill (held to a looser one).
 
 use std::path::{Path, PathBuf};
 
-use oxlm_models::{load, Logits};
+use oxlm_engine::{cuda, Device};
+use oxlm_models::{load_on, Logits};
 
 /// Largest |Δlogit| allowed: both sides compute in f32, differing only in summation order.
 const LOGIT_TOLERANCE: f32 = 2e-3;
+
+/// Largest |Δlogit| allowed where the GPU prefill rounds activations and weights to bf16.
+const BF16_LOGIT_TOLERANCE: f32 = 0.1;
+
+/// The devices to check and the tolerance on each: the CPU, then the GPU (if any) exact and fast.
+fn devices() -> Vec<(String, Device, f32)> {
+    let mut out = vec![("cpu".to_string(), Device::Cpu, LOGIT_TOLERANCE)];
+    if cuda::libraries_present() {
+        let Device::Cuda(gpu) = Device::open("cuda").expect("opening GPU 0") else {
+            unreachable!()
+        };
+        let exact = Device::Cuda(gpu.with_exact_gemm(true));
+        out.push(("cuda exact".into(), exact, LOGIT_TOLERANCE));
+        out.push(("cuda bf16".into(), Device::Cuda(gpu), BF16_LOGIT_TOLERANCE));
+    } else {
+        eprintln!("GPU runs skipped: no CUDA driver on this machine");
+    }
+    out
+}
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny")
@@ -84,10 +108,17 @@ fn margin(v: &[f32]) -> f32 {
 }
 
 fn check_model(name: &str) {
+    for (label, device, tolerance) in devices() {
+        check_model_on(name, &label, &device, tolerance);
+    }
+}
+
+fn check_model_on(name: &str, label: &str, device: &Device, tolerance: f32) {
     let dir = fixtures().join(name);
     let golden = read_golden(&dir);
-    let model = load(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let model = load_on(&dir, device).unwrap_or_else(|e| panic!("{name}: {e}"));
     let vocab = model.info().vocab_size;
+    let name = format!("{name} on {label}");
 
     let mut cache = model.new_cache().unwrap();
     let all = model
@@ -95,7 +126,7 @@ fn check_model(name: &str) {
         .unwrap();
     let prompt_diff = max_abs_diff(all.data(), &golden.prompt_logits);
     assert!(
-        prompt_diff < LOGIT_TOLERANCE,
+        prompt_diff < tolerance,
         "{name}: prompt logits differ by {prompt_diff}"
     );
 
@@ -108,11 +139,8 @@ fn check_model(name: &str) {
         let want = &golden.step_logits[step * vocab..(step + 1) * vocab];
         let d = max_abs_diff(logits.data(), want);
         step_diff = step_diff.max(d);
-        assert!(
-            d < LOGIT_TOLERANCE,
-            "{name}: step {step} logits differ by {d}"
-        );
-        if margin(want) > 2.0 * LOGIT_TOLERANCE {
+        assert!(d < tolerance, "{name}: step {step} logits differ by {d}");
+        if margin(want) > 2.0 * tolerance {
             assert_eq!(
                 argmax(logits.data()),
                 expected_id as usize,

@@ -10,7 +10,6 @@ mod compile;
 pub(crate) mod ops;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::CudaBlas;
@@ -39,9 +38,30 @@ pub fn libraries_present() -> bool {
     }
 }
 
-/// A handle on one GPU: its context, stream, compiled kernels and cuBLAS. Cloning is cheap.
+/// Whether NVRTC alone can be opened: enough to compile the kernels, even with no GPU.
+pub fn compiler_present() -> bool {
+    // SAFETY: only tries to open the shared library.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Compiles the kernels for compute capability `major.minor` without a GPU (the binary is
+/// cached as at start-up); for checking that every kernel builds.
+pub fn compile_kernels(major: i32, minor: i32) -> Result<Vec<u8>, EngineError> {
+    if !compiler_present() {
+        return Err(EngineError::Device(
+            "NVRTC (libnvrtc) could not be opened".into(),
+        ));
+    }
+    compile::cubin(KERNELS, major, minor)
+}
+
+/// A handle on one GPU: its context, stream, compiled kernels and cuBLAS, and the precision of
+/// the many-row matmuls done through it. Cloning is cheap.
 #[derive(Clone)]
-pub struct Gpu(Arc<Inner>);
+pub struct Gpu {
+    inner: Arc<Inner>,
+    exact_gemm: bool,
+}
 
 struct Inner {
     ordinal: usize,
@@ -51,7 +71,6 @@ struct Inner {
     module: Arc<CudaModule>,
     functions: Mutex<HashMap<String, CudaFunction>>,
     blas: CudaBlas,
-    exact_gemm: AtomicBool,
 }
 
 impl Gpu {
@@ -96,66 +115,72 @@ impl Gpu {
         let multiprocessors = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(err)? as usize;
-        Ok(Gpu(Arc::new(Inner {
-            ordinal,
-            name: ctx.name().map_err(err)?,
-            multiprocessors,
-            stream,
-            module,
-            functions: Mutex::new(HashMap::new()),
-            blas,
-            exact_gemm: AtomicBool::new(false),
-        })))
+        Ok(Gpu {
+            inner: Arc::new(Inner {
+                ordinal,
+                name: ctx.name().map_err(err)?,
+                multiprocessors,
+                stream,
+                module,
+                functions: Mutex::new(HashMap::new()),
+                blas,
+            }),
+            exact_gemm: false,
+        })
     }
 
     pub fn ordinal(&self) -> usize {
-        self.0.ordinal
+        self.inner.ordinal
     }
 
     pub fn name(&self) -> &str {
-        &self.0.name
+        &self.inner.name
     }
 
     /// Whether `self` and `other` are handles on the same GPU.
     pub fn same(&self, other: &Gpu) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
+        Arc::ptr_eq(&self.inner, &other.inner)
     }
 
-    /// Many-row matmuls (prefill) dequantize weights to bf16 for the tensor cores by default,
-    /// which rounds activations to bf16 as mlx does for bf16 models; `exact` keeps f32 operands
-    /// throughout (slower, for checks against the CPU engine).
-    pub fn set_exact_gemm(&self, exact: bool) {
-        self.0.exact_gemm.store(exact, Ordering::Relaxed);
+    /// This GPU with many-row matmuls (prefill) in f32 throughout (`exact`), rather than on
+    /// weights dequantized to bf16 for the tensor cores with activations rounded to bf16 (the
+    /// default, as mlx computes bf16 models). Tensors and weights made through the handle carry
+    /// the choice, so a model loaded with it keeps it.
+    pub fn with_exact_gemm(&self, exact: bool) -> Gpu {
+        Gpu {
+            inner: self.inner.clone(),
+            exact_gemm: exact,
+        }
     }
 
     pub(crate) fn exact_gemm(&self) -> bool {
-        self.0.exact_gemm.load(Ordering::Relaxed)
+        self.exact_gemm
     }
 
     pub fn synchronize(&self) -> Result<(), EngineError> {
-        self.0.stream.synchronize().map_err(err)
+        self.inner.stream.synchronize().map_err(err)
     }
 
     pub(crate) fn stream(&self) -> &Arc<CudaStream> {
-        &self.0.stream
+        &self.inner.stream
     }
 
     pub(crate) fn blas(&self) -> &CudaBlas {
-        &self.0.blas
+        &self.inner.blas
     }
 
     pub(crate) fn multiprocessors(&self) -> usize {
-        self.0.multiprocessors
+        self.inner.multiprocessors
     }
 
     /// The kernel `name` of `kernels.cu`.
     pub(crate) fn function(&self, name: &str) -> Result<CudaFunction, EngineError> {
-        let mut functions = self.0.functions.lock().unwrap();
+        let mut functions = self.inner.functions.lock().unwrap();
         if let Some(f) = functions.get(name) {
             return Ok(f.clone());
         }
         let f = self
-            .0
+            .inner
             .module
             .load_function(name)
             .map_err(|e| EngineError::Cuda(format!("kernel `{name}`: {e:?}")))?;
@@ -168,7 +193,7 @@ impl Gpu {
         &self,
         values: &[T],
     ) -> Result<CudaSlice<T>, EngineError> {
-        self.0.stream.clone_htod(values).map_err(err)
+        self.inner.stream.clone_htod(values).map_err(err)
     }
 
     pub(crate) fn alloc_raw<T: DeviceRepr + ValidAsZeroBits>(
@@ -176,7 +201,7 @@ impl Gpu {
         len: usize,
     ) -> Result<CudaSlice<T>, EngineError> {
         // A zero-length allocation is refused by some drivers; one spare element costs nothing.
-        self.0.stream.alloc_zeros(len.max(1)).map_err(err)
+        self.inner.stream.alloc_zeros(len.max(1)).map_err(err)
     }
 
     pub(crate) fn upload(&self, values: &[f32]) -> Result<Buffer, EngineError> {

@@ -376,7 +376,7 @@ pub fn quantized_matmul(
             int(s.group_size)?, int(m)?);
         return Ok(y);
     }
-    let exact = g.exact_gemm();
+    let exact = x.gpu().exact_gemm();
     let kind = if exact { "f32" } else { "bf16" };
     let width = if exact { 4 } else { 2 };
     let dense = g.alloc_raw::<u8>(s.rows * s.cols * width)?;
@@ -402,7 +402,7 @@ pub fn dense_matmul(
             data, x.ptr(), y.ptr(), int(rows)?, int(cols)?, int(m)?);
         return Ok(y);
     }
-    if g.exact_gemm() {
+    if x.gpu().exact_gemm() {
         let all: Vec<usize> = (0..rows).collect();
         let f32_weights = dense_rows(w, cols, &all)?;
         gemm(&g, f32_weights.ptr(), false, rows, cols, x, m, &y)?;

@@ -1,0 +1,459 @@
+//! Every CUDA op against its CPU twin on fresh random inputs, at shapes that hit the kernels'
+//! remainders (rows not a multiple of the rows per block, several key tiles and splits).
+//!
+//! On a machine without an NVIDIA driver these tests print that they were skipped; the kernels'
+//! compilation is still checked wherever NVRTC can be loaded (`kernels_compile`).
+//!
+//! Tolerance: the largest difference over the largest magnitude of the CPU result, 1e-5 where
+//! both sides compute in f32 (they differ in summation order only) and 2e-2 where the GPU rounds
+//! operands to bf16 for the tensor cores.
+
+mod common;
+
+use common::{random_quantized, random_vec};
+use oxlm_engine::quant::{SUPPORTED_BITS, SUPPORTED_GROUP_SIZES};
+use oxlm_engine::recurrent::{self, DeltaRuleDims};
+use oxlm_engine::{cuda, ops, DType, Device, FloatMatrix, Positions, Tensor};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const EXACT: f32 = 1e-5;
+const BF16: f32 = 2e-2;
+
+fn gpu() -> Option<Device> {
+    if !cuda::libraries_present() {
+        eprintln!("skipped: no CUDA driver on this machine");
+        return None;
+    }
+    Some(Device::open("cuda").expect("opening GPU 0"))
+}
+
+fn on(device: &Device, shape: Vec<usize>, v: &[f32]) -> Tensor {
+    Tensor::from_slice(shape, v, device).unwrap()
+}
+
+/// max |gpu - cpu| / max |cpu|, both read back to the host.
+fn error(gpu: &Tensor, cpu: &Tensor) -> f32 {
+    assert_eq!(gpu.shape(), cpu.shape());
+    let (g, c) = (gpu.to_vec().unwrap(), cpu.to_vec().unwrap());
+    assert!(g.iter().all(|v| v.is_finite()), "non-finite GPU output");
+    let scale = c.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
+    g.iter()
+        .zip(&c)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
+        / scale
+}
+
+fn assert_close(what: &str, gpu: &Tensor, cpu: &Tensor, tolerance: f32) {
+    let e = error(gpu, cpu);
+    assert!(
+        e <= tolerance,
+        "{what}: relative error {e:e} over {tolerance:e}"
+    );
+}
+
+#[test]
+fn kernels_compile() {
+    if !cuda::compiler_present() {
+        eprintln!("skipped: NVRTC is not on this machine");
+        return;
+    }
+    for (major, minor) in [(8, 0), (9, 0)] {
+        let cubin = cuda::compile_kernels(major, minor).unwrap();
+        assert!(
+            cubin.len() > 100_000,
+            "sm_{major}{minor}: {} bytes",
+            cubin.len()
+        );
+    }
+}
+
+#[test]
+fn quantized_matmul_and_rows() {
+    let Some(dev) = gpu() else { return };
+    let Device::Cuda(g) = &dev else {
+        unreachable!()
+    };
+    let mut rng = StdRng::seed_from_u64(1);
+    for &bits in &SUPPORTED_BITS {
+        for &group in &SUPPORTED_GROUP_SIZES {
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                let (rows, cols) = (4099, 384);
+                let mut w = random_quantized(&mut rng, rows, cols, bits, group, dtype);
+                let host = w.clone();
+                w.place(&dev).unwrap();
+                for m in [1, 3, 8, 17] {
+                    let x = random_vec(&mut rng, m * cols);
+                    let cpu = ops::matmul(&host, &Tensor::new(vec![m, cols], x.clone())).unwrap();
+                    for exact in [true, false] {
+                        let dev = Device::Cuda(g.with_exact_gemm(exact));
+                        let y = ops::matmul(&w, &on(&dev, vec![m, cols], &x)).unwrap();
+                        let tol = if m > 8 && !exact { BF16 } else { EXACT };
+                        let what = format!("{bits}-bit g{group} {dtype} m={m} exact={exact}");
+                        assert_close(&what, &y, &cpu, tol);
+                    }
+                }
+                let ids = [0, rows - 1, 17, 17, 1234];
+                let cpu = ops::matrix_rows(&host, &ids, &Device::Cpu).unwrap();
+                let y = ops::matrix_rows(&w, &ids, &dev).unwrap();
+                assert_close(&format!("{bits}-bit rows"), &y, &cpu, EXACT);
+            }
+        }
+    }
+}
+
+#[test]
+fn dense_matmul_and_rows() {
+    let Some(dev) = gpu() else { return };
+    let Device::Cuda(g) = &dev else {
+        unreachable!()
+    };
+    let mut rng = StdRng::seed_from_u64(2);
+    let (rows, cols) = (1001, 200);
+    let values = random_vec(&mut rng, rows * cols);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let host = FloatMatrix::new(rows, cols, dtype, common::floats_as(dtype, &values)).unwrap();
+        let mut w = host.clone();
+        w.place(&dev).unwrap();
+        for m in [1, 5, 8, 40] {
+            let x = random_vec(&mut rng, m * cols);
+            let cpu = ops::matmul(&host, &Tensor::new(vec![m, cols], x.clone())).unwrap();
+            for exact in [true, false] {
+                let dev = Device::Cuda(g.with_exact_gemm(exact));
+                let y = ops::matmul(&w, &on(&dev, vec![m, cols], &x)).unwrap();
+                let tol = if m > 8 && !exact { BF16 } else { EXACT };
+                assert_close(&format!("{dtype} m={m} exact={exact}"), &y, &cpu, tol);
+            }
+        }
+        let ids = [3, 0, rows - 1];
+        let y = ops::matrix_rows(&w, &ids, &dev).unwrap();
+        let cpu = ops::matrix_rows(&host, &ids, &Device::Cpu).unwrap();
+        assert_close(&format!("{dtype} rows"), &y, &cpu, EXACT);
+    }
+}
+
+#[test]
+fn element_wise_norms_and_copies() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(3);
+    let (rows, cols) = (7, 1100);
+    let a = random_vec(&mut rng, rows * cols);
+    let b = random_vec(&mut rng, rows * cols);
+    let row = random_vec(&mut rng, cols);
+    let shape = vec![rows, cols];
+    type Binary = fn(&mut Tensor, &Tensor) -> Result<(), oxlm_engine::EngineError>;
+    let binaries: [(&str, Binary); 4] = [
+        ("add", ops::add_inplace),
+        ("silu_mul", ops::silu_mul_inplace),
+        ("gelu_mul", ops::gelu_approx_mul_inplace),
+        ("sigmoid_mul", ops::sigmoid_mul_inplace),
+    ];
+    for (name, op) in binaries {
+        let mut cpu = Tensor::new(shape.clone(), a.clone());
+        op(&mut cpu, &Tensor::new(shape.clone(), b.clone())).unwrap();
+        let mut x = on(&dev, shape.clone(), &a);
+        op(&mut x, &on(&dev, shape.clone(), &b)).unwrap();
+        assert_close(name, &x, &cpu, EXACT);
+    }
+    type Unary = Box<dyn Fn(&mut Tensor) -> Result<(), oxlm_engine::EngineError>>;
+    let row_cpu = Tensor::new(vec![cols], row.clone());
+    let row_gpu = on(&dev, vec![cols], &row);
+    let unaries: [(&str, Unary, Unary); 5] = [
+        (
+            "scale",
+            Box::new(|x| ops::scale_inplace(x, 0.3)),
+            Box::new(|x| ops::scale_inplace(x, 0.3)),
+        ),
+        (
+            "softcap",
+            Box::new(|x| ops::softcap_inplace(x, 0.5)),
+            Box::new(|x| ops::softcap_inplace(x, 0.5)),
+        ),
+        (
+            "silu",
+            Box::new(ops::silu_inplace),
+            Box::new(ops::silu_inplace),
+        ),
+        (
+            "add_row",
+            Box::new(move |x| ops::add_row_inplace(x, &row_cpu)),
+            Box::new(move |x| ops::add_row_inplace(x, &row_gpu)),
+        ),
+        (
+            "rms_norm",
+            Box::new(|x| {
+                let w = Tensor::new(
+                    vec![100],
+                    (0..100).map(|i| 0.5 + i as f32 / 100.0).collect(),
+                );
+                ops::rms_norm_inplace(x, &w, 1e-5)
+            }),
+            Box::new(|x| {
+                let w: Vec<f32> = (0..100).map(|i| 0.5 + i as f32 / 100.0).collect();
+                let w = Tensor::from_slice(vec![100], &w, &x.device()).unwrap();
+                ops::rms_norm_inplace(x, &w, 1e-5)
+            }),
+        ),
+    ];
+    for (name, host_op, gpu_op) in unaries {
+        let mut cpu = Tensor::new(shape.clone(), a.clone());
+        host_op(&mut cpu).unwrap();
+        let mut x = on(&dev, shape.clone(), &a);
+        gpu_op(&mut x).unwrap();
+        assert_close(name, &x, &cpu, EXACT);
+    }
+    let (cpu_x, gpu_x) = (
+        Tensor::new(shape.clone(), a.clone()),
+        on(&dev, shape.clone(), &a),
+    );
+    assert_close(
+        "columns",
+        &ops::columns(&gpu_x, 13, 500).unwrap(),
+        &ops::columns(&cpu_x, 13, 500).unwrap(),
+        0.0,
+    );
+    assert_close(
+        "rows",
+        &ops::rows(&gpu_x, 2, 4).unwrap(),
+        &ops::rows(&cpu_x, 2, 4).unwrap(),
+        0.0,
+    );
+    let idx = [6, 0, 3];
+    assert_close(
+        "gather_rows",
+        &ops::gather_rows(&gpu_x, &idx).unwrap(),
+        &ops::gather_rows(&cpu_x, &idx).unwrap(),
+        0.0,
+    );
+    let src = random_vec(&mut rng, 3 * cols);
+    let weights = [0.5, -1.0, 2.0];
+    let mut cpu = cpu_x.clone();
+    ops::scatter_add_rows(
+        &mut cpu,
+        &Tensor::new(vec![3, cols], src.clone()),
+        &idx,
+        &weights,
+    )
+    .unwrap();
+    let mut y = gpu_x.clone();
+    ops::scatter_add_rows(&mut y, &on(&dev, vec![3, cols], &src), &idx, &weights).unwrap();
+    assert_close("scatter_add_rows", &y, &cpu, EXACT);
+}
+
+#[test]
+fn rope() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(4);
+    let (heads, head_dim, half) = (3, 64, 16);
+    let freqs: Vec<f32> = (0..half)
+        .map(|i| 10000f32.powf(-(i as f32) / half as f32))
+        .collect();
+    let positions = vec![0, 5, 4095, 70000];
+    let x = random_vec(&mut rng, positions.len() * heads * head_dim);
+    let shape = vec![positions.len(), heads * head_dim];
+    for traditional in [false, true] {
+        let mut cpu = Tensor::new(shape.clone(), x.clone());
+        let p = Positions::new(positions.clone(), &Device::Cpu).unwrap();
+        let f = Tensor::new(vec![half], freqs.clone());
+        ops::rope_inplace(&mut cpu, heads, head_dim, &p, &f, traditional).unwrap();
+        let mut y = on(&dev, shape.clone(), &x);
+        let p = Positions::new(positions.clone(), &dev).unwrap();
+        let f = on(&dev, vec![half], &freqs);
+        ops::rope_inplace(&mut y, heads, head_dim, &p, &f, traditional).unwrap();
+        assert_close(&format!("rope traditional={traditional}"), &y, &cpu, 1e-4);
+    }
+}
+
+/// A cache of `len` random positions in a ring of `capacity`, on both devices.
+fn cache(
+    rng: &mut StdRng,
+    dev: &Device,
+    kv_heads: usize,
+    d: usize,
+    capacity: usize,
+    len: usize,
+) -> [(Tensor, Tensor); 2] {
+    let mut pairs = Vec::new();
+    let k = random_vec(rng, len * kv_heads * d);
+    let v = random_vec(rng, len * kv_heads * d);
+    for device in [&Device::Cpu, dev] {
+        let mut keys = Tensor::zeros(vec![kv_heads, capacity, d], device).unwrap();
+        let mut values = Tensor::zeros(vec![kv_heads, capacity, d], device).unwrap();
+        // Written in two chunks, the second wrapping round the ring when len > capacity.
+        let split = len / 3;
+        for (first, range) in [(0, 0..split), (split, split..len)] {
+            let rows = range.len();
+            let row = kv_heads * d;
+            let kc = on(
+                device,
+                vec![rows, row],
+                &k[range.start * row..range.end * row],
+            );
+            let vc = on(
+                device,
+                vec![rows, row],
+                &v[range.start * row..range.end * row],
+            );
+            let n = rows.min(capacity);
+            let skip = rows - n;
+            let kc = ops::rows(&kc, skip, n).unwrap();
+            let vc = ops::rows(&vc, skip, n).unwrap();
+            ops::kv_write(&mut keys, &kc, kv_heads, d, capacity, first + skip).unwrap();
+            ops::kv_write(&mut values, &vc, kv_heads, d, capacity, first + skip).unwrap();
+        }
+        pairs.push((keys, values));
+    }
+    let gpu = pairs.pop().unwrap();
+    [pairs.pop().unwrap(), gpu]
+}
+
+#[test]
+fn attention_full_sliding_and_split() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(5);
+    struct Case {
+        heads: usize,
+        kv_heads: usize,
+        d: usize,
+        capacity: usize,
+        end: usize,
+        window: Option<usize>,
+        positions: Vec<usize>,
+    }
+    let case = |heads, kv_heads, d, capacity, end, window, positions| Case {
+        heads,
+        kv_heads,
+        d,
+        capacity,
+        end,
+        window,
+        positions,
+    };
+    let cases = [
+        case(8, 2, 64, 256, 7, None, (0..7).collect()),
+        case(4, 4, 128, 4096, 3000, None, vec![2999]),
+        case(2, 1, 256, 512, 512, None, vec![100, 511]),
+        case(4, 2, 80, 16, 40, Some(10), vec![39]),
+        case(6, 3, 16, 24, 30, Some(8), (20..30).collect()),
+    ];
+    for Case {
+        heads,
+        kv_heads,
+        d,
+        capacity,
+        end,
+        window,
+        positions,
+    } in cases
+    {
+        let [(kc, vc), (kg, vg)] = cache(&mut rng, &dev, kv_heads, d, capacity, end);
+        let start = end.saturating_sub(capacity);
+        let q = random_vec(&mut rng, positions.len() * heads * d);
+        let shape = vec![positions.len(), heads * d];
+        let run = |device: &Device, keys: &Tensor, values: &Tensor| {
+            let kv = ops::Kv {
+                keys,
+                values,
+                kv_heads,
+                capacity,
+                start,
+                end,
+                window,
+            };
+            let p = Positions::new(positions.clone(), device).unwrap();
+            let q = on(device, shape.clone(), &q);
+            ops::attention(&q, heads, d, &p, &kv, 0.125).unwrap()
+        };
+        let cpu = run(&Device::Cpu, &kc, &vc);
+        let gpu = run(&dev, &kg, &vg);
+        let what = format!(
+            "attention {heads}/{kv_heads} heads of {d}, {end} positions, window {window:?}"
+        );
+        assert_close(&what, &gpu, &cpu, 1e-5);
+    }
+}
+
+#[test]
+fn kv_move_between_rings() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(6);
+    let (h, d) = (2, 8);
+    let [(kc, _), (kg, _)] = cache(&mut rng, &dev, h, d, 16, 40);
+    let mut cpu = Tensor::zeros(vec![h, 24, d], &Device::Cpu).unwrap();
+    ops::kv_move(&kc, 16, &mut cpu, 24, h, d, 27..40).unwrap();
+    let mut y = Tensor::zeros(vec![h, 24, d], &dev).unwrap();
+    ops::kv_move(&kg, 16, &mut y, 24, h, d, 27..40).unwrap();
+    assert_close("kv_move", &y, &cpu, 0.0);
+}
+
+#[test]
+fn recurrent_ops() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(7);
+    let (tokens, channels, kernel) = (9, 300, 4);
+    let x = random_vec(&mut rng, tokens * channels);
+    let w = random_vec(&mut rng, channels * kernel);
+    let s0 = random_vec(&mut rng, (kernel - 1) * channels);
+    let conv = |device: &Device| {
+        let mut state = on(device, vec![kernel - 1, channels], &s0);
+        let out = recurrent::causal_conv1d(
+            &on(device, vec![tokens, channels], &x),
+            &on(device, vec![channels, kernel], &w),
+            kernel,
+            &mut state,
+        )
+        .unwrap();
+        (out, state)
+    };
+    let ((oc, sc), (og, sg)) = (conv(&Device::Cpu), conv(&dev));
+    assert_close("conv1d", &og, &oc, EXACT);
+    assert_close("conv1d state", &sg, &sc, 0.0);
+
+    for (k_heads, v_heads, k_dim, v_dim) in [(2, 6, 16, 8), (1, 2, 128, 128), (2, 4, 200, 32)] {
+        let dims = DeltaRuleDims {
+            k_heads,
+            v_heads,
+            k_dim,
+            v_dim,
+        };
+        let q = random_vec(&mut rng, tokens * k_heads * k_dim);
+        let k: Vec<f32> = random_vec(&mut rng, tokens * k_heads * k_dim)
+            .iter()
+            .map(|v| v * 0.2)
+            .collect();
+        let v = random_vec(&mut rng, tokens * v_heads * v_dim);
+        let a = random_vec(&mut rng, tokens * v_heads);
+        let b = random_vec(&mut rng, tokens * v_heads);
+        let dt: Vec<f32> = (0..v_heads).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let neg_a: Vec<f32> = (0..v_heads).map(|_| -rng.random_range(0.1..2.0)).collect();
+        let state0 = random_vec(&mut rng, dims.state_len());
+        let run = |device: &Device| {
+            let (g, beta) = recurrent::delta_gates(
+                &on(device, vec![tokens, v_heads], &a),
+                &on(device, vec![tokens, v_heads], &b),
+                &on(device, vec![v_heads], &dt),
+                &on(device, vec![v_heads], &neg_a),
+            )
+            .unwrap();
+            let mut state = on(device, vec![v_heads, v_dim, k_dim], &state0);
+            let y = recurrent::gated_delta_rule(
+                &on(device, vec![tokens, k_heads * k_dim], &q),
+                &on(device, vec![tokens, k_heads * k_dim], &k),
+                &on(device, vec![tokens, v_heads * v_dim], &v),
+                &g,
+                &beta,
+                dims,
+                &mut state,
+            )
+            .unwrap();
+            (g, beta, y, state)
+        };
+        let (gc, bc, yc, sc) = run(&Device::Cpu);
+        let (gg, bg, yg, sg) = run(&dev);
+        let what = format!("delta rule {dims:?}");
+        assert_close(&format!("{what} g"), &gg, &gc, 1e-5);
+        assert_close(&format!("{what} beta"), &bg, &bc, 1e-6);
+        assert_close(&format!("{what} y"), &yg, &yc, 1e-4);
+        assert_close(&format!("{what} state"), &sg, &sc, 1e-4);
+    }
+}
