@@ -174,9 +174,20 @@ fn check_norm(x: &Tensor, weight: &Tensor) -> Result<()> {
 
 /// RMSNorm of each `weight.len()`-wide run of `x`: `x / sqrt(mean(x²) + eps) · weight`.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
-    let mut out = x.try_clone()?;
-    rms_norm_inplace(&mut out, weight, eps)?;
-    Ok(out)
+    check_norm(x, weight)?;
+    match (&x.storage, &weight.storage) {
+        (Storage::Cuda(b), Storage::Cuda(w)) if b.gpu().same(w.gpu()) => {
+            let width = weight.len();
+            let out = b.gpu().output(x.len())?;
+            cuda::ops::rms_norm(b.ptr(), w, out.ptr(), x.len() / width, width, eps)?;
+            Ok(Tensor::on_gpu(x.shape().to_vec(), out))
+        }
+        _ => {
+            let mut out = x.try_clone()?;
+            rms_norm_inplace(&mut out, weight, eps)?;
+            Ok(out)
+        }
+    }
 }
 
 /// [`rms_norm`] in place.
@@ -484,8 +495,9 @@ pub trait WeightMatrix {
     fn dims(&self) -> (usize, usize);
     /// `y[m, rows] = x[m, cols] · Wᵀ` on the host.
     fn matmul_host(&self, x: &[f32], m: usize, y: &mut [f32]);
-    /// The same on `x`'s GPU, from the copy placed there.
-    fn matmul_gpu(&self, x: &Buffer, m: usize) -> Result<Buffer>;
+    /// The same on `x`'s GPU, from the copy placed there: a new buffer, or (`AddTo`) a sum
+    /// into an existing one.
+    fn matmul_gpu(&self, x: &Buffer, m: usize, out: cuda::ops::Output) -> Result<Option<Buffer>>;
     /// Row `i` as f32 on the host.
     fn row_host(&self, i: usize, out: &mut [f32]);
     /// Rows `ids` as f32 on `gpu`.
@@ -499,8 +511,8 @@ impl WeightMatrix for QuantizedMatrix {
     fn matmul_host(&self, x: &[f32], m: usize, y: &mut [f32]) {
         cpu::qmatmul::matmul(&self.view(), x, m, y);
     }
-    fn matmul_gpu(&self, x: &Buffer, m: usize) -> Result<Buffer> {
-        cuda::ops::quantized_matmul(self.on_gpu(x.gpu())?, self.shape(), x, m)
+    fn matmul_gpu(&self, x: &Buffer, m: usize, out: cuda::ops::Output) -> Result<Option<Buffer>> {
+        cuda::ops::quantized_matmul(self.on_gpu(x.gpu())?, self.shape(), x, m, out)
     }
     fn row_host(&self, i: usize, out: &mut [f32]) {
         self.dequantize_row(i, out);
@@ -517,8 +529,15 @@ impl WeightMatrix for FloatMatrix {
     fn matmul_host(&self, x: &[f32], m: usize, y: &mut [f32]) {
         cpu::dense::matmul(self, x, m, y);
     }
-    fn matmul_gpu(&self, x: &Buffer, m: usize) -> Result<Buffer> {
-        cuda::ops::dense_matmul(self.on_gpu(x.gpu())?, self.rows, self.cols, x, m)
+    fn matmul_gpu(&self, x: &Buffer, m: usize, out: cuda::ops::Output) -> Result<Option<Buffer>> {
+        let y = cuda::ops::dense_matmul(self.on_gpu(x.gpu())?, self.rows, self.cols, x, m)?;
+        match out {
+            cuda::ops::Output::New => Ok(Some(y)),
+            cuda::ops::Output::AddTo(sum) => {
+                cuda::ops::binary("add", sum, &y)?;
+                Ok(None)
+            }
+        }
     }
     fn row_host(&self, i: usize, out: &mut [f32]) {
         self.row_to_f32(i, out);
@@ -541,8 +560,71 @@ pub fn matmul(w: &impl WeightMatrix, x: &Tensor) -> Result<Tensor> {
             w.matmul_host(v, m, &mut y);
             Ok(Tensor::new(shape, y))
         }
-        Storage::Cuda(b) => Ok(Tensor::on_gpu(shape, w.matmul_gpu(b, m)?)),
+        Storage::Cuda(b) => {
+            let y = w.matmul_gpu(b, m, cuda::ops::Output::New)?;
+            Ok(Tensor::on_gpu(shape, y.expect("a new output")))
+        }
     }
+}
+
+/// `residual += x · Wᵀ`, in one pass where the device allows (a residual connection).
+pub fn matmul_add(w: &impl WeightMatrix, x: &Tensor, residual: &mut Tensor) -> Result<()> {
+    let (rows, cols) = w.dims();
+    check(
+        x.cols() == cols && residual.len() == x.rows() * rows,
+        || {
+            format!(
+                "matmul of {:?} by [{rows}, {cols}]ᵀ into {:?}",
+                x.shape(),
+                residual.shape()
+            )
+        },
+    )?;
+    match (&x.storage, &mut residual.storage) {
+        (Storage::Cuda(b), Storage::Cuda(sum)) if b.gpu().same(sum.gpu()) => {
+            w.matmul_gpu(b, x.rows(), cuda::ops::Output::AddTo(sum))?;
+            Ok(())
+        }
+        _ => add_inplace(residual, &matmul(w, x)?),
+    }
+}
+
+/// The activation between the gate and up projections of a gated MLP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// SwiGLU: `silu(gate) · up`.
+    Silu,
+    /// GeGLU: `gelu_approx(gate) · up`.
+    GeluApprox,
+}
+
+/// `act(x · Gᵀ) · (x · Uᵀ)`: one pass over both matrices on a GPU when they share shape and
+/// quantization and `x` has few rows, else the two matmuls and the activation.
+pub fn quantized_glu(
+    gate: &QuantizedMatrix,
+    up: &QuantizedMatrix,
+    x: &Tensor,
+    act: Activation,
+) -> Result<Tensor> {
+    let same_format = (gate.rows, gate.cols, gate.bits, gate.group_size)
+        == (up.rows, up.cols, up.bits, up.group_size);
+    if let (Storage::Cuda(b), true) = (&x.storage, same_format && x.cols() == gate.cols) {
+        let kind = match act {
+            Activation::Silu => cuda::ops::Glu::Silu,
+            Activation::GeluApprox => cuda::ops::Glu::GeluApprox,
+        };
+        let (g, u) = (gate.on_gpu(b.gpu())?, up.on_gpu(b.gpu())?);
+        if let Some(out) = cuda::ops::quantized_glu(g, u, gate.shape(), b, x.rows(), kind)? {
+            return Ok(Tensor::on_gpu(with_last(x.shape(), gate.rows), out));
+        }
+    }
+    let mut h = matmul(gate, x)?;
+    let u = matmul(up, x)?;
+    match act {
+        Activation::Silu => silu_mul_inplace(&mut h, &u)?,
+        Activation::GeluApprox => gelu_approx_mul_inplace(&mut h, &u)?,
+    }
+    Ok(h)
 }
 
 /// Rows `ids` of `w` as f32 on `device` (an embedding lookup).

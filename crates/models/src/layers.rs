@@ -129,6 +129,14 @@ impl Weight {
         }
     }
 
+    /// `residual += x · Wᵀ`.
+    pub fn matmul_add(&self, x: &Tensor, residual: &mut Tensor) -> OpResult<()> {
+        match self {
+            Weight::Dense(w) => ops::matmul_add(w, x, residual),
+            Weight::Quantized(w) => ops::matmul_add(w, x, residual),
+        }
+    }
+
     /// Rows `ids` as f32 on `device` (an embedding lookup).
     pub fn rows_of(&self, ids: &[usize], device: &Device) -> OpResult<Tensor> {
         match self {
@@ -196,6 +204,19 @@ impl Linear {
     /// Applies the layer to the rows of `x`.
     pub fn forward(&self, x: &Tensor) -> OpResult<Tensor> {
         self.forward_adapted(x, None)
+    }
+
+    /// `residual += layer(x)` (with the adapter's update, if any), in one pass where it can be.
+    pub fn add_forward(
+        &self,
+        x: &Tensor,
+        adapter: Option<&LoraLinear>,
+        residual: &mut Tensor,
+    ) -> OpResult<()> {
+        if self.bias.is_none() && adapter.is_none() {
+            return self.weight.matmul_add(x, residual);
+        }
+        ops::add_inplace(residual, &self.forward_adapted(x, adapter)?)
     }
 
     /// [`Linear::forward`] plus a LoRA adapter's low-rank update, when one is given.
@@ -435,17 +456,35 @@ impl Attention {
         cache: &mut KvCache,
         lora: ModuleAdapters,
     ) -> OpResult<Tensor> {
+        let out = self.attend(x, positions, cache, lora)?;
+        self.o_proj.forward_adapted(&out, lora.get("o_proj"))
+    }
+
+    /// `residual += attention(x)`, the output projection summing into the residual stream.
+    pub fn add_forward(
+        &self,
+        x: &Tensor,
+        positions: &Positions,
+        cache: &mut KvCache,
+        lora: ModuleAdapters,
+        residual: &mut Tensor,
+    ) -> OpResult<()> {
+        let out = self.attend(x, positions, cache, lora)?;
+        self.o_proj.add_forward(&out, lora.get("o_proj"), residual)
+    }
+
+    /// The heads' outputs before the output projection.
+    fn attend(
+        &self,
+        x: &Tensor,
+        positions: &Positions,
+        cache: &mut KvCache,
+        lora: ModuleAdapters,
+    ) -> OpResult<Tensor> {
         let (q, k, v) = self.project_adapted(x, positions, lora)?;
         cache.append(&k, &v)?;
-        let out = ops::attention(
-            &q,
-            self.heads,
-            self.head_dim,
-            positions,
-            &cache.view(),
-            self.scale,
-        )?;
-        self.o_proj.forward_adapted(&out, lora.get("o_proj"))
+        let kv = cache.view();
+        ops::attention(&q, self.heads, self.head_dim, positions, &kv, self.scale)
     }
 }
 
@@ -478,10 +517,39 @@ impl Mlp {
 
     /// [`Mlp::forward`] with the projections `lora` names adapted.
     pub fn forward_adapted(&self, x: &Tensor, lora: ModuleAdapters) -> OpResult<Tensor> {
-        let mut gate = self.gate_proj.forward_adapted(x, lora.get("gate_proj"))?;
-        let up = self.up_proj.forward_adapted(x, lora.get("up_proj"))?;
-        ops::silu_mul_inplace(&mut gate, &up)?;
-        self.down_proj.forward_adapted(&gate, lora.get("down_proj"))
+        let h = self.gated(x, lora, ops::Activation::Silu)?;
+        self.down_proj.forward_adapted(&h, lora.get("down_proj"))
+    }
+
+    /// `residual += mlp(x)`, the down projection summing into the residual stream.
+    pub fn add_forward(
+        &self,
+        x: &Tensor,
+        lora: ModuleAdapters,
+        residual: &mut Tensor,
+    ) -> OpResult<()> {
+        let h = self.gated(x, lora, ops::Activation::Silu)?;
+        self.down_proj
+            .add_forward(&h, lora.get("down_proj"), residual)
+    }
+
+    /// `act(gate(x)) · up(x)`: one pass over both projections where they are plain quantized
+    /// layers of one format.
+    fn gated(&self, x: &Tensor, lora: ModuleAdapters, act: ops::Activation) -> OpResult<Tensor> {
+        let (g, u) = (&self.gate_proj, &self.up_proj);
+        let (ga, ua) = (lora.get("gate_proj"), lora.get("up_proj"));
+        let plain = g.bias.is_none() && u.bias.is_none() && ga.is_none() && ua.is_none();
+        if let (true, Weight::Quantized(gw), Weight::Quantized(uw)) = (plain, &g.weight, &u.weight)
+        {
+            return ops::quantized_glu(gw, uw, x, act);
+        }
+        let mut h = g.forward_adapted(x, ga)?;
+        let up = u.forward_adapted(x, ua)?;
+        match act {
+            ops::Activation::Silu => ops::silu_mul_inplace(&mut h, &up)?,
+            ops::Activation::GeluApprox => ops::gelu_approx_mul_inplace(&mut h, &up)?,
+        }
+        Ok(h)
     }
 }
 
@@ -509,10 +577,8 @@ impl RmsNorm {
 impl Mlp {
     /// The GeGLU feed-forward block of Gemma: `down(gelu_approx(gate(x)) * up(x))`.
     pub fn forward_geglu(&self, x: &Tensor) -> OpResult<Tensor> {
-        let mut gate = self.gate_proj.forward(x)?;
-        let up = self.up_proj.forward(x)?;
-        ops::gelu_approx_mul_inplace(&mut gate, &up)?;
-        self.down_proj.forward(&gate)
+        let h = self.gated(x, ModuleAdapters::NONE, ops::Activation::GeluApprox)?;
+        self.down_proj.forward(&h)
     }
 }
 

@@ -9,7 +9,7 @@ use crate::layers::{Attention, Embedding, Linear, Mlp, OutputHead, RmsNorm, Rope
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::lora_grad::{Example, LossAndGrads};
 use crate::{check_tokens, LanguageModel, LoadError, Logits, ModelInfo};
-use oxlm_engine::{ops, Positions, Tensor};
+use oxlm_engine::{Positions, Tensor};
 
 use crate::ForwardError;
 
@@ -299,12 +299,11 @@ impl Llama {
             };
             let lora = |module| adapters.map_or(ModuleAdapters::NONE, |a| a.module(i, module));
             let x = block.input_layernorm.forward(&h)?;
-            let attn = block
+            block
                 .self_attn
-                .forward_adapted(&x, &positions, kv, lora("self_attn"))?;
-            ops::add_inplace(&mut h, &attn)?;
+                .add_forward(&x, &positions, kv, lora("self_attn"), &mut h)?;
             let x = block.post_attention_layernorm.forward(&h)?;
-            ops::add_inplace(&mut h, &block.mlp.forward_adapted(&x, lora("mlp"))?)?;
+            block.mlp.add_forward(&x, lora("mlp"), &mut h)?;
         }
         cache.offset += tokens.len();
         Ok(self.head.forward(h, logits, &self.embed_tokens)?)

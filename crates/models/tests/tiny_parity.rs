@@ -3,7 +3,7 @@
 //! through the KV cache, fed the oracle's tokens so one early difference cannot hide later ones.
 //!
 //! Each model runs on the CPU and, where a CUDA GPU is present, on the GPU twice: with f32
-//! operands throughout (held to the same tolerance) and with the default bf16 tensor-core
+//! operands throughout (held to the same tolerance) and with the default TF32 tensor-core
 //! prefill (held to a looser one).
 
 use std::path::{Path, PathBuf};
@@ -14,8 +14,10 @@ use oxlm_models::{load_on, Logits};
 /// Largest |Δlogit| allowed: both sides compute in f32, differing only in summation order.
 const LOGIT_TOLERANCE: f32 = 2e-3;
 
-/// Largest |Δlogit| allowed where the GPU prefill rounds activations and weights to bf16.
-const BF16_LOGIT_TOLERANCE: f32 = 0.1;
+/// Largest |Δlogit| allowed where the GPU prefill rounds operands to TF32 (10-bit mantissas).
+/// These random models amplify rounding: mlx-lm's own bf16 run of them drifts from its fp32 one
+/// by 0.8 (qwen3) to 13 (qwen3_5) in the prompt logits.
+const TF32_LOGIT_TOLERANCE: f32 = 0.25;
 
 /// The devices to check and the tolerance on each: the CPU, then the GPU (if any) exact and fast.
 fn devices() -> Vec<(String, Device, f32)> {
@@ -26,7 +28,7 @@ fn devices() -> Vec<(String, Device, f32)> {
         };
         let exact = Device::Cuda(gpu.with_exact_gemm(true));
         out.push(("cuda exact".into(), exact, LOGIT_TOLERANCE));
-        out.push(("cuda bf16".into(), Device::Cuda(gpu), BF16_LOGIT_TOLERANCE));
+        out.push(("cuda tf32".into(), Device::Cuda(gpu), TF32_LOGIT_TOLERANCE));
     } else {
         eprintln!("GPU runs skipped: no CUDA driver on this machine");
     }
@@ -107,10 +109,17 @@ fn margin(v: &[f32]) -> f32 {
     v[top] - second
 }
 
+/// Every device's run is made (and its figures printed) before the first failure is reported.
 fn check_model(name: &str) {
-    for (label, device, tolerance) in devices() {
-        check_model_on(name, &label, &device, tolerance);
-    }
+    let failures: Vec<String> = devices()
+        .into_iter()
+        .filter_map(|(label, device, tolerance)| {
+            let run =
+                std::panic::AssertUnwindSafe(|| check_model_on(name, &label, &device, tolerance));
+            std::panic::catch_unwind(run).err().map(|_| label)
+        })
+        .collect();
+    assert!(failures.is_empty(), "{name}: failed on {failures:?}");
 }
 
 fn check_model_on(name: &str, label: &str, device: &Device, tolerance: f32) {

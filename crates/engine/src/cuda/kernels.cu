@@ -36,12 +36,6 @@ struct BF16 {
     }
 };
 
-__device__ __forceinline__ u16 to_bf16(float f) {
-    u16 r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
-    return r;
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -83,22 +77,25 @@ __device__ __forceinline__ u32 run_value(const u32 (&words)[BITS], int j) {
     return v & ((1u << BITS) - 1u);
 }
 
-// y[r, n] = Σ_k x[r, k] · W[n, k] for r < m (m ≤ 8): one warp per ROWS weight rows; each lane
-// takes runs of 32 weights, so every weight byte is read once, in 16-byte loads where the width
-// allows.
+// The same integer as a float, exactly: its bits under the exponent of 2^23, less 2^23 (an OR
+// and a subtraction at full rate, where an int-to-float conversion runs at a quarter).
+template <int BITS>
+__device__ __forceinline__ float run_float(const u32 (&words)[BITS], int j) {
+    return __uint_as_float(run_value<BITS>(words, j) | 0x4B000000u) - 8388608.f;
+}
+
+// acc[i][r] += Σ_k x[r, k] · W[row0 + i, k] over this lane's runs of 32 weights (lanes take
+// every 32nd run), for r < m ≤ 8 and the ROWS rows from row0 (rows past n repeat the last).
+// Each weight byte is read once, in 16-byte loads where the width allows; each activation load
+// serves all ROWS rows.
 template <int BITS, class S, int ROWS>
-__device__ void qgemv(const u32 *__restrict__ w, const typename S::T *__restrict__ scales,
-                      const typename S::T *__restrict__ biases, const float *__restrict__ x,
-                      float *__restrict__ y, int n, int k, int group, int m) {
+__device__ __forceinline__ void qdot_rows(const u32 *__restrict__ w,
+                                          const typename S::T *__restrict__ scales,
+                                          const typename S::T *__restrict__ biases,
+                                          const float *__restrict__ x, int row0, int n, int k,
+                                          int group, int m, float (&acc)[ROWS][8]) {
     const int lane = threadIdx.x & 31;
-    const int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS;
-    if (row0 >= n) return;
     const int runs = k >> 5, groups = k / group;
-    float acc[ROWS][8];
-#pragma unroll
-    for (int i = 0; i < ROWS; i++)
-#pragma unroll
-        for (int r = 0; r < 8; r++) acc[i][r] = 0.f;
     for (int c = lane; c < runs; c += 32) {
         u32 words[ROWS][BITS];
         float s[ROWS], b[ROWS];
@@ -123,23 +120,76 @@ __device__ void qgemv(const u32 *__restrict__ w, const typename S::T *__restrict
                 sum += (v.x + v.y) + (v.z + v.w);
 #pragma unroll
                 for (int i = 0; i < ROWS; i++) {
-                    dot[i] += (float)run_value<BITS>(words[i], 4 * q) * v.x;
-                    dot[i] += (float)run_value<BITS>(words[i], 4 * q + 1) * v.y;
-                    dot[i] += (float)run_value<BITS>(words[i], 4 * q + 2) * v.z;
-                    dot[i] += (float)run_value<BITS>(words[i], 4 * q + 3) * v.w;
+                    dot[i] = fmaf(run_float<BITS>(words[i], 4 * q), v.x, dot[i]);
+                    dot[i] = fmaf(run_float<BITS>(words[i], 4 * q + 1), v.y, dot[i]);
+                    dot[i] = fmaf(run_float<BITS>(words[i], 4 * q + 2), v.z, dot[i]);
+                    dot[i] = fmaf(run_float<BITS>(words[i], 4 * q + 3), v.w, dot[i]);
                 }
             }
 #pragma unroll
             for (int i = 0; i < ROWS; i++) acc[i][r] += s[i] * dot[i] + b[i] * sum;
         }
     }
+}
+
+template <int ROWS>
+__device__ __forceinline__ void zero(float (&acc)[ROWS][8]) {
+#pragma unroll
+    for (int i = 0; i < ROWS; i++)
+#pragma unroll
+        for (int r = 0; r < 8; r++) acc[i][r] = 0.f;
+}
+
+// y[r, n] (+)= Σ_k x[r, k] · W[n, k] for r < m (m ≤ 8): one warp per ROWS weight rows.
+// `accumulate` adds into y (a residual connection) instead of overwriting it.
+template <int BITS, class S, int ROWS>
+__device__ void qgemv(const u32 *__restrict__ w, const typename S::T *__restrict__ scales,
+                      const typename S::T *__restrict__ biases, const float *__restrict__ x,
+                      float *__restrict__ y, int n, int k, int group, int m, int accumulate) {
+    const int lane = threadIdx.x & 31;
+    const int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS;
+    if (row0 >= n) return;
+    float acc[ROWS][8];
+    zero(acc);
+    qdot_rows<BITS, S, ROWS>(w, scales, biases, x, row0, n, k, group, m, acc);
 #pragma unroll
     for (int i = 0; i < ROWS; i++) {
 #pragma unroll
         for (int r = 0; r < 8; r++) {
             if (r >= m) break;
             const float v = warp_sum(acc[i][r]);
-            if (lane == 0 && row0 + i < n) y[(i64)r * n + row0 + i] = v;
+            if (lane == 0 && row0 + i < n) {
+                float *o = y + (i64)r * n + row0 + i;
+                *o = accumulate ? *o + v : v;
+            }
+        }
+    }
+}
+
+// out[r, n] = act(x·Gᵀ) · (x·Uᵀ), the gated MLP's first half in one pass: G and U (the gate
+// and up projections) share shape and quantization; act is SiLU (0) or tanh-GELU (1).
+template <int BITS, class S>
+__device__ void qglu(const u32 *__restrict__ gw, const typename S::T *__restrict__ gs,
+                     const typename S::T *__restrict__ gb, const u32 *__restrict__ uw,
+                     const typename S::T *__restrict__ us, const typename S::T *__restrict__ ub,
+                     const float *__restrict__ x, float *__restrict__ out, int n, int k, int group,
+                     int m, int act) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= n) return;
+    float g[1][8], u[1][8];
+    zero(g);
+    zero(u);
+    qdot_rows<BITS, S, 1>(gw, gs, gb, x, row, n, k, group, m, g);
+    qdot_rows<BITS, S, 1>(uw, us, ub, x, row, n, k, group, m, u);
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        if (r >= m) break;
+        const float a = warp_sum(g[0][r]), b = warp_sum(u[0][r]);
+        if (lane == 0) {
+            const float h = act == 0 ? a / (1.f + expf(-a))
+                                     : 0.5f * a * (1.f + tanhf(0.7978846f * (a + 0.044715f * a * a * a)));
+            out[(i64)r * n + row] = h * b;
         }
     }
 }
@@ -158,14 +208,14 @@ __device__ void qrows(const u32 *__restrict__ w, const typename S::T *__restrict
         const float s = S::load(scales, g), b = S::load(biases, g);
         float *o = out + (i64)blockIdx.x * k + (c << 5);
 #pragma unroll
-        for (int j = 0; j < 32; j++) o[j] = s * (float)run_value<BITS>(words, j) + b;
+        for (int j = 0; j < 32; j++) o[j] = s * run_float<BITS>(words, j) + b;
     }
 }
 
-// The whole matrix dequantized to bf16 (or f32), row-major, for the tensor-core GEMM.
-template <int BITS, class S, bool TO_BF16>
+// The whole matrix dequantized to f32, row-major, for the tensor-core GEMM.
+template <int BITS, class S>
 __device__ void qdequant(const u32 *__restrict__ w, const typename S::T *__restrict__ scales,
-                         const typename S::T *__restrict__ biases, void *__restrict__ out, int n,
+                         const typename S::T *__restrict__ biases, float *__restrict__ out, int n,
                          int k, int group) {
     const int runs = k >> 5, groups = k / group;
     const i64 total = (i64)n * runs;
@@ -177,40 +227,40 @@ __device__ void qdequant(const u32 *__restrict__ w, const typename S::T *__restr
         load_run<BITS>(w + i * BITS, words);
         const i64 g = row * groups + (c << 5) / group;
         const float s = S::load(scales, g), b = S::load(biases, g);
-        if (TO_BF16) {
-            u16 *o = reinterpret_cast<u16 *>(out) + i * 32;
+        float *o = out + i * 32;
 #pragma unroll
-            for (int j = 0; j < 32; j++) o[j] = to_bf16(s * (float)run_value<BITS>(words, j) + b);
-        } else {
-            float *o = reinterpret_cast<float *>(out) + i * 32;
-#pragma unroll
-            for (int j = 0; j < 32; j++) o[j] = s * (float)run_value<BITS>(words, j) + b;
-        }
+        for (int j = 0; j < 32; j++) o[j] = s * run_float<BITS>(words, j) + b;
     }
 }
 
 #define QUANTIZED(BITS, S, NAME)                                                                   \
     extern "C" __global__ void qgemv1_##BITS##_##NAME(                                            \
         const u32 *w, const S::T *s, const S::T *b, const float *x, float *y, int n, int k,       \
-        int g, int m) {                                                                           \
-        qgemv<BITS, S, 1>(w, s, b, x, y, n, k, g, m);                                             \
+        int g, int m, int acc) {                                                                  \
+        qgemv<BITS, S, 1>(w, s, b, x, y, n, k, g, m, acc);                                        \
     }                                                                                             \
     extern "C" __global__ void qgemv2_##BITS##_##NAME(                                            \
         const u32 *w, const S::T *s, const S::T *b, const float *x, float *y, int n, int k,       \
-        int g, int m) {                                                                           \
-        qgemv<BITS, S, 2>(w, s, b, x, y, n, k, g, m);                                             \
+        int g, int m, int acc) {                                                                  \
+        qgemv<BITS, S, 2>(w, s, b, x, y, n, k, g, m, acc);                                        \
+    }                                                                                             \
+    extern "C" __global__ void qgemv4_##BITS##_##NAME(                                            \
+        const u32 *w, const S::T *s, const S::T *b, const float *x, float *y, int n, int k,       \
+        int g, int m, int acc) {                                                                  \
+        qgemv<BITS, S, 4>(w, s, b, x, y, n, k, g, m, acc);                                        \
+    }                                                                                             \
+    extern "C" __global__ void qglu_##BITS##_##NAME(                                              \
+        const u32 *gw, const S::T *gs, const S::T *gb, const u32 *uw, const S::T *us,             \
+        const S::T *ub, const float *x, float *out, int n, int k, int g, int m, int act) {        \
+        qglu<BITS, S>(gw, gs, gb, uw, us, ub, x, out, n, k, g, m, act);                           \
     }                                                                                             \
     extern "C" __global__ void qrows_##BITS##_##NAME(const u32 *w, const S::T *s, const S::T *b,  \
                                                      const int *ids, float *out, int k, int g) {  \
         qrows<BITS, S>(w, s, b, ids, out, k, g);                                                  \
     }                                                                                             \
-    extern "C" __global__ void qdequant_bf16_##BITS##_##NAME(                                     \
-        const u32 *w, const S::T *s, const S::T *b, void *out, int n, int k, int g) {            \
-        qdequant<BITS, S, true>(w, s, b, out, n, k, g);                                           \
-    }                                                                                             \
-    extern "C" __global__ void qdequant_f32_##BITS##_##NAME(                                      \
-        const u32 *w, const S::T *s, const S::T *b, void *out, int n, int k, int g) {            \
-        qdequant<BITS, S, false>(w, s, b, out, n, k, g);                                          \
+    extern "C" __global__ void qdequant_##BITS##_##NAME(                                          \
+        const u32 *w, const S::T *s, const S::T *b, float *out, int n, int k, int g) {           \
+        qdequant<BITS, S>(w, s, b, out, n, k, g);                                                 \
     }
 
 #define QUANTIZED_BITS(BITS)        \
@@ -261,13 +311,6 @@ __device__ void drows(const typename S::T *__restrict__ w, const int *__restrict
         out[(i64)blockIdx.x * k + c] = S::load(w, row * k + c);
 }
 
-template <class S>
-__device__ void dconvert_bf16(const typename S::T *__restrict__ w, u16 *__restrict__ out, i64 len) {
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < len;
-         i += (i64)gridDim.x * blockDim.x)
-        out[i] = to_bf16(S::load(w, i));
-}
-
 #define DENSE(S, NAME)                                                                          \
     extern "C" __global__ void dgemv_##NAME(const S::T *w, const float *x, float *y, int n,     \
                                             int k, int m) {                                     \
@@ -275,9 +318,6 @@ __device__ void dconvert_bf16(const typename S::T *__restrict__ w, u16 *__restri
     }                                                                                           \
     extern "C" __global__ void drows_##NAME(const S::T *w, const int *ids, float *out, int k) { \
         drows<S>(w, ids, out, k);                                                               \
-    }                                                                                           \
-    extern "C" __global__ void to_bf16_##NAME(const S::T *w, u16 *out, i64 len) {               \
-        dconvert_bf16<S>(w, out, len);                                                          \
     }
 
 DENSE(F32, f32)
@@ -357,10 +397,6 @@ extern "C" __global__ void scatter_add_rows(float *y, const float *src, const in
         const i64 r = i / cols;
         y[(i64)idx[r] * cols + (i - r * cols)] += weight[r] * src[i];
     }
-}
-
-extern "C" __global__ void f32_to_bf16(const float *x, u16 *out, i64 n) {
-    GRID_STRIDE(i, n) out[i] = to_bf16(x[i]);
 }
 
 // ---- norms and RoPE -----------------------------------------------------------------------
@@ -556,6 +592,71 @@ extern "C" __global__ void attention_combine(const float *part, float *out, int 
         }
         out[(i64)th * d + f] = v * inv;
     }
+}
+
+// Attention of many queries (prefill) as two batched matrix products with the scores between
+// them: heads_first lays queries out per head, masked_softmax turns each head's scores into
+// weights, heads_last puts the output back in token order.
+
+// out[h, t, :] = x[t0 + t, h, :] for t < count
+extern "C" __global__ void heads_first(const float *x, float *out, int t0, int count, int heads,
+                                       int d) {
+    GRID_STRIDE(i, (i64)count * heads * d) {
+        const int e = (int)(i % d);
+        const i64 ht = i / d;
+        const int t = (int)(ht % count), h = (int)(ht / count);
+        out[i] = x[((i64)(t0 + t) * heads + h) * d + e];
+    }
+}
+
+// out[t0 + t, h, :] = x[h, t, :] for t < count
+extern "C" __global__ void heads_last(const float *x, float *out, int t0, int count, int heads,
+                                      int d) {
+    GRID_STRIDE(i, (i64)count * heads * d) {
+        const int e = (int)(i % d);
+        const i64 ht = i / d;
+        const int t = (int)(ht % count), h = (int)(ht / count);
+        out[((i64)(t0 + t) * heads + h) * d + e] = x[i];
+    }
+}
+
+// Softmax in place of each row of scores ([heads · count, slots], row (h, t) for query
+// t0 + t), over the slots query t may see: slot j holds position p(j), the one position in
+// [end - slots, end) that is j modulo capacity; visible when start <= p <= positions[t0 + t] and
+// p > positions[t0 + t] - window. One block per row.
+extern "C" __global__ void masked_softmax(float *scores, const int *positions, int t0, int count,
+                                          int slots, int capacity, i64 start, i64 end,
+                                          i64 window) {
+    __shared__ float partial[32];
+    float *row = scores + (i64)blockIdx.x * slots;
+    const i64 pos = positions[t0 + blockIdx.x % count];
+    const i64 first = end - slots;
+    const int shift = (int)(first % capacity);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    auto visible = [&](int j) {
+        const i64 p = first + (j - shift + capacity) % capacity;
+        return p >= start && p <= pos && p > pos - window;
+    };
+    float m = -INFINITY;
+    for (int j = threadIdx.x; j < slots; j += blockDim.x)
+        if (visible(j)) m = fmaxf(m, row[j]);
+    m = warp_max(m);
+    if (lane == 0) partial[warp] = m;
+    __syncthreads();
+    m = warp_max(lane < warps ? partial[lane] : -INFINITY);
+    __syncthreads();
+    float sum = 0.f;
+    for (int j = threadIdx.x; j < slots; j += blockDim.x) {
+        const float e = visible(j) ? expf(row[j] - m) : 0.f;
+        row[j] = e;
+        sum += e;
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) partial[warp] = sum;
+    __syncthreads();
+    sum = warp_sum(lane < warps ? partial[lane] : 0.f);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int j = threadIdx.x; j < slots; j += blockDim.x) row[j] *= inv;
 }
 
 // ---- recurrent layers ------------------------------------------------------------------------

@@ -142,10 +142,11 @@ impl Gpu {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
 
-    /// This GPU with many-row matmuls (prefill) in f32 throughout (`exact`), rather than on
-    /// weights dequantized to bf16 for the tensor cores with activations rounded to bf16 (the
-    /// default, as mlx computes bf16 models). Tensors and weights made through the handle carry
-    /// the choice, so a model loaded with it keeps it.
+    /// This GPU with many-row products (prefill matmuls and attention) in plain f32
+    /// (`exact`), rather than on TF32 tensor cores (the default: f32 storage, operands rounded to
+    /// 10-bit mantissas, f32 sums; about eight times more precise than the bf16 mlx computes
+    /// bf16 models in). Tensors and weights made through the handle carry the choice, so a model
+    /// loaded with it keeps it. One-row products (decoding) are f32 either way.
     pub fn with_exact_gemm(&self, exact: bool) -> Gpu {
         Gpu {
             inner: self.inner.clone(),
@@ -202,6 +203,22 @@ impl Gpu {
     ) -> Result<CudaSlice<T>, EngineError> {
         // A zero-length allocation is refused by some drivers; one spare element costs nothing.
         self.inner.stream.alloc_zeros(len.max(1)).map_err(err)
+    }
+
+    /// Uninitialised device memory for a kernel to fill.
+    pub(crate) fn scratch<T: DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>, EngineError> {
+        // SAFETY: callers only hand the memory to kernels that write it before it is read.
+        unsafe { self.inner.stream.alloc(len.max(1)) }.map_err(err)
+    }
+
+    /// An uninitialised buffer of `len` floats for an op's output (which its kernel writes in
+    /// full, so that no memset runs first).
+    pub(crate) fn output(&self, len: usize) -> Result<Buffer, EngineError> {
+        Ok(Buffer {
+            slice: self.scratch(len)?,
+            len,
+            gpu: self.clone(),
+        })
     }
 
     pub(crate) fn upload(&self, values: &[f32]) -> Result<Buffer, EngineError> {
@@ -299,7 +316,7 @@ impl Buffer {
     }
 
     pub(crate) fn try_clone(&self) -> Result<Buffer, EngineError> {
-        let mut slice = self.gpu.alloc_raw(self.len)?;
+        let mut slice = self.gpu.scratch(self.len)?;
         if self.len > 0 {
             self.gpu
                 .stream()

@@ -102,7 +102,7 @@ pub fn binary(kernel: &str, x: &mut Buffer, y: &Buffer) -> Result<()> {
 pub fn columns(x: &Buffer, cols: usize, start: usize, width: usize) -> Result<Buffer> {
     let g = x.gpu().clone();
     let rows = x.len() / cols;
-    let out = g.zeros(rows * width)?;
+    let out = g.output(rows * width)?;
     launch!(&g, "columns", elements(&g, rows * width);
         x.ptr(), out.ptr(), rows as i64, int(cols)?, int(start)?, int(width)?);
     Ok(out)
@@ -111,7 +111,7 @@ pub fn columns(x: &Buffer, cols: usize, start: usize, width: usize) -> Result<Bu
 /// Elements `start..start + len`, copied.
 pub fn range(x: &Buffer, start: usize, len: usize) -> Result<Buffer> {
     let g = x.gpu().clone();
-    let mut out = g.zeros(len)?;
+    let mut out = g.output(len)?;
     if len > 0 {
         g.stream()
             .memcpy_dtod(&x.slice.slice(start..start + len), &mut out.slice)
@@ -123,7 +123,7 @@ pub fn range(x: &Buffer, start: usize, len: usize) -> Result<Buffer> {
 pub fn gather_rows(x: &Buffer, cols: usize, rows: &[usize]) -> Result<Buffer> {
     let g = x.gpu().clone();
     let idx = g.indices(rows.iter().copied())?;
-    let out = g.zeros(rows.len() * cols)?;
+    let out = g.output(rows.len() * cols)?;
     launch!(&g, "gather_rows", elements(&g, rows.len() * cols);
         x.ptr(), addr(&g, &idx), out.ptr(), rows.len() as i64, int(cols)?);
     Ok(out)
@@ -233,6 +233,13 @@ pub struct KvRing<'a> {
     pub window: usize,
 }
 
+/// Queries from which attention runs as matrix products on cuBLAS (scores in memory) rather
+/// than one warp per query: prefill, where the products keep the GPU busy.
+const GEMM_ATTENTION_MIN_TOKENS: usize = 16;
+
+/// Bytes of scores one pass of [`attention_gemm`] may hold; longer prompts go in slices.
+const SCORE_BYTES: usize = 256 << 20;
+
 pub fn attention(
     q: &Buffer,
     heads: usize,
@@ -243,6 +250,9 @@ pub fn attention(
 ) -> Result<Buffer> {
     let g = q.gpu().clone();
     let tokens = positions.len();
+    if tokens >= GEMM_ATTENTION_MIN_TOKENS {
+        return attention_gemm(q, heads, d, positions, kv, scale);
+    }
     let lanes = d.div_ceil(32);
     let per_lane = [1, 2, 4, 8, 16]
         .into_iter()
@@ -257,8 +267,8 @@ pub fn attention(
         1
     };
     let per_split = visible.div_ceil(splits).div_ceil(32) * 32;
-    let out = g.zeros(tokens * heads * d)?;
-    let part = g.zeros(if splits > 1 {
+    let out = g.output(tokens * heads * d)?;
+    let part = g.output(if splits > 1 {
         tokens * heads * splits * (d + 2)
     } else {
         1
@@ -280,6 +290,147 @@ pub fn attention(
     Ok(out)
 }
 
+/// [`attention`] for many queries: per KV head, scores = Q·Kᵀ over the cache's slots (a strided
+/// batched product, the group's query heads stacked), masked softmax, then P·V; f32 operands,
+/// through TF32 tensor cores unless the GPU handle is exact.
+fn attention_gemm(
+    q: &Buffer,
+    heads: usize,
+    d: usize,
+    positions: &Positions,
+    kv: &KvRing,
+    scale: f32,
+) -> Result<Buffer> {
+    let g = q.gpu().clone();
+    let tokens = positions.len();
+    let pos = positions_on_gpu(positions)?;
+    let group = heads / kv.kv_heads;
+    let slots = kv.end.min(kv.capacity);
+    let window = kv.window.min(i64::MAX as usize) as i64;
+    let out = g.output(tokens * heads * d)?;
+    let chunk = (SCORE_BYTES / (4 * heads * slots.max(1))).clamp(1, tokens);
+    let compute = compute_type(&g);
+    let qt = g.scratch::<f32>(chunk * heads * d)?;
+    let scores = g.scratch::<f32>(chunk * heads * slots)?;
+    let ot = g.scratch::<f32>(chunk * heads * d)?;
+    for t0 in (0..tokens).step_by(chunk) {
+        let count = chunk.min(tokens - t0);
+        let rows = group * count;
+        launch!(&g, "heads_first", elements(&g, count * heads * d);
+            q.ptr(), addr(&g, &qt), int(t0)?, int(count)?, int(heads)?, int(d)?);
+        // scores[h, t, j] = scale · q[h, t] · keys[h / group, j]
+        batched_gemm(
+            &g,
+            Gemm {
+                transpose_a: true,
+                m: slots,
+                n: rows,
+                k: d,
+                alpha: scale,
+                a: kv.keys.ptr(),
+                lda: d,
+                stride_a: kv.capacity * d,
+                b: addr(&g, &qt),
+                ldb: d,
+                stride_b: rows * d,
+                c: addr(&g, &scores),
+                ldc: slots,
+                stride_c: rows * slots,
+                batches: kv.kv_heads,
+                compute,
+            },
+        )?;
+        launch!(&g, "masked_softmax", blocks(heads * count, 256);
+            addr(&g, &scores), addr(&g, pos), int(t0)?, int(count)?, int(slots)?,
+            int(kv.capacity)?, kv.start as i64, kv.end as i64, window);
+        // out[h, t] = Σ_j scores[h, t, j] · values[h / group, j]
+        batched_gemm(
+            &g,
+            Gemm {
+                transpose_a: false,
+                m: d,
+                n: rows,
+                k: slots,
+                alpha: 1.0,
+                a: kv.values.ptr(),
+                lda: d,
+                stride_a: kv.capacity * d,
+                b: addr(&g, &scores),
+                ldb: slots,
+                stride_b: rows * slots,
+                c: addr(&g, &ot),
+                ldc: d,
+                stride_c: rows * d,
+                batches: kv.kv_heads,
+                compute,
+            },
+        )?;
+        launch!(&g, "heads_last", elements(&g, count * heads * d);
+            addr(&g, &ot), out.ptr(), int(t0)?, int(count)?, int(heads)?, int(d)?);
+    }
+    Ok(out)
+}
+
+/// One strided batched f32 product `C = alpha · op(A) · B` in cuBLAS's column-major terms
+/// (`op` transposes A when asked), batch `i` at `a + i·stride_a` and so on.
+struct Gemm {
+    transpose_a: bool,
+    m: usize,
+    n: usize,
+    k: usize,
+    alpha: f32,
+    a: u64,
+    lda: usize,
+    stride_a: usize,
+    b: u64,
+    ldb: usize,
+    stride_b: usize,
+    c: u64,
+    ldc: usize,
+    stride_c: usize,
+    batches: usize,
+    compute: cublasComputeType_t,
+}
+
+fn batched_gemm(g: &Gpu, p: Gemm) -> Result<()> {
+    let beta = 0.0f32;
+    let f32_t = cudaDataType::CUDA_R_32F;
+    let op_a = if p.transpose_a {
+        cublasOperation_t::CUBLAS_OP_T
+    } else {
+        cublasOperation_t::CUBLAS_OP_N
+    };
+    // SAFETY: the callers size the buffers for the strides and leading dimensions given.
+    unsafe {
+        cudarc::cublas::result::gemm_strided_batched_ex(
+            *g.blas().handle(),
+            op_a,
+            cublasOperation_t::CUBLAS_OP_N,
+            int(p.m)?,
+            int(p.n)?,
+            int(p.k)?,
+            (&p.alpha as *const f32).cast(),
+            p.a as *const _,
+            f32_t,
+            int(p.lda)?,
+            p.stride_a as i64,
+            p.b as *const _,
+            f32_t,
+            int(p.ldb)?,
+            p.stride_b as i64,
+            (&beta as *const f32).cast(),
+            p.c as *mut _,
+            f32_t,
+            int(p.ldc)?,
+            p.stride_c as i64,
+            int(p.batches)?,
+            p.compute,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(err)
+}
+
 // ---- recurrent layers ---------------------------------------------------------------------------
 
 pub fn causal_conv1d(
@@ -296,7 +447,7 @@ pub fn causal_conv1d(
     }
     let g = x.gpu().clone();
     let tokens = x.len() / channels;
-    let out = g.zeros(x.len())?;
+    let out = g.output(x.len())?;
     launch!(&g, "causal_conv1d", blocks(channels.div_ceil(128), 128);
         x.ptr(), weight.ptr(), state.ptr(), out.ptr(), int(tokens)?, int(channels)?, int(kernel)?);
     Ok(out)
@@ -309,7 +460,7 @@ pub fn delta_gates(
     neg_a: &Buffer,
 ) -> Result<(Buffer, Buffer)> {
     let g = a.gpu().clone();
-    let (decay, beta) = (g.zeros(a.len())?, g.zeros(a.len())?);
+    let (decay, beta) = (g.output(a.len())?, g.output(a.len())?);
     launch!(&g, "delta_gates", elements(&g, a.len());
         a.ptr(), b.ptr(), dt_bias.ptr(), neg_a.ptr(), decay.ptr(), beta.ptr(), a.len() as i64,
         int(dt_bias.len())?);
@@ -334,7 +485,7 @@ pub fn gated_delta(
         .ok_or_else(|| {
             EngineError::Shape(format!("key head dim {} over the GPU's 256", dims.k_dim))
         })?;
-    let y = g.zeros(v.len())?;
+    let y = g.output(v.len())?;
     let rows = dims.v_heads * dims.v_dim;
     launch!(&g, &format!("gated_delta_{per_lane}"), blocks(rows.div_ceil(4), 128);
         q.ptr(), k.ptr(), v.ptr(), decay.ptr(), beta.ptr(), state.ptr(), y.ptr(), int(tokens)?,
@@ -353,38 +504,94 @@ pub struct QuantShape {
     pub group_size: usize,
 }
 
-/// `y[m, rows] = x[m, cols] · Wᵀ`.
+/// What a matmul does with its output: a new buffer, or a sum into an existing one (a residual
+/// connection, without a separate add).
+pub enum Output<'a> {
+    New,
+    AddTo(&'a mut Buffer),
+}
+
+/// `y[m, rows] = x[m, cols] · Wᵀ` (or `+=` into `out`).
 pub fn quantized_matmul(
     w: &QuantizedWeights,
     s: QuantShape,
     x: &Buffer,
     m: usize,
-) -> Result<Buffer> {
+    out: Output,
+) -> Result<Option<Buffer>> {
     let g = w.gpu.clone();
-    let y = g.zeros(m * s.rows)?;
     let (packed, scales, biases) = (
         addr(&g, &w.packed),
         addr(&g, &w.scales),
         addr(&g, &w.biases),
     );
+    let (y, accumulate) = match out {
+        Output::New => (Some(g.output(m * s.rows)?), false),
+        Output::AddTo(_) => (None, true),
+    };
+    let y_ptr = match (&y, &out) {
+        (Some(y), _) => y.ptr(),
+        (None, Output::AddTo(b)) => b.ptr(),
+        (None, Output::New) => unreachable!(),
+    };
     if m <= GEMV_MAX_ROWS {
-        // Two rows per warp share each activation load once there are rows enough to fill the GPU.
-        let rows_per_warp = if s.rows >= 4096 { 2 } else { 1 };
+        // Rows per warp share each activation load; more of them once there are rows enough
+        // to fill the GPU.
+        let rows_per_warp = match s.rows {
+            r if r >= 8192 => 4,
+            r if r >= 4096 => 2,
+            _ => 1,
+        };
         let name = format!("qgemv{rows_per_warp}_{}_{}", s.bits, w.scale_type);
         launch!(&g, &name, blocks(s.rows.div_ceil(4 * rows_per_warp), 128);
-            packed, scales, biases, x.ptr(), y.ptr(), int(s.rows)?, int(s.cols)?,
-            int(s.group_size)?, int(m)?);
+            packed, scales, biases, x.ptr(), y_ptr, int(s.rows)?, int(s.cols)?,
+            int(s.group_size)?, int(m)?, accumulate as i32);
         return Ok(y);
     }
-    let exact = x.gpu().exact_gemm();
-    let kind = if exact { "f32" } else { "bf16" };
-    let width = if exact { 4 } else { 2 };
-    let dense = g.alloc_raw::<u8>(s.rows * s.cols * width)?;
-    let name = format!("qdequant_{kind}_{}_{}", s.bits, w.scale_type);
+    let dense = g.scratch::<f32>(s.rows * s.cols)?;
+    let name = format!("qdequant_{}_{}", s.bits, w.scale_type);
     launch!(&g, &name, elements(&g, s.rows * s.cols / 32);
         packed, scales, biases, addr(&g, &dense), int(s.rows)?, int(s.cols)?, int(s.group_size)?);
-    gemm(&g, addr(&g, &dense), !exact, s.rows, s.cols, x, m, &y)?;
+    gemm(
+        &g,
+        addr(&g, &dense),
+        s.rows,
+        s.cols,
+        x,
+        m,
+        y_ptr,
+        accumulate,
+    )?;
     Ok(y)
+}
+
+/// The activation of a gated MLP, as the `qglu` kernel numbers them.
+#[derive(Clone, Copy)]
+pub enum Glu {
+    Silu = 0,
+    GeluApprox = 1,
+}
+
+/// `act(x·Gᵀ) · (x·Uᵀ)` in one pass for up to [`GEMV_MAX_ROWS`] rows, when the gate and up
+/// projections share their shape and quantization; `None` otherwise (the caller composes).
+pub fn quantized_glu(
+    gate: &QuantizedWeights,
+    up: &QuantizedWeights,
+    s: QuantShape,
+    x: &Buffer,
+    m: usize,
+    act: Glu,
+) -> Result<Option<Buffer>> {
+    if m > GEMV_MAX_ROWS || gate.scale_type != up.scale_type {
+        return Ok(None);
+    }
+    let g = gate.gpu.clone();
+    let out = g.output(m * s.rows)?;
+    launch!(&g, &format!("qglu_{}_{}", s.bits, gate.scale_type), blocks(s.rows.div_ceil(4), 128);
+        addr(&g, &gate.packed), addr(&g, &gate.scales), addr(&g, &gate.biases),
+        addr(&g, &up.packed), addr(&g, &up.scales), addr(&g, &up.biases), x.ptr(), out.ptr(),
+        int(s.rows)?, int(s.cols)?, int(s.group_size)?, int(m)?, act as i32);
+    Ok(Some(out))
 }
 
 pub fn dense_matmul(
@@ -395,50 +602,49 @@ pub fn dense_matmul(
     m: usize,
 ) -> Result<Buffer> {
     let g = w.gpu.clone();
-    let y = g.zeros(m * rows)?;
+    let y = g.output(m * rows)?;
     let data = addr(&g, &w.data);
     if m <= GEMV_MAX_ROWS {
         launch!(&g, &format!("dgemv_{}", w.dtype), blocks(rows.div_ceil(4), 128);
             data, x.ptr(), y.ptr(), int(rows)?, int(cols)?, int(m)?);
         return Ok(y);
     }
-    if x.gpu().exact_gemm() {
+    if w.dtype == "f32" {
+        gemm(&g, data, rows, cols, x, m, y.ptr(), false)?;
+    } else {
         let all: Vec<usize> = (0..rows).collect();
         let f32_weights = dense_rows(w, cols, &all)?;
-        gemm(&g, f32_weights.ptr(), false, rows, cols, x, m, &y)?;
-    } else {
-        let converted = g.alloc_raw::<u16>(rows * cols)?;
-        launch!(&g, &format!("to_bf16_{}", w.dtype), elements(&g, rows * cols);
-            data, addr(&g, &converted), (rows * cols) as i64);
-        gemm(&g, addr(&g, &converted), true, rows, cols, x, m, &y)?;
+        gemm(&g, f32_weights.ptr(), rows, cols, x, m, y.ptr(), false)?;
     }
     Ok(y)
 }
 
-/// `y[m, n] = x[m, k] · Wᵀ` by cuBLAS, `W` row-major `[n, k]` in bf16 or f32 at `w`; bf16
-/// weights meet x rounded to bf16, f32 accumulation either way.
+/// The precision of the many-row products: f32 throughout on an exact handle, else TF32
+/// tensor cores (f32 storage, operands rounded to 10-bit mantissas, f32 accumulation).
+fn compute_type(g: &Gpu) -> cublasComputeType_t {
+    if g.exact_gemm() {
+        cublasComputeType_t::CUBLAS_COMPUTE_32F
+    } else {
+        cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+    }
+}
+
+/// `y[m, n] (+)= x[m, k] · Wᵀ` by cuBLAS, `W` row-major `[n, k]` f32 at `w`.
 #[allow(clippy::too_many_arguments)]
 fn gemm(
     g: &Gpu,
     w: u64,
-    bf16: bool,
     n: usize,
     k: usize,
     x: &Buffer,
     m: usize,
-    y: &Buffer,
+    y: u64,
+    accumulate: bool,
 ) -> Result<()> {
-    let x_bf16;
-    let (x_ptr, ty) = if bf16 {
-        x_bf16 = g.alloc_raw::<u16>(m * k)?;
-        launch!(g, "f32_to_bf16", elements(g, m * k); x.ptr(), addr(g, &x_bf16), (m * k) as i64);
-        (addr(g, &x_bf16), cudaDataType::CUDA_R_16BF)
-    } else {
-        (x.ptr(), cudaDataType::CUDA_R_32F)
-    };
-    let (alpha, beta) = (1.0f32, 0.0f32);
+    let f32_t = cudaDataType::CUDA_R_32F;
+    let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
     // Row-major y[m, n] is column-major yᵀ[n, m] = W · xᵀ, with W column-major [k, n] transposed.
-    // SAFETY: the pointers address buffers of n·k, m·k and m·n elements of the stated types.
+    // SAFETY: the pointers address buffers of n·k, m·k and m·n floats.
     unsafe {
         cudarc::cublas::result::gemm_ex(
             *g.blas().handle(),
@@ -449,16 +655,16 @@ fn gemm(
             int(k)?,
             (&alpha as *const f32).cast(),
             w as *const _,
-            ty,
+            f32_t,
             int(k)?,
-            x_ptr as *const _,
-            ty,
+            x.ptr() as *const _,
+            f32_t,
             int(k)?,
             (&beta as *const f32).cast(),
-            y.ptr() as *mut _,
-            cudaDataType::CUDA_R_32F,
+            y as *mut _,
+            f32_t,
             int(n)?,
-            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            compute_type(x.gpu()),
             cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
     }
@@ -469,7 +675,7 @@ fn gemm(
 pub fn quantized_rows(w: &QuantizedWeights, s: QuantShape, ids: &[usize]) -> Result<Buffer> {
     let g = w.gpu.clone();
     let idx = g.indices(ids.iter().copied())?;
-    let out = g.zeros(ids.len() * s.cols)?;
+    let out = g.output(ids.len() * s.cols)?;
     if !ids.is_empty() {
         launch!(&g, &format!("qrows_{}_{}", s.bits, w.scale_type), blocks(ids.len(), 128);
             addr(&g, &w.packed), addr(&g, &w.scales), addr(&g, &w.biases), addr(&g, &idx),
@@ -481,7 +687,7 @@ pub fn quantized_rows(w: &QuantizedWeights, s: QuantShape, ids: &[usize]) -> Res
 pub fn dense_rows(w: &DenseWeights, cols: usize, ids: &[usize]) -> Result<Buffer> {
     let g = w.gpu.clone();
     let idx = g.indices(ids.iter().copied())?;
-    let out = g.zeros(ids.len() * cols)?;
+    let out = g.output(ids.len() * cols)?;
     if !ids.is_empty() {
         launch!(&g, &format!("drows_{}", w.dtype), blocks(ids.len(), 256);
             addr(&g, &w.data), addr(&g, &idx), out.ptr(), int(cols)?);
