@@ -12,6 +12,16 @@ pub struct Args {
     /// The MLX model directory (config.json, *.safetensors, tokenizer files).
     #[arg(long)]
     model: PathBuf,
+    /// A LoRA adapter directory for requests that name none.
+    #[arg(long)]
+    adapter_path: Option<PathBuf>,
+    /// A directory of LoRA adapters that requests choose by name (`"adapters": "NAME"`, a
+    /// directory inside it); names that lead outside it are refused.
+    #[arg(long)]
+    adapters_dir: Option<PathBuf>,
+    /// Most adapters from --adapters-dir kept loaded (least recently used out).
+    #[arg(long, default_value_t = 8)]
+    adapter_cache_size: usize,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -73,6 +83,9 @@ pub fn run(args: Args) -> Result<()> {
         allowed_origins: args.allowed_origins,
         max_request_bytes: args.max_request_bytes,
         prefill_step: args.prefill_step_size,
+        adapter_path: args.adapter_path,
+        adapters_dir: args.adapters_dir,
+        adapter_cache_size: args.adapter_cache_size,
     };
     oxlm_server::run(&args.model, settings, &args.host, args.port)
         .with_context(|| format!("serving {}", args.model.display()))

@@ -2,7 +2,7 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -13,6 +13,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use oxlm_runtime::adapter_store::{Adapter, AdapterStore};
 use oxlm_runtime::{FinishReason, GenerateOptions, StreamOptions};
 use rand::Rng;
 use serde_json::{json, Map, Value};
@@ -112,18 +113,27 @@ async fn health(State(state): Shared) -> Response {
     }
 }
 
-fn model_object(state: &AppState) -> Value {
-    json!({"id": state.model_id, "object": "model", "created": state.created, "owned_by": "oxlm"})
+/// The served model; with an adapter directory, also the adapter names a request's `adapters`
+/// may give (an extension: OpenAI's model object has no such field).
+async fn model_object(state: Arc<AppState>) -> Result<Value, ApiError> {
+    let mut model = json!({"id": state.model_id, "object": "model", "created": state.created,
+                           "owned_by": "oxlm"});
+    if state.adapters.is_some() {
+        let names = blocking(move || Ok(adapters(&state)?.names())).await?;
+        model["adapters"] = names.into();
+    }
+    Ok(model)
 }
 
-async fn models(State(state): Shared) -> Json {
-    Json(json!({"object": "list", "data": [model_object(&state)]}))
+async fn models(State(state): Shared) -> Result<Json, ApiError> {
+    let model = model_object(state).await?;
+    Ok(Json(json!({"object": "list", "data": [model]})))
 }
 
 async fn model(State(state): Shared, UrlPath(id): UrlPath<String>) -> Result<Json, ApiError> {
     let wanted = id.trim_start_matches('/');
     if wanted == state.model_id.trim_start_matches('/') {
-        Ok(Json(model_object(&state)))
+        Ok(Json(model_object(state).await?))
     } else {
         Err(ApiError {
             code: Some("model_not_found"),
@@ -180,16 +190,8 @@ async fn chat_completions(State(state): Shared, body: Result<Bytes, BytesRejecti
         let tools = req.tools.map(|t| (state.tool_format, t));
         let parser = OutputParser::new(state.think, prompt.in_reasoning, tools);
         let id = format!("chatcmpl-{}", uuid4());
-        respond(
-            state,
-            Kind::Chat,
-            id,
-            req.params,
-            prompt.ids,
-            "messages",
-            Some(parser),
-        )
-        .await
+        let exchange = Exchange::new(state, Kind::Chat, id, req.params);
+        respond(exchange, prompt.ids, "messages", Some(parser)).await
     };
     result.await.unwrap_or_else(IntoResponse::into_response)
 }
@@ -201,7 +203,8 @@ async fn completions(State(state): Shared, body: Result<Bytes, BytesRejection>) 
         let prompt = req.prompt;
         let ids = blocking(move || text_prompt(&st, &prompt)).await?;
         let id = format!("cmpl-{}", uuid4());
-        respond(state, Kind::Text, id, req.params, ids, "prompt", None).await
+        let exchange = Exchange::new(state, Kind::Text, id, req.params);
+        respond(exchange, ids, "prompt", None).await
     };
     result.await.unwrap_or_else(IntoResponse::into_response)
 }
@@ -293,16 +296,43 @@ fn internal(e: impl std::fmt::Display) -> ApiError {
     ApiError::server(e.to_string())
 }
 
+/// The store of `--adapters-dir`, or the 400 of a server started without one.
+fn adapters(state: &AppState) -> Result<std::sync::MutexGuard<'_, AdapterStore>, ApiError> {
+    let store = state.adapters.as_ref().ok_or_else(|| {
+        ApiError::invalid_param(
+            "adapters",
+            "This server takes no per-request adapters (start it with --adapters-dir)",
+        )
+    })?;
+    // A load that panicked changed nothing in the store.
+    Ok(store.lock().unwrap_or_else(PoisonError::into_inner))
+}
+
+/// The adapter a request runs with: the one it names, else the server's default.
+async fn adapter_for(
+    state: &Arc<AppState>,
+    name: Option<String>,
+) -> Result<Option<Arc<Adapter>>, ApiError> {
+    let Some(name) = name else {
+        return Ok(state.default_adapter.clone());
+    };
+    let state = state.clone();
+    blocking(move || {
+        let adapter = adapters(&state)?.get(&name, state.model.model.as_ref())?;
+        Ok(Some(adapter))
+    })
+    .await
+}
+
 /// Checks the prompt against the context, queues it, and answers as JSON or as a stream.
 async fn respond(
-    state: Arc<AppState>,
-    kind: Kind,
-    id: String,
-    mut params: Params,
+    mut exchange: Exchange,
     prompt: Vec<u32>,
     prompt_param: &str,
     parser: Option<OutputParser>,
 ) -> Result<Response, ApiError> {
+    let state = exchange.state.clone();
+    let params = &mut exchange.params;
     if prompt.is_empty() {
         return Err(ApiError::invalid_param(prompt_param, "The prompt is empty"));
     }
@@ -313,6 +343,7 @@ async fn respond(
         // The last token never goes through the model, so the context holds one more.
         params.max_tokens = params.max_tokens.min(limit + 1 - prompt.len());
     }
+    let adapter = adapter_for(&state, params.adapter.clone()).await?;
     let options = GenerateOptions {
         max_tokens: params.max_tokens,
         sampler: params.sampler.clone(),
@@ -322,15 +353,8 @@ async fn respond(
         stop: params.stop.clone(),
         top_logprobs: params.top_logprobs,
     };
-    let running = state.worker.submit(prompt.clone(), options, stream)?;
-    let exchange = Exchange {
-        state,
-        kind,
-        id,
-        created: unix_time(),
-        prompt_tokens: prompt.len(),
-        params,
-    };
+    exchange.prompt_tokens = prompt.len();
+    let running = state.worker.submit(prompt, adapter, options, stream)?;
     let reply = Reply::new(&exchange, parser);
     if exchange.params.stream {
         Ok(stream_response(exchange, running, reply))
@@ -492,6 +516,17 @@ fn text_of(pieces: &[Piece]) -> String {
 }
 
 impl Exchange {
+    fn new(state: Arc<AppState>, kind: Kind, id: String, params: Params) -> Self {
+        Exchange {
+            state,
+            kind,
+            id,
+            created: unix_time(),
+            params,
+            prompt_tokens: 0,
+        }
+    }
+
     fn object(&self, chunk: bool) -> &'static str {
         match (self.kind, chunk) {
             (Kind::Chat, false) => "chat.completion",

@@ -3,7 +3,8 @@
 //! streams), `GET /v1/models` and `GET /health`.
 //!
 //! Everything HTTP lives here: request validation, response and error shapes, streaming, tool
-//! call and reasoning parsing. Generation itself runs on one dedicated thread
+//! call and reasoning parsing, per-request LoRA adapters (mlx_lm.server's `adapters` field,
+//! resolved inside one adapter directory). Generation itself runs on one dedicated thread
 //! ([`worker`]), fed in arrival order.
 
 mod api;
@@ -12,10 +13,11 @@ pub mod parsers;
 mod request;
 mod worker;
 
-use std::path::Path;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use oxlm_runtime::adapter_store::{Adapter, AdapterStore};
 use oxlm_runtime::generate::DEFAULT_PREFILL_STEP;
 use oxlm_runtime::generation_config::SamplingDefaults;
 use oxlm_runtime::{LoadedModel, RuntimeError};
@@ -50,6 +52,12 @@ pub struct Settings {
     /// Larger request bodies are refused with 413.
     pub max_request_bytes: usize,
     pub prefill_step: usize,
+    /// The adapter of requests that name none (mlx_lm.server's `--adapter-path`).
+    pub adapter_path: Option<PathBuf>,
+    /// Where the adapters that requests name live; names resolve inside it only.
+    pub adapters_dir: Option<PathBuf>,
+    /// Most adapters from `adapters_dir` kept loaded.
+    pub adapter_cache_size: usize,
 }
 
 impl Default for Settings {
@@ -67,6 +75,9 @@ impl Default for Settings {
             allowed_origins: vec!["*".into()],
             max_request_bytes: 32_000_000,
             prefill_step: DEFAULT_PREFILL_STEP,
+            adapter_path: None,
+            adapters_dir: None,
+            adapter_cache_size: 8,
         }
     }
 }
@@ -82,6 +93,10 @@ struct AppState {
     settings: Settings,
     tool_format: ToolFormat,
     think: Option<(&'static str, &'static str)>,
+    /// `Settings::adapter_path`, loaded.
+    default_adapter: Option<Arc<Adapter>>,
+    /// Loaded on demand; one load at a time.
+    adapters: Option<Mutex<AdapterStore>>,
     worker: Worker,
 }
 
@@ -130,6 +145,19 @@ impl Server {
             .unwrap_or_else(|_| model_dir.to_path_buf())
             .display()
             .to_string();
+        let base = model.model.as_ref();
+        let default_adapter = match &settings.adapter_path {
+            Some(dir) => Some(Arc::new(Adapter::load(dir, base)?)),
+            None => None,
+        };
+        let adapters = match &settings.adapters_dir {
+            Some(root) => Some(Mutex::new(AdapterStore::open(
+                root,
+                settings.adapter_cache_size,
+                base,
+            )?)),
+            None => None,
+        };
         let limits = CacheLimits {
             entries: settings.prompt_cache_size,
             bytes: settings.prompt_cache_bytes,
@@ -144,6 +172,8 @@ impl Server {
                 settings,
                 tool_format,
                 think,
+                default_adapter,
+                adapters,
                 worker,
             }),
         })
