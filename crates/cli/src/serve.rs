@@ -1,10 +1,11 @@
 //! `oxlm serve`: a drop-in for `mlx_lm.server` (the OpenAI API over HTTP).
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use oxlm_runtime::generate::DEFAULT_PREFILL_STEP;
-use oxlm_server::Settings;
+use oxlm_server::{LogLevel, Settings};
 use serde_json::{Map, Value};
 
 #[derive(clap::Args)]
@@ -63,6 +64,12 @@ pub struct Args {
     /// Prompt tokens processed per forward pass.
     #[arg(long, default_value_t = DEFAULT_PREFILL_STEP)]
     prefill_step_size: usize,
+    /// DEBUG, INFO, WARNING, ERROR or CRITICAL; above INFO, no startup, shutdown or request lines.
+    #[arg(long, default_value = "INFO")]
+    log_level: LogLevel,
+    /// Seconds requests in progress get to finish after SIGINT/SIGTERM before being cancelled.
+    #[arg(long, default_value_t = 5.0, value_parser = parse_seconds)]
+    shutdown_grace: f64,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -86,9 +93,18 @@ pub fn run(args: Args) -> Result<()> {
         adapter_path: args.adapter_path,
         adapters_dir: args.adapters_dir,
         adapter_cache_size: args.adapter_cache_size,
+        log_level: args.log_level,
+        shutdown_grace: Duration::from_secs_f64(args.shutdown_grace),
     };
     oxlm_server::run(&args.model, settings, &args.host, args.port)
         .with_context(|| format!("serving {}", args.model.display()))
+}
+
+fn parse_seconds(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(seconds) if seconds.is_finite() && seconds >= 0.0 => Ok(seconds),
+        _ => Err(format!("`{text}` is not a number of seconds")),
+    }
 }
 
 /// A byte count with an optional decimal suffix (K, M, G, KB, MB, GB), as mlx-lm's `_parse_size`.

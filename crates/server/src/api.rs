@@ -6,7 +6,7 @@ use std::sync::{Arc, PoisonError};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path as UrlPath, Request, State};
+use axum::extract::{DefaultBodyLimit, Extension, Path as UrlPath, Request, State};
 use axum::http::{header, HeaderValue, Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -19,6 +19,7 @@ use rand::Rng;
 use serde_json::{json, Map, Value};
 
 use crate::error::ApiError;
+use crate::log::{log_requests, TokenCounts};
 use crate::parsers::{OutputParser, Piece, ToolCall};
 use crate::request::{self, Params, Prompt};
 use crate::worker::{Running, Update};
@@ -41,6 +42,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.settings.max_request_bytes))
         .layer(middleware::from_fn_with_state(state.clone(), cors))
+        .layer(middleware::from_fn_with_state(state.clone(), log_requests))
         .with_state(state)
 }
 
@@ -175,10 +177,15 @@ struct Exchange {
     id: String,
     created: u64,
     params: Params,
-    prompt_tokens: usize,
+    /// Also what its log line reports.
+    tokens: TokenCounts,
 }
 
-async fn chat_completions(State(state): Shared, body: Result<Bytes, BytesRejection>) -> Response {
+async fn chat_completions(
+    State(state): Shared,
+    Extension(tokens): Extension<TokenCounts>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let result = async {
         let req = request::chat_request(&read_body(body)?, &state.defaults)?;
         let st = state.clone();
@@ -190,20 +197,24 @@ async fn chat_completions(State(state): Shared, body: Result<Bytes, BytesRejecti
         let tools = req.tools.map(|t| (state.tool_format, t));
         let parser = OutputParser::new(state.think, prompt.in_reasoning, tools);
         let id = format!("chatcmpl-{}", uuid4());
-        let exchange = Exchange::new(state, Kind::Chat, id, req.params);
+        let exchange = Exchange::new(state, Kind::Chat, id, req.params, tokens);
         respond(exchange, prompt.ids, "messages", Some(parser)).await
     };
     result.await.unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn completions(State(state): Shared, body: Result<Bytes, BytesRejection>) -> Response {
+async fn completions(
+    State(state): Shared,
+    Extension(tokens): Extension<TokenCounts>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let result = async {
         let req = request::completion_request(&read_body(body)?, &state.defaults)?;
         let st = state.clone();
         let prompt = req.prompt;
         let ids = blocking(move || text_prompt(&st, &prompt)).await?;
         let id = format!("cmpl-{}", uuid4());
-        let exchange = Exchange::new(state, Kind::Text, id, req.params);
+        let exchange = Exchange::new(state, Kind::Text, id, req.params, tokens);
         respond(exchange, ids, "prompt", None).await
     };
     result.await.unwrap_or_else(IntoResponse::into_response)
@@ -353,7 +364,7 @@ async fn respond(
         stop: params.stop.clone(),
         top_logprobs: params.top_logprobs,
     };
-    exchange.prompt_tokens = prompt.len();
+    exchange.tokens.start(prompt.len());
     let running = state.worker.submit(prompt, adapter, options, stream)?;
     let reply = Reply::new(&exchange, parser);
     if exchange.params.stream {
@@ -369,7 +380,7 @@ struct Reply {
     parser: Option<OutputParser>,
     tokenizer: oxlm_runtime::tokenizer::Tokenizer,
     logprobs: bool,
-    completion_tokens: usize,
+    tokens: TokenCounts,
     cached_tokens: usize,
     /// Log-probabilities not yet sent.
     entries: Vec<Value>,
@@ -381,7 +392,7 @@ impl Reply {
             parser,
             tokenizer: exchange.state.model.tokenizer.clone(),
             logprobs: exchange.params.logprobs,
-            completion_tokens: 0,
+            tokens: exchange.tokens.clone(),
             cached_tokens: 0,
             entries: Vec::new(),
         }
@@ -396,7 +407,7 @@ impl Reply {
     }
 
     fn token(&mut self, id: u32, logprob: f32, top: &[(u32, f32)], text: &str) -> Vec<Piece> {
-        self.completion_tokens += 1;
+        self.tokens.add_completion_token();
         if self.logprobs {
             let mut entry = self.token_info(id, logprob);
             entry["top_logprobs"] = top.iter().map(|&(t, l)| self.token_info(t, l)).collect();
@@ -440,11 +451,12 @@ impl Reply {
         }
     }
 
-    fn usage(&self, prompt_tokens: usize) -> Value {
+    fn usage(&self) -> Value {
+        let (prompt_tokens, completion_tokens) = (self.tokens.prompt(), self.tokens.completion());
         json!({
             "prompt_tokens": prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": prompt_tokens + self.completion_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         })
     }
@@ -516,14 +528,20 @@ fn text_of(pieces: &[Piece]) -> String {
 }
 
 impl Exchange {
-    fn new(state: Arc<AppState>, kind: Kind, id: String, params: Params) -> Self {
+    fn new(
+        state: Arc<AppState>,
+        kind: Kind,
+        id: String,
+        params: Params,
+        tokens: TokenCounts,
+    ) -> Self {
         Exchange {
             state,
             kind,
             id,
             created: unix_time(),
             params,
-            prompt_tokens: 0,
+            tokens,
         }
     }
 
@@ -573,7 +591,7 @@ async fn complete_response(
                 text,
             }) => pieces.extend(reply.token(id, logprob, &top, &text)),
             Some(Update::Text(text)) => pieces.extend(reply.text(&text)),
-            Some(Update::Done(result)) => break result.map_err(internal)?,
+            Some(Update::Done(result)) => break result?,
             None => return Err(ApiError::server("the generation thread stopped")),
         }
     };
@@ -587,7 +605,7 @@ async fn complete_response(
     let logprobs = reply.take_logprobs(exchange.kind);
     let choice = exchange.choice(body, logprobs, Some(finish));
     let mut response = exchange.envelope(false, vec![choice]);
-    response["usage"] = reply.usage(exchange.prompt_tokens);
+    response["usage"] = reply.usage();
     Ok(Json(response).into_response())
 }
 
@@ -663,13 +681,13 @@ impl ChunkStream {
                 self.chunk(&pieces, Some(finish_reason(reason, tool_calls)));
                 if self.exchange.params.include_usage {
                     let mut usage = self.exchange.envelope(true, Vec::new());
-                    usage["usage"] = self.reply.usage(self.exchange.prompt_tokens);
+                    usage["usage"] = self.reply.usage();
                     self.send(&usage);
                 }
                 self.ready.push_back(SseEvent::default().data("[DONE]"));
                 self.done = true;
             }
-            Update::Done(Err(e)) => self.fail(internal(e)),
+            Update::Done(Err(e)) => self.fail(e.into()),
         }
     }
 

@@ -5,6 +5,8 @@ use axum::response::{IntoResponse, Response};
 use oxlm_runtime::adapter_store::AdapterStoreError;
 use serde_json::{json, Value};
 
+use crate::worker::JobError;
+
 /// An error answered to a client as `{"error": {"message", "type", "param", "code"}}`.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("{status}: {message}")]
@@ -136,6 +138,15 @@ impl From<AdapterStoreError> for ApiError {
             AdapterStoreError::Root { .. } | AdapterStoreError::Model(_) => {
                 ApiError::server(message)
             }
+        }
+    }
+}
+
+impl From<JobError> for ApiError {
+    fn from(error: JobError) -> Self {
+        match error {
+            JobError::ShuttingDown => ApiError::unavailable(error.to_string()),
+            error => ApiError::server(error.to_string()),
         }
     }
 }

@@ -53,6 +53,8 @@ pub enum JobError {
     Adapter(#[from] AdapterError),
     #[error("generation panicked: {0}")]
     Panic(String),
+    #[error("The server is shutting down")]
+    ShuttingDown,
 }
 
 /// The prompt cache: model state by the adapter that computed it (`None`: the base model).
@@ -65,16 +67,19 @@ struct Job {
     stream: StreamOptions,
     updates: UnboundedSender<Update>,
     cancel: Arc<AtomicBool>,
+    shutdown: Arc<AtomicBool>,
 }
 
 impl Job {
     fn cancelled(&self) -> bool {
-        self.cancel.load(Ordering::Relaxed) || self.updates.is_closed()
+        self.cancel.load(Ordering::Relaxed)
+            || self.shutdown.load(Ordering::Relaxed)
+            || self.updates.is_closed()
     }
 
-    /// Sends an update; false once the requester is gone.
+    /// Sends an update; false once the requester is gone or the server is shutting down.
     fn send(&self, update: Update) -> bool {
-        self.updates.send(update).is_ok() && !self.cancel.load(Ordering::Relaxed)
+        self.updates.send(update).is_ok() && !self.cancelled()
     }
 }
 
@@ -95,6 +100,8 @@ impl Drop for Running {
 pub struct Worker {
     jobs: mpsc::Sender<Job>,
     thread: JoinHandle<()>,
+    /// Set when the server shuts down: every job, running or queued, ends with an error.
+    shutdown: Arc<AtomicBool>,
 }
 
 /// Prompt cache limits.
@@ -112,17 +119,34 @@ impl Worker {
             .spawn(move || {
                 let mut cache = StateCache::new(limits.entries, limits.bytes);
                 for job in queue {
-                    if job.cancelled() {
-                        continue;
-                    }
-                    // Requests are validated before they get here; this keeps one that still
-                    // trips a bug from taking the thread (and the server) down.
-                    let result = catch_unwind(AssertUnwindSafe(|| run(&model, &mut cache, &job)))
-                        .unwrap_or_else(|panic| Err(JobError::Panic(panic_message(&*panic))));
-                    job.send(Update::Done(result));
+                    let result = if job.cancelled() {
+                        Ok(FinishReason::Cancelled)
+                    } else {
+                        // Requests are validated before they get here; this keeps one that
+                        // still trips a bug from taking the thread (and the server) down.
+                        catch_unwind(AssertUnwindSafe(|| run(&model, &mut cache, &job)))
+                            .unwrap_or_else(|panic| Err(JobError::Panic(panic_message(&*panic))))
+                    };
+                    let result = match result {
+                        Ok(FinishReason::Cancelled) if job.shutdown.load(Ordering::Relaxed) => {
+                            Err(JobError::ShuttingDown)
+                        }
+                        result => result,
+                    };
+                    // Past `cancelled`, as the requester may still be there to read why.
+                    let _ = job.updates.send(Update::Done(result));
                 }
             })?;
-        Ok(Worker { jobs, thread })
+        Ok(Worker {
+            jobs,
+            thread,
+            shutdown: Arc::new(AtomicBool::new(false)),
+        })
+    }
+
+    /// Ends every job, running or queued, with [`JobError::ShuttingDown`], and refuses new ones.
+    pub fn shut_down(&self) {
+        self.shutdown.store(true, Ordering::Relaxed);
     }
 
     /// Whether the thread still takes jobs.
@@ -138,6 +162,9 @@ impl Worker {
         options: GenerateOptions,
         stream: StreamOptions,
     ) -> Result<Running, ApiError> {
+        if self.shutdown.load(Ordering::Relaxed) {
+            return Err(JobError::ShuttingDown.into());
+        }
         let (updates, receiver) = unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let job = Job {
@@ -147,6 +174,7 @@ impl Worker {
             stream,
             updates,
             cancel: cancel.clone(),
+            shutdown: self.shutdown.clone(),
         };
         self.jobs
             .send(job)

@@ -126,6 +126,9 @@ try:
 finally:
     for process in (server, adapter_server):
         process.terminate()
-        process.wait(timeout=10)
+        # SIGTERM is a graceful shutdown: exit status 0.
+        if process.wait(timeout=10) != 0:
+            failed += 1
+            print(f"FAIL exit status {process.returncode} after SIGTERM")
 print(f"{passed} passed, {failed} failed")
 sys.exit(1 if failed else 0)
