@@ -1,11 +1,12 @@
 //! `oxlm serve`: a drop-in for `mlx_lm.server` (the OpenAI API over HTTP).
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use oxlm_runtime::generate::DEFAULT_PREFILL_STEP;
 use oxlm_runtime::hub::resolve_model;
-use oxlm_server::Settings;
+use oxlm_server::{LogLevel, Settings};
 use serde_json::{Map, Value};
 
 #[derive(clap::Args)]
@@ -14,6 +15,16 @@ pub struct Args {
     /// Hugging Face repo id (org/name or org/name@revision) fetched into the Hugging Face cache.
     #[arg(long)]
     model: PathBuf,
+    /// A LoRA adapter directory for requests that name none.
+    #[arg(long)]
+    adapter_path: Option<PathBuf>,
+    /// A directory of LoRA adapters that requests choose by name (`"adapters": "NAME"`, a
+    /// directory inside it); names that lead outside it are refused.
+    #[arg(long)]
+    adapters_dir: Option<PathBuf>,
+    /// Most adapters from --adapters-dir kept loaded (least recently used out).
+    #[arg(long, default_value_t = 8)]
+    adapter_cache_size: usize,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -55,6 +66,15 @@ pub struct Args {
     /// Prompt tokens processed per forward pass.
     #[arg(long, default_value_t = DEFAULT_PREFILL_STEP)]
     prefill_step_size: usize,
+    /// DEBUG, INFO, WARNING, ERROR or CRITICAL; above INFO, no startup, shutdown or request lines.
+    #[arg(long, default_value = "INFO")]
+    log_level: LogLevel,
+    /// Seconds requests in progress get to finish after SIGINT/SIGTERM before being cancelled.
+    #[arg(long, default_value_t = 5.0, value_parser = parse_seconds)]
+    shutdown_grace: f64,
+    /// Where the model runs: cpu, cuda (GPU 0) or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
+    device: oxlm_engine::Device,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -75,10 +95,23 @@ pub fn run(args: Args) -> Result<()> {
         allowed_origins: args.allowed_origins,
         max_request_bytes: args.max_request_bytes,
         prefill_step: args.prefill_step_size,
+        adapter_path: args.adapter_path,
+        adapters_dir: args.adapters_dir,
+        adapter_cache_size: args.adapter_cache_size,
+        log_level: args.log_level,
+        shutdown_grace: Duration::from_secs_f64(args.shutdown_grace),
+        device: args.device,
     };
     let model_dir = resolve_model(&args.model)?;
     oxlm_server::run(&model_dir, settings, &args.host, args.port)
         .with_context(|| format!("serving {}", args.model.display()))
+}
+
+fn parse_seconds(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(seconds) if seconds.is_finite() && seconds >= 0.0 => Ok(seconds),
+        _ => Err(format!("`{text}` is not a number of seconds")),
+    }
 }
 
 /// A byte count with an optional decimal suffix (K, M, G, KB, MB, GB), as mlx-lm's `_parse_size`.

@@ -119,8 +119,8 @@ fn resuming_from_a_cached_prefix_changes_nothing() {
         let mut cache = model.new_cache().unwrap();
         let n = c.prompt.len() - 1;
         prefill(model, &c.prompt[..n], &mut cache, 16).unwrap();
-        pc.insert(c.prompt[..n].to_vec(), cache);
-        let hit = pc.fetch(&c.prompt).unwrap();
+        pc.insert((), c.prompt[..n].to_vec(), cache);
+        let hit = pc.fetch(&(), &c.prompt).unwrap();
         assert_eq!(hit.tokens, n);
         let mut cache = hit.cache;
         assert_eq!(run(&c, &mut cache, 32, &plain, None).1, text, "{name}");

@@ -2,22 +2,24 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path as UrlPath, Request, State};
+use axum::extract::{DefaultBodyLimit, Extension, Path as UrlPath, Request, State};
 use axum::http::{header, HeaderValue, Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use oxlm_runtime::adapter_store::{Adapter, AdapterStore};
 use oxlm_runtime::{FinishReason, GenerateOptions, StreamOptions};
 use rand::Rng;
 use serde_json::{json, Map, Value};
 
 use crate::error::ApiError;
+use crate::log::{log_requests, TokenCounts};
 use crate::parsers::{OutputParser, Piece, ToolCall};
 use crate::request::{self, Params, Prompt};
 use crate::worker::{Running, Update};
@@ -40,6 +42,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.settings.max_request_bytes))
         .layer(middleware::from_fn_with_state(state.clone(), cors))
+        .layer(middleware::from_fn_with_state(state.clone(), log_requests))
         .with_state(state)
 }
 
@@ -112,18 +115,27 @@ async fn health(State(state): Shared) -> Response {
     }
 }
 
-fn model_object(state: &AppState) -> Value {
-    json!({"id": state.model_id, "object": "model", "created": state.created, "owned_by": "oxlm"})
+/// The served model; with an adapter directory, also the adapter names a request's `adapters`
+/// may give (an extension: OpenAI's model object has no such field).
+async fn model_object(state: Arc<AppState>) -> Result<Value, ApiError> {
+    let mut model = json!({"id": state.model_id, "object": "model", "created": state.created,
+                           "owned_by": "oxlm"});
+    if state.adapters.is_some() {
+        let names = blocking(move || Ok(adapters(&state)?.names())).await?;
+        model["adapters"] = names.into();
+    }
+    Ok(model)
 }
 
-async fn models(State(state): Shared) -> Json {
-    Json(json!({"object": "list", "data": [model_object(&state)]}))
+async fn models(State(state): Shared) -> Result<Json, ApiError> {
+    let model = model_object(state).await?;
+    Ok(Json(json!({"object": "list", "data": [model]})))
 }
 
 async fn model(State(state): Shared, UrlPath(id): UrlPath<String>) -> Result<Json, ApiError> {
     let wanted = id.trim_start_matches('/');
     if wanted == state.model_id.trim_start_matches('/') {
-        Ok(Json(model_object(&state)))
+        Ok(Json(model_object(state).await?))
     } else {
         Err(ApiError {
             code: Some("model_not_found"),
@@ -165,10 +177,15 @@ struct Exchange {
     id: String,
     created: u64,
     params: Params,
-    prompt_tokens: usize,
+    /// Also what its log line reports.
+    tokens: TokenCounts,
 }
 
-async fn chat_completions(State(state): Shared, body: Result<Bytes, BytesRejection>) -> Response {
+async fn chat_completions(
+    State(state): Shared,
+    Extension(tokens): Extension<TokenCounts>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let result = async {
         let req = request::chat_request(&read_body(body)?, &state.defaults)?;
         let st = state.clone();
@@ -180,28 +197,25 @@ async fn chat_completions(State(state): Shared, body: Result<Bytes, BytesRejecti
         let tools = req.tools.map(|t| (state.tool_format, t));
         let parser = OutputParser::new(state.think, prompt.in_reasoning, tools);
         let id = format!("chatcmpl-{}", uuid4());
-        respond(
-            state,
-            Kind::Chat,
-            id,
-            req.params,
-            prompt.ids,
-            "messages",
-            Some(parser),
-        )
-        .await
+        let exchange = Exchange::new(state, Kind::Chat, id, req.params, tokens);
+        respond(exchange, prompt.ids, "messages", Some(parser)).await
     };
     result.await.unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn completions(State(state): Shared, body: Result<Bytes, BytesRejection>) -> Response {
+async fn completions(
+    State(state): Shared,
+    Extension(tokens): Extension<TokenCounts>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let result = async {
         let req = request::completion_request(&read_body(body)?, &state.defaults)?;
         let st = state.clone();
         let prompt = req.prompt;
         let ids = blocking(move || text_prompt(&st, &prompt)).await?;
         let id = format!("cmpl-{}", uuid4());
-        respond(state, Kind::Text, id, req.params, ids, "prompt", None).await
+        let exchange = Exchange::new(state, Kind::Text, id, req.params, tokens);
+        respond(exchange, ids, "prompt", None).await
     };
     result.await.unwrap_or_else(IntoResponse::into_response)
 }
@@ -293,16 +307,43 @@ fn internal(e: impl std::fmt::Display) -> ApiError {
     ApiError::server(e.to_string())
 }
 
+/// The store of `--adapters-dir`, or the 400 of a server started without one.
+fn adapters(state: &AppState) -> Result<std::sync::MutexGuard<'_, AdapterStore>, ApiError> {
+    let store = state.adapters.as_ref().ok_or_else(|| {
+        ApiError::invalid_param(
+            "adapters",
+            "This server takes no per-request adapters (start it with --adapters-dir)",
+        )
+    })?;
+    // A load that panicked changed nothing in the store.
+    Ok(store.lock().unwrap_or_else(PoisonError::into_inner))
+}
+
+/// The adapter a request runs with: the one it names, else the server's default.
+async fn adapter_for(
+    state: &Arc<AppState>,
+    name: Option<String>,
+) -> Result<Option<Arc<Adapter>>, ApiError> {
+    let Some(name) = name else {
+        return Ok(state.default_adapter.clone());
+    };
+    let state = state.clone();
+    blocking(move || {
+        let adapter = adapters(&state)?.get(&name, state.model.model.as_ref())?;
+        Ok(Some(adapter))
+    })
+    .await
+}
+
 /// Checks the prompt against the context, queues it, and answers as JSON or as a stream.
 async fn respond(
-    state: Arc<AppState>,
-    kind: Kind,
-    id: String,
-    mut params: Params,
+    mut exchange: Exchange,
     prompt: Vec<u32>,
     prompt_param: &str,
     parser: Option<OutputParser>,
 ) -> Result<Response, ApiError> {
+    let state = exchange.state.clone();
+    let params = &mut exchange.params;
     if prompt.is_empty() {
         return Err(ApiError::invalid_param(prompt_param, "The prompt is empty"));
     }
@@ -313,6 +354,7 @@ async fn respond(
         // The last token never goes through the model, so the context holds one more.
         params.max_tokens = params.max_tokens.min(limit + 1 - prompt.len());
     }
+    let adapter = adapter_for(&state, params.adapter.clone()).await?;
     let options = GenerateOptions {
         max_tokens: params.max_tokens,
         sampler: params.sampler.clone(),
@@ -322,15 +364,8 @@ async fn respond(
         stop: params.stop.clone(),
         top_logprobs: params.top_logprobs,
     };
-    let running = state.worker.submit(prompt.clone(), options, stream)?;
-    let exchange = Exchange {
-        state,
-        kind,
-        id,
-        created: unix_time(),
-        prompt_tokens: prompt.len(),
-        params,
-    };
+    exchange.tokens.start(prompt.len());
+    let running = state.worker.submit(prompt, adapter, options, stream)?;
     let reply = Reply::new(&exchange, parser);
     if exchange.params.stream {
         Ok(stream_response(exchange, running, reply))
@@ -345,7 +380,7 @@ struct Reply {
     parser: Option<OutputParser>,
     tokenizer: oxlm_runtime::tokenizer::Tokenizer,
     logprobs: bool,
-    completion_tokens: usize,
+    tokens: TokenCounts,
     cached_tokens: usize,
     /// Log-probabilities not yet sent.
     entries: Vec<Value>,
@@ -357,7 +392,7 @@ impl Reply {
             parser,
             tokenizer: exchange.state.model.tokenizer.clone(),
             logprobs: exchange.params.logprobs,
-            completion_tokens: 0,
+            tokens: exchange.tokens.clone(),
             cached_tokens: 0,
             entries: Vec::new(),
         }
@@ -372,7 +407,7 @@ impl Reply {
     }
 
     fn token(&mut self, id: u32, logprob: f32, top: &[(u32, f32)], text: &str) -> Vec<Piece> {
-        self.completion_tokens += 1;
+        self.tokens.add_completion_token();
         if self.logprobs {
             let mut entry = self.token_info(id, logprob);
             entry["top_logprobs"] = top.iter().map(|&(t, l)| self.token_info(t, l)).collect();
@@ -416,11 +451,12 @@ impl Reply {
         }
     }
 
-    fn usage(&self, prompt_tokens: usize) -> Value {
+    fn usage(&self) -> Value {
+        let (prompt_tokens, completion_tokens) = (self.tokens.prompt(), self.tokens.completion());
         json!({
             "prompt_tokens": prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": prompt_tokens + self.completion_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         })
     }
@@ -492,6 +528,23 @@ fn text_of(pieces: &[Piece]) -> String {
 }
 
 impl Exchange {
+    fn new(
+        state: Arc<AppState>,
+        kind: Kind,
+        id: String,
+        params: Params,
+        tokens: TokenCounts,
+    ) -> Self {
+        Exchange {
+            state,
+            kind,
+            id,
+            created: unix_time(),
+            params,
+            tokens,
+        }
+    }
+
     fn object(&self, chunk: bool) -> &'static str {
         match (self.kind, chunk) {
             (Kind::Chat, false) => "chat.completion",
@@ -538,7 +591,7 @@ async fn complete_response(
                 text,
             }) => pieces.extend(reply.token(id, logprob, &top, &text)),
             Some(Update::Text(text)) => pieces.extend(reply.text(&text)),
-            Some(Update::Done(result)) => break result.map_err(internal)?,
+            Some(Update::Done(result)) => break result?,
             None => return Err(ApiError::server("the generation thread stopped")),
         }
     };
@@ -552,7 +605,7 @@ async fn complete_response(
     let logprobs = reply.take_logprobs(exchange.kind);
     let choice = exchange.choice(body, logprobs, Some(finish));
     let mut response = exchange.envelope(false, vec![choice]);
-    response["usage"] = reply.usage(exchange.prompt_tokens);
+    response["usage"] = reply.usage();
     Ok(Json(response).into_response())
 }
 
@@ -628,13 +681,13 @@ impl ChunkStream {
                 self.chunk(&pieces, Some(finish_reason(reason, tool_calls)));
                 if self.exchange.params.include_usage {
                     let mut usage = self.exchange.envelope(true, Vec::new());
-                    usage["usage"] = self.reply.usage(self.exchange.prompt_tokens);
+                    usage["usage"] = self.reply.usage();
                     self.send(&usage);
                 }
                 self.ready.push_back(SseEvent::default().data("[DONE]"));
                 self.done = true;
             }
-            Update::Done(Err(e)) => self.fail(internal(e)),
+            Update::Done(Err(e)) => self.fail(e.into()),
         }
     }
 

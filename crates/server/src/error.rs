@@ -2,7 +2,10 @@
 
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
+use oxlm_runtime::adapter_store::AdapterStoreError;
 use serde_json::{json, Value};
+
+use crate::worker::JobError;
 
 /// An error answered to a client as `{"error": {"message", "type", "param", "code"}}`.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -120,6 +123,34 @@ impl IntoResponse for ApiError {
     }
 }
 
+impl From<AdapterStoreError> for ApiError {
+    fn from(error: AdapterStoreError) -> Self {
+        let message = error.to_string();
+        match error {
+            AdapterStoreError::NotFound(_) => ApiError {
+                code: Some("adapter_not_found"),
+                param: Some("adapters".into()),
+                ..ApiError::not_found(message)
+            },
+            AdapterStoreError::OutsideRoot(_) | AdapterStoreError::Unusable { .. } => {
+                ApiError::invalid_param("adapters", message)
+            }
+            AdapterStoreError::Root { .. } | AdapterStoreError::Model(_) => {
+                ApiError::server(message)
+            }
+        }
+    }
+}
+
+impl From<JobError> for ApiError {
+    fn from(error: JobError) -> Self {
+        match error {
+            JobError::ShuttingDown => ApiError::unavailable(error.to_string()),
+            error => ApiError::server(error.to_string()),
+        }
+    }
+}
+
 /// Why the server could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -127,6 +158,10 @@ pub enum ServeError {
     Runtime(#[from] oxlm_runtime::RuntimeError),
     #[error(transparent)]
     Load(#[from] oxlm_models::LoadError),
+    #[error("loading the adapter: {0}")]
+    Adapter(#[from] oxlm_models::lora::AdapterError),
+    #[error(transparent)]
+    AdapterStore(#[from] AdapterStoreError),
     #[error("cannot listen on {address}: {source}")]
     Bind {
         address: String,

@@ -3,19 +3,25 @@
 //! streams), `GET /v1/models` and `GET /health`.
 //!
 //! Everything HTTP lives here: request validation, response and error shapes, streaming, tool
-//! call and reasoning parsing. Generation itself runs on one dedicated thread
-//! ([`worker`]), fed in arrival order.
+//! call and reasoning parsing, per-request LoRA adapters (mlx_lm.server's `adapters` field,
+//! resolved inside one adapter directory), request log lines and graceful shutdown. Generation
+//! itself runs on one dedicated thread ([`worker`]), fed in arrival order.
 
 mod api;
 pub mod error;
+mod log;
 pub mod parsers;
 mod request;
 mod worker;
 
-use std::path::Path;
-use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::future::{Future, IntoFuture};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use oxlm_engine::Device;
+use oxlm_runtime::adapter_store::{Adapter, AdapterStore};
 use oxlm_runtime::generate::DEFAULT_PREFILL_STEP;
 use oxlm_runtime::generation_config::SamplingDefaults;
 use oxlm_runtime::{LoadedModel, RuntimeError};
@@ -50,6 +56,59 @@ pub struct Settings {
     /// Larger request bodies are refused with 413.
     pub max_request_bytes: usize,
     pub prefill_step: usize,
+    /// The adapter of requests that name none (mlx_lm.server's `--adapter-path`).
+    pub adapter_path: Option<PathBuf>,
+    /// Where the adapters that requests name live; names resolve inside it only.
+    pub adapters_dir: Option<PathBuf>,
+    /// Most adapters from `adapters_dir` kept loaded.
+    pub adapter_cache_size: usize,
+    /// `Info` and `Debug` print the startup, shutdown and per-request lines; higher levels do not.
+    pub log_level: LogLevel,
+    /// How long requests in progress may run on after a shutdown signal before being cancelled.
+    pub shutdown_grace: Duration,
+    /// Where the model runs.
+    pub device: Device,
+}
+
+/// mlx_lm.server's `--log-level` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LogLevel {
+    Debug,
+    Info,
+    Warning,
+    Error,
+    Critical,
+}
+
+impl FromStr for LogLevel {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text.to_ascii_uppercase().as_str() {
+            "DEBUG" => Ok(LogLevel::Debug),
+            "INFO" => Ok(LogLevel::Info),
+            "WARNING" => Ok(LogLevel::Warning),
+            "ERROR" => Ok(LogLevel::Error),
+            "CRITICAL" => Ok(LogLevel::Critical),
+            _ => Err(format!(
+                "`{text}` is not a log level (DEBUG, INFO, WARNING, ERROR or CRITICAL)"
+            )),
+        }
+    }
+}
+
+impl Settings {
+    /// Whether the log level shows the startup, shutdown and request lines.
+    fn logs_info(&self) -> bool {
+        self.log_level <= LogLevel::Info
+    }
+
+    /// Prints an informational line on stderr, unless the log level hides them.
+    fn info(&self, line: impl std::fmt::Display) {
+        if self.logs_info() {
+            eprintln!("{line}");
+        }
+    }
 }
 
 impl Default for Settings {
@@ -67,6 +126,12 @@ impl Default for Settings {
             allowed_origins: vec!["*".into()],
             max_request_bytes: 32_000_000,
             prefill_step: DEFAULT_PREFILL_STEP,
+            adapter_path: None,
+            adapters_dir: None,
+            adapter_cache_size: 8,
+            log_level: LogLevel::Info,
+            shutdown_grace: Duration::from_secs(5),
+            device: Device::Cpu,
         }
     }
 }
@@ -82,6 +147,10 @@ struct AppState {
     settings: Settings,
     tool_format: ToolFormat,
     think: Option<(&'static str, &'static str)>,
+    /// `Settings::adapter_path`, loaded.
+    default_adapter: Option<Arc<Adapter>>,
+    /// Loaded on demand; one load at a time.
+    adapters: Option<Mutex<AdapterStore>>,
     worker: Worker,
 }
 
@@ -93,7 +162,7 @@ pub struct Server {
 impl Server {
     /// Loads the model directory and starts the generation thread.
     pub fn load(model_dir: &Path, settings: Settings) -> Result<Self, ServeError> {
-        Self::new(LoadedModel::load(model_dir)?, settings)
+        Self::new(LoadedModel::load_on(model_dir, &settings.device)?, settings)
     }
 
     /// Serves a model already loaded (its `dir` gives generation_config.json and the model id).
@@ -130,6 +199,19 @@ impl Server {
             .unwrap_or_else(|_| model_dir.to_path_buf())
             .display()
             .to_string();
+        let base = model.model.as_ref();
+        let default_adapter = match &settings.adapter_path {
+            Some(dir) => Some(Arc::new(Adapter::load(dir, base)?)),
+            None => None,
+        };
+        let adapters = match &settings.adapters_dir {
+            Some(root) => Some(Mutex::new(AdapterStore::open(
+                root,
+                settings.adapter_cache_size,
+                base,
+            )?)),
+            None => None,
+        };
         let limits = CacheLimits {
             entries: settings.prompt_cache_size,
             bytes: settings.prompt_cache_bytes,
@@ -144,6 +226,8 @@ impl Server {
                 settings,
                 tool_format,
                 think,
+                default_adapter,
+                adapters,
                 worker,
             }),
         })
@@ -162,9 +246,57 @@ impl Server {
     pub async fn serve(self, listener: tokio::net::TcpListener) -> std::io::Result<()> {
         axum::serve(listener, self.router()).await
     }
+
+    /// Serves on `listener` until `shutdown` resolves (to the reason, for the log line). Then no
+    /// connection is accepted; requests in progress have `Settings::shutdown_grace` to finish,
+    /// after which their generations are cancelled and they end with a 503 error object.
+    pub async fn serve_until(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl Future<Output = String> + Send + 'static,
+    ) -> std::io::Result<()> {
+        let state = self.state.clone();
+        let (signalled, on_signal) = tokio::sync::oneshot::channel();
+        let stop = async move {
+            let _ = signalled.send(shutdown.await);
+        };
+        let serving = axum::serve(listener, self.router())
+            .with_graceful_shutdown(stop)
+            .into_future();
+        tokio::pin!(serving);
+        let reason = tokio::select! {
+            result = &mut serving => return result,
+            reason = on_signal => reason.unwrap_or_default(),
+        };
+        let grace = state.settings.shutdown_grace;
+        state.settings.info(format_args!(
+            "Shutting down ({reason}): requests in progress have {:.1}s to finish",
+            grace.as_secs_f64()
+        ));
+        let result = match tokio::time::timeout(grace, &mut serving).await {
+            Ok(result) => result,
+            Err(_) => {
+                state
+                    .settings
+                    .info("Cancelling the generations still in progress");
+                state.worker.shut_down();
+                // Cancelled responses end at once; a client that reads nothing more is not
+                // waited for.
+                tokio::time::timeout(CLOSE_TIMEOUT, serving)
+                    .await
+                    .unwrap_or(Ok(()))
+            }
+        };
+        state.settings.info("Server stopped");
+        result
+    }
 }
 
-/// Loads the model, listens on `host:port` and serves, blocking (the CLI's entry point).
+/// How long cancelled responses get to reach their clients at shutdown.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Loads the model, listens on `host:port` and serves until SIGINT or SIGTERM, blocking (the
+/// CLI's entry point).
 pub fn run(model_dir: &Path, settings: Settings, host: &str, port: u16) -> Result<(), ServeError> {
     let server = Server::load(model_dir, settings)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -178,13 +310,27 @@ pub fn run(model_dir: &Path, settings: Settings, host: &str, port: u16) -> Resul
                 address: address.clone(),
                 source,
             })?;
-        eprintln!(
+        let shutdown = shutdown_signal()?;
+        server.state.settings.info(format_args!(
             "Serving {} at http://{} (OpenAI API: /v1/chat/completions, /v1/completions, /v1/models)",
             server.model_id(),
             listener.local_addr()?
-        );
-        server.serve(listener).await?;
+        ));
+        server.serve_until(listener, shutdown).await?;
         Ok(())
+    })
+}
+
+/// Resolves to the name of the first SIGINT or SIGTERM received.
+fn shutdown_signal() -> std::io::Result<impl Future<Output = String>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
+    Ok(async move {
+        tokio::select! {
+            _ = interrupt.recv() => "SIGINT".to_owned(),
+            _ = terminate.recv() => "SIGTERM".to_owned(),
+        }
     })
 }
 

@@ -8,6 +8,8 @@
 //! - Hermes / Qwen 2.5 / SmolLM3 (`json_tools`): `<tool_call>{"name": …, "arguments": {…}}</tool_call>`,
 //!   also a JSON list of calls inside one block (SmolLM2);
 //! - Qwen3-Coder / Qwen 3.5 (`qwen3_coder`): `<tool_call><function=NAME><parameter=P>value</parameter>…`;
+//! - Gemma 4 (`gemma4`): `<|tool_call>call:NAME{key:value,…}<tool_call|>`, strings between `<|"|>`
+//!   marks, keys bare; its reasoning channel `<|channel>thought…<channel|>` is reasoning;
 //! - Llama 3.x: the whole reply is `{"name": …, "parameters": {…}}` (or several, `;`-separated),
 //!   optionally after `<|python_tag|>`. Without markers, a reply that starts like JSON is held
 //!   until it ends, then becomes tool calls if it parses as such, else content.
@@ -20,10 +22,15 @@ pub enum ToolFormat {
     Hermes,
     Qwen3Coder,
     Llama3Json,
+    Gemma4,
 }
 
 const TOOL_START: &str = "<tool_call>";
 const TOOL_END: &str = "</tool_call>";
+const GEMMA4_TOOL_START: &str = "<|tool_call>";
+const GEMMA4_TOOL_END: &str = "<tool_call|>";
+/// Gemma 4's string quote.
+const GEMMA4_QUOTE: &str = "<|\"|>";
 const PYTHON_TAG: &str = "<|python_tag|>";
 
 impl ToolFormat {
@@ -32,7 +39,9 @@ impl ToolFormat {
     pub fn from_template<'a>(sources: impl IntoIterator<Item = &'a str>) -> Self {
         let sources: Vec<&str> = sources.into_iter().collect();
         let any = |needle: &str| sources.iter().any(|s| s.contains(needle));
-        if any("<tool_call>\n<function=") || any("<tool_call>\\n<function=") {
+        if any(GEMMA4_TOOL_START) && any(GEMMA4_TOOL_END) {
+            ToolFormat::Gemma4
+        } else if any("<tool_call>\n<function=") || any("<tool_call>\\n<function=") {
             ToolFormat::Qwen3Coder
         } else if any(TOOL_START) {
             ToolFormat::Hermes
@@ -40,6 +49,15 @@ impl ToolFormat {
             ToolFormat::Llama3Json
         } else {
             ToolFormat::Hermes
+        }
+    }
+
+    /// The markers around a call block; Llama 3.x has none.
+    fn markers(self) -> Option<(&'static str, &'static str)> {
+        match self {
+            ToolFormat::Hermes | ToolFormat::Qwen3Coder => Some((TOOL_START, TOOL_END)),
+            ToolFormat::Gemma4 => Some((GEMMA4_TOOL_START, GEMMA4_TOOL_END)),
+            ToolFormat::Llama3Json => None,
         }
     }
 }
@@ -172,31 +190,37 @@ impl OutputParser {
     /// The markers that end the current state, with the state each leads to.
     fn markers(&self) -> Vec<(String, State)> {
         let mut markers = Vec::new();
-        let tool_markers = matches!(
-            self.tools,
-            Some((ToolFormat::Hermes | ToolFormat::Qwen3Coder, _))
-        );
+        let tool_markers = self.tool_markers();
         match self.state {
             State::Content => {
                 if let Some((start, _)) = &self.think {
                     markers.push((start.clone(), State::Reasoning));
                 }
-                if tool_markers {
-                    markers.push((TOOL_START.to_owned(), State::Tool));
+                if let Some((start, _)) = tool_markers {
+                    markers.push((start.to_owned(), State::Tool));
                 }
             }
             State::Reasoning => {
                 if let Some((_, end)) = &self.think {
                     markers.push((end.clone(), State::Content));
                 }
-                if tool_markers {
-                    markers.push((TOOL_START.to_owned(), State::Tool));
+                if let Some((start, _)) = tool_markers {
+                    markers.push((start.to_owned(), State::Tool));
                 }
             }
-            State::Tool => markers.push((TOOL_END.to_owned(), State::Content)),
+            State::Tool => {
+                if let Some((_, end)) = tool_markers {
+                    markers.push((end.to_owned(), State::Content));
+                }
+            }
             State::MaybeJson => {}
         }
         markers
+    }
+
+    /// The call block markers of the request's format, when it offers tools.
+    fn tool_markers(&self) -> Option<(&'static str, &'static str)> {
+        self.tools.as_ref().and_then(|(format, _)| format.markers())
     }
 
     fn is_llama(&self) -> bool {
@@ -248,14 +272,16 @@ impl OutputParser {
             Some((ToolFormat::Qwen3Coder, tools)) => {
                 parse_qwen3_coder(&body, tools).map(|c| vec![c])
             }
+            Some((ToolFormat::Gemma4, _)) => parse_gemma4_calls(&body),
             Some(_) => parse_json_calls(&body),
             None => None,
         };
         match calls {
             Some(calls) => out.extend(calls.into_iter().map(Piece::ToolCall)),
             None => {
-                let end = if closed { TOOL_END } else { "" };
-                out.push(Piece::Content(format!("{TOOL_START}{body}{end}")));
+                let (start, end) = self.tool_markers().unwrap_or_default();
+                let end = if closed { end } else { "" };
+                out.push(Piece::Content(format!("{start}{body}{end}")));
             }
         }
         self.started = true;
@@ -342,6 +368,119 @@ pub fn parse_qwen3_coder(body: &str, tools: &Value) -> Option<ToolCall> {
         name,
         arguments: Value::Object(arguments).to_string(),
     })
+}
+
+/// mlx-lm `gemma4`: every `call:NAME{…}` in a block, the braces holding Gemma 4's argument
+/// notation (see [`Gemma4Args`]).
+pub fn parse_gemma4_calls(body: &str) -> Option<Vec<ToolCall>> {
+    let mut calls = Vec::new();
+    let mut rest = body;
+    while let Some(at) = rest.find("call:") {
+        rest = &rest[at + "call:".len()..];
+        let name_end = rest
+            .find(|c: char| !(c.is_alphanumeric() || c == '_' || c == '-'))
+            .unwrap_or(rest.len());
+        let (name, args) = rest.split_at(name_end);
+        if name.is_empty() || !args.starts_with('{') {
+            return None;
+        }
+        let mut reader = Gemma4Args(args);
+        let arguments = reader.value()?;
+        calls.push(ToolCall {
+            name: name.to_owned(),
+            arguments: arguments.to_string(),
+        });
+        rest = reader.0;
+    }
+    (!calls.is_empty()).then_some(calls)
+}
+
+/// A reader of Gemma 4's argument notation, as its chat template writes it: objects with bare
+/// (or quoted) keys, lists, strings between `<|"|>` marks, and JSON's numbers, `true`, `false`
+/// and `null`. Holds the text not read yet.
+struct Gemma4Args<'a>(&'a str);
+
+impl Gemma4Args<'_> {
+    fn value(&mut self) -> Option<Value> {
+        self.0 = self.0.trim_start();
+        if self.0.starts_with(GEMMA4_QUOTE) {
+            return self.string().map(Value::String);
+        }
+        if self.eat('{') {
+            let mut object = Map::new();
+            if self.eat('}') {
+                return Some(Value::Object(object));
+            }
+            loop {
+                let key = self.key()?;
+                if !self.eat(':') {
+                    return None;
+                }
+                object.insert(key, self.value()?);
+                if self.eat('}') {
+                    return Some(Value::Object(object));
+                }
+                if !self.eat(',') {
+                    return None;
+                }
+            }
+        }
+        if self.eat('[') {
+            let mut list = Vec::new();
+            if self.eat(']') {
+                return Some(Value::Array(list));
+            }
+            loop {
+                list.push(self.value()?);
+                if self.eat(']') {
+                    return Some(Value::Array(list));
+                }
+                if !self.eat(',') {
+                    return None;
+                }
+            }
+        }
+        let end = self.0.find([',', '}', ']']).unwrap_or(self.0.len());
+        let (scalar, rest) = self.0.split_at(end);
+        self.0 = rest;
+        match serde_json::from_str(scalar.trim()).ok()? {
+            scalar @ (Value::Number(_) | Value::Bool(_) | Value::Null) => Some(scalar),
+            _ => None,
+        }
+    }
+
+    /// `<|"|>text<|"|>`, the text kept as it is.
+    fn string(&mut self) -> Option<String> {
+        let rest = self.0.strip_prefix(GEMMA4_QUOTE)?;
+        let end = rest.find(GEMMA4_QUOTE)?;
+        self.0 = &rest[end + GEMMA4_QUOTE.len()..];
+        Some(rest[..end].to_owned())
+    }
+
+    fn key(&mut self) -> Option<String> {
+        self.0 = self.0.trim_start();
+        if self.0.starts_with(GEMMA4_QUOTE) {
+            return self.string();
+        }
+        let end = self
+            .0
+            .find(|c: char| !(c.is_alphanumeric() || c == '_' || c == '-'))?;
+        let (key, rest) = self.0.split_at(end);
+        self.0 = rest;
+        (!key.is_empty()).then(|| key.to_owned())
+    }
+
+    /// Skips blanks, then `c` if it comes next.
+    fn eat(&mut self, c: char) -> bool {
+        self.0 = self.0.trim_start();
+        match self.0.strip_prefix(c) {
+            Some(rest) => {
+                self.0 = rest;
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 fn typed_value(raw: &str, kind: Option<&str>) -> Value {
@@ -545,6 +684,95 @@ mod tests {
                 Piece::Content("\n\n".into()),
                 call("get_weather", json!({"city": "Oslo"}))
             ]
+        );
+    }
+
+    fn gemma4() -> OutputParser {
+        let think = Some(("<|channel>thought", "<channel|>"));
+        OutputParser::new(think, false, Some((ToolFormat::Gemma4, tools())))
+    }
+
+    #[test]
+    fn gemma4_is_chosen_by_its_template() {
+        let template = include_str!("../../../tests/fixtures/templates/gemma4.jinja");
+        assert_eq!(ToolFormat::from_template([template]), ToolFormat::Gemma4);
+    }
+
+    /// Calls as the Gemma 4 template writes them in history: keys sorted, strings quoted by
+    /// `<|"|>`, one `<|tool_call>` block per call.
+    #[test]
+    fn gemma4_calls_from_the_template_notation() {
+        let out = run(
+            &mut gemma4(),
+            &["<|tool_call>call:get_weather{city:<|\"|>Paris<|\"|>,days:2}<tool_call|>"],
+        );
+        assert_eq!(
+            out,
+            [call("get_weather", json!({"city": "Paris", "days": 2}))]
+        );
+        let out = run(
+            &mut gemma4(),
+            &["<|tool_call>call:book{guests:[<|\"|>Ann<|\"|>,<|\"|>Bo<|\"|>],note:<|\"|>a {b}, c: \"d\"<|\"|>,options:{late:true,rooms:null},price:-12.5}<tool_call|><|tool_call>call:ping{}<tool_call|>"],
+        );
+        assert_eq!(
+            out,
+            [
+                call(
+                    "book",
+                    json!({"guests": ["Ann", "Bo"], "note": "a {b}, c: \"d\"",
+                           "options": {"late": true, "rooms": null}, "price": -12.5})
+                ),
+                call("ping", json!({})),
+            ]
+        );
+        // Several calls in one block, as mlx-lm's parser also takes them.
+        let calls = parse_gemma4_calls("call:a{x:1}call:b-2{y:<|\"|>z<|\"|>}").unwrap();
+        assert_eq!(
+            calls
+                .iter()
+                .map(|c| (c.name.as_str(), c.arguments.as_str()))
+                .collect::<Vec<_>>(),
+            [("a", "{\"x\":1}"), ("b-2", "{\"y\":\"z\"}")]
+        );
+    }
+
+    #[test]
+    fn gemma4_thought_channel_then_a_streamed_call() {
+        let out = run(
+            &mut gemma4(),
+            &[
+                "<|channel>",
+                "thought\nThe user wants the weather.<chan",
+                "nel|>Checking.<|tool",
+                "_call>call:get_weather{city:<|\"",
+                "|>São Paulo<|\"|>}<tool_",
+                "call|>",
+            ],
+        );
+        assert_eq!(
+            out,
+            [
+                Piece::Reasoning("\nThe user wants the weather.".into()),
+                Piece::Content("Checking.".into()),
+                call("get_weather", json!({"city": "São Paulo"})),
+            ]
+        );
+    }
+
+    #[test]
+    fn gemma4_broken_calls_stay_content() {
+        for text in [
+            "<|tool_call>call:f{x:<|\"|>unterminated}<tool_call|>",
+            "<|tool_call>call:f{x:None}<tool_call|>",
+            "<|tool_call>no call here<tool_call|>",
+        ] {
+            assert_eq!(run(&mut gemma4(), &[text]), [Piece::Content(text.into())]);
+        }
+        // Cut off by max_tokens: what there is stays content, markers and all.
+        let out = run(&mut gemma4(), &["<|tool_call>call:get_weather{city:"]);
+        assert_eq!(
+            out,
+            [Piece::Content("<|tool_call>call:get_weather{city:".into())]
         );
     }
 }

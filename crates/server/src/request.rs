@@ -39,6 +39,8 @@ pub struct Params {
     pub stop: Vec<String>,
     pub logprobs: bool,
     pub top_logprobs: usize,
+    /// mlx_lm.server's `adapters`: the LoRA adapter to run with, by name.
+    pub adapter: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -164,9 +166,7 @@ fn params(fields: &Fields, defaults: &Defaults, legacy_logprobs: bool) -> Result
             return Err(ApiError::invalid_param("n", "Only n = 1 is supported"));
         }
     }
-    if fields.get("model").is_some_and(|m| !m.is_string()) {
-        return Err(ApiError::invalid_param("model", "`model` must be a string"));
-    }
+    fields.string("model")?;
     let max_tokens = match fields.uint("max_completion_tokens", 1)? {
         Some(n) => n,
         None => fields
@@ -238,6 +238,7 @@ fn params(fields: &Fields, defaults: &Defaults, legacy_logprobs: bool) -> Result
         stop: fields.stop()?,
         logprobs: logprobs || top_logprobs > 0,
         top_logprobs: top_logprobs as usize,
+        adapter: fields.string("adapters")?,
     })
 }
 
@@ -314,6 +315,16 @@ impl Fields<'_> {
             .map(|v| {
                 v.as_bool().ok_or_else(|| {
                     ApiError::invalid_param(name, format!("`{name}` must be a boolean"))
+                })
+            })
+            .transpose()
+    }
+
+    fn string(&self, name: &str) -> Result<Option<String>, ApiError> {
+        self.get(name)
+            .map(|v| {
+                v.as_str().map(str::to_owned).ok_or_else(|| {
+                    ApiError::invalid_param(name, format!("`{name}` must be a string"))
                 })
             })
             .transpose()
@@ -455,6 +466,7 @@ mod tests {
         assert_eq!(p.sampler.seed, Some(4));
         assert!(p.logprobs && p.top_logprobs == 2);
         assert!(!p.stream && !p.include_usage);
+        assert_eq!(p.adapter, None);
         let r = chat(json!({"messages": [{"role": "user", "content": "hi"}], "temperature": null}))
             .unwrap();
         assert_eq!(r.params.max_tokens, 512);
@@ -482,6 +494,8 @@ mod tests {
         assert_eq!(with("stop", json!(3)), Some("stop".into()));
         assert_eq!(with("stop", json!(vec!["x"; 17])), Some("stop".into()));
         assert_eq!(with("stream", json!("yes")), Some("stream".into()));
+        assert_eq!(with("adapters", json!(["a"])), Some("adapters".into()));
+        assert_eq!(with("model", json!(1)), Some("model".into()));
         assert_eq!(with("top_logprobs", json!(21)), Some("top_logprobs".into()));
         assert_eq!(
             with("logit_bias", json!({"a": 1})),

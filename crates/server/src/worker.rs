@@ -1,7 +1,7 @@
 //! The generation thread. Model forward passes are long, CPU-bound and blocking, so they run on
 //! one dedicated thread, never on the async executor: HTTP keeps answering (health checks,
 //! model lists, queueing) while a generation runs. Requests are served one at a time, in the
-//! order they arrive. The thread owns the prompt cache.
+//! order they arrive. The thread owns the prompt cache, keyed by the adapter a job runs with.
 
 use std::ops::ControlFlow;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -9,6 +9,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
+use oxlm_models::lora::{AdaptedModel, AdapterError};
+use oxlm_models::LanguageModel;
+use oxlm_runtime::adapter_store::{Adapter, AdapterId};
 use oxlm_runtime::generate::prefill;
 use oxlm_runtime::prompt_cache::{is_truncatable, PromptCache};
 use oxlm_runtime::{
@@ -46,26 +49,37 @@ pub enum Update {
 pub enum JobError {
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
+    #[error(transparent)]
+    Adapter(#[from] AdapterError),
     #[error("generation panicked: {0}")]
     Panic(String),
+    #[error("The server is shutting down")]
+    ShuttingDown,
 }
+
+/// The prompt cache: model state by the adapter that computed it (`None`: the base model).
+type StateCache = PromptCache<Option<AdapterId>>;
 
 struct Job {
     prompt: Vec<u32>,
+    adapter: Option<Arc<Adapter>>,
     options: GenerateOptions,
     stream: StreamOptions,
     updates: UnboundedSender<Update>,
     cancel: Arc<AtomicBool>,
+    shutdown: Arc<AtomicBool>,
 }
 
 impl Job {
     fn cancelled(&self) -> bool {
-        self.cancel.load(Ordering::Relaxed) || self.updates.is_closed()
+        self.cancel.load(Ordering::Relaxed)
+            || self.shutdown.load(Ordering::Relaxed)
+            || self.updates.is_closed()
     }
 
-    /// Sends an update; false once the requester is gone.
+    /// Sends an update; false once the requester is gone or the server is shutting down.
     fn send(&self, update: Update) -> bool {
-        self.updates.send(update).is_ok() && !self.cancel.load(Ordering::Relaxed)
+        self.updates.send(update).is_ok() && !self.cancelled()
     }
 }
 
@@ -86,6 +100,8 @@ impl Drop for Running {
 pub struct Worker {
     jobs: mpsc::Sender<Job>,
     thread: JoinHandle<()>,
+    /// Set when the server shuts down: every job, running or queued, ends with an error.
+    shutdown: Arc<AtomicBool>,
 }
 
 /// Prompt cache limits.
@@ -101,19 +117,36 @@ impl Worker {
         let thread = std::thread::Builder::new()
             .name("oxlm-generate".into())
             .spawn(move || {
-                let mut cache = PromptCache::new(limits.entries, limits.bytes);
+                let mut cache = StateCache::new(limits.entries, limits.bytes);
                 for job in queue {
-                    if job.cancelled() {
-                        continue;
-                    }
-                    // Requests are validated before they get here; this keeps one that still
-                    // trips a bug from taking the thread (and the server) down.
-                    let result = catch_unwind(AssertUnwindSafe(|| run(&model, &mut cache, &job)))
-                        .unwrap_or_else(|panic| Err(JobError::Panic(panic_message(&*panic))));
-                    job.send(Update::Done(result));
+                    let result = if job.cancelled() {
+                        Ok(FinishReason::Cancelled)
+                    } else {
+                        // Requests are validated before they get here; this keeps one that
+                        // still trips a bug from taking the thread (and the server) down.
+                        catch_unwind(AssertUnwindSafe(|| run(&model, &mut cache, &job)))
+                            .unwrap_or_else(|panic| Err(JobError::Panic(panic_message(&*panic))))
+                    };
+                    let result = match result {
+                        Ok(FinishReason::Cancelled) if job.shutdown.load(Ordering::Relaxed) => {
+                            Err(JobError::ShuttingDown)
+                        }
+                        result => result,
+                    };
+                    // Past `cancelled`, as the requester may still be there to read why.
+                    let _ = job.updates.send(Update::Done(result));
                 }
             })?;
-        Ok(Worker { jobs, thread })
+        Ok(Worker {
+            jobs,
+            thread,
+            shutdown: Arc::new(AtomicBool::new(false)),
+        })
+    }
+
+    /// Ends every job, running or queued, with [`JobError::ShuttingDown`], and refuses new ones.
+    pub fn shut_down(&self) {
+        self.shutdown.store(true, Ordering::Relaxed);
     }
 
     /// Whether the thread still takes jobs.
@@ -121,21 +154,27 @@ impl Worker {
         !self.thread.is_finished()
     }
 
-    /// Queues a generation of `prompt`.
+    /// Queues a generation of `prompt`, through `adapter` when given.
     pub fn submit(
         &self,
         prompt: Vec<u32>,
+        adapter: Option<Arc<Adapter>>,
         options: GenerateOptions,
         stream: StreamOptions,
     ) -> Result<Running, ApiError> {
+        if self.shutdown.load(Ordering::Relaxed) {
+            return Err(JobError::ShuttingDown.into());
+        }
         let (updates, receiver) = unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let job = Job {
             prompt,
+            adapter,
             options,
             stream,
             updates,
             cancel: cancel.clone(),
+            shutdown: self.shutdown.clone(),
         };
         self.jobs
             .send(job)
@@ -148,14 +187,24 @@ impl Worker {
 }
 
 fn run(
-    model: &LoadedModel,
-    prompt_cache: &mut PromptCache,
+    loaded: &LoadedModel,
+    prompt_cache: &mut StateCache,
     job: &Job,
 ) -> Result<FinishReason, JobError> {
+    let adapted = job
+        .adapter
+        .as_ref()
+        .map(|adapter| AdaptedModel::new(loaded.model.as_ref(), &adapter.adapters))
+        .transpose()?;
+    let model: &dyn LanguageModel = match &adapted {
+        Some(adapted) => adapted,
+        None => loaded.model.as_ref(),
+    };
+    let key = job.adapter.as_ref().map(|adapter| adapter.id.clone());
     let prompt = &job.prompt;
-    let (mut cache, cached_tokens) = match prompt_cache.fetch(prompt) {
+    let (mut cache, cached_tokens) = match prompt_cache.fetch(&key, prompt) {
         Some(hit) => (hit.cache, hit.tokens),
-        None => (model.model.new_cache().map_err(RuntimeError::from)?, 0),
+        None => (model.new_cache().map_err(RuntimeError::from)?, 0),
     };
     if !job.send(Update::Started { cached_tokens }) {
         return Ok(FinishReason::Cancelled);
@@ -166,32 +215,27 @@ fn run(
     if !is_truncatable(&cache) && cached_tokens < snapshot_at {
         let total = prompt.len() - cached_tokens;
         for chunk in prompt[cached_tokens..snapshot_at].chunks(job.options.prefill_step.max(1)) {
-            prefill(
-                model.model.as_ref(),
-                chunk,
-                &mut cache,
-                job.options.prefill_step,
-            )
-            .map_err(RuntimeError::from)?;
+            prefill(model, chunk, &mut cache, job.options.prefill_step)
+                .map_err(RuntimeError::from)?;
             let done = cache.offset - cached_tokens;
             if !job.send(Update::Prefill { done, total }) {
-                prompt_cache.insert(prompt[..cache.offset].to_vec(), cache);
+                prompt_cache.insert(key, prompt[..cache.offset].to_vec(), cache);
                 return Ok(FinishReason::Cancelled);
             }
         }
         // A snapshot that does not fit in device memory is only a later cache miss.
         if let Ok(snapshot) = cache.try_clone() {
-            prompt_cache.insert(prompt[..snapshot_at].to_vec(), snapshot);
+            prompt_cache.insert(key.clone(), prompt[..snapshot_at].to_vec(), snapshot);
         }
     }
     // Progress counts every uncached prompt token, the snapshot's included.
     let (prefilled, to_prefill) = (cache.offset - cached_tokens, prompt.len() - cached_tokens);
     let generation = generate_stream(
-        model.model.as_ref(),
-        &model.tokenizer,
+        model,
+        &loaded.tokenizer,
         prompt,
         &mut cache,
-        &model.eos_ids,
+        &loaded.eos_ids,
         &job.options,
         &job.stream,
         &mut |event| {
@@ -228,7 +272,7 @@ fn run(
         .copied()
         .collect();
     if tokens.len() == cache.offset {
-        prompt_cache.insert(tokens, cache);
+        prompt_cache.insert(key, tokens, cache);
     }
     Ok(generation.finish_reason)
 }

@@ -1,6 +1,6 @@
 //! Reasoning and tool calls end to end: a scripted model (it answers a fixed token sequence)
-//! behind the Qwen 3.5 chat template, with a tokenizer that has `<think>` tokens, so the reply
-//! is what a reasoning model that calls a tool writes.
+//! behind a real chat template (Qwen 3.5's, Gemma 4's), with a tokenizer that has that family's
+//! markup tokens, so the reply is what a reasoning model that calls a tool writes.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -55,8 +55,33 @@ impl LanguageModel for Scripted {
     }
 }
 
-/// The tiny tokenizer with `<think>` and `</think>` added, in `dir`.
-fn tokenizer_with_think(dir: &Path) -> Tokenizer {
+/// A chat template of tests/fixtures/templates and the markup tokens of its family.
+struct Family {
+    template: &'static str,
+    tokens: &'static [&'static str],
+}
+
+const QWEN3_5: Family = Family {
+    template: "qwen3.5.jinja",
+    tokens: &["<think>", "</think>"],
+};
+
+const GEMMA4: Family = Family {
+    template: "gemma4.jinja",
+    tokens: &[
+        "<|turn>",
+        "<turn|>",
+        "<|think|>",
+        "<|channel>",
+        "<channel|>",
+        "<|tool_call>",
+        "<tool_call|>",
+        "<|\"|>",
+    ],
+};
+
+/// The tiny tokenizer with `tokens` added, in `dir`.
+fn tokenizer_with(dir: &Path, tokens: &[&str]) -> Tokenizer {
     let source =
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny/tokenizer");
     std::fs::copy(
@@ -67,7 +92,7 @@ fn tokenizer_with_think(dir: &Path) -> Tokenizer {
     let mut json: Value =
         serde_json::from_str(&std::fs::read_to_string(source.join("tokenizer.json")).unwrap())
             .unwrap();
-    for (id, content) in [(512, "<think>"), (513, "</think>")] {
+    for (id, content) in (512..).zip(tokens) {
         json["added_tokens"].as_array_mut().unwrap().push(json!({"id": id, "content": content,
             "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": false}));
     }
@@ -75,11 +100,12 @@ fn tokenizer_with_think(dir: &Path) -> Tokenizer {
     Tokenizer::from_dir(dir).unwrap()
 }
 
-async fn start(reply: &str) -> String {
+async fn start(family: &Family, reply: &str) -> String {
     let dir = tempfile::tempdir().unwrap();
-    let tokenizer = tokenizer_with_think(dir.path());
+    let tokenizer = tokenizer_with(dir.path(), family.tokens);
     let template_path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/templates/qwen3.5.jinja");
+        .join("../../tests/fixtures/templates")
+        .join(family.template);
     let template =
         ChatTemplate::new(&std::fs::read_to_string(template_path).unwrap(), Map::new()).unwrap();
     let model = Scripted {
@@ -140,7 +166,7 @@ const REPLY: &str = "The user wants the weather.\n</think>\n\n<tool_call>\n<func
 
 #[tokio::test]
 async fn reasoning_and_tool_call_in_a_message() {
-    let base = start(REPLY).await;
+    let base = start(&QWEN3_5, REPLY).await;
     let r: Value = serde_json::from_str(&post(&base, &request(false)).await).unwrap();
     let choice = &r["choices"][0];
     assert_eq!(choice["finish_reason"], "tool_calls", "{r}");
@@ -172,7 +198,7 @@ async fn reasoning_and_tool_call_in_a_message() {
 
 #[tokio::test]
 async fn reasoning_and_tool_call_streamed() {
-    let base = start(REPLY).await;
+    let base = start(&QWEN3_5, REPLY).await;
     let text = post(&base, &request(true)).await;
     let chunks: Vec<Value> = text
         .split("\n\n")
@@ -207,11 +233,41 @@ async fn reasoning_and_tool_call_streamed() {
 
 #[tokio::test]
 async fn a_plain_answer_after_reasoning() {
-    let base = start("Easy.</think>\n\nIt is sunny.").await;
+    let base = start(&QWEN3_5, "Easy.</think>\n\nIt is sunny.").await;
     let r: Value = serde_json::from_str(&post(&base, &request(false)).await).unwrap();
     let choice = &r["choices"][0];
     assert_eq!(choice["finish_reason"], "stop");
     assert_eq!(choice["message"]["reasoning_content"], "Easy.");
     assert_eq!(choice["message"]["content"], "\n\nIt is sunny.");
     assert!(choice["message"].get("tool_calls").is_none());
+}
+
+/// Gemma 4 reasons in its thought channel, then calls the tool in its own notation.
+#[tokio::test]
+async fn gemma4_thought_channel_and_tool_call() {
+    let reply = "<|channel>thought\nThe user wants the weather.<channel|>\
+        <|tool_call>call:get_weather{city:<|\"|>Paris<|\"|>,days:2}<tool_call|>";
+    let base = start(&GEMMA4, reply).await;
+    let r: Value = serde_json::from_str(&post(&base, &request(false)).await).unwrap();
+    let choice = &r["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{r}");
+    let message = &choice["message"];
+    let calls = message["tool_calls"].as_array().unwrap();
+    let id = calls[0]["id"].clone();
+    assert_eq!(
+        *message,
+        json!({"role": "assistant", "content": null,
+               "reasoning_content": "\nThe user wants the weather.",
+               "reasoning": "\nThe user wants the weather.",
+               "tool_calls": [{"id": id, "type": "function", "function": {
+                   "name": "get_weather", "arguments": "{\"city\":\"Paris\",\"days\":2}"}}]})
+    );
+    // The call and its result go back through the Gemma 4 template.
+    let mut next = request(false);
+    next["messages"].as_array_mut().unwrap().extend([
+        json!({"role": "assistant", "content": "", "tool_calls": calls}),
+        json!({"role": "tool", "tool_call_id": id, "content": "18C, sunny"}),
+    ]);
+    let r: Value = serde_json::from_str(&post(&base, &next).await).unwrap();
+    assert_eq!(r["choices"][0]["finish_reason"], "tool_calls", "{r}");
 }

@@ -1,19 +1,25 @@
 //! The server over real HTTP on the tiny fixture models: payload shapes, streaming, stop
-//! strings, logprobs, errors and limits, the prompt cache, and serving while generating.
-//! Greedy outputs are checked against the goldens that mlx-lm produced for these models.
+//! strings, logprobs, errors and limits, the prompt cache, serving while generating, and LoRA
+//! adapters chosen per request. Greedy outputs are checked against the goldens that mlx-lm
+//! produced for these models.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use oxlm_models::lora::{AdaptedModel, Adapters};
+use oxlm_runtime::sampler::SamplerConfig;
 use oxlm_runtime::tokenizer::Tokenizer;
-use oxlm_server::{Server, Settings};
+use oxlm_runtime::{generate, GenerateOptions, LoadedModel};
+use oxlm_server::{LogLevel, Server, Settings};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/tiny")
-        .join(name)
+    fixtures().join("tiny").join(name)
 }
 
 struct Golden {
@@ -58,6 +64,11 @@ struct TestServer {
 }
 
 async fn start(model: &str, settings: Settings) -> TestServer {
+    // Request lines would come from the server's threads, past the test harness's capture.
+    let settings = Settings {
+        log_level: LogLevel::Warning,
+        ..settings
+    };
     let server = Server::load(&fixture(model), settings).unwrap();
     let model_id = server.model_id().to_owned();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -658,4 +669,255 @@ async fn tools_and_tool_results_are_accepted() {
     let (status, r) = server.post("/v1/chat/completions", &body).await;
     assert_eq!(status, 200, "{r}");
     assert_eq!(r["choices"][0]["finish_reason"], "length");
+}
+
+/// An adapter directory for the tiny llama-4bit-g64: `sea` and `trained/final` (adapters made for
+/// it by mlx-lm), `qwen` (made for another model), `empty` (no adapter_config.json), and
+/// `escape`, a link to an adapter outside the directory.
+struct AdapterRoot {
+    root: tempfile::TempDir,
+    _outside: tempfile::TempDir,
+}
+
+fn copy_adapter(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for file in ["adapter_config.json", "adapters.safetensors"] {
+        std::fs::copy(from.join(file), to.join(file)).unwrap();
+    }
+}
+
+fn adapter_root() -> AdapterRoot {
+    let lora = fixtures().join("lora");
+    let root = tempfile::tempdir().unwrap();
+    copy_adapter(&lora.join("llama-4bit-g64-r4"), &root.path().join("sea"));
+    copy_adapter(
+        &lora.join("train-llama-4bit-g64/final"),
+        &root.path().join("trained/final"),
+    );
+    copy_adapter(&lora.join("qwen2-4bit-g64-keys"), &root.path().join("qwen"));
+    std::fs::create_dir(root.path().join("empty")).unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    copy_adapter(&lora.join("llama-4bit-g64-r4"), outside.path());
+    std::os::unix::fs::symlink(outside.path(), root.path().join("escape")).unwrap();
+    AdapterRoot {
+        root,
+        _outside: outside,
+    }
+}
+
+fn with_adapters(root: &AdapterRoot) -> Settings {
+    Settings {
+        adapters_dir: Some(root.root.path().to_path_buf()),
+        ..Settings::default()
+    }
+}
+
+/// The tiny llama served with [`adapter_root`], and its golden.
+async fn adapter_server() -> (Golden, AdapterRoot, TestServer) {
+    let root = adapter_root();
+    let server = start("llama-4bit-g64", with_adapters(&root)).await;
+    (Golden::load("llama-4bit-g64"), root, server)
+}
+
+/// Greedy output of the runtime itself for `golden`'s prompt through the adapter in `dir`.
+fn adapted_reference(golden: &Golden, dir: &Path, max_tokens: usize) -> String {
+    let loaded = LoadedModel::load(&fixture("llama-4bit-g64")).unwrap();
+    let adapters = Adapters::load(dir, loaded.model.as_ref()).unwrap();
+    let model = AdaptedModel::new(loaded.model.as_ref(), &adapters).unwrap();
+    let prompt = golden.tokenizer.encode(&golden.prompt_text, false).unwrap();
+    let options = GenerateOptions {
+        max_tokens,
+        sampler: SamplerConfig::default(),
+        prefill_step: 2048,
+    };
+    let generation = generate(
+        &model,
+        &loaded.tokenizer,
+        &prompt,
+        &loaded.eos_ids,
+        &options,
+        &mut |_| {},
+    )
+    .unwrap();
+    generation.text
+}
+
+fn content(r: &Value) -> &str {
+    r["choices"][0]["message"]["content"].as_str().unwrap()
+}
+
+#[tokio::test]
+async fn adapters_are_chosen_per_request() {
+    let (golden, _root, server) = adapter_server().await;
+    let chat = "/v1/chat/completions";
+    let (status, base) = server
+        .post(chat, &chat_body(&golden, json!({"max_tokens": 16})))
+        .await;
+    assert_eq!(status, 200, "{base}");
+    assert_eq!(content(&base), golden.text(16));
+    for (name, dir) in [
+        ("sea", fixtures().join("lora/llama-4bit-g64-r4")),
+        (
+            "trained/final",
+            fixtures().join("lora/train-llama-4bit-g64/final"),
+        ),
+    ] {
+        let body = chat_body(&golden, json!({"max_tokens": 16, "adapters": name}));
+        let (status, r) = server.post(chat, &body).await;
+        assert_eq!(status, 200, "{r}");
+        let expected = adapted_reference(&golden, &dir, 16);
+        assert_eq!(content(&r), expected, "{name}");
+        assert_ne!(content(&r), content(&base), "{name}");
+        assert_eq!(r["model"], server.model_id);
+    }
+    // Streamed and text completions take the field too.
+    let body = chat_body(
+        &golden,
+        json!({"max_tokens": 16, "adapters": "sea", "stream": true}),
+    );
+    let events = server.stream(chat, &body).await;
+    let expected = adapted_reference(&golden, &fixtures().join("lora/llama-4bit-g64-r4"), 16);
+    assert_eq!(
+        streamed_text(&events[..events.len() - 1], "content"),
+        expected
+    );
+    let body = json!({"prompt": golden.prompt_text, "max_tokens": 16, "adapters": "sea"});
+    let (_, r) = server.post("/v1/completions", &body).await;
+    assert_eq!(r["choices"][0]["text"], expected);
+    // `null` is no adapter.
+    let body = chat_body(&golden, json!({"max_tokens": 16, "adapters": null}));
+    let (_, r) = server.post(chat, &body).await;
+    assert_eq!(r["choices"], base["choices"]);
+}
+
+#[tokio::test]
+async fn the_default_adapter_applies_to_requests_that_name_none() {
+    let golden = Golden::load("llama-4bit-g64");
+    let root = adapter_root();
+    let settings = Settings {
+        adapter_path: Some(fixtures().join("lora/llama-4bit-g64-r4")),
+        ..with_adapters(&root)
+    };
+    let server = start("llama-4bit-g64", settings).await;
+    let chat = "/v1/chat/completions";
+    let (_, r) = server
+        .post(chat, &chat_body(&golden, json!({"max_tokens": 16})))
+        .await;
+    let sea = adapted_reference(&golden, &fixtures().join("lora/llama-4bit-g64-r4"), 16);
+    assert_eq!(content(&r), sea);
+    // A request's own adapter wins.
+    let body = chat_body(
+        &golden,
+        json!({"max_tokens": 16, "adapters": "trained/final"}),
+    );
+    let (_, r) = server.post(chat, &body).await;
+    let trained = adapted_reference(
+        &golden,
+        &fixtures().join("lora/train-llama-4bit-g64/final"),
+        16,
+    );
+    assert_eq!(content(&r), trained);
+}
+
+#[tokio::test]
+async fn adapter_errors_are_openai_objects() {
+    let (golden, root, server) = adapter_server().await;
+    let chat = "/v1/chat/completions";
+    let ask = |name: &str, stream: bool| {
+        chat_body(
+            &golden,
+            json!({"max_tokens": 4, "adapters": name, "stream": stream}),
+        )
+    };
+    for (name, stream) in [("nope", false), ("empty", false), ("nope", true)] {
+        let (status, r) = server.post(chat, &ask(name, stream)).await;
+        assert_eq!(status, 404);
+        assert_eq!(
+            r,
+            json!({"error": {
+                "message": format!("The adapter `{name}` does not exist: there is no \
+                    adapter_config.json at `{name}` in the adapter directory"),
+                "type": "invalid_request_error", "param": "adapters", "code": "adapter_not_found"}})
+        );
+    }
+    let outside = root.root.path().join("sea").display().to_string();
+    for name in ["../sea", "sea/../../etc", outside.as_str(), "escape", ""] {
+        let (status, r) = server.post(chat, &ask(name, false)).await;
+        assert_eq!(status, 400, "{name}");
+        assert_eq!(
+            r,
+            json!({"error": {
+                "message": format!("The adapter `{name}` is outside the adapter directory: \
+                    name a directory inside it (no `..`, absolute paths or links that lead out of it)"),
+                "type": "invalid_request_error", "param": "adapters", "code": null}}),
+            "{name}"
+        );
+    }
+    let (status, r) = server.post(chat, &ask("qwen", false)).await;
+    assert_error(status, &r, 400, Some("adapters"));
+    let message = r["error"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("The adapter `qwen` cannot be used with this model: adapter at "),
+        "{message}"
+    );
+    let (status, r) = server
+        .post(chat, &chat_body(&golden, json!({"adapters": 3})))
+        .await;
+    assert_error(status, &r, 400, Some("adapters"));
+
+    // A server without an adapter directory takes no adapter names.
+    let plain = start("llama-4bit-g64", Settings::default()).await;
+    let (status, r) = plain.post(chat, &ask("sea", false)).await;
+    assert_eq!(status, 400);
+    assert_eq!(
+        r,
+        json!({"error": {
+            "message": "This server takes no per-request adapters (start it with --adapters-dir)",
+            "type": "invalid_request_error", "param": "adapters", "code": null}})
+    );
+}
+
+#[tokio::test]
+async fn models_list_the_adapters() {
+    let (_, _root, server) = adapter_server().await;
+    let (status, r) = server.get("/v1/models").await;
+    assert_eq!(status, 200);
+    let model = &r["data"][0];
+    assert_eq!(model["id"], server.model_id);
+    // Every directory with an adapter_config.json, whatever model it was made for; links are
+    // not followed.
+    assert_eq!(model["adapters"], json!(["qwen", "sea", "trained/final"]));
+}
+
+/// State computed through one adapter is never reused for another, nor for the base model.
+#[tokio::test]
+async fn the_prompt_cache_keeps_adapters_apart() {
+    let (golden, _root, server) = adapter_server().await;
+    let chat = "/v1/chat/completions";
+    let ask = |adapter: Option<&str>| {
+        let mut body = chat_body(&golden, json!({"max_tokens": 8}));
+        if let Some(name) = adapter {
+            body["adapters"] = name.into();
+        }
+        body
+    };
+    let cached = |r: &Value| r["usage"]["prompt_tokens_details"]["cached_tokens"].clone();
+    let all_but_last = json!(golden.n_prompt - 1);
+    let (_, base) = server.post(chat, &ask(None)).await;
+    assert_eq!(cached(&base), 0);
+    let (_, sea) = server.post(chat, &ask(Some("sea"))).await;
+    assert_eq!(cached(&sea), 0, "the base model's state was reused");
+    let sea_text = adapted_reference(&golden, &fixtures().join("lora/llama-4bit-g64-r4"), 8);
+    assert_eq!(content(&sea), sea_text);
+    let (_, trained) = server.post(chat, &ask(Some("trained/final"))).await;
+    assert_eq!(cached(&trained), 0, "another adapter's state was reused");
+    for (adapter, first) in [
+        (None, &base),
+        (Some("sea"), &sea),
+        (Some("trained/final"), &trained),
+    ] {
+        let (_, again) = server.post(chat, &ask(adapter)).await;
+        assert_eq!(cached(&again), all_but_last, "{adapter:?}");
+        assert_eq!(again["choices"], first["choices"], "{adapter:?}");
+    }
 }

@@ -9,23 +9,31 @@ ROOT = os.path.dirname(os.path.abspath(__file__)) + "/../../../.."
 MODEL = f"{ROOT}/tests/fixtures/tiny/llama-8bit-g32"
 GOLDEN = json.load(open(f"{MODEL}/golden.json"))
 MESSAGES = GOLDEN["messages"]
+# The LoRA fixtures mlx-lm made for this tiny model (llama-4bit-g64-r4 among them).
+ADAPTER_MODEL = f"{ROOT}/tests/fixtures/tiny/llama-4bit-g64"
+ADAPTERS = f"{ROOT}/tests/fixtures/lora"
 
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-port = free_port()
-server = subprocess.Popen([sys.argv[1], "serve", "--model", MODEL, "--port", str(port)],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-base = f"http://127.0.0.1:{port}"
-for _ in range(300):
-    try:
-        urllib.request.urlopen(f"{base}/health", timeout=1)
-        break
-    except OSError:
-        time.sleep(0.1)
-client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+def start(model, *flags):
+    """An `oxlm serve` of `model` on a free port, once healthy, and a client for it."""
+    port = free_port()
+    process = subprocess.Popen([sys.argv[1], "serve", "--model", model, "--port", str(port), *flags],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(f"{base}/health", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.1)
+    return process, openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+
+server, client = start(MODEL)
+adapter_server, adapter_client = start(ADAPTER_MODEL, "--adapters-dir", ADAPTERS)
 passed, failed = 0, 0
 
 def check(name, fn):
@@ -85,16 +93,42 @@ def models_list():
     ids = [m.id for m in client.models.list()]
     assert len(ids) == 1, ids
 
+def adapters_per_request():
+    ask = lambda **extra: adapter_client.chat.completions.create(
+        model="m", messages=MESSAGES, max_tokens=12, temperature=0, **extra)
+    base = ask().choices[0].message.content
+    adapted = ask(extra_body={"adapters": "llama-4bit-g64-r4"}).choices[0].message.content
+    assert adapted and adapted != base, (adapted, base)
+    again = ask(extra_body={"adapters": "llama-4bit-g64-r4"})
+    assert again.choices[0].message.content == adapted, again
+    try:
+        ask(extra_body={"adapters": "nope"})
+        raise AssertionError("an unknown adapter was accepted")
+    except openai.NotFoundError as e:
+        assert e.status_code == 404 and e.body["code"] == "adapter_not_found", e.body
+    try:
+        ask(extra_body={"adapters": "../lora/llama-4bit-g64-r4"})
+        raise AssertionError("an adapter outside the directory was accepted")
+    except openai.BadRequestError as e:
+        assert e.body["param"] == "adapters", e.body
+    listed = adapter_client.models.list().data[0]
+    assert "llama-4bit-g64-r4" in listed.adapters, listed
+
 try:
     for name, fn in [("chat, plain and streamed", chat_plain_and_stream),
                      ("completions with logprobs", completions_and_logprobs),
                      ("stop string across tokens", stop_string_across_tokens),
                      ("prompt cache on a second turn", prompt_cache_second_turn),
                      ("errors as OpenAI objects", errors_are_openai_objects),
-                     ("models list", models_list)]:
+                     ("models list", models_list),
+                     ("adapters chosen per request", adapters_per_request)]:
         check(name, fn)
 finally:
-    server.terminate()
-    server.wait(timeout=10)
+    for process in (server, adapter_server):
+        process.terminate()
+        # SIGTERM is a graceful shutdown: exit status 0.
+        if process.wait(timeout=10) != 0:
+            failed += 1
+            print(f"FAIL exit status {process.returncode} after SIGTERM")
 print(f"{passed} passed, {failed} failed")
 sys.exit(1 if failed else 0)

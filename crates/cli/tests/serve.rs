@@ -1,0 +1,263 @@
+//! The real `oxlm serve` binary: a LoRA adapter chosen per request gives what
+//! `oxlm generate --adapter-path` gives, request log lines and `--log-level`, and graceful
+//! shutdown on SIGTERM and SIGINT (exit status 0, in-flight requests finished or ended cleanly).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+const OXLM: &str = env!("CARGO_BIN_EXE_oxlm");
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn model() -> PathBuf {
+    fixtures().join("tiny/llama-4bit-g64")
+}
+
+const PROMPT: &str = "Write one sentence about the sea, please. 12345";
+
+/// A running `oxlm serve` on a free port, and its stderr lines as they come.
+struct Serve {
+    child: Child,
+    port: u16,
+    stderr: mpsc::Receiver<String>,
+    reader: Option<JoinHandle<()>>,
+}
+
+impl Serve {
+    fn start(extra: &[&str]) -> Serve {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut child = Command::new(OXLM)
+            .arg("serve")
+            .arg("--model")
+            .arg(model())
+            .args(["--port", &port.to_string()])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (lines, stderr) = mpsc::channel();
+        let pipe = BufReader::new(child.stderr.take().unwrap());
+        let reader = std::thread::spawn(move || {
+            for line in pipe.lines().map_while(Result::ok) {
+                let _ = lines.send(line);
+            }
+        });
+        let serve = Serve {
+            child,
+            port,
+            stderr,
+            reader: Some(reader),
+        };
+        serve.wait_until_healthy();
+        serve
+    }
+
+    fn wait_until_healthy(&self) {
+        for _ in 0..600 {
+            if let Ok(mut stream) = TcpStream::connect(("127.0.0.1", self.port)) {
+                let request =
+                    "GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
+                if stream.write_all(request.as_bytes()).is_ok() && response(stream).0 == 200 {
+                    return;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("oxlm serve did not come up on port {}", self.port);
+    }
+
+    /// Sends a request; the connection closes after the response.
+    fn send(&self, path: &str, body: &Value) -> TcpStream {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        let body = body.to_string();
+        write!(
+            stream,
+            "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        stream
+    }
+
+    fn chat(&self, body: &Value) -> (u16, Value) {
+        response(self.send("/v1/chat/completions", body))
+    }
+
+    fn signal(&self, name: &str) {
+        let status = Command::new("kill")
+            .args(["-s", name, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// Waits for the process to end; its exit status and its stderr lines.
+    fn wait(mut self) -> (ExitStatus, Vec<String>) {
+        let status = self.child.wait().unwrap();
+        if let Some(reader) = self.reader.take() {
+            reader.join().unwrap();
+        }
+        (status, self.stderr.try_iter().collect())
+    }
+}
+
+/// A test that fails part way does not leave its server running.
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+    }
+}
+
+/// Status and JSON body of a whole (`Content-Length`) response.
+fn response(mut stream: TcpStream) -> (u16, Value) {
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, serde_json::from_str(body).unwrap())
+}
+
+/// Reads a streamed response until `needle` has come; returns what came.
+fn read_until(stream: &mut TcpStream, needle: &str) -> String {
+    let mut text = String::new();
+    let mut buffer = [0; 4096];
+    while !text.contains(needle) {
+        let n = stream.read(&mut buffer).unwrap();
+        assert!(n > 0, "the stream ended before {needle:?}: {text}");
+        text.push_str(&String::from_utf8_lossy(&buffer[..n]));
+    }
+    text
+}
+
+fn chat_request(extra: Value) -> Value {
+    let mut body = json!({"messages": [{"role": "user", "content": PROMPT}], "temperature": 0});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+/// What `oxlm generate` prints between its `==========` lines.
+fn generated(extra: &[&str]) -> String {
+    let output = Command::new(OXLM)
+        .arg("generate")
+        .arg("--model")
+        .arg(model())
+        .args(["--prompt", PROMPT, "--max-tokens", "24"])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    let text = stdout.strip_prefix("==========\n").unwrap();
+    text[..text.find("\n==========").unwrap()].to_owned()
+}
+
+#[test]
+fn an_adapter_per_request_matches_generate_with_adapter_path() {
+    let lora = fixtures().join("lora");
+    let serve = Serve::start(&["--adapters-dir", lora.to_str().unwrap()]);
+    let adapter = lora.join("llama-4bit-g64-r4");
+    let expected = generated(&["--adapter-path", adapter.to_str().unwrap()]);
+    let body = chat_request(json!({"max_tokens": 24, "adapters": "llama-4bit-g64-r4"}));
+    let (status, r) = serve.chat(&body);
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["choices"][0]["message"]["content"], expected);
+    let (_, base) = serve.chat(&chat_request(json!({"max_tokens": 24})));
+    let base_text = base["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(base_text, generated(&[]));
+    assert_ne!(base_text, expected);
+}
+
+/// Waits for a server that got `signal` (SIGTERM, SIGINT) to end; checks that it exited with 0
+/// after announcing `grace` seconds, and returns its stderr lines after that announcement,
+/// leaving out the health checks of [`Serve::start`].
+fn lines_after_shutdown(serve: Serve, signal: &str, grace: &str) -> Vec<String> {
+    let (status, lines) = serve.wait();
+    assert!(status.success(), "{status}");
+    assert!(lines[0].starts_with("Serving "), "{lines:?}");
+    let lines: Vec<String> = lines
+        .into_iter()
+        .skip(1)
+        .filter(|line| !line.starts_with("GET /health 200 "))
+        .collect();
+    let announced =
+        format!("Shutting down ({signal}): requests in progress have {grace}s to finish");
+    assert_eq!(lines[0], announced);
+    lines[1..].to_vec()
+}
+
+#[test]
+fn sigterm_lets_a_request_in_progress_finish() {
+    let serve = Serve::start(&["--shutdown-grace", "60"]);
+    // Long enough (end-of-sequence banned) that the signal comes while it runs.
+    let body = chat_request(json!({"max_tokens": 3000, "stream": true,
+                                   "logit_bias": {"0": -1000, "2": -1000}}));
+    let mut stream = serve.send("/v1/chat/completions", &body);
+    read_until(&mut stream, "data: ");
+    serve.signal("TERM");
+    let text = read_until(&mut stream, "data: [DONE]");
+    assert!(text.contains("\"finish_reason\":\"length\""), "{text}");
+    let lines = lines_after_shutdown(serve, "SIGTERM", "60.0");
+    assert!(
+        lines[0].starts_with("POST /v1/chat/completions 200 ")
+            && lines[0].ends_with("s prompt_tokens=43 completion_tokens=3000"),
+        "{lines:?}"
+    );
+    assert_eq!(lines[1..], ["Server stopped"]);
+}
+
+/// A request that would run for minutes: end-of-sequence tokens banned.
+fn endless(stream: bool) -> Value {
+    let banned = json!({"0": -1000, "2": -1000});
+    chat_request(json!({"max_tokens": 100_000, "logit_bias": banned, "stream": stream}))
+}
+
+#[test]
+fn sigint_cancels_what_outlasts_the_grace_period() {
+    let serve = Serve::start(&["--shutdown-grace", "0.5"]);
+    let mut streamed = serve.send("/v1/chat/completions", &endless(true));
+    read_until(&mut streamed, "data: ");
+    // Queued behind the first.
+    let queued = serve.send("/v1/chat/completions", &endless(false));
+    std::thread::sleep(Duration::from_millis(200));
+    serve.signal("INT");
+    let text = read_until(&mut streamed, "data: [DONE]");
+    let error = json!({"error": {"message": "The server is shutting down",
+                                 "type": "server_error", "param": null, "code": null}});
+    assert!(
+        text.contains(&format!("data: {error}\n")),
+        "{}",
+        &text[text.len().saturating_sub(400)..]
+    );
+    assert_eq!(response(queued), (503, error));
+    let lines = lines_after_shutdown(serve, "SIGINT", "0.5");
+    assert_eq!(lines[0], "Cancelling the generations still in progress");
+    assert_eq!(lines.last().unwrap(), "Server stopped");
+}
+
+#[test]
+fn log_level_warning_prints_no_request_lines() {
+    let serve = Serve::start(&["--log-level", "warning"]);
+    let (status, _) = serve.chat(&chat_request(json!({"max_tokens": 2})));
+    assert_eq!(status, 200);
+    serve.signal("TERM");
+    let (status, lines) = serve.wait();
+    assert!(status.success());
+    assert_eq!(lines, Vec::<String>::new());
+}
