@@ -1,48 +1,118 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, with what benches/gpu/prepare.sh left in
-# .device/: the stripped oxlm binary, the GPU test binaries and the compiled-kernel cache.
+# .device/: the stripped oxlm binary, the GPU test binaries, the compiled-kernel cache and a
+# trimmed llama.cpp source tree.
 #
-# usage: benches/gpu/device.sh [tests] [bench] ...   (stages, in order; default: tests bench)
-#   tests  every carried test binary (CUDA op parity, tiny-model parity on the GPU)
-#   bench  synthetic llama 0.85B at 4 and 8 bits and 7.2B at 4 bits (random weights written
-#          here by synthetic_mlx.py): decode after a 512-token prompt, prefill of 512 and 2048
-# Logs and a JSON line per bench go to $OUT (or ./out).
+# usage: benches/gpu/device.sh STAGE...   (in order)
+#   tests           every carried test binary (CUDA op parity, tiny-model parity on the GPU)
+#   bench           oxlm on synthetic llamas (random weights written here by synthetic_mlx.py):
+#                   0.85B at 4 and 8 bits, 7.2B at 4 bits; decode 128 tokens after 512- and
+#                   2048-token prompts, and those prefills
+#   llamacpp-build  starts building llama.cpp with CUDA in the background (about 5 minutes;
+#                   it outlives the call while the machine stays warm)
+#   llamacpp        llama-bench on GGUFs of the same shapes (Q4_0, Q8_0), once the build is done
+#   torch           PyTorch + transformers, bf16, the same shapes
+#   membw           the device-to-device copy bandwidth (the roofline)
+#   gemv            the matmul kernels alone at the benchmark shapes (examples/cuda_gemv.rs)
+#   wait-llamacpp   waits for the background build
+# Logs and one JSON line per measurement go to $OUT (or ./out).
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
 export OXLM_CACHE="$PWD/.device/cache"
+LLAMA=/opt/llama.cpp
 # The test binaries find tests/fixtures through the path they were built at.
-mkdir -p /work && [ -e /work/main ] || ln -s "$PWD" /work/main
-stages=("${@:-tests bench}")
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
+mkdir -p /work && { [ -e /work/main ] || ln -s "$PWD" /work/main; }
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv \
+  > "$OUT/gpu.txt"
+
+# name hidden intermediate layers heads kv_heads vocab
+MODELS=(
+  "llama-0.85b 2048 5632 16 32 8 32000"
+  "llama-7.2b 4096 14336 32 32 8 32000"
+)
+shape_args() { echo "--hidden $2 --intermediate $3 --layers $4 --heads $5 --kv-heads $6 --vocab $7"; }
 
 run_tests() {
   for t in .device/tests/*; do
     echo "== $t"
-    "$t" --test-threads=1 2>&1 | tail -60
-  done 2>&1 | tee "$OUT/tests.log" | grep -E "^(==|test result|test .* FAILED|thread .* panicked)" 
-}
-
-bench_model() {  # name, synthetic_mlx.py args...
-  local name=$1; shift
-  local dir=/tmp/models/$name
-  [ -f "$dir/config.json" ] || python3 benches/gpu/synthetic_mlx.py "$dir" "$@" >&2
-  for prompt in 512 2048; do
-    .device/oxlm bench --device cuda --model "$dir" --prompt-tokens "$prompt" --gen-tokens 128 \
-      --repeats 3 | tee -a "$OUT/bench.jsonl"
-  done
+    "$t" --test-threads=1 --nocapture 2>&1
+  done > "$OUT/tests.log" 2>&1
+  grep -E "^(==|test result|.* on cuda.*|.*FAILED.*|.*panicked.*)" "$OUT/tests.log"
 }
 
 run_bench() {
-  bench_model llama-0.85b-4bit --bits 4
-  bench_model llama-0.85b-8bit --bits 8
-  bench_model llama-7.2b-4bit --bits 4 --hidden 4096 --intermediate 14336 --layers 32
+  for m in "${MODELS[@]}"; do
+    set -- $m
+    for bits in 4 8; do
+      [ "$1" = llama-7.2b ] && [ $bits = 8 ] && continue
+      dir=/tmp/models/$1-$bits
+      [ -f "$dir/config.json" ] || python3 benches/gpu/synthetic_mlx.py "$dir" $(shape_args "$@") --bits $bits >&2
+      for prompt in 512 2048; do
+        .device/oxlm bench --device cuda --model "$dir" --prompt-tokens $prompt --gen-tokens 128 \
+          --repeats 3 | tee -a "$OUT/bench.jsonl"
+      done
+    done
+  done
 }
 
-for stage in ${stages[@]}; do
+build_llamacpp() {
+  mkdir -p $LLAMA && tar xzf .device/llama.cpp.tgz -C /opt
+  (cd $LLAMA && setsid nohup bash -c 'cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+      -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+      > build.log 2>&1 && cmake --build build -j16 --target llama-bench llama-quantize >> build.log 2>&1; \
+      echo $? > build.done' > /dev/null 2>&1 &)
+  echo "llama.cpp build started"
+}
+
+run_llamacpp() {
+  if [ ! -f $LLAMA/build.done ]; then echo "llama.cpp build not finished"; tail -3 $LLAMA/build.log; return; fi
+  bin=$LLAMA/build/bin
+  for m in "${MODELS[@]}"; do
+    set -- $m
+    f16=/tmp/gguf/$1-f16.gguf
+    mkdir -p /tmp/gguf
+    [ -f $f16 ] || python3 benches/gpu/synthetic_gguf.py $LLAMA $f16 $(shape_args "$@") >&2
+    for q in Q4_0 Q8_0; do
+      [ "$1" = llama-7.2b ] && [ $q = Q8_0 ] && continue
+      g=/tmp/gguf/$1-$q.gguf
+      [ -f $g ] || $bin/llama-quantize $f16 $g $q > /dev/null 2>&1
+      $bin/llama-bench -m $g -p 512,2048 -n 128 -ngl 99 -r 3 -o jsonl 2>/dev/null | tee -a "$OUT/llamacpp.jsonl"
+    done
+  done
+}
+
+run_torch() {
+  for m in "${MODELS[@]}"; do
+    set -- $m
+    python3 benches/gpu/torch_bench.py $(shape_args "$@") 2>/dev/null | tee -a "$OUT/torch.jsonl"
+  done
+}
+
+run_membw() {
+  python3 -c '
+import torch
+n = 4 << 30
+a, b = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+for _ in range(3): b.copy_(a)
+s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+s.record()
+for _ in range(10): b.copy_(a)
+e.record(); torch.cuda.synchronize()
+print("{\"copy_tbps\": %.3f}" % (2 * n * 10 / (s.elapsed_time(e) / 1e3) / 1e12))' | tee -a "$OUT/membw.jsonl"
+}
+
+for stage in "$@"; do
+  echo "### $stage"
   case $stage in
     tests) run_tests ;;
     bench) run_bench ;;
+    llamacpp-build) build_llamacpp ;;
+    llamacpp) run_llamacpp ;;
+    torch) run_torch ;;
+    membw) run_membw ;;
+    gemv) .device/cuda_gemv | tee "$OUT/gemv.txt" ;;
+    wait-llamacpp) while [ ! -f $LLAMA/build.done ]; do sleep 5; done ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done

@@ -2,11 +2,15 @@
 # Builds, here, what benches/gpu/device.sh runs on the GPU machine, into .device/ (ignored by
 # git; name it in the device call's carry): the release oxlm binary and the GPU test binaries,
 # stripped, and the kernels compiled for sm_90 (needs NVRTC: pip package nvidia-cuda-nvrtc, its
-# lib folder on LD_LIBRARY_PATH), so that the machine spends no time compiling.
+# lib folder on LD_LIBRARY_PATH), so that the machine spends no time compiling; and, kept from
+# one run to the next, llama.cpp's source from the llama-cpp-python 0.3.36 sdist, trimmed to
+# the CUDA backend (about 10 MB), which device.sh builds there.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-rm -rf .device && mkdir -p .device/tests .device/cache
+rm -rf .device/tests .device/cache .device/oxlm && mkdir -p .device/tests .device/cache
 cargo build --release -p oxlm-cli
+cargo build --release -p oxlm-engine --example cuda_gemv
+cp target/release/examples/cuda_gemv .device/cuda_gemv
 cp target/release/oxlm .device/oxlm
 cargo test --no-run -p oxlm-engine --test cuda_ops -p oxlm-models --test tiny_parity \
   --message-format=json 2>/dev/null | python3 -c '
@@ -15,6 +19,18 @@ for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and "test" in m["target"]["kind"]:
         print(m["executable"])' | while read -r exe; do cp "$exe" ".device/tests/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
-strip .device/oxlm .device/tests/*
+strip .device/oxlm .device/cuda_gemv .device/tests/*
 OXLM_CACHE="$PWD/.device/cache" cargo test -q -p oxlm-engine --test cuda_ops kernels_compile
+if [ ! -f .device/llama.cpp.tgz ]; then
+  tmp=$(mktemp -d)
+  python3 -m pip download -q --no-deps --no-binary :all: -d "$tmp" llama-cpp-python==0.3.36
+  tar xzf "$tmp"/llama_cpp_python-0.3.36.tar.gz -C "$tmp"
+  src="$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp"
+  rm -rf "$src"/models/*.gguf "$src"/models/*.inp "$src"/models/*.out "$src"/docs "$src"/benches
+  for b in sycl vulkan opencl hexagon cann musa hip metal webgpu openvino zdnn zendnn virtgpu et; do
+    rm -rf "$src/ggml/src/ggml-$b"
+  done
+  tar czf .device/llama.cpp.tgz -C "$src/.." llama.cpp
+  rm -rf "$tmp"
+fi
 du -sh .device/* .device/cache/*

@@ -1,0 +1,98 @@
+//! GPU matmul throughput on random MLX-quantized weights: GB/s of weight bytes per call for one
+//! activation row (decoding), and TFLOP/s for a 2048-row prefill, at the shapes of the
+//! benchmark llamas.
+//!
+//! `cargo run --release -p oxlm-engine --example cuda_gemv` on a machine with a CUDA GPU.
+
+use std::time::Instant;
+
+use oxlm_engine::{cuda, ops, Bytes, DType, Device, QuantizedMatrix, Tensor};
+
+fn random_matrix(rows: usize, cols: usize, bits: u32, seed: u64) -> QuantizedMatrix {
+    let mut s = seed.wrapping_mul(6364136223846793005) | 1;
+    let mut next = || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    let words: Vec<u32> = (0..rows * cols * bits as usize / 32)
+        .map(|_| next() as u32)
+        .collect();
+    let groups = rows * cols / 64;
+    let scale: Vec<half::bf16> = (0..groups)
+        .map(|_| half::bf16::from_f32(0.01 + (next() % 100) as f32 * 1e-4))
+        .collect();
+    let bias: Vec<half::bf16> = (0..groups)
+        .map(|_| half::bf16::from_f32(-0.05))
+        .collect();
+    QuantizedMatrix::new(
+        rows,
+        cols,
+        bits,
+        64,
+        Bytes::from_values(&words),
+        DType::BF16,
+        Bytes::from_values(&scale),
+        Bytes::from_values(&bias),
+    )
+    .unwrap()
+}
+
+/// Seconds per call of `f`, the median of timed batches after a warm-up.
+fn time(device: &Device, mut f: impl FnMut()) -> f64 {
+    for _ in 0..5 {
+        f();
+    }
+    device.synchronize().unwrap();
+    let mut runs = Vec::new();
+    for _ in 0..7 {
+        let t = Instant::now();
+        for _ in 0..20 {
+            f();
+        }
+        device.synchronize().unwrap();
+        runs.push(t.elapsed().as_secs_f64() / 20.0);
+    }
+    runs.sort_by(f64::total_cmp);
+    runs[runs.len() / 2]
+}
+
+fn main() {
+    if !cuda::libraries_present() {
+        eprintln!("no CUDA driver on this machine");
+        return;
+    }
+    let device = Device::open("cuda").unwrap();
+    println!("{device}");
+    for (rows, cols) in [
+        (2048, 2048),
+        (5632, 2048),
+        (2048, 5632),
+        (32000, 2048),
+        (14336, 4096),
+        (4096, 14336),
+    ] {
+        for bits in [4, 8] {
+            let mut w = random_matrix(rows, cols, bits, (rows * cols) as u64);
+            w.place(&device).unwrap();
+            let bytes = w.size_in_bytes() as f64;
+            let x1 = Tensor::from_slice(vec![1, cols], &vec![0.5; cols], &device).unwrap();
+            let t1 = time(&device, || {
+                ops::matmul(&w, &x1).unwrap();
+            });
+            let m = 2048;
+            let xm = Tensor::from_slice(vec![m, cols], &vec![0.5; m * cols], &device).unwrap();
+            let tm = time(&device, || {
+                ops::matmul(&w, &xm).unwrap();
+            });
+            println!(
+                "{rows:>6}x{cols:<6} {bits}-bit  m=1 {:8.1} us {:6.0} GB/s   m={m} {:8.1} us {:6.1} TFLOP/s",
+                t1 * 1e6,
+                bytes / t1 / 1e9,
+                tm * 1e6,
+                2.0 * (m * rows * cols) as f64 / tm / 1e12
+            );
+        }
+    }
+}
