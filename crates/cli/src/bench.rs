@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use oxlm_engine::cpu::{pool, qint};
+use oxlm_engine::DecodeSteps;
 use oxlm_models::{Cache, LanguageModel, Logits};
 use oxlm_runtime::generate::{peak_memory_bytes, DEFAULT_PREFILL_STEP};
 use oxlm_runtime::hub::resolve_model;
@@ -77,19 +78,23 @@ fn prefill(model: &dyn LanguageModel, ids: &[u32], cache: &mut Cache) -> Result<
     Ok(logits)
 }
 
-/// Seconds to decode `n` greedy tokens from `logits` on `cache`.
+/// Seconds to decode `n` greedy tokens from `logits` on `cache`, as `generate` does (GPU steps
+/// replayed as graphs), and how many steps were replayed.
 fn decode(
     model: &dyn LanguageModel,
     mut logits: Vec<f32>,
     cache: &mut Cache,
     n: usize,
-) -> Result<f64> {
+) -> Result<(f64, u64)> {
+    let mut steps = DecodeSteps::new(&model.info().device);
     let start = Instant::now();
     for _ in 0..n {
         let token = argmax(&logits);
-        logits = model.forward(&[token], cache, Logits::Last)?.into_data();
+        logits = steps
+            .run(|| model.forward(&[token], cache, Logits::Last))?
+            .into_data();
     }
-    Ok(start.elapsed().as_secs_f64())
+    Ok((start.elapsed().as_secs_f64(), steps.replayed()))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -109,6 +114,7 @@ pub fn run(args: Args) -> Result<()> {
     let load_s = start.elapsed().as_secs_f64();
     let vocab = model.info().vocab_size;
     let (mut prefill_tps, mut decode_tps) = (Vec::new(), Vec::new());
+    let mut replayed_steps = 0;
     // One untimed run first: page in the weights and grow the caches.
     for rep in 0..=args.repeats.max(1) {
         let ids = prompt(args.prompt_tokens, vocab, rep as u64);
@@ -116,7 +122,8 @@ pub fn run(args: Args) -> Result<()> {
         let t = Instant::now();
         let logits = prefill(model.as_ref(), &ids, &mut cache)?;
         let prefill_s = t.elapsed().as_secs_f64();
-        let decode_s = decode(model.as_ref(), logits, &mut cache, args.gen_tokens)?;
+        let (decode_s, replayed) = decode(model.as_ref(), logits, &mut cache, args.gen_tokens)?;
+        replayed_steps = replayed;
         if rep > 0 {
             prefill_tps.push(args.prompt_tokens as f64 / prefill_s);
             decode_tps.push(args.gen_tokens as f64 / decode_s);
@@ -127,7 +134,7 @@ pub fn run(args: Args) -> Result<()> {
         let ids = prompt(depth.saturating_sub(args.depth_tokens).max(1), vocab, 99);
         let mut cache = model.new_cache()?;
         let logits = prefill(model.as_ref(), &ids, &mut cache)?;
-        let s = decode(model.as_ref(), logits, &mut cache, args.depth_tokens)?;
+        let (s, _) = decode(model.as_ref(), logits, &mut cache, args.depth_tokens)?;
         depths.push(json!({"context": depth, "decode_tps": args.depth_tokens as f64 / s}));
     }
     let report = json!({
@@ -142,6 +149,7 @@ pub fn run(args: Args) -> Result<()> {
         "decode_tps": median(decode_tps.clone()),
         "prefill_tps_runs": prefill_tps,
         "decode_tps_runs": decode_tps,
+        "replayed_steps": replayed_steps,
         "depths": depths,
         "peak_rss_bytes": peak_memory_bytes(),
     });

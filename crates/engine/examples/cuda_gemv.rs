@@ -23,9 +23,7 @@ fn random_matrix(rows: usize, cols: usize, bits: u32, seed: u64) -> QuantizedMat
     let scale: Vec<half::bf16> = (0..groups)
         .map(|_| half::bf16::from_f32(0.01 + (next() % 100) as f32 * 1e-4))
         .collect();
-    let bias: Vec<half::bf16> = (0..groups)
-        .map(|_| half::bf16::from_f32(-0.05))
-        .collect();
+    let bias: Vec<half::bf16> = (0..groups).map(|_| half::bf16::from_f32(-0.05)).collect();
     QuantizedMatrix::new(
         rows,
         cols,

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use crate::cuda::Gpu;
+use crate::cuda::{Gpu, StepReplay};
 use crate::EngineError;
 
 /// A device that holds tensors and runs the ops on them. Cloning is cheap (a handle).
@@ -38,6 +38,36 @@ impl Device {
             Device::Cpu => Ok(()),
             Device::Cuda(gpu) => gpu.synchronize(),
         }
+    }
+}
+
+/// Runs one sequence's decode steps (forward passes of one token each) as cheaply as the
+/// device allows: on a GPU, replayed as a CUDA graph once the first has been captured (see
+/// [`StepReplay`]); on the CPU, plainly.
+pub struct DecodeSteps(Option<StepReplay>);
+
+impl DecodeSteps {
+    pub fn new(device: &Device) -> DecodeSteps {
+        DecodeSteps(match device {
+            Device::Cpu => None,
+            Device::Cuda(gpu) => Some(StepReplay::new(gpu)),
+        })
+    }
+
+    /// Runs `step`, one forward pass that ends by copying its logits to the host.
+    pub fn run<T, E: From<EngineError>>(
+        &mut self,
+        step: impl FnOnce() -> Result<T, E>,
+    ) -> Result<T, E> {
+        match &mut self.0 {
+            None => step(),
+            Some(replay) => replay.run(step),
+        }
+    }
+
+    /// Steps that ran from a captured graph (zero on the CPU).
+    pub fn replayed(&self) -> u64 {
+        self.0.as_ref().map_or(0, |r| r.replayed)
     }
 }
 

@@ -21,7 +21,7 @@ pub mod recurrent;
 pub mod tensor;
 
 pub use buffer::Bytes;
-pub use device::Device;
+pub use device::{DecodeSteps, Device};
 pub use dtype::DType;
 pub use error::EngineError;
 pub use float::FloatMatrix;

@@ -346,21 +346,24 @@ pub struct Kv<'a> {
     pub window: Option<usize>,
 }
 
-/// Writes `src` (`[tokens, kv_heads · head_dim]`) at positions `first..` of `cache`
-/// (`[kv_heads, capacity, head_dim]`, position `p` in slot `p % capacity`).
+/// Writes `src` (`[tokens, kv_heads · head_dim]`), the keys or values of the tokens at
+/// `positions` (consecutive), into `cache` (`[kv_heads, capacity, head_dim]`, position `p` in
+/// slot `p % capacity`).
 pub fn kv_write(
     cache: &mut Tensor,
     src: &Tensor,
     kv_heads: usize,
     head_dim: usize,
     capacity: usize,
-    first: usize,
+    positions: &Positions,
 ) -> Result<()> {
     let row = kv_heads * head_dim;
+    let p = positions.as_slice();
     check(
         cache.len() == capacity * row
-            && src.len().is_multiple_of(row)
-            && src.len() / row <= capacity,
+            && src.len() == p.len() * row
+            && p.len() <= capacity
+            && p.windows(2).all(|w| w[1] == w[0] + 1),
         || {
             format!(
                 "writing {:?} into a cache of {capacity} × {row}",
@@ -368,12 +371,15 @@ pub fn kv_write(
             )
         },
     )?;
+    if p.is_empty() {
+        return Ok(());
+    }
     match pair("kv_write", cache, src)? {
         Pair::Host(c, s) => {
-            cpu::attention::kv_write(c, s, kv_heads, head_dim, capacity, first);
+            cpu::attention::kv_write(c, s, kv_heads, head_dim, capacity, p[0]);
             Ok(())
         }
-        Pair::Cuda(c, s) => cuda::ops::kv_write(c, s, kv_heads, head_dim, capacity, first),
+        Pair::Cuda(c, s) => cuda::ops::kv_write(c, s, kv_heads, head_dim, capacity, positions),
     }
 }
 

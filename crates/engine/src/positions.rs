@@ -1,13 +1,12 @@
 //! The positions of the tokens of one forward pass, on the device that needs them, so that the
 //! ops of every layer share one copy.
 
-use cudarc::driver::CudaSlice;
-
+use crate::cuda::Memory;
 use crate::{Device, EngineError};
 
 pub struct Positions {
     values: Vec<usize>,
-    pub(crate) gpu: Option<CudaSlice<i32>>,
+    pub(crate) gpu: Option<Memory>,
 }
 
 impl Positions {

@@ -1,7 +1,7 @@
 //! Per-layer state carried between forward passes.
 
 use oxlm_engine::ops::{self, Kv};
-use oxlm_engine::{Device, EngineError, Tensor};
+use oxlm_engine::{Device, EngineError, Positions, Tensor};
 
 pub use crate::recurrent_cache::RecurrentCache;
 pub use crate::rotating_cache::RotatingKvCache;
@@ -65,13 +65,26 @@ impl KvCache {
         Ok(())
     }
 
-    /// Appends `[tokens, kv_heads · head_dim]` keys and values.
-    pub fn append(&mut self, keys: &Tensor, values: &Tensor) -> Result<(), EngineError> {
+    /// Appends `[tokens, kv_heads · head_dim]` keys and values of the tokens at `positions`,
+    /// which follow the ones held.
+    pub fn append(
+        &mut self,
+        keys: &Tensor,
+        values: &Tensor,
+        positions: &Positions,
+    ) -> Result<(), EngineError> {
         let (h, d) = (self.kv_heads, self.head_dim);
-        let n = keys.len() / (h * d);
+        let n = positions.len();
+        if positions.as_slice().first() != Some(&self.len) {
+            return Err(EngineError::Shape(format!(
+                "keys at {:?} appended to a cache of {} positions",
+                positions.as_slice().first(),
+                self.len
+            )));
+        }
         self.grow_to(self.len + n)?;
-        ops::kv_write(&mut self.keys, keys, h, d, self.capacity, self.len)?;
-        ops::kv_write(&mut self.values, values, h, d, self.capacity, self.len)?;
+        ops::kv_write(&mut self.keys, keys, h, d, self.capacity, positions)?;
+        ops::kv_write(&mut self.values, values, h, d, self.capacity, positions)?;
         self.len += n;
         Ok(())
     }
@@ -215,11 +228,12 @@ mod tests {
     #[test]
     fn growth_keeps_earlier_positions_per_head() {
         let mut cache = KvCache::new(2, 1, &Device::Cpu).unwrap();
-        for t in 0..300 {
-            let t = t as f32;
+        for p in 0..300 {
+            let t = p as f32;
             let k = Tensor::new(vec![1, 2], vec![t, -t]);
             let v = Tensor::new(vec![1, 2], vec![t + 0.5, -t - 0.5]);
-            cache.append(&k, &v).unwrap();
+            let at = Positions::following(p, 1, &Device::Cpu).unwrap();
+            cache.append(&k, &v, &at).unwrap();
         }
         let v = cache.view();
         assert_eq!((v.end, v.capacity), (300, 512));

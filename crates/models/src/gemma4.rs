@@ -66,17 +66,17 @@ impl Attention {
         cache: &mut LayerCache,
     ) -> Result<(), ForwardError> {
         let mut k = kv.k_proj.forward(x)?;
-        let mut v = match &kv.v_proj {
-            Some(v_proj) => v_proj.forward(x)?,
-            None => k.try_clone()?,
+        // Without a value projection the values are the keys before their norm and rotation.
+        let v = match &kv.v_proj {
+            Some(v_proj) => kv.v_norm.forward(&v_proj.forward(x)?)?,
+            None => kv.v_norm.forward(&k)?,
         };
         kv.k_norm.forward_inplace(&mut k)?;
         self.rope
             .apply(&mut k, self.kv_heads, self.head_dim, positions)?;
-        kv.v_norm.forward_inplace(&mut v)?;
         match cache {
-            LayerCache::Kv(c) if self.fits(false, c.shape()) => c.append(&k, &v)?,
-            LayerCache::Rotating(c) if self.fits(true, c.shape()) => c.append(&k, &v)?,
+            LayerCache::Kv(c) if self.fits(false, c.shape()) => c.append(&k, &v, positions)?,
+            LayerCache::Rotating(c) if self.fits(true, c.shape()) => c.append(&k, &v, positions)?,
             _ => return Err(ForwardError::CacheMismatch),
         }
         Ok(())

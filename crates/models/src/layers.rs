@@ -482,7 +482,7 @@ impl Attention {
         lora: ModuleAdapters,
     ) -> OpResult<Tensor> {
         let (q, k, v) = self.project_adapted(x, positions, lora)?;
-        cache.append(&k, &v)?;
+        cache.append(&k, &v, positions)?;
         let kv = cache.view();
         ops::attention(&q, self.heads, self.head_dim, positions, &kv, self.scale)
     }
@@ -620,7 +620,7 @@ impl Attention {
         cache: &mut RotatingKvCache,
     ) -> OpResult<Tensor> {
         let (q, k, v) = self.project(x, positions)?;
-        cache.append(&k, &v)?;
+        cache.append(&k, &v, positions)?;
         let out = ops::attention(
             &q,
             self.heads,

@@ -122,7 +122,7 @@ impl GatedAttention {
         self.k_norm.forward_inplace(&mut k)?;
         self.rope.apply(&mut q, self.heads, hd, positions)?;
         self.rope.apply(&mut k, self.kv_heads, hd, positions)?;
-        cache.append(&k, &v)?;
+        cache.append(&k, &v, positions)?;
         let mut out = ops::attention(&q, self.heads, hd, positions, &cache.view(), self.scale)?;
         ops::sigmoid_mul_inplace(&mut out, &gate)?;
         self.o_proj.forward(&out)

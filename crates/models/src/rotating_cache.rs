@@ -2,7 +2,7 @@
 //! a query can still see, as mlx-lm's `RotatingKVCache` (with `keep = 0`) does.
 
 use oxlm_engine::ops::{self, Kv};
-use oxlm_engine::{Device, EngineError, Tensor};
+use oxlm_engine::{Device, EngineError, Positions, Tensor};
 
 /// Until the window fills, the ring grows in blocks of this many positions (as mlx-lm's
 /// `RotatingKVCache.step`), so that a short sequence does not reserve a whole window.
@@ -90,17 +90,30 @@ impl RotatingKvCache {
         Ok(())
     }
 
-    /// Appends `[tokens, kv_heads · head_dim]` keys and values.
-    pub fn append(&mut self, keys: &Tensor, values: &Tensor) -> Result<(), EngineError> {
+    /// Appends `[tokens, kv_heads · head_dim]` keys and values of the tokens at `positions`,
+    /// which follow the ones seen.
+    pub fn append(
+        &mut self,
+        keys: &Tensor,
+        values: &Tensor,
+        positions: &Positions,
+    ) -> Result<(), EngineError> {
         let (h, d) = (self.kv_heads, self.head_dim);
-        let n = keys.len() / (h * d);
+        let n = positions.len();
+        if positions.as_slice().first() != Some(&self.end) {
+            return Err(EngineError::Shape(format!(
+                "keys at {:?} appended to a ring at position {}",
+                positions.as_slice().first(),
+                self.end
+            )));
+        }
         let full = self.window - 1 + n.max(1);
         let capacity = full.min((self.end + n).div_ceil(GROWTH_STEP) * GROWTH_STEP);
         if capacity != self.capacity {
             self.resize(capacity)?;
         }
-        ops::kv_write(&mut self.keys, keys, h, d, self.capacity, self.end)?;
-        ops::kv_write(&mut self.values, values, h, d, self.capacity, self.end)?;
+        ops::kv_write(&mut self.keys, keys, h, d, self.capacity, positions)?;
+        ops::kv_write(&mut self.values, values, h, d, self.capacity, positions)?;
         self.end += n;
         self.start = self.start.max(self.end.saturating_sub(self.capacity));
         Ok(())
@@ -158,9 +171,10 @@ mod tests {
     }
 
     fn push(cache: &mut RotatingKvCache, positions: std::ops::Range<usize>) {
+        let at = Positions::new(positions.clone().collect(), &Device::Cpu).unwrap();
         let k: Vec<f32> = positions.map(|p| p as f32).collect();
         let k = Tensor::new(vec![k.len(), 1], k);
-        cache.append(&k, &k).unwrap();
+        cache.append(&k, &k, &at).unwrap();
     }
 
     fn ring(window: usize) -> RotatingKvCache {

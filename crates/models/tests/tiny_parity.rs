@@ -14,10 +14,13 @@ use oxlm_models::{load_on, Logits};
 /// Largest |Δlogit| allowed: both sides compute in f32, differing only in summation order.
 const LOGIT_TOLERANCE: f32 = 2e-3;
 
-/// Largest |Δlogit| allowed where the GPU prefill rounds operands to TF32 (10-bit mantissas).
-/// These random models amplify rounding: mlx-lm's own bf16 run of them drifts from its fp32 one
-/// by 0.8 (qwen3) to 13 (qwen3_5) in the prompt logits.
-const TF32_LOGIT_TOLERANCE: f32 = 0.25;
+/// Largest |Δlogit| allowed in the prompt logits where the GPU prefill rounds operands to TF32
+/// (10-bit mantissas). These random models amplify rounding: mlx-lm's own bf16 run of them
+/// drifts from its fp32 one by 0.8 (qwen3) to 13 (qwen3_5); TF32 stays under 0.34 on all of
+/// them (H200, 2026-12-01). Decode steps run the same f32 kernels as the exact run, so they are
+/// checked there; a rounding-sized change of the prefilled cache can flip a mixture-of-experts
+/// route later on, which no tolerance bounds.
+const TF32_LOGIT_TOLERANCE: f32 = 0.5;
 
 /// The devices to check and the tolerance on each: the CPU, then the GPU (if any) exact and fast.
 fn devices() -> Vec<(String, Device, f32)> {
@@ -139,6 +142,10 @@ fn check_model_on(name: &str, label: &str, device: &Device, tolerance: f32) {
         "{name}: prompt logits differ by {prompt_diff}"
     );
 
+    if label.ends_with("tf32") {
+        println!("{name}: max |Δlogit| prompt {prompt_diff:.2e}");
+        return;
+    }
     let mut cache = model.new_cache().unwrap();
     let mut logits = model
         .forward(&golden.prompt_ids, &mut cache, Logits::Last)
@@ -162,6 +169,52 @@ fn check_model_on(name: &str, label: &str, device: &Device, tolerance: f32) {
     }
     // shown with `--nocapture`
     println!("{name}: max |Δlogit| prompt {prompt_diff:.2e}, greedy steps {step_diff:.2e}");
+}
+
+/// On a GPU, decode steps replayed from a captured graph give the logits of steps issued one
+/// call at a time, bit for bit, and most steps are replayed.
+fn check_replay(name: &str) {
+    if !cuda::libraries_present() {
+        eprintln!("skipped: no CUDA driver on this machine");
+        return;
+    }
+    let dir = fixtures().join(name);
+    let golden = read_golden(&dir);
+    let device = Device::open("cuda").unwrap();
+    let model = load_on(&dir, &device).unwrap();
+    let decode = |replay: bool| {
+        let mut cache = model.new_cache().unwrap();
+        model
+            .forward(&golden.prompt_ids, &mut cache, Logits::Last)
+            .unwrap();
+        let mut steps = oxlm_engine::DecodeSteps::new(&device);
+        let mut out = Vec::new();
+        for &id in &golden.greedy_ids {
+            let mut step = || model.forward(&[id], &mut cache, Logits::Last);
+            let logits = if replay { steps.run(step) } else { step() };
+            out.push(logits.unwrap().into_data());
+        }
+        (out, steps.replayed())
+    };
+    let (plain, _) = decode(false);
+    let (replayed, count) = decode(true);
+    assert_eq!(plain, replayed, "{name}: replayed steps differ");
+    let steps = golden.greedy_ids.len() as u64;
+    assert!(
+        count >= steps - 3,
+        "{name}: {count} of {steps} steps replayed"
+    );
+    println!("{name}: {count} of {steps} decode steps replayed");
+}
+
+#[test]
+fn llama_decode_steps_replay_as_graphs() {
+    check_replay("llama-4bit-g64");
+}
+
+#[test]
+fn qwen3_5_decode_steps_replay_as_graphs() {
+    check_replay("qwen3_5-4bit-g64");
 }
 
 macro_rules! parity_tests {

@@ -5,6 +5,7 @@ use std::collections::HashSet;
 use std::ops::ControlFlow;
 use std::time::Instant;
 
+use oxlm_engine::DecodeSteps;
 use oxlm_models::{Cache, ForwardError, LanguageModel, Logits};
 
 use crate::sampler::{top_logprobs, Sampler, SamplerConfig};
@@ -155,6 +156,7 @@ pub fn generate_stream(
     };
     let mut finish_reason = FinishReason::Length;
     let mut top = Vec::new();
+    let mut steps = DecodeSteps::new(&model.info().device);
     while tokens.len() < options.max_tokens {
         let token = sampler.sample(&mut logits, &history);
         if tokens.is_empty() {
@@ -196,7 +198,9 @@ pub fn generate_stream(
         if is_eos || tokens.len() == options.max_tokens {
             break;
         }
-        logits = model.forward(&[token], cache, Logits::Last)?.into_data();
+        logits = steps
+            .run(|| model.forward(&[token], cache, Logits::Last))?
+            .into_data();
     }
     // Text still held back is output unless a stop string ended generation.
     let mut rest = String::new();

@@ -144,7 +144,7 @@ fn can_truncate(cache: &Cache, len: usize) -> bool {
 mod tests {
     use super::*;
     use oxlm_engine::recurrent::DeltaRuleDims;
-    use oxlm_engine::{Device, Tensor};
+    use oxlm_engine::{Device, Positions, Tensor};
     use oxlm_models::cache::{KvCache, RecurrentCache};
 
     /// The key of the base model in these tests; adapters get other names.
@@ -153,9 +153,10 @@ mod tests {
     /// A one-layer key/value cache after `tokens` (one float per position).
     fn kv(tokens: &[u32]) -> Cache {
         let mut layer = KvCache::new(1, 1, &Device::Cpu).unwrap();
-        for &t in tokens {
+        for (p, &t) in tokens.iter().enumerate() {
             let x = Tensor::new(vec![1, 1], vec![t as f32]);
-            layer.append(&x, &x).unwrap();
+            let at = Positions::following(p, 1, &Device::Cpu).unwrap();
+            layer.append(&x, &x, &at).unwrap();
         }
         let mut cache = Cache::new(vec![LayerCache::Kv(layer)]);
         cache.offset = tokens.len();

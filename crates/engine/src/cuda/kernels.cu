@@ -443,10 +443,11 @@ extern "C" __global__ void rope(float *x, const int *positions, const float *inv
 
 // ---- key/value caches -----------------------------------------------------------------------
 
-// Writes new keys or values ([tokens, kv_heads, d]) at positions first.. of a cache laid out
+// Writes new keys or values ([tokens, kv_heads, d]) at positions[0].. of a cache laid out
 // [kv_heads, capacity, d], position p in slot p % capacity.
 extern "C" __global__ void kv_write(float *cache, const float *src, int tokens, int kv_heads,
-                                    int d, int capacity, i64 first) {
+                                    int d, int capacity, const int *positions) {
+    const i64 first = positions[0];
     GRID_STRIDE(i, (i64)tokens * kv_heads * d) {
         const int e = (int)(i % d);
         const i64 th = i / d;
@@ -473,14 +474,14 @@ extern "C" __global__ void kv_move(const float *src, int src_capacity, float *ds
 
 // One warp per (query token, head, split of the visible keys), E = ceil(head_dim / 32) output
 // features per lane. Query t sees positions lo..hi: lo = max(start, positions[t] + 1 - window),
-// hi = min(positions[t] + 1, end), slot p % capacity. Keys go 32 at a time, one per lane, with an
+// hi = positions[t] + 1 (its own key is in the cache already), slot p % capacity. Keys go 32 at a time, one per lane, with an
 // online softmax. With one split the output is final; otherwise (max, sum, unnormalised output)
 // per split go to `part` for attention_combine.
 template <int E>
 __device__ void attention_split(const float *__restrict__ q, const float *__restrict__ keys,
                                 const float *__restrict__ values, const int *__restrict__ positions,
                                 float *__restrict__ out, float *__restrict__ part, int heads,
-                                int kv_heads, int d, int capacity, i64 start, i64 end, i64 window,
+                                int kv_heads, int d, int capacity, i64 start, i64 window,
                                 float scale, int splits, int per_split) {
     __shared__ __align__(16) float qs[E * 32];
     const int lane = threadIdx.x;
@@ -491,7 +492,7 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
     for (int e = lane; e < E * 32; e += 32) qs[e] = e < d ? qv[e] : 0.f;
     __syncwarp();
     const i64 pos = positions[t];
-    const i64 hi = min(pos + 1, end);
+    const i64 hi = pos + 1;
     i64 lo = max(start, pos + 1 - window);
     if (lo > hi) lo = hi;
     const i64 s0 = min(hi, lo + (i64)split * per_split), s1 = min(hi, s0 + per_split);
@@ -561,9 +562,9 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
     extern "C" __global__ void attention_##E(                                                   \
         const float *q, const float *keys, const float *values, const int *positions,           \
         float *out, float *part, int heads, int kv_heads, int d, int capacity, i64 start,       \
-        i64 end, i64 window, float scale, int splits, int per_split) {                          \
+        i64 window, float scale, int splits, int per_split) {                                   \
         attention_split<E>(q, keys, values, positions, out, part, heads, kv_heads, d, capacity, \
-                           start, end, window, scale, splits, per_split);                       \
+                           start, window, scale, splits, per_split);                            \
     }
 
 ATTENTION(1)

@@ -8,15 +8,20 @@
 
 mod compile;
 pub(crate) mod ops;
+mod step;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
-    ValidAsZeroBits,
+    result, sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
+    DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
+
+pub(crate) use step::Arg;
+pub use step::StepReplay;
+use step::{Op, StepState};
 
 use crate::EngineError;
 
@@ -71,6 +76,7 @@ struct Inner {
     module: Arc<CudaModule>,
     functions: Mutex<HashMap<String, CudaFunction>>,
     blas: CudaBlas,
+    step: Mutex<StepState>,
 }
 
 impl Gpu {
@@ -110,7 +116,8 @@ impl Gpu {
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
             .map_err(err)?;
-        let stream = ctx.default_stream();
+        // A stream of its own: the legacy default stream cannot be captured into graphs.
+        let stream = ctx.new_stream().map_err(err)?;
         let blas = CudaBlas::new(stream.clone()).map_err(err)?;
         let multiprocessors = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -124,6 +131,7 @@ impl Gpu {
                 module,
                 functions: Mutex::new(HashMap::new()),
                 blas,
+                step: Mutex::new(StepState::new()),
             }),
             exact_gemm: false,
         })
@@ -166,10 +174,6 @@ impl Gpu {
         &self.inner.stream
     }
 
-    pub(crate) fn blas(&self) -> &CudaBlas {
-        &self.inner.blas
-    }
-
     pub(crate) fn multiprocessors(&self) -> usize {
         self.inner.multiprocessors
     }
@@ -189,75 +193,138 @@ impl Gpu {
         Ok(f)
     }
 
-    /// `values` copied to a new device buffer.
+    pub(crate) fn step_state(&self) -> MutexGuard<'_, StepState> {
+        self.inner.step.lock().unwrap()
+    }
+
+    /// Ends the replayable part of a running step before a call that a graph cannot hold.
+    fn leave_graph(&self) -> Result<(), EngineError> {
+        let mut state = self.step_state();
+        if state.in_step() {
+            state.boundary(&self.inner.stream)?;
+        }
+        Ok(())
+    }
+
+    /// Launches kernel `name` (see [`StepReplay`] for what happens inside a step).
+    pub(crate) fn launch(
+        &self,
+        name: &str,
+        cfg: LaunchConfig,
+        args: &[Arg],
+    ) -> Result<(), EngineError> {
+        let f = self.function(name)?;
+        let op = Op::kernel(f.cu_function(), cfg, args);
+        self.step_state().submit(&self.inner.stream, op)
+    }
+
+    /// Copies `bytes` between device addresses.
+    pub(crate) fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), EngineError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.step_state()
+            .submit(&self.inner.stream, Op::CopyDtoD { dst, src, bytes })
+    }
+
+    /// Runs a cuBLAS call, which a step graph does not hold.
+    pub(crate) fn blas_call(
+        &self,
+        call: impl FnOnce(&CudaBlas) -> Result<(), EngineError>,
+    ) -> Result<(), EngineError> {
+        self.leave_graph()?;
+        call(&self.inner.blas)
+    }
+
+    /// `values` copied to a new, lasting device allocation (weights, caches).
     pub(crate) fn upload_raw<T: DeviceRepr>(
         &self,
         values: &[T],
     ) -> Result<CudaSlice<T>, EngineError> {
+        self.leave_graph()?;
         self.inner.stream.clone_htod(values).map_err(err)
     }
 
+    /// A lasting zeroed allocation.
     pub(crate) fn alloc_raw<T: DeviceRepr + ValidAsZeroBits>(
         &self,
         len: usize,
     ) -> Result<CudaSlice<T>, EngineError> {
+        self.leave_graph()?;
         // A zero-length allocation is refused by some drivers; one spare element costs nothing.
         self.inner.stream.alloc_zeros(len.max(1)).map_err(err)
     }
 
-    /// Uninitialised device memory for a kernel to fill.
-    pub(crate) fn scratch<T: DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>, EngineError> {
-        // SAFETY: callers only hand the memory to kernels that write it before it is read.
-        unsafe { self.inner.stream.alloc(len.max(1)) }.map_err(err)
+    /// Uninitialised device memory for an op's temporaries or output, which its kernels write
+    /// before they read it: from the step's arena inside a step, else an allocation of its own.
+    pub(crate) fn scratch(&self, bytes: usize) -> Result<Memory, EngineError> {
+        if let Some(ptr) = self.step_state().arena_alloc(bytes) {
+            return Ok(Memory { ptr, owner: None });
+        }
+        self.leave_graph()?;
+        // SAFETY: see above.
+        let owner = unsafe { self.inner.stream.alloc::<u8>(bytes.max(1)) }.map_err(err)?;
+        let ptr = owner.device_ptr(&self.inner.stream).0;
+        Ok(Memory {
+            ptr,
+            owner: Some(owner),
+        })
     }
 
     /// An uninitialised buffer of `len` floats for an op's output (which its kernel writes in
     /// full, so that no memset runs first).
     pub(crate) fn output(&self, len: usize) -> Result<Buffer, EngineError> {
         Ok(Buffer {
-            slice: self.scratch(len)?,
+            mem: self.scratch(len * 4)?,
             len,
             gpu: self.clone(),
         })
     }
 
+    /// `values` in a new, lasting buffer.
     pub(crate) fn upload(&self, values: &[f32]) -> Result<Buffer, EngineError> {
-        let slice = if values.is_empty() {
-            self.alloc_raw(1)?
+        let owner = if values.is_empty() {
+            self.alloc_raw::<u8>(4)?
         } else {
-            self.upload_raw(values)?
+            // The bytes, so that every buffer's owner has one type.
+            self.upload_raw(bytemuck::cast_slice::<f32, u8>(values))?
         };
-        Ok(Buffer {
-            slice,
-            len: values.len(),
-            gpu: self.clone(),
-        })
+        Ok(Buffer::owned(owner, values.len(), self))
     }
 
-    /// A zeroed buffer of `len` floats.
+    /// A zeroed, lasting buffer of `len` floats.
     pub(crate) fn zeros(&self, len: usize) -> Result<Buffer, EngineError> {
-        Ok(Buffer {
-            slice: self.alloc_raw(len)?,
-            len,
-            gpu: self.clone(),
-        })
+        Ok(Buffer::owned(self.alloc_raw::<u8>(len * 4)?, len, self))
     }
 
-    /// Device-side indices (token ids, positions, rows) for a kernel.
+    /// Device-side indices (token ids, positions, rows) for a kernel: step memory and a staged
+    /// copy inside a step, so that a replayed step reads this step's values.
     pub(crate) fn indices(
         &self,
         values: impl IntoIterator<Item = usize>,
-    ) -> Result<CudaSlice<i32>, EngineError> {
+    ) -> Result<Memory, EngineError> {
         let v: Vec<i32> = values
             .into_iter()
             .map(|i| {
                 i32::try_from(i).map_err(|_| EngineError::Shape(format!("index {i} exceeds i32")))
             })
             .collect::<Result<_, _>>()?;
-        if v.is_empty() {
-            return self.alloc_raw(1);
+        let bytes: &[u8] = bytemuck::cast_slice(&v);
+        let mem = self.scratch(bytes.len().max(4))?;
+        if bytes.is_empty() {
+            return Ok(mem);
         }
-        self.upload_raw(&v)
+        let staged = self.step_state().stage(mem.ptr, bytes);
+        match staged {
+            Some(op) => self.step_state().submit(&self.inner.stream, op)?,
+            // SAFETY: `mem` holds `bytes.len()` bytes; a pageable copy is staged by the driver
+            // before this returns.
+            None => unsafe {
+                result::memcpy_htod_async(mem.ptr, bytes, self.inner.stream.cu_stream())
+                    .map_err(err)?
+            },
+        }
+        Ok(mem)
     }
 }
 
@@ -284,14 +351,39 @@ fn keep_freed_memory(ctx: &CudaContext) -> Result<(), EngineError> {
     Ok(())
 }
 
+/// Device memory: an allocation of its own (freed on drop), or a piece of a step's arena.
+pub(crate) struct Memory {
+    ptr: u64,
+    #[allow(dead_code)] // held for its drop
+    owner: Option<CudaSlice<u8>>,
+}
+
+impl Memory {
+    pub(crate) fn ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
 /// `len` f32s in device memory.
 pub struct Buffer {
-    pub(crate) slice: CudaSlice<f32>,
+    mem: Memory,
     len: usize,
     gpu: Gpu,
 }
 
 impl Buffer {
+    fn owned(owner: CudaSlice<u8>, len: usize, gpu: &Gpu) -> Buffer {
+        let ptr = owner.device_ptr(gpu.stream()).0;
+        Buffer {
+            mem: Memory {
+                ptr,
+                owner: Some(owner),
+            },
+            len,
+            gpu: gpu.clone(),
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }
@@ -304,35 +396,32 @@ impl Buffer {
         &self.gpu
     }
 
+    /// The elements, copied to the host (which waits for the work queued before).
     pub(crate) fn download(&self) -> Result<Vec<f32>, EngineError> {
-        let mut out = vec![0.0; self.len];
+        self.gpu.leave_graph()?;
+        let mut out = vec![0.0f32; self.len];
         if self.len > 0 {
-            self.gpu
-                .stream()
-                .memcpy_dtoh(&self.slice.slice(..self.len), &mut out)
-                .map_err(err)?;
+            let stream = self.gpu.stream();
+            // SAFETY: the buffer holds `len` floats; the stream is waited for before `out` is read.
+            unsafe {
+                result::memcpy_dtoh_async(&mut out[..], self.ptr(), stream.cu_stream())
+                    .map_err(err)?
+            };
+            stream.synchronize().map_err(err)?;
         }
         Ok(out)
     }
 
+    /// A copy in a new, lasting allocation.
     pub(crate) fn try_clone(&self) -> Result<Buffer, EngineError> {
-        let mut slice = self.gpu.scratch(self.len)?;
-        if self.len > 0 {
-            self.gpu
-                .stream()
-                .memcpy_dtod(&self.slice.slice(..self.len), &mut slice)
-                .map_err(err)?;
-        }
-        Ok(Buffer {
-            slice,
-            len: self.len,
-            gpu: self.gpu.clone(),
-        })
+        let copy = self.gpu.zeros(self.len)?;
+        self.gpu.copy(copy.ptr(), self.ptr(), self.len * 4)?;
+        Ok(copy)
     }
 
-    /// The raw device address, for cuBLAS.
-    pub(crate) fn ptr(&self) -> sys::CUdeviceptr {
-        self.slice.device_ptr(self.gpu.stream()).0
+    /// The device address.
+    pub(crate) fn ptr(&self) -> u64 {
+        self.mem.ptr
     }
 }
 

@@ -4,9 +4,9 @@
 //! Kernel arguments are raw device addresses, so that an op may read and write one buffer.
 
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
-use super::{err, Buffer, DenseWeights, Gpu, QuantizedWeights};
+use super::{err, Arg, Buffer, DenseWeights, Gpu, Memory, QuantizedWeights};
 use crate::{EngineError, Positions};
 
 /// Up to this many activation rows a matmul is a GEMV that streams each weight once; more go
@@ -21,23 +21,16 @@ fn addr<T>(gpu: &Gpu, slice: &CudaSlice<T>) -> u64 {
 }
 
 /// Launches kernel `$name` with `$cfg` and the arguments in order (each an expression of the
-/// exact type of the kernel's parameter: u64 for pointers, i32 for int, i64, f32).
+/// exact type of the kernel's parameter: u64 for pointers, i32 for int, i64, f32). The callers
+/// size the buffers for the indices the kernel computes from them.
 macro_rules! launch {
     ($gpu:expr, $name:expr, $cfg:expr; $($arg:expr),* $(,)?) => {{
         let gpu: &Gpu = $gpu;
-        let f = gpu.function($name)?;
-        let mut builder = gpu.stream().launch_builder(&f);
-        $(
-            let arg = $arg;
-            builder.arg(&arg);
-        )*
-        // SAFETY: the arguments match the kernel's parameters in number and type, and the
-        // callers size the buffers for the indices the kernel computes from them.
-        unsafe { builder.launch($cfg) }.map_err(err)?;
+        gpu.launch($name, $cfg, &[$(Arg::from($arg)),*])?;
     }};
 }
 
-fn positions_on_gpu(p: &Positions) -> Result<&CudaSlice<i32>> {
+fn positions_on_gpu(p: &Positions) -> Result<&Memory> {
     p.gpu
         .as_ref()
         .ok_or_else(|| EngineError::Device("positions were made for the CPU".into()))
@@ -111,12 +104,8 @@ pub fn columns(x: &Buffer, cols: usize, start: usize, width: usize) -> Result<Bu
 /// Elements `start..start + len`, copied.
 pub fn range(x: &Buffer, start: usize, len: usize) -> Result<Buffer> {
     let g = x.gpu().clone();
-    let mut out = g.output(len)?;
-    if len > 0 {
-        g.stream()
-            .memcpy_dtod(&x.slice.slice(start..start + len), &mut out.slice)
-            .map_err(err)?;
-    }
+    let out = g.output(len)?;
+    g.copy(out.ptr(), x.ptr() + 4 * start as u64, 4 * len)?;
     Ok(out)
 }
 
@@ -125,7 +114,7 @@ pub fn gather_rows(x: &Buffer, cols: usize, rows: &[usize]) -> Result<Buffer> {
     let idx = g.indices(rows.iter().copied())?;
     let out = g.output(rows.len() * cols)?;
     launch!(&g, "gather_rows", elements(&g, rows.len() * cols);
-        x.ptr(), addr(&g, &idx), out.ptr(), rows.len() as i64, int(cols)?);
+        x.ptr(), idx.ptr(), out.ptr(), rows.len() as i64, int(cols)?);
     Ok(out)
 }
 
@@ -141,7 +130,7 @@ pub fn scatter_add_rows(
     let idx = g.indices(rows.iter().copied())?;
     let w = g.upload(weights)?;
     launch!(&g, "scatter_add_rows", elements(&g, rows.len() * cols);
-        y.ptr(), src.ptr(), addr(&g, &idx), w.ptr(), rows.len() as i64, int(cols)?);
+        y.ptr(), src.ptr(), idx.ptr(), w.ptr(), rows.len() as i64, int(cols)?);
     Ok(())
 }
 
@@ -176,26 +165,29 @@ pub fn rope(
     let half = inv_freqs.len();
     let pairs = positions.len() * heads * half;
     launch!(&g, "rope", elements(&g, pairs);
-        x.ptr(), addr(&g, pos), inv_freqs.ptr(), int(positions.len())?, int(heads)?,
+        x.ptr(), pos.ptr(), inv_freqs.ptr(), int(positions.len())?, int(heads)?,
         int(head_dim)?, int(half)?, traditional as i32);
     Ok(())
 }
 
 // ---- caches and attention -----------------------------------------------------------------------
 
-/// Writes `src` (`[tokens, kv_heads, d]`) at positions `first..` of a ring of `capacity` slots.
+/// Writes `src` (`[tokens, kv_heads, d]`) at `positions` (consecutive) of a ring of
+/// `capacity` slots; the first position is read on the device, so that a replayed decode step
+/// writes where its own token goes.
 pub fn kv_write(
     cache: &mut Buffer,
     src: &Buffer,
     kv_heads: usize,
     d: usize,
     capacity: usize,
-    first: usize,
+    positions: &Positions,
 ) -> Result<()> {
     let g = cache.gpu().clone();
     let tokens = src.len() / (kv_heads * d);
+    let pos = positions_on_gpu(positions)?;
     launch!(&g, "kv_write", elements(&g, src.len());
-        cache.ptr(), src.ptr(), int(tokens)?, int(kv_heads)?, int(d)?, int(capacity)?, first as i64);
+        cache.ptr(), src.ptr(), int(tokens)?, int(kv_heads)?, int(d)?, int(capacity)?, pos.ptr());
     Ok(())
 }
 
@@ -259,14 +251,16 @@ pub fn attention(
         .find(|&e| e >= lanes)
         .ok_or_else(|| EngineError::Shape(format!("head dim {d} over the GPU attention's 512")))?;
     let pos = positions_on_gpu(positions)?;
-    // Few queries (decoding) split each one's keys over several warps so the GPU fills up.
-    let visible = (kv.end - kv.start).min(kv.window);
+    // Few queries (decoding) split each one's keys over several warps so the GPU fills up. The
+    // split follows the capacity, not the length, so a decode step's launch stays the same
+    // from one token to the next (a replayed step graph holds it).
+    let span = kv.capacity.min(kv.window).max(1);
     let splits = if tokens * heads < 4 * g.multiprocessors() {
-        visible.div_ceil(256).clamp(1, 32)
+        span.div_ceil(256).clamp(1, 32)
     } else {
         1
     };
-    let per_split = visible.div_ceil(splits).div_ceil(32) * 32;
+    let per_split = span.div_ceil(splits).div_ceil(32) * 32;
     let out = g.output(tokens * heads * d)?;
     let part = g.output(if splits > 1 {
         tokens * heads * splits * (d + 2)
@@ -280,9 +274,9 @@ pub fn attention(
         shared_mem_bytes: 0,
     };
     launch!(&g, &format!("attention_{per_lane}"), cfg;
-        q.ptr(), kv.keys.ptr(), kv.values.ptr(), addr(&g, pos), out.ptr(), part.ptr(),
+        q.ptr(), kv.keys.ptr(), kv.values.ptr(), pos.ptr(), out.ptr(), part.ptr(),
         int(heads)?, int(kv.kv_heads)?, int(d)?, int(kv.capacity)?, kv.start as i64,
-        kv.end as i64, window, scale, int(splits)?, int(per_split)?);
+        window, scale, int(splits)?, int(per_split)?);
     if splits > 1 {
         launch!(&g, "attention_combine", blocks(tokens * heads, 32);
             part.ptr(), out.ptr(), int(d)?, int(splits)?);
@@ -310,14 +304,14 @@ fn attention_gemm(
     let out = g.output(tokens * heads * d)?;
     let chunk = (SCORE_BYTES / (4 * heads * slots.max(1))).clamp(1, tokens);
     let compute = compute_type(&g);
-    let qt = g.scratch::<f32>(chunk * heads * d)?;
-    let scores = g.scratch::<f32>(chunk * heads * slots)?;
-    let ot = g.scratch::<f32>(chunk * heads * d)?;
+    let qt = g.scratch(4 * (chunk * heads * d))?;
+    let scores = g.scratch(4 * (chunk * heads * slots))?;
+    let ot = g.scratch(4 * (chunk * heads * d))?;
     for t0 in (0..tokens).step_by(chunk) {
         let count = chunk.min(tokens - t0);
         let rows = group * count;
         launch!(&g, "heads_first", elements(&g, count * heads * d);
-            q.ptr(), addr(&g, &qt), int(t0)?, int(count)?, int(heads)?, int(d)?);
+            q.ptr(), qt.ptr(), int(t0)?, int(count)?, int(heads)?, int(d)?);
         // scores[h, t, j] = scale · q[h, t] · keys[h / group, j]
         batched_gemm(
             &g,
@@ -330,10 +324,10 @@ fn attention_gemm(
                 a: kv.keys.ptr(),
                 lda: d,
                 stride_a: kv.capacity * d,
-                b: addr(&g, &qt),
+                b: qt.ptr(),
                 ldb: d,
                 stride_b: rows * d,
-                c: addr(&g, &scores),
+                c: scores.ptr(),
                 ldc: slots,
                 stride_c: rows * slots,
                 batches: kv.kv_heads,
@@ -341,7 +335,7 @@ fn attention_gemm(
             },
         )?;
         launch!(&g, "masked_softmax", blocks(heads * count, 256);
-            addr(&g, &scores), addr(&g, pos), int(t0)?, int(count)?, int(slots)?,
+            scores.ptr(), pos.ptr(), int(t0)?, int(count)?, int(slots)?,
             int(kv.capacity)?, kv.start as i64, kv.end as i64, window);
         // out[h, t] = Σ_j scores[h, t, j] · values[h / group, j]
         batched_gemm(
@@ -355,10 +349,10 @@ fn attention_gemm(
                 a: kv.values.ptr(),
                 lda: d,
                 stride_a: kv.capacity * d,
-                b: addr(&g, &scores),
+                b: scores.ptr(),
                 ldb: slots,
                 stride_b: rows * slots,
-                c: addr(&g, &ot),
+                c: ot.ptr(),
                 ldc: d,
                 stride_c: rows * d,
                 batches: kv.kv_heads,
@@ -366,7 +360,7 @@ fn attention_gemm(
             },
         )?;
         launch!(&g, "heads_last", elements(&g, count * heads * d);
-            addr(&g, &ot), out.ptr(), int(t0)?, int(count)?, int(heads)?, int(d)?);
+            ot.ptr(), out.ptr(), int(t0)?, int(count)?, int(heads)?, int(d)?);
     }
     Ok(out)
 }
@@ -401,9 +395,9 @@ fn batched_gemm(g: &Gpu, p: Gemm) -> Result<()> {
         cublasOperation_t::CUBLAS_OP_N
     };
     // SAFETY: the callers size the buffers for the strides and leading dimensions given.
-    unsafe {
+    g.blas_call(|blas| unsafe {
         cudarc::cublas::result::gemm_strided_batched_ex(
-            *g.blas().handle(),
+            *blas.handle(),
             op_a,
             cublasOperation_t::CUBLAS_OP_N,
             int(p.m)?,
@@ -427,8 +421,8 @@ fn batched_gemm(g: &Gpu, p: Gemm) -> Result<()> {
             p.compute,
             cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
-    }
-    .map_err(err)
+        .map_err(err)
+    })
 }
 
 // ---- recurrent layers ---------------------------------------------------------------------------
@@ -548,20 +542,11 @@ pub fn quantized_matmul(
             int(s.group_size)?, int(m)?, accumulate as i32);
         return Ok(y);
     }
-    let dense = g.scratch::<f32>(s.rows * s.cols)?;
+    let dense = g.scratch(4 * (s.rows * s.cols))?;
     let name = format!("qdequant_{}_{}", s.bits, w.scale_type);
     launch!(&g, &name, elements(&g, s.rows * s.cols / 32);
-        packed, scales, biases, addr(&g, &dense), int(s.rows)?, int(s.cols)?, int(s.group_size)?);
-    gemm(
-        &g,
-        addr(&g, &dense),
-        s.rows,
-        s.cols,
-        x,
-        m,
-        y_ptr,
-        accumulate,
-    )?;
+        packed, scales, biases, dense.ptr(), int(s.rows)?, int(s.cols)?, int(s.group_size)?);
+    gemm(&g, dense.ptr(), s.rows, s.cols, x, m, y_ptr, accumulate)?;
     Ok(y)
 }
 
@@ -645,9 +630,9 @@ fn gemm(
     let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
     // Row-major y[m, n] is column-major yᵀ[n, m] = W · xᵀ, with W column-major [k, n] transposed.
     // SAFETY: the pointers address buffers of n·k, m·k and m·n floats.
-    unsafe {
+    g.blas_call(|blas| unsafe {
         cudarc::cublas::result::gemm_ex(
-            *g.blas().handle(),
+            *blas.handle(),
             cublasOperation_t::CUBLAS_OP_T,
             cublasOperation_t::CUBLAS_OP_N,
             int(n)?,
@@ -667,8 +652,8 @@ fn gemm(
             compute_type(x.gpu()),
             cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
-    }
-    .map_err(err)
+        .map_err(err)
+    })
 }
 
 /// Rows `ids` of the matrix, dequantized: `[ids.len(), cols]`.
@@ -678,7 +663,7 @@ pub fn quantized_rows(w: &QuantizedWeights, s: QuantShape, ids: &[usize]) -> Res
     let out = g.output(ids.len() * s.cols)?;
     if !ids.is_empty() {
         launch!(&g, &format!("qrows_{}_{}", s.bits, w.scale_type), blocks(ids.len(), 128);
-            addr(&g, &w.packed), addr(&g, &w.scales), addr(&g, &w.biases), addr(&g, &idx),
+            addr(&g, &w.packed), addr(&g, &w.scales), addr(&g, &w.biases), idx.ptr(),
             out.ptr(), int(s.cols)?, int(s.group_size)?);
     }
     Ok(out)
@@ -690,7 +675,7 @@ pub fn dense_rows(w: &DenseWeights, cols: usize, ids: &[usize]) -> Result<Buffer
     let out = g.output(ids.len() * cols)?;
     if !ids.is_empty() {
         launch!(&g, &format!("drows_{}", w.dtype), blocks(ids.len(), 256);
-            addr(&g, &w.data), addr(&g, &idx), out.ptr(), int(cols)?);
+            addr(&g, &w.data), idx.ptr(), out.ptr(), int(cols)?);
     }
     Ok(out)
 }

@@ -1,0 +1,409 @@
+//! Replaying decode steps as CUDA graphs, so that a step costs one launch instead of a few
+//! hundred (small models decode at a few hundred microseconds a token, and each launch costs
+//! several microseconds of host time).
+//!
+//! The model code runs as usual every step: its host-side bookkeeping (cache lengths, shapes)
+//! must happen anyway. What changes is what the device calls do while a [`StepReplay`] step
+//! runs:
+//! - temporaries come from an arena reset at every step, so that a step of the same shape sees
+//!   the same addresses; uploads go through pinned staging memory at fixed offsets;
+//! - the first step is captured into a graph as it is issued; the graph is launched at the
+//!   first download (the step's logits), which ends the captured part;
+//! - later steps check each call against the recording and skip it; the graph runs at the
+//!   first download. A call that differs (another shape, a scalar that moved, a cache that
+//!   grew) or one that cannot be replayed (a lasting allocation, cuBLAS, a pageable copy) makes
+//!   the step issue everything itself, the skipped calls first, and the graph is dropped; it is
+//!   captured again next step, until captures fail too often.
+
+use std::ffi::c_void;
+
+use cudarc::driver::{result, sys, CudaSlice, CudaStream, LaunchConfig};
+
+use super::{err, Gpu};
+use crate::EngineError;
+
+/// Device memory for one step's temporaries.
+const ARENA_BYTES: usize = 256 << 20;
+/// Pinned host memory for one step's uploads (token ids, positions).
+const STAGING_BYTES: usize = 1 << 20;
+/// Consecutive captures that did not replay after which a [`StepReplay`] stops trying.
+const MAX_FAILED_CAPTURES: u32 = 3;
+
+/// A kernel argument as recorded: scalars by value, device memory by address.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Arg {
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+impl From<u64> for Arg {
+    fn from(v: u64) -> Arg {
+        Arg::Ptr(v)
+    }
+}
+
+impl From<i32> for Arg {
+    fn from(v: i32) -> Arg {
+        Arg::I32(v)
+    }
+}
+
+impl From<i64> for Arg {
+    fn from(v: i64) -> Arg {
+        Arg::I64(v)
+    }
+}
+
+impl From<f32> for Arg {
+    fn from(v: f32) -> Arg {
+        Arg::F32(v)
+    }
+}
+
+/// One device call of a step.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Op {
+    Kernel {
+        function: sys::CUfunction,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared: u32,
+        args: Vec<Arg>,
+    },
+    CopyDtoD {
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    },
+    /// From the staging memory at `offset`.
+    Upload {
+        dst: u64,
+        offset: usize,
+        bytes: usize,
+    },
+}
+
+impl Op {
+    pub(crate) fn kernel(function: sys::CUfunction, cfg: LaunchConfig, args: &[Arg]) -> Op {
+        Op::Kernel {
+            function,
+            grid: cfg.grid_dim,
+            block: cfg.block_dim,
+            shared: cfg.shared_mem_bytes,
+            args: args.to_vec(),
+        }
+    }
+
+    /// Issues the call on `stream`.
+    fn run(&self, stream: &CudaStream, staging: *mut u8) -> Result<(), EngineError> {
+        let s = stream.cu_stream();
+        // SAFETY: kernels get exactly the arguments they were compiled for (ops.rs builds
+        // them), copies stay inside buffers their callers sized.
+        unsafe {
+            match self {
+                Op::Kernel {
+                    function,
+                    grid,
+                    block,
+                    shared,
+                    args,
+                } => {
+                    let mut values: Vec<[u8; 8]> = args
+                        .iter()
+                        .map(|a| match *a {
+                            Arg::Ptr(v) => v.to_ne_bytes(),
+                            Arg::I64(v) => v.to_ne_bytes(),
+                            Arg::I32(v) => widen(v.to_ne_bytes()),
+                            Arg::F32(v) => widen(v.to_ne_bytes()),
+                        })
+                        .collect();
+                    let mut pointers: Vec<*mut c_void> =
+                        values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
+                    result::launch_kernel(*function, *grid, *block, *shared, s, &mut pointers)
+                        .map_err(err)
+                }
+                Op::CopyDtoD { dst, src, bytes } => {
+                    result::memcpy_dtod_async(*dst, *src, *bytes, s).map_err(err)
+                }
+                Op::Upload { dst, offset, bytes } => {
+                    let host = std::slice::from_raw_parts(staging.add(*offset), *bytes);
+                    result::memcpy_htod_async(*dst, host, s).map_err(err)
+                }
+            }
+        }
+    }
+}
+
+fn widen(b: [u8; 4]) -> [u8; 8] {
+    [b[0], b[1], b[2], b[3], 0, 0, 0, 0]
+}
+
+/// A captured step: its graph and the calls it holds.
+struct Recorded {
+    graph: cudarc::driver::CudaGraph,
+    ops: Vec<Op>,
+}
+
+enum Mode {
+    /// No step is running: calls are issued as they come, memory is allocated per buffer.
+    Off,
+    /// Inside a step: calls are issued as they come, from the arena.
+    Direct,
+    /// Capturing into a graph (the stream records, nothing runs until the graph is launched).
+    Capture(Vec<Op>),
+    /// Checking calls against a recording; `cursor` of them matched so far.
+    Replay { recorded: Recorded, cursor: usize },
+}
+
+/// What the GPU's calls do, behind the GPU's lock.
+pub(crate) struct StepState {
+    mode: Mode,
+    /// The arena's allocation and its device address.
+    arena: Option<(CudaSlice<u8>, u64)>,
+    arena_used: usize,
+    staging: *mut u8,
+    staging_used: usize,
+    /// A graph the step finished (captured, or replayed): handed back to its [`StepReplay`].
+    finished: Option<Recorded>,
+}
+
+// SAFETY: the staging pointer is pinned host memory owned by this state for the GPU's life,
+// only touched under the GPU's lock.
+unsafe impl Send for StepState {}
+
+impl StepState {
+    pub(crate) fn new() -> StepState {
+        StepState {
+            mode: Mode::Off,
+            arena: None,
+            arena_used: 0,
+            staging: std::ptr::null_mut(),
+            staging_used: 0,
+            finished: None,
+        }
+    }
+
+    pub(crate) fn in_step(&self) -> bool {
+        !matches!(self.mode, Mode::Off)
+    }
+
+    /// `bytes` of the step's arena, 256-aligned; `None` outside a step or when it is full.
+    pub(crate) fn arena_alloc(&mut self, bytes: usize) -> Option<u64> {
+        let base = self.arena.as_ref().filter(|_| self.in_step())?.1;
+        let start = self.arena_used.div_ceil(256) * 256;
+        if start + bytes > ARENA_BYTES {
+            return None;
+        }
+        self.arena_used = start + bytes;
+        Some(base + start as u64)
+    }
+
+    /// Allocates the arena and the staging memory on first use.
+    pub(crate) fn prepare(
+        &mut self,
+        stream: &std::sync::Arc<CudaStream>,
+    ) -> Result<(), EngineError> {
+        if self.arena.is_none() {
+            // SAFETY: step temporaries are written by their kernels before they are read.
+            let slab = unsafe { stream.alloc::<u8>(ARENA_BYTES) }.map_err(err)?;
+            let base = cudarc::driver::DevicePtr::device_ptr(&slab, stream).0;
+            self.arena = Some((slab, base));
+        }
+        if self.staging.is_null() {
+            let mut host = std::ptr::null_mut();
+            // SAFETY: pinned host memory, kept for the GPU's life.
+            unsafe { sys::cuMemAllocHost_v2(&mut host, STAGING_BYTES) }
+                .result()
+                .map_err(err)?;
+            self.staging = host.cast();
+        }
+        Ok(())
+    }
+
+    /// Copies `data` into the staging memory and returns the upload of it to `dst`; `None`
+    /// outside a step or when staging is full.
+    pub(crate) fn stage(&mut self, dst: u64, data: &[u8]) -> Option<Op> {
+        if !self.in_step() || self.staging.is_null() {
+            return None;
+        }
+        let offset = self.staging_used.div_ceil(64) * 64;
+        if offset + data.len() > STAGING_BYTES {
+            return None;
+        }
+        // SAFETY: inside the pinned allocation; the previous step's copies have completed (each
+        // step ends with a download, which waits for the stream).
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.staging.add(offset), data.len())
+        };
+        self.staging_used = offset + data.len();
+        Some(Op::Upload {
+            dst,
+            offset,
+            bytes: data.len(),
+        })
+    }
+
+    /// Issues, records or checks `op` as the step's mode says.
+    pub(crate) fn submit(
+        &mut self,
+        stream: &std::sync::Arc<CudaStream>,
+        op: Op,
+    ) -> Result<(), EngineError> {
+        match &mut self.mode {
+            Mode::Off | Mode::Direct => op.run(stream, self.staging),
+            Mode::Capture(ops) => {
+                if op.run(stream, self.staging).is_ok() {
+                    ops.push(op);
+                    return Ok(());
+                }
+                // The capture broke: end it and issue the step directly from here.
+                let ops = std::mem::take(ops);
+                self.mode = Mode::Direct;
+                let _ = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+                for done in &ops {
+                    done.run(stream, self.staging)?;
+                }
+                op.run(stream, self.staging)
+            }
+            Mode::Replay { recorded, cursor } => {
+                if recorded.ops.get(*cursor) == Some(&op) {
+                    *cursor += 1;
+                    return Ok(());
+                }
+                self.fall_back(stream)?;
+                op.run(stream, self.staging)
+            }
+        }
+    }
+
+    /// Ends the replayable part of the step before a call that cannot be in a graph (a
+    /// download, a lasting allocation, cuBLAS): runs what was captured or matched, and issues
+    /// the rest of the step directly.
+    pub(crate) fn boundary(
+        &mut self,
+        stream: &std::sync::Arc<CudaStream>,
+    ) -> Result<(), EngineError> {
+        match std::mem::replace(&mut self.mode, Mode::Direct) {
+            Mode::Off => self.mode = Mode::Off,
+            Mode::Direct => {}
+            Mode::Capture(ops) => {
+                let flags = sys::CUgraphInstantiate_flags(0);
+                match stream.end_capture(flags) {
+                    Ok(Some(graph)) if !ops.is_empty() => {
+                        graph.launch().map_err(err)?;
+                        self.finished = Some(Recorded { graph, ops });
+                    }
+                    // A capture that failed recorded nothing that ran: issue it directly.
+                    _ => {
+                        for op in &ops {
+                            op.run(stream, self.staging)?;
+                        }
+                    }
+                }
+            }
+            Mode::Replay { recorded, cursor } => {
+                if cursor == recorded.ops.len() {
+                    recorded.graph.launch().map_err(err)?;
+                    self.finished = Some(recorded);
+                } else {
+                    self.mode = Mode::Replay { recorded, cursor };
+                    self.fall_back(stream)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A replay that diverged: issues the calls skipped so far (they matched, so they are
+    /// this step's own) and goes direct; the graph is dropped.
+    fn fall_back(&mut self, stream: &CudaStream) -> Result<(), EngineError> {
+        if let Mode::Replay { recorded, cursor } = std::mem::replace(&mut self.mode, Mode::Direct) {
+            for op in &recorded.ops[..cursor] {
+                op.run(stream, self.staging)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Replays one sequence's decode steps on `gpu` (see the module notes). Every step must be
+/// one forward pass of the same shape ending in a download of its logits.
+pub struct StepReplay {
+    gpu: Gpu,
+    recorded: Option<Recorded>,
+    failed_captures: u32,
+    /// Steps run from a graph, and graphs captured: for tests and benchmarks.
+    pub replayed: u64,
+    pub captured: u64,
+}
+
+impl StepReplay {
+    pub fn new(gpu: &Gpu) -> StepReplay {
+        StepReplay {
+            gpu: gpu.clone(),
+            recorded: None,
+            failed_captures: 0,
+            replayed: 0,
+            captured: 0,
+        }
+    }
+
+    /// Runs `step` (one forward pass) as a replay of the last captured step, a capture of this
+    /// one, or plainly once captures have kept failing.
+    pub fn run<T, E: From<EngineError>>(
+        &mut self,
+        step: impl FnOnce() -> Result<T, E>,
+    ) -> Result<T, E> {
+        let gpu = self.gpu.clone();
+        let stream = gpu.stream().clone();
+        let (was_replay, was_capture) = {
+            let mut state = gpu.step_state();
+            state.prepare(&stream)?;
+            state.arena_used = 0;
+            state.staging_used = 0;
+            state.finished = None;
+            state.mode = match self.recorded.take() {
+                Some(recorded) => Mode::Replay {
+                    recorded,
+                    cursor: 0,
+                },
+                None if self.failed_captures < MAX_FAILED_CAPTURES => {
+                    stream
+                        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                        .map_err(err)?;
+                    Mode::Capture(Vec::new())
+                }
+                None => Mode::Direct,
+            };
+            (
+                matches!(state.mode, Mode::Replay { .. }),
+                matches!(state.mode, Mode::Capture(_)),
+            )
+        };
+        let out = step();
+        let mut state = gpu.step_state();
+        // A step that never reached a download still owes its captured or skipped calls.
+        let ended = state.boundary(&stream);
+        state.mode = Mode::Off;
+        let finished = state.finished.take();
+        drop(state);
+        ended?;
+        match (finished, was_replay, was_capture) {
+            (Some(recorded), true, _) => {
+                self.replayed += 1;
+                self.failed_captures = 0;
+                self.recorded = Some(recorded);
+            }
+            (Some(recorded), false, true) => {
+                self.captured += 1;
+                self.recorded = Some(recorded);
+            }
+            (None, _, true) => self.failed_captures += 1,
+            (None, true, false) => self.failed_captures += 1,
+            _ => {}
+        }
+        out
+    }
+}
