@@ -502,17 +502,25 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
 #pragma unroll
     for (int e = 0; e < E; e++) acc[e] = 0.f;
     for (i64 p0 = s0; p0 < s1; p0 += 32) {
-        const i64 p = p0 + lane;
+        const int count = (int)min((i64)32, s1 - p0);
+        // Slots follow p0's without a division per key (positions past the ring's end wrap).
+        const int slot0 = (int)(p0 % capacity);
         float s = -INFINITY;
-        if (p < s1) {
-            const float *kr = kh + (p % capacity) * d;
+        if (lane < count) {
+            int slot = slot0 + lane;
+            if (slot >= capacity) slot -= capacity;
+            const float *kr = kh + (i64)slot * d;
             float dot = 0.f;
             if ((d & 3) == 0) {
                 const float4 *k4 = reinterpret_cast<const float4 *>(kr);
                 const float4 *q4 = reinterpret_cast<const float4 *>(qs);
-                for (int e = 0; e < (d >> 2); e++) {
-                    const float4 a = q4[e], b = k4[e];
-                    dot += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+                // A compile-time bound and unrolling keep several loads in flight per lane.
+#pragma unroll 8
+                for (int e = 0; e < E * 8; e++) {
+                    if (4 * e < d) {
+                        const float4 a = q4[e], b = k4[e];
+                        dot += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+                    }
                 }
             } else {
                 for (int e = 0; e < d; e++) dot += qs[e] * kr[e];
@@ -521,18 +529,22 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
         }
         const float m_new = fmaxf(m, warp_max(s));
         const float correction = expf(m - m_new);
-        const float pr = p < s1 ? expf(s - m_new) : 0.f;
+        const float pr = lane < count ? expf(s - m_new) : 0.f;
         l = l * correction + warp_sum(pr);
 #pragma unroll
         for (int e = 0; e < E; e++) acc[e] *= correction;
-        const int count = (int)min((i64)32, s1 - p0);
-        for (int j = 0; j < count; j++) {
-            const float pj = __shfl_sync(0xffffffffu, pr, j);
-            const float *vr = vh + ((p0 + j) % capacity) * d;
+#pragma unroll 8
+        for (int j = 0; j < 32; j++) {
+            if (j < count) {
+                const float pj = __shfl_sync(0xffffffffu, pr, j);
+                int slot = slot0 + j;
+                if (slot >= capacity) slot -= capacity;
+                const float *vr = vh + (i64)slot * d;
 #pragma unroll
-            for (int e = 0; e < E; e++) {
-                const int f = lane + 32 * e;
-                if (f < d) acc[e] += pj * vr[f];
+                for (int e = 0; e < E; e++) {
+                    const int f = lane + 32 * e;
+                    if (f < d) acc[e] += pj * vr[f];
+                }
             }
         }
         m = m_new;

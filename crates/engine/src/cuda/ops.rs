@@ -256,7 +256,7 @@ pub fn attention(
     // from one token to the next (a replayed step graph holds it).
     let span = kv.capacity.min(kv.window).max(1);
     let splits = if tokens * heads < 4 * g.multiprocessors() {
-        span.div_ceil(256).clamp(1, 32)
+        span.div_ceil(64).clamp(1, 64)
     } else {
         1
     };
