@@ -84,19 +84,19 @@ __device__ __forceinline__ float run_float(const u32 (&words)[BITS], int j) {
     return __uint_as_float(run_value<BITS>(words, j) | 0x4B000000u) - 8388608.f;
 }
 
-// acc[i][r] += Σ_k x[r, k] · W[row0 + i, k] over this lane's runs of 32 weights (lanes take
-// every 32nd run), for r < m ≤ 8 and the ROWS rows from row0 (rows past n repeat the last).
-// Each weight byte is read once, in 16-byte loads where the width allows; each activation load
-// serves all ROWS rows.
+// acc[i][r] += Σ_k x[r, k] · W[row0 + i, k] over this thread's runs of 32 weights (threads of
+// the block take every blockDim-th run), for r < m ≤ 8 and the ROWS rows from row0 (rows past n
+// repeat the last). Each weight byte is read once, in 16-byte loads where the width allows;
+// each activation load serves all ROWS rows, which keeps the activation reads (f32, eight times
+// the bytes of 4-bit weights) within what L1 delivers.
 template <int BITS, class S, int ROWS>
 __device__ __forceinline__ void qdot_rows(const u32 *__restrict__ w,
                                           const typename S::T *__restrict__ scales,
                                           const typename S::T *__restrict__ biases,
                                           const float *__restrict__ x, int row0, int n, int k,
                                           int group, int m, float (&acc)[ROWS][8]) {
-    const int lane = threadIdx.x & 31;
     const int runs = k >> 5, groups = k / group;
-    for (int c = lane; c < runs; c += 32) {
+    for (int c = threadIdx.x; c < runs; c += blockDim.x) {
         u32 words[ROWS][BITS];
         float s[ROWS], b[ROWS];
 #pragma unroll
@@ -140,56 +140,88 @@ __device__ __forceinline__ void zero(float (&acc)[ROWS][8]) {
         for (int r = 0; r < 8; r++) acc[i][r] = 0.f;
 }
 
-// y[r, n] (+)= Σ_k x[r, k] · W[n, k] for r < m (m ≤ 8): one warp per ROWS weight rows.
-// `accumulate` adds into y (a residual connection) instead of overwriting it.
-template <int BITS, class S, int ROWS>
-__device__ void qgemv(const u32 *__restrict__ w, const typename S::T *__restrict__ scales,
-                      const typename S::T *__restrict__ biases, const float *__restrict__ x,
-                      float *__restrict__ y, int n, int k, int group, int m, int accumulate) {
-    const int lane = threadIdx.x & 31;
-    const int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ROWS;
-    if (row0 >= n) return;
-    float acc[ROWS][8];
-    zero(acc);
-    qdot_rows<BITS, S, ROWS>(w, scales, biases, x, row0, n, k, group, m, acc);
+// Sums each thread's acc[i][r] over the block into sum[i][r] (valid in thread 0): warps reduce
+// with shuffles, then the warps' partials meet in shared memory.
+template <int ROWS>
+__device__ __forceinline__ void block_sum(float (&acc)[ROWS][8], int m) {
+    __shared__ float partial[ROWS * 8][8];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
 #pragma unroll
-    for (int i = 0; i < ROWS; i++) {
+    for (int i = 0; i < ROWS; i++)
 #pragma unroll
         for (int r = 0; r < 8; r++) {
             if (r >= m) break;
             const float v = warp_sum(acc[i][r]);
-            if (lane == 0 && row0 + i < n) {
-                float *o = y + (i64)r * n + row0 + i;
-                *o = accumulate ? *o + v : v;
+            if (lane == 0) partial[i * 8 + r][warp] = v;
+        }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i < ROWS; i++)
+#pragma unroll
+            for (int r = 0; r < 8; r++) {
+                if (r >= m) break;
+                float v = 0.f;
+                for (int j = 0; j < warps; j++) v += partial[i * 8 + r][j];
+                acc[i][r] = v;
             }
+    }
+}
+
+// y[r, n] (+)= Σ_k x[r, k] · W[n, k] for r < m (m ≤ 8): one block per ROWS weight rows, its
+// threads splitting the row's runs. `accumulate` adds into y (a residual connection) instead of
+// overwriting it.
+template <int BITS, class S, int ROWS>
+__device__ void qgemv(const u32 *__restrict__ w, const typename S::T *__restrict__ scales,
+                      const typename S::T *__restrict__ biases, const float *__restrict__ x,
+                      float *__restrict__ y, int n, int k, int group, int m, int accumulate) {
+    const int row0 = blockIdx.x * ROWS;
+    float acc[ROWS][8];
+    zero(acc);
+    qdot_rows<BITS, S, ROWS>(w, scales, biases, x, row0, n, k, group, m, acc);
+    block_sum(acc, m);
+    if (threadIdx.x != 0) return;
+#pragma unroll
+    for (int i = 0; i < ROWS; i++) {
+        if (row0 + i >= n) break;
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            if (r >= m) break;
+            float *o = y + (i64)r * n + row0 + i;
+            *o = accumulate ? *o + acc[i][r] : acc[i][r];
         }
     }
 }
 
 // out[r, n] = act(x·Gᵀ) · (x·Uᵀ), the gated MLP's first half in one pass: G and U (the gate
-// and up projections) share shape and quantization; act is SiLU (0) or tanh-GELU (1).
+// and up projections) share shape and quantization; act is SiLU (0) or tanh-GELU (1). One block
+// per 2 rows of each.
 template <int BITS, class S>
 __device__ void qglu(const u32 *__restrict__ gw, const typename S::T *__restrict__ gs,
                      const typename S::T *__restrict__ gb, const u32 *__restrict__ uw,
                      const typename S::T *__restrict__ us, const typename S::T *__restrict__ ub,
                      const float *__restrict__ x, float *__restrict__ out, int n, int k, int group,
                      int m, int act) {
-    const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= n) return;
-    float g[1][8], u[1][8];
+    const int row0 = blockIdx.x * 2;
+    float g[2][8], u[2][8];
     zero(g);
     zero(u);
-    qdot_rows<BITS, S, 1>(gw, gs, gb, x, row, n, k, group, m, g);
-    qdot_rows<BITS, S, 1>(uw, us, ub, x, row, n, k, group, m, u);
+    qdot_rows<BITS, S, 2>(gw, gs, gb, x, row0, n, k, group, m, g);
+    qdot_rows<BITS, S, 2>(uw, us, ub, x, row0, n, k, group, m, u);
+    block_sum(g, m);
+    __syncthreads();
+    block_sum(u, m);
+    if (threadIdx.x != 0) return;
 #pragma unroll
-    for (int r = 0; r < 8; r++) {
-        if (r >= m) break;
-        const float a = warp_sum(g[0][r]), b = warp_sum(u[0][r]);
-        if (lane == 0) {
+    for (int i = 0; i < 2; i++) {
+        if (row0 + i >= n) break;
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            if (r >= m) break;
+            const float a = g[i][r], b = u[i][r];
             const float h = act == 0 ? a / (1.f + expf(-a))
                                      : 0.5f * a * (1.f + tanhf(0.7978846f * (a + 0.044715f * a * a * a)));
-            out[(i64)r * n + row] = h * b;
+            out[(i64)r * n + row0 + i] = h * b;
         }
     }
 }
@@ -234,16 +266,6 @@ __device__ void qdequant(const u32 *__restrict__ w, const typename S::T *__restr
 }
 
 #define QUANTIZED(BITS, S, NAME)                                                                   \
-    extern "C" __global__ void qgemv1_##BITS##_##NAME(                                            \
-        const u32 *w, const S::T *s, const S::T *b, const float *x, float *y, int n, int k,       \
-        int g, int m, int acc) {                                                                  \
-        qgemv<BITS, S, 1>(w, s, b, x, y, n, k, g, m, acc);                                        \
-    }                                                                                             \
-    extern "C" __global__ void qgemv2_##BITS##_##NAME(                                            \
-        const u32 *w, const S::T *s, const S::T *b, const float *x, float *y, int n, int k,       \
-        int g, int m, int acc) {                                                                  \
-        qgemv<BITS, S, 2>(w, s, b, x, y, n, k, g, m, acc);                                        \
-    }                                                                                             \
     extern "C" __global__ void qgemv4_##BITS##_##NAME(                                            \
         const u32 *w, const S::T *s, const S::T *b, const float *x, float *y, int n, int k,       \
         int g, int m, int acc) {                                                                  \

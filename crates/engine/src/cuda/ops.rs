@@ -498,6 +498,12 @@ pub struct QuantShape {
     pub group_size: usize,
 }
 
+/// Threads per block of the quantized GEMVs: one run of 32 weights each across a row of `cols`,
+/// from 32 to 256.
+fn row_threads(cols: usize) -> u32 {
+    (cols / 32).next_power_of_two().clamp(32, 256) as u32
+}
+
 /// What a matmul does with its output: a new buffer, or a sum into an existing one (a residual
 /// connection, without a separate add).
 pub enum Output<'a> {
@@ -529,15 +535,17 @@ pub fn quantized_matmul(
         (None, Output::New) => unreachable!(),
     };
     if m <= GEMV_MAX_ROWS {
-        // Rows per warp share each activation load; more of them once there are rows enough
-        // to fill the GPU.
-        let rows_per_warp = match s.rows {
-            r if r >= 8192 => 4,
-            r if r >= 4096 => 2,
-            _ => 1,
+        // Four rows per block share each activation load; the block's threads split the row
+        // (one run of 32 weights each, as far as the row goes). Tall matrices have blocks
+        // enough to fill the GPU with one warp each, which saves the blocks' reductions
+        // (measured on the H200: 14336x4096 in 28 us against 47).
+        let threads = if s.rows >= 8192 {
+            32
+        } else {
+            row_threads(s.cols)
         };
-        let name = format!("qgemv{rows_per_warp}_{}_{}", s.bits, w.scale_type);
-        launch!(&g, &name, blocks(s.rows.div_ceil(4 * rows_per_warp), 128);
+        let name = format!("qgemv4_{}_{}", s.bits, w.scale_type);
+        launch!(&g, &name, blocks(s.rows.div_ceil(4), threads);
             packed, scales, biases, x.ptr(), y_ptr, int(s.rows)?, int(s.cols)?,
             int(s.group_size)?, int(m)?, accumulate as i32);
         return Ok(y);
@@ -572,7 +580,7 @@ pub fn quantized_glu(
     }
     let g = gate.gpu.clone();
     let out = g.output(m * s.rows)?;
-    launch!(&g, &format!("qglu_{}_{}", s.bits, gate.scale_type), blocks(s.rows.div_ceil(4), 128);
+    launch!(&g, &format!("qglu_{}_{}", s.bits, gate.scale_type), blocks(s.rows.div_ceil(2), row_threads(s.cols));
         addr(&g, &gate.packed), addr(&g, &gate.scales), addr(&g, &gate.biases),
         addr(&g, &up.packed), addr(&g, &up.scales), addr(&g, &up.biases), x.ptr(), out.ptr(),
         int(s.rows)?, int(s.cols)?, int(s.group_size)?, int(m)?, act as i32);
