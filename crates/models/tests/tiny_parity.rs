@@ -207,6 +207,28 @@ fn check_replay(name: &str) {
     println!("{name}: {count} of {steps} decode steps replayed");
 }
 
+/// A server loads its model on one thread and generates on another: the GPU's context must
+/// follow the work.
+#[test]
+fn a_gpu_model_runs_on_another_thread() {
+    if !cuda::libraries_present() {
+        eprintln!("skipped: no CUDA driver on this machine");
+        return;
+    }
+    let dir = fixtures().join("llama-4bit-g64");
+    let golden = read_golden(&dir);
+    let device = Device::open("cuda").unwrap();
+    let model = load_on(&dir, &device).unwrap();
+    let first = |model: &dyn oxlm_models::LanguageModel| {
+        let mut cache = model.new_cache().unwrap();
+        let logits = model.forward(&golden.prompt_ids, &mut cache, Logits::Last);
+        logits.unwrap().into_data()
+    };
+    let here = first(model.as_ref());
+    let there = std::thread::scope(|s| s.spawn(|| first(model.as_ref())).join().unwrap());
+    assert_eq!(here, there);
+}
+
 #[test]
 fn llama_decode_steps_replay_as_graphs() {
     check_replay("llama-4bit-g64");

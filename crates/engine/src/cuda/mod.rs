@@ -193,6 +193,12 @@ impl Gpu {
         Ok(f)
     }
 
+    /// Makes the GPU's context current on this thread: the raw driver calls below need it, and
+    /// a server loads a model on one thread and generates on another.
+    fn bind(&self) -> Result<(), EngineError> {
+        self.inner.stream.context().bind_to_thread().map_err(err)
+    }
+
     pub(crate) fn step_state(&self) -> MutexGuard<'_, StepState> {
         self.inner.step.lock().unwrap()
     }
@@ -201,6 +207,7 @@ impl Gpu {
     fn leave_graph(&self) -> Result<(), EngineError> {
         let mut state = self.step_state();
         if state.in_step() {
+            self.bind()?;
             state.boundary(&self.inner.stream)?;
         }
         Ok(())
@@ -213,6 +220,7 @@ impl Gpu {
         cfg: LaunchConfig,
         args: &[Arg],
     ) -> Result<(), EngineError> {
+        self.bind()?;
         let f = self.function(name)?;
         let op = Op::kernel(f.cu_function(), cfg, args);
         self.step_state().submit(&self.inner.stream, op)
@@ -223,6 +231,7 @@ impl Gpu {
         if bytes == 0 {
             return Ok(());
         }
+        self.bind()?;
         self.step_state()
             .submit(&self.inner.stream, Op::CopyDtoD { dst, src, bytes })
     }
@@ -232,6 +241,7 @@ impl Gpu {
         &self,
         call: impl FnOnce(&CudaBlas) -> Result<(), EngineError>,
     ) -> Result<(), EngineError> {
+        self.bind()?;
         self.leave_graph()?;
         call(&self.inner.blas)
     }
@@ -310,6 +320,7 @@ impl Gpu {
             })
             .collect::<Result<_, _>>()?;
         let bytes: &[u8] = bytemuck::cast_slice(&v);
+        self.bind()?;
         let mem = self.scratch(bytes.len().max(4))?;
         if bytes.is_empty() {
             return Ok(mem);
@@ -398,6 +409,7 @@ impl Buffer {
 
     /// The elements, copied to the host (which waits for the work queued before).
     pub(crate) fn download(&self) -> Result<Vec<f32>, EngineError> {
+        self.gpu.bind()?;
         self.gpu.leave_graph()?;
         let mut out = vec![0.0f32; self.len];
         if self.len > 0 {
