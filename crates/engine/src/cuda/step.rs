@@ -358,6 +358,7 @@ impl StepReplay {
     ) -> Result<T, E> {
         let gpu = self.gpu.clone();
         let stream = gpu.stream().clone();
+        gpu.bind()?;
         let (was_replay, was_capture) = {
             let mut state = gpu.step_state();
             state.prepare(&stream)?;
