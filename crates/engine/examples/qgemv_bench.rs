@@ -84,20 +84,21 @@ fn main() {
         for &isa in &isas {
             let (t, best) = time(budget, || qmatmul::gemv(isa, &w.view(), &x, 1, &mut y));
             println!(
-                "  {rows:>5}x{cols} {bits}-bit g{g} {isa:<8?} {:6.2} GB/s (best {:6.2})  {:7.3} ms",
+                "  {rows:>5}x{cols} {bits}-bit g{g} {:<18} {:6.2} GB/s (best {:6.2})  {:7.3} ms",
+                format!("{isa:?} f32"),
                 gbs(t),
                 gbs(best),
                 t * 1e3
             );
         }
-        if !qint::supports(&w.view()) {
-            continue;
-        }
-        for kernel in qint::IntKernel::available() {
+        for &kernel in qint::IntKernel::available() {
+            if !kernel.supports(&w.view()) {
+                continue;
+            }
             let (t, best) = time(budget, || qint::gemv(kernel, &w.view(), &x, 1, &mut y));
             println!(
-                "  {rows:>5}x{cols} {bits}-bit g{g} int8 {:<4} {:6.2} GB/s (best {:6.2})  {:7.3} ms",
-                format!("{kernel:?}"),
+                "  {rows:>5}x{cols} {bits}-bit g{g} {:<18} {:6.2} GB/s (best {:6.2})  {:7.3} ms",
+                format!("{:?} {:?}", kernel.isa, kernel.activations),
                 gbs(t),
                 gbs(best),
                 t * 1e3

@@ -1,21 +1,21 @@
-//! CPU kernels: AVX2+FMA where the processor has them (checked at run time), portable code
-//! everywhere else.
+//! CPU kernels: AVX2+FMA where the processor has them (checked at run time), AVX-VNNI and
+//! AVX512-VNNI for the integer GEMVs where present, portable code everywhere else.
 //!
-//! Kernels take f32 activations (the integer GEMV of [`qint`] quantizes them itself); matmuls
+//! Kernels take f32 activations (the integer GEMVs of [`qint`] quantize them themselves); matmuls
 //! and attention split their outputs over [`pool`]. Each public entry point has an `Isa`-taking
 //! variant so that tests can run the AVX2 and the portable code side by side.
 
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
-#[cfg(target_arch = "x86_64")]
-mod avx2_int;
 pub mod dense;
 mod gemm;
 pub mod pool;
 pub mod qint;
 pub mod qmatmul;
 pub mod transposed;
+#[cfg(target_arch = "x86_64")]
+mod x86_int;
 
 use std::cell::RefCell;
 
