@@ -1,6 +1,7 @@
 //! The kernels' thread pool: persistent workers that sleep on a condition variable between jobs
 //! and never spin, because spinning workers on hyperthreads of one core (a common 2-vCPU cloud
-//! machine) take the core from the thread doing the work.
+//! machine), or on cores other programs also use, take the core from the thread doing the work.
+//! One thread per physical core by default ([`default_threads`]).
 //!
 //! A job is a number of tasks claimed from a shared counter by the caller and the workers
 //! alike; the caller returns once every task has run. Jobs do not nest: a job started while
@@ -123,16 +124,44 @@ fn pool() -> &'static Mutex<Pool> {
     POOL.get_or_init(|| Mutex::new(Pool::new(default_threads())))
 }
 
-/// The thread count a pool starts with: one on machines of two or fewer CPUs, which are usually
-/// two hyperthreads of one core (measured: one thread is fastest there), else the CPUs the
-/// process may use.
+/// The thread count a pool starts with: one per physical core the process may run on, as Linux
+/// reports the topology, else the CPUs the process may use. Two hyperthreads of one core share
+/// its load ports and FMA units, which these kernels keep busy, so a second thread per core
+/// gains nothing and costs a wake-up per job; a second core nearly doubles the arithmetic and
+/// adds memory bandwidth (measured on a 2-core Xeon: decode 16 → 22 tok/s on a 0.85B model).
 pub fn default_threads() -> usize {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if cpus <= 2 {
-        1
-    } else {
-        cpus
+    physical_cores()
+        .map_or(cpus, |cores| cores.min(cpus))
+        .max(1)
+}
+
+/// Distinct (package, core) pairs among the CPUs this process may run on, from
+/// `/proc/self/status` and `/sys/devices/system/cpu/cpu*/topology`.
+fn physical_cores() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let allowed = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?;
+    let mut cores = std::collections::HashSet::new();
+    for cpu in parse_cpu_list(allowed)? {
+        let topology = format!("/sys/devices/system/cpu/cpu{cpu}/topology");
+        let read = |name: &str| std::fs::read_to_string(format!("{topology}/{name}")).ok();
+        cores.insert((read("physical_package_id")?, read("core_id")?));
     }
+    (!cores.is_empty()).then_some(cores.len())
+}
+
+/// The CPUs of a Linux CPU list such as `0-3,8,10-11`.
+fn parse_cpu_list(list: &str) -> Option<Vec<usize>> {
+    let mut cpus = Vec::new();
+    for part in list.trim().split(',') {
+        match part.split_once('-') {
+            Some((a, b)) => cpus.extend(a.parse::<usize>().ok()?..=b.parse().ok()?),
+            None => cpus.push(part.parse().ok()?),
+        }
+    }
+    Some(cpus)
 }
 
 /// Sets the number of threads the kernels use, the caller's included (at least 1).
@@ -222,6 +251,22 @@ impl<T> SharedMut<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpu_lists_parse_as_linux_writes_them() {
+        assert_eq!(
+            parse_cpu_list("0-3,8,10-11\n"),
+            Some(vec![0, 1, 2, 3, 8, 10, 11])
+        );
+        assert_eq!(parse_cpu_list("5"), Some(vec![5]));
+        assert_eq!(parse_cpu_list("x"), None);
+    }
+
+    #[test]
+    fn the_default_thread_count_is_within_the_cpus() {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert!((1..=cpus).contains(&default_threads()));
+    }
 
     #[test]
     fn every_task_runs_once_at_any_thread_count() {
