@@ -129,10 +129,15 @@ fn rounding_bound(w: &[f32], rows: usize, cols: usize, x: &[f32], g: usize, max:
 }
 
 #[test]
-fn the_avx2_kernels_are_tested_when_the_processor_has_them() {
+fn the_x86_kernels_are_tested_when_the_processor_has_them() {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-        assert_eq!(Isa::best(), Isa::Avx2);
+        assert!(Isa::available().contains(&Isa::Avx2));
+        let avx512 = is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512dq")
+            && is_x86_feature_detected!("avx512vl");
+        assert_eq!(Isa::best() == Isa::Avx512, avx512);
     }
     assert!(Isa::available().contains(&Isa::Portable));
 }
@@ -453,4 +458,60 @@ fn matmul_outputs_do_not_depend_on_the_thread_count() {
         assert_eq!(one, run(3), "m={m}");
     }
     pool::set_threads(pool::default_threads());
+}
+
+/// Grouped attention of one position against the f64 softmax-weighted sum, on every instruction
+/// set: key counts around the kernels' blocks of 8 and 64, head sizes with and without a
+/// partial vector.
+#[test]
+fn group_attention_matches_the_reference() {
+    use oxlm_engine::cpu::attention::GroupAttention;
+    let mut rng = StdRng::seed_from_u64(9);
+    for (d, group) in [(64, 4), (36, 2), (128, 1)] {
+        for len in [1, 7, 8, 63, 65, 200, 1000] {
+            let queries = random_vec(&mut rng, group * d);
+            let keys = random_vec(&mut rng, len * d);
+            let values = random_vec(&mut rng, len * d);
+            let scale = 1.0 / (d as f32).sqrt();
+            let mut want = vec![0.0f64; group * d];
+            for (g, q) in queries.chunks_exact(d).enumerate() {
+                let s: Vec<f64> = keys
+                    .chunks_exact(d)
+                    .map(|k| {
+                        q.iter()
+                            .zip(k)
+                            .map(|(&a, &b)| a as f64 * b as f64)
+                            .sum::<f64>()
+                    })
+                    .map(|v| v * scale as f64)
+                    .collect();
+                let max = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|v| (v - max).exp()).collect();
+                let total: f64 = e.iter().sum();
+                for (p, v) in e.iter().zip(values.chunks_exact(d)) {
+                    for (o, &x) in want[g * d..(g + 1) * d].iter_mut().zip(v) {
+                        *o += p / total * x as f64;
+                    }
+                }
+            }
+            let job = GroupAttention {
+                queries: &queries,
+                keys: &keys,
+                values: &values,
+                head_dim: d,
+                len,
+                scale,
+            };
+            for isa in Isa::available() {
+                let mut out = vec![f32::NAN; group * d];
+                job.run(isa, &mut out);
+                for (i, (&g, &w)) in out.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g as f64 - w).abs() <= 1e-5,
+                        "{isa:?} d={d} group={group} len={len} output {i}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
 }

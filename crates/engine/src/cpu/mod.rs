@@ -1,5 +1,6 @@
-//! CPU kernels: AVX2+FMA where the processor has them (checked at run time), AVX-VNNI and
-//! AVX512-VNNI for the integer GEMVs where present, portable code everywhere else.
+//! CPU kernels: AVX2+FMA where the processor has them (checked at run time), AVX-512 for the
+//! GEMM and AVX-VNNI / AVX512-VNNI for the integer GEMVs where present, portable code everywhere
+//! else.
 //!
 //! Kernels take f32 activations (the integer GEMVs of [`qint`] quantize them themselves); matmuls
 //! and attention split their outputs over [`pool`]. Each public entry point has an `Isa`-taking
@@ -8,6 +9,8 @@
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 pub mod dense;
 mod gemm;
 pub mod pool;
@@ -18,37 +21,39 @@ pub mod transposed;
 mod x86_int;
 
 use std::cell::RefCell;
+use std::sync::OnceLock;
 
-/// The instruction set a kernel is written for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The instruction set a kernel is written for; each includes the ones before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
     /// Plain Rust, for any processor.
     Portable,
     /// x86-64 AVX2 with FMA and F16C (every AVX2 processor has F16C).
     Avx2,
+    /// AVX2 plus AVX-512 F, BW, DQ and VL (x86-64-v4): the GEMM runs 16 lanes wide, every other
+    /// kernel as on AVX2.
+    Avx512,
 }
 
 impl Isa {
-    /// The fastest kernels this processor runs.
+    /// The fastest kernels this processor runs, detected once (kernels ask per call).
     pub fn best() -> Isa {
-        if Isa::Avx2.is_available() {
-            Isa::Avx2
-        } else {
-            Isa::Portable
-        }
+        static BEST: OnceLock<Isa> = OnceLock::new();
+        *BEST.get_or_init(|| match (avx2_detected(), avx512_detected()) {
+            (true, true) => Isa::Avx512,
+            (true, false) => Isa::Avx2,
+            (false, _) => Isa::Portable,
+        })
     }
 
     /// Whether this processor runs these kernels.
     pub fn is_available(self) -> bool {
-        match self {
-            Isa::Portable => true,
-            Isa::Avx2 => avx2_detected(),
-        }
+        self <= Isa::best()
     }
 
-    /// Every kernel set this processor runs.
+    /// Every kernel set this processor runs, slowest first.
     pub fn available() -> Vec<Isa> {
-        [Isa::Portable, Isa::Avx2]
+        [Isa::Portable, Isa::Avx2, Isa::Avx512]
             .into_iter()
             .filter(|isa| isa.is_available())
             .collect()
@@ -65,14 +70,26 @@ impl Isa {
 
 #[cfg(target_arch = "x86_64")]
 fn avx2_detected() -> bool {
-    // std caches the CPUID result, so this is a few loads.
     is_x86_feature_detected!("avx2")
         && is_x86_feature_detected!("fma")
         && is_x86_feature_detected!("f16c")
 }
 
+#[cfg(target_arch = "x86_64")]
+fn avx512_detected() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512dq")
+        && is_x86_feature_detected!("avx512vl")
+}
+
 #[cfg(not(target_arch = "x86_64"))]
 fn avx2_detected() -> bool {
+    false
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx512_detected() -> bool {
     false
 }
 
@@ -81,26 +98,26 @@ thread_local! {
     static TASK_SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Runs `f` on `len` floats of this thread's scratch space (contents unspecified), which grows
-/// to the largest size asked for and is then reused, so kernels do not allocate per call.
+/// Runs `f` on `len` floats of this thread's scratch space (contents unspecified, starting on a
+/// 64-byte line so that vector loads never straddle two), which grows to the largest size asked
+/// for and is then reused, so kernels do not allocate per call.
 fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
-    SCRATCH.with(|s| {
-        let mut s = s.borrow_mut();
-        if s.len() < len {
-            s.resize(len, 0.0);
-        }
-        f(&mut s[..len])
-    })
+    SCRATCH.with(|s| aligned_prefix(&mut s.borrow_mut(), len, f))
 }
 
 /// As [`with_scratch`], for a pool task: a second buffer, since the thread that starts a job
 /// also runs its tasks while it still holds its own scratch.
 fn with_task_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
-    TASK_SCRATCH.with(|s| {
-        let mut s = s.borrow_mut();
-        if s.len() < len {
-            s.resize(len, 0.0);
-        }
-        f(&mut s[..len])
-    })
+    TASK_SCRATCH.with(|s| aligned_prefix(&mut s.borrow_mut(), len, f))
+}
+
+/// Floats of a line-aligned slice.
+const LINE_FLOATS: usize = 16;
+
+fn aligned_prefix<R>(v: &mut Vec<f32>, len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    if v.len() < len + LINE_FLOATS {
+        v.resize(len + LINE_FLOATS, 0.0);
+    }
+    let start = v.as_ptr().align_offset(4 * LINE_FLOATS);
+    f(&mut v[start..start + len])
 }

@@ -77,7 +77,7 @@ fn dequantize_columns(isa: Isa, w: &QuantizedView, row: usize, k0: usize, out: &
         Isa::Portable => dequantize_portable(w, row, k0, out),
         // SAFETY: the callers checked the processor.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe {
+        Isa::Avx2 | Isa::Avx512 => unsafe {
             use super::avx2::dequantize;
             match w.bits {
                 2 => dequantize::<2>(w, row, k0, out),
@@ -90,7 +90,7 @@ fn dequantize_columns(isa: Isa, w: &QuantizedView, row: usize, k0: usize, out: &
             }
         },
         #[cfg(not(target_arch = "x86_64"))]
-        Isa::Avx2 => unreachable!(),
+        Isa::Avx2 | Isa::Avx512 => unreachable!(),
     }
 }
 
@@ -284,9 +284,9 @@ fn to_f32(isa: Isa, src: FloatSlice, start: usize, dst: &mut [f32]) {
         Isa::Portable => src.to_f32(start, dst),
         // SAFETY: the callers checked the processor.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { super::avx2::convert_slice(src, start, dst) },
+        Isa::Avx2 | Isa::Avx512 => unsafe { super::avx2::convert_slice(src, start, dst) },
         #[cfg(not(target_arch = "x86_64"))]
-        Isa::Avx2 => unreachable!(),
+        Isa::Avx2 | Isa::Avx512 => unreachable!(),
     }
 }
 
@@ -334,13 +334,13 @@ impl GemvRows<'_> {
             }),
             // SAFETY: the callers checked the processor.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe {
+            Isa::Avx2 | Isa::Avx512 => unsafe {
                 use super::avx2::qrows_pow2;
                 let (p, rw, s, st) = (self.packed, self.row_words, self.scales, self.stride);
                 by_rows!(self.rows, qrows_pow2::<B>(p, rw, wpg, s, st, xp))
             },
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 => unreachable!(),
+            Isa::Avx2 | Isa::Avx512 => unreachable!(),
         }
     }
 
@@ -356,7 +356,7 @@ impl GemvRows<'_> {
             }),
             // SAFETY: the callers checked the processor.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe {
+            Isa::Avx2 | Isa::Avx512 => unsafe {
                 use super::avx2::qrows_spread;
                 let bytes: &[u8] = bytemuck::cast_slice(self.packed);
                 let (rb, g, s, st) = (
@@ -368,7 +368,7 @@ impl GemvRows<'_> {
                 by_rows!(self.rows, qrows_spread::<B>(bytes, rb, g, s, st, xp))
             },
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 => unreachable!(),
+            Isa::Avx2 | Isa::Avx512 => unreachable!(),
         }
     }
 

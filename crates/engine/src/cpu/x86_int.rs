@@ -5,7 +5,7 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{hsum, load8, Elem};
+use super::avx2::{hsum, load8, prefetch, Elem};
 use super::qint::{IntRows, Quantized, LOW_SCALE};
 
 /// The vector operations of the kernel body on 256 bits.
@@ -301,13 +301,6 @@ const PREFETCH_BYTES: usize = 2048;
 /// How far ahead of the scales and biases being read the kernels prefetch, in groups: as far as
 /// [`PREFETCH_BYTES`] of 4-bit weights in groups of 64.
 const PREFETCH_GROUPS: usize = 64;
-
-/// Asks for the cache line at `p` (any address: a prefetch never faults).
-#[target_feature(enable = "sse")]
-#[inline]
-unsafe fn prefetch<T>(p: *const T) {
-    _mm_prefetch::<_MM_HINT_T0>(p.cast());
-}
 
 /// One kernel body per vector width (`$v`), activation width (`$a` bits) and multiply (`$dot4`
 /// for 4-bit weights, `$dot8` for 8-bit). A chunk is one vector of packed weights; groups are
