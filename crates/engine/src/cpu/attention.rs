@@ -67,7 +67,7 @@ fn key_scores(isa: Isa, q: &[f32], keys: &[f32], scale: f32, out: &mut [f32]) {
     match isa {
         // SAFETY: the caller checked the processor; the kernel checks bounds.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 if q.len().is_multiple_of(8) => unsafe {
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx if q.len().is_multiple_of(8) => unsafe {
             super::avx2::scores(q, keys, scale, out)
         },
         _ => {
@@ -83,7 +83,7 @@ fn axpy_rows(isa: Isa, p: &[f32], v: &[f32], o: &mut [f32]) {
     match isa {
         // SAFETY: the caller checked the processor; the kernel checks bounds.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 if o.len().is_multiple_of(8) => unsafe {
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx if o.len().is_multiple_of(8) => unsafe {
             super::avx2::axpy_rows(p, v, o)
         },
         _ => {
@@ -104,7 +104,7 @@ pub fn softmax(isa: Isa, x: &mut [f32]) {
     let sum = match isa {
         // SAFETY: the caller checked the processor.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 => unsafe { super::avx2::exp_sub_sum(x, max) },
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe { super::avx2::exp_sub_sum(x, max) },
         _ => {
             let mut sum = 0.0;
             for v in x.iter_mut() {

@@ -152,9 +152,9 @@ impl Block<'_> {
                     Isa::Avx2 => unsafe { by_shape!(mr, nr, k.avx2) },
                     // SAFETY: as above, with AVX-512.
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512 => unsafe { by_shape!(mr, nr, k.avx512) },
+                    Isa::Avx512 | Isa::Amx => unsafe { by_shape!(mr, nr, k.avx512) },
                     #[cfg(not(target_arch = "x86_64"))]
-                    Isa::Avx2 | Isa::Avx512 => unreachable!(),
+                    Isa::Avx2 | Isa::Avx512 | Isa::Amx => unreachable!(),
                 }
             }
         }

@@ -1,11 +1,13 @@
-//! CPU kernels: AVX2+FMA where the processor has them (checked at run time), AVX-512 for the
-//! GEMM and AVX-VNNI / AVX512-VNNI for the integer GEMVs where present, portable code everywhere
-//! else.
+//! CPU kernels: AVX2+FMA where the processor has them (checked at run time), AVX-512 and AMX
+//! tiles for the GEMM and AVX-VNNI / AVX512-VNNI for the integer GEMVs where present, portable
+//! code everywhere else.
 //!
 //! Kernels take f32 activations (the integer GEMVs of [`qint`] quantize them themselves); matmuls
 //! and attention split their outputs over [`pool`]. Each public entry point has an `Isa`-taking
 //! variant so that tests can run the AVX2 and the portable code side by side.
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -33,6 +35,9 @@ pub enum Isa {
     /// AVX2 plus AVX-512 F, BW, DQ and VL (x86-64-v4): the GEMM runs 16 lanes wide, every other
     /// kernel as on AVX2.
     Avx512,
+    /// AVX-512 plus AMX-BF16 tiles that Linux lets this process use: the GEMM on 4- and 8-bit
+    /// weights runs on tiles (`amx`), everything else as on AVX-512.
+    Amx,
 }
 
 impl Isa {
@@ -40,6 +45,7 @@ impl Isa {
     pub fn best() -> Isa {
         static BEST: OnceLock<Isa> = OnceLock::new();
         *BEST.get_or_init(|| match (avx2_detected(), avx512_detected()) {
+            (true, true) if amx_detected() => Isa::Amx,
             (true, true) => Isa::Avx512,
             (true, false) => Isa::Avx2,
             (false, _) => Isa::Portable,
@@ -53,7 +59,7 @@ impl Isa {
 
     /// Every kernel set this processor runs, slowest first.
     pub fn available() -> Vec<Isa> {
-        [Isa::Portable, Isa::Avx2, Isa::Avx512]
+        [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Amx]
             .into_iter()
             .filter(|isa| isa.is_available())
             .collect()
@@ -83,8 +89,18 @@ fn avx512_detected() -> bool {
         && is_x86_feature_detected!("avx512vl")
 }
 
+#[cfg(target_arch = "x86_64")]
+fn amx_detected() -> bool {
+    amx::detected()
+}
+
 #[cfg(not(target_arch = "x86_64"))]
 fn avx2_detected() -> bool {
+    false
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn amx_detected() -> bool {
     false
 }
 

@@ -51,6 +51,10 @@ pub fn gemv(isa: Isa, w: &QuantizedView, x: &[f32], m: usize, y: &mut [f32]) {
 /// [`matmul`] by the GEMM method on the given kernels (panics if the processor lacks them).
 pub fn gemm(isa: Isa, w: &QuantizedView, x: &[f32], m: usize, y: &mut [f32]) {
     check(isa, w, x, m, y);
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Amx && super::amx::supports(w, m) {
+        return super::amx::gemm(w, x, m, y);
+    }
     gemm::gemm(isa, &QuantPanels(w), x, m, y);
 }
 
@@ -77,7 +81,7 @@ fn dequantize_columns(isa: Isa, w: &QuantizedView, row: usize, k0: usize, out: &
         Isa::Portable => dequantize_portable(w, row, k0, out),
         // SAFETY: the callers checked the processor.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 => unsafe {
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe {
             use super::avx2::dequantize;
             match w.bits {
                 2 => dequantize::<2>(w, row, k0, out),
@@ -90,7 +94,7 @@ fn dequantize_columns(isa: Isa, w: &QuantizedView, row: usize, k0: usize, out: &
             }
         },
         #[cfg(not(target_arch = "x86_64"))]
-        Isa::Avx2 | Isa::Avx512 => unreachable!(),
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unreachable!(),
     }
 }
 
@@ -284,9 +288,11 @@ fn to_f32(isa: Isa, src: FloatSlice, start: usize, dst: &mut [f32]) {
         Isa::Portable => src.to_f32(start, dst),
         // SAFETY: the callers checked the processor.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 => unsafe { super::avx2::convert_slice(src, start, dst) },
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe {
+            super::avx2::convert_slice(src, start, dst)
+        },
         #[cfg(not(target_arch = "x86_64"))]
-        Isa::Avx2 | Isa::Avx512 => unreachable!(),
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unreachable!(),
     }
 }
 
@@ -334,13 +340,13 @@ impl GemvRows<'_> {
             }),
             // SAFETY: the callers checked the processor.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 | Isa::Avx512 => unsafe {
+            Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe {
                 use super::avx2::qrows_pow2;
                 let (p, rw, s, st) = (self.packed, self.row_words, self.scales, self.stride);
                 by_rows!(self.rows, qrows_pow2::<B>(p, rw, wpg, s, st, xp))
             },
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 | Isa::Avx512 => unreachable!(),
+            Isa::Avx2 | Isa::Avx512 | Isa::Amx => unreachable!(),
         }
     }
 
@@ -356,7 +362,7 @@ impl GemvRows<'_> {
             }),
             // SAFETY: the callers checked the processor.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 | Isa::Avx512 => unsafe {
+            Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe {
                 use super::avx2::qrows_spread;
                 let bytes: &[u8] = bytemuck::cast_slice(self.packed);
                 let (rb, g, s, st) = (
@@ -368,7 +374,7 @@ impl GemvRows<'_> {
                 by_rows!(self.rows, qrows_spread::<B>(bytes, rb, g, s, st, xp))
             },
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 | Isa::Avx512 => unreachable!(),
+            Isa::Avx2 | Isa::Avx512 | Isa::Amx => unreachable!(),
         }
     }
 
