@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 use super::pool::{self, SharedMut};
+use super::qmatmul::weight_bytes;
 use super::with_scratch;
 #[cfg(target_arch = "x86_64")]
 use crate::float::FloatSlice;
@@ -349,7 +350,7 @@ fn gemv_with<X: ActInt>(kernel: IntKernel, w: &QuantizedView, x: &[f32], m: usiz
         }
         let (xq, dx, sums, corr) = (&*xq, &*dx, &*sums, &*corr);
         let y = SharedMut::new(y);
-        pool::parallel_for(w.rows.div_ceil(TASK_ROWS), &|t| {
+        pool::parallel_for_bytes(w.rows.div_ceil(TASK_ROWS), weight_bytes(w), &|t| {
             let end = (t * TASK_ROWS + TASK_ROWS).min(w.rows);
             for r0 in (t * TASK_ROWS..end).step_by(ROW_BLOCK) {
                 let r1 = (r0 + ROW_BLOCK).min(end);

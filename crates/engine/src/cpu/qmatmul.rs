@@ -186,6 +186,15 @@ fn permute_spread(x: &[f32], bits: usize, out: &mut [f32]) {
     }
 }
 
+/// Bytes one pass over `w` reads: packed integers, scales and biases.
+pub(super) fn weight_bytes(w: &QuantizedView) -> usize {
+    let scale_bytes = match w.scales {
+        FloatSlice::F32(_) => 4,
+        FloatSlice::F16(_) | FloatSlice::BF16(_) => 2,
+    };
+    4 * w.packed.len() + scale_bytes * (w.scales.len() + w.biases.len())
+}
+
 /// Weight rows per pool task: enough to amortise waking a worker, few enough to balance.
 const GEMV_TASK_ROWS: usize = 64;
 
@@ -215,7 +224,7 @@ fn gemv_rows(isa: Isa, w: &QuantizedView, x: &[f32], m: usize, y: &mut [f32]) {
         }
         let (xp, sums) = (&*xp, &*sums);
         let y = SharedMut::new(y);
-        pool::parallel_for(rows.div_ceil(GEMV_TASK_ROWS), &|t| {
+        pool::parallel_for_bytes(rows.div_ceil(GEMV_TASK_ROWS), weight_bytes(w), &|t| {
             let r0 = t * GEMV_TASK_ROWS;
             let r1 = (r0 + GEMV_TASK_ROWS).min(rows);
             gemv_task(isa, w, xp, xp_len, sums, m, r0..r1, y);
