@@ -88,6 +88,13 @@ mod v256 {
     pub unsafe fn sum(a: F) -> f32 {
         super::hsum(a)
     }
+
+    /// `a + s·b`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    pub unsafe fn add_scaled(a: F, b: F, s: f32) -> F {
+        _mm256_fmadd_ps(b, _mm256_set1_ps(s), a)
+    }
 }
 
 /// The vector operations of the kernel body on 512 bits.
@@ -169,6 +176,13 @@ mod v512 {
     #[inline]
     pub unsafe fn sum(a: F) -> f32 {
         _mm512_reduce_add_ps(a)
+    }
+
+    /// `a + s·b`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub unsafe fn add_scaled(a: F, b: F, s: f32) -> F {
+        _mm512_fmadd_ps(b, _mm512_set1_ps(s), a)
     }
 }
 
@@ -303,12 +317,12 @@ const PREFETCH_BYTES: usize = 2048;
 const PREFETCH_GROUPS: usize = 64;
 
 /// One kernel body per vector width (`$v`), activation width (`$a` bits) and multiply (`$dot4`
-/// for 4-bit weights, `$dot8` for 8-bit). A chunk is one vector of packed weights; groups are
+/// for 4-bit weights, `$dot8` for 8-bit; `$centred` if `$dot8` leaves out `128·Σxq`). A chunk is one vector of packed weights; groups are
 /// walked in order, each taking one or more whole chunks, or several groups sharing a chunk in
 /// equal runs of i32 lanes (which `pick` gives their scales). With `PAIR`, each chunk's planes
 /// meet the high and then the low integers of int16 pairs, summed in their own accumulators.
 macro_rules! int_rows {
-    ($name:ident, $features:literal, $v:ident, $a:literal, $dot4:ident, $dot8:ident) => {
+    ($name:ident, $features:literal, $v:ident, $a:literal, $dot4:ident, $dot8:ident, $centred:literal) => {
         /// `y[r - r0] = Σ_g (s·dx·Σq·xq + b·Σx + s·dx·corr)` for rows `r0..r1`.
         #[target_feature(enable = $features)]
         pub(super) unsafe fn $name<T: Elem, const B: usize, const G: usize, const PAIR: bool>(
@@ -409,7 +423,9 @@ macro_rules! int_rows {
                         let d = _mm256_mul_ps(load8(ps.add(gb)), _mm256_loadu_ps(pdx.add(gb)));
                         rest =
                             _mm256_fmadd_ps(load8(pb.add(gb)), _mm256_loadu_ps(psum.add(gb)), rest);
-                        rest = _mm256_fmadd_ps(d, _mm256_loadu_ps(pcorr.add(gb)), rest);
+                        if $centred && B == 8 {
+                            rest = _mm256_fmadd_ps(d, _mm256_loadu_ps(pcorr.add(gb)), rest);
+                        }
                         d
                     } else {
                         let mut t = [[0.0f32; 8]; 4];
@@ -462,7 +478,7 @@ macro_rules! int_rows {
                     }
                 }
                 let low_scale = if PAIR { LOW_SCALE } else { 1.0 };
-                y[r - r0] = v::sum(acc0) + v::sum(acc1) * low_scale + hsum(rest);
+                y[r - r0] = v::sum(v::add_scaled(acc0, acc1, low_scale)) + hsum(rest);
             }
         }
     };
@@ -474,7 +490,8 @@ int_rows!(
     v256,
     8,
     dot_u4_avx2,
-    dot_u8_centred_avx2
+    dot_u8_centred_avx2,
+    true
 );
 int_rows!(
     vnni_i8,
@@ -482,7 +499,8 @@ int_rows!(
     v256,
     8,
     dot_u8_vnni,
-    dot_u8_vnni
+    dot_u8_vnni,
+    false
 );
 int_rows!(
     avx512_i8,
@@ -490,7 +508,8 @@ int_rows!(
     v512,
     8,
     dot_u8_avx512,
-    dot_u8_avx512
+    dot_u8_avx512,
+    false
 );
 int_rows!(
     avx2_i16,
@@ -498,7 +517,8 @@ int_rows!(
     v256,
     16,
     dot_i16_avx2,
-    dot_i16_avx2
+    dot_i16_avx2,
+    false
 );
 int_rows!(
     vnni_i16,
@@ -506,7 +526,8 @@ int_rows!(
     v256,
     16,
     dot_i16_vnni,
-    dot_i16_vnni
+    dot_i16_vnni,
+    false
 );
 int_rows!(
     avx512_i16,
@@ -514,5 +535,6 @@ int_rows!(
     v512,
     16,
     dot_i16_avx512,
-    dot_i16_avx512
+    dot_i16_avx512,
+    false
 );
