@@ -131,9 +131,9 @@ def child(cmd, env=None):
     return rep
 
 
-def membw(oxlm_root):
+def membw(oxlm_root, threads):
     exe = oxlm_root / "target/release/examples/membw"
-    out = subprocess.run([exe, "1024", "1"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([exe, "1024", str(threads)], capture_output=True, text=True, check=True).stdout
     return float(out.split("read_gbps=")[1].split()[0]) * 1e9
 
 
@@ -188,8 +188,10 @@ def main():
     thread_counts = [int(t) for t in (a.threads or f"1,{ncpu}").split(",")]
     thread_counts = sorted(set(thread_counts))
     engines = a.engines.split(",")
-    bw = membw(ROOT)
-    print(f"memory read bandwidth: {bw / 1e9:.2f} GB/s", flush=True)
+    # The roofline of each row is the read bandwidth measured with the row's thread count.
+    bw = {t: membw(ROOT, t) for t in thread_counts}
+    print("memory read bandwidth: " + ", ".join(f"{t} thread(s) {b / 1e9:.2f} GB/s" for t, b in bw.items()),
+          flush=True)
     results = []
     if a.merge and Path(a.json_out).exists():
         results = json.loads(Path(a.json_out).read_text())["results"]
@@ -226,7 +228,8 @@ def main():
                     results.append(row)
                 print(json.dumps(summary(row, bw)), flush=True)
                 # Written after every row, so that an interrupted run keeps what it measured.
-                Path(a.json_out).write_text(json.dumps({"bandwidth": bw, "results": results}, indent=1))
+                Path(a.json_out).write_text(json.dumps({"bandwidth": {str(t): b for t, b in bw.items()},
+                                                        "results": results}, indent=1))
                 if a.write:
                     write_section(Path(a.write), markdown(results, bw, a, thread_counts))
     print(markdown(results, bw, a, thread_counts))
@@ -238,7 +241,7 @@ def summary(row, bw):
         if row.get(e):
             out[e] = (round(row[e]["decode_tps"], 2), round(row[e]["prefill_tps"], 1))
     if row.get("oxlm"):
-        out["roofline"] = round(row["oxlm"]["decode_tps"] * row["decode_bytes"] / bw, 3)
+        out["roofline"] = round(row["oxlm"]["decode_tps"] * row["decode_bytes"] / bw[row["threads"]], 3)
     return out
 
 
@@ -253,7 +256,8 @@ def markdown(results, bw, a, thread_counts):
                     if f" {f} " in flags + " ")
     lines = [
         f"Machine: {cpu}, {os.cpu_count()} CPUs ({isa}), Linux {platform.release()}. "
-        f"Measured memory read bandwidth (1 thread, 1 GiB, `membw`): **{bw / 1e9:.2f} GB/s**.",
+        "Measured memory read bandwidth (1 GiB, `membw`): "
+        + ", ".join(f"**{b / 1e9:.2f} GB/s** with {t} thread{'s' if t > 1 else ''}" for t, b in bw.items()) + ".",
         f"Command: `benches/run.sh` (prompt {a.prompt} tokens, {a.gen} decoded, median of {a.repeats} runs with "
         f"1 thread, {a.repeats_multi} with more; "
         f"threads {', '.join(map(str, thread_counts))}). Load average at each row in the last column: other "
@@ -261,8 +265,8 @@ def markdown(results, bw, a, thread_counts):
         "",
         "Decode and prefill in tokens/s; oxlm runs MLX affine g64 (4-bit or 8-bit), llama.cpp the GGUF "
         "Q4_0 / Q8_0 its quantizer makes from the same fp16 weights, mistral.rs the same fp16 weights with "
-        "in-situ Q4_0 / Q8_0. ×: oxlm ÷ peer. Roofline: oxlm decode × bytes read per step ÷ measured "
-        "bandwidth.",
+        "in-situ Q4_0 / Q8_0. ×: oxlm ÷ peer. Roofline: oxlm decode × bytes read per step ÷ the "
+        "bandwidth measured with the same thread count.",
         "",
         "| model | bits | threads | oxlm decode | oxlm prefill | roofline | llama.cpp decode | ×  | llama.cpp prefill | × | "
         "mistral.rs decode | × | mistral.rs prefill | × | peak RSS oxlm / llama.cpp / mistral.rs | load |",
@@ -272,7 +276,7 @@ def markdown(results, bw, a, thread_counts):
         o, l, m = r.get("oxlm") or {}, r.get("llamacpp") or {}, r.get("mistralrs") or {}
         g = lambda d, k: d.get(k)
         f = lambda v, p=1: f"{v:.{p}f}" if v else "—"
-        roof = f"{o['decode_tps'] * r['decode_bytes'] / bw:.0%}" if o else "—"
+        roof = f"{o['decode_tps'] * r['decode_bytes'] / bw[r['threads']]:.0%}" if o and r["threads"] in bw else "—"
         lines.append(
             f"| {MODELS[r['model']]} | {r['bits']} | {r['threads']} | {f(g(o, 'decode_tps'), 2)} | {f(g(o, 'prefill_tps'))} | "
             f"{roof} | {f(g(l, 'decode_tps'), 2)} | {ratio(g(o, 'decode_tps'), g(l, 'decode_tps'))} | "

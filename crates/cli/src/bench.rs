@@ -24,7 +24,7 @@ pub struct Args {
     /// Tokens decoded after the prompt.
     #[arg(long, default_value_t = 128)]
     gen_tokens: usize,
-    /// Kernel threads (default: one on machines of two or fewer CPUs, else all).
+    /// Kernel threads (default: one per physical core).
     #[arg(long)]
     threads: Option<usize>,
     /// Timed runs; the medians are reported.
@@ -36,12 +36,33 @@ pub struct Args {
     depth: Vec<usize>,
     #[arg(long, default_value_t = 32)]
     depth_tokens: usize,
-    /// Quantize activations to int8 in the decode GEMV (faster, less exact; see `qint`).
-    #[arg(long)]
-    int8_activations: bool,
+    /// Activations of the CPU decode GEMV: int16 pairs (the default, as exact as f32), f32, or
+    /// int16 and int8 (faster, less exact); see `oxlm_engine::cpu::qint`.
+    #[arg(long, value_enum, default_value_t = GemvActivations::Int16Pair)]
+    activations: GemvActivations,
     /// Where the model runs: cpu, cuda (GPU 0) or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
     device: oxlm_engine::Device,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum GemvActivations {
+    Int16Pair,
+    F32,
+    Int16,
+    Int8,
+}
+
+impl GemvActivations {
+    fn precision(self) -> qint::Precision {
+        use qint::{Activations, Precision};
+        match self {
+            GemvActivations::Int16Pair => Precision::Int(Activations::I16Pair),
+            GemvActivations::F32 => Precision::F32,
+            GemvActivations::Int16 => Precision::Int(Activations::I16),
+            GemvActivations::Int8 => Precision::Int(Activations::I8),
+        }
+    }
 }
 
 /// Deterministic ids spread over the vocabulary (random weights make any ids equally good).
@@ -106,7 +127,7 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(threads) = args.threads {
         pool::set_threads(threads);
     }
-    qint::set_enabled(args.int8_activations);
+    qint::set_precision(args.activations.precision());
     let model_dir = resolve_model(&args.model)?;
     let start = Instant::now();
     let model = oxlm_models::load_on(&model_dir, &args.device)
@@ -141,7 +162,7 @@ pub fn run(args: Args) -> Result<()> {
         "model": args.model.display().to_string(),
         "device": args.device.to_string(),
         "threads": pool::threads(),
-        "int8_activations": args.int8_activations,
+        "activations": format!("{:?}", args.activations.precision()),
         "load_s": load_s,
         "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens,

@@ -54,7 +54,7 @@ pub struct Args {
     /// Prompt tokens processed per forward pass.
     #[arg(long, default_value_t = DEFAULT_PREFILL_STEP)]
     prefill_step_size: usize,
-    /// Kernel threads (default: one on machines of two or fewer CPUs, else all).
+    /// Kernel threads (default: one per physical core).
     #[arg(long)]
     threads: Option<usize>,
     /// Where the model runs: cpu, cuda (GPU 0) or cuda:N.

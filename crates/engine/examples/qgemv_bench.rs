@@ -1,6 +1,6 @@
-//! Single-threaded throughput of the CPU matmul kernels on random weights.
+//! Throughput of the CPU matmul kernels on random weights, on one thread unless told otherwise.
 //!
-//! `cargo run --release -p oxlm-engine --example qgemv_bench [seconds per case]`
+//! `cargo run --release -p oxlm-engine --example qgemv_bench [seconds per case] [threads]`
 //!
 //! GEMV figures are GB/s of weight bytes read (packed integers, scales and biases), GEMM figures
 //! GFLOP/s (2·m·n·k): the median of repeated runs, then the best one (other work on a shared core
@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use half::bf16;
-use oxlm_engine::cpu::{dense, qint, qmatmul, Isa};
+use oxlm_engine::cpu::{dense, pool, qint, qmatmul, Isa};
 use oxlm_engine::{Bytes, DType, FloatMatrix, QuantizedMatrix};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -62,10 +62,14 @@ fn main() {
     let secs: f64 = std::env::args()
         .nth(1)
         .map_or(1.0, |s| s.parse().expect("seconds per case"));
+    let threads: usize = std::env::args()
+        .nth(2)
+        .map_or(1, |s| s.parse().expect("threads"));
+    pool::set_threads(threads);
     let budget = Duration::from_secs_f64(secs);
     let mut rng = StdRng::seed_from_u64(0);
     let isas = Isa::available();
-    println!("kernels available: {isas:?}");
+    println!("kernels available: {isas:?}; {threads} thread(s)");
 
     println!("\nGEMV, m = 1 (GB/s of weight bytes; ms per call)");
     for (rows, cols, bits, g) in [
@@ -84,20 +88,21 @@ fn main() {
         for &isa in &isas {
             let (t, best) = time(budget, || qmatmul::gemv(isa, &w.view(), &x, 1, &mut y));
             println!(
-                "  {rows:>5}x{cols} {bits}-bit g{g} {isa:<8?} {:6.2} GB/s (best {:6.2})  {:7.3} ms",
+                "  {rows:>5}x{cols} {bits}-bit g{g} {:<18} {:6.2} GB/s (best {:6.2})  {:7.3} ms",
+                format!("{isa:?} f32"),
                 gbs(t),
                 gbs(best),
                 t * 1e3
             );
         }
-        if !qint::supports(&w.view()) {
-            continue;
-        }
-        for kernel in qint::IntKernel::available() {
+        for &kernel in qint::IntKernel::available() {
+            if !kernel.supports(&w.view()) {
+                continue;
+            }
             let (t, best) = time(budget, || qint::gemv(kernel, &w.view(), &x, 1, &mut y));
             println!(
-                "  {rows:>5}x{cols} {bits}-bit g{g} int8 {:<4} {:6.2} GB/s (best {:6.2})  {:7.3} ms",
-                format!("{kernel:?}"),
+                "  {rows:>5}x{cols} {bits}-bit g{g} {:<18} {:6.2} GB/s (best {:6.2})  {:7.3} ms",
+                format!("{:?} {:?}", kernel.isa, kernel.activations),
                 gbs(t),
                 gbs(best),
                 t * 1e3

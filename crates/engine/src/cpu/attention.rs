@@ -41,10 +41,14 @@ impl GroupAttention<'_> {
         for j0 in (0..n).step_by(BLOCK) {
             let j1 = (j0 + BLOCK).min(n);
             for (g, q) in self.queries.chunks_exact(d).enumerate() {
-                for j in j0..j1 {
-                    let k = &self.keys[j * d..(j + 1) * d];
-                    scores[g * n + j] = super::dense::dot_with(isa, q, k) * self.scale;
-                }
+                let keys = &self.keys[j0 * d..j1 * d];
+                key_scores(
+                    isa,
+                    q,
+                    keys,
+                    self.scale,
+                    &mut scores[g * n + j0..g * n + j1],
+                );
             }
         }
         for s in scores[..group * n].chunks_exact_mut(n) {
@@ -61,12 +65,30 @@ impl GroupAttention<'_> {
     }
 }
 
+/// `out[j] = scale · q · k_j` for the rows `k_j` of `keys`, `q.len()` apart.
+fn key_scores(isa: Isa, q: &[f32], keys: &[f32], scale: f32, out: &mut [f32]) {
+    match isa {
+        // SAFETY: the caller checked the processor; the kernel checks bounds.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx if q.len().is_multiple_of(8) => unsafe {
+            super::avx2::scores(q, keys, scale, out)
+        },
+        _ => {
+            for (o, k) in out.iter_mut().zip(keys.chunks_exact(q.len())) {
+                *o = super::dense::dot_with(isa, q, k) * scale;
+            }
+        }
+    }
+}
+
 /// `o += Σ_j p[j] · v[j]` for rows `v[j]` of `o.len()` values.
 fn axpy_rows(isa: Isa, p: &[f32], v: &[f32], o: &mut [f32]) {
     match isa {
         // SAFETY: the caller checked the processor; the kernel checks bounds.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 if o.len().is_multiple_of(8) => unsafe { super::avx2::axpy_rows(p, v, o) },
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx if o.len().is_multiple_of(8) => unsafe {
+            super::avx2::axpy_rows(p, v, o)
+        },
         _ => {
             let d = o.len();
             for (&pj, vj) in p.iter().zip(v.chunks_exact(d)) {
@@ -85,7 +107,7 @@ pub fn softmax(isa: Isa, x: &mut [f32]) {
     let sum = match isa {
         // SAFETY: the caller checked the processor.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { super::avx2::exp_sub_sum(x, max) },
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe { super::avx2::exp_sub_sum(x, max) },
         _ => {
             let mut sum = 0.0;
             for v in x.iter_mut() {

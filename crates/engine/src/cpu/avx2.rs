@@ -41,6 +41,13 @@ impl Elem for bf16 {
     }
 }
 
+/// Asks for the cache line at `p` (any address: a prefetch never faults).
+#[target_feature(enable = "sse")]
+#[inline]
+pub(super) unsafe fn prefetch<T>(p: *const T) {
+    _mm_prefetch::<_MM_HINT_T0>(p.cast());
+}
+
 /// Eight values from `p` as f32.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
@@ -67,7 +74,7 @@ pub(super) unsafe fn hsum(v: __m256) -> f32 {
 /// The lane sums of four vectors, in order.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn hsum4(v: &[__m256; 4]) -> __m128 {
+pub(super) unsafe fn hsum4(v: &[__m256; 4]) -> __m128 {
     let t = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
     _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t))
 }
@@ -491,6 +498,43 @@ pub(super) unsafe fn qrows_spread<const B: usize, const R: usize>(
         out[r] = hsum(total[r]);
     }
     out
+}
+
+/// The lane sums of eight vectors, in order, by one transposing reduction.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn hsum8(v: &[__m256; 8]) -> __m256 {
+    let t: [__m256; 4] = std::array::from_fn(|i| _mm256_hadd_ps(v[2 * i], v[2 * i + 1]));
+    let (u0, u1) = (_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
+    _mm256_add_ps(
+        _mm256_permute2f128_ps::<0x20>(u0, u1),
+        _mm256_permute2f128_ps::<0x31>(u0, u1),
+    )
+}
+
+/// `out[j] = scale · q · k_j` for the rows `k_j` of `keys` (`q.len()` apart, a multiple of 8),
+/// eight keys at a time: eight accumulators, then one transposing reduction for the eight sums.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn scores(q: &[f32], keys: &[f32], scale: f32, out: &mut [f32]) {
+    let d = q.len();
+    let n = out.len();
+    assert!(d.is_multiple_of(8) && keys.len() >= n * d);
+    let (pq, pk) = (q.as_ptr(), keys.as_ptr());
+    let s = _mm256_set1_ps(scale);
+    let full = n / 8 * 8;
+    for j0 in (0..full).step_by(8) {
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for c in (0..d).step_by(8) {
+            let qv = _mm256_loadu_ps(pq.add(c));
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(pk.add((j0 + j) * d + c)), *a);
+            }
+        }
+        _mm256_storeu_ps(out.as_mut_ptr().add(j0), _mm256_mul_ps(hsum8(&acc), s));
+    }
+    for (j, o) in out.iter_mut().enumerate().skip(full) {
+        *o = dot(q, &keys[j * d..(j + 1) * d]) * scale;
+    }
 }
 
 /// `o += Σ_j p[j] · v[j]` for rows `v[j]` of `o.len()` (a multiple of 8) values.

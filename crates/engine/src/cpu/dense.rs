@@ -29,7 +29,7 @@ pub fn gemv(isa: Isa, w: &FloatMatrix, x: &[f32], m: usize, y: &mut [f32]) {
         Isa::Portable => gemv_portable(w, x, m, y),
         // SAFETY: `check` found AVX2, FMA and F16C.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe {
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe {
             match w.values() {
                 FloatSlice::F32(v) => gemv_avx2(v, w.rows, w.cols, x, m, y),
                 FloatSlice::F16(v) => gemv_avx2(v, w.rows, w.cols, x, m, y),
@@ -37,7 +37,7 @@ pub fn gemv(isa: Isa, w: &FloatMatrix, x: &[f32], m: usize, y: &mut [f32]) {
             }
         },
         #[cfg(not(target_arch = "x86_64"))]
-        Isa::Avx2 => unreachable!(),
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unreachable!(),
     }
 }
 
@@ -58,13 +58,13 @@ pub fn dot_with(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     match isa {
         Isa::Portable => dot_portable(a, b),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => {
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => {
             isa.check();
             // SAFETY: just checked.
             unsafe { super::avx2::dot(a, b) }
         }
         #[cfg(not(target_arch = "x86_64"))]
-        Isa::Avx2 => {
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => {
             isa.check();
             unreachable!()
         }
@@ -161,9 +161,11 @@ impl Panels for FloatMatrix {
                 Isa::Portable => values.to_f32(start, out),
                 // SAFETY: the caller checked the processor.
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 => unsafe { super::avx2::convert_slice(values, start, out) },
+                Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe {
+                    super::avx2::convert_slice(values, start, out)
+                },
                 #[cfg(not(target_arch = "x86_64"))]
-                Isa::Avx2 => unreachable!(),
+                Isa::Avx2 | Isa::Avx512 | Isa::Amx => unreachable!(),
             }
         }
     }

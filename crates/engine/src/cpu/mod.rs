@@ -1,15 +1,18 @@
-//! CPU kernels: AVX2+FMA where the processor has them (checked at run time), portable code
-//! everywhere else.
+//! CPU kernels: AVX2+FMA where the processor has them (checked at run time), AVX-512 and AMX
+//! tiles for the GEMM and AVX-VNNI / AVX512-VNNI for the integer GEMVs where present, portable
+//! code everywhere else.
 //!
-//! Kernels take f32 activations (the integer GEMV of [`qint`] quantizes them itself); matmuls
+//! Kernels take f32 activations (the integer GEMVs of [`qint`] quantize them themselves); matmuls
 //! and attention split their outputs over [`pool`]. Each public entry point has an `Isa`-taking
 //! variant so that tests can run the AVX2 and the portable code side by side.
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
-mod avx2_int;
+mod avx512;
 pub mod dense;
 pub mod elementwise;
 mod gemm;
@@ -18,39 +21,47 @@ pub mod qint;
 pub mod qmatmul;
 pub mod recurrent;
 pub mod transposed;
+#[cfg(target_arch = "x86_64")]
+mod x86_int;
 
 use std::cell::RefCell;
+use std::sync::OnceLock;
 
-/// The instruction set a kernel is written for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The instruction set a kernel is written for; each includes the ones before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
     /// Plain Rust, for any processor.
     Portable,
     /// x86-64 AVX2 with FMA and F16C (every AVX2 processor has F16C).
     Avx2,
+    /// AVX2 plus AVX-512 F, BW, DQ and VL (x86-64-v4): the GEMM runs 16 lanes wide, every other
+    /// kernel as on AVX2.
+    Avx512,
+    /// AVX-512 plus AMX-BF16 tiles that Linux lets this process use: the GEMM on 4- and 8-bit
+    /// weights runs on tiles (`amx`), everything else as on AVX-512.
+    Amx,
 }
 
 impl Isa {
-    /// The fastest kernels this processor runs.
+    /// The fastest kernels this processor runs, detected once (kernels ask per call).
     pub fn best() -> Isa {
-        if Isa::Avx2.is_available() {
-            Isa::Avx2
-        } else {
-            Isa::Portable
-        }
+        static BEST: OnceLock<Isa> = OnceLock::new();
+        *BEST.get_or_init(|| match (avx2_detected(), avx512_detected()) {
+            (true, true) if amx_detected() => Isa::Amx,
+            (true, true) => Isa::Avx512,
+            (true, false) => Isa::Avx2,
+            (false, _) => Isa::Portable,
+        })
     }
 
     /// Whether this processor runs these kernels.
     pub fn is_available(self) -> bool {
-        match self {
-            Isa::Portable => true,
-            Isa::Avx2 => avx2_detected(),
-        }
+        self <= Isa::best()
     }
 
-    /// Every kernel set this processor runs.
+    /// Every kernel set this processor runs, slowest first.
     pub fn available() -> Vec<Isa> {
-        [Isa::Portable, Isa::Avx2]
+        [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Amx]
             .into_iter()
             .filter(|isa| isa.is_available())
             .collect()
@@ -67,14 +78,36 @@ impl Isa {
 
 #[cfg(target_arch = "x86_64")]
 fn avx2_detected() -> bool {
-    // std caches the CPUID result, so this is a few loads.
     is_x86_feature_detected!("avx2")
         && is_x86_feature_detected!("fma")
         && is_x86_feature_detected!("f16c")
 }
 
+#[cfg(target_arch = "x86_64")]
+fn avx512_detected() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512dq")
+        && is_x86_feature_detected!("avx512vl")
+}
+
+#[cfg(target_arch = "x86_64")]
+fn amx_detected() -> bool {
+    amx::detected()
+}
+
 #[cfg(not(target_arch = "x86_64"))]
 fn avx2_detected() -> bool {
+    false
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn amx_detected() -> bool {
+    false
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx512_detected() -> bool {
     false
 }
 
@@ -83,26 +116,26 @@ thread_local! {
     static TASK_SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Runs `f` on `len` floats of this thread's scratch space (contents unspecified), which grows
-/// to the largest size asked for and is then reused, so kernels do not allocate per call.
+/// Runs `f` on `len` floats of this thread's scratch space (contents unspecified, starting on a
+/// 64-byte line so that vector loads never straddle two), which grows to the largest size asked
+/// for and is then reused, so kernels do not allocate per call.
 fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
-    SCRATCH.with(|s| {
-        let mut s = s.borrow_mut();
-        if s.len() < len {
-            s.resize(len, 0.0);
-        }
-        f(&mut s[..len])
-    })
+    SCRATCH.with(|s| aligned_prefix(&mut s.borrow_mut(), len, f))
 }
 
 /// As [`with_scratch`], for a pool task: a second buffer, since the thread that starts a job
 /// also runs its tasks while it still holds its own scratch.
 fn with_task_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
-    TASK_SCRATCH.with(|s| {
-        let mut s = s.borrow_mut();
-        if s.len() < len {
-            s.resize(len, 0.0);
-        }
-        f(&mut s[..len])
-    })
+    TASK_SCRATCH.with(|s| aligned_prefix(&mut s.borrow_mut(), len, f))
+}
+
+/// Floats of a line-aligned slice.
+const LINE_FLOATS: usize = 16;
+
+fn aligned_prefix<R>(v: &mut Vec<f32>, len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    if v.len() < len + LINE_FLOATS {
+        v.resize(len + LINE_FLOATS, 0.0);
+    }
+    let start = v.as_ptr().align_offset(4 * LINE_FLOATS);
+    f(&mut v[start..start + len])
 }

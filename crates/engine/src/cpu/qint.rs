@@ -1,23 +1,27 @@
-//! The decode GEMV on 4- and 8-bit MLX weights with int8 activations: each activation row is
-//! quantized once per call, per weight group (`x ≈ dx·xq`, `|xq| ≤ 127`), and the packed
-//! integers meet it in 8-bit multiplies, four products summed per 32-bit lane. A group then
-//! contributes `s·dx·Σq·xq + b·Σx`, with `Σx` exact in f32.
+//! The decode GEMV on 4- and 8-bit MLX weights with integer activations: each activation row is
+//! quantized once per call, per weight group (`x ≈ dx·xq`), and the packed integers meet it in
+//! integer multiplies summed exactly in 32-bit lanes. A group then contributes
+//! `s·dx·Σq·xq + b·Σx`, with `Σx` exact in f32, so weights are never converted to float.
 //!
-//! This takes about half the instructions of the f32 path (which converts every weight to
-//! float), so it is faster wherever the GEMV is compute-bound (weights in cache). The price is
-//! activation rounding, up to `dx/2` per element: on the tiny parity models it moves logits by
-//! ~0.1, 50× the tolerance the f32 path meets, so it is off unless [`set_enabled`] turns it on.
+//! How exact that is depends on the activations ([`Activations`]):
+//! - int16 pairs (the default): `x ≈ dx·(h + l/65536)`, two int16 multiplies per weight against
+//!   one unpacking. Rounding moves x by at most `max|x|·2^-32` of its group, below f32's own
+//!   rounding of most elements: the tiny parity models' logits stay within ~1e-4 of mlx, as on
+//!   the f32 path.
+//! - int16 (`vpmaddwd` / `vpdpwssd`): rounding moves x by up to `max|x|/65534`, which moves
+//!   those logits by ~3e-3, over the parity tolerance of 2e-3: only on request.
+//! - int8 (`vpmaddubsw` / `vpdpbusd`): fewest instructions, but the rounding (`max|x|/254`)
+//!   moves those logits by ~0.1: only on request.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::OnceLock;
 
 use super::pool::{self, SharedMut};
-use super::{with_scratch, Isa};
+use super::qmatmul::weight_bytes;
+use super::with_scratch;
 #[cfg(target_arch = "x86_64")]
 use crate::float::FloatSlice;
 use crate::quant::QuantizedView;
-
-/// Packed bytes per kernel step: 64 weights at 4 bits, 32 at 8.
-pub(super) const CHUNK_BYTES: usize = 32;
 
 /// Weight rows handed to one kernel call per activation row: their bytes stay in L1/L2 while
 /// every activation row passes over them.
@@ -26,52 +30,185 @@ const ROW_BLOCK: usize = 16;
 /// Weight rows per pool task.
 const TASK_ROWS: usize = 64;
 
-static ENABLED: AtomicBool = AtomicBool::new(false);
-
-/// Routes [`super::qmatmul::matmul`]'s GEMV through the integer kernels (where the processor and
-/// the weights allow) for all later calls in the process.
-pub fn set_enabled(on: bool) {
-    ENABLED.store(on, Ordering::Relaxed);
-}
-
-/// Whether [`set_enabled`] turned the integer GEMV on.
-pub fn enabled() -> bool {
-    ENABLED.load(Ordering::Relaxed)
-}
-
-/// The integer kernels a processor may run.
+/// How the decode GEMV ([`super::qmatmul::matmul`] with few activation rows) treats activations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum IntKernel {
-    /// `vpmaddubsw` + `vpmaddwd` (any AVX2 processor).
+pub enum Precision {
+    /// f32 activations against weights converted to float (`qmatmul::gemv`).
+    F32,
+    /// Integer activations of the given kind where an integer kernel takes the weights, f32
+    /// elsewhere.
+    Int(Activations),
+}
+
+/// The default: int16 pairs, as exact as the f32 path.
+pub const DEFAULT_PRECISION: Precision = Precision::Int(Activations::I16Pair);
+
+/// [`Precision`] as one byte: 0 for f32, else one more than the activations' index.
+static PRECISION: AtomicU8 = AtomicU8::new(encode(DEFAULT_PRECISION));
+
+const fn encode(p: Precision) -> u8 {
+    match p {
+        Precision::F32 => 0,
+        Precision::Int(a) => a as u8 + 1,
+    }
+}
+
+/// Sets the decode GEMV's activation precision for all later calls in the process.
+pub fn set_precision(p: Precision) {
+    PRECISION.store(encode(p), Ordering::Relaxed);
+}
+
+/// The decode GEMV's activation precision ([`DEFAULT_PRECISION`] unless [`set_precision`] said
+/// otherwise).
+pub fn precision() -> Precision {
+    let code = PRECISION.load(Ordering::Relaxed);
+    Activations::ALL
+        .into_iter()
+        .find(|&a| encode(Precision::Int(a)) == code)
+        .map_or(Precision::F32, Precision::Int)
+}
+
+/// The integers activations are quantized to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activations {
+    I8,
+    I16,
+    /// Two int16 per element: `x ≈ dx·(h + l/65536)`.
+    I16Pair,
+}
+
+impl Activations {
+    pub const ALL: [Activations; 3] = [Activations::I8, Activations::I16, Activations::I16Pair];
+
+    /// The largest `|xq|`.
+    pub fn max(self) -> f32 {
+        match self {
+            Activations::I8 => 127.0,
+            Activations::I16 | Activations::I16Pair => 32767.0,
+        }
+    }
+
+    /// The scale of each element's last integer relative to `dx`, and so of the rounding error:
+    /// `1` for one integer, `2^-16` for the low half of a pair.
+    pub fn resolution(self) -> f32 {
+        match self {
+            Activations::I16Pair => LOW_SCALE,
+            _ => 1.0,
+        }
+    }
+
+    fn bits(self) -> usize {
+        match self {
+            Activations::I8 => 8,
+            Activations::I16 | Activations::I16Pair => 16,
+        }
+    }
+
+    /// Integers per element.
+    fn pieces(self) -> usize {
+        match self {
+            Activations::I16Pair => 2,
+            _ => 1,
+        }
+    }
+}
+
+/// The weight of the low integer of an int16 pair.
+pub(super) const LOW_SCALE: f32 = 1.0 / 65536.0;
+
+/// The instruction sets of the integer kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IntIsa {
+    /// `vpmaddubsw` / `vpmaddwd` on 256 bits (any AVX2 processor).
     Avx2,
-    /// `vpdpbusd` (AVX-VNNI: Alder Lake, Sapphire Rapids, Zen 5 and later).
-    Vnni,
+    /// `vpdpbusd` / `vpdpwssd` on 256 bits (AVX-VNNI: Alder Lake, Sapphire Rapids, Zen 5 and
+    /// later).
+    AvxVnni,
+    /// `vpdpbusd` / `vpdpwssd` on 512 bits (AVX512-VNNI: Ice Lake server, Zen 4 and later).
+    Avx512Vnni,
+}
+
+/// One integer GEMV kernel: an instruction set and the activations it takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IntKernel {
+    pub isa: IntIsa,
+    pub activations: Activations,
+}
+
+/// The integer kernels this processor runs, slowest instruction set first.
+fn detect() -> Vec<IntKernel> {
+    let mut isas = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    if super::Isa::Avx2.is_available() {
+        isas.push(IntIsa::Avx2);
+        if is_x86_feature_detected!("avxvnni") {
+            isas.push(IntIsa::AvxVnni);
+        }
+        if is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vnni")
+        {
+            isas.push(IntIsa::Avx512Vnni);
+        }
+    }
+    isas.into_iter()
+        .flat_map(|isa| Activations::ALL.map(|activations| IntKernel { isa, activations }))
+        .collect()
 }
 
 impl IntKernel {
-    /// The fastest integer kernels this processor runs, if any.
-    pub fn best() -> Option<IntKernel> {
-        IntKernel::available().pop()
+    /// Every integer kernel this processor runs, slowest instruction set first (measured with
+    /// `examples/qgemv_bench`). Detected once.
+    pub fn available() -> &'static [IntKernel] {
+        static AVAILABLE: OnceLock<Vec<IntKernel>> = OnceLock::new();
+        AVAILABLE.get_or_init(detect)
     }
 
-    /// Every integer kernel set this processor runs, slowest first.
-    pub fn available() -> Vec<IntKernel> {
-        let mut out = Vec::new();
-        #[cfg(target_arch = "x86_64")]
-        if Isa::Avx2.is_available() {
-            out.push(IntKernel::Avx2);
-            if is_x86_feature_detected!("avxvnni") {
-                out.push(IntKernel::Vnni);
-            }
+    /// The fastest kernel with `activations` that this processor runs and that takes `w`.
+    pub fn best(activations: Activations, w: &QuantizedView) -> Option<IntKernel> {
+        IntKernel::available()
+            .iter()
+            .rev()
+            .find(|k| k.activations == activations && k.supports(w))
+            .copied()
+    }
+
+    /// Bits of packed weights per kernel step.
+    fn vector_bits(self) -> usize {
+        match self.isa {
+            IntIsa::Avx512Vnni => 512,
+            IntIsa::Avx2 | IntIsa::AvxVnni => 256,
         }
-        out
+    }
+
+    /// Whether the kernel takes `w`: 4 or 8 bits, rows a whole number of vectors.
+    pub fn supports(self, w: &QuantizedView) -> bool {
+        matches!(w.bits, 4 | 8) && (w.cols * w.bits as usize).is_multiple_of(self.vector_bits())
+    }
+
+    /// How activations meet one vector ("chunk") of packed `bits`-bit weights: the kernels split
+    /// the vector into `P = A/bits` planes of A-bit lanes (A: activation bits), plane `k` holding
+    /// the integer at bits `bits·k..` of every lane, so the activations of a chunk are laid out
+    /// plane after plane, element `P·l + k` of the chunk at `k·lanes + l` (and for pairs, the
+    /// high integers of the chunk, then the low ones). Returns (elements per chunk, P, lanes).
+    fn layout(self, bits: usize) -> (usize, usize, usize) {
+        let a = self.activations.bits();
+        (self.vector_bits() / bits, a / bits, self.vector_bits() / a)
+    }
+
+    /// Whether the kernel multiplies `q - 128` rather than `q` (the int8 AVX2 kernel at 8 bits,
+    /// since `vpmaddubsw` pairs of `255·127` would saturate).
+    fn centres(self, bits: u32) -> bool {
+        self.isa == IntIsa::Avx2 && self.activations == Activations::I8 && bits == 8
     }
 }
 
-/// Whether the integer GEMV takes `w`: 4 or 8 bits, rows a whole number of 32-byte chunks.
-pub fn supports(w: &QuantizedView) -> bool {
-    matches!(w.bits, 4 | 8) && (w.cols * w.bits as usize).is_multiple_of(CHUNK_BYTES * 8)
-}
+/// The integer the activations of a kernel are stored as.
+pub(super) trait ActInt: bytemuck::Pod + Sync {}
+
+impl ActInt for i8 {}
+
+impl ActInt for i16 {}
 
 /// A weight matrix and one quantized activation row, as the kernels take them.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -81,99 +218,146 @@ pub(super) struct IntRows<'a, T> {
     pub packed: &'a [u8],
     pub scales: &'a [T],
     pub biases: &'a [T],
-    /// `cols` int8 activations; at 4 bits each 64 are reordered evens first, then odds, to meet
-    /// the low and high nibbles of 32 packed bytes.
-    pub xq: &'a [i8],
-    /// Per group: the activation scale, the exact sum of x, and the integer sum the 8-bit AVX2
+    /// The bytes of the activations' integers, each chunk laid out as [`IntKernel::layout`]
+    /// says.
+    pub xq: &'a [u8],
+    /// Per group: the activation scale, the exact sum of x, and the integer sum the centred
     /// kernel leaves out (`128·Σxq`, zero otherwise).
     pub dx: &'a [f32],
     pub sums: &'a [f32],
     pub corr: &'a [f32],
 }
 
-/// Quantizes one activation row per group of `g` into `xq`, `dx`, `sums` and `corr`.
-#[allow(clippy::too_many_arguments)]
-fn quantize_row(
-    x: &[f32],
-    g: usize,
+/// One quantized activation row and its per-group figures.
+struct Act<'a, X> {
+    xq: &'a [X],
+    dx: &'a [f32],
+    sums: &'a [f32],
+    corr: &'a [f32],
+}
+
+/// An activation row being quantized.
+struct ActMut<'a, X> {
+    xq: &'a mut [X],
+    dx: &'a mut [f32],
+    sums: &'a mut [f32],
+    corr: &'a mut [f32],
+}
+
+/// One group of activations quantized: `x ≈ scale·q` (`q` the high integers of pairs).
+pub(super) struct Quantized {
+    pub scale: f32,
+    /// `Σx`, and `Σq` (an integer, exact in f32 for any group).
+    pub sum: f32,
+    pub int_sum: f32,
+}
+
+/// Quantizes `x` per group of `g` for `kernel` on `bits`-bit weights, through `natural` (as
+/// long as `x` for each piece: high integers, then low), which receives the integers in their
+/// own order first.
+fn quantize_row<X: ActInt>(
+    kernel: IntKernel,
     bits: u32,
-    centred: bool,
-    xq: &mut [i8],
-    dx: &mut [f32],
-    sums: &mut [f32],
-    corr: &mut [f32],
+    g: usize,
+    x: &[f32],
+    natural: &mut [X],
+    a: ActMut<X>,
 ) {
-    for (gi, group) in x.chunks_exact(g).enumerate() {
-        let amax = group.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-        let mut isum = 0i32;
-        for (i, &v) in group.iter().enumerate() {
-            // Adding and removing 1.5·2^23 rounds to nearest even without a libm call.
-            const MAGIC: f32 = 12_582_912.0;
-            let q = ((v * inv + MAGIC) - MAGIC) as i8;
-            isum += q as i32;
-            // At 4 bits each 64 elements go evens first, then odds (a chunk may span two
-            // groups of 32).
-            let e = gi * g + i;
-            let at = if bits == 4 {
-                e / 64 * 64 + e % 64 / 2 + 32 * (e % 2)
-            } else {
-                e
-            };
-            xq[at] = q;
+    let max = kernel.activations.max();
+    let centred = kernel.centres(bits);
+    let (high, low) = natural.split_at_mut(x.len());
+    let mut low = low.chunks_exact_mut(g);
+    for (gi, (group, h)) in x.chunks_exact(g).zip(high.chunks_exact_mut(g)).enumerate() {
+        let l = low.next().unwrap_or_default();
+        // SAFETY: integer kernels run only where AVX2 and FMA are present.
+        #[cfg(target_arch = "x86_64")]
+        let q = unsafe { super::x86_int::quantize_group(group, max, h, l) };
+        #[cfg(not(target_arch = "x86_64"))]
+        let q: Quantized = unreachable!("no integer kernels off x86-64: {group:?} {h:?} {l:?}");
+        a.dx[gi] = q.scale;
+        a.sums[gi] = q.sum;
+        a.corr[gi] = if centred { 128.0 * q.int_sum } else { 0.0 };
+    }
+    let (per_chunk, per_lane, lanes) = kernel.layout(bits as usize);
+    let pieces = kernel.activations.pieces();
+    for (piece, nat) in natural.chunks_exact(x.len()).enumerate() {
+        let chunks = a.xq.chunks_exact_mut(pieces * per_chunk);
+        for (out, nat) in chunks.zip(nat.chunks_exact(per_chunk)) {
+            let out = &mut out[piece * per_chunk..(piece + 1) * per_chunk];
+            match per_lane {
+                1 => out.copy_from_slice(nat),
+                2 => planes::<2, X>(out, nat, lanes),
+                _ => planes::<4, X>(out, nat, lanes),
+            }
         }
-        dx[gi] = d;
-        sums[gi] = group.iter().sum();
-        corr[gi] = if centred { 128.0 * isum as f32 } else { 0.0 };
     }
 }
 
-/// `y[m, rows] = x[m, cols] · Wᵀ` with int8 activations on `kernel` (which the processor must
-/// run; see [`IntKernel::available`]), for weights [`supports`] accepts.
+/// Element `P·l + k` of `natural` (one chunk) to `k·lanes + l` of `out`.
+fn planes<const P: usize, X: Copy>(out: &mut [X], natural: &[X], lanes: usize) {
+    for (k, plane) in out.chunks_exact_mut(lanes).enumerate() {
+        for (o, n) in plane.iter_mut().zip(natural.chunks_exact(P)) {
+            *o = n[k];
+        }
+    }
+}
+
+/// `y[m, rows] = x[m, cols] · Wᵀ` with integer activations on `kernel` (which the processor must
+/// run and [`IntKernel::supports`] must accept `w`).
 pub fn gemv(kernel: IntKernel, w: &QuantizedView, x: &[f32], m: usize, y: &mut [f32]) {
     assert!(
-        IntKernel::available().contains(&kernel) && supports(w),
+        IntKernel::available().contains(&kernel) && kernel.supports(w),
         "{kernel:?} integer GEMV on {}-bit [{}, {}]",
         w.bits,
         w.rows,
         w.cols
     );
     assert!(x.len() >= m * w.cols && y.len() >= m * w.rows);
+    match kernel.activations {
+        Activations::I8 => gemv_with::<i8>(kernel, w, x, m, y),
+        Activations::I16 | Activations::I16Pair => gemv_with::<i16>(kernel, w, x, m, y),
+    }
+}
+
+fn gemv_with<X: ActInt>(kernel: IntKernel, w: &QuantizedView, x: &[f32], m: usize, y: &mut [f32]) {
     let (cols, g) = (w.cols, w.group_size);
     let groups = cols / g;
-    // The AVX2 kernel centres 8-bit weights; VNNI multiplies them unsigned.
-    let centred = w.bits == 8 && kernel == IntKernel::Avx2;
-    let xq_floats = cols.div_ceil(4);
-    with_scratch(m * (xq_floats + 4 * groups), |s| {
+    let ints = cols * kernel.activations.pieces();
+    let xq_floats = (ints * size_of::<X>()).div_ceil(4);
+    with_scratch((m + 1) * xq_floats + 3 * m * groups, |s| {
         let (xq, s) = s.split_at_mut(m * xq_floats);
-        let xq: &mut [i8] = &mut bytemuck::cast_slice_mut(xq)[..m * cols];
+        let xq: &mut [X] = &mut bytemuck::cast_slice_mut(xq)[..m * ints];
+        let (natural, s) = s.split_at_mut(xq_floats);
+        let natural: &mut [X] = &mut bytemuck::cast_slice_mut(natural)[..ints];
         let (dx, s) = s.split_at_mut(m * groups);
-        let (sums, s) = s.split_at_mut(m * groups);
-        let (corr, _) = s.split_at_mut(m * groups);
+        let (sums, corr) = s.split_at_mut(m * groups);
         for i in 0..m {
             let gs = i * groups..(i + 1) * groups;
+            let act = ActMut {
+                xq: &mut xq[i * ints..(i + 1) * ints],
+                dx: &mut dx[gs.clone()],
+                sums: &mut sums[gs.clone()],
+                corr: &mut corr[gs],
+            };
             quantize_row(
-                &x[i * cols..(i + 1) * cols],
-                g,
+                kernel,
                 w.bits,
-                centred,
-                &mut xq[i * cols..(i + 1) * cols],
-                &mut dx[gs.clone()],
-                &mut sums[gs.clone()],
-                &mut corr[gs],
+                g,
+                &x[i * cols..(i + 1) * cols],
+                natural,
+                act,
             );
         }
         let (xq, dx, sums, corr) = (&*xq, &*dx, &*sums, &*corr);
         let y = SharedMut::new(y);
-        pool::parallel_for(w.rows.div_ceil(TASK_ROWS), &|t| {
+        pool::parallel_for_bytes(w.rows.div_ceil(TASK_ROWS), weight_bytes(w), &|t| {
             let end = (t * TASK_ROWS + TASK_ROWS).min(w.rows);
             for r0 in (t * TASK_ROWS..end).step_by(ROW_BLOCK) {
                 let r1 = (r0 + ROW_BLOCK).min(end);
                 for i in 0..m {
                     let gs = i * groups..(i + 1) * groups;
                     let act = Act {
-                        xq: &xq[i * cols..(i + 1) * cols],
+                        xq: &xq[i * ints..(i + 1) * ints],
                         dx: &dx[gs.clone()],
                         sums: &sums[gs.clone()],
                         corr: &corr[gs],
@@ -187,26 +371,22 @@ pub fn gemv(kernel: IntKernel, w: &QuantizedView, x: &[f32], m: usize, y: &mut [
     })
 }
 
-/// One quantized activation row.
-struct Act<'a> {
-    xq: &'a [i8],
-    dx: &'a [f32],
-    sums: &'a [f32],
-    corr: &'a [f32],
-}
-
 /// Rows `r0..r1` of `w` against one activation row.
 #[cfg(target_arch = "x86_64")]
-fn rows(kernel: IntKernel, w: &QuantizedView, a: &Act, r0: usize, r1: usize, y: &mut [f32]) {
-    #[allow(clippy::too_many_arguments)]
-    fn run<T: super::avx2::Elem>(
+fn rows<X: ActInt>(
+    kernel: IntKernel,
+    w: &QuantizedView,
+    a: &Act<X>,
+    r0: usize,
+    r1: usize,
+    y: &mut [f32],
+) {
+    fn run<T: super::avx2::Elem, X: ActInt>(
         kernel: IntKernel,
         w: &QuantizedView,
-        scales: &[T],
-        biases: &[T],
-        a: &Act,
-        r0: usize,
-        r1: usize,
+        (scales, biases): (&[T], &[T]),
+        a: &Act<X>,
+        (r0, r1): (usize, usize),
         y: &mut [f32],
     ) {
         let rows = IntRows {
@@ -215,31 +395,52 @@ fn rows(kernel: IntKernel, w: &QuantizedView, a: &Act, r0: usize, r1: usize, y: 
             packed: bytemuck::cast_slice(w.packed),
             scales,
             biases,
-            xq: a.xq,
+            xq: bytemuck::cast_slice(a.xq),
             dx: a.dx,
             sums: a.sums,
             corr: a.corr,
         };
-        use super::avx2_int::{rows_avx2, rows_vnni};
-        // SAFETY: `gemv` checked that the processor runs `kernel`; the kernels check bounds.
+        use super::x86_int::*;
+        /// `$kernel::<T, bits, group size, pair>` for the runtime bits and group size.
+        macro_rules! by_shape {
+            ($kernel:ident, $pair:literal) => {
+                match (w.bits, w.group_size) {
+                    (4, 32) => $kernel::<T, 4, 32, $pair>(&rows, r0, r1, y),
+                    (4, 64) => $kernel::<T, 4, 64, $pair>(&rows, r0, r1, y),
+                    (4, _) => $kernel::<T, 4, 128, $pair>(&rows, r0, r1, y),
+                    (_, 32) => $kernel::<T, 8, 32, $pair>(&rows, r0, r1, y),
+                    (_, 64) => $kernel::<T, 8, 64, $pair>(&rows, r0, r1, y),
+                    _ => $kernel::<T, 8, 128, $pair>(&rows, r0, r1, y),
+                }
+            };
+        }
+        use Activations::*;
+        // SAFETY: `gemv` checked that the processor runs `kernel` and that it takes `w`; the
+        // kernels check bounds.
         unsafe {
-            match (kernel, w.bits) {
-                (IntKernel::Avx2, 4) => rows_avx2::<T, 4>(&rows, r0, r1, y),
-                (IntKernel::Avx2, _) => rows_avx2::<T, 8>(&rows, r0, r1, y),
-                (IntKernel::Vnni, 4) => rows_vnni::<T, 4>(&rows, r0, r1, y),
-                (IntKernel::Vnni, _) => rows_vnni::<T, 8>(&rows, r0, r1, y),
+            match (kernel.isa, kernel.activations) {
+                (IntIsa::Avx2, I8) => by_shape!(avx2_i8, false),
+                (IntIsa::AvxVnni, I8) => by_shape!(vnni_i8, false),
+                (IntIsa::Avx512Vnni, I8) => by_shape!(avx512_i8, false),
+                (IntIsa::Avx2, I16) => by_shape!(avx2_i16, false),
+                (IntIsa::AvxVnni, I16) => by_shape!(vnni_i16, false),
+                (IntIsa::Avx512Vnni, I16) => by_shape!(avx512_i16, false),
+                (IntIsa::Avx2, I16Pair) => by_shape!(avx2_i16, true),
+                (IntIsa::AvxVnni, I16Pair) => by_shape!(vnni_i16, true),
+                (IntIsa::Avx512Vnni, I16Pair) => by_shape!(avx512_i16, true),
             }
         }
     }
+    let rows = (r0, r1);
     match (w.scales, w.biases) {
-        (FloatSlice::F32(s), FloatSlice::F32(b)) => run(kernel, w, s, b, a, r0, r1, y),
-        (FloatSlice::F16(s), FloatSlice::F16(b)) => run(kernel, w, s, b, a, r0, r1, y),
-        (FloatSlice::BF16(s), FloatSlice::BF16(b)) => run(kernel, w, s, b, a, r0, r1, y),
+        (FloatSlice::F32(s), FloatSlice::F32(b)) => run(kernel, w, (s, b), a, rows, y),
+        (FloatSlice::F16(s), FloatSlice::F16(b)) => run(kernel, w, (s, b), a, rows, y),
+        (FloatSlice::BF16(s), FloatSlice::BF16(b)) => run(kernel, w, (s, b), a, rows, y),
         _ => unreachable!("scales and biases share a dtype"),
     }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn rows(_: IntKernel, _: &QuantizedView, _: &Act, _: usize, _: usize, _: &mut [f32]) {
+fn rows<X: ActInt>(_: IntKernel, _: &QuantizedView, _: &Act<X>, _: usize, _: usize, _: &mut [f32]) {
     unreachable!("no integer kernels off x86-64")
 }

@@ -2,7 +2,9 @@
 //!
 //! - GEMV (a few activation rows, as in decoding): each group contributes
 //!   `s · Σ q·x + b · Σ x`, so the packed integers meet x directly and the bias costs one multiply
-//!   per group (`Σ x` per group is computed once per call). The integers are isolated by bit plane,
+//!   per group (`Σ x` per group is computed once per call). On 4- and 8-bit weights [`matmul`]
+//!   takes the integer kernels of [`super::qint`] (int16-pair activations by default, as exact as
+//!   these); the f32-activation kernels here take the rest. The integers are isolated by bit plane,
 //!   one AND per plane (`avx2::qrows_pow2` for 2, 4 and 8 bits, `avx2::qrows_spread` for 3, 5
 //!   and 6), against a copy of x laid out and pre-scaled to match once per call; the portable
 //!   kernels do the same in eight-lane arrays.
@@ -27,7 +29,10 @@ const GEMV_ROWS: usize = 4;
 pub fn matmul(w: &QuantizedView, x: &[f32], m: usize, y: &mut [f32]) {
     let isa = Isa::best();
     if m <= GEMV_MAX_M {
-        let int = qint::IntKernel::best().filter(|_| qint::enabled() && qint::supports(w));
+        let int = match qint::precision() {
+            qint::Precision::Int(a) => qint::IntKernel::best(a, w),
+            qint::Precision::F32 => None,
+        };
         match int {
             Some(kernel) => qint::gemv(kernel, w, x, m, y),
             None => gemv(isa, w, x, m, y),
@@ -46,6 +51,10 @@ pub fn gemv(isa: Isa, w: &QuantizedView, x: &[f32], m: usize, y: &mut [f32]) {
 /// [`matmul`] by the GEMM method on the given kernels (panics if the processor lacks them).
 pub fn gemm(isa: Isa, w: &QuantizedView, x: &[f32], m: usize, y: &mut [f32]) {
     check(isa, w, x, m, y);
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Amx && super::amx::supports(w, m) {
+        return super::amx::gemm(w, x, m, y);
+    }
     gemm::gemm(isa, &QuantPanels(w), x, m, y);
 }
 
@@ -72,7 +81,7 @@ fn dequantize_columns(isa: Isa, w: &QuantizedView, row: usize, k0: usize, out: &
         Isa::Portable => dequantize_portable(w, row, k0, out),
         // SAFETY: the callers checked the processor.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe {
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe {
             use super::avx2::dequantize;
             match w.bits {
                 2 => dequantize::<2>(w, row, k0, out),
@@ -85,7 +94,7 @@ fn dequantize_columns(isa: Isa, w: &QuantizedView, row: usize, k0: usize, out: &
             }
         },
         #[cfg(not(target_arch = "x86_64"))]
-        Isa::Avx2 => unreachable!(),
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unreachable!(),
     }
 }
 
@@ -177,6 +186,15 @@ fn permute_spread(x: &[f32], bits: usize, out: &mut [f32]) {
     }
 }
 
+/// Bytes one pass over `w` reads: packed integers, scales and biases.
+pub(super) fn weight_bytes(w: &QuantizedView) -> usize {
+    let scale_bytes = match w.scales {
+        FloatSlice::F32(_) => 4,
+        FloatSlice::F16(_) | FloatSlice::BF16(_) => 2,
+    };
+    4 * w.packed.len() + scale_bytes * (w.scales.len() + w.biases.len())
+}
+
 /// Weight rows per pool task: enough to amortise waking a worker, few enough to balance.
 const GEMV_TASK_ROWS: usize = 64;
 
@@ -206,7 +224,7 @@ fn gemv_rows(isa: Isa, w: &QuantizedView, x: &[f32], m: usize, y: &mut [f32]) {
         }
         let (xp, sums) = (&*xp, &*sums);
         let y = SharedMut::new(y);
-        pool::parallel_for(rows.div_ceil(GEMV_TASK_ROWS), &|t| {
+        pool::parallel_for_bytes(rows.div_ceil(GEMV_TASK_ROWS), weight_bytes(w), &|t| {
             let r0 = t * GEMV_TASK_ROWS;
             let r1 = (r0 + GEMV_TASK_ROWS).min(rows);
             gemv_task(isa, w, xp, xp_len, sums, m, r0..r1, y);
@@ -279,9 +297,11 @@ fn to_f32(isa: Isa, src: FloatSlice, start: usize, dst: &mut [f32]) {
         Isa::Portable => src.to_f32(start, dst),
         // SAFETY: the callers checked the processor.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { super::avx2::convert_slice(src, start, dst) },
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe {
+            super::avx2::convert_slice(src, start, dst)
+        },
         #[cfg(not(target_arch = "x86_64"))]
-        Isa::Avx2 => unreachable!(),
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unreachable!(),
     }
 }
 
@@ -329,13 +349,13 @@ impl GemvRows<'_> {
             }),
             // SAFETY: the callers checked the processor.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe {
+            Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe {
                 use super::avx2::qrows_pow2;
                 let (p, rw, s, st) = (self.packed, self.row_words, self.scales, self.stride);
                 by_rows!(self.rows, qrows_pow2::<B>(p, rw, wpg, s, st, xp))
             },
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 => unreachable!(),
+            Isa::Avx2 | Isa::Avx512 | Isa::Amx => unreachable!(),
         }
     }
 
@@ -351,7 +371,7 @@ impl GemvRows<'_> {
             }),
             // SAFETY: the callers checked the processor.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe {
+            Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe {
                 use super::avx2::qrows_spread;
                 let bytes: &[u8] = bytemuck::cast_slice(self.packed);
                 let (rb, g, s, st) = (
@@ -363,7 +383,7 @@ impl GemvRows<'_> {
                 by_rows!(self.rows, qrows_spread::<B>(bytes, rb, g, s, st, xp))
             },
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 => unreachable!(),
+            Isa::Avx2 | Isa::Avx512 | Isa::Amx => unreachable!(),
         }
     }
 
