@@ -573,6 +573,30 @@ pub fn matmul(w: &impl WeightMatrix, x: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// `x · Wⱼᵀ` for each of `ws` (a layer's q/k/v projections, say): on the CPU one job over all
+/// their rows, with the activations quantized once; on a GPU one matmul each.
+pub fn quantized_matmul_group(ws: &[&QuantizedMatrix], x: &Tensor) -> Result<Vec<Tensor>> {
+    for w in ws {
+        check(x.cols() == w.cols, || {
+            format!("matmul of {:?} by [{}, {}]ᵀ", x.shape(), w.rows, w.cols)
+        })?;
+    }
+    let Storage::Host(v) = &x.storage else {
+        return ws.iter().map(|w| matmul(*w, x)).collect();
+    };
+    let m = x.rows();
+    let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0.0; m * w.rows]).collect();
+    let views: Vec<_> = ws.iter().map(|w| w.view()).collect();
+    let view_refs: Vec<_> = views.iter().collect();
+    let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
+    cpu::qmatmul::matmul_group(&view_refs, v, m, &mut outs);
+    Ok(ws
+        .iter()
+        .zip(ys)
+        .map(|(w, y)| Tensor::new(with_last(x.shape(), w.rows), y))
+        .collect())
+}
+
 /// `residual += x · Wᵀ`, in one pass where the device allows (a residual connection).
 pub fn matmul_add(w: &impl WeightMatrix, x: &Tensor, residual: &mut Tensor) -> Result<()> {
     let (rows, cols) = w.dims();
@@ -624,8 +648,8 @@ pub fn quantized_glu(
             return Ok(Tensor::on_gpu(with_last(x.shape(), gate.rows), out));
         }
     }
-    let mut h = matmul(gate, x)?;
-    let u = matmul(up, x)?;
+    let mut pair = quantized_matmul_group(&[gate, up], x)?.into_iter();
+    let (mut h, u) = (pair.next().unwrap(), pair.next().unwrap());
     match act {
         Activation::Silu => silu_mul_inplace(&mut h, &u)?,
         Activation::GeluApprox => gelu_approx_mul_inplace(&mut h, &u)?,

@@ -7,12 +7,14 @@
 //! `QuantizedView::dequantize` gives; the kernels differ from it only in summation order and, on
 //! the GEMV path, in applying scale and bias once per group (`s·Σq·x + b·Σx`).
 
-use half::{bf16, f16};
+mod common;
+
+use common::{floats_as, random_quantized as random_matrix, random_vec};
 use oxlm_engine::cpu::{dense, pool, qint, qmatmul, Isa};
 use oxlm_engine::quant::{QuantizedView, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES};
 use oxlm_engine::{Bytes, DType, FloatMatrix, QuantizedMatrix};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 
 const TOLERANCE: f64 = 1e-5;
 const MS: [usize; 4] = [1, 3, 17, 64];
@@ -20,53 +22,6 @@ const SCALE_DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
 type Method = fn(Isa, &QuantizedView, &[f32], usize, &mut [f32]);
 const METHODS: [(&str, Method); 2] = [("gemv", qmatmul::gemv), ("gemm", qmatmul::gemm)];
-
-fn floats_as(dtype: DType, v: &[f32]) -> Bytes {
-    match dtype {
-        DType::F32 => Bytes::from_values(v),
-        DType::F16 => Bytes::from_values(&v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>()),
-        DType::BF16 => {
-            Bytes::from_values(&v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>())
-        }
-        other => panic!("{other} is not a float type"),
-    }
-}
-
-/// Random packed words (every bit pattern), scales of either sign and biases.
-fn random_matrix(
-    rng: &mut StdRng,
-    rows: usize,
-    cols: usize,
-    bits: u32,
-    g: usize,
-    dtype: DType,
-) -> QuantizedMatrix {
-    let words: Vec<u32> = (0..rows * cols * bits as usize / 32)
-        .map(|_| rng.random())
-        .collect();
-    let groups = rows * cols / g;
-    let scales: Vec<f32> = (0..groups)
-        .map(|_| rng.random_range(0.001f32..0.02) * if rng.random() { 1.0 } else { -1.0 })
-        .collect();
-    let biases: Vec<f32> = (0..groups)
-        .map(|_| rng.random_range(-0.1f32..0.1))
-        .collect();
-    QuantizedMatrix::new(
-        rows,
-        cols,
-        bits,
-        g,
-        Bytes::from_values(&words),
-        dtype,
-        floats_as(dtype, &scales),
-        floats_as(dtype, &biases),
-    )
-    .unwrap()
-}
-
-fn random_vec(rng: &mut StdRng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-}
 
 /// `x · Wᵀ` in f64 on the given f32 weights, with `Σ|w·x|` per output.
 fn reference(w: &[f32], rows: usize, cols: usize, x: &[f32], m: usize) -> (Vec<f64>, Vec<f64>) {
@@ -456,6 +411,40 @@ fn matmul_outputs_do_not_depend_on_the_thread_count() {
         };
         let one = run(1);
         assert_eq!(one, run(3), "m={m}");
+    }
+    pool::set_threads(pool::default_threads());
+}
+
+/// Several matrices in one GEMV job give what each gives alone, bit for bit (the activations are
+/// quantized once either way), at any thread count.
+#[test]
+fn grouped_gemv_equals_one_gemv_per_matrix() {
+    let mut rng = StdRng::seed_from_u64(11);
+    for (bits, g) in [(4, 64), (8, 32), (4, 128)] {
+        let ws: Vec<QuantizedMatrix> = [256, 64, 200]
+            .iter()
+            .map(|&rows| random_matrix(&mut rng, rows, 512, bits, g, DType::BF16))
+            .collect();
+        let views: Vec<QuantizedView> = ws.iter().map(|w| w.view()).collect();
+        let refs: Vec<&QuantizedView> = views.iter().collect();
+        for m in [1, 3] {
+            let x = random_vec(&mut rng, m * 512);
+            let alone: Vec<Vec<f32>> = views
+                .iter()
+                .map(|w| {
+                    let mut y = vec![0.0; m * w.rows];
+                    qmatmul::matmul(w, &x, m, &mut y);
+                    y
+                })
+                .collect();
+            for threads in [1, 3] {
+                pool::set_threads(threads);
+                let mut ys: Vec<Vec<f32>> = views.iter().map(|w| vec![0.0; m * w.rows]).collect();
+                let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
+                qmatmul::matmul_group(&refs, &x, m, &mut outs);
+                assert_eq!(ys, alone, "{bits}-bit g{g} m={m} threads={threads}");
+            }
+        }
     }
     pool::set_threads(pool::default_threads());
 }

@@ -595,9 +595,7 @@ impl Attention {
         positions: &Positions,
         lora: ModuleAdapters,
     ) -> OpResult<(Tensor, Tensor, Tensor)> {
-        let mut q = self.q_proj.forward_adapted(x, lora.get("q_proj"))?;
-        let mut k = self.k_proj.forward_adapted(x, lora.get("k_proj"))?;
-        let v = self.v_proj.forward_adapted(x, lora.get("v_proj"))?;
+        let (mut q, mut k, v) = self.qkv(x, lora)?;
         if let Some(norm) = &self.q_norm {
             norm.forward_inplace(&mut q)?;
         }
@@ -609,6 +607,41 @@ impl Attention {
         self.rope
             .apply(&mut k, self.kv_heads, self.head_dim, positions)?;
         Ok((q, k, v))
+    }
+
+    /// The three projections of `x`; one job for all three where they are plain quantized
+    /// layers (biases are added after).
+    fn qkv(&self, x: &Tensor, lora: ModuleAdapters) -> OpResult<(Tensor, Tensor, Tensor)> {
+        let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
+        let names = ["q_proj", "k_proj", "v_proj"];
+        let quantized: Vec<&QuantizedMatrix> = projections
+            .iter()
+            .zip(names)
+            .filter(|(_, name)| lora.get(name).is_none())
+            .filter_map(|(p, _)| match &p.weight {
+                Weight::Quantized(w) => Some(w),
+                Weight::Dense(_) => None,
+            })
+            .collect();
+        if quantized.len() < 3 {
+            return Ok((
+                self.q_proj.forward_adapted(x, lora.get("q_proj"))?,
+                self.k_proj.forward_adapted(x, lora.get("k_proj"))?,
+                self.v_proj.forward_adapted(x, lora.get("v_proj"))?,
+            ));
+        }
+        let mut out = ops::quantized_matmul_group(&quantized, x)?;
+        for (y, p) in out.iter_mut().zip(projections) {
+            if let Some(b) = &p.bias {
+                ops::add_row_inplace(y, b)?;
+            }
+        }
+        let mut out = out.into_iter();
+        Ok((
+            out.next().unwrap(),
+            out.next().unwrap(),
+            out.next().unwrap(),
+        ))
     }
 
     /// As [`Attention::forward`] for a sliding-window layer: each query sees the window its

@@ -305,22 +305,53 @@ fn planes<const P: usize, X: Copy>(out: &mut [X], natural: &[X], lanes: usize) {
 /// `y[m, rows] = x[m, cols] · Wᵀ` with integer activations on `kernel` (which the processor must
 /// run and [`IntKernel::supports`] must accept `w`).
 pub fn gemv(kernel: IntKernel, w: &QuantizedView, x: &[f32], m: usize, y: &mut [f32]) {
+    gemv_group(kernel, &[w], x, m, &mut [y]);
+}
+
+/// [`gemv`] of several matrices of one input width and format against the same activations
+/// (a layer's q/k/v, or gate and up): the activations are quantized once and all the matrices'
+/// rows go to the pool as one job, which wakes the workers once.
+pub fn gemv_group(
+    kernel: IntKernel,
+    ws: &[&QuantizedView],
+    x: &[f32],
+    m: usize,
+    ys: &mut [&mut [f32]],
+) {
+    let first = ws[0];
     assert!(
-        IntKernel::available().contains(&kernel) && kernel.supports(w),
-        "{kernel:?} integer GEMV on {}-bit [{}, {}]",
-        w.bits,
-        w.rows,
-        w.cols
+        ws.len() == ys.len(),
+        "{} matrices, {} outputs",
+        ws.len(),
+        ys.len()
     );
-    assert!(x.len() >= m * w.cols && y.len() >= m * w.rows);
+    for (w, y) in ws.iter().zip(ys.iter()) {
+        assert!(
+            IntKernel::available().contains(&kernel)
+                && kernel.supports(w)
+                && (w.cols, w.bits, w.group_size) == (first.cols, first.bits, first.group_size),
+            "{kernel:?} integer GEMV on {}-bit [{}, {}]",
+            w.bits,
+            w.rows,
+            w.cols
+        );
+        assert!(x.len() >= m * w.cols && y.len() >= m * w.rows);
+    }
     match kernel.activations {
-        Activations::I8 => gemv_with::<i8>(kernel, w, x, m, y),
-        Activations::I16 | Activations::I16Pair => gemv_with::<i16>(kernel, w, x, m, y),
+        Activations::I8 => gemv_with::<i8>(kernel, ws, x, m, ys),
+        Activations::I16 | Activations::I16Pair => gemv_with::<i16>(kernel, ws, x, m, ys),
     }
 }
 
-fn gemv_with<X: ActInt>(kernel: IntKernel, w: &QuantizedView, x: &[f32], m: usize, y: &mut [f32]) {
-    let (cols, g) = (w.cols, w.group_size);
+fn gemv_with<X: ActInt>(
+    kernel: IntKernel,
+    ws: &[&QuantizedView],
+    x: &[f32],
+    m: usize,
+    ys: &mut [&mut [f32]],
+) {
+    let w0 = ws[0];
+    let (cols, g) = (w0.cols, w0.group_size);
     let groups = cols / g;
     let ints = cols * kernel.activations.pieces();
     let xq_floats = (ints * size_of::<X>()).div_ceil(4);
@@ -341,7 +372,7 @@ fn gemv_with<X: ActInt>(kernel: IntKernel, w: &QuantizedView, x: &[f32], m: usiz
             };
             quantize_row(
                 kernel,
-                w.bits,
+                w0.bits,
                 g,
                 &x[i * cols..(i + 1) * cols],
                 natural,
@@ -349,8 +380,17 @@ fn gemv_with<X: ActInt>(kernel: IntKernel, w: &QuantizedView, x: &[f32], m: usiz
             );
         }
         let (xq, dx, sums, corr) = (&*xq, &*dx, &*sums, &*corr);
-        let y = SharedMut::new(y);
-        pool::parallel_for_bytes(w.rows.div_ceil(TASK_ROWS), weight_bytes(w), &|t| {
+        // Task `t` is task `t - starts[j]` of matrix `j`.
+        let mut starts = Vec::with_capacity(ws.len() + 1);
+        starts.push(0);
+        for w in ws {
+            starts.push(starts.last().unwrap() + w.rows.div_ceil(TASK_ROWS));
+        }
+        let outs: Vec<SharedMut<f32>> = ys.iter_mut().map(|y| SharedMut::new(y)).collect();
+        let bytes = ws.iter().map(|w| weight_bytes(w)).sum();
+        pool::parallel_for_bytes(*starts.last().unwrap(), bytes, &|t| {
+            let j = starts.partition_point(|&s| s <= t) - 1;
+            let (w, y, t) = (ws[j], &outs[j], t - starts[j]);
             let end = (t * TASK_ROWS + TASK_ROWS).min(w.rows);
             for r0 in (t * TASK_ROWS..end).step_by(ROW_BLOCK) {
                 let r1 = (r0 + ROW_BLOCK).min(end);

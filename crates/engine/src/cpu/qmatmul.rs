@@ -42,6 +42,31 @@ pub fn matmul(w: &QuantizedView, x: &[f32], m: usize, y: &mut [f32]) {
     }
 }
 
+/// [`matmul`] of several matrices against the same activations, `ys[j]` from `ws[j]`: one pool
+/// job for all of them where they share input width and format and the integer GEMV takes
+/// them (decoding), else one matmul each.
+pub fn matmul_group(ws: &[&QuantizedView], x: &[f32], m: usize, ys: &mut [&mut [f32]]) {
+    let format = |w: &QuantizedView| (w.cols, w.bits, w.group_size);
+    let kernel = match qint::precision() {
+        qint::Precision::Int(a) if m <= GEMV_MAX_M => qint::IntKernel::best(a, ws[0]),
+        _ => None,
+    };
+    match kernel {
+        Some(k)
+            if ws
+                .iter()
+                .all(|w| format(w) == format(ws[0]) && k.supports(w)) =>
+        {
+            qint::gemv_group(k, ws, x, m, ys)
+        }
+        _ => {
+            for (w, y) in ws.iter().zip(ys.iter_mut()) {
+                matmul(w, x, m, y);
+            }
+        }
+    }
+}
+
 /// [`matmul`] by the GEMV method on the given kernels (panics if the processor lacks them).
 pub fn gemv(isa: Isa, w: &QuantizedView, x: &[f32], m: usize, y: &mut [f32]) {
     check(isa, w, x, m, y);
