@@ -10,17 +10,14 @@ import sys
 
 import numpy as np
 
+from shapes import add_shape_args
+
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("llama_cpp")
     ap.add_argument("out")
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--intermediate", type=int, default=5632)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=32000)
+    add_shape_args(ap)
     a = ap.parse_args()
     sys.path.insert(0, f"{a.llama_cpp}/gguf-py")
     import gguf

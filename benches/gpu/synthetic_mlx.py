@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from shapes import add_shape_args
+
 
 def bf16(a):
     """float32 array -> bf16 bits (round to nearest even) as uint16."""
@@ -40,12 +42,7 @@ def write_safetensors(path, tensors):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--intermediate", type=int, default=5632)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=32000)
+    add_shape_args(ap)
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=64)
     a = ap.parse_args()

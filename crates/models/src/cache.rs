@@ -75,13 +75,7 @@ impl KvCache {
     ) -> Result<(), EngineError> {
         let (h, d) = (self.kv_heads, self.head_dim);
         let n = positions.len();
-        if positions.as_slice().first() != Some(&self.len) {
-            return Err(EngineError::Shape(format!(
-                "keys at {:?} appended to a cache of {} positions",
-                positions.as_slice().first(),
-                self.len
-            )));
-        }
+        check_follows(positions, self.len)?;
         self.grow_to(self.len + n)?;
         ops::kv_write(&mut self.keys, keys, h, d, self.capacity, positions)?;
         ops::kv_write(&mut self.values, values, h, d, self.capacity, positions)?;
@@ -117,6 +111,16 @@ impl KvCache {
             values: self.values.try_clone()?,
             ..*self
         })
+    }
+}
+
+/// Refuses keys for `positions` that do not start at `next`, the position a cache expects.
+pub(crate) fn check_follows(positions: &Positions, next: usize) -> Result<(), EngineError> {
+    match positions.as_slice().first() {
+        Some(&p) if p == next => Ok(()),
+        first => Err(EngineError::Shape(format!(
+            "keys at {first:?} appended to a cache that holds positions up to {next}"
+        ))),
     }
 }
 

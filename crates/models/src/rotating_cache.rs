@@ -100,13 +100,7 @@ impl RotatingKvCache {
     ) -> Result<(), EngineError> {
         let (h, d) = (self.kv_heads, self.head_dim);
         let n = positions.len();
-        if positions.as_slice().first() != Some(&self.end) {
-            return Err(EngineError::Shape(format!(
-                "keys at {:?} appended to a ring at position {}",
-                positions.as_slice().first(),
-                self.end
-            )));
-        }
+        crate::cache::check_follows(positions, self.end)?;
         let full = self.window - 1 + n.max(1);
         let capacity = full.min((self.end + n).div_ceil(GROWTH_STEP) * GROWTH_STEP);
         if capacity != self.capacity {
