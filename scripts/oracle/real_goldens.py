@@ -1,7 +1,7 @@
 """Greedy-decoding goldens for a real MLX model, from Python mlx-lm (the parity oracle).
 
 usage: PY=$(scripts/oracle/venv.sh)
-       $PY scripts/oracle/real_goldens.py MODEL_DIR OUT.safetensors [--steps 32]
+       $PY scripts/oracle/real_goldens.py MODEL_DIR OUT.safetensors [--steps 32] [--completion]
   e.g. $PY scripts/oracle/real_goldens.py "$(scripts/models/fetch_models.sh smollm2)" \
            tests/fixtures/real/smollm2-135m-instruct-4bit.safetensors
 Writes OUT.safetensors and a sidecar OUT.json (same stem).
@@ -9,6 +9,10 @@ Writes OUT.safetensors and a sidecar OUT.json (same stem).
 For each prompt i (one user turn), exactly as `mlx_lm generate` prepares it:
   text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
   ids  = tokenizer.encode(text, add_special_tokens=False)
+or, with --completion (base models), plain text as `mlx_lm generate --ignore-chat-template` encodes it:
+  ids  = tokenizer.encode(text)
+The completion prompts end with the opening of the GPL-3 (Debian's /usr/share/common-licenses/GPL-3,
+about 700 tokens), longer than Gemma 3's 512-token sliding window; the sidecar keeps every prompt's text.
 then, with fp32 activations (model.set_dtype(mx.float32): quantized weights unchanged, scales/biases/norms
 upcast) and the mlx-lm KV cache (make_prompt_cache): one forward over the whole prompt, then one token per
 step, greedy (argmax), for --steps steps, without stopping at eos. Stored:
@@ -40,10 +44,17 @@ PROMPTS = [
     "Explain your reasoning step by step.",
 ]
 
+COMPLETION_PROMPTS = [
+    "The capital of France is",
+    'def square(x):\n    """Return the square of x."""\n',
+    open("/usr/share/common-licenses/GPL-3", encoding="utf-8").read()[:3000],
+]
+
 ap = argparse.ArgumentParser()
 ap.add_argument("model_dir")
 ap.add_argument("out")
 ap.add_argument("--steps", type=int, default=32)
+ap.add_argument("--completion", action="store_true", help="plain-text prompts (base models), no chat template")
 ap.add_argument("--no-check", action="store_true", help="skip the generate_step cross-check")
 args = ap.parse_args()
 
@@ -53,11 +64,15 @@ model.set_dtype(mx.float32)
 cfg = json.load(open(os.path.join(args.model_dir, "config.json")))
 
 arrays, records = {}, []
-for i, prompt in enumerate(PROMPTS):
+for i, prompt in enumerate(COMPLETION_PROMPTS if args.completion else PROMPTS):
     t0 = time.time()
-    messages = [{"role": "user", "content": prompt}]
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tok.encode(text, add_special_tokens=False)
+    if args.completion:
+        messages, text = None, prompt
+        ids = tok.encode(text)
+    else:
+        messages = [{"role": "user", "content": prompt}]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
     cache = make_prompt_cache(model)
     logits = model(mx.array([ids]), cache=cache)[0, -1].astype(mx.float32)
     first_logits, out_ids, top2 = None, [], []
@@ -119,8 +134,9 @@ side = {
     "model_files_sha256": {f: sha256(os.path.join(args.model_dir, f)) for f in weights},
     "quantization": cfg.get("quantization"),
     "activations": "float32 (model.set_dtype(mx.float32) after mlx_lm.load)",
-    "procedure": "apply_chat_template(tokenize=False, add_generation_prompt=True) -> encode(add_special_tokens=False);"
-                 " one forward over the whole prompt with make_prompt_cache, then 1 token/step; greedy argmax;"
+    "procedure": ("encode(text) (plain completion)" if args.completion else
+                  "apply_chat_template(tokenize=False, add_generation_prompt=True) -> encode(add_special_tokens=False)")
+                 + "; one forward over the whole prompt with make_prompt_cache, then 1 token/step; greedy argmax;"
                  f" {args.steps} steps, no eos stop",
     "steps": args.steps, "eos_token_ids": sorted(tok.eos_token_ids), "vocab_logits": int(first_logits.shape[0]),
     "arrays": {"p{i}.prompt_ids": "int32 [n]", "p{i}.greedy_ids": f"int32 [{args.steps}]",
