@@ -8,6 +8,8 @@
 #   bench           oxlm on synthetic llamas (random weights written here by synthetic_mlx.py):
 #                   0.85B at 4 and 8 bits, 7.2B at 4 bits; decode 128 tokens after 512- and
 #                   2048-token prompts, and those prefills
+#   batch           oxlm batched decode on the 0.85B 4-bit llama: 1, 8, 32 and 64 sequences
+#                   decoding 128 tokens each after their own 512-token prompts
 #   llamacpp-build  starts building llama.cpp with CUDA in the background (about 5 minutes;
 #                   it outlives the call while the machine stays warm)
 #   llamacpp        llama-bench on GGUFs of the same shapes (Q4_0, Q8_0), once the build is done
@@ -54,6 +56,14 @@ run_bench() {
       done
     done
   done
+}
+
+run_batch() {
+  set -- ${MODELS[0]}
+  dir=/tmp/models/$1-4
+  [ -f "$dir/config.json" ] || python3 benches/gpu/synthetic_mlx.py "$dir" $(shape_args "$@") --bits 4 >&2
+  .device/oxlm bench --device cuda --model "$dir" --prompt-tokens 512 --gen-tokens 128 --repeats 1 \
+    --batch 8 --batch 32 --batch 64 | tee -a "$OUT/batch.jsonl"
 }
 
 build_llamacpp() {
@@ -107,6 +117,7 @@ for stage in "$@"; do
   case $stage in
     tests) run_tests ;;
     bench) run_bench ;;
+    batch) run_batch ;;
     llamacpp-build) build_llamacpp ;;
     llamacpp) run_llamacpp ;;
     torch) run_torch ;;

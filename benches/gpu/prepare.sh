@@ -23,7 +23,7 @@ strip .device/oxlm .device/cuda_gemv .device/tests/*
 OXLM_CACHE="$PWD/.device/cache" cargo test -q -p oxlm-engine --test cuda_ops kernels_compile
 if [ ! -f .device/llama.cpp.tgz ]; then
   tmp=$(mktemp -d)
-  python3 -m pip download -q --no-deps --no-binary :all: -d "$tmp" llama-cpp-python==0.3.36
+  python3 -m pip download -q --no-deps --no-binary llama-cpp-python -d "$tmp" llama-cpp-python==0.3.36
   tar xzf "$tmp"/llama_cpp_python-0.3.36.tar.gz -C "$tmp"
   src="$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp"
   rm -rf "$src"/models/*.gguf "$src"/models/*.inp "$src"/models/*.out "$src"/docs "$src"/benches

@@ -36,6 +36,11 @@ pub struct Args {
     depth: Vec<usize>,
     #[arg(long, default_value_t = 32)]
     depth_tokens: usize,
+    /// Also time decoding `--gen-tokens` tokens for this many sequences at once, each first
+    /// prefilled with its own `--prompt-tokens` prompt (repeatable); reports the tokens/s of
+    /// all sequences together.
+    #[arg(long)]
+    batch: Vec<usize>,
     /// Activations of the CPU decode GEMV: int16 pairs (the default, as exact as f32), f32, or
     /// int16 and int8 (faster, less exact); see `oxlm_engine::cpu::qint`.
     #[arg(long, value_enum, default_value_t = GemvActivations::Int16Pair)]
@@ -118,6 +123,27 @@ fn decode(
     Ok((start.elapsed().as_secs_f64(), steps.replayed()))
 }
 
+/// Seconds to decode `n` greedy tokens for every sequence of `caches` at once, starting from
+/// `tokens`, and how many steps were replayed.
+fn decode_batch(
+    model: &dyn LanguageModel,
+    mut tokens: Vec<u32>,
+    caches: &mut [Cache],
+    n: usize,
+) -> Result<(f64, u64)> {
+    let vocab = model.info().vocab_size;
+    let mut steps = DecodeSteps::new(&model.info().device);
+    let start = Instant::now();
+    for _ in 0..n {
+        let mut refs: Vec<&mut Cache> = caches.iter_mut().collect();
+        let logits = steps.run(|| model.forward_batch(&tokens, &mut refs))?;
+        for (token, row) in tokens.iter_mut().zip(logits.data().chunks_exact(vocab)) {
+            *token = argmax(row);
+        }
+    }
+    Ok((start.elapsed().as_secs_f64(), steps.replayed()))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -158,6 +184,23 @@ pub fn run(args: Args) -> Result<()> {
         let (s, _) = decode(model.as_ref(), logits, &mut cache, args.depth_tokens)?;
         depths.push(json!({"context": depth, "decode_tps": args.depth_tokens as f64 / s}));
     }
+    let mut batches = Vec::new();
+    for &sequences in &args.batch {
+        let mut caches = Vec::with_capacity(sequences);
+        let mut tokens = Vec::with_capacity(sequences);
+        for seq in 0..sequences {
+            let mut cache = model.new_cache()?;
+            let ids = prompt(args.prompt_tokens, vocab, 1000 + seq as u64);
+            tokens.push(argmax(&prefill(model.as_ref(), &ids, &mut cache)?));
+            caches.push(cache);
+        }
+        let (s, replayed) = decode_batch(model.as_ref(), tokens, &mut caches, args.gen_tokens)?;
+        batches.push(json!({
+            "sequences": sequences,
+            "decode_tps": (sequences * args.gen_tokens) as f64 / s,
+            "replayed_steps": replayed,
+        }));
+    }
     let report = json!({
         "model": args.model.display().to_string(),
         "device": args.device.to_string(),
@@ -172,6 +215,7 @@ pub fn run(args: Args) -> Result<()> {
         "decode_tps_runs": decode_tps,
         "replayed_steps": replayed_steps,
         "depths": depths,
+        "batches": batches,
         "peak_rss_bytes": peak_memory_bytes(),
     });
     println!("{report}");

@@ -383,6 +383,59 @@ pub fn kv_write(
     }
 }
 
+/// [`kv_write`] of one token for each of several sequences: row `i` of `src`
+/// (`[sequences, kv_heads · head_dim]`) into `caches[i]` (`[kv_heads, capacities[i],
+/// head_dim]`) at `positions[i]`, in one launch on a GPU.
+pub fn kv_write_batch(
+    caches: &mut [&mut Tensor],
+    capacities: &[usize],
+    src: &Tensor,
+    kv_heads: usize,
+    head_dim: usize,
+    positions: &Positions,
+) -> Result<()> {
+    let row = kv_heads * head_dim;
+    let n = caches.len();
+    check(
+        capacities.len() == n
+            && positions.len() == n
+            && src.len() == n * row
+            && caches
+                .iter()
+                .zip(capacities)
+                .all(|(c, &cap)| cap > 0 && c.len() == cap * row),
+        || {
+            format!(
+                "writing {:?} into {n} caches of {capacities:?} × {row}",
+                src.shape()
+            )
+        },
+    )?;
+    match &src.storage {
+        Storage::Host(s) => {
+            for (i, cache) in caches.iter_mut().enumerate() {
+                let Storage::Host(c) = &mut cache.storage else {
+                    return Err(mismatch("kv_write_batch"));
+                };
+                let p = positions.as_slice()[i];
+                let src_row = &s[i * row..(i + 1) * row];
+                cpu::attention::kv_write(c, src_row, kv_heads, head_dim, capacities[i], p);
+            }
+            Ok(())
+        }
+        Storage::Cuda(sb) => {
+            let ptrs = caches
+                .iter()
+                .map(|c| match &c.storage {
+                    Storage::Cuda(b) if b.gpu().same(sb.gpu()) => Ok(b.ptr()),
+                    _ => Err(mismatch("kv_write_batch")),
+                })
+                .collect::<Result<Vec<u64>>>()?;
+            cuda::ops::kv_write_batch(&ptrs, capacities, sb, kv_heads, head_dim, positions)
+        }
+    }
+}
+
 /// Copies positions `positions` from a ring of `src_capacity` slots to one of `dst_capacity`.
 pub fn kv_move(
     src: &Tensor,
@@ -422,24 +475,7 @@ pub fn attention(
     kv: &Kv,
     scale: f32,
 ) -> Result<Tensor> {
-    let row = kv.kv_heads * head_dim;
-    check(
-        q.len() == positions.len() * heads * head_dim
-            && kv.kv_heads > 0
-            && heads.is_multiple_of(kv.kv_heads)
-            && kv.keys.len() == kv.capacity * row
-            && kv.values.len() == kv.capacity * row
-            && kv.start <= kv.end
-            && kv.end - kv.start <= kv.capacity,
-        || {
-            format!(
-                "attention of {:?} ({heads} heads of {head_dim}) over {} KV heads × {}",
-                q.shape(),
-                kv.kv_heads,
-                kv.capacity
-            )
-        },
-    )?;
+    check_kv(q, positions.len(), heads, head_dim, kv)?;
     let shape = vec![positions.len(), heads * head_dim];
     match (&q.storage, &kv.keys.storage, &kv.values.storage) {
         (Storage::Host(q), Storage::Host(k), Storage::Host(v)) => {
@@ -474,10 +510,42 @@ pub fn attention(
             }
             Ok(Tensor::new(shape, out))
         }
-        (Storage::Cuda(qb), Storage::Cuda(k), Storage::Cuda(v))
-            if qb.gpu().same(k.gpu()) && qb.gpu().same(v.gpu()) =>
-        {
-            let ring = cuda::ops::KvRing {
+        (Storage::Cuda(qb), _, _) => {
+            let ring = kv_ring(qb, kv)?;
+            let out = cuda::ops::attention(qb, heads, head_dim, positions, &ring, scale)?;
+            Ok(Tensor::on_gpu(shape, out))
+        }
+        _ => Err(mismatch("attention")),
+    }
+}
+
+/// Refuses a cache that `tokens` queries of `q` (`heads` of `head_dim`) cannot attend over.
+fn check_kv(q: &Tensor, tokens: usize, heads: usize, head_dim: usize, kv: &Kv) -> Result<()> {
+    let row = kv.kv_heads * head_dim;
+    check(
+        q.len() == tokens * heads * head_dim
+            && kv.kv_heads > 0
+            && heads.is_multiple_of(kv.kv_heads)
+            && kv.keys.len() == kv.capacity * row
+            && kv.values.len() == kv.capacity * row
+            && kv.start <= kv.end
+            && kv.end - kv.start <= kv.capacity,
+        || {
+            format!(
+                "attention of {:?} ({heads} heads of {head_dim}) over {} KV heads × {}",
+                q.shape(),
+                kv.kv_heads,
+                kv.capacity
+            )
+        },
+    )
+}
+
+/// `kv` as the CUDA attention kernels read it, when it is on `q`'s GPU.
+fn kv_ring<'a>(q: &Buffer, kv: &Kv<'a>) -> Result<cuda::ops::KvRing<'a>> {
+    match (&kv.keys.storage, &kv.values.storage) {
+        (Storage::Cuda(k), Storage::Cuda(v)) if q.gpu().same(k.gpu()) && q.gpu().same(v.gpu()) => {
+            Ok(cuda::ops::KvRing {
                 keys: k,
                 values: v,
                 kv_heads: kv.kv_heads,
@@ -485,11 +553,49 @@ pub fn attention(
                 start: kv.start,
                 end: kv.end,
                 window: kv.window.unwrap_or(usize::MAX),
-            };
-            let out = cuda::ops::attention(qb, heads, head_dim, positions, &ring, scale)?;
-            Ok(Tensor::on_gpu(shape, out))
+            })
         }
         _ => Err(mismatch("attention")),
+    }
+}
+
+/// [`attention`] of one query token for each of several sequences: row `i` of `q`
+/// (`[sequences, heads · head_dim]`) sits at `positions[i]` and attends over `kvs[i]`; one
+/// launch on a GPU.
+pub fn attention_batch(
+    q: &Tensor,
+    heads: usize,
+    head_dim: usize,
+    positions: &Positions,
+    kvs: &[Kv],
+    scale: f32,
+) -> Result<Tensor> {
+    let n = kvs.len();
+    check(positions.len() == n, || {
+        format!("{} positions for {n} caches", positions.len())
+    })?;
+    for kv in kvs {
+        check_kv(q, n, heads, head_dim, kv)?;
+    }
+    match &q.storage {
+        Storage::Host(_) => {
+            let mut out = Vec::with_capacity(q.len());
+            for (i, kv) in kvs.iter().enumerate() {
+                let at = Positions::new(vec![positions.as_slice()[i]], &Device::Cpu)?;
+                out.extend(
+                    attention(&rows(q, i, 1)?, heads, head_dim, &at, kv, scale)?.into_data(),
+                );
+            }
+            Ok(Tensor::new(vec![n, heads * head_dim], out))
+        }
+        Storage::Cuda(qb) => {
+            let rings = kvs
+                .iter()
+                .map(|kv| kv_ring(qb, kv))
+                .collect::<Result<Vec<_>>>()?;
+            let out = cuda::ops::attention_batch(qb, heads, head_dim, positions, &rings, scale)?;
+            Ok(Tensor::on_gpu(vec![n, heads * head_dim], out))
+        }
     }
 }
 

@@ -412,6 +412,79 @@ fn attention_full_sliding_and_split() {
     }
 }
 
+/// One token for each of several sequences, whose caches differ in capacity and length (one
+/// a sliding-window ring that has wrapped): the batched write and attention against the CPU,
+/// and against the one-sequence attention on the GPU.
+#[test]
+fn batched_kv_write_and_attention() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(8);
+    let (heads, kv_heads, d) = (8, 2, 64);
+    let row = kv_heads * d;
+    for (window, sequences) in [
+        (None, vec![(256, 10), (512, 300), (256, 255), (1024, 700)]),
+        (Some(16), vec![(16, 40), (16, 5), (16, 16)]),
+    ] {
+        let n = sequences.len();
+        let mut caches: Vec<[(Tensor, Tensor); 2]> = sequences
+            .iter()
+            .map(|&(capacity, len)| cache(&mut rng, &dev, kv_heads, d, capacity, len))
+            .collect();
+        let capacities: Vec<usize> = sequences.iter().map(|s| s.0).collect();
+        let at: Vec<usize> = sequences.iter().map(|s| s.1).collect();
+        let new_k = random_vec(&mut rng, n * row);
+        let new_v = random_vec(&mut rng, n * row);
+        let q = random_vec(&mut rng, n * heads * d);
+        let mut outs = Vec::new();
+        for side in 0..2 {
+            let device = if side == 0 { &Device::Cpu } else { &dev };
+            let p = Positions::new(at.clone(), device).unwrap();
+            let (k, v) = (
+                on(device, vec![n, row], &new_k),
+                on(device, vec![n, row], &new_v),
+            );
+            let mut keys: Vec<&mut Tensor> = caches.iter_mut().map(|c| &mut c[side].0).collect();
+            ops::kv_write_batch(&mut keys, &capacities, &k, kv_heads, d, &p).unwrap();
+            let mut values: Vec<&mut Tensor> = caches.iter_mut().map(|c| &mut c[side].1).collect();
+            ops::kv_write_batch(&mut values, &capacities, &v, kv_heads, d, &p).unwrap();
+            let views: Vec<ops::Kv> = caches
+                .iter()
+                .zip(&sequences)
+                .map(|(c, &(capacity, len))| ops::Kv {
+                    keys: &c[side].0,
+                    values: &c[side].1,
+                    kv_heads,
+                    capacity,
+                    start: (len + 1).saturating_sub(capacity),
+                    end: len + 1,
+                    window,
+                })
+                .collect();
+            let q = on(device, vec![n, heads * d], &q);
+            outs.push(ops::attention_batch(&q, heads, d, &p, &views, 0.125).unwrap());
+            if side == 1 {
+                for (i, kv) in views.iter().enumerate() {
+                    let one = Positions::new(vec![at[i]], device).unwrap();
+                    let alone =
+                        ops::attention(&ops::rows(&q, i, 1).unwrap(), heads, d, &one, kv, 0.125);
+                    let batched = ops::rows(&outs[1], i, 1).unwrap();
+                    assert_close("batched vs one sequence", &batched, &alone.unwrap(), EXACT);
+                }
+            }
+        }
+        for (i, c) in caches.iter().enumerate() {
+            assert_close(&format!("kv_write_batch keys {i}"), &c[1].0, &c[0].0, 0.0);
+            assert_close(&format!("kv_write_batch values {i}"), &c[1].1, &c[0].1, 0.0);
+        }
+        assert_close(
+            &format!("attention_batch window {window:?}"),
+            &outs[1],
+            &outs[0],
+            EXACT,
+        );
+    }
+}
+
 #[test]
 fn kv_move_between_rings() {
     let Some(dev) = gpu() else { return };

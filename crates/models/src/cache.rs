@@ -83,6 +83,46 @@ impl KvCache {
         Ok(())
     }
 
+    /// Appends one token's keys and values to each of several caches: row `i` of `keys` and
+    /// `values` (`[caches, kv_heads · head_dim]`) at `positions[i]`, which follows what
+    /// `caches[i]` holds. One write for all of them.
+    pub fn append_batch(
+        caches: &mut [&mut KvCache],
+        keys: &Tensor,
+        values: &Tensor,
+        positions: &Positions,
+    ) -> Result<(), EngineError> {
+        let Some((h, d)) = caches.first().map(|c| c.shape()) else {
+            return Ok(());
+        };
+        for (i, cache) in caches.iter_mut().enumerate() {
+            if cache.shape() != (h, d) {
+                return Err(EngineError::Shape(
+                    "a batch's caches differ in shape".into(),
+                ));
+            }
+            let next = cache.len;
+            match positions.as_slice().get(i) {
+                Some(&p) if p == next => {}
+                other => {
+                    return Err(EngineError::Shape(format!(
+                        "sequence {i}: keys for position {other:?} appended to a cache of {next}"
+                    )))
+                }
+            }
+            cache.grow_to(next + 1)?;
+        }
+        let capacities: Vec<usize> = caches.iter().map(|c| c.capacity).collect();
+        let mut key_bufs: Vec<&mut Tensor> = caches.iter_mut().map(|c| &mut c.keys).collect();
+        ops::kv_write_batch(&mut key_bufs, &capacities, keys, h, d, positions)?;
+        let mut value_bufs: Vec<&mut Tensor> = caches.iter_mut().map(|c| &mut c.values).collect();
+        ops::kv_write_batch(&mut value_bufs, &capacities, values, h, d, positions)?;
+        for cache in caches.iter_mut() {
+            cache.len += 1;
+        }
+        Ok(())
+    }
+
     /// Forgets all but the first `len` positions (a prompt cache reusing a shared prefix).
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);

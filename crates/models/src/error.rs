@@ -57,6 +57,8 @@ pub enum ForwardError {
     EmptyInput,
     #[error("the cache was not made by this model's `new_cache`")]
     CacheMismatch,
+    #[error("a batch of {tokens} tokens for {caches} caches: one token per sequence is needed")]
+    BatchMismatch { tokens: usize, caches: usize },
     /// A kernel or device failure (out of GPU memory, for one).
     #[error(transparent)]
     Engine(#[from] EngineError),

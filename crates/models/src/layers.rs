@@ -473,6 +473,24 @@ impl Attention {
         self.o_proj.add_forward(&out, lora.get("o_proj"), residual)
     }
 
+    /// `residual += attention(x)` for one token of each of several sequences: row `i` of `x`
+    /// sits at `positions[i]` and attends over `caches[i]`. Projections, cache writes and
+    /// attention each run once for all rows.
+    pub fn add_forward_batch(
+        &self,
+        x: &Tensor,
+        positions: &Positions,
+        caches: &mut [&mut KvCache],
+        residual: &mut Tensor,
+    ) -> OpResult<()> {
+        let (q, k, v) = self.project(x, positions)?;
+        KvCache::append_batch(caches, &k, &v, positions)?;
+        let views: Vec<_> = caches.iter().map(|c| c.view()).collect();
+        let out =
+            ops::attention_batch(&q, self.heads, self.head_dim, positions, &views, self.scale)?;
+        self.o_proj.add_forward(&out, None, residual)
+    }
+
     /// The heads' outputs before the output projection.
     fn attend(
         &self,

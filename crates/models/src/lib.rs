@@ -62,9 +62,41 @@ pub trait LanguageModel: Send + Sync {
         logits: Logits,
     ) -> Result<Tensor, ForwardError>;
 
+    /// One decoding step of several sequences: `tokens[i]` follows what `caches[i]` holds.
+    /// Returns `[sequences, vocab]` logits on the host. This default runs the sequences one
+    /// after another; an architecture that overrides it runs them as one batch, reading each
+    /// weight once for all of them.
+    fn forward_batch(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut Cache],
+    ) -> Result<Tensor, ForwardError> {
+        check_batch(tokens, caches)?;
+        let mut rows = Vec::with_capacity(tokens.len() * self.info().vocab_size);
+        for (&token, cache) in tokens.iter().zip(caches.iter_mut()) {
+            rows.extend(self.forward(&[token], cache, Logits::Last)?.into_data());
+        }
+        Ok(Tensor::new(
+            vec![tokens.len(), self.info().vocab_size],
+            rows,
+        ))
+    }
+
     /// The model as LoRA adapters attach to it; `None` when its architecture takes none yet.
     fn adaptable(&self) -> Option<&dyn lora::Adaptable> {
         None
+    }
+}
+
+/// Rejects a batch that is not one token per cache.
+pub(crate) fn check_batch(tokens: &[u32], caches: &[&mut Cache]) -> Result<(), ForwardError> {
+    if tokens.len() == caches.len() {
+        Ok(())
+    } else {
+        Err(ForwardError::BatchMismatch {
+            tokens: tokens.len(),
+            caches: caches.len(),
+        })
     }
 }
 

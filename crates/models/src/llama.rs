@@ -8,7 +8,7 @@ use crate::checkpoint::Checkpoint;
 use crate::layers::{Attention, Embedding, Linear, Mlp, OutputHead, RmsNorm, Rope};
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::lora_grad::{Example, LossAndGrads};
-use crate::{check_tokens, LanguageModel, LoadError, Logits, ModelInfo};
+use crate::{check_batch, check_tokens, LanguageModel, LoadError, Logits, ModelInfo};
 use oxlm_engine::{Positions, Tensor};
 
 use crate::ForwardError;
@@ -227,6 +227,43 @@ impl LanguageModel for Llama {
         logits: Logits,
     ) -> Result<Tensor, ForwardError> {
         self.run(tokens, cache, logits, None)
+    }
+
+    fn forward_batch(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut Cache],
+    ) -> Result<Tensor, ForwardError> {
+        check_batch(tokens, caches)?;
+        let mut offsets = Vec::with_capacity(caches.len());
+        for (token, cache) in tokens.iter().zip(caches.iter()) {
+            check_tokens(&self.info, std::slice::from_ref(token), cache.offset)?;
+            if cache.layers.len() != self.layers.len() {
+                return Err(ForwardError::CacheMismatch);
+            }
+            offsets.push(cache.offset);
+        }
+        let positions = Positions::new(offsets, &self.info.device)?;
+        let mut h = self.embed_tokens.forward(tokens)?;
+        for (i, block) in self.layers.iter().enumerate() {
+            let mut kvs = caches
+                .iter_mut()
+                .map(|c| match &mut c.layers[i] {
+                    LayerCache::Kv(kv) => Ok(kv),
+                    _ => Err(ForwardError::CacheMismatch),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let x = block.input_layernorm.forward(&h)?;
+            block
+                .self_attn
+                .add_forward_batch(&x, &positions, &mut kvs, &mut h)?;
+            let x = block.post_attention_layernorm.forward(&h)?;
+            block.mlp.add_forward(&x, ModuleAdapters::NONE, &mut h)?;
+        }
+        for cache in caches.iter_mut() {
+            cache.offset += 1;
+        }
+        Ok(self.head.forward(h, Logits::All, &self.embed_tokens)?)
     }
 
     fn adaptable(&self) -> Option<&dyn Adaptable> {

@@ -229,6 +229,82 @@ fn a_gpu_model_runs_on_another_thread() {
     assert_eq!(here, there);
 }
 
+/// Decoding several sequences as one batch gives each the logits it gets decoded alone: three
+/// sequences of different lengths (so different positions and cache sizes), prefilled apart,
+/// then stepped together.
+fn check_batch(name: &str) {
+    let dir = fixtures().join(name);
+    let golden = read_golden(&dir);
+    for (label, device, tolerance) in devices() {
+        let model = load_on(&dir, &device).unwrap();
+        let lengths = [golden.prompt_ids.len(), 7, 19];
+        let mut batch_caches = Vec::new();
+        let mut alone_caches = Vec::new();
+        let mut tokens = Vec::new();
+        for &n in &lengths {
+            let mut cache = model.new_cache().unwrap();
+            let logits = model
+                .forward(&golden.prompt_ids[..n], &mut cache, Logits::Last)
+                .unwrap();
+            tokens.push(argmax(logits.data()) as u32);
+            alone_caches.push(cache.try_clone().unwrap());
+            batch_caches.push(cache);
+        }
+        let vocab = model.info().vocab_size;
+        let mut diff = 0.0f32;
+        for step in 0..6 {
+            let mut refs: Vec<&mut oxlm_models::Cache> = batch_caches.iter_mut().collect();
+            let batch = model.forward_batch(&tokens, &mut refs).unwrap();
+            assert_eq!(batch.shape(), &[lengths.len(), vocab]);
+            for (i, cache) in alone_caches.iter_mut().enumerate() {
+                let alone = model.forward(&[tokens[i]], cache, Logits::Last).unwrap();
+                let row = &batch.data()[i * vocab..(i + 1) * vocab];
+                let d = max_abs_diff(row, alone.data());
+                assert!(
+                    d < tolerance,
+                    "{name} on {label}: sequence {i} step {step} differs by {d}"
+                );
+                diff = diff.max(d);
+                tokens[i] = argmax(alone.data()) as u32;
+            }
+        }
+        for (b, a) in batch_caches.iter().zip(&alone_caches) {
+            assert_eq!(b.offset, a.offset);
+        }
+        println!("{name} on {label}: batched decode within {diff:.2e} of one-by-one");
+    }
+}
+
+#[test]
+fn llama_batched_decode_matches_one_by_one() {
+    check_batch("llama-4bit-g64");
+}
+
+#[test]
+fn qwen2_batched_decode_matches_one_by_one() {
+    check_batch("qwen2-4bit-g64");
+}
+
+/// An architecture without its own batching falls back to one sequence at a time.
+#[test]
+fn qwen3_5_batched_decode_matches_one_by_one() {
+    check_batch("qwen3_5-4bit-g64");
+}
+
+#[test]
+fn a_batch_needs_one_token_per_cache() {
+    let model = load_on(&fixtures().join("llama-4bit-g64"), &Device::Cpu).unwrap();
+    let mut cache = model.new_cache().unwrap();
+    let err = model.forward_batch(&[1, 2], &mut [&mut cache]).unwrap_err();
+    assert_eq!(
+        err,
+        oxlm_models::ForwardError::BatchMismatch {
+            tokens: 2,
+            caches: 1
+        }
+    );
+}
+
 #[test]
 fn llama_decode_steps_replay_as_graphs() {
     check_replay("llama-4bit-g64");

@@ -479,6 +479,22 @@ extern "C" __global__ void kv_write(float *cache, const float *src, int tokens, 
     }
 }
 
+// kv_write for one token of each of several sequences: row s of src ([seqs, kv_heads, d]) goes
+// to the cache at caches[s] (capacity capacities[s]) at positions[s].
+extern "C" __global__ void kv_write_batch(const unsigned long long *caches, const float *src,
+                                          int seqs, int kv_heads, int d, const int *capacities,
+                                          const int *positions) {
+    GRID_STRIDE(i, (i64)seqs * kv_heads * d) {
+        const int e = (int)(i % d);
+        const i64 sh = i / d;
+        const int h = (int)(sh % kv_heads);
+        const int s = (int)(sh / kv_heads);
+        float *cache = reinterpret_cast<float *>(caches[s]);
+        const int capacity = capacities[s];
+        cache[((i64)h * capacity + positions[s] % capacity) * d + e] = src[i];
+    }
+}
+
 // Copies positions p0..p1 from one ring to another of a different capacity.
 extern "C" __global__ void kv_move(const float *src, int src_capacity, float *dst,
                                    int dst_capacity, int kv_heads, int d, i64 p0, i64 p1) {
@@ -499,15 +515,15 @@ extern "C" __global__ void kv_move(const float *src, int src_capacity, float *ds
 // hi = positions[t] + 1 (its own key is in the cache already), slot p % capacity. Keys go 32 at a time, one per lane, with an
 // online softmax. With one split the output is final; otherwise (max, sum, unnormalised output)
 // per split go to `part` for attention_combine.
+// `th` = token · heads + head, counted from q, positions, out and part.
 template <int E>
 __device__ void attention_split(const float *__restrict__ q, const float *__restrict__ keys,
                                 const float *__restrict__ values, const int *__restrict__ positions,
                                 float *__restrict__ out, float *__restrict__ part, int heads,
                                 int kv_heads, int d, int capacity, i64 start, i64 window,
-                                float scale, int splits, int per_split) {
+                                float scale, int splits, int per_split, int th, int split) {
     __shared__ __align__(16) float qs[E * 32];
     const int lane = threadIdx.x;
-    const int th = blockIdx.x, split = blockIdx.y;
     const int t = th / heads, h = th % heads;
     const int kvh = h / (heads / kv_heads);
     const float *qv = q + (i64)th * d;
@@ -598,7 +614,23 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
         float *out, float *part, int heads, int kv_heads, int d, int capacity, i64 start,       \
         i64 window, float scale, int splits, int per_split) {                                   \
         attention_split<E>(q, keys, values, positions, out, part, heads, kv_heads, d, capacity, \
-                           start, window, scale, splits, per_split);                            \
+                           start, window, scale, splits, per_split, blockIdx.x, blockIdx.y);    \
+    }                                                                                           \
+    /* One query token for each of several sequences, sequence s over the cache at keys[s] */   \
+    /* and values[s] (capacity capacities[s], first kept position starts[s]): blockIdx.x = */   \
+    /* s · heads + head. */                                                                     \
+    extern "C" __global__ void attention_batch_##E(                                             \
+        const float *q, const unsigned long long *keys, const unsigned long long *values,       \
+        const int *positions, float *out, float *part, int heads, int kv_heads, int d,          \
+        const int *capacities, const int *starts, i64 window, float scale, int splits,          \
+        int per_split) {                                                                        \
+        const int s = blockIdx.x / heads;                                                       \
+        const i64 row = (i64)s * heads;                                                         \
+        attention_split<E>(q + row * d, reinterpret_cast<const float *>(keys[s]),               \
+                           reinterpret_cast<const float *>(values[s]), positions + s,           \
+                           out + row * d, part + row * splits * (d + 2), heads, kv_heads, d,    \
+                           capacities[s], starts[s], window, scale, splits, per_split,          \
+                           blockIdx.x % heads, blockIdx.y);                                     \
     }
 
 ATTENTION(1)

@@ -319,7 +319,16 @@ impl Gpu {
                 i32::try_from(i).map_err(|_| EngineError::Shape(format!("index {i} exceeds i32")))
             })
             .collect::<Result<_, _>>()?;
-        let bytes: &[u8] = bytemuck::cast_slice(&v);
+        self.staged(bytemuck::cast_slice(&v))
+    }
+
+    /// Device addresses (one buffer per sequence of a batch) for a kernel, as [`Gpu::indices`]
+    /// places indices.
+    pub(crate) fn addresses(&self, values: &[u64]) -> Result<Memory, EngineError> {
+        self.staged(bytemuck::cast_slice(values))
+    }
+
+    fn staged(&self, bytes: &[u8]) -> Result<Memory, EngineError> {
         self.bind()?;
         let mem = self.scratch(bytes.len().max(4))?;
         if bytes.is_empty() {

@@ -191,6 +191,25 @@ pub fn kv_write(
     Ok(())
 }
 
+/// [`kv_write`] of one token for each of several sequences: row `s` of `src` into the cache at
+/// `caches[s]` (`capacities[s]` slots) at `positions[s]`.
+pub fn kv_write_batch(
+    caches: &[u64],
+    capacities: &[usize],
+    src: &Buffer,
+    kv_heads: usize,
+    d: usize,
+    positions: &Positions,
+) -> Result<()> {
+    let g = src.gpu().clone();
+    let pos = positions_on_gpu(positions)?;
+    let ptrs = g.addresses(caches)?;
+    let caps = g.indices(capacities.iter().copied())?;
+    launch!(&g, "kv_write_batch", elements(&g, src.len());
+        ptrs.ptr(), src.ptr(), int(caches.len())?, int(kv_heads)?, int(d)?, caps.ptr(), pos.ptr());
+    Ok(())
+}
+
 /// Copies positions `p0..p1` between rings of different capacities.
 #[allow(clippy::too_many_arguments)]
 pub fn kv_move(
@@ -245,43 +264,127 @@ pub fn attention(
     if tokens >= GEMM_ATTENTION_MIN_TOKENS {
         return attention_gemm(q, heads, d, positions, kv, scale);
     }
-    let lanes = d.div_ceil(32);
-    let per_lane = [1, 2, 4, 8, 16]
-        .into_iter()
-        .find(|&e| e >= lanes)
-        .ok_or_else(|| EngineError::Shape(format!("head dim {d} over the GPU attention's 512")))?;
+    let per_lane = lanes_per_feature(d)?;
     let pos = positions_on_gpu(positions)?;
-    // Few queries (decoding) split each one's keys over several warps so the GPU fills up. The
-    // split follows the capacity, not the length, so a decode step's launch stays the same
-    // from one token to the next (a replayed step graph holds it).
     let span = kv.capacity.min(kv.window).max(1);
-    let splits = if tokens * heads < 4 * g.multiprocessors() {
-        span.div_ceil(64).clamp(1, 64)
-    } else {
-        1
-    };
+    let splits = decode_splits(&g, tokens * heads, span);
     let per_split = span.div_ceil(splits).div_ceil(32) * 32;
-    let out = g.output(tokens * heads * d)?;
-    let part = g.output(if splits > 1 {
-        tokens * heads * splits * (d + 2)
-    } else {
-        1
-    })?;
+    let (out, part, cfg) = split_launch(&g, tokens * heads, d, splits)?;
     let window = kv.window.min(i64::MAX as usize) as i64;
-    let cfg = LaunchConfig {
-        grid_dim: ((tokens * heads) as u32, splits as u32, 1),
-        block_dim: (32, 1, 1),
-        shared_mem_bytes: 0,
-    };
     launch!(&g, &format!("attention_{per_lane}"), cfg;
         q.ptr(), kv.keys.ptr(), kv.values.ptr(), pos.ptr(), out.ptr(), part.ptr(),
         int(heads)?, int(kv.kv_heads)?, int(d)?, int(kv.capacity)?, kv.start as i64,
         window, scale, int(splits)?, int(per_split)?);
+    combine_splits(&g, &part, &out, tokens * heads, d, splits)?;
+    Ok(out)
+}
+
+/// The output and the per-split partials of a one-warp attention launch over `query_heads`
+/// (token, head) pairs, and its grid.
+fn split_launch(
+    g: &Gpu,
+    query_heads: usize,
+    d: usize,
+    splits: usize,
+) -> Result<(Buffer, Buffer, LaunchConfig)> {
+    let out = g.output(query_heads * d)?;
+    let part = g.output(if splits > 1 {
+        query_heads * splits * (d + 2)
+    } else {
+        1
+    })?;
+    let cfg = LaunchConfig {
+        grid_dim: (query_heads as u32, splits as u32, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    Ok((out, part, cfg))
+}
+
+/// Merges the partials of a split attention launch into `out` (nothing to do for one split).
+fn combine_splits(
+    g: &Gpu,
+    part: &Buffer,
+    out: &Buffer,
+    query_heads: usize,
+    d: usize,
+    splits: usize,
+) -> Result<()> {
     if splits > 1 {
-        launch!(&g, "attention_combine", blocks(tokens * heads, 32);
+        launch!(g, "attention_combine", blocks(query_heads, 32);
             part.ptr(), out.ptr(), int(d)?, int(splits)?);
     }
+    Ok(())
+}
+
+/// [`attention`] of one query token for each of several sequences (row `s` of `q` at
+/// `positions[s]` over `kvs[s]`, which share their head count and window), in one launch.
+pub fn attention_batch(
+    q: &Buffer,
+    heads: usize,
+    d: usize,
+    positions: &Positions,
+    kvs: &[KvRing],
+    scale: f32,
+) -> Result<Buffer> {
+    let g = q.gpu().clone();
+    let seqs = kvs.len();
+    let (Some(first), true) = (kvs.first(), seqs == positions.len()) else {
+        return Err(EngineError::Shape(format!(
+            "attention of {} queries over {seqs} caches",
+            positions.len()
+        )));
+    };
+    if kvs
+        .iter()
+        .any(|kv| kv.kv_heads != first.kv_heads || kv.window != first.window)
+    {
+        return Err(EngineError::Shape(
+            "a batch's caches differ in heads or window".into(),
+        ));
+    }
+    let per_lane = lanes_per_feature(d)?;
+    let pos = positions_on_gpu(positions)?;
+    let span = kvs
+        .iter()
+        .map(|kv| kv.capacity.min(kv.window).max(1))
+        .max()
+        .unwrap_or(1);
+    let splits = decode_splits(&g, seqs * heads, span);
+    let per_split = span.div_ceil(splits).div_ceil(32) * 32;
+    let keys: Vec<u64> = kvs.iter().map(|kv| kv.keys.ptr()).collect();
+    let values: Vec<u64> = kvs.iter().map(|kv| kv.values.ptr()).collect();
+    let (keys, values) = (g.addresses(&keys)?, g.addresses(&values)?);
+    let capacities = g.indices(kvs.iter().map(|kv| kv.capacity))?;
+    let starts = g.indices(kvs.iter().map(|kv| kv.start))?;
+    let (out, part, cfg) = split_launch(&g, seqs * heads, d, splits)?;
+    let window = first.window.min(i64::MAX as usize) as i64;
+    launch!(&g, &format!("attention_batch_{per_lane}"), cfg;
+        q.ptr(), keys.ptr(), values.ptr(), pos.ptr(), out.ptr(), part.ptr(),
+        int(heads)?, int(first.kv_heads)?, int(d)?, capacities.ptr(), starts.ptr(),
+        window, scale, int(splits)?, int(per_split)?);
+    combine_splits(&g, &part, &out, seqs * heads, d, splits)?;
     Ok(out)
+}
+
+/// Output features per lane of the one-warp attention kernels (`attention_E`): a power of two.
+fn lanes_per_feature(d: usize) -> Result<usize> {
+    let lanes = d.div_ceil(32);
+    [1, 2, 4, 8, 16]
+        .into_iter()
+        .find(|&e| e >= lanes)
+        .ok_or_else(|| EngineError::Shape(format!("head dim {d} over the GPU attention's 512")))
+}
+
+/// Few queries (decoding) split each one's keys over several warps so the GPU fills up. The
+/// split follows the capacity (`span`), not the length, so a decode step's launch stays the
+/// same from one token to the next (a replayed step graph holds it).
+fn decode_splits(g: &Gpu, query_heads: usize, span: usize) -> usize {
+    if query_heads < 4 * g.multiprocessors() {
+        span.div_ceil(64).clamp(1, 64)
+    } else {
+        1
+    }
 }
 
 /// [`attention`] for many queries: per KV head, scores = Q·Kᵀ over the cache's slots (a strided
