@@ -249,13 +249,18 @@ def ratio(a, b):
     return f"{a / b:.2f}×" if a and b else "—"
 
 
-def markdown(results, bw, a, thread_counts):
+def machine():
+    """The CPU, its count and the vector extensions the kernels choose between, and the kernel."""
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     flags = next((l for l in open("/proc/cpuinfo") if l.startswith("flags")), "")
     isa = ", ".join(f for f in ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "amx_int8")
                     if f" {f} " in flags + " ")
+    return f"{cpu}, {os.cpu_count()} CPUs ({isa}), Linux {platform.release()}"
+
+
+def markdown(results, bw, a, thread_counts):
     lines = [
-        f"Machine: {cpu}, {os.cpu_count()} CPUs ({isa}), Linux {platform.release()}. "
+        f"Machine: {machine()}. "
         "Measured memory read bandwidth (1 GiB, `membw`): "
         + ", ".join(f"**{b / 1e9:.2f} GB/s** with {t} thread{'s' if t > 1 else ''}" for t, b in bw.items()) + ".",
         f"Command: `benches/run.sh` (prompt {a.prompt} tokens, {a.gen} decoded, median of {a.repeats} runs with "
@@ -293,8 +298,9 @@ def markdown(results, bw, a, thread_counts):
     return "\n".join(lines)
 
 
-def write_section(path, table):
-    begin, end = "<!-- bench:begin -->", "<!-- bench:end -->"
+def write_section(path, table, name="bench"):
+    """Replaces the text between `<!-- name:begin -->` and `<!-- name:end -->` (appended if absent)."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     block = f"{begin}\n{table}\n{end}"
     if begin in text:
