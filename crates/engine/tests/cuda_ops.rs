@@ -82,7 +82,8 @@ fn quantized_matmul_and_rows() {
                 let mut w = random_quantized(&mut rng, rows, cols, bits, group, dtype);
                 let host = w.clone();
                 w.place(&dev).unwrap();
-                for m in [1, 3, 8, 17] {
+                // Up to 8 rows a GEMV, past that a cuBLAS product.
+                for m in [1, 3, 8, 17, 65] {
                     let x = random_vec(&mut rng, m * cols);
                     let cpu = ops::matmul(&host, &Tensor::new(vec![m, cols], x.clone())).unwrap();
                     for exact in [true, false] {

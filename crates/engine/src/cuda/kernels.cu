@@ -86,9 +86,9 @@ __device__ __forceinline__ float run_float(const u32 (&words)[BITS], int j) {
 
 // acc[i][r] += Σ_k x[r, k] · W[row0 + i, k] over this thread's runs of 32 weights (threads of
 // the block take every blockDim-th run), for r < m ≤ 8 and the ROWS rows from row0 (rows past n
-// repeat the last). Each weight byte is read once, in 16-byte loads where the width allows;
-// each activation load serves all ROWS rows, which keeps the activation reads (f32, eight times
-// the bytes of 4-bit weights) within what L1 delivers.
+// repeat the last). Each weight byte is read once, in 16-byte loads where the width allows, and
+// turned into a float once, whatever m; each activation load serves all ROWS rows, which keeps
+// the activation reads (f32, eight times the bytes of 4-bit weights) within what L1 delivers.
 template <int BITS, class S, int ROWS>
 __device__ __forceinline__ void qdot_rows(const u32 *__restrict__ w,
                                           const typename S::T *__restrict__ scales,
@@ -107,27 +107,40 @@ __device__ __forceinline__ void qdot_rows(const u32 *__restrict__ w,
             s[i] = S::load(scales, g);
             b[i] = S::load(biases, g);
         }
+        float dot[ROWS][8], sum[8];
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            sum[r] = 0.f;
+#pragma unroll
+            for (int i = 0; i < ROWS; i++) dot[i][r] = 0.f;
+        }
+#pragma unroll
+        for (int q = 0; q < 8; q++) {
+            float wq[ROWS][4];
+#pragma unroll
+            for (int i = 0; i < ROWS; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) wq[i][j] = run_float<BITS>(words[i], 4 * q + j);
+#pragma unroll
+            for (int r = 0; r < 8; r++) {
+                if (r >= m) break;
+                const float4 v =
+                    reinterpret_cast<const float4 *>(x + (i64)r * k + (c << 5))[q];
+                sum[r] += (v.x + v.y) + (v.z + v.w);
+#pragma unroll
+                for (int i = 0; i < ROWS; i++) {
+                    dot[i][r] = fmaf(wq[i][0], v.x, dot[i][r]);
+                    dot[i][r] = fmaf(wq[i][1], v.y, dot[i][r]);
+                    dot[i][r] = fmaf(wq[i][2], v.z, dot[i][r]);
+                    dot[i][r] = fmaf(wq[i][3], v.w, dot[i][r]);
+                }
+            }
+        }
 #pragma unroll
         for (int r = 0; r < 8; r++) {
             if (r >= m) break;
-            const float4 *xr = reinterpret_cast<const float4 *>(x + (i64)r * k + (c << 5));
-            float dot[ROWS], sum = 0.f;
 #pragma unroll
-            for (int i = 0; i < ROWS; i++) dot[i] = 0.f;
-#pragma unroll
-            for (int q = 0; q < 8; q++) {
-                const float4 v = xr[q];
-                sum += (v.x + v.y) + (v.z + v.w);
-#pragma unroll
-                for (int i = 0; i < ROWS; i++) {
-                    dot[i] = fmaf(run_float<BITS>(words[i], 4 * q), v.x, dot[i]);
-                    dot[i] = fmaf(run_float<BITS>(words[i], 4 * q + 1), v.y, dot[i]);
-                    dot[i] = fmaf(run_float<BITS>(words[i], 4 * q + 2), v.z, dot[i]);
-                    dot[i] = fmaf(run_float<BITS>(words[i], 4 * q + 3), v.w, dot[i]);
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < ROWS; i++) acc[i][r] += s[i] * dot[i] + b[i] * sum;
+            for (int i = 0; i < ROWS; i++) acc[i][r] += s[i] * dot[i][r] + b[i] * sum[r];
         }
     }
 }
