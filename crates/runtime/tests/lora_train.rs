@@ -131,8 +131,10 @@ fn max_rel(a: &[f32], b: &[f32]) -> f32 {
 
 /// The band a 30-step run keeps around mlx-lm's losses. Training at this learning rate is
 /// chaotic: mlx-lm itself, started from the same adapter scaled by 1 + 1e-6·N(0, 1), strays by
-/// up to 7e-3 by step 20. The first ten steps agree far more closely.
-const CURVE_BAND: f32 = 2e-2;
+/// up to 7e-3 by step 20, and oxlm's kernels sum in another order on each CPU family (measured
+/// at step 30: under 2e-2 on an AVX-512 Xeon, 2.1e-2 on an AVX2-only EPYC). The first ten
+/// steps agree far more closely.
+const CURVE_BAND: f32 = 3e-2;
 const EARLY_BAND: f32 = 1e-3;
 
 #[test]
