@@ -16,6 +16,7 @@ thread count: for the MoE rows it stays level while the active bytes grow eightf
 """
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -58,24 +59,18 @@ def sizes(model_dir):
     total = active = active_bytes = 0
     for name, (shape, nbytes) in t.items():
         base = name.rsplit(".", 1)[0]
-        expert = ".experts." in name
-        share = routed if expert else 1.0
-        if not (untied and "embed_tokens." in name):
+        share = routed if ".experts." in name else 1.0
+        read = not (untied and "embed_tokens." in name)
+        if read:
             active_bytes += nbytes * share
         if name.endswith((".scales", ".biases")) and f"{base}.weight" in t and f"{base}.scales" in t:
-            continue
+            continue  # a quantized weight's parameters are counted at its .weight
         if name.endswith(".weight") and f"{base}.scales" in t:
-            s = t[f"{base}.scales"][0]
-            n = 1
-            for d in s:
-                n *= d
-            n *= group
+            n = math.prod(t[f"{base}.scales"][0]) * group
         else:
-            n = 1
-            for d in shape:
-                n *= d
+            n = math.prod(shape)
         total += n
-        if not (untied and "embed_tokens." in name):
+        if read:
             active += n * share
     return total, active, active_bytes
 

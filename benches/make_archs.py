@@ -64,10 +64,9 @@ def main():
             if not (src / "config.json").exists():
                 build("gemma4-moe-top1", MODELS["gemma4-moe-top1"], out_root, TOKENIZER)
             shutil.copytree(src, out, copy_function=os.link)  # hard links: the weights once on disk
-            (out / "config.json").unlink()
-            shutil.copy(src / "config.json", out / "config.json")
-            cfg = json.loads((out / "config.json").read_text())
+            cfg = json.loads((src / "config.json").read_text())
             cfg["top_k_experts"] = top_k
+            (out / "config.json").unlink()  # a link to the source's: replaced, not written through
             (out / "config.json").write_text(json.dumps(cfg, indent=4))
         print(out, flush=True)
 

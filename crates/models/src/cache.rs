@@ -101,16 +101,8 @@ impl KvCache {
                     "a batch's caches differ in shape".into(),
                 ));
             }
-            let next = cache.len;
-            match positions.as_slice().get(i) {
-                Some(&p) if p == next => {}
-                other => {
-                    return Err(EngineError::Shape(format!(
-                        "sequence {i}: keys for position {other:?} appended to a cache of {next}"
-                    )))
-                }
-            }
-            cache.grow_to(next + 1)?;
+            check_next(positions.as_slice().get(i).copied(), cache.len)?;
+            cache.grow_to(cache.len + 1)?;
         }
         let capacities: Vec<usize> = caches.iter().map(|c| c.capacity).collect();
         let mut key_bufs: Vec<&mut Tensor> = caches.iter_mut().map(|c| &mut c.keys).collect();
@@ -156,8 +148,13 @@ impl KvCache {
 
 /// Refuses keys for `positions` that do not start at `next`, the position a cache expects.
 pub(crate) fn check_follows(positions: &Positions, next: usize) -> Result<(), EngineError> {
-    match positions.as_slice().first() {
-        Some(&p) if p == next => Ok(()),
+    check_next(positions.as_slice().first().copied(), next)
+}
+
+/// Refuses keys whose first position is not `next`.
+fn check_next(first: Option<usize>, next: usize) -> Result<(), EngineError> {
+    match first {
+        Some(p) if p == next => Ok(()),
         first => Err(EngineError::Shape(format!(
             "keys at {first:?} appended to a cache that holds positions up to {next}"
         ))),
