@@ -16,6 +16,8 @@
 #   torch           PyTorch + transformers, bf16, the same shapes
 #   membw           the device-to-device copy bandwidth (the roofline)
 #   gemv            the matmul kernels alone at the benchmark shapes (examples/cuda_gemv.rs)
+#   profile         Nsight Compute's duration of every kernel of a short decode on the 0.85B
+#                   4-bit llama (16-token prompt, 4 tokens), as CSV
 #   wait-llamacpp   waits for the background build
 # Logs and one JSON line per measurement go to $OUT (or ./out).
 set -uo pipefail
@@ -99,6 +101,16 @@ run_torch() {
   done
 }
 
+run_profile() {
+  set -- ${MODELS[0]}
+  dir=/tmp/models/$1-4
+  [ -f "$dir/config.json" ] || python3 benches/gpu/synthetic_mlx.py "$dir" $(shape_args "$@") --bits 4 >&2
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv --log-file "$OUT/profile.csv" \
+    .device/oxlm bench --device cuda --model "$dir" --prompt-tokens 16 --gen-tokens 4 --repeats 1
+  wc -l "$OUT/profile.csv"
+}
+
 run_membw() {
   python3 -c '
 import torch
@@ -123,6 +135,7 @@ for stage in "$@"; do
     torch) run_torch ;;
     membw) run_membw ;;
     gemv) .device/cuda_gemv | tee "$OUT/gemv.txt" ;;
+    profile) run_profile ;;
     wait-llamacpp) while [ ! -f $LLAMA/build.done ]; do sleep 5; done ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

@@ -104,14 +104,34 @@ fn prefill(model: &dyn LanguageModel, ids: &[u32], cache: &mut Cache) -> Result<
     Ok(logits)
 }
 
-/// Seconds to decode `n` greedy tokens from `logits` on `cache`, as `generate` does (GPU steps
-/// replayed as graphs), and how many steps were replayed.
+/// What a run of decode steps measured.
+struct Decoded {
+    seconds: f64,
+    /// Steps replayed from a captured graph (GPU).
+    replayed: u64,
+    /// Microseconds per step of host work before each step's download (GPU).
+    host_us: Option<f64>,
+}
+
+/// What the `n` steps `steps` ran since `start` measured.
+fn measured(steps: &DecodeSteps, start: Instant, n: usize) -> Decoded {
+    Decoded {
+        seconds: start.elapsed().as_secs_f64(),
+        replayed: steps.replayed(),
+        host_us: steps
+            .host_and_total()
+            .map(|(host, _)| host.as_secs_f64() * 1e6 / n.max(1) as f64),
+    }
+}
+
+/// Decodes `n` greedy tokens from `logits` on `cache`, as `generate` does (GPU steps replayed
+/// as graphs).
 fn decode(
     model: &dyn LanguageModel,
     mut logits: Vec<f32>,
     cache: &mut Cache,
     n: usize,
-) -> Result<(f64, u64)> {
+) -> Result<Decoded> {
     let mut steps = DecodeSteps::new(&model.info().device);
     let start = Instant::now();
     for _ in 0..n {
@@ -120,17 +140,16 @@ fn decode(
             .run(|| model.forward(&[token], cache, Logits::Last))?
             .into_data();
     }
-    Ok((start.elapsed().as_secs_f64(), steps.replayed()))
+    Ok(measured(&steps, start, n))
 }
 
-/// Seconds to decode `n` greedy tokens for every sequence of `caches` at once, starting from
-/// `tokens`, and how many steps were replayed.
+/// Decodes `n` greedy tokens for every sequence of `caches` at once, starting from `tokens`.
 fn decode_batch(
     model: &dyn LanguageModel,
     mut tokens: Vec<u32>,
     caches: &mut [Cache],
     n: usize,
-) -> Result<(f64, u64)> {
+) -> Result<Decoded> {
     let vocab = model.info().vocab_size;
     let mut steps = DecodeSteps::new(&model.info().device);
     let start = Instant::now();
@@ -141,7 +160,7 @@ fn decode_batch(
             *token = argmax(row);
         }
     }
-    Ok((start.elapsed().as_secs_f64(), steps.replayed()))
+    Ok(measured(&steps, start, n))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -162,6 +181,7 @@ pub fn run(args: Args) -> Result<()> {
     let vocab = model.info().vocab_size;
     let (mut prefill_tps, mut decode_tps) = (Vec::new(), Vec::new());
     let mut replayed_steps = 0;
+    let mut host_us = Vec::new();
     // One untimed run first: page in the weights and grow the caches.
     for rep in 0..=args.repeats.max(1) {
         let ids = prompt(args.prompt_tokens, vocab, rep as u64);
@@ -169,11 +189,12 @@ pub fn run(args: Args) -> Result<()> {
         let t = Instant::now();
         let logits = prefill(model.as_ref(), &ids, &mut cache)?;
         let prefill_s = t.elapsed().as_secs_f64();
-        let (decode_s, replayed) = decode(model.as_ref(), logits, &mut cache, args.gen_tokens)?;
-        replayed_steps = replayed;
+        let decoded = decode(model.as_ref(), logits, &mut cache, args.gen_tokens)?;
+        replayed_steps = decoded.replayed;
         if rep > 0 {
             prefill_tps.push(args.prompt_tokens as f64 / prefill_s);
-            decode_tps.push(args.gen_tokens as f64 / decode_s);
+            decode_tps.push(args.gen_tokens as f64 / decoded.seconds);
+            host_us.extend(decoded.host_us);
         }
     }
     let mut depths = Vec::new();
@@ -181,7 +202,7 @@ pub fn run(args: Args) -> Result<()> {
         let ids = prompt(depth.saturating_sub(args.depth_tokens).max(1), vocab, 99);
         let mut cache = model.new_cache()?;
         let logits = prefill(model.as_ref(), &ids, &mut cache)?;
-        let (s, _) = decode(model.as_ref(), logits, &mut cache, args.depth_tokens)?;
+        let s = decode(model.as_ref(), logits, &mut cache, args.depth_tokens)?.seconds;
         depths.push(json!({"context": depth, "decode_tps": args.depth_tokens as f64 / s}));
     }
     let mut batches = Vec::new();
@@ -194,11 +215,12 @@ pub fn run(args: Args) -> Result<()> {
             tokens.push(argmax(&prefill(model.as_ref(), &ids, &mut cache)?));
             caches.push(cache);
         }
-        let (s, replayed) = decode_batch(model.as_ref(), tokens, &mut caches, args.gen_tokens)?;
+        let decoded = decode_batch(model.as_ref(), tokens, &mut caches, args.gen_tokens)?;
         batches.push(json!({
             "sequences": sequences,
-            "decode_tps": (sequences * args.gen_tokens) as f64 / s,
-            "replayed_steps": replayed,
+            "decode_tps": (sequences * args.gen_tokens) as f64 / decoded.seconds,
+            "replayed_steps": decoded.replayed,
+            "host_us_per_step": decoded.host_us,
         }));
     }
     let report = json!({
@@ -214,6 +236,7 @@ pub fn run(args: Args) -> Result<()> {
         "prefill_tps_runs": prefill_tps,
         "decode_tps_runs": decode_tps,
         "replayed_steps": replayed_steps,
+        "decode_host_us_per_step": (!host_us.is_empty()).then(|| median(host_us)),
         "depths": depths,
         "batches": batches,
         "peak_rss_bytes": peak_memory_bytes(),

@@ -1,12 +1,16 @@
-//! GPU matmul throughput on random MLX-quantized weights: GB/s of weight bytes per call for one
-//! activation row (decoding), and TFLOP/s for a 2048-row prefill, at the shapes of the
-//! benchmark llamas.
+//! GPU matmul throughput on random MLX-quantized weights, at the shapes of the benchmark
+//! llamas: for one activation row (decoding), the time per call inside replayed step graphs,
+//! as decoding runs them, over copies of the matrix that together outgrow the L2 cache, and
+//! the GB/s of weight bytes that makes; for a 2048-row prefill, TFLOP/s.
 //!
 //! `cargo run --release -p oxlm-engine --example cuda_gemv` on a machine with a CUDA GPU.
 
 use std::time::Instant;
 
-use oxlm_engine::{cuda, ops, Bytes, DType, Device, QuantizedMatrix, Tensor};
+use oxlm_engine::{cuda, ops, Bytes, DType, DecodeSteps, Device, QuantizedMatrix, Tensor};
+
+/// Bytes of weights each decode step reads: several times the H200's 60 MB of L2.
+const STEP_BYTES: usize = 256 << 20;
 
 fn random_matrix(rows: usize, cols: usize, bits: u32, seed: u64) -> QuantizedMatrix {
     let mut s = seed.wrapping_mul(6364136223846793005) | 1;
@@ -75,10 +79,26 @@ fn main() {
             let mut w = random_matrix(rows, cols, bits, (rows * cols) as u64);
             w.place(&device).unwrap();
             let bytes = w.size_in_bytes() as f64;
+            let copies: Vec<QuantizedMatrix> = (0..STEP_BYTES.div_ceil(w.size_in_bytes()))
+                .map(|i| {
+                    let mut c = random_matrix(rows, cols, bits, i as u64);
+                    c.place(&device).unwrap();
+                    c
+                })
+                .collect();
             let x1 = Tensor::from_slice(vec![1, cols], &vec![0.5; cols], &device).unwrap();
+            let mut steps = DecodeSteps::new(&device);
             let t1 = time(&device, || {
-                ops::matmul(&w, &x1).unwrap();
-            });
+                steps
+                    .run(|| {
+                        let mut last = None;
+                        for c in &copies {
+                            last = Some(ops::matmul(c, &x1)?);
+                        }
+                        last.unwrap().to_vec()
+                    })
+                    .unwrap();
+            }) / copies.len() as f64;
             let m = 2048;
             let xm = Tensor::from_slice(vec![m, cols], &vec![0.5; m * cols], &device).unwrap();
             let tm = time(&device, || {

@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use std::time::Duration;
+
 use crate::cuda::{Gpu, StepReplay};
 use crate::EngineError;
 
@@ -68,6 +70,12 @@ impl DecodeSteps {
     /// Steps that ran from a captured graph (zero on the CPU).
     pub fn replayed(&self) -> u64 {
         self.0.as_ref().map_or(0, |r| r.replayed)
+    }
+
+    /// On a GPU, over all steps so far: the host's time up to each step's download (walking
+    /// the model, launching), and the steps' whole time.
+    pub fn host_and_total(&self) -> Option<(Duration, Duration)> {
+        self.0.as_ref().map(|r| (r.walking, r.stepping))
     }
 }
 

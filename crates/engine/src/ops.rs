@@ -687,6 +687,19 @@ pub fn quantized_matmul_group(ws: &[&QuantizedMatrix], x: &Tensor) -> Result<Vec
             format!("matmul of {:?} by [{}, {}]ᵀ", x.shape(), w.rows, w.cols)
         })?;
     }
+    if let Storage::Cuda(b) = &x.storage {
+        let placed = ws
+            .iter()
+            .map(|w| Ok((w.on_gpu(b.gpu())?, w.shape())))
+            .collect::<Result<Vec<_>>>()?;
+        if let Some(ys) = cuda::ops::quantized_matmul_group(&placed, b, x.rows())? {
+            return Ok(ws
+                .iter()
+                .zip(ys)
+                .map(|(w, y)| Tensor::on_gpu(with_last(x.shape(), w.rows), y))
+                .collect());
+        }
+    }
     let Storage::Host(v) = &x.storage else {
         return ws.iter().map(|w| matmul(*w, x)).collect();
     };

@@ -310,6 +310,278 @@ QUANTIZED_BITS(5)
 QUANTIZED_BITS(6)
 QUANTIZED_BITS(8)
 
+// ---- 4- and 8-bit weights against int16 activations (decode GEMVs) ----------------------------
+//
+// Each block first rounds the activations to int16, per run of 32 with its own scale (x ≈
+// dx·xq, |xq| ≤ 32767: a relative error of at most 2^-16 of the run's largest value), into
+// shared memory, in the order dp2a meets the weights' bytes. The weights are then only masked,
+// never turned into floats: 3 integer operations and 4 dp2a per 8 weights of 4 bits, where the
+// float path spends 4 operations per weight. The bias term uses the exact sum of each run.
+
+__device__ __forceinline__ u32 pack16(int lo, int hi) {
+    return ((u32)lo & 0xffffu) | ((u32)hi << 16);
+}
+
+// d + a.lo16·b.byte0 + a.hi16·b.byte1 (lo) or ·b.byte2, ·b.byte3 (hi), a signed, b unsigned.
+__device__ __forceinline__ int dp2a_lo(u32 a, u32 b, int d) {
+    int r;
+    asm("dp2a.lo.s32.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(d));
+    return r;
+}
+
+__device__ __forceinline__ int dp2a_hi(u32 a, u32 b, int d) {
+    int r;
+    asm("dp2a.hi.s32.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(d));
+    return r;
+}
+
+// The activations of one block: per row r < m and run c, 4 chunks of 16 bytes, chunk q at
+// uint4 index (r·tiles + c/32)·128 + q·32 + c%32 (the lanes of a warp read consecutive
+// chunks), then (dx, sum) at stats[r·runs + c].
+struct QActs {
+    const uint4 *xs;
+    const float2 *stats;
+    int runs, tiles;
+};
+
+// Rounds x[m, k] into shared memory (all threads of the block take part): four threads per
+// run, each with 8 activations, which make exactly one 16-byte chunk of the run in either
+// order (for 4 bits a word's 8 weights, for 8 bits two words' 4).
+template <int BITS>
+__device__ QActs quantize_acts(const float *__restrict__ x, int k, int m) {
+    extern __shared__ uint4 smem[];
+    const int runs = k >> 5, tiles = (runs + 31) >> 5;
+    float2 *stats = reinterpret_cast<float2 *>(smem + m * tiles * 128);
+    for (int t = threadIdx.x; t < m * runs * 4; t += blockDim.x) {
+        const int run = t >> 2, j = t & 3;
+        const int r = run / runs, c = run - r * runs;
+        const float4 *x4 = reinterpret_cast<const float4 *>(x + (i64)r * k + (c << 5) + 8 * j);
+        const float4 v0 = x4[0], v1 = x4[1];
+        const float f[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+        float amax = 0.f, sum = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            amax = fmaxf(amax, fabsf(f[e]));
+            sum += f[e];
+        }
+        // The run's four threads are neighbours, all active or all not.
+        const u32 lanes = __activemask();
+#pragma unroll
+        for (int o = 1; o < 4; o <<= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(lanes, amax, o));
+            sum += __shfl_xor_sync(lanes, sum, o);
+        }
+        const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+        int q[8];
+#pragma unroll
+        for (int e = 0; e < 8; e++) q[e] = __float2int_rn(f[e] * inv);
+        uint4 chunk;
+        if constexpr (BITS == 4) {
+            // The word's masked bytes are its even weights (w & 0x0F0F0F0F) and its odd ones
+            // ((w >> 4) & 0x0F0F0F0F): pairs (0,2) (4,6) (1,3) (5,7).
+            chunk = {pack16(q[0], q[2]), pack16(q[4], q[6]), pack16(q[1], q[3]), pack16(q[5], q[7])};
+        } else {
+            chunk = {pack16(q[0], q[1]), pack16(q[2], q[3]), pack16(q[4], q[5]), pack16(q[6], q[7])};
+        }
+        smem[(r * tiles + (c >> 5)) * 128 + 32 * j + (c & 31)] = chunk;
+        if (j == 0) {
+            const float2 st = {amax / 32767.f, sum};
+            stats[run] = st;
+        }
+    }
+    __syncthreads();
+    QActs a = {smem, stats, runs, tiles};
+    return a;
+}
+
+// One run of R weight rows, loaded: its words, and its group's scale and bias per row.
+template <int BITS, class S, int R>
+struct RunWeights {
+    u32 words[R][BITS];
+    float scale[R], bias[R];
+
+    // Run c of the rows whose words start at w[i] (scales, biases at s[i], b[i]); groups hold
+    // 2^gshift runs.
+    __device__ __forceinline__ void load(const u32 *const (&w)[R], const typename S::T *const (&s)[R],
+                                         const typename S::T *const (&b)[R], int c, int gshift) {
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            load_run<BITS>(w[i] + (i64)c * BITS, words[i]);
+            scale[i] = S::load(s[i], c >> gshift);
+            bias[i] = S::load(b[i], c >> gshift);
+        }
+    }
+};
+
+// acc[i][r] += Σ over run c of x[r, ·] · W_i[·], for the loaded run `rw`.
+template <int BITS, class S, int R>
+__device__ __forceinline__ void qdot_run(const RunWeights<BITS, S, R> &rw, const QActs &a, int c,
+                                         int m, float (&acc)[R][8]) {
+    const uint4 *xc = a.xs + (c >> 5) * 128 + (c & 31);
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        if (r >= m) break;
+        const uint4 *xr = xc + r * a.tiles * 128;
+        u32 p[16];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const uint4 v = xr[32 * j];
+            p[4 * j] = v.x;
+            p[4 * j + 1] = v.y;
+            p[4 * j + 2] = v.z;
+            p[4 * j + 3] = v.w;
+        }
+        const float2 st = a.stats[r * a.runs + c];
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            int d = 0;
+            if constexpr (BITS == 4) {
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const u32 even = rw.words[i][j] & 0x0F0F0F0Fu;
+                    const u32 odd = (rw.words[i][j] >> 4) & 0x0F0F0F0Fu;
+                    d = dp2a_lo(p[4 * j], even, d);
+                    d = dp2a_hi(p[4 * j + 1], even, d);
+                    d = dp2a_lo(p[4 * j + 2], odd, d);
+                    d = dp2a_hi(p[4 * j + 3], odd, d);
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    d = dp2a_lo(p[2 * j], rw.words[i][j], d);
+                    d = dp2a_hi(p[2 * j + 1], rw.words[i][j], d);
+                }
+            }
+            acc[i][r] += rw.scale[i] * (st.x * (float)d) + rw.bias[i] * st.y;
+        }
+    }
+}
+
+// acc[i][r] = Σ_k x[r, k] · W_i[k] for the R weight rows whose words start at w[i], each lane
+// taking every 32nd run. The lane's first run is loaded before the block rounds x[m, k] into
+// shared memory (which returns in `a`), and each next one while the current one is summed,
+// so that the weights' latency overlaps the work.
+template <int BITS, class S, int R>
+__device__ __forceinline__ void qdot_int(const u32 *const (&w)[R],
+                                         const typename S::T *const (&s)[R],
+                                         const typename S::T *const (&b)[R],
+                                         const float *__restrict__ x, int k, int group, int m,
+                                         float (&acc)[R][8]) {
+    const int lane = threadIdx.x & 31, runs = k >> 5, gshift = __ffs(group) - 6;
+    RunWeights<BITS, S, R> cur;
+    if (lane < runs) cur.load(w, s, b, lane, gshift);
+    const QActs a = quantize_acts<BITS>(x, k, m);
+    zero(acc);
+    for (int c = lane; c < runs; c += 32) {
+        RunWeights<BITS, S, R> next;
+        if (c + 32 < runs) next.load(w, s, b, c + 32, gshift);
+        qdot_run<BITS, S, R>(cur, a, c, m, acc);
+        cur = next;
+    }
+}
+
+// y[r, n] (+)= Σ_k x[r, k] · W[n, k] for r < m: each warp takes 2 rows, the block's warps
+// consecutive pairs; the launch gives the activations their shared memory (`int_acts_bytes`
+// in ops.rs).
+// `block` counts the blocks of this matrix (blockIdx.x for one matrix alone).
+template <int BITS, class S>
+__device__ void qgemv_int(const u32 *__restrict__ w, const typename S::T *__restrict__ scales,
+                          const typename S::T *__restrict__ biases, const float *__restrict__ x,
+                          float *__restrict__ y, int n, int k, int group, int m, int accumulate,
+                          int block) {
+    // Warps past the last row still take part in rounding the activations.
+    const int first = (block * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 2;
+    const int row0 = min(first, n - 1), groups = k / group;
+    const u32 *wr[2];
+    const typename S::T *sr[2], *br[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const i64 row = min(row0 + i, n - 1);
+        wr[i] = w + row * (k >> 5) * BITS;
+        sr[i] = scales + row * groups;
+        br[i] = biases + row * groups;
+    }
+    float acc[2][8];
+    qdot_int<BITS, S, 2>(wr, sr, br, x, k, group, m, acc);
+    const bool lead = (threadIdx.x & 31) == 0 && first < n;
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            if (r >= m) break;
+            const float v = warp_sum(acc[i][r]);
+            if (lead && row0 + i < n) {
+                float *o = y + (i64)r * n + row0 + i;
+                *o = accumulate ? *o + v : v;
+            }
+        }
+}
+
+// The gated MLP's first half (see qglu) on int16 activations: each warp takes one row of the
+// gate and the same row of the up projection.
+template <int BITS, class S>
+__device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__restrict__ gs,
+                         const typename S::T *__restrict__ gb, const u32 *__restrict__ uw,
+                         const typename S::T *__restrict__ us, const typename S::T *__restrict__ ub,
+                         const float *__restrict__ x, float *__restrict__ out, int n, int k,
+                         int group, int m, int act) {
+    const int warp_row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    // Warps past the last row still take part in rounding the activations.
+    const int row = min(warp_row, n - 1);
+    const i64 groups = k / group, words = (i64)(k >> 5) * BITS;
+    const u32 *wr[2] = {gw + row * words, uw + row * words};
+    const typename S::T *sr[2] = {gs + row * groups, us + row * groups};
+    const typename S::T *br[2] = {gb + row * groups, ub + row * groups};
+    float acc[2][8];
+    qdot_int<BITS, S, 2>(wr, sr, br, x, k, group, m, acc);
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        if (r >= m) break;
+        const float g = warp_sum(acc[0][r]), u = warp_sum(acc[1][r]);
+        if ((threadIdx.x & 31) == 0 && warp_row < n) {
+            const float h = act == 0 ? g / (1.f + expf(-g))
+                                     : 0.5f * g * (1.f + tanhf(0.7978846f * (g + 0.044715f * g * g * g)));
+            out[(i64)r * n + row] = h * u;
+        }
+    }
+}
+
+#define QUANTIZED_INT(BITS, S, NAME)                                                               \
+    extern "C" __global__ void qgemv_int_##BITS##_##NAME(                                         \
+        const u32 *w, const S::T *s, const S::T *b, const float *x, float *y, int n, int k,       \
+        int g, int m, int acc) {                                                                  \
+        qgemv_int<BITS, S>(w, s, b, x, y, n, k, g, m, acc, blockIdx.x);                           \
+    }                                                                                             \
+    /* Three matrices of one input (attention's q, k and v), the blocks in their order; n2 = 0 */ \
+    /* leaves the third out. */                                                                   \
+    extern "C" __global__ void qgemv3_int_##BITS##_##NAME(                                        \
+        const u32 *w0, const S::T *s0, const S::T *b0, float *y0, int n0, const u32 *w1,          \
+        const S::T *s1, const S::T *b1, float *y1, int n1, const u32 *w2, const S::T *s2,         \
+        const S::T *b2, float *y2, int n2, const float *x, int k, int g, int m) {                 \
+        const int per_block = 2 * (blockDim.x >> 5);                                              \
+        const int nb0 = (n0 + per_block - 1) / per_block, nb1 = (n1 + per_block - 1) / per_block; \
+        int blk = blockIdx.x;                                                                     \
+        if (blk < nb0) {                                                                          \
+            qgemv_int<BITS, S>(w0, s0, b0, x, y0, n0, k, g, m, 0, blk);                           \
+        } else if ((blk -= nb0) < nb1) {                                                          \
+            qgemv_int<BITS, S>(w1, s1, b1, x, y1, n1, k, g, m, 0, blk);                           \
+        } else {                                                                                  \
+            qgemv_int<BITS, S>(w2, s2, b2, x, y2, n2, k, g, m, 0, blk - nb1);                     \
+        }                                                                                         \
+    }                                                                                             \
+    extern "C" __global__ void qglu_int_##BITS##_##NAME(                                          \
+        const u32 *gw, const S::T *gs, const S::T *gb, const u32 *uw, const S::T *us,             \
+        const S::T *ub, const float *x, float *out, int n, int k, int g, int m, int act) {        \
+        qglu_int<BITS, S>(gw, gs, gb, uw, us, ub, x, out, n, k, g, m, act);                       \
+    }
+
+QUANTIZED_INT(4, F32, f32)
+QUANTIZED_INT(4, F16, f16)
+QUANTIZED_INT(4, BF16, bf16)
+QUANTIZED_INT(8, F32, f32)
+QUANTIZED_INT(8, F16, f16)
+QUANTIZED_INT(8, BF16, bf16)
+
 // ---- float weights --------------------------------------------------------------------------
 
 // y[r, n] = Σ_k x[r, k] · W[n, k] for r < m (m ≤ 8), W in f32, f16 or bf16: one warp per row.

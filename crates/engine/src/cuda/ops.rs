@@ -604,6 +604,29 @@ fn row_threads(cols: usize) -> u32 {
     (cols / 32).next_power_of_two().clamp(32, 256) as u32
 }
 
+/// Shared memory of the int16-activation GEMVs (`qgemv_int`, `qglu_int`): the activations of
+/// `m` rows, rounded per run of 32, in tiles of 32 runs (`quantize_acts`). `None` where they
+/// do not apply: activations on an exact handle `g` (the activations' handle decides, as for
+/// the cuBLAS products), other bit widths, more than [`GEMV_MAX_ROWS`] rows, or
+/// activations over the 48 KiB a block gets without asking (then the f32-activation kernels
+/// run).
+fn int_acts_bytes(g: &Gpu, s: QuantShape, m: usize) -> Option<u32> {
+    let runs = s.cols / 32;
+    let bytes = m * (runs.div_ceil(32) * 2048 + runs * 8);
+    let applies = !g.exact_math() && matches!(s.bits, 4 | 8) && m <= GEMV_MAX_ROWS;
+    (applies && bytes <= 48 << 10).then_some(bytes as u32)
+}
+
+/// Threads per block of the int16-activation GEMVs: 4 warps, 16 for tall matrices, where each
+/// block's rounding of the activations is spread over more rows.
+fn int_threads(rows: usize) -> u32 {
+    if rows >= 8192 {
+        512
+    } else {
+        128
+    }
+}
+
 /// What a matmul does with its output: a new buffer, or a sum into an existing one (a residual
 /// connection, without a separate add).
 pub enum Output<'a> {
@@ -634,6 +657,18 @@ pub fn quantized_matmul(
         (None, Output::AddTo(b)) => b.ptr(),
         (None, Output::New) => unreachable!(),
     };
+    if let Some(shared) = int_acts_bytes(x.gpu(), s, m) {
+        let threads = int_threads(s.rows);
+        let rows_per_block = 2 * threads as usize / 32;
+        let cfg = LaunchConfig {
+            shared_mem_bytes: shared,
+            ..blocks(s.rows.div_ceil(rows_per_block), threads)
+        };
+        launch!(&g, &format!("qgemv_int_{}_{}", s.bits, w.scale_type), cfg;
+            packed, scales, biases, x.ptr(), y_ptr, int(s.rows)?, int(s.cols)?,
+            int(s.group_size)?, int(m)?, accumulate as i32);
+        return Ok(y);
+    }
     if m <= GEMV_MAX_ROWS {
         // Four rows per block share each activation load; the block's threads split the row
         // (one run of 32 weights each, as far as the row goes). Tall matrices have blocks
@@ -658,6 +693,72 @@ pub fn quantized_matmul(
     Ok(y)
 }
 
+/// `y_i[m, rows_i] = x[m, cols] · W_iᵀ` for two or three matrices of one format in one launch
+/// (attention's projections), when the int16-activation GEMV applies; `None` otherwise (the
+/// caller multiplies one matrix at a time).
+pub fn quantized_matmul_group(
+    ws: &[(&QuantizedWeights, QuantShape)],
+    x: &Buffer,
+    m: usize,
+) -> Result<Option<Vec<Buffer>>> {
+    let Some(&(first, s)) = ws.first() else {
+        return Ok(None);
+    };
+    let same_format = ws.iter().all(|(w, t)| {
+        (t.cols, t.bits, t.group_size, w.scale_type)
+            == (s.cols, s.bits, s.group_size, first.scale_type)
+    });
+    let g = first.gpu.clone();
+    let fits = same_format && (2..=3).contains(&ws.len());
+    let Some(shared) = int_acts_bytes(x.gpu(), s, m).filter(|_| fits) else {
+        return Ok(None);
+    };
+    let threads = int_threads(ws.iter().map(|(_, t)| t.rows).max().unwrap_or(0));
+    let per_block = 2 * threads as usize / 32;
+    let outs = ws
+        .iter()
+        .map(|(_, t)| g.output(m * t.rows))
+        .collect::<Result<Vec<_>>>()?;
+    let mut args = Vec::with_capacity(19);
+    let mut blocks_total = 0;
+    for i in 0..3 {
+        match (ws.get(i), outs.get(i)) {
+            (Some((w, t)), Some(y)) => {
+                args.extend([
+                    Arg::from(addr(&g, &w.packed)),
+                    Arg::from(addr(&g, &w.scales)),
+                    Arg::from(addr(&g, &w.biases)),
+                    Arg::from(y.ptr()),
+                    Arg::from(int(t.rows)?),
+                ]);
+                blocks_total += t.rows.div_ceil(per_block);
+            }
+            _ => args.extend(
+                [0u64, 0, 0, 0]
+                    .map(Arg::from)
+                    .into_iter()
+                    .chain([Arg::from(0i32)]),
+            ),
+        }
+    }
+    args.extend([
+        Arg::from(x.ptr()),
+        Arg::from(int(s.cols)?),
+        Arg::from(int(s.group_size)?),
+        Arg::from(int(m)?),
+    ]);
+    let cfg = LaunchConfig {
+        shared_mem_bytes: shared,
+        ..blocks(blocks_total, threads)
+    };
+    g.launch(
+        &format!("qgemv3_int_{}_{}", s.bits, first.scale_type),
+        cfg,
+        &args,
+    )?;
+    Ok(Some(outs))
+}
+
 /// The activation of a gated MLP, as the `qglu` kernel numbers them.
 #[derive(Clone, Copy)]
 pub enum Glu {
@@ -680,10 +781,27 @@ pub fn quantized_glu(
     }
     let g = gate.gpu.clone();
     let out = g.output(m * s.rows)?;
+    let [gw, gs, gb, uw, us, ub] = [
+        addr(&g, &gate.packed),
+        addr(&g, &gate.scales),
+        addr(&g, &gate.biases),
+        addr(&g, &up.packed),
+        addr(&g, &up.scales),
+        addr(&g, &up.biases),
+    ];
+    if let Some(shared) = int_acts_bytes(x.gpu(), s, m) {
+        let threads = int_threads(s.rows);
+        let cfg = LaunchConfig {
+            shared_mem_bytes: shared,
+            ..blocks(s.rows.div_ceil(threads as usize / 32), threads)
+        };
+        launch!(&g, &format!("qglu_int_{}_{}", s.bits, gate.scale_type), cfg;
+            gw, gs, gb, uw, us, ub, x.ptr(), out.ptr(),
+            int(s.rows)?, int(s.cols)?, int(s.group_size)?, int(m)?, act as i32);
+        return Ok(Some(out));
+    }
     launch!(&g, &format!("qglu_{}_{}", s.bits, gate.scale_type), blocks(s.rows.div_ceil(2), row_threads(s.cols));
-        addr(&g, &gate.packed), addr(&g, &gate.scales), addr(&g, &gate.biases),
-        addr(&g, &up.packed), addr(&g, &up.scales), addr(&g, &up.biases), x.ptr(), out.ptr(),
-        int(s.rows)?, int(s.cols)?, int(s.group_size)?, int(m)?, act as i32);
+        gw, gs, gb, uw, us, ub, x.ptr(), out.ptr(), int(s.rows)?, int(s.cols)?, int(s.group_size)?, int(m)?, act as i32);
     Ok(Some(out))
 }
 
@@ -715,7 +833,7 @@ pub fn dense_matmul(
 /// The precision of the many-row products: f32 throughout on an exact handle, else TF32
 /// tensor cores (f32 storage, operands rounded to 10-bit mantissas, f32 accumulation).
 fn compute_type(g: &Gpu) -> cublasComputeType_t {
-    if g.exact_gemm() {
+    if g.exact_math() {
         cublasComputeType_t::CUBLAS_COMPUTE_32F
     } else {
         cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32

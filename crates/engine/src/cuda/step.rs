@@ -7,15 +7,20 @@
 //! runs:
 //! - temporaries come from an arena reset at every step, so that a step of the same shape sees
 //!   the same addresses; uploads go through pinned staging memory at fixed offsets;
-//! - the first step is captured into a graph as it is issued; the graph is launched at the
-//!   first download (the step's logits), which ends the captured part;
-//! - later steps check each call against the recording and skip it; the graph runs at the
-//!   first download. A call that differs (another shape, a scalar that moved, a cache that
-//!   grew) or one that cannot be replayed (a lasting allocation, cuBLAS, a pageable copy) makes
-//!   the step issue everything itself, the skipped calls first, and the graph is dropped; it is
-//!   captured again next step, until captures fail too often.
+//! - the first step is captured as it is issued, into graphs of [`SEGMENT_OPS`] calls each,
+//!   every one launched as soon as it is complete; the first download (the step's logits) ends
+//!   the captured part;
+//! - later steps check each call against the recording and skip it; a segment is launched as
+//!   soon as all its calls have matched, so that the GPU runs the start of the step while the
+//!   host is still walking the rest of the model. A call that differs (another shape, a scalar
+//!   that moved, a cache that grew) or one that cannot be replayed (a lasting allocation,
+//!   cuBLAS, a pageable copy) makes the step issue the rest itself, the skipped calls of the
+//!   unlaunched segment first (launched segments matched, so they are this step's own), and
+//!   the recording is dropped; it is captured again next step, until captures fail too often.
 
 use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys, CudaSlice, CudaStream, LaunchConfig};
 
@@ -26,6 +31,9 @@ use crate::EngineError;
 const ARENA_BYTES: usize = 256 << 20;
 /// Pinned host memory for one step's uploads (token ids, positions).
 const STAGING_BYTES: usize = 1 << 20;
+/// Calls per graph segment: enough that a launch (a few microseconds of host time) is small
+/// beside the calls it stands for, few enough that the GPU starts early in the step.
+const SEGMENT_OPS: usize = 32;
 /// Consecutive captures that did not replay after which a [`StepReplay`] stops trying.
 const MAX_FAILED_CAPTURES: u32 = 3;
 
@@ -140,10 +148,15 @@ fn widen(b: [u8; 4]) -> [u8; 8] {
     [b[0], b[1], b[2], b[3], 0, 0, 0, 0]
 }
 
-/// A captured step: its graph and the calls it holds.
-struct Recorded {
+/// A captured graph and the calls it holds.
+struct Segment {
     graph: cudarc::driver::CudaGraph,
     ops: Vec<Op>,
+}
+
+/// A captured step: its segments, in order.
+struct Recorded {
+    segments: Vec<Segment>,
 }
 
 enum Mode {
@@ -151,10 +164,16 @@ enum Mode {
     Off,
     /// Inside a step: calls are issued as they come, from the arena.
     Direct,
-    /// Capturing into a graph (the stream records, nothing runs until the graph is launched).
-    Capture(Vec<Op>),
-    /// Checking calls against a recording; `cursor` of them matched so far.
-    Replay { recorded: Recorded, cursor: usize },
+    /// Capturing into graphs: `open` holds the calls of the segment being captured (the stream
+    /// records them, nothing runs until its graph is launched), `done` the launched segments.
+    Capture { open: Vec<Op>, done: Vec<Segment> },
+    /// Checking calls against a recording: the segments before `segment` matched and were
+    /// launched, and `cursor` calls of `segment` matched so far.
+    Replay {
+        recorded: Recorded,
+        segment: usize,
+        cursor: usize,
+    },
 }
 
 /// What the GPU's calls do, behind the GPU's lock.
@@ -165,13 +184,33 @@ pub(crate) struct StepState {
     arena_used: usize,
     staging: *mut u8,
     staging_used: usize,
-    /// A graph the step finished (captured, or replayed): handed back to its [`StepReplay`].
+    /// A recording the step finished (captured, or replayed): handed back to its [`StepReplay`].
     finished: Option<Recorded>,
+    /// Recordings this step gave up, some of whose graphs may still be running: kept until
+    /// the step's work is done.
+    retired: Vec<Mode>,
+    /// When the step's replayable part ended (its first download began).
+    walked: Option<Instant>,
 }
 
 // SAFETY: the staging pointer is pinned host memory owned by this state for the GPU's life,
 // only touched under the GPU's lock.
 unsafe impl Send for StepState {}
+
+fn begin_capture(stream: &CudaStream) -> Result<(), EngineError> {
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .map_err(err)
+}
+
+/// The graph of what `stream` captured since its capture began; `None` when the capture
+/// failed (nothing it recorded has run).
+fn end_capture(stream: &Arc<CudaStream>) -> Option<cudarc::driver::CudaGraph> {
+    stream
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .ok()
+        .flatten()
+}
 
 impl StepState {
     pub(crate) fn new() -> StepState {
@@ -182,6 +221,8 @@ impl StepState {
             staging: std::ptr::null_mut(),
             staging_used: 0,
             finished: None,
+            retired: Vec::new(),
+            walked: None,
         }
     }
 
@@ -201,10 +242,7 @@ impl StepState {
     }
 
     /// Allocates the arena and the staging memory on first use.
-    pub(crate) fn prepare(
-        &mut self,
-        stream: &std::sync::Arc<CudaStream>,
-    ) -> Result<(), EngineError> {
+    pub(crate) fn prepare(&mut self, stream: &Arc<CudaStream>) -> Result<(), EngineError> {
         if self.arena.is_none() {
             // SAFETY: step temporaries are written by their kernels before they are read.
             let slab = unsafe { stream.alloc::<u8>(ARENA_BYTES) }.map_err(err)?;
@@ -246,84 +284,122 @@ impl StepState {
     }
 
     /// Issues, records or checks `op` as the step's mode says.
-    pub(crate) fn submit(
-        &mut self,
-        stream: &std::sync::Arc<CudaStream>,
-        op: Op,
-    ) -> Result<(), EngineError> {
+    pub(crate) fn submit(&mut self, stream: &Arc<CudaStream>, op: Op) -> Result<(), EngineError> {
         match &mut self.mode {
             Mode::Off | Mode::Direct => op.run(stream, self.staging),
-            Mode::Capture(ops) => {
-                if op.run(stream, self.staging).is_ok() {
-                    ops.push(op);
-                    return Ok(());
+            Mode::Capture { open, done } => {
+                if op.run(stream, self.staging).is_err() {
+                    // The capture broke: issue what it held, and the rest of the step, directly.
+                    self.go_direct(stream)?;
+                    return op.run(stream, self.staging);
                 }
-                // The capture broke: end it and issue the step directly from here.
-                let ops = std::mem::take(ops);
-                self.mode = Mode::Direct;
-                let _ = stream.end_capture(sys::CUgraphInstantiate_flags(0));
-                for done in &ops {
-                    done.run(stream, self.staging)?;
+                open.push(op);
+                if open.len() == SEGMENT_OPS {
+                    match end_capture(stream) {
+                        Some(graph) => {
+                            graph.launch().map_err(err)?;
+                            let ops = std::mem::take(open);
+                            done.push(Segment { graph, ops });
+                            begin_capture(stream)?;
+                        }
+                        None => self.go_direct(stream)?,
+                    }
                 }
-                op.run(stream, self.staging)
+                Ok(())
             }
-            Mode::Replay { recorded, cursor } => {
-                if recorded.ops.get(*cursor) == Some(&op) {
-                    *cursor += 1;
-                    return Ok(());
+            Mode::Replay {
+                recorded,
+                segment,
+                cursor,
+            } => {
+                let matched = recorded
+                    .segments
+                    .get(*segment)
+                    .is_some_and(|s| s.ops[*cursor] == op);
+                if !matched {
+                    self.go_direct(stream)?;
+                    return op.run(stream, self.staging);
                 }
-                self.fall_back(stream)?;
-                op.run(stream, self.staging)
+                *cursor += 1;
+                let current = &recorded.segments[*segment];
+                if *cursor == current.ops.len() {
+                    current.graph.launch().map_err(err)?;
+                    *segment += 1;
+                    *cursor = 0;
+                }
+                Ok(())
             }
         }
     }
 
     /// Ends the replayable part of the step before a call that cannot be in a graph (a
-    /// download, a lasting allocation, cuBLAS): runs what was captured or matched, and issues
-    /// the rest of the step directly.
-    pub(crate) fn boundary(
-        &mut self,
-        stream: &std::sync::Arc<CudaStream>,
-    ) -> Result<(), EngineError> {
-        match std::mem::replace(&mut self.mode, Mode::Direct) {
-            Mode::Off => self.mode = Mode::Off,
-            Mode::Direct => {}
-            Mode::Capture(ops) => {
-                let flags = sys::CUgraphInstantiate_flags(0);
-                match stream.end_capture(flags) {
-                    Ok(Some(graph)) if !ops.is_empty() => {
-                        graph.launch().map_err(err)?;
-                        self.finished = Some(Recorded { graph, ops });
-                    }
-                    // A capture that failed recorded nothing that ran: issue it directly.
-                    _ => {
-                        for op in &ops {
-                            op.run(stream, self.staging)?;
-                        }
-                    }
+    /// download, a lasting allocation, cuBLAS): launches the segment being captured, or keeps
+    /// a replay whose every segment matched; the rest of the step is issued directly.
+    pub(crate) fn boundary(&mut self, stream: &Arc<CudaStream>) -> Result<(), EngineError> {
+        if self.in_step() && self.walked.is_none() {
+            self.walked = Some(Instant::now());
+        }
+        match &mut self.mode {
+            Mode::Off | Mode::Direct => Ok(()),
+            Mode::Capture { open, done } => {
+                let graph = end_capture(stream);
+                if !open.is_empty() {
+                    let Some(graph) = graph else {
+                        return self.go_direct(stream);
+                    };
+                    graph.launch().map_err(err)?;
+                    let ops = std::mem::take(open);
+                    done.push(Segment { graph, ops });
                 }
+                let segments = std::mem::take(done);
+                self.mode = Mode::Direct;
+                if !segments.is_empty() {
+                    self.finished = Some(Recorded { segments });
+                }
+                Ok(())
             }
-            Mode::Replay { recorded, cursor } => {
-                if cursor == recorded.ops.len() {
-                    recorded.graph.launch().map_err(err)?;
-                    self.finished = Some(recorded);
-                } else {
-                    self.mode = Mode::Replay { recorded, cursor };
-                    self.fall_back(stream)?;
+            Mode::Replay {
+                recorded, segment, ..
+            } => {
+                if *segment < recorded.segments.len() {
+                    return self.go_direct(stream);
                 }
+                if let Mode::Replay { recorded, .. } =
+                    std::mem::replace(&mut self.mode, Mode::Direct)
+                {
+                    self.finished = Some(recorded);
+                }
+                Ok(())
             }
         }
-        Ok(())
     }
 
-    /// A replay that diverged: issues the calls skipped so far (they matched, so they are
-    /// this step's own) and goes direct; the graph is dropped.
-    fn fall_back(&mut self, stream: &CudaStream) -> Result<(), EngineError> {
-        if let Mode::Replay { recorded, cursor } = std::mem::replace(&mut self.mode, Mode::Direct) {
-            for op in &recorded.ops[..cursor] {
-                op.run(stream, self.staging)?;
+    /// Leaves a capture or a replay for direct issue: what the capture recorded has not run,
+    /// and the matched calls of the replay's unlaunched segment are this step's own, so both
+    /// are issued now. The recording is dropped.
+    fn go_direct(&mut self, stream: &Arc<CudaStream>) -> Result<(), EngineError> {
+        let old = std::mem::replace(&mut self.mode, Mode::Direct);
+        match &old {
+            Mode::Capture { open, .. } => {
+                let _ = end_capture(stream);
+                for op in open {
+                    op.run(stream, self.staging)?;
+                }
             }
+            Mode::Replay {
+                recorded,
+                segment,
+                cursor,
+            } => {
+                if let Some(current) = recorded.segments.get(*segment) {
+                    for op in &current.ops[..*cursor] {
+                        op.run(stream, self.staging)?;
+                    }
+                }
+            }
+            Mode::Off | Mode::Direct => {}
         }
+        self.retired.push(old);
         Ok(())
     }
 }
@@ -334,9 +410,13 @@ pub struct StepReplay {
     gpu: Gpu,
     recorded: Option<Recorded>,
     failed_captures: u32,
-    /// Steps run from a graph, and graphs captured: for tests and benchmarks.
+    /// Steps run from a recording, and recordings captured: for tests and benchmarks.
     pub replayed: u64,
     pub captured: u64,
+    /// Over all steps: the host's time up to each step's download, and each step's whole time
+    /// (the difference is the host waiting for the GPU).
+    pub walking: Duration,
+    pub stepping: Duration,
 }
 
 impl StepReplay {
@@ -347,6 +427,8 @@ impl StepReplay {
             failed_captures: 0,
             replayed: 0,
             captured: 0,
+            walking: Duration::ZERO,
+            stepping: Duration::ZERO,
         }
     }
 
@@ -356,6 +438,7 @@ impl StepReplay {
         &mut self,
         step: impl FnOnce() -> Result<T, E>,
     ) -> Result<T, E> {
+        let start = Instant::now();
         let gpu = self.gpu.clone();
         let stream = gpu.stream().clone();
         gpu.bind()?;
@@ -365,22 +448,25 @@ impl StepReplay {
             state.arena_used = 0;
             state.staging_used = 0;
             state.finished = None;
+            state.walked = None;
             state.mode = match self.recorded.take() {
                 Some(recorded) => Mode::Replay {
                     recorded,
+                    segment: 0,
                     cursor: 0,
                 },
                 None if self.failed_captures < MAX_FAILED_CAPTURES => {
-                    stream
-                        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-                        .map_err(err)?;
-                    Mode::Capture(Vec::new())
+                    begin_capture(&stream)?;
+                    Mode::Capture {
+                        open: Vec::new(),
+                        done: Vec::new(),
+                    }
                 }
                 None => Mode::Direct,
             };
             (
                 matches!(state.mode, Mode::Replay { .. }),
-                matches!(state.mode, Mode::Capture(_)),
+                matches!(state.mode, Mode::Capture { .. }),
             )
         };
         let out = step();
@@ -389,8 +475,18 @@ impl StepReplay {
         let ended = state.boundary(&stream);
         state.mode = Mode::Off;
         let finished = state.finished.take();
+        let walked = state.walked.take();
+        let retired = !state.retired.is_empty();
         drop(state);
+        if retired {
+            // Graphs given up this step are released once they have run.
+            stream.synchronize().map_err(err)?;
+            gpu.step_state().retired.clear();
+        }
         ended?;
+        let end = Instant::now();
+        self.walking += walked.unwrap_or(end) - start;
+        self.stepping += end - start;
         match (finished, was_replay, was_capture) {
             (Some(recorded), true, _) => {
                 self.replayed += 1;
