@@ -233,8 +233,37 @@ pub fn rope_inplace(
             cpu::elementwise::rope_inplace(a, heads, head_dim, p, f, traditional);
             Ok(())
         }
-        Pair::Cuda(a, f) => cuda::ops::rope(a, heads, head_dim, positions, f, traditional),
+        Pair::Cuda(a, f) => cuda::ops::rope(a, heads, None, head_dim, positions, f, traditional),
     }
+}
+
+/// [`rope_inplace`] of a layer's queries `q` (`heads` a token) and keys `k` (`kv_heads` a
+/// token) at the same positions; one launch on a GPU.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_pair_inplace(
+    q: &mut Tensor,
+    heads: usize,
+    k: &mut Tensor,
+    kv_heads: usize,
+    head_dim: usize,
+    positions: &Positions,
+    inv_freqs: &Tensor,
+    traditional: bool,
+) -> Result<()> {
+    if let (Storage::Cuda(qb), Storage::Cuda(kb), Storage::Cuda(f)) =
+        (&mut q.storage, &mut k.storage, &inv_freqs.storage)
+    {
+        let fits = |b: &Buffer, h: usize| b.len() == positions.len() * h * head_dim;
+        if fits(qb, heads) && fits(kb, kv_heads) && 2 * f.len() <= head_dim {
+            if !(qb.gpu().same(kb.gpu()) && qb.gpu().same(f.gpu())) {
+                return Err(mismatch("rope"));
+            }
+            let y = Some((kb, kv_heads));
+            return cuda::ops::rope(qb, heads, y, head_dim, positions, f, traditional);
+        }
+    }
+    rope_inplace(q, heads, head_dim, positions, inv_freqs, traditional)?;
+    rope_inplace(k, kv_heads, head_dim, positions, inv_freqs, traditional)
 }
 
 // ---- reshaping copies ---------------------------------------------------------------------------
@@ -346,12 +375,13 @@ pub struct Kv<'a> {
     pub window: Option<usize>,
 }
 
-/// Writes `src` (`[tokens, kv_heads · head_dim]`), the keys or values of the tokens at
-/// `positions` (consecutive), into `cache` (`[kv_heads, capacity, head_dim]`, position `p` in
-/// slot `p % capacity`).
+/// Writes `keys` and `values` (`[tokens, kv_heads · head_dim]` each) of the tokens at
+/// `positions` (consecutive) into a cache's two rings, `cache.0` and `cache.1`
+/// (`[kv_heads, capacity, head_dim]`, position `p` in slot `p % capacity`); one launch on a GPU.
 pub fn kv_write(
-    cache: &mut Tensor,
-    src: &Tensor,
+    cache: (&mut Tensor, &mut Tensor),
+    keys: &Tensor,
+    values: &Tensor,
     kv_heads: usize,
     head_dim: usize,
     capacity: usize,
@@ -360,79 +390,108 @@ pub fn kv_write(
     let row = kv_heads * head_dim;
     let p = positions.as_slice();
     check(
-        cache.len() == capacity * row
-            && src.len() == p.len() * row
+        cache.0.len() == capacity * row
+            && cache.1.len() == capacity * row
+            && keys.len() == p.len() * row
+            && values.len() == p.len() * row
             && p.len() <= capacity
             && p.windows(2).all(|w| w[1] == w[0] + 1),
         || {
             format!(
-                "writing {:?} into a cache of {capacity} × {row}",
-                src.shape()
+                "writing {:?} and {:?} into a cache of {capacity} × {row}",
+                keys.shape(),
+                values.shape()
             )
         },
     )?;
     if p.is_empty() {
         return Ok(());
     }
-    match pair("kv_write", cache, src)? {
-        Pair::Host(c, s) => {
-            cpu::attention::kv_write(c, s, kv_heads, head_dim, capacity, p[0]);
+    match (
+        pair("kv_write", cache.0, keys)?,
+        pair("kv_write", cache.1, values)?,
+    ) {
+        (Pair::Host(kc, k), Pair::Host(vc, v)) => {
+            cpu::attention::kv_write(kc, k, kv_heads, head_dim, capacity, p[0]);
+            cpu::attention::kv_write(vc, v, kv_heads, head_dim, capacity, p[0]);
             Ok(())
         }
-        Pair::Cuda(c, s) => cuda::ops::kv_write(c, s, kv_heads, head_dim, capacity, positions),
+        (Pair::Cuda(kc, k), Pair::Cuda(vc, v)) if kc.gpu().same(vc.gpu()) => {
+            cuda::ops::kv_write([kc, vc], [k, v], kv_heads, head_dim, capacity, positions)
+        }
+        _ => Err(mismatch("kv_write")),
     }
 }
 
-/// [`kv_write`] of one token for each of several sequences: row `i` of `src`
-/// (`[sequences, kv_heads · head_dim]`) into `caches[i]` (`[kv_heads, capacities[i],
-/// head_dim]`) at `positions[i]`, in one launch on a GPU.
+/// [`kv_write`] of one token for each of several sequences: row `i` of `keys` and `values`
+/// (`[sequences, kv_heads · head_dim]`) into the rings `key_rings[i]` and `value_rings[i]`
+/// (`[kv_heads, capacities[i], head_dim]`) at `positions[i]`, in one launch on a GPU.
+#[allow(clippy::too_many_arguments)]
 pub fn kv_write_batch(
-    caches: &mut [&mut Tensor],
+    key_rings: &mut [&mut Tensor],
+    value_rings: &mut [&mut Tensor],
     capacities: &[usize],
-    src: &Tensor,
+    keys: &Tensor,
+    values: &Tensor,
     kv_heads: usize,
     head_dim: usize,
     positions: &Positions,
 ) -> Result<()> {
     let row = kv_heads * head_dim;
-    let n = caches.len();
+    let n = key_rings.len();
     check(
-        capacities.len() == n
+        value_rings.len() == n
+            && capacities.len() == n
             && positions.len() == n
-            && src.len() == n * row
-            && caches
+            && keys.len() == n * row
+            && values.len() == n * row
+            && key_rings
                 .iter()
-                .zip(capacities)
+                .chain(value_rings.iter())
+                .zip(capacities.iter().chain(capacities))
                 .all(|(c, &cap)| cap > 0 && c.len() == cap * row),
         || {
             format!(
                 "writing {:?} into {n} caches of {capacities:?} × {row}",
-                src.shape()
+                keys.shape()
             )
         },
     )?;
-    match &src.storage {
-        Storage::Host(s) => {
-            for (i, cache) in caches.iter_mut().enumerate() {
-                let Storage::Host(c) = &mut cache.storage else {
+    match (&keys.storage, &values.storage) {
+        (Storage::Host(k), Storage::Host(v)) => {
+            let rings = key_rings.iter_mut().zip(value_rings.iter_mut());
+            for (i, (kr, vr)) in rings.enumerate() {
+                let (Storage::Host(kc), Storage::Host(vc)) = (&mut kr.storage, &mut vr.storage)
+                else {
                     return Err(mismatch("kv_write_batch"));
                 };
                 let p = positions.as_slice()[i];
-                let src_row = &s[i * row..(i + 1) * row];
-                cpu::attention::kv_write(c, src_row, kv_heads, head_dim, capacities[i], p);
+                let rows = i * row..(i + 1) * row;
+                cpu::attention::kv_write(
+                    kc,
+                    &k[rows.clone()],
+                    kv_heads,
+                    head_dim,
+                    capacities[i],
+                    p,
+                );
+                cpu::attention::kv_write(vc, &v[rows], kv_heads, head_dim, capacities[i], p);
             }
             Ok(())
         }
-        Storage::Cuda(sb) => {
-            let ptrs = caches
+        (Storage::Cuda(kb), Storage::Cuda(vb)) if kb.gpu().same(vb.gpu()) => {
+            // Key rings' addresses, then value rings'.
+            let ptrs = key_rings
                 .iter()
+                .chain(value_rings.iter())
                 .map(|c| match &c.storage {
-                    Storage::Cuda(b) if b.gpu().same(sb.gpu()) => Ok(b.ptr()),
+                    Storage::Cuda(b) if b.gpu().same(kb.gpu()) => Ok(b.ptr()),
                     _ => Err(mismatch("kv_write_batch")),
                 })
                 .collect::<Result<Vec<u64>>>()?;
-            cuda::ops::kv_write_batch(&ptrs, capacities, sb, kv_heads, head_dim, positions)
+            cuda::ops::kv_write_batch(&ptrs, capacities, [kb, vb], kv_heads, head_dim, positions)
         }
+        _ => Err(mismatch("kv_write_batch")),
     }
 }
 
@@ -679,9 +738,44 @@ pub fn matmul(w: &impl WeightMatrix, x: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// `x · Wⱼᵀ` for each of `ws` (a layer's q/k/v projections, say): on the CPU one job over all
-/// their rows, with the activations quantized once; on a GPU one matmul each.
-pub fn quantized_matmul_group(ws: &[&QuantizedMatrix], x: &Tensor) -> Result<Vec<Tensor>> {
+/// An RMS norm a product applies to its input rows first, as [`rms_norm`] would: a GPU folds
+/// it into the product where it can (a decode step saves a launch a norm).
+#[derive(Clone, Copy)]
+pub struct InputNorm<'a> {
+    pub weight: &'a Tensor,
+    pub eps: f32,
+}
+
+/// `x`, normed by `norm` if there is one: borrowed as it is, or the new normed tensor.
+fn normed<'a>(x: &'a Tensor, norm: Option<InputNorm>) -> Result<std::borrow::Cow<'a, Tensor>> {
+    Ok(match norm {
+        None => std::borrow::Cow::Borrowed(x),
+        Some(n) => std::borrow::Cow::Owned(rms_norm(x, n.weight, n.eps)?),
+    })
+}
+
+/// The norm's weight as a GPU buffer beside `x`'s, for a kernel to fold in; `Err` when it
+/// lies elsewhere or does not fit `x`'s rows.
+fn gpu_norm<'a>(
+    x: &Buffer,
+    cols: usize,
+    norm: Option<InputNorm<'a>>,
+) -> Result<cuda::ops::InputNorm<'a>> {
+    let Some(n) = norm else { return Ok(None) };
+    match &n.weight.storage {
+        Storage::Cuda(w) if w.gpu().same(x.gpu()) && w.len() == cols => Ok(Some((w, n.eps))),
+        _ => Err(mismatch("a norm folded into a matmul")),
+    }
+}
+
+/// `norm(x) · Wⱼᵀ` for each of `ws` (a layer's q/k/v projections, say): on the CPU one job
+/// over all their rows, with the activations quantized once; on a GPU one launch where the
+/// int16-activation GEMV applies (the norm folded in), else one matmul each.
+pub fn quantized_matmul_group(
+    ws: &[&QuantizedMatrix],
+    x: &Tensor,
+    norm: Option<InputNorm>,
+) -> Result<Vec<Tensor>> {
     for w in ws {
         check(x.cols() == w.cols, || {
             format!("matmul of {:?} by [{}, {}]ᵀ", x.shape(), w.rows, w.cols)
@@ -692,7 +786,8 @@ pub fn quantized_matmul_group(ws: &[&QuantizedMatrix], x: &Tensor) -> Result<Vec
             .iter()
             .map(|w| Ok((w.on_gpu(b.gpu())?, w.shape())))
             .collect::<Result<Vec<_>>>()?;
-        if let Some(ys) = cuda::ops::quantized_matmul_group(&placed, b, x.rows())? {
+        let folded = gpu_norm(b, x.cols(), norm)?;
+        if let Some(ys) = cuda::ops::quantized_matmul_group(&placed, b, x.rows(), folded)? {
             return Ok(ws
                 .iter()
                 .zip(ys)
@@ -700,6 +795,7 @@ pub fn quantized_matmul_group(ws: &[&QuantizedMatrix], x: &Tensor) -> Result<Vec
                 .collect());
         }
     }
+    let x = &*normed(x, norm)?;
     let Storage::Host(v) = &x.storage else {
         return ws.iter().map(|w| matmul(*w, x)).collect();
     };
@@ -747,12 +843,14 @@ pub enum Activation {
     GeluApprox,
 }
 
-/// `act(x · Gᵀ) · (x · Uᵀ)`: one pass over both matrices on a GPU when they share shape and
-/// quantization and `x` has few rows, else the two matmuls and the activation.
+/// `act(norm(x) · Gᵀ) · (norm(x) · Uᵀ)`: one pass over both matrices on a GPU when they share
+/// shape and quantization and `x` has few rows (the norm folded in where the int16-activation
+/// kernel runs), else the norm, the two matmuls and the activation.
 pub fn quantized_glu(
     gate: &QuantizedMatrix,
     up: &QuantizedMatrix,
     x: &Tensor,
+    norm: Option<InputNorm>,
     act: Activation,
 ) -> Result<Tensor> {
     let same_format = (gate.rows, gate.cols, gate.bits, gate.group_size)
@@ -763,11 +861,14 @@ pub fn quantized_glu(
             Activation::GeluApprox => cuda::ops::Glu::GeluApprox,
         };
         let (g, u) = (gate.on_gpu(b.gpu())?, up.on_gpu(b.gpu())?);
-        if let Some(out) = cuda::ops::quantized_glu(g, u, gate.shape(), b, x.rows(), kind)? {
+        let folded = gpu_norm(b, x.cols(), norm)?;
+        let (s, m) = (gate.shape(), x.rows());
+        if let Some(out) = cuda::ops::quantized_glu(g, u, s, b, m, kind, folded)? {
             return Ok(Tensor::on_gpu(with_last(x.shape(), gate.rows), out));
         }
     }
-    let mut pair = quantized_matmul_group(&[gate, up], x)?.into_iter();
+    let x = &*normed(x, norm)?;
+    let mut pair = quantized_matmul_group(&[gate, up], x, None)?.into_iter();
     let (mut h, u) = (pair.next().unwrap(), pair.next().unwrap());
     match act {
         Activation::Silu => silu_mul_inplace(&mut h, &u)?,

@@ -146,8 +146,8 @@ fn int16_gemv_launches() {
             let what = format!("{rows}x{cols} {bits}-bit m={m}");
             assert_close(&what, &y, &cpu, INT16);
             let act = ops::Activation::Silu;
-            let cpu = ops::quantized_glu(&w, &up, &host_x, act).unwrap();
-            let y = ops::quantized_glu(&wg, &ug, &on(&dev, vec![m, cols], &x), act).unwrap();
+            let cpu = ops::quantized_glu(&w, &up, &host_x, None, act).unwrap();
+            let y = ops::quantized_glu(&wg, &ug, &on(&dev, vec![m, cols], &x), None, act).unwrap();
             assert_close(&format!("{what} glu"), &y, &cpu, INT16);
         }
     }
@@ -172,16 +172,41 @@ fn quantized_matmul_group_in_one_launch() {
                 w
             })
             .collect();
+        let norm_weight = random_vec(&mut rng, cols);
         for count in [2, 3] {
             for m in [1, 4] {
-                let x = random_vec(&mut rng, m * cols);
-                let refs: Vec<_> = placed[..count].iter().collect();
-                let ys = ops::quantized_matmul_group(&refs, &on(&dev, vec![m, cols], &x)).unwrap();
-                assert_eq!(ys.len(), count);
-                for (y, w) in ys.iter().zip(&hosts) {
-                    let cpu = ops::matmul(w, &Tensor::new(vec![m, cols], x.clone())).unwrap();
-                    let what = format!("{bits}-bit group of {count}, {} rows, m={m}", w.rows);
-                    assert_close(&what, y, &cpu, INT16);
+                for with_norm in [false, true] {
+                    let x = random_vec(&mut rng, m * cols);
+                    let refs: Vec<_> = placed[..count].iter().collect();
+                    let weight = on(&dev, vec![cols], &norm_weight);
+                    let norm = with_norm.then_some(ops::InputNorm {
+                        weight: &weight,
+                        eps: 1e-5,
+                    });
+                    let xg = on(&dev, vec![m, cols], &x);
+                    let ys = ops::quantized_matmul_group(&refs, &xg, norm).unwrap();
+                    assert_eq!(ys.len(), count);
+                    let mut xc = Tensor::new(vec![m, cols], x.clone());
+                    if with_norm {
+                        let w = Tensor::new(vec![cols], norm_weight.clone());
+                        ops::rms_norm_inplace(&mut xc, &w, 1e-5).unwrap();
+                    }
+                    for (y, w) in ys.iter().zip(&hosts) {
+                        let cpu = ops::matmul(w, &xc).unwrap();
+                        let what = format!(
+                            "{bits}-bit group of {count}, {} rows, m={m}, norm {with_norm}",
+                            w.rows
+                        );
+                        assert_close(&what, y, &cpu, INT16);
+                    }
+                    if count == 2 && with_norm {
+                        let act = ops::Activation::Silu;
+                        // Gate and up projections of one shape: the first matrix twice.
+                        let (g, gc) = (&placed[0], &hosts[0]);
+                        let y = ops::quantized_glu(g, g, &xg, norm, act).unwrap();
+                        let cpu = ops::quantized_glu(gc, gc, &xc, None, act).unwrap();
+                        assert_close(&format!("{bits}-bit glu, norm, m={m}"), &y, &cpu, INT16);
+                    }
                 }
             }
         }
@@ -206,10 +231,16 @@ fn gated_mlp_in_one_pass() {
         for act in [ops::Activation::Silu, ops::Activation::GeluApprox] {
             for m in [1, 5, 12] {
                 let x = random_vec(&mut rng, m * cols);
-                let cpu =
-                    ops::quantized_glu(&gate, &up, &Tensor::new(vec![m, cols], x.clone()), act)
-                        .unwrap();
-                let y = ops::quantized_glu(&g, &u, &on(&dev, vec![m, cols], &x), act).unwrap();
+                let cpu = ops::quantized_glu(
+                    &gate,
+                    &up,
+                    &Tensor::new(vec![m, cols], x.clone()),
+                    None,
+                    act,
+                )
+                .unwrap();
+                let y =
+                    ops::quantized_glu(&g, &u, &on(&dev, vec![m, cols], &x), None, act).unwrap();
                 let tol = product_tolerance(bits, m, false);
                 assert_close(&format!("{bits}-bit {act:?} m={m}"), &y, &cpu, tol);
             }
@@ -376,6 +407,39 @@ fn rope() {
         let f = on(&dev, vec![half], &freqs);
         ops::rope_inplace(&mut y, heads, head_dim, &p, &f, traditional).unwrap();
         assert_close(&format!("rope traditional={traditional}"), &y, &cpu, 1e-4);
+
+        // Queries and keys (another head count) in one launch.
+        let kv_heads = 2;
+        let kx = random_vec(&mut rng, positions.len() * kv_heads * head_dim);
+        let kshape = vec![positions.len(), kv_heads * head_dim];
+        let mut kcpu = Tensor::new(kshape.clone(), kx.clone());
+        let pc = Positions::new(positions.clone(), &Device::Cpu).unwrap();
+        let fc = Tensor::new(vec![half], freqs.clone());
+        ops::rope_inplace(&mut kcpu, kv_heads, head_dim, &pc, &fc, traditional).unwrap();
+        let (mut q, mut k) = (on(&dev, shape.clone(), &x), on(&dev, kshape, &kx));
+        ops::rope_pair_inplace(
+            &mut q,
+            heads,
+            &mut k,
+            kv_heads,
+            head_dim,
+            &p,
+            &f,
+            traditional,
+        )
+        .unwrap();
+        assert_close(
+            &format!("rope pair q traditional={traditional}"),
+            &q,
+            &cpu,
+            1e-4,
+        );
+        assert_close(
+            &format!("rope pair k traditional={traditional}"),
+            &k,
+            &kcpu,
+            1e-4,
+        );
     }
 }
 
@@ -403,8 +467,8 @@ fn cache(
             let at = Positions::new((from..range.end).collect(), device).unwrap();
             let kc = on(device, vec![at.len(), row], &k[from * row..range.end * row]);
             let vc = on(device, vec![at.len(), row], &v[from * row..range.end * row]);
-            ops::kv_write(&mut keys, &kc, kv_heads, d, capacity, &at).unwrap();
-            ops::kv_write(&mut values, &vc, kv_heads, d, capacity, &at).unwrap();
+            let rings = (&mut keys, &mut values);
+            ops::kv_write(rings, &kc, &vc, kv_heads, d, capacity, &at).unwrap();
         }
         pairs.push((keys, values));
     }
@@ -520,10 +584,12 @@ fn batched_kv_write_and_attention() {
                 on(device, vec![n, row], &new_k),
                 on(device, vec![n, row], &new_v),
             );
-            let mut keys: Vec<&mut Tensor> = caches.iter_mut().map(|c| &mut c[side].0).collect();
-            ops::kv_write_batch(&mut keys, &capacities, &k, kv_heads, d, &p).unwrap();
-            let mut values: Vec<&mut Tensor> = caches.iter_mut().map(|c| &mut c[side].1).collect();
-            ops::kv_write_batch(&mut values, &capacities, &v, kv_heads, d, &p).unwrap();
+            let (mut keys, mut values): (Vec<&mut Tensor>, Vec<&mut Tensor>) = caches
+                .iter_mut()
+                .map(|c| (&mut c[side].0, &mut c[side].1))
+                .unzip();
+            ops::kv_write_batch(&mut keys, &mut values, &capacities, &k, &v, kv_heads, d, &p)
+                .unwrap();
             let views: Vec<ops::Kv> = caches
                 .iter()
                 .zip(&sequences)

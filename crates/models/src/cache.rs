@@ -77,8 +77,8 @@ impl KvCache {
         let n = positions.len();
         check_follows(positions, self.len)?;
         self.grow_to(self.len + n)?;
-        ops::kv_write(&mut self.keys, keys, h, d, self.capacity, positions)?;
-        ops::kv_write(&mut self.values, values, h, d, self.capacity, positions)?;
+        let rings = (&mut self.keys, &mut self.values);
+        ops::kv_write(rings, keys, values, h, d, self.capacity, positions)?;
         self.len += n;
         Ok(())
     }
@@ -105,10 +105,20 @@ impl KvCache {
             cache.grow_to(cache.len + 1)?;
         }
         let capacities: Vec<usize> = caches.iter().map(|c| c.capacity).collect();
-        let mut key_bufs: Vec<&mut Tensor> = caches.iter_mut().map(|c| &mut c.keys).collect();
-        ops::kv_write_batch(&mut key_bufs, &capacities, keys, h, d, positions)?;
-        let mut value_bufs: Vec<&mut Tensor> = caches.iter_mut().map(|c| &mut c.values).collect();
-        ops::kv_write_batch(&mut value_bufs, &capacities, values, h, d, positions)?;
+        let (mut key_rings, mut value_rings): (Vec<&mut Tensor>, Vec<&mut Tensor>) = caches
+            .iter_mut()
+            .map(|c| (&mut c.keys, &mut c.values))
+            .unzip();
+        ops::kv_write_batch(
+            &mut key_rings,
+            &mut value_rings,
+            &capacities,
+            keys,
+            values,
+            h,
+            d,
+            positions,
+        )?;
         for cache in caches.iter_mut() {
             cache.len += 1;
         }

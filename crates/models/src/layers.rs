@@ -4,6 +4,7 @@ use oxlm_engine::{
     ops, DType, Device, EngineError, FloatMatrix, Positions, QuantizedMatrix, Tensor,
 };
 use serde_json::Value;
+use std::borrow::Cow;
 
 use crate::cache::{KvCache, RotatingKvCache};
 use crate::checkpoint::{Checkpoint, RawTensor};
@@ -12,6 +13,38 @@ use crate::{LoadError, Logits};
 
 /// What the ops of a forward pass may fail with (device errors, shapes).
 pub type OpResult<T> = Result<T, EngineError>;
+
+/// What a block's projections read: a tensor, or a tensor and the RMS norm still to apply to
+/// it, which plain quantized projections fold into their own pass where the device can.
+#[derive(Clone, Copy)]
+pub enum Input<'a> {
+    Plain(&'a Tensor),
+    Normed(&'a Tensor, &'a RmsNorm),
+}
+
+impl<'a> Input<'a> {
+    /// The input as one tensor, normed if it is to be.
+    fn tensor(self) -> OpResult<Cow<'a, Tensor>> {
+        Ok(match self {
+            Input::Plain(x) => Cow::Borrowed(x),
+            Input::Normed(x, norm) => Cow::Owned(norm.forward(x)?),
+        })
+    }
+
+    /// The tensor as given, and the norm an op is to apply to it.
+    fn parts(self) -> (&'a Tensor, Option<ops::InputNorm<'a>>) {
+        match self {
+            Input::Plain(x) => (x, None),
+            Input::Normed(x, norm) => (
+                x,
+                Some(ops::InputNorm {
+                    weight: &norm.weight,
+                    eps: norm.eps,
+                }),
+            ),
+        }
+    }
+}
 
 /// A `[rows, cols]` weight matrix, quantized (when the checkpoint has `.scales` for it) or not.
 #[derive(Debug, Clone)]
@@ -419,6 +452,29 @@ impl Rope {
             self.traditional,
         )
     }
+
+    /// [`Rope::apply`] to a layer's queries and keys at the same positions, in one pass where
+    /// the device allows.
+    pub fn apply_pair(
+        &self,
+        q: &mut Tensor,
+        heads: usize,
+        k: &mut Tensor,
+        kv_heads: usize,
+        head_dim: usize,
+        positions: &Positions,
+    ) -> OpResult<()> {
+        ops::rope_pair_inplace(
+            q,
+            heads,
+            k,
+            kv_heads,
+            head_dim,
+            positions,
+            &self.inv_freqs,
+            self.traditional,
+        )
+    }
 }
 
 /// Multi-head attention with grouped KV heads, optional q/k biases and per-head q/k norms.
@@ -456,7 +512,7 @@ impl Attention {
         cache: &mut KvCache,
         lora: ModuleAdapters,
     ) -> OpResult<Tensor> {
-        let out = self.attend(x, positions, cache, lora)?;
+        let out = self.attend(Input::Plain(x), positions, cache, lora)?;
         self.o_proj.forward_adapted(&out, lora.get("o_proj"))
     }
 
@@ -469,37 +525,35 @@ impl Attention {
         lora: ModuleAdapters,
         residual: &mut Tensor,
     ) -> OpResult<()> {
-        let out = self.attend(x, positions, cache, lora)?;
+        let out = self.attend(Input::Plain(x), positions, cache, lora)?;
         self.o_proj.add_forward(&out, lora.get("o_proj"), residual)
     }
 
-    /// `residual += attention(x)` for one token of each of several sequences: row `i` of `x`
-    /// sits at `positions[i]` and attends over `caches[i]`. Projections, cache writes and
-    /// attention each run once for all rows.
-    pub fn add_forward_batch(
+    /// The heads' outputs (before the output projection) for one token of each of several
+    /// sequences: row `i` of the input sits at `positions[i]` and attends over `caches[i]`.
+    /// Projections, cache writes and attention each run once for all rows.
+    pub fn attend_batch(
         &self,
-        x: &Tensor,
+        input: Input,
         positions: &Positions,
         caches: &mut [&mut KvCache],
-        residual: &mut Tensor,
-    ) -> OpResult<()> {
-        let (q, k, v) = self.project(x, positions)?;
+    ) -> OpResult<Tensor> {
+        let (q, k, v) = self.project_input(input, positions, ModuleAdapters::NONE)?;
         KvCache::append_batch(caches, &k, &v, positions)?;
         let views: Vec<_> = caches.iter().map(|c| c.view()).collect();
-        let out =
-            ops::attention_batch(&q, self.heads, self.head_dim, positions, &views, self.scale)?;
-        self.o_proj.add_forward(&out, None, residual)
+        ops::attention_batch(&q, self.heads, self.head_dim, positions, &views, self.scale)
     }
 
-    /// The heads' outputs before the output projection.
-    fn attend(
+    /// The heads' outputs before the output projection; the new keys and values are appended
+    /// to `cache`.
+    pub fn attend(
         &self,
-        x: &Tensor,
+        input: Input,
         positions: &Positions,
         cache: &mut KvCache,
         lora: ModuleAdapters,
     ) -> OpResult<Tensor> {
-        let (q, k, v) = self.project_adapted(x, positions, lora)?;
+        let (q, k, v) = self.project_input(input, positions, lora)?;
         cache.append(&k, &v, positions)?;
         let kv = cache.view();
         ops::attention(&q, self.heads, self.head_dim, positions, &kv, self.scale)
@@ -535,7 +589,7 @@ impl Mlp {
 
     /// [`Mlp::forward`] with the projections `lora` names adapted.
     pub fn forward_adapted(&self, x: &Tensor, lora: ModuleAdapters) -> OpResult<Tensor> {
-        let h = self.gated(x, lora, ops::Activation::Silu)?;
+        let h = self.gated(Input::Plain(x), lora, ops::Activation::Silu)?;
         self.down_proj.forward_adapted(&h, lora.get("down_proj"))
     }
 
@@ -546,21 +600,28 @@ impl Mlp {
         lora: ModuleAdapters,
         residual: &mut Tensor,
     ) -> OpResult<()> {
-        let h = self.gated(x, lora, ops::Activation::Silu)?;
+        let h = self.gated(Input::Plain(x), lora, ops::Activation::Silu)?;
         self.down_proj
             .add_forward(&h, lora.get("down_proj"), residual)
     }
 
-    /// `act(gate(x)) · up(x)`: one pass over both projections where they are plain quantized
-    /// layers of one format.
-    fn gated(&self, x: &Tensor, lora: ModuleAdapters, act: ops::Activation) -> OpResult<Tensor> {
+    /// `act(gate(x)) · up(x)`, the input to the down projection: one pass over both
+    /// projections (and the input's norm) where they are plain quantized layers of one format.
+    pub fn gated(
+        &self,
+        input: Input,
+        lora: ModuleAdapters,
+        act: ops::Activation,
+    ) -> OpResult<Tensor> {
         let (g, u) = (&self.gate_proj, &self.up_proj);
         let (ga, ua) = (lora.get("gate_proj"), lora.get("up_proj"));
         let plain = g.bias.is_none() && u.bias.is_none() && ga.is_none() && ua.is_none();
         if let (true, Weight::Quantized(gw), Weight::Quantized(uw)) = (plain, &g.weight, &u.weight)
         {
-            return ops::quantized_glu(gw, uw, x, act);
+            let (x, norm) = input.parts();
+            return ops::quantized_glu(gw, uw, x, norm, act);
         }
+        let x = &*input.tensor()?;
         let mut h = g.forward_adapted(x, ga)?;
         let up = u.forward_adapted(x, ua)?;
         match act {
@@ -595,7 +656,11 @@ impl RmsNorm {
 impl Mlp {
     /// The GeGLU feed-forward block of Gemma: `down(gelu_approx(gate(x)) * up(x))`.
     pub fn forward_geglu(&self, x: &Tensor) -> OpResult<Tensor> {
-        let h = self.gated(x, ModuleAdapters::NONE, ops::Activation::GeluApprox)?;
+        let h = self.gated(
+            Input::Plain(x),
+            ModuleAdapters::NONE,
+            ops::Activation::GeluApprox,
+        )?;
         self.down_proj.forward(&h)
     }
 }
@@ -613,23 +678,32 @@ impl Attention {
         positions: &Positions,
         lora: ModuleAdapters,
     ) -> OpResult<(Tensor, Tensor, Tensor)> {
-        let (mut q, mut k, v) = self.qkv(x, lora)?;
+        self.project_input(Input::Plain(x), positions, lora)
+    }
+
+    /// [`Attention::project_adapted`] of an input that may still be normed.
+    fn project_input(
+        &self,
+        input: Input,
+        positions: &Positions,
+        lora: ModuleAdapters,
+    ) -> OpResult<(Tensor, Tensor, Tensor)> {
+        let (mut q, mut k, v) = self.qkv(input, lora)?;
         if let Some(norm) = &self.q_norm {
             norm.forward_inplace(&mut q)?;
         }
         if let Some(norm) = &self.k_norm {
             norm.forward_inplace(&mut k)?;
         }
+        let (heads, kv_heads, head_dim) = (self.heads, self.kv_heads, self.head_dim);
         self.rope
-            .apply(&mut q, self.heads, self.head_dim, positions)?;
-        self.rope
-            .apply(&mut k, self.kv_heads, self.head_dim, positions)?;
+            .apply_pair(&mut q, heads, &mut k, kv_heads, head_dim, positions)?;
         Ok((q, k, v))
     }
 
-    /// The three projections of `x`; one job for all three where they are plain quantized
-    /// layers (biases are added after).
-    fn qkv(&self, x: &Tensor, lora: ModuleAdapters) -> OpResult<(Tensor, Tensor, Tensor)> {
+    /// The three projections of the input; one job for all three (and the input's norm) where
+    /// they are plain quantized layers (biases are added after).
+    fn qkv(&self, input: Input, lora: ModuleAdapters) -> OpResult<(Tensor, Tensor, Tensor)> {
         let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
         let names = ["q_proj", "k_proj", "v_proj"];
         let quantized: Vec<&QuantizedMatrix> = projections
@@ -642,13 +716,15 @@ impl Attention {
             })
             .collect();
         if quantized.len() < 3 {
+            let x = &*input.tensor()?;
             return Ok((
                 self.q_proj.forward_adapted(x, lora.get("q_proj"))?,
                 self.k_proj.forward_adapted(x, lora.get("k_proj"))?,
                 self.v_proj.forward_adapted(x, lora.get("v_proj"))?,
             ));
         }
-        let mut out = ops::quantized_matmul_group(&quantized, x)?;
+        let (x, norm) = input.parts();
+        let mut out = ops::quantized_matmul_group(&quantized, x, norm)?;
         for (y, p) in out.iter_mut().zip(projections) {
             if let Some(b) = &p.bias {
                 ops::add_row_inplace(y, b)?;

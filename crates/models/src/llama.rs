@@ -5,11 +5,11 @@ use serde_json::Value;
 
 use crate::cache::{Cache, KvCache, LayerCache};
 use crate::checkpoint::Checkpoint;
-use crate::layers::{Attention, Embedding, Linear, Mlp, OutputHead, RmsNorm, Rope};
+use crate::layers::{Attention, Embedding, Input, Linear, Mlp, OutputHead, RmsNorm, Rope};
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::lora_grad::{Example, LossAndGrads};
 use crate::{check_batch, check_tokens, LanguageModel, LoadError, Logits, ModelInfo};
-use oxlm_engine::{Positions, Tensor};
+use oxlm_engine::{ops, Positions, Tensor};
 
 use crate::ForwardError;
 
@@ -253,12 +253,13 @@ impl LanguageModel for Llama {
                     _ => Err(ForwardError::CacheMismatch),
                 })
                 .collect::<Result<Vec<_>, _>>()?;
-            let x = block.input_layernorm.forward(&h)?;
-            block
-                .self_attn
-                .add_forward_batch(&x, &positions, &mut kvs, &mut h)?;
-            let x = block.post_attention_layernorm.forward(&h)?;
-            block.mlp.add_forward(&x, ModuleAdapters::NONE, &mut h)?;
+            let (attn, mlp) = (&block.self_attn, &block.mlp);
+            let normed = Input::Normed(&h, &block.input_layernorm);
+            let out = attn.attend_batch(normed, &positions, &mut kvs)?;
+            attn.o_proj.add_forward(&out, None, &mut h)?;
+            let normed = Input::Normed(&h, &block.post_attention_layernorm);
+            let act = mlp.gated(normed, ModuleAdapters::NONE, ops::Activation::Silu)?;
+            mlp.down_proj.add_forward(&act, None, &mut h)?;
         }
         for cache in caches.iter_mut() {
             cache.offset += 1;
@@ -335,12 +336,17 @@ impl Llama {
                 return Err(ForwardError::CacheMismatch);
             };
             let lora = |module| adapters.map_or(ModuleAdapters::NONE, |a| a.module(i, module));
-            let x = block.input_layernorm.forward(&h)?;
-            block
-                .self_attn
-                .add_forward(&x, &positions, kv, lora("self_attn"), &mut h)?;
-            let x = block.post_attention_layernorm.forward(&h)?;
-            block.mlp.add_forward(&x, lora("mlp"), &mut h)?;
+            let (attn, mlp) = (&block.self_attn, &block.mlp);
+            // The norms are folded into the projections where the device can.
+            let (attn_lora, mlp_lora) = (lora("self_attn"), lora("mlp"));
+            let normed = Input::Normed(&h, &block.input_layernorm);
+            let out = attn.attend(normed, &positions, kv, attn_lora)?;
+            attn.o_proj
+                .add_forward(&out, attn_lora.get("o_proj"), &mut h)?;
+            let normed = Input::Normed(&h, &block.post_attention_layernorm);
+            let act = mlp.gated(normed, mlp_lora, ops::Activation::Silu)?;
+            mlp.down_proj
+                .add_forward(&act, mlp_lora.get("down_proj"), &mut h)?;
         }
         cache.offset += tokens.len();
         Ok(self.head.forward(h, logits, &self.embed_tokens)?)

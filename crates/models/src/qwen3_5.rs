@@ -120,8 +120,8 @@ impl GatedAttention {
         let v = self.v_proj.forward(x)?;
         self.q_norm.forward_inplace(&mut q)?;
         self.k_norm.forward_inplace(&mut k)?;
-        self.rope.apply(&mut q, self.heads, hd, positions)?;
-        self.rope.apply(&mut k, self.kv_heads, hd, positions)?;
+        self.rope
+            .apply_pair(&mut q, self.heads, &mut k, self.kv_heads, hd, positions)?;
         cache.append(&k, &v, positions)?;
         let mut out = ops::attention(&q, self.heads, hd, positions, &cache.view(), self.scale)?;
         ops::sigmoid_mul_inplace(&mut out, &gate)?;

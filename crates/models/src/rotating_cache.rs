@@ -106,8 +106,8 @@ impl RotatingKvCache {
         if capacity != self.capacity {
             self.resize(capacity)?;
         }
-        ops::kv_write(&mut self.keys, keys, h, d, self.capacity, positions)?;
-        ops::kv_write(&mut self.values, values, h, d, self.capacity, positions)?;
+        let rings = (&mut self.keys, &mut self.values);
+        ops::kv_write(rings, keys, values, h, d, self.capacity, positions)?;
         self.end += n;
         self.start = self.start.max(self.end.saturating_sub(self.capacity));
         Ok(())

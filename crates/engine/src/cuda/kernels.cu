@@ -344,20 +344,66 @@ struct QActs {
     int runs, tiles;
 };
 
+// The 8 activations x[r, c·32 + 8j ..] as the rounding takes them.
+__device__ __forceinline__ void load8(const float *__restrict__ x, i64 at, float (&f)[8]) {
+    const float4 *x4 = reinterpret_cast<const float4 *>(x + at);
+    const float4 v0 = x4[0], v1 = x4[1];
+    f[0] = v0.x, f[1] = v0.y, f[2] = v0.z, f[3] = v0.w;
+    f[4] = v1.x, f[5] = v1.y, f[6] = v1.z, f[7] = v1.w;
+}
+
 // Rounds x[m, k] into shared memory (all threads of the block take part): four threads per
 // run, each with 8 activations, which make exactly one 16-byte chunk of the run in either
-// order (for 4 bits a word's 8 weights, for 8 bits two words' 4).
+// order (for 4 bits a word's 8 weights, for 8 bits two words' 4). With `norm` the rows are
+// first RMS-normed as the rms_norm kernel does (x · 1/sqrt(mean(x²) + eps) · norm[col]): each
+// block reads the whole of x anyway, so a norm before a GEMV costs no launch of its own.
 template <int BITS>
-__device__ QActs quantize_acts(const float *__restrict__ x, int k, int m) {
+__device__ QActs quantize_acts(const float *__restrict__ x, int k, int m,
+                               const float *__restrict__ norm, float eps) {
     extern __shared__ uint4 smem[];
+    __shared__ float row_inv[8];
     const int runs = k >> 5, tiles = (runs + 31) >> 5;
     float2 *stats = reinterpret_cast<float2 *>(smem + m * tiles * 128);
+    if (norm) {
+        if (threadIdx.x < 8) row_inv[threadIdx.x] = 0.f;
+        __syncthreads();
+        float ss[8];
+#pragma unroll
+        for (int r = 0; r < 8; r++) ss[r] = 0.f;
+        for (int t = threadIdx.x; t < m * runs * 4; t += blockDim.x) {
+            const int run = t >> 2, r = run / runs;
+            float f[8];
+            load8(x, (i64)r * k + ((run - r * runs) << 5) + 8 * (t & 3), f);
+            float s = 0.f;
+#pragma unroll
+            for (int e = 0; e < 8; e++) s += f[e] * f[e];
+#pragma unroll
+            for (int rr = 0; rr < 8; rr++)
+                if (rr == r) ss[rr] += s;
+        }
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            if (r >= m) break;
+            const float v = warp_sum(ss[r]);
+            if ((threadIdx.x & 31) == 0) atomicAdd(&row_inv[r], v);
+        }
+        __syncthreads();
+        if (threadIdx.x < m) row_inv[threadIdx.x] = 1.f / sqrtf(row_inv[threadIdx.x] / k + eps);
+        __syncthreads();
+    }
     for (int t = threadIdx.x; t < m * runs * 4; t += blockDim.x) {
         const int run = t >> 2, j = t & 3;
         const int r = run / runs, c = run - r * runs;
-        const float4 *x4 = reinterpret_cast<const float4 *>(x + (i64)r * k + (c << 5) + 8 * j);
-        const float4 v0 = x4[0], v1 = x4[1];
-        const float f[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+        float f[8];
+        load8(x, (i64)r * k + (c << 5) + 8 * j, f);
+        if (norm) {
+            const float4 *w4 = reinterpret_cast<const float4 *>(norm + (c << 5) + 8 * j);
+            const float4 w0 = w4[0], w1 = w4[1];
+            const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+            const float inv = row_inv[r];
+#pragma unroll
+            for (int e = 0; e < 8; e++) f[e] = f[e] * inv * w[e];
+        }
         float amax = 0.f, sum = 0.f;
 #pragma unroll
         for (int e = 0; e < 8; e++) {
@@ -466,11 +512,12 @@ __device__ __forceinline__ void qdot_int(const u32 *const (&w)[R],
                                          const typename S::T *const (&s)[R],
                                          const typename S::T *const (&b)[R],
                                          const float *__restrict__ x, int k, int group, int m,
+                                         const float *__restrict__ norm, float eps,
                                          float (&acc)[R][8]) {
     const int lane = threadIdx.x & 31, runs = k >> 5, gshift = __ffs(group) - 6;
     RunWeights<BITS, S, R> cur;
     if (lane < runs) cur.load(w, s, b, lane, gshift);
-    const QActs a = quantize_acts<BITS>(x, k, m);
+    const QActs a = quantize_acts<BITS>(x, k, m, norm, eps);
     zero(acc);
     for (int c = lane; c < runs; c += 32) {
         RunWeights<BITS, S, R> next;
@@ -488,7 +535,7 @@ template <int BITS, class S>
 __device__ void qgemv_int(const u32 *__restrict__ w, const typename S::T *__restrict__ scales,
                           const typename S::T *__restrict__ biases, const float *__restrict__ x,
                           float *__restrict__ y, int n, int k, int group, int m, int accumulate,
-                          int block) {
+                          int block, const float *__restrict__ norm, float eps) {
     // Warps past the last row still take part in rounding the activations.
     const int first = (block * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 2;
     const int row0 = min(first, n - 1), groups = k / group;
@@ -502,7 +549,7 @@ __device__ void qgemv_int(const u32 *__restrict__ w, const typename S::T *__rest
         br[i] = biases + row * groups;
     }
     float acc[2][8];
-    qdot_int<BITS, S, 2>(wr, sr, br, x, k, group, m, acc);
+    qdot_int<BITS, S, 2>(wr, sr, br, x, k, group, m, norm, eps, acc);
     const bool lead = (threadIdx.x & 31) == 0 && first < n;
 #pragma unroll
     for (int i = 0; i < 2; i++)
@@ -524,7 +571,7 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
                          const typename S::T *__restrict__ gb, const u32 *__restrict__ uw,
                          const typename S::T *__restrict__ us, const typename S::T *__restrict__ ub,
                          const float *__restrict__ x, float *__restrict__ out, int n, int k,
-                         int group, int m, int act) {
+                         int group, int m, int act, const float *__restrict__ norm, float eps) {
     const int warp_row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     // Warps past the last row still take part in rounding the activations.
     const int row = min(warp_row, n - 1);
@@ -533,7 +580,7 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
     const typename S::T *sr[2] = {gs + row * groups, us + row * groups};
     const typename S::T *br[2] = {gb + row * groups, ub + row * groups};
     float acc[2][8];
-    qdot_int<BITS, S, 2>(wr, sr, br, x, k, group, m, acc);
+    qdot_int<BITS, S, 2>(wr, sr, br, x, k, group, m, norm, eps, acc);
 #pragma unroll
     for (int r = 0; r < 8; r++) {
         if (r >= m) break;
@@ -550,29 +597,31 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
     extern "C" __global__ void qgemv_int_##BITS##_##NAME(                                         \
         const u32 *w, const S::T *s, const S::T *b, const float *x, float *y, int n, int k,       \
         int g, int m, int acc) {                                                                  \
-        qgemv_int<BITS, S>(w, s, b, x, y, n, k, g, m, acc, blockIdx.x);                           \
+        qgemv_int<BITS, S>(w, s, b, x, y, n, k, g, m, acc, blockIdx.x, nullptr, 0.f);             \
     }                                                                                             \
     /* Three matrices of one input (attention's q, k and v), the blocks in their order; n2 = 0 */ \
-    /* leaves the third out. */                                                                   \
+    /* leaves the third out. A non-null norm RMS-norms the input first. */                        \
     extern "C" __global__ void qgemv3_int_##BITS##_##NAME(                                        \
         const u32 *w0, const S::T *s0, const S::T *b0, float *y0, int n0, const u32 *w1,          \
         const S::T *s1, const S::T *b1, float *y1, int n1, const u32 *w2, const S::T *s2,         \
-        const S::T *b2, float *y2, int n2, const float *x, int k, int g, int m) {                 \
+        const S::T *b2, float *y2, int n2, const float *x, int k, int g, int m,                   \
+        const float *norm, float eps) {                                                           \
         const int per_block = 2 * (blockDim.x >> 5);                                              \
         const int nb0 = (n0 + per_block - 1) / per_block, nb1 = (n1 + per_block - 1) / per_block; \
         int blk = blockIdx.x;                                                                     \
         if (blk < nb0) {                                                                          \
-            qgemv_int<BITS, S>(w0, s0, b0, x, y0, n0, k, g, m, 0, blk);                           \
+            qgemv_int<BITS, S>(w0, s0, b0, x, y0, n0, k, g, m, 0, blk, norm, eps);                \
         } else if ((blk -= nb0) < nb1) {                                                          \
-            qgemv_int<BITS, S>(w1, s1, b1, x, y1, n1, k, g, m, 0, blk);                           \
+            qgemv_int<BITS, S>(w1, s1, b1, x, y1, n1, k, g, m, 0, blk, norm, eps);                \
         } else {                                                                                  \
-            qgemv_int<BITS, S>(w2, s2, b2, x, y2, n2, k, g, m, 0, blk - nb1);                     \
+            qgemv_int<BITS, S>(w2, s2, b2, x, y2, n2, k, g, m, 0, blk - nb1, norm, eps);          \
         }                                                                                         \
     }                                                                                             \
     extern "C" __global__ void qglu_int_##BITS##_##NAME(                                          \
         const u32 *gw, const S::T *gs, const S::T *gb, const u32 *uw, const S::T *us,             \
-        const S::T *ub, const float *x, float *out, int n, int k, int g, int m, int act) {        \
-        qglu_int<BITS, S>(gw, gs, gb, uw, us, ub, x, out, n, k, g, m, act);                       \
+        const S::T *ub, const float *x, float *out, int n, int k, int g, int m, int act,          \
+        const float *norm, float eps) {                                                           \
+        qglu_int<BITS, S>(gw, gs, gb, uw, us, ub, x, out, n, k, g, m, act, norm, eps);            \
     }
 
 QUANTIZED_INT(4, F32, f32)
@@ -730,17 +779,21 @@ extern "C" __global__ void rms_norm(const float *x, const float *weight, float *
     for (int c = threadIdx.x; c < cols; c += blockDim.x) orow[c] = xr[c] * inv * weight[c];
 }
 
-// Rotates pairs of x ([tokens, heads, head_dim]) by positions[t] · inv_freqs[i]; `traditional`
-// pairs neighbours (2i, 2i+1), otherwise the halves (i, i + half).
-extern "C" __global__ void rope(float *x, const int *positions, const float *inv_freqs,
-                                int tokens, int heads, int head_dim, int half, int traditional) {
-    GRID_STRIDE(i, (i64)tokens * heads * half) {
+// Rotates pairs of x ([tokens, heads, head_dim]) and of y ([tokens, heads_y, head_dim]: a
+// layer's keys beside its queries, or nothing with heads_y = 0) by positions[t] · inv_freqs[i];
+// `traditional` pairs neighbours (2i, 2i+1), otherwise the halves (i, i + half).
+extern "C" __global__ void rope(float *x, float *y, const int *positions, const float *inv_freqs,
+                                int tokens, int heads, int heads_y, int head_dim, int half,
+                                int traditional) {
+    const int all = heads + heads_y;
+    GRID_STRIDE(i, (i64)tokens * all * half) {
         const int p = (int)(i % half);
         const i64 th = i / half;
-        const int t = (int)(th / heads);
+        const int t = (int)(th / all), h = (int)(th % all);
         float s, c;
         sincosf((float)positions[t] * inv_freqs[p], &s, &c);
-        float *v = x + th * head_dim;
+        float *v = h < heads ? x + ((i64)t * heads + h) * head_dim
+                             : y + ((i64)t * heads_y + h - heads) * head_dim;
         const int a = traditional ? 2 * p : p, b = traditional ? 2 * p + 1 : p + half;
         const float x0 = v[a], x1 = v[b];
         v[a] = x0 * c - x1 * s;
@@ -750,33 +803,38 @@ extern "C" __global__ void rope(float *x, const int *positions, const float *inv
 
 // ---- key/value caches -----------------------------------------------------------------------
 
-// Writes new keys or values ([tokens, kv_heads, d]) at positions[0].. of a cache laid out
-// [kv_heads, capacity, d], position p in slot p % capacity.
-extern "C" __global__ void kv_write(float *cache, const float *src, int tokens, int kv_heads,
-                                    int d, int capacity, const int *positions) {
+// Writes new keys and values ([tokens, kv_heads, d] each) at positions[0].. of a cache's two
+// rings, laid out [kv_heads, capacity, d], position p in slot p % capacity.
+extern "C" __global__ void kv_write(float *keys, float *values, const float *new_keys,
+                                    const float *new_values, int tokens, int kv_heads, int d,
+                                    int capacity, const int *positions) {
     const i64 first = positions[0];
     GRID_STRIDE(i, (i64)tokens * kv_heads * d) {
         const int e = (int)(i % d);
         const i64 th = i / d;
         const int h = (int)(th % kv_heads);
         const i64 t = th / kv_heads;
-        cache[((i64)h * capacity + (first + t) % capacity) * d + e] = src[i];
+        const i64 at = ((i64)h * capacity + (first + t) % capacity) * d + e;
+        keys[at] = new_keys[i];
+        values[at] = new_values[i];
     }
 }
 
-// kv_write for one token of each of several sequences: row s of src ([seqs, kv_heads, d]) goes
-// to the cache at caches[s] (capacity capacities[s]) at positions[s].
-extern "C" __global__ void kv_write_batch(const unsigned long long *caches, const float *src,
-                                          int seqs, int kv_heads, int d, const int *capacities,
-                                          const int *positions) {
+// kv_write for one token of each of several sequences: row s of new_keys and new_values
+// ([seqs, kv_heads, d]) goes to the rings at rings[s] and rings[seqs + s] (capacity
+// capacities[s]) at positions[s].
+extern "C" __global__ void kv_write_batch(const unsigned long long *rings, const float *new_keys,
+                                          const float *new_values, int seqs, int kv_heads, int d,
+                                          const int *capacities, const int *positions) {
     GRID_STRIDE(i, (i64)seqs * kv_heads * d) {
         const int e = (int)(i % d);
         const i64 sh = i / d;
         const int h = (int)(sh % kv_heads);
         const int s = (int)(sh / kv_heads);
-        float *cache = reinterpret_cast<float *>(caches[s]);
         const int capacity = capacities[s];
-        cache[((i64)h * capacity + positions[s] % capacity) * d + e] = src[i];
+        const i64 at = ((i64)h * capacity + positions[s] % capacity) * d + e;
+        reinterpret_cast<float *>(rings[s])[at] = new_keys[i];
+        reinterpret_cast<float *>(rings[seqs + s])[at] = new_values[i];
     }
 }
 
@@ -837,13 +895,13 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
             if ((d & 3) == 0) {
                 const float4 *k4 = reinterpret_cast<const float4 *>(kr);
                 const float4 *q4 = reinterpret_cast<const float4 *>(qs);
-                // A compile-time bound and unrolling keep several loads in flight per lane.
-#pragma unroll 8
+                // Unconditional loads (past the row's end they repeat its last four, which
+                // meet the zeros the query is padded with) so that they all fly at once.
+                const int last = (d >> 2) - 1;
+#pragma unroll
                 for (int e = 0; e < E * 8; e++) {
-                    if (4 * e < d) {
-                        const float4 a = q4[e], b = k4[e];
-                        dot += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
-                    }
+                    const float4 a = q4[e], b = k4[min(e, last)];
+                    dot += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
                 }
             } else {
                 for (int e = 0; e < d; e++) dot += qs[e] * kr[e];
@@ -856,18 +914,28 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
         l = l * correction + warp_sum(pr);
 #pragma unroll
         for (int e = 0; e < E; e++) acc[e] *= correction;
-#pragma unroll 8
-        for (int j = 0; j < 32; j++) {
-            if (j < count) {
-                const float pj = __shfl_sync(0xffffffffu, pr, j);
-                int slot = slot0 + j;
+        // Values in batches of keys whose loads are all issued before any is used; keys past
+        // `count` read the chunk's first (written) slot and weigh 0.
+        constexpr int BATCH = E >= 32 ? 1 : 32 / E;
+#pragma unroll
+        for (int j0 = 0; j0 < 32; j0 += BATCH) {
+            float v[BATCH][E];
+#pragma unroll
+            for (int j = 0; j < BATCH; j++) {
+                int slot = slot0 + (j0 + j < count ? j0 + j : 0);
                 if (slot >= capacity) slot -= capacity;
                 const float *vr = vh + (i64)slot * d;
 #pragma unroll
                 for (int e = 0; e < E; e++) {
                     const int f = lane + 32 * e;
-                    if (f < d) acc[e] += pj * vr[f];
+                    v[j][e] = f < d ? vr[f] : 0.f;
                 }
+            }
+#pragma unroll
+            for (int j = 0; j < BATCH; j++) {
+                const float pj = __shfl_sync(0xffffffffu, pr, j0 + j);
+#pragma unroll
+                for (int e = 0; e < E; e++) acc[e] += pj * v[j][e];
             }
         }
         m = m_new;

@@ -151,10 +151,13 @@ pub fn rms_norm(
     Ok(())
 }
 
+/// Rotates `x` (`heads` heads a token) and, when given, `y` (a second tensor of the same
+/// tokens: a layer's keys beside its queries) in one launch.
 #[allow(clippy::too_many_arguments)]
 pub fn rope(
     x: &mut Buffer,
     heads: usize,
+    y: Option<(&mut Buffer, usize)>,
     head_dim: usize,
     positions: &Positions,
     inv_freqs: &Buffer,
@@ -163,50 +166,55 @@ pub fn rope(
     let g = x.gpu().clone();
     let pos = positions_on_gpu(positions)?;
     let half = inv_freqs.len();
-    let pairs = positions.len() * heads * half;
+    let (y_ptr, heads_y) = y.map_or((0, 0), |(y, h)| (y.ptr(), h));
+    let pairs = positions.len() * (heads + heads_y) * half;
     launch!(&g, "rope", elements(&g, pairs);
-        x.ptr(), pos.ptr(), inv_freqs.ptr(), int(positions.len())?, int(heads)?,
-        int(head_dim)?, int(half)?, traditional as i32);
+        x.ptr(), y_ptr, pos.ptr(), inv_freqs.ptr(), int(positions.len())?, int(heads)?,
+        int(heads_y)?, int(head_dim)?, int(half)?, traditional as i32);
     Ok(())
 }
 
 // ---- caches and attention -----------------------------------------------------------------------
 
-/// Writes `src` (`[tokens, kv_heads, d]`) at `positions` (consecutive) of a ring of
-/// `capacity` slots; the first position is read on the device, so that a replayed decode step
-/// writes where its own token goes.
+/// Writes `src[0]` and `src[1]` (keys and values, `[tokens, kv_heads, d]` each) at `positions`
+/// (consecutive) of the rings `cache[0]` and `cache[1]` of `capacity` slots; the first
+/// position is read on the device, so that a replayed decode step writes where its own token
+/// goes.
 pub fn kv_write(
-    cache: &mut Buffer,
-    src: &Buffer,
+    cache: [&mut Buffer; 2],
+    src: [&Buffer; 2],
     kv_heads: usize,
     d: usize,
     capacity: usize,
     positions: &Positions,
 ) -> Result<()> {
-    let g = cache.gpu().clone();
-    let tokens = src.len() / (kv_heads * d);
+    let g = cache[0].gpu().clone();
+    let tokens = src[0].len() / (kv_heads * d);
     let pos = positions_on_gpu(positions)?;
-    launch!(&g, "kv_write", elements(&g, src.len());
-        cache.ptr(), src.ptr(), int(tokens)?, int(kv_heads)?, int(d)?, int(capacity)?, pos.ptr());
+    launch!(&g, "kv_write", elements(&g, src[0].len());
+        cache[0].ptr(), cache[1].ptr(), src[0].ptr(), src[1].ptr(), int(tokens)?, int(kv_heads)?,
+        int(d)?, int(capacity)?, pos.ptr());
     Ok(())
 }
 
-/// [`kv_write`] of one token for each of several sequences: row `s` of `src` into the cache at
-/// `caches[s]` (`capacities[s]` slots) at `positions[s]`.
+/// [`kv_write`] of one token for each of several sequences: row `s` of the keys `src[0]` and
+/// values `src[1]` into the rings at `rings[s]` and `rings[n + s]` (`capacities[s]` slots) at
+/// `positions[s]`.
 pub fn kv_write_batch(
-    caches: &[u64],
+    rings: &[u64],
     capacities: &[usize],
-    src: &Buffer,
+    src: [&Buffer; 2],
     kv_heads: usize,
     d: usize,
     positions: &Positions,
 ) -> Result<()> {
-    let g = src.gpu().clone();
+    let g = src[0].gpu().clone();
     let pos = positions_on_gpu(positions)?;
-    let ptrs = g.addresses(caches)?;
+    let ptrs = g.addresses(rings)?;
     let caps = g.indices(capacities.iter().copied())?;
-    launch!(&g, "kv_write_batch", elements(&g, src.len());
-        ptrs.ptr(), src.ptr(), int(caches.len())?, int(kv_heads)?, int(d)?, caps.ptr(), pos.ptr());
+    launch!(&g, "kv_write_batch", elements(&g, src[0].len());
+        ptrs.ptr(), src[0].ptr(), src[1].ptr(), int(capacities.len())?, int(kv_heads)?, int(d)?,
+        caps.ptr(), pos.ptr());
     Ok(())
 }
 
@@ -373,12 +381,13 @@ fn lanes_per_feature(d: usize) -> Result<usize> {
         .ok_or_else(|| EngineError::Shape(format!("head dim {d} over the GPU attention's 512")))
 }
 
-/// Few queries (decoding) split each one's keys over several warps so the GPU fills up. The
-/// split follows the capacity (`span`), not the length, so a decode step's launch stays the
-/// same from one token to the next (a replayed step graph holds it).
+/// Few queries (decoding) split each one's keys over several warps, one tile of 32 keys each
+/// up to 64 splits, so the GPU fills up and each warp's chain of loads stays short. The split
+/// follows the capacity (`span`), not the length, so a decode step's launch stays the same
+/// from one token to the next (a replayed step graph holds it).
 fn decode_splits(g: &Gpu, query_heads: usize, span: usize) -> usize {
     if query_heads < 4 * g.multiprocessors() {
-        span.div_ceil(64).clamp(1, 64)
+        span.div_ceil(32).clamp(1, 64)
     } else {
         1
     }
@@ -693,13 +702,22 @@ pub fn quantized_matmul(
     Ok(y)
 }
 
-/// `y_i[m, rows_i] = x[m, cols] · W_iᵀ` for two or three matrices of one format in one launch
-/// (attention's projections), when the int16-activation GEMV applies; `None` otherwise (the
-/// caller multiplies one matrix at a time).
+/// An RMS norm a GEMV applies to its input rows first: the weight's buffer and epsilon.
+pub type InputNorm<'a> = Option<(&'a Buffer, f32)>;
+
+fn norm_args(norm: InputNorm) -> [Arg; 2] {
+    let (ptr, eps) = norm.map_or((0, 0.0), |(w, eps)| (w.ptr(), eps));
+    [Arg::from(ptr), Arg::from(eps)]
+}
+
+/// `y_i[m, rows_i] = norm(x)[m, cols] · W_iᵀ` for two or three matrices of one format in one
+/// launch (attention's projections), when the int16-activation GEMV applies; `None` otherwise
+/// (the caller norms and multiplies one matrix at a time).
 pub fn quantized_matmul_group(
     ws: &[(&QuantizedWeights, QuantShape)],
     x: &Buffer,
     m: usize,
+    norm: InputNorm,
 ) -> Result<Option<Vec<Buffer>>> {
     let Some(&(first, s)) = ws.first() else {
         return Ok(None);
@@ -747,6 +765,7 @@ pub fn quantized_matmul_group(
         Arg::from(int(s.group_size)?),
         Arg::from(int(m)?),
     ]);
+    args.extend(norm_args(norm));
     let cfg = LaunchConfig {
         shared_mem_bytes: shared,
         ..blocks(blocks_total, threads)
@@ -767,7 +786,10 @@ pub enum Glu {
 }
 
 /// `act(x·Gᵀ) · (x·Uᵀ)` in one pass for up to [`GEMV_MAX_ROWS`] rows, when the gate and up
-/// projections share their shape and quantization; `None` otherwise (the caller composes).
+/// projections share their shape and quantization; `None` otherwise (the caller composes). A
+/// `norm` is folded into the pass where the int16-activation kernel runs; elsewhere it is
+/// `None` too (the caller norms first).
+#[allow(clippy::too_many_arguments)]
 pub fn quantized_glu(
     gate: &QuantizedWeights,
     up: &QuantizedWeights,
@@ -775,8 +797,13 @@ pub fn quantized_glu(
     x: &Buffer,
     m: usize,
     act: Glu,
+    norm: InputNorm,
 ) -> Result<Option<Buffer>> {
     if m > GEMV_MAX_ROWS || gate.scale_type != up.scale_type {
+        return Ok(None);
+    }
+    let shared = int_acts_bytes(x.gpu(), s, m);
+    if norm.is_some() && shared.is_none() {
         return Ok(None);
     }
     let g = gate.gpu.clone();
@@ -789,15 +816,16 @@ pub fn quantized_glu(
         addr(&g, &up.scales),
         addr(&g, &up.biases),
     ];
-    if let Some(shared) = int_acts_bytes(x.gpu(), s, m) {
+    if let Some(shared) = shared {
         let threads = int_threads(s.rows);
         let cfg = LaunchConfig {
             shared_mem_bytes: shared,
             ..blocks(s.rows.div_ceil(threads as usize / 32), threads)
         };
+        let [norm_ptr, eps] = norm_args(norm);
         launch!(&g, &format!("qglu_int_{}_{}", s.bits, gate.scale_type), cfg;
             gw, gs, gb, uw, us, ub, x.ptr(), out.ptr(),
-            int(s.rows)?, int(s.cols)?, int(s.group_size)?, int(m)?, act as i32);
+            int(s.rows)?, int(s.cols)?, int(s.group_size)?, int(m)?, act as i32, norm_ptr, eps);
         return Ok(Some(out));
     }
     launch!(&g, &format!("qglu_{}_{}", s.bits, gate.scale_type), blocks(s.rows.div_ceil(2), row_threads(s.cols));
