@@ -516,19 +516,6 @@ impl Attention {
         self.o_proj.forward_adapted(&out, lora.get("o_proj"))
     }
 
-    /// `residual += attention(x)`, the output projection summing into the residual stream.
-    pub fn add_forward(
-        &self,
-        x: &Tensor,
-        positions: &Positions,
-        cache: &mut KvCache,
-        lora: ModuleAdapters,
-        residual: &mut Tensor,
-    ) -> OpResult<()> {
-        let out = self.attend(Input::Plain(x), positions, cache, lora)?;
-        self.o_proj.add_forward(&out, lora.get("o_proj"), residual)
-    }
-
     /// The heads' outputs (before the output projection) for one token of each of several
     /// sequences: row `i` of the input sits at `positions[i]` and attends over `caches[i]`.
     /// Projections, cache writes and attention each run once for all rows.
@@ -591,18 +578,6 @@ impl Mlp {
     pub fn forward_adapted(&self, x: &Tensor, lora: ModuleAdapters) -> OpResult<Tensor> {
         let h = self.gated(Input::Plain(x), lora, ops::Activation::Silu)?;
         self.down_proj.forward_adapted(&h, lora.get("down_proj"))
-    }
-
-    /// `residual += mlp(x)`, the down projection summing into the residual stream.
-    pub fn add_forward(
-        &self,
-        x: &Tensor,
-        lora: ModuleAdapters,
-        residual: &mut Tensor,
-    ) -> OpResult<()> {
-        let h = self.gated(Input::Plain(x), lora, ops::Activation::Silu)?;
-        self.down_proj
-            .add_forward(&h, lora.get("down_proj"), residual)
     }
 
     /// `act(gate(x)) · up(x)`, the input to the down projection: one pass over both
