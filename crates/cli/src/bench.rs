@@ -119,8 +119,8 @@ fn measured(steps: &DecodeSteps, start: Instant, n: usize) -> Decoded {
         seconds: start.elapsed().as_secs_f64(),
         replayed: steps.replayed(),
         host_us: steps
-            .host_and_total()
-            .map(|(host, _)| host.as_secs_f64() * 1e6 / n.max(1) as f64),
+            .host_time()
+            .map(|host| host.as_secs_f64() * 1e6 / n.max(1) as f64),
     }
 }
 

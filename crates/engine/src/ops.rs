@@ -747,24 +747,25 @@ pub struct InputNorm<'a> {
 }
 
 /// `x`, normed by `norm` if there is one: borrowed as it is, or the new normed tensor.
-fn normed<'a>(x: &'a Tensor, norm: Option<InputNorm>) -> Result<std::borrow::Cow<'a, Tensor>> {
+pub fn normed<'a>(x: &'a Tensor, norm: Option<InputNorm>) -> Result<std::borrow::Cow<'a, Tensor>> {
     Ok(match norm {
         None => std::borrow::Cow::Borrowed(x),
         Some(n) => std::borrow::Cow::Owned(rms_norm(x, n.weight, n.eps)?),
     })
 }
 
-/// The norm's weight as a GPU buffer beside `x`'s, for a kernel to fold in; `Err` when it
-/// lies elsewhere or does not fit `x`'s rows.
-fn gpu_norm<'a>(
+/// `norm` as a kernel reading `x` (on a GPU, `cols` wide) can fold it in: `Some(None)` for no
+/// norm, `Some(Some(..))` for a weight beside `x` as wide as its rows. `None` for any other
+/// norm, which the unfused path then applies through [`rms_norm`] (or refuses there).
+fn foldable<'a>(
     x: &Buffer,
     cols: usize,
     norm: Option<InputNorm<'a>>,
-) -> Result<cuda::ops::InputNorm<'a>> {
-    let Some(n) = norm else { return Ok(None) };
+) -> Option<cuda::ops::InputNorm<'a>> {
+    let Some(n) = norm else { return Some(None) };
     match &n.weight.storage {
-        Storage::Cuda(w) if w.gpu().same(x.gpu()) && w.len() == cols => Ok(Some((w, n.eps))),
-        _ => Err(mismatch("a norm folded into a matmul")),
+        Storage::Cuda(w) if w.gpu().same(x.gpu()) && w.len() == cols => Some(Some((w, n.eps))),
+        _ => None,
     }
 }
 
@@ -781,12 +782,15 @@ pub fn quantized_matmul_group(
             format!("matmul of {:?} by [{}, {}]ᵀ", x.shape(), w.rows, w.cols)
         })?;
     }
-    if let Storage::Cuda(b) = &x.storage {
+    let gpu = match &x.storage {
+        Storage::Cuda(b) => foldable(b, x.cols(), norm).map(|folded| (b, folded)),
+        Storage::Host(_) => None,
+    };
+    if let Some((b, folded)) = gpu {
         let placed = ws
             .iter()
             .map(|w| Ok((w.on_gpu(b.gpu())?, w.shape())))
             .collect::<Result<Vec<_>>>()?;
-        let folded = gpu_norm(b, x.cols(), norm)?;
         if let Some(ys) = cuda::ops::quantized_matmul_group(&placed, b, x.rows(), folded)? {
             return Ok(ws
                 .iter()
@@ -855,13 +859,18 @@ pub fn quantized_glu(
 ) -> Result<Tensor> {
     let same_format = (gate.rows, gate.cols, gate.bits, gate.group_size)
         == (up.rows, up.cols, up.bits, up.group_size);
-    if let (Storage::Cuda(b), true) = (&x.storage, same_format && x.cols() == gate.cols) {
+    let gpu = match &x.storage {
+        Storage::Cuda(b) if same_format && x.cols() == gate.cols => {
+            foldable(b, x.cols(), norm).map(|folded| (b, folded))
+        }
+        _ => None,
+    };
+    if let Some((b, folded)) = gpu {
         let kind = match act {
             Activation::Silu => cuda::ops::Glu::Silu,
             Activation::GeluApprox => cuda::ops::Glu::GeluApprox,
         };
         let (g, u) = (gate.on_gpu(b.gpu())?, up.on_gpu(b.gpu())?);
-        let folded = gpu_norm(b, x.cols(), norm)?;
         let (s, m) = (gate.shape(), x.rows());
         if let Some(out) = cuda::ops::quantized_glu(g, u, s, b, m, kind, folded)? {
             return Ok(Tensor::on_gpu(with_last(x.shape(), gate.rows), out));

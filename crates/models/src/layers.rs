@@ -25,10 +25,8 @@ pub enum Input<'a> {
 impl<'a> Input<'a> {
     /// The input as one tensor, normed if it is to be.
     fn tensor(self) -> OpResult<Cow<'a, Tensor>> {
-        Ok(match self {
-            Input::Plain(x) => Cow::Borrowed(x),
-            Input::Normed(x, norm) => Cow::Owned(norm.forward(x)?),
-        })
+        let (x, norm) = self.parts();
+        ops::normed(x, norm)
     }
 
     /// The tensor as given, and the norm an op is to apply to it.

@@ -413,10 +413,9 @@ pub struct StepReplay {
     /// Steps run from a recording, and recordings captured: for tests and benchmarks.
     pub replayed: u64,
     pub captured: u64,
-    /// Over all steps: the host's time up to each step's download, and each step's whole time
-    /// (the difference is the host waiting for the GPU).
+    /// The host's time up to each step's download (walking the model, launching), over all
+    /// steps.
     pub walking: Duration,
-    pub stepping: Duration,
 }
 
 impl StepReplay {
@@ -428,7 +427,6 @@ impl StepReplay {
             replayed: 0,
             captured: 0,
             walking: Duration::ZERO,
-            stepping: Duration::ZERO,
         }
     }
 
@@ -484,9 +482,7 @@ impl StepReplay {
             gpu.step_state().retired.clear();
         }
         ended?;
-        let end = Instant::now();
-        self.walking += walked.unwrap_or(end) - start;
-        self.stepping += end - start;
+        self.walking += walked.unwrap_or_else(Instant::now) - start;
         match (finished, was_replay, was_capture) {
             (Some(recorded), true, _) => {
                 self.replayed += 1;
