@@ -92,18 +92,18 @@ pub struct AttentionGrads {
 }
 
 /// Backward of [`crate::ops::attention`] over `kv` holding exactly the `n` positions of `q`
-/// (`kv.capacity == kv.len == n`), for the output gradient `dout` (`[n, heads, head_dim]`).
+/// (`kv.capacity == kv.end == n`, from 0, no window), for the output gradient `dout` (`[n, heads, head_dim]`).
 pub fn attention_backward(
     q: &[f32],
     heads: usize,
     head_dim: usize,
-    kv: &KvView,
+    kv: &KvView<f32>,
     scale: f32,
     dout: &[f32],
 ) -> AttentionGrads {
-    let n = kv.len;
-    assert_eq!(
-        kv.capacity, n,
+    let n = kv.end;
+    assert!(
+        kv.capacity == n && kv.start == 0 && kv.window.is_none(),
         "attention_backward takes one whole sequence"
     );
     let group = heads / kv.kv_heads;

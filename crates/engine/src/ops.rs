@@ -4,6 +4,7 @@
 
 use crate::cpu;
 use crate::cuda::{self, Buffer};
+use crate::kv::{KvBuffer, KvStorage};
 use crate::tensor::Storage;
 use crate::{Device, EngineError, FloatMatrix, Positions, QuantizedMatrix, Tensor};
 
@@ -365,8 +366,8 @@ pub fn scatter_add_rows(
 /// A layer's cached keys and values as attention reads them: `[kv_heads, capacity, head_dim]`
 /// each, position `p` in slot `p % capacity`, positions `start..end` present.
 pub struct Kv<'a> {
-    pub keys: &'a Tensor,
-    pub values: &'a Tensor,
+    pub keys: &'a KvBuffer,
+    pub values: &'a KvBuffer,
     pub kv_heads: usize,
     pub capacity: usize,
     pub start: usize,
@@ -375,11 +376,32 @@ pub struct Kv<'a> {
     pub window: Option<usize>,
 }
 
+/// Writes `src` (`[tokens, kv_heads · head_dim]`) into a host ring at positions `first..`.
+fn write_host_ring(
+    ring: &mut KvBuffer,
+    src: &[f32],
+    kv_heads: usize,
+    head_dim: usize,
+    capacity: usize,
+    first: usize,
+) -> Result<()> {
+    match &mut ring.storage {
+        KvStorage::HostF32(c) => {
+            cpu::attention::kv_write(c, src, kv_heads, head_dim, capacity, first)
+        }
+        KvStorage::HostF16(c) => {
+            cpu::attention::kv_write(c, src, kv_heads, head_dim, capacity, first)
+        }
+        KvStorage::Cuda(_) => return Err(mismatch("kv_write")),
+    }
+    Ok(())
+}
+
 /// Writes `keys` and `values` (`[tokens, kv_heads · head_dim]` each) of the tokens at
 /// `positions` (consecutive) into a cache's two rings, `cache.0` and `cache.1`
 /// (`[kv_heads, capacity, head_dim]`, position `p` in slot `p % capacity`); one launch on a GPU.
 pub fn kv_write(
-    cache: (&mut Tensor, &mut Tensor),
+    cache: (&mut KvBuffer, &mut KvBuffer),
     keys: &Tensor,
     values: &Tensor,
     kv_heads: usize,
@@ -407,17 +429,22 @@ pub fn kv_write(
     if p.is_empty() {
         return Ok(());
     }
-    match (
-        pair("kv_write", cache.0, keys)?,
-        pair("kv_write", cache.1, values)?,
-    ) {
-        (Pair::Host(kc, k), Pair::Host(vc, v)) => {
-            cpu::attention::kv_write(kc, k, kv_heads, head_dim, capacity, p[0]);
-            cpu::attention::kv_write(vc, v, kv_heads, head_dim, capacity, p[0]);
-            Ok(())
+    match (&keys.storage, &values.storage) {
+        (Storage::Host(k), Storage::Host(v)) => {
+            write_host_ring(cache.0, k, kv_heads, head_dim, capacity, p[0])?;
+            write_host_ring(cache.1, v, kv_heads, head_dim, capacity, p[0])
         }
-        (Pair::Cuda(kc, k), Pair::Cuda(vc, v)) if kc.gpu().same(vc.gpu()) => {
-            cuda::ops::kv_write([kc, vc], [k, v], kv_heads, head_dim, capacity, positions)
+        (Storage::Cuda(k), Storage::Cuda(v)) => {
+            match (&mut cache.0.storage, &mut cache.1.storage) {
+                (KvStorage::Cuda(kc), KvStorage::Cuda(vc))
+                    if [vc.gpu(), k.gpu(), v.gpu()]
+                        .iter()
+                        .all(|g| kc.gpu().same(g)) =>
+                {
+                    cuda::ops::kv_write([kc, vc], [k, v], kv_heads, head_dim, capacity, positions)
+                }
+                _ => Err(mismatch("kv_write")),
+            }
         }
         _ => Err(mismatch("kv_write")),
     }
@@ -428,8 +455,8 @@ pub fn kv_write(
 /// (`[kv_heads, capacities[i], head_dim]`) at `positions[i]`, in one launch on a GPU.
 #[allow(clippy::too_many_arguments)]
 pub fn kv_write_batch(
-    key_rings: &mut [&mut Tensor],
-    value_rings: &mut [&mut Tensor],
+    key_rings: &mut [&mut KvBuffer],
+    value_rings: &mut [&mut KvBuffer],
     capacities: &[usize],
     keys: &Tensor,
     values: &Tensor,
@@ -461,21 +488,10 @@ pub fn kv_write_batch(
         (Storage::Host(k), Storage::Host(v)) => {
             let rings = key_rings.iter_mut().zip(value_rings.iter_mut());
             for (i, (kr, vr)) in rings.enumerate() {
-                let (Storage::Host(kc), Storage::Host(vc)) = (&mut kr.storage, &mut vr.storage)
-                else {
-                    return Err(mismatch("kv_write_batch"));
-                };
-                let p = positions.as_slice()[i];
+                let (p, cap) = (positions.as_slice()[i], capacities[i]);
                 let rows = i * row..(i + 1) * row;
-                cpu::attention::kv_write(
-                    kc,
-                    &k[rows.clone()],
-                    kv_heads,
-                    head_dim,
-                    capacities[i],
-                    p,
-                );
-                cpu::attention::kv_write(vc, &v[rows], kv_heads, head_dim, capacities[i], p);
+                write_host_ring(kr, &k[rows.clone()], kv_heads, head_dim, cap, p)?;
+                write_host_ring(vr, &v[rows], kv_heads, head_dim, cap, p)?;
             }
             Ok(())
         }
@@ -485,7 +501,7 @@ pub fn kv_write_batch(
                 .iter()
                 .chain(value_rings.iter())
                 .map(|c| match &c.storage {
-                    Storage::Cuda(b) if b.gpu().same(kb.gpu()) => Ok(b.ptr()),
+                    KvStorage::Cuda(b) if b.gpu().same(kb.gpu()) => Ok(b.ptr()),
                     _ => Err(mismatch("kv_write_batch")),
                 })
                 .collect::<Result<Vec<u64>>>()?;
@@ -495,11 +511,12 @@ pub fn kv_write_batch(
     }
 }
 
-/// Copies positions `positions` from a ring of `src_capacity` slots to one of `dst_capacity`.
+/// Copies positions `positions` from a ring of `src_capacity` slots to one of `dst_capacity`
+/// of the same precision.
 pub fn kv_move(
-    src: &Tensor,
+    src: &KvBuffer,
     src_capacity: usize,
-    dst: &mut Tensor,
+    dst: &mut KvBuffer,
     dst_capacity: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -510,15 +527,21 @@ pub fn kv_move(
         src.len() == src_capacity * row && dst.len() == dst_capacity * row,
         || "kv_move between caches of other shapes".into(),
     )?;
-    let (p0, p1) = (positions.start, positions.end);
-    match pair("kv_move", dst, src)? {
-        Pair::Host(d, s) => {
-            cpu::attention::kv_move(s, src_capacity, d, dst_capacity, kv_heads, head_dim, p0..p1);
+    let (h, d, p) = (kv_heads, head_dim, positions.clone());
+    match (&src.storage, &mut dst.storage) {
+        (KvStorage::HostF32(s), KvStorage::HostF32(t)) => {
+            cpu::attention::kv_move(s, src_capacity, t, dst_capacity, h, d, p);
             Ok(())
         }
-        Pair::Cuda(d, s) => {
-            cuda::ops::kv_move(s, src_capacity, d, dst_capacity, kv_heads, head_dim, p0, p1)
+        (KvStorage::HostF16(s), KvStorage::HostF16(t)) => {
+            cpu::attention::kv_move(s, src_capacity, t, dst_capacity, h, d, p);
+            Ok(())
         }
+        (KvStorage::Cuda(s), KvStorage::Cuda(t)) if s.gpu().same(t.gpu()) => {
+            let (p0, p1) = (p.start, p.end);
+            cuda::ops::kv_move(s, src_capacity, t, dst_capacity, h, d, p0, p1)
+        }
+        _ => Err(mismatch("kv_move")),
     }
 }
 
@@ -536,46 +559,57 @@ pub fn attention(
 ) -> Result<Tensor> {
     check_kv(q, positions.len(), heads, head_dim, kv)?;
     let shape = vec![positions.len(), heads * head_dim];
-    match (&q.storage, &kv.keys.storage, &kv.values.storage) {
-        (Storage::Host(q), Storage::Host(k), Storage::Host(v)) => {
+    let p = positions.as_slice();
+    match &q.storage {
+        Storage::Host(q) => {
             let mut out = vec![0.0; q.len()];
-            match kv.window {
-                None => {
-                    let view = cpu::attention::KvView {
-                        keys: k,
-                        values: v,
-                        kv_heads: kv.kv_heads,
-                        capacity: kv.capacity,
-                        len: kv.end,
-                    };
-                    let p = positions.as_slice();
-                    cpu::attention::attention(q, heads, head_dim, p, &view, scale, &mut out);
-                }
-                Some(window) => {
-                    let view = cpu::attention::RingKvView {
-                        keys: k,
-                        values: v,
-                        kv_heads: kv.kv_heads,
-                        capacity: kv.capacity,
-                        start: kv.start,
-                        end: kv.end,
-                        window,
-                    };
-                    let p = positions.as_slice();
-                    cpu::attention::sliding_window_attention(
-                        q, heads, head_dim, p, &view, scale, &mut out,
-                    );
-                }
-            }
+            host_attention(q, heads, head_dim, p, kv, scale, &mut out)?;
             Ok(Tensor::new(shape, out))
         }
-        (Storage::Cuda(qb), _, _) => {
+        Storage::Cuda(qb) => {
             let ring = kv_ring(qb, kv)?;
             let out = cuda::ops::attention(qb, heads, head_dim, positions, &ring, scale)?;
             Ok(Tensor::on_gpu(shape, out))
         }
-        _ => Err(mismatch("attention")),
     }
+}
+
+/// [`attention`] on the host into `out`, over rings of either precision.
+fn host_attention(
+    q: &[f32],
+    heads: usize,
+    head_dim: usize,
+    positions: &[usize],
+    kv: &Kv,
+    scale: f32,
+    out: &mut [f32],
+) -> Result<()> {
+    fn over<'a, T: cpu::attention::KvElem>(
+        keys: &'a [T],
+        values: &'a [T],
+        kv: &Kv,
+    ) -> cpu::attention::KvView<'a, T> {
+        cpu::attention::KvView {
+            keys,
+            values,
+            kv_heads: kv.kv_heads,
+            capacity: kv.capacity,
+            start: kv.start,
+            end: kv.end,
+            window: kv.window,
+        }
+    }
+    let (h, d, p) = (heads, head_dim, positions);
+    match (&kv.keys.storage, &kv.values.storage) {
+        (KvStorage::HostF32(k), KvStorage::HostF32(v)) => {
+            cpu::attention::attention(q, h, d, p, &over(k, v, kv), scale, out)
+        }
+        (KvStorage::HostF16(k), KvStorage::HostF16(v)) => {
+            cpu::attention::attention(q, h, d, p, &over(k, v, kv), scale, out)
+        }
+        _ => return Err(mismatch("attention")),
+    }
+    Ok(())
 }
 
 /// Refuses a cache that `tokens` queries of `q` (`heads` of `head_dim`) cannot attend over.
@@ -603,7 +637,9 @@ fn check_kv(q: &Tensor, tokens: usize, heads: usize, head_dim: usize, kv: &Kv) -
 /// `kv` as the CUDA attention kernels read it, when it is on `q`'s GPU.
 fn kv_ring<'a>(q: &Buffer, kv: &Kv<'a>) -> Result<cuda::ops::KvRing<'a>> {
     match (&kv.keys.storage, &kv.values.storage) {
-        (Storage::Cuda(k), Storage::Cuda(v)) if q.gpu().same(k.gpu()) && q.gpu().same(v.gpu()) => {
+        (KvStorage::Cuda(k), KvStorage::Cuda(v))
+            if q.gpu().same(k.gpu()) && q.gpu().same(v.gpu()) =>
+        {
             Ok(cuda::ops::KvRing {
                 keys: k,
                 values: v,

@@ -15,7 +15,9 @@ mod common;
 use common::{random_quantized, random_vec};
 use oxlm_engine::quant::{SUPPORTED_BITS, SUPPORTED_GROUP_SIZES};
 use oxlm_engine::recurrent::{self, DeltaRuleDims};
-use oxlm_engine::{cuda, ops, DType, Device, FloatMatrix, Positions, Tensor};
+use oxlm_engine::{
+    cuda, ops, DType, Device, FloatMatrix, KvBuffer, KvPrecision, Positions, Tensor,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -451,13 +453,14 @@ fn cache(
     d: usize,
     capacity: usize,
     len: usize,
-) -> [(Tensor, Tensor); 2] {
+) -> [(KvBuffer, KvBuffer); 2] {
     let mut pairs = Vec::new();
     let k = random_vec(rng, len * kv_heads * d);
     let v = random_vec(rng, len * kv_heads * d);
     for device in [&Device::Cpu, dev] {
-        let mut keys = Tensor::zeros(vec![kv_heads, capacity, d], device).unwrap();
-        let mut values = Tensor::zeros(vec![kv_heads, capacity, d], device).unwrap();
+        // f32 on the host too, so that the GPU's attention is compared with the same keys.
+        let ring = || KvBuffer::zeros(kv_heads * capacity * d, KvPrecision::F32, device).unwrap();
+        let (mut keys, mut values) = (ring(), ring());
         // Written in two chunks, the second wrapping round the ring when len > capacity.
         let split = len / 3;
         for range in [0..split, split..len] {
@@ -523,7 +526,7 @@ fn attention_full_sliding_and_split() {
         let start = end.saturating_sub(capacity);
         let q = random_vec(&mut rng, positions.len() * heads * d);
         let shape = vec![positions.len(), heads * d];
-        let run = |device: &Device, keys: &Tensor, values: &Tensor| {
+        let run = |device: &Device, keys: &KvBuffer, values: &KvBuffer| {
             let kv = ops::Kv {
                 keys,
                 values,
@@ -567,7 +570,7 @@ fn batched_kv_write_and_attention() {
         (Some(16), vec![(16, 40), (16, 5), (16, 16)]),
     ] {
         let n = sequences.len();
-        let mut caches: Vec<[(Tensor, Tensor); 2]> = sequences
+        let mut caches: Vec<[(KvBuffer, KvBuffer); 2]> = sequences
             .iter()
             .map(|&(capacity, len)| cache(&mut rng, &dev, kv_heads, d, capacity, len))
             .collect();
@@ -584,7 +587,7 @@ fn batched_kv_write_and_attention() {
                 on(device, vec![n, row], &new_k),
                 on(device, vec![n, row], &new_v),
             );
-            let (mut keys, mut values): (Vec<&mut Tensor>, Vec<&mut Tensor>) = caches
+            let (mut keys, mut values): (Vec<&mut KvBuffer>, Vec<&mut KvBuffer>) = caches
                 .iter_mut()
                 .map(|c| (&mut c[side].0, &mut c[side].1))
                 .unzip();
@@ -616,8 +619,13 @@ fn batched_kv_write_and_attention() {
             }
         }
         for (i, c) in caches.iter().enumerate() {
-            assert_close(&format!("kv_write_batch keys {i}"), &c[1].0, &c[0].0, 0.0);
-            assert_close(&format!("kv_write_batch values {i}"), &c[1].1, &c[0].1, 0.0);
+            let (gpu, cpu) = (&c[1], &c[0]);
+            assert_eq!(gpu.0.to_vec().unwrap(), cpu.0.to_vec().unwrap(), "keys {i}");
+            assert_eq!(
+                gpu.1.to_vec().unwrap(),
+                cpu.1.to_vec().unwrap(),
+                "values {i}"
+            );
         }
         assert_close(
             &format!("attention_batch window {window:?}"),
@@ -634,11 +642,12 @@ fn kv_move_between_rings() {
     let mut rng = StdRng::seed_from_u64(6);
     let (h, d) = (2, 8);
     let [(kc, _), (kg, _)] = cache(&mut rng, &dev, h, d, 16, 40);
-    let mut cpu = Tensor::zeros(vec![h, 24, d], &Device::Cpu).unwrap();
+    let ring = |device: &Device| KvBuffer::zeros(h * 24 * d, KvPrecision::F32, device).unwrap();
+    let mut cpu = ring(&Device::Cpu);
     ops::kv_move(&kc, 16, &mut cpu, 24, h, d, 27..40).unwrap();
-    let mut y = Tensor::zeros(vec![h, 24, d], &dev).unwrap();
+    let mut y = ring(&dev);
     ops::kv_move(&kg, 16, &mut y, 24, h, d, 27..40).unwrap();
-    assert_close("kv_move", &y, &cpu, 0.0);
+    assert_eq!(y.to_vec().unwrap(), cpu.to_vec().unwrap());
 }
 
 #[test]

@@ -140,24 +140,12 @@ fn attention_matches_finite_differences() {
     let v = random(&mut rng, kv_heads * n * d, 1.5);
     let r = random(&mut rng, n * heads * d, 1.0);
     let run = |q: &[f32], k: &[f32], v: &[f32]| {
-        let kv = KvView {
-            keys: k,
-            values: v,
-            kv_heads,
-            capacity: n,
-            len: n,
-        };
+        let kv = KvView::sequence(k, v, kv_heads, n);
         let mut out = vec![0.0; q.len()];
         attention(q, heads, d, &positions, &kv, scale, &mut out);
         out
     };
-    let kv = KvView {
-        keys: &k,
-        values: &v,
-        kv_heads,
-        capacity: n,
-        len: n,
-    };
+    let kv = KvView::sequence(&k, &v, kv_heads, n);
     let g = attention_backward(&q, heads, d, &kv, scale, &r);
     assert_close(
         "attention dq",

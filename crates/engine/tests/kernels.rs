@@ -450,45 +450,57 @@ fn grouped_gemv_equals_one_gemv_per_matrix() {
 }
 
 /// Grouped attention of one position against the f64 softmax-weighted sum, on every instruction
-/// set: key counts around the kernels' blocks of 8 and 64, head sizes with and without a
-/// partial vector.
+/// set and over f32 and f16 rows: key counts around the kernels' blocks of 8 and 64, head sizes
+/// with and without a partial vector, and the rows split in two runs as a wrapped ring's are.
 #[test]
 fn group_attention_matches_the_reference() {
-    use oxlm_engine::cpu::attention::GroupAttention;
-    let mut rng = StdRng::seed_from_u64(9);
-    for (d, group) in [(64, 4), (36, 2), (128, 1)] {
-        for len in [1, 7, 8, 63, 65, 200, 1000] {
-            let queries = random_vec(&mut rng, group * d);
-            let keys = random_vec(&mut rng, len * d);
-            let values = random_vec(&mut rng, len * d);
-            let scale = 1.0 / (d as f32).sqrt();
-            let mut want = vec![0.0f64; group * d];
-            for (g, q) in queries.chunks_exact(d).enumerate() {
-                let s: Vec<f64> = keys
-                    .chunks_exact(d)
-                    .map(|k| {
-                        q.iter()
-                            .zip(k)
-                            .map(|(&a, &b)| a as f64 * b as f64)
-                            .sum::<f64>()
-                    })
-                    .map(|v| v * scale as f64)
-                    .collect();
-                let max = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = s.iter().map(|v| (v - max).exp()).collect();
-                let total: f64 = e.iter().sum();
-                for (p, v) in e.iter().zip(values.chunks_exact(d)) {
-                    for (o, &x) in want[g * d..(g + 1) * d].iter_mut().zip(v) {
-                        *o += p / total * x as f64;
-                    }
+    use half::f16;
+    use oxlm_engine::cpu::attention::{GroupAttention, KvElem};
+
+    fn check<T: KvElem>(keys: &[f32], values: &[f32], queries: &[f32], d: usize, len: usize) {
+        let stored = |x: &[f32]| -> Vec<T> { x.iter().map(|&v| T::from_f32(v)).collect() };
+        let rounded = |x: &[T]| -> Vec<f32> {
+            let mut out = vec![0.0; x.len()];
+            T::widen(x, &mut out).to_vec()
+        };
+        let (ks, vs) = (stored(keys), stored(values));
+        let (kr, vr) = (rounded(&ks), rounded(&vs));
+        let group = queries.len() / d;
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut want = vec![0.0f64; group * d];
+        for (g, q) in queries.chunks_exact(d).enumerate() {
+            let s: Vec<f64> = kr
+                .chunks_exact(d)
+                .map(|k| {
+                    q.iter()
+                        .zip(k)
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum::<f64>()
+                })
+                .map(|v| v * scale as f64)
+                .collect();
+            let max = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = s.iter().map(|v| (v - max).exp()).collect();
+            let total: f64 = e.iter().sum();
+            for (p, v) in e.iter().zip(vr.chunks_exact(d)) {
+                for (o, &x) in want[g * d..(g + 1) * d].iter_mut().zip(v) {
+                    *o += p / total * x as f64;
                 }
             }
+        }
+        // The same rows stored as a ring that wrapped: the last third first.
+        let cut = len - len / 3;
+        let ring = |x: &[T]| -> Vec<T> { [&x[cut * d..], &x[..cut * d]].concat() };
+        let (kw, vw) = (ring(&ks), ring(&vs));
+        let whole = (&ks, &vs, [0..len, 0..0]);
+        let wrapped = (&kw, &vw, [len - cut..len, 0..len - cut]);
+        for (keys, values, runs) in [whole, wrapped] {
             let job = GroupAttention {
-                queries: &queries,
-                keys: &keys,
-                values: &values,
+                queries,
+                keys,
+                values,
                 head_dim: d,
-                len,
+                runs: runs.clone(),
                 scale,
             };
             for isa in Isa::available() {
@@ -497,10 +509,22 @@ fn group_attention_matches_the_reference() {
                 for (i, (&g, &w)) in out.iter().zip(&want).enumerate() {
                     assert!(
                         (g as f64 - w).abs() <= 1e-5,
-                        "{isa:?} d={d} group={group} len={len} output {i}: {g} vs {w}"
+                        "{isa:?} {} d={d} group={group} len={len} runs {runs:?} output {i}: {g} vs {w}",
+                        std::any::type_name::<T>()
                     );
                 }
             }
+        }
+    }
+
+    let mut rng = StdRng::seed_from_u64(9);
+    for (d, group) in [(64, 4), (36, 2), (128, 1)] {
+        for len in [1, 7, 8, 63, 65, 200, 1000] {
+            let queries = random_vec(&mut rng, group * d);
+            let keys = random_vec(&mut rng, len * d);
+            let values = random_vec(&mut rng, len * d);
+            check::<f32>(&keys, &values, &queries, d, len);
+            check::<f16>(&keys, &values, &queries, d, len);
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Per-layer state carried between forward passes.
 
 use oxlm_engine::ops::{self, Kv};
-use oxlm_engine::{Device, EngineError, Positions, Tensor};
+use oxlm_engine::{Device, EngineError, KvBuffer, KvPrecision, Positions, Tensor};
 
 pub use crate::recurrent_cache::RecurrentCache;
 pub use crate::rotating_cache::RotatingKvCache;
@@ -19,8 +19,8 @@ pub struct KvCache {
     head_dim: usize,
     capacity: usize,
     len: usize,
-    keys: Tensor,
-    values: Tensor,
+    keys: KvBuffer,
+    values: KvBuffer,
 }
 
 impl KvCache {
@@ -30,8 +30,8 @@ impl KvCache {
             head_dim,
             capacity: 0,
             len: 0,
-            keys: Tensor::zeros(vec![0], device)?,
-            values: Tensor::zeros(vec![0], device)?,
+            keys: KvBuffer::zeros(0, KvPrecision::default_for(device), device)?,
+            values: KvBuffer::zeros(0, KvPrecision::default_for(device), device)?,
         })
     }
 
@@ -55,9 +55,9 @@ impl KvCache {
         }
         let capacity = needed.div_ceil(GROWTH_STEP) * GROWTH_STEP;
         let (h, d) = (self.kv_heads, self.head_dim);
-        let device = self.keys.device();
+        let (precision, device) = (self.keys.precision(), self.keys.device());
         for buf in [&mut self.keys, &mut self.values] {
-            let mut grown = Tensor::zeros(vec![h, capacity, d], &device)?;
+            let mut grown = KvBuffer::zeros(h * capacity * d, precision, &device)?;
             ops::kv_move(buf, self.capacity, &mut grown, capacity, h, d, 0..self.len)?;
             *buf = grown;
         }
@@ -105,7 +105,7 @@ impl KvCache {
             cache.grow_to(cache.len + 1)?;
         }
         let capacities: Vec<usize> = caches.iter().map(|c| c.capacity).collect();
-        let (mut key_rings, mut value_rings): (Vec<&mut Tensor>, Vec<&mut Tensor>) = caches
+        let (mut key_rings, mut value_rings): (Vec<&mut KvBuffer>, Vec<&mut KvBuffer>) = caches
             .iter_mut()
             .map(|c| (&mut c.keys, &mut c.values))
             .unzip();
@@ -145,6 +145,16 @@ impl KvCache {
     /// Bytes of device memory held.
     pub fn size_in_bytes(&self) -> usize {
         self.keys.size_in_bytes() + self.values.size_in_bytes()
+    }
+
+    /// The same positions with their keys and values kept in `precision` (see
+    /// [`KvBuffer::into_precision`]).
+    pub fn with_precision(self, precision: KvPrecision) -> Self {
+        KvCache {
+            keys: self.keys.into_precision(precision),
+            values: self.values.into_precision(precision),
+            ..self
+        }
     }
 
     pub fn try_clone(&self) -> Result<Self, EngineError> {
@@ -233,6 +243,22 @@ impl Cache {
         })
     }
 
+    /// This cache with its attention layers' keys and values kept in `precision`: f32 for the
+    /// numbers of an f32 oracle, f16 (the host's default) for half the memory and bandwidth.
+    /// Recurrent layers' states stay f32.
+    pub fn with_kv_precision(self, precision: KvPrecision) -> Cache {
+        let layers = self
+            .layers
+            .into_iter()
+            .map(|l| match l {
+                LayerCache::Kv(kv) => LayerCache::Kv(kv.with_precision(precision)),
+                LayerCache::Rotating(ring) => LayerCache::Rotating(ring.with_precision(precision)),
+                recurrent => recurrent,
+            })
+            .collect();
+        Cache { layers, ..self }
+    }
+
     /// Bytes of device memory held by all layers.
     pub fn size_in_bytes(&self) -> usize {
         self.layers.iter().map(LayerCache::size_in_bytes).sum()
@@ -288,8 +314,9 @@ mod tests {
         }
         let v = cache.view();
         assert_eq!((v.end, v.capacity), (300, 512));
-        assert_eq!(v.keys.data()[299], 299.0);
-        assert_eq!(v.keys.data()[512 + 299], -299.0);
-        assert_eq!(v.values.data()[512 + 7], -7.5);
+        let (keys, values) = (v.keys.to_vec().unwrap(), v.values.to_vec().unwrap());
+        assert_eq!(keys[299], 299.0);
+        assert_eq!(keys[512 + 299], -299.0);
+        assert_eq!(values[512 + 7], -7.5);
     }
 }

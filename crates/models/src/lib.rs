@@ -23,7 +23,7 @@ use std::path::Path;
 pub use cache::Cache;
 pub use checkpoint::{Checkpoint, Config};
 pub use error::{ForwardError, LoadError, TruncateError};
-use oxlm_engine::{Device, Tensor};
+use oxlm_engine::{Device, KvPrecision, Tensor};
 
 /// What callers need to know about a loaded model.
 #[derive(Debug, Clone)]
@@ -51,8 +51,15 @@ pub enum Logits {
 pub trait LanguageModel: Send + Sync {
     fn info(&self) -> &ModelInfo;
 
-    /// Fresh per-layer state for one sequence, on the model's device.
+    /// Fresh per-layer state for one sequence, on the model's device, its attention layers'
+    /// keys and values in the device's default precision ([`KvPrecision::default_for`]).
     fn new_cache(&self) -> Result<Cache, ForwardError>;
+
+    /// [`new_cache`](Self::new_cache) with keys and values kept in `precision` (f32 on a GPU
+    /// whatever is asked).
+    fn new_cache_in(&self, precision: KvPrecision) -> Result<Cache, ForwardError> {
+        Ok(self.new_cache()?.with_kv_precision(precision))
+    }
 
     /// Runs `tokens` at the positions following what `cache` holds and appends their state.
     fn forward(

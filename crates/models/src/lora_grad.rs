@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 
 use oxlm_engine::grad::{cross_entropy, dense_matmul_backward, quantized_matmul_backward};
+use oxlm_engine::KvPrecision;
 
 use crate::layers::{Linear, Weight};
 use crate::lora::{Adapters, LoraLinear};
@@ -142,7 +143,9 @@ pub fn loss_sum(
     let vocab = model.info().vocab_size;
     let (mut sum, mut tokens) = (0.0f64, 0);
     for ex in examples {
-        let mut cache = model.new_cache()?;
+        // Scoring reads no cache back token by token: f32 keys cost nothing and keep the loss
+        // the one training computes.
+        let mut cache = model.new_cache_in(KvPrecision::F32)?;
         let logits = model.forward(&ex.inputs, &mut cache, Logits::All)?;
         for t in ex.loss_from..ex.inputs.len() {
             let row = &logits.data()[t * vocab..(t + 1) * vocab];

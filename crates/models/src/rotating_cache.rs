@@ -2,7 +2,7 @@
 //! a query can still see, as mlx-lm's `RotatingKVCache` (with `keep = 0`) does.
 
 use oxlm_engine::ops::{self, Kv};
-use oxlm_engine::{Device, EngineError, Positions, Tensor};
+use oxlm_engine::{Device, EngineError, KvBuffer, KvPrecision, Positions, Tensor};
 
 /// Until the window fills, the ring grows in blocks of this many positions (as mlx-lm's
 /// `RotatingKVCache.step`), so that a short sequence does not reserve a whole window.
@@ -25,8 +25,8 @@ pub struct RotatingKvCache {
     /// Positions `start..end` are held.
     start: usize,
     end: usize,
-    keys: Tensor,
-    values: Tensor,
+    keys: KvBuffer,
+    values: KvBuffer,
 }
 
 impl RotatingKvCache {
@@ -44,8 +44,8 @@ impl RotatingKvCache {
             capacity: 0,
             start: 0,
             end: 0,
-            keys: Tensor::zeros(vec![0], device)?,
-            values: Tensor::zeros(vec![0], device)?,
+            keys: KvBuffer::zeros(0, KvPrecision::default_for(device), device)?,
+            values: KvBuffer::zeros(0, KvPrecision::default_for(device), device)?,
         })
     }
 
@@ -71,9 +71,9 @@ impl RotatingKvCache {
     fn resize(&mut self, capacity: usize) -> Result<(), EngineError> {
         let (h, d) = (self.kv_heads, self.head_dim);
         let keep_from = self.start.max(self.end.saturating_sub(self.window - 1));
-        let device = self.keys.device();
+        let (precision, device) = (self.keys.precision(), self.keys.device());
         for buf in [&mut self.keys, &mut self.values] {
-            let mut ring = Tensor::zeros(vec![h, capacity, d], &device)?;
+            let mut ring = KvBuffer::zeros(h * capacity * d, precision, &device)?;
             ops::kv_move(
                 buf,
                 self.capacity,
@@ -143,6 +143,16 @@ impl RotatingKvCache {
         self.keys.size_in_bytes() + self.values.size_in_bytes()
     }
 
+    /// The same positions with their keys and values kept in `precision` (see
+    /// [`KvBuffer::into_precision`]).
+    pub fn with_precision(self, precision: KvPrecision) -> Self {
+        RotatingKvCache {
+            keys: self.keys.into_precision(precision),
+            values: self.values.into_precision(precision),
+            ..self
+        }
+    }
+
     pub fn try_clone(&self) -> Result<Self, EngineError> {
         Ok(RotatingKvCache {
             keys: self.keys.try_clone()?,
@@ -159,9 +169,8 @@ mod tests {
     /// The positions a ring holds, read back through its slots (one head, head_dim 1, key = position).
     fn held(cache: &RotatingKvCache) -> Vec<f32> {
         let v = cache.view();
-        (v.start..v.end)
-            .map(|p| v.keys.data()[p % v.capacity])
-            .collect()
+        let keys = v.keys.to_vec().unwrap();
+        (v.start..v.end).map(|p| keys[p % v.capacity]).collect()
     }
 
     fn push(cache: &mut RotatingKvCache, positions: std::ops::Range<usize>) {

@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+use oxlm_engine::KvPrecision;
 use oxlm_models::fuse::fuse;
 use oxlm_models::{load, Logits};
 
@@ -41,7 +42,7 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 
 fn logits(dir: &Path, ids: &[u32]) -> Vec<f32> {
     let model = load(dir).unwrap();
-    let mut cache = model.new_cache().unwrap();
+    let mut cache = model.new_cache_in(KvPrecision::F32).unwrap();
     model
         .forward(ids, &mut cache, Logits::All)
         .unwrap()

@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+use oxlm_engine::KvPrecision;
 use oxlm_models::{load, ForwardError, LoadError, Logits};
 use serde_json::{json, Value};
 
@@ -45,7 +46,7 @@ fn chunked_prefill_matches_the_oracle() {
         let model = load(&dir).unwrap();
         let vocab = model.info().vocab_size;
         for chunk in [1, 3, 7, 8, 13] {
-            let mut cache = model.new_cache().unwrap();
+            let mut cache = model.new_cache_in(KvPrecision::F32).unwrap();
             let mut got = Vec::new();
             for part in ids.chunks(chunk) {
                 let logits = model.forward(part, &mut cache, Logits::All).unwrap();
@@ -68,7 +69,7 @@ fn a_cache_of_another_model_is_refused() {
     let gemma4 = load(&tiny("gemma4-4bit-g32")).unwrap();
     let llama = load(&tiny("llama-8bit-g32")).unwrap();
     for (model, other) in [(&gemma3, &gemma4), (&gemma4, &gemma3), (&gemma3, &llama)] {
-        let mut cache = other.new_cache().unwrap();
+        let mut cache = other.new_cache_in(KvPrecision::F32).unwrap();
         let err = model.forward(&[1, 2, 3], &mut cache, Logits::Last);
         assert_eq!(err.unwrap_err(), ForwardError::CacheMismatch);
     }
@@ -141,7 +142,7 @@ fn truncation_within_the_ring() {
     let (ids, want) = prompt_golden(&dir);
     let model = load(&dir).unwrap();
     let vocab = model.info().vocab_size;
-    let mut cache = model.new_cache().unwrap();
+    let mut cache = model.new_cache_in(KvPrecision::F32).unwrap();
     model.forward(&ids, &mut cache, Logits::Last).unwrap();
     cache.truncate(20).unwrap();
     let logits = model.forward(&ids[20..], &mut cache, Logits::All).unwrap();

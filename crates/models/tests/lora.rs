@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+use oxlm_engine::KvPrecision;
 use oxlm_models::lora::{AdaptedModel, AdapterError, Adapters};
 use oxlm_models::{load, LanguageModel, Logits};
 use serde_json::Value;
@@ -48,7 +49,7 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 fn all_logits(model: &dyn LanguageModel, tokens: &[u32]) -> Vec<f32> {
-    let mut cache = model.new_cache().unwrap();
+    let mut cache = model.new_cache_in(KvPrecision::F32).unwrap();
     model
         .forward(tokens, &mut cache, Logits::All)
         .unwrap()
@@ -81,7 +82,7 @@ fn adapted_logits_match_mlx_lm() {
         // Token by token through the KV cache, after a prefill of all but the last 4.
         let vocab = model.info().vocab_size;
         let split = ids.len() - 4;
-        let mut cache = adapted.new_cache().unwrap();
+        let mut cache = adapted.new_cache_in(KvPrecision::F32).unwrap();
         adapted
             .forward(&ids[..split], &mut cache, Logits::Last)
             .unwrap();

@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+use oxlm_engine::KvPrecision;
 use oxlm_models::cache::{Cache, LayerCache};
 use oxlm_models::{load, ForwardError, LanguageModel, LoadError, Logits, TruncateError};
 use serde_json::Value;
@@ -68,11 +69,12 @@ fn cache_diff(a: &Cache, b: &Cache) -> f32 {
                         .flat_map(|h| v[h * cap * d..][..x.end * d].to_vec())
                         .collect()
                 };
-                let (xk, yk) = (x.keys.data(), y.keys.data());
-                let (xv, yv) = (x.values.data(), y.values.data());
-                max_abs_diff(&filled(xk, x.capacity), &filled(yk, y.capacity)).max(max_abs_diff(
-                    &filled(xv, x.capacity),
-                    &filled(yv, y.capacity),
+                let host = |b: &oxlm_engine::KvBuffer| b.to_vec().unwrap();
+                let (xk, yk) = (host(x.keys), host(y.keys));
+                let (xv, yv) = (host(x.values), host(y.values));
+                max_abs_diff(&filled(&xk, x.capacity), &filled(&yk, y.capacity)).max(max_abs_diff(
+                    &filled(&xv, x.capacity),
+                    &filled(&yv, y.capacity),
                 ))
             }
             _ => panic!("layer kinds differ"),
@@ -97,11 +99,11 @@ fn prefill_and_single_token_steps_reach_the_same_state_and_logits() {
         let tokens = sequence(name);
         let vocab = model.info().vocab_size;
 
-        let mut prefilled = model.new_cache().unwrap();
+        let mut prefilled = model.new_cache_in(KvPrecision::F32).unwrap();
         let all = model.forward(&tokens, &mut prefilled, Logits::All).unwrap();
         assert!(recurrent_layers(&prefilled) >= 2, "{name}");
 
-        let mut stepped = model.new_cache().unwrap();
+        let mut stepped = model.new_cache_in(KvPrecision::F32).unwrap();
         let mut worst = 0.0f32;
         for (t, &token) in tokens.iter().enumerate() {
             let logits = model.forward(&[token], &mut stepped, Logits::Last).unwrap();
@@ -122,10 +124,10 @@ fn prefill_in_chunks_equals_one_prefill() {
     let name = "qwen3_5-4bit-g64";
     let model = load(&tiny(name)).unwrap();
     let tokens = sequence(name);
-    let mut whole = model.new_cache().unwrap();
+    let mut whole = model.new_cache_in(KvPrecision::F32).unwrap();
     let expected = model.forward(&tokens, &mut whole, Logits::Last).unwrap();
     // chunks shorter and longer than the convolution's kernel of 4
-    let mut chunked = model.new_cache().unwrap();
+    let mut chunked = model.new_cache_in(KvPrecision::F32).unwrap();
     let mut logits = None;
     for chunk in tokens.chunks(3).take(2).chain(tokens[6..].chunks(17)) {
         logits = Some(model.forward(chunk, &mut chunked, Logits::Last).unwrap());
@@ -142,7 +144,7 @@ fn the_cache_cannot_go_back_but_a_snapshot_can() {
     let tokens = sequence(name);
     let (prefix, rest) = tokens.split_at(20);
 
-    let mut cache = model.new_cache().unwrap();
+    let mut cache = model.new_cache_in(KvPrecision::F32).unwrap();
     model.forward(prefix, &mut cache, Logits::Last).unwrap();
     let snapshot = cache.clone();
     model.forward(&rest[..5], &mut cache, Logits::Last).unwrap();
@@ -168,7 +170,7 @@ fn the_cache_cannot_go_back_but_a_snapshot_can() {
     let got = model
         .forward(&rest[7..12], &mut resumed, Logits::Last)
         .unwrap();
-    let mut fresh = model.new_cache().unwrap();
+    let mut fresh = model.new_cache_in(KvPrecision::F32).unwrap();
     let mut input = prefix.to_vec();
     input.extend_from_slice(&rest[7..12]);
     let want = model.forward(&input, &mut fresh, Logits::Last).unwrap();
@@ -187,7 +189,7 @@ fn a_cache_of_another_shape_is_refused_untouched() {
         ForwardError::CacheMismatch
     );
     let other = load(&tiny("qwen3_5-8bit-g32")).unwrap();
-    let mut foreign = other.new_cache().unwrap();
+    let mut foreign = other.new_cache_in(KvPrecision::F32).unwrap();
     assert_eq!(
         model
             .forward(&[1, 2], &mut foreign, Logits::Last)
@@ -226,10 +228,18 @@ fn text_only_model_type_reads_the_same_checkpoint() {
     let model = load(&tiny(name)).unwrap();
     let tokens = sequence(name);
     let a = text
-        .forward(&tokens, &mut text.new_cache().unwrap(), Logits::Last)
+        .forward(
+            &tokens,
+            &mut text.new_cache_in(KvPrecision::F32).unwrap(),
+            Logits::Last,
+        )
         .unwrap();
     let b = model
-        .forward(&tokens, &mut model.new_cache().unwrap(), Logits::Last)
+        .forward(
+            &tokens,
+            &mut model.new_cache_in(KvPrecision::F32).unwrap(),
+            Logits::Last,
+        )
         .unwrap();
     assert_eq!(a, b);
     assert_eq!(text.info().model_type, "qwen3_5_text");

@@ -1,20 +1,72 @@
 //! Attention of one query position over a run of cached keys and values, for all the query heads
 //! that share one key/value head (grouped-query attention): each key and value is read once for
-//! the whole group, which at long contexts is what decoding spends its memory traffic on.
+//! the whole group, which at long contexts is what decoding spends its memory traffic on. The
+//! cache may be kept in f32 or f16 ([`KvElem`]); each block of it is widened to f32 once, in L1,
+//! for the whole group.
 
-use super::dense::dot;
-use super::elementwise::softmax_inplace;
+use std::ops::Range;
+
+use half::f16;
+
 use super::pool::{self, SharedMut};
 use super::{with_task_scratch, Isa};
+use crate::float::FloatSlice;
 
-/// Keys and values of one KV head laid out `[len, head_dim]`, and the group's queries
-/// `[group, head_dim]`.
-pub struct GroupAttention<'a> {
+/// The element types a cache ring is kept in (see `crate::kv`).
+pub trait KvElem: Copy + Send + Sync + sealed::Sealed {
+    fn from_f32(x: f32) -> Self;
+    /// `src` as f32: itself, or widened into `scratch`.
+    fn widen<'a>(src: &'a [Self], scratch: &'a mut [f32]) -> &'a [f32];
+    /// The rows as the vector kernels take them.
+    fn floats(src: &[Self]) -> FloatSlice<'_>;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+}
+
+impl KvElem for f32 {
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    fn widen<'a>(src: &'a [f32], _: &'a mut [f32]) -> &'a [f32] {
+        src
+    }
+    fn floats(src: &[f32]) -> FloatSlice<'_> {
+        FloatSlice::F32(src)
+    }
+}
+
+impl KvElem for f16 {
+    /// Rounds to nearest; magnitudes past f16's range saturate at its largest finite value
+    /// rather than become infinite, which softmax would turn into NaN.
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x.clamp(-f16::MAX.to_f32(), f16::MAX.to_f32()))
+    }
+    fn widen<'a>(src: &'a [f16], scratch: &'a mut [f32]) -> &'a [f32] {
+        let out = &mut scratch[..src.len()];
+        for (o, x) in out.iter_mut().zip(src) {
+            *o = x.to_f32();
+        }
+        out
+    }
+    fn floats(src: &[f16]) -> FloatSlice<'_> {
+        FloatSlice::F16(src)
+    }
+}
+
+/// One key/value head's rows (`[slots, head_dim]`) and the group's queries (`[group,
+/// head_dim]`).
+pub struct GroupAttention<'a, T> {
     pub queries: &'a [f32],
-    pub keys: &'a [f32],
-    pub values: &'a [f32],
+    pub keys: &'a [T],
+    pub values: &'a [T],
     pub head_dim: usize,
-    pub len: usize,
+    /// The rows attended, in position order: the second run is where a wrapped ring goes on
+    /// from its first slot (empty if it did not wrap).
+    pub runs: [Range<usize>; 2],
     pub scale: f32,
 }
 
@@ -22,79 +74,174 @@ pub struct GroupAttention<'a> {
 /// passes over them.
 const BLOCK: usize = 64;
 
-impl GroupAttention<'_> {
+impl<T: KvElem> GroupAttention<'_, T> {
     /// Softmax-weighted values for each query head into `out` (`[group, head_dim]`).
     pub fn run(&self, isa: Isa, out: &mut [f32]) {
         let group = self.queries.len() / self.head_dim;
-        with_task_scratch(group * self.len, |scores| self.run_with(isa, scores, out));
+        let n = self.len();
+        if n == 0 {
+            out[..group * self.head_dim].fill(0.0);
+            return;
+        }
+        with_task_scratch(group * n + BLOCK * self.head_dim, |scratch| {
+            let (scores, block) = scratch.split_at_mut(group * n);
+            self.run_with(isa, scores, block, out)
+        });
     }
 
-    fn run_with(&self, isa: Isa, scores: &mut [f32], out: &mut [f32]) {
-        let (d, n) = (self.head_dim, self.len);
+    /// Rows attended in all.
+    fn len(&self) -> usize {
+        self.runs.iter().map(|r| r.len()).sum()
+    }
+
+    /// The attended rows in blocks of at most [`BLOCK`]: `(index of the first among all
+    /// attended, rows)`.
+    fn blocks(&self) -> impl Iterator<Item = (usize, Range<usize>)> + '_ {
+        let starts = self.runs.iter().scan(0, |at, r| {
+            let first = *at;
+            *at += r.len();
+            Some(first)
+        });
+        starts.zip(&self.runs).flat_map(|(first, r)| {
+            (r.start..r.end)
+                .step_by(BLOCK)
+                .map(move |s| (first + s - r.start, s..(s + BLOCK).min(r.end)))
+        })
+    }
+
+    fn run_with(&self, isa: Isa, scores: &mut [f32], block: &mut [f32], out: &mut [f32]) {
+        let d = self.head_dim;
+        let n = self.len();
         let group = self.queries.len() / d;
         assert!(
-            self.keys.len() >= n * d
-                && self.values.len() >= n * d
+            self.runs.iter().all(|r| r.end * d <= self.keys.len())
+                && self.keys.len() == self.values.len()
                 && scores.len() >= group * n
+                && block.len() >= BLOCK * d
                 && out.len() >= group * d
         );
-        for j0 in (0..n).step_by(BLOCK) {
-            let j1 = (j0 + BLOCK).min(n);
-            for (g, q) in self.queries.chunks_exact(d).enumerate() {
-                let keys = &self.keys[j0 * d..j1 * d];
-                key_scores(
-                    isa,
-                    q,
-                    keys,
-                    self.scale,
-                    &mut scores[g * n + j0..g * n + j1],
-                );
-            }
+        for (j0, rows) in self.blocks() {
+            let keys = &self.keys[rows.start * d..rows.end * d];
+            block_scores(
+                isa,
+                self.queries,
+                keys,
+                d,
+                self.scale,
+                &mut scores[j0..],
+                n,
+                block,
+            );
         }
         for s in scores[..group * n].chunks_exact_mut(n) {
             softmax(isa, s);
         }
         out[..group * d].fill(0.0);
-        for j0 in (0..n).step_by(BLOCK) {
-            let j1 = (j0 + BLOCK).min(n);
-            for (g, o) in out.chunks_exact_mut(d).take(group).enumerate() {
-                let p = &scores[g * n + j0..g * n + j1];
-                axpy_rows(isa, p, &self.values[j0 * d..j1 * d], o);
-            }
+        for (j0, rows) in self.blocks() {
+            let values = &self.values[rows.start * d..rows.end * d];
+            block_values(
+                isa,
+                &scores[j0..],
+                n,
+                values,
+                d,
+                &mut out[..group * d],
+                block,
+            );
         }
     }
 }
 
-/// `out[j] = scale · q · k_j` for the rows `k_j` of `keys`, `q.len()` apart.
-fn key_scores(isa: Isa, q: &[f32], keys: &[f32], scale: f32, out: &mut [f32]) {
-    match isa {
-        // SAFETY: the caller checked the processor; the kernel checks bounds.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 | Isa::Amx if q.len().is_multiple_of(8) => unsafe {
-            super::avx2::scores(q, keys, scale, out)
-        },
-        _ => {
-            for (o, k) in out.iter_mut().zip(keys.chunks_exact(q.len())) {
-                *o = super::dense::dot_with(isa, q, k) * scale;
-            }
-        }
-    }
-}
+/// Heads per call of the vector kernels: their registers hold four heads' sums.
+const KERNEL_HEADS: usize = 4;
 
-/// `o += Σ_j p[j] · v[j]` for rows `v[j]` of `o.len()` values.
-fn axpy_rows(isa: Isa, p: &[f32], v: &[f32], o: &mut [f32]) {
-    match isa {
-        // SAFETY: the caller checked the processor; the kernel checks bounds.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 | Isa::Amx if o.len().is_multiple_of(8) => unsafe {
-            super::avx2::axpy_rows(p, v, o)
-        },
-        _ => {
-            let d = o.len();
-            for (&pj, vj) in p.iter().zip(v.chunks_exact(d)) {
-                for (od, &vd) in o.iter_mut().zip(vj) {
-                    *od += pj * vd;
+/// `scores[h · stride + j] = scale · q_h · k_j` for the query heads `queries` (`[heads, d]`) and
+/// the rows `k_j` of `keys` (`[rows, d]`); `scratch` holds a block of rows as f32.
+#[allow(clippy::too_many_arguments)]
+fn block_scores<T: KvElem>(
+    isa: Isa,
+    queries: &[f32],
+    keys: &[T],
+    d: usize,
+    scale: f32,
+    scores: &mut [f32],
+    stride: usize,
+    scratch: &mut [f32],
+) {
+    let (heads, rows) = (queries.len() / d, keys.len() / d);
+    assert!(rows == 0 || scores.len() >= (heads - 1) * stride + rows);
+    #[cfg(target_arch = "x86_64")]
+    if isa >= Isa::Avx2 && d.is_multiple_of(8) {
+        for h0 in (0..heads).step_by(KERNEL_HEADS) {
+            let chunk = KERNEL_HEADS.min(heads - h0);
+            let (q, out) = (
+                queries[h0 * d..].as_ptr(),
+                scores[h0 * stride..].as_mut_ptr(),
+            );
+            // SAFETY: the caller checked the processor; the lengths were checked above.
+            unsafe {
+                match T::floats(keys) {
+                    FloatSlice::F32(k) => {
+                        super::avx2::group_scores(q, chunk, k.as_ptr(), rows, d, scale, out, stride)
+                    }
+                    FloatSlice::F16(k) => {
+                        super::avx2::group_scores(q, chunk, k.as_ptr(), rows, d, scale, out, stride)
+                    }
+                    FloatSlice::BF16(_) => unreachable!("caches are f32 or f16"),
                 }
+            }
+        }
+        return;
+    }
+    let keys = T::widen(keys, scratch);
+    for (h, q) in queries.chunks_exact(d).enumerate() {
+        for (o, k) in scores[h * stride..][..rows]
+            .iter_mut()
+            .zip(keys.chunks_exact(d))
+        {
+            *o = super::dense::dot_with(isa, q, k) * scale;
+        }
+    }
+}
+
+/// `out[h · d..] += Σ_j p[h · stride + j] · v_j` for the rows `v_j` of `values` (`[rows, d]`);
+/// `scratch` holds a block of rows as f32.
+fn block_values<T: KvElem>(
+    isa: Isa,
+    p: &[f32],
+    stride: usize,
+    values: &[T],
+    d: usize,
+    out: &mut [f32],
+    scratch: &mut [f32],
+) {
+    let (heads, rows) = (out.len() / d, values.len() / d);
+    assert!(rows == 0 || p.len() >= (heads - 1) * stride + rows);
+    #[cfg(target_arch = "x86_64")]
+    if isa >= Isa::Avx2 && d.is_multiple_of(8) {
+        for h0 in (0..heads).step_by(KERNEL_HEADS) {
+            let chunk = KERNEL_HEADS.min(heads - h0);
+            let (p, o) = (p[h0 * stride..].as_ptr(), out[h0 * d..].as_mut_ptr());
+            // SAFETY: the caller checked the processor; the lengths were checked above.
+            unsafe {
+                match T::floats(values) {
+                    FloatSlice::F32(v) => {
+                        super::avx2::group_values(p, stride, chunk, v.as_ptr(), rows, d, o)
+                    }
+                    FloatSlice::F16(v) => {
+                        super::avx2::group_values(p, stride, chunk, v.as_ptr(), rows, d, o)
+                    }
+                    FloatSlice::BF16(_) => unreachable!("caches are f32 or f16"),
+                }
+            }
+        }
+        return;
+    }
+    let values = T::widen(values, scratch);
+    for (h, o) in out.chunks_exact_mut(d).enumerate() {
+        for (&pj, vj) in p[h * stride..][..rows].iter().zip(values.chunks_exact(d)) {
+            for (od, &vd) in o.iter_mut().zip(vj) {
+                *od += pj * vd;
             }
         }
     }
@@ -123,25 +270,55 @@ pub fn softmax(isa: Isa, x: &mut [f32]) {
     }
 }
 
-/// Keys and values of one layer as attention reads them: `[kv_heads, capacity, head_dim]`, of
-/// which the first `len` positions are filled.
-pub struct KvView<'a> {
-    pub keys: &'a [f32],
-    pub values: &'a [f32],
+/// Keys and values of one layer as attention reads them: `[kv_heads, capacity, head_dim]` each,
+/// position `p` in slot `p % capacity`, positions `start..end` present.
+pub struct KvView<'a, T> {
+    pub keys: &'a [T],
+    pub values: &'a [T],
     pub kv_heads: usize,
     pub capacity: usize,
-    pub len: usize,
+    pub start: usize,
+    pub end: usize,
+    /// `Some(w)`: a sliding window; a query sees the `w` positions ending at its own.
+    pub window: Option<usize>,
+}
+
+impl<'a, T> KvView<'a, T> {
+    /// One whole sequence of `len` positions, `[kv_heads, len, head_dim]` each (training).
+    pub fn sequence(keys: &'a [T], values: &'a [T], kv_heads: usize, len: usize) -> Self {
+        KvView {
+            keys,
+            values,
+            kv_heads,
+            capacity: len,
+            start: 0,
+            end: len,
+            window: None,
+        }
+    }
+
+    /// The slots a query at `pos` attends, in position order: one run, or two where the ring
+    /// wraps.
+    fn runs(&self, pos: usize) -> [Range<usize>; 2] {
+        let hi = (pos + 1).min(self.end);
+        let reach = self.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let lo = reach.max(self.start).min(hi);
+        let first = lo % self.capacity;
+        let tail = (first + hi - lo).saturating_sub(self.capacity);
+        [first..first + (hi - lo) - tail, 0..tail]
+    }
 }
 
 /// Scaled dot-product attention of `q` (`[tokens, heads, head_dim]`) over `kv`, writing
-/// `[tokens, heads, head_dim]` into `out`. Query `t` sees keys `0..=positions[t]` (causal), and
-/// query head `h` reads key head `h / (heads / kv_heads)` (grouped-query attention).
-pub fn attention(
+/// `[tokens, heads, head_dim]` into `out`. Query `t` sees the positions up to `positions[t]`
+/// (causal) within the window, and query head `h` reads key head `h / (heads / kv_heads)`
+/// (grouped-query attention).
+pub fn attention<T: KvElem>(
     q: &[f32],
     heads: usize,
     head_dim: usize,
     positions: &[usize],
-    kv: &KvView,
+    kv: &KvView<T>,
     scale: f32,
     out: &mut [f32],
 ) {
@@ -152,15 +329,14 @@ pub fn attention(
     // One task per token and KV head: the group's query heads share each key and value read.
     pool::parallel_for(positions.len() * kv.kv_heads, &|task| {
         let (t, kvh) = (task / kv.kv_heads, task % kv.kv_heads);
-        let visible = (positions[t] + 1).min(kv.len);
         let first = (t * heads + kvh * group) * d;
-        let head = kvh * kv.capacity * d;
+        let head = kvh * kv.capacity * d..(kvh + 1) * kv.capacity * d;
         let job = GroupAttention {
             queries: &q[first..first + group * d],
-            keys: &kv.keys[head..head + visible * d],
-            values: &kv.values[head..head + visible * d],
+            keys: &kv.keys[head.clone()],
+            values: &kv.values[head],
             head_dim: d,
-            len: visible,
+            runs: kv.runs(positions[t]),
             scale,
         };
         // SAFETY: each task writes its own token's group of heads.
@@ -168,62 +344,10 @@ pub fn attention(
     });
 }
 
-/// Keys and values of a sliding-window layer kept in a ring: `[kv_heads, capacity, head_dim]`
-/// each, position `p` in slot `p % capacity`, positions `start..end` present. A query sees the
-/// `window` positions ending at its own.
-pub struct RingKvView<'a> {
-    pub keys: &'a [f32],
-    pub values: &'a [f32],
-    pub kv_heads: usize,
-    pub capacity: usize,
-    pub start: usize,
-    pub end: usize,
-    pub window: usize,
-}
-
-/// As [`attention`], but over a ring and with a sliding window: query `t` sees positions
-/// `positions[t] + 1 - window ..= positions[t]` (from 0 while fewer precede it).
-pub fn sliding_window_attention(
-    q: &[f32],
-    heads: usize,
-    head_dim: usize,
-    positions: &[usize],
-    kv: &RingKvView,
-    scale: f32,
-    out: &mut [f32],
-) {
-    let group = heads / kv.kv_heads;
-    let mut scores = vec![0.0f32; kv.window.min(kv.end - kv.start)];
-    for (t, &pos) in positions.iter().enumerate() {
-        let hi = (pos + 1).min(kv.end);
-        let lo = (pos + 1).saturating_sub(kv.window).max(kv.start).min(hi);
-        let slots = || (lo..hi).map(|p| p % kv.capacity);
-        for h in 0..heads {
-            let kvh = h / group;
-            let qv = &q[(t * heads + h) * head_dim..][..head_dim];
-            let head_keys = &kv.keys[kvh * kv.capacity * head_dim..];
-            let head_values = &kv.values[kvh * kv.capacity * head_dim..];
-            let s = &mut scores[..hi - lo];
-            for (sj, slot) in s.iter_mut().zip(slots()) {
-                *sj = dot(qv, &head_keys[slot * head_dim..][..head_dim]) * scale;
-            }
-            softmax_inplace(s);
-            let o = &mut out[(t * heads + h) * head_dim..][..head_dim];
-            o.fill(0.0);
-            for (&p, slot) in s.iter().zip(slots()) {
-                let vj = &head_values[slot * head_dim..][..head_dim];
-                for (od, &vd) in o.iter_mut().zip(vj) {
-                    *od += p * vd;
-                }
-            }
-        }
-    }
-}
-
 /// Writes `src` (`[tokens, kv_heads, head_dim]`) at positions `first..` of `cache`
 /// (`[kv_heads, capacity, head_dim]`, position `p` in slot `p % capacity`).
-pub fn kv_write(
-    cache: &mut [f32],
+pub fn kv_write<T: KvElem>(
+    cache: &mut [T],
     src: &[f32],
     kv_heads: usize,
     head_dim: usize,
@@ -235,20 +359,22 @@ pub fn kv_write(
         let slot = (first + t) % capacity;
         for (h, head) in token.chunks_exact(d).enumerate() {
             let dst = (h * capacity + slot) * d;
-            cache[dst..dst + d].copy_from_slice(head);
+            for (c, &x) in cache[dst..dst + d].iter_mut().zip(head) {
+                *c = T::from_f32(x);
+            }
         }
     }
 }
 
 /// Copies `positions` from a ring of `src_capacity` slots to one of `dst_capacity`.
-pub fn kv_move(
-    src: &[f32],
+pub fn kv_move<T: Copy>(
+    src: &[T],
     src_capacity: usize,
-    dst: &mut [f32],
+    dst: &mut [T],
     dst_capacity: usize,
     kv_heads: usize,
     head_dim: usize,
-    positions: std::ops::Range<usize>,
+    positions: Range<usize>,
 ) {
     let d = head_dim;
     for h in 0..kv_heads {

@@ -512,53 +512,132 @@ pub(super) unsafe fn hsum8(v: &[__m256; 8]) -> __m256 {
     )
 }
 
-/// `out[j] = scale · q · k_j` for the rows `k_j` of `keys` (`q.len()` apart, a multiple of 8),
-/// eight keys at a time: eight accumulators, then one transposing reduction for the eight sums.
-#[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn scores(q: &[f32], keys: &[f32], scale: f32, out: &mut [f32]) {
-    let d = q.len();
-    let n = out.len();
-    assert!(d.is_multiple_of(8) && keys.len() >= n * d);
-    let (pq, pk) = (q.as_ptr(), keys.as_ptr());
-    let s = _mm256_set1_ps(scale);
-    let full = n / 8 * 8;
-    for j0 in (0..full).step_by(8) {
-        let mut acc = [_mm256_setzero_ps(); 8];
-        for c in (0..d).step_by(8) {
-            let qv = _mm256_loadu_ps(pq.add(c));
-            for (j, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(pk.add((j0 + j) * d + c)), *a);
-            }
-        }
-        _mm256_storeu_ps(out.as_mut_ptr().add(j0), _mm256_mul_ps(hsum8(&acc), s));
-    }
-    for (j, o) in out.iter_mut().enumerate().skip(full) {
-        *o = dot(q, &keys[j * d..(j + 1) * d]) * scale;
+/// Attention scores of `n` keys for a chunk of up to four query heads that share them:
+/// `scores[h · stride + j] = scale · q_h · k_j` for the rows `k_j` of `keys` (`d` apart, `d` a
+/// multiple of 8) and the queries `q_h = queries[h · d..]`. Keys go two at a time, each vector
+/// loaded (and widened) once for every head; each sum is reduced as [`hsum8`] reduces.
+///
+/// # Safety
+/// AVX2, FMA and F16C; `queries` holds `heads · d`, `keys` `n · d` and `scores` `(heads - 1) ·
+/// stride + n` elements, `heads` in `1..=4`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn group_scores<T: Elem>(
+    queries: *const f32,
+    heads: usize,
+    keys: *const T,
+    n: usize,
+    d: usize,
+    scale: f32,
+    scores: *mut f32,
+    stride: usize,
+) {
+    match heads {
+        1 => scores_for::<T, 1>(queries, keys, n, d, scale, scores, stride),
+        2 => scores_for::<T, 2>(queries, keys, n, d, scale, scores, stride),
+        3 => scores_for::<T, 3>(queries, keys, n, d, scale, scores, stride),
+        _ => scores_for::<T, 4>(queries, keys, n, d, scale, scores, stride),
     }
 }
 
-/// `o += Σ_j p[j] · v[j]` for rows `v[j]` of `o.len()` (a multiple of 8) values.
-#[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn axpy_rows(p: &[f32], v: &[f32], o: &mut [f32]) {
-    let d = o.len();
-    assert!(d.is_multiple_of(8) && v.len() >= p.len() * d);
-    let (pv, po) = (v.as_ptr(), o.as_mut_ptr());
-    // Eight accumulators cover a 64-wide head in registers; wider heads take several passes.
-    for c0 in (0..d).step_by(64) {
-        let lanes = ((d - c0) / 8).min(8);
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn scores_for<T: Elem, const H: usize>(
+    queries: *const f32,
+    keys: *const T,
+    n: usize,
+    d: usize,
+    scale: f32,
+    scores: *mut f32,
+    stride: usize,
+) {
+    let s = _mm256_set1_ps(scale);
+    for j in (0..n).step_by(2) {
+        let pair = j + 1 < n;
+        let k0 = keys.add(j * d);
+        let k1 = if pair { k0.add(d) } else { k0 };
+        // acc[2h] sums head h against key j, acc[2h + 1] against key j + 1.
         let mut acc = [_mm256_setzero_ps(); 8];
-        for (l, a) in acc.iter_mut().enumerate().take(lanes) {
-            *a = _mm256_loadu_ps(po.add(c0 + 8 * l));
-        }
-        for (j, &pj) in p.iter().enumerate() {
-            let s = _mm256_set1_ps(pj);
-            let row = pv.add(j * d + c0);
-            for (l, a) in acc.iter_mut().enumerate().take(lanes) {
-                *a = _mm256_fmadd_ps(s, _mm256_loadu_ps(row.add(8 * l)), *a);
+        for c in (0..d).step_by(8) {
+            let (a, b) = (load8(k0.add(c)), load8(k1.add(c)));
+            for h in 0..H {
+                let q = _mm256_loadu_ps(queries.add(h * d + c));
+                acc[2 * h] = _mm256_fmadd_ps(q, a, acc[2 * h]);
+                acc[2 * h + 1] = _mm256_fmadd_ps(q, b, acc[2 * h + 1]);
             }
         }
-        for (l, a) in acc.iter().enumerate().take(lanes) {
-            _mm256_storeu_ps(po.add(c0 + 8 * l), *a);
+        let mut sums = [0.0f32; 8];
+        _mm256_storeu_ps(sums.as_mut_ptr(), _mm256_mul_ps(hsum8(&acc), s));
+        for h in 0..H {
+            *scores.add(h * stride + j) = sums[2 * h];
+            if pair {
+                *scores.add(h * stride + j + 1) = sums[2 * h + 1];
+            }
+        }
+    }
+}
+
+/// Softmax-weighted values for a chunk of up to four query heads: `out[h · d..] += Σ_j p[h ·
+/// stride + j] · v_j` for the `n` rows `v_j` of `values` (`d` apart, a multiple of 8). Sixteen
+/// columns at a time for every head in registers, so that each value vector is loaded (and
+/// widened) once per chunk of heads; each column sums its keys in order.
+///
+/// # Safety
+/// AVX2, FMA and F16C; `p` holds `(heads - 1) · stride + n`, `values` `n · d` and `out` `heads ·
+/// d` elements, `heads` in `1..=4`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn group_values<T: Elem>(
+    p: *const f32,
+    stride: usize,
+    heads: usize,
+    values: *const T,
+    n: usize,
+    d: usize,
+    out: *mut f32,
+) {
+    match heads {
+        1 => values_for::<T, 1>(p, stride, values, n, d, out),
+        2 => values_for::<T, 2>(p, stride, values, n, d, out),
+        3 => values_for::<T, 3>(p, stride, values, n, d, out),
+        _ => values_for::<T, 4>(p, stride, values, n, d, out),
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn values_for<T: Elem, const H: usize>(
+    p: *const f32,
+    stride: usize,
+    values: *const T,
+    n: usize,
+    d: usize,
+    out: *mut f32,
+) {
+    for c in (0..d).step_by(16) {
+        let pair = c + 8 < d;
+        let mut acc = [[_mm256_setzero_ps(); 2]; H];
+        for (h, a) in acc.iter_mut().enumerate() {
+            a[0] = _mm256_loadu_ps(out.add(h * d + c));
+            if pair {
+                a[1] = _mm256_loadu_ps(out.add(h * d + c + 8));
+            }
+        }
+        for j in 0..n {
+            let row = values.add(j * d + c);
+            let a = load8(row);
+            let b = if pair { load8(row.add(8)) } else { a };
+            for (h, acc) in acc.iter_mut().enumerate() {
+                let w = _mm256_broadcast_ss(&*p.add(h * stride + j));
+                acc[0] = _mm256_fmadd_ps(w, a, acc[0]);
+                acc[1] = _mm256_fmadd_ps(w, b, acc[1]);
+            }
+        }
+        for (h, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.add(h * d + c), a[0]);
+            if pair {
+                _mm256_storeu_ps(out.add(h * d + c + 8), a[1]);
+            }
         }
     }
 }
