@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use oxlm_engine::cpu::{pool, qint};
-use oxlm_engine::DecodeSteps;
+use oxlm_engine::{DecodeSteps, KvPrecision};
 use oxlm_models::{Cache, LanguageModel, Logits};
 use oxlm_runtime::generate::{peak_memory_bytes, DEFAULT_PREFILL_STEP};
 use oxlm_runtime::hub::resolve_model;
@@ -48,6 +48,8 @@ pub struct Args {
     /// Where the model runs: cpu, cuda (GPU 0) or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
     device: oxlm_engine::Device,
+    #[arg(long, value_parser = crate::parse_kv_cache, help = crate::KV_CACHE_HELP)]
+    kv_cache: Option<KvPrecision>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -179,13 +181,16 @@ pub fn run(args: Args) -> Result<()> {
         .with_context(|| format!("loading {}", args.model.display()))?;
     let load_s = start.elapsed().as_secs_f64();
     let vocab = model.info().vocab_size;
+    let kv_cache = args
+        .kv_cache
+        .unwrap_or_else(|| KvPrecision::default_for(&args.device));
     let (mut prefill_tps, mut decode_tps) = (Vec::new(), Vec::new());
     let mut replayed_steps = 0;
     let mut host_us = Vec::new();
     // One untimed run first: page in the weights and grow the caches.
     for rep in 0..=args.repeats.max(1) {
         let ids = prompt(args.prompt_tokens, vocab, rep as u64);
-        let mut cache = model.new_cache()?;
+        let mut cache = model.new_cache_in(kv_cache)?;
         let t = Instant::now();
         let logits = prefill(model.as_ref(), &ids, &mut cache)?;
         let prefill_s = t.elapsed().as_secs_f64();
@@ -200,7 +205,7 @@ pub fn run(args: Args) -> Result<()> {
     let mut depths = Vec::new();
     for &depth in &args.depth {
         let ids = prompt(depth.saturating_sub(args.depth_tokens).max(1), vocab, 99);
-        let mut cache = model.new_cache()?;
+        let mut cache = model.new_cache_in(kv_cache)?;
         let logits = prefill(model.as_ref(), &ids, &mut cache)?;
         let s = decode(model.as_ref(), logits, &mut cache, args.depth_tokens)?.seconds;
         depths.push(json!({"context": depth, "decode_tps": args.depth_tokens as f64 / s}));
@@ -210,7 +215,7 @@ pub fn run(args: Args) -> Result<()> {
         let mut caches = Vec::with_capacity(sequences);
         let mut tokens = Vec::with_capacity(sequences);
         for seq in 0..sequences {
-            let mut cache = model.new_cache()?;
+            let mut cache = model.new_cache_in(kv_cache)?;
             let ids = prompt(args.prompt_tokens, vocab, 1000 + seq as u64);
             tokens.push(argmax(&prefill(model.as_ref(), &ids, &mut cache)?));
             caches.push(cache);
@@ -228,6 +233,7 @@ pub fn run(args: Args) -> Result<()> {
         "device": args.device.to_string(),
         "threads": pool::threads(),
         "activations": format!("{:?}", args.activations.precision()),
+        "kv_cache": format!("{kv_cache:?}"),
         "load_s": load_s,
         "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens,

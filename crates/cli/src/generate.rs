@@ -60,6 +60,8 @@ pub struct Args {
     /// Where the model runs: cpu, cuda (GPU 0) or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
     device: oxlm_engine::Device,
+    #[arg(long, value_parser = crate::parse_kv_cache, help = crate::KV_CACHE_HELP)]
+    kv_cache: Option<oxlm_engine::KvPrecision>,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -120,6 +122,7 @@ pub fn run(args: Args) -> Result<()> {
             ..SamplerConfig::default()
         },
         prefill_step: args.prefill_step_size,
+        kv_cache: args.kv_cache,
     };
     println!("==========");
     let mut stdout = std::io::stdout();

@@ -7,7 +7,7 @@ mod lora;
 mod serve;
 
 use clap::{Parser, Subcommand};
-use oxlm_engine::Device;
+use oxlm_engine::{Device, KvPrecision};
 
 #[derive(Parser)]
 #[command(
@@ -39,6 +39,18 @@ enum Command {
 /// missing driver is reported before any weights are read.
 fn parse_device(spec: &str) -> Result<Device, String> {
     Device::open(spec).map_err(|e| e.to_string())
+}
+
+const KV_CACHE_HELP: &str = "How the cache keeps keys and values: f16 (the CPU's default: half \
+    the memory, and long contexts decode faster) or f32 (exactly what the layers computed, as \
+    mlx-lm's f32 run keeps them). GPUs keep f32";
+
+fn parse_kv_cache(spec: &str) -> Result<KvPrecision, String> {
+    match spec {
+        "f16" => Ok(KvPrecision::F16),
+        "f32" => Ok(KvPrecision::F32),
+        _ => Err(format!("`{spec}`: expected f16 or f32")),
+    }
 }
 
 fn main() {

@@ -75,6 +75,8 @@ pub struct Args {
     /// Where the model runs: cpu, cuda (GPU 0) or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
     device: oxlm_engine::Device,
+    #[arg(long, value_parser = crate::parse_kv_cache, help = crate::KV_CACHE_HELP)]
+    kv_cache: Option<oxlm_engine::KvPrecision>,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -95,6 +97,7 @@ pub fn run(args: Args) -> Result<()> {
         allowed_origins: args.allowed_origins,
         max_request_bytes: args.max_request_bytes,
         prefill_step: args.prefill_step_size,
+        kv_cache: args.kv_cache,
         adapter_path: args.adapter_path,
         adapters_dir: args.adapters_dir,
         adapter_cache_size: args.adapter_cache_size,

@@ -184,6 +184,27 @@ fn an_adapter_per_request_matches_generate_with_adapter_path() {
     assert_ne!(base_text, expected);
 }
 
+/// `--kv-cache` reaches the server's caches as it does `generate`'s; a precision it does not
+/// know is refused before anything loads.
+#[test]
+fn the_kv_cache_flag_reaches_generate_and_serve() {
+    let serve = Serve::start(&["--kv-cache", "f32"]);
+    let (status, r) = serve.chat(&chat_request(json!({"max_tokens": 24})));
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(
+        r["choices"][0]["message"]["content"],
+        generated(&["--kv-cache", "f32"])
+    );
+    let output = Command::new(OXLM)
+        .args(["generate", "--kv-cache", "f64", "--model"])
+        .arg(model())
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    assert!(stderr.contains("`f64`: expected f16 or f32"), "{stderr}");
+}
+
 /// Waits for a server that got `signal` (SIGTERM, SIGINT) to end; checks that it exited with 0
 /// after announcing `grace` seconds, and returns its stderr lines after that announcement,
 /// leaving out the health checks of [`Serve::start`].

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::ops::ControlFlow;
 use std::time::Instant;
 
-use oxlm_engine::DecodeSteps;
+use oxlm_engine::{DecodeSteps, KvPrecision};
 use oxlm_models::{Cache, ForwardError, LanguageModel, Logits};
 
 use crate::sampler::{top_logprobs, Sampler, SamplerConfig};
@@ -22,6 +22,19 @@ pub struct GenerateOptions {
     pub sampler: SamplerConfig,
     /// Prompt tokens per forward pass during prefill (bounds the attention scratch memory).
     pub prefill_step: usize,
+    /// How the cache keeps keys and values; `None`: the device's default (f16 on the host, f32
+    /// on a GPU).
+    pub kv_cache: Option<KvPrecision>,
+}
+
+impl GenerateOptions {
+    /// A fresh cache for `model` in the precision these options ask for.
+    pub fn new_cache(&self, model: &dyn LanguageModel) -> Result<Cache, RuntimeError> {
+        Ok(match self.kv_cache {
+            Some(precision) => model.new_cache_in(precision)?,
+            None => model.new_cache()?,
+        })
+    }
 }
 
 /// Why generation ended, named as the OpenAI API and mlx-lm name it.
@@ -67,7 +80,7 @@ pub fn generate(
     options: &GenerateOptions,
     on_text: &mut dyn FnMut(&str),
 ) -> Result<Generation, RuntimeError> {
-    let mut cache = model.new_cache()?;
+    let mut cache = options.new_cache(model)?;
     generate_stream(
         model,
         tokenizer,

@@ -4,6 +4,8 @@
 use std::ops::ControlFlow;
 use std::path::PathBuf;
 
+use oxlm_engine::KvPrecision;
+use oxlm_models::cache::LayerCache;
 use oxlm_runtime::generate::prefill;
 use oxlm_runtime::prompt_cache::PromptCache;
 use oxlm_runtime::sampler::SamplerConfig;
@@ -43,6 +45,7 @@ fn options(max_tokens: usize) -> GenerateOptions {
         max_tokens,
         sampler: SamplerConfig::default(),
         prefill_step: 16,
+        kv_cache: None,
     }
 }
 
@@ -103,6 +106,39 @@ fn generate_gives_the_golden_greedy_tokens() {
     assert_eq!(generation.text, streamed);
     assert_eq!(generation.finish_reason, FinishReason::Length);
     assert_eq!(generation.prompt_tokens, c.prompt.len());
+}
+
+/// `kv_cache` picks the cache's precision: the host's f16 when unset, f32 on request; the
+/// golden greedy tokens come out either way on this model.
+#[test]
+fn the_kv_cache_option_sets_the_cache_precision() {
+    let c = case("llama-8bit-g32");
+    let model = c.loaded.model.as_ref();
+    for (asked, kept) in [
+        (None, KvPrecision::F16),
+        (Some(KvPrecision::F32), KvPrecision::F32),
+    ] {
+        let opts = GenerateOptions {
+            kv_cache: asked,
+            ..options(32)
+        };
+        let mut cache = opts.new_cache(model).unwrap();
+        prefill(model, &c.prompt, &mut cache, 16).unwrap();
+        let LayerCache::Kv(layer) = &cache.layers[0] else {
+            panic!("llama layers keep a KvCache")
+        };
+        assert_eq!(layer.view().keys.precision(), kept);
+        let generation = generate(
+            model,
+            &c.loaded.tokenizer,
+            &c.prompt,
+            &c.loaded.eos_ids,
+            &opts,
+            &mut |_| {},
+        )
+        .unwrap();
+        assert_eq!(generation.tokens, c.greedy, "{asked:?}");
+    }
 }
 
 #[test]

@@ -292,6 +292,7 @@ fn greedy(dir: &Path) -> Vec<u32> {
         max_tokens: 12,
         sampler: SamplerConfig::default(),
         prefill_step: 16,
+        kv_cache: None,
     };
     let model = loaded.model.as_ref();
     let generation = generate(

@@ -359,6 +359,7 @@ async fn respond(
         max_tokens: params.max_tokens,
         sampler: params.sampler.clone(),
         prefill_step: state.settings.prefill_step,
+        kv_cache: state.settings.kv_cache,
     };
     let stream = StreamOptions {
         stop: params.stop.clone(),

@@ -20,7 +20,7 @@ use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use oxlm_engine::Device;
+use oxlm_engine::{Device, KvPrecision};
 use oxlm_runtime::adapter_store::{Adapter, AdapterStore};
 use oxlm_runtime::generate::DEFAULT_PREFILL_STEP;
 use oxlm_runtime::generation_config::SamplingDefaults;
@@ -56,6 +56,8 @@ pub struct Settings {
     /// Larger request bodies are refused with 413.
     pub max_request_bytes: usize,
     pub prefill_step: usize,
+    /// The KV cache's precision; `None`: the device's default.
+    pub kv_cache: Option<KvPrecision>,
     /// The adapter of requests that name none (mlx_lm.server's `--adapter-path`).
     pub adapter_path: Option<PathBuf>,
     /// Where the adapters that requests name live; names resolve inside it only.
@@ -126,6 +128,7 @@ impl Default for Settings {
             allowed_origins: vec!["*".into()],
             max_request_bytes: 32_000_000,
             prefill_step: DEFAULT_PREFILL_STEP,
+            kv_cache: None,
             adapter_path: None,
             adapters_dir: None,
             adapter_cache_size: 8,

@@ -204,7 +204,7 @@ fn run(
     let prompt = &job.prompt;
     let (mut cache, cached_tokens) = match prompt_cache.fetch(&key, prompt) {
         Some(hit) => (hit.cache, hit.tokens),
-        None => (model.new_cache().map_err(RuntimeError::from)?, 0),
+        None => (job.options.new_cache(model)?, 0),
     };
     if !job.send(Update::Started { cached_tokens }) {
         return Ok(FinishReason::Cancelled);

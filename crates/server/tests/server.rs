@@ -729,6 +729,7 @@ fn adapted_reference(golden: &Golden, dir: &Path, max_tokens: usize) -> String {
         max_tokens,
         sampler: SamplerConfig::default(),
         prefill_step: 2048,
+        kv_cache: None,
     };
     let generation = generate(
         &model,
