@@ -857,14 +857,38 @@ extern "C" __global__ void kv_move(const float *src, int src_capacity, float *ds
 // features per lane. Query t sees positions lo..hi: lo = max(start, positions[t] + 1 - window),
 // hi = positions[t] + 1 (its own key is in the cache already), slot p % capacity. Keys go 32 at a time, one per lane, with an
 // online softmax. With one split the output is final; otherwise (max, sum, unnormalised output)
-// per split go to `part` for attention_combine.
-// `th` = token · heads + head, counted from q, positions, out and part.
+// per split go to `part`, and the split that finishes last (counted in counters[th], which it
+// sets back to 0) merges them into `out`: no second launch.
+// `th` = token · heads + head, counted from q, positions, out, part and counters.
+// Merges one (token, head)'s split partials `pp` ([splits, d + 2]: max, sum, unnormalised
+// output) into `out_row`, the lanes of a warp striding the features. Loads go through L2,
+// where other blocks' writes are.
+__device__ void combine_splits(const float *pp, float *out_row, int d, int splits, int lane) {
+    float m = -INFINITY;
+    for (int s = 0; s < splits; s++) m = fmaxf(m, __ldcg(pp + s * (d + 2)));
+    float l = 0.f;
+    for (int s = 0; s < splits; s++) {
+        const float ms = __ldcg(pp + s * (d + 2));
+        if (ms > -INFINITY) l += expf(ms - m) * __ldcg(pp + s * (d + 2) + 1);
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int f = lane; f < d; f += 32) {
+        float v = 0.f;
+        for (int s = 0; s < splits; s++) {
+            const float ms = __ldcg(pp + s * (d + 2));
+            if (ms > -INFINITY) v += expf(ms - m) * __ldcg(pp + s * (d + 2) + 2 + f);
+        }
+        out_row[f] = v * inv;
+    }
+}
+
 template <int E>
 __device__ void attention_split(const float *__restrict__ q, const float *__restrict__ keys,
                                 const float *__restrict__ values, const int *__restrict__ positions,
-                                float *__restrict__ out, float *__restrict__ part, int heads,
-                                int kv_heads, int d, int capacity, i64 start, i64 window,
-                                float scale, int splits, int per_split, int th, int split) {
+                                float *__restrict__ out, float *__restrict__ part,
+                                unsigned *__restrict__ counters, int heads, int kv_heads, int d,
+                                int capacity, i64 start, i64 window, float scale, int splits,
+                                int per_split, int th, int split) {
     __shared__ __align__(16) float qs[E * 32];
     const int lane = threadIdx.x;
     const int t = th / heads, h = th % heads;
@@ -958,32 +982,42 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
             const int f = lane + 32 * e;
             if (f < d) pp[2 + f] = acc[e];
         }
+        // Every lane's partials visible before the count, so that the last split reads them all.
+        __threadfence();
+        __syncwarp();
+        unsigned done = 0;
+        if (lane == 0) done = atomicAdd(counters + th, 1u);
+        if (__shfl_sync(0xffffffffu, done, 0) == (unsigned)splits - 1) {
+            combine_splits(part + (i64)th * splits * (d + 2), out + (i64)th * d, d, splits, lane);
+            if (lane == 0) counters[th] = 0;
+        }
     }
 }
 
 #define ATTENTION(E)                                                                            \
     extern "C" __global__ void attention_##E(                                                   \
         const float *q, const float *keys, const float *values, const int *positions,           \
-        float *out, float *part, int heads, int kv_heads, int d, int capacity, i64 start,       \
-        i64 window, float scale, int splits, int per_split) {                                   \
-        attention_split<E>(q, keys, values, positions, out, part, heads, kv_heads, d, capacity, \
-                           start, window, scale, splits, per_split, blockIdx.x, blockIdx.y);    \
+        float *out, float *part, unsigned *counters, int heads, int kv_heads, int d,            \
+        int capacity, i64 start, i64 window, float scale, int splits, int per_split) {          \
+        attention_split<E>(q, keys, values, positions, out, part, counters, heads, kv_heads, d, \
+                           capacity, start, window, scale, splits, per_split, blockIdx.x,       \
+                           blockIdx.y);                                                         \
     }                                                                                           \
     /* One query token for each of several sequences, sequence s over the cache at keys[s] */   \
     /* and values[s] (capacity capacities[s], first kept position starts[s]): blockIdx.x = */   \
     /* s · heads + head. */                                                                     \
     extern "C" __global__ void attention_batch_##E(                                             \
         const float *q, const unsigned long long *keys, const unsigned long long *values,       \
-        const int *positions, float *out, float *part, int heads, int kv_heads, int d,          \
-        const int *capacities, const int *starts, i64 window, float scale, int splits,          \
-        int per_split) {                                                                        \
+        const int *positions, float *out, float *part, unsigned *counters, int heads,           \
+        int kv_heads, int d, const int *capacities, const int *starts, i64 window, float scale, \
+        int splits, int per_split) {                                                            \
         const int s = blockIdx.x / heads;                                                       \
         const i64 row = (i64)s * heads;                                                         \
         attention_split<E>(q + row * d, reinterpret_cast<const float *>(keys[s]),               \
                            reinterpret_cast<const float *>(values[s]), positions + s,           \
-                           out + row * d, part + row * splits * (d + 2), heads, kv_heads, d,    \
-                           capacities[s], starts[s], window, scale, splits, per_split,          \
-                           blockIdx.x % heads, blockIdx.y);                                     \
+                           out + row * d, part + row * splits * (d + 2), counters + row, heads, \
+                           kv_heads, d, capacities[s], starts[s], window, scale, splits,        \
+                           per_split, blockIdx.x % heads, blockIdx.y);                          \
     }
 
 ATTENTION(1)
@@ -991,28 +1025,6 @@ ATTENTION(2)
 ATTENTION(4)
 ATTENTION(8)
 ATTENTION(16)
-
-// Merges the splits of attention_split: one warp per (token, head).
-extern "C" __global__ void attention_combine(const float *part, float *out, int d, int splits) {
-    const int th = blockIdx.x, lane = threadIdx.x;
-    const float *pp = part + (i64)th * splits * (d + 2);
-    float m = -INFINITY;
-    for (int s = 0; s < splits; s++) m = fmaxf(m, pp[s * (d + 2)]);
-    float l = 0.f;
-    for (int s = 0; s < splits; s++) {
-        const float ms = pp[s * (d + 2)];
-        if (ms > -INFINITY) l += expf(ms - m) * pp[s * (d + 2) + 1];
-    }
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    for (int f = lane; f < d; f += 32) {
-        float v = 0.f;
-        for (int s = 0; s < splits; s++) {
-            const float ms = pp[s * (d + 2)];
-            if (ms > -INFINITY) v += expf(ms - m) * pp[s * (d + 2) + 2 + f];
-        }
-        out[(i64)th * d + f] = v * inv;
-    }
-}
 
 // Attention of many queries (prefill) as two batched matrix products with the scores between
 // them: heads_first lays queries out per head, masked_softmax turns each head's scores into

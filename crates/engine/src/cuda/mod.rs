@@ -77,6 +77,9 @@ struct Inner {
     functions: Mutex<HashMap<String, CudaFunction>>,
     blas: CudaBlas,
     step: Mutex<StepState>,
+    /// One count per (token, head) of a split attention launch, of the splits that finished;
+    /// the last resets it. Zeroed once, lasting, so captured step graphs can name it.
+    split_counters: CudaSlice<u32>,
 }
 
 impl Gpu {
@@ -122,6 +125,9 @@ impl Gpu {
         let multiprocessors = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(err)? as usize;
+        let split_counters = stream
+            .alloc_zeros(ops::SPLIT_QUERY_HEADS_PER_SM * multiprocessors)
+            .map_err(err)?;
         Ok(Gpu {
             inner: Arc::new(Inner {
                 ordinal,
@@ -132,6 +138,7 @@ impl Gpu {
                 functions: Mutex::new(HashMap::new()),
                 blas,
                 step: Mutex::new(StepState::new()),
+                split_counters,
             }),
             exact_math: false,
         })
@@ -177,6 +184,11 @@ impl Gpu {
 
     pub(crate) fn multiprocessors(&self) -> usize {
         self.inner.multiprocessors
+    }
+
+    /// The device address of the split attention's counters (see `Inner::split_counters`).
+    pub(crate) fn split_counters(&self) -> u64 {
+        self.inner.split_counters.device_ptr(&self.inner.stream).0
     }
 
     /// The kernel `name` of `kernels.cu`.

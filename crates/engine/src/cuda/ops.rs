@@ -259,6 +259,10 @@ const GEMM_ATTENTION_MIN_TOKENS: usize = 16;
 /// Bytes of scores one pass of [`attention_gemm`] may hold; longer prompts go in slices.
 const SCORE_BYTES: usize = 256 << 20;
 
+/// Decode attention splits each (token, head)'s keys only while there are fewer pairs than
+/// this many per multiprocessor; more fill the GPU unsplit.
+pub(crate) const SPLIT_QUERY_HEADS_PER_SM: usize = 4;
+
 pub fn attention(
     q: &Buffer,
     heads: usize,
@@ -281,9 +285,8 @@ pub fn attention(
     let window = kv.window.min(i64::MAX as usize) as i64;
     launch!(&g, &format!("attention_{per_lane}"), cfg;
         q.ptr(), kv.keys.ptr(), kv.values.ptr(), pos.ptr(), out.ptr(), part.ptr(),
-        int(heads)?, int(kv.kv_heads)?, int(d)?, int(kv.capacity)?, kv.start as i64,
-        window, scale, int(splits)?, int(per_split)?);
-    combine_splits(&g, &part, &out, tokens * heads, d, splits)?;
+        g.split_counters(), int(heads)?, int(kv.kv_heads)?, int(d)?, int(kv.capacity)?,
+        kv.start as i64, window, scale, int(splits)?, int(per_split)?);
     Ok(out)
 }
 
@@ -307,22 +310,6 @@ fn split_launch(
         shared_mem_bytes: 0,
     };
     Ok((out, part, cfg))
-}
-
-/// Merges the partials of a split attention launch into `out` (nothing to do for one split).
-fn combine_splits(
-    g: &Gpu,
-    part: &Buffer,
-    out: &Buffer,
-    query_heads: usize,
-    d: usize,
-    splits: usize,
-) -> Result<()> {
-    if splits > 1 {
-        launch!(g, "attention_combine", blocks(query_heads, 32);
-            part.ptr(), out.ptr(), int(d)?, int(splits)?);
-    }
-    Ok(())
 }
 
 /// [`attention`] of one query token for each of several sequences (row `s` of `q` at
@@ -366,9 +353,8 @@ pub fn attention_batch(
     let window = first.window.min(i64::MAX as usize) as i64;
     launch!(&g, &format!("attention_batch_{per_lane}"), cfg;
         q.ptr(), keys.ptr(), values.ptr(), pos.ptr(), out.ptr(), part.ptr(),
-        int(heads)?, int(first.kv_heads)?, int(d)?, capacities.ptr(), starts.ptr(),
-        window, scale, int(splits)?, int(per_split)?);
-    combine_splits(&g, &part, &out, seqs * heads, d, splits)?;
+        g.split_counters(), int(heads)?, int(first.kv_heads)?, int(d)?, capacities.ptr(),
+        starts.ptr(), window, scale, int(splits)?, int(per_split)?);
     Ok(out)
 }
 
@@ -384,9 +370,10 @@ fn lanes_per_feature(d: usize) -> Result<usize> {
 /// Few queries (decoding) split each one's keys over several warps, one tile of 32 keys each
 /// up to 64 splits, so the GPU fills up and each warp's chain of loads stays short. The split
 /// follows the capacity (`span`), not the length, so a decode step's launch stays the same
-/// from one token to the next (a replayed step graph holds it).
+/// from one token to the next (a replayed step graph holds it). Only fewer (token, head)
+/// pairs than [`Gpu::split_counters`] counts split.
 fn decode_splits(g: &Gpu, query_heads: usize, span: usize) -> usize {
-    if query_heads < 4 * g.multiprocessors() {
+    if query_heads < SPLIT_QUERY_HEADS_PER_SM * g.multiprocessors() {
         span.div_ceil(32).clamp(1, 64)
     } else {
         1
