@@ -291,9 +291,11 @@ def markdown(results, bw, a, thread_counts):
             f"{fmt_rss(g(o, 'peak_rss_bytes'))} / {fmt_rss(g(l, 'peak_rss_bytes'))} / {fmt_rss(g(m, 'peak_rss_bytes'))} | "
             f"{r['load']:.1f} |")
     for r in results:
-        for d in (r.get("oxlm") or {}).get("depths", []):
+        o = r.get("oxlm") or {}
+        for d in o.get("depths", []):
             lines.append("")
-            lines.append(f"Long context ({MODELS[r['model']]}, {r['bits']}-bit, {r['threads']} thread): decode "
+            lines.append(f"Long context ({MODELS[r['model']]}, {r['bits']}-bit, {r['threads']} thread, "
+                         f"{o.get('kv_cache', 'F32').lower()} KV cache): decode "
                          f"{d['decode_tps']:.2f} tok/s after {d['context']} tokens of context.")
     return "\n".join(lines)
 
