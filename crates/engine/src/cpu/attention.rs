@@ -1,8 +1,8 @@
 //! Attention of one query position over a run of cached keys and values, for all the query heads
 //! that share one key/value head (grouped-query attention): each key and value is read once for
 //! the whole group, which at long contexts is what decoding spends its memory traffic on. The
-//! cache may be kept in f32 or f16 ([`KvElem`]); each block of it is widened to f32 once, in L1,
-//! for the whole group.
+//! cache may be kept in f32 or f16 ([`KvElem`]): the AVX2 kernels widen each f16 vector as they
+//! load it, once for up to four heads; the portable code widens a block at a time.
 
 use std::ops::Range;
 
