@@ -1,5 +1,7 @@
 //! Per-layer state carried between forward passes.
 
+use std::ops::Range;
+
 use oxlm_engine::ops::{self, Kv};
 use oxlm_engine::{Device, EngineError, KvBuffer, KvPrecision, Positions, Tensor};
 
@@ -11,6 +13,97 @@ use crate::TruncateError;
 /// decoding does not reallocate per token.
 const GROWTH_STEP: usize = 256;
 
+/// A layer's keys and values: two rings of `[kv_heads, capacity, head_dim]`, of one precision
+/// on one device. What the plain and the sliding-window caches hold alike; each keeps its own
+/// capacity and positions.
+#[derive(Debug, Clone)]
+pub(crate) struct KvRings {
+    keys: KvBuffer,
+    values: KvBuffer,
+}
+
+impl KvRings {
+    /// Empty rings on `device`, in its default precision.
+    pub(crate) fn new(device: &Device) -> Result<Self, EngineError> {
+        let ring = || KvBuffer::zeros(0, KvPrecision::default_for(device), device);
+        Ok(KvRings {
+            keys: ring()?,
+            values: ring()?,
+        })
+    }
+
+    /// Moves `positions` from rings of `from` slots into new ones of `capacity`, one ring at a
+    /// time (the old one freed before the next is allocated).
+    pub(crate) fn resize(
+        &mut self,
+        from: usize,
+        capacity: usize,
+        (kv_heads, head_dim): (usize, usize),
+        positions: Range<usize>,
+    ) -> Result<(), EngineError> {
+        let (h, d) = (kv_heads, head_dim);
+        let (precision, device) = (self.keys.precision(), self.keys.device());
+        for buf in [&mut self.keys, &mut self.values] {
+            let mut ring = KvBuffer::zeros(h * capacity * d, precision, &device)?;
+            ops::kv_move(buf, from, &mut ring, capacity, h, d, positions.clone())?;
+            *buf = ring;
+        }
+        Ok(())
+    }
+
+    /// Writes `[tokens, kv_heads · head_dim]` keys and values at `positions` of rings of
+    /// `capacity` slots.
+    pub(crate) fn write(
+        &mut self,
+        keys: &Tensor,
+        values: &Tensor,
+        (kv_heads, head_dim): (usize, usize),
+        capacity: usize,
+        positions: &Positions,
+    ) -> Result<(), EngineError> {
+        let rings = (&mut self.keys, &mut self.values);
+        ops::kv_write(rings, keys, values, kv_heads, head_dim, capacity, positions)
+    }
+
+    /// The rings as attention reads them: positions `held` of `capacity` slots.
+    pub(crate) fn view(
+        &self,
+        kv_heads: usize,
+        capacity: usize,
+        held: Range<usize>,
+        window: Option<usize>,
+    ) -> Kv<'_> {
+        Kv {
+            keys: &self.keys,
+            values: &self.values,
+            kv_heads,
+            capacity,
+            start: held.start,
+            end: held.end,
+            window,
+        }
+    }
+
+    pub(crate) fn size_in_bytes(&self) -> usize {
+        self.keys.size_in_bytes() + self.values.size_in_bytes()
+    }
+
+    /// The same elements kept in `precision` (see [`KvBuffer::into_precision`]).
+    pub(crate) fn into_precision(self, precision: KvPrecision) -> Self {
+        KvRings {
+            keys: self.keys.into_precision(precision),
+            values: self.values.into_precision(precision),
+        }
+    }
+
+    pub(crate) fn try_clone(&self) -> Result<Self, EngineError> {
+        Ok(KvRings {
+            keys: self.keys.try_clone()?,
+            values: self.values.try_clone()?,
+        })
+    }
+}
+
 /// The keys and values of one attention layer, `[kv_heads, capacity, head_dim]` each, on the
 /// model's device.
 #[derive(Debug, Clone)]
@@ -19,8 +112,7 @@ pub struct KvCache {
     head_dim: usize,
     capacity: usize,
     len: usize,
-    keys: KvBuffer,
-    values: KvBuffer,
+    rings: KvRings,
 }
 
 impl KvCache {
@@ -30,8 +122,7 @@ impl KvCache {
             head_dim,
             capacity: 0,
             len: 0,
-            keys: KvBuffer::zeros(0, KvPrecision::default_for(device), device)?,
-            values: KvBuffer::zeros(0, KvPrecision::default_for(device), device)?,
+            rings: KvRings::new(device)?,
         })
     }
 
@@ -54,13 +145,8 @@ impl KvCache {
             return Ok(());
         }
         let capacity = needed.div_ceil(GROWTH_STEP) * GROWTH_STEP;
-        let (h, d) = (self.kv_heads, self.head_dim);
-        let (precision, device) = (self.keys.precision(), self.keys.device());
-        for buf in [&mut self.keys, &mut self.values] {
-            let mut grown = KvBuffer::zeros(h * capacity * d, precision, &device)?;
-            ops::kv_move(buf, self.capacity, &mut grown, capacity, h, d, 0..self.len)?;
-            *buf = grown;
-        }
+        self.rings
+            .resize(self.capacity, capacity, self.shape(), 0..self.len)?;
         self.capacity = capacity;
         Ok(())
     }
@@ -73,12 +159,12 @@ impl KvCache {
         values: &Tensor,
         positions: &Positions,
     ) -> Result<(), EngineError> {
-        let (h, d) = (self.kv_heads, self.head_dim);
         let n = positions.len();
         check_follows(positions, self.len)?;
         self.grow_to(self.len + n)?;
-        let rings = (&mut self.keys, &mut self.values);
-        ops::kv_write(rings, keys, values, h, d, self.capacity, positions)?;
+        let shape = self.shape();
+        self.rings
+            .write(keys, values, shape, self.capacity, positions)?;
         self.len += n;
         Ok(())
     }
@@ -107,7 +193,7 @@ impl KvCache {
         let capacities: Vec<usize> = caches.iter().map(|c| c.capacity).collect();
         let (mut key_rings, mut value_rings): (Vec<&mut KvBuffer>, Vec<&mut KvBuffer>) = caches
             .iter_mut()
-            .map(|c| (&mut c.keys, &mut c.values))
+            .map(|c| (&mut c.rings.keys, &mut c.rings.values))
             .unzip();
         ops::kv_write_batch(
             &mut key_rings,
@@ -131,36 +217,27 @@ impl KvCache {
     }
 
     pub fn view(&self) -> Kv<'_> {
-        Kv {
-            keys: &self.keys,
-            values: &self.values,
-            kv_heads: self.kv_heads,
-            capacity: self.capacity,
-            start: 0,
-            end: self.len,
-            window: None,
-        }
+        self.rings
+            .view(self.kv_heads, self.capacity, 0..self.len, None)
     }
 
     /// Bytes of device memory held.
     pub fn size_in_bytes(&self) -> usize {
-        self.keys.size_in_bytes() + self.values.size_in_bytes()
+        self.rings.size_in_bytes()
     }
 
     /// The same positions with their keys and values kept in `precision` (see
     /// [`KvBuffer::into_precision`]).
     pub fn with_precision(self, precision: KvPrecision) -> Self {
         KvCache {
-            keys: self.keys.into_precision(precision),
-            values: self.values.into_precision(precision),
+            rings: self.rings.into_precision(precision),
             ..self
         }
     }
 
     pub fn try_clone(&self) -> Result<Self, EngineError> {
         Ok(KvCache {
-            keys: self.keys.try_clone()?,
-            values: self.values.try_clone()?,
+            rings: self.rings.try_clone()?,
             ..*self
         })
     }

@@ -1,8 +1,10 @@
 //! The key/value cache of a sliding-window attention layer: a ring that keeps only the positions
 //! a query can still see, as mlx-lm's `RotatingKVCache` (with `keep = 0`) does.
 
-use oxlm_engine::ops::{self, Kv};
-use oxlm_engine::{Device, EngineError, KvBuffer, KvPrecision, Positions, Tensor};
+use oxlm_engine::ops::Kv;
+use oxlm_engine::{Device, EngineError, KvPrecision, Positions, Tensor};
+
+use crate::cache::KvRings;
 
 /// Until the window fills, the ring grows in blocks of this many positions (as mlx-lm's
 /// `RotatingKVCache.step`), so that a short sequence does not reserve a whole window.
@@ -25,8 +27,7 @@ pub struct RotatingKvCache {
     /// Positions `start..end` are held.
     start: usize,
     end: usize,
-    keys: KvBuffer,
-    values: KvBuffer,
+    rings: KvRings,
 }
 
 impl RotatingKvCache {
@@ -44,8 +45,7 @@ impl RotatingKvCache {
             capacity: 0,
             start: 0,
             end: 0,
-            keys: KvBuffer::zeros(0, KvPrecision::default_for(device), device)?,
-            values: KvBuffer::zeros(0, KvPrecision::default_for(device), device)?,
+            rings: KvRings::new(device)?,
         })
     }
 
@@ -69,22 +69,10 @@ impl RotatingKvCache {
 
     /// Moves the positions still needed into a ring of `capacity` slots.
     fn resize(&mut self, capacity: usize) -> Result<(), EngineError> {
-        let (h, d) = (self.kv_heads, self.head_dim);
         let keep_from = self.start.max(self.end.saturating_sub(self.window - 1));
-        let (precision, device) = (self.keys.precision(), self.keys.device());
-        for buf in [&mut self.keys, &mut self.values] {
-            let mut ring = KvBuffer::zeros(h * capacity * d, precision, &device)?;
-            ops::kv_move(
-                buf,
-                self.capacity,
-                &mut ring,
-                capacity,
-                h,
-                d,
-                keep_from..self.end,
-            )?;
-            *buf = ring;
-        }
+        let shape = self.shape();
+        self.rings
+            .resize(self.capacity, capacity, shape, keep_from..self.end)?;
         self.capacity = capacity;
         self.start = keep_from;
         Ok(())
@@ -98,7 +86,6 @@ impl RotatingKvCache {
         values: &Tensor,
         positions: &Positions,
     ) -> Result<(), EngineError> {
-        let (h, d) = (self.kv_heads, self.head_dim);
         let n = positions.len();
         crate::cache::check_follows(positions, self.end)?;
         let full = self.window - 1 + n.max(1);
@@ -106,8 +93,9 @@ impl RotatingKvCache {
         if capacity != self.capacity {
             self.resize(capacity)?;
         }
-        let rings = (&mut self.keys, &mut self.values);
-        ops::kv_write(rings, keys, values, h, d, self.capacity, positions)?;
+        let shape = self.shape();
+        self.rings
+            .write(keys, values, shape, self.capacity, positions)?;
         self.end += n;
         self.start = self.start.max(self.end.saturating_sub(self.capacity));
         Ok(())
@@ -127,36 +115,28 @@ impl RotatingKvCache {
     }
 
     pub fn view(&self) -> Kv<'_> {
-        Kv {
-            keys: &self.keys,
-            values: &self.values,
-            kv_heads: self.kv_heads,
-            capacity: self.capacity,
-            start: self.start,
-            end: self.end,
-            window: Some(self.window),
-        }
+        let held = self.start..self.end;
+        self.rings
+            .view(self.kv_heads, self.capacity, held, Some(self.window))
     }
 
     /// Bytes of device memory held.
     pub fn size_in_bytes(&self) -> usize {
-        self.keys.size_in_bytes() + self.values.size_in_bytes()
+        self.rings.size_in_bytes()
     }
 
     /// The same positions with their keys and values kept in `precision` (see
-    /// [`KvBuffer::into_precision`]).
+    /// [`oxlm_engine::KvBuffer::into_precision`]).
     pub fn with_precision(self, precision: KvPrecision) -> Self {
         RotatingKvCache {
-            keys: self.keys.into_precision(precision),
-            values: self.values.into_precision(precision),
+            rings: self.rings.into_precision(precision),
             ..self
         }
     }
 
     pub fn try_clone(&self) -> Result<Self, EngineError> {
         Ok(RotatingKvCache {
-            keys: self.keys.try_clone()?,
-            values: self.values.try_clone()?,
+            rings: self.rings.try_clone()?,
             ..*self
         })
     }
