@@ -127,6 +127,42 @@ fn quantized_matmul_and_rows() {
     }
 }
 
+/// A product of many rows over a matrix larger than one dequantized slice (the last slice
+/// shorter), into a new output and added to one: for 3 and 6 bits (whose runs of 4 straddle
+/// words) through cuBLAS, for 4 and 8 bits on the tensor cores, in slices of the runs.
+#[test]
+fn many_row_products_in_row_slices() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(11);
+    let (rows, cols) = (2500, 4096);
+    let cases = [
+        (4, DType::BF16, 12),
+        (8, DType::F16, 40),
+        (3, DType::F16, 12),
+        (6, DType::F32, 12),
+    ];
+    for (bits, dtype, m) in cases {
+        let host = random_quantized(&mut rng, rows, cols, bits, 64, dtype);
+        let mut w = host.clone();
+        w.place(&dev).unwrap();
+        let x = random_vec(&mut rng, m * cols);
+        let cpu = ops::matmul(&host, &Tensor::new(vec![m, cols], x.clone())).unwrap();
+        let y = ops::matmul(&w, &on(&dev, vec![m, cols], &x)).unwrap();
+        assert_close(&format!("{bits}-bit {rows}x{cols} m={m}"), &y, &cpu, TF32);
+        let r0 = random_vec(&mut rng, m * rows);
+        let mut cpu = Tensor::new(vec![m, rows], r0.clone());
+        ops::matmul_add(&host, &Tensor::new(vec![m, cols], x.clone()), &mut cpu).unwrap();
+        let mut y = on(&dev, vec![m, rows], &r0);
+        ops::matmul_add(&w, &on(&dev, vec![m, cols], &x), &mut y).unwrap();
+        assert_close(
+            &format!("{bits}-bit {rows}x{cols} m={m} add"),
+            &y,
+            &cpu,
+            TF32,
+        );
+    }
+}
+
 /// The shapes where the int16-activation GEMVs change their launch: tall matrices (more rows
 /// per block) and rows long enough that several activation rows no longer fit a block's
 /// shared memory (the f32-activation kernels take over).

@@ -77,11 +77,16 @@ __device__ __forceinline__ u32 run_value(const u32 (&words)[BITS], int j) {
     return v & ((1u << BITS) - 1u);
 }
 
-// The same integer as a float, exactly: its bits under the exponent of 2^23, less 2^23 (an OR
-// and a subtraction at full rate, where an int-to-float conversion runs at a quarter).
+// An integer under 2^23 as a float, exactly: its bits under the exponent of 2^23, less 2^23 (an
+// OR and a subtraction at full rate, where an int-to-float conversion runs at a quarter).
+__device__ __forceinline__ float small_int_float(u32 v) {
+    return __uint_as_float(v | 0x4B000000u) - 8388608.f;
+}
+
+// Integer `j` of a run as a float.
 template <int BITS>
 __device__ __forceinline__ float run_float(const u32 (&words)[BITS], int j) {
-    return __uint_as_float(run_value<BITS>(words, j) | 0x4B000000u) - 8388608.f;
+    return small_int_float(run_value<BITS>(words, j));
 }
 
 // acc[i][r] += Σ_k x[r, k] · W[row0 + i, k] over this thread's runs of 32 weights (threads of
@@ -257,24 +262,36 @@ __device__ void qrows(const u32 *__restrict__ w, const typename S::T *__restrict
     }
 }
 
-// The whole matrix dequantized to f32, row-major, for the tensor-core GEMM.
+// Rows row0..row0 + rows of the matrix dequantized to f32, row-major, for the tensor-core
+// GEMM: one thread per 4 consecutive weights, so that a warp's stores fill whole lines (a
+// thread per run of 32 scattered them, and ran at a twentieth of the bandwidth). The 4 lie in
+// one run (32 weights, BITS words), over one word or two.
 template <int BITS, class S>
 __device__ void qdequant(const u32 *__restrict__ w, const typename S::T *__restrict__ scales,
-                         const typename S::T *__restrict__ biases, float *__restrict__ out, int n,
-                         int k, int group) {
-    const int runs = k >> 5, groups = k / group;
-    const i64 total = (i64)n * runs;
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total;
+                         const typename S::T *__restrict__ biases, float *__restrict__ out,
+                         int row0, int rows, int k, int group) {
+    const int groups = k / group;
+    const i64 quads = (i64)rows * (k >> 2), first = (i64)row0 * k;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < quads;
          i += (i64)gridDim.x * blockDim.x) {
-        const i64 row = i / runs;
-        const int c = (int)(i - row * runs);
-        u32 words[BITS];
-        load_run<BITS>(w + i * BITS, words);
-        const i64 g = row * groups + (c << 5) / group;
+        const i64 e = first + 4 * i;
+        const i64 row = e / k;
+        const int col = (int)(e - row * k);
+        const i64 bit = e * BITS;
+        const u32 *p = w + (bit >> 5);
+        const int shift = (int)(bit & 31);
+        unsigned long long v = p[0];
+        if (shift + 4 * BITS > 32) v |= (unsigned long long)p[1] << 32;
+        v >>= shift;
+        const i64 g = row * groups + col / group;
         const float s = S::load(scales, g), b = S::load(biases, g);
-        float *o = out + i * 32;
-#pragma unroll
-        for (int j = 0; j < 32; j++) o[j] = s * run_float<BITS>(words, j) + b;
+        constexpr u32 mask = (1u << BITS) - 1u;
+        float4 o;
+        o.x = s * small_int_float((u32)v & mask) + b;
+        o.y = s * small_int_float((u32)(v >> BITS) & mask) + b;
+        o.z = s * small_int_float((u32)(v >> (2 * BITS)) & mask) + b;
+        o.w = s * small_int_float((u32)(v >> (3 * BITS)) & mask) + b;
+        reinterpret_cast<float4 *>(out)[i] = o;
     }
 }
 
@@ -293,9 +310,10 @@ __device__ void qdequant(const u32 *__restrict__ w, const typename S::T *__restr
                                                      const int *ids, float *out, int k, int g) {  \
         qrows<BITS, S>(w, s, b, ids, out, k, g);                                                  \
     }                                                                                             \
-    extern "C" __global__ void qdequant_##BITS##_##NAME(                                          \
-        const u32 *w, const S::T *s, const S::T *b, float *out, int n, int k, int g) {           \
-        qdequant<BITS, S>(w, s, b, out, n, k, g);                                                 \
+    extern "C" __global__ void qdequant_##BITS##_##NAME(const u32 *w, const S::T *s,              \
+                                                        const S::T *b, float *out, int row0,      \
+                                                        int rows, int k, int g) {                 \
+        qdequant<BITS, S>(w, s, b, out, row0, rows, k, g);                                        \
     }
 
 #define QUANTIZED_BITS(BITS)        \
@@ -309,6 +327,237 @@ QUANTIZED_BITS(4)
 QUANTIZED_BITS(5)
 QUANTIZED_BITS(6)
 QUANTIZED_BITS(8)
+
+// ---- tensor-core products of many activation rows ------------------------------------------------
+
+// y[r, :] = x[r, :] · Wᵀ for 9 to 64 rows r at once on the tensor cores (mma.sync m16n8k16, f16
+// operands, f32 sums), straight from the packed 4- or 8-bit weights: each weight is read once
+// for all rows, where dequantizing the matrix for cuBLAS wrote and read it again in f32.
+//
+// The weights are the products' A (16 output features of a tile), the activation rows their B
+// (8 rows of a tile). Within each run of 32 weights, mma step s (0, 1) and lane t of a quad
+// (lane & 3) take weights 16s + 4t + {0, 2} in its first register pair and + {1, 3} in its
+// second: the order in which the 4 bits of a nibble pair, or 2 bytes of a word, land in the
+// halves of a register with one mask. The sum is over k, so any order serves if the activations
+// follow it: `mma_acts` writes them so, each lane's two steps in one 16-byte load.
+//
+// Activations are scaled per row by a power of two that brings the row's largest to 2^12 before
+// rounding to f16 (they may exceed f16's range; the scale is exact and undone at the end).
+// Weights are dequantized in f16 (s · q + b in one rounding): the operands carry 11 bits,
+// about TF32's 10, which the cuBLAS path had.
+
+__device__ __forceinline__ u32 f16x2_sub(u32 a, u32 b) {
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+__device__ __forceinline__ u32 f16x2_fma(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+__device__ __forceinline__ u16 f16_bits(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ u32 f16x2_splat(float f) {
+    const u32 h = f16_bits(f);
+    return h | (h << 16);
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The integers of lane quad t's weights at step s of a run, exact as f16 pairs: lo = weights
+// {0, 2}, hi = {1, 3} of the four. A 4-bit word holds 8 (quad t takes half of word 2s + t/2),
+// an 8-bit word 4 (word 4s + t).
+template <int BITS>
+__device__ __forceinline__ void run_quad(u32 word, int t, u32 &lo, u32 &hi) {
+    const u32 magic = 0x64006400u;  // 1024 in both halves: 1024 + q is exact for q < 1024
+    if constexpr (BITS == 4) {
+        const u32 u = (word >> (16 * (t & 1))) & 0xFFFFu;
+        const u32 e = (u & 0xFFu) | ((u & 0xFF00u) << 8);
+        lo = f16x2_sub((e & 0x000F000Fu) | magic, magic);
+        hi = f16x2_sub(((e >> 4) & 0x000F000Fu) | magic, magic);
+    } else {
+        lo = f16x2_sub((word & 0x00FF00FFu) | magic, magic);
+        hi = f16x2_sub(((word >> 8) & 0x00FF00FFu) | magic, magic);
+    }
+}
+
+template <int BITS>
+__device__ __forceinline__ int quad_word(int s, int t) {
+    return BITS == 4 ? 2 * s + (t >> 1) : 4 * s + t;
+}
+
+// x[rows, k] (f32) into xh[tiles · 8, k] (f16 bits, in the lanes' order above, rows past `rows`
+// zero) and row_scale[r], what undoes the row's scaling; one block per row of xh.
+extern "C" __global__ void mma_acts(const float *__restrict__ x, u16 *__restrict__ xh,
+                                    float *__restrict__ row_scale, int rows, int k) {
+    __shared__ float warp_max_of[32];
+    const int r = blockIdx.x;
+    const bool real = r < rows;
+    float amax = 0.f;
+    if (real)
+        for (int c = threadIdx.x; c < k; c += blockDim.x) amax = fmaxf(amax, fabsf(x[(i64)r * k + c]));
+    amax = warp_max(amax);
+    if ((threadIdx.x & 31) == 0) warp_max_of[threadIdx.x >> 5] = amax;
+    __syncthreads();
+    amax = 0.f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) amax = fmaxf(amax, warp_max_of[w]);
+    // 2^(12 - e) with amax in [2^(e-1), 2^e): exact, and the row's largest lands in
+    // [2^11, 2^12).
+    const int e = (int)((__float_as_uint(amax) >> 23) & 0xFFu) - 126;
+    const int biased = min(max(127 + 12 - e, 1), 254);
+    const float scale = amax > 0.f ? __uint_as_float((u32)biased << 23) : 1.f;
+    if (threadIdx.x == 0) row_scale[r] = 1.f / scale;
+    for (int d = threadIdx.x; d < k; d += blockDim.x) {
+        const int run = d & ~31, i = d & 31;
+        const int t = i >> 3, step = (i >> 2) & 1, j = i & 3;
+        const int src = run + 16 * step + 4 * t + (j == 1 ? 2 : j == 2 ? 1 : j);
+        xh[(i64)r * k + d] = real ? f16_bits(x[(i64)r * k + src] * scale) : (u16)0;
+    }
+}
+
+// One warp per 32 output features (two A tiles) and one slice of the runs (blockIdx.y), over
+// TILES · 8 activation rows of xh. With one slice the output is final (y = or += rows · Wᵀ,
+// undoing the rows' scales); otherwise the slice's sums go to part[slice, row, feature] for
+// `mma_reduce`.
+template <int BITS, class S, int TILES>
+__device__ void qmma(const u32 *__restrict__ w, const typename S::T *__restrict__ scales,
+                     const typename S::T *__restrict__ biases, const u16 *__restrict__ xh,
+                     const float *__restrict__ row_scale, float *__restrict__ y,
+                     float *__restrict__ part, int n, int k, int group, int rows,
+                     int runs_per_slice, int accumulate) {
+    const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+    const int runs = k >> 5, groups = k / group;
+    const int r0 = blockIdx.y * runs_per_slice, r1 = min(runs, r0 + runs_per_slice);
+    // Features of this lane: tile i, half h (rows g and g + 8 of the A tile).
+    int feature[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) feature[i][h] = min(n - 1, blockIdx.x * 32 + 16 * i + 8 * h + g);
+    float acc[2][TILES][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < TILES; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+    // Two runs a turn, all their loads issued before the products: a warp's loads of one run
+    // (512 bytes of weights) are too few to cover the memory's latency.
+    for (int r = r0; r < r1; r += 2) {
+        u32 words[2][2][2][2], sc[2][2][2], bi[2][2][2];
+        uint4 acts[2][TILES];
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int run = min(r + u, r1 - 1);
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const u32 *row = w + ((i64)feature[i][h] * runs + run) * BITS;
+                    words[u][i][h][0] = __ldg(row + quad_word<BITS>(0, t));
+                    words[u][i][h][1] = __ldg(row + quad_word<BITS>(1, t));
+                    const i64 gi = (i64)feature[i][h] * groups + (run << 5) / group;
+                    sc[u][i][h] = f16x2_splat(S::load(scales, gi));
+                    bi[u][i][h] = f16x2_splat(S::load(biases, gi));
+                }
+#pragma unroll
+            for (int j = 0; j < TILES; j++)
+                acts[u][j] = __ldg(reinterpret_cast<const uint4 *>(
+                    xh + (i64)(8 * j + g) * k + (run << 5) + 8 * t));
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            if (r + u >= r1) break;
+#pragma unroll
+            for (int step = 0; step < 2; step++) {
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    u32 a[4];
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        u32 lo, hi;
+                        run_quad<BITS>(words[u][i][h][step], t, lo, hi);
+                        a[h] = f16x2_fma(lo, sc[u][i][h], bi[u][i][h]);
+                        a[2 + h] = f16x2_fma(hi, sc[u][i][h], bi[u][i][h]);
+                    }
+#pragma unroll
+                    for (int j = 0; j < TILES; j++) {
+                        const u32 b0 = step == 0 ? acts[u][j].x : acts[u][j].z;
+                        const u32 b1 = step == 0 ? acts[u][j].y : acts[u][j].w;
+                        mma_f16(acc[i][j], a, b0, b1);
+                    }
+                }
+            }
+        }
+    }
+    // acc[i][j]: features (tile i) rows g, g + 8 (elements 0-1, 2-3), activation rows 8j + 2t
+    // and + 1.
+    const bool whole = gridDim.y == 1;
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < TILES; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int f = blockIdx.x * 32 + 16 * i + 8 * (e >> 1) + g;
+                const int row = 8 * j + 2 * t + (e & 1);
+                if (f >= n || row >= rows) continue;
+                if (whole) {
+                    float *o = y + (i64)row * n + f;
+                    const float v = acc[i][j][e] * row_scale[row];
+                    *o = accumulate ? *o + v : v;
+                } else {
+                    part[((i64)blockIdx.y * rows + row) * n + f] = acc[i][j][e];
+                }
+            }
+}
+
+// y[row, f] (+)= row_scale[row] · Σ_slices part[slice, row, f], in the slices' order.
+extern "C" __global__ void mma_reduce(const float *__restrict__ part,
+                                      const float *__restrict__ row_scale, float *__restrict__ y,
+                                      int n, int rows, int slices, int accumulate) {
+    const i64 total = (i64)rows * n;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total;
+         i += (i64)gridDim.x * blockDim.x) {
+        float v = 0.f;
+        for (int s = 0; s < slices; s++) v += part[(i64)s * total + i];
+        v *= row_scale[i / n];
+        y[i] = accumulate ? y[i] + v : v;
+    }
+}
+
+#define QMMA(BITS, S, NAME, TILES)                                                                 \
+    extern "C" __global__ void qmma_##BITS##_##NAME##_##TILES(                                    \
+        const u32 *w, const S::T *s, const S::T *b, const u16 *xh, const float *row_scale,        \
+        float *y, float *part, int n, int k, int g, int rows, int runs_per_slice, int acc) {      \
+        qmma<BITS, S, TILES>(w, s, b, xh, row_scale, y, part, n, k, g, rows, runs_per_slice,      \
+                             acc);                                                                \
+    }
+
+#define QMMA_TILES(BITS, S, NAME) \
+    QMMA(BITS, S, NAME, 2)        \
+    QMMA(BITS, S, NAME, 4)        \
+    QMMA(BITS, S, NAME, 8)
+
+QMMA_TILES(4, F32, f32)
+QMMA_TILES(4, F16, f16)
+QMMA_TILES(4, BF16, bf16)
+QMMA_TILES(8, F32, f32)
+QMMA_TILES(8, F16, f16)
+QMMA_TILES(8, BF16, bf16)
 
 // ---- 4- and 8-bit weights against int16 activations (decode GEMVs) ----------------------------
 //
