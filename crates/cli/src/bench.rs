@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use oxlm_engine::cpu::{pool, qint};
-use oxlm_engine::{DecodeSteps, KvPrecision};
+use oxlm_engine::{ops, DecodeSteps, KvPrecision};
 use oxlm_models::{Cache, LanguageModel, Logits};
 use oxlm_runtime::generate::{peak_memory_bytes, DEFAULT_PREFILL_STEP};
 use oxlm_runtime::hub::resolve_model;
@@ -87,16 +87,6 @@ fn prompt(len: usize, vocab: usize, seed: u64) -> Vec<u32> {
         .collect()
 }
 
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
 /// Feeds `ids` in chunks as `generate` does; returns the last logits.
 fn prefill(model: &dyn LanguageModel, ids: &[u32], cache: &mut Cache) -> Result<Vec<f32>> {
     let mut logits = Vec::new();
@@ -137,7 +127,7 @@ fn decode(
     let mut steps = DecodeSteps::new(&model.info().device);
     let start = Instant::now();
     for _ in 0..n {
-        let token = argmax(&logits);
+        let token = ops::argmax(&logits);
         logits = steps
             .run(|| model.forward(&[token], cache, Logits::Last))?
             .into_data();
@@ -152,15 +142,14 @@ fn decode_batch(
     caches: &mut [Cache],
     n: usize,
 ) -> Result<Decoded> {
-    let vocab = model.info().vocab_size;
     let mut steps = DecodeSteps::new(&model.info().device);
     let start = Instant::now();
     for _ in 0..n {
         let mut refs: Vec<&mut Cache> = caches.iter_mut().collect();
-        let logits = steps.run(|| model.forward_batch(&tokens, &mut refs))?;
-        for (token, row) in tokens.iter_mut().zip(logits.data().chunks_exact(vocab)) {
-            *token = argmax(row);
-        }
+        tokens = steps.run(|| {
+            let logits = model.forward_batch(&tokens, &mut refs)?;
+            Ok::<_, anyhow::Error>(ops::argmax_rows(&logits)?)
+        })?;
     }
     Ok(measured(&steps, start, n))
 }
@@ -217,7 +206,7 @@ pub fn run(args: Args) -> Result<()> {
         for seq in 0..sequences {
             let mut cache = model.new_cache_in(kv_cache)?;
             let ids = prompt(args.prompt_tokens, vocab, 1000 + seq as u64);
-            tokens.push(argmax(&prefill(model.as_ref(), &ids, &mut cache)?));
+            tokens.push(ops::argmax(&prefill(model.as_ref(), &ids, &mut cache)?));
             caches.push(cache);
         }
         let decoded = decode_batch(model.as_ref(), tokens, &mut caches, args.gen_tokens)?;

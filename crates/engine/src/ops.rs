@@ -310,6 +310,29 @@ pub fn rows(x: &Tensor, start: usize, count: usize) -> Result<Tensor> {
     }
 }
 
+/// The index of the first maximum of `x` (`mx.argmax`), NaNs passed over; 0 where every
+/// element is NaN or -inf.
+pub fn argmax(x: &[f32]) -> u32 {
+    let (mut best, mut best_value) = (0, f32::NEG_INFINITY);
+    for (i, &v) in x.iter().enumerate() {
+        if v > best_value {
+            (best, best_value) = (i, v);
+        }
+    }
+    best as u32
+}
+
+/// [`argmax`] of every row of `x`: greedy picks from a batch's logits. On a GPU only the
+/// indices are copied back.
+pub fn argmax_rows(x: &Tensor) -> Result<Vec<u32>> {
+    let cols = x.cols();
+    check(cols > 0, || format!("argmax of rows of {:?}", x.shape()))?;
+    match &x.storage {
+        Storage::Host(v) => Ok(v.chunks_exact(cols).map(argmax).collect()),
+        Storage::Cuda(b) => cuda::ops::argmax_rows(b, cols),
+    }
+}
+
 /// The rows `indices` of `x`, in that order.
 pub fn gather_rows(x: &Tensor, indices: &[usize]) -> Result<Tensor> {
     let (n, cols) = (x.rows(), x.cols());
@@ -938,5 +961,21 @@ pub fn matrix_rows(w: &impl WeightMatrix, ids: &[usize], device: &Device) -> Res
             Ok(Tensor::new(shape, out))
         }
         Device::Cuda(gpu) => Ok(Tensor::on_gpu(shape, w.rows_gpu(gpu, ids)?)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argmax_takes_the_first_maximum_and_passes_over_nans() {
+        assert_eq!(argmax(&[1.0, 3.0, 2.0, 3.0]), 1);
+        assert_eq!(argmax(&[f32::NAN, 0.5, f32::NAN, 2.0]), 3);
+        assert_eq!(argmax(&[f32::NEG_INFINITY, f32::NAN]), 0);
+        let x = Tensor::new(vec![2, 3], vec![0.0, -1.0, 0.0, -5.0, -4.0, -4.0]);
+        assert_eq!(argmax_rows(&x).unwrap(), [0, 1]);
+        let empty_rows = Tensor::new(vec![2, 0], vec![]);
+        assert!(argmax_rows(&empty_rows).is_err());
     }
 }

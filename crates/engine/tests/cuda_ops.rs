@@ -127,9 +127,9 @@ fn quantized_matmul_and_rows() {
     }
 }
 
-/// A product of many rows over a matrix larger than one dequantized slice (the last slice
-/// shorter), into a new output and added to one: for 3 and 6 bits (whose runs of 4 straddle
-/// words) through cuBLAS, for 4 and 8 bits on the tensor cores, in slices of the runs.
+/// Products of many rows into a new output and added to one: for 3 and 6 bits (whose runs of
+/// 4 straddle words) through cuBLAS, at 2048 rows over two dequantized slices of the matrix
+/// (the last shorter); for 4 and 8 bits on the tensor cores, in slices of the runs.
 #[test]
 fn many_row_products_in_row_slices() {
     let Some(dev) = gpu() else { return };
@@ -138,7 +138,7 @@ fn many_row_products_in_row_slices() {
     let cases = [
         (4, DType::BF16, 12),
         (8, DType::F16, 40),
-        (3, DType::F16, 12),
+        (3, DType::F16, 2048),
         (6, DType::F32, 12),
     ];
     for (bits, dtype, m) in cases {
@@ -161,6 +161,28 @@ fn many_row_products_in_row_slices() {
             TF32,
         );
     }
+}
+
+/// Greedy picks on the GPU, against the host's, over rows with ties (values on a coarse grid),
+/// NaNs and a row of -inf, wider than the kernel's block.
+#[test]
+fn argmax_rows_matches_the_host() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(12);
+    let (rows, cols) = (37, 32000);
+    let mut x: Vec<f32> = random_vec(&mut rng, rows * cols)
+        .into_iter()
+        .map(|v| (v * 8.0).round())
+        .collect();
+    x[5 * cols + 17] = f32::NAN;
+    x[6 * cols] = f32::NAN;
+    x[7 * cols..8 * cols].fill(f32::NEG_INFINITY);
+    let host = ops::argmax_rows(&Tensor::new(vec![rows, cols], x.clone())).unwrap();
+    assert_eq!(
+        ops::argmax_rows(&on(&dev, vec![rows, cols], &x)).unwrap(),
+        host
+    );
+    assert_eq!(host[7], 0);
 }
 
 /// The shapes where the int16-activation GEMVs change their launch: tall matrices (more rows

@@ -744,8 +744,19 @@ pub struct OutputHead {
 }
 
 impl OutputHead {
-    /// Logits `[rows, vocab]` of `h` (`[tokens, hidden]`).
+    /// Logits `[rows, vocab]` of `h` (`[tokens, hidden]`), on the host.
     pub fn forward(&self, h: Tensor, logits: Logits, embed: &Embedding) -> OpResult<Tensor> {
+        self.forward_on_device(h, logits, embed)?.into_host()
+    }
+
+    /// [`OutputHead::forward`] left where it was computed, for a caller that reads only a
+    /// little of it (greedy picks).
+    pub fn forward_on_device(
+        &self,
+        h: Tensor,
+        logits: Logits,
+        embed: &Embedding,
+    ) -> OpResult<Tensor> {
         let n = h.rows();
         let mut h = match logits {
             Logits::All => h,
@@ -759,6 +770,6 @@ impl OutputHead {
         if let Some(cap) = self.softcap {
             ops::softcap_inplace(&mut out, cap)?;
         }
-        out.into_host()
+        Ok(out)
     }
 }

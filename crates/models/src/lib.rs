@@ -70,9 +70,10 @@ pub trait LanguageModel: Send + Sync {
     ) -> Result<Tensor, ForwardError>;
 
     /// One decoding step of several sequences: `tokens[i]` follows what `caches[i]` holds.
-    /// Returns `[sequences, vocab]` logits on the host. This default runs the sequences one
-    /// after another; an architecture that overrides it runs them as one batch, reading each
-    /// weight once for all of them.
+    /// Returns `[sequences, vocab]` logits, on the host or on the model's device (a batch's
+    /// logits are megabytes; greedy picks need only `ops::argmax_rows` of them). This default
+    /// runs the sequences one after another; an architecture that overrides it runs them as one
+    /// batch, reading each weight once for all of them.
     fn forward_batch(
         &self,
         tokens: &[u32],

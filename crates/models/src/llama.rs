@@ -264,7 +264,9 @@ impl LanguageModel for Llama {
         for cache in caches.iter_mut() {
             cache.offset += 1;
         }
-        Ok(self.head.forward(h, Logits::All, &self.embed_tokens)?)
+        Ok(self
+            .head
+            .forward_on_device(h, Logits::All, &self.embed_tokens)?)
     }
 
     fn adaptable(&self) -> Option<&dyn Adaptable> {

@@ -11,7 +11,7 @@
 
 use std::path::{Path, PathBuf};
 
-use oxlm_engine::{cuda, Device, KvPrecision};
+use oxlm_engine::{cuda, ops, Device, KvPrecision};
 use oxlm_models::{load_on, Logits};
 
 /// Largest |Δlogit| allowed: both sides compute in f32, differing only in summation order.
@@ -260,6 +260,11 @@ fn check_batch(name: &str) {
             let mut refs: Vec<&mut oxlm_models::Cache> = batch_caches.iter_mut().collect();
             let batch = model.forward_batch(&tokens, &mut refs).unwrap();
             assert_eq!(batch.shape(), &[lengths.len(), vocab]);
+            // Greedy picks where the logits are, against the same logits on the host.
+            let picks = ops::argmax_rows(&batch).unwrap();
+            let batch = batch.into_host().unwrap();
+            let host_picks: Vec<u32> = batch.data().chunks(vocab).map(ops::argmax).collect();
+            assert_eq!(picks, host_picks, "{name} on {label}: step {step}");
             for (i, cache) in alone_caches.iter_mut().enumerate() {
                 let alone = model.forward(&[tokens[i]], cache, Logits::Last).unwrap();
                 let row = &batch.data()[i * vocab..(i + 1) * vocab];

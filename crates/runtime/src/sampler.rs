@@ -21,6 +21,7 @@
 
 use std::collections::BTreeMap;
 
+use oxlm_engine::ops::argmax;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Deserialize;
@@ -251,17 +252,6 @@ fn log_softmax(x: &mut [f32]) {
     let sum: f64 = x.iter().map(|&v| f64::from(v - max).exp()).sum();
     let lse = max + sum.ln() as f32;
     x.iter_mut().for_each(|v| *v -= lse);
-}
-
-/// The index of the first maximum (`mx.argmax`).
-fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in x.iter().enumerate() {
-        if v > x[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// Fills `ranked` with (value, id) for every finite entry, largest first (ties: lower id first).

@@ -986,6 +986,46 @@ extern "C" __global__ void columns(const float *x, float *out, i64 rows, int col
     }
 }
 
+// ids[r] = the index of the first maximum of row r of x[rows, cols] (NaNs passed over), as a
+// float (exact below 2^24); one block per row, each thread striding the row.
+extern "C" __global__ void argmax_rows(const float *__restrict__ x, float *__restrict__ ids,
+                                       int cols) {
+    __shared__ float best_of[32];
+    __shared__ int index_of[32];
+    const float *row = x + (i64)blockIdx.x * cols;
+    float best = -INFINITY;
+    int index = 0x7fffffff;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float v = row[c];
+        if (v > best) {
+            best = v;
+            index = c;
+        }
+    }
+    const int warps = blockDim.x >> 5;
+    for (int round = 0; round < 2; round++) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float b = __shfl_xor_sync(0xffffffffu, best, o);
+            const int i = __shfl_xor_sync(0xffffffffu, index, o);
+            if (b > best || (b == best && i < index)) {
+                best = b;
+                index = i;
+            }
+        }
+        if (round == 1) break;
+        if ((threadIdx.x & 31) == 0) {
+            best_of[threadIdx.x >> 5] = best;
+            index_of[threadIdx.x >> 5] = index;
+        }
+        __syncthreads();
+        if (threadIdx.x >= 32) return;
+        best = threadIdx.x < warps ? best_of[threadIdx.x] : -INFINITY;
+        index = threadIdx.x < warps ? index_of[threadIdx.x] : 0x7fffffff;
+    }
+    if (threadIdx.x == 0) ids[blockIdx.x] = index == 0x7fffffff ? 0.f : (float)index;
+}
+
 // out[i, :] = x[idx[i], :]
 extern "C" __global__ void gather_rows(const float *x, const int *idx, float *out, i64 n,
                                        int cols) {
