@@ -92,22 +92,9 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-fn argmax(v: &[f32]) -> usize {
-    v.iter()
-        .enumerate()
-        .fold((0, f32::NEG_INFINITY), |best, (i, &x)| {
-            if x > best.1 {
-                (i, x)
-            } else {
-                best
-            }
-        })
-        .0
-}
-
 /// The gap between the two largest logits.
 fn margin(v: &[f32]) -> f32 {
-    let top = argmax(v);
+    let top = ops::argmax(v) as usize;
     let second = v
         .iter()
         .enumerate()
@@ -162,8 +149,8 @@ fn check_model_on(name: &str, label: &str, device: &Device, tolerance: f32) {
         assert!(d < tolerance, "{name}: step {step} logits differ by {d}");
         if margin(want) > 2.0 * tolerance {
             assert_eq!(
-                argmax(logits.data()),
-                expected_id as usize,
+                ops::argmax(logits.data()),
+                expected_id,
                 "{name}: greedy step {step}"
             );
         }
@@ -250,7 +237,7 @@ fn check_batch(name: &str) {
             let logits = model
                 .forward(&golden.prompt_ids[..n], &mut cache, Logits::Last)
                 .unwrap();
-            tokens.push(argmax(logits.data()) as u32);
+            tokens.push(ops::argmax(logits.data()));
             alone_caches.push(cache.try_clone().unwrap());
             batch_caches.push(cache);
         }
@@ -274,7 +261,7 @@ fn check_batch(name: &str) {
                     "{name} on {label}: sequence {i} step {step} differs by {d}"
                 );
                 diff = diff.max(d);
-                tokens[i] = argmax(alone.data()) as u32;
+                tokens[i] = ops::argmax(alone.data());
             }
         }
         for (b, a) in batch_caches.iter().zip(&alone_caches) {

@@ -8,7 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
-use oxlm_engine::KvPrecision;
+use oxlm_engine::{ops, KvPrecision};
 use oxlm_models::Logits;
 use oxlm_runtime::LoadedModel;
 use serde_json::{Map, Value};
@@ -52,19 +52,6 @@ fn ints(st: &safetensors::SafeTensors, name: &str) -> Vec<u32> {
         .chunks_exact(4)
         .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as u32)
         .collect()
-}
-
-fn argmax(v: &[f32]) -> usize {
-    v.iter()
-        .enumerate()
-        .fold((0, f32::NEG_INFINITY), |best, (i, &x)| {
-            if x > best.1 {
-                (i, x)
-            } else {
-                best
-            }
-        })
-        .0
 }
 
 fn check_real_model(name: &str) {
@@ -135,7 +122,7 @@ fn check_with_cache(
         worst_first = worst_first.max(d);
         for (step, &want) in greedy.iter().enumerate() {
             let (top1, top2) = (top2[2 * step], top2[2 * step + 1]);
-            let ours = argmax(&logits);
+            let ours = ops::argmax(&logits) as usize;
             let d = (logits[ours].max(logits[want as usize]) - top1).abs();
             assert!(
                 d < tolerance,
