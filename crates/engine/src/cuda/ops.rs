@@ -80,6 +80,15 @@ fn blocks(grid: usize, threads: u32) -> LaunchConfig {
     }
 }
 
+/// One warp per block for each of `items` and each of their `slices` (`blockIdx.y`).
+fn sliced_warps(items: usize, slices: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (items as u32, slices as u32, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 // ---- element-wise ---------------------------------------------------------------------------
 
 pub fn add_row(x: &mut Buffer, row: &Buffer) -> Result<()> {
@@ -337,12 +346,7 @@ fn split_launch(
     } else {
         1
     })?;
-    let cfg = LaunchConfig {
-        grid_dim: (query_heads as u32, splits as u32, 1),
-        block_dim: (32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    Ok((out, part, cfg))
+    Ok((out, part, sliced_warps(query_heads, splits)))
 }
 
 /// [`attention`] of one query token for each of several sequences (row `s` of `q` at
@@ -788,11 +792,7 @@ fn quantized_mma(
     } else {
         4
     })?;
-    let cfg = LaunchConfig {
-        grid_dim: (feature_tiles as u32, slices as u32, 1),
-        block_dim: (32, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = sliced_warps(feature_tiles, slices);
     launch!(&g, &format!("qmma_{}_{}_{tiles}", s.bits, w.scale_type), cfg;
         packed, scales, biases, xh.ptr(), row_scale.ptr(), y, part.ptr(), int(s.rows)?,
         int(s.cols)?, int(s.group_size)?, int(m)?, int(runs_per_slice)?, accumulate as i32);
