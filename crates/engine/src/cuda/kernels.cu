@@ -13,6 +13,23 @@ typedef long long i64;
 
 #define INFINITY __int_as_float(0x7f800000)
 
+// ---- launch order ---------------------------------------------------------------------------
+
+// From sm_90 every kernel is launched as a programmatic dependent launch (`Op::run`): it may
+// start while the kernel before it is still running, so that its launch, and a GEMV's first
+// weight loads, overlap that kernel's tail instead of following it. Every kernel therefore
+// calls this before it touches memory that other kernels write or read (anything but
+// weights): it returns once the previous kernel has finished and its writes are visible (and
+// so every earlier one, each having waited in turn), then lets the next kernel launch. Before
+// sm_90, and for kernels launched plainly, the stream's order already holds and this is empty
+// or returns at once.
+__device__ __forceinline__ void await_inputs() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // ---- floats -------------------------------------------------------------------------------
 
 struct F32 {
@@ -299,20 +316,24 @@ __device__ void qdequant(const u32 *__restrict__ w, const typename S::T *__restr
     extern "C" __global__ void qgemv4_##BITS##_##NAME(                                            \
         const u32 *w, const S::T *s, const S::T *b, const float *x, float *y, int n, int k,       \
         int g, int m, int acc) {                                                                  \
+        await_inputs();                                                                           \
         qgemv<BITS, S, 4>(w, s, b, x, y, n, k, g, m, acc);                                        \
     }                                                                                             \
     extern "C" __global__ void qglu_##BITS##_##NAME(                                              \
         const u32 *gw, const S::T *gs, const S::T *gb, const u32 *uw, const S::T *us,             \
         const S::T *ub, const float *x, float *out, int n, int k, int g, int m, int act) {        \
+        await_inputs();                                                                           \
         qglu<BITS, S>(gw, gs, gb, uw, us, ub, x, out, n, k, g, m, act);                           \
     }                                                                                             \
     extern "C" __global__ void qrows_##BITS##_##NAME(const u32 *w, const S::T *s, const S::T *b,  \
                                                      const int *ids, float *out, int k, int g) {  \
+        await_inputs();                                                                           \
         qrows<BITS, S>(w, s, b, ids, out, k, g);                                                  \
     }                                                                                             \
     extern "C" __global__ void qdequant_##BITS##_##NAME(const u32 *w, const S::T *s,              \
                                                         const S::T *b, float *out, int row0,      \
                                                         int rows, int k, int g) {                 \
+        await_inputs();                                                                           \
         qdequant<BITS, S>(w, s, b, out, row0, rows, k, g);                                        \
     }
 
@@ -403,6 +424,7 @@ __device__ __forceinline__ int quad_word(int s, int t) {
 // zero) and row_scale[r], what undoes the row's scaling; one block per row of xh.
 extern "C" __global__ void mma_acts(const float *__restrict__ x, u16 *__restrict__ xh,
                                     float *__restrict__ row_scale, int rows, int k) {
+    await_inputs();
     __shared__ float warp_max_of[32];
     const int r = blockIdx.x;
     const bool real = r < rows;
@@ -529,6 +551,7 @@ __device__ void qmma(const u32 *__restrict__ w, const typename S::T *__restrict_
 extern "C" __global__ void mma_reduce(const float *__restrict__ part,
                                       const float *__restrict__ row_scale, float *__restrict__ y,
                                       int n, int rows, int slices, int accumulate) {
+    await_inputs();
     const i64 total = (i64)rows * n;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total;
          i += (i64)gridDim.x * blockDim.x) {
@@ -543,6 +566,7 @@ extern "C" __global__ void mma_reduce(const float *__restrict__ part,
     extern "C" __global__ void qmma_##BITS##_##NAME##_##TILES(                                    \
         const u32 *w, const S::T *s, const S::T *b, const u16 *xh, const float *row_scale,        \
         float *y, float *part, int n, int k, int g, int rows, int runs_per_slice, int acc) {      \
+        await_inputs();                                                                           \
         qmma<BITS, S, TILES>(w, s, b, xh, row_scale, y, part, n, k, g, rows, runs_per_slice,      \
                              acc);                                                                \
     }
@@ -753,9 +777,10 @@ __device__ __forceinline__ void qdot_run(const RunWeights<BITS, S, R> &rw, const
 }
 
 // acc[i][r] = Σ_k x[r, k] · W_i[k] for the R weight rows whose words start at w[i], each lane
-// taking every 32nd run. The lane's first run is loaded before the block rounds x[m, k] into
-// shared memory (which returns in `a`), and each next one while the current one is summed,
-// so that the weights' latency overlaps the work.
+// taking every 32nd run. The lane's first run is loaded before the kernel waits for its inputs
+// (so, launched early, while the previous kernel still runs) and before the block rounds
+// x[m, k] into shared memory (which returns in `a`); each next one while the current one is
+// summed, so that the weights' latency overlaps the work.
 template <int BITS, class S, int R>
 __device__ __forceinline__ void qdot_int(const u32 *const (&w)[R],
                                          const typename S::T *const (&s)[R],
@@ -766,6 +791,7 @@ __device__ __forceinline__ void qdot_int(const u32 *const (&w)[R],
     const int lane = threadIdx.x & 31, runs = k >> 5, gshift = __ffs(group) - 6;
     RunWeights<BITS, S, R> cur;
     if (lane < runs) cur.load(w, s, b, lane, gshift);
+    await_inputs();
     const QActs a = quantize_acts<BITS>(x, k, m, norm, eps);
     zero(acc);
     for (int c = lane; c < runs; c += 32) {
@@ -919,9 +945,11 @@ __device__ void drows(const typename S::T *__restrict__ w, const int *__restrict
 #define DENSE(S, NAME)                                                                          \
     extern "C" __global__ void dgemv_##NAME(const S::T *w, const float *x, float *y, int n,     \
                                             int k, int m) {                                     \
+        await_inputs();                                                                         \
         dgemv<S>(w, x, y, n, k, m);                                                             \
     }                                                                                           \
     extern "C" __global__ void drows_##NAME(const S::T *w, const int *ids, float *out, int k) { \
+        await_inputs();                                                                         \
         drows<S>(w, ids, out, k);                                                               \
     }
 
@@ -936,28 +964,34 @@ DENSE(BF16, bf16)
          i += (i64)gridDim.x * blockDim.x)
 
 extern "C" __global__ void add(float *x, const float *y, i64 n) {
+    await_inputs();
     GRID_STRIDE(i, n) x[i] += y[i];
 }
 
 // x[r, c] += row[c]: a bias on every row.
 extern "C" __global__ void add_row(float *x, const float *row, i64 n, int cols) {
+    await_inputs();
     GRID_STRIDE(i, n) x[i] += row[i % cols];
 }
 
 extern "C" __global__ void scale(float *x, float s, i64 n) {
+    await_inputs();
     GRID_STRIDE(i, n) x[i] *= s;
 }
 
 extern "C" __global__ void softcap(float *x, float cap, i64 n) {
+    await_inputs();
     GRID_STRIDE(i, n) x[i] = tanhf(x[i] / cap) * cap;
 }
 
 extern "C" __global__ void silu(float *x, i64 n) {
+    await_inputs();
     GRID_STRIDE(i, n) x[i] = x[i] / (1.f + expf(-x[i]));
 }
 
 // gate = silu(gate) · up
 extern "C" __global__ void silu_mul(float *gate, const float *up, i64 n) {
+    await_inputs();
     GRID_STRIDE(i, n) {
         const float g = gate[i];
         gate[i] = g / (1.f + expf(-g)) * up[i];
@@ -966,6 +1000,7 @@ extern "C" __global__ void silu_mul(float *gate, const float *up, i64 n) {
 
 // gate = gelu_approx(gate) · up (the tanh approximation, as mlx.nn.gelu_approx)
 extern "C" __global__ void gelu_mul(float *gate, const float *up, i64 n) {
+    await_inputs();
     GRID_STRIDE(i, n) {
         const float v = gate[i];
         gate[i] = 0.5f * v * (1.f + tanhf(0.7978846f * (v + 0.044715f * v * v * v))) * up[i];
@@ -974,12 +1009,14 @@ extern "C" __global__ void gelu_mul(float *gate, const float *up, i64 n) {
 
 // x = x · sigmoid(gate)
 extern "C" __global__ void sigmoid_mul(float *x, const float *gate, i64 n) {
+    await_inputs();
     GRID_STRIDE(i, n) x[i] *= 1.f / (1.f + expf(-gate[i]));
 }
 
 // out[r, j] = x[r, start + j] for j < width
 extern "C" __global__ void columns(const float *x, float *out, i64 rows, int cols, int start,
                                    int width) {
+    await_inputs();
     GRID_STRIDE(i, rows * width) {
         const i64 r = i / width;
         out[i] = x[r * cols + start + (i - r * width)];
@@ -990,6 +1027,7 @@ extern "C" __global__ void columns(const float *x, float *out, i64 rows, int col
 // float (exact below 2^24); one block per row, each thread striding the row.
 extern "C" __global__ void argmax_rows(const float *__restrict__ x, float *__restrict__ ids,
                                        int cols) {
+    await_inputs();
     __shared__ float best_of[32];
     __shared__ int index_of[32];
     const float *row = x + (i64)blockIdx.x * cols;
@@ -1029,6 +1067,7 @@ extern "C" __global__ void argmax_rows(const float *__restrict__ x, float *__res
 // out[i, :] = x[idx[i], :]
 extern "C" __global__ void gather_rows(const float *x, const int *idx, float *out, i64 n,
                                        int cols) {
+    await_inputs();
     GRID_STRIDE(i, n * cols) {
         const i64 r = i / cols;
         out[i] = x[(i64)idx[r] * cols + (i - r * cols)];
@@ -1038,6 +1077,7 @@ extern "C" __global__ void gather_rows(const float *x, const int *idx, float *ou
 // y[idx[i], :] += weight[i] · src[i, :] (the indices of one call are distinct)
 extern "C" __global__ void scatter_add_rows(float *y, const float *src, const int *idx,
                                             const float *weight, i64 n, int cols) {
+    await_inputs();
     GRID_STRIDE(i, n * cols) {
         const i64 r = i / cols;
         y[(i64)idx[r] * cols + (i - r * cols)] += weight[r] * src[i];
@@ -1049,6 +1089,7 @@ extern "C" __global__ void scatter_add_rows(float *y, const float *src, const in
 // out[r] = x[r] / sqrt(mean(x[r]²) + eps) · weight: one block per row (out may be x).
 extern "C" __global__ void rms_norm(const float *x, const float *weight, float *out, int cols,
                                     float eps) {
+    await_inputs();
     __shared__ float partial[32];
     const float *xr = x + (i64)blockIdx.x * cols;
     float *orow = out + (i64)blockIdx.x * cols;
@@ -1074,6 +1115,7 @@ extern "C" __global__ void rms_norm(const float *x, const float *weight, float *
 extern "C" __global__ void rope(float *x, float *y, const int *positions, const float *inv_freqs,
                                 int tokens, int heads, int heads_y, int head_dim, int half,
                                 int traditional) {
+    await_inputs();
     const int all = heads + heads_y;
     GRID_STRIDE(i, (i64)tokens * all * half) {
         const int p = (int)(i % half);
@@ -1097,6 +1139,7 @@ extern "C" __global__ void rope(float *x, float *y, const int *positions, const 
 extern "C" __global__ void kv_write(float *keys, float *values, const float *new_keys,
                                     const float *new_values, int tokens, int kv_heads, int d,
                                     int capacity, const int *positions) {
+    await_inputs();
     const i64 first = positions[0];
     GRID_STRIDE(i, (i64)tokens * kv_heads * d) {
         const int e = (int)(i % d);
@@ -1115,6 +1158,7 @@ extern "C" __global__ void kv_write(float *keys, float *values, const float *new
 extern "C" __global__ void kv_write_batch(const unsigned long long *rings, const float *new_keys,
                                           const float *new_values, int seqs, int kv_heads, int d,
                                           const int *capacities, const int *positions) {
+    await_inputs();
     GRID_STRIDE(i, (i64)seqs * kv_heads * d) {
         const int e = (int)(i % d);
         const i64 sh = i / d;
@@ -1130,6 +1174,7 @@ extern "C" __global__ void kv_write_batch(const unsigned long long *rings, const
 // Copies positions p0..p1 from one ring to another of a different capacity.
 extern "C" __global__ void kv_move(const float *src, int src_capacity, float *dst,
                                    int dst_capacity, int kv_heads, int d, i64 p0, i64 p1) {
+    await_inputs();
     GRID_STRIDE(i, (p1 - p0) * kv_heads * d) {
         const int e = (int)(i % d);
         const i64 hp = i / d;
@@ -1288,6 +1333,7 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
         const float *q, const float *keys, const float *values, const int *positions,           \
         float *out, float *part, unsigned *counters, int heads, int kv_heads, int d,            \
         int capacity, i64 start, i64 window, float scale, int splits, int per_split) {          \
+        await_inputs();                                                                         \
         attention_split<E>(q, keys, values, positions, out, part, counters, heads, kv_heads, d, \
                            capacity, start, window, scale, splits, per_split, blockIdx.x,       \
                            blockIdx.y);                                                         \
@@ -1300,6 +1346,7 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
         const int *positions, float *out, float *part, unsigned *counters, int heads,           \
         int kv_heads, int d, const int *capacities, const int *starts, i64 window, float scale, \
         int splits, int per_split) {                                                            \
+        await_inputs();                                                                         \
         const int s = blockIdx.x / heads;                                                       \
         const i64 row = (i64)s * heads;                                                         \
         attention_split<E>(q + row * d, reinterpret_cast<const float *>(keys[s]),               \
@@ -1322,6 +1369,7 @@ ATTENTION(16)
 // out[h, t, :] = x[t0 + t, h, :] for t < count
 extern "C" __global__ void heads_first(const float *x, float *out, int t0, int count, int heads,
                                        int d) {
+    await_inputs();
     GRID_STRIDE(i, (i64)count * heads * d) {
         const int e = (int)(i % d);
         const i64 ht = i / d;
@@ -1333,6 +1381,7 @@ extern "C" __global__ void heads_first(const float *x, float *out, int t0, int c
 // out[t0 + t, h, :] = x[h, t, :] for t < count
 extern "C" __global__ void heads_last(const float *x, float *out, int t0, int count, int heads,
                                       int d) {
+    await_inputs();
     GRID_STRIDE(i, (i64)count * heads * d) {
         const int e = (int)(i % d);
         const i64 ht = i / d;
@@ -1348,6 +1397,7 @@ extern "C" __global__ void heads_last(const float *x, float *out, int t0, int co
 extern "C" __global__ void masked_softmax(float *scores, const int *positions, int t0, int count,
                                           int slots, int capacity, i64 start, i64 end,
                                           i64 window) {
+    await_inputs();
     __shared__ float partial[32];
     float *row = scores + (i64)blockIdx.x * slots;
     const i64 pos = positions[t0 + blockIdx.x % count];
@@ -1386,6 +1436,7 @@ extern "C" __global__ void masked_softmax(float *scores, const int *positions, i
 // oldest first), weight [channels, kernel]; one thread per channel, kernel ≤ 8.
 extern "C" __global__ void causal_conv1d(const float *x, const float *weight, float *state,
                                          float *out, int tokens, int channels, int kernel) {
+    await_inputs();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) return;
     float window[8], w[8];
@@ -1406,6 +1457,7 @@ extern "C" __global__ void causal_conv1d(const float *x, const float *weight, fl
 extern "C" __global__ void delta_gates(const float *a, const float *b, const float *dt_bias,
                                        const float *neg_a, float *g, float *beta, i64 n,
                                        int v_heads) {
+    await_inputs();
     GRID_STRIDE(i, n) {
         const int h = (int)(i % v_heads);
         const float z = a[i] + dt_bias[h];
@@ -1471,6 +1523,7 @@ __device__ void gated_delta(const float *__restrict__ q, const float *__restrict
     extern "C" __global__ void gated_delta_##E(                                               \
         const float *q, const float *k, const float *v, const float *g, const float *beta,    \
         float *state, float *y, int tokens, int k_heads, int v_heads, int k_dim, int v_dim) { \
+        await_inputs();                                                                       \
         gated_delta<E>(q, k, v, g, beta, state, y, tokens, k_heads, v_heads, k_dim, v_dim);   \
     }
 

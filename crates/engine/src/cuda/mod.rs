@@ -77,6 +77,10 @@ struct Inner {
     functions: Mutex<HashMap<String, CudaFunction>>,
     blas: CudaBlas,
     step: Mutex<StepState>,
+    /// Whether kernels are launched to start before the previous one ends (compute capability
+    /// 9.0 and later, where they wait for their inputs themselves: `await_inputs` in
+    /// kernels.cu).
+    early_start: bool,
     /// One count per (token, head) of a split attention launch, of the splits that finished;
     /// the last resets it. Zeroed once, lasting, so captured step graphs can name it.
     split_counters: CudaSlice<u32>,
@@ -138,6 +142,7 @@ impl Gpu {
                 functions: Mutex::new(HashMap::new()),
                 blas,
                 step: Mutex::new(StepState::new()),
+                early_start: major >= 9,
                 split_counters,
             }),
             exact_math: false,
@@ -235,7 +240,7 @@ impl Gpu {
     ) -> Result<(), EngineError> {
         self.bind()?;
         let f = self.function(name)?;
-        let op = Op::kernel(f.cu_function(), cfg, args);
+        let op = Op::kernel(f.cu_function(), cfg, args, self.inner.early_start);
         self.step_state().submit(&self.inner.stream, op)
     }
 
@@ -505,5 +510,107 @@ impl std::fmt::Debug for QuantizedWeights {
 impl std::fmt::Debug for DenseWeights {
     fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
         write!(f, "DenseWeights(cuda:{})", self.gpu.ordinal())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{HashMap, HashSet};
+
+    /// `source` without its `//` comments (which hold unbalanced text such as `[0, 2)`).
+    fn strip_comments(source: &str) -> String {
+        source
+            .lines()
+            .map(|l| l.split("//").next().unwrap())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// The body, braces included, of the definition whose parameter list opens at `open`.
+    fn body_after(source: &str, open: usize) -> &str {
+        let bytes = source.as_bytes();
+        let mut at = open;
+        let mut depth = 0;
+        loop {
+            match bytes[at] {
+                b'(' => depth += 1,
+                b')' => depth -= 1,
+                b';' if depth == 0 => return "",
+                b'{' if depth == 0 => break,
+                _ => {}
+            }
+            at += 1;
+        }
+        let start = at;
+        let mut depth = 0;
+        loop {
+            match bytes[at] {
+                b'{' => depth += 1,
+                b'}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        return &source[start..=at];
+                    }
+                }
+                _ => {}
+            }
+            at += 1;
+        }
+    }
+
+    /// Every kernel may start before the previous one ends (see `await_inputs`), so each must
+    /// wait for its inputs, itself or through a device function it calls.
+    #[test]
+    fn every_kernel_awaits_its_inputs() {
+        let source = strip_comments(super::KERNELS);
+        let name_before = |open: usize| -> String {
+            source[..open]
+                .chars()
+                .rev()
+                .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == '#')
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect()
+        };
+        let mut devices: HashMap<String, &str> = HashMap::new();
+        let mut kernels: Vec<(String, &str)> = Vec::new();
+        for (at, _) in source.match_indices("__global__") {
+            let open = at + source[at..].find('(').unwrap();
+            kernels.push((name_before(open), body_after(&source, open)));
+        }
+        for (at, _) in source.match_indices("__device__") {
+            let open = at + source[at..].find('(').unwrap();
+            let body = body_after(&source, open);
+            if !body.is_empty() {
+                devices.insert(name_before(open), body);
+            }
+        }
+        let mut waiting: HashSet<String> = HashSet::from(["await_inputs".to_string()]);
+        loop {
+            let more: Vec<String> = devices
+                .iter()
+                .filter(|(name, body)| {
+                    !waiting.contains(*name)
+                        && waiting.iter().any(|w| {
+                            body.contains(&format!("{w}(")) || body.contains(&format!("{w}<"))
+                        })
+                })
+                .map(|(name, _)| name.clone())
+                .collect();
+            if more.is_empty() {
+                break;
+            }
+            waiting.extend(more);
+        }
+        assert!(kernels.len() > 30, "found {} kernels", kernels.len());
+        for (name, body) in &kernels {
+            assert!(
+                waiting
+                    .iter()
+                    .any(|w| body.contains(&format!("{w}(")) || body.contains(&format!("{w}<"))),
+                "kernel {name} never waits for its inputs"
+            );
+        }
     }
 }

@@ -79,6 +79,8 @@ pub(crate) enum Op {
         block: (u32, u32, u32),
         shared: u32,
         args: Vec<Arg>,
+        /// Launched as a programmatic dependent launch (see `await_inputs` in kernels.cu).
+        early_start: bool,
     },
     CopyDtoD {
         dst: u64,
@@ -94,13 +96,19 @@ pub(crate) enum Op {
 }
 
 impl Op {
-    pub(crate) fn kernel(function: sys::CUfunction, cfg: LaunchConfig, args: &[Arg]) -> Op {
+    pub(crate) fn kernel(
+        function: sys::CUfunction,
+        cfg: LaunchConfig,
+        args: &[Arg],
+        early_start: bool,
+    ) -> Op {
         Op::Kernel {
             function,
             grid: cfg.grid_dim,
             block: cfg.block_dim,
             shared: cfg.shared_mem_bytes,
             args: args.to_vec(),
+            early_start,
         }
     }
 
@@ -117,6 +125,7 @@ impl Op {
                     block,
                     shared,
                     args,
+                    early_start,
                 } => {
                     let mut values: Vec<[u8; 8]> = args
                         .iter()
@@ -129,8 +138,43 @@ impl Op {
                         .collect();
                     let mut pointers: Vec<*mut c_void> =
                         values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
-                    result::launch_kernel(*function, *grid, *block, *shared, s, &mut pointers)
-                        .map_err(err)
+                    if !*early_start {
+                        return result::launch_kernel(
+                            *function,
+                            *grid,
+                            *block,
+                            *shared,
+                            s,
+                            &mut pointers,
+                        )
+                        .map_err(err);
+                    }
+                    let mut attribute = sys::CUlaunchAttribute {
+                        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                        pad: [0; 4],
+                        value: std::mem::zeroed(),
+                    };
+                    attribute.value.programmaticStreamSerializationAllowed = 1;
+                    let config = sys::CUlaunchConfig {
+                        gridDimX: grid.0,
+                        gridDimY: grid.1,
+                        gridDimZ: grid.2,
+                        blockDimX: block.0,
+                        blockDimY: block.1,
+                        blockDimZ: block.2,
+                        sharedMemBytes: *shared,
+                        hStream: s,
+                        attrs: &mut attribute,
+                        numAttrs: 1,
+                    };
+                    sys::cuLaunchKernelEx(
+                        &config,
+                        *function,
+                        pointers.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                    .result()
+                    .map_err(err)
                 }
                 Op::CopyDtoD { dst, src, bytes } => {
                     result::memcpy_dtod_async(*dst, *src, *bytes, s).map_err(err)
