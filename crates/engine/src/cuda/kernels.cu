@@ -777,10 +777,10 @@ __device__ __forceinline__ void qdot_run(const RunWeights<BITS, S, R> &rw, const
 }
 
 // acc[i][r] = Σ_k x[r, k] · W_i[k] for the R weight rows whose words start at w[i], each lane
-// taking every 32nd run. The lane's first run is loaded before the kernel waits for its inputs
-// (so, launched early, while the previous kernel still runs) and before the block rounds
-// x[m, k] into shared memory (which returns in `a`); each next one while the current one is
-// summed, so that the weights' latency overlaps the work.
+// taking every 32nd run. The lane's first two runs are loaded before the kernel waits for its
+// inputs (so, launched early, while the previous kernel still runs) and before the block rounds
+// x[m, k] into shared memory (which returns in `a`); then each run two ahead while the current
+// one is summed, so that the weights' latency overlaps the work.
 template <int BITS, class S, int R>
 __device__ __forceinline__ void qdot_int(const u32 *const (&w)[R],
                                          const typename S::T *const (&s)[R],
@@ -789,16 +789,18 @@ __device__ __forceinline__ void qdot_int(const u32 *const (&w)[R],
                                          const float *__restrict__ norm, float eps,
                                          float (&acc)[R][8]) {
     const int lane = threadIdx.x & 31, runs = k >> 5, gshift = __ffs(group) - 6;
-    RunWeights<BITS, S, R> cur;
+    RunWeights<BITS, S, R> cur, next;
     if (lane < runs) cur.load(w, s, b, lane, gshift);
+    if (lane + 32 < runs) next.load(w, s, b, lane + 32, gshift);
     await_inputs();
     const QActs a = quantize_acts<BITS>(x, k, m, norm, eps);
     zero(acc);
     for (int c = lane; c < runs; c += 32) {
-        RunWeights<BITS, S, R> next;
-        if (c + 32 < runs) next.load(w, s, b, c + 32, gshift);
+        RunWeights<BITS, S, R> after;
+        if (c + 64 < runs) after.load(w, s, b, c + 64, gshift);
         qdot_run<BITS, S, R>(cur, a, c, m, acc);
         cur = next;
+        next = after;
     }
 }
 
@@ -1189,28 +1191,42 @@ extern "C" __global__ void kv_move(const float *src, int src_capacity, float *ds
 
 // One warp per (query token, head, split of the visible keys), E = ceil(head_dim / 32) output
 // features per lane. Query t sees positions lo..hi: lo = max(start, positions[t] + 1 - window),
-// hi = positions[t] + 1 (its own key is in the cache already), slot p % capacity. Keys go 32 at a time, one per lane, with an
-// online softmax. With one split the output is final; otherwise (max, sum, unnormalised output)
-// per split go to `part`, and the split that finishes last (counted in counters[th], which it
-// sets back to 0) merges them into `out`: no second launch.
+// hi = positions[t] + 1 (its own key is in the cache already), slot p % capacity. Keys go 32 at
+// a time, one per lane, with an online softmax. Splits of per_split keys past hi have nothing to
+// do and return at once. When only the first has keys its output is final; otherwise (max, sum,
+// unnormalised output) per split go to `part`, and the split that finishes last (counted in
+// counters[th], which it sets back to 0) merges them into `out`: no second launch.
 // `th` = token · heads + head, counted from q, positions, out, part and counters.
-// Merges one (token, head)'s split partials `pp` ([splits, d + 2]: max, sum, unnormalised
-// output) into `out_row`, the lanes of a warp striding the features. Loads go through L2,
-// where other blocks' writes are.
-__device__ void combine_splits(const float *pp, float *out_row, int d, int splits, int lane) {
-    float m = -INFINITY;
-    for (int s = 0; s < splits; s++) m = fmaxf(m, __ldcg(pp + s * (d + 2)));
-    float l = 0.f;
-    for (int s = 0; s < splits; s++) {
-        const float ms = __ldcg(pp + s * (d + 2));
-        if (ms > -INFINITY) l += expf(ms - m) * __ldcg(pp + s * (d + 2) + 1);
+// Merges the first `used` split partials `pp` ([splits, d + 2]: max, sum, unnormalised output)
+// of one (token, head) into `out_row`. Lane s takes splits s and s + 32 (at most 64), so that
+// the maxima and sums come in one round of loads; each feature's partials are loaded together.
+// Loads go through L2, where other blocks' writes are.
+__device__ void combine_splits(const float *pp, float *out_row, int d, int used, int lane) {
+    const int stride = d + 2;
+    float ms[2], ws[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int s = lane + 32 * h;
+        ms[h] = s < used ? __ldcg(pp + s * stride) : -INFINITY;
+        ws[h] = s < used ? __ldcg(pp + s * stride + 1) : 0.f;
     }
+    const float m = warp_max(fmaxf(ms[0], ms[1]));
+    // Each split's weight exp(m_s - m); the softmax's denominator is Σ weight · sum.
+    float l = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const float w = ms[h] > -INFINITY ? expf(ms[h] - m) : 0.f;
+        l += w * ws[h];
+        ws[h] = w;
+    }
+    l = warp_sum(l);
     const float inv = l > 0.f ? 1.f / l : 0.f;
     for (int f = lane; f < d; f += 32) {
         float v = 0.f;
-        for (int s = 0; s < splits; s++) {
-            const float ms = __ldcg(pp + s * (d + 2));
-            if (ms > -INFINITY) v += expf(ms - m) * __ldcg(pp + s * (d + 2) + 2 + f);
+#pragma unroll 8
+        for (int s = 0; s < used; s++) {
+            const float w = __shfl_sync(0xffffffffu, s < 32 ? ws[0] : ws[1], s & 31);
+            v += w * __ldcg(pp + s * stride + 2 + f);
         }
         out_row[f] = v * inv;
     }
@@ -1234,7 +1250,10 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
     const i64 hi = pos + 1;
     i64 lo = max(start, pos + 1 - window);
     if (lo > hi) lo = hi;
-    const i64 s0 = min(hi, lo + (i64)split * per_split), s1 = min(hi, s0 + per_split);
+    // The splits that hold keys (at least one, so that an empty window still writes zeros).
+    const int used = (int)max((i64)1, min((i64)splits, (hi - lo + per_split - 1) / per_split));
+    if (split >= used) return;
+    const i64 s0 = lo + (i64)split * per_split, s1 = min(hi, s0 + per_split);
     const float *kh = keys + (i64)kvh * capacity * d;
     const float *vh = values + (i64)kvh * capacity * d;
     float m = -INFINITY, l = 0.f, acc[E];
@@ -1298,7 +1317,7 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
         }
         m = m_new;
     }
-    if (splits == 1) {
+    if (used == 1) {
         const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
         for (int e = 0; e < E; e++) {
@@ -1321,8 +1340,8 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
         __syncwarp();
         unsigned done = 0;
         if (lane == 0) done = atomicAdd(counters + th, 1u);
-        if (__shfl_sync(0xffffffffu, done, 0) == (unsigned)splits - 1) {
-            combine_splits(part + (i64)th * splits * (d + 2), out + (i64)th * d, d, splits, lane);
+        if (__shfl_sync(0xffffffffu, done, 0) == (unsigned)used - 1) {
+            combine_splits(part + (i64)th * splits * (d + 2), out + (i64)th * d, d, used, lane);
             if (lane == 0) counters[th] = 0;
         }
     }
