@@ -185,9 +185,10 @@ fn argmax_rows_matches_the_host() {
     assert_eq!(host[7], 0);
 }
 
-/// The shapes where the int16-activation GEMVs change their launch: tall matrices (more rows
-/// per block) and rows long enough that several activation rows no longer fit a block's
-/// shared memory (the f32-activation kernels take over).
+/// The shapes where the int16-activation GEMVs change their launch: short rows (8 warps a
+/// block) and long ones (16 warps), each with a last block partly past the matrix's end, and
+/// rows long enough that several activation rows no longer fit a block's shared memory (the
+/// f32-activation kernels take over).
 #[test]
 fn int16_gemv_launches() {
     let Some(dev) = gpu() else { return };
