@@ -558,6 +558,11 @@ mod tests {
         }
     }
 
+    /// Whether `body` calls function `name` (plainly or as a template instance).
+    fn calls(body: &str, name: &str) -> bool {
+        body.contains(&format!("{name}(")) || body.contains(&format!("{name}<"))
+    }
+
     /// Every kernel may start before the previous one ends (see `await_inputs`), so each must
     /// wait for its inputs, itself or through a device function it calls.
     #[test]
@@ -591,10 +596,7 @@ mod tests {
             let more: Vec<String> = devices
                 .iter()
                 .filter(|(name, body)| {
-                    !waiting.contains(*name)
-                        && waiting.iter().any(|w| {
-                            body.contains(&format!("{w}(")) || body.contains(&format!("{w}<"))
-                        })
+                    !waiting.contains(*name) && waiting.iter().any(|w| calls(body, w))
                 })
                 .map(|(name, _)| name.clone())
                 .collect();
@@ -606,9 +608,7 @@ mod tests {
         assert!(kernels.len() > 30, "found {} kernels", kernels.len());
         for (name, body) in &kernels {
             assert!(
-                waiting
-                    .iter()
-                    .any(|w| body.contains(&format!("{w}(")) || body.contains(&format!("{w}<"))),
+                waiting.iter().any(|w| calls(body, w)),
                 "kernel {name} never waits for its inputs"
             );
         }
