@@ -534,6 +534,100 @@ pub fn kv_write_batch(
     }
 }
 
+/// Attention's heads: `heads` query heads and `kv_heads` key/value heads of `head_dim` features.
+#[derive(Clone, Copy, Debug)]
+pub struct Heads {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// A rotation by position (RoPE), as [`rope_pair_inplace`] applies it: one frequency per pair
+/// of features; neighbours paired with `traditional`, else the halves of each head.
+#[derive(Clone, Copy)]
+pub struct Rotation<'a> {
+    pub inv_freqs: &'a Tensor,
+    pub traditional: bool,
+}
+
+/// Where a token's keys and values go: a cache's two rings of `capacity` slots, as
+/// [`kv_write`] writes them.
+pub struct KvTarget<'a> {
+    pub keys: &'a mut KvBuffer,
+    pub values: &'a mut KvBuffer,
+    pub capacity: usize,
+}
+
+/// Attention's projections of one token, its rotation and its cache write in one launch on a
+/// GPU: `ws` are the query, key and value projections of `x` (normed first by `norm`), the
+/// queries and keys rotated at `positions` by `rope`, the keys and values written into
+/// `cache`. The same numbers as [`quantized_matmul_group`], [`rope_pair_inplace`] and
+/// [`kv_write`] in turn. Returns the rotated queries, or `None` where the fused kernel does
+/// not apply (the host, more than one token, widths other than 4 and 8 bits, an exact GPU
+/// handle, a rotation of part of each head), having written nothing: the caller then takes
+/// those steps.
+pub fn qkv_rope_write(
+    ws: [&QuantizedMatrix; 3],
+    x: &Tensor,
+    norm: Option<InputNorm>,
+    shape: Heads,
+    rope: Rotation,
+    positions: &Positions,
+    cache: KvTarget,
+) -> Result<Option<Tensor>> {
+    let Heads {
+        heads,
+        kv_heads,
+        head_dim,
+    } = shape;
+    let rows = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim];
+    check(
+        ws.iter()
+            .zip(rows)
+            .all(|(w, r)| w.rows == r && w.cols == x.cols()),
+        || format!("q/k/v projections of {:?} into {shape:?}", x.shape()),
+    )?;
+    let (Storage::Cuda(xb), Storage::Cuda(freqs), KvStorage::Cuda(keys), KvStorage::Cuda(values)) = (
+        &x.storage,
+        &rope.inv_freqs.storage,
+        &mut cache.keys.storage,
+        &mut cache.values.storage,
+    ) else {
+        return Ok(None);
+    };
+    if x.rows() != 1 || positions.len() != 1 || 2 * freqs.len() != head_dim {
+        return Ok(None);
+    }
+    let ring = cache.capacity * rows[1];
+    check(keys.len() == ring && values.len() == ring, || {
+        format!("a cache of {} slots × {}", cache.capacity, rows[1])
+    })?;
+    if ![freqs.gpu(), keys.gpu(), values.gpu()]
+        .iter()
+        .all(|g| xb.gpu().same(g))
+    {
+        return Err(mismatch("qkv_rope_write"));
+    }
+    let Some(folded) = foldable(xb, x.cols(), norm) else {
+        return Ok(None);
+    };
+    let placed = [
+        (ws[0].on_gpu(xb.gpu())?, ws[0].shape()),
+        (ws[1].on_gpu(xb.gpu())?, ws[1].shape()),
+        (ws[2].on_gpu(xb.gpu())?, ws[2].shape()),
+    ];
+    let q = cuda::ops::qkv_rope_write(
+        placed,
+        xb,
+        folded,
+        shape,
+        (freqs, rope.traditional),
+        positions,
+        (keys, values, cache.capacity),
+    )?;
+    Ok(q.map(|q| Tensor::on_gpu(with_last(x.shape(), rows[0]), q)))
+}
+
 /// Copies positions `positions` from a ring of `src_capacity` slots to one of `dst_capacity`
 /// of the same precision.
 pub fn kv_move(

@@ -16,7 +16,8 @@ use common::{random_quantized, random_vec};
 use oxlm_engine::quant::{SUPPORTED_BITS, SUPPORTED_GROUP_SIZES};
 use oxlm_engine::recurrent::{self, DeltaRuleDims};
 use oxlm_engine::{
-    cuda, ops, DType, Device, FloatMatrix, KvBuffer, KvPrecision, Positions, Tensor,
+    cuda, ops, DType, Device, FloatMatrix, KvBuffer, KvPrecision, Positions, QuantizedMatrix,
+    Tensor,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -169,20 +170,23 @@ fn many_row_products_in_row_slices() {
 fn argmax_rows_matches_the_host() {
     let Some(dev) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(12);
-    let (rows, cols) = (37, 32000);
-    let mut x: Vec<f32> = random_vec(&mut rng, rows * cols)
-        .into_iter()
-        .map(|v| (v * 8.0).round())
-        .collect();
-    x[5 * cols + 17] = f32::NAN;
-    x[6 * cols] = f32::NAN;
-    x[7 * cols..8 * cols].fill(f32::NEG_INFINITY);
-    let host = ops::argmax_rows(&Tensor::new(vec![rows, cols], x.clone())).unwrap();
-    assert_eq!(
-        ops::argmax_rows(&on(&dev, vec![rows, cols], &x)).unwrap(),
-        host
-    );
-    assert_eq!(host[7], 0);
+    // Rows read in 16-byte loads, and rows that are not.
+    for (rows, cols) in [(37, 32000), (9, 1001)] {
+        let mut x: Vec<f32> = random_vec(&mut rng, rows * cols)
+            .into_iter()
+            .map(|v| (v * 8.0).round())
+            .collect();
+        x[5 * cols + 17] = f32::NAN;
+        x[6 * cols] = f32::NAN;
+        x[7 * cols..8 * cols].fill(f32::NEG_INFINITY);
+        let host = ops::argmax_rows(&Tensor::new(vec![rows, cols], x.clone())).unwrap();
+        assert_eq!(
+            ops::argmax_rows(&on(&dev, vec![rows, cols], &x)).unwrap(),
+            host,
+            "{rows}x{cols}"
+        );
+        assert_eq!(host[7], 0);
+    }
 }
 
 /// The shapes where the int16-activation GEMVs change their launch: short rows (8 warps a
@@ -214,27 +218,41 @@ fn int16_gemv_launches() {
     }
 }
 
-/// Attention's three projections in one launch, against each alone on the CPU.
+/// Random g64 matrices of `rows[i]` × `cols`, on the host and copies placed on `dev`.
+fn projections(
+    rng: &mut StdRng,
+    dev: &Device,
+    rows: &[usize],
+    cols: usize,
+    bits: u32,
+    dtype: DType,
+) -> (Vec<QuantizedMatrix>, Vec<QuantizedMatrix>) {
+    let hosts: Vec<_> = rows
+        .iter()
+        .map(|&r| random_quantized(rng, r, cols, bits, 64, dtype))
+        .collect();
+    let placed = hosts
+        .iter()
+        .map(|w| {
+            let mut w = w.clone();
+            w.place(dev).unwrap();
+            w
+        })
+        .collect();
+    (hosts, placed)
+}
+
+/// One to three projections of one input in one launch (attention's, an output head), against
+/// each alone on the CPU.
 #[test]
 fn quantized_matmul_group_in_one_launch() {
     let Some(dev) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(10);
     let cols = 512;
     for (bits, dtype) in [(4, DType::BF16), (8, DType::F32)] {
-        let hosts: Vec<_> = [520, 130, 130]
-            .iter()
-            .map(|&rows| random_quantized(&mut rng, rows, cols, bits, 64, dtype))
-            .collect();
-        let placed: Vec<_> = hosts
-            .iter()
-            .map(|w| {
-                let mut w = w.clone();
-                w.place(&dev).unwrap();
-                w
-            })
-            .collect();
+        let (hosts, placed) = projections(&mut rng, &dev, &[520, 130, 130], cols, bits, dtype);
         let norm_weight = random_vec(&mut rng, cols);
-        for count in [2, 3] {
+        for count in [1, 2, 3] {
             for m in [1, 4] {
                 for with_norm in [false, true] {
                     let x = random_vec(&mut rng, m * cols);
@@ -269,6 +287,103 @@ fn quantized_matmul_group_in_one_launch() {
                         assert_close(&format!("{bits}-bit glu, norm, m={m}"), &y, &cpu, INT16);
                     }
                 }
+            }
+        }
+    }
+}
+
+/// Attention's projections, RoPE and the cache write of one token in one launch, against the
+/// three steps on the CPU: the queries, and both rings whole (the token's slot, wrapped round
+/// the ring, and the zeros beside it). Where it does not apply (two tokens, an exact handle)
+/// it writes nothing and says so.
+#[test]
+fn fused_projection_rotation_and_cache_write() {
+    const CAPACITY: usize = 8;
+    fn target<'a>(keys: &'a mut KvBuffer, values: &'a mut KvBuffer) -> ops::KvTarget<'a> {
+        ops::KvTarget {
+            keys,
+            values,
+            capacity: CAPACITY,
+        }
+    }
+    let Some(dev) = gpu() else { return };
+    let Device::Cuda(g) = &dev else {
+        unreachable!()
+    };
+    let mut rng = StdRng::seed_from_u64(12);
+    let (heads, kv_heads, d, cols, capacity, position) = (6, 2, 64, 512, CAPACITY, 11);
+    let shape = ops::Heads {
+        heads,
+        kv_heads,
+        head_dim: d,
+    };
+    let freqs: Vec<f32> = (0..d / 2)
+        .map(|i| 10000f32.powf(-2.0 * i as f32 / d as f32))
+        .collect();
+    for (bits, dtype) in [(4, DType::BF16), (8, DType::F16)] {
+        let rows = [heads * d, kv_heads * d, kv_heads * d];
+        let (hosts, placed) = projections(&mut rng, &dev, &rows, cols, bits, dtype);
+        let norm_weight = random_vec(&mut rng, cols);
+        for traditional in [false, true] {
+            for with_norm in [false, true] {
+                let what = format!("{bits}-bit traditional={traditional} norm={with_norm}");
+                let x = random_vec(&mut rng, cols);
+                let ring = |device: &Device| {
+                    KvBuffer::zeros(kv_heads * capacity * d, KvPrecision::F32, device).unwrap()
+                };
+
+                let mut xc = Tensor::new(vec![1, cols], x.clone());
+                if with_norm {
+                    let w = Tensor::new(vec![cols], norm_weight.clone());
+                    ops::rms_norm_inplace(&mut xc, &w, 1e-5).unwrap();
+                }
+                let [mut q, mut k, v] = [0, 1, 2].map(|i| ops::matmul(&hosts[i], &xc).unwrap());
+                let at = Positions::new(vec![position], &Device::Cpu).unwrap();
+                let f = Tensor::new(vec![d / 2], freqs.clone());
+                ops::rope_pair_inplace(&mut q, heads, &mut k, kv_heads, d, &at, &f, traditional)
+                    .unwrap();
+                let (mut keys, mut values) = (ring(&Device::Cpu), ring(&Device::Cpu));
+                ops::kv_write((&mut keys, &mut values), &k, &v, kv_heads, d, capacity, &at)
+                    .unwrap();
+
+                let weight = on(&dev, vec![cols], &norm_weight);
+                let norm = with_norm.then_some(ops::InputNorm {
+                    weight: &weight,
+                    eps: 1e-5,
+                });
+                let f = on(&dev, vec![d / 2], &freqs);
+                let rope = ops::Rotation {
+                    inv_freqs: &f,
+                    traditional,
+                };
+                let (mut gk, mut gv) = (ring(&dev), ring(&dev));
+                let ws = [&placed[0], &placed[1], &placed[2]];
+                let at = Positions::new(vec![position], &dev).unwrap();
+                let xg = on(&dev, vec![1, cols], &x);
+                let qg =
+                    ops::qkv_rope_write(ws, &xg, norm, shape, rope, &at, target(&mut gk, &mut gv))
+                        .unwrap()
+                        .expect("the fused kernel applies");
+                assert_close(&format!("{what} queries"), &qg, &q, INT16);
+                for (name, gpu_ring, cpu_ring) in [("keys", &gk, &keys), ("values", &gv, &values)] {
+                    let rows = vec![kv_heads * capacity, d];
+                    let gpu_ring = Tensor::new(rows.clone(), gpu_ring.to_vec().unwrap());
+                    let cpu_ring = Tensor::new(rows, cpu_ring.to_vec().unwrap());
+                    assert_close(&format!("{what} {name}"), &gpu_ring, &cpu_ring, INT16);
+                }
+
+                // Two tokens, or an exact handle: not for this kernel, and nothing written.
+                let (mut ek, mut ev) = (ring(&dev), ring(&dev));
+                let two = Positions::new(vec![position, position + 1], &dev).unwrap();
+                let x2 = on(&dev, vec![2, cols], &[x.clone(), x.clone()].concat());
+                let exact = Device::Cuda(g.with_exact_math(true));
+                let xe = on(&exact, vec![1, cols], &x);
+                for (xs, p) in [(&x2, &two), (&xe, &at)] {
+                    let r =
+                        ops::qkv_rope_write(ws, xs, norm, shape, rope, p, target(&mut ek, &mut ev));
+                    assert!(r.unwrap().is_none(), "{what}: fused where it should not be");
+                }
+                assert!(ek.to_vec().unwrap().iter().all(|&e| e == 0.0));
             }
         }
     }

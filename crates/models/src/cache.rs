@@ -169,6 +169,32 @@ impl KvCache {
         Ok(())
     }
 
+    /// Appends the keys and values of the token at `positions` (one position, following the
+    /// ones held) that `write` puts into the rings it is lent (grown to take the token), as one
+    /// fused op does while computing them. `write` returns `None`, having written nothing,
+    /// where it cannot; the cache then holds what it held.
+    pub fn append_with<T>(
+        &mut self,
+        positions: &Positions,
+        write: impl FnOnce(ops::KvTarget) -> Result<Option<T>, EngineError>,
+    ) -> Result<Option<T>, EngineError> {
+        check_follows(positions, self.len)?;
+        if positions.len() != 1 {
+            return Ok(None);
+        }
+        self.grow_to(self.len + 1)?;
+        let target = ops::KvTarget {
+            keys: &mut self.rings.keys,
+            values: &mut self.rings.values,
+            capacity: self.capacity,
+        };
+        let written = write(target)?;
+        if written.is_some() {
+            self.len += 1;
+        }
+        Ok(written)
+    }
+
     /// Appends one token's keys and values to each of several caches: row `i` of `keys` and
     /// `values` (`[caches, kv_heads · head_dim]`) at `positions[i]`, which follows what
     /// `caches[i]` holds. One write for all of them.

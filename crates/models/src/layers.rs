@@ -538,10 +538,59 @@ impl Attention {
         cache: &mut KvCache,
         lora: ModuleAdapters,
     ) -> OpResult<Tensor> {
-        let (q, k, v) = self.project_input(input, positions, lora)?;
-        cache.append(&k, &v, positions)?;
+        let q = match self.project_into(input, positions, cache, lora)? {
+            Some(q) => q,
+            None => {
+                let (q, k, v) = self.project_input(input, positions, lora)?;
+                cache.append(&k, &v, positions)?;
+                q
+            }
+        };
         let kv = cache.view();
         ops::attention(&q, self.heads, self.head_dim, positions, &kv, self.scale)
+    }
+
+    /// The rotated queries of one token whose keys and values went straight into `cache`, by
+    /// one fused op (a GPU's decode step, saving the rotation's and the cache write's
+    /// launches); `None` where it does not apply (adapters, biases, per-head norms, unquantized
+    /// projections, the host), having changed nothing.
+    fn project_into(
+        &self,
+        input: Input,
+        positions: &Positions,
+        cache: &mut KvCache,
+        lora: ModuleAdapters,
+    ) -> OpResult<Option<Tensor>> {
+        let adapted = ["q_proj", "k_proj", "v_proj"]
+            .iter()
+            .any(|name| lora.get(name).is_some());
+        let plain = !adapted && self.q_norm.is_none() && self.k_norm.is_none();
+        let (Weight::Quantized(wq), Weight::Quantized(wk), Weight::Quantized(wv)) = (
+            &self.q_proj.weight,
+            &self.k_proj.weight,
+            &self.v_proj.weight,
+        ) else {
+            return Ok(None);
+        };
+        let biased = [&self.q_proj, &self.k_proj, &self.v_proj]
+            .iter()
+            .any(|p| p.bias.is_some());
+        if !plain || biased {
+            return Ok(None);
+        }
+        let (x, norm) = input.parts();
+        let shape = ops::Heads {
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+        };
+        let rope = ops::Rotation {
+            inv_freqs: &self.rope.inv_freqs,
+            traditional: self.rope.traditional,
+        };
+        cache.append_with(positions, |target| {
+            ops::qkv_rope_write([wq, wk, wv], x, norm, shape, rope, positions, target)
+        })
     }
 }
 
@@ -762,10 +811,24 @@ impl OutputHead {
             Logits::All => h,
             Logits::Last => ops::rows(&h, n - 1, 1)?,
         };
-        self.norm.forward_inplace(&mut h)?;
-        let mut out = match &self.lm_head {
-            Some(head) => head.forward(&h)?,
-            None => embed.as_linear(&h)?,
+        let head = match &self.lm_head {
+            Some(head) => head.bias.is_none().then_some(&head.weight),
+            None => Some(&embed.weight),
+        };
+        let mut out = if let Some(Weight::Quantized(w)) = head {
+            // The norm folded into the head's pass where the device can (a launch saved).
+            let norm = ops::InputNorm {
+                weight: &self.norm.weight,
+                eps: self.norm.eps,
+            };
+            let mut out = ops::quantized_matmul_group(&[w], &h, Some(norm))?;
+            out.pop().expect("one product")
+        } else {
+            self.norm.forward_inplace(&mut h)?;
+            match &self.lm_head {
+                Some(head) => head.forward(&h)?,
+                None => embed.as_linear(&h)?,
+            }
         };
         if let Some(cap) = self.softcap {
             ops::softcap_inplace(&mut out, cap)?;

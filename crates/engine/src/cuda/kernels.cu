@@ -167,12 +167,12 @@ __device__ __forceinline__ void qdot_rows(const u32 *__restrict__ w,
     }
 }
 
-template <int ROWS>
-__device__ __forceinline__ void zero(float (&acc)[ROWS][8]) {
+template <int ROWS, int M>
+__device__ __forceinline__ void zero(float (&acc)[ROWS][M]) {
 #pragma unroll
     for (int i = 0; i < ROWS; i++)
 #pragma unroll
-        for (int r = 0; r < 8; r++) acc[i][r] = 0.f;
+        for (int r = 0; r < M; r++) acc[i][r] = 0.f;
 }
 
 // Sums each thread's acc[i][r] over the block into sum[i][r] (valid in thread 0): warps reduce
@@ -630,19 +630,19 @@ __device__ __forceinline__ void load8(const float *__restrict__ x, i64 at, float
 // order (for 4 bits a word's 8 weights, for 8 bits two words' 4). With `norm` the rows are
 // first RMS-normed as the rms_norm kernel does (x · 1/sqrt(mean(x²) + eps) · norm[col]): each
 // block reads the whole of x anyway, so a norm before a GEMV costs no launch of its own.
-template <int BITS>
+template <int BITS, int M>
 __device__ QActs quantize_acts(const float *__restrict__ x, int k, int m,
                                const float *__restrict__ norm, float eps) {
     extern __shared__ uint4 smem[];
-    __shared__ float row_inv[8];
+    __shared__ float row_inv[M];
     const int runs = k >> 5, tiles = (runs + 31) >> 5;
     float2 *stats = reinterpret_cast<float2 *>(smem + m * tiles * 128);
     if (norm) {
-        if (threadIdx.x < 8) row_inv[threadIdx.x] = 0.f;
+        if (threadIdx.x < M) row_inv[threadIdx.x] = 0.f;
         __syncthreads();
-        float ss[8];
+        float ss[M];
 #pragma unroll
-        for (int r = 0; r < 8; r++) ss[r] = 0.f;
+        for (int r = 0; r < M; r++) ss[r] = 0.f;
         for (int t = threadIdx.x; t < m * runs * 4; t += blockDim.x) {
             const int run = t >> 2, r = run / runs;
             float f[8];
@@ -651,11 +651,11 @@ __device__ QActs quantize_acts(const float *__restrict__ x, int k, int m,
 #pragma unroll
             for (int e = 0; e < 8; e++) s += f[e] * f[e];
 #pragma unroll
-            for (int rr = 0; rr < 8; rr++)
+            for (int rr = 0; rr < M; rr++)
                 if (rr == r) ss[rr] += s;
         }
 #pragma unroll
-        for (int r = 0; r < 8; r++) {
+        for (int r = 0; r < M; r++) {
             if (r >= m) break;
             const float v = warp_sum(ss[r]);
             if ((threadIdx.x & 31) == 0) atomicAdd(&row_inv[r], v);
@@ -733,12 +733,12 @@ struct RunWeights {
 };
 
 // acc[i][r] += Σ over run c of x[r, ·] · W_i[·], for the loaded run `rw`.
-template <int BITS, class S, int R>
+template <int BITS, class S, int R, int M>
 __device__ __forceinline__ void qdot_run(const RunWeights<BITS, S, R> &rw, const QActs &a, int c,
-                                         int m, float (&acc)[R][8]) {
+                                         int m, float (&acc)[R][M]) {
     const uint4 *xc = a.xs + (c >> 5) * 128 + (c & 31);
 #pragma unroll
-    for (int r = 0; r < 8; r++) {
+    for (int r = 0; r < M; r++) {
         if (r >= m) break;
         const uint4 *xr = xc + r * a.tiles * 128;
         u32 p[16];
@@ -776,31 +776,40 @@ __device__ __forceinline__ void qdot_run(const RunWeights<BITS, S, R> &rw, const
     }
 }
 
-// acc[i][r] = Σ_k x[r, k] · W_i[k] for the R weight rows whose words start at w[i], each lane
-// taking every 32nd run. The lane's first two runs are loaded before the kernel waits for its
+// acc[i][r] = Σ_k x[r, k] · W_i[k] over a share of the runs of the R weight rows whose words
+// start at w[i]: the warp takes share `part` of `parts` (tiles part, part + parts, ... of the
+// rows' tiles of 32 runs), each lane one run of each tile. The lane's first D runs are loaded before the kernel waits for its
 // inputs (so, launched early, while the previous kernel still runs) and before the block rounds
-// x[m, k] into shared memory (which returns in `a`); then each run two ahead while the current
-// one is summed, so that the weights' latency overlaps the work.
-template <int BITS, class S, int R>
+// x[m, k] into shared memory (which returns in `a`); then each of the D stages, once summed, is
+// refilled with the run D ahead, so that D - 1 runs are in flight while one is summed. Two
+// stages: a third measured no faster on the H200 (2026-12-01) and costs registers, which more
+// warps an SM put to better use.
+template <int BITS, class S, int R, int M>
 __device__ __forceinline__ void qdot_int(const u32 *const (&w)[R],
                                          const typename S::T *const (&s)[R],
                                          const typename S::T *const (&b)[R],
                                          const float *__restrict__ x, int k, int group, int m,
-                                         const float *__restrict__ norm, float eps,
-                                         float (&acc)[R][8]) {
-    const int lane = threadIdx.x & 31, runs = k >> 5, gshift = __ffs(group) - 6;
-    RunWeights<BITS, S, R> cur, next;
-    if (lane < runs) cur.load(w, s, b, lane, gshift);
-    if (lane + 32 < runs) next.load(w, s, b, lane + 32, gshift);
+                                         const float *__restrict__ norm, float eps, int part,
+                                         int parts, float (&acc)[R][M]) {
+    constexpr int D = 2;
+    const int runs = k >> 5, gshift = __ffs(group) - 6, step = 32 * parts;
+    const int first = (threadIdx.x & 31) + 32 * part;
+    RunWeights<BITS, S, R> stage[D];
+#pragma unroll
+    for (int d = 0; d < D; d++)
+        if (first + step * d < runs) stage[d].load(w, s, b, first + step * d, gshift);
     await_inputs();
-    const QActs a = quantize_acts<BITS>(x, k, m, norm, eps);
+    const QActs a = quantize_acts<BITS, M>(x, k, m, norm, eps);
     zero(acc);
-    for (int c = lane; c < runs; c += 32) {
-        RunWeights<BITS, S, R> after;
-        if (c + 64 < runs) after.load(w, s, b, c + 64, gshift);
-        qdot_run<BITS, S, R>(cur, a, c, m, acc);
-        cur = next;
-        next = after;
+    for (int c0 = first; c0 < runs; c0 += step * D) {
+#pragma unroll
+        for (int d = 0; d < D; d++) {
+            const int c = c0 + step * d;
+            if (c < runs) {
+                qdot_run<BITS, S, R, M>(stage[d], a, c, m, acc);
+                if (c + step * D < runs) stage[d].load(w, s, b, c + step * D, gshift);
+            }
+        }
     }
 }
 
@@ -808,42 +817,139 @@ __device__ __forceinline__ void qdot_int(const u32 *const (&w)[R],
 // consecutive pairs; the launch gives the activations their shared memory (`int_acts_bytes`
 // in ops.rs).
 // `block` counts the blocks of this matrix (blockIdx.x for one matrix alone).
-template <int BITS, class S>
-__device__ void qgemv_int(const u32 *__restrict__ w, const typename S::T *__restrict__ scales,
-                          const typename S::T *__restrict__ biases, const float *__restrict__ x,
-                          float *__restrict__ y, int n, int k, int group, int m, int accumulate,
-                          int block, const float *__restrict__ norm, float eps) {
-    // Warps past the last row still take part in rounding the activations.
-    const int first = (block * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 2;
-    const int row0 = min(first, n - 1), groups = k / group;
+// acc[i][r] = Σ_k x[r, k] · W[rows[i], k] for the two rows `rows` of W (qdot_int's sums).
+template <int BITS, class S, int M>
+__device__ __forceinline__ void qdot_pair(const u32 *__restrict__ w,
+                                          const typename S::T *__restrict__ scales,
+                                          const typename S::T *__restrict__ biases,
+                                          const int (&rows)[2], const float *__restrict__ x,
+                                          int k, int group, int m,
+                                          const float *__restrict__ norm, float eps, int part,
+                                          int parts, float (&acc)[2][M]) {
+    const int groups = k / group;
     const u32 *wr[2];
     const typename S::T *sr[2], *br[2];
 #pragma unroll
     for (int i = 0; i < 2; i++) {
-        const i64 row = min(row0 + i, n - 1);
+        const i64 row = rows[i];
         wr[i] = w + row * (k >> 5) * BITS;
         sr[i] = scales + row * groups;
         br[i] = biases + row * groups;
     }
-    float acc[2][8];
-    qdot_int<BITS, S, 2>(wr, sr, br, x, k, group, m, norm, eps, acc);
-    const bool lead = (threadIdx.x & 31) == 0 && first < n;
+    qdot_int<BITS, S, 2, M>(wr, sr, br, x, k, group, m, norm, eps, part, parts, acc);
+}
+
+// y[r, n] (+)= Σ_k x[r, k] · W[n, k] for r < m: each warp takes a share (`parts` shares) of the
+// runs of 2 rows, the block's warps consecutive pairs of rows, `parts` warps a pair; the shares'
+// sums meet in shared memory. Splitting rows between warps gives a matrix of few, long rows
+// (a down projection) warps enough to keep the memory busy. The launch gives the activations
+// their shared memory (`int_acts_bytes` in ops.rs). `block` counts the blocks of this matrix
+// (blockIdx.x for one matrix alone).
+template <int BITS, class S, int M>
+__device__ void qgemv_int(const u32 *__restrict__ w, const typename S::T *__restrict__ scales,
+                          const typename S::T *__restrict__ biases, const float *__restrict__ x,
+                          float *__restrict__ y, int n, int k, int group, int m, int accumulate,
+                          int block, int parts, const float *__restrict__ norm, float eps) {
+    __shared__ float shares[32][2][M];
+    const int warp = threadIdx.x >> 5, part = warp % parts;
+    // Warps past the last row still take part in rounding the activations.
+    const int first = (block * (blockDim.x >> 5) + warp) / parts * 2;
+    const int row0 = min(first, n - 1);
+    const int rows[2] = {row0, min(row0 + 1, n - 1)};
+    float acc[2][M];
+    qdot_pair<BITS, S, M>(w, scales, biases, rows, x, k, group, m, norm, eps, part, parts, acc);
 #pragma unroll
     for (int i = 0; i < 2; i++)
 #pragma unroll
-        for (int r = 0; r < 8; r++) {
+        for (int r = 0; r < M; r++) acc[i][r] = r < m ? warp_sum(acc[i][r]) : 0.f;
+    if (parts > 1) {
+        if ((threadIdx.x & 31) == 0)
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int r = 0; r < M; r++) shares[warp][i][r] = acc[i][r];
+        __syncthreads();
+        if (part != 0) return;
+        for (int p = 1; p < parts; p++)
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int r = 0; r < M; r++) acc[i][r] += shares[warp + p][i][r];
+    }
+    if ((threadIdx.x & 31) != 0 || first >= n) return;
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int r = 0; r < M; r++) {
             if (r >= m) break;
-            const float v = warp_sum(acc[i][r]);
-            if (lead && row0 + i < n) {
+            if (row0 + i < n) {
                 float *o = y + (i64)r * n + row0 + i;
-                *o = accumulate ? *o + v : v;
+                *o = accumulate ? *o + acc[i][r] : acc[i][r];
             }
         }
 }
 
+// Attention's projections of one token, its RoPE and its cache write in one launch: queries
+// (`heads` · d rows of wq), keys and values (`kv_heads` · d rows of wk, wv) from x (RMS-normed
+// with `norm` if non-null); queries and keys rotated at positions[0] as the rope kernel rotates
+// them (d/2 frequencies), queries into q_out, keys and values into the rings at slot
+// positions[0] % capacity (laid out as kv_write's). Each warp takes the two rows that one
+// rotation pairs (features i and i + d/2 of a head, or 2i and 2i + 1 with `traditional`), so
+// that it holds both sums; the blocks take the queries, then the keys, then the values.
+template <int BITS, class S>
+__device__ void qkv_rope(const u32 *wq, const typename S::T *sq, const typename S::T *bq,
+                         const u32 *wk, const typename S::T *sk, const typename S::T *bk,
+                         const u32 *wv, const typename S::T *sv, const typename S::T *bv,
+                         const float *__restrict__ x, int k,
+                         int group, const float *__restrict__ norm, float eps,
+                         float *__restrict__ q_out, float *__restrict__ keys,
+                         float *__restrict__ values, int capacity,
+                         const int *__restrict__ positions, const float *__restrict__ inv_freqs,
+                         int heads, int kv_heads, int d, int traditional) {
+    const int warps = blockDim.x >> 5, half = d >> 1;
+    const int q_pairs = heads * half, kv_pairs = kv_heads * half;
+    const int q_blocks = (q_pairs + warps - 1) / warps, kv_blocks = (kv_pairs + warps - 1) / warps;
+    const int blk = blockIdx.x;
+    const int which = blk < q_blocks ? 0 : blk < q_blocks + kv_blocks ? 1 : 2;
+    const int pairs = which == 0 ? q_pairs : kv_pairs;
+    const int first = which == 0 ? 0 : which == 1 ? q_blocks : q_blocks + kv_blocks;
+    const int pair = (blk - first) * warps + (threadIdx.x >> 5);
+    // Warps past the last pair still take part in rounding the activations.
+    const int p = min(pair, pairs - 1), head = p / half, i = p % half;
+    const bool neighbours = which == 2 || traditional;
+    const int a = neighbours ? 2 * p : head * d + i;
+    const int rows[2] = {a, neighbours ? a + 1 : a + half};
+    float acc[2][1];
+    // Selected, not indexed: an array indexed at run time would live in local memory.
+    qdot_pair<BITS, S, 1>(which == 0 ? wq : which == 1 ? wk : wv,
+                          which == 0 ? sq : which == 1 ? sk : sv,
+                          which == 0 ? bq : which == 1 ? bk : bv, rows, x, k, group, 1, norm, eps,
+                          0, 1, acc);
+    const float v0 = warp_sum(acc[0][0]), v1 = warp_sum(acc[1][0]);
+    if ((threadIdx.x & 31) != 0 || pair >= pairs) return;
+    const int pos = positions[0];
+    const i64 slot = ((i64)head * capacity + pos % capacity) * d;
+    const int e0 = rows[0] - head * d, e1 = rows[1] - head * d;
+    if (which == 2) {
+        values[slot + e0] = v0;
+        values[slot + e1] = v1;
+        return;
+    }
+    float sn, cs;
+    sincosf((float)pos * inv_freqs[i], &sn, &cs);
+    const float r0 = v0 * cs - v1 * sn, r1 = v0 * sn + v1 * cs;
+    if (which == 0) {
+        q_out[rows[0]] = r0;
+        q_out[rows[1]] = r1;
+    } else {
+        keys[slot + e0] = r0;
+        keys[slot + e1] = r1;
+    }
+}
+
 // The gated MLP's first half (see qglu) on int16 activations: each warp takes one row of the
 // gate and the same row of the up projection.
-template <int BITS, class S>
+template <int BITS, class S, int M>
 __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__restrict__ gs,
                          const typename S::T *__restrict__ gb, const u32 *__restrict__ uw,
                          const typename S::T *__restrict__ us, const typename S::T *__restrict__ ub,
@@ -856,10 +962,10 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
     const u32 *wr[2] = {gw + row * words, uw + row * words};
     const typename S::T *sr[2] = {gs + row * groups, us + row * groups};
     const typename S::T *br[2] = {gb + row * groups, ub + row * groups};
-    float acc[2][8];
-    qdot_int<BITS, S, 2>(wr, sr, br, x, k, group, m, norm, eps, acc);
+    float acc[2][M];
+    qdot_int<BITS, S, 2, M>(wr, sr, br, x, k, group, m, norm, eps, 0, 1, acc);
 #pragma unroll
-    for (int r = 0; r < 8; r++) {
+    for (int r = 0; r < M; r++) {
         if (r >= m) break;
         const float g = warp_sum(acc[0][r]), u = warp_sum(acc[1][r]);
         if ((threadIdx.x & 31) == 0 && warp_row < n) {
@@ -870,43 +976,60 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
     }
 }
 
-#define QUANTIZED_INT(BITS, S, NAME)                                                               \
-    extern "C" __global__ void qgemv_int_##BITS##_##NAME(                                         \
+// Each kernel comes in two widths: for up to 8 activation rows (`qgemv_int_4_bf16`) and for
+// one (`qgemv_int1_4_bf16`), which decoding a single sequence runs; holding one row's sums
+// instead of eight takes about a third fewer registers, so more warps fit an SM.
+#define QUANTIZED_INT(BITS, S, NAME, M, TAG)                                                       \
+    extern "C" __global__ void qgemv_int##TAG##_##BITS##_##NAME(                                  \
         const u32 *w, const S::T *s, const S::T *b, const float *x, float *y, int n, int k,       \
-        int g, int m, int acc) {                                                                  \
-        qgemv_int<BITS, S>(w, s, b, x, y, n, k, g, m, acc, blockIdx.x, nullptr, 0.f);             \
+        int g, int m, int acc, int parts) {                                                       \
+        qgemv_int<BITS, S, M>(w, s, b, x, y, n, k, g, m, acc, blockIdx.x, parts, nullptr, 0.f);   \
     }                                                                                             \
-    /* Three matrices of one input (attention's q, k and v), the blocks in their order; n2 = 0 */ \
-    /* leaves the third out. A non-null norm RMS-norms the input first. */                        \
-    extern "C" __global__ void qgemv3_int_##BITS##_##NAME(                                        \
+    /* Up to three matrices of one input (attention's q, k and v), the blocks in their order; */ \
+    /* n1 = 0 or n2 = 0 leaves matrices out. A non-null norm RMS-norms the input first.      */ \
+    extern "C" __global__ void qgemv3_int##TAG##_##BITS##_##NAME(                                 \
         const u32 *w0, const S::T *s0, const S::T *b0, float *y0, int n0, const u32 *w1,          \
         const S::T *s1, const S::T *b1, float *y1, int n1, const u32 *w2, const S::T *s2,         \
         const S::T *b2, float *y2, int n2, const float *x, int k, int g, int m,                   \
         const float *norm, float eps) {                                                           \
         const int per_block = 2 * (blockDim.x >> 5);                                              \
         const int nb0 = (n0 + per_block - 1) / per_block, nb1 = (n1 + per_block - 1) / per_block; \
-        int blk = blockIdx.x;                                                                     \
-        if (blk < nb0) {                                                                          \
-            qgemv_int<BITS, S>(w0, s0, b0, x, y0, n0, k, g, m, 0, blk, norm, eps);                \
-        } else if ((blk -= nb0) < nb1) {                                                          \
-            qgemv_int<BITS, S>(w1, s1, b1, x, y1, n1, k, g, m, 0, blk, norm, eps);                \
-        } else {                                                                                  \
-            qgemv_int<BITS, S>(w2, s2, b2, x, y2, n2, k, g, m, 0, blk - nb1, norm, eps);          \
-        }                                                                                         \
+        const int blk = blockIdx.x, which = blk < nb0 ? 0 : blk < nb0 + nb1 ? 1 : 2;              \
+        /* One call of the inlined GEMV, on the chosen matrix. */                                 \
+        qgemv_int<BITS, S, M>(which == 0 ? w0 : which == 1 ? w1 : w2,                             \
+                              which == 0 ? s0 : which == 1 ? s1 : s2,                             \
+                              which == 0 ? b0 : which == 1 ? b1 : b2, x,                          \
+                              which == 0 ? y0 : which == 1 ? y1 : y2,                             \
+                              which == 0 ? n0 : which == 1 ? n1 : n2, k, g, m, 0,                 \
+                              blk - (which > 0 ? nb0 : 0) - (which > 1 ? nb1 : 0), 1, norm, eps); \
     }                                                                                             \
-    extern "C" __global__ void qglu_int_##BITS##_##NAME(                                          \
+    extern "C" __global__ void qglu_int##TAG##_##BITS##_##NAME(                                   \
         const u32 *gw, const S::T *gs, const S::T *gb, const u32 *uw, const S::T *us,             \
         const S::T *ub, const float *x, float *out, int n, int k, int g, int m, int act,          \
         const float *norm, float eps) {                                                           \
-        qglu_int<BITS, S>(gw, gs, gb, uw, us, ub, x, out, n, k, g, m, act, norm, eps);            \
+        qglu_int<BITS, S, M>(gw, gs, gb, uw, us, ub, x, out, n, k, g, m, act, norm, eps);         \
     }
 
-QUANTIZED_INT(4, F32, f32)
-QUANTIZED_INT(4, F16, f16)
-QUANTIZED_INT(4, BF16, bf16)
-QUANTIZED_INT(8, F32, f32)
-QUANTIZED_INT(8, F16, f16)
-QUANTIZED_INT(8, BF16, bf16)
+#define QUANTIZED_INT_WIDTHS(BITS, S, NAME)                                                        \
+    QUANTIZED_INT(BITS, S, NAME, 8, )                                                              \
+    QUANTIZED_INT(BITS, S, NAME, 1, 1)                                                             \
+    extern "C" __global__ void qkv_rope_int1_##BITS##_##NAME(                                     \
+        const u32 *wq, const S::T *sq, const S::T *bq, const u32 *wk, const S::T *sk,             \
+        const S::T *bk, const u32 *wv, const S::T *sv, const S::T *bv, const float *x, int k,     \
+        int g, const float *norm, float eps, float *q_out, float *keys, float *values,            \
+        int capacity, const int *positions, const float *inv_freqs, int heads, int kv_heads,      \
+        int d, int traditional) {                                                                 \
+        qkv_rope<BITS, S>(wq, sq, bq, wk, sk, bk, wv, sv, bv, x, k, g, norm, eps, q_out, keys,    \
+                          values, capacity, positions, inv_freqs, heads, kv_heads, d,             \
+                          traditional);                                                           \
+    }
+
+QUANTIZED_INT_WIDTHS(4, F32, f32)
+QUANTIZED_INT_WIDTHS(4, F16, f16)
+QUANTIZED_INT_WIDTHS(4, BF16, bf16)
+QUANTIZED_INT_WIDTHS(8, F32, f32)
+QUANTIZED_INT_WIDTHS(8, F16, f16)
+QUANTIZED_INT_WIDTHS(8, BF16, bf16)
 
 // ---- float weights --------------------------------------------------------------------------
 
@@ -1026,7 +1149,9 @@ extern "C" __global__ void columns(const float *x, float *out, i64 rows, int col
 }
 
 // ids[r] = the index of the first maximum of row r of x[rows, cols] (NaNs passed over), as a
-// float (exact below 2^24); one block per row, each thread striding the row.
+// float (exact below 2^24); one block per row, each thread striding the row, in 16-byte loads
+// where the row allows, eight of them issued before any is compared (a vocabulary's row in a
+// round or two of loads, where one at a time took 15 us).
 extern "C" __global__ void argmax_rows(const float *__restrict__ x, float *__restrict__ ids,
                                        int cols) {
     await_inputs();
@@ -1035,12 +1160,26 @@ extern "C" __global__ void argmax_rows(const float *__restrict__ x, float *__res
     const float *row = x + (i64)blockIdx.x * cols;
     float best = -INFINITY;
     int index = 0x7fffffff;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        const float v = row[c];
+    // Each thread meets its indices in increasing order, so a strict > keeps the first maximum.
+    auto consider = [&](float v, int c) {
         if (v > best) {
             best = v;
             index = c;
         }
+    };
+    if ((cols & 3) == 0) {
+        const float4 *row4 = reinterpret_cast<const float4 *>(row);
+#pragma unroll 8
+        for (int c = threadIdx.x; c < cols >> 2; c += blockDim.x) {
+            const float4 v = row4[c];
+            consider(v.x, 4 * c);
+            consider(v.y, 4 * c + 1);
+            consider(v.z, 4 * c + 2);
+            consider(v.w, 4 * c + 3);
+        }
+    } else {
+#pragma unroll 8
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) consider(row[c], c);
     }
     const int warps = blockDim.x >> 5;
     for (int round = 0; round < 2; round++) {
@@ -1199,8 +1338,10 @@ extern "C" __global__ void kv_move(const float *src, int src_capacity, float *ds
 // `th` = token · heads + head, counted from q, positions, out, part and counters.
 // Merges the first `used` split partials `pp` ([splits, d + 2]: max, sum, unnormalised output)
 // of one (token, head) into `out_row`. Lane s takes splits s and s + 32 (at most 64), so that
-// the maxima and sums come in one round of loads; each feature's partials are loaded together.
+// the maxima and sums come in one round of loads; then each lane's features (lane + 32e) of 64 / E
+// splits at a time, all loaded before any is summed (one round for up to 32 splits of d = 64).
 // Loads go through L2, where other blocks' writes are.
+template <int E>
 __device__ void combine_splits(const float *pp, float *out_row, int d, int used, int lane) {
     const int stride = d + 2;
     float ms[2], ws[2];
@@ -1221,18 +1362,37 @@ __device__ void combine_splits(const float *pp, float *out_row, int d, int used,
     }
     l = warp_sum(l);
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    for (int f = lane; f < d; f += 32) {
-        float v = 0.f;
-#pragma unroll 8
-        for (int s = 0; s < used; s++) {
+    constexpr int ROUND = 64 / E < 32 ? 64 / E : 32;
+    float v[E];
+#pragma unroll
+    for (int e = 0; e < E; e++) v[e] = 0.f;
+#pragma unroll
+    for (int s0 = 0; s0 < 64; s0 += ROUND) {
+        if (s0 >= used) break;
+        float part[ROUND][E];
+#pragma unroll
+        for (int j = 0; j < ROUND; j++)
+#pragma unroll
+            for (int e = 0; e < E; e++) {
+                const int f = lane + 32 * e;
+                part[j][e] = s0 + j < used && f < d ? __ldcg(pp + (s0 + j) * stride + 2 + f) : 0.f;
+            }
+#pragma unroll
+        for (int j = 0; j < ROUND; j++) {
+            const int s = s0 + j;
             const float w = __shfl_sync(0xffffffffu, s < 32 ? ws[0] : ws[1], s & 31);
-            v += w * __ldcg(pp + s * stride + 2 + f);
+#pragma unroll
+            for (int e = 0; e < E; e++) v[e] += w * part[j][e];
         }
-        out_row[f] = v * inv;
+    }
+#pragma unroll
+    for (int e = 0; e < E; e++) {
+        const int f = lane + 32 * e;
+        if (f < d) out_row[f] = v[e] * inv;
     }
 }
 
-template <int E>
+template <int E, bool PREFETCH>
 __device__ void attention_split(const float *__restrict__ q, const float *__restrict__ keys,
                                 const float *__restrict__ values, const int *__restrict__ positions,
                                 float *__restrict__ out, float *__restrict__ part,
@@ -1259,10 +1419,34 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
     float m = -INFINITY, l = 0.f, acc[E];
 #pragma unroll
     for (int e = 0; e < E; e++) acc[e] = 0.f;
+    // With PREFETCH the values of the first VB keys of a tile are loaded with its keys, before
+    // the scores that weigh them (they do not depend on them): one round of loads instead of two
+    // or three, for a decode step's few warps, each with one tile or two. Without it (a batch's
+    // many warps, each looping over many tiles) the registers go to occupancy instead: with the
+    // prefetch (136 registers, against 86) 64 sequences decoded 12% slower on the H200. The rest
+    // of the values come in batches whose loads are all issued before any is used. Keys past
+    // `count` read the tile's first (written) slot and weigh 0.
+    constexpr int VB = !PREFETCH ? 0 : E <= 2 ? 32 : 32 / E;
+    constexpr int BATCH = E >= 32 ? 1 : 32 / E;
     for (i64 p0 = s0; p0 < s1; p0 += 32) {
         const int count = (int)min((i64)32, s1 - p0);
         // Slots follow p0's without a division per key (positions past the ring's end wrap).
         const int slot0 = (int)(p0 % capacity);
+        auto value_row = [&](int j) {
+            int slot = slot0 + (j < count ? j : 0);
+            if (slot >= capacity) slot -= capacity;
+            return vh + (i64)slot * d;
+        };
+        float vfirst[VB > 0 ? VB : 1][E];
+#pragma unroll
+        for (int j = 0; j < VB; j++) {
+            const float *vr = value_row(j);
+#pragma unroll
+            for (int e = 0; e < E; e++) {
+                const int f = lane + 32 * e;
+                vfirst[j][e] = f < d ? vr[f] : 0.f;
+            }
+        }
         float s = -INFINITY;
         if (lane < count) {
             int slot = slot0 + lane;
@@ -1291,17 +1475,18 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
         l = l * correction + warp_sum(pr);
 #pragma unroll
         for (int e = 0; e < E; e++) acc[e] *= correction;
-        // Values in batches of keys whose loads are all issued before any is used; keys past
-        // `count` read the chunk's first (written) slot and weigh 0.
-        constexpr int BATCH = E >= 32 ? 1 : 32 / E;
 #pragma unroll
-        for (int j0 = 0; j0 < 32; j0 += BATCH) {
+        for (int j = 0; j < VB; j++) {
+            const float pj = __shfl_sync(0xffffffffu, pr, j);
+#pragma unroll
+            for (int e = 0; e < E; e++) acc[e] += pj * vfirst[j][e];
+        }
+#pragma unroll
+        for (int j0 = VB; j0 < 32; j0 += BATCH) {
             float v[BATCH][E];
 #pragma unroll
             for (int j = 0; j < BATCH; j++) {
-                int slot = slot0 + (j0 + j < count ? j0 + j : 0);
-                if (slot >= capacity) slot -= capacity;
-                const float *vr = vh + (i64)slot * d;
+                const float *vr = value_row(j0 + j);
 #pragma unroll
                 for (int e = 0; e < E; e++) {
                     const int f = lane + 32 * e;
@@ -1341,7 +1526,7 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
         unsigned done = 0;
         if (lane == 0) done = atomicAdd(counters + th, 1u);
         if (__shfl_sync(0xffffffffu, done, 0) == (unsigned)used - 1) {
-            combine_splits(part + (i64)th * splits * (d + 2), out + (i64)th * d, d, used, lane);
+            combine_splits<E>(part + (i64)th * splits * (d + 2), out + (i64)th * d, d, used, lane);
             if (lane == 0) counters[th] = 0;
         }
     }
@@ -1353,9 +1538,9 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
         float *out, float *part, unsigned *counters, int heads, int kv_heads, int d,            \
         int capacity, i64 start, i64 window, float scale, int splits, int per_split) {          \
         await_inputs();                                                                         \
-        attention_split<E>(q, keys, values, positions, out, part, counters, heads, kv_heads, d, \
-                           capacity, start, window, scale, splits, per_split, blockIdx.x,       \
-                           blockIdx.y);                                                         \
+        attention_split<E, true>(q, keys, values, positions, out, part, counters, heads,       \
+                                 kv_heads, d, capacity, start, window, scale, splits,           \
+                                 per_split, blockIdx.x, blockIdx.y);                            \
     }                                                                                           \
     /* One query token for each of several sequences, sequence s over the cache at keys[s] */   \
     /* and values[s] (capacity capacities[s], first kept position starts[s]): blockIdx.x = */   \
@@ -1368,7 +1553,7 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
         await_inputs();                                                                         \
         const int s = blockIdx.x / heads;                                                       \
         const i64 row = (i64)s * heads;                                                         \
-        attention_split<E>(q + row * d, reinterpret_cast<const float *>(keys[s]),               \
+        attention_split<E, false>(q + row * d, reinterpret_cast<const float *>(keys[s]),        \
                            reinterpret_cast<const float *>(values[s]), positions + s,           \
                            out + row * d, part + row * splits * (d + 2), counters + row, heads, \
                            kv_heads, d, capacities[s], starts[s], window, scale, splits,        \

@@ -146,7 +146,7 @@ pub fn argmax_rows(x: &Buffer, cols: usize) -> Result<Vec<u32>> {
     let rows = x.len() / cols;
     let ids = g.output(rows)?;
     if rows > 0 {
-        launch!(&g, "argmax_rows", blocks(rows, 256); x.ptr(), ids.ptr(), int(cols)?);
+        launch!(&g, "argmax_rows", blocks(rows, 1024); x.ptr(), ids.ptr(), int(cols)?);
     }
     Ok(ids.download()?.into_iter().map(|i| i as u32).collect())
 }
@@ -650,18 +650,41 @@ fn int_acts_bytes(g: &Gpu, s: QuantShape, m: usize) -> Option<u32> {
     (applies && bytes <= 48 << 10).then_some(bytes as u32)
 }
 
+/// The int16-activation kernel `base` (`qgemv`, `qgemv3`, `qglu`) for `m` activation rows: the
+/// one-row variant (`qgemv_int1_4_bf16`, fewer registers) or the one for up to eight.
+fn int_kernel(base: &str, s: QuantShape, scale_type: &str, m: usize) -> String {
+    let width = if m == 1 { "1" } else { "" };
+    format!("{base}_int{width}_{}_{scale_type}", s.bits)
+}
+
 /// Threads per block of the int16-activation GEMVs, by the length of their rows (`cols`): 8
 /// warps, or 16 for rows of 4,096 weights and more. Each block rounds the activations once for
-/// all its rows, so longer rows want more rows a block. The kernels hold about 92 registers a
-/// thread, so an SM runs 2 blocks of 8 warps or 1 of 16. Measured on the H200 (2026-12-01,
-/// 4-bit, one row): 2048×2048 took 2.8/2.5/2.6 µs with 4/8/16 warps, 2048×5632 8.0/6.8/7.2,
-/// 4096×14336 23.8/19.0/17.4; decoding the 7.2B llama ran at 261/285/302 tok/s with every
-/// GEMV at 4/8/16 warps.
+/// all its rows, so longer rows want more rows a block. The kernels for up to 8 activation rows
+/// hold about 95 registers a thread (2 blocks of 8 warps an SM, or 1 of 16), the one-row ones
+/// about 64 (4 or 2). Measured on the H200: with the 8-row kernels alone (2026-12-01, 4-bit, one
+/// row), 2048×2048 took 2.8/2.5/2.6 µs with 4/8/16 warps, 2048×5632 8.0/6.8/7.2, 4096×14336
+/// 23.8/19.0/17.4, and the 7.2B llama decoded at 261/285/302 tok/s with every GEMV at 4/8/16
+/// warps; with the one-row kernels (2026-12-02), every GEMV at 8 warps against this rule
+/// decoded the 7.2B at 385 against 417 tok/s and the 0.85B at 1,421 against 1,408.
 fn int_threads(cols: usize) -> u32 {
     if cols >= 4096 {
         512
     } else {
         256
+    }
+}
+
+/// Warps that share each pair of rows in `qgemv_int` (each a share of the rows' tiles of 32
+/// runs): two for matrices of fewer than 8,192 rows with rows of two tiles or more, so that a
+/// projection of few, long rows keeps as many loads in flight as a tall one. Measured on the
+/// H200 (2026-12-02, 4-bit): one, two and four shares decoded the 0.85B llama at 1,401, 1,466
+/// and 1,441 tok/s (its o and down projections, 2,048 rows), the 7.2B at 386, 417 and 386.
+fn int_parts(s: QuantShape) -> usize {
+    let tiles = (s.cols / 32).div_ceil(32);
+    if s.rows < 8192 && tiles >= 2 {
+        2
+    } else {
+        1
     }
 }
 
@@ -700,14 +723,15 @@ pub fn quantized_matmul(
     }
     if let Some(shared) = int_acts_bytes(x.gpu(), s, m) {
         let threads = int_threads(s.cols);
-        let rows_per_block = 2 * threads as usize / 32;
+        let parts = int_parts(s);
+        let rows_per_block = 2 * threads as usize / 32 / parts;
         let cfg = LaunchConfig {
             shared_mem_bytes: shared,
             ..blocks(s.rows.div_ceil(rows_per_block), threads)
         };
-        launch!(&g, &format!("qgemv_int_{}_{}", s.bits, w.scale_type), cfg;
+        launch!(&g, &int_kernel("qgemv", s, w.scale_type, m), cfg;
             packed, scales, biases, x.ptr(), y_ptr, int(s.rows)?, int(s.cols)?,
-            int(s.group_size)?, int(m)?, accumulate as i32);
+            int(s.group_size)?, int(m)?, accumulate as i32, int(parts)?);
         return Ok(y);
     }
     if m <= GEMV_MAX_ROWS {
@@ -817,9 +841,10 @@ fn norm_args(norm: InputNorm) -> [Arg; 2] {
     [Arg::from(ptr), Arg::from(eps)]
 }
 
-/// `y_i[m, rows_i] = norm(x)[m, cols] · W_iᵀ` for two or three matrices of one format in one
-/// launch (attention's projections), when the int16-activation GEMV applies; `None` otherwise
-/// (the caller norms and multiplies one matrix at a time).
+/// `y_i[m, rows_i] = norm(x)[m, cols] · W_iᵀ` for one to three matrices of one format in one
+/// launch (attention's projections, or an output head with the final norm), when the
+/// int16-activation GEMV applies; `None` otherwise (the caller norms and multiplies one matrix
+/// at a time).
 pub fn quantized_matmul_group(
     ws: &[(&QuantizedWeights, QuantShape)],
     x: &Buffer,
@@ -834,7 +859,7 @@ pub fn quantized_matmul_group(
             == (s.cols, s.bits, s.group_size, first.scale_type)
     });
     let g = first.gpu.clone();
-    let fits = same_format && (2..=3).contains(&ws.len());
+    let fits = same_format && (1..=3).contains(&ws.len());
     let Some(shared) = int_acts_bytes(x.gpu(), s, m).filter(|_| fits) else {
         return Ok(None);
     };
@@ -877,12 +902,71 @@ pub fn quantized_matmul_group(
         shared_mem_bytes: shared,
         ..blocks(blocks_total, threads)
     };
-    g.launch(
-        &format!("qgemv3_int_{}_{}", s.bits, first.scale_type),
-        cfg,
-        &args,
-    )?;
+    g.launch(&int_kernel("qgemv3", s, first.scale_type, m), cfg, &args)?;
     Ok(Some(outs))
+}
+
+/// Attention's projections of one token, RoPE and the cache write in one launch (`qkv_rope`
+/// in the kernels): the rotated queries, the keys and values written into `rings` (of
+/// `capacity` slots) at the token's position. `None` where the int16-activation GEMV does not
+/// apply or the three matrices differ in format (the caller takes the steps one by one).
+pub fn qkv_rope_write(
+    ws: [(&QuantizedWeights, QuantShape); 3],
+    x: &Buffer,
+    norm: InputNorm,
+    shape: crate::ops::Heads,
+    (inv_freqs, traditional): (&Buffer, bool),
+    positions: &Positions,
+    (keys, values, capacity): (&mut Buffer, &mut Buffer, usize),
+) -> Result<Option<Buffer>> {
+    let (first, s) = ws[0];
+    let same_format = ws.iter().all(|(w, t)| {
+        (t.cols, t.bits, t.group_size, w.scale_type)
+            == (s.cols, s.bits, s.group_size, first.scale_type)
+    });
+    let Some(shared) = int_acts_bytes(x.gpu(), s, 1).filter(|_| same_format) else {
+        return Ok(None);
+    };
+    let g = first.gpu.clone();
+    let pos = positions_on_gpu(positions)?;
+    // About 72 registers a thread: blocks of 8 warps, so that three fit an SM (one of 16 did).
+    let threads = 256;
+    let warps = threads as usize / 32;
+    let half = shape.head_dim / 2;
+    let grid = (shape.heads * half).div_ceil(warps) + 2 * (shape.kv_heads * half).div_ceil(warps);
+    let q = g.output(shape.heads * shape.head_dim)?;
+    let mut args = Vec::with_capacity(24);
+    for (w, _) in ws {
+        args.extend([
+            Arg::from(addr(&g, &w.packed)),
+            Arg::from(addr(&g, &w.scales)),
+            Arg::from(addr(&g, &w.biases)),
+        ]);
+    }
+    args.extend([
+        Arg::from(x.ptr()),
+        Arg::from(int(s.cols)?),
+        Arg::from(int(s.group_size)?),
+    ]);
+    args.extend(norm_args(norm));
+    args.extend([
+        Arg::from(q.ptr()),
+        Arg::from(keys.ptr()),
+        Arg::from(values.ptr()),
+        Arg::from(int(capacity)?),
+        Arg::from(pos.ptr()),
+        Arg::from(inv_freqs.ptr()),
+        Arg::from(int(shape.heads)?),
+        Arg::from(int(shape.kv_heads)?),
+        Arg::from(int(shape.head_dim)?),
+        Arg::from(traditional as i32),
+    ]);
+    let cfg = LaunchConfig {
+        shared_mem_bytes: shared,
+        ..blocks(grid, threads)
+    };
+    g.launch(&int_kernel("qkv_rope", s, first.scale_type, 1), cfg, &args)?;
+    Ok(Some(q))
 }
 
 /// The activation of a gated MLP, as the `qglu` kernel numbers them.
@@ -930,7 +1014,7 @@ pub fn quantized_glu(
             ..blocks(s.rows.div_ceil(threads as usize / 32), threads)
         };
         let [norm_ptr, eps] = norm_args(norm);
-        launch!(&g, &format!("qglu_int_{}_{}", s.bits, gate.scale_type), cfg;
+        launch!(&g, &int_kernel("qglu", s, gate.scale_type, m), cfg;
             gw, gs, gb, uw, us, ub, x.ptr(), out.ptr(),
             int(s.rows)?, int(s.cols)?, int(s.group_size)?, int(m)?, act as i32, norm_ptr, eps);
         return Ok(Some(out));
