@@ -2,7 +2,8 @@
 NVRTC compiles the file for a GPU architecture: no GPU needed, only libnvrtc (the PyPI package
 nvidia-cuda-nvrtc that scripts/test.sh installs into the oracle venv).
 
-usage: python benches/gpu/ptxas_report.py [--arch sm_90] [--filter REGEX]
+usage: $(scripts/oracle/venv.sh) benches/gpu/ptxas_report.py [--arch sm_90] [--filter REGEX]
+(about a minute on 2 cores)
 """
 
 import argparse
@@ -18,8 +19,10 @@ SOURCE = os.path.join(ROOT, "crates/engine/src/cuda/kernels.cu")
 def nvrtc():
     import nvidia.cu13
 
-    lib = os.path.join(list(nvidia.cu13.__path__)[0], "lib", "libnvrtc.so.13")
-    return ctypes.CDLL(lib)
+    lib = os.path.join(list(nvidia.cu13.__path__)[0], "lib")
+    # NVRTC opens its builtins by name: loaded first, they need no LD_LIBRARY_PATH.
+    ctypes.CDLL(os.path.join(lib, "libnvrtc-builtins.so.13.0"), mode=ctypes.RTLD_GLOBAL)
+    return ctypes.CDLL(os.path.join(lib, "libnvrtc.so.13"))
 
 
 def compile_log(arch: str) -> str:
@@ -46,23 +49,18 @@ def main():
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--filter", default="")
     args = ap.parse_args()
-    name, rows = None, []
+    name, spill, rows = None, "", []
     for line in compile_log(args.arch).splitlines():
-        m = re.search(r"Compiling entry function '(\w+)'", line)
-        if m:
-            name = m.group(1)
-            spill = ""
-            continue
-        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
-        if m and name:
-            spill = f"stack {m.group(1)} spill {m.group(2)}/{m.group(3)}"
-        m = re.search(r"Used (\d+) registers.*?(\d+) bytes smem", line)
-        if not m:
-            m2 = re.search(r"Used (\d+) registers", line)
-            m = m2
-        if m and name:
+        entry = re.search(r"Compiling entry function '(\w+)'", line)
+        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        used = re.search(r"Used (\d+) registers", line)
+        if entry:
+            name, spill = entry.group(1), ""
+        elif frame and name:
+            spill = f"stack {frame.group(1)} spill {frame.group(2)}/{frame.group(3)}"
+        elif used and name:
             smem = re.search(r"(\d+) bytes smem", line)
-            rows.append((name, int(m.group(1)), smem.group(1) if smem else "0", spill))
+            rows.append((name, int(used.group(1)), smem.group(1) if smem else "0", spill))
             name = None
     for name, regs, smem, spill in rows:
         if re.search(args.filter, name):
