@@ -41,10 +41,11 @@ pub struct Args {
     /// all sequences together.
     #[arg(long)]
     batch: Vec<usize>,
-    /// Activations of the CPU decode GEMV: int16 pairs (the default, as exact as f32), f32, or
-    /// int16 and int8 (faster, less exact); see `oxlm_engine::cpu::qint`.
-    #[arg(long, value_enum, default_value_t = GemvActivations::Int16Pair)]
-    activations: GemvActivations,
+    /// Activations of the CPU decode GEMV: int8 triples or int16 pairs (as exact as f32; the
+    /// default is whichever this processor runs faster), f32, or int16 and int8 (faster, less
+    /// exact); see `oxlm_engine::cpu::qint`.
+    #[arg(long, value_enum)]
+    activations: Option<GemvActivations>,
     /// Where the model runs: cpu, cuda (GPU 0) or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
     device: oxlm_engine::Device,
@@ -54,6 +55,7 @@ pub struct Args {
 
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum GemvActivations {
+    Int8Triple,
     Int16Pair,
     F32,
     Int16,
@@ -64,6 +66,7 @@ impl GemvActivations {
     fn precision(self) -> qint::Precision {
         use qint::{Activations, Precision};
         match self {
+            GemvActivations::Int8Triple => Precision::Int(Activations::I8Triple),
             GemvActivations::Int16Pair => Precision::Int(Activations::I16Pair),
             GemvActivations::F32 => Precision::F32,
             GemvActivations::Int16 => Precision::Int(Activations::I16),
@@ -163,7 +166,9 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(threads) = args.threads {
         pool::set_threads(threads);
     }
-    qint::set_precision(args.activations.precision());
+    if let Some(a) = args.activations {
+        qint::set_precision(a.precision());
+    }
     let model_dir = resolve_model(&args.model)?;
     let start = Instant::now();
     let model = oxlm_models::load_on(&model_dir, &args.device)
@@ -221,7 +226,7 @@ pub fn run(args: Args) -> Result<()> {
         "model": args.model.display().to_string(),
         "device": args.device.to_string(),
         "threads": pool::threads(),
-        "activations": format!("{:?}", args.activations.precision()),
+        "activations": format!("{:?}", qint::precision()),
         "kv_cache": format!("{kv_cache:?}"),
         "load_s": load_s,
         "prompt_tokens": args.prompt_tokens,

@@ -4,10 +4,14 @@
 //! `s·dx·Σq·xq + b·Σx`, with `Σx` exact in f32, so weights are never converted to float.
 //!
 //! How exact that is depends on the activations ([`Activations`]):
-//! - int16 pairs (the default): `x ≈ dx·(h + l/65536)`, two int16 multiplies per weight against
-//!   one unpacking. Rounding moves x by at most `max|x|·2^-32` of its group, below f32's own
-//!   rounding of most elements: the tiny parity models' logits stay within ~1e-4 of mlx, as on
-//!   the f32 path.
+//! - int8 triples (the default where VNNI multiplies bytes): `x ≈ dx·(a + b/254 + c/254²)`,
+//!   three byte products (`vpdpbusd`) per weight against one unpacking into fewer planes than
+//!   int16 lanes take. Rounding moves x by at most `max|x|/127·2^-1/254²` (`max|x|·6e-8`) of its
+//!   group, about f32's own rounding: `Σ|w·x|`-relative errors match the f32 path's (1.5e-8).
+//! - int16 pairs (the default on AVX2 alone, where a byte product takes two instructions):
+//!   `x ≈ dx·(h + l/65536)`, two int16 multiplies per weight against one unpacking. Rounding
+//!   moves x by at most `max|x|·2^-32` of its group, below f32's own rounding of most elements:
+//!   the tiny parity models' logits stay within ~1e-4 of mlx, as on the f32 path.
 //! - int16 (`vpmaddwd` / `vpdpwssd`): rounding moves x by up to `max|x|/65534`, which moves
 //!   those logits by ~3e-3, over the parity tolerance of 2e-3: only on request.
 //! - int8 (`vpmaddubsw` / `vpdpbusd`): fewest instructions, but the rounding (`max|x|/254`)
@@ -40,11 +44,25 @@ pub enum Precision {
     Int(Activations),
 }
 
-/// The default: int16 pairs, as exact as the f32 path.
-pub const DEFAULT_PRECISION: Precision = Precision::Int(Activations::I16Pair);
+/// The default: the activations as exact as the f32 path that this processor runs fastest,
+/// int8 triples where VNNI takes a byte product in one instruction (a 4-bit weight costs 1.5
+/// instructions where pairs take 3; 1.3-1.6× the GB/s of pairs on a Sapphire Rapids core,
+/// `examples/qgemv_bench`), int16 pairs on AVX2 alone (where `vpmaddubsw` and `vpmaddwd` take
+/// two for a byte product, and triples measured no faster).
+pub fn default_precision() -> Precision {
+    let vnni = IntKernel::available().iter().any(|k| k.isa != IntIsa::Avx2);
+    Precision::Int(if vnni {
+        Activations::I8Triple
+    } else {
+        Activations::I16Pair
+    })
+}
 
-/// [`Precision`] as one byte: 0 for f32, else one more than the activations' index.
-static PRECISION: AtomicU8 = AtomicU8::new(encode(DEFAULT_PRECISION));
+/// [`Precision`] as one byte: 0 for f32, else one more than the activations' index;
+/// [`DEFAULT_CODE`] until [`set_precision`] is called.
+static PRECISION: AtomicU8 = AtomicU8::new(DEFAULT_CODE);
+
+const DEFAULT_CODE: u8 = u8::MAX;
 
 const fn encode(p: Precision) -> u8 {
     match p {
@@ -58,10 +76,13 @@ pub fn set_precision(p: Precision) {
     PRECISION.store(encode(p), Ordering::Relaxed);
 }
 
-/// The decode GEMV's activation precision ([`DEFAULT_PRECISION`] unless [`set_precision`] said
+/// The decode GEMV's activation precision ([`default_precision`] unless [`set_precision`] said
 /// otherwise).
 pub fn precision() -> Precision {
     let code = PRECISION.load(Ordering::Relaxed);
+    if code == DEFAULT_CODE {
+        return default_precision();
+    }
     Activations::ALL
         .into_iter()
         .find(|&a| encode(Precision::Int(a)) == code)
@@ -75,46 +96,65 @@ pub enum Activations {
     I16,
     /// Two int16 per element: `x ≈ dx·(h + l/65536)`.
     I16Pair,
+    /// Three int8 per element: `x ≈ dx·(a + b/254 + c/254²)`.
+    I8Triple,
 }
 
 impl Activations {
-    pub const ALL: [Activations; 3] = [Activations::I8, Activations::I16, Activations::I16Pair];
+    pub const ALL: [Activations; 4] = [
+        Activations::I8,
+        Activations::I16,
+        Activations::I16Pair,
+        Activations::I8Triple,
+    ];
 
     /// The largest `|xq|`.
     pub fn max(self) -> f32 {
         match self {
-            Activations::I8 => 127.0,
+            Activations::I8 | Activations::I8Triple => 127.0,
             Activations::I16 | Activations::I16Pair => 32767.0,
         }
     }
 
     /// The scale of each element's last integer relative to `dx`, and so of the rounding error:
-    /// `1` for one integer, `2^-16` for the low half of a pair.
+    /// `1` for one integer, `2^-16` for the low half of a pair, `254^-2` for the last of a
+    /// triple.
     pub fn resolution(self) -> f32 {
+        self.refinement().powi(self.pieces() as i32 - 1)
+    }
+
+    /// The weight of each integer of an element relative to the one before it.
+    pub(super) fn refinement(self) -> f32 {
         match self {
-            Activations::I16Pair => LOW_SCALE,
-            _ => 1.0,
+            Activations::I16Pair => PAIR_REFINEMENT,
+            Activations::I8Triple => TRIPLE_REFINEMENT,
+            Activations::I8 | Activations::I16 => 1.0,
         }
     }
 
-    fn bits(self) -> usize {
+    pub(super) fn bits(self) -> usize {
         match self {
-            Activations::I8 => 8,
+            Activations::I8 | Activations::I8Triple => 8,
             Activations::I16 | Activations::I16Pair => 16,
         }
     }
 
     /// Integers per element.
-    fn pieces(self) -> usize {
+    pub(super) fn pieces(self) -> usize {
         match self {
+            Activations::I8 | Activations::I16 => 1,
             Activations::I16Pair => 2,
-            _ => 1,
+            Activations::I8Triple => 3,
         }
     }
 }
 
 /// The weight of the low integer of an int16 pair.
-pub(super) const LOW_SCALE: f32 = 1.0 / 65536.0;
+pub(super) const PAIR_REFINEMENT: f32 = 1.0 / 65536.0;
+
+/// The weight of each further integer of an int8 triple: each one rounds what the ones before
+/// left (at most half a unit) in steps of 1/254, so it stays within ±127.
+pub(super) const TRIPLE_REFINEMENT: f32 = 1.0 / 254.0;
 
 /// The instruction sets of the integer kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -199,7 +239,7 @@ impl IntKernel {
     /// Whether the kernel multiplies `q - 128` rather than `q` (the int8 AVX2 kernel at 8 bits,
     /// since `vpmaddubsw` pairs of `255·127` would saturate).
     fn centres(self, bits: u32) -> bool {
-        self.isa == IntIsa::Avx2 && self.activations == Activations::I8 && bits == 8
+        self.isa == IntIsa::Avx2 && self.activations.bits() == 8 && bits == 8
     }
 }
 
@@ -244,17 +284,18 @@ struct ActMut<'a, X> {
     corr: &'a mut [f32],
 }
 
-/// One group of activations quantized: `x ≈ scale·q` (`q` the high integers of pairs).
+/// One group of activations quantized: `x ≈ scale·q` (`q` the integers of an element, each
+/// weighted by the refinement to the power of its place).
 pub(super) struct Quantized {
     pub scale: f32,
-    /// `Σx`, and `Σq` (an integer, exact in f32 for any group).
+    /// `Σx`, and `Σq` (exact in f32 for one integer an element).
     pub sum: f32,
     pub int_sum: f32,
 }
 
 /// Quantizes `x` per group of `g` for `kernel` on `bits`-bit weights, through `natural` (as
-/// long as `x` for each piece: high integers, then low), which receives the integers in their
-/// own order first.
+/// long as `x` for each piece: the first integers, then the next), which receives the integers
+/// in their own order first.
 fn quantize_row<X: ActInt>(
     kernel: IntKernel,
     bits: u32,
@@ -263,17 +304,24 @@ fn quantize_row<X: ActInt>(
     natural: &mut [X],
     a: ActMut<X>,
 ) {
-    let max = kernel.activations.max();
+    let acts = kernel.activations;
     let centred = kernel.centres(bits);
-    let (high, low) = natural.split_at_mut(x.len());
-    let mut low = low.chunks_exact_mut(g);
-    for (gi, (group, h)) in x.chunks_exact(g).zip(high.chunks_exact_mut(g)).enumerate() {
-        let l = low.next().unwrap_or_default();
+    let mut pieces: Vec<_> = natural
+        .chunks_exact_mut(x.len())
+        .map(|p| p.chunks_exact_mut(g))
+        .collect();
+    for (gi, group) in x.chunks_exact(g).enumerate() {
+        let mut outs: [&mut [X]; 3] = Default::default();
+        for (out, piece) in outs.iter_mut().zip(&mut pieces) {
+            *out = piece.next().expect("a group of each piece");
+        }
+        let outs = &mut outs[..acts.pieces()];
         // SAFETY: integer kernels run only where AVX2 and FMA are present.
         #[cfg(target_arch = "x86_64")]
-        let q = unsafe { super::x86_int::quantize_group(group, max, h, l) };
+        let q =
+            unsafe { super::x86_int::quantize_group(group, acts.max(), acts.refinement(), outs) };
         #[cfg(not(target_arch = "x86_64"))]
-        let q: Quantized = unreachable!("no integer kernels off x86-64: {group:?} {h:?} {l:?}");
+        let q: Quantized = unreachable!("no integer kernels off x86-64: {group:?} {outs:?}");
         a.dx[gi] = q.scale;
         a.sums[gi] = q.sum;
         a.corr[gi] = if centred { 128.0 * q.int_sum } else { 0.0 };
@@ -337,9 +385,9 @@ pub fn gemv_group(
         );
         assert!(x.len() >= m * w.cols && y.len() >= m * w.rows);
     }
-    match kernel.activations {
-        Activations::I8 => gemv_with::<i8>(kernel, ws, x, m, ys),
-        Activations::I16 | Activations::I16Pair => gemv_with::<i16>(kernel, ws, x, m, ys),
+    match kernel.activations.bits() {
+        8 => gemv_with::<i8>(kernel, ws, x, m, ys),
+        _ => gemv_with::<i16>(kernel, ws, x, m, ys),
     }
 }
 
@@ -441,16 +489,16 @@ fn rows<X: ActInt>(
             corr: a.corr,
         };
         use super::x86_int::*;
-        /// `$kernel::<T, bits, group size, pair>` for the runtime bits and group size.
+        /// `$kernel::<T, bits, group size, pieces>` for the runtime bits and group size.
         macro_rules! by_shape {
-            ($kernel:ident, $pair:literal) => {
+            ($kernel:ident, $pieces:literal) => {
                 match (w.bits, w.group_size) {
-                    (4, 32) => $kernel::<T, 4, 32, $pair>(&rows, r0, r1, y),
-                    (4, 64) => $kernel::<T, 4, 64, $pair>(&rows, r0, r1, y),
-                    (4, _) => $kernel::<T, 4, 128, $pair>(&rows, r0, r1, y),
-                    (_, 32) => $kernel::<T, 8, 32, $pair>(&rows, r0, r1, y),
-                    (_, 64) => $kernel::<T, 8, 64, $pair>(&rows, r0, r1, y),
-                    _ => $kernel::<T, 8, 128, $pair>(&rows, r0, r1, y),
+                    (4, 32) => $kernel::<T, 4, 32, $pieces>(&rows, r0, r1, y),
+                    (4, 64) => $kernel::<T, 4, 64, $pieces>(&rows, r0, r1, y),
+                    (4, _) => $kernel::<T, 4, 128, $pieces>(&rows, r0, r1, y),
+                    (_, 32) => $kernel::<T, 8, 32, $pieces>(&rows, r0, r1, y),
+                    (_, 64) => $kernel::<T, 8, 64, $pieces>(&rows, r0, r1, y),
+                    _ => $kernel::<T, 8, 128, $pieces>(&rows, r0, r1, y),
                 }
             };
         }
@@ -459,15 +507,18 @@ fn rows<X: ActInt>(
         // kernels check bounds.
         unsafe {
             match (kernel.isa, kernel.activations) {
-                (IntIsa::Avx2, I8) => by_shape!(avx2_i8, false),
-                (IntIsa::AvxVnni, I8) => by_shape!(vnni_i8, false),
-                (IntIsa::Avx512Vnni, I8) => by_shape!(avx512_i8, false),
-                (IntIsa::Avx2, I16) => by_shape!(avx2_i16, false),
-                (IntIsa::AvxVnni, I16) => by_shape!(vnni_i16, false),
-                (IntIsa::Avx512Vnni, I16) => by_shape!(avx512_i16, false),
-                (IntIsa::Avx2, I16Pair) => by_shape!(avx2_i16, true),
-                (IntIsa::AvxVnni, I16Pair) => by_shape!(vnni_i16, true),
-                (IntIsa::Avx512Vnni, I16Pair) => by_shape!(avx512_i16, true),
+                (IntIsa::Avx2, I8) => by_shape!(avx2_i8, 1),
+                (IntIsa::AvxVnni, I8) => by_shape!(vnni_i8, 1),
+                (IntIsa::Avx512Vnni, I8) => by_shape!(avx512_i8, 1),
+                (IntIsa::Avx2, I16) => by_shape!(avx2_i16, 1),
+                (IntIsa::AvxVnni, I16) => by_shape!(vnni_i16, 1),
+                (IntIsa::Avx512Vnni, I16) => by_shape!(avx512_i16, 1),
+                (IntIsa::Avx2, I16Pair) => by_shape!(avx2_i16, 2),
+                (IntIsa::AvxVnni, I16Pair) => by_shape!(vnni_i16, 2),
+                (IntIsa::Avx512Vnni, I16Pair) => by_shape!(avx512_i16, 2),
+                (IntIsa::Avx2, I8Triple) => by_shape!(avx2_i8, 3),
+                (IntIsa::AvxVnni, I8Triple) => by_shape!(vnni_i8, 3),
+                (IntIsa::Avx512Vnni, I8Triple) => by_shape!(avx512_i8, 3),
             }
         }
     }

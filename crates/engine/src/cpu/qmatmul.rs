@@ -3,8 +3,8 @@
 //! - GEMV (a few activation rows, as in decoding): each group contributes
 //!   `s · Σ q·x + b · Σ x`, so the packed integers meet x directly and the bias costs one multiply
 //!   per group (`Σ x` per group is computed once per call). On 4- and 8-bit weights [`matmul`]
-//!   takes the integer kernels of [`super::qint`] (int16-pair activations by default, as exact as
-//!   these); the f32-activation kernels here take the rest. The integers are isolated by bit plane,
+//!   takes the integer kernels of [`super::qint`] (int8-triple or int16-pair activations by
+//!   default, as exact as these); the f32-activation kernels here take the rest. The integers are isolated by bit plane,
 //!   one AND per plane (`avx2::qrows_pow2` for 2, 4 and 8 bits, `avx2::qrows_spread` for 3, 5
 //!   and 6), against a copy of x laid out and pre-scaled to match once per call; the portable
 //!   kernels do the same in eight-lane arrays.

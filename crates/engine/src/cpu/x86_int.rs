@@ -6,7 +6,7 @@
 use std::arch::x86_64::*;
 
 use super::avx2::{hsum, load8, prefetch, Elem};
-use super::qint::{IntRows, Quantized, LOW_SCALE};
+use super::qint::{IntRows, Quantized, PAIR_REFINEMENT, TRIPLE_REFINEMENT};
 
 /// The vector operations of the kernel body on 256 bits.
 mod v256 {
@@ -186,20 +186,20 @@ mod v512 {
     }
 }
 
-/// Quantizes `x` (a multiple of 8 long) to integers of at most `max` (127 or 32767) into `high`,
-/// rounding to nearest even; where `low` is not empty (int16 pairs), the remainder goes there in
-/// units of `dx·2^-16`.
+/// Quantizes `x` (a multiple of 8 long) to integers of at most `max` (127 or 32767) into
+/// `pieces[0]`, rounding to nearest even; each further piece (the low integers of int16 pairs,
+/// the second and third of int8 triples) takes what the ones before left, in units of
+/// `refinement` times the last one's.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn quantize_group<X: bytemuck::Pod>(
     x: &[f32],
     max: f32,
-    high: &mut [X],
-    low: &mut [X],
+    refinement: f32,
+    pieces: &mut [&mut [X]],
 ) -> Quantized {
     let n = x.len();
-    let pair = !low.is_empty();
     let wide = size_of::<X>() == 2;
-    assert!(n.is_multiple_of(8) && high.len() >= n && (!pair || low.len() >= n && wide));
+    assert!(n.is_multiple_of(8) && !pieces.is_empty() && pieces.iter().all(|p| p.len() >= n));
     assert!(size_of::<X>() == if wide { 2 } else { 1 });
     let px = x.as_ptr();
     let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MAX));
@@ -216,9 +216,8 @@ pub(super) unsafe fn quantize_group<X: bytemuck::Pod>(
     let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
     let scale = amax / max;
-    let inv = _mm256_set1_ps(if amax > 0.0 { max / amax } else { 0.0 });
-    let low_inv = _mm256_mul_ps(inv, _mm256_set1_ps(1.0 / LOW_SCALE));
-    // Eight i32 lanes as i16 (saturating) or i8 at `p`.
+    let inv = if amax > 0.0 { max / amax } else { 0.0 };
+    // Eight i32 lanes as i16 or i8 (saturating) at `p`.
     let store = |p: *mut u8, q: __m256i| {
         let q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q));
         if wide {
@@ -227,29 +226,26 @@ pub(super) unsafe fn quantize_group<X: bytemuck::Pod>(
             _mm_storel_epi64(p.cast(), _mm_packs_epi16(q16, q16));
         }
     };
-    let mut isum = _mm256_setzero_si256();
-    let (ph, pl) = (
-        high.as_mut_ptr().cast::<u8>(),
-        low.as_mut_ptr().cast::<u8>(),
-    );
+    let mut isum = _mm256_setzero_ps();
     for c in (0..n).step_by(8) {
-        let v = _mm256_loadu_ps(px.add(c));
-        // The default rounding mode is to nearest even.
-        let q = _mm256_cvtps_epi32(_mm256_mul_ps(v, inv));
-        isum = _mm256_add_epi32(isum, q);
-        store(ph.add(c * size_of::<X>()), q);
-        if pair {
-            let rest = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(scale), v);
-            store(
-                pl.add(2 * c),
-                _mm256_cvtps_epi32(_mm256_mul_ps(rest, low_inv)),
-            );
+        let mut rest = _mm256_loadu_ps(px.add(c));
+        let (mut unit, mut unit_inv, mut weight) = (scale, inv, 1.0f32);
+        for piece in pieces.iter_mut() {
+            // The default rounding mode is to nearest even.
+            let q = _mm256_cvtps_epi32(_mm256_mul_ps(rest, _mm256_set1_ps(unit_inv)));
+            store(piece.as_mut_ptr().cast::<u8>().add(c * size_of::<X>()), q);
+            let qf = _mm256_cvtepi32_ps(q);
+            isum = _mm256_fmadd_ps(qf, _mm256_set1_ps(weight), isum);
+            rest = _mm256_fnmadd_ps(qf, _mm256_set1_ps(unit), rest);
+            unit *= refinement;
+            unit_inv /= refinement;
+            weight *= refinement;
         }
     }
     Quantized {
         scale,
         sum: hsum(sum),
-        int_sum: hsum(_mm256_cvtepi32_ps(isum)),
+        int_sum: hsum(isum),
     }
 }
 
@@ -319,13 +315,14 @@ const PREFETCH_GROUPS: usize = 64;
 /// One kernel body per vector width (`$v`), activation width (`$a` bits) and multiply (`$dot4`
 /// for 4-bit weights, `$dot8` for 8-bit; `$centred` if `$dot8` leaves out `128·Σxq`). A chunk is one vector of packed weights; groups are
 /// walked in order, each taking one or more whole chunks, or several groups sharing a chunk in
-/// equal runs of i32 lanes (which `pick` gives their scales). With `PAIR`, each chunk's planes
-/// meet the high and then the low integers of int16 pairs, summed in their own accumulators.
+/// equal runs of i32 lanes (which `pick` gives their scales). With `PIECES` integers an element
+/// (int16 pairs, int8 triples), each chunk's planes meet each piece's integers in turn, summed in
+/// accumulators of their own.
 macro_rules! int_rows {
     ($name:ident, $features:literal, $v:ident, $a:literal, $dot4:ident, $dot8:ident, $centred:literal) => {
         /// `y[r - r0] = Σ_g (s·dx·Σq·xq + b·Σx + s·dx·corr)` for rows `r0..r1`.
         #[target_feature(enable = $features)]
-        pub(super) unsafe fn $name<T: Elem, const B: usize, const G: usize, const PAIR: bool>(
+        pub(super) unsafe fn $name<T: Elem, const B: usize, const G: usize, const PIECES: usize>(
             w: &IntRows<T>,
             r0: usize,
             r1: usize,
@@ -339,9 +336,8 @@ macro_rules! int_rows {
             let chunk_bytes = v::BITS / 8;
             let per_chunk = v::BITS / B;
             let planes = $a / B;
-            let pieces = if PAIR { 2 } else { 1 };
             // Bytes of activations per chunk.
-            let x_stride = pieces * planes * chunk_bytes;
+            let x_stride = PIECES * planes * chunk_bytes;
             assert!(
                 w.packed.len() >= r1 * row_bytes
                     && w.scales.len() >= r1 * groups
@@ -352,7 +348,7 @@ macro_rules! int_rows {
                     && w.corr.len() >= groups
                     && y.len() >= r1 - r0
                     && (w.cols * B).is_multiple_of(v::BITS)
-                    && (!PAIR || $a == 16)
+                    && matches!((PIECES, $a), (1, _) | (2, 16) | (3, 8))
             );
             // The integer of a lane's lowest B bits.
             let mask = match ($a, B) {
@@ -409,9 +405,9 @@ macro_rules! int_rows {
                     w.scales.as_ptr().add(r * groups),
                     w.biases.as_ptr().add(r * groups),
                 );
-                // Two accumulators: the high and low integers of pairs, else alternate units
-                // so that consecutive ones do not wait on one FMA chain.
-                let (mut acc0, mut acc1) = (v::fzero(), v::fzero());
+                // An accumulator a piece; one piece alternates two, so that consecutive units do
+                // not wait on one FMA chain.
+                let mut acc = [v::fzero(); 3];
                 let mut rest = _mm256_setzero_ps();
                 for gb in (0..groups).step_by(8) {
                     // Per block of eight groups: `s·dx` in `d`, and the bias and correction terms
@@ -442,43 +438,59 @@ macro_rules! int_rows {
                         d
                     };
                     // A unit is one chunk of `shared` groups or one group of `chunks` chunks;
-                    // returns its high and low sums and its scales.
+                    // returns its sums, one a piece, and its scales.
                     let unit = |u: usize| {
                         let c0 = (gb / shared + u) * chunks;
-                        let (mut high, mut low) = (v::zero(), v::zero());
+                        let mut sums = [v::zero(); PIECES];
                         for c in c0..c0 + chunks {
                             let p = unpack(pw, c);
                             let x = px.add(c * x_stride);
-                            high = dot(high, &p, x);
-                            if PAIR {
-                                low = dot(low, &p, x.add(planes * chunk_bytes));
+                            for (k, sum) in sums.iter_mut().enumerate() {
+                                *sum = dot(*sum, &p, x.add(k * planes * chunk_bytes));
                             }
                         }
                         let scale = v::pick(d, v::offset(lane_group, (u * shared) as i32));
-                        (high, low, scale)
+                        (sums, scale)
                     };
                     let units = n / shared;
-                    if PAIR {
+                    if PIECES > 1 {
                         for u in 0..units {
-                            let (high, low, s) = unit(u);
-                            acc0 = v::fmadd_int(acc0, high, s);
-                            acc1 = v::fmadd_int(acc1, low, s);
+                            let (sums, s) = unit(u);
+                            for (a, sum) in acc.iter_mut().zip(sums) {
+                                *a = v::fmadd_int(*a, sum, s);
+                            }
                         }
                     } else {
                         for u in (0..units - units % 2).step_by(2) {
-                            let (p, _, s) = unit(u);
-                            acc0 = v::fmadd_int(acc0, p, s);
-                            let (p, _, s) = unit(u + 1);
-                            acc1 = v::fmadd_int(acc1, p, s);
+                            let (p, s) = unit(u);
+                            acc[0] = v::fmadd_int(acc[0], p[0], s);
+                            let (p, s) = unit(u + 1);
+                            acc[1] = v::fmadd_int(acc[1], p[0], s);
                         }
                         if units % 2 == 1 {
-                            let (p, _, s) = unit(units - 1);
-                            acc0 = v::fmadd_int(acc0, p, s);
+                            let (p, s) = unit(units - 1);
+                            acc[0] = v::fmadd_int(acc[0], p[0], s);
                         }
                     }
                 }
-                let low_scale = if PAIR { LOW_SCALE } else { 1.0 };
-                y[r - r0] = v::sum(v::add_scaled(acc0, acc1, low_scale)) + hsum(rest);
+                // Pieces weighted by the refinement to the power of their place (Horner); one
+                // piece's two accumulators summed.
+                let total = if PIECES == 1 {
+                    v::add_scaled(acc[0], acc[1], 1.0)
+                } else {
+                    let refinement = if $a == 16 {
+                        PAIR_REFINEMENT
+                    } else {
+                        TRIPLE_REFINEMENT
+                    };
+                    acc[..PIECES]
+                        .iter()
+                        .rev()
+                        .copied()
+                        .reduce(|later, a| v::add_scaled(a, later, refinement))
+                        .unwrap()
+                };
+                y[r - r0] = v::sum(total) + hsum(rest);
             }
         }
     };
