@@ -306,13 +306,13 @@ fn quantize_row<X: ActInt>(
 ) {
     let acts = kernel.activations;
     let centred = kernel.centres(bits);
-    let mut pieces: Vec<_> = natural
-        .chunks_exact_mut(x.len())
-        .map(|p| p.chunks_exact_mut(g))
-        .collect();
+    // Each piece's groups, in turn (at most three pieces; the rest stay empty).
+    let mut piece_rows = natural.chunks_exact_mut(x.len());
+    let mut groups_of = || piece_rows.next().map(|p| p.chunks_exact_mut(g));
+    let mut pieces = [groups_of(), groups_of(), groups_of()];
     for (gi, group) in x.chunks_exact(g).enumerate() {
         let mut outs: [&mut [X]; 3] = Default::default();
-        for (out, piece) in outs.iter_mut().zip(&mut pieces) {
+        for (out, piece) in outs.iter_mut().zip(pieces.iter_mut().flatten()) {
             *out = piece.next().expect("a group of each piece");
         }
         let outs = &mut outs[..acts.pieces()];
@@ -502,23 +502,24 @@ fn rows<X: ActInt>(
                 }
             };
         }
-        use Activations::*;
+        /// The instruction set's int8 or int16 kernel with as many pieces as the activations.
+        macro_rules! by_activations {
+            ($i8:ident, $i16:ident) => {
+                match kernel.activations {
+                    Activations::I8 => by_shape!($i8, 1),
+                    Activations::I8Triple => by_shape!($i8, 3),
+                    Activations::I16 => by_shape!($i16, 1),
+                    Activations::I16Pair => by_shape!($i16, 2),
+                }
+            };
+        }
         // SAFETY: `gemv` checked that the processor runs `kernel` and that it takes `w`; the
         // kernels check bounds.
         unsafe {
-            match (kernel.isa, kernel.activations) {
-                (IntIsa::Avx2, I8) => by_shape!(avx2_i8, 1),
-                (IntIsa::AvxVnni, I8) => by_shape!(vnni_i8, 1),
-                (IntIsa::Avx512Vnni, I8) => by_shape!(avx512_i8, 1),
-                (IntIsa::Avx2, I16) => by_shape!(avx2_i16, 1),
-                (IntIsa::AvxVnni, I16) => by_shape!(vnni_i16, 1),
-                (IntIsa::Avx512Vnni, I16) => by_shape!(avx512_i16, 1),
-                (IntIsa::Avx2, I16Pair) => by_shape!(avx2_i16, 2),
-                (IntIsa::AvxVnni, I16Pair) => by_shape!(vnni_i16, 2),
-                (IntIsa::Avx512Vnni, I16Pair) => by_shape!(avx512_i16, 2),
-                (IntIsa::Avx2, I8Triple) => by_shape!(avx2_i8, 3),
-                (IntIsa::AvxVnni, I8Triple) => by_shape!(vnni_i8, 3),
-                (IntIsa::Avx512Vnni, I8Triple) => by_shape!(avx512_i8, 3),
+            match kernel.isa {
+                IntIsa::Avx2 => by_activations!(avx2_i8, avx2_i16),
+                IntIsa::AvxVnni => by_activations!(vnni_i8, vnni_i16),
+                IntIsa::Avx512Vnni => by_activations!(avx512_i8, avx512_i16),
             }
         }
     }

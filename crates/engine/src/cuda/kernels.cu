@@ -349,6 +349,16 @@ QUANTIZED_BITS(5)
 QUANTIZED_BITS(6)
 QUANTIZED_BITS(8)
 
+// The formats of the integer kernels (int16 GEMVs, tensor-core products): 4- and 8-bit weights
+// with f32, f16 or bf16 scales and biases; `X(BITS, S, NAME)` instantiated for each.
+#define FOR_INT_FORMATS(X) \
+    X(4, F32, f32)         \
+    X(4, F16, f16)         \
+    X(4, BF16, bf16)       \
+    X(8, F32, f32)         \
+    X(8, F16, f16)         \
+    X(8, BF16, bf16)
+
 // ---- tensor-core products of many activation rows ------------------------------------------------
 
 // y[r, :] = x[r, :] · Wᵀ for 9 to 64 rows r at once on the tensor cores (mma.sync m16n8k16, f16
@@ -576,12 +586,7 @@ extern "C" __global__ void mma_reduce(const float *__restrict__ part,
     QMMA(BITS, S, NAME, 4)        \
     QMMA(BITS, S, NAME, 8)
 
-QMMA_TILES(4, F32, f32)
-QMMA_TILES(4, F16, f16)
-QMMA_TILES(4, BF16, bf16)
-QMMA_TILES(8, F32, f32)
-QMMA_TILES(8, F16, f16)
-QMMA_TILES(8, BF16, bf16)
+FOR_INT_FORMATS(QMMA_TILES)
 
 // ---- 4- and 8-bit weights against int16 activations (decode GEMVs) ----------------------------
 //
@@ -778,12 +783,12 @@ __device__ __forceinline__ void qdot_run(const RunWeights<BITS, S, R> &rw, const
 
 // acc[i][r] = Σ_k x[r, k] · W_i[k] over a share of the runs of the R weight rows whose words
 // start at w[i]: the warp takes share `part` of `parts` (tiles part, part + parts, ... of the
-// rows' tiles of 32 runs), each lane one run of each tile. The lane's first D runs are loaded before the kernel waits for its
-// inputs (so, launched early, while the previous kernel still runs) and before the block rounds
-// x[m, k] into shared memory (which returns in `a`); then each of the D stages, once summed, is
-// refilled with the run D ahead, so that D - 1 runs are in flight while one is summed. Two
-// stages: a third measured no faster on the H200 (2026-12-01) and costs registers, which more
-// warps an SM put to better use.
+// rows' tiles of 32 runs), each lane one run of each tile. The lane's first D runs are loaded
+// before the kernel waits for its inputs (so, launched early, while the previous kernel still
+// runs) and before the block rounds x[m, k] into shared memory (which returns in `a`); then
+// each of the D stages, once summed, is refilled with the run D ahead, so that D - 1 runs are
+// in flight while one is summed. Two stages: a third measured no faster on the H200
+// (2026-12-01) and costs registers, which more warps an SM put to better use.
 template <int BITS, class S, int R, int M>
 __device__ __forceinline__ void qdot_int(const u32 *const (&w)[R],
                                          const typename S::T *const (&s)[R],
@@ -813,10 +818,6 @@ __device__ __forceinline__ void qdot_int(const u32 *const (&w)[R],
     }
 }
 
-// y[r, n] (+)= Σ_k x[r, k] · W[n, k] for r < m: each warp takes 2 rows, the block's warps
-// consecutive pairs; the launch gives the activations their shared memory (`int_acts_bytes`
-// in ops.rs).
-// `block` counts the blocks of this matrix (blockIdx.x for one matrix alone).
 // acc[i][r] = Σ_k x[r, k] · W[rows[i], k] for the two rows `rows` of W (qdot_int's sums).
 template <int BITS, class S, int M>
 __device__ __forceinline__ void qdot_pair(const u32 *__restrict__ w,
@@ -1024,12 +1025,7 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
                           traditional);                                                           \
     }
 
-QUANTIZED_INT_WIDTHS(4, F32, f32)
-QUANTIZED_INT_WIDTHS(4, F16, f16)
-QUANTIZED_INT_WIDTHS(4, BF16, bf16)
-QUANTIZED_INT_WIDTHS(8, F32, f32)
-QUANTIZED_INT_WIDTHS(8, F16, f16)
-QUANTIZED_INT_WIDTHS(8, BF16, bf16)
+FOR_INT_FORMATS(QUANTIZED_INT_WIDTHS)
 
 // ---- float weights --------------------------------------------------------------------------
 
@@ -1151,7 +1147,7 @@ extern "C" __global__ void columns(const float *x, float *out, i64 rows, int col
 // ids[r] = the index of the first maximum of row r of x[rows, cols] (NaNs passed over), as a
 // float (exact below 2^24); one block per row, each thread striding the row, in 16-byte loads
 // where the row allows, eight of them issued before any is compared (a vocabulary's row in a
-// round or two of loads, where one at a time took 15 us).
+// round or two of loads).
 extern "C" __global__ void argmax_rows(const float *__restrict__ x, float *__restrict__ ids,
                                        int cols) {
     await_inputs();

@@ -841,6 +841,14 @@ fn norm_args(norm: InputNorm) -> [Arg; 2] {
     [Arg::from(ptr), Arg::from(eps)]
 }
 
+/// Whether the matrices share input width, bits, group size and scale type, as one launch of
+/// the int16-activation kernels over all of them needs.
+fn same_format(ws: &[(&QuantizedWeights, QuantShape)]) -> bool {
+    let format =
+        |(w, s): &(&QuantizedWeights, QuantShape)| (s.cols, s.bits, s.group_size, w.scale_type);
+    ws.iter().all(|m| format(m) == format(&ws[0]))
+}
+
 /// `y_i[m, rows_i] = norm(x)[m, cols] · W_iᵀ` for one to three matrices of one format in one
 /// launch (attention's projections, or an output head with the final norm), when the
 /// int16-activation GEMV applies; `None` otherwise (the caller norms and multiplies one matrix
@@ -854,12 +862,8 @@ pub fn quantized_matmul_group(
     let Some(&(first, s)) = ws.first() else {
         return Ok(None);
     };
-    let same_format = ws.iter().all(|(w, t)| {
-        (t.cols, t.bits, t.group_size, w.scale_type)
-            == (s.cols, s.bits, s.group_size, first.scale_type)
-    });
     let g = first.gpu.clone();
-    let fits = same_format && (1..=3).contains(&ws.len());
+    let fits = same_format(ws) && (1..=3).contains(&ws.len());
     let Some(shared) = int_acts_bytes(x.gpu(), s, m).filter(|_| fits) else {
         return Ok(None);
     };
@@ -920,11 +924,7 @@ pub fn qkv_rope_write(
     (keys, values, capacity): (&mut Buffer, &mut Buffer, usize),
 ) -> Result<Option<Buffer>> {
     let (first, s) = ws[0];
-    let same_format = ws.iter().all(|(w, t)| {
-        (t.cols, t.bits, t.group_size, w.scale_type)
-            == (s.cols, s.bits, s.group_size, first.scale_type)
-    });
-    let Some(shared) = int_acts_bytes(x.gpu(), s, 1).filter(|_| same_format) else {
+    let Some(shared) = int_acts_bytes(x.gpu(), s, 1).filter(|_| same_format(&ws)) else {
         return Ok(None);
     };
     let g = first.gpu.clone();
