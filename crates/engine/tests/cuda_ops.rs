@@ -732,17 +732,29 @@ fn attention_full_sliding_and_split() {
 
 /// One token for each of several sequences, whose caches differ in capacity and length (one
 /// a sliding-window ring that has wrapped): the batched write and attention against the CPU,
-/// and against the one-sequence attention on the GPU.
+/// and against the one-sequence attention on the GPU. The cases take every number of query
+/// heads a warp of the batched kernel handles (1, 2, 4, and 4 then 3 of a group of 7), head
+/// dims of 64 to 256, and enough sequences (70 × 8 warps) that the keys are not split.
 #[test]
 fn batched_kv_write_and_attention() {
     let Some(dev) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(8);
-    let (heads, kv_heads, d) = (8, 2, 64);
-    let row = kv_heads * d;
-    for (window, sequences) in [
-        (None, vec![(256, 10), (512, 300), (256, 255), (1024, 700)]),
-        (Some(16), vec![(16, 40), (16, 5), (16, 16)]),
+    let many: Vec<(usize, usize)> = (0..70).map(|i| (64, 1 + i % 64)).collect();
+    for (heads, kv_heads, d, window, sequences) in [
+        (
+            8,
+            2,
+            64,
+            None,
+            vec![(256, 10), (512, 300), (256, 255), (1024, 700)],
+        ),
+        (8, 2, 64, Some(16), vec![(16, 40), (16, 5), (16, 16)]),
+        (14, 2, 64, None, vec![(128, 100), (512, 511)]),
+        (4, 4, 128, None, vec![(256, 200), (64, 90)]),
+        (4, 2, 256, None, vec![(128, 127), (96, 50)]),
+        (32, 8, 64, None, many),
     ] {
+        let row = kv_heads * d;
         let n = sequences.len();
         let mut caches: Vec<[(KvBuffer, KvBuffer); 2]> = sequences
             .iter()
@@ -802,7 +814,7 @@ fn batched_kv_write_and_attention() {
             );
         }
         assert_close(
-            &format!("attention_batch window {window:?}"),
+            &format!("attention_batch {heads}/{kv_heads} heads of {d}, window {window:?}"),
             &outs[1],
             &outs[0],
             EXACT,

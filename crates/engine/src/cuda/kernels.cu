@@ -1334,9 +1334,9 @@ extern "C" __global__ void kv_move(const float *src, int src_capacity, float *ds
 // `th` = token · heads + head, counted from q, positions, out, part and counters.
 // Merges the first `used` split partials `pp` ([splits, d + 2]: max, sum, unnormalised output)
 // of one (token, head) into `out_row`. Lane s takes splits s and s + 32 (at most 64), so that
-// the maxima and sums come in one round of loads; then each lane's features (lane + 32e) of 64 / E
-// splits at a time, all loaded before any is summed (one round for up to 32 splits of d = 64).
-// Loads go through L2, where other blocks' writes are.
+// the maxima and sums come in one round of loads; then each lane's features (lane + 32e) of
+// 64 / E splits at a time, all loaded before any is summed (one round for up to 32 splits of d =
+// 64). Loads go through L2, where other blocks' writes are.
 template <int E>
 __device__ void combine_splits(const float *pp, float *out_row, int d, int used, int lane) {
     const int stride = d + 2;
@@ -1388,7 +1388,15 @@ __device__ void combine_splits(const float *pp, float *out_row, int d, int used,
     }
 }
 
-template <int E, bool PREFETCH>
+// combine_splits as a call of its own: inlined after attention_group's loop, its loads in
+// flight spill that kernel's registers (bounded at 128).
+template <int E>
+__device__ __noinline__ void combine_splits_call(const float *pp, float *out_row, int d, int used,
+                                                 int lane) {
+    combine_splits<E>(pp, out_row, d, used, lane);
+}
+
+template <int E>
 __device__ void attention_split(const float *__restrict__ q, const float *__restrict__ keys,
                                 const float *__restrict__ values, const int *__restrict__ positions,
                                 float *__restrict__ out, float *__restrict__ part,
@@ -1415,14 +1423,12 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
     float m = -INFINITY, l = 0.f, acc[E];
 #pragma unroll
     for (int e = 0; e < E; e++) acc[e] = 0.f;
-    // With PREFETCH the values of the first VB keys of a tile are loaded with its keys, before
-    // the scores that weigh them (they do not depend on them): one round of loads instead of two
-    // or three, for a decode step's few warps, each with one tile or two. Without it (a batch's
-    // many warps, each looping over many tiles) the registers go to occupancy instead: with the
-    // prefetch (136 registers, against 86) 64 sequences decoded 12% slower on the H200. The rest
-    // of the values come in batches whose loads are all issued before any is used. Keys past
-    // `count` read the tile's first (written) slot and weigh 0.
-    constexpr int VB = !PREFETCH ? 0 : E <= 2 ? 32 : 32 / E;
+    // The values of the first VB keys of a tile are loaded with its keys, before the scores
+    // that weigh them (they do not depend on them): one round of loads instead of two or three,
+    // for a decode step's few warps, each with one tile or two. The rest of the values come in
+    // batches whose loads are all issued before any is used. Keys past `count` read the tile's
+    // first (written) slot and weigh 0.
+    constexpr int VB = E <= 2 ? 32 : 32 / E;
     constexpr int BATCH = E >= 32 ? 1 : 32 / E;
     for (i64 p0 = s0; p0 < s1; p0 += 32) {
         const int count = (int)min((i64)32, s1 - p0);
@@ -1433,7 +1439,7 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
             if (slot >= capacity) slot -= capacity;
             return vh + (i64)slot * d;
         };
-        float vfirst[VB > 0 ? VB : 1][E];
+        float vfirst[VB][E];
 #pragma unroll
         for (int j = 0; j < VB; j++) {
             const float *vr = value_row(j);
@@ -1534,26 +1540,9 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
         float *out, float *part, unsigned *counters, int heads, int kv_heads, int d,            \
         int capacity, i64 start, i64 window, float scale, int splits, int per_split) {          \
         await_inputs();                                                                         \
-        attention_split<E, true>(q, keys, values, positions, out, part, counters, heads,       \
-                                 kv_heads, d, capacity, start, window, scale, splits,           \
-                                 per_split, blockIdx.x, blockIdx.y);                            \
-    }                                                                                           \
-    /* One query token for each of several sequences, sequence s over the cache at keys[s] */   \
-    /* and values[s] (capacity capacities[s], first kept position starts[s]): blockIdx.x = */   \
-    /* s · heads + head. */                                                                     \
-    extern "C" __global__ void attention_batch_##E(                                             \
-        const float *q, const unsigned long long *keys, const unsigned long long *values,       \
-        const int *positions, float *out, float *part, unsigned *counters, int heads,           \
-        int kv_heads, int d, const int *capacities, const int *starts, i64 window, float scale, \
-        int splits, int per_split) {                                                            \
-        await_inputs();                                                                         \
-        const int s = blockIdx.x / heads;                                                       \
-        const i64 row = (i64)s * heads;                                                         \
-        attention_split<E, false>(q + row * d, reinterpret_cast<const float *>(keys[s]),        \
-                           reinterpret_cast<const float *>(values[s]), positions + s,           \
-                           out + row * d, part + row * splits * (d + 2), counters + row, heads, \
-                           kv_heads, d, capacities[s], starts[s], window, scale, splits,        \
-                           per_split, blockIdx.x % heads, blockIdx.y);                          \
+        attention_split<E>(q, keys, values, positions, out, part, counters, heads, kv_heads, d, \
+                           capacity, start, window, scale, splits, per_split, blockIdx.x,       \
+                           blockIdx.y);                                                         \
     }
 
 ATTENTION(1)
@@ -1561,6 +1550,208 @@ ATTENTION(2)
 ATTENTION(4)
 ATTENTION(8)
 ATTENTION(16)
+
+// One query token of a sequence for `heads` (at most G) of the query heads that share one
+// key/value head, in one warp: each key and value is loaded once for all of them, where one
+// warp per head loads it once per head (grouped-query attention: 4 times for 32 heads over 8).
+// `q`, `out` and `part` start at the first head's row, `keys` and `values` at the key/value
+// head's ring; `counter` counts this warp's splits. Visible keys, splits and the merge as in
+// attention_split. Each lane keeps its own share of every head's softmax sum, added up once at
+// the end, and the weights of a tile go through shared memory, [key][head], so that one load
+// gives a key's weight for every head.
+template <int E, int G>
+__device__ void attention_group(const float *__restrict__ q, const float *__restrict__ keys,
+                                const float *__restrict__ values, i64 pos,
+                                float *__restrict__ out, float *__restrict__ part,
+                                unsigned *__restrict__ counter, int heads, int d, int capacity,
+                                i64 start, i64 window, float scale, int splits, int per_split,
+                                int split) {
+    __shared__ __align__(16) float qs[G][E * 32];
+    __shared__ __align__(16) float ps[32][G];
+    const int lane = threadIdx.x;
+    for (int i = lane; i < G * E * 32; i += 32) {
+        const int g = i / (E * 32), f = i % (E * 32);
+        qs[g][f] = g < heads && f < d ? q[(i64)g * d + f] : 0.f;
+    }
+    __syncwarp();
+    const i64 hi = pos + 1;
+    i64 lo = max(start, pos + 1 - window);
+    if (lo > hi) lo = hi;
+    const int used = (int)max((i64)1, min((i64)splits, (hi - lo + per_split - 1) / per_split));
+    if (split >= used) return;
+    const i64 s0 = lo + (i64)split * per_split, s1 = min(hi, s0 + per_split);
+    float m[G], l[G], acc[G][E];
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; e++) acc[g][e] = 0.f;
+    }
+    constexpr int BATCH = E >= 32 ? 1 : 32 / E;
+    for (i64 p0 = s0; p0 < s1; p0 += 32) {
+        const int count = (int)min((i64)32, s1 - p0);
+        const int slot0 = (int)(p0 % capacity);
+        float s[G];
+#pragma unroll
+        for (int g = 0; g < G; g++) s[g] = -INFINITY;
+        if (lane < count) {
+            int slot = slot0 + lane;
+            if (slot >= capacity) slot -= capacity;
+            const float *kr = keys + (i64)slot * d;
+            float dot[G];
+#pragma unroll
+            for (int g = 0; g < G; g++) dot[g] = 0.f;
+            if ((d & 3) == 0) {
+                const float4 *k4 = reinterpret_cast<const float4 *>(kr);
+                // Past the row's end the loads repeat its last four, which meet the zeros the
+                // queries are padded with.
+                // Eight at a time in flight (32 registers).
+                const int last = (d >> 2) - 1;
+                constexpr int CHUNK = E * 8 < 8 ? E * 8 : 8;
+#pragma unroll 1
+                for (int e0 = 0; e0 < E * 8; e0 += CHUNK) {
+                    float4 b[CHUNK];
+#pragma unroll
+                    for (int e = 0; e < CHUNK; e++) b[e] = k4[min(e0 + e, last)];
+#pragma unroll
+                    for (int e = 0; e < CHUNK; e++)
+#pragma unroll
+                        for (int g = 0; g < G; g++) {
+                            const float4 a = reinterpret_cast<const float4 *>(qs[g])[e0 + e];
+                            dot[g] += a.x * b[e].x + a.y * b[e].y + a.z * b[e].z + a.w * b[e].w;
+                        }
+                }
+            } else {
+                for (int e = 0; e < d; e++) {
+                    const float k = kr[e];
+#pragma unroll
+                    for (int g = 0; g < G; g++) dot[g] += qs[g][e] * k;
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < G; g++) s[g] = dot[g] * scale;
+        }
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            const float m_new = fmaxf(m[g], warp_max(s[g]));
+            const float correction = expf(m[g] - m_new);
+            const float pr = lane < count ? expf(s[g] - m_new) : 0.f;
+            l[g] = l[g] * correction + pr;
+#pragma unroll
+            for (int e = 0; e < E; e++) acc[g][e] *= correction;
+            ps[lane][g] = pr;
+            m[g] = m_new;
+        }
+        __syncwarp();
+        // Values in batches whose loads all go out before any is used; keys past `count`
+        // read the tile's first slot and weigh 0.
+#pragma unroll
+        for (int j0 = 0; j0 < 32; j0 += BATCH) {
+            if (j0 >= count) break;
+            float v[BATCH][E];
+#pragma unroll
+            for (int j = 0; j < BATCH; j++) {
+                int slot = slot0 + (j0 + j < count ? j0 + j : 0);
+                if (slot >= capacity) slot -= capacity;
+                const float *vr = values + (i64)slot * d;
+#pragma unroll
+                for (int e = 0; e < E; e++) {
+                    const int f = lane + 32 * e;
+                    v[j][e] = f < d ? vr[f] : 0.f;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < BATCH; j++)
+#pragma unroll
+                for (int g = 0; g < G; g++) {
+                    const float pj = ps[j0 + j][g];
+#pragma unroll
+                    for (int e = 0; e < E; e++) acc[g][e] += pj * v[j][e];
+                }
+        }
+        __syncwarp();
+    }
+#pragma unroll
+    for (int g = 0; g < G; g++) l[g] = warp_sum(l[g]);
+    if (used == 1) {
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            if (g >= heads) break;
+            const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+#pragma unroll
+            for (int e = 0; e < E; e++) {
+                const int f = lane + 32 * e;
+                if (f < d) out[(i64)g * d + f] = acc[g][e] * inv;
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        if (g >= heads) break;
+        float *pp = part + ((i64)g * splits + split) * (d + 2);
+        if (lane == 0) {
+            pp[0] = m[g];
+            pp[1] = l[g];
+        }
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const int f = lane + 32 * e;
+            if (f < d) pp[2 + f] = acc[g][e];
+        }
+    }
+    // Every lane's partials visible before the count, so that the last split reads them all.
+    __threadfence();
+    __syncwarp();
+    unsigned done = 0;
+    if (lane == 0) done = atomicAdd(counter, 1u);
+    if (__shfl_sync(0xffffffffu, done, 0) == (unsigned)used - 1) {
+        for (int g = 0; g < heads; g++)
+            combine_splits_call<E>(part + (i64)g * splits * (d + 2), out + (i64)g * d, d, used,
+                                   lane);
+        if (lane == 0) *counter = 0;
+    }
+}
+
+// One query token for each of several sequences, sequence s over the cache at keys[s] and
+// values[s] (capacity capacities[s], first kept position starts[s]), one warp per (sequence,
+// key/value head, chunk of G of its query heads, split): blockIdx.x = (s · kv_heads + kv head)
+// · chunks + chunk, blockIdx.y the split. The last chunk of a group that G does not divide has
+// fewer heads. At most 128 registers a thread, so that 16 warps fit on a multiprocessor (left
+// alone, the compiler takes 140 to 250 to keep every key's loads in flight).
+#define ATTENTION_BATCH(E, G)                                                                   \
+    extern "C" __global__ void __launch_bounds__(32, 16) attention_batch_##E##_##G(             \
+        const float *q, const unsigned long long *keys, const unsigned long long *values,       \
+        const int *positions, float *out, float *part, unsigned *counters, int heads,           \
+        int kv_heads, int d, const int *capacities, const int *starts, i64 window, float scale, \
+        int splits, int per_split) {                                                            \
+        await_inputs();                                                                         \
+        const int group = heads / kv_heads, chunks = (group + G - 1) / G;                       \
+        const int s = blockIdx.x / (kv_heads * chunks), kvh = blockIdx.x / chunks % kv_heads;   \
+        const int chunk = blockIdx.x % chunks;                                                  \
+        const i64 first = (i64)s * heads + kvh * group + chunk * G;                             \
+        const i64 ring = (i64)kvh * capacities[s] * d;                                          \
+        attention_group<E, G>(q + first * d, reinterpret_cast<const float *>(keys[s]) + ring,   \
+                              reinterpret_cast<const float *>(values[s]) + ring, positions[s], \
+                              out + first * d, part + first * splits * (d + 2),                 \
+                              counters + blockIdx.x, min(G, group - chunk * G), d,              \
+                              capacities[s], starts[s], window, scale, splits, per_split,       \
+                              blockIdx.y);                                                      \
+    }
+// G · E <= 16: at most sixteen accumulators a lane.
+ATTENTION_BATCH(1, 1)
+ATTENTION_BATCH(1, 2)
+ATTENTION_BATCH(1, 4)
+ATTENTION_BATCH(2, 1)
+ATTENTION_BATCH(2, 2)
+ATTENTION_BATCH(2, 4)
+ATTENTION_BATCH(4, 1)
+ATTENTION_BATCH(4, 2)
+ATTENTION_BATCH(4, 4)
+ATTENTION_BATCH(8, 1)
+ATTENTION_BATCH(8, 2)
+ATTENTION_BATCH(16, 1)
 
 // Attention of many queries (prefill) as two batched matrix products with the scores between
 // them: heads_first lays queries out per head, masked_softmax turns each head's scores into
