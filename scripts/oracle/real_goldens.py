@@ -1,7 +1,7 @@
 """Greedy-decoding goldens for a real MLX model, from Python mlx-lm (the parity oracle).
 
 usage: PY=$(scripts/oracle/venv.sh)
-       $PY scripts/oracle/real_goldens.py MODEL_DIR OUT.safetensors [--steps 32] [--completion]
+       $PY scripts/oracle/real_goldens.py MODEL_DIR OUT.safetensors [--steps 32] [--completion] [--kv-bits 8]
   e.g. $PY scripts/oracle/real_goldens.py "$(scripts/models/fetch_models.sh smollm2)" \
            tests/fixtures/real/smollm2-135m-instruct-4bit.safetensors
 Writes OUT.safetensors and a sidecar OUT.json (same stem).
@@ -15,7 +15,9 @@ The completion prompts end with the opening of the GPL-3 (Debian's /usr/share/co
 about 700 tokens), longer than Gemma 3's 512-token sliding window; the sidecar keeps every prompt's text.
 then, with fp32 activations (model.set_dtype(mx.float32): quantized weights unchanged, scales/biases/norms
 upcast) and the mlx-lm KV cache (make_prompt_cache): one forward over the whole prompt, then one token per
-step, greedy (argmax), for --steps steps, without stopping at eos. Stored:
+step, greedy (argmax), for --steps steps, without stopping at eos. With --kv-bits, the cache is mlx-lm's
+quantized one from the first token (to_quantized(group_size=64, bits), what generate_step's kv_bits with
+quantized_kv_start=0 makes). Stored:
   p{i}.prompt_ids   int32 [n_prompt]
   p{i}.greedy_ids   int32 [steps]
   p{i}.first_logits f32   [vocab]    logits at the last prompt position (those that pick greedy_ids[0])
@@ -56,6 +58,7 @@ ap.add_argument("out")
 ap.add_argument("--steps", type=int, default=32)
 ap.add_argument("--completion", action="store_true", help="plain-text prompts (base models), no chat template")
 ap.add_argument("--no-check", action="store_true", help="skip the generate_step cross-check")
+ap.add_argument("--kv-bits", type=int, default=None, help="quantized KV cache of these bits (group size 64)")
 args = ap.parse_args()
 
 t_all = time.time()
@@ -74,6 +77,8 @@ for i, prompt in enumerate(COMPLETION_PROMPTS if args.completion else PROMPTS):
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tok.encode(text, add_special_tokens=False)
     cache = make_prompt_cache(model)
+    if args.kv_bits:
+        cache = [c.to_quantized(group_size=64, bits=args.kv_bits) for c in cache]
     logits = model(mx.array([ids]), cache=cache)[0, -1].astype(mx.float32)
     first_logits, out_ids, top2 = None, [], []
     for step in range(args.steps):
@@ -90,8 +95,10 @@ for i, prompt in enumerate(COMPLETION_PROMPTS if args.completion else PROMPTS):
     check = None
     if not args.no_check:
         gen = []
+        quantized = dict(kv_bits=args.kv_bits, kv_group_size=64, quantized_kv_start=0) if args.kv_bits else {}
         for (tok_id, _), _n in zip(generate_step(mx.array(ids), model, max_tokens=args.steps,
-                                                 sampler=lambda x: mx.argmax(x, axis=-1)), range(args.steps)):
+                                                 sampler=lambda x: mx.argmax(x, axis=-1), **quantized),
+                                   range(args.steps)):
             gen.append(int(tok_id))
         check = {"generate_step_ids_equal": gen == out_ids,
                  "first_mismatch": next((k for k, (a, b) in enumerate(zip(gen, out_ids)) if a != b), None)}
@@ -134,6 +141,7 @@ side = {
     "model_files_sha256": {f: sha256(os.path.join(args.model_dir, f)) for f in weights},
     "quantization": cfg.get("quantization"),
     "activations": "float32 (model.set_dtype(mx.float32) after mlx_lm.load)",
+    "kv_cache": f"quantized, {args.kv_bits} bits, group size 64" if args.kv_bits else "mlx-lm's default",
     "procedure": ("encode(text) (plain completion)" if args.completion else
                   "apply_chat_template(tokenize=False, add_generation_prompt=True) -> encode(add_special_tokens=False)")
                  + "; one forward over the whole prompt with make_prompt_cache, then 1 token/step; greedy argmax;"

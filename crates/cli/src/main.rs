@@ -42,14 +42,17 @@ fn parse_device(spec: &str) -> Result<Device, String> {
 }
 
 const KV_CACHE_HELP: &str = "How the cache keeps keys and values: f16 (the CPU's default: half \
-    the memory, and long contexts decode faster) or f32 (exactly what the layers computed, as \
-    mlx-lm's f32 run keeps them). GPUs keep f32";
+    the memory, and long contexts decode faster), f32 (exactly what the layers computed, as \
+    mlx-lm's f32 run keeps them) or q8 (8-bit codes per group of 64, as mlx-lm's --kv-bits 8 \
+    from the first token: under a third of f32's memory; head dims must be multiples of 64). \
+    GPUs keep f32";
 
 fn parse_kv_cache(spec: &str) -> Result<KvPrecision, String> {
     match spec {
         "f16" => Ok(KvPrecision::F16),
         "f32" => Ok(KvPrecision::F32),
-        _ => Err(format!("`{spec}`: expected f16 or f32")),
+        "q8" => Ok(KvPrecision::Q8),
+        _ => Err(format!("`{spec}`: expected f16, f32 or q8")),
     }
 }
 

@@ -191,7 +191,8 @@ fn an_adapter_per_request_matches_generate_with_adapter_path() {
 }
 
 /// `--kv-cache` reaches the server's caches as it does `generate`'s; a precision it does not
-/// know is refused before anything loads.
+/// know is refused before anything loads, and an 8-bit cache for heads it cannot group with a
+/// clear error.
 #[test]
 fn the_kv_cache_flag_reaches_generate_and_serve() {
     let serve = Serve::start(&["--kv-cache", "f32"]);
@@ -208,7 +209,23 @@ fn the_kv_cache_flag_reaches_generate_and_serve() {
         .unwrap();
     assert!(!output.status.success());
     let stderr = String::from_utf8(output.stderr).unwrap();
-    assert!(stderr.contains("`f64`: expected f16 or f32"), "{stderr}");
+    assert!(
+        stderr.contains("`f64`: expected f16, f32 or q8"),
+        "{stderr}"
+    );
+    // This model's heads of 16 are no whole group of an 8-bit cache: an error, no panic.
+    let output = Command::new(OXLM)
+        .args(["generate", "--kv-cache", "q8", "--prompt", "hi", "--model"])
+        .arg(model())
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    assert!(
+        stderr.contains("an 8-bit KV cache needs head dims that are multiples of 64")
+            && !stderr.contains("panicked"),
+        "{stderr}"
+    );
 }
 
 /// Waits for a server that got `signal` (SIGTERM, SIGINT) to end; checks that it exited with 0

@@ -4,13 +4,13 @@
 //!
 //! The shape is the synthetic 0.85B llama's (32 query heads over 8 key/value heads of 64): one
 //! query token over `context` cached positions of sixteen layers (so that the reads come from
-//! memory, as in decoding), with the cache in f32 and in f16, reported as milliseconds per token
-//! and GB/s of keys and values read.
+//! memory, as in decoding), with the cache in f32, in f16 and in 8-bit codes, reported as
+//! milliseconds per token and GB/s of keys and values read (codes, scales and biases).
 
 use std::time::Instant;
 
 use half::f16;
-use oxlm_engine::cpu::attention::{self, KvElem};
+use oxlm_engine::cpu::attention::{self, KvRows, Q8Rows, Q8_GROUP};
 use oxlm_engine::cpu::pool;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -40,8 +40,45 @@ fn main() {
         d,
         context,
     };
-    report::<f32>("f32", &caches, &q, &shape, threads);
-    report::<f16>("f16", &caches, &q, &shape, threads);
+    let as_elems = |stored: &[(Vec<f32>, Vec<f32>)]| -> Vec<(Vec<f16>, Vec<f16>)> {
+        let half = |x: &[f32]| x.iter().map(|&v| f16::from_f32(v)).collect();
+        stored.iter().map(|(k, v)| (half(k), half(v))).collect()
+    };
+    let f32_rows: Vec<(&[f32], &[f32])> = caches.iter().map(|(k, v)| (&k[..], &v[..])).collect();
+    report("f32", 4.0, &f32_rows, &q, &shape, threads);
+    let halves = as_elems(&caches);
+    let f16_rows: Vec<(&[f16], &[f16])> = halves.iter().map(|(k, v)| (&k[..], &v[..])).collect();
+    report("f16", 2.0, &f16_rows, &q, &shape, threads);
+    let codes: Vec<(Q8, Q8)> = caches.iter().map(|(k, v)| (Q8::of(k), Q8::of(v))).collect();
+    let q8_rows: Vec<(Q8Rows, Q8Rows)> = codes.iter().map(|(k, v)| (k.rows(), v.rows())).collect();
+    report(
+        "8-bit",
+        1.0 + 8.0 / Q8_GROUP as f64,
+        &q8_rows,
+        &q,
+        &shape,
+        threads,
+    );
+}
+
+/// An 8-bit ring's codes, scales and biases.
+struct Q8(Vec<u8>, Vec<f32>, Vec<f32>);
+
+impl Q8 {
+    fn of(x: &[f32]) -> Q8 {
+        let groups = x.len() / Q8_GROUP;
+        let mut q = Q8(vec![0; x.len()], vec![0.0; groups], vec![0.0; groups]);
+        attention::quantize_q8(x, &mut q.0, &mut q.1, &mut q.2);
+        q
+    }
+
+    fn rows(&self) -> Q8Rows<'_> {
+        Q8Rows {
+            codes: &self.0,
+            scales: &self.1,
+            biases: &self.2,
+        }
+    }
 }
 
 struct Shape {
@@ -51,34 +88,27 @@ struct Shape {
     context: usize,
 }
 
-/// Times attention over `caches` stored as `T`: the best of five tokens.
-fn report<T: KvElem>(
+/// Times attention over the layers' `caches`, which keep an element in `bytes`: the best of fifty
+/// tokens.
+fn report<R: KvRows>(
     name: &str,
-    caches: &[(Vec<f32>, Vec<f32>)],
+    bytes: f64,
+    caches: &[(R, R)],
     q: &[f32],
     s: &Shape,
     threads: usize,
 ) {
-    let stored: Vec<(Vec<T>, Vec<T>)> = caches
-        .iter()
-        .map(|(k, v)| {
-            (
-                k.iter().map(|&x| T::from_f32(x)).collect(),
-                v.iter().map(|&x| T::from_f32(x)).collect(),
-            )
-        })
-        .collect();
     let mut out = vec![0.0; s.heads * s.d];
     let mut best = f64::INFINITY;
     for _ in 0..50 {
         let t = Instant::now();
-        for (keys, values) in &stored {
+        for &(keys, values) in caches {
             let view = attention::KvView::sequence(keys, values, s.kv_heads, s.context);
             attention::attention(q, s.heads, s.d, &[s.context - 1], &view, 0.125, &mut out);
         }
         best = best.min(t.elapsed().as_secs_f64());
     }
-    let bytes = (stored.len() * 2 * s.kv_heads * s.context * s.d * std::mem::size_of::<T>()) as f64;
+    let bytes = (caches.len() * 2 * s.kv_heads * s.context * s.d) as f64 * bytes;
     println!(
         "{name} cache, context {}, {threads} thread(s): {:.2} ms per token, {:.1} GB/s",
         s.context,

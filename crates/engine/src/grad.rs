@@ -97,7 +97,7 @@ pub fn attention_backward(
     q: &[f32],
     heads: usize,
     head_dim: usize,
-    kv: &KvView<f32>,
+    kv: &KvView<&[f32]>,
     scale: f32,
     dout: &[f32],
 ) -> AttentionGrads {

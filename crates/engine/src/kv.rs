@@ -1,11 +1,11 @@
 //! Storage for cached keys and values. Activations are f32 everywhere, but a long context's
 //! cache is what decoding reads most of after the weights, so on the host it is kept in f16 by
 //! default: half the bytes per position, as llama.cpp's cache and mlx-lm's (in an f16 model's
-//! dtype) keep it.
+//! dtype) keep it; or, asked, as 8-bit codes (mlx-lm's `--kv-bits 8`), a quarter of f32's.
 
 use half::f16;
 
-use crate::cpu::attention::KvElem;
+use crate::cpu::attention::{self, KvElem, Q8Rows, Q8_GROUP};
 use crate::cuda::Buffer;
 use crate::{Device, EngineError};
 
@@ -16,6 +16,10 @@ pub enum KvPrecision {
     F32,
     /// f16: rounded once when written, read at half the bytes.
     F16,
+    /// 8-bit affine codes with an f32 scale and bias per group of 64 of a head's features, as
+    /// mlx-lm's quantized cache keeps them (`kv_bits` 8, `kv_group_size` 64): 1.125 bytes an
+    /// element. Head dims must be multiples of 64.
+    Q8,
 }
 
 impl KvPrecision {
@@ -32,7 +36,51 @@ impl KvPrecision {
 pub(crate) enum KvStorage {
     HostF32(Vec<f32>),
     HostF16(Vec<f16>),
+    HostQ8(Q8Ring),
     Cuda(Buffer),
+}
+
+/// Codes and the per-group scales and biases of an 8-bit ring (see [`Q8Rows`]).
+#[derive(Clone)]
+pub(crate) struct Q8Ring {
+    pub codes: Vec<u8>,
+    pub scales: Vec<f32>,
+    pub biases: Vec<f32>,
+}
+
+impl Q8Ring {
+    fn zeros(len: usize) -> Q8Ring {
+        let groups = len.div_ceil(Q8_GROUP);
+        Q8Ring {
+            codes: vec![0; len],
+            scales: vec![0.0; groups],
+            biases: vec![0.0; groups],
+        }
+    }
+
+    /// `values` quantized, whole groups of them; `None` if they are not.
+    fn quantized(values: &[f32]) -> Option<Q8Ring> {
+        if !values.len().is_multiple_of(Q8_GROUP) {
+            return None;
+        }
+        let mut ring = Q8Ring::zeros(values.len());
+        attention::quantize_q8(values, &mut ring.codes, &mut ring.scales, &mut ring.biases);
+        Some(ring)
+    }
+
+    pub fn rows(&self) -> Q8Rows<'_> {
+        Q8Rows {
+            codes: &self.codes,
+            scales: &self.scales,
+            biases: &self.biases,
+        }
+    }
+
+    fn to_vec(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.codes.len()];
+        attention::dequantize_q8(crate::cpu::Isa::best(), self.rows(), &mut out);
+        out
+    }
 }
 
 /// One ring of a layer's cached keys or values (`[kv_heads, capacity, head_dim]` elements),
@@ -43,7 +91,7 @@ pub struct KvBuffer {
 
 impl KvBuffer {
     /// `len` zeros on `device`. GPU rings are f32 whatever is asked, since the GPU kernels read
-    /// f32.
+    /// f32. An 8-bit ring holds whole groups of 64 elements (rows of heads of a multiple of 64).
     pub fn zeros(
         len: usize,
         precision: KvPrecision,
@@ -52,6 +100,7 @@ impl KvBuffer {
         let storage = match (device, precision) {
             (Device::Cpu, KvPrecision::F32) => KvStorage::HostF32(vec![0.0; len]),
             (Device::Cpu, KvPrecision::F16) => KvStorage::HostF16(vec![f16::ZERO; len]),
+            (Device::Cpu, KvPrecision::Q8) => KvStorage::HostQ8(Q8Ring::zeros(len)),
             (Device::Cuda(gpu), _) => KvStorage::Cuda(gpu.zeros(len)?),
         };
         Ok(KvBuffer { storage })
@@ -62,6 +111,7 @@ impl KvBuffer {
         match &self.storage {
             KvStorage::HostF32(v) => v.len(),
             KvStorage::HostF16(v) => v.len(),
+            KvStorage::HostQ8(q) => q.codes.len(),
             KvStorage::Cuda(b) => b.len(),
         }
     }
@@ -73,22 +123,25 @@ impl KvBuffer {
     pub fn precision(&self) -> KvPrecision {
         match &self.storage {
             KvStorage::HostF16(_) => KvPrecision::F16,
+            KvStorage::HostQ8(_) => KvPrecision::Q8,
             KvStorage::HostF32(_) | KvStorage::Cuda(_) => KvPrecision::F32,
         }
     }
 
     pub fn device(&self) -> Device {
         match &self.storage {
-            KvStorage::HostF32(_) | KvStorage::HostF16(_) => Device::Cpu,
+            KvStorage::HostF32(_) | KvStorage::HostF16(_) | KvStorage::HostQ8(_) => Device::Cpu,
             KvStorage::Cuda(b) => Device::Cuda(b.gpu().clone()),
         }
     }
 
     /// Bytes of host or device memory held.
     pub fn size_in_bytes(&self) -> usize {
-        match self.precision() {
-            KvPrecision::F32 => self.len() * 4,
-            KvPrecision::F16 => self.len() * 2,
+        match &self.storage {
+            KvStorage::HostF32(v) => v.len() * 4,
+            KvStorage::HostF16(v) => v.len() * 2,
+            KvStorage::HostQ8(q) => q.codes.len() + (q.scales.len() + q.biases.len()) * 4,
+            KvStorage::Cuda(b) => b.len() * 4,
         }
     }
 
@@ -97,21 +150,33 @@ impl KvBuffer {
         match &self.storage {
             KvStorage::HostF32(v) => Ok(v.clone()),
             KvStorage::HostF16(v) => Ok(v.iter().map(|x| x.to_f32()).collect()),
+            KvStorage::HostQ8(q) => Ok(q.to_vec()),
             KvStorage::Cuda(b) => b.download(),
         }
     }
 
-    /// These elements in `precision`: rounded to f16 or widened to f32 on the host; a GPU ring
-    /// stays f32.
+    /// These elements in `precision`: rounded to f16, quantized to 8 bits or widened to f32 on
+    /// the host (through f32 where both ends are narrower); a GPU ring stays f32, as does a
+    /// ring of elements that are not whole groups of 64 asked for 8 bits.
     pub fn into_precision(self, precision: KvPrecision) -> KvBuffer {
-        let storage = match (self.storage, precision) {
-            (KvStorage::HostF32(v), KvPrecision::F16) => {
-                KvStorage::HostF16(v.into_iter().map(KvElem::from_f32).collect())
+        if self.precision() == precision || matches!(self.storage, KvStorage::Cuda(_)) {
+            return self;
+        }
+        let values = match self.storage {
+            KvStorage::HostF32(v) => v,
+            KvStorage::HostF16(v) => v.into_iter().map(f16::to_f32).collect(),
+            KvStorage::HostQ8(q) => q.to_vec(),
+            KvStorage::Cuda(_) => unreachable!("returned above"),
+        };
+        let storage = match precision {
+            KvPrecision::F16 => {
+                KvStorage::HostF16(values.into_iter().map(KvElem::from_f32).collect())
             }
-            (KvStorage::HostF16(v), KvPrecision::F32) => {
-                KvStorage::HostF32(v.into_iter().map(f16::to_f32).collect())
-            }
-            (kept, _) => kept,
+            KvPrecision::Q8 => match Q8Ring::quantized(&values) {
+                Some(q) => KvStorage::HostQ8(q),
+                None => KvStorage::HostF32(values),
+            },
+            KvPrecision::F32 => KvStorage::HostF32(values),
         };
         KvBuffer { storage }
     }
@@ -121,6 +186,7 @@ impl KvBuffer {
         let storage = match &self.storage {
             KvStorage::HostF32(v) => KvStorage::HostF32(v.clone()),
             KvStorage::HostF16(v) => KvStorage::HostF16(v.clone()),
+            KvStorage::HostQ8(q) => KvStorage::HostQ8(q.clone()),
             KvStorage::Cuda(b) => KvStorage::Cuda(b.try_clone()?),
         };
         Ok(KvBuffer { storage })
@@ -230,5 +296,136 @@ mod tests {
             3..tokens,
         );
         assert!(err.is_err(), "rings of two precisions");
+    }
+    /// An 8-bit ring reads back as `mx.quantize`'s codes of what was written, within one and a
+    /// half steps of each group (half a step of rounding, and at the far end from the edge up to
+    /// one more where MLX's nudge of the scale shrinks the range); attention over it equals
+    /// attention over an f32 ring of those values, bit for bit; it moves into a larger ring
+    /// whole, quantizes a ring of whole groups handed to it, and refuses heads of other than
+    /// whole groups.
+    #[test]
+    fn an_8_bit_ring_is_an_f32_ring_of_dequantized_values() {
+        let (kv_heads, d, capacity, heads) = (2, 128, 8, 4);
+        let row = kv_heads * d;
+        let tokens = 11; // wraps the ring of 8
+        let (keys, values) = (awkward(tokens * row, 0.5), awkward(tokens * row, 1.5));
+        let from = tokens - capacity;
+        let at = Positions::new((from..tokens).collect(), &Device::Cpu).unwrap();
+        let fill = |precision, k: &[f32], v: &[f32]| {
+            let ring = || KvBuffer::zeros(capacity * row, precision, &Device::Cpu).unwrap();
+            let (mut kr, mut vr) = (ring(), ring());
+            let kt = Tensor::new(vec![capacity, row], k[k.len() - capacity * row..].to_vec());
+            let vt = Tensor::new(vec![capacity, row], v[v.len() - capacity * row..].to_vec());
+            ops::kv_write((&mut kr, &mut vr), &kt, &vt, kv_heads, d, capacity, &at).unwrap();
+            (kr, vr)
+        };
+        let (kq, vq) = fill(KvPrecision::Q8, &keys, &values);
+        let held = (kq.to_vec().unwrap(), vq.to_vec().unwrap());
+        let written = fill(KvPrecision::F32, &keys, &values);
+        let written = (written.0.to_vec().unwrap(), written.1.to_vec().unwrap());
+        // Within `steps` of each group's step of what was written.
+        let near = |q: &[f32], x: &[f32], steps: f32| {
+            for (group, (a, b)) in q.chunks(Q8_GROUP).zip(x.chunks(Q8_GROUP)).enumerate() {
+                let (lo, hi) = b
+                    .iter()
+                    .fold((f32::MAX, f32::MIN), |(l, h), &v| (l.min(v), h.max(v)));
+                let step = (hi - lo) / 255.0;
+                let worst = a
+                    .iter()
+                    .zip(b)
+                    .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
+                assert!(
+                    worst <= steps * step,
+                    "group {group}: {worst} of a step of {step}"
+                );
+            }
+        };
+        near(&held.0, &written.0, 1.5);
+        near(&held.1, &written.1, 1.5);
+        let exact = (
+            KvBuffer {
+                storage: KvStorage::HostF32(held.0.clone()),
+            },
+            KvBuffer {
+                storage: KvStorage::HostF32(held.1.clone()),
+            },
+        );
+        assert_eq!(
+            kq.size_in_bytes(),
+            capacity * row + 2 * 4 * capacity * row / Q8_GROUP
+        );
+        // Every held position's query, as a prompt attends.
+        let q = Tensor::new(
+            vec![capacity, heads * d],
+            awkward(capacity * heads * d, 2.5),
+        );
+        let last = Positions::new((from..tokens).collect(), &Device::Cpu).unwrap();
+        for window in [None, Some(5)] {
+            let attend = |(k, v): (&KvBuffer, &KvBuffer)| {
+                let kv = Kv {
+                    keys: k,
+                    values: v,
+                    kv_heads,
+                    capacity,
+                    start: from,
+                    end: tokens,
+                    window,
+                };
+                ops::attention(&q, heads, d, &last, &kv, 0.25)
+                    .unwrap()
+                    .into_data()
+            };
+            assert_eq!(
+                attend((&kq, &vq)),
+                attend((&exact.0, &exact.1)),
+                "window {window:?}"
+            );
+        }
+        let mut moved = KvBuffer::zeros(2 * capacity * row, KvPrecision::Q8, &Device::Cpu).unwrap();
+        ops::kv_move(
+            &kq,
+            capacity,
+            &mut moved,
+            2 * capacity,
+            kv_heads,
+            d,
+            from..tokens,
+        )
+        .unwrap();
+        let mut expected =
+            KvBuffer::zeros(2 * capacity * row, KvPrecision::F32, &Device::Cpu).unwrap();
+        ops::kv_move(
+            &exact.0,
+            capacity,
+            &mut expected,
+            2 * capacity,
+            kv_heads,
+            d,
+            from..tokens,
+        )
+        .unwrap();
+        assert_eq!(moved.to_vec().unwrap(), expected.to_vec().unwrap());
+        let requantized = exact.0.clone().into_precision(KvPrecision::Q8);
+        assert_eq!(requantized.precision(), KvPrecision::Q8);
+        near(&requantized.to_vec().unwrap(), &held.0, 1.5);
+
+        let small = 16;
+        let ring = || KvBuffer::zeros(capacity * kv_heads * small, KvPrecision::Q8, &Device::Cpu);
+        let (mut kr, mut vr) = (ring().unwrap(), ring().unwrap());
+        let one = Tensor::new(vec![1, kv_heads * small], vec![0.5; kv_heads * small]);
+        let first = Positions::new(vec![0], &Device::Cpu).unwrap();
+        let err = ops::kv_write(
+            (&mut kr, &mut vr),
+            &one,
+            &one,
+            kv_heads,
+            small,
+            capacity,
+            &first,
+        );
+        assert!(
+            matches!(&err, Err(EngineError::UnsupportedQuantization(m)) if m.contains("multiples of 64")),
+            "{err:?}"
+        );
     }
 }

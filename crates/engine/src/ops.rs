@@ -415,6 +415,17 @@ fn write_host_ring(
         KvStorage::HostF16(c) => {
             cpu::attention::kv_write(c, src, kv_heads, head_dim, capacity, first)
         }
+        KvStorage::HostQ8(q) => {
+            if !head_dim.is_multiple_of(cpu::attention::Q8_GROUP) {
+                return Err(EngineError::UnsupportedQuantization(format!(
+                    "an 8-bit KV cache needs head dims that are multiples of {}; this model's \
+                     are {head_dim} (use --kv-cache f16)",
+                    cpu::attention::Q8_GROUP
+                )));
+            }
+            let cache = (&mut q.codes[..], &mut q.scales[..], &mut q.biases[..]);
+            cpu::attention::kv_write_q8(cache, src, kv_heads, head_dim, capacity, first)
+        }
         KvStorage::Cuda(_) => return Err(mismatch("kv_write")),
     }
     Ok(())
@@ -654,6 +665,14 @@ pub fn kv_move(
             cpu::attention::kv_move(s, src_capacity, t, dst_capacity, h, d, p);
             Ok(())
         }
+        (KvStorage::HostQ8(s), KvStorage::HostQ8(t)) => {
+            let groups = d / cpu::attention::Q8_GROUP;
+            let (sc, dc) = (src_capacity, dst_capacity);
+            cpu::attention::kv_move(&s.codes, sc, &mut t.codes, dc, h, d, p.clone());
+            cpu::attention::kv_move(&s.scales, sc, &mut t.scales, dc, h, groups, p.clone());
+            cpu::attention::kv_move(&s.biases, sc, &mut t.biases, dc, h, groups, p);
+            Ok(())
+        }
         (KvStorage::Cuda(s), KvStorage::Cuda(t)) if s.gpu().same(t.gpu()) => {
             let (p0, p1) = (p.start, p.end);
             cuda::ops::kv_move(s, src_capacity, t, dst_capacity, h, d, p0, p1)
@@ -701,11 +720,7 @@ fn host_attention(
     scale: f32,
     out: &mut [f32],
 ) -> Result<()> {
-    fn over<'a, T: cpu::attention::KvElem>(
-        keys: &'a [T],
-        values: &'a [T],
-        kv: &Kv,
-    ) -> cpu::attention::KvView<'a, T> {
+    fn over<R: cpu::attention::KvRows>(keys: R, values: R, kv: &Kv) -> cpu::attention::KvView<R> {
         cpu::attention::KvView {
             keys,
             values,
@@ -719,10 +734,13 @@ fn host_attention(
     let (h, d, p) = (heads, head_dim, positions);
     match (&kv.keys.storage, &kv.values.storage) {
         (KvStorage::HostF32(k), KvStorage::HostF32(v)) => {
-            cpu::attention::attention(q, h, d, p, &over(k, v, kv), scale, out)
+            cpu::attention::attention(q, h, d, p, &over(&k[..], &v[..], kv), scale, out)
         }
         (KvStorage::HostF16(k), KvStorage::HostF16(v)) => {
-            cpu::attention::attention(q, h, d, p, &over(k, v, kv), scale, out)
+            cpu::attention::attention(q, h, d, p, &over(&k[..], &v[..], kv), scale, out)
+        }
+        (KvStorage::HostQ8(k), KvStorage::HostQ8(v)) => {
+            cpu::attention::attention(q, h, d, p, &over(k.rows(), v.rows(), kv), scale, out)
         }
         _ => return Err(mismatch("attention")),
     }

@@ -196,6 +196,38 @@ impl QuantizedView<'_> {
     }
 }
 
+/// The scale and bias `mx.quantize` (affine mode) gives a group of values with `levels + 1`
+/// codes. As MLX: the bias sits on whichever end has the larger magnitude (the "edge"), the
+/// scale's sign follows so that the other end is reached, and the scale is then nudged so that
+/// the edge is an exact multiple of it, which keeps zero representable.
+pub(crate) fn affine_group(group: &[f32], levels: f32) -> (f32, f32) {
+    let (lo, hi) = group
+        .iter()
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
+            (lo.min(v), hi.max(v))
+        });
+    let mut scale = ((hi - lo) / levels).max(1e-7);
+    let edge = if lo.abs() > hi.abs() {
+        lo
+    } else {
+        scale = -scale;
+        hi
+    };
+    let q0 = (edge / scale).round_ties_even();
+    let bias = if q0 != 0.0 {
+        scale = edge / q0;
+        edge
+    } else {
+        0.0
+    };
+    (scale, bias)
+}
+
+/// The code of `v` in a group of `scale` and `bias` (see [`affine_group`]).
+pub(crate) fn affine_code(v: f32, scale: f32, bias: f32, levels: f32) -> u32 {
+    ((v - bias) / scale).round_ties_even().clamp(0.0, levels) as u32
+}
+
 /// Quantizes a row-major f32 matrix the way `mx.quantize` does (affine mode), returning the
 /// packed words, scales and biases. Used to build test matrices and, later, `convert`/`fuse`.
 ///
@@ -217,32 +249,11 @@ pub fn quantize(
     for r in 0..rows {
         for g in 0..groups_per_row {
             let group = &values[r * cols + g * group_size..r * cols + (g + 1) * group_size];
-            let (lo, hi) = group
-                .iter()
-                .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
-                    (lo.min(v), hi.max(v))
-                });
-            // As MLX: the bias sits on whichever end has the larger magnitude (the "edge"), the
-            // scale's sign follows so that the other end is reached, and the scale is then nudged
-            // so that the edge is an exact multiple of it, which keeps zero representable.
-            let mut scale = ((hi - lo) / levels).max(1e-7);
-            let edge = if lo.abs() > hi.abs() {
-                lo
-            } else {
-                scale = -scale;
-                hi
-            };
-            let q0 = (edge / scale).round_ties_even();
-            let bias = if q0 != 0.0 {
-                scale = edge / q0;
-                edge
-            } else {
-                0.0
-            };
+            let (scale, bias) = affine_group(group, levels);
             scales.push(scale);
             biases.push(bias);
             for (i, &v) in group.iter().enumerate() {
-                let q = ((v - bias) / scale).round_ties_even().clamp(0.0, levels) as u64;
+                let q = affine_code(v, scale, bias, levels) as u64;
                 let col = g * group_size + i;
                 let bit = col * bits as usize;
                 let word = r * row_words + bit / 32;

@@ -145,7 +145,7 @@ fn attention_matches_finite_differences() {
         attention(q, heads, d, &positions, &kv, scale, &mut out);
         out
     };
-    let kv = KvView::sequence(&k, &v, kv_heads, n);
+    let kv = KvView::sequence(&k[..], &v[..], kv_heads, n);
     let g = attention_backward(&q, heads, d, &kv, scale, &r);
     assert_close(
         "attention dq",

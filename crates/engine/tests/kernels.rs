@@ -451,23 +451,27 @@ fn grouped_gemv_equals_one_gemv_per_matrix() {
     pool::set_threads(pool::default_threads());
 }
 
-/// Grouped attention of one position against the f64 softmax-weighted sum, on every instruction
-/// set and over f32 and f16 rows: key counts around the kernels' blocks of 8 and 64, head sizes
-/// with and without a partial vector, and the rows split in two runs as a wrapped ring's are.
+/// Grouped attention of one position against the f64 softmax-weighted sum of the values the
+/// cache holds, on every instruction set and over f32, f16 and 8-bit rows: key counts around
+/// the kernels' blocks of 8 and 64, head sizes with and without a partial vector (AVX-512 takes
+/// whole 64s, AVX2 whole 8s), groups that four-head chunks do not divide, and the rows split in
+/// two runs as a wrapped ring's are.
 #[test]
 fn group_attention_matches_the_reference() {
     use half::f16;
-    use oxlm_engine::cpu::attention::{GroupAttention, KvElem};
+    use oxlm_engine::cpu::attention::{self, GroupAttention, KvElem, KvRows, Q8Rows, Q8_GROUP};
 
-    fn check<T: KvElem>(keys: &[f32], values: &[f32], queries: &[f32], d: usize, len: usize) {
-        let stored = |x: &[f32]| -> Vec<T> { x.iter().map(|&v| T::from_f32(v)).collect() };
-        let rounded = |x: &[T]| -> Vec<f32> {
-            let mut out = vec![0.0; x.len()];
-            T::widen(x, &mut out).to_vec()
-        };
-        let (ks, vs) = (stored(keys), stored(values));
-        let (kr, vr) = (rounded(&ks), rounded(&vs));
-        let group = queries.len() / d;
+    /// The rows as they are read: `(keys, values)` stored whole and stored as a ring that
+    /// wrapped (the last third first), with the runs that read each in order.
+    fn compare<R: KvRows>(
+        stored: [(R, R, [std::ops::Range<usize>; 2]); 2],
+        held: (&[f32], &[f32]),
+        queries: &[f32],
+        d: usize,
+        format: &str,
+    ) {
+        let (kr, vr) = held;
+        let (group, len) = (queries.len() / d, kr.len() / d);
         let scale = 1.0 / (d as f32).sqrt();
         let mut want = vec![0.0f64; group * d];
         for (g, q) in queries.chunks_exact(d).enumerate() {
@@ -490,13 +494,7 @@ fn group_attention_matches_the_reference() {
                 }
             }
         }
-        // The same rows stored as a ring that wrapped: the last third first.
-        let cut = len - len / 3;
-        let ring = |x: &[T]| -> Vec<T> { [&x[cut * d..], &x[..cut * d]].concat() };
-        let (kw, vw) = (ring(&ks), ring(&vs));
-        let whole = (&ks, &vs, [0..len, 0..0]);
-        let wrapped = (&kw, &vw, [len - cut..len, 0..len - cut]);
-        for (keys, values, runs) in [whole, wrapped] {
+        for (keys, values, runs) in stored {
             let job = GroupAttention {
                 queries,
                 keys,
@@ -511,22 +509,100 @@ fn group_attention_matches_the_reference() {
                 for (i, (&g, &w)) in out.iter().zip(&want).enumerate() {
                     assert!(
                         (g as f64 - w).abs() <= 1e-5,
-                        "{isa:?} {} d={d} group={group} len={len} runs {runs:?} output {i}: {g} vs {w}",
-                        std::any::type_name::<T>()
+                        "{isa:?} {format} d={d} group={group} len={len} runs {runs:?} output {i}: {g} vs {w}"
                     );
                 }
             }
         }
     }
 
+    /// Rows `cut..` then `..cut` of `x` (rows of `d`).
+    fn wrap<T: Clone>(x: &[T], cut: usize, d: usize) -> Vec<T> {
+        [&x[cut * d..], &x[..cut * d]].concat()
+    }
+
+    fn check<T: KvElem>(keys: &[f32], values: &[f32], queries: &[f32], d: usize) {
+        let len = keys.len() / d;
+        let stored = |x: &[f32]| -> Vec<T> { x.iter().map(|&v| T::from_f32(v)).collect() };
+        let held = |x: &[T]| -> Vec<f32> {
+            let mut out = vec![0.0; x.len()];
+            T::floats(x).to_f32(0, &mut out);
+            out
+        };
+        let (ks, vs) = (stored(keys), stored(values));
+        let cut = len - len / 3;
+        let (kw, vw) = (wrap(&ks, cut, d), wrap(&vs, cut, d));
+        compare(
+            [
+                (&ks[..], &vs[..], [0..len, 0..0]),
+                (&kw[..], &vw[..], [len - cut..len, 0..len - cut]),
+            ],
+            (&held(&ks), &held(&vs)),
+            queries,
+            d,
+            std::any::type_name::<T>(),
+        );
+    }
+
+    /// 8-bit codes: scores and values of the values the codes stand for.
+    fn check_q8(keys: &[f32], values: &[f32], queries: &[f32], d: usize) {
+        struct Ring(Vec<u8>, Vec<f32>, Vec<f32>);
+        let quantize = |x: &[f32]| {
+            let groups = x.len() / Q8_GROUP;
+            let mut r = Ring(vec![0; x.len()], vec![0.0; groups], vec![0.0; groups]);
+            attention::quantize_q8(x, &mut r.0, &mut r.1, &mut r.2);
+            r
+        };
+        fn rows(r: &Ring) -> Q8Rows<'_> {
+            Q8Rows {
+                codes: &r.0,
+                scales: &r.1,
+                biases: &r.2,
+            }
+        }
+        let held = |r: &Ring| {
+            let mut out = vec![0.0; r.0.len()];
+            attention::dequantize_q8(Isa::Portable, rows(r), &mut out);
+            out
+        };
+        let len = keys.len() / d;
+        let cut = len - len / 3;
+        let (kq, vq) = (quantize(keys), quantize(values));
+        let (kw, vw) = (
+            quantize(&wrap(keys, cut, d)),
+            quantize(&wrap(values, cut, d)),
+        );
+        let (kh, vh) = (held(&kq), held(&vq));
+        // One step of a code: what quantizing moved each value by, at most.
+        let step = |x: &[f32], h: &[f32]| {
+            x.iter()
+                .zip(h)
+                .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
+        };
+        assert!(step(keys, &kh) <= 2.0 / 255.0 && step(values, &vh) <= 2.0 / 255.0);
+        compare(
+            [
+                (rows(&kq), rows(&vq), [0..len, 0..0]),
+                (rows(&kw), rows(&vw), [len - cut..len, 0..len - cut]),
+            ],
+            (&kh, &vh),
+            queries,
+            d,
+            "8-bit",
+        );
+    }
+
     let mut rng = StdRng::seed_from_u64(9);
-    for (d, group) in [(64, 4), (36, 2), (128, 1)] {
+    for (d, group) in [(64, 4), (36, 2), (128, 1), (80, 3), (256, 5), (16, 4)] {
         for len in [1, 7, 8, 63, 65, 200, 1000] {
             let queries = random_vec(&mut rng, group * d);
             let keys = random_vec(&mut rng, len * d);
             let values = random_vec(&mut rng, len * d);
-            check::<f32>(&keys, &values, &queries, d, len);
-            check::<f16>(&keys, &values, &queries, d, len);
+            check::<f32>(&keys, &values, &queries, d);
+            check::<f16>(&keys, &values, &queries, d);
+            if d % Q8_GROUP == 0 {
+                check_q8(&keys, &values, &queries, d);
+            }
         }
     }
 }

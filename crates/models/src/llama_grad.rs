@@ -113,7 +113,7 @@ fn forward_block(block: &Block, h_in: Tensor, lora: [ModuleAdapters; 2]) -> OpRe
     let k = tokens_to_heads(k.data(), n, a.kv_heads, a.head_dim);
     let v = tokens_to_heads(v.data(), n, a.kv_heads, a.head_dim);
     let mut attn = vec![0.0; q.len()];
-    let kv = KvView::sequence(&k, &v, a.kv_heads, n);
+    let kv = KvView::sequence(&k[..], &v[..], a.kv_heads, n);
     let p = positions.as_slice();
     oxlm_engine::cpu::attention::attention(
         q.data(),
@@ -233,7 +233,7 @@ fn backward_block(
     let dh_mid = add(dh_mid, &dh_out);
 
     let d_attn = g.through(&a.o_proj, "self_attn", "o_proj", s.attn.data(), &dh_mid);
-    let kv = KvView::sequence(&s.k, &s.v, a.kv_heads, n);
+    let kv = KvView::sequence(&s.k[..], &s.v[..], a.kv_heads, n);
     let grads = attention_backward(s.q.data(), a.heads, a.head_dim, &kv, a.scale, &d_attn);
     let mut dq = grads.dq;
     let mut dk = heads_to_tokens(&grads.dk, n, a.kv_heads, a.head_dim);

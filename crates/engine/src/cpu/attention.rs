@@ -1,8 +1,10 @@
 //! Attention of one query position over a run of cached keys and values, for all the query heads
 //! that share one key/value head (grouped-query attention): each key and value is read once for
 //! the whole group, which at long contexts is what decoding spends its memory traffic on. The
-//! cache may be kept in f32 or f16 ([`KvElem`]): the AVX2 kernels widen each f16 vector as they
-//! load it, once for up to four heads; the portable code widens a block at a time.
+//! cache may be kept in f32 or f16 ([`KvElem`]), whose vectors the AVX2 and AVX-512 kernels widen
+//! as they load them, once for up to four heads (the portable code widens a block at a time), or
+//! as 8-bit codes ([`Q8Rows`]), dequantized a block of rows at a time into scratch that stays in
+//! L1 for the f32 kernels.
 
 use std::ops::Range;
 
@@ -15,8 +17,6 @@ use crate::float::FloatSlice;
 /// The element types a cache ring is kept in (see `crate::kv`).
 pub trait KvElem: Copy + Send + Sync + sealed::Sealed {
     fn from_f32(x: f32) -> Self;
-    /// `src` as f32: itself, or widened into `scratch`.
-    fn widen<'a>(src: &'a [Self], scratch: &'a mut [f32]) -> &'a [f32];
     /// The rows as the vector kernels take them.
     fn floats(src: &[Self]) -> FloatSlice<'_>;
 }
@@ -31,9 +31,6 @@ impl KvElem for f32 {
     fn from_f32(x: f32) -> Self {
         x
     }
-    fn widen<'a>(src: &'a [f32], _: &'a mut [f32]) -> &'a [f32] {
-        src
-    }
     fn floats(src: &[f32]) -> FloatSlice<'_> {
         FloatSlice::F32(src)
     }
@@ -45,24 +42,124 @@ impl KvElem for f16 {
     fn from_f32(x: f32) -> Self {
         f16::from_f32(x.clamp(-f16::MAX.to_f32(), f16::MAX.to_f32()))
     }
-    fn widen<'a>(src: &'a [f16], scratch: &'a mut [f32]) -> &'a [f32] {
-        let out = &mut scratch[..src.len()];
-        for (o, x) in out.iter_mut().zip(src) {
-            *o = x.to_f32();
-        }
-        out
-    }
     fn floats(src: &[f16]) -> FloatSlice<'_> {
         FloatSlice::F16(src)
     }
 }
 
+/// A run of cached rows of `d` elements (a ring, or one key/value head's part of it) as the
+/// attention kernels read it: f32 or f16 elements (`&[T]`), or 8-bit codes ([`Q8Rows`]).
+pub trait KvRows: Copy + Send + Sync {
+    /// Elements held.
+    fn elements(self) -> usize;
+    /// Rows `rows` of these.
+    fn rows(self, rows: Range<usize>, d: usize) -> Self;
+    /// Rows `rows` as the kernels take them.
+    fn block(&self, rows: Range<usize>, d: usize) -> Block<'_>;
+}
+
+/// A block of rows handed to the kernels.
+pub enum Block<'a> {
+    Floats(FloatSlice<'a>),
+    Q8(Q8Rows<'a>),
+}
+
+impl<T: KvElem> KvRows for &[T] {
+    fn elements(self) -> usize {
+        self.len()
+    }
+    fn rows(self, rows: Range<usize>, d: usize) -> Self {
+        &self[rows.start * d..rows.end * d]
+    }
+    fn block(&self, rows: Range<usize>, d: usize) -> Block<'_> {
+        Block::Floats(T::floats(&self[rows.start * d..rows.end * d]))
+    }
+}
+
+/// Features per group of an 8-bit cache's codes: each group of a head's features keeps its own
+/// scale and bias, as mlx-lm's quantized cache does at its default group size.
+pub const Q8_GROUP: usize = 64;
+
+/// Elements kept as 8-bit affine codes, as `mx.quantize` makes them (bits 8, groups of
+/// [`Q8_GROUP`] consecutive elements): element `i` is `codes[i] · scales[g] + biases[g]`, `g =
+/// i / Q8_GROUP`. Rows are whole groups (the head dim a multiple of [`Q8_GROUP`]).
+#[derive(Clone, Copy)]
+pub struct Q8Rows<'a> {
+    pub codes: &'a [u8],
+    pub scales: &'a [f32],
+    pub biases: &'a [f32],
+}
+
+impl KvRows for Q8Rows<'_> {
+    fn elements(self) -> usize {
+        self.codes.len()
+    }
+    fn rows(self, rows: Range<usize>, d: usize) -> Self {
+        let groups = d / Q8_GROUP;
+        Q8Rows {
+            codes: &self.codes[rows.start * d..rows.end * d],
+            scales: &self.scales[rows.start * groups..rows.end * groups],
+            biases: &self.biases[rows.start * groups..rows.end * groups],
+        }
+    }
+    fn block(&self, rows: Range<usize>, d: usize) -> Block<'_> {
+        Block::Q8(self.rows(rows, d))
+    }
+}
+
+/// `out[i] = codes[i] · scale + bias` of each group of `q`.
+pub fn dequantize_q8(isa: Isa, q: Q8Rows, out: &mut [f32]) {
+    assert!(
+        out.len() == q.codes.len() && q.scales.len() * Q8_GROUP == q.codes.len(),
+        "dequantizing {} codes in {} groups into {}",
+        q.codes.len(),
+        q.scales.len(),
+        out.len()
+    );
+    let groups = out
+        .chunks_exact_mut(Q8_GROUP)
+        .zip(q.codes.chunks_exact(Q8_GROUP));
+    for ((o, c), (&scale, &bias)) in groups.zip(q.scales.iter().zip(q.biases)) {
+        match isa {
+            // SAFETY: the caller checked the processor; a group is 64 of each.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 | Isa::Amx => unsafe {
+                super::avx512::dequantize_u8(c.as_ptr(), Q8_GROUP, scale, bias, o.as_mut_ptr())
+            },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe {
+                super::avx2::dequantize_u8(c.as_ptr(), Q8_GROUP, scale, bias, o.as_mut_ptr())
+            },
+            _ => {
+                for (o, &c) in o.iter_mut().zip(c) {
+                    *o = f32::from(c).mul_add(scale, bias);
+                }
+            }
+        }
+    }
+}
+
+/// Quantizes `src` (whole groups of [`Q8_GROUP`]) into `codes`, `scales` and `biases` as
+/// `mx.quantize` does at 8 bits.
+pub fn quantize_q8(src: &[f32], codes: &mut [u8], scales: &mut [f32], biases: &mut [f32]) {
+    let groups = src
+        .chunks_exact(Q8_GROUP)
+        .zip(codes.chunks_exact_mut(Q8_GROUP));
+    for ((group, codes), (scale, bias)) in groups.zip(scales.iter_mut().zip(biases.iter_mut())) {
+        (*scale, *bias) = crate::quant::affine_group(group, 255.0);
+        for (c, &v) in codes.iter_mut().zip(group) {
+            *c = crate::quant::affine_code(v, *scale, *bias, 255.0) as u8;
+        }
+    }
+}
+
 /// One key/value head's rows (`[slots, head_dim]`) and the group's queries (`[group,
 /// head_dim]`).
-pub struct GroupAttention<'a, T> {
+pub struct GroupAttention<'a, R> {
     pub queries: &'a [f32],
-    pub keys: &'a [T],
-    pub values: &'a [T],
+    pub keys: R,
+    pub values: R,
     pub head_dim: usize,
     /// The rows attended, in position order: the second run is where a wrapped ring goes on
     /// from its first slot (empty if it did not wrap).
@@ -74,7 +171,7 @@ pub struct GroupAttention<'a, T> {
 /// passes over them.
 const BLOCK: usize = 64;
 
-impl<T: KvElem> GroupAttention<'_, T> {
+impl<R: KvRows> GroupAttention<'_, R> {
     /// Softmax-weighted values for each query head into `out` (`[group, head_dim]`).
     pub fn run(&self, isa: Isa, out: &mut [f32]) {
         let group = self.queries.len() / self.head_dim;
@@ -83,9 +180,10 @@ impl<T: KvElem> GroupAttention<'_, T> {
             out[..group * self.head_dim].fill(0.0);
             return;
         }
-        with_task_scratch(group * n + BLOCK * self.head_dim, |scratch| {
-            let (scores, block) = scratch.split_at_mut(group * n);
-            self.run_with(isa, scores, block, out)
+        with_task_scratch(group * n + 2 * BLOCK * self.head_dim, |scratch| {
+            let (scores, blocks) = scratch.split_at_mut(group * n);
+            let (block, widened) = blocks.split_at_mut(BLOCK * self.head_dim);
+            self.run_with(isa, scores, block, widened, out)
         });
     }
 
@@ -109,19 +207,29 @@ impl<T: KvElem> GroupAttention<'_, T> {
         })
     }
 
-    fn run_with(&self, isa: Isa, scores: &mut [f32], block: &mut [f32], out: &mut [f32]) {
+    /// `block` holds a block's rows where 8-bit codes are dequantized ahead of the kernels,
+    /// `widened` where the portable code widens f16 (`BLOCK · head_dim` each).
+    fn run_with(
+        &self,
+        isa: Isa,
+        scores: &mut [f32],
+        block: &mut [f32],
+        widened: &mut [f32],
+        out: &mut [f32],
+    ) {
         let d = self.head_dim;
         let n = self.len();
         let group = self.queries.len() / d;
         assert!(
-            self.runs.iter().all(|r| r.end * d <= self.keys.len())
-                && self.keys.len() == self.values.len()
+            self.runs.iter().all(|r| r.end * d <= self.keys.elements())
+                && self.keys.elements() == self.values.elements()
                 && scores.len() >= group * n
                 && block.len() >= BLOCK * d
+                && widened.len() >= BLOCK * d
                 && out.len() >= group * d
         );
         for (j0, rows) in self.blocks() {
-            let keys = &self.keys[rows.start * d..rows.end * d];
+            let keys = self.keys.block(rows, d);
             block_scores(
                 isa,
                 self.queries,
@@ -130,7 +238,7 @@ impl<T: KvElem> GroupAttention<'_, T> {
                 self.scale,
                 &mut scores[j0..],
                 n,
-                block,
+                (block, widened),
             );
         }
         for s in scores[..group * n].chunks_exact_mut(n) {
@@ -138,7 +246,7 @@ impl<T: KvElem> GroupAttention<'_, T> {
         }
         out[..group * d].fill(0.0);
         for (j0, rows) in self.blocks() {
-            let values = &self.values[rows.start * d..rows.end * d];
+            let values = self.values.block(rows, d);
             block_values(
                 isa,
                 &scores[j0..],
@@ -146,7 +254,7 @@ impl<T: KvElem> GroupAttention<'_, T> {
                 values,
                 d,
                 &mut out[..group * d],
-                block,
+                (block, widened),
             );
         }
     }
@@ -156,44 +264,78 @@ impl<T: KvElem> GroupAttention<'_, T> {
 const KERNEL_HEADS: usize = 4;
 
 /// `scores[h · stride + j] = scale · q_h · k_j` for the query heads `queries` (`[heads, d]`) and
-/// the rows `k_j` of `keys` (`[rows, d]`); `scratch` holds a block of rows as f32.
+/// the rows `k_j` of `keys` (`[rows, d]`); `scratch` holds a block of rows as f32 twice, where
+/// 8-bit codes are dequantized and where the portable code widens f16.
 #[allow(clippy::too_many_arguments)]
-fn block_scores<T: KvElem>(
+fn block_scores(
     isa: Isa,
     queries: &[f32],
-    keys: &[T],
+    keys: Block,
     d: usize,
     scale: f32,
     scores: &mut [f32],
     stride: usize,
-    scratch: &mut [f32],
+    scratch: (&mut [f32], &mut [f32]),
 ) {
-    let (heads, rows) = (queries.len() / d, keys.len() / d);
+    let heads = queries.len() / d;
+    let keys = match floats(isa, keys, d, scratch.0) {
+        Ok(keys) => keys,
+        #[cfg(target_arch = "x86_64")]
+        Err((codes, rows)) => {
+            assert!(rows == 0 || scores.len() >= (heads - 1) * stride + rows);
+            for h0 in (0..heads).step_by(KERNEL_HEADS) {
+                let chunk = KERNEL_HEADS.min(heads - h0);
+                let (q, out) = (
+                    queries[h0 * d..].as_ptr(),
+                    scores[h0 * stride..].as_mut_ptr(),
+                );
+                // SAFETY: `floats` checked the processor and the head dim; the lengths above.
+                unsafe {
+                    super::avx512::group_scores(q, chunk, codes, rows, d, scale, out, stride)
+                };
+            }
+            return;
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Err(never) => match never {},
+    };
+    let rows = keys.len() / d;
     assert!(rows == 0 || scores.len() >= (heads - 1) * stride + rows);
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 && d.is_multiple_of(8) {
+        let wide = isa >= Isa::Avx512 && d.is_multiple_of(64);
         for h0 in (0..heads).step_by(KERNEL_HEADS) {
             let chunk = KERNEL_HEADS.min(heads - h0);
             let (q, out) = (
                 queries[h0 * d..].as_ptr(),
                 scores[h0 * stride..].as_mut_ptr(),
             );
+            macro_rules! scores {
+                (avx512, $k:expr) => {{
+                    let k = super::avx512::Plain {
+                        ptr: $k.as_ptr(),
+                        d,
+                    };
+                    super::avx512::group_scores(q, chunk, k, rows, d, scale, out, stride)
+                }};
+                (avx2, $k:expr) => {
+                    super::avx2::group_scores(q, chunk, $k.as_ptr(), rows, d, scale, out, stride)
+                };
+            }
             // SAFETY: the caller checked the processor; the lengths were checked above.
             unsafe {
-                match T::floats(keys) {
-                    FloatSlice::F32(k) => {
-                        super::avx2::group_scores(q, chunk, k.as_ptr(), rows, d, scale, out, stride)
-                    }
-                    FloatSlice::F16(k) => {
-                        super::avx2::group_scores(q, chunk, k.as_ptr(), rows, d, scale, out, stride)
-                    }
-                    FloatSlice::BF16(_) => unreachable!("caches are f32 or f16"),
+                match (&keys, wide) {
+                    (FloatSlice::F32(k), true) => scores!(avx512, k),
+                    (FloatSlice::F16(k), true) => scores!(avx512, k),
+                    (FloatSlice::F32(k), false) => scores!(avx2, k),
+                    (FloatSlice::F16(k), false) => scores!(avx2, k),
+                    (FloatSlice::BF16(_), _) => unreachable!("caches are f32, f16 or 8-bit"),
                 }
             }
         }
         return;
     }
-    let keys = T::widen(keys, scratch);
+    let keys = widen(keys, scratch.1);
     for (h, q) in queries.chunks_exact(d).enumerate() {
         for (o, k) in scores[h * stride..][..rows]
             .iter_mut()
@@ -205,44 +347,129 @@ fn block_scores<T: KvElem>(
 }
 
 /// `out[h · d..] += Σ_j p[h · stride + j] · v_j` for the rows `v_j` of `values` (`[rows, d]`);
-/// `scratch` holds a block of rows as f32.
-fn block_values<T: KvElem>(
+/// `scratch` as [`block_scores`]'.
+fn block_values(
     isa: Isa,
     p: &[f32],
     stride: usize,
-    values: &[T],
+    values: Block,
     d: usize,
     out: &mut [f32],
-    scratch: &mut [f32],
+    scratch: (&mut [f32], &mut [f32]),
 ) {
-    let (heads, rows) = (out.len() / d, values.len() / d);
+    let heads = out.len() / d;
+    let values = match floats(isa, values, d, scratch.0) {
+        Ok(values) => values,
+        #[cfg(target_arch = "x86_64")]
+        Err((codes, rows)) => {
+            assert!(rows == 0 || p.len() >= (heads - 1) * stride + rows);
+            for h0 in (0..heads).step_by(KERNEL_HEADS) {
+                let chunk = KERNEL_HEADS.min(heads - h0);
+                let (p, o) = (p[h0 * stride..].as_ptr(), out[h0 * d..].as_mut_ptr());
+                // SAFETY: `floats` checked the processor and the head dim; the lengths above.
+                unsafe { super::avx512::group_values(p, stride, chunk, codes, rows, d, o) };
+            }
+            return;
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Err(never) => match never {},
+    };
+    let rows = values.len() / d;
     assert!(rows == 0 || p.len() >= (heads - 1) * stride + rows);
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 && d.is_multiple_of(8) {
+        let wide = isa >= Isa::Avx512 && d.is_multiple_of(64);
         for h0 in (0..heads).step_by(KERNEL_HEADS) {
             let chunk = KERNEL_HEADS.min(heads - h0);
             let (p, o) = (p[h0 * stride..].as_ptr(), out[h0 * d..].as_mut_ptr());
+            macro_rules! values {
+                (avx512, $v:expr) => {{
+                    let v = super::avx512::Plain {
+                        ptr: $v.as_ptr(),
+                        d,
+                    };
+                    super::avx512::group_values(p, stride, chunk, v, rows, d, o)
+                }};
+                (avx2, $v:expr) => {
+                    super::avx2::group_values(p, stride, chunk, $v.as_ptr(), rows, d, o)
+                };
+            }
             // SAFETY: the caller checked the processor; the lengths were checked above.
             unsafe {
-                match T::floats(values) {
-                    FloatSlice::F32(v) => {
-                        super::avx2::group_values(p, stride, chunk, v.as_ptr(), rows, d, o)
-                    }
-                    FloatSlice::F16(v) => {
-                        super::avx2::group_values(p, stride, chunk, v.as_ptr(), rows, d, o)
-                    }
-                    FloatSlice::BF16(_) => unreachable!("caches are f32 or f16"),
+                match (&values, wide) {
+                    (FloatSlice::F32(v), true) => values!(avx512, v),
+                    (FloatSlice::F16(v), true) => values!(avx512, v),
+                    (FloatSlice::F32(v), false) => values!(avx2, v),
+                    (FloatSlice::F16(v), false) => values!(avx2, v),
+                    (FloatSlice::BF16(_), _) => unreachable!("caches are f32, f16 or 8-bit"),
                 }
             }
         }
         return;
     }
-    let values = T::widen(values, scratch);
+    let values = widen(values, scratch.1);
     for (h, o) in out.chunks_exact_mut(d).enumerate() {
         for (&pj, vj) in p[h * stride..][..rows].iter().zip(values.chunks_exact(d)) {
             for (od, &vd) in o.iter_mut().zip(vj) {
                 *od += pj * vd;
             }
+        }
+    }
+}
+
+/// The kernels' rows: floats as they are, or 8-bit codes (and their row count) left to the
+/// AVX-512 kernels, which dequantize them as they load them, where those run; else the codes
+/// dequantized into `scratch`.
+#[cfg(target_arch = "x86_64")]
+fn floats<'a>(
+    isa: Isa,
+    rows: Block<'a>,
+    d: usize,
+    scratch: &'a mut [f32],
+) -> Result<FloatSlice<'a>, (super::avx512::Codes, usize)> {
+    match rows {
+        Block::Floats(f) => Ok(f),
+        Block::Q8(q) if isa >= Isa::Avx512 && d.is_multiple_of(Q8_GROUP) => {
+            let codes = super::avx512::Codes {
+                codes: q.codes.as_ptr(),
+                scales: q.scales.as_ptr(),
+                biases: q.biases.as_ptr(),
+                d,
+            };
+            Err((codes, q.codes.len() / d))
+        }
+        Block::Q8(q) => Ok(dequantized(isa, q, scratch)),
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn floats<'a>(
+    isa: Isa,
+    rows: Block<'a>,
+    _: usize,
+    scratch: &'a mut [f32],
+) -> Result<FloatSlice<'a>, std::convert::Infallible> {
+    match rows {
+        Block::Floats(f) => Ok(f),
+        Block::Q8(q) => Ok(dequantized(isa, q, scratch)),
+    }
+}
+
+/// `q`'s values, in `scratch`.
+fn dequantized<'a>(isa: Isa, q: Q8Rows, scratch: &'a mut [f32]) -> FloatSlice<'a> {
+    let out = &mut scratch[..q.codes.len()];
+    dequantize_q8(isa, q, out);
+    FloatSlice::F32(out)
+}
+
+/// `rows` as f32: themselves, or widened into `scratch`.
+fn widen<'a>(rows: FloatSlice<'a>, scratch: &'a mut [f32]) -> &'a [f32] {
+    match rows {
+        FloatSlice::F32(v) => v,
+        other => {
+            let out = &mut scratch[..other.len()];
+            other.to_f32(0, out);
+            out
         }
     }
 }
@@ -272,9 +499,9 @@ pub fn softmax(isa: Isa, x: &mut [f32]) {
 
 /// Keys and values of one layer as attention reads them: `[kv_heads, capacity, head_dim]` each,
 /// position `p` in slot `p % capacity`, positions `start..end` present.
-pub struct KvView<'a, T> {
-    pub keys: &'a [T],
-    pub values: &'a [T],
+pub struct KvView<R> {
+    pub keys: R,
+    pub values: R,
     pub kv_heads: usize,
     pub capacity: usize,
     pub start: usize,
@@ -283,9 +510,9 @@ pub struct KvView<'a, T> {
     pub window: Option<usize>,
 }
 
-impl<'a, T> KvView<'a, T> {
+impl<R> KvView<R> {
     /// One whole sequence of `len` positions, `[kv_heads, len, head_dim]` each (training).
-    pub fn sequence(keys: &'a [T], values: &'a [T], kv_heads: usize, len: usize) -> Self {
+    pub fn sequence(keys: R, values: R, kv_heads: usize, len: usize) -> Self {
         KvView {
             keys,
             values,
@@ -313,12 +540,12 @@ impl<'a, T> KvView<'a, T> {
 /// `[tokens, heads, head_dim]` into `out`. Query `t` sees the positions up to `positions[t]`
 /// (causal) within the window, and query head `h` reads key head `h / (heads / kv_heads)`
 /// (grouped-query attention).
-pub fn attention<T: KvElem>(
+pub fn attention<R: KvRows>(
     q: &[f32],
     heads: usize,
     head_dim: usize,
     positions: &[usize],
-    kv: &KvView<T>,
+    kv: &KvView<R>,
     scale: f32,
     out: &mut [f32],
 ) {
@@ -330,11 +557,11 @@ pub fn attention<T: KvElem>(
     pool::parallel_for(positions.len() * kv.kv_heads, &|task| {
         let (t, kvh) = (task / kv.kv_heads, task % kv.kv_heads);
         let first = (t * heads + kvh * group) * d;
-        let head = kvh * kv.capacity * d..(kvh + 1) * kv.capacity * d;
+        let head = kvh * kv.capacity..(kvh + 1) * kv.capacity;
         let job = GroupAttention {
             queries: &q[first..first + group * d],
-            keys: &kv.keys[head.clone()],
-            values: &kv.values[head],
+            keys: kv.keys.rows(head.clone(), d),
+            values: kv.values.rows(head, d),
             head_dim: d,
             runs: kv.runs(positions[t]),
             scale,
@@ -362,6 +589,28 @@ pub fn kv_write<T: KvElem>(
             for (c, &x) in cache[dst..dst + d].iter_mut().zip(head) {
                 *c = T::from_f32(x);
             }
+        }
+    }
+}
+
+/// [`kv_write`] into a ring of 8-bit codes (`head_dim` a multiple of [`Q8_GROUP`]): each
+/// group of a head's features quantized as `mx.quantize` does.
+pub fn kv_write_q8(
+    cache: (&mut [u8], &mut [f32], &mut [f32]),
+    src: &[f32],
+    kv_heads: usize,
+    head_dim: usize,
+    capacity: usize,
+    first: usize,
+) {
+    let (d, groups) = (head_dim, head_dim / Q8_GROUP);
+    let (codes, scales, biases) = cache;
+    for (t, token) in src.chunks_exact(kv_heads * d).enumerate() {
+        let slot = (first + t) % capacity;
+        for (h, head) in token.chunks_exact(d).enumerate() {
+            let row = h * capacity + slot;
+            let (c, g) = (row * d..(row + 1) * d, row * groups..(row + 1) * groups);
+            quantize_q8(head, &mut codes[c], &mut scales[g.clone()], &mut biases[g]);
         }
     }
 }

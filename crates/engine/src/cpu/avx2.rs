@@ -48,6 +48,21 @@ pub(super) unsafe fn prefetch<T>(p: *const T) {
     _mm_prefetch::<_MM_HINT_T0>(p.cast());
 }
 
+/// Bytes ahead of the rows being read that attention asks the cache for: one core's stream of
+/// keys or values otherwise waits on memory (at 4096 positions it got 6 GB/s of a core's 12 to
+/// 14 without, 9.5 with, on a Sapphire Rapids VM).
+const ATTENTION_PREFETCH_BYTES: usize = 2048;
+
+/// Prefetches the cache lines of the `len` elements [`ATTENTION_PREFETCH_BYTES`] past `p`.
+#[target_feature(enable = "sse")]
+#[inline]
+pub(super) unsafe fn prefetch_ahead<T>(p: *const T, len: usize) {
+    let at = p.cast::<u8>().wrapping_add(ATTENTION_PREFETCH_BYTES);
+    for line in (0..len * std::mem::size_of::<T>()).step_by(64) {
+        prefetch(at.wrapping_add(line));
+    }
+}
+
 /// Eight values from `p` as f32.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
@@ -556,6 +571,7 @@ unsafe fn scores_for<T: Elem, const H: usize>(
         let pair = j + 1 < n;
         let k0 = keys.add(j * d);
         let k1 = if pair { k0.add(d) } else { k0 };
+        prefetch_ahead(k0, 2 * d);
         // acc[2h] sums head h against key j, acc[2h + 1] against key j + 1.
         let mut acc = [_mm256_setzero_ps(); 8];
         for c in (0..d).step_by(8) {
@@ -625,6 +641,9 @@ unsafe fn values_for<T: Elem, const H: usize>(
         }
         for j in 0..n {
             let row = values.add(j * d + c);
+            if c == 0 {
+                prefetch_ahead(row, d);
+            }
             let a = load8(row);
             let b = if pair { load8(row.add(8)) } else { a };
             for (h, acc) in acc.iter_mut().enumerate() {
@@ -639,6 +658,25 @@ unsafe fn values_for<T: Elem, const H: usize>(
                 _mm256_storeu_ps(out.add(h * d + c + 8), a[1]);
             }
         }
+    }
+}
+
+/// `out[i] = codes[i] · scale + bias` for `n` codes (a multiple of 8).
+///
+/// # Safety
+/// AVX2 and FMA; `codes` and `out` hold `n` elements.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn dequantize_u8(
+    codes: *const u8,
+    n: usize,
+    scale: f32,
+    bias: f32,
+    out: *mut f32,
+) {
+    let (s, b) = (_mm256_set1_ps(scale), _mm256_set1_ps(bias));
+    for i in (0..n).step_by(8) {
+        let c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(codes.add(i).cast())));
+        _mm256_storeu_ps(out.add(i), _mm256_fmadd_ps(c, s, b));
     }
 }
 
