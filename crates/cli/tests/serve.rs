@@ -193,6 +193,19 @@ fn an_adapter_per_request_matches_generate_with_adapter_path() {
 /// `--kv-cache` reaches the server's caches as it does `generate`'s; a precision it does not
 /// know is refused before anything loads, and an 8-bit cache for heads it cannot group with a
 /// clear error.
+/// The stderr of `oxlm generate` with `args` on the tiny model, which must fail.
+fn refused(args: &[&str]) -> String {
+    let output = Command::new(OXLM)
+        .arg("generate")
+        .args(args)
+        .arg("--model")
+        .arg(model())
+        .output()
+        .unwrap();
+    assert!(!output.status.success(), "{output:?}");
+    String::from_utf8(output.stderr).unwrap()
+}
+
 #[test]
 fn the_kv_cache_flag_reaches_generate_and_serve() {
     let serve = Serve::start(&["--kv-cache", "f32"]);
@@ -202,25 +215,13 @@ fn the_kv_cache_flag_reaches_generate_and_serve() {
         r["choices"][0]["message"]["content"],
         generated(&["--kv-cache", "f32"])
     );
-    let output = Command::new(OXLM)
-        .args(["generate", "--kv-cache", "f64", "--model"])
-        .arg(model())
-        .output()
-        .unwrap();
-    assert!(!output.status.success());
-    let stderr = String::from_utf8(output.stderr).unwrap();
+    let stderr = refused(&["--kv-cache", "f64"]);
     assert!(
         stderr.contains("`f64`: expected f16, f32 or q8"),
         "{stderr}"
     );
     // This model's heads of 16 are no whole group of an 8-bit cache: an error, no panic.
-    let output = Command::new(OXLM)
-        .args(["generate", "--kv-cache", "q8", "--prompt", "hi", "--model"])
-        .arg(model())
-        .output()
-        .unwrap();
-    assert!(!output.status.success());
-    let stderr = String::from_utf8(output.stderr).unwrap();
+    let stderr = refused(&["--kv-cache", "q8", "--prompt", "hi"]);
     assert!(
         stderr.contains("an 8-bit KV cache needs head dims that are multiples of 64")
             && !stderr.contains("panicked"),

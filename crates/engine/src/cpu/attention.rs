@@ -3,8 +3,8 @@
 //! the whole group, which at long contexts is what decoding spends its memory traffic on. The
 //! cache may be kept in f32 or f16 ([`KvElem`]), whose vectors the AVX2 and AVX-512 kernels widen
 //! as they load them, once for up to four heads (the portable code widens a block at a time), or
-//! as 8-bit codes ([`Q8Rows`]), dequantized a block of rows at a time into scratch that stays in
-//! L1 for the f32 kernels.
+//! as 8-bit codes ([`Q8Rows`]), which the AVX-512 kernels dequantize as they load them and other
+//! processors a block of rows at a time into scratch that stays in L1 for the f32 kernels.
 
 use std::ops::Range;
 
@@ -59,9 +59,20 @@ pub trait KvRows: Copy + Send + Sync {
 }
 
 /// A block of rows handed to the kernels.
+#[derive(Clone, Copy)]
 pub enum Block<'a> {
     Floats(FloatSlice<'a>),
     Q8(Q8Rows<'a>),
+}
+
+impl Block<'_> {
+    /// Rows of `d` elements held.
+    fn rows(&self, d: usize) -> usize {
+        match self {
+            Block::Floats(f) => f.len() / d,
+            Block::Q8(q) => q.codes.len() / d,
+        }
+    }
 }
 
 impl<T: KvElem> KvRows for &[T] {
@@ -121,14 +132,11 @@ pub fn dequantize_q8(isa: Isa, q: Q8Rows, out: &mut [f32]) {
         .zip(q.codes.chunks_exact(Q8_GROUP));
     for ((o, c), (&scale, &bias)) in groups.zip(q.scales.iter().zip(q.biases)) {
         match isa {
-            // SAFETY: the caller checked the processor; a group is 64 of each.
+            // SAFETY: the caller checked the processor (AVX-512 ones have AVX2); a group is 64
+            // of each. Off the decode path (the AVX-512 attention reads the codes themselves),
+            // eight lanes are enough.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 | Isa::Amx => unsafe {
-                super::avx512::dequantize_u8(c.as_ptr(), Q8_GROUP, scale, bias, o.as_mut_ptr())
-            },
-            // SAFETY: as above.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe {
+            Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe {
                 super::avx2::dequantize_u8(c.as_ptr(), Q8_GROUP, scale, bias, o.as_mut_ptr())
             },
             _ => {
@@ -263,9 +271,45 @@ impl<R: KvRows> GroupAttention<'_, R> {
 /// Heads per call of the vector kernels: their registers hold four heads' sums.
 const KERNEL_HEADS: usize = 4;
 
+/// Runs `$body` with `$rows` bound to `$block` as the AVX-512 kernels read it: f32 or f16 rows
+/// as they are, 8-bit codes to be dequantized as they are loaded (`$d` elements a row).
+#[cfg(target_arch = "x86_64")]
+macro_rules! with_wide_rows {
+    ($block:expr, $d:expr, $rows:ident => $body:expr) => {{
+        use super::avx512::{Codes, Plain};
+        match $block {
+            Block::Floats(FloatSlice::F32(v)) => {
+                let $rows = Plain {
+                    ptr: v.as_ptr(),
+                    d: $d,
+                };
+                $body
+            }
+            Block::Floats(FloatSlice::F16(v)) => {
+                let $rows = Plain {
+                    ptr: v.as_ptr(),
+                    d: $d,
+                };
+                $body
+            }
+            Block::Floats(FloatSlice::BF16(_)) => unreachable!("caches are f32, f16 or 8-bit"),
+            Block::Q8(q) => {
+                let $rows = Codes {
+                    codes: q.codes.as_ptr(),
+                    scales: q.scales.as_ptr(),
+                    biases: q.biases.as_ptr(),
+                    d: $d,
+                };
+                $body
+            }
+        }
+    }};
+}
+
 /// `scores[h · stride + j] = scale · q_h · k_j` for the query heads `queries` (`[heads, d]`) and
-/// the rows `k_j` of `keys` (`[rows, d]`); `scratch` holds a block of rows as f32 twice, where
-/// 8-bit codes are dequantized and where the portable code widens f16.
+/// the rows `k_j` of `keys` (`[rows, d]`). The AVX-512 kernels take heads of whole 64s in any
+/// format; elsewhere 8-bit codes are dequantized into `scratch.0`, and the portable code widens
+/// f16 into `scratch.1` (a block of rows as f32 each).
 #[allow(clippy::too_many_arguments)]
 fn block_scores(
     isa: Isa,
@@ -277,64 +321,37 @@ fn block_scores(
     stride: usize,
     scratch: (&mut [f32], &mut [f32]),
 ) {
-    let heads = queries.len() / d;
-    let keys = match floats(isa, keys, d, scratch.0) {
-        Ok(keys) => keys,
-        #[cfg(target_arch = "x86_64")]
-        Err((codes, rows)) => {
-            assert!(rows == 0 || scores.len() >= (heads - 1) * stride + rows);
-            for h0 in (0..heads).step_by(KERNEL_HEADS) {
-                let chunk = KERNEL_HEADS.min(heads - h0);
-                let (q, out) = (
-                    queries[h0 * d..].as_ptr(),
-                    scores[h0 * stride..].as_mut_ptr(),
-                );
-                // SAFETY: `floats` checked the processor and the head dim; the lengths above.
-                unsafe {
-                    super::avx512::group_scores(q, chunk, codes, rows, d, scale, out, stride)
-                };
-            }
-            return;
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        Err(never) => match never {},
-    };
-    let rows = keys.len() / d;
+    let (heads, rows) = (queries.len() / d, keys.rows(d));
     assert!(rows == 0 || scores.len() >= (heads - 1) * stride + rows);
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 && d.is_multiple_of(8) {
-        let wide = isa >= Isa::Avx512 && d.is_multiple_of(64);
+        let narrow = (!wide(isa, d)).then(|| floats(isa, keys, scratch.0));
         for h0 in (0..heads).step_by(KERNEL_HEADS) {
             let chunk = KERNEL_HEADS.min(heads - h0);
             let (q, out) = (
                 queries[h0 * d..].as_ptr(),
                 scores[h0 * stride..].as_mut_ptr(),
             );
-            macro_rules! scores {
-                (avx512, $k:expr) => {{
-                    let k = super::avx512::Plain {
-                        ptr: $k.as_ptr(),
-                        d,
-                    };
-                    super::avx512::group_scores(q, chunk, k, rows, d, scale, out, stride)
-                }};
-                (avx2, $k:expr) => {
-                    super::avx2::group_scores(q, chunk, $k.as_ptr(), rows, d, scale, out, stride)
-                };
-            }
-            // SAFETY: the caller checked the processor; the lengths were checked above.
+            // SAFETY: the caller checked the processor, `wide` the head dim; the lengths were
+            // checked above.
             unsafe {
-                match (&keys, wide) {
-                    (FloatSlice::F32(k), true) => scores!(avx512, k),
-                    (FloatSlice::F16(k), true) => scores!(avx512, k),
-                    (FloatSlice::F32(k), false) => scores!(avx2, k),
-                    (FloatSlice::F16(k), false) => scores!(avx2, k),
-                    (FloatSlice::BF16(_), _) => unreachable!("caches are f32, f16 or 8-bit"),
+                match narrow {
+                    None => with_wide_rows!(keys, d, k => super::avx512::group_scores(
+                        q, chunk, k, rows, d, scale, out, stride
+                    )),
+                    Some(FloatSlice::F32(k)) => {
+                        super::avx2::group_scores(q, chunk, k.as_ptr(), rows, d, scale, out, stride)
+                    }
+                    Some(FloatSlice::F16(k)) => {
+                        super::avx2::group_scores(q, chunk, k.as_ptr(), rows, d, scale, out, stride)
+                    }
+                    Some(FloatSlice::BF16(_)) => unreachable!("caches are f32, f16 or 8-bit"),
                 }
             }
         }
         return;
     }
+    let keys = floats(isa, keys, scratch.0);
     let keys = widen(keys, scratch.1);
     for (h, q) in queries.chunks_exact(d).enumerate() {
         for (o, k) in scores[h * stride..][..rows]
@@ -347,7 +364,7 @@ fn block_scores(
 }
 
 /// `out[h · d..] += Σ_j p[h · stride + j] · v_j` for the rows `v_j` of `values` (`[rows, d]`);
-/// `scratch` as [`block_scores`]'.
+/// kernels and `scratch` as [`block_scores`]'.
 fn block_values(
     isa: Isa,
     p: &[f32],
@@ -357,56 +374,34 @@ fn block_values(
     out: &mut [f32],
     scratch: (&mut [f32], &mut [f32]),
 ) {
-    let heads = out.len() / d;
-    let values = match floats(isa, values, d, scratch.0) {
-        Ok(values) => values,
-        #[cfg(target_arch = "x86_64")]
-        Err((codes, rows)) => {
-            assert!(rows == 0 || p.len() >= (heads - 1) * stride + rows);
-            for h0 in (0..heads).step_by(KERNEL_HEADS) {
-                let chunk = KERNEL_HEADS.min(heads - h0);
-                let (p, o) = (p[h0 * stride..].as_ptr(), out[h0 * d..].as_mut_ptr());
-                // SAFETY: `floats` checked the processor and the head dim; the lengths above.
-                unsafe { super::avx512::group_values(p, stride, chunk, codes, rows, d, o) };
-            }
-            return;
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        Err(never) => match never {},
-    };
-    let rows = values.len() / d;
+    let (heads, rows) = (out.len() / d, values.rows(d));
     assert!(rows == 0 || p.len() >= (heads - 1) * stride + rows);
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 && d.is_multiple_of(8) {
-        let wide = isa >= Isa::Avx512 && d.is_multiple_of(64);
+        let narrow = (!wide(isa, d)).then(|| floats(isa, values, scratch.0));
         for h0 in (0..heads).step_by(KERNEL_HEADS) {
             let chunk = KERNEL_HEADS.min(heads - h0);
             let (p, o) = (p[h0 * stride..].as_ptr(), out[h0 * d..].as_mut_ptr());
-            macro_rules! values {
-                (avx512, $v:expr) => {{
-                    let v = super::avx512::Plain {
-                        ptr: $v.as_ptr(),
-                        d,
-                    };
-                    super::avx512::group_values(p, stride, chunk, v, rows, d, o)
-                }};
-                (avx2, $v:expr) => {
-                    super::avx2::group_values(p, stride, chunk, $v.as_ptr(), rows, d, o)
-                };
-            }
-            // SAFETY: the caller checked the processor; the lengths were checked above.
+            // SAFETY: the caller checked the processor, `wide` the head dim; the lengths were
+            // checked above.
             unsafe {
-                match (&values, wide) {
-                    (FloatSlice::F32(v), true) => values!(avx512, v),
-                    (FloatSlice::F16(v), true) => values!(avx512, v),
-                    (FloatSlice::F32(v), false) => values!(avx2, v),
-                    (FloatSlice::F16(v), false) => values!(avx2, v),
-                    (FloatSlice::BF16(_), _) => unreachable!("caches are f32, f16 or 8-bit"),
+                match narrow {
+                    None => with_wide_rows!(values, d, v => super::avx512::group_values(
+                        p, stride, chunk, v, rows, d, o
+                    )),
+                    Some(FloatSlice::F32(v)) => {
+                        super::avx2::group_values(p, stride, chunk, v.as_ptr(), rows, d, o)
+                    }
+                    Some(FloatSlice::F16(v)) => {
+                        super::avx2::group_values(p, stride, chunk, v.as_ptr(), rows, d, o)
+                    }
+                    Some(FloatSlice::BF16(_)) => unreachable!("caches are f32, f16 or 8-bit"),
                 }
             }
         }
         return;
     }
+    let values = floats(isa, values, scratch.0);
     let values = widen(values, scratch.1);
     for (h, o) in out.chunks_exact_mut(d).enumerate() {
         for (&pj, vj) in p[h * stride..][..rows].iter().zip(values.chunks_exact(d)) {
@@ -417,49 +412,23 @@ fn block_values(
     }
 }
 
-/// The kernels' rows: floats as they are, or 8-bit codes (and their row count) left to the
-/// AVX-512 kernels, which dequantize them as they load them, where those run; else the codes
-/// dequantized into `scratch`.
+/// Whether the AVX-512 kernels take heads of `d`: whole 64s, in any format (8-bit codes are
+/// always whole 64s); the AVX2 kernels take whole 8s of f32 or f16.
 #[cfg(target_arch = "x86_64")]
-fn floats<'a>(
-    isa: Isa,
-    rows: Block<'a>,
-    d: usize,
-    scratch: &'a mut [f32],
-) -> Result<FloatSlice<'a>, (super::avx512::Codes, usize)> {
+fn wide(isa: Isa, d: usize) -> bool {
+    isa >= Isa::Avx512 && d.is_multiple_of(64)
+}
+
+/// `rows` as floats: themselves, or 8-bit codes dequantized into `scratch`.
+fn floats<'a>(isa: Isa, rows: Block<'a>, scratch: &'a mut [f32]) -> FloatSlice<'a> {
     match rows {
-        Block::Floats(f) => Ok(f),
-        Block::Q8(q) if isa >= Isa::Avx512 && d.is_multiple_of(Q8_GROUP) => {
-            let codes = super::avx512::Codes {
-                codes: q.codes.as_ptr(),
-                scales: q.scales.as_ptr(),
-                biases: q.biases.as_ptr(),
-                d,
-            };
-            Err((codes, q.codes.len() / d))
+        Block::Floats(f) => f,
+        Block::Q8(q) => {
+            let out = &mut scratch[..q.codes.len()];
+            dequantize_q8(isa, q, out);
+            FloatSlice::F32(out)
         }
-        Block::Q8(q) => Ok(dequantized(isa, q, scratch)),
     }
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn floats<'a>(
-    isa: Isa,
-    rows: Block<'a>,
-    _: usize,
-    scratch: &'a mut [f32],
-) -> Result<FloatSlice<'a>, std::convert::Infallible> {
-    match rows {
-        Block::Floats(f) => Ok(f),
-        Block::Q8(q) => Ok(dequantized(isa, q, scratch)),
-    }
-}
-
-/// `q`'s values, in `scratch`.
-fn dequantized<'a>(isa: Isa, q: Q8Rows, scratch: &'a mut [f32]) -> FloatSlice<'a> {
-    let out = &mut scratch[..q.codes.len()];
-    dequantize_q8(isa, q, out);
-    FloatSlice::F32(out)
 }
 
 /// `rows` as f32: themselves, or widened into `scratch`.

@@ -270,22 +270,3 @@ unsafe fn values_for<R: Rows, const H: usize>(
         }
     }
 }
-
-/// `out[i] = codes[i] · scale + bias` for `n` codes (a multiple of 16).
-///
-/// # Safety
-/// AVX-512F; `codes` and `out` hold `n` elements.
-#[target_feature(enable = "avx512f")]
-pub(super) unsafe fn dequantize_u8(
-    codes: *const u8,
-    n: usize,
-    scale: f32,
-    bias: f32,
-    out: *mut f32,
-) {
-    let (s, b) = (_mm512_set1_ps(scale), _mm512_set1_ps(bias));
-    for i in (0..n).step_by(16) {
-        let c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(codes.add(i).cast())));
-        _mm512_storeu_ps(out.add(i), _mm512_fmadd_ps(c, s, b));
-    }
-}
