@@ -299,8 +299,9 @@ mod tests {
     }
     /// An 8-bit ring reads back as `mx.quantize`'s codes of what was written, within one and a
     /// half steps of each group (half a step of rounding, and at the far end from the edge up to
-    /// one more where MLX's nudge of the scale shrinks the range); attention over it equals
-    /// attention over an f32 ring of those values, bit for bit; it moves into a larger ring
+    /// one more where MLX's nudge of the scale shrinks the range); attention over it is attention
+    /// over an f32 ring of those values (within 1e-4 of the largest output, where the integer
+    /// kernels round queries and weights to int16); it moves into a larger ring
     /// whole, quantizes a ring of whole groups handed to it, and refuses heads of other than
     /// whole groups.
     #[test]
@@ -375,11 +376,14 @@ mod tests {
                     .unwrap()
                     .into_data()
             };
-            assert_eq!(
-                attend((&kq, &vq)),
-                attend((&exact.0, &exact.1)),
-                "window {window:?}"
-            );
+            let (got, want) = (attend((&kq, &vq)), attend((&exact.0, &exact.1)));
+            let top = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-4 * top,
+                    "window {window:?} output {i}: {g} vs {w}"
+                );
+            }
         }
         let mut moved = KvBuffer::zeros(2 * capacity * row, KvPrecision::Q8, &Device::Cpu).unwrap();
         ops::kv_move(

@@ -462,13 +462,14 @@ fn group_attention_matches_the_reference() {
     use oxlm_engine::cpu::attention::{self, GroupAttention, KvElem, KvRows, Q8Rows, Q8_GROUP};
 
     /// The rows as they are read: `(keys, values)` stored whole and stored as a ring that
-    /// wrapped (the last third first), with the runs that read each in order.
+    /// wrapped (the last third first), with the runs that read each in order; each output
+    /// within `tolerance` of the f64 attention over the values the rows hold.
     fn compare<R: KvRows>(
         stored: [(R, R, [std::ops::Range<usize>; 2]); 2],
         held: (&[f32], &[f32]),
         queries: &[f32],
         d: usize,
-        format: &str,
+        (format, tolerance): (&str, f64),
     ) {
         let (kr, vr) = held;
         let (group, len) = (queries.len() / d, kr.len() / d);
@@ -508,7 +509,7 @@ fn group_attention_matches_the_reference() {
                 job.run(isa, &mut out);
                 for (i, (&g, &w)) in out.iter().zip(&want).enumerate() {
                     assert!(
-                        (g as f64 - w).abs() <= 1e-5,
+                        (g as f64 - w).abs() <= tolerance,
                         "{isa:?} {format} d={d} group={group} len={len} runs {runs:?} output {i}: {g} vs {w}"
                     );
                 }
@@ -540,7 +541,7 @@ fn group_attention_matches_the_reference() {
             (&held(&ks), &held(&vs)),
             queries,
             d,
-            std::any::type_name::<T>(),
+            (std::any::type_name::<T>(), 1e-5),
         );
     }
 
@@ -588,7 +589,10 @@ fn group_attention_matches_the_reference() {
             (&kh, &vh),
             queries,
             d,
-            "8-bit",
+            // The integer kernels round queries and softmax weights to int16 against the
+            // largest of each group: within about 3e-5 of the largest weight times a code
+            // (up to 255 steps), a fortieth of what 8-bit codes themselves move a value.
+            ("8-bit", 1e-4),
         );
     }
 

@@ -50,6 +50,8 @@ impl KvElem for f16 {
 /// A run of cached rows of `d` elements (a ring, or one key/value head's part of it) as the
 /// attention kernels read it: f32 or f16 elements (`&[T]`), or 8-bit codes ([`Q8Rows`]).
 pub trait KvRows: Copy + Send + Sync {
+    /// Whether the rows are 8-bit codes.
+    const CODES: bool = false;
     /// Elements held.
     fn elements(self) -> usize;
     /// Rows `rows` of these.
@@ -102,6 +104,7 @@ pub struct Q8Rows<'a> {
 }
 
 impl KvRows for Q8Rows<'_> {
+    const CODES: bool = true;
     fn elements(self) -> usize {
         self.codes.len()
     }
@@ -188,10 +191,18 @@ impl<R: KvRows> GroupAttention<'_, R> {
             out[..group * self.head_dim].fill(0.0);
             return;
         }
-        with_task_scratch(group * n + 2 * BLOCK * self.head_dim, |scratch| {
-            let (scores, blocks) = scratch.split_at_mut(group * n);
-            let (block, widened) = blocks.split_at_mut(BLOCK * self.head_dim);
-            self.run_with(isa, scores, block, widened, out)
+        let d = self.head_dim;
+        let rounded = if R::CODES && int_codes(isa, d) {
+            group * (d / 2 + 2 * d / Q8_GROUP)
+        } else {
+            0
+        };
+        with_task_scratch(group * n + 2 * BLOCK * d + rounded, |scratch| {
+            let (scores, rest) = scratch.split_at_mut(group * n);
+            let (block, rest) = rest.split_at_mut(BLOCK * d);
+            let (widened, rest) = rest.split_at_mut(BLOCK * d);
+            let rounded = (rounded > 0).then(|| round_queries(self.queries, d, rest));
+            self.run_with(isa, scores, (block, widened), rounded, out)
         });
     }
 
@@ -215,14 +226,15 @@ impl<R: KvRows> GroupAttention<'_, R> {
         })
     }
 
-    /// `block` holds a block's rows where 8-bit codes are dequantized ahead of the kernels,
-    /// `widened` where the portable code widens f16 (`BLOCK · head_dim` each).
+    /// `scratch.0` holds a block's rows where 8-bit codes are dequantized ahead of the
+    /// kernels, `scratch.1` where the portable code widens f16 (`BLOCK · head_dim` each);
+    /// `rounded` are the queries for the integer kernels on 8-bit keys, where they run.
     fn run_with(
         &self,
         isa: Isa,
         scores: &mut [f32],
-        block: &mut [f32],
-        widened: &mut [f32],
+        (block, widened): (&mut [f32], &mut [f32]),
+        rounded: Option<RoundedQueries>,
         out: &mut [f32],
     ) {
         let d = self.head_dim;
@@ -240,7 +252,7 @@ impl<R: KvRows> GroupAttention<'_, R> {
             let keys = self.keys.block(rows, d);
             block_scores(
                 isa,
-                self.queries,
+                (self.queries, rounded),
                 keys,
                 d,
                 self.scale,
@@ -276,7 +288,7 @@ const KERNEL_HEADS: usize = 4;
 #[cfg(target_arch = "x86_64")]
 macro_rules! with_wide_rows {
     ($block:expr, $d:expr, $rows:ident => $body:expr) => {{
-        use super::avx512::{Codes, Plain};
+        use super::avx512::Plain;
         match $block {
             Block::Floats(FloatSlice::F32(v)) => {
                 let $rows = Plain {
@@ -294,12 +306,7 @@ macro_rules! with_wide_rows {
             }
             Block::Floats(FloatSlice::BF16(_)) => unreachable!("caches are f32, f16 or 8-bit"),
             Block::Q8(q) => {
-                let $rows = Codes {
-                    codes: q.codes.as_ptr(),
-                    scales: q.scales.as_ptr(),
-                    biases: q.biases.as_ptr(),
-                    d: $d,
-                };
+                let $rows = codes(q, $d);
                 $body
             }
         }
@@ -307,13 +314,14 @@ macro_rules! with_wide_rows {
 }
 
 /// `scores[h · stride + j] = scale · q_h · k_j` for the query heads `queries` (`[heads, d]`) and
-/// the rows `k_j` of `keys` (`[rows, d]`). The AVX-512 kernels take heads of whole 64s in any
-/// format; elsewhere 8-bit codes are dequantized into `scratch.0`, and the portable code widens
-/// f16 into `scratch.1` (a block of rows as f32 each).
+/// the rows `k_j` of `keys` (`[rows, d]`). With the queries `rounded`, the integer kernels take
+/// 8-bit keys; the AVX-512 kernels take heads of whole 64s in any format; elsewhere 8-bit codes
+/// are dequantized into `scratch.0`, and the portable code widens f16 into `scratch.1` (a block
+/// of rows as f32 each).
 #[allow(clippy::too_many_arguments)]
 fn block_scores(
     isa: Isa,
-    queries: &[f32],
+    (queries, rounded): (&[f32], Option<RoundedQueries>),
     keys: Block,
     d: usize,
     scale: f32,
@@ -323,6 +331,27 @@ fn block_scores(
 ) {
     let (heads, rows) = (queries.len() / d, keys.rows(d));
     assert!(rows == 0 || scores.len() >= (heads - 1) * stride + rows);
+    #[cfg(target_arch = "x86_64")]
+    if let (Block::Q8(k), Some(rounded)) = (keys, rounded) {
+        for h0 in (0..heads).step_by(KERNEL_HEADS) {
+            let chunk = KERNEL_HEADS.min(heads - h0);
+            // SAFETY: `rounded` exists where `int_codes` found the processor and head dim; the
+            // lengths were checked above.
+            unsafe {
+                super::avx512::q8_group_scores(
+                    rounded.heads(h0, d),
+                    chunk,
+                    codes(k, d),
+                    rows,
+                    d,
+                    scale,
+                    scores[h0 * stride..].as_mut_ptr(),
+                    stride,
+                )
+            }
+        }
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 && d.is_multiple_of(8) {
         let narrow = (!wide(isa, d)).then(|| floats(isa, keys, scratch.0));
@@ -377,6 +406,18 @@ fn block_values(
     let (heads, rows) = (out.len() / d, values.rows(d));
     assert!(rows == 0 || p.len() >= (heads - 1) * stride + rows);
     #[cfg(target_arch = "x86_64")]
+    if let (Block::Q8(v), true) = (values, int_codes(isa, d)) {
+        assert!(rows <= super::avx512::Q8_VALUE_ROWS);
+        for h0 in (0..heads).step_by(KERNEL_HEADS) {
+            let chunk = KERNEL_HEADS.min(heads - h0);
+            let (p, o) = (p[h0 * stride..].as_ptr(), out[h0 * d..].as_mut_ptr());
+            // SAFETY: `int_codes` checked the processor and the head dim; the lengths were
+            // checked above.
+            unsafe { super::avx512::q8_group_values(p, stride, chunk, codes(v, d), rows, d, o) }
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 && d.is_multiple_of(8) {
         let narrow = (!wide(isa, d)).then(|| floats(isa, values, scratch.0));
         for h0 in (0..heads).step_by(KERNEL_HEADS) {
@@ -417,6 +458,76 @@ fn block_values(
 #[cfg(target_arch = "x86_64")]
 fn wide(isa: Isa, d: usize) -> bool {
     isa >= Isa::Avx512 && d.is_multiple_of(64)
+}
+
+/// Whether the integer kernels take 8-bit rows of `d`: AVX512-VNNI, and heads the AVX-512
+/// kernels take.
+fn int_codes(isa: Isa, d: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return wide(isa, d) && super::qint::IntIsa::Avx512Vnni.is_available();
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
+}
+
+/// A group's queries as the integer kernels on 8-bit keys take them: per head, int16 codes of
+/// each group of [`Q8_GROUP`] features (`q ≈ code · scale`, rounded against the group's largest
+/// magnitude), and per head and group (`[head, group]`) the scale and the exact sum of the
+/// queries. Keys' scales then multiply integer dot products, and their biases the sums.
+#[derive(Clone, Copy)]
+struct RoundedQueries<'a> {
+    codes: &'a [i16],
+    scales: &'a [f32],
+    sums: &'a [f32],
+}
+
+impl RoundedQueries<'_> {
+    /// Heads from `h0` on, as the kernels take them.
+    #[cfg(target_arch = "x86_64")]
+    fn heads(&self, h0: usize, d: usize) -> super::avx512::QueryCodes {
+        let groups = d / Q8_GROUP;
+        super::avx512::QueryCodes {
+            codes: self.codes[h0 * d..].as_ptr(),
+            scales: self.scales[h0 * groups..].as_ptr(),
+            sums: self.sums[h0 * groups..].as_ptr(),
+        }
+    }
+}
+
+/// Rounds `queries` (`[heads, d]`, `d` a multiple of [`Q8_GROUP`]) into `scratch` (at least
+/// `heads · (d / 2 + 2 · d / Q8_GROUP)` floats).
+fn round_queries<'a>(queries: &[f32], d: usize, scratch: &'a mut [f32]) -> RoundedQueries<'a> {
+    let (heads, groups) = (queries.len() / d, d / Q8_GROUP);
+    let (codes, rest) = scratch.split_at_mut(heads * d / 2);
+    let (scales, rest) = rest.split_at_mut(heads * groups);
+    let sums = &mut rest[..heads * groups];
+    let codes: &mut [i16] = bytemuck::cast_slice_mut(codes);
+    let runs = queries
+        .chunks_exact(Q8_GROUP)
+        .zip(codes.chunks_exact_mut(Q8_GROUP));
+    for ((q, c), (scale, sum)) in runs.zip(scales.iter_mut().zip(sums.iter_mut())) {
+        let top = q.iter().fold(0.0f32, |m, &v| m.max(v.abs()));
+        let inv = if top > 0.0 { 32767.0 / top } else { 0.0 };
+        for (c, &v) in c.iter_mut().zip(q) {
+            *c = (v * inv).round() as i16;
+        }
+        (*scale, *sum) = (top / 32767.0, q.iter().sum());
+    }
+    RoundedQueries {
+        codes,
+        scales,
+        sums,
+    }
+}
+
+/// The AVX-512 kernels' view of 8-bit rows of `d`.
+#[cfg(target_arch = "x86_64")]
+fn codes(q: Q8Rows, d: usize) -> super::avx512::Codes {
+    super::avx512::Codes {
+        codes: q.codes.as_ptr(),
+        scales: q.scales.as_ptr(),
+        biases: q.biases.as_ptr(),
+        d,
+    }
 }
 
 /// `rows` as floats: themselves, or 8-bit codes dequantized into `scratch`.

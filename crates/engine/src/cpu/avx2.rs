@@ -547,12 +547,10 @@ pub(super) unsafe fn group_scores<T: Elem>(
     scores: *mut f32,
     stride: usize,
 ) {
-    match heads {
-        1 => scores_for::<T, 1>(queries, keys, n, d, scale, scores, stride),
-        2 => scores_for::<T, 2>(queries, keys, n, d, scale, scores, stride),
-        3 => scores_for::<T, 3>(queries, keys, n, d, scale, scores, stride),
-        _ => scores_for::<T, 4>(queries, keys, n, d, scale, scores, stride),
-    }
+    by_heads!(
+        heads,
+        scores_for::<T>(queries, keys, n, d, scale, scores, stride)
+    )
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -612,12 +610,7 @@ pub(super) unsafe fn group_values<T: Elem>(
     d: usize,
     out: *mut f32,
 ) {
-    match heads {
-        1 => values_for::<T, 1>(p, stride, values, n, d, out),
-        2 => values_for::<T, 2>(p, stride, values, n, d, out),
-        3 => values_for::<T, 3>(p, stride, values, n, d, out),
-        _ => values_for::<T, 4>(p, stride, values, n, d, out),
-    }
+    by_heads!(heads, values_for::<T>(p, stride, values, n, d, out))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

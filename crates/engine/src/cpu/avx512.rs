@@ -157,12 +157,10 @@ pub(super) unsafe fn group_scores<R: Rows>(
     scores: *mut f32,
     stride: usize,
 ) {
-    match heads {
-        1 => scores_for::<R, 1>(queries, keys, n, d, scale, scores, stride),
-        2 => scores_for::<R, 2>(queries, keys, n, d, scale, scores, stride),
-        3 => scores_for::<R, 3>(queries, keys, n, d, scale, scores, stride),
-        _ => scores_for::<R, 4>(queries, keys, n, d, scale, scores, stride),
-    }
+    by_heads!(
+        heads,
+        scores_for::<R>(queries, keys, n, d, scale, scores, stride)
+    )
 }
 
 #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
@@ -221,12 +219,7 @@ pub(super) unsafe fn group_values<R: Rows>(
     d: usize,
     out: *mut f32,
 ) {
-    match heads {
-        1 => values_for::<R, 1>(p, stride, values, n, d, out),
-        2 => values_for::<R, 2>(p, stride, values, n, d, out),
-        3 => values_for::<R, 3>(p, stride, values, n, d, out),
-        _ => values_for::<R, 4>(p, stride, values, n, d, out),
-    }
+    by_heads!(heads, values_for::<R>(p, stride, values, n, d, out))
 }
 
 #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
@@ -266,6 +259,273 @@ unsafe fn values_for<R: Rows, const H: usize>(
         for (h, a) in acc.iter().enumerate() {
             for (i, &v) in a.iter().enumerate() {
                 _mm512_storeu_ps(out.add(h * d + c + 16 * i), v);
+            }
+        }
+    }
+}
+
+/// A chunk of up to four query heads rounded for the integer 8-bit kernels: per head `d` int16
+/// codes (`q ≈ code · scale` in each group of 64 features), and per head and group (`[head,
+/// group]`) the scale and the exact sum of the group's queries, which the keys' biases multiply.
+#[derive(Clone, Copy)]
+pub(super) struct QueryCodes {
+    pub codes: *const i16,
+    pub scales: *const f32,
+    pub sums: *const f32,
+}
+
+/// `p[rows[r] · stride]` for the four rows.
+#[inline(always)]
+unsafe fn gather4(p: *const f32, stride: usize, rows: [usize; 4]) -> __m128 {
+    _mm_setr_ps(
+        *p.add(rows[0] * stride),
+        *p.add(rows[1] * stride),
+        *p.add(rows[2] * stride),
+        *p.add(rows[3] * stride),
+    )
+}
+
+/// The sums of the lanes of each of sixteen vectors `a[h][r]`, in one vector at lane `4h + r`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn reduce16(a: &[[__m512i; 4]; 4]) -> __m512i {
+    // Lanes of x and y summed in pairs: per 128 bits [x, y, x, y].
+    let pair = |x, y| _mm512_add_epi32(_mm512_unpacklo_epi32(x, y), _mm512_unpackhi_epi32(x, y));
+    // Per 128 bits, rows 0..4 of one head: four partial sums of each.
+    let heads = a.map(|r| {
+        let (t, u) = (pair(r[0], r[1]), pair(r[2], r[3]));
+        _mm512_add_epi32(_mm512_unpacklo_epi64(t, u), _mm512_unpackhi_epi64(t, u))
+    });
+    // Neighbouring 128-bit quarters added: x's two halves, then y's.
+    let halves = |x, y| {
+        _mm512_add_epi32(
+            _mm512_shuffle_i32x4::<0x88>(x, y),
+            _mm512_shuffle_i32x4::<0xDD>(x, y),
+        )
+    };
+    halves(halves(heads[0], heads[1]), halves(heads[2], heads[3]))
+}
+
+/// [`group_scores`] on 8-bit codes with integer products: in each group of 64 features, a key's
+/// codes are widened to int16 once and multiplied with every head's int16 query codes by
+/// `vpdpwssd`, four keys at a time; the sixteen sums of a step are reduced together into one
+/// vector (lane `4h + r`: head h, key j + r), then given the key's and the query's scales and the
+/// bias term `bias · Σq`.
+///
+/// # Safety
+/// AVX-512 F, BW, VL and VNNI; `d` a multiple of 64; `queries` holds `heads` heads, `keys` `n`
+/// rows and `scores` `(heads - 1) · stride + n` elements, `heads` in `1..=4`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn q8_group_scores(
+    queries: QueryCodes,
+    heads: usize,
+    keys: Codes,
+    n: usize,
+    d: usize,
+    scale: f32,
+    scores: *mut f32,
+    stride: usize,
+) {
+    by_heads!(
+        heads,
+        q8_scores_for(queries, keys, n, d, scale, scores, stride)
+    )
+}
+
+/// Quarter `h` of `v`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn quarter(v: __m512, h: usize) -> __m128 {
+    match h {
+        0 => _mm512_extractf32x4_ps::<0>(v),
+        1 => _mm512_extractf32x4_ps::<1>(v),
+        2 => _mm512_extractf32x4_ps::<2>(v),
+        _ => _mm512_extractf32x4_ps::<3>(v),
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+unsafe fn q8_scores_for<const H: usize>(
+    queries: QueryCodes,
+    keys: Codes,
+    n: usize,
+    d: usize,
+    scale: f32,
+    scores: *mut f32,
+    stride: usize,
+) {
+    let groups = d / 64;
+    for g in 0..groups {
+        // The heads' codes (zero past H), and at lane 4h + r their scale and sum, with `scale`.
+        let mut q = [[_mm512_setzero_si512(); 2]; 4];
+        let (mut qs, mut qsum) = ([0.0f32; 16], [0.0f32; 16]);
+        for h in 0..H {
+            let c = queries.codes.add(h * d + g * 64);
+            q[h] = [
+                _mm512_loadu_si512(c.cast()),
+                _mm512_loadu_si512(c.add(32).cast()),
+            ];
+            qs[4 * h..4 * h + 4].fill(*queries.scales.add(h * groups + g) * scale);
+            qsum[4 * h..4 * h + 4].fill(*queries.sums.add(h * groups + g) * scale);
+        }
+        let (qs, qsum) = (_mm512_loadu_ps(qs.as_ptr()), _mm512_loadu_ps(qsum.as_ptr()));
+        for j in (0..n).step_by(4) {
+            let rows = [j, j + 1, j + 2, j + 3].map(|r| r.min(n - 1));
+            if g == 0 {
+                keys.prefetch(j, 4);
+            }
+            let mut acc = [[_mm512_setzero_si512(); 4]; 4];
+            for (r, &row) in rows.iter().enumerate() {
+                let c = keys.codes.add(row * d + g * 64);
+                let lo = _mm512_cvtepu8_epi16(_mm256_loadu_si256(c.cast()));
+                let hi = _mm512_cvtepu8_epi16(_mm256_loadu_si256(c.add(32).cast()));
+                for h in 0..H {
+                    let s = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, q[h][0]);
+                    acc[h][r] = _mm512_dpwssd_epi32(s, hi, q[h][1]);
+                }
+            }
+            let sums = _mm512_cvtepi32_ps(reduce16(&acc));
+            let ks = _mm512_broadcast_f32x4(gather4(keys.scales.add(g), groups, rows));
+            let kb = _mm512_broadcast_f32x4(gather4(keys.biases.add(g), groups, rows));
+            let v = _mm512_fmadd_ps(sums, _mm512_mul_ps(ks, qs), _mm512_mul_ps(kb, qsum));
+            let mask: __mmask8 = (1 << (n - j).min(4)) - 1;
+            for h in 0..H {
+                let out = scores.add(h * stride + j);
+                let mut s = quarter(v, h);
+                if g > 0 {
+                    s = _mm_add_ps(s, _mm_maskz_loadu_ps(mask, out));
+                }
+                _mm_mask_storeu_ps(out, mask, s);
+            }
+        }
+    }
+}
+
+/// Rows of a block that the integer values kernel takes at once: its int16 weights stay on the
+/// stack, and 32 pairs of rows keep its int32 sums within range (`2 · 32 · 255 · 32767 < 2^31`).
+pub(super) const Q8_VALUE_ROWS: usize = 64;
+
+/// [`group_values`] on 8-bit codes with integer products, for up to [`Q8_VALUE_ROWS`] rows: per
+/// group of 64 features, each head's weights `p · scale` are rounded to int16 against their
+/// largest, two rows' codes are interleaved as int16 pairs, and `vpdpwssd` adds both rows'
+/// products into each feature's sum; the biases' term `Σ p · bias` is added once at the end.
+///
+/// # Safety
+/// AVX-512 F, BW, VL and VNNI; `d` a multiple of 64; `n <= Q8_VALUE_ROWS`; `p` holds `(heads - 1)
+/// · stride + n`, `values` `n` rows and `out` `heads · d` elements, `heads` in `1..=4`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+pub(super) unsafe fn q8_group_values(
+    p: *const f32,
+    stride: usize,
+    heads: usize,
+    values: Codes,
+    n: usize,
+    d: usize,
+    out: *mut f32,
+) {
+    by_heads!(heads, q8_values_for(p, stride, values, n, d, out))
+}
+
+/// Sixteen of `p[(j + i) · stride]` (zero past `mask`).
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn rows16(p: *const f32, stride: usize, j: usize, mask: __mmask16) -> __m512 {
+    if stride == 1 {
+        return _mm512_maskz_loadu_ps(mask, p.add(j));
+    }
+    let at = _mm512_mullo_epi32(
+        _mm512_add_epi32(
+            _mm512_set1_epi32(j as i32),
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        ),
+        _mm512_set1_epi32(stride as i32),
+    );
+    _mm512_mask_i32gather_ps::<4>(_mm512_setzero_ps(), mask, at, p)
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+unsafe fn q8_values_for<const H: usize>(
+    p: *const f32,
+    stride: usize,
+    values: Codes,
+    n: usize,
+    d: usize,
+    out: *mut f32,
+) {
+    let groups = d / 64;
+    for g in 0..groups {
+        // Per head: the weights as int16 (zero from row n on, so a last odd row pairs with
+        // nothing), the unit they count in, and the biases' term.
+        let mut w = [[0i16; Q8_VALUE_ROWS]; H];
+        let (mut unit, mut bias) = ([0.0f32; H], [0.0f32; H]);
+        for h in 0..H {
+            let mut weighted = [_mm512_setzero_ps(); Q8_VALUE_ROWS / 16];
+            let (mut top, mut bsum) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            for (i, j) in (0..n).step_by(16).enumerate() {
+                let mask: __mmask16 = (((1u32 << (n - j).min(16)) - 1) & 0xffff) as u16;
+                let pj = _mm512_maskz_loadu_ps(mask, p.add(h * stride + j));
+                let s = rows16(values.scales.add(g), groups, j, mask);
+                let b = rows16(values.biases.add(g), groups, j, mask);
+                weighted[i] = _mm512_mul_ps(pj, s);
+                top = _mm512_max_ps(top, _mm512_abs_ps(weighted[i]));
+                bsum = _mm512_fmadd_ps(pj, b, bsum);
+            }
+            let top = _mm512_reduce_max_ps(top);
+            (unit[h], bias[h]) = (top / 32767.0, _mm512_reduce_add_ps(bsum));
+            let inv = _mm512_set1_ps(if top > 0.0 { 32767.0 / top } else { 0.0 });
+            for (i, v) in weighted.iter().enumerate().take(n.div_ceil(16)) {
+                let codes = _mm512_cvtps_epi32(_mm512_mul_ps(*v, inv));
+                _mm256_storeu_si256(
+                    w[h][16 * i..].as_mut_ptr().cast(),
+                    _mm512_cvtepi32_epi16(codes),
+                );
+            }
+        }
+        // acc[h][i]: per 128 bits, features 8k + 4(i % 2) .. of the half i / 2 of the group.
+        let mut acc = [[_mm512_setzero_si512(); 4]; H];
+        for j in (0..n).step_by(2) {
+            if g == 0 {
+                values.prefetch(j, 2);
+            }
+            let a = values.codes.add(j * d + g * 64);
+            let b = values.codes.add((j + 1).min(n - 1) * d + g * 64);
+            let widen = |c: *const u8| _mm512_cvtepu8_epi16(_mm256_loadu_si256(c.cast()));
+            let (a_lo, a_hi, b_lo, b_hi) = (widen(a), widen(a.add(32)), widen(b), widen(b.add(32)));
+            let pairs = [
+                _mm512_unpacklo_epi16(a_lo, b_lo),
+                _mm512_unpackhi_epi16(a_lo, b_lo),
+                _mm512_unpacklo_epi16(a_hi, b_hi),
+                _mm512_unpackhi_epi16(a_hi, b_hi),
+            ];
+            for (h, acc) in acc.iter_mut().enumerate() {
+                let wj = _mm512_set1_epi32(w[h].as_ptr().add(j).cast::<i32>().read_unaligned());
+                for (a, &x) in acc.iter_mut().zip(&pairs) {
+                    *a = _mm512_dpwssd_epi32(*a, x, wj);
+                }
+            }
+        }
+        // Features in order: quarters of the low and high fours interleaved.
+        let first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+        let second =
+            _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        for (h, acc) in acc.iter().enumerate() {
+            let (u, b) = (_mm512_set1_ps(unit[h]), _mm512_set1_ps(bias[h]));
+            let o = out.add(h * d + g * 64);
+            let sums = [
+                _mm512_permutex2var_epi32(acc[0], first, acc[1]),
+                _mm512_permutex2var_epi32(acc[0], second, acc[1]),
+                _mm512_permutex2var_epi32(acc[2], first, acc[3]),
+                _mm512_permutex2var_epi32(acc[2], second, acc[3]),
+            ];
+            for (i, &s) in sums.iter().enumerate() {
+                let v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), u, b);
+                _mm512_storeu_ps(
+                    o.add(16 * i),
+                    _mm512_add_ps(v, _mm512_loadu_ps(o.add(16 * i))),
+                );
             }
         }
     }

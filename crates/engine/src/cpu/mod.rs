@@ -7,6 +7,19 @@
 //! variant so that tests can run the AVX2 and the portable code side by side.
 
 #[cfg(target_arch = "x86_64")]
+/// `$f::<$g.., H>(args)` with `H = $heads` (1 to 4; more take 4): the attention kernels hold a
+/// set of sums per head in registers, so each head count is a function of its own.
+macro_rules! by_heads {
+    ($heads:expr, $f:ident $(::<$($g:ty),*>)? ($($arg:expr),* $(,)?)) => {
+        match $heads {
+            1 => $f::<$($($g,)*)? 1>($($arg),*),
+            2 => $f::<$($($g,)*)? 2>($($arg),*),
+            3 => $f::<$($($g,)*)? 3>($($arg),*),
+            _ => $f::<$($($g,)*)? 4>($($arg),*),
+        }
+    };
+}
+
 mod amx;
 pub mod attention;
 #[cfg(target_arch = "x86_64")]

@@ -168,6 +168,13 @@ pub enum IntIsa {
     Avx512Vnni,
 }
 
+impl IntIsa {
+    /// Whether this processor runs these kernels.
+    pub fn is_available(self) -> bool {
+        IntKernel::available().iter().any(|k| k.isa == self)
+    }
+}
+
 /// One integer GEMV kernel: an instruction set and the activations it takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IntKernel {
