@@ -3,7 +3,8 @@
 //! as decoding runs them, over copies of the matrix that together outgrow the L2 cache, and
 //! the GB/s of weight bytes that makes; for a 2048-row prefill, TFLOP/s.
 //!
-//! `cargo run --release -p oxlm-engine --example cuda_gemv` on a machine with a CUDA GPU.
+//! `cargo run --release -p oxlm-engine --example cuda_gemv [ROWSxCOLS...]` on a machine with a
+//! CUDA GPU: every shape, or the ones named (to profile one, for example).
 
 use std::time::Instant;
 
@@ -67,14 +68,19 @@ fn main() {
     }
     let device = Device::open("cuda").unwrap();
     println!("{device}");
-    for (rows, cols) in [
+    let named: Vec<String> = std::env::args().skip(1).collect();
+    let shapes = [
         (2048, 2048),
         (5632, 2048),
         (2048, 5632),
         (32000, 2048),
         (14336, 4096),
         (4096, 14336),
-    ] {
+    ];
+    let chosen = shapes
+        .into_iter()
+        .filter(|(r, c)| named.is_empty() || named.contains(&format!("{r}x{c}")));
+    for (rows, cols) in chosen {
         for bits in [4, 8] {
             let mut w = random_matrix(rows, cols, bits, (rows * cols) as u64);
             w.place(&device).unwrap();

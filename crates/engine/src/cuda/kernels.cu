@@ -781,113 +781,144 @@ __device__ __forceinline__ void qdot_run(const RunWeights<BITS, S, R> &rw, const
     }
 }
 
-// acc[i][r] = Σ_k x[r, k] · W_i[k] over a share of the runs of the R weight rows whose words
-// start at w[i]: the warp takes share `part` of `parts` (tiles part, part + parts, ... of the
-// rows' tiles of 32 runs), each lane one run of each tile. The lane's first D runs are loaded
-// before the kernel waits for its inputs (so, launched early, while the previous kernel still
-// runs) and before the block rounds x[m, k] into shared memory (which returns in `a`); then
-// each of the D stages, once summed, is refilled with the run D ahead, so that D - 1 runs are
-// in flight while one is summed. Two stages: a third measured no faster on the H200
-// (2026-12-01) and costs registers, which more warps an SM put to better use.
-template <int BITS, class S, int R, int M>
-__device__ __forceinline__ void qdot_int(const u32 *const (&w)[R],
-                                         const typename S::T *const (&s)[R],
-                                         const typename S::T *const (&b)[R],
-                                         const float *__restrict__ x, int k, int group, int m,
-                                         const float *__restrict__ norm, float eps, int part,
-                                         int parts, float (&acc)[R][M]) {
+// Σ_k x[r, k] · W_i[k] for a sequence of `jobs` sets of R weight rows, each set's sums handed
+// to done(job, acc) (acc[i][r]: this lane's share of row i's sum with x[r, ·]; done sums the
+// warp). rows(job, w, s, b) points w[i], s[i] and b[i] at a set's words, scales and biases. The
+// warp takes share `part` of `parts` of each set (tiles part, part + parts, ... of the rows'
+// tiles of 32 runs), each lane one run of each tile, and every lane as many runs of a set (those
+// past the row's end skipped), so that the warp finishes each set together. The lane's runs of
+// all the sets are one sequence through a D-stage pipeline: the first D are loaded before the
+// kernel waits for its inputs (so, launched early, while the previous kernel still runs) and
+// before the block rounds x[m, k] into shared memory (once, however many sets follow); each
+// stage, once summed, is refilled with the run D ahead, the next set's first while a set's last
+// are summed. Two stages: a third measured no faster on the H200 (2026-12-01) and costs
+// registers, which more warps an SM put to better use.
+template <int BITS, class S, int R, int M, class Rows, class Done>
+__device__ __forceinline__ void qdot_jobs(const Rows &rows, const Done &done, int jobs,
+                                          const float *__restrict__ x, int k, int group, int m,
+                                          const float *__restrict__ norm, float eps, int part,
+                                          int parts) {
     constexpr int D = 2;
     const int runs = k >> 5, gshift = __ffs(group) - 6, step = 32 * parts;
     const int first = (threadIdx.x & 31) + 32 * part;
+    const int per_job = (((runs + 31) >> 5) - part + parts - 1) / parts;
+    const int items = jobs * per_job;
     RunWeights<BITS, S, R> stage[D];
+    // Run i of set `job` into `st`, where there is one.
+    auto fetch = [&](RunWeights<BITS, S, R> &st, int job, int i) {
+        const int c = first + i * step;
+        if (job < jobs && c < runs) {
+            const u32 *w[R];
+            const typename S::T *sc[R], *bi[R];
+            rows(job, w, sc, bi);
+            st.load(w, sc, bi, c, gshift);
+        }
+    };
+    auto advance = [&](int &job, int &i) {
+        if (++i == per_job) i = 0, job++;
+    };
+    int fetch_job = 0, fetch_i = 0;
 #pragma unroll
-    for (int d = 0; d < D; d++)
-        if (first + step * d < runs) stage[d].load(w, s, b, first + step * d, gshift);
+    for (int d = 0; d < D; d++) {
+        fetch(stage[d], fetch_job, fetch_i);
+        advance(fetch_job, fetch_i);
+    }
     await_inputs();
     const QActs a = quantize_acts<BITS, M>(x, k, m, norm, eps);
+    float acc[R][M];
     zero(acc);
-    for (int c0 = first; c0 < runs; c0 += step * D) {
+    int job = 0, i = 0;
+    for (int t0 = 0; t0 < items; t0 += D) {
 #pragma unroll
         for (int d = 0; d < D; d++) {
-            const int c = c0 + step * d;
-            if (c < runs) {
-                qdot_run<BITS, S, R, M>(stage[d], a, c, m, acc);
-                if (c + step * D < runs) stage[d].load(w, s, b, c + step * D, gshift);
+            if (t0 + d < items) {
+                const int c = first + i * step;
+                if (c < runs) qdot_run<BITS, S, R, M>(stage[d], a, c, m, acc);
+                fetch(stage[d], fetch_job, fetch_i);
+                advance(fetch_job, fetch_i);
+                if (i == per_job - 1) {
+                    done(job, acc);
+                    zero(acc);
+                }
+                advance(job, i);
             }
         }
     }
 }
 
-// acc[i][r] = Σ_k x[r, k] · W[rows[i], k] for the two rows `rows` of W (qdot_int's sums).
-template <int BITS, class S, int M>
-__device__ __forceinline__ void qdot_pair(const u32 *__restrict__ w,
-                                          const typename S::T *__restrict__ scales,
-                                          const typename S::T *__restrict__ biases,
-                                          const int (&rows)[2], const float *__restrict__ x,
-                                          int k, int group, int m,
-                                          const float *__restrict__ norm, float eps, int part,
-                                          int parts, float (&acc)[2][M]) {
-    const int groups = k / group;
-    const u32 *wr[2];
-    const typename S::T *sr[2], *br[2];
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const i64 row = rows[i];
-        wr[i] = w + row * (k >> 5) * BITS;
-        sr[i] = scales + row * groups;
-        br[i] = biases + row * groups;
-    }
-    qdot_int<BITS, S, 2, M>(wr, sr, br, x, k, group, m, norm, eps, part, parts, acc);
+// The sets of virtual blocks `block`, `block + step`, ... below `blocks` (the same for every
+// warp of a block).
+__device__ __forceinline__ int jobs_of(int block, int step, int blocks) {
+    return block < blocks ? (blocks - block + step - 1) / step : 0;
 }
 
-// y[r, n] (+)= Σ_k x[r, k] · W[n, k] for r < m: each warp takes a share (`parts` shares) of the
-// runs of 2 rows, the block's warps consecutive pairs of rows, `parts` warps a pair; the shares'
-// sums meet in shared memory. Splitting rows between warps gives a matrix of few, long rows
-// (a down projection) warps enough to keep the memory busy. The launch gives the activations
-// their shared memory (`int_acts_bytes` in ops.rs). `block` counts the blocks of this matrix
-// (blockIdx.x for one matrix alone).
+// y[r, n] (+)= Σ_k x[r, k] · W[n, k] for r < m. The rows go in virtual blocks of 2 · warps /
+// parts rows: each warp takes a share (`parts` shares) of the runs of 2 rows, the block's warps
+// consecutive pairs of rows, `parts` warps a pair; the shares' sums meet in shared memory.
+// Splitting rows between warps gives a matrix of few, long rows (a down projection) warps enough
+// to keep the memory busy. A block takes virtual blocks `block`, `block + step`, ... below
+// `blocks`: launched with as many blocks as the GPU holds at once, it rounds the activations
+// once for all of them and keeps its loads flowing from one pair of rows into the next. The
+// launch gives the activations their shared memory (`int_acts_bytes` in ops.rs).
 template <int BITS, class S, int M>
 __device__ void qgemv_int(const u32 *__restrict__ w, const typename S::T *__restrict__ scales,
                           const typename S::T *__restrict__ biases, const float *__restrict__ x,
                           float *__restrict__ y, int n, int k, int group, int m, int accumulate,
-                          int block, int parts, const float *__restrict__ norm, float eps) {
+                          int block, int step, int blocks, int parts,
+                          const float *__restrict__ norm, float eps) {
     __shared__ float shares[32][2][M];
     const int warp = threadIdx.x >> 5, part = warp % parts;
-    // Warps past the last row still take part in rounding the activations.
-    const int first = (block * (blockDim.x >> 5) + warp) / parts * 2;
-    const int row0 = min(first, n - 1);
-    const int rows[2] = {row0, min(row0 + 1, n - 1)};
-    float acc[2][M];
-    qdot_pair<BITS, S, M>(w, scales, biases, rows, x, k, group, m, norm, eps, part, parts, acc);
+    const int rows_per_block = 2 * (blockDim.x >> 5) / parts;
+    const i64 groups = k / group, words = (i64)(k >> 5) * BITS;
+    // The first of the warp's rows in its set `job`: past n for warps past the last row, which
+    // still take part in rounding the activations (and read the last row).
+    auto first_row = [&](int job) { return (block + job * step) * rows_per_block + warp / parts * 2; };
+    auto rows = [&](int job, const u32 *(&wr)[2], const typename S::T *(&sr)[2],
+                    const typename S::T *(&br)[2]) {
+        const int row0 = min(first_row(job), n - 1);
 #pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-        for (int r = 0; r < M; r++) acc[i][r] = r < m ? warp_sum(acc[i][r]) : 0.f;
-    if (parts > 1) {
-        if ((threadIdx.x & 31) == 0)
-#pragma unroll
-            for (int i = 0; i < 2; i++)
-#pragma unroll
-                for (int r = 0; r < M; r++) shares[warp][i][r] = acc[i][r];
-        __syncthreads();
-        if (part != 0) return;
-        for (int p = 1; p < parts; p++)
-#pragma unroll
-            for (int i = 0; i < 2; i++)
-#pragma unroll
-                for (int r = 0; r < M; r++) acc[i][r] += shares[warp + p][i][r];
-    }
-    if ((threadIdx.x & 31) != 0 || first >= n) return;
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-        for (int r = 0; r < M; r++) {
-            if (r >= m) break;
-            if (row0 + i < n) {
-                float *o = y + (i64)r * n + row0 + i;
-                *o = accumulate ? *o + acc[i][r] : acc[i][r];
-            }
+        for (int i = 0; i < 2; i++) {
+            const i64 row = min(row0 + i, n - 1);
+            wr[i] = w + row * words;
+            sr[i] = scales + row * groups;
+            br[i] = biases + row * groups;
         }
+    };
+    auto done = [&](int job, float (&acc)[2][M]) {
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int r = 0; r < M; r++) acc[i][r] = r < m ? warp_sum(acc[i][r]) : 0.f;
+        if (parts > 1) {
+            if (job > 0) __syncthreads(); // the previous set's shares have been read
+            if ((threadIdx.x & 31) == 0)
+#pragma unroll
+                for (int i = 0; i < 2; i++)
+#pragma unroll
+                    for (int r = 0; r < M; r++) shares[warp][i][r] = acc[i][r];
+            __syncthreads();
+            if (part == 0)
+                for (int p = 1; p < parts; p++)
+#pragma unroll
+                    for (int i = 0; i < 2; i++)
+#pragma unroll
+                        for (int r = 0; r < M; r++) acc[i][r] += shares[warp + p][i][r];
+        }
+        const int row0 = first_row(job);
+        if ((threadIdx.x & 31) != 0 || part != 0 || row0 >= n) return;
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int r = 0; r < M; r++) {
+                if (r >= m) break;
+                if (row0 + i < n) {
+                    float *o = y + (i64)r * n + row0 + i;
+                    *o = accumulate ? *o + acc[i][r] : acc[i][r];
+                }
+            }
+    };
+    qdot_jobs<BITS, S, 2, M>(rows, done, jobs_of(block, step, blocks), x, k, group, m, norm, eps,
+                             part, parts);
 }
 
 // Attention's projections of one token, its RoPE and its cache write in one launch: queries
@@ -920,13 +951,26 @@ __device__ void qkv_rope(const u32 *wq, const typename S::T *sq, const typename 
     const bool neighbours = which == 2 || traditional;
     const int a = neighbours ? 2 * p : head * d + i;
     const int rows[2] = {a, neighbours ? a + 1 : a + half};
-    float acc[2][1];
     // Selected, not indexed: an array indexed at run time would live in local memory.
-    qdot_pair<BITS, S, 1>(which == 0 ? wq : which == 1 ? wk : wv,
-                          which == 0 ? sq : which == 1 ? sk : sv,
-                          which == 0 ? bq : which == 1 ? bk : bv, rows, x, k, group, 1, norm, eps,
-                          0, 1, acc);
-    const float v0 = warp_sum(acc[0][0]), v1 = warp_sum(acc[1][0]);
+    const u32 *w = which == 0 ? wq : which == 1 ? wk : wv;
+    const typename S::T *sc = which == 0 ? sq : which == 1 ? sk : sv;
+    const typename S::T *bi = which == 0 ? bq : which == 1 ? bk : bv;
+    const i64 groups = k / group, words = (i64)(k >> 5) * BITS;
+    auto both = [&](int, const u32 *(&wr)[2], const typename S::T *(&sr)[2],
+                    const typename S::T *(&br)[2]) {
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            wr[j] = w + rows[j] * words;
+            sr[j] = sc + rows[j] * groups;
+            br[j] = bi + rows[j] * groups;
+        }
+    };
+    float v0, v1;
+    auto sums = [&](int, float (&acc)[2][1]) {
+        v0 = warp_sum(acc[0][0]);
+        v1 = warp_sum(acc[1][0]);
+    };
+    qdot_jobs<BITS, S, 2, 1>(both, sums, 1, x, k, group, 1, norm, eps, 0, 1);
     if ((threadIdx.x & 31) != 0 || pair >= pairs) return;
     const int pos = positions[0];
     const i64 slot = ((i64)head * capacity + pos % capacity) * d;
@@ -949,32 +993,41 @@ __device__ void qkv_rope(const u32 *wq, const typename S::T *sq, const typename 
 }
 
 // The gated MLP's first half (see qglu) on int16 activations: each warp takes one row of the
-// gate and the same row of the up projection.
+// gate and the same row of the up projection, a block `warps` of them in a virtual block; a
+// block takes virtual blocks blockIdx.x, + gridDim.x, ... below `blocks`, as qgemv_int's do.
 template <int BITS, class S, int M>
 __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__restrict__ gs,
                          const typename S::T *__restrict__ gb, const u32 *__restrict__ uw,
                          const typename S::T *__restrict__ us, const typename S::T *__restrict__ ub,
                          const float *__restrict__ x, float *__restrict__ out, int n, int k,
-                         int group, int m, int act, const float *__restrict__ norm, float eps) {
-    const int warp_row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    // Warps past the last row still take part in rounding the activations.
-    const int row = min(warp_row, n - 1);
+                         int group, int m, int act, const float *__restrict__ norm, float eps,
+                         int blocks) {
+    const int warps = blockDim.x >> 5;
     const i64 groups = k / group, words = (i64)(k >> 5) * BITS;
-    const u32 *wr[2] = {gw + row * words, uw + row * words};
-    const typename S::T *sr[2] = {gs + row * groups, us + row * groups};
-    const typename S::T *br[2] = {gb + row * groups, ub + row * groups};
-    float acc[2][M];
-    qdot_int<BITS, S, 2, M>(wr, sr, br, x, k, group, m, norm, eps, 0, 1, acc);
+    // Past n for warps past the last row, which still take part in rounding the activations.
+    auto row_of = [&](int job) { return (blockIdx.x + job * gridDim.x) * warps + (threadIdx.x >> 5); };
+    auto rows = [&](int job, const u32 *(&wr)[2], const typename S::T *(&sr)[2],
+                    const typename S::T *(&br)[2]) {
+        const i64 row = min(row_of(job), n - 1);
+        wr[0] = gw + row * words, wr[1] = uw + row * words;
+        sr[0] = gs + row * groups, sr[1] = us + row * groups;
+        br[0] = gb + row * groups, br[1] = ub + row * groups;
+    };
+    auto done = [&](int job, float (&acc)[2][M]) {
+        const int row = row_of(job);
 #pragma unroll
-    for (int r = 0; r < M; r++) {
-        if (r >= m) break;
-        const float g = warp_sum(acc[0][r]), u = warp_sum(acc[1][r]);
-        if ((threadIdx.x & 31) == 0 && warp_row < n) {
-            const float h = act == 0 ? g / (1.f + expf(-g))
-                                     : 0.5f * g * (1.f + tanhf(0.7978846f * (g + 0.044715f * g * g * g)));
-            out[(i64)r * n + row] = h * u;
+        for (int r = 0; r < M; r++) {
+            if (r >= m) break;
+            const float g = warp_sum(acc[0][r]), u = warp_sum(acc[1][r]);
+            if ((threadIdx.x & 31) == 0 && row < n) {
+                const float h = act == 0 ? g / (1.f + expf(-g))
+                                         : 0.5f * g * (1.f + tanhf(0.7978846f * (g + 0.044715f * g * g * g)));
+                out[(i64)r * n + row] = h * u;
+            }
         }
-    }
+    };
+    qdot_jobs<BITS, S, 2, M>(rows, done, jobs_of(blockIdx.x, gridDim.x, blocks), x, k, group, m,
+                             norm, eps, 0, 1);
 }
 
 // Each kernel comes in two widths: for up to 8 activation rows (`qgemv_int_4_bf16`) and for
@@ -983,8 +1036,9 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
 #define QUANTIZED_INT(BITS, S, NAME, M, TAG)                                                       \
     extern "C" __global__ void qgemv_int##TAG##_##BITS##_##NAME(                                  \
         const u32 *w, const S::T *s, const S::T *b, const float *x, float *y, int n, int k,       \
-        int g, int m, int acc, int parts) {                                                       \
-        qgemv_int<BITS, S, M>(w, s, b, x, y, n, k, g, m, acc, blockIdx.x, parts, nullptr, 0.f);   \
+        int g, int m, int acc, int parts, int blocks) {                                           \
+        qgemv_int<BITS, S, M>(w, s, b, x, y, n, k, g, m, acc, blockIdx.x, gridDim.x, blocks,      \
+                              parts, nullptr, 0.f);                                               \
     }                                                                                             \
     /* Up to three matrices of one input (attention's q, k and v), the blocks in their order; */ \
     /* n1 = 0 or n2 = 0 leaves matrices out. A non-null norm RMS-norms the input first.      */ \
@@ -996,19 +1050,20 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
         const int per_block = 2 * (blockDim.x >> 5);                                              \
         const int nb0 = (n0 + per_block - 1) / per_block, nb1 = (n1 + per_block - 1) / per_block; \
         const int blk = blockIdx.x, which = blk < nb0 ? 0 : blk < nb0 + nb1 ? 1 : 2;              \
-        /* One call of the inlined GEMV, on the chosen matrix. */                                 \
+        const int b = blk - (which > 0 ? nb0 : 0) - (which > 1 ? nb1 : 0);                        \
+        /* One call of the inlined GEMV, on the chosen matrix: one virtual block, its own. */     \
         qgemv_int<BITS, S, M>(which == 0 ? w0 : which == 1 ? w1 : w2,                             \
                               which == 0 ? s0 : which == 1 ? s1 : s2,                             \
                               which == 0 ? b0 : which == 1 ? b1 : b2, x,                          \
                               which == 0 ? y0 : which == 1 ? y1 : y2,                             \
-                              which == 0 ? n0 : which == 1 ? n1 : n2, k, g, m, 0,                 \
-                              blk - (which > 0 ? nb0 : 0) - (which > 1 ? nb1 : 0), 1, norm, eps); \
+                              which == 0 ? n0 : which == 1 ? n1 : n2, k, g, m, 0, b, 1, b + 1, 1, \
+                              norm, eps);                                                         \
     }                                                                                             \
     extern "C" __global__ void qglu_int##TAG##_##BITS##_##NAME(                                   \
         const u32 *gw, const S::T *gs, const S::T *gb, const u32 *uw, const S::T *us,             \
         const S::T *ub, const float *x, float *out, int n, int k, int g, int m, int act,          \
-        const float *norm, float eps) {                                                           \
-        qglu_int<BITS, S, M>(gw, gs, gb, uw, us, ub, x, out, n, k, g, m, act, norm, eps);         \
+        const float *norm, float eps, int blocks) {                                               \
+        qglu_int<BITS, S, M>(gw, gs, gb, uw, us, ub, x, out, n, k, g, m, act, norm, eps, blocks); \
     }
 
 #define QUANTIZED_INT_WIDTHS(BITS, S, NAME)                                                        \
@@ -1332,6 +1387,24 @@ extern "C" __global__ void kv_move(const float *src, int src_capacity, float *ds
 // unnormalised output) per split go to `part`, and the split that finishes last (counted in
 // counters[th], which it sets back to 0) merges them into `out`: no second launch.
 // `th` = token · heads + head, counted from q, positions, out, part and counters.
+// The positions [s0, s1) that split `split` of a query at `pos` attends (lo..hi split in runs
+// of `per_split`: lo = max(start, pos + 1 - window), hi = pos + 1), and how many of the
+// `splits` hold keys (`used`: at least one, so that an empty window still writes zeros).
+// False for a split past them, which has nothing to do.
+struct SplitKeys {
+    i64 s0, s1;
+    int used;
+};
+
+__device__ __forceinline__ bool split_keys(i64 pos, i64 start, i64 window, int splits,
+                                           int per_split, int split, SplitKeys &k) {
+    const i64 hi = pos + 1, lo = min(hi, max(start, pos + 1 - window));
+    k.used = (int)max((i64)1, min((i64)splits, (hi - lo + per_split - 1) / per_split));
+    k.s0 = lo + (i64)split * per_split;
+    k.s1 = min(hi, k.s0 + per_split);
+    return split < k.used;
+}
+
 // Merges the first `used` split partials `pp` ([splits, d + 2]: max, sum, unnormalised output)
 // of one (token, head) into `out_row`. Lane s takes splits s and s + 32 (at most 64), so that
 // the maxima and sums come in one round of loads; then each lane's features (lane + 32e) of
@@ -1410,14 +1483,10 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
     const float *qv = q + (i64)th * d;
     for (int e = lane; e < E * 32; e += 32) qs[e] = e < d ? qv[e] : 0.f;
     __syncwarp();
-    const i64 pos = positions[t];
-    const i64 hi = pos + 1;
-    i64 lo = max(start, pos + 1 - window);
-    if (lo > hi) lo = hi;
-    // The splits that hold keys (at least one, so that an empty window still writes zeros).
-    const int used = (int)max((i64)1, min((i64)splits, (hi - lo + per_split - 1) / per_split));
-    if (split >= used) return;
-    const i64 s0 = lo + (i64)split * per_split, s1 = min(hi, s0 + per_split);
+    SplitKeys sk;
+    if (!split_keys(positions[t], start, window, splits, per_split, split, sk)) return;
+    const i64 s0 = sk.s0, s1 = sk.s1;
+    const int used = sk.used;
     const float *kh = keys + (i64)kvh * capacity * d;
     const float *vh = values + (i64)kvh * capacity * d;
     float m = -INFINITY, l = 0.f, acc[E];
@@ -1574,12 +1643,10 @@ __device__ void attention_group(const float *__restrict__ q, const float *__rest
         qs[g][f] = g < heads && f < d ? q[(i64)g * d + f] : 0.f;
     }
     __syncwarp();
-    const i64 hi = pos + 1;
-    i64 lo = max(start, pos + 1 - window);
-    if (lo > hi) lo = hi;
-    const int used = (int)max((i64)1, min((i64)splits, (hi - lo + per_split - 1) / per_split));
-    if (split >= used) return;
-    const i64 s0 = lo + (i64)split * per_split, s1 = min(hi, s0 + per_split);
+    SplitKeys sk;
+    if (!split_keys(pos, start, window, splits, per_split, split, sk)) return;
+    const i64 s0 = sk.s0, s1 = sk.s1;
+    const int used = sk.used;
     float m[G], l[G], acc[G][E];
 #pragma unroll
     for (int g = 0; g < G; g++) {

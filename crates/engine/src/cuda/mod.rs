@@ -75,6 +75,8 @@ struct Inner {
     stream: Arc<CudaStream>,
     module: Arc<CudaModule>,
     functions: Mutex<HashMap<String, CudaFunction>>,
+    /// [`Gpu::resident_blocks`] by kernel, threads and dynamic shared memory.
+    resident: Mutex<HashMap<(String, u32, u32), usize>>,
     blas: CudaBlas,
     step: Mutex<StepState>,
     /// Whether kernels are launched to start before the previous one ends (compute capability
@@ -140,6 +142,7 @@ impl Gpu {
                 stream,
                 module,
                 functions: Mutex::new(HashMap::new()),
+                resident: Mutex::new(HashMap::new()),
                 blas,
                 step: Mutex::new(StepState::new()),
                 early_start: major >= 9,
@@ -209,6 +212,28 @@ impl Gpu {
             .map_err(|e| EngineError::Cuda(format!("kernel `{name}`: {e:?}")))?;
         functions.insert(name.to_string(), f.clone());
         Ok(f)
+    }
+
+    /// Blocks of kernel `name` (`threads` each, with `shared` bytes of dynamic shared memory)
+    /// that the GPU runs at once: a grid of that many is one wave.
+    pub(crate) fn resident_blocks(
+        &self,
+        name: &str,
+        threads: u32,
+        shared: u32,
+    ) -> Result<usize, EngineError> {
+        let key = (name.to_string(), threads, shared);
+        if let Some(&blocks) = self.inner.resident.lock().unwrap().get(&key) {
+            return Ok(blocks);
+        }
+        self.bind()?;
+        let per_sm = self
+            .function(name)?
+            .occupancy_max_active_blocks_per_multiprocessor(threads, shared as usize, None)
+            .map_err(err)?;
+        let blocks = per_sm.max(1) as usize * self.inner.multiprocessors;
+        self.inner.resident.lock().unwrap().insert(key, blocks);
+        Ok(blocks)
     }
 
     /// Makes the GPU's context current on this thread: the raw driver calls below need it, and

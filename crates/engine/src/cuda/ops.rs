@@ -700,6 +700,26 @@ fn int_threads(cols: usize) -> u32 {
     }
 }
 
+/// The launch of an int16-activation GEMV (`qgemv_int`, `qglu_int`) whose work is `work`
+/// blocks of `threads` with `shared` bytes: as many blocks as the GPU holds at once, or fewer,
+/// each taking its share of the work's blocks (virtual blocks, whose count the kernel takes as
+/// its last argument, returned here). A block rounds the activations once for all of its
+/// virtual blocks, and its loads run on from one into the next.
+fn one_wave(
+    g: &Gpu,
+    name: &str,
+    work: usize,
+    threads: u32,
+    shared: u32,
+) -> Result<(LaunchConfig, Arg)> {
+    let grid = work.min(g.resident_blocks(name, threads, shared)?);
+    let cfg = LaunchConfig {
+        shared_mem_bytes: shared,
+        ..blocks(grid, threads)
+    };
+    Ok((cfg, Arg::from(int(work)?)))
+}
+
 /// Warps that share each pair of rows in `qgemv_int` (each a share of the rows' tiles of 32
 /// runs): two for matrices of fewer than 8,192 rows with rows of two tiles or more, so that a
 /// projection of few, long rows keeps as many loads in flight as a tall one. Measured on the
@@ -751,13 +771,12 @@ pub fn quantized_matmul(
         let threads = int_threads(s.cols);
         let parts = int_parts(s);
         let rows_per_block = 2 * threads as usize / 32 / parts;
-        let cfg = LaunchConfig {
-            shared_mem_bytes: shared,
-            ..blocks(s.rows.div_ceil(rows_per_block), threads)
-        };
-        launch!(&g, &int_kernel("qgemv", s, w.scale_type, m), cfg;
+        let name = int_kernel("qgemv", s, w.scale_type, m);
+        let (cfg, virtual_blocks) =
+            one_wave(&g, &name, s.rows.div_ceil(rows_per_block), threads, shared)?;
+        launch!(&g, &name, cfg;
             packed, scales, biases, x.ptr(), y_ptr, int(s.rows)?, int(s.cols)?,
-            int(s.group_size)?, int(m)?, accumulate as i32, int(parts)?);
+            int(s.group_size)?, int(m)?, accumulate as i32, int(parts)?, virtual_blocks);
         return Ok(y);
     }
     if m <= GEMV_MAX_ROWS {
@@ -1035,14 +1054,19 @@ pub fn quantized_glu(
     ];
     if let Some(shared) = shared {
         let threads = int_threads(s.cols);
-        let cfg = LaunchConfig {
-            shared_mem_bytes: shared,
-            ..blocks(s.rows.div_ceil(threads as usize / 32), threads)
-        };
+        let name = int_kernel("qglu", s, gate.scale_type, m);
+        let (cfg, virtual_blocks) = one_wave(
+            &g,
+            &name,
+            s.rows.div_ceil(threads as usize / 32),
+            threads,
+            shared,
+        )?;
         let [norm_ptr, eps] = norm_args(norm);
-        launch!(&g, &int_kernel("qglu", s, gate.scale_type, m), cfg;
+        launch!(&g, &name, cfg;
             gw, gs, gb, uw, us, ub, x.ptr(), out.ptr(),
-            int(s.rows)?, int(s.cols)?, int(s.group_size)?, int(m)?, act as i32, norm_ptr, eps);
+            int(s.rows)?, int(s.cols)?, int(s.group_size)?, int(m)?, act as i32, norm_ptr, eps,
+            virtual_blocks);
         return Ok(Some(out));
     }
     launch!(&g, &format!("qglu_{}_{}", s.bits, gate.scale_type), blocks(s.rows.div_ceil(2), row_threads(s.cols));
