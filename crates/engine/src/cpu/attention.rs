@@ -3,8 +3,9 @@
 //! the whole group, which at long contexts is what decoding spends its memory traffic on. The
 //! cache may be kept in f32 or f16 ([`KvElem`]), whose vectors the AVX2 and AVX-512 kernels widen
 //! as they load them, once for up to four heads (the portable code widens a block at a time), or
-//! as 8-bit codes ([`Q8Rows`]), which the AVX-512 kernels dequantize as they load them and other
-//! processors a block of rows at a time into scratch that stays in L1 for the f32 kernels.
+//! as 8-bit codes ([`Q8Rows`]), which AVX512-VNNI multiplies as integers (see
+//! `RoundedQueries`), other AVX-512 processors dequantize as they load them, and the rest a
+//! block of rows at a time into scratch that stays in L1 for the f32 kernels.
 
 use std::ops::Range;
 
