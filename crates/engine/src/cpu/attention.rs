@@ -506,12 +506,14 @@ fn round_queries<'a>(queries: &[f32], d: usize, scratch: &'a mut [f32]) -> Round
         .chunks_exact(Q8_GROUP)
         .zip(codes.chunks_exact_mut(Q8_GROUP));
     for ((q, c), (scale, sum)) in runs.zip(scales.iter_mut().zip(sums.iter_mut())) {
-        let top = q.iter().fold(0.0f32, |m, &v| m.max(v.abs()));
-        let inv = if top > 0.0 { 32767.0 / top } else { 0.0 };
-        for (c, &v) in c.iter_mut().zip(q) {
-            *c = (v * inv).round() as i16;
-        }
-        (*scale, *sum) = (top / 32767.0, q.iter().sum());
+        // The GEMV's rounding of an activation group to one int16 an element.
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: rounded queries exist only where `int_codes` found AVX-512 (and so AVX2);
+        // a group is 64 of each.
+        let rounded = unsafe { super::x86_int::quantize_group(q, 32767.0, 1.0, &mut [c]) };
+        #[cfg(not(target_arch = "x86_64"))]
+        let rounded: super::qint::Quantized = unreachable!("the integer kernels are x86's");
+        (*scale, *sum) = (rounded.scale, rounded.sum);
     }
     RoundedQueries {
         codes,

@@ -68,6 +68,9 @@ pub struct Gpu {
     exact_math: bool,
 }
 
+/// Blocks a kernel runs at once, by its threads and dynamic shared memory.
+type ResidentBlocks = HashMap<(u32, u32), usize>;
+
 struct Inner {
     ordinal: usize,
     name: String,
@@ -75,8 +78,8 @@ struct Inner {
     stream: Arc<CudaStream>,
     module: Arc<CudaModule>,
     functions: Mutex<HashMap<String, CudaFunction>>,
-    /// [`Gpu::resident_blocks`] by kernel, threads and dynamic shared memory.
-    resident: Mutex<HashMap<(String, u32, u32), usize>>,
+    /// [`Gpu::resident_blocks`] by kernel, then threads and dynamic shared memory.
+    resident: Mutex<HashMap<String, ResidentBlocks>>,
     blas: CudaBlas,
     step: Mutex<StepState>,
     /// Whether kernels are launched to start before the previous one ends (compute capability
@@ -222,17 +225,22 @@ impl Gpu {
         threads: u32,
         shared: u32,
     ) -> Result<usize, EngineError> {
-        let key = (name.to_string(), threads, shared);
-        if let Some(&blocks) = self.inner.resident.lock().unwrap().get(&key) {
+        let known = self.inner.resident.lock().unwrap();
+        if let Some(&blocks) = known.get(name).and_then(|k| k.get(&(threads, shared))) {
             return Ok(blocks);
         }
+        drop(known);
         self.bind()?;
         let per_sm = self
             .function(name)?
             .occupancy_max_active_blocks_per_multiprocessor(threads, shared as usize, None)
             .map_err(err)?;
         let blocks = per_sm.max(1) as usize * self.inner.multiprocessors;
-        self.inner.resident.lock().unwrap().insert(key, blocks);
+        let mut known = self.inner.resident.lock().unwrap();
+        known
+            .entry(name.to_string())
+            .or_default()
+            .insert((threads, shared), blocks);
         Ok(blocks)
     }
 
