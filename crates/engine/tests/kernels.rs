@@ -102,8 +102,9 @@ fn quantized_matmul_matches_the_dequantized_reference() {
     let mut rng = StdRng::seed_from_u64(1);
     for &g in &SUPPORTED_GROUP_SIZES {
         // 5 groups leave half a chunk of eight words at 2 and 4 bits; 1152 columns span three
-        // GEMM panels, the last one partial; 7 and 37 rows leave remainders of every block.
-        for (rows, cols) in [(7, 5 * g), (37, 1152)] {
+        // GEMM panels, the last one partial; 7, 37 and 133 rows leave remainders of every block
+        // (133: of the pool's tasks too).
+        for (rows, cols) in [(7, 5 * g), (37, 1152), (133, 2 * g)] {
             for &bits in &SUPPORTED_BITS {
                 for dtype in SCALE_DTYPES {
                     let w = random_matrix(&mut rng, rows, cols, bits, g, dtype);

@@ -4,8 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{hsum4, hsum8, prefetch_ahead, Elem, Kind};
-use super::gemm::Kernel;
+use super::avx2::{hsum8, prefetch_ahead, Elem, Kind};
 
 /// The eight-lane sum of the two halves of `v`.
 #[target_feature(enable = "avx512f,avx512dq,avx2")]
@@ -14,53 +13,111 @@ unsafe fn fold(v: __m512) -> __m256 {
     _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v))
 }
 
-impl Kernel<'_> {
-    /// The GEMM micro-kernel: `R × C` dot products of length `kc`, sixteen lanes wide (the AVX2
-    /// kernel's shape, twice the width: twelve accumulators still cover the FMA latency).
-    #[allow(clippy::needless_range_loop)] // `acc[i][j]` reads clearer than nested iterators
-    #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
-    pub(super) unsafe fn avx512<const R: usize, const C: usize>(self) {
-        let (px, pw) = (self.x.as_ptr(), self.w.as_ptr());
-        let mut acc = [[_mm512_setzero_ps(); C]; R];
-        let full = self.kc / 16 * 16;
-        let mut c = 0;
-        while c < full {
-            let mut xv = [_mm512_setzero_ps(); R];
-            for (i, v) in xv.iter_mut().enumerate() {
-                *v = _mm512_loadu_ps(px.add(i * self.xs + c));
-            }
-            for j in 0..C {
-                let wv = _mm512_loadu_ps(pw.add(j * self.ws + c));
-                for i in 0..R {
-                    acc[i][j] = _mm512_fmadd_ps(xv[i], wv, acc[i][j]);
+/// Rows `0..nc` of `rows` (`kc` floats each) column-major into `panel`: column `c` of the
+/// `NR` rows at `panel[c · NR..]`, rows past `nc` zero. Sixteen rows × sixteen columns at a
+/// time, transposed in registers (a gather per column measured several times slower).
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn column_major(rows: &[f32], nc: usize, kc: usize, panel: &mut [f32]) {
+    use super::gemm::wide::NR;
+    assert!(nc <= NR && rows.len() >= nc * kc && panel.len() >= NR * kc);
+    for r0 in (0..NR).step_by(16) {
+        for c0 in (0..kc).step_by(16) {
+            let width = (kc - c0).min(16);
+            let mask: __mmask16 = ((1u32 << width) - 1) as __mmask16;
+            let block: [__m512; 16] = std::array::from_fn(|r| {
+                if r0 + r < nc {
+                    _mm512_maskz_loadu_ps(mask, rows.as_ptr().add((r0 + r) * kc + c0))
+                } else {
+                    _mm512_setzero_ps()
                 }
-            }
-            c += 16;
-        }
-        if full < self.kc {
-            let mask: __mmask16 = (1 << (self.kc - full)) - 1;
-            for j in 0..C {
-                let wv = _mm512_maskz_loadu_ps(mask, pw.add(j * self.ws + c));
-                for i in 0..R {
-                    let xv = _mm512_maskz_loadu_ps(mask, px.add(i * self.xs + c));
-                    acc[i][j] = _mm512_fmadd_ps(xv, wv, acc[i][j]);
-                }
+            });
+            for (c, column) in transpose16(block).iter().take(width).enumerate() {
+                _mm512_storeu_ps(panel.as_mut_ptr().add((c0 + c) * NR + r0), *column);
             }
         }
-        for (i, acc) in acc.iter().enumerate() {
-            let y = self.y.add(i * self.ys);
-            if let Ok(four) = <&[__m512; 4]>::try_from(&acc[..]) {
-                let mut s = hsum4(&four.map(|v| fold(v)));
-                if self.accumulate {
-                    s = _mm_add_ps(s, _mm_loadu_ps(y));
-                }
-                _mm_storeu_ps(y, s);
-            } else {
-                for (j, &a) in acc.iter().enumerate() {
-                    let s = _mm512_reduce_add_ps(a);
-                    *y.add(j) = if self.accumulate { *y.add(j) + s } else { s };
-                }
+    }
+}
+
+/// The 16 × 16 transpose of `r` (rows in, columns out).
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
+    // Within each 128-bit lane l: t[2i] pairs rows 2i, 2i + 1 at columns 4l, 4l + 1, and
+    // t[2i + 1] at columns 4l + 2, 4l + 3.
+    let t: [__m512; 16] = std::array::from_fn(|j| {
+        let (a, b) = (r[j & !1], r[j | 1]);
+        if j % 2 == 0 {
+            _mm512_unpacklo_ps(a, b)
+        } else {
+            _mm512_unpackhi_ps(a, b)
+        }
+    });
+    // u[4j + q], lane l: column 4l + q of rows 4j..4j + 4.
+    let u: [__m512; 16] = std::array::from_fn(|i| {
+        let (j, q) = (i / 4, i % 4);
+        let (a, b) = (t[4 * j + q / 2], t[4 * j + 2 + q / 2]);
+        if q % 2 == 0 {
+            _mm512_shuffle_ps::<0x44>(a, b)
+        } else {
+            _mm512_shuffle_ps::<0xEE>(a, b)
+        }
+    });
+    // Column 4l + q: lane l of u[q], u[4 + q], u[8 + q], u[12 + q].
+    let mut out = [_mm512_setzero_ps(); 16];
+    for q in 0..4 {
+        let low = _mm512_shuffle_f32x4::<0x44>(u[q], u[4 + q]);
+        let high = _mm512_shuffle_f32x4::<0xEE>(u[q], u[4 + q]);
+        let low2 = _mm512_shuffle_f32x4::<0x44>(u[8 + q], u[12 + q]);
+        let high2 = _mm512_shuffle_f32x4::<0xEE>(u[8 + q], u[12 + q]);
+        out[q] = _mm512_shuffle_f32x4::<0x88>(low, low2);
+        out[4 + q] = _mm512_shuffle_f32x4::<0xDD>(low, low2);
+        out[8 + q] = _mm512_shuffle_f32x4::<0x88>(high, high2);
+        out[12 + q] = _mm512_shuffle_f32x4::<0xDD>(high, high2);
+    }
+    out
+}
+
+/// The GEMM micro-kernel: `y[i · ys + j] (+)= Σ_c x[c · MR + i] · w[c · NR + j]` for `i < mr`,
+/// `j < nc`, with `MR × NR` accumulators (activations column-major by `MR`, the panel by `NR`).
+///
+/// # Safety
+/// AVX-512; `y` spans `(mr - 1) · ys + nc` writable floats that no one else writes.
+#[allow(clippy::needless_range_loop, clippy::too_many_arguments)] // `acc[i][h]` reads clearer
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn gemm_kernel(
+    x: &[f32],
+    w: &[f32],
+    kc: usize,
+    y: *mut f32,
+    ys: usize,
+    mr: usize,
+    nc: usize,
+    accumulate: bool,
+) {
+    use super::gemm::wide::{MR, NR};
+    const H: usize = NR / 16;
+    assert!(x.len() >= MR * kc && w.len() >= NR * kc && mr <= MR && nc <= NR);
+    let (px, pw) = (x.as_ptr(), w.as_ptr());
+    let mut acc = [[_mm512_setzero_ps(); H]; MR];
+    for c in 0..kc {
+        let wv: [__m512; H] = std::array::from_fn(|h| _mm512_loadu_ps(pw.add(c * NR + 16 * h)));
+        for i in 0..MR {
+            let xv = _mm512_set1_ps(*px.add(c * MR + i));
+            for h in 0..H {
+                acc[i][h] = _mm512_fmadd_ps(xv, wv[h], acc[i][h]);
             }
+        }
+    }
+    for i in 0..mr {
+        let row = y.add(i * ys);
+        for h in 0..H {
+            let live = nc.saturating_sub(16 * h).min(16);
+            let mask: __mmask16 = ((1u32 << live) - 1) as __mmask16;
+            let mut v = acc[i][h];
+            if accumulate {
+                v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, row.add(16 * h)));
+            }
+            _mm512_mask_storeu_ps(row.add(16 * h), mask, v);
         }
     }
 }
