@@ -13,6 +13,13 @@ unsafe fn fold(v: __m512) -> __m256 {
     _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v))
 }
 
+/// The mask of the first `n` of sixteen lanes (`n` ≤ 16).
+#[inline]
+fn first_lanes(n: usize) -> __mmask16 {
+    debug_assert!(n <= 16);
+    ((1u32 << n) - 1) as __mmask16
+}
+
 /// Rows `0..nc` of `rows` (`kc` floats each) column-major into `panel`: column `c` of the
 /// `NR` rows at `panel[c · NR..]`, rows past `nc` zero. Sixteen rows × sixteen columns at a
 /// time, transposed in registers (a gather per column measured several times slower).
@@ -23,7 +30,7 @@ pub(super) unsafe fn column_major(rows: &[f32], nc: usize, kc: usize, panel: &mu
     for r0 in (0..NR).step_by(16) {
         for c0 in (0..kc).step_by(16) {
             let width = (kc - c0).min(16);
-            let mask: __mmask16 = ((1u32 << width) - 1) as __mmask16;
+            let mask = first_lanes(width);
             let block: [__m512; 16] = std::array::from_fn(|r| {
                 if r0 + r < nc {
                     _mm512_maskz_loadu_ps(mask, rows.as_ptr().add((r0 + r) * kc + c0))
@@ -111,8 +118,7 @@ pub(super) unsafe fn gemm_kernel(
     for i in 0..mr {
         let row = y.add(i * ys);
         for h in 0..H {
-            let live = nc.saturating_sub(16 * h).min(16);
-            let mask: __mmask16 = ((1u32 << live) - 1) as __mmask16;
+            let mask = first_lanes(nc.saturating_sub(16 * h).min(16));
             let mut v = acc[i][h];
             if accumulate {
                 v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, row.add(16 * h)));
@@ -522,7 +528,7 @@ unsafe fn q8_values_for<const H: usize>(
             let mut weighted = [_mm512_setzero_ps(); Q8_VALUE_ROWS / 16];
             let (mut top, mut bsum) = (_mm512_setzero_ps(), _mm512_setzero_ps());
             for (i, j) in (0..n).step_by(16).enumerate() {
-                let mask: __mmask16 = (((1u32 << (n - j).min(16)) - 1) & 0xffff) as u16;
+                let mask = first_lanes((n - j).min(16));
                 let pj = _mm512_maskz_loadu_ps(mask, p.add(h * stride + j));
                 let s = rows16(values.scales.add(g), groups, j, mask);
                 let b = rows16(values.biases.add(g), groups, j, mask);

@@ -58,8 +58,8 @@ pub(super) fn gemm(isa: Isa, w: &(impl Panels + Sync), x: &[f32], m: usize, y: &
         return wide::gemm(isa, w, x, m, y);
     }
     // The activations copied once into line-aligned rows of `KC`, one block of columns after
-    // another: the kernels' loads then never straddle two lines (which costs AVX-512 about a
-    // fifth of its speed), and rows lie a small stride apart whatever `k` is.
+    // another: the kernels' loads then never straddle two lines, and rows lie a small stride
+    // apart whatever `k` is.
     let blocks = k.div_ceil(KC);
     with_scratch(blocks * m * KC, |xp| {
         for (kb, block) in xp.chunks_exact_mut(m * KC).enumerate() {
