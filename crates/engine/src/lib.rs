@@ -21,7 +21,7 @@ pub mod quant;
 pub mod recurrent;
 pub mod tensor;
 
-pub use buffer::Bytes;
+pub use buffer::{Bytes, WeightBuffer};
 pub use device::{DecodeSteps, Device};
 pub use dtype::DType;
 pub use error::EngineError;

@@ -5,7 +5,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use oxlm_engine::{Bytes, DType, Device};
+use oxlm_engine::{Bytes, DType, Device, WeightBuffer};
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
@@ -201,26 +201,43 @@ fn engine_dtype(dtype: safetensors::Dtype) -> Option<DType> {
     })
 }
 
-/// Memory-maps one safetensors file and lists its arrays without copying them.
-pub fn map_safetensors(path: &Path) -> Result<HashMap<String, RawTensor>, LoadError> {
-    let file = std::fs::File::open(path).map_err(|source| match source.kind() {
-        std::io::ErrorKind::NotFound => LoadError::MissingFile(path.to_path_buf()),
-        _ => LoadError::Io {
-            path: path.to_path_buf(),
-            source,
-        },
-    })?;
-    // SAFETY: the map is read-only; a checkpoint changed under a running model is outside
-    // what any engine can defend against, as with every mmap-based loader.
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| LoadError::Io {
+/// How a checkpoint's files come into memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Residency {
+    /// Memory-mapped: read on first use, shared with the page cache. For weights read once
+    /// (copied to a GPU, fused, or only looked at).
+    Mapped,
+    /// Read whole into a [`WeightBuffer`] (huge pages) with the data section 8-byte aligned, so
+    /// that every array whose offset is a multiple of its element size is viewed in place: for
+    /// the CPU kernels, which stream the weights every token.
+    Resident,
+}
+
+/// Opens one safetensors file and lists its arrays, which view the file's bytes in memory.
+pub fn open_safetensors(
+    path: &Path,
+    residency: Residency,
+) -> Result<HashMap<String, RawTensor>, LoadError> {
+    let io = |source: std::io::Error| LoadError::Io {
         path: path.to_path_buf(),
         source,
+    };
+    let mut file = std::fs::File::open(path).map_err(|source| match source.kind() {
+        std::io::ErrorKind::NotFound => LoadError::MissingFile(path.to_path_buf()),
+        _ => io(source),
     })?;
+    let file_bytes = match residency {
+        // SAFETY: the map is read-only; a checkpoint changed under a running model is outside
+        // what any engine can defend against, as with every mmap-based loader.
+        Residency::Mapped => Bytes::from_owner(Arc::new(MappedFile(
+            unsafe { memmap2::Mmap::map(&file) }.map_err(io)?,
+        ))),
+        Residency::Resident => read_aligned(&mut file).map_err(io)?,
+    };
     let bad = |reason: String| LoadError::Safetensors {
         path: path.to_path_buf(),
         reason,
     };
-    let file_bytes = Bytes::from_owner(Arc::new(MappedFile(map)));
     let parsed = safetensors::SafeTensors::deserialize(file_bytes.as_slice())
         .map_err(|e| bad(format!("{e:?}")))?;
     let base = file_bytes.as_slice().as_ptr() as usize;
@@ -242,6 +259,27 @@ pub fn map_safetensors(path: &Path) -> Result<HashMap<String, RawTensor>, LoadEr
         );
     }
     Ok(out)
+}
+
+/// The whole of a safetensors file in a [`WeightBuffer`], placed so that its data section (after
+/// the 8-byte length and the JSON header, whose length `mlx_lm convert` leaves at any value)
+/// starts on a multiple of 8.
+fn read_aligned(file: &mut std::fs::File) -> std::io::Result<Bytes> {
+    use std::io::{Read, Seek, SeekFrom};
+    let len = usize::try_from(file.metadata()?.len()).map_err(std::io::Error::other)?;
+    let mut header_len = [0u8; 8];
+    // A file too short for the length is read as it is; parsing it reports the fault.
+    let shift = match file.read_exact(&mut header_len) {
+        Ok(()) => ((8 - u64::from_le_bytes(header_len) % 8) % 8) as usize,
+        Err(_) => 0,
+    };
+    file.seek(SeekFrom::Start(0))?;
+    let mut buffer = WeightBuffer::new(shift + len)?;
+    file.read_exact(&mut buffer.as_mut_slice()[shift..])?;
+    Ok(buffer
+        .freeze()?
+        .slice(shift, len)
+        .expect("the buffer holds the file"))
 }
 
 /// The safetensors files of a model directory: those named by `model.safetensors.index.json`
@@ -290,7 +328,23 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
+    /// Opens `dir` with its weights memory-mapped, for the CPU.
     pub fn open(dir: &Path) -> Result<Self, LoadError> {
+        Self::open_with(dir, Residency::Mapped, Device::Cpu)
+    }
+
+    /// Opens `dir` for layers that place their weights on `device`: on the CPU the files are
+    /// read into huge pages, which the kernels stream every token; a GPU copies them from a
+    /// memory map once.
+    pub fn open_on(dir: &Path, device: &Device) -> Result<Self, LoadError> {
+        let residency = match device {
+            Device::Cpu => Residency::Resident,
+            _ => Residency::Mapped,
+        };
+        Self::open_with(dir, residency, device.clone())
+    }
+
+    fn open_with(dir: &Path, residency: Residency, device: Device) -> Result<Self, LoadError> {
         if !dir.is_dir() {
             return Err(LoadError::MissingFile(dir.to_path_buf()));
         }
@@ -298,13 +352,13 @@ impl Checkpoint {
         let quantization = Quantization::from_config(&config)?;
         let mut tensors = HashMap::new();
         for file in weight_files(dir)? {
-            tensors.extend(map_safetensors(&file)?);
+            tensors.extend(open_safetensors(&file, residency)?);
         }
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
             config,
             quantization,
-            device: Device::Cpu,
+            device,
             tensors,
         })
     }
@@ -379,5 +433,42 @@ impl Checkpoint {
         let mut names: Vec<String> = self.tensors.into_keys().collect();
         names.sort();
         Err(LoadError::UnusedTensors(names))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A safetensors file of one u32 array whose data starts at file offset 8 + 18 (2 mod 8),
+    /// as `mlx_lm convert` leaves many.
+    fn misaligned_file(dir: &Path) -> PathBuf {
+        let mut header = br#"{"w":{"dtype":"U32","shape":[4],"data_offsets":[0,16]}}"#.to_vec();
+        while header.len() % 8 != 2 {
+            header.push(b' ');
+        }
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(&header);
+        for v in [7u32, 1 << 31, 0, 12345] {
+            file.extend_from_slice(&v.to_le_bytes());
+        }
+        let path = dir.join("model.safetensors");
+        std::fs::write(&path, file).unwrap();
+        path
+    }
+
+    #[test]
+    fn resident_files_place_the_data_section_on_a_multiple_of_8() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = misaligned_file(dir.path());
+        let mapped = open_safetensors(&path, Residency::Mapped).unwrap();
+        let resident = open_safetensors(&path, Residency::Resident).unwrap();
+        let address = |t: &HashMap<String, RawTensor>| t["w"].data.as_slice().as_ptr() as usize;
+        // The map keeps the file's offsets: a u32 view would need a copy there.
+        assert_eq!(address(&mapped) % 4, 2);
+        assert_eq!(address(&resident) % 8, 0);
+        assert_eq!(resident["w"].data.view::<u32>(), &[7, 1 << 31, 0, 12345]);
+        assert_eq!(resident["w"].data.as_slice(), mapped["w"].data.as_slice());
+        assert_eq!(resident["w"].shape, vec![4]);
     }
 }

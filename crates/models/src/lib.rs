@@ -189,7 +189,5 @@ pub fn load_on(dir: &Path, device: &Device) -> Result<Box<dyn LanguageModel>, Lo
             found: model_type,
             supported: supported_model_types(),
         })?;
-    let mut ckpt = Checkpoint::open(dir)?;
-    ckpt.device = device.clone();
-    constructor(ckpt)
+    constructor(Checkpoint::open_on(dir, device)?)
 }

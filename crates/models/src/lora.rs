@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 use thiserror::Error;
 
 use crate::cache::Cache;
-use crate::checkpoint::{map_safetensors, read_json};
+use crate::checkpoint::{open_safetensors, read_json, Residency};
 use crate::lora_grad::{Example, LossAndGrads};
 use crate::save::{write_safetensors, SaveError, TensorBytes};
 use crate::{ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
@@ -303,7 +303,7 @@ fn read_arrays(
     shapes: &BTreeMap<String, (usize, usize)>,
     rank: usize,
 ) -> Result<BTreeMap<String, Halves>, AdapterError> {
-    let weights = map_safetensors(file)?;
+    let weights = open_safetensors(file, Residency::Mapped)?;
     let mut problems = Vec::new();
     let mut out: BTreeMap<String, Halves> = BTreeMap::new();
     let names: BTreeSet<&String> = weights.keys().collect();
