@@ -12,6 +12,8 @@
 
 mod common;
 
+use std::sync::{Mutex, MutexGuard};
+
 use common::{random_quantized, random_vec};
 use oxlm_engine::quant::{SUPPORTED_BITS, SUPPORTED_GROUP_SIZES};
 use oxlm_engine::recurrent::{self, DeltaRuleDims};
@@ -36,12 +38,18 @@ fn product_tolerance(bits: u32, m: usize, exact: bool) -> f32 {
     }
 }
 
-fn gpu() -> Option<Device> {
+/// GPU 0, and this test's turn on it: the tests take turns, because a GPU handle has one stream
+/// for every thread (a step captured into a graph on one thread would take in another's
+/// launches; run side by side, these tests crashed the process on the H200).
+fn gpu() -> Option<(Device, MutexGuard<'static, ()>)> {
+    static TURN: Mutex<()> = Mutex::new(());
     if !cuda::libraries_present() {
         eprintln!("skipped: no CUDA driver on this machine");
         return None;
     }
-    Some(Device::open("cuda").expect("opening GPU 0"))
+    // A test that failed while holding the turn leaves nothing behind that the next one reads.
+    let turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    Some((Device::open("cuda").expect("opening GPU 0"), turn))
 }
 
 fn on(device: &Device, shape: Vec<usize>, v: &[f32]) -> Tensor {
@@ -86,7 +94,7 @@ fn kernels_compile() {
 
 #[test]
 fn quantized_matmul_and_rows() {
-    let Some(dev) = gpu() else { return };
+    let Some((dev, _turn)) = gpu() else { return };
     let Device::Cuda(g) = &dev else {
         unreachable!()
     };
@@ -133,7 +141,7 @@ fn quantized_matmul_and_rows() {
 /// (the last shorter); for 4 and 8 bits on the tensor cores, in slices of the runs.
 #[test]
 fn many_row_products_in_row_slices() {
-    let Some(dev) = gpu() else { return };
+    let Some((dev, _turn)) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(11);
     let (rows, cols) = (2500, 4096);
     let cases = [
@@ -168,7 +176,7 @@ fn many_row_products_in_row_slices() {
 /// NaNs and a row of -inf, wider than the kernel's block.
 #[test]
 fn argmax_rows_matches_the_host() {
-    let Some(dev) = gpu() else { return };
+    let Some((dev, _turn)) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(12);
     // Rows read in 16-byte loads, and rows that are not.
     for (rows, cols) in [(37, 32000), (9, 1001)] {
@@ -195,7 +203,7 @@ fn argmax_rows_matches_the_host() {
 /// f32-activation kernels take over).
 #[test]
 fn int16_gemv_launches() {
-    let Some(dev) = gpu() else { return };
+    let Some((dev, _turn)) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(9);
     for (rows, cols, bits, dtype) in [(8200, 256, 4, DType::BF16), (300, 5632, 8, DType::F16)] {
         let w = random_quantized(&mut rng, rows, cols, bits, 64, dtype);
@@ -246,7 +254,7 @@ fn projections(
 /// each alone on the CPU.
 #[test]
 fn quantized_matmul_group_in_one_launch() {
-    let Some(dev) = gpu() else { return };
+    let Some((dev, _turn)) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(10);
     let cols = 512;
     for (bits, dtype) in [(4, DType::BF16), (8, DType::F32)] {
@@ -306,7 +314,7 @@ fn fused_projection_rotation_and_cache_write() {
             capacity: CAPACITY,
         }
     }
-    let Some(dev) = gpu() else { return };
+    let Some((dev, _turn)) = gpu() else { return };
     let Device::Cuda(g) = &dev else {
         unreachable!()
     };
@@ -391,7 +399,7 @@ fn fused_projection_rotation_and_cache_write() {
 
 #[test]
 fn gated_mlp_in_one_pass() {
-    let Some(dev) = gpu() else { return };
+    let Some((dev, _turn)) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(8);
     let (rows, cols) = (1500, 512);
     for (bits, group, dtype) in [
@@ -426,7 +434,7 @@ fn gated_mlp_in_one_pass() {
 
 #[test]
 fn dense_matmul_and_rows() {
-    let Some(dev) = gpu() else { return };
+    let Some((dev, _turn)) = gpu() else { return };
     let Device::Cuda(g) = &dev else {
         unreachable!()
     };
@@ -456,7 +464,7 @@ fn dense_matmul_and_rows() {
 
 #[test]
 fn element_wise_norms_and_copies() {
-    let Some(dev) = gpu() else { return };
+    let Some((dev, _turn)) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(3);
     let (rows, cols) = (7, 1100);
     let a = random_vec(&mut rng, rows * cols);
@@ -564,7 +572,7 @@ fn element_wise_norms_and_copies() {
 
 #[test]
 fn rope() {
-    let Some(dev) = gpu() else { return };
+    let Some((dev, _turn)) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(4);
     let (heads, head_dim, half) = (3, 64, 16);
     let freqs: Vec<f32> = (0..half)
@@ -655,7 +663,7 @@ fn cache(
 
 #[test]
 fn attention_full_sliding_and_split() {
-    let Some(dev) = gpu() else { return };
+    let Some((dev, _turn)) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(5);
     struct Case {
         heads: usize,
@@ -737,7 +745,7 @@ fn attention_full_sliding_and_split() {
 /// dims of 64 to 256, and enough sequences (70 × 8 warps) that the keys are not split.
 #[test]
 fn batched_kv_write_and_attention() {
-    let Some(dev) = gpu() else { return };
+    let Some((dev, _turn)) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(8);
     let many: Vec<(usize, usize)> = (0..70).map(|i| (64, 1 + i % 64)).collect();
     for (heads, kv_heads, d, window, sequences) in [
@@ -824,7 +832,7 @@ fn batched_kv_write_and_attention() {
 
 #[test]
 fn kv_move_between_rings() {
-    let Some(dev) = gpu() else { return };
+    let Some((dev, _turn)) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(6);
     let (h, d) = (2, 8);
     let [(kc, _), (kg, _)] = cache(&mut rng, &dev, h, d, 16, 40);
@@ -838,7 +846,7 @@ fn kv_move_between_rings() {
 
 #[test]
 fn recurrent_ops() {
-    let Some(dev) = gpu() else { return };
+    let Some((dev, _turn)) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(7);
     let (tokens, channels, kernel) = (9, 300, 4);
     let x = random_vec(&mut rng, tokens * channels);

@@ -10,6 +10,7 @@
 //! tensor-core prefill and int16-activation decoding (held to a looser one).
 
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
 
 use oxlm_engine::{cuda, ops, Device, KvPrecision};
 use oxlm_models::{load_on, Logits};
@@ -26,10 +27,24 @@ const LOGIT_TOLERANCE: f32 = 2e-3;
 /// tolerance bounds.
 const TF32_LOGIT_TOLERANCE: f32 = 0.5;
 
-/// The devices to check and the tolerance on each: the CPU, then the GPU (if any) exact and fast.
-fn devices() -> Vec<(String, Device, f32)> {
+/// This test's turn on the GPU, held while it runs there: the tests take turns, because a GPU
+/// handle has one stream for every thread (a step captured into a graph on one thread would
+/// take in another's launches; run side by side, these tests crashed the process on the H200).
+fn gpu_turn() -> MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::new(());
+    // A test that failed while holding the turn leaves nothing behind that the next one reads.
+    TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// A device to check, its label and the tolerance on it.
+type Checked = (String, Device, f32);
+
+/// The devices to check: the CPU, then the GPU (if any) exact and fast, with the turn on it.
+fn devices() -> (Vec<Checked>, Option<MutexGuard<'static, ()>>) {
     let mut out = vec![("cpu".to_string(), Device::Cpu, LOGIT_TOLERANCE)];
+    let mut turn = None;
     if cuda::libraries_present() {
+        turn = Some(gpu_turn());
         let Device::Cuda(gpu) = Device::open("cuda").expect("opening GPU 0") else {
             unreachable!()
         };
@@ -39,7 +54,7 @@ fn devices() -> Vec<(String, Device, f32)> {
     } else {
         eprintln!("GPU runs skipped: no CUDA driver on this machine");
     }
-    out
+    (out, turn)
 }
 
 fn fixtures() -> PathBuf {
@@ -105,7 +120,8 @@ fn margin(v: &[f32]) -> f32 {
 
 /// Every device's run is made (and its figures printed) before the first failure is reported.
 fn check_model(name: &str) {
-    let failures: Vec<String> = devices()
+    let (devices, _turn) = devices();
+    let failures: Vec<String> = devices
         .into_iter()
         .filter_map(|(label, device, tolerance)| {
             let run =
@@ -171,6 +187,7 @@ fn check_replay(name: &str) {
     }
     let dir = fixtures().join(name);
     let golden = read_golden(&dir);
+    let _turn = gpu_turn();
     let device = Device::open("cuda").unwrap();
     let model = load_on(&dir, &device).unwrap();
     let decode = |replay: bool| {
@@ -208,6 +225,7 @@ fn a_gpu_model_runs_on_another_thread() {
     }
     let dir = fixtures().join("llama-4bit-g64");
     let golden = read_golden(&dir);
+    let _turn = gpu_turn();
     let device = Device::open("cuda").unwrap();
     let model = load_on(&dir, &device).unwrap();
     let first = |model: &dyn oxlm_models::LanguageModel| {
@@ -226,7 +244,8 @@ fn a_gpu_model_runs_on_another_thread() {
 fn check_batch(name: &str) {
     let dir = fixtures().join(name);
     let golden = read_golden(&dir);
-    for (label, device, tolerance) in devices() {
+    let (devices, _turn) = devices();
+    for (label, device, tolerance) in devices {
         let model = load_on(&dir, &device).unwrap();
         let lengths = [golden.prompt_ids.len(), 7, 19];
         let mut batch_caches = Vec::new();
