@@ -23,9 +23,6 @@ impl AsRef<[u8]> for AlignedVec {
     }
 }
 
-/// Copies of at least this many bytes go to a [`WeightBuffer`] (one huge page).
-const HUGE_PAGE: usize = 2 << 20;
-
 /// Writable storage for weights the CPU streams through: anonymous memory that Linux is asked
 /// to back with transparent huge pages, so that reading a matrix takes one TLB entry per 2 MiB
 /// instead of one per 4 KiB page (a page cache's memory map gets 4 KiB pages). On this project's
@@ -82,19 +79,8 @@ impl Bytes {
         }
     }
 
-    /// Copies `data` into fresh 8-byte-aligned storage: a [`WeightBuffer`] from one huge page
-    /// up.
+    /// Copies `data` into fresh 8-byte-aligned storage.
     pub fn copy_from(data: &[u8]) -> Self {
-        if data.len() >= HUGE_PAGE {
-            let copy = WeightBuffer::new(data.len()).and_then(|mut buffer| {
-                buffer.as_mut_slice().copy_from_slice(data);
-                buffer.freeze()
-            });
-            // Out of address space for a map, the heap may still hold the copy.
-            if let Ok(bytes) = copy {
-                return bytes;
-            }
-        }
         let mut words = vec![0u64; data.len().div_ceil(8)];
         bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..data.len()].copy_from_slice(data);
         Bytes::from_owner(Arc::new(AlignedVec {
@@ -165,15 +151,5 @@ mod tests {
         assert_eq!(fixed.as_slice(), odd.as_slice());
         assert_eq!(fixed.view::<u32>().len(), 2);
         assert!(base.slice(10, 8).is_none());
-    }
-
-    #[test]
-    fn large_copies_are_aligned_and_exact() {
-        let data: Vec<u8> = (0..HUGE_PAGE + 5).map(|i| (i * 7 % 251) as u8).collect();
-        let odd = Bytes::copy_from(&data).slice(1, HUGE_PAGE + 4).unwrap();
-        let fixed = odd.clone().aligned(8);
-        assert_eq!(fixed.as_slice().as_ptr() as usize % 8, 0);
-        assert_eq!(fixed.len(), HUGE_PAGE + 4);
-        assert_eq!(fixed.as_slice(), &data[1..]);
     }
 }
