@@ -570,15 +570,15 @@ pub struct KvTarget<'a> {
 }
 
 /// Attention's projections of one token, its rotation and its cache write in one launch on a
-/// GPU: `ws` are the query, key and value projections of `x` (normed first by `norm`), the
-/// queries and keys rotated at `positions` by `rope`, the keys and values written into
-/// `cache`. The same numbers as [`quantized_matmul_group`], [`rope_pair_inplace`] and
-/// [`kv_write`] in turn. Returns the rotated queries, or `None` where the fused kernel does
-/// not apply (the host, more than one token, widths other than 4 and 8 bits, an exact GPU
-/// handle, a rotation of part of each head), having written nothing: the caller then takes
-/// those steps.
+/// GPU: `ws` are the query, key and value projections of `x` (normed first by `norm`), each
+/// with its bias if it has one, the queries and keys rotated at `positions` by `rope`, the keys
+/// and values written into `cache`. The same numbers as [`quantized_matmul_group`],
+/// [`add_row_inplace`], [`rope_pair_inplace`] and [`kv_write`] in turn. Returns the rotated
+/// queries, or `None` where the fused kernel does not apply (the host, more than one token,
+/// widths other than 4 and 8 bits, an exact GPU handle, a rotation of part of each head),
+/// having written nothing: the caller then takes those steps.
 pub fn qkv_rope_write(
-    ws: [&QuantizedMatrix; 3],
+    ws: [(&QuantizedMatrix, Option<&Tensor>); 3],
     x: &Tensor,
     norm: Option<InputNorm>,
     shape: Heads,
@@ -593,9 +593,9 @@ pub fn qkv_rope_write(
     } = shape;
     let rows = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim];
     check(
-        ws.iter()
-            .zip(rows)
-            .all(|(w, r)| w.rows == r && w.cols == x.cols()),
+        ws.iter().zip(rows).all(|((w, bias), r)| {
+            w.rows == r && w.cols == x.cols() && bias.is_none_or(|b| b.len() == r)
+        }),
         || format!("q/k/v projections of {:?} into {shape:?}", x.shape()),
     )?;
     let (Storage::Cuda(xb), Storage::Cuda(freqs), KvStorage::Cuda(keys), KvStorage::Cuda(values)) = (
@@ -622,10 +622,11 @@ pub fn qkv_rope_write(
     let Some(folded) = foldable(xb, x.cols(), norm) else {
         return Ok(None);
     };
+    let gpu = xb.gpu();
     let placed = [
-        (ws[0].on_gpu(xb.gpu())?, ws[0].shape()),
-        (ws[1].on_gpu(xb.gpu())?, ws[1].shape()),
-        (ws[2].on_gpu(xb.gpu())?, ws[2].shape()),
+        on_gpu_with_bias(ws[0], gpu)?,
+        on_gpu_with_bias(ws[1], gpu)?,
+        on_gpu_with_bias(ws[2], gpu)?,
     ];
     let q = cuda::ops::qkv_rope_write(
         placed,
@@ -637,6 +638,23 @@ pub fn qkv_rope_write(
         (keys, values, cache.capacity),
     )?;
     Ok(q.map(|q| Tensor::on_gpu(with_last(x.shape(), rows[0]), q)))
+}
+
+/// A projection's copy on `gpu`, its shape and its bias's buffer there.
+fn on_gpu_with_bias<'a>(
+    (w, bias): (&'a QuantizedMatrix, Option<&'a Tensor>),
+    gpu: &cuda::Gpu,
+) -> Result<(
+    &'a cuda::QuantizedWeights,
+    cuda::ops::QuantShape,
+    Option<&'a Buffer>,
+)> {
+    let bias = match bias.map(|b| &b.storage) {
+        None => None,
+        Some(Storage::Cuda(b)) if b.gpu().same(gpu) => Some(b),
+        Some(_) => return Err(mismatch("qkv_rope_write")),
+    };
+    Ok((w.on_gpu(gpu)?, w.shape(), bias))
 }
 
 /// Copies positions `positions` from a ring of `src_capacity` slots to one of `dst_capacity`

@@ -300,9 +300,9 @@ fn quantized_matmul_group_in_one_launch() {
     }
 }
 
-/// Attention's projections, RoPE and the cache write of one token in one launch, against the
-/// three steps on the CPU: the queries, and both rings whole (the token's slot, wrapped round
-/// the ring, and the zeros beside it). Where it does not apply (two tokens, an exact handle)
+/// Attention's projections (with and without biases), RoPE and the cache write of one token in
+/// one launch, against those steps on the CPU: the queries, and both rings whole (the token's
+/// slot, wrapped round the ring, and the zeros beside it). Where it does not apply (two tokens, an exact handle)
 /// it writes nothing and says so.
 #[test]
 fn fused_projection_rotation_and_cache_write() {
@@ -332,67 +332,77 @@ fn fused_projection_rotation_and_cache_write() {
         let rows = [heads * d, kv_heads * d, kv_heads * d];
         let (hosts, placed) = projections(&mut rng, &dev, &rows, cols, bits, dtype);
         let norm_weight = random_vec(&mut rng, cols);
-        for traditional in [false, true] {
-            for with_norm in [false, true] {
-                let what = format!("{bits}-bit traditional={traditional} norm={with_norm}");
-                let x = random_vec(&mut rng, cols);
-                let ring = |device: &Device| {
-                    KvBuffer::zeros(kv_heads * capacity * d, KvPrecision::F32, device).unwrap()
-                };
+        let biases = rows.map(|r| random_vec(&mut rng, r));
+        for (traditional, with_norm, biased) in [
+            (false, false, false),
+            (false, true, true),
+            (true, false, true),
+            (true, true, false),
+        ] {
+            let what =
+                format!("{bits}-bit traditional={traditional} norm={with_norm} biased={biased}");
+            let x = random_vec(&mut rng, cols);
+            let ring = |device: &Device| {
+                KvBuffer::zeros(kv_heads * capacity * d, KvPrecision::F32, device).unwrap()
+            };
 
-                let mut xc = Tensor::new(vec![1, cols], x.clone());
-                if with_norm {
-                    let w = Tensor::new(vec![cols], norm_weight.clone());
-                    ops::rms_norm_inplace(&mut xc, &w, 1e-5).unwrap();
-                }
-                let [mut q, mut k, v] = [0, 1, 2].map(|i| ops::matmul(&hosts[i], &xc).unwrap());
-                let at = Positions::new(vec![position], &Device::Cpu).unwrap();
-                let f = Tensor::new(vec![d / 2], freqs.clone());
-                ops::rope_pair_inplace(&mut q, heads, &mut k, kv_heads, d, &at, &f, traditional)
-                    .unwrap();
-                let (mut keys, mut values) = (ring(&Device::Cpu), ring(&Device::Cpu));
-                ops::kv_write((&mut keys, &mut values), &k, &v, kv_heads, d, capacity, &at)
-                    .unwrap();
-
-                let weight = on(&dev, vec![cols], &norm_weight);
-                let norm = with_norm.then_some(ops::InputNorm {
-                    weight: &weight,
-                    eps: 1e-5,
-                });
-                let f = on(&dev, vec![d / 2], &freqs);
-                let rope = ops::Rotation {
-                    inv_freqs: &f,
-                    traditional,
-                };
-                let (mut gk, mut gv) = (ring(&dev), ring(&dev));
-                let ws = [&placed[0], &placed[1], &placed[2]];
-                let at = Positions::new(vec![position], &dev).unwrap();
-                let xg = on(&dev, vec![1, cols], &x);
-                let qg =
-                    ops::qkv_rope_write(ws, &xg, norm, shape, rope, &at, target(&mut gk, &mut gv))
-                        .unwrap()
-                        .expect("the fused kernel applies");
-                assert_close(&format!("{what} queries"), &qg, &q, INT16);
-                for (name, gpu_ring, cpu_ring) in [("keys", &gk, &keys), ("values", &gv, &values)] {
-                    let rows = vec![kv_heads * capacity, d];
-                    let gpu_ring = Tensor::new(rows.clone(), gpu_ring.to_vec().unwrap());
-                    let cpu_ring = Tensor::new(rows, cpu_ring.to_vec().unwrap());
-                    assert_close(&format!("{what} {name}"), &gpu_ring, &cpu_ring, INT16);
-                }
-
-                // Two tokens, or an exact handle: not for this kernel, and nothing written.
-                let (mut ek, mut ev) = (ring(&dev), ring(&dev));
-                let two = Positions::new(vec![position, position + 1], &dev).unwrap();
-                let x2 = on(&dev, vec![2, cols], &[x.clone(), x.clone()].concat());
-                let exact = Device::Cuda(g.with_exact_math(true));
-                let xe = on(&exact, vec![1, cols], &x);
-                for (xs, p) in [(&x2, &two), (&xe, &at)] {
-                    let r =
-                        ops::qkv_rope_write(ws, xs, norm, shape, rope, p, target(&mut ek, &mut ev));
-                    assert!(r.unwrap().is_none(), "{what}: fused where it should not be");
-                }
-                assert!(ek.to_vec().unwrap().iter().all(|&e| e == 0.0));
+            let mut xc = Tensor::new(vec![1, cols], x.clone());
+            if with_norm {
+                let w = Tensor::new(vec![cols], norm_weight.clone());
+                ops::rms_norm_inplace(&mut xc, &w, 1e-5).unwrap();
             }
+            let [mut q, mut k, v] = [0, 1, 2].map(|i| {
+                let mut y = ops::matmul(&hosts[i], &xc).unwrap();
+                if biased {
+                    let b = Tensor::new(vec![rows[i]], biases[i].clone());
+                    ops::add_row_inplace(&mut y, &b).unwrap();
+                }
+                y
+            });
+            let at = Positions::new(vec![position], &Device::Cpu).unwrap();
+            let f = Tensor::new(vec![d / 2], freqs.clone());
+            ops::rope_pair_inplace(&mut q, heads, &mut k, kv_heads, d, &at, &f, traditional)
+                .unwrap();
+            let (mut keys, mut values) = (ring(&Device::Cpu), ring(&Device::Cpu));
+            ops::kv_write((&mut keys, &mut values), &k, &v, kv_heads, d, capacity, &at).unwrap();
+
+            let weight = on(&dev, vec![cols], &norm_weight);
+            let norm = with_norm.then_some(ops::InputNorm {
+                weight: &weight,
+                eps: 1e-5,
+            });
+            let f = on(&dev, vec![d / 2], &freqs);
+            let rope = ops::Rotation {
+                inv_freqs: &f,
+                traditional,
+            };
+            let (mut gk, mut gv) = (ring(&dev), ring(&dev));
+            let gpu_biases = [0, 1, 2].map(|i| on(&dev, vec![rows[i]], &biases[i]));
+            let ws = [0, 1, 2].map(|i| (&placed[i], biased.then_some(&gpu_biases[i])));
+            let at = Positions::new(vec![position], &dev).unwrap();
+            let xg = on(&dev, vec![1, cols], &x);
+            let qg = ops::qkv_rope_write(ws, &xg, norm, shape, rope, &at, target(&mut gk, &mut gv))
+                .unwrap()
+                .expect("the fused kernel applies");
+            assert_close(&format!("{what} queries"), &qg, &q, INT16);
+            for (name, gpu_ring, cpu_ring) in [("keys", &gk, &keys), ("values", &gv, &values)] {
+                let rows = vec![kv_heads * capacity, d];
+                let gpu_ring = Tensor::new(rows.clone(), gpu_ring.to_vec().unwrap());
+                let cpu_ring = Tensor::new(rows, cpu_ring.to_vec().unwrap());
+                assert_close(&format!("{what} {name}"), &gpu_ring, &cpu_ring, INT16);
+            }
+
+            // Two tokens, or an exact handle: not for this kernel, and nothing written.
+            let (mut ek, mut ev) = (ring(&dev), ring(&dev));
+            let two = Positions::new(vec![position, position + 1], &dev).unwrap();
+            let x2 = on(&dev, vec![2, cols], &[x.clone(), x.clone()].concat());
+            let exact = Device::Cuda(g.with_exact_math(true));
+            let xe = on(&exact, vec![1, cols], &x);
+            for (xs, p) in [(&x2, &two), (&xe, &at)] {
+                let r = ops::qkv_rope_write(ws, xs, norm, shape, rope, p, target(&mut ek, &mut ev));
+                assert!(r.unwrap().is_none(), "{what}: fused where it should not be");
+            }
+            assert!(ek.to_vec().unwrap().iter().all(|&e| e == 0.0));
         }
     }
 }

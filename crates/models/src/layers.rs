@@ -551,8 +551,8 @@ impl Attention {
     }
 
     /// The rotated queries of one token whose keys and values went straight into `cache`, by
-    /// one fused op (a GPU's decode step, saving the rotation's and the cache write's
-    /// launches); `None` where it does not apply (adapters, biases, per-head norms, unquantized
+    /// one fused op (a GPU's decode step, saving the biases', the rotation's and the cache
+    /// write's launches); `None` where it does not apply (adapters, per-head norms, unquantized
     /// projections, the host), having changed nothing.
     fn project_into(
         &self,
@@ -572,10 +572,7 @@ impl Attention {
         ) else {
             return Ok(None);
         };
-        let biased = [&self.q_proj, &self.k_proj, &self.v_proj]
-            .iter()
-            .any(|p| p.bias.is_some());
-        if !plain || biased {
+        if !plain {
             return Ok(None);
         }
         let (x, norm) = input.parts();
@@ -589,7 +586,12 @@ impl Attention {
             traditional: self.rope.traditional,
         };
         cache.append_with(positions, |target| {
-            ops::qkv_rope_write([wq, wk, wv], x, norm, shape, rope, positions, target)
+            let ws = [
+                (wq, self.q_proj.bias.as_ref()),
+                (wk, self.k_proj.bias.as_ref()),
+                (wv, self.v_proj.bias.as_ref()),
+            ];
+            ops::qkv_rope_write(ws, x, norm, shape, rope, positions, target)
         })
     }
 }

@@ -925,13 +925,16 @@ __device__ void qgemv_int(const u32 *__restrict__ w, const typename S::T *__rest
 // (`heads` · d rows of wq), keys and values (`kv_heads` · d rows of wk, wv) from x (RMS-normed
 // with `norm` if non-null); queries and keys rotated at positions[0] as the rope kernel rotates
 // them (d/2 frequencies), queries into q_out, keys and values into the rings at slot
-// positions[0] % capacity (laid out as kv_write's). Each warp takes the two rows that one
-// rotation pairs (features i and i + d/2 of a head, or 2i and 2i + 1 with `traditional`), so
-// that it holds both sums; the blocks take the queries, then the keys, then the values.
+// positions[0] % capacity (laid out as kv_write's); each projection's bias (addq, addk, addv:
+// f32, null for none) is added to its sums before the rotation. Each warp takes the two rows
+// that one rotation pairs (features i and i + d/2 of a head, or 2i and 2i + 1 with
+// `traditional`), so that it holds both sums; the blocks take the queries, then the keys, then
+// the values.
 template <int BITS, class S>
 __device__ void qkv_rope(const u32 *wq, const typename S::T *sq, const typename S::T *bq,
-                         const u32 *wk, const typename S::T *sk, const typename S::T *bk,
-                         const u32 *wv, const typename S::T *sv, const typename S::T *bv,
+                         const float *addq, const u32 *wk, const typename S::T *sk,
+                         const typename S::T *bk, const float *addk, const u32 *wv,
+                         const typename S::T *sv, const typename S::T *bv, const float *addv,
                          const float *__restrict__ x, int k,
                          int group, const float *__restrict__ norm, float eps,
                          float *__restrict__ q_out, float *__restrict__ keys,
@@ -955,6 +958,7 @@ __device__ void qkv_rope(const u32 *wq, const typename S::T *sq, const typename 
     const u32 *w = which == 0 ? wq : which == 1 ? wk : wv;
     const typename S::T *sc = which == 0 ? sq : which == 1 ? sk : sv;
     const typename S::T *bi = which == 0 ? bq : which == 1 ? bk : bv;
+    const float *add = which == 0 ? addq : which == 1 ? addk : addv;
     const i64 groups = k / group, words = (i64)(k >> 5) * BITS;
     auto both = [&](int, const u32 *(&wr)[2], const typename S::T *(&sr)[2],
                     const typename S::T *(&br)[2]) {
@@ -972,6 +976,10 @@ __device__ void qkv_rope(const u32 *wq, const typename S::T *sq, const typename 
     };
     qdot_jobs<BITS, S, 2, 1>(both, sums, 1, x, k, group, 1, norm, eps, 0, 1);
     if ((threadIdx.x & 31) != 0 || pair >= pairs) return;
+    if (add) {
+        v0 += add[rows[0]];
+        v1 += add[rows[1]];
+    }
     const int pos = positions[0];
     const i64 slot = ((i64)head * capacity + pos % capacity) * d;
     const int e0 = rows[0] - head * d, e1 = rows[1] - head * d;
@@ -1070,14 +1078,14 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
     QUANTIZED_INT(BITS, S, NAME, 8, )                                                              \
     QUANTIZED_INT(BITS, S, NAME, 1, 1)                                                             \
     extern "C" __global__ void qkv_rope_int1_##BITS##_##NAME(                                     \
-        const u32 *wq, const S::T *sq, const S::T *bq, const u32 *wk, const S::T *sk,             \
-        const S::T *bk, const u32 *wv, const S::T *sv, const S::T *bv, const float *x, int k,     \
-        int g, const float *norm, float eps, float *q_out, float *keys, float *values,            \
-        int capacity, const int *positions, const float *inv_freqs, int heads, int kv_heads,      \
-        int d, int traditional) {                                                                 \
-        qkv_rope<BITS, S>(wq, sq, bq, wk, sk, bk, wv, sv, bv, x, k, g, norm, eps, q_out, keys,    \
-                          values, capacity, positions, inv_freqs, heads, kv_heads, d,             \
-                          traditional);                                                           \
+        const u32 *wq, const S::T *sq, const S::T *bq, const float *addq, const u32 *wk,          \
+        const S::T *sk, const S::T *bk, const float *addk, const u32 *wv, const S::T *sv,         \
+        const S::T *bv, const float *addv, const float *x, int k, int g, const float *norm,       \
+        float eps, float *q_out, float *keys, float *values, int capacity, const int *positions,  \
+        const float *inv_freqs, int heads, int kv_heads, int d, int traditional) {                \
+        qkv_rope<BITS, S>(wq, sq, bq, addq, wk, sk, bk, addk, wv, sv, bv, addv, x, k, g, norm,    \
+                          eps, q_out, keys, values, capacity, positions, inv_freqs, heads,        \
+                          kv_heads, d, traditional);                                              \
     }
 
 FOR_INT_FORMATS(QUANTIZED_INT_WIDTHS)

@@ -955,12 +955,13 @@ pub fn quantized_matmul_group(
     Ok(Some(outs))
 }
 
-/// Attention's projections of one token, RoPE and the cache write in one launch (`qkv_rope`
-/// in the kernels): the rotated queries, the keys and values written into `rings` (of
-/// `capacity` slots) at the token's position. `None` where the int16-activation GEMV does not
-/// apply or the three matrices differ in format (the caller takes the steps one by one).
+/// Attention's projections of one token (each with its f32 bias, if any), RoPE and the cache
+/// write in one launch (`qkv_rope` in the kernels): the rotated queries, the keys and values
+/// written into `rings` (of `capacity` slots) at the token's position. `None` where the
+/// int16-activation GEMV does not apply or the three matrices differ in format (the caller
+/// takes the steps one by one).
 pub fn qkv_rope_write(
-    ws: [(&QuantizedWeights, QuantShape); 3],
+    ws: [(&QuantizedWeights, QuantShape, Option<&Buffer>); 3],
     x: &Buffer,
     norm: InputNorm,
     shape: crate::ops::Heads,
@@ -968,8 +969,9 @@ pub fn qkv_rope_write(
     positions: &Positions,
     (keys, values, capacity): (&mut Buffer, &mut Buffer, usize),
 ) -> Result<Option<Buffer>> {
-    let (first, s) = ws[0];
-    let Some(shared) = int_acts_bytes(x.gpu(), s, 1).filter(|_| same_format(&ws)) else {
+    let (first, s, _) = ws[0];
+    let formats = ws.map(|(w, s, _)| (w, s));
+    let Some(shared) = int_acts_bytes(x.gpu(), s, 1).filter(|_| same_format(&formats)) else {
         return Ok(None);
     };
     let g = first.gpu.clone();
@@ -980,12 +982,13 @@ pub fn qkv_rope_write(
     let half = shape.head_dim / 2;
     let grid = (shape.heads * half).div_ceil(warps) + 2 * (shape.kv_heads * half).div_ceil(warps);
     let q = g.output(shape.heads * shape.head_dim)?;
-    let mut args = Vec::with_capacity(24);
-    for (w, _) in ws {
+    let mut args = Vec::with_capacity(27);
+    for (w, _, bias) in ws {
         args.extend([
             Arg::from(addr(&g, &w.packed)),
             Arg::from(addr(&g, &w.scales)),
             Arg::from(addr(&g, &w.biases)),
+            Arg::from(bias.map_or(0, |b| b.ptr())),
         ]);
     }
     args.extend([
