@@ -5,9 +5,10 @@
 #
 # usage: benches/gpu/device.sh STAGE...   (in order)
 #   tests           every carried test binary (CUDA op parity, tiny-model parity on the GPU)
-#   bench           oxlm on synthetic llamas (random weights written here by synthetic_mlx.py):
-#                   0.85B at 4 and 8 bits, 7.2B at 4 bits; decode 128 tokens after 512- and
-#                   2048-token prompts, and those prefills
+#   bench           oxlm on synthetic models (random weights written here by synthetic_mlx.py):
+#                   the 0.85B llama at 4 and 8 bits, the 7.2B at 4 bits, Qwen2.5-0.5B's shape
+#                   at 4 and 8 bits; decode 128 tokens after 512- and 2048-token prompts, and
+#                   those prefills
 #   batch           oxlm batched decode on the 0.85B 4-bit llama: 1, 8, 32 and 64 sequences
 #                   decoding 128 tokens each after their own 512-token prompts
 #   llamacpp-build  starts building llama.cpp with CUDA in the background (about 5 minutes;
@@ -21,7 +22,8 @@
 #   kernels         Nsight Compute's throughput, occupancy and stall sections for the decode
 #                   GEMVs and attention of that model after a 512-token prompt
 #   wait-llamacpp   waits for the background build
-# Logs and one JSON line per measurement go to $OUT (or ./out).
+# Logs and one JSON line per measurement go to $OUT (or ./out). ONLY=name (for example
+# ONLY=qwen2.5-0.5b) keeps every stage to one of the models below.
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -32,12 +34,17 @@ mkdir -p /work && { [ -e /work/main ] || ln -s "$PWD" /work/main; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv \
   > "$OUT/gpu.txt"
 
-# name hidden intermediate layers heads kv_heads vocab
+# name hidden intermediate layers heads kv_heads vocab [arch]
 MODELS=(
   "llama-0.85b 2048 5632 16 32 8 32000"
   "llama-7.2b 4096 14336 32 32 8 32000"
+  "qwen2.5-0.5b 896 4864 24 14 2 151936 qwen2"
 )
-shape_args() { echo "--hidden $2 --intermediate $3 --layers $4 --heads $5 --kv-heads $6 --vocab $7"; }
+if [ -n "${ONLY:-}" ]; then
+  for m in "${MODELS[@]}"; do [ "${m%% *}" = "$ONLY" ] && MODELS=("$m") && break; done
+  [ "${MODELS[0]%% *}" = "$ONLY" ] || { echo "no model $ONLY" >&2; exit 2; }
+fi
+shape_args() { echo "--hidden $2 --intermediate $3 --layers $4 --heads $5 --kv-heads $6 --vocab $7 ${8:+--arch $8}"; }
 
 run_tests() {
   for t in .device/tests/*; do

@@ -1,8 +1,8 @@
-"""Writes a random-weight llama GGUF (f16) of the shapes synthetic_mlx.py writes, for llama.cpp,
-with the gguf-py package that ships inside llama.cpp's source.
+"""Writes a random-weight llama (or Qwen2) GGUF (f16) of the shapes synthetic_mlx.py writes, for
+llama.cpp, with the gguf-py package that ships inside llama.cpp's source.
 
 usage: python3 benches/gpu/synthetic_gguf.py LLAMA_CPP_DIR OUT.gguf --hidden 2048
-           --intermediate 5632 --layers 16 --heads 32 --kv-heads 8 --vocab 32000
+           --intermediate 5632 --layers 16 --heads 32 --kv-heads 8 --vocab 32000 [--arch qwen2]
 Then `llama-quantize OUT.gguf Q4_0.gguf Q4_0` (or Q8_0).
 """
 import argparse
@@ -23,7 +23,8 @@ def main():
     import gguf
 
     h, hd, v = a.hidden, a.hidden // a.heads, a.vocab
-    w = gguf.GGUFWriter(a.out, "llama")
+    qwen2 = a.arch == "qwen2"
+    w = gguf.GGUFWriter(a.out, a.arch)
     w.add_context_length(32768)
     w.add_embedding_length(h)
     w.add_block_count(a.layers)
@@ -31,8 +32,8 @@ def main():
     w.add_rope_dimension_count(hd)
     w.add_head_count(a.heads)
     w.add_head_count_kv(a.kv_heads)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6 if qwen2 else 1e-5)
+    w.add_rope_freq_base(1e6 if qwen2 else 10000.0)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     # A byte-fallback vocabulary of the right size: the benchmark feeds token ids.
     tokens = [b"<unk>", b"<s>", b"</s>"] + [f"<0x{i:02X}>".encode() for i in range(256)]
@@ -56,13 +57,17 @@ def main():
         w.add_tensor(p + "attn_q.weight", weight(a.heads * hd, h))
         w.add_tensor(p + "attn_k.weight", weight(a.kv_heads * hd, h))
         w.add_tensor(p + "attn_v.weight", weight(a.kv_heads * hd, h))
+        if qwen2:
+            for name, rows in [("q", a.heads * hd), ("k", a.kv_heads * hd), ("v", a.kv_heads * hd)]:
+                w.add_tensor(p + f"attn_{name}.bias", rng.normal(0, 0.02, rows).astype(np.float32))
         w.add_tensor(p + "attn_output.weight", weight(h, a.heads * hd))
         w.add_tensor(p + "ffn_norm.weight", ones)
         w.add_tensor(p + "ffn_gate.weight", weight(a.intermediate, h))
         w.add_tensor(p + "ffn_up.weight", weight(a.intermediate, h))
         w.add_tensor(p + "ffn_down.weight", weight(h, a.intermediate))
     w.add_tensor("output_norm.weight", ones)
-    w.add_tensor("output.weight", weight(v, h))
+    if not qwen2:  # Qwen2's head is the embedding, as llama.cpp reads a GGUF without `output`
+        w.add_tensor("output.weight", weight(v, h))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

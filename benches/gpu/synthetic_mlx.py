@@ -1,8 +1,8 @@
-"""Writes a random-weight llama in the MLX affine layout (config.json + model.safetensors) with
+"""Writes a random-weight llama (or Qwen2, `--arch qwen2`) in the MLX affine layout (config.json + model.safetensors) with
 numpy alone, for timing on machines that have no mlx (the GPU machine).
 
 usage: python3 benches/gpu/synthetic_mlx.py OUT --hidden 2048 --intermediate 5632 --layers 16
-           --heads 32 --kv-heads 8 --vocab 32000 [--bits 4] [--group-size 64]
+           --heads 32 --kv-heads 8 --vocab 32000 [--arch qwen2] [--bits 4] [--group-size 64]
 
 Packed weights are random words (every bit pattern), scales and biases bf16 of the size
 mlx_lm.convert gives weights of std 0.02, norms 1: speed is what random weights measure; the
@@ -63,6 +63,10 @@ def main():
     def norm(name):
         tensors[f"{name}.weight"] = ("BF16", (h,), bf16(np.ones(h)).tobytes())
 
+    def bias(name, rows):
+        tensors[f"{name}.bias"] = ("BF16", (rows,), bf16(rng.normal(0, 0.02, rows)).tobytes())
+
+    qwen2 = a.arch == "qwen2"
     linear("model.embed_tokens", a.vocab, h)
     for i in range(a.layers):
         p = f"model.layers.{i}"
@@ -71,24 +75,30 @@ def main():
         linear(f"{p}.self_attn.q_proj", a.heads * hd, h)
         linear(f"{p}.self_attn.k_proj", a.kv_heads * hd, h)
         linear(f"{p}.self_attn.v_proj", a.kv_heads * hd, h)
+        if qwen2:
+            bias(f"{p}.self_attn.q_proj", a.heads * hd)
+            bias(f"{p}.self_attn.k_proj", a.kv_heads * hd)
+            bias(f"{p}.self_attn.v_proj", a.kv_heads * hd)
         linear(f"{p}.self_attn.o_proj", h, a.heads * hd)
         linear(f"{p}.mlp.gate_proj", a.intermediate, h)
         linear(f"{p}.mlp.up_proj", a.intermediate, h)
         linear(f"{p}.mlp.down_proj", h, a.intermediate)
     norm("model.norm")
-    linear("lm_head", a.vocab, h)
+    if not qwen2:
+        linear("lm_head", a.vocab, h)
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors(out / "model.safetensors", tensors)
     quant = {"group_size": a.group_size, "bits": a.bits, "mode": "affine"}
     config = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": h,
-        "intermediate_size": a.intermediate, "num_hidden_layers": a.layers,
+        "model_type": a.arch,
+        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+        "hidden_size": h, "intermediate_size": a.intermediate, "num_hidden_layers": a.layers,
         "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads, "head_dim": hd,
-        "rms_norm_eps": 1e-5, "vocab_size": a.vocab, "rope_theta": 10000.0,
-        "max_position_embeddings": 32768, "tie_word_embeddings": False,
-        "quantization": quant, "quantization_config": quant,
+        "rms_norm_eps": 1e-6 if qwen2 else 1e-5, "vocab_size": a.vocab,
+        "rope_theta": 1e6 if qwen2 else 10000.0, "max_position_embeddings": 32768,
+        "tie_word_embeddings": qwen2, "quantization": quant, "quantization_config": quant,
     }
     (out / "config.json").write_text(json.dumps(config, indent=1))
     size = sum(len(d) for _, _, d in tensors.values())
