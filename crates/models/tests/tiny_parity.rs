@@ -325,6 +325,12 @@ fn llama_decode_steps_replay_as_graphs() {
     check_replay("llama-4bit-g64");
 }
 
+/// Qwen2's biased projections take the fused projection kernel in a decode step.
+#[test]
+fn qwen2_decode_steps_replay_as_graphs() {
+    check_replay("qwen2-4bit-g64");
+}
+
 #[test]
 fn qwen3_5_decode_steps_replay_as_graphs() {
     check_replay("qwen3_5-4bit-g64");

@@ -633,54 +633,39 @@ __device__ __forceinline__ void load8(const float *__restrict__ x, i64 at, float
 // Rounds x[m, k] into shared memory (all threads of the block take part): four threads per
 // run, each with 8 activations, which make exactly one 16-byte chunk of the run in either
 // order (for 4 bits a word's 8 weights, for 8 bits two words' 4). With `norm` the rows are
-// first RMS-normed as the rms_norm kernel does (x · 1/sqrt(mean(x²) + eps) · norm[col]): each
-// block reads the whole of x anyway, so a norm before a GEMV costs no launch of its own.
+// RMS-normed as the rms_norm kernel does (x · 1/sqrt(mean(x²) + eps) · norm[col]) in the same
+// pass: what is rounded is x · norm[col], whose codes are the normed row's (a row's factor
+// scales each run's largest alike), and the row's factor, known once the block has summed its
+// squares, goes to `row_scale` for qdot_jobs to multiply the row's sums by. Each block reads the
+// whole of x anyway, so a norm before a GEMV costs neither a launch nor a second pass.
 template <int BITS, int M>
 __device__ QActs quantize_acts(const float *__restrict__ x, int k, int m,
-                               const float *__restrict__ norm, float eps) {
+                               const float *__restrict__ norm, float eps,
+                               float (&row_scale)[M]) {
     extern __shared__ uint4 smem[];
-    __shared__ float row_inv[M];
+    __shared__ float warp_squares[32][M];
     const int runs = k >> 5, tiles = (runs + 31) >> 5;
     float2 *stats = reinterpret_cast<float2 *>(smem + m * tiles * 128);
-    if (norm) {
-        if (threadIdx.x < M) row_inv[threadIdx.x] = 0.f;
-        __syncthreads();
-        float ss[M];
+    float squares[M];
 #pragma unroll
-        for (int r = 0; r < M; r++) ss[r] = 0.f;
-        for (int t = threadIdx.x; t < m * runs * 4; t += blockDim.x) {
-            const int run = t >> 2, r = run / runs;
-            float f[8];
-            load8(x, (i64)r * k + ((run - r * runs) << 5) + 8 * (t & 3), f);
-            float s = 0.f;
-#pragma unroll
-            for (int e = 0; e < 8; e++) s += f[e] * f[e];
-#pragma unroll
-            for (int rr = 0; rr < M; rr++)
-                if (rr == r) ss[rr] += s;
-        }
-#pragma unroll
-        for (int r = 0; r < M; r++) {
-            if (r >= m) break;
-            const float v = warp_sum(ss[r]);
-            if ((threadIdx.x & 31) == 0) atomicAdd(&row_inv[r], v);
-        }
-        __syncthreads();
-        if (threadIdx.x < m) row_inv[threadIdx.x] = 1.f / sqrtf(row_inv[threadIdx.x] / k + eps);
-        __syncthreads();
-    }
+    for (int r = 0; r < M; r++) squares[r] = 0.f;
     for (int t = threadIdx.x; t < m * runs * 4; t += blockDim.x) {
         const int run = t >> 2, j = t & 3;
         const int r = run / runs, c = run - r * runs;
         float f[8];
         load8(x, (i64)r * k + (c << 5) + 8 * j, f);
         if (norm) {
-            const float4 *w4 = reinterpret_cast<const float4 *>(norm + (c << 5) + 8 * j);
-            const float4 w0 = w4[0], w1 = w4[1];
-            const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-            const float inv = row_inv[r];
+            float w[8];
+            load8(norm, (c << 5) + 8 * j, w);
+            float s = 0.f;
 #pragma unroll
-            for (int e = 0; e < 8; e++) f[e] = f[e] * inv * w[e];
+            for (int e = 0; e < 8; e++) {
+                s += f[e] * f[e];
+                f[e] *= w[e];
+            }
+#pragma unroll
+            for (int rr = 0; rr < M; rr++)
+                if (rr == r) squares[rr] += s;
         }
         float amax = 0.f, sum = 0.f;
 #pragma unroll
@@ -713,7 +698,24 @@ __device__ QActs quantize_acts(const float *__restrict__ x, int k, int m,
             stats[run] = st;
         }
     }
+    if (norm) {
+#pragma unroll
+        for (int r = 0; r < M; r++) {
+            if (r >= m) break;
+            const float v = warp_sum(squares[r]);
+            if ((threadIdx.x & 31) == 0) warp_squares[threadIdx.x >> 5][r] = v;
+        }
+    }
     __syncthreads();
+    if (norm) {
+#pragma unroll
+        for (int r = 0; r < M; r++) {
+            float ss = 0.f;
+            if (r < m)
+                for (int w = 0; w < (int)(blockDim.x >> 5); w++) ss += warp_squares[w][r];
+            row_scale[r] = 1.f / sqrtf(ss / k + eps);
+        }
+    }
     QActs a = {smem, stats, runs, tiles};
     return a;
 }
@@ -824,7 +826,8 @@ __device__ __forceinline__ void qdot_jobs(const Rows &rows, const Done &done, in
         advance(fetch_job, fetch_i);
     }
     await_inputs();
-    const QActs a = quantize_acts<BITS, M>(x, k, m, norm, eps);
+    float row_scale[M];
+    const QActs a = quantize_acts<BITS, M>(x, k, m, norm, eps, row_scale);
     float acc[R][M];
     zero(acc);
     int job = 0, i = 0;
@@ -837,6 +840,11 @@ __device__ __forceinline__ void qdot_jobs(const Rows &rows, const Done &done, in
                 fetch(stage[d], fetch_job, fetch_i);
                 advance(fetch_job, fetch_i);
                 if (i == per_job - 1) {
+                    if (norm)
+#pragma unroll
+                        for (int ii = 0; ii < R; ii++)
+#pragma unroll
+                            for (int r = 0; r < M; r++) acc[ii][r] *= row_scale[r];
                     done(job, acc);
                     zero(acc);
                 }
