@@ -23,7 +23,8 @@
 #                   GEMVs and attention of that model after a 512-token prompt
 #   wait-llamacpp   waits for the background build
 # Logs and one JSON line per measurement go to $OUT (or ./out). ONLY=name (for example
-# ONLY=qwen2.5-0.5b) keeps every stage to one of the models below.
+# ONLY=qwen2.5-0.5b) keeps every stage to one of the models below (batch, profile and kernels
+# then take that model instead of the 0.85B llama).
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -44,7 +45,9 @@ if [ -n "${ONLY:-}" ]; then
   for m in "${MODELS[@]}"; do [ "${m%% *}" = "$ONLY" ] && MODELS=("$m") && break; done
   [ "${MODELS[0]%% *}" = "$ONLY" ] || { echo "no model $ONLY" >&2; exit 2; }
 fi
-shape_args() { echo "--hidden $2 --intermediate $3 --layers $4 --heads $5 --kv-heads $6 --vocab $7 ${8:+--arch $8}"; }
+shape_args() {
+  echo "--hidden $2 --intermediate $3 --layers $4 --heads $5 --kv-heads $6 --vocab $7 ${8:+--arch $8}"
+}
 
 run_tests() {
   for t in .device/tests/*; do

@@ -1,5 +1,5 @@
-"""Writes a random-weight llama (or Qwen2, `--arch qwen2`) in the MLX affine layout (config.json + model.safetensors) with
-numpy alone, for timing on machines that have no mlx (the GPU machine).
+"""Writes a random-weight llama (or Qwen2, `--arch qwen2`) in the MLX affine layout (config.json
++ model.safetensors) with numpy alone, for timing on machines that have no mlx (the GPU machine).
 
 usage: python3 benches/gpu/synthetic_mlx.py OUT --hidden 2048 --intermediate 5632 --layers 16
            --heads 32 --kv-heads 8 --vocab 32000 [--arch qwen2] [--bits 4] [--group-size 64]

@@ -23,11 +23,13 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
     qwen2 = a.arch == "qwen2"
-    config, model_class = (Qwen2Config, Qwen2ForCausalLM) if qwen2 else (LlamaConfig, LlamaForCausalLM)
+    config, model_class = (Qwen2Config, Qwen2ForCausalLM) if qwen2 else (
+        LlamaConfig, LlamaForCausalLM)
     cfg = config(hidden_size=a.hidden, intermediate_size=a.intermediate,
                  num_hidden_layers=a.layers, num_attention_heads=a.heads,
                  num_key_value_heads=a.kv_heads, vocab_size=a.vocab,
-                 max_position_embeddings=8192, tie_word_embeddings=qwen2)
+                 max_position_embeddings=8192, tie_word_embeddings=qwen2,
+                 rope_theta=1e6 if qwen2 else 10000.0, rms_norm_eps=1e-6 if qwen2 else 1e-5)
     torch.manual_seed(0)
     model = model_class(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
 

@@ -302,8 +302,8 @@ fn quantized_matmul_group_in_one_launch() {
 
 /// Attention's projections (with and without biases), RoPE and the cache write of one token in
 /// one launch, against those steps on the CPU: the queries, and both rings whole (the token's
-/// slot, wrapped round the ring, and the zeros beside it). Where it does not apply (two tokens, an exact handle)
-/// it writes nothing and says so.
+/// slot, wrapped round the ring, and the zeros beside it). Where it does not apply (two tokens,
+/// an exact handle) it writes nothing and says so.
 #[test]
 fn fused_projection_rotation_and_cache_write() {
     const CAPACITY: usize = 8;

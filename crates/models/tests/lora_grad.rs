@@ -172,11 +172,11 @@ fn gradients_match_finite_differences() {
             let g = &grads[path];
             let analytic = if half == "a" { g.a[index] } else { g.b[index] };
             println!("{path}.lora_{half}[{index}]: analytic {analytic:.6} numeric {numeric:.6}");
-            // The losses are f32 forward passes, so the central difference over the 2e-2 step
-            // carries an absolute error of its own: up to 2.4e-5 on a VM whose prefill GEMM runs
-            // on AMX tiles (the backward pass does not), under 2e-5 elsewhere.
+            // The losses are f32 forward passes, so the central difference over ±1e-2 carries
+            // an absolute error of its own: up to 2.4e-5 on a VM whose prefill GEMM runs on AMX
+            // tiles (the backward pass does not), under 2e-5 elsewhere.
             assert!(
-                (analytic - numeric).abs() <= 2e-3 * analytic.abs() + 5e-5,
+                (analytic - numeric).abs() <= 2e-3 * analytic.abs() + 3e-5,
                 "{path}.lora_{half}[{index}]: analytic {analytic} vs numeric {numeric}"
             );
         }
