@@ -667,14 +667,18 @@ fn row_threads(cols: usize) -> u32 {
 /// `m` rows, rounded per run of 32, in tiles of 32 runs (`quantize_acts`). `None` where they
 /// do not apply: activations on an exact handle `g` (the activations' handle decides, as for
 /// the cuBLAS products), other bit widths, more than [`GEMV_MAX_ROWS`] rows, or
-/// activations over the 48 KiB a block gets without asking (then the f32-activation kernels
-/// run).
+/// activations over what is left of the 48 KiB a block gets without asking once the kernels'
+/// own arrays have theirs (then the f32-activation kernels run).
 fn int_acts_bytes(g: &Gpu, s: QuantShape, m: usize) -> Option<u32> {
     let runs = s.cols / 32;
     let bytes = m * (runs.div_ceil(32) * 2048 + runs * 8);
     let applies = !g.exact_math() && matches!(s.bits, 4 | 8) && m <= GEMV_MAX_ROWS;
-    (applies && bytes <= 48 << 10).then_some(bytes as u32)
+    (applies && bytes + INT_STATIC_SHARED_BYTES <= 48 << 10).then_some(bytes as u32)
 }
+
+/// The int16-activation kernels' own shared arrays, at most: `qgemv_int`'s partial sums
+/// (`shares`, 2 KiB for eight rows) and `quantize_acts`' sums of squares (1 KiB).
+const INT_STATIC_SHARED_BYTES: usize = 3 << 10;
 
 /// The int16-activation kernel `base` (`qgemv`, `qgemv3`, `qglu`) for `m` activation rows: the
 /// one-row variant (`qgemv_int1_4_bf16`, fewer registers) or the one for up to eight.
