@@ -91,12 +91,18 @@ fn prompt(len: usize, vocab: usize, seed: u64) -> Vec<u32> {
 }
 
 /// Feeds `ids` in chunks as `generate` does; returns the last logits.
-fn prefill(model: &dyn LanguageModel, ids: &[u32], cache: &mut Cache) -> Result<Vec<f32>> {
+fn prefill(model: &dyn LanguageModel, ids: &[u32], cache: &mut Cache) -> Result<u32> {
     let mut logits = Vec::new();
     for chunk in ids.chunks(DEFAULT_PREFILL_STEP) {
         logits = model.forward(chunk, cache, Logits::Last)?.into_data();
     }
-    Ok(logits)
+    Ok(ops::argmax(&logits))
+}
+
+/// One greedy decoding step as `generate` takes it: the pick made where the logits are.
+fn greedy_step(model: &dyn LanguageModel, token: u32, cache: &mut Cache) -> Result<u32> {
+    let logits = model.forward(&[token], cache, Logits::LastOnDevice)?;
+    Ok(ops::greedy_rows(&logits)?[0].id)
 }
 
 /// What a run of decode steps measured.
@@ -119,21 +125,18 @@ fn measured(steps: &DecodeSteps, start: Instant, n: usize) -> Decoded {
     }
 }
 
-/// Decodes `n` greedy tokens from `logits` on `cache`, as `generate` does (GPU steps replayed
+/// Decodes `n` greedy tokens after `token` on `cache`, as `generate` does (GPU steps replayed
 /// as graphs).
 fn decode(
     model: &dyn LanguageModel,
-    mut logits: Vec<f32>,
+    mut token: u32,
     cache: &mut Cache,
     n: usize,
 ) -> Result<Decoded> {
     let mut steps = DecodeSteps::new(&model.info().device);
     let start = Instant::now();
     for _ in 0..n {
-        let token = ops::argmax(&logits);
-        logits = steps
-            .run(|| model.forward(&[token], cache, Logits::Last))?
-            .into_data();
+        token = steps.run(|| greedy_step(model, token, cache))?;
     }
     Ok(measured(&steps, start, n))
 }
@@ -151,7 +154,8 @@ fn decode_batch(
         let mut refs: Vec<&mut Cache> = caches.iter_mut().collect();
         tokens = steps.run(|| {
             let logits = model.forward_batch(&tokens, &mut refs)?;
-            Ok::<_, anyhow::Error>(ops::argmax_rows(&logits)?)
+            let picks = ops::greedy_rows(&logits)?;
+            Ok::<_, anyhow::Error>(picks.iter().map(|p| p.id).collect())
         })?;
     }
     Ok(measured(&steps, start, n))
@@ -186,9 +190,9 @@ pub fn run(args: Args) -> Result<()> {
         let ids = prompt(args.prompt_tokens, vocab, rep as u64);
         let mut cache = model.new_cache_in(kv_cache)?;
         let t = Instant::now();
-        let logits = prefill(model.as_ref(), &ids, &mut cache)?;
+        let token = prefill(model.as_ref(), &ids, &mut cache)?;
         let prefill_s = t.elapsed().as_secs_f64();
-        let decoded = decode(model.as_ref(), logits, &mut cache, args.gen_tokens)?;
+        let decoded = decode(model.as_ref(), token, &mut cache, args.gen_tokens)?;
         replayed_steps = decoded.replayed;
         if rep > 0 {
             prefill_tps.push(args.prompt_tokens as f64 / prefill_s);
@@ -200,8 +204,8 @@ pub fn run(args: Args) -> Result<()> {
     for &depth in &args.depth {
         let ids = prompt(depth.saturating_sub(args.depth_tokens).max(1), vocab, 99);
         let mut cache = model.new_cache_in(kv_cache)?;
-        let logits = prefill(model.as_ref(), &ids, &mut cache)?;
-        let s = decode(model.as_ref(), logits, &mut cache, args.depth_tokens)?.seconds;
+        let token = prefill(model.as_ref(), &ids, &mut cache)?;
+        let s = decode(model.as_ref(), token, &mut cache, args.depth_tokens)?.seconds;
         depths.push(json!({"context": depth, "decode_tps": args.depth_tokens as f64 / s}));
     }
     let mut batches = Vec::new();
@@ -211,7 +215,7 @@ pub fn run(args: Args) -> Result<()> {
         for seq in 0..sequences {
             let mut cache = model.new_cache_in(kv_cache)?;
             let ids = prompt(args.prompt_tokens, vocab, 1000 + seq as u64);
-            tokens.push(ops::argmax(&prefill(model.as_ref(), &ids, &mut cache)?));
+            tokens.push(prefill(model.as_ref(), &ids, &mut cache)?);
             caches.push(cache);
         }
         let decoded = decode_batch(model.as_ref(), tokens, &mut caches, args.gen_tokens)?;

@@ -322,14 +322,42 @@ pub fn argmax(x: &[f32]) -> u32 {
     best as u32
 }
 
-/// [`argmax`] of every row of `x`: greedy picks from a batch's logits. On a GPU only the
-/// indices are copied back.
-pub fn argmax_rows(x: &Tensor) -> Result<Vec<u32>> {
+/// `ln Σ exp(x)`, summed in f64 from the maximum down (NaNs passed over for the maximum):
+/// log-softmax is `x - log_sum_exp(x)`.
+pub fn log_sum_exp(x: &[f32]) -> f32 {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = x.iter().map(|&v| f64::from(v - max).exp()).sum();
+    max + sum.ln() as f32
+}
+
+/// Greedy decoding's pick from a row of logits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Pick {
+    /// The first maximum ([`argmax`]; log-softmax keeps the order).
+    pub id: u32,
+    /// Its log-probability: the row's log-softmax there.
+    pub logprob: f32,
+}
+
+/// The [`Pick`] of every row of `x`. On a GPU only the picks are copied back (a batch's rows,
+/// or one row of a large vocabulary, are megabytes).
+pub fn greedy_rows(x: &Tensor) -> Result<Vec<Pick>> {
     let cols = x.cols();
-    check(cols > 0, || format!("argmax of rows of {:?}", x.shape()))?;
+    check(cols > 0, || {
+        format!("greedy picks of rows of {:?}", x.shape())
+    })?;
     match &x.storage {
-        Storage::Host(v) => Ok(v.chunks_exact(cols).map(argmax).collect()),
-        Storage::Cuda(b) => cuda::ops::argmax_rows(b, cols),
+        Storage::Host(v) => Ok(v
+            .chunks_exact(cols)
+            .map(|row| {
+                let id = argmax(row);
+                Pick {
+                    id,
+                    logprob: row[id as usize] - log_sum_exp(row),
+                }
+            })
+            .collect()),
+        Storage::Cuda(b) => cuda::ops::greedy_rows(b, cols),
     }
 }
 
@@ -1099,13 +1127,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn argmax_takes_the_first_maximum_and_passes_over_nans() {
+    fn greedy_picks_take_the_first_maximum_and_pass_over_nans() {
         assert_eq!(argmax(&[1.0, 3.0, 2.0, 3.0]), 1);
         assert_eq!(argmax(&[f32::NAN, 0.5, f32::NAN, 2.0]), 3);
         assert_eq!(argmax(&[f32::NEG_INFINITY, f32::NAN]), 0);
         let x = Tensor::new(vec![2, 3], vec![0.0, -1.0, 0.0, -5.0, -4.0, -4.0]);
-        assert_eq!(argmax_rows(&x).unwrap(), [0, 1]);
+        let picks = greedy_rows(&x).unwrap();
+        assert_eq!(picks.iter().map(|p| p.id).collect::<Vec<_>>(), [0, 1]);
+        // Two maxima of 0 beside e^-1: each has probability 1 / (2 + e^-1).
+        let expected = -(2.0 + (-1.0f64).exp()).ln() as f32;
+        assert!((picks[0].logprob - expected).abs() < 1e-6, "{picks:?}");
         let empty_rows = Tensor::new(vec![2, 0], vec![]);
-        assert!(argmax_rows(&empty_rows).is_err());
+        assert!(greedy_rows(&empty_rows).is_err());
     }
 }

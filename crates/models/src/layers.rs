@@ -786,7 +786,7 @@ impl Attention {
 
 /// The end of every model: the last positions' hidden states (all for [`Logits::All`]), the
 /// final norm, the output head (the embeddings when tied), optional soft-capping, and the logits
-/// copied to the host for sampling.
+/// copied to the host for sampling (but for [`Logits::LastOnDevice`]).
 pub struct OutputHead {
     pub norm: RmsNorm,
     /// `None` when the head is tied to the embeddings.
@@ -795,9 +795,14 @@ pub struct OutputHead {
 }
 
 impl OutputHead {
-    /// Logits `[rows, vocab]` of `h` (`[tokens, hidden]`), on the host.
+    /// Logits `[rows, vocab]` of `h` (`[tokens, hidden]`), on the host but for
+    /// [`Logits::LastOnDevice`].
     pub fn forward(&self, h: Tensor, logits: Logits, embed: &Embedding) -> OpResult<Tensor> {
-        self.forward_on_device(h, logits, embed)?.into_host()
+        let out = self.forward_on_device(h, logits, embed)?;
+        match logits {
+            Logits::LastOnDevice => Ok(out),
+            Logits::Last | Logits::All => out.into_host(),
+        }
     }
 
     /// [`OutputHead::forward`] left where it was computed, for a caller that reads only a
@@ -811,7 +816,7 @@ impl OutputHead {
         let n = h.rows();
         let mut h = match logits {
             Logits::All => h,
-            Logits::Last => ops::rows(&h, n - 1, 1)?,
+            Logits::Last | Logits::LastOnDevice => ops::rows(&h, n - 1, 1)?,
         };
         let head = match &self.lm_head {
             Some(head) => head.bias.is_none().then_some(&head.weight),

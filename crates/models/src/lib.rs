@@ -45,6 +45,10 @@ pub enum Logits {
     Last,
     /// Every position's: `[tokens, vocab]` (scoring, training).
     All,
+    /// [`Last`](Logits::Last), left on the model's device: for a caller that reads only a
+    /// little of it (a greedy pick, `oxlm_engine::ops::greedy_rows`), so that a GPU does not
+    /// copy a vocabulary's row back every step.
+    LastOnDevice,
 }
 
 /// A causal language model.
@@ -71,7 +75,7 @@ pub trait LanguageModel: Send + Sync {
 
     /// One decoding step of several sequences: `tokens[i]` follows what `caches[i]` holds.
     /// Returns `[sequences, vocab]` logits, on the host or on the model's device (a batch's
-    /// logits are megabytes; greedy picks need only `ops::argmax_rows` of them). This default
+    /// logits are megabytes; greedy picks need only `ops::greedy_rows` of them). This default
     /// runs the sequences one after another; an architecture that overrides it runs them as one
     /// batch, reading each weight once for all of them.
     fn forward_batch(

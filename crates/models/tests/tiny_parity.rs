@@ -12,7 +12,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
-use oxlm_engine::{cuda, ops, Device, KvPrecision};
+use oxlm_engine::{cuda, ops, Device, KvPrecision, Tensor};
 use oxlm_models::{load_on, Logits};
 
 /// Largest |Δlogit| allowed: both sides compute in f32, differing only in summation order.
@@ -190,11 +190,15 @@ fn check_replay(name: &str) {
     let _turn = gpu_turn();
     let device = Device::open("cuda").unwrap();
     let model = load_on(&dir, &device).unwrap();
-    let decode = |replay: bool| {
+    let prefilled = || {
         let mut cache = model.new_cache_in(KvPrecision::F32).unwrap();
         model
             .forward(&golden.prompt_ids, &mut cache, Logits::Last)
             .unwrap();
+        cache
+    };
+    let decode = |replay: bool| {
+        let mut cache = prefilled();
         let mut steps = oxlm_engine::DecodeSteps::new(&device);
         let mut out = Vec::new();
         for &id in &golden.greedy_ids {
@@ -213,6 +217,29 @@ fn check_replay(name: &str) {
         "{name}: {count} of {steps} steps replayed"
     );
     println!("{name}: {count} of {steps} decode steps replayed");
+    // Greedy picks taken on the GPU, as `generate` decodes: the host's picks of the same logits,
+    // replayed as well.
+    let mut cache = prefilled();
+    let mut picking = oxlm_engine::DecodeSteps::new(&device);
+    for (&id, logits) in golden.greedy_ids.iter().zip(&plain) {
+        let pick = picking
+            .run(|| {
+                let logits = model.forward(&[id], &mut cache, Logits::LastOnDevice)?;
+                Ok::<_, oxlm_models::ForwardError>(ops::greedy_rows(&logits)?[0])
+            })
+            .unwrap();
+        let host = Tensor::new(vec![1, logits.len()], logits.clone());
+        let host = ops::greedy_rows(&host).unwrap()[0];
+        assert_eq!(pick.id, host.id, "{name}: a greedy pick differs");
+        assert!(
+            (pick.logprob - host.logprob).abs() < 1e-5,
+            "{name}: {pick:?} against the host's {host:?}"
+        );
+    }
+    assert!(
+        picking.replayed() >= steps - 3,
+        "{name}: picks not replayed"
+    );
 }
 
 /// A server loads its model on one thread and generates on another: the GPU's context must
@@ -267,9 +294,10 @@ fn check_batch(name: &str) {
             let batch = model.forward_batch(&tokens, &mut refs).unwrap();
             assert_eq!(batch.shape(), &[lengths.len(), vocab]);
             // Greedy picks where the logits are, against the same logits on the host.
-            let picks = ops::argmax_rows(&batch).unwrap();
+            let ids = |picks: Vec<ops::Pick>| picks.iter().map(|p| p.id).collect::<Vec<_>>();
+            let picks = ids(ops::greedy_rows(&batch).unwrap());
             let batch = batch.into_host().unwrap();
-            let host_picks = ops::argmax_rows(&batch).unwrap();
+            let host_picks = ids(ops::greedy_rows(&batch).unwrap());
             assert_eq!(picks, host_picks, "{name} on {label}: step {step}");
             for (i, cache) in alone_caches.iter_mut().enumerate() {
                 let alone = model.forward(&[tokens[i]], cache, Logits::Last).unwrap();

@@ -5,6 +5,7 @@ use std::collections::HashSet;
 use std::ops::ControlFlow;
 use std::time::Instant;
 
+use oxlm_engine::ops::{self, Pick};
 use oxlm_engine::{DecodeSteps, KvPrecision};
 use oxlm_models::{Cache, ForwardError, LanguageModel, Logits};
 
@@ -170,19 +171,27 @@ pub fn generate_stream(
     let mut finish_reason = FinishReason::Length;
     let mut top = Vec::new();
     let mut steps = DecodeSteps::new(&model.info().device);
+    // Plain greedy decoding needs only each step's pick, taken where the logits are: a GPU then
+    // copies back two numbers instead of a vocabulary's row, and the host skips the sampler's
+    // pass over it.
+    let greedy = sampler.picks_greedily() && stream.top_logprobs == 0;
+    let mut pick: Option<Pick> = None;
     while tokens.len() < options.max_tokens {
-        let token = sampler.sample(&mut logits, &history);
+        let (token, logprob) = match pick.take() {
+            Some(pick) => (pick.id, pick.logprob),
+            None => {
+                let token = sampler.sample(&mut logits, &history);
+                if stream.top_logprobs > 0 {
+                    top = top_logprobs(&logits, stream.top_logprobs);
+                }
+                let logprob = logits.get(token as usize).copied();
+                (token, logprob.unwrap_or(f32::NEG_INFINITY))
+            }
+        };
         if tokens.is_empty() {
             decode_start = Instant::now();
             prompt_tps = uncached.len() as f64 / (decode_start - start).as_secs_f64();
         }
-        if stream.top_logprobs > 0 {
-            top = top_logprobs(&logits, stream.top_logprobs);
-        }
-        let logprob = logits
-            .get(token as usize)
-            .copied()
-            .unwrap_or(f32::NEG_INFINITY);
         let is_eos = eos_ids.contains(&token);
         let released = if is_eos {
             // The end-of-sequence token itself is not output.
@@ -211,9 +220,16 @@ pub fn generate_stream(
         if is_eos || tokens.len() == options.max_tokens {
             break;
         }
-        logits = steps
-            .run(|| model.forward(&[token], cache, Logits::Last))?
-            .into_data();
+        if greedy {
+            pick = Some(steps.run(|| {
+                let logits = model.forward(&[token], cache, Logits::LastOnDevice)?;
+                Ok::<_, ForwardError>(ops::greedy_rows(&logits)?[0])
+            })?);
+        } else {
+            logits = steps
+                .run(|| model.forward(&[token], cache, Logits::Last))?
+                .into_data();
+        }
     }
     // Text still held back is output unless a stop string ended generation.
     let mut rest = String::new();

@@ -21,7 +21,7 @@
 
 use std::collections::BTreeMap;
 
-use oxlm_engine::ops::argmax;
+use oxlm_engine::ops::{argmax, log_sum_exp};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Deserialize;
@@ -166,6 +166,22 @@ impl Sampler {
         &self.config
     }
 
+    /// Whether every pick is the logits' first maximum, untouched by biases or penalties: then
+    /// `oxlm_engine::ops::greedy_rows` (run where the logits are) gives what
+    /// [`sample`](Self::sample) would, and the logits need not reach the host.
+    pub fn picks_greedily(&self) -> bool {
+        let c = &self.config;
+        c.temperature == 0.0
+            && c.logit_bias.is_empty()
+            && [
+                c.repetition_penalty,
+                c.presence_penalty,
+                c.frequency_penalty,
+            ]
+            .into_iter()
+            .all(|p| active(p).is_none())
+    }
+
     /// Picks the next token from one step's `logits`, given every id so far (prompt then generated).
     /// On return `logits` holds mlx-lm's `logprobs` for the step: the log-softmax of the processed logits,
     /// before filtering and temperature.
@@ -248,9 +264,7 @@ impl Sampler {
 
 /// In place `x - logsumexp(x)`.
 fn log_softmax(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = x.iter().map(|&v| f64::from(v - max).exp()).sum();
-    let lse = max + sum.ln() as f32;
+    let lse = log_sum_exp(x);
     x.iter_mut().for_each(|v| *v -= lse);
 }
 
@@ -424,6 +438,52 @@ mod tests {
         let total: f32 = logits.iter().map(|l| l.exp()).sum();
         assert!((total - 1.0).abs() < 1e-6);
         assert!((logits[1] - logits[0] - 2.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn plain_greedy_needs_only_the_pick() {
+        let logits = vec![0.5, 2.0, -1.0, 2.0, 1.5];
+        let mut s = sampler(SamplerConfig::default());
+        assert!(s.picks_greedily());
+        let pick = oxlm_engine::ops::greedy_rows(&oxlm_engine::Tensor::new(
+            vec![1, logits.len()],
+            logits.clone(),
+        ))
+        .unwrap()[0];
+        let mut processed = logits;
+        assert_eq!(s.sample(&mut processed, &[]), pick.id);
+        assert_eq!(processed[pick.id as usize], pick.logprob);
+        let changed = [
+            SamplerConfig {
+                temperature: 0.7,
+                ..Default::default()
+            },
+            SamplerConfig {
+                logit_bias: [(4, 1.0)].into(),
+                ..Default::default()
+            },
+            SamplerConfig {
+                repetition_penalty: Some(1.1),
+                ..Default::default()
+            },
+            SamplerConfig {
+                presence_penalty: Some(0.5),
+                ..Default::default()
+            },
+            SamplerConfig {
+                frequency_penalty: Some(0.5),
+                ..Default::default()
+            },
+        ];
+        for config in changed {
+            assert!(!sampler(config.clone()).picks_greedily(), "{config:?}");
+        }
+        // A penalty of 0 is off, as in mlx-lm.
+        assert!(sampler(SamplerConfig {
+            repetition_penalty: Some(0.0),
+            ..Default::default()
+        })
+        .picks_greedily());
     }
 
     #[test]

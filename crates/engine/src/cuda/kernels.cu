@@ -1215,16 +1215,20 @@ extern "C" __global__ void columns(const float *x, float *out, i64 rows, int col
     }
 }
 
-// ids[r] = the index of the first maximum of row r of x[rows, cols] (NaNs passed over), as a
-// float (exact below 2^24); one block per row, each thread striding the row, in 16-byte loads
-// where the row allows, eight of them issued before any is compared (a vocabulary's row in a
-// round or two of loads).
-extern "C" __global__ void argmax_rows(const float *__restrict__ x, float *__restrict__ ids,
+// Greedy decoding's pick from each row of x[rows, cols]: picks[2r] = the index of the row's
+// first maximum (NaNs passed over), as a float (exact below 2^24), and picks[2r + 1] = its
+// log-probability (the row's log-softmax there, computed as the host's sampler does). One block
+// per row, each thread striding the row, in 16-byte loads where the row allows, eight of them
+// issued before any is compared (a vocabulary's row in a round or two of loads); the second
+// pass, for the sum of exponentials, reads the row again from L2.
+extern "C" __global__ void greedy_rows(const float *__restrict__ x, float *__restrict__ picks,
                                        int cols) {
     await_inputs();
-    __shared__ float best_of[32];
+    __shared__ float best_of[32], sum_of[32];
     __shared__ int index_of[32];
     const float *row = x + (i64)blockIdx.x * cols;
+    const bool by_four = (cols & 3) == 0;
+    const float4 *row4 = reinterpret_cast<const float4 *>(row);
     float best = -INFINITY;
     int index = 0x7fffffff;
     // Each thread meets its indices in increasing order, so a strict > keeps the first maximum.
@@ -1234,8 +1238,7 @@ extern "C" __global__ void argmax_rows(const float *__restrict__ x, float *__res
             index = c;
         }
     };
-    if ((cols & 3) == 0) {
-        const float4 *row4 = reinterpret_cast<const float4 *>(row);
+    if (by_four) {
 #pragma unroll 8
         for (int c = threadIdx.x; c < cols >> 2; c += blockDim.x) {
             const float4 v = row4[c];
@@ -1248,8 +1251,8 @@ extern "C" __global__ void argmax_rows(const float *__restrict__ x, float *__res
 #pragma unroll 8
         for (int c = threadIdx.x; c < cols; c += blockDim.x) consider(row[c], c);
     }
-    const int warps = blockDim.x >> 5;
-    for (int round = 0; round < 2; round++) {
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    auto warp_best = [&]() {
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
             const float b = __shfl_xor_sync(0xffffffffu, best, o);
@@ -1259,17 +1262,34 @@ extern "C" __global__ void argmax_rows(const float *__restrict__ x, float *__res
                 index = i;
             }
         }
-        if (round == 1) break;
-        if ((threadIdx.x & 31) == 0) {
-            best_of[threadIdx.x >> 5] = best;
-            index_of[threadIdx.x >> 5] = index;
+    };
+    warp_best();
+    if (lane == 0) best_of[warp] = best, index_of[warp] = index;
+    __syncthreads();
+    best = lane < warps ? best_of[lane] : -INFINITY;
+    index = lane < warps ? index_of[lane] : 0x7fffffff;
+    // Every warp reduces the warps' picks alike, so every thread ends with the row's.
+    warp_best();
+    float sum = 0.f;
+    if (by_four) {
+#pragma unroll 8
+        for (int c = threadIdx.x; c < cols >> 2; c += blockDim.x) {
+            const float4 v = row4[c];
+            sum += expf(v.x - best) + expf(v.y - best) + expf(v.z - best) + expf(v.w - best);
         }
-        __syncthreads();
-        if (threadIdx.x >= 32) return;
-        best = threadIdx.x < warps ? best_of[threadIdx.x] : -INFINITY;
-        index = threadIdx.x < warps ? index_of[threadIdx.x] : 0x7fffffff;
+    } else {
+#pragma unroll 8
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) sum += expf(row[c] - best);
     }
-    if (threadIdx.x == 0) ids[blockIdx.x] = index == 0x7fffffff ? 0.f : (float)index;
+    sum = warp_sum(sum);
+    if (lane == 0) sum_of[warp] = sum;
+    __syncthreads();
+    if (threadIdx.x >= 32) return;
+    sum = warp_sum(lane < warps ? sum_of[lane] : 0.f);
+    if (threadIdx.x == 0) {
+        picks[2 * blockIdx.x] = index == 0x7fffffff ? 0.f : (float)index;
+        picks[2 * blockIdx.x + 1] = best - (best + logf(sum));
+    }
 }
 
 // out[i, :] = x[idx[i], :]

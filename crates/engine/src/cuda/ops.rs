@@ -141,14 +141,21 @@ pub fn range(x: &Buffer, start: usize, len: usize) -> Result<Buffer> {
 }
 
 /// The index of each row's first maximum; only the indices are copied back.
-pub fn argmax_rows(x: &Buffer, cols: usize) -> Result<Vec<u32>> {
+pub fn greedy_rows(x: &Buffer, cols: usize) -> Result<Vec<crate::ops::Pick>> {
     let g = x.gpu().clone();
     let rows = x.len() / cols;
-    let ids = g.output(rows)?;
+    let picks = g.output(2 * rows)?;
     if rows > 0 {
-        launch!(&g, "argmax_rows", blocks(rows, 1024); x.ptr(), ids.ptr(), int(cols)?);
+        launch!(&g, "greedy_rows", blocks(rows, 1024); x.ptr(), picks.ptr(), int(cols)?);
     }
-    Ok(ids.download()?.into_iter().map(|i| i as u32).collect())
+    Ok(picks
+        .download()?
+        .chunks_exact(2)
+        .map(|p| crate::ops::Pick {
+            id: p[0] as u32,
+            logprob: p[1],
+        })
+        .collect())
 }
 
 pub fn gather_rows(x: &Buffer, cols: usize, rows: &[usize]) -> Result<Buffer> {
