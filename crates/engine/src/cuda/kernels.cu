@@ -1516,15 +1516,31 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
     const int lane = threadIdx.x;
     const int t = th / heads, h = th % heads;
     const int kvh = h / (heads / kv_heads);
+    const float *kh = keys + (i64)kvh * capacity * d;
+    const float *vh = values + (i64)kvh * capacity * d;
+    // The positions went up before the step's first kernel, and the keys and values before
+    // the query's own were (mostly) written by earlier steps: while the kernel before finishes,
+    // the split's rows are fetched into L2 (a hint: the loads after the wait read what is
+    // there then), so that those loads do not wait on HBM.
+    SplitKeys sk;
+    const i64 pos = positions[t];
+    const bool has_keys = split_keys(pos, start, window, splits, per_split, split, sk);
+    if (has_keys) {
+        for (i64 p = sk.s0 + lane; p < min(sk.s1, pos); p += 32) {
+            const i64 row = p % capacity * d;
+            for (int f = 0; f < d; f += 32) {
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(kh + row + f));
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(vh + row + f));
+            }
+        }
+    }
+    await_inputs();
+    if (!has_keys) return;
     const float *qv = q + (i64)th * d;
     for (int e = lane; e < E * 32; e += 32) qs[e] = e < d ? qv[e] : 0.f;
     __syncwarp();
-    SplitKeys sk;
-    if (!split_keys(positions[t], start, window, splits, per_split, split, sk)) return;
     const i64 s0 = sk.s0, s1 = sk.s1;
     const int used = sk.used;
-    const float *kh = keys + (i64)kvh * capacity * d;
-    const float *vh = values + (i64)kvh * capacity * d;
     float m = -INFINITY, l = 0.f, acc[E];
 #pragma unroll
     for (int e = 0; e < E; e++) acc[e] = 0.f;
@@ -1644,7 +1660,6 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
         const float *q, const float *keys, const float *values, const int *positions,           \
         float *out, float *part, unsigned *counters, int heads, int kv_heads, int d,            \
         int capacity, i64 start, i64 window, float scale, int splits, int per_split) {          \
-        await_inputs();                                                                         \
         attention_split<E>(q, keys, values, positions, out, part, counters, heads, kv_heads, d, \
                            capacity, start, window, scale, splits, per_split, blockIdx.x,       \
                            blockIdx.y);                                                         \
