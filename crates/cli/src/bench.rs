@@ -161,6 +161,80 @@ fn decode_batch(
     Ok(measured(&steps, start, n))
 }
 
+/// With `OXLM_TRACE` set on a GPU (see `Gpu::take_trace`): one more prefill of `ids` and `n`
+/// decode steps, traced step by step, and where the steps' time went: for each kernel, its
+/// launches a step and the microseconds a step it held the chain (from its inputs being ready
+/// to the next launch's), and how long after the launch before it was ready it started (its
+/// early start), medians over the steps; then the same for the first launches of a step. Only
+/// steps of the usual length count (not the first, which captures the graphs, nor those that
+/// grow the caches); the last launch of a step, whose chain runs on through the download and
+/// the host's turn, is left out. `None` off the GPU or untraced.
+fn traced_decode(
+    model: &dyn LanguageModel,
+    ids: &[u32],
+    kv_cache: KvPrecision,
+    n: usize,
+) -> Result<Option<serde_json::Value>> {
+    let oxlm_engine::Device::Cuda(gpu) = &model.info().device else {
+        return Ok(None);
+    };
+    // Empties the trace of the runs before, which may have overflowed it.
+    if let Ok(None) = gpu.take_trace() {
+        return Ok(None);
+    }
+    let mut cache = model.new_cache_in(kv_cache)?;
+    let mut token = prefill(model, ids, &mut cache)?;
+    gpu.take_trace()?;
+    let mut decode_steps = DecodeSteps::new(&model.info().device);
+    let mut steps = Vec::with_capacity(n);
+    for _ in 0..n {
+        token = decode_steps.run(|| greedy_step(model, token, &mut cache))?;
+        steps.push(gpu.take_trace()?.unwrap_or_default());
+    }
+    let per_step = median(steps.iter().map(|s| s.len() as f64).collect()) as usize;
+    let steps: Vec<_> = steps
+        .into_iter()
+        .skip(1)
+        .filter(|s| s.len() == per_step && per_step > 1)
+        .collect();
+    if steps.is_empty() {
+        anyhow::bail!("no decode step of {per_step} launches was traced");
+    }
+    let us = |a: u64, b: u64| (b as f64 - a as f64) / 1e3;
+    let positions: Vec<(f64, f64)> = (0..per_step - 1)
+        .map(|p| {
+            let chain = steps.iter().map(|s| us(s[p].ready_ns, s[p + 1].ready_ns));
+            let lag = steps.iter().map(|s| {
+                p.checked_sub(1)
+                    .map_or(0.0, |q| us(s[q].ready_ns, s[p].started_ns))
+            });
+            (median(chain.collect()), median(lag.collect()))
+        })
+        .collect();
+    let names = |p: usize| &steps[0][p].kernel;
+    let mut by_kernel: Vec<(&String, usize, f64, f64)> = Vec::new();
+    for (p, &(chain, lag)) in positions.iter().enumerate() {
+        match by_kernel.iter_mut().find(|k| k.0 == names(p)) {
+            Some(k) => (k.1, k.2, k.3) = (k.1 + 1, k.2 + chain, k.3 + lag),
+            None => by_kernel.push((names(p), 1, chain, lag)),
+        }
+    }
+    by_kernel.sort_by(|a, b| b.2.total_cmp(&a.2));
+    Ok(Some(json!({
+        "steps": steps.len(),
+        "launches_per_step": per_step,
+        "last_kernel": names(per_step - 1),
+        "chain_us_but_last": positions.iter().map(|p| p.0).sum::<f64>(),
+        "by_kernel": by_kernel.iter().map(|(name, count, chain, lag)| json!({
+            "kernel": name, "per_step": count, "chain_us": chain,
+            "mean_lag_us": lag / *count as f64,
+        })).collect::<Vec<_>>(),
+        "first_positions": positions.iter().take(24).enumerate().map(|(p, (chain, lag))| json!({
+            "kernel": names(p), "chain_us": chain, "lag_us": lag,
+        })).collect::<Vec<_>>(),
+    })))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -200,6 +274,12 @@ pub fn run(args: Args) -> Result<()> {
             host_us.extend(decoded.host_us);
         }
     }
+    let trace = traced_decode(
+        model.as_ref(),
+        &prompt(args.prompt_tokens, vocab, 0),
+        kv_cache,
+        args.gen_tokens,
+    )?;
     let mut depths = Vec::new();
     for &depth in &args.depth {
         let ids = prompt(depth.saturating_sub(args.depth_tokens).max(1), vocab, 99);
@@ -244,6 +324,7 @@ pub fn run(args: Args) -> Result<()> {
         "depths": depths,
         "batches": batches,
         "peak_rss_bytes": peak_memory_bytes(),
+        "trace": trace,
     });
     println!("{report}");
     Ok(())

@@ -23,9 +23,36 @@ typedef long long i64;
 // so every earlier one, each having waited in turn), then lets the next kernel launch. Before
 // sm_90, and for kernels launched plainly, the stream's order already holds and this is empty
 // or returns at once.
+//
+// With OXLM_TRACE defined (`Gpu::take_trace`), the first thread of each launch's first block
+// also records when it started and when its inputs were ready (%globaltimer, ns): the second
+// time of a launch and the next one's is how long the launch held the chain.
+#ifdef OXLM_TRACE
+#define TRACE_LAUNCHES 65536
+__device__ unsigned long long trace_times[2 * TRACE_LAUNCHES];
+__device__ unsigned trace_count;
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#endif
 __device__ __forceinline__ void await_inputs() {
+#ifdef OXLM_TRACE
+    const bool traced = threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
+    const unsigned long long started = traced ? global_ns() : 0;
+#endif
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+#ifdef OXLM_TRACE
+    if (traced) {
+        const unsigned long long ready = global_ns();
+        const unsigned i = atomicAdd(&trace_count, 1u);
+        if (i < TRACE_LAUNCHES) trace_times[2 * i] = started, trace_times[2 * i + 1] = ready;
+    }
+#endif
+#if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }

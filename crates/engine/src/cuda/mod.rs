@@ -57,7 +57,20 @@ pub fn compile_kernels(major: i32, minor: i32) -> Result<Vec<u8>, EngineError> {
             "NVRTC (libnvrtc) could not be opened".into(),
         ));
     }
-    compile::cubin(KERNELS, major, minor)
+    compile::cubin(&kernel_source(), major, minor)
+}
+
+/// Whether the kernels record their launch times (`OXLM_TRACE` set: [`Gpu::take_trace`]).
+fn tracing() -> bool {
+    std::env::var_os("OXLM_TRACE").is_some()
+}
+
+fn kernel_source() -> std::borrow::Cow<'static, str> {
+    if tracing() {
+        format!("#define OXLM_TRACE\n{KERNELS}").into()
+    } else {
+        KERNELS.into()
+    }
 }
 
 /// A handle on one GPU: its context, stream, compiled kernels and cuBLAS, and the precision of
@@ -89,6 +102,17 @@ struct Inner {
     /// One count per (token, head) of a split attention launch, of the splits that finished;
     /// the last resets it. Zeroed once, lasting, so captured step graphs can name it.
     split_counters: CudaSlice<u32>,
+    /// With `OXLM_TRACE` set: the kernels launched since the last [`Gpu::take_trace`], in order.
+    traced: Option<Mutex<Vec<String>>>,
+}
+
+/// One launch of a traced run (see [`Gpu::take_trace`]): when its first block started and when
+/// its inputs were ready, in nanoseconds of the GPU's clock.
+#[derive(Debug, Clone)]
+pub struct TracedLaunch {
+    pub kernel: String,
+    pub started_ns: u64,
+    pub ready_ns: u64,
 }
 
 impl Gpu {
@@ -124,7 +148,8 @@ impl Gpu {
         unsafe { ctx.disable_event_tracking() };
         keep_freed_memory(&ctx)?;
         let (major, minor) = ctx.compute_capability().map_err(err)?;
-        let cubin = compile::cubin(KERNELS, major, minor)?;
+        let tracing = tracing();
+        let cubin = compile::cubin(&kernel_source(), major, minor)?;
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
             .map_err(err)?;
@@ -150,6 +175,7 @@ impl Gpu {
                 step: Mutex::new(StepState::new()),
                 early_start: major >= 9,
                 split_counters,
+                traced: tracing.then(Mutex::default),
             }),
             exact_math: false,
         })
@@ -273,8 +299,64 @@ impl Gpu {
     ) -> Result<(), EngineError> {
         self.bind()?;
         let f = self.function(name)?;
+        if let Some(traced) = &self.inner.traced {
+            traced.lock().unwrap().push(name.to_string());
+        }
         let op = Op::kernel(f.cu_function(), cfg, args, self.inner.early_start);
         self.step_state().submit(&self.inner.stream, op)
+    }
+
+    /// The launches since the last call, once they have run, where the process was started with
+    /// `OXLM_TRACE` set (the kernels then record their times: `await_inputs` in kernels.cu);
+    /// `None` otherwise. For finding where a decode step's time goes.
+    pub fn take_trace(&self) -> Result<Option<Vec<TracedLaunch>>, EngineError> {
+        let Some(traced) = &self.inner.traced else {
+            return Ok(None);
+        };
+        self.bind()?;
+        let stream = &self.inner.stream;
+        stream.synchronize().map_err(err)?;
+        let names = std::mem::take(&mut *traced.lock().unwrap());
+        let mut count = [0u8; 4];
+        let mut counter = self
+            .inner
+            .module
+            .get_global("trace_count", stream)
+            .map_err(err)?;
+        stream.memcpy_dtoh(&counter, &mut count).map_err(err)?;
+        stream.memcpy_htod(&[0u8; 4], &mut counter).map_err(err)?;
+        let count = u32::from_ne_bytes(count) as usize;
+        let times = self
+            .inner
+            .module
+            .get_global("trace_times", stream)
+            .map_err(err)?;
+        let kept = count.min(times.len() / 16);
+        let mut bytes = vec![0u8; kept * 16];
+        stream
+            .memcpy_dtoh(&times.slice(..kept * 16), &mut bytes)
+            .map_err(err)?;
+        if count != names.len() || kept != count {
+            return Err(EngineError::Cuda(format!(
+                "the trace holds {kept} of {count} launches for {} kernels launched",
+                names.len()
+            )));
+        }
+        let times: Vec<u64> = bytes
+            .chunks_exact(8)
+            .map(|b| u64::from_ne_bytes(b.try_into().unwrap()))
+            .collect();
+        Ok(Some(
+            names
+                .into_iter()
+                .zip(times.chunks(2))
+                .map(|(kernel, t)| TracedLaunch {
+                    kernel,
+                    started_ns: t[0],
+                    ready_ns: t[1],
+                })
+                .collect(),
+        ))
     }
 
     /// Copies `bytes` between device addresses.
