@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds, here, what benches/gpu/device.sh runs on the GPU machine, into .device/ (ignored by
 # git; name it in the device call's carry): the release oxlm binary and the GPU test binaries,
-# stripped, and the kernels compiled for sm_90 (needs NVRTC: pip package nvidia-cuda-nvrtc, its
-# lib folder on LD_LIBRARY_PATH), so that the machine spends no time compiling; and, kept from
+# stripped, and the kernels compiled for sm_90, plain and traced (`OXLM_TRACE`; needs NVRTC:
+# pip package nvidia-cuda-nvrtc, its lib folder on LD_LIBRARY_PATH), so that the machine
+# spends no time compiling; and, kept from
 # one run to the next, llama.cpp's source from the llama-cpp-python 0.3.36 sdist, trimmed to
 # the CUDA backend (about 10 MB), which device.sh builds there.
 set -euo pipefail

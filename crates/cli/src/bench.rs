@@ -1,5 +1,6 @@
 //! `oxlm bench`: times prefill and greedy decode on fixed token ids, with no tokenizer and no
-//! end-of-sequence stop, for the peer benchmark in `benches/`. Prints one JSON object.
+//! end-of-sequence stop, for the peer benchmark in `benches/`. Prints one JSON object; on a GPU
+//! with `OXLM_TRACE` set, it also holds where a decode step's time went (`trace`).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -90,7 +91,7 @@ fn prompt(len: usize, vocab: usize, seed: u64) -> Vec<u32> {
         .collect()
 }
 
-/// Feeds `ids` in chunks as `generate` does; returns the last logits.
+/// Feeds `ids` in chunks as `generate` does; returns the greedy pick of the last logits.
 fn prefill(model: &dyn LanguageModel, ids: &[u32], cache: &mut Cache) -> Result<u32> {
     let mut logits = Vec::new();
     for chunk in ids.chunks(DEFAULT_PREFILL_STEP) {
@@ -181,6 +182,9 @@ fn traced_decode(
     // Empties the trace of the runs before, which may have overflowed it.
     if let Ok(None) = gpu.take_trace() {
         return Ok(None);
+    }
+    if n < 3 {
+        anyhow::bail!("a traced decode needs --gen-tokens 3 or more");
     }
     let mut cache = model.new_cache_in(kv_cache)?;
     let mut token = prefill(model, ids, &mut cache)?;

@@ -82,11 +82,12 @@ fn kernels_compile() {
         eprintln!("skipped: NVRTC is not on this machine");
         return;
     }
-    for (major, minor) in [(8, 0), (9, 0)] {
-        let cubin = cuda::compile_kernels(major, minor).unwrap();
+    // The traced variant (`OXLM_TRACE`) too, for the GPU it is used on.
+    for (major, minor, traced) in [(8, 0, false), (9, 0, false), (9, 0, true)] {
+        let cubin = cuda::compile_kernels(major, minor, traced).unwrap();
         assert!(
             cubin.len() > 100_000,
-            "sm_{major}{minor}: {} bytes",
+            "sm_{major}{minor}, traced {traced}: {} bytes",
             cubin.len()
         );
     }

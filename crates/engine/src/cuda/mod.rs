@@ -50,14 +50,15 @@ pub fn compiler_present() -> bool {
 }
 
 /// Compiles the kernels for compute capability `major.minor` without a GPU (the binary is
-/// cached as at start-up); for checking that every kernel builds.
-pub fn compile_kernels(major: i32, minor: i32) -> Result<Vec<u8>, EngineError> {
+/// cached as at start-up), `traced` as with `OXLM_TRACE` set; for checking that every kernel
+/// builds.
+pub fn compile_kernels(major: i32, minor: i32, traced: bool) -> Result<Vec<u8>, EngineError> {
     if !compiler_present() {
         return Err(EngineError::Device(
             "NVRTC (libnvrtc) could not be opened".into(),
         ));
     }
-    compile::cubin(&kernel_source(), major, minor)
+    compile::cubin(&kernel_source(traced), major, minor)
 }
 
 /// Whether the kernels record their launch times (`OXLM_TRACE` set: [`Gpu::take_trace`]).
@@ -65,8 +66,9 @@ fn tracing() -> bool {
     std::env::var_os("OXLM_TRACE").is_some()
 }
 
-fn kernel_source() -> std::borrow::Cow<'static, str> {
-    if tracing() {
+/// The kernels' source, recording their launches where `traced`.
+fn kernel_source(traced: bool) -> std::borrow::Cow<'static, str> {
+    if traced {
         format!("#define OXLM_TRACE\n{KERNELS}").into()
     } else {
         KERNELS.into()
@@ -149,7 +151,7 @@ impl Gpu {
         keep_freed_memory(&ctx)?;
         let (major, minor) = ctx.compute_capability().map_err(err)?;
         let tracing = tracing();
-        let cubin = compile::cubin(&kernel_source(), major, minor)?;
+        let cubin = compile::cubin(&kernel_source(tracing), major, minor)?;
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
             .map_err(err)?;
