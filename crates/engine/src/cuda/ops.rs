@@ -140,7 +140,8 @@ pub fn range(x: &Buffer, start: usize, len: usize) -> Result<Buffer> {
     Ok(out)
 }
 
-/// The index of each row's first maximum; only the indices are copied back.
+/// Each row's greedy pick (`greedy_rows` in the kernels): only the picks, two numbers a row,
+/// are copied back.
 pub fn greedy_rows(x: &Buffer, cols: usize) -> Result<Vec<crate::ops::Pick>> {
     let g = x.gpu().clone();
     let rows = x.len() / cols;
