@@ -9,8 +9,10 @@
 #                   the 0.85B llama at 4 and 8 bits, the 7.2B at 4 bits, Qwen2.5-0.5B's shape
 #                   at 4 and 8 bits; decode 128 tokens after 512- and 2048-token prompts, and
 #                   those prefills
-#   batch           oxlm batched decode on the 0.85B 4-bit llama: 1, 8, 32 and 64 sequences
-#                   decoding 128 tokens each after their own 512-token prompts
+#   batch           oxlm batched decode on the 0.85B 4-bit llama: 1, 2, 4, 8, 16, 32 and 64
+#                   sequences decoding 128 tokens each after their own 512-token prompts
+#   llamacpp-batch  llama-batched-bench on that model's Q4_0 GGUF at the same counts and lengths
+#                   (once the build is done)
 #   llamacpp-build  starts building llama.cpp with CUDA in the background (about 5 minutes;
 #                   it outlives the call while the machine stays warm)
 #   llamacpp        llama-bench on GGUFs of the same shapes (Q4_0, Q8_0), once the build is done
@@ -77,7 +79,7 @@ run_batch() {
   dir=/tmp/models/$1-4
   [ -f "$dir/config.json" ] || python3 benches/gpu/synthetic_mlx.py "$dir" $(shape_args "$@") --bits 4 >&2
   .device/oxlm bench --device cuda --model "$dir" --prompt-tokens 512 --gen-tokens 128 --repeats 1 \
-    --batch 8 --batch 32 --batch 64 | tee -a "$OUT/batch.jsonl"
+    --batch 2 --batch 4 --batch 8 --batch 16 --batch 32 --batch 64 | tee -a "$OUT/batch.jsonl"
 }
 
 build_llamacpp() {
@@ -86,7 +88,7 @@ build_llamacpp() {
   # during the build (which unniced tripled it and cut 7.2B decode by a third on 2026-12-01).
   (cd $LLAMA && setsid nohup nice -n 19 bash -c 'cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
-      > build.log 2>&1 && cmake --build build -j12 --target llama-bench llama-quantize >> build.log 2>&1; \
+      > build.log 2>&1 && cmake --build build -j12 --target llama-bench llama-batched-bench llama-quantize >> build.log 2>&1; \
       echo $? > build.done' > /dev/null 2>&1 &)
   echo "llama.cpp build started"
 }
@@ -106,6 +108,21 @@ run_llamacpp() {
       $bin/llama-bench -m $g -p 512,2048 -n 128 -ngl 99 -r 3 -o jsonl 2>/dev/null | tee -a "$OUT/llamacpp.jsonl"
     done
   done
+}
+
+# Aggregate decode of 1 to 64 sequences (S_TG, tokens/s of all of them), each with its own
+# 512-token prompt, as `batch` runs oxlm.
+run_llamacpp_batch() {
+  if [ ! -f $LLAMA/build.done ]; then echo "llama.cpp build not finished"; tail -3 $LLAMA/build.log; return; fi
+  bin=$LLAMA/build/bin
+  set -- ${MODELS[0]}
+  f16=/tmp/gguf/$1-f16.gguf g=/tmp/gguf/$1-Q4_0.gguf
+  mkdir -p /tmp/gguf
+  [ -f $f16 ] || python3 benches/gpu/synthetic_gguf.py $LLAMA $f16 $(shape_args "$@") >&2
+  [ -f $g ] || $bin/llama-quantize $f16 $g Q4_0 > /dev/null 2>&1
+  $bin/llama-batched-bench -m $g -c 41984 -b 2048 -ub 512 -npp 512 -ntg 128 \
+    -npl 1,2,4,8,16,32,64 -ngl 99 --output-format jsonl 2>/dev/null | grep '^{' \
+    | tee -a "$OUT/llamacpp-batch.jsonl"
 }
 
 run_torch() {
@@ -159,6 +176,7 @@ for stage in "$@"; do
     batch) run_batch ;;
     llamacpp-build) build_llamacpp ;;
     llamacpp) run_llamacpp ;;
+    llamacpp-batch) run_llamacpp_batch ;;
     torch) run_torch ;;
     membw) run_membw ;;
     gemv) .device/cuda_gemv | tee "$OUT/gemv.txt" ;;

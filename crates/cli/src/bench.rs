@@ -100,10 +100,39 @@ fn prefill(model: &dyn LanguageModel, ids: &[u32], cache: &mut Cache) -> Result<
     Ok(ops::argmax(&logits))
 }
 
-/// One greedy decoding step as `generate` takes it: the pick made where the logits are.
-fn greedy_step(model: &dyn LanguageModel, token: u32, cache: &mut Cache) -> Result<u32> {
-    let logits = model.forward(&[token], cache, Logits::LastOnDevice)?;
-    Ok(ops::greedy_rows(&logits)?[0].id)
+/// One greedy decoding step for every sequence of `caches`, from each one's last token: as
+/// `generate` takes it for one sequence (the pick made where the logits are), through
+/// `forward_batch` for more.
+fn greedy_step(
+    model: &dyn LanguageModel,
+    tokens: &[u32],
+    caches: &mut [Cache],
+) -> Result<Vec<u32>> {
+    let logits = match caches {
+        [cache] => model.forward(tokens, cache, Logits::LastOnDevice)?,
+        _ => model.forward_batch(tokens, &mut caches.iter_mut().collect::<Vec<_>>())?,
+    };
+    Ok(ops::greedy_rows(&logits)?.iter().map(|p| p.id).collect())
+}
+
+/// New caches for `sequences` sequences, each prefilled with its own prompt of `len` tokens
+/// (seeded from `seed`), and each one's first pick.
+fn prefill_sequences(
+    model: &dyn LanguageModel,
+    kv_cache: KvPrecision,
+    sequences: usize,
+    len: usize,
+    seed: u64,
+) -> Result<(Vec<u32>, Vec<Cache>)> {
+    let vocab = model.info().vocab_size;
+    let mut caches = Vec::with_capacity(sequences);
+    let mut tokens = Vec::with_capacity(sequences);
+    for seq in 0..sequences as u64 {
+        let mut cache = model.new_cache_in(kv_cache)?;
+        tokens.push(prefill(model, &prompt(len, vocab, seed + seq), &mut cache)?);
+        caches.push(cache);
+    }
+    Ok((tokens, caches))
 }
 
 /// What a run of decode steps measured.
@@ -115,35 +144,9 @@ struct Decoded {
     host_us: Option<f64>,
 }
 
-/// What the `n` steps `steps` ran since `start` measured.
-fn measured(steps: &DecodeSteps, start: Instant, n: usize) -> Decoded {
-    Decoded {
-        seconds: start.elapsed().as_secs_f64(),
-        replayed: steps.replayed(),
-        host_us: steps
-            .host_time()
-            .map(|host| host.as_secs_f64() * 1e6 / n.max(1) as f64),
-    }
-}
-
-/// Decodes `n` greedy tokens after `token` on `cache`, as `generate` does (GPU steps replayed
-/// as graphs).
+/// Decodes `n` greedy tokens for every sequence of `caches` at once, starting from `tokens`,
+/// as `generate` does (GPU steps replayed as graphs).
 fn decode(
-    model: &dyn LanguageModel,
-    mut token: u32,
-    cache: &mut Cache,
-    n: usize,
-) -> Result<Decoded> {
-    let mut steps = DecodeSteps::new(&model.info().device);
-    let start = Instant::now();
-    for _ in 0..n {
-        token = steps.run(|| greedy_step(model, token, cache))?;
-    }
-    Ok(measured(&steps, start, n))
-}
-
-/// Decodes `n` greedy tokens for every sequence of `caches` at once, starting from `tokens`.
-fn decode_batch(
     model: &dyn LanguageModel,
     mut tokens: Vec<u32>,
     caches: &mut [Cache],
@@ -152,28 +155,31 @@ fn decode_batch(
     let mut steps = DecodeSteps::new(&model.info().device);
     let start = Instant::now();
     for _ in 0..n {
-        let mut refs: Vec<&mut Cache> = caches.iter_mut().collect();
-        tokens = steps.run(|| {
-            let logits = model.forward_batch(&tokens, &mut refs)?;
-            let picks = ops::greedy_rows(&logits)?;
-            Ok::<_, anyhow::Error>(picks.iter().map(|p| p.id).collect())
-        })?;
+        tokens = steps.run(|| greedy_step(model, &tokens, caches))?;
     }
-    Ok(measured(&steps, start, n))
+    Ok(Decoded {
+        seconds: start.elapsed().as_secs_f64(),
+        replayed: steps.replayed(),
+        host_us: steps
+            .host_time()
+            .map(|host| host.as_secs_f64() * 1e6 / n.max(1) as f64),
+    })
 }
 
-/// With `OXLM_TRACE` set on a GPU (see `Gpu::take_trace`): one more prefill of `ids` and `n`
-/// decode steps, traced step by step, and where the steps' time went: for each kernel, its
-/// launches a step and the microseconds a step it held the chain (from its inputs being ready
-/// to the next launch's), and how long after the launch before it was ready it started (its
-/// early start), medians over the steps; then the same for the first launches of a step. Only
-/// steps of the usual length count (not the first, which captures the graphs, nor those that
-/// grow the caches); the last launch of a step, whose chain runs on through the download and
-/// the host's turn, is left out. `None` off the GPU or untraced.
+/// With `OXLM_TRACE` set on a GPU (see `Gpu::take_trace`): `sequences` more prefills of
+/// `len` tokens and `n` decode steps of them all, traced step by step, and where the steps'
+/// time went: for each kernel, its launches a step and the microseconds a step it held the
+/// chain (from its inputs being ready to the next launch's), and how long after the launch
+/// before it was ready it started (its early start), medians over the steps; then the same for
+/// the first launches of a step. Only steps of the usual length count (not the first, which
+/// captures the graphs, nor those that grow the caches); the last launch of a step, whose chain
+/// runs on through the download and the host's turn, is left out. `None` off the GPU or
+/// untraced.
 fn traced_decode(
     model: &dyn LanguageModel,
-    ids: &[u32],
     kv_cache: KvPrecision,
+    sequences: usize,
+    len: usize,
     n: usize,
 ) -> Result<Option<serde_json::Value>> {
     let oxlm_engine::Device::Cuda(gpu) = &model.info().device else {
@@ -186,13 +192,12 @@ fn traced_decode(
     if n < 3 {
         anyhow::bail!("a traced decode needs --gen-tokens 3 or more");
     }
-    let mut cache = model.new_cache_in(kv_cache)?;
-    let mut token = prefill(model, ids, &mut cache)?;
+    let (mut tokens, mut caches) = prefill_sequences(model, kv_cache, sequences, len, 0)?;
     gpu.take_trace()?;
     let mut decode_steps = DecodeSteps::new(&model.info().device);
     let mut steps = Vec::with_capacity(n);
     for _ in 0..n {
-        token = decode_steps.run(|| greedy_step(model, token, &mut cache))?;
+        tokens = decode_steps.run(|| greedy_step(model, &tokens, &mut caches))?;
         steps.push(gpu.take_trace()?.unwrap_or_default());
     }
     let per_step = median(steps.iter().map(|s| s.len() as f64).collect()) as usize;
@@ -256,7 +261,6 @@ pub fn run(args: Args) -> Result<()> {
     let model = oxlm_models::load_on(&model_dir, &args.device)
         .with_context(|| format!("loading {}", args.model.display()))?;
     let load_s = start.elapsed().as_secs_f64();
-    let vocab = model.info().vocab_size;
     let kv_cache = args
         .kv_cache
         .unwrap_or_else(|| KvPrecision::default_for(&args.device));
@@ -265,12 +269,11 @@ pub fn run(args: Args) -> Result<()> {
     let mut host_us = Vec::new();
     // One untimed run first: page in the weights and grow the caches.
     for rep in 0..=args.repeats.max(1) {
-        let ids = prompt(args.prompt_tokens, vocab, rep as u64);
-        let mut cache = model.new_cache_in(kv_cache)?;
         let t = Instant::now();
-        let token = prefill(model.as_ref(), &ids, &mut cache)?;
+        let (tokens, mut caches) =
+            prefill_sequences(model.as_ref(), kv_cache, 1, args.prompt_tokens, rep as u64)?;
         let prefill_s = t.elapsed().as_secs_f64();
-        let decoded = decode(model.as_ref(), token, &mut cache, args.gen_tokens)?;
+        let decoded = decode(model.as_ref(), tokens, &mut caches, args.gen_tokens)?;
         replayed_steps = decoded.replayed;
         if rep > 0 {
             prefill_tps.push(args.prompt_tokens as f64 / prefill_s);
@@ -280,34 +283,47 @@ pub fn run(args: Args) -> Result<()> {
     }
     let trace = traced_decode(
         model.as_ref(),
-        &prompt(args.prompt_tokens, vocab, 0),
         kv_cache,
+        1,
+        args.prompt_tokens,
         args.gen_tokens,
     )?;
     let mut depths = Vec::new();
     for &depth in &args.depth {
-        let ids = prompt(depth.saturating_sub(args.depth_tokens).max(1), vocab, 99);
-        let mut cache = model.new_cache_in(kv_cache)?;
-        let token = prefill(model.as_ref(), &ids, &mut cache)?;
-        let s = decode(model.as_ref(), token, &mut cache, args.depth_tokens)?.seconds;
+        let len = depth.saturating_sub(args.depth_tokens).max(1);
+        let (tokens, mut caches) = prefill_sequences(model.as_ref(), kv_cache, 1, len, 99)?;
+        let s = decode(model.as_ref(), tokens, &mut caches, args.depth_tokens)?.seconds;
         depths.push(json!({"context": depth, "decode_tps": args.depth_tokens as f64 / s}));
     }
     let mut batches = Vec::new();
     for &sequences in &args.batch {
-        let mut caches = Vec::with_capacity(sequences);
-        let mut tokens = Vec::with_capacity(sequences);
-        for seq in 0..sequences {
-            let mut cache = model.new_cache_in(kv_cache)?;
-            let ids = prompt(args.prompt_tokens, vocab, 1000 + seq as u64);
-            tokens.push(prefill(model.as_ref(), &ids, &mut cache)?);
-            caches.push(cache);
-        }
-        let decoded = decode_batch(model.as_ref(), tokens, &mut caches, args.gen_tokens)?;
+        // As for one sequence, an untimed run first: the batch's kernels are loaded, its
+        // graphs captured and its temporaries allocated on their first step.
+        let run = || -> Result<Decoded> {
+            let (tokens, mut caches) = prefill_sequences(
+                model.as_ref(),
+                kv_cache,
+                sequences,
+                args.prompt_tokens,
+                1000,
+            )?;
+            decode(model.as_ref(), tokens, &mut caches, args.gen_tokens)
+        };
+        run()?;
+        let decoded = run()?;
+        let trace = traced_decode(
+            model.as_ref(),
+            kv_cache,
+            sequences,
+            args.prompt_tokens,
+            args.gen_tokens,
+        )?;
         batches.push(json!({
             "sequences": sequences,
             "decode_tps": (sequences * args.gen_tokens) as f64 / decoded.seconds,
             "replayed_steps": decoded.replayed,
             "host_us_per_step": decoded.host_us,
+            "trace": trace,
         }));
     }
     let report = json!({
