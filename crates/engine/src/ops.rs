@@ -322,12 +322,15 @@ pub fn argmax(x: &[f32]) -> u32 {
     best as u32
 }
 
-/// `ln Σ exp(x)`, summed in f64 from the maximum down (NaNs passed over for the maximum):
-/// log-softmax is `x - log_sum_exp(x)`.
+/// `ln Σ exp(x)`: the exponentials of `x − max` in f32, summed in f64
+/// ([`cpu::elementwise::exp_sum`]; NaNs passed over for the maximum), −∞ for a row of −∞.
+/// Log-softmax is `x - log_sum_exp(x)`.
 pub fn log_sum_exp(x: &[f32]) -> f32 {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = x.iter().map(|&v| f64::from(v - max).exp()).sum();
-    max + sum.ln() as f32
+    if max == f32::NEG_INFINITY {
+        return max;
+    }
+    max + cpu::elementwise::exp_sum(x, 1.0, max).ln() as f32
 }
 
 /// Greedy decoding's pick from a row of logits.

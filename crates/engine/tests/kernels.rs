@@ -10,7 +10,7 @@
 mod common;
 
 use common::{floats_as, random_quantized as random_matrix, random_vec};
-use oxlm_engine::cpu::{dense, pool, qint, qmatmul, Isa};
+use oxlm_engine::cpu::{dense, elementwise, pool, qint, qmatmul, Isa};
 use oxlm_engine::quant::{QuantizedView, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES};
 use oxlm_engine::{Bytes, DType, FloatMatrix, QuantizedMatrix};
 use rand::rngs::StdRng;
@@ -296,6 +296,49 @@ fn dot_matches_the_reference_at_every_length() {
                 (got - want).abs() <= TOLERANCE * mag + 1e-30,
                 "{isa:?} n={n}: {got} vs {want}"
             );
+        }
+    }
+}
+
+/// A softmax's weights and their sum against f64 `exp`: each within the rounding of its f32
+/// argument (an ulp of `scale · x − shift` moves `exp` by that much relatively) and a few ulp of
+/// its own, filtered (−∞) entries exactly 0, at every length past the vectors' tails.
+#[test]
+fn exponentials_match_the_reference_at_every_length() {
+    let mut rng = StdRng::seed_from_u64(11);
+    for n in (0..40).chain([1000, 4099]) {
+        let mut x: Vec<f32> = random_vec(&mut rng, n).iter().map(|v| 20.0 * v).collect();
+        for i in (0..n).step_by(7) {
+            x[i] = f32::NEG_INFINITY;
+        }
+        let (scale, shift) = (1.3f32, 4.0f32);
+        let args: Vec<f64> = x
+            .iter()
+            .map(|&v| v as f64 * scale as f64 - shift as f64)
+            .collect();
+        let want: Vec<f64> = args.iter().map(|a| a.exp()).collect();
+        let bound: Vec<f64> = args
+            .iter()
+            .zip(&want)
+            .map(|(a, &w)| {
+                if w > 0.0 {
+                    w * 2e-7 * (a.abs() + 2.0)
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        for isa in Isa::available() {
+            let mut got = vec![f32::NAN; n];
+            let sum = elementwise::exp_into_with(isa, &x, scale, shift, &mut got);
+            for (i, &g) in got.iter().enumerate() {
+                let (w, b) = (want[i], bound[i]);
+                assert!((g as f64 - w).abs() <= b, "{isa:?} n={n} [{i}]: {g} vs {w}");
+            }
+            let (total, b): (f64, f64) = (want.iter().sum(), bound.iter().sum());
+            assert!((sum - total).abs() <= b, "{isa:?} n={n}: {sum} vs {total}");
+            let unwritten = elementwise::exp_into_with(isa, &x, scale, shift, &mut []);
+            assert_eq!(unwritten, sum, "{isa:?} n={n}");
         }
     }
 }

@@ -16,11 +16,13 @@
 //!
 //! mlx draws with its own counter-based RNG (`mx.random.categorical`); this uses rand's seeded `StdRng`, so the
 //! same seed gives the same tokens here but not the tokens mlx-lm gives. Distributions are the same.
-//! Sums run in f64 where mlx uses the logits' dtype, so borderline top-p/min-p cut-offs can differ in the last
-//! bit. `top_k >= vocabulary size` keeps every token (mlx-lm raises a ValueError).
+//! Exponentials are f32 and their sums f64, where mlx uses the logits' dtype for both, so borderline
+//! top-p/min-p cut-offs can differ in the last bit. Filters rank only the likeliest tokens they need
+//! (`walk_ranked`), not the whole vocabulary. `top_k >= vocabulary size` keeps every token (mlx-lm raises a ValueError).
 
 use std::collections::BTreeMap;
 
+use oxlm_engine::cpu::elementwise::{exp_into, exp_sum};
 use oxlm_engine::ops::{argmax, log_sum_exp};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -122,6 +124,9 @@ pub struct Sampler {
     /// (log-probability, id) pairs for sorting.
     ranked: Vec<(f32, u32)>,
     ids: Vec<u32>,
+    /// [`categorical`]'s scratch.
+    weights: Vec<f32>,
+    block_sums: Vec<f64>,
 }
 
 impl Sampler {
@@ -159,6 +164,8 @@ impl Sampler {
             work: Vec::new(),
             ranked: Vec::new(),
             ids: Vec::new(),
+            weights: Vec::new(),
+            block_sums: Vec::new(),
         })
     }
 
@@ -219,7 +226,14 @@ impl Sampler {
             apply_top_k(&mut self.work, c.top_k, &mut self.ranked);
         }
         let draw: f64 = self.rng.random();
-        categorical(&self.work, 1.0 / self.config.temperature, draw)
+        let inv_temp = 1.0 / self.config.temperature;
+        categorical(
+            &self.work,
+            inv_temp,
+            draw,
+            &mut self.weights,
+            &mut self.block_sums,
+        )
     }
 
     /// The logits processors, in `make_logits_processors` order.
@@ -268,34 +282,84 @@ fn log_softmax(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v -= lse);
 }
 
+/// The order of [`rank`]: largest first, ties by lower id.
+fn ranked_order(a: &(f32, u32), b: &(f32, u32)) -> std::cmp::Ordering {
+    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
+}
+
 /// Fills `ranked` with (value, id) for every finite entry, largest first (ties: lower id first).
 fn rank(x: &[f32], ranked: &mut Vec<(f32, u32)>) {
     ranked.clear();
-    ranked.extend(
-        x.iter()
-            .enumerate()
-            .filter(|(_, v)| v.is_finite())
-            .map(|(i, &v)| (v, i as u32)),
-    );
-    ranked.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    ranked.extend(finite(x));
+    ranked.sort_unstable_by(ranked_order);
+}
+
+fn finite(x: &[f32]) -> impl Iterator<Item = (f32, u32)> + '_ {
+    x.iter()
+        .enumerate()
+        .filter(|(_, v)| v.is_finite())
+        .map(|(i, &v)| (v, i as u32))
+}
+
+/// Hands the finite entries of `x` to `visit` in [`rank`]'s order until it returns false,
+/// leaving the visited ones at the front of `ranked`, in that order; returns how many it
+/// visited. Only entries within a bar of the largest are gathered at first (the bar lowered
+/// while `visit` wants more), and those are ranked a chunk at a time (the chunk's entries
+/// picked out, then sorted): a few likely tokens of a large vocabulary cost no sort of all.
+fn walk_ranked(
+    x: &[f32],
+    ranked: &mut Vec<(f32, u32)>,
+    mut visit: impl FnMut(f32) -> bool,
+) -> usize {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let bars = [4.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0].map(|drop| max - drop);
+    ranked.clear();
+    let (mut done, mut chunk) = (0, 64);
+    // Entries at or above `upper` are gathered already.
+    let mut upper = f32::INFINITY;
+    for bar in bars.into_iter().chain([f32::NEG_INFINITY]) {
+        ranked.extend(finite(x).filter(|&(v, _)| v >= bar && v < upper));
+        upper = bar;
+        while done < ranked.len() {
+            let end = (done + chunk).min(ranked.len());
+            if end < ranked.len() {
+                ranked[done..].select_nth_unstable_by(end - done - 1, ranked_order);
+            }
+            ranked[done..end].sort_unstable_by(ranked_order);
+            if let Some(stop) = ranked[done..end].iter().position(|&(v, _)| !visit(v)) {
+                return done + stop;
+            }
+            (done, chunk) = (end, chunk * 4);
+        }
+    }
+    done
+}
+
+/// [`rank`]'s first `k` entries (fewer if fewer are finite).
+fn rank_top(x: &[f32], k: usize, ranked: &mut Vec<(f32, u32)>) {
+    let mut left = k;
+    let visited = walk_ranked(x, ranked, |_| {
+        let more = left > 0;
+        left = left.saturating_sub(1);
+        more
+    });
+    ranked.truncate(visited);
 }
 
 /// mlx-lm `apply_top_p`: a token survives when the probability mass of the tokens ranked above it is below
 /// `top_p` times the total; every token tied with the last survivor survives too.
 fn apply_top_p(logprobs: &mut [f32], top_p: f32, ranked: &mut Vec<(f32, u32)>) {
-    rank(logprobs, ranked);
-    let probs = ranked.iter().map(|(v, _)| f64::from(v.exp()));
-    let total: f64 = probs.clone().sum();
-    let limit = f64::from(top_p) * total;
+    let limit = f64::from(top_p) * exp_sum(logprobs, 1.0, 0.0);
     let mut above = 0.0;
     let mut threshold = f32::NEG_INFINITY;
-    for ((value, _), p) in ranked.iter().zip(probs) {
+    walk_ranked(logprobs, ranked, |value| {
         if above >= limit {
-            break;
+            return false;
         }
-        threshold = *value;
-        above += p;
-    }
+        threshold = value;
+        above += f64::from(value.exp());
+        true
+    });
     logprobs
         .iter_mut()
         .filter(|v| **v < threshold)
@@ -313,8 +377,7 @@ fn apply_min_p(
     let threshold = top + min_p.ln();
     ranked.clear();
     if min_tokens_to_keep > 1 {
-        rank(logprobs, ranked);
-        ranked.truncate(min_tokens_to_keep);
+        rank_top(logprobs, min_tokens_to_keep, ranked);
     }
     for (i, v) in logprobs.iter_mut().enumerate() {
         if *v < threshold && !ranked.iter().any(|(_, id)| *id as usize == i) {
@@ -355,40 +418,72 @@ fn apply_top_k(logprobs: &mut [f32], top_k: usize, ranked: &mut Vec<(f32, u32)>)
     if top_k >= logprobs.len() {
         return;
     }
-    rank(logprobs, ranked);
-    let mut keep = vec![false; logprobs.len()];
-    for &(_, id) in ranked.iter().take(top_k) {
-        keep[id as usize] = true;
-    }
-    for (v, keep) in logprobs.iter_mut().zip(keep) {
-        if !keep {
+    rank_top(logprobs, top_k, ranked);
+    // The survivors are those ranked at or before the last one: larger, or tied with a lower id.
+    let (last, last_id) = ranked.last().copied().unwrap_or((f32::INFINITY, 0));
+    for (id, v) in logprobs.iter_mut().enumerate() {
+        if !(*v > last || (*v == last && id as u32 <= last_id)) {
             *v = f32::NEG_INFINITY;
         }
     }
 }
 
-/// `mx.random.categorical(logprobs * inv_temp)` with `draw` uniform in [0, 1).
-fn categorical(logprobs: &[f32], inv_temp: f32, draw: f64) -> u32 {
-    let scaled = |v: f32| v * inv_temp;
+/// Weights summed a block at a time by [`categorical`], which then walks one block.
+const CATEGORICAL_BLOCK: usize = 1024;
+
+/// `mx.random.categorical(logprobs * inv_temp)` with `draw` uniform in [0, 1): the first id at
+/// which the running sum of `exp(logprob · inv_temp − max)` passes `draw` times their total.
+/// `weights` and `block_sums` are scratch.
+fn categorical(
+    logprobs: &[f32],
+    inv_temp: f32,
+    draw: f64,
+    weights: &mut Vec<f32>,
+    block_sums: &mut Vec<f64>,
+) -> u32 {
     let max = logprobs
         .iter()
-        .map(|&v| scaled(v))
+        .map(|&v| v * inv_temp)
         .fold(f32::NEG_INFINITY, f32::max);
-    let weight = |v: f32| f64::from(scaled(v) - max).exp();
-    let total: f64 = logprobs.iter().map(|&v| weight(v)).sum();
+    weights.resize(logprobs.len(), 0.0);
+    exp_into(logprobs, inv_temp, max, weights);
+    block_sums.clear();
+    block_sums.extend(weights.chunks(CATEGORICAL_BLOCK).map(|block| {
+        // Four sums side by side, so that the compiler keeps them in vectors.
+        let mut lanes = [0.0f64; 4];
+        for quad in block.chunks(4) {
+            for (lane, &w) in lanes.iter_mut().zip(quad) {
+                *lane += f64::from(w);
+            }
+        }
+        lanes.iter().sum::<f64>()
+    }));
+    let total: f64 = block_sums.iter().sum();
     let mut target = draw * total;
-    let mut last = 0;
-    for (i, &v) in logprobs.iter().enumerate() {
-        let w = weight(v);
+    let chosen = block_sums.iter().position(|&sum| {
+        let inside = target < sum;
+        if !inside {
+            target -= sum;
+        }
+        inside
+    });
+    let block = chosen.unwrap_or_else(|| {
+        // Rounding left a sliver past the last weight: the last weight it is.
+        target = f64::INFINITY;
+        block_sums.iter().rposition(|&sum| sum > 0.0).unwrap_or(0)
+    });
+    let start = block * CATEGORICAL_BLOCK;
+    let mut last = start;
+    for (i, &w) in weights[start..].iter().take(CATEGORICAL_BLOCK).enumerate() {
+        let w = f64::from(w);
         if w > 0.0 {
-            last = i;
+            last = start + i;
             if target < w {
-                return i as u32;
+                break;
             }
             target -= w;
         }
     }
-    // Rounding left a sliver past the last weight.
     last as u32
 }
 
@@ -678,6 +773,91 @@ mod tests {
             }),
             Some(SamplerError::Temperature(-1.0))
         );
+    }
+
+    /// A vocabulary-sized row with many ties and filtered (−∞) entries, spread over 40 nats so
+    /// that the walk lowers its bar several times.
+    fn tied_row(len: usize, seed: u64) -> Vec<f32> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        (0..len)
+            .map(|_| match rng.random_range(0..400) {
+                0..20 => NEG,
+                v => -(v as f32) * 0.1,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn partial_ranking_matches_the_full_sort() {
+        let mut full = Vec::new();
+        let mut ranked = Vec::new();
+        for seed in 0..4 {
+            let x = tied_row(5000, seed);
+            rank(&x, &mut full);
+            for k in [0, 1, 7, 64, 65, 300, 4000, full.len(), full.len() + 9] {
+                rank_top(&x, k, &mut ranked);
+                assert_eq!(ranked, full[..k.min(full.len())], "seed {seed}, k {k}");
+                // top-k keeps exactly those, ties at the cut broken by id.
+                let mut y = x.clone();
+                apply_top_k(&mut y, k, &mut ranked);
+                let mut want: Vec<usize> = ranked.iter().map(|&(_, id)| id as usize).collect();
+                want.sort_unstable();
+                if k < x.len() {
+                    assert_eq!(kept(&y), want, "top-k, seed {seed}, k {k}");
+                }
+            }
+            let walked = walk_ranked(&x, &mut ranked, |_| true);
+            assert_eq!((walked, &ranked), (full.len(), &full));
+        }
+    }
+
+    /// The nucleus found by ranking a chunk at a time is the one a full sort finds.
+    #[test]
+    fn top_p_ranks_only_as_far_as_the_nucleus() {
+        let mut ranked = Vec::new();
+        for seed in 0..4 {
+            let mut logprobs = tied_row(5000, seed);
+            log_softmax(&mut logprobs);
+            for top_p in [0.01, 0.3, 0.9, 0.999] {
+                let mut full = Vec::new();
+                rank(&logprobs, &mut full);
+                let total: f64 = full.iter().map(|(v, _)| f64::from(v.exp())).sum();
+                let mut above = 0.0;
+                let threshold = full
+                    .iter()
+                    .take_while(|(v, _)| {
+                        let inside = above < f64::from(top_p) * total;
+                        above += f64::from(v.exp());
+                        inside
+                    })
+                    .last()
+                    .map_or(NEG, |(v, _)| *v);
+                let want: Vec<usize> = (0..logprobs.len())
+                    .filter(|&i| logprobs[i].is_finite() && logprobs[i] >= threshold)
+                    .collect();
+                let mut x = logprobs.clone();
+                apply_top_p(&mut x, top_p, &mut ranked);
+                assert_eq!(kept(&x), want, "seed {seed}, top_p {top_p}");
+            }
+        }
+    }
+
+    /// The draw walks the weights as one running sum across the blocks it adds up first.
+    #[test]
+    fn categorical_draws_across_blocks() {
+        let (mut weights, mut sums) = (Vec::new(), Vec::new());
+        let mut logprobs = vec![NEG; 3 * CATEGORICAL_BLOCK + 5];
+        for id in [3, CATEGORICAL_BLOCK + 1, 3 * CATEGORICAL_BLOCK + 4] {
+            logprobs[id] = (1.0f32 / 3.0).ln();
+        }
+        let mut draw = |d| categorical(&logprobs, 1.0, d, &mut weights, &mut sums);
+        assert_eq!(draw(0.0), 3);
+        assert_eq!(draw(0.34), CATEGORICAL_BLOCK as u32 + 1);
+        assert_eq!(draw(0.66), CATEGORICAL_BLOCK as u32 + 1);
+        assert_eq!(draw(0.67), 3 * CATEGORICAL_BLOCK as u32 + 4);
+        assert_eq!(draw(1.0 - 1e-12), 3 * CATEGORICAL_BLOCK as u32 + 4);
+        // Past the total (a rounding sliver): the last weight.
+        assert_eq!(draw(1.5), 3 * CATEGORICAL_BLOCK as u32 + 4);
     }
 
     #[test]

@@ -704,6 +704,49 @@ unsafe fn exp8(x: __m256) -> __m256 {
     _mm256_mul_ps(y, _mm256_castsi256_ps(e))
 }
 
+/// `exp(scale · x[i] − shift)` of eight lanes, 0 where `x[i]` is −∞ (a token a sampler
+/// filtered out never weighs anything; `exp8` alone would give its clamp's 1e-38).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn exp8_scaled(x: __m256, scale: __m256, shift: __m256) -> __m256 {
+    let dropped = _mm256_cmp_ps::<_CMP_EQ_OQ>(x, _mm256_set1_ps(f32::NEG_INFINITY));
+    _mm256_andnot_ps(dropped, exp8(_mm256_fmsub_ps(x, scale, shift)))
+}
+
+/// `Σ exp(scale · x[i] − shift)` in f64 (the exponentials in f32), writing each term to
+/// `out[i]` where `out` is as long as `x` (and nowhere where it is empty).
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn exp_scaled_sum(x: &[f32], scale: f32, shift: f32, out: &mut [f32]) -> f64 {
+    let write = out.len() == x.len();
+    let (scale, shift) = (_mm256_set1_ps(scale), _mm256_set1_ps(shift));
+    let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());
+    let whole = x.len() / 8 * 8;
+    for i in (0..whole).step_by(8) {
+        let e = exp8_scaled(_mm256_loadu_ps(x.as_ptr().add(i)), scale, shift);
+        if write {
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), e);
+        }
+        lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+        hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(e)));
+    }
+    let mut lanes = [0.0f64; 4];
+    _mm256_storeu_pd(lanes.as_mut_ptr(), _mm256_add_pd(lo, hi));
+    let mut sum: f64 = lanes.iter().sum();
+    if whole < x.len() {
+        let mut buf = [f32::NEG_INFINITY; 8];
+        buf[..x.len() - whole].copy_from_slice(&x[whole..]);
+        let e = exp8_scaled(_mm256_loadu_ps(buf.as_ptr()), scale, shift);
+        _mm256_storeu_ps(buf.as_mut_ptr(), e);
+        for (i, &v) in buf[..x.len() - whole].iter().enumerate() {
+            if write {
+                out[whole + i] = v;
+            }
+            sum += f64::from(v);
+        }
+    }
+    sum
+}
+
 /// `x[i] = exp(x[i] - max)`, returning the sum.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn exp_sub_sum(x: &mut [f32], max: f32) -> f32 {

@@ -1,6 +1,7 @@
 //! Element-wise ops on f32 activations in host memory: norms, RoPE, activations.
 
 use super::dense::dot;
+use super::Isa;
 
 /// RMSNorm of each `weight.len()`-wide row of `x` into `out`: `x / sqrt(mean(x²) + eps) * weight`.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
@@ -76,6 +77,52 @@ pub fn silu_mul_inplace(gate: &mut [f32], up: &[f32]) {
 pub fn add_inplace(x: &mut [f32], y: &[f32]) {
     for (a, &b) in x.iter_mut().zip(y) {
         *a += b;
+    }
+}
+
+/// `Σ exp(scale · x[i] − shift)`, summed in f64 from f32 exponentials (eight at a time where
+/// the processor has AVX2, within 2 ulp of libm's), −∞ entries adding exactly 0: a softmax's
+/// normaliser over a vocabulary, with `shift` the largest `scale · x`.
+pub fn exp_sum(x: &[f32], scale: f32, shift: f32) -> f64 {
+    exp_into_with(Isa::best(), x, scale, shift, &mut [])
+}
+
+/// [`exp_sum`], writing each term to `out` (as long as `x`): a softmax's unnormalised weights.
+pub fn exp_into(x: &[f32], scale: f32, shift: f32, out: &mut [f32]) -> f64 {
+    assert_eq!(
+        x.len(),
+        out.len(),
+        "exp_into needs an output as long as its input"
+    );
+    exp_into_with(Isa::best(), x, scale, shift, out)
+}
+
+/// [`exp_into`] on the given kernels (panics if the processor lacks them), writing nowhere
+/// when `out` is empty.
+pub fn exp_into_with(isa: Isa, x: &[f32], scale: f32, shift: f32, out: &mut [f32]) -> f64 {
+    isa.check();
+    match isa {
+        // SAFETY: just checked.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe {
+            super::avx2::exp_scaled_sum(x, scale, shift, out)
+        },
+        _ => {
+            let write = out.len() == x.len();
+            let mut sum = 0.0;
+            for (i, &v) in x.iter().enumerate() {
+                let e = if v == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    v.mul_add(scale, -shift).exp()
+                };
+                if write {
+                    out[i] = e;
+                }
+                sum += f64::from(e);
+            }
+            sum
+        }
     }
 }
 
