@@ -206,7 +206,7 @@ fn greedy_rows_match_the_host() {
 /// The shapes where the int16-activation GEMVs change their launch: short rows (8 warps a
 /// block) and long ones (16 warps), each with a last block partly past the matrix's end, and
 /// rows long enough that several activation rows no longer fit a block's shared memory (the
-/// f32-activation kernels take over).
+/// tensor-core product takes over, from one tile of 8 rows).
 #[test]
 fn int16_gemv_launches() {
     let Some((dev, _turn)) = gpu() else { return };
@@ -223,11 +223,13 @@ fn int16_gemv_launches() {
             let cpu = ops::matmul(&w, &host_x).unwrap();
             let y = ops::matmul(&wg, &on(&dev, vec![m, cols], &x)).unwrap();
             let what = format!("{rows}x{cols} {bits}-bit m={m}");
-            assert_close(&what, &y, &cpu, INT16);
+            // 8 rows of 5,632 activations are over the int16 kernels' shared memory.
+            let tol = if (cols, m) == (5632, 8) { TF32 } else { INT16 };
+            assert_close(&what, &y, &cpu, tol);
             let act = ops::Activation::Silu;
             let cpu = ops::quantized_glu(&w, &up, &host_x, None, act).unwrap();
             let y = ops::quantized_glu(&wg, &ug, &on(&dev, vec![m, cols], &x), None, act).unwrap();
-            assert_close(&format!("{what} glu"), &y, &cpu, INT16);
+            assert_close(&format!("{what} glu"), &y, &cpu, tol);
         }
     }
 }
@@ -257,7 +259,8 @@ fn projections(
 }
 
 /// One to three projections of one input in one launch (attention's, an output head), against
-/// each alone on the CPU.
+/// each alone on the CPU; past 8 rows, on the tensor cores from activations made (and normed)
+/// once for all of them.
 #[test]
 fn quantized_matmul_group_in_one_launch() {
     let Some((dev, _turn)) = gpu() else { return };
@@ -267,7 +270,7 @@ fn quantized_matmul_group_in_one_launch() {
         let (hosts, placed) = projections(&mut rng, &dev, &[520, 130, 130], cols, bits, dtype);
         let norm_weight = random_vec(&mut rng, cols);
         for count in [1, 2, 3] {
-            for m in [1, 4] {
+            for m in [1, 4, 12] {
                 for with_norm in [false, true] {
                     let x = random_vec(&mut rng, m * cols);
                     let refs: Vec<_> = placed[..count].iter().collect();
@@ -290,7 +293,7 @@ fn quantized_matmul_group_in_one_launch() {
                             "{bits}-bit group of {count}, {} rows, m={m}, norm {with_norm}",
                             w.rows
                         );
-                        assert_close(&what, y, &cpu, INT16);
+                        assert_close(&what, y, &cpu, product_tolerance(bits, m, false));
                     }
                     if count == 2 && with_norm {
                         let act = ops::Activation::Silu;
@@ -298,7 +301,8 @@ fn quantized_matmul_group_in_one_launch() {
                         let (g, gc) = (&placed[0], &hosts[0]);
                         let y = ops::quantized_glu(g, g, &xg, norm, act).unwrap();
                         let cpu = ops::quantized_glu(gc, gc, &xc, None, act).unwrap();
-                        assert_close(&format!("{bits}-bit glu, norm, m={m}"), &y, &cpu, INT16);
+                        let tol = product_tolerance(bits, m, false);
+                        assert_close(&format!("{bits}-bit glu, norm, m={m}"), &y, &cpu, tol);
                     }
                 }
             }

@@ -457,22 +457,40 @@ __device__ __forceinline__ int quad_word(int s, int t) {
     return BITS == 4 ? 2 * s + (t >> 1) : 4 * s + t;
 }
 
-// x[rows, k] (f32) into xh[tiles · 8, k] (f16 bits, in the lanes' order above, rows past `rows`
-// zero) and row_scale[r], what undoes the row's scaling; one block per row of xh.
+// x[rows, k] (f32; where norm is given, RMS-normed first as rms_norm does) into xh[tiles · 8,
+// k] (f16 bits, in the lanes' order above, rows past `rows` zero) and row_scale[r], what undoes
+// the row's scaling; one block per row of xh.
 extern "C" __global__ void mma_acts(const float *__restrict__ x, u16 *__restrict__ xh,
-                                    float *__restrict__ row_scale, int rows, int k) {
+                                    float *__restrict__ row_scale, int rows, int k,
+                                    const float *__restrict__ norm, float eps) {
     await_inputs();
-    __shared__ float warp_max_of[32];
+    __shared__ float partial[32];
     const int r = blockIdx.x;
     const bool real = r < rows;
+    const float *xr = x + (i64)r * k;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    // The block's sum (or maximum, of values ≥ 0) of each thread's v, for every thread.
+    auto block_reduce = [&](float v, bool max) {
+        v = max ? warp_max(v) : warp_sum(v);
+        if (lane == 0) partial[warp] = v;
+        __syncthreads();
+        float all = 0.f;
+        for (int w = 0; w < warps; w++) all = max ? fmaxf(all, partial[w]) : all + partial[w];
+        __syncthreads();
+        return all;
+    };
+    float inv = 1.f;
+    if (norm != nullptr) {
+        float ss = 0.f;
+        if (real)
+            for (int c = threadIdx.x; c < k; c += blockDim.x) ss += xr[c] * xr[c];
+        inv = 1.f / sqrtf(block_reduce(ss, false) / k + eps);
+    }
+    auto value = [&](int c) { return norm != nullptr ? xr[c] * inv * norm[c] : xr[c]; };
     float amax = 0.f;
     if (real)
-        for (int c = threadIdx.x; c < k; c += blockDim.x) amax = fmaxf(amax, fabsf(x[(i64)r * k + c]));
-    amax = warp_max(amax);
-    if ((threadIdx.x & 31) == 0) warp_max_of[threadIdx.x >> 5] = amax;
-    __syncthreads();
-    amax = 0.f;
-    for (int w = 0; w < (int)(blockDim.x >> 5); w++) amax = fmaxf(amax, warp_max_of[w]);
+        for (int c = threadIdx.x; c < k; c += blockDim.x) amax = fmaxf(amax, fabsf(value(c)));
+    amax = block_reduce(amax, true);
     // 2^(12 - e) with amax in [2^(e-1), 2^e): exact, and the row's largest lands in
     // [2^11, 2^12).
     const int e = (int)((__float_as_uint(amax) >> 23) & 0xFFu) - 126;
@@ -483,7 +501,7 @@ extern "C" __global__ void mma_acts(const float *__restrict__ x, u16 *__restrict
         const int run = d & ~31, i = d & 31;
         const int t = i >> 3, step = (i >> 2) & 1, j = i & 3;
         const int src = run + 16 * step + 4 * t + (j == 1 ? 2 : j == 2 ? 1 : j);
-        xh[(i64)r * k + d] = real ? f16_bits(x[(i64)r * k + src] * scale) : (u16)0;
+        xh[(i64)r * k + d] = real ? f16_bits(value(src) * scale) : (u16)0;
     }
 }
 
@@ -497,7 +515,7 @@ __device__ void qmma(const u32 *__restrict__ w, const typename S::T *__restrict_
                      const float *__restrict__ row_scale, float *__restrict__ y,
                      float *__restrict__ part, int n, int k, int group, int rows,
                      int runs_per_slice, int accumulate) {
-    const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+    const int lane = threadIdx.x, g = lane >> 2, t = lane & 3, tile = blockIdx.x;
     const int runs = k >> 5, groups = k / group;
     const int r0 = blockIdx.y * runs_per_slice, r1 = min(runs, r0 + runs_per_slice);
     // Features of this lane: tile i, half h (rows g and g + 8 of the A tile).
@@ -505,7 +523,7 @@ __device__ void qmma(const u32 *__restrict__ w, const typename S::T *__restrict_
 #pragma unroll
     for (int i = 0; i < 2; i++)
 #pragma unroll
-        for (int h = 0; h < 2; h++) feature[i][h] = min(n - 1, blockIdx.x * 32 + 16 * i + 8 * h + g);
+        for (int h = 0; h < 2; h++) feature[i][h] = min(n - 1, tile * 32 + 16 * i + 8 * h + g);
     float acc[2][TILES][4];
 #pragma unroll
     for (int i = 0; i < 2; i++)
@@ -571,7 +589,7 @@ __device__ void qmma(const u32 *__restrict__ w, const typename S::T *__restrict_
         for (int j = 0; j < TILES; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int f = blockIdx.x * 32 + 16 * i + 8 * (e >> 1) + g;
+                const int f = tile * 32 + 16 * i + 8 * (e >> 1) + g;
                 const int row = 8 * j + 2 * t + (e & 1);
                 if (f >= n || row >= rows) continue;
                 if (whole) {
@@ -609,6 +627,7 @@ extern "C" __global__ void mma_reduce(const float *__restrict__ part,
     }
 
 #define QMMA_TILES(BITS, S, NAME) \
+    QMMA(BITS, S, NAME, 1)        \
     QMMA(BITS, S, NAME, 2)        \
     QMMA(BITS, S, NAME, 4)        \
     QMMA(BITS, S, NAME, 8)

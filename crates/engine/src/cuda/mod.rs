@@ -463,8 +463,14 @@ impl Gpu {
         self.staged(bytemuck::cast_slice(values))
     }
 
+    /// `bytes` on the device. Inside a step, the same bytes staged before in the step are not
+    /// uploaded again (a batch's cache tables, the same for every layer): each upload is a copy
+    /// between the step's kernels, which wait for it.
     fn staged(&self, bytes: &[u8]) -> Result<Memory, EngineError> {
         self.bind()?;
+        if let Some(ptr) = self.step_state().staged_before(bytes) {
+            return Ok(Memory { ptr, owner: None });
+        }
         let mem = self.scratch(bytes.len().max(4))?;
         if bytes.is_empty() {
             return Ok(mem);

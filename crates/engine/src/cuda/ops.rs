@@ -13,6 +13,9 @@ use crate::{EngineError, Positions};
 /// to the tensor cores: straight from 4- and 8-bit weights up to [`MMA_MAX_ROWS`] (batched
 /// decoding), through cuBLAS on dequantized weights beyond (prefill, where cuBLAS's larger
 /// tiles win: 2048-token prompts ran at a quarter of the speed in 64-row turns of `qmma`).
+/// Two to eight rows whose int16 activations do not fit a block (a 5,632-wide down
+/// projection) go to the tensor cores too, one tile of 8: the f32-activation GEMV took
+/// 1.6 ms of a 3.2 ms step at 8 sequences of the 0.85B llama on the H200.
 pub const GEMV_MAX_ROWS: usize = 8;
 
 /// Activation rows of the tensor-core products from packed weights (8 tiles of 8).
@@ -387,15 +390,21 @@ pub fn attention_batch(
     let warps = seqs * first.kv_heads * group.div_ceil(per_warp);
     let splits = batch_splits(&g, warps, span);
     let per_split = span.div_ceil(splits).div_ceil(32) * 32;
-    let keys: Vec<u64> = kvs.iter().map(|kv| kv.keys.ptr()).collect();
-    let values: Vec<u64> = kvs.iter().map(|kv| kv.values.ptr()).collect();
-    let (keys, values) = (g.addresses(&keys)?, g.addresses(&values)?);
+    // The rings as kv_write_batch takes them (keys, then values), so that a step uploads the
+    // table once for both.
+    let rings: Vec<u64> = kvs
+        .iter()
+        .map(|kv| kv.keys.ptr())
+        .chain(kvs.iter().map(|kv| kv.values.ptr()))
+        .collect();
+    let rings = g.addresses(&rings)?;
+    let (keys, values) = (rings.ptr(), rings.ptr() + 8 * seqs as u64);
     let capacities = g.indices(kvs.iter().map(|kv| kv.capacity))?;
     let starts = g.indices(kvs.iter().map(|kv| kv.start))?;
     let (out, part) = split_outputs(&g, seqs * heads, d, splits)?;
     let window = first.window.min(i64::MAX as usize) as i64;
     launch!(&g, &format!("attention_batch_{per_lane}_{per_warp}"), sliced_warps(warps, splits);
-        q.ptr(), keys.ptr(), values.ptr(), pos.ptr(), out.ptr(), part.ptr(),
+        q.ptr(), keys, values, pos.ptr(), out.ptr(), part.ptr(),
         g.split_counters(), int(heads)?, int(first.kv_heads)?, int(d)?, capacities.ptr(),
         starts.ptr(), window, scale, int(splits)?, int(per_split)?);
     Ok(out)
@@ -674,14 +683,19 @@ fn row_threads(cols: usize) -> u32 {
 /// Shared memory of the int16-activation GEMVs (`qgemv_int`, `qglu_int`): the activations of
 /// `m` rows, rounded per run of 32, in tiles of 32 runs (`quantize_acts`). `None` where they
 /// do not apply: activations on an exact handle `g` (the activations' handle decides, as for
-/// the cuBLAS products), other bit widths, more than [`GEMV_MAX_ROWS`] rows, or
+/// the cuBLAS products), other bit widths, rows the tensor cores take ([`mma_applies`]), or
 /// activations over what is left of the 48 KiB a block gets without asking once the kernels'
-/// own arrays have theirs (then the f32-activation kernels run).
+/// own arrays have theirs (then the f32-activation kernels run, for one row).
 fn int_acts_bytes(g: &Gpu, s: QuantShape, m: usize) -> Option<u32> {
+    let applies = !g.exact_math() && matches!(s.bits, 4 | 8) && !mma_applies(g, s, m);
+    int_acts_fit(s, m).filter(|_| applies)
+}
+
+/// The shared memory of [`int_acts_bytes`] where it fits, whatever the handle and bits.
+fn int_acts_fit(s: QuantShape, m: usize) -> Option<u32> {
     let runs = s.cols / 32;
     let bytes = m * (runs.div_ceil(32) * 2048 + runs * 8);
-    let applies = !g.exact_math() && matches!(s.bits, 4 | 8) && m <= GEMV_MAX_ROWS;
-    (applies && bytes + INT_STATIC_SHARED_BYTES <= 48 << 10).then_some(bytes as u32)
+    (m <= GEMV_MAX_ROWS && bytes + INT_STATIC_SHARED_BYTES <= 48 << 10).then_some(bytes as u32)
 }
 
 /// The int16-activation kernels' own shared arrays, at most: `qgemv_int`'s partial sums
@@ -777,7 +791,9 @@ pub fn quantized_matmul(
         (None, Output::New) => unreachable!(),
     };
     if mma_applies(x.gpu(), s, m) {
-        return quantized_mma(w, s, x, m, (y_ptr, accumulate)).map(|()| y);
+        let acts = mma_acts(x, m, s.cols, None)?;
+        quantized_mma(w, s, &acts, m, (y_ptr, accumulate))?;
+        return Ok(y);
     }
     if let Some(shared) = int_acts_bytes(x.gpu(), s, m) {
         let threads = int_threads(s.cols);
@@ -840,19 +856,47 @@ pub fn quantized_matmul(
     Ok(y)
 }
 
-/// Whether [`quantized_mma`] takes a product of `m` rows: more than [`GEMV_MAX_ROWS`], up to
-/// [`MMA_MAX_ROWS`], of 4- or 8-bit weights, on a handle that allows f16 operands.
+/// Whether [`quantized_mma`] takes a product of `m` rows of 4- or 8-bit weights on a handle
+/// that allows f16 operands: more than [`GEMV_MAX_ROWS`], up to [`MMA_MAX_ROWS`], or from two
+/// rows where the int16 activations do not fit a block.
 fn mma_applies(g: &Gpu, s: QuantShape, m: usize) -> bool {
-    !g.exact_math() && matches!(s.bits, 4 | 8) && (GEMV_MAX_ROWS + 1..=MMA_MAX_ROWS).contains(&m)
+    let rows = m > GEMV_MAX_ROWS || (m > 1 && int_acts_fit(s, m).is_none());
+    !g.exact_math() && matches!(s.bits, 4 | 8) && rows && m <= MMA_MAX_ROWS
+}
+
+/// The activations of tensor-core products from packed weights (`mma_acts` in the kernels):
+/// the rows of `x` (normed first, where given) as f16, each scaled by a power of two so that
+/// its largest lands in [2^11, 2^12), in `tiles` of 8 rows, rows past `m` zero. Made once for
+/// every matrix that multiplies the same input (a layer's q/k/v, or gate and up).
+struct MmaActs {
+    xh: Memory,
+    row_scale: Memory,
+    tiles: usize,
+}
+
+fn mma_acts(x: &Buffer, m: usize, cols: usize, norm: InputNorm) -> Result<MmaActs> {
+    let g = x.gpu().clone();
+    let tiles = [1, 2, 4, 8].into_iter().find(|t| 8 * t >= m).unwrap_or(8);
+    let xh = g.scratch(2 * 8 * tiles * cols)?;
+    let row_scale = g.scratch(4 * 8 * tiles)?;
+    let [norm_ptr, eps] = norm_args(norm);
+    launch!(&g, "mma_acts", blocks(8 * tiles, 256);
+        x.ptr(), xh.ptr(), row_scale.ptr(), int(m)?, int(cols)?, norm_ptr, eps);
+    Ok(MmaActs {
+        xh,
+        row_scale,
+        tiles,
+    })
 }
 
 /// `y[m, rows] (+)= x[m, cols] · Wᵀ` on the tensor cores from the packed weights (`qmma` in the
-/// kernels), for up to [`MMA_MAX_ROWS`] activation rows. The runs of each row are sliced so that
-/// about [`MMA_WARPS_PER_SM`] warps run per multiprocessor; slices' sums meet in `mma_reduce`.
+/// kernels) and the activations `acts`, for up to [`MMA_MAX_ROWS`] rows. The runs of each row
+/// are sliced so that about [`MMA_WARPS_PER_SM`] warps run per multiprocessor; slices' sums
+/// meet in `mma_reduce`.
 fn quantized_mma(
     w: &QuantizedWeights,
     s: QuantShape,
-    x: &Buffer,
+    acts: &MmaActs,
     m: usize,
     (y, accumulate): (u64, bool),
 ) -> Result<()> {
@@ -868,11 +912,7 @@ fn quantized_mma(
     // Slices of whole pairs of runs: the kernel takes two a turn.
     let runs_per_slice = runs.div_ceil(wanted.clamp(1, runs)).next_multiple_of(2);
     let slices = runs.div_ceil(runs_per_slice);
-    let tiles = [2, 4, 8].into_iter().find(|t| 8 * t >= m).unwrap_or(8);
-    let xh = g.scratch(2 * 8 * tiles * s.cols)?;
-    let row_scale = g.scratch(4 * 8 * tiles)?;
-    launch!(&g, "mma_acts", blocks(8 * tiles, 256);
-        x.ptr(), xh.ptr(), row_scale.ptr(), int(m)?, int(s.cols)?);
+    let (xh, row_scale, tiles) = (&acts.xh, &acts.row_scale, acts.tiles);
     let part = g.scratch(if slices > 1 {
         4 * slices * m * s.rows
     } else {
@@ -908,8 +948,9 @@ fn same_format(ws: &[(&QuantizedWeights, QuantShape)]) -> bool {
 
 /// `y_i[m, rows_i] = norm(x)[m, cols] · W_iᵀ` for one to three matrices of one format in one
 /// launch (attention's projections, or an output head with the final norm), when the
-/// int16-activation GEMV applies; `None` otherwise (the caller norms and multiplies one matrix
-/// at a time).
+/// int16-activation GEMV applies, or in one tensor-core product each from activations made
+/// once where those apply; `None` otherwise (the caller norms and multiplies one matrix at a
+/// time).
 pub fn quantized_matmul_group(
     ws: &[(&QuantizedWeights, QuantShape)],
     x: &Buffer,
@@ -921,6 +962,15 @@ pub fn quantized_matmul_group(
     };
     let g = first.gpu.clone();
     let fits = same_format(ws) && (1..=3).contains(&ws.len());
+    if fits && mma_applies(x.gpu(), s, m) {
+        let acts = mma_acts(x, m, s.cols, norm)?;
+        let outs = ws.iter().map(|&(w, t)| {
+            let y = g.output(m * t.rows)?;
+            quantized_mma(w, t, &acts, m, (y.ptr(), false))?;
+            Ok(y)
+        });
+        return outs.collect::<Result<Vec<_>>>().map(Some);
+    }
     let Some(shared) = int_acts_bytes(x.gpu(), s, m).filter(|_| fits) else {
         return Ok(None);
     };
@@ -1036,10 +1086,11 @@ pub enum Glu {
     GeluApprox = 1,
 }
 
-/// `act(x·Gᵀ) · (x·Uᵀ)` in one pass for up to [`GEMV_MAX_ROWS`] rows, when the gate and up
-/// projections share their shape and quantization; `None` otherwise (the caller composes). A
-/// `norm` is folded into the pass where the int16-activation kernel runs; elsewhere it is
-/// `None` too (the caller norms first).
+/// `act(x·Gᵀ) · (x·Uᵀ)` in one pass for up to [`GEMV_MAX_ROWS`] rows, or in two tensor-core
+/// products from one set of activations where those apply, when the gate and up projections
+/// share their shape and quantization; `None` otherwise (the caller composes). A `norm` is
+/// folded in where the int16-activation kernel or the tensor cores run; elsewhere it is `None`
+/// too (the caller norms first).
 #[allow(clippy::too_many_arguments)]
 pub fn quantized_glu(
     gate: &QuantizedWeights,
@@ -1050,7 +1101,23 @@ pub fn quantized_glu(
     act: Glu,
     norm: InputNorm,
 ) -> Result<Option<Buffer>> {
-    if m > GEMV_MAX_ROWS || gate.scale_type != up.scale_type {
+    if gate.scale_type != up.scale_type {
+        return Ok(None);
+    }
+    if mma_applies(x.gpu(), s, m) {
+        let g = gate.gpu.clone();
+        let acts = mma_acts(x, m, s.cols, norm)?;
+        let (mut h, u) = (g.output(m * s.rows)?, g.output(m * s.rows)?);
+        quantized_mma(gate, s, &acts, m, (h.ptr(), false))?;
+        quantized_mma(up, s, &acts, m, (u.ptr(), false))?;
+        let kernel = match act {
+            Glu::Silu => "silu_mul",
+            Glu::GeluApprox => "gelu_mul",
+        };
+        binary(kernel, &mut h, &u)?;
+        return Ok(Some(h));
+    }
+    if m > GEMV_MAX_ROWS {
         return Ok(None);
     }
     let shared = int_acts_bytes(x.gpu(), s, m);

@@ -239,6 +239,8 @@ pub(crate) struct StepState {
     arena_used: usize,
     staging: *mut u8,
     staging_used: usize,
+    /// What this step staged, and where on the device ([`StepState::staged_before`]).
+    staged: Vec<(Vec<u8>, u64)>,
     /// A recording the step finished (captured, or replayed): handed back to its [`StepReplay`].
     finished: Option<Recorded>,
     /// Recordings this step gave up, some of whose graphs may still be running: kept until
@@ -275,6 +277,7 @@ impl StepState {
             arena_used: 0,
             staging: std::ptr::null_mut(),
             staging_used: 0,
+            staged: Vec::new(),
             finished: None,
             retired: Vec::new(),
             walked: None,
@@ -331,11 +334,19 @@ impl StepState {
             std::ptr::copy_nonoverlapping(data.as_ptr(), self.staging.add(offset), data.len())
         };
         self.staging_used = offset + data.len();
+        self.staged.push((data.to_vec(), dst));
         Some(Op::Upload {
             dst,
             offset,
             bytes: data.len(),
         })
+    }
+
+    /// Where this step already staged `data`, if it did: kernels only read staged memory, and
+    /// it lasts the step.
+    pub(crate) fn staged_before(&self, data: &[u8]) -> Option<u64> {
+        let found = self.staged.iter().find(|(bytes, _)| bytes == data);
+        found.map(|&(_, dst)| dst).filter(|_| self.in_step())
     }
 
     /// Issues, records or checks `op` as the step's mode says.
@@ -501,6 +512,7 @@ impl StepReplay {
             state.prepare(&stream)?;
             state.arena_used = 0;
             state.staging_used = 0;
+            state.staged.clear();
             state.finished = None;
             state.walked = None;
             state.mode = match self.recorded.take() {
