@@ -339,6 +339,13 @@ fn exponentials_match_the_reference_at_every_length() {
             assert!((sum - total).abs() <= b, "{isa:?} n={n}: {sum} vs {total}");
             let unwritten = elementwise::exp_into_with(isa, &x, scale, shift, &mut []);
             assert_eq!(unwritten, sum, "{isa:?} n={n}");
+            // A NaN anywhere makes its term and the sum NaN, as libm's exp does.
+            if n > 1 {
+                let mut with_nan = x.clone();
+                with_nan[n - 2] = f32::NAN;
+                let sum = elementwise::exp_into_with(isa, &with_nan, scale, shift, &mut got);
+                assert!(sum.is_nan() && got[n - 2].is_nan(), "{isa:?} n={n}: {sum}");
+            }
         }
     }
 }

@@ -705,12 +705,16 @@ unsafe fn exp8(x: __m256) -> __m256 {
 }
 
 /// `exp(scale · x[i] − shift)` of eight lanes, 0 where `x[i]` is −∞ (a token a sampler
-/// filtered out never weighs anything; `exp8` alone would give its clamp's 1e-38).
+/// filtered out never weighs anything; `exp8` alone would give its clamp's 1e-38) and NaN
+/// where it is NaN, as libm's (the clamp would make it finite, and a row of logits with a NaN
+/// a distribution).
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 unsafe fn exp8_scaled(x: __m256, scale: __m256, shift: __m256) -> __m256 {
     let dropped = _mm256_cmp_ps::<_CMP_EQ_OQ>(x, _mm256_set1_ps(f32::NEG_INFINITY));
-    _mm256_andnot_ps(dropped, exp8(_mm256_fmsub_ps(x, scale, shift)))
+    let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x);
+    let e = _mm256_andnot_ps(dropped, exp8(_mm256_fmsub_ps(x, scale, shift)));
+    _mm256_or_ps(e, nan)
 }
 
 /// `Σ exp(scale · x[i] − shift)` in f64 (the exponentials in f32), writing each term to
