@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Session 14's experiment: qmma's activation rows split over warps (OXLM_MMA_TILES tiles of 8
-# rows a warp, the rest in more row groups) and warps per SM aimed at (OXLM_MMA_WARPS).
+# rows a warp, the rest in more row groups) and warps per SM aimed at (OXLM_MMA_WARPS). Both
+# were environment knobs of an experiment build (qmma took its row group from blockIdx.z),
+# reverted after this run: main has neither.
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 export OXLM_CACHE="$PWD/.device/cache"
