@@ -261,9 +261,7 @@ pub fn run(args: Args) -> Result<()> {
     let model = oxlm_models::load_on(&model_dir, &args.device)
         .with_context(|| format!("loading {}", args.model.display()))?;
     let load_s = start.elapsed().as_secs_f64();
-    let kv_cache = args
-        .kv_cache
-        .unwrap_or_else(|| KvPrecision::default_for(&args.device));
+    let kv_cache = args.kv_cache.unwrap_or_default();
     let (mut prefill_tps, mut decode_tps) = (Vec::new(), Vec::new());
     let mut replayed_steps = 0;
     let mut host_us = Vec::new();

@@ -41,11 +41,11 @@ fn parse_device(spec: &str) -> Result<Device, String> {
     Device::open(spec).map_err(|e| e.to_string())
 }
 
-const KV_CACHE_HELP: &str = "How the cache keeps keys and values: f16 (the CPU's default: half \
-    the memory, and long contexts decode faster), f32 (exactly what the layers computed, as \
+const KV_CACHE_HELP: &str = "How the cache keeps keys and values: f16 (the default: half the \
+    memory, and long contexts decode faster), f32 (exactly what the layers computed, as \
     mlx-lm's f32 run keeps them) or q8 (8-bit codes per group of 64, as mlx-lm's --kv-bits 8 \
-    from the first token: under a third of f32's memory; head dims must be multiples of 64). \
-    GPUs keep f32";
+    from the first token: under a third of f32's memory; head dims must be multiples of 64; \
+    on the CPU only, a GPU keeps f16)";
 
 fn parse_kv_cache(spec: &str) -> Result<KvPrecision, String> {
     match spec {

@@ -1,43 +1,35 @@
 //! Storage for cached keys and values. Activations are f32 everywhere, but a long context's
-//! cache is what decoding reads most of after the weights, so on the host it is kept in f16 by
-//! default: half the bytes per position, as llama.cpp's cache and mlx-lm's (in an f16 model's
-//! dtype) keep it; or, asked, as 8-bit codes (mlx-lm's `--kv-bits 8`), a quarter of f32's.
+//! cache is what decoding reads most of after the weights, so it is kept in f16 by default:
+//! half the bytes per position, as llama.cpp's cache and mlx-lm's (in an f16 model's dtype)
+//! keep it; or, asked, in f32, or on the host as 8-bit codes (mlx-lm's `--kv-bits 8`), a
+//! quarter of f32's.
 
 use half::f16;
 
 use crate::cpu::attention::{self, KvElem, Q8Rows, Q8_GROUP};
-use crate::cuda::Buffer;
+use crate::cuda::CacheRing;
 use crate::{Device, EngineError};
 
 /// The element type of a cache's rings.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum KvPrecision {
     /// f32: exactly the keys and values the layer computed.
     F32,
-    /// f16: rounded once when written, read at half the bytes.
+    /// f16: rounded once when written, read at half the bytes. The default, on the host and on
+    /// a GPU: attention streams the cache from memory.
+    #[default]
     F16,
     /// 8-bit affine codes with an f32 scale and bias per group of 64 of a head's features, as
     /// mlx-lm's quantized cache keeps them (`kv_bits` 8, `kv_group_size` 64): 1.125 bytes an
-    /// element. Head dims must be multiples of 64.
+    /// element. Head dims must be multiples of 64. On the host only: a GPU keeps f16 instead.
     Q8,
-}
-
-impl KvPrecision {
-    /// What a cache on `device` keeps by default: f16 on the host, where attention streams the
-    /// cache from memory; f32 on a GPU, whose kernels read f32.
-    pub fn default_for(device: &Device) -> KvPrecision {
-        match device {
-            Device::Cpu => KvPrecision::F16,
-            Device::Cuda(_) => KvPrecision::F32,
-        }
-    }
 }
 
 pub(crate) enum KvStorage {
     HostF32(Vec<f32>),
     HostF16(Vec<f16>),
     HostQ8(Q8Ring),
-    Cuda(Buffer),
+    Cuda(CacheRing),
 }
 
 /// Codes and the per-group scales and biases of an 8-bit ring (see [`Q8Rows`]).
@@ -90,8 +82,9 @@ pub struct KvBuffer {
 }
 
 impl KvBuffer {
-    /// `len` zeros on `device`. GPU rings are f32 whatever is asked, since the GPU kernels read
-    /// f32. An 8-bit ring holds whole groups of 64 elements (rows of heads of a multiple of 64).
+    /// `len` zeros on `device`. A GPU ring asked for 8 bits keeps f16, the narrowest its
+    /// kernels read. An 8-bit ring holds whole groups of 64 elements (rows of heads of a
+    /// multiple of 64).
     pub fn zeros(
         len: usize,
         precision: KvPrecision,
@@ -101,7 +94,9 @@ impl KvBuffer {
             (Device::Cpu, KvPrecision::F32) => KvStorage::HostF32(vec![0.0; len]),
             (Device::Cpu, KvPrecision::F16) => KvStorage::HostF16(vec![f16::ZERO; len]),
             (Device::Cpu, KvPrecision::Q8) => KvStorage::HostQ8(Q8Ring::zeros(len)),
-            (Device::Cuda(gpu), _) => KvStorage::Cuda(gpu.zeros(len)?),
+            (Device::Cuda(gpu), precision) => {
+                KvStorage::Cuda(CacheRing::zeros(gpu, len, precision != KvPrecision::F32)?)
+            }
         };
         Ok(KvBuffer { storage })
     }
@@ -124,6 +119,7 @@ impl KvBuffer {
         match &self.storage {
             KvStorage::HostF16(_) => KvPrecision::F16,
             KvStorage::HostQ8(_) => KvPrecision::Q8,
+            KvStorage::Cuda(r) if r.is_half() => KvPrecision::F16,
             KvStorage::HostF32(_) | KvStorage::Cuda(_) => KvPrecision::F32,
         }
     }
@@ -141,7 +137,7 @@ impl KvBuffer {
             KvStorage::HostF32(v) => v.len() * 4,
             KvStorage::HostF16(v) => v.len() * 2,
             KvStorage::HostQ8(q) => q.codes.len() + (q.scales.len() + q.biases.len()) * 4,
-            KvStorage::Cuda(b) => b.len() * 4,
+            KvStorage::Cuda(r) => r.size_in_bytes(),
         }
     }
 
@@ -155,18 +151,31 @@ impl KvBuffer {
         }
     }
 
-    /// These elements in `precision`: rounded to f16, quantized to 8 bits or widened to f32 on
-    /// the host (through f32 where both ends are narrower); a GPU ring stays f32, as does a
-    /// ring of elements that are not whole groups of 64 asked for 8 bits.
-    pub fn into_precision(self, precision: KvPrecision) -> KvBuffer {
-        if self.precision() == precision || matches!(self.storage, KvStorage::Cuda(_)) {
-            return self;
+    /// These elements in `precision`: rounded to f16, quantized to 8 bits or widened to f32
+    /// (through f32 where both ends are narrower). A GPU ring asked for 8 bits keeps f16, and a
+    /// host ring of elements that are not whole groups of 64 stays f32. Fails only when a GPU
+    /// runs out of memory for the new ring.
+    pub fn into_precision(self, precision: KvPrecision) -> Result<KvBuffer, EngineError> {
+        if self.precision() == precision {
+            return Ok(self);
         }
         let values = match self.storage {
             KvStorage::HostF32(v) => v,
             KvStorage::HostF16(v) => v.into_iter().map(f16::to_f32).collect(),
             KvStorage::HostQ8(q) => q.to_vec(),
-            KvStorage::Cuda(_) => unreachable!("returned above"),
+            KvStorage::Cuda(ring) => {
+                let half = precision != KvPrecision::F32;
+                if ring.is_half() == half {
+                    return Ok(KvBuffer {
+                        storage: KvStorage::Cuda(ring),
+                    });
+                }
+                let values = ring.download()?;
+                let converted = CacheRing::upload(ring.gpu(), &values, half)?;
+                return Ok(KvBuffer {
+                    storage: KvStorage::Cuda(converted),
+                });
+            }
         };
         let storage = match precision {
             KvPrecision::F16 => {
@@ -178,7 +187,7 @@ impl KvBuffer {
             },
             KvPrecision::F32 => KvStorage::HostF32(values),
         };
-        KvBuffer { storage }
+        Ok(KvBuffer { storage })
     }
 
     /// A copy on the same device; on a GPU it fails if device memory runs out.
@@ -271,7 +280,7 @@ mod tests {
             };
             assert_eq!(attend(&half), attend(&exact), "window {window:?}");
         }
-        let widened = half.0.clone().into_precision(KvPrecision::F32);
+        let widened = half.0.clone().into_precision(KvPrecision::F32).unwrap();
         assert_eq!(widened.precision(), KvPrecision::F32);
         assert_eq!(widened.to_vec().unwrap(), exact.0.to_vec().unwrap());
         let mut moved =
@@ -409,7 +418,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(moved.to_vec().unwrap(), expected.to_vec().unwrap());
-        let requantized = exact.0.clone().into_precision(KvPrecision::Q8);
+        let requantized = exact.0.clone().into_precision(KvPrecision::Q8).unwrap();
         assert_eq!(requantized.precision(), KvPrecision::Q8);
         near(&requantized.to_vec().unwrap(), &held.0, 1.5);
 

@@ -4,7 +4,7 @@
 
 use crate::cpu;
 use crate::cuda::{self, Buffer};
-use crate::kv::{KvBuffer, KvStorage};
+use crate::kv::{KvBuffer, KvPrecision, KvStorage};
 use crate::tensor::Storage;
 use crate::{Device, EngineError, FloatMatrix, Positions, QuantizedMatrix, Tensor};
 
@@ -502,9 +502,10 @@ pub fn kv_write(
         (Storage::Cuda(k), Storage::Cuda(v)) => {
             match (&mut cache.0.storage, &mut cache.1.storage) {
                 (KvStorage::Cuda(kc), KvStorage::Cuda(vc))
-                    if [vc.gpu(), k.gpu(), v.gpu()]
-                        .iter()
-                        .all(|g| kc.gpu().same(g)) =>
+                    if kc.is_half() == vc.is_half()
+                        && [vc.gpu(), k.gpu(), v.gpu()]
+                            .iter()
+                            .all(|g| kc.gpu().same(g)) =>
                 {
                     cuda::ops::kv_write([kc, vc], [k, v], kv_heads, head_dim, capacity, positions)
                 }
@@ -561,16 +562,28 @@ pub fn kv_write_batch(
             Ok(())
         }
         (Storage::Cuda(kb), Storage::Cuda(vb)) if kb.gpu().same(vb.gpu()) => {
-            // Key rings' addresses, then value rings'.
+            // Key rings' addresses, then value rings', all of one precision.
+            let half = key_rings.first().map(|r| r.precision() == KvPrecision::F16);
             let ptrs = key_rings
                 .iter()
                 .chain(value_rings.iter())
                 .map(|c| match &c.storage {
-                    KvStorage::Cuda(b) if b.gpu().same(kb.gpu()) => Ok(b.ptr()),
+                    KvStorage::Cuda(r) if r.gpu().same(kb.gpu()) && Some(r.is_half()) == half => {
+                        Ok(r.ptr())
+                    }
                     _ => Err(mismatch("kv_write_batch")),
                 })
                 .collect::<Result<Vec<u64>>>()?;
-            cuda::ops::kv_write_batch(&ptrs, capacities, [kb, vb], kv_heads, head_dim, positions)
+            let half = half.unwrap_or(false);
+            cuda::ops::kv_write_batch(
+                &ptrs,
+                half,
+                capacities,
+                [kb, vb],
+                kv_heads,
+                head_dim,
+                positions,
+            )
         }
         _ => Err(mismatch("kv_write_batch")),
     }
@@ -644,9 +657,10 @@ pub fn qkv_rope_write(
     check(keys.len() == ring && values.len() == ring, || {
         format!("a cache of {} slots × {}", cache.capacity, rows[1])
     })?;
-    if ![freqs.gpu(), keys.gpu(), values.gpu()]
-        .iter()
-        .all(|g| xb.gpu().same(g))
+    if keys.is_half() != values.is_half()
+        || ![freqs.gpu(), keys.gpu(), values.gpu()]
+            .iter()
+            .all(|g| xb.gpu().same(g))
     {
         return Err(mismatch("qkv_rope_write"));
     }
@@ -722,7 +736,9 @@ pub fn kv_move(
             cpu::attention::kv_move(&s.biases, sc, &mut t.biases, dc, h, groups, p);
             Ok(())
         }
-        (KvStorage::Cuda(s), KvStorage::Cuda(t)) if s.gpu().same(t.gpu()) => {
+        (KvStorage::Cuda(s), KvStorage::Cuda(t))
+            if s.gpu().same(t.gpu()) && s.is_half() == t.is_half() =>
+        {
             let (p0, p1) = (p.start, p.end);
             cuda::ops::kv_move(s, src_capacity, t, dst_capacity, h, d, p0, p1)
         }
@@ -822,7 +838,7 @@ fn check_kv(q: &Tensor, tokens: usize, heads: usize, head_dim: usize, kv: &Kv) -
 fn kv_ring<'a>(q: &Buffer, kv: &Kv<'a>) -> Result<cuda::ops::KvRing<'a>> {
     match (&kv.keys.storage, &kv.values.storage) {
         (KvStorage::Cuda(k), KvStorage::Cuda(v))
-            if q.gpu().same(k.gpu()) && q.gpu().same(v.gpu()) =>
+            if q.gpu().same(k.gpu()) && q.gpu().same(v.gpu()) && k.is_half() == v.is_half() =>
         {
             Ok(cuda::ops::KvRing {
                 keys: k,

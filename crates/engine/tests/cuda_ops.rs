@@ -343,17 +343,24 @@ fn fused_projection_rotation_and_cache_write() {
         let (hosts, placed) = projections(&mut rng, &dev, &rows, cols, bits, dtype);
         let norm_weight = random_vec(&mut rng, cols);
         let biases = rows.map(|r| random_vec(&mut rng, r));
-        for (traditional, with_norm, biased) in [
-            (false, false, false),
-            (false, true, true),
-            (true, false, true),
-            (true, true, false),
+        for (traditional, with_norm, biased, precision) in [
+            (false, false, false, KvPrecision::F32),
+            (false, true, true, KvPrecision::F16),
+            (true, false, true, KvPrecision::F16),
+            (true, true, false, KvPrecision::F32),
         ] {
-            let what =
-                format!("{bits}-bit traditional={traditional} norm={with_norm} biased={biased}");
+            let what = format!(
+                "{bits}-bit traditional={traditional} norm={with_norm} biased={biased} \
+                 {precision:?} cache"
+            );
             let x = random_vec(&mut rng, cols);
             let ring = |device: &Device| {
-                KvBuffer::zeros(kv_heads * capacity * d, KvPrecision::F32, device).unwrap()
+                KvBuffer::zeros(kv_heads * capacity * d, precision, device).unwrap()
+            };
+            // An f16 ring's elements may round the other way from sums a little apart.
+            let ring_tolerance = match precision {
+                KvPrecision::F16 => INT16 + 1e-3,
+                _ => INT16,
             };
 
             let mut xc = Tensor::new(vec![1, cols], x.clone());
@@ -399,7 +406,12 @@ fn fused_projection_rotation_and_cache_write() {
                 let rows = vec![kv_heads * capacity, d];
                 let gpu_ring = Tensor::new(rows.clone(), gpu_ring.to_vec().unwrap());
                 let cpu_ring = Tensor::new(rows, cpu_ring.to_vec().unwrap());
-                assert_close(&format!("{what} {name}"), &gpu_ring, &cpu_ring, INT16);
+                assert_close(
+                    &format!("{what} {name}"),
+                    &gpu_ring,
+                    &cpu_ring,
+                    ring_tolerance,
+                );
             }
 
             // Two tokens, or an exact handle: not for this kernel, and nothing written.
@@ -647,10 +659,12 @@ fn rope() {
     }
 }
 
-/// A cache of `len` random positions in a ring of `capacity`, on both devices.
+/// A cache of `len` random positions in a ring of `capacity`, on both devices, in `precision`
+/// on both, so that the GPU's attention is compared with the same keys.
 fn cache(
     rng: &mut StdRng,
     dev: &Device,
+    precision: KvPrecision,
     kv_heads: usize,
     d: usize,
     capacity: usize,
@@ -660,8 +674,7 @@ fn cache(
     let k = random_vec(rng, len * kv_heads * d);
     let v = random_vec(rng, len * kv_heads * d);
     for device in [&Device::Cpu, dev] {
-        // f32 on the host too, so that the GPU's attention is compared with the same keys.
-        let ring = || KvBuffer::zeros(kv_heads * capacity * d, KvPrecision::F32, device).unwrap();
+        let ring = || KvBuffer::zeros(kv_heads * capacity * d, precision, device).unwrap();
         let (mut keys, mut values) = (ring(), ring());
         // Written in two chunks, the second wrapping round the ring when len > capacity.
         let split = len / 3;
@@ -714,17 +727,21 @@ fn attention_full_sliding_and_split() {
         case(4, 2, 32, 48, 70, Some(16), (50..70).collect()),
         case(2, 2, 128, 512, 300, None, (0..300).collect()),
     ];
-    for Case {
-        heads,
-        kv_heads,
-        d,
-        capacity,
-        end,
-        window,
-        positions,
-    } in cases
+    let precisions = [KvPrecision::F32, KvPrecision::F16];
+    for (precision, case) in precisions
+        .into_iter()
+        .flat_map(|p| cases.iter().map(move |c| (p, c)))
     {
-        let [(kc, vc), (kg, vg)] = cache(&mut rng, &dev, kv_heads, d, capacity, end);
+        let &Case {
+            heads,
+            kv_heads,
+            d,
+            capacity,
+            end,
+            window,
+            ref positions,
+        } = case;
+        let [(kc, vc), (kg, vg)] = cache(&mut rng, &dev, precision, kv_heads, d, capacity, end);
         let start = end.saturating_sub(capacity);
         let q = random_vec(&mut rng, positions.len() * heads * d);
         let shape = vec![positions.len(), heads * d];
@@ -744,7 +761,8 @@ fn attention_full_sliding_and_split() {
         };
         let cpu = run(&Device::Cpu, &kc, &vc);
         let what = format!(
-            "attention {heads}/{kv_heads} heads of {d}, {} queries, {end} positions, window {window:?}",
+            "attention {heads}/{kv_heads} heads of {d}, {} queries, {end} positions, window \
+             {window:?}, {precision:?} cache",
             positions.len()
         );
         // From 16 queries the products run on TF32 tensor cores unless the handle is exact.
@@ -762,13 +780,14 @@ fn attention_full_sliding_and_split() {
 /// a sliding-window ring that has wrapped): the batched write and attention against the CPU,
 /// and against the one-sequence attention on the GPU. The cases take every number of query
 /// heads a warp of the batched kernel handles (1, 2, 4, and 4 then 3 of a group of 7), head
-/// dims of 64 to 256, and enough sequences (70 × 8 warps) that the keys are not split.
+/// dims of 64 to 256, and enough sequences (70 × 8 warps) that the keys are not split; f32
+/// and f16 caches.
 #[test]
 fn batched_kv_write_and_attention() {
     let Some((dev, _turn)) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(8);
     let many: Vec<(usize, usize)> = (0..70).map(|i| (64, 1 + i % 64)).collect();
-    for (heads, kv_heads, d, window, sequences) in [
+    let cases = [
         (
             8,
             2,
@@ -781,12 +800,18 @@ fn batched_kv_write_and_attention() {
         (4, 4, 128, None, vec![(256, 200), (64, 90)]),
         (4, 2, 256, None, vec![(128, 127), (96, 50)]),
         (32, 8, 64, None, many),
-    ] {
+    ];
+    let precisions = [KvPrecision::F32, KvPrecision::F16];
+    for (precision, case) in precisions
+        .into_iter()
+        .flat_map(|p| cases.iter().map(move |c| (p, c)))
+    {
+        let (heads, kv_heads, d, window, ref sequences) = *case;
         let row = kv_heads * d;
         let n = sequences.len();
         let mut caches: Vec<[(KvBuffer, KvBuffer); 2]> = sequences
             .iter()
-            .map(|&(capacity, len)| cache(&mut rng, &dev, kv_heads, d, capacity, len))
+            .map(|&(capacity, len)| cache(&mut rng, &dev, precision, kv_heads, d, capacity, len))
             .collect();
         let capacities: Vec<usize> = sequences.iter().map(|s| s.0).collect();
         let at: Vec<usize> = sequences.iter().map(|s| s.1).collect();
@@ -809,7 +834,7 @@ fn batched_kv_write_and_attention() {
                 .unwrap();
             let views: Vec<ops::Kv> = caches
                 .iter()
-                .zip(&sequences)
+                .zip(sequences)
                 .map(|(c, &(capacity, len))| ops::Kv {
                     keys: &c[side].0,
                     values: &c[side].1,
@@ -842,7 +867,10 @@ fn batched_kv_write_and_attention() {
             );
         }
         assert_close(
-            &format!("attention_batch {heads}/{kv_heads} heads of {d}, window {window:?}"),
+            &format!(
+                "attention_batch {heads}/{kv_heads} heads of {d}, window {window:?}, \
+                 {precision:?} cache"
+            ),
             &outs[1],
             &outs[0],
             EXACT,
@@ -850,18 +878,34 @@ fn batched_kv_write_and_attention() {
     }
 }
 
+/// Moves between rings of f32 and of f16, and a ring turned into the other precision (an f16
+/// ring on the GPU rounds as the host's does), equal to the host's.
 #[test]
 fn kv_move_between_rings() {
     let Some((dev, _turn)) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(6);
     let (h, d) = (2, 8);
-    let [(kc, _), (kg, _)] = cache(&mut rng, &dev, h, d, 16, 40);
-    let ring = |device: &Device| KvBuffer::zeros(h * 24 * d, KvPrecision::F32, device).unwrap();
-    let mut cpu = ring(&Device::Cpu);
-    ops::kv_move(&kc, 16, &mut cpu, 24, h, d, 27..40).unwrap();
-    let mut y = ring(&dev);
-    ops::kv_move(&kg, 16, &mut y, 24, h, d, 27..40).unwrap();
-    assert_eq!(y.to_vec().unwrap(), cpu.to_vec().unwrap());
+    for precision in [KvPrecision::F32, KvPrecision::F16] {
+        let [(kc, _), (kg, _)] = cache(&mut rng, &dev, precision, h, d, 16, 40);
+        let ring = |device: &Device| KvBuffer::zeros(h * 24 * d, precision, device).unwrap();
+        let mut cpu = ring(&Device::Cpu);
+        ops::kv_move(&kc, 16, &mut cpu, 24, h, d, 27..40).unwrap();
+        let mut y = ring(&dev);
+        ops::kv_move(&kg, 16, &mut y, 24, h, d, 27..40).unwrap();
+        assert_eq!(y.to_vec().unwrap(), cpu.to_vec().unwrap(), "{precision:?}");
+        let other = match precision {
+            KvPrecision::F32 => KvPrecision::F16,
+            _ => KvPrecision::F32,
+        };
+        let (kc, kg) = (kc.into_precision(other), kg.into_precision(other));
+        let (kc, kg) = (kc.unwrap(), kg.unwrap());
+        assert_eq!(kg.precision(), other);
+        assert_eq!(
+            kg.to_vec().unwrap(),
+            kc.to_vec().unwrap(),
+            "{precision:?} to {other:?}"
+        );
+    }
 }
 
 #[test]

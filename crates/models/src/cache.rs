@@ -23,9 +23,9 @@ pub(crate) struct KvRings {
 }
 
 impl KvRings {
-    /// Empty rings on `device`, in its default precision.
+    /// Empty rings on `device`, in the default precision.
     pub(crate) fn new(device: &Device) -> Result<Self, EngineError> {
-        let ring = || KvBuffer::zeros(0, KvPrecision::default_for(device), device);
+        let ring = || KvBuffer::zeros(0, KvPrecision::default(), device);
         Ok(KvRings {
             keys: ring()?,
             values: ring()?,
@@ -89,11 +89,11 @@ impl KvRings {
     }
 
     /// The same elements kept in `precision` (see [`KvBuffer::into_precision`]).
-    pub(crate) fn into_precision(self, precision: KvPrecision) -> Self {
-        KvRings {
-            keys: self.keys.into_precision(precision),
-            values: self.values.into_precision(precision),
-        }
+    pub(crate) fn into_precision(self, precision: KvPrecision) -> Result<Self, EngineError> {
+        Ok(KvRings {
+            keys: self.keys.into_precision(precision)?,
+            values: self.values.into_precision(precision)?,
+        })
     }
 
     pub(crate) fn try_clone(&self) -> Result<Self, EngineError> {
@@ -254,11 +254,11 @@ impl KvCache {
 
     /// The same positions with their keys and values kept in `precision` (see
     /// [`KvBuffer::into_precision`]).
-    pub fn with_precision(self, precision: KvPrecision) -> Self {
-        KvCache {
-            rings: self.rings.into_precision(precision),
+    pub fn with_precision(self, precision: KvPrecision) -> Result<Self, EngineError> {
+        Ok(KvCache {
+            rings: self.rings.into_precision(precision)?,
             ..self
-        }
+        })
     }
 
     pub fn try_clone(&self) -> Result<Self, EngineError> {
@@ -347,19 +347,23 @@ impl Cache {
     }
 
     /// This cache with its attention layers' keys and values kept in `precision`: f32 for the
-    /// numbers of an f32 oracle, f16 (the host's default) for half the memory and bandwidth.
-    /// Recurrent layers' states stay f32.
-    pub fn with_kv_precision(self, precision: KvPrecision) -> Cache {
+    /// numbers of an f32 oracle, f16 (the default) for half the memory and bandwidth.
+    /// Recurrent layers' states stay f32. Fails only when a GPU runs out of memory.
+    pub fn with_kv_precision(self, precision: KvPrecision) -> Result<Cache, EngineError> {
         let layers = self
             .layers
             .into_iter()
-            .map(|l| match l {
-                LayerCache::Kv(kv) => LayerCache::Kv(kv.with_precision(precision)),
-                LayerCache::Rotating(ring) => LayerCache::Rotating(ring.with_precision(precision)),
-                recurrent => recurrent,
+            .map(|l| {
+                Ok(match l {
+                    LayerCache::Kv(kv) => LayerCache::Kv(kv.with_precision(precision)?),
+                    LayerCache::Rotating(ring) => {
+                        LayerCache::Rotating(ring.with_precision(precision)?)
+                    }
+                    recurrent => recurrent,
+                })
             })
-            .collect();
-        Cache { layers, ..self }
+            .collect::<Result<_, EngineError>>()?;
+        Ok(Cache { layers, ..self })
     }
 
     /// Bytes of device memory held by all layers.

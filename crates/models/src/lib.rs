@@ -56,13 +56,13 @@ pub trait LanguageModel: Send + Sync {
     fn info(&self) -> &ModelInfo;
 
     /// Fresh per-layer state for one sequence, on the model's device, its attention layers'
-    /// keys and values in the device's default precision ([`KvPrecision::default_for`]).
+    /// keys and values in the default precision ([`KvPrecision::default`]: f16).
     fn new_cache(&self) -> Result<Cache, ForwardError>;
 
-    /// [`new_cache`](Self::new_cache) with keys and values kept in `precision` (f32 on a GPU
-    /// whatever is asked).
+    /// [`new_cache`](Self::new_cache) with keys and values kept in `precision` (f16 on a GPU
+    /// asked for 8 bits).
     fn new_cache_in(&self, precision: KvPrecision) -> Result<Cache, ForwardError> {
-        Ok(self.new_cache()?.with_kv_precision(precision))
+        Ok(self.new_cache()?.with_kv_precision(precision)?)
     }
 
     /// Runs `tokens` at the positions following what `cache` holds and appends their state.

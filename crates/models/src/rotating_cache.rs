@@ -127,11 +127,11 @@ impl RotatingKvCache {
 
     /// The same positions with their keys and values kept in `precision` (see
     /// [`oxlm_engine::KvBuffer::into_precision`]).
-    pub fn with_precision(self, precision: KvPrecision) -> Self {
-        RotatingKvCache {
-            rings: self.rings.into_precision(precision),
+    pub fn with_precision(self, precision: KvPrecision) -> Result<Self, EngineError> {
+        Ok(RotatingKvCache {
+            rings: self.rings.into_precision(precision)?,
             ..self
-        }
+        })
     }
 
     pub fn try_clone(&self) -> Result<Self, EngineError> {

@@ -59,17 +59,30 @@ __device__ __forceinline__ void await_inputs() {
 
 // ---- floats -------------------------------------------------------------------------------
 
+// `load4(p, i)`: elements 4i..4i+3 (aligned to four), as the caches' f32 and f16 rings are read.
 struct F32 {
     typedef float T;
     static __device__ __forceinline__ float load(const float *p, i64 i) { return p[i]; }
+    static __device__ __forceinline__ float4 load4(const float *p, int i) {
+        return reinterpret_cast<const float4 *>(p)[i];
+    }
 };
+
+__device__ __forceinline__ float f16_float(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
 
 struct F16 {
     typedef u16 T;
-    static __device__ __forceinline__ float load(const u16 *p, i64 i) {
-        float f;
-        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(p[i]));
-        return f;
+    static __device__ __forceinline__ float load(const u16 *p, i64 i) { return f16_float(p[i]); }
+    static __device__ __forceinline__ float4 load4(const u16 *p, int i) {
+        const uint2 u = reinterpret_cast<const uint2 *>(p)[i];
+        float4 v;
+        v.x = f16_float((u16)u.x), v.y = f16_float((u16)(u.x >> 16));
+        v.z = f16_float((u16)u.y), v.w = f16_float((u16)(u.y >> 16));
+        return v;
     }
 };
 
@@ -420,6 +433,18 @@ __device__ __forceinline__ u16 f16_bits(float f) {
     u16 h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
+}
+
+// A cache's rings hold f32, or f16 (`half`): rounded to nearest once when written, saturating
+// at ±65504 as the host's f16 cache does (an infinity would turn softmax into NaN); NaN stays
+// NaN. Written once a token, read every step after: the flag is a branch, not a variant.
+__device__ __forceinline__ void kv_store(void *ring, i64 i, float v, int half) {
+    if (half) {
+        const float c = v != v ? v : fminf(fmaxf(v, -65504.f), 65504.f);
+        static_cast<u16 *>(ring)[i] = f16_bits(c);
+    } else {
+        static_cast<float *>(ring)[i] = v;
+    }
 }
 
 __device__ __forceinline__ u32 f16x2_splat(float f) {
@@ -979,11 +1004,11 @@ __device__ void qgemv_int(const u32 *__restrict__ w, const typename S::T *__rest
 // (`heads` · d rows of wq), keys and values (`kv_heads` · d rows of wk, wv) from x (RMS-normed
 // with `norm` if non-null); queries and keys rotated at positions[0] as the rope kernel rotates
 // them (d/2 frequencies), queries into q_out, keys and values into the rings at slot
-// positions[0] % capacity (laid out as kv_write's); each projection's bias (addq, addk, addv:
-// f32, null for none) is added to its sums before the rotation. Each warp takes the two rows
-// that one rotation pairs (features i and i + d/2 of a head, or 2i and 2i + 1 with
-// `traditional`), so that it holds both sums; the blocks take the queries, then the keys, then
-// the values.
+// positions[0] % capacity (laid out as kv_write's, f16 if `half_cache`); each projection's
+// bias (addq, addk, addv: f32, null for none) is added to its sums before the rotation. Each
+// warp takes the two rows that one rotation pairs (features i and i + d/2 of a head, or 2i and
+// 2i + 1 with `traditional`), so that it holds both sums; the blocks take the queries, then
+// the keys, then the values.
 template <int BITS, class S>
 __device__ void qkv_rope(const u32 *wq, const typename S::T *sq, const typename S::T *bq,
                          const float *addq, const u32 *wk, const typename S::T *sk,
@@ -991,10 +1016,10 @@ __device__ void qkv_rope(const u32 *wq, const typename S::T *sq, const typename 
                          const typename S::T *sv, const typename S::T *bv, const float *addv,
                          const float *__restrict__ x, int k,
                          int group, const float *__restrict__ norm, float eps,
-                         float *__restrict__ q_out, float *__restrict__ keys,
-                         float *__restrict__ values, int capacity,
+                         float *__restrict__ q_out, void *__restrict__ keys,
+                         void *__restrict__ values, int capacity,
                          const int *__restrict__ positions, const float *__restrict__ inv_freqs,
-                         int heads, int kv_heads, int d, int traditional) {
+                         int heads, int kv_heads, int d, int traditional, int half_cache) {
     const int warps = blockDim.x >> 5, half = d >> 1;
     const int q_pairs = heads * half, kv_pairs = kv_heads * half;
     const int q_blocks = (q_pairs + warps - 1) / warps, kv_blocks = (kv_pairs + warps - 1) / warps;
@@ -1038,8 +1063,8 @@ __device__ void qkv_rope(const u32 *wq, const typename S::T *sq, const typename 
     const i64 slot = ((i64)head * capacity + pos % capacity) * d;
     const int e0 = rows[0] - head * d, e1 = rows[1] - head * d;
     if (which == 2) {
-        values[slot + e0] = v0;
-        values[slot + e1] = v1;
+        kv_store(values, slot + e0, v0, half_cache);
+        kv_store(values, slot + e1, v1, half_cache);
         return;
     }
     float sn, cs;
@@ -1049,8 +1074,8 @@ __device__ void qkv_rope(const u32 *wq, const typename S::T *sq, const typename 
         q_out[rows[0]] = r0;
         q_out[rows[1]] = r1;
     } else {
-        keys[slot + e0] = r0;
-        keys[slot + e1] = r1;
+        kv_store(keys, slot + e0, r0, half_cache);
+        kv_store(keys, slot + e1, r1, half_cache);
     }
 }
 
@@ -1135,11 +1160,11 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
         const u32 *wq, const S::T *sq, const S::T *bq, const float *addq, const u32 *wk,          \
         const S::T *sk, const S::T *bk, const float *addk, const u32 *wv, const S::T *sv,         \
         const S::T *bv, const float *addv, const float *x, int k, int g, const float *norm,       \
-        float eps, float *q_out, float *keys, float *values, int capacity, const int *positions,  \
-        const float *inv_freqs, int heads, int kv_heads, int d, int traditional) {                \
+        float eps, float *q_out, void *keys, void *values, int capacity, const int *positions,    \
+        const float *inv_freqs, int heads, int kv_heads, int d, int traditional, int half_cache) {\
         qkv_rope<BITS, S>(wq, sq, bq, addq, wk, sk, bk, addk, wv, sv, bv, addv, x, k, g, norm,    \
                           eps, q_out, keys, values, capacity, positions, inv_freqs, heads,        \
-                          kv_heads, d, traditional);                                              \
+                          kv_heads, d, traditional, half_cache);                                  \
     }
 
 FOR_INT_FORMATS(QUANTIZED_INT_WIDTHS)
@@ -1410,9 +1435,9 @@ extern "C" __global__ void rope(float *x, float *y, const int *positions, const 
 
 // Writes new keys and values ([tokens, kv_heads, d] each) at positions[0].. of a cache's two
 // rings, laid out [kv_heads, capacity, d], position p in slot p % capacity.
-extern "C" __global__ void kv_write(float *keys, float *values, const float *new_keys,
+extern "C" __global__ void kv_write(void *keys, void *values, const float *new_keys,
                                     const float *new_values, int tokens, int kv_heads, int d,
-                                    int capacity, const int *positions) {
+                                    int capacity, const int *positions, int half) {
     await_inputs();
     const i64 first = positions[0];
     GRID_STRIDE(i, (i64)tokens * kv_heads * d) {
@@ -1421,8 +1446,8 @@ extern "C" __global__ void kv_write(float *keys, float *values, const float *new
         const int h = (int)(th % kv_heads);
         const i64 t = th / kv_heads;
         const i64 at = ((i64)h * capacity + (first + t) % capacity) * d + e;
-        keys[at] = new_keys[i];
-        values[at] = new_values[i];
+        kv_store(keys, at, new_keys[i], half);
+        kv_store(values, at, new_values[i], half);
     }
 }
 
@@ -1431,7 +1456,7 @@ extern "C" __global__ void kv_write(float *keys, float *values, const float *new
 // capacities[s]) at positions[s].
 extern "C" __global__ void kv_write_batch(const unsigned long long *rings, const float *new_keys,
                                           const float *new_values, int seqs, int kv_heads, int d,
-                                          const int *capacities, const int *positions) {
+                                          const int *capacities, const int *positions, int half) {
     await_inputs();
     GRID_STRIDE(i, (i64)seqs * kv_heads * d) {
         const int e = (int)(i % d);
@@ -1440,22 +1465,40 @@ extern "C" __global__ void kv_write_batch(const unsigned long long *rings, const
         const int s = (int)(sh / kv_heads);
         const int capacity = capacities[s];
         const i64 at = ((i64)h * capacity + positions[s] % capacity) * d + e;
-        reinterpret_cast<float *>(rings[s])[at] = new_keys[i];
-        reinterpret_cast<float *>(rings[seqs + s])[at] = new_values[i];
+        kv_store(reinterpret_cast<void *>(rings[s]), at, new_keys[i], half);
+        kv_store(reinterpret_cast<void *>(rings[seqs + s]), at, new_values[i], half);
     }
 }
 
-// Copies positions p0..p1 from one ring to another of a different capacity.
-extern "C" __global__ void kv_move(const float *src, int src_capacity, float *dst,
-                                   int dst_capacity, int kv_heads, int d, i64 p0, i64 p1) {
+// Copies positions p0..p1 from one ring to another of a different capacity, elements of
+// `bytes` (4 or 2) as they are.
+extern "C" __global__ void kv_move(const void *src, int src_capacity, void *dst, int dst_capacity,
+                                   int kv_heads, int d, i64 p0, i64 p1, int bytes) {
     await_inputs();
     GRID_STRIDE(i, (p1 - p0) * kv_heads * d) {
         const int e = (int)(i % d);
         const i64 hp = i / d;
         const i64 p = p0 + hp % (p1 - p0);
         const i64 h = hp / (p1 - p0);
-        dst[(h * dst_capacity + p % dst_capacity) * d + e] =
-            src[(h * src_capacity + p % src_capacity) * d + e];
+        const i64 to = (h * dst_capacity + p % dst_capacity) * d + e;
+        const i64 from = (h * src_capacity + p % src_capacity) * d + e;
+        if (bytes == 2)
+            static_cast<u16 *>(dst)[to] = static_cast<const u16 *>(src)[from];
+        else
+            static_cast<float *>(dst)[to] = static_cast<const float *>(src)[from];
+    }
+}
+
+// The first `slots` slots of each head of an f16 ring ([kv_heads, capacity, d]) as f32
+// ([kv_heads, slots, d]), for prefill's attention products.
+extern "C" __global__ void kv_widen(const u16 *ring, float *out, int kv_heads, int capacity,
+                                    int slots, int d) {
+    await_inputs();
+    GRID_STRIDE(i, (i64)kv_heads * slots * d) {
+        const int e = (int)(i % d);
+        const i64 hj = i / d;
+        const i64 h = hj / slots, j = hj % slots;
+        out[i] = F16::load(ring, (h * capacity + j) * d + e);
     }
 }
 
@@ -1551,9 +1594,10 @@ __device__ __noinline__ void combine_splits_call(const float *pp, float *out_row
     combine_splits<E>(pp, out_row, d, used, lane);
 }
 
-template <int E>
-__device__ void attention_split(const float *__restrict__ q, const float *__restrict__ keys,
-                                const float *__restrict__ values, const int *__restrict__ positions,
+template <int E, class K>
+__device__ void attention_split(const float *__restrict__ q, const typename K::T *__restrict__ keys,
+                                const typename K::T *__restrict__ values,
+                                const int *__restrict__ positions,
                                 float *__restrict__ out, float *__restrict__ part,
                                 unsigned *__restrict__ counters, int heads, int kv_heads, int d,
                                 int capacity, i64 start, i64 window, float scale, int splits,
@@ -1562,8 +1606,8 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
     const int lane = threadIdx.x;
     const int t = th / heads, h = th % heads;
     const int kvh = h / (heads / kv_heads);
-    const float *kh = keys + (i64)kvh * capacity * d;
-    const float *vh = values + (i64)kvh * capacity * d;
+    const typename K::T *kh = keys + (i64)kvh * capacity * d;
+    const typename K::T *vh = values + (i64)kvh * capacity * d;
     // The positions went up before the step's first kernel, and the keys and values before
     // the query's own were (mostly) written by earlier steps: while the kernel before finishes,
     // the split's rows are fetched into L2 (a hint: the loads after the wait read what is
@@ -1574,7 +1618,7 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
     if (has_keys) {
         for (i64 p = sk.s0 + lane; p < min(sk.s1, pos); p += 32) {
             const i64 row = p % capacity * d;
-            for (int f = 0; f < d; f += 32) {
+            for (int f = 0; f < d; f += 128 / (int)sizeof(typename K::T)) {
                 asm volatile("prefetch.global.L2 [%0];" ::"l"(kh + row + f));
                 asm volatile("prefetch.global.L2 [%0];" ::"l"(vh + row + f));
             }
@@ -1609,32 +1653,31 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
         float vfirst[VB][E];
 #pragma unroll
         for (int j = 0; j < VB; j++) {
-            const float *vr = value_row(j);
+            const typename K::T *vr = value_row(j);
 #pragma unroll
             for (int e = 0; e < E; e++) {
                 const int f = lane + 32 * e;
-                vfirst[j][e] = f < d ? vr[f] : 0.f;
+                vfirst[j][e] = f < d ? K::load(vr, f) : 0.f;
             }
         }
         float s = -INFINITY;
         if (lane < count) {
             int slot = slot0 + lane;
             if (slot >= capacity) slot -= capacity;
-            const float *kr = kh + (i64)slot * d;
+            const typename K::T *kr = kh + (i64)slot * d;
             float dot = 0.f;
             if ((d & 3) == 0) {
-                const float4 *k4 = reinterpret_cast<const float4 *>(kr);
                 const float4 *q4 = reinterpret_cast<const float4 *>(qs);
                 // Unconditional loads (past the row's end they repeat its last four, which
                 // meet the zeros the query is padded with) so that they all fly at once.
                 const int last = (d >> 2) - 1;
 #pragma unroll
                 for (int e = 0; e < E * 8; e++) {
-                    const float4 a = q4[e], b = k4[min(e, last)];
+                    const float4 a = q4[e], b = K::load4(kr, min(e, last));
                     dot += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
                 }
             } else {
-                for (int e = 0; e < d; e++) dot += qs[e] * kr[e];
+                for (int e = 0; e < d; e++) dot += qs[e] * K::load(kr, e);
             }
             s = dot * scale;
         }
@@ -1655,11 +1698,11 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
             float v[BATCH][E];
 #pragma unroll
             for (int j = 0; j < BATCH; j++) {
-                const float *vr = value_row(j0 + j);
+                const typename K::T *vr = value_row(j0 + j);
 #pragma unroll
                 for (int e = 0; e < E; e++) {
                     const int f = lane + 32 * e;
-                    v[j][e] = f < d ? vr[f] : 0.f;
+                    v[j][e] = f < d ? K::load(vr, f) : 0.f;
                 }
             }
 #pragma unroll
@@ -1701,21 +1744,23 @@ __device__ void attention_split(const float *__restrict__ q, const float *__rest
     }
 }
 
-#define ATTENTION(E)                                                                            \
-    extern "C" __global__ void attention_##E(                                                   \
-        const float *q, const float *keys, const float *values, const int *positions,           \
-        float *out, float *part, unsigned *counters, int heads, int kv_heads, int d,            \
-        int capacity, i64 start, i64 window, float scale, int splits, int per_split) {          \
-        attention_split<E>(q, keys, values, positions, out, part, counters, heads, kv_heads, d, \
-                           capacity, start, window, scale, splits, per_split, blockIdx.x,       \
-                           blockIdx.y);                                                         \
+// `attention_E_f32` over f32 rings, `attention_E_f16` over f16 ones.
+#define ATTENTION(E, K, NAME)                                                                   \
+    extern "C" __global__ void attention_##E##_##NAME(                                          \
+        const float *q, const K::T *keys, const K::T *values, const int *positions, float *out, \
+        float *part, unsigned *counters, int heads, int kv_heads, int d, int capacity,          \
+        i64 start, i64 window, float scale, int splits, int per_split) {                        \
+        attention_split<E, K>(q, keys, values, positions, out, part, counters, heads, kv_heads, \
+                              d, capacity, start, window, scale, splits, per_split,             \
+                              blockIdx.x, blockIdx.y);                                          \
     }
+#define ATTENTION_RINGS(E) ATTENTION(E, F32, f32) ATTENTION(E, F16, f16)
 
-ATTENTION(1)
-ATTENTION(2)
-ATTENTION(4)
-ATTENTION(8)
-ATTENTION(16)
+ATTENTION_RINGS(1)
+ATTENTION_RINGS(2)
+ATTENTION_RINGS(4)
+ATTENTION_RINGS(8)
+ATTENTION_RINGS(16)
 
 // One query token of a sequence for `heads` (at most G) of the query heads that share one
 // key/value head, in one warp: each key and value is loaded once for all of them, where one
@@ -1725,9 +1770,10 @@ ATTENTION(16)
 // attention_split. Each lane keeps its own share of every head's softmax sum, added up once at
 // the end, and the weights of a tile go through shared memory, [key][head], so that one load
 // gives a key's weight for every head.
-template <int E, int G>
-__device__ void attention_group(const float *__restrict__ q, const float *__restrict__ keys,
-                                const float *__restrict__ values, i64 pos,
+template <int E, int G, class K>
+__device__ void attention_group(const float *__restrict__ q,
+                                const typename K::T *__restrict__ keys,
+                                const typename K::T *__restrict__ values, i64 pos,
                                 float *__restrict__ out, float *__restrict__ part,
                                 unsigned *__restrict__ counter, int heads, int d, int capacity,
                                 i64 start, i64 window, float scale, int splits, int per_split,
@@ -1762,12 +1808,11 @@ __device__ void attention_group(const float *__restrict__ q, const float *__rest
         if (lane < count) {
             int slot = slot0 + lane;
             if (slot >= capacity) slot -= capacity;
-            const float *kr = keys + (i64)slot * d;
+            const typename K::T *kr = keys + (i64)slot * d;
             float dot[G];
 #pragma unroll
             for (int g = 0; g < G; g++) dot[g] = 0.f;
             if ((d & 3) == 0) {
-                const float4 *k4 = reinterpret_cast<const float4 *>(kr);
                 // Past the row's end the loads repeat its last four, which meet the zeros the
                 // queries are padded with.
                 // Eight at a time in flight (32 registers).
@@ -1777,7 +1822,7 @@ __device__ void attention_group(const float *__restrict__ q, const float *__rest
                 for (int e0 = 0; e0 < E * 8; e0 += CHUNK) {
                     float4 b[CHUNK];
 #pragma unroll
-                    for (int e = 0; e < CHUNK; e++) b[e] = k4[min(e0 + e, last)];
+                    for (int e = 0; e < CHUNK; e++) b[e] = K::load4(kr, min(e0 + e, last));
 #pragma unroll
                     for (int e = 0; e < CHUNK; e++)
 #pragma unroll
@@ -1788,7 +1833,7 @@ __device__ void attention_group(const float *__restrict__ q, const float *__rest
                 }
             } else {
                 for (int e = 0; e < d; e++) {
-                    const float k = kr[e];
+                    const float k = K::load(kr, e);
 #pragma unroll
                     for (int g = 0; g < G; g++) dot[g] += qs[g][e] * k;
                 }
@@ -1818,11 +1863,11 @@ __device__ void attention_group(const float *__restrict__ q, const float *__rest
             for (int j = 0; j < BATCH; j++) {
                 int slot = slot0 + (j0 + j < count ? j0 + j : 0);
                 if (slot >= capacity) slot -= capacity;
-                const float *vr = values + (i64)slot * d;
+                const typename K::T *vr = values + (i64)slot * d;
 #pragma unroll
                 for (int e = 0; e < E; e++) {
                     const int f = lane + 32 * e;
-                    v[j][e] = f < d ? vr[f] : 0.f;
+                    v[j][e] = f < d ? K::load(vr, f) : 0.f;
                 }
             }
 #pragma unroll
@@ -1883,9 +1928,10 @@ __device__ void attention_group(const float *__restrict__ q, const float *__rest
 // key/value head, chunk of G of its query heads, split): blockIdx.x = (s · kv_heads + kv head)
 // · chunks + chunk, blockIdx.y the split. The last chunk of a group that G does not divide has
 // fewer heads. At most 128 registers a thread, so that 16 warps fit on a multiprocessor (left
-// alone, the compiler takes 140 to 250 to keep every key's loads in flight).
-#define ATTENTION_BATCH(E, G)                                                                   \
-    extern "C" __global__ void __launch_bounds__(32, 16) attention_batch_##E##_##G(             \
+// alone, the compiler takes 140 to 250 to keep every key's loads in flight). Rings of f32
+// (`attention_batch_E_G_f32`) or f16 (`_f16`).
+#define ATTENTION_BATCH(E, G, K, NAME)                                                          \
+    extern "C" __global__ void __launch_bounds__(32, 16) attention_batch_##E##_##G##_##NAME(    \
         const float *q, const unsigned long long *keys, const unsigned long long *values,       \
         const int *positions, float *out, float *part, unsigned *counters, int heads,           \
         int kv_heads, int d, const int *capacities, const int *starts, i64 window, float scale, \
@@ -1896,26 +1942,27 @@ __device__ void attention_group(const float *__restrict__ q, const float *__rest
         const int chunk = blockIdx.x % chunks;                                                  \
         const i64 first = (i64)s * heads + kvh * group + chunk * G;                             \
         const i64 ring = (i64)kvh * capacities[s] * d;                                          \
-        attention_group<E, G>(q + first * d, reinterpret_cast<const float *>(keys[s]) + ring,   \
-                              reinterpret_cast<const float *>(values[s]) + ring, positions[s], \
-                              out + first * d, part + first * splits * (d + 2),                 \
-                              counters + blockIdx.x, min(G, group - chunk * G), d,              \
-                              capacities[s], starts[s], window, scale, splits, per_split,       \
-                              blockIdx.y);                                                      \
+        attention_group<E, G, K>(q + first * d, reinterpret_cast<const K::T *>(keys[s]) + ring, \
+                                 reinterpret_cast<const K::T *>(values[s]) + ring,              \
+                                 positions[s], out + first * d,                                 \
+                                 part + first * splits * (d + 2), counters + blockIdx.x,        \
+                                 min(G, group - chunk * G), d, capacities[s], starts[s],        \
+                                 window, scale, splits, per_split, blockIdx.y);                 \
     }
+#define ATTENTION_BATCH_RINGS(E, G) ATTENTION_BATCH(E, G, F32, f32) ATTENTION_BATCH(E, G, F16, f16)
 // G · E <= 16: at most sixteen accumulators a lane.
-ATTENTION_BATCH(1, 1)
-ATTENTION_BATCH(1, 2)
-ATTENTION_BATCH(1, 4)
-ATTENTION_BATCH(2, 1)
-ATTENTION_BATCH(2, 2)
-ATTENTION_BATCH(2, 4)
-ATTENTION_BATCH(4, 1)
-ATTENTION_BATCH(4, 2)
-ATTENTION_BATCH(4, 4)
-ATTENTION_BATCH(8, 1)
-ATTENTION_BATCH(8, 2)
-ATTENTION_BATCH(16, 1)
+ATTENTION_BATCH_RINGS(1, 1)
+ATTENTION_BATCH_RINGS(1, 2)
+ATTENTION_BATCH_RINGS(1, 4)
+ATTENTION_BATCH_RINGS(2, 1)
+ATTENTION_BATCH_RINGS(2, 2)
+ATTENTION_BATCH_RINGS(2, 4)
+ATTENTION_BATCH_RINGS(4, 1)
+ATTENTION_BATCH_RINGS(4, 2)
+ATTENTION_BATCH_RINGS(4, 4)
+ATTENTION_BATCH_RINGS(8, 1)
+ATTENTION_BATCH_RINGS(8, 2)
+ATTENTION_BATCH_RINGS(16, 1)
 
 // Attention of many queries (prefill) as two batched matrix products with the scores between
 // them: heads_first lays queries out per head, masked_softmax turns each head's scores into

@@ -587,6 +587,106 @@ impl Buffer {
     }
 }
 
+/// One ring of a key/value cache in device memory: `len` elements of f32, or of f16 (`half`),
+/// in a lasting allocation of whole f32 words.
+pub struct CacheRing {
+    words: Buffer,
+    len: usize,
+    half: bool,
+}
+
+impl CacheRing {
+    /// `len` zeros.
+    pub(crate) fn zeros(gpu: &Gpu, len: usize, half: bool) -> Result<CacheRing, EngineError> {
+        let words = if half { len.div_ceil(2) } else { len };
+        Ok(CacheRing {
+            words: gpu.zeros(words)?,
+            len,
+            half,
+        })
+    }
+
+    /// `values` in a new ring, rounded to f16 (as `kv_store` in the kernels rounds) if `half`.
+    pub(crate) fn upload(gpu: &Gpu, values: &[f32], half: bool) -> Result<CacheRing, EngineError> {
+        use crate::cpu::attention::KvElem;
+        let words = if half {
+            let bits =
+                |v: Option<&f32>| v.map_or(0, |&v| <half::f16 as KvElem>::from_f32(v).to_bits());
+            // Two elements a word, the first in its low half (little-endian, as the kernels read).
+            let words: Vec<f32> = values
+                .chunks(2)
+                .map(|p| f32::from_bits(bits(p.first()) as u32 | (bits(p.get(1)) as u32) << 16))
+                .collect();
+            gpu.upload(&words)?
+        } else {
+            gpu.upload(values)?
+        };
+        Ok(CacheRing {
+            words,
+            len: values.len(),
+            half,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether the elements are f16.
+    pub fn is_half(&self) -> bool {
+        self.half
+    }
+
+    /// Bytes of device memory the elements take.
+    pub fn size_in_bytes(&self) -> usize {
+        self.words.len() * 4
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        self.words.gpu()
+    }
+
+    /// The elements as f32, copied to the host.
+    pub(crate) fn download(&self) -> Result<Vec<f32>, EngineError> {
+        let words = self.words.download()?;
+        if !self.half {
+            return Ok(words);
+        }
+        let halves: &[u16] = bytemuck::cast_slice(&words);
+        Ok(halves[..self.len]
+            .iter()
+            .map(|&h| half::f16::from_bits(h).to_f32())
+            .collect())
+    }
+
+    /// A copy in a new, lasting allocation.
+    pub(crate) fn try_clone(&self) -> Result<CacheRing, EngineError> {
+        Ok(CacheRing {
+            words: self.words.try_clone()?,
+            len: self.len,
+            half: self.half,
+        })
+    }
+
+    /// The device address.
+    pub(crate) fn ptr(&self) -> u64 {
+        self.words.ptr()
+    }
+
+    /// The ring's element type as the attention kernels' names spell it.
+    pub(crate) fn suffix(&self) -> &'static str {
+        if self.half {
+            "f16"
+        } else {
+            "f32"
+        }
+    }
+}
+
 /// Scale/bias (or weight) element type as the kernel names spell it.
 pub(crate) fn type_suffix(dtype: crate::DType) -> Result<&'static str, EngineError> {
     match dtype {

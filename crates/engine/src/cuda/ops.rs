@@ -6,7 +6,7 @@
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
-use super::{err, Arg, Buffer, DenseWeights, Gpu, Memory, QuantizedWeights};
+use super::{err, Arg, Buffer, CacheRing, DenseWeights, Gpu, Memory, QuantizedWeights};
 use crate::{EngineError, Positions};
 
 /// Up to this many activation rows a matmul is a GEMV that streams each weight once; more go
@@ -230,11 +230,11 @@ pub fn rope(
 // ---- caches and attention -----------------------------------------------------------------------
 
 /// Writes `src[0]` and `src[1]` (keys and values, `[tokens, kv_heads, d]` each) at `positions`
-/// (consecutive) of the rings `cache[0]` and `cache[1]` of `capacity` slots; the first
-/// position is read on the device, so that a replayed decode step writes where its own token
-/// goes.
+/// (consecutive) of the rings `cache[0]` and `cache[1]` of `capacity` slots (of one precision);
+/// the first position is read on the device, so that a replayed decode step writes where its
+/// own token goes.
 pub fn kv_write(
-    cache: [&mut Buffer; 2],
+    cache: [&mut CacheRing; 2],
     src: [&Buffer; 2],
     kv_heads: usize,
     d: usize,
@@ -246,15 +246,17 @@ pub fn kv_write(
     let pos = positions_on_gpu(positions)?;
     launch!(&g, "kv_write", elements(&g, src[0].len());
         cache[0].ptr(), cache[1].ptr(), src[0].ptr(), src[1].ptr(), int(tokens)?, int(kv_heads)?,
-        int(d)?, int(capacity)?, pos.ptr());
+        int(d)?, int(capacity)?, pos.ptr(), cache[0].is_half() as i32);
     Ok(())
 }
 
 /// [`kv_write`] of one token for each of several sequences: row `s` of the keys `src[0]` and
-/// values `src[1]` into the rings at `rings[s]` and `rings[n + s]` (`capacities[s]` slots) at
-/// `positions[s]`.
+/// values `src[1]` into the rings at `rings[s]` and `rings[n + s]` (`capacities[s]` slots, f16
+/// elements if `half`, else f32) at `positions[s]`.
+#[allow(clippy::too_many_arguments)]
 pub fn kv_write_batch(
     rings: &[u64],
+    half: bool,
     capacities: &[usize],
     src: [&Buffer; 2],
     kv_heads: usize,
@@ -267,16 +269,16 @@ pub fn kv_write_batch(
     let caps = g.indices(capacities.iter().copied())?;
     launch!(&g, "kv_write_batch", elements(&g, src[0].len());
         ptrs.ptr(), src[0].ptr(), src[1].ptr(), int(capacities.len())?, int(kv_heads)?, int(d)?,
-        caps.ptr(), pos.ptr());
+        caps.ptr(), pos.ptr(), half as i32);
     Ok(())
 }
 
-/// Copies positions `p0..p1` between rings of different capacities.
+/// Copies positions `p0..p1` between rings of different capacities (and one precision).
 #[allow(clippy::too_many_arguments)]
 pub fn kv_move(
-    src: &Buffer,
+    src: &CacheRing,
     src_capacity: usize,
-    dst: &mut Buffer,
+    dst: &mut CacheRing,
     dst_capacity: usize,
     kv_heads: usize,
     d: usize,
@@ -289,14 +291,14 @@ pub fn kv_move(
     let g = src.gpu().clone();
     launch!(&g, "kv_move", elements(&g, (p1 - p0) * kv_heads * d);
         src.ptr(), int(src_capacity)?, dst.ptr(), int(dst_capacity)?, int(kv_heads)?, int(d)?,
-        p0 as i64, p1 as i64);
+        p0 as i64, p1 as i64, if src.is_half() { 2 } else { 4 });
     Ok(())
 }
 
 /// What an attention call reads from a cache (see `attention_split` in the kernels).
 pub struct KvRing<'a> {
-    pub keys: &'a Buffer,
-    pub values: &'a Buffer,
+    pub keys: &'a CacheRing,
+    pub values: &'a CacheRing,
     pub kv_heads: usize,
     pub capacity: usize,
     pub start: usize,
@@ -336,7 +338,8 @@ pub fn attention(
     let per_split = span.div_ceil(splits).div_ceil(32) * 32;
     let (out, part) = split_outputs(&g, tokens * heads, d, splits)?;
     let window = kv.window.min(i64::MAX as usize) as i64;
-    launch!(&g, &format!("attention_{per_lane}"), sliced_warps(tokens * heads, splits);
+    let kernel = format!("attention_{per_lane}_{}", kv.keys.suffix());
+    launch!(&g, &kernel, sliced_warps(tokens * heads, splits);
         q.ptr(), kv.keys.ptr(), kv.values.ptr(), pos.ptr(), out.ptr(), part.ptr(),
         g.split_counters(), int(heads)?, int(kv.kv_heads)?, int(d)?, int(kv.capacity)?,
         kv.start as i64, window, scale, int(splits)?, int(per_split)?);
@@ -370,12 +373,15 @@ pub fn attention_batch(
     let Some(first) = kvs.first() else {
         return Err(EngineError::Shape("attention over no caches".into()));
     };
-    if kvs
-        .iter()
-        .any(|kv| kv.kv_heads != first.kv_heads || kv.window != first.window)
-    {
+    let half = first.keys.is_half();
+    if kvs.iter().any(|kv| {
+        kv.kv_heads != first.kv_heads
+            || kv.window != first.window
+            || kv.keys.is_half() != half
+            || kv.values.is_half() != half
+    }) {
         return Err(EngineError::Shape(
-            "a batch's caches differ in heads or window".into(),
+            "a batch's caches differ in heads, window or precision".into(),
         ));
     }
     let per_lane = lanes_per_feature(d)?;
@@ -403,7 +409,11 @@ pub fn attention_batch(
     let starts = g.indices(kvs.iter().map(|kv| kv.start))?;
     let (out, part) = split_outputs(&g, seqs * heads, d, splits)?;
     let window = first.window.min(i64::MAX as usize) as i64;
-    launch!(&g, &format!("attention_batch_{per_lane}_{per_warp}"), sliced_warps(warps, splits);
+    let kernel = format!(
+        "attention_batch_{per_lane}_{per_warp}_{}",
+        first.keys.suffix()
+    );
+    launch!(&g, &kernel, sliced_warps(warps, splits);
         q.ptr(), keys, values, pos.ptr(), out.ptr(), part.ptr(),
         g.split_counters(), int(heads)?, int(first.kv_heads)?, int(d)?, capacities.ptr(),
         starts.ptr(), window, scale, int(splits)?, int(per_split)?);
@@ -480,6 +490,22 @@ fn attention_gemm(
     let out = g.output(tokens * heads * d)?;
     let chunk = (SCORE_BYTES / (4 * heads * slots.max(1))).clamp(1, tokens);
     let compute = compute_type(&g);
+    // The products read f32: an f16 cache's visible slots are widened first.
+    let widened = |ring: &CacheRing| -> Result<Memory> {
+        let wide = g.scratch(4 * kv.kv_heads * slots * d)?;
+        launch!(&g, "kv_widen", elements(&g, kv.kv_heads * slots * d);
+            ring.ptr(), wide.ptr(), int(kv.kv_heads)?, int(kv.capacity)?, int(slots)?, int(d)?);
+        Ok(wide)
+    };
+    let half = kv
+        .keys
+        .is_half()
+        .then(|| Ok((widened(kv.keys)?, widened(kv.values)?)));
+    let half = half.transpose()?;
+    let (keys, values, ring_stride) = match &half {
+        Some((k, v)) => (k.ptr(), v.ptr(), slots * d),
+        None => (kv.keys.ptr(), kv.values.ptr(), kv.capacity * d),
+    };
     let qt = g.scratch(4 * (chunk * heads * d))?;
     let scores = g.scratch(4 * (chunk * heads * slots))?;
     let ot = g.scratch(4 * (chunk * heads * d))?;
@@ -497,9 +523,9 @@ fn attention_gemm(
                 n: rows,
                 k: d,
                 alpha: scale,
-                a: kv.keys.ptr(),
+                a: keys,
                 lda: d,
-                stride_a: kv.capacity * d,
+                stride_a: ring_stride,
                 b: qt.ptr(),
                 ldb: d,
                 stride_b: rows * d,
@@ -522,9 +548,9 @@ fn attention_gemm(
                 n: rows,
                 k: slots,
                 alpha: 1.0,
-                a: kv.values.ptr(),
+                a: values,
                 lda: d,
-                stride_a: kv.capacity * d,
+                stride_a: ring_stride,
                 b: scores.ptr(),
                 ldb: slots,
                 stride_b: rows * slots,
@@ -1029,7 +1055,7 @@ pub fn qkv_rope_write(
     shape: crate::ops::Heads,
     (inv_freqs, traditional): (&Buffer, bool),
     positions: &Positions,
-    (keys, values, capacity): (&mut Buffer, &mut Buffer, usize),
+    (keys, values, capacity): (&mut CacheRing, &mut CacheRing, usize),
 ) -> Result<Option<Buffer>> {
     let (first, s, _) = ws[0];
     let formats = ws.map(|(w, s, _)| (w, s));
@@ -1070,6 +1096,7 @@ pub fn qkv_rope_write(
         Arg::from(int(shape.kv_heads)?),
         Arg::from(int(shape.head_dim)?),
         Arg::from(traditional as i32),
+        Arg::from(keys.is_half() as i32),
     ]);
     let cfg = LaunchConfig {
         shared_mem_bytes: shared,
