@@ -265,13 +265,23 @@ fn projections(
 fn quantized_matmul_group_in_one_launch() {
     let Some((dev, _turn)) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(10);
-    let cols = 512;
-    for (bits, dtype) in [(4, DType::BF16), (8, DType::F32)] {
+    // 10,240 columns: longer than the tensor-core activations hold in registers (8,192).
+    for (bits, dtype, cols) in [
+        (4, DType::BF16, 512),
+        (8, DType::F32, 512),
+        (4, DType::F16, 10240),
+    ] {
         let (hosts, placed) = projections(&mut rng, &dev, &[520, 130, 130], cols, bits, dtype);
         let norm_weight = random_vec(&mut rng, cols);
         for count in [1, 2, 3] {
             for m in [1, 4, 12] {
                 for with_norm in [false, true] {
+                    // Rows of 10,240 take the tensor cores from two of them: their int16
+                    // activations do not fit a block.
+                    let tol = match (cols, m) {
+                        (10240, 2..) => TF32,
+                        _ => product_tolerance(bits, m, false),
+                    };
                     let x = random_vec(&mut rng, m * cols);
                     let refs: Vec<_> = placed[..count].iter().collect();
                     let weight = on(&dev, vec![cols], &norm_weight);
@@ -293,7 +303,7 @@ fn quantized_matmul_group_in_one_launch() {
                             "{bits}-bit group of {count}, {} rows, m={m}, norm {with_norm}",
                             w.rows
                         );
-                        assert_close(&what, y, &cpu, product_tolerance(bits, m, false));
+                        assert_close(&what, y, &cpu, tol);
                     }
                     if count == 2 && with_norm {
                         let act = ops::Activation::Silu;
@@ -301,7 +311,6 @@ fn quantized_matmul_group_in_one_launch() {
                         let (g, gc) = (&placed[0], &hosts[0]);
                         let y = ops::quantized_glu(g, g, &xg, norm, act).unwrap();
                         let cpu = ops::quantized_glu(gc, gc, &xc, None, act).unwrap();
-                        let tol = product_tolerance(bits, m, false);
                         assert_close(&format!("{bits}-bit glu, norm, m={m}"), &y, &cpu, tol);
                     }
                 }

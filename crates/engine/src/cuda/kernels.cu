@@ -484,16 +484,24 @@ __device__ __forceinline__ int quad_word(int s, int t) {
 
 // x[rows, k] (f32; where norm is given, RMS-normed first as rms_norm does) into xh[tiles · 8,
 // k] (f16 bits, in the lanes' order above, rows past `rows` zero) and row_scale[r], what undoes
-// the row's scaling; one block per row of xh.
-extern "C" __global__ void mma_acts(const float *__restrict__ x, u16 *__restrict__ xh,
-                                    float *__restrict__ row_scale, int rows, int k,
-                                    const float *__restrict__ norm, float eps) {
+// the row's scaling; one block of 1024 threads per row of xh. Each thread loads its first
+// ACTS_HELD elements once and keeps them (past 1024 · ACTS_HELD, a row is read again), and a
+// run's elements are put in the lanes' order by shuffles within the warp that holds the run: one
+// round of loads where three passes over memory each waited on theirs.
+#define ACTS_HELD 8
+extern "C" __global__ void __launch_bounds__(1024) mma_acts(const float *__restrict__ x,
+                                                            u16 *__restrict__ xh,
+                                                            float *__restrict__ row_scale,
+                                                            int rows, int k,
+                                                            const float *__restrict__ norm,
+                                                            float eps) {
     await_inputs();
     __shared__ float partial[32];
     const int r = blockIdx.x;
     const bool real = r < rows;
     const float *xr = x + (i64)r * k;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int stride = blockDim.x, held_end = ACTS_HELD * stride;
     // The block's sum (or maximum, of values ≥ 0) of each thread's v, for every thread.
     auto block_reduce = [&](float v, bool max) {
         v = max ? warp_max(v) : warp_sum(v);
@@ -504,17 +512,31 @@ extern "C" __global__ void mma_acts(const float *__restrict__ x, u16 *__restrict
         __syncthreads();
         return all;
     };
+    float held[ACTS_HELD];
+#pragma unroll
+    for (int j = 0; j < ACTS_HELD; j++) {
+        const int c = threadIdx.x + j * stride;
+        held[j] = real && c < k ? xr[c] : 0.f;
+    }
     float inv = 1.f;
     if (norm != nullptr) {
         float ss = 0.f;
+#pragma unroll
+        for (int j = 0; j < ACTS_HELD; j++) ss += held[j] * held[j];
         if (real)
-            for (int c = threadIdx.x; c < k; c += blockDim.x) ss += xr[c] * xr[c];
+            for (int c = threadIdx.x + held_end; c < k; c += stride) ss += xr[c] * xr[c];
         inv = 1.f / sqrtf(block_reduce(ss, false) / k + eps);
     }
     auto value = [&](int c) { return norm != nullptr ? xr[c] * inv * norm[c] : xr[c]; };
     float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < ACTS_HELD; j++) {
+        const int c = threadIdx.x + j * stride;
+        if (norm != nullptr && c < k) held[j] = held[j] * inv * norm[c];
+        amax = fmaxf(amax, fabsf(held[j]));
+    }
     if (real)
-        for (int c = threadIdx.x; c < k; c += blockDim.x) amax = fmaxf(amax, fabsf(value(c)));
+        for (int c = threadIdx.x + held_end; c < k; c += stride) amax = fmaxf(amax, fabsf(value(c)));
     amax = block_reduce(amax, true);
     // 2^(12 - e) with amax in [2^(e-1), 2^e): exact, and the row's largest lands in
     // [2^11, 2^12).
@@ -522,10 +544,19 @@ extern "C" __global__ void mma_acts(const float *__restrict__ x, u16 *__restrict
     const int biased = min(max(127 + 12 - e, 1), 254);
     const float scale = amax > 0.f ? __uint_as_float((u32)biased << 23) : 1.f;
     if (threadIdx.x == 0) row_scale[r] = 1.f / scale;
-    for (int d = threadIdx.x; d < k; d += blockDim.x) {
-        const int run = d & ~31, i = d & 31;
-        const int t = i >> 3, step = (i >> 2) & 1, j = i & 3;
-        const int src = run + 16 * step + 4 * t + (j == 1 ? 2 : j == 2 ? 1 : j);
+    // Element d of a run of 32 takes the run's element `from` (a lane of the same warp: k is
+    // whole runs, and a warp's 32 elements of a round are one run).
+    const int i = lane, t = i >> 3, step = (i >> 2) & 1, j4 = i & 3;
+    const int from = 16 * step + 4 * t + (j4 == 1 ? 2 : j4 == 2 ? 1 : j4);
+#pragma unroll
+    for (int j = 0; j < ACTS_HELD; j++) {
+        const int d = threadIdx.x + j * stride;
+        if (d >= k) break;
+        const float v = __shfl_sync(0xffffffffu, held[j], from);
+        xh[(i64)r * k + d] = real ? f16_bits(v * scale) : (u16)0;
+    }
+    for (int d = threadIdx.x + held_end; d < k; d += stride) {
+        const int src = (d & ~31) + from;
         xh[(i64)r * k + d] = real ? f16_bits(value(src) * scale) : (u16)0;
     }
 }

@@ -906,7 +906,7 @@ fn mma_acts(x: &Buffer, m: usize, cols: usize, norm: InputNorm) -> Result<MmaAct
     let xh = g.scratch(2 * 8 * tiles * cols)?;
     let row_scale = g.scratch(4 * 8 * tiles)?;
     let [norm_ptr, eps] = norm_args(norm);
-    launch!(&g, "mma_acts", blocks(8 * tiles, 256);
+    launch!(&g, "mma_acts", blocks(8 * tiles, 1024);
         x.ptr(), xh.ptr(), row_scale.ptr(), int(m)?, int(cols)?, norm_ptr, eps);
     Ok(MmaActs {
         xh,
