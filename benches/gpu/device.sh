@@ -31,6 +31,8 @@ set -uo pipefail
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
 export OXLM_CACHE="$PWD/.device/cache"
+# prepare.sh's kernels come gzipped, to fit the carry.
+gunzip -f .device/cache/cuda/*.gz 2>/dev/null
 LLAMA=/opt/llama.cpp
 # The test binaries find tests/fixtures through the path they were built at.
 mkdir -p /work && { [ -e /work/main ] || ln -s "$PWD" /work/main; }

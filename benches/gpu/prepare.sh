@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Builds, here, what benches/gpu/device.sh runs on the GPU machine, into .device/ (ignored by
 # git; name it in the device call's carry): the release oxlm binary and the GPU test binaries,
-# stripped, and the kernels compiled for sm_90, plain and traced (`OXLM_TRACE`; needs NVRTC:
-# pip package nvidia-cuda-nvrtc, its lib folder on LD_LIBRARY_PATH), so that the machine
-# spends no time compiling; and, kept from
+# stripped, and the kernels compiled for sm_90, plain and traced (`OXLM_TRACE`), gzipped (10 MB
+# each, 3 MB so; device.sh unpacks them), so that the machine spends no time compiling. That
+# needs the NVRTC the machine has, 13.0 (the cache's key holds NVRTC's major.minor: kernels
+# from 13.5 were compiled again there, over two minutes of device time a variant): pip package
+# nvidia-cuda-nvrtc==13.0.88, its lib folder on LD_LIBRARY_PATH. And, kept from
 # one run to the next, llama.cpp's source from the llama-cpp-python 0.3.36 sdist, trimmed to
 # the CUDA backend (about 10 MB), which device.sh builds there.
 set -euo pipefail
@@ -22,6 +24,8 @@ for line in sys.stdin:
         print(m["executable"])' | while read -r exe; do cp "$exe" ".device/tests/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
 strip .device/oxlm .device/cuda_gemv .device/tests/*
 OXLM_CACHE="$PWD/.device/cache" cargo test -q -p oxlm-engine --test cuda_ops kernels_compile
+rm -f .device/cache/cuda/kernels-sm_80-*
+gzip -1 .device/cache/cuda/*.cubin
 if [ ! -f .device/llama.cpp.tgz ]; then
   tmp=$(mktemp -d)
   python3 -m pip download -q --no-deps --no-binary llama-cpp-python -d "$tmp" llama-cpp-python==0.3.36
