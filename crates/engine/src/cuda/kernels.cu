@@ -527,16 +527,19 @@ extern "C" __global__ void __launch_bounds__(1024) mma_acts(const float *__restr
             for (int c = threadIdx.x + held_end; c < k; c += stride) ss += xr[c] * xr[c];
         inv = 1.f / sqrtf(block_reduce(ss, false) / k + eps);
     }
-    auto value = [&](int c) { return norm != nullptr ? xr[c] * inv * norm[c] : xr[c]; };
+    // Element c (whose input is v) as the products take it, normed where asked.
+    auto normed = [&](float v, int c) { return norm != nullptr ? v * inv * norm[c] : v; };
+    auto value = [&](int c) { return normed(xr[c], c); };
     float amax = 0.f;
 #pragma unroll
     for (int j = 0; j < ACTS_HELD; j++) {
         const int c = threadIdx.x + j * stride;
-        if (norm != nullptr && c < k) held[j] = held[j] * inv * norm[c];
+        if (c < k) held[j] = normed(held[j], c);
         amax = fmaxf(amax, fabsf(held[j]));
     }
     if (real)
-        for (int c = threadIdx.x + held_end; c < k; c += stride) amax = fmaxf(amax, fabsf(value(c)));
+        for (int c = threadIdx.x + held_end; c < k; c += stride)
+            amax = fmaxf(amax, fabsf(value(c)));
     amax = block_reduce(amax, true);
     // 2^(12 - e) with amax in [2^(e-1), 2^e): exact, and the row's largest lands in
     // [2^11, 2^12).

@@ -505,12 +505,12 @@ fn attention_gemm(
             ring.ptr(), wide.ptr(), int(kv.kv_heads)?, int(kv.capacity)?, int(slots)?, int(d)?);
         Ok(wide)
     };
-    let half = kv
+    let widened_rings = kv
         .keys
         .is_half()
-        .then(|| Ok((widened(kv.keys)?, widened(kv.values)?)));
-    let half = half.transpose()?;
-    let (keys, values, ring_stride) = match &half {
+        .then(|| Ok((widened(kv.keys)?, widened(kv.values)?)))
+        .transpose()?;
+    let (keys, values, ring_stride) = match &widened_rings {
         Some((k, v)) => (k.ptr(), v.ptr(), slots * d),
         None => (kv.keys.ptr(), kv.values.ptr(), kv.capacity * d),
     };
