@@ -53,10 +53,11 @@ shape_args() {
   echo "--hidden $2 --intermediate $3 --layers $4 --heads $5 --kv-heads $6 --vocab $7 ${8:+--arch $8}"
 }
 
+# kernels_compile, which compiles every variant afresh (two minutes here), ran in prepare.sh.
 run_tests() {
   for t in .device/tests/*; do
     echo "== $t"
-    "$t" --test-threads=1 --nocapture 2>&1
+    "$t" --test-threads=1 --nocapture --skip kernels_compile 2>&1
   done > "$OUT/tests.log" 2>&1
   grep -E "^(==|test result|.* on cuda.*|.*FAILED.*|.*panicked.*)" "$OUT/tests.log"
 }
