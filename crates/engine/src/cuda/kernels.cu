@@ -406,11 +406,13 @@ QUANTIZED_BITS(8)
 // for all rows, where dequantizing the matrix for cuBLAS wrote and read it again in f32.
 //
 // The weights are the products' A (16 output features of a tile), the activation rows their B
-// (8 rows of a tile). Within each run of 32 weights, mma step s (0, 1) and lane t of a quad
-// (lane & 3) take weights 16s + 4t + {0, 2} in its first register pair and + {1, 3} in its
-// second: the order in which the 4 bits of a nibble pair, or 2 bytes of a word, land in the
-// halves of a register with one mask. The sum is over k, so any order serves if the activations
-// follow it: `mma_acts` writes them so, each lane's two steps in one 16-byte load.
+// (8 rows of a tile). A warp takes its runs of 32 weights four at a time (a turn): lane t of a
+// quad (lane & 3) takes run 4T + t of turn T whole, one 16-byte load a feature for 4 bits (two
+// for 8), and eight of its weights make two mma steps. Of the eight weights 8u..8u+7 of a run,
+// a lane's register pairs hold {0, 4}, {1, 5} (step 2u) and {2, 6}, {3, 7} (step 2u + 1): the
+// order in which a word's nibbles land in the halves of a register with one mask and a shift.
+// The sum is over k, so any order serves if the activations follow it: `mma_acts` writes them
+// so, and in the order the warp loads them (see `mma_act_index`), 512 bytes a load.
 //
 // Activations are scaled per row by a power of two that brings the row's largest to 2^12 before
 // rounding to f16 (they may exceed f16's range; the scale is exact and undone at the end).
@@ -460,31 +462,48 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const u32 (&a)[4], u32 b0
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The integers of lane quad t's weights at step s of a run, exact as f16 pairs: lo = weights
-// {0, 2}, hi = {1, 3} of the four. A 4-bit word holds 8 (quad t takes half of word 2s + t/2),
-// an 8-bit word 4 (word 4s + t).
+// The eight weights 8u..8u+7 of a lane's run as the f16 pairs {0, 4}, {1, 5}, {2, 6}, {3, 7}
+// (integers, exact): 1024 + q is exact in f16 for q < 1024, and 1024 is taken off. `words` are
+// the run's (4 a uint4).
 template <int BITS>
-__device__ __forceinline__ void run_quad(u32 word, int t, u32 &lo, u32 &hi) {
-    const u32 magic = 0x64006400u;  // 1024 in both halves: 1024 + q is exact for q < 1024
+__device__ __forceinline__ void eight_weights(const uint4 (&words)[BITS / 4], int u,
+                                              u32 (&pairs)[4]) {
+    const u32 magic = 0x64006400u;
+    auto word = [&](int i) {
+        const uint4 v = words[i >> 2];
+        const int c = i & 3;
+        return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
+    };
     if constexpr (BITS == 4) {
-        const u32 u = (word >> (16 * (t & 1))) & 0xFFFFu;
-        const u32 e = (u & 0xFFu) | ((u & 0xFF00u) << 8);
-        lo = f16x2_sub((e & 0x000F000Fu) | magic, magic);
-        hi = f16x2_sub(((e >> 4) & 0x000F000Fu) | magic, magic);
+        const u32 w = word(u);
+#pragma unroll
+        for (int s = 0; s < 4; s++)
+            pairs[s] = f16x2_sub(((w >> (4 * s)) & 0x000F000Fu) | magic, magic);
     } else {
-        lo = f16x2_sub((word & 0x00FF00FFu) | magic, magic);
-        hi = f16x2_sub(((word >> 8) & 0x00FF00FFu) | magic, magic);
+        // Bytes {0, 1, 4, 5} and {2, 3, 6, 7} of the two words, then each pair's bytes under
+        // the magic's.
+        const u32 lo = word(2 * u), hi = word(2 * u + 1);
+        const u32 near = __byte_perm(lo, hi, 0x5410), far = __byte_perm(lo, hi, 0x7632);
+        pairs[0] = f16x2_sub(__byte_perm(near, magic, 0x7250), magic);
+        pairs[1] = f16x2_sub(__byte_perm(near, magic, 0x7351), magic);
+        pairs[2] = f16x2_sub(__byte_perm(far, magic, 0x7250), magic);
+        pairs[3] = f16x2_sub(__byte_perm(far, magic, 0x7351), magic);
     }
 }
 
-template <int BITS>
-__device__ __forceinline__ int quad_word(int s, int t) {
-    return BITS == 4 ? 2 * s + (t >> 1) : 4 * s + t;
+// Where element c (in the pairs' order above) of row r of the tensor-core activations goes: per
+// tile of 8 rows, per turn of 128 elements, per eight of a run, the warp's 32 lanes' (row g,
+// run t of the turn) 8 elements in lane order, so that each of the warp's loads reads 512
+// contiguous bytes. A row is padded with zeros to whole turns.
+__device__ __forceinline__ i64 mma_act_index(int r, int c, int turns) {
+    const int run = c >> 5, eighth = (c >> 3) & 3;
+    return ((((i64)(r >> 3) * turns + (run >> 2)) * 4 + eighth) * 8 + (r & 7)) * 32 +
+           (run & 3) * 8 + (c & 7);
 }
 
-// x[rows, k] (f32; where norm is given, RMS-normed first as rms_norm does) into xh[tiles · 8,
-// k] (f16 bits, in the lanes' order above, rows past `rows` zero) and row_scale[r], what undoes
-// the row's scaling; one block of 1024 threads per row of xh. Each thread loads its first
+// x[rows, k] (f32; where norm is given, RMS-normed first as rms_norm does) into xh, tiles · 8
+// rows of whole turns (f16 bits, placed by `mma_act_index`, rows past `rows` and the padding
+// zero) and row_scale[r], what undoes the row's scaling; one block of 1024 threads per row of xh. Each thread loads its first
 // ACTS_HELD elements once and keeps them (past 1024 · ACTS_HELD, a row is read again), and a
 // run's elements are put in the lanes' order by shuffles within the warp that holds the run: one
 // round of loads where three passes over memory each waited on theirs.
@@ -547,27 +566,28 @@ extern "C" __global__ void __launch_bounds__(1024) mma_acts(const float *__restr
     const int biased = min(max(127 + 12 - e, 1), 254);
     const float scale = amax > 0.f ? __uint_as_float((u32)biased << 23) : 1.f;
     if (threadIdx.x == 0) row_scale[r] = 1.f / scale;
-    // Element d of a run of 32 takes the run's element `from` (a lane of the same warp: k is
-    // whole runs, and a warp's 32 elements of a round are one run).
-    const int i = lane, t = i >> 3, step = (i >> 2) & 1, j4 = i & 3;
-    const int from = 16 * step + 4 * t + (j4 == 1 ? 2 : j4 == 2 ? 1 : j4);
+    // Position d of an eight takes element `from` (a lane of the same warp: k is whole runs,
+    // and a warp's 32 elements of a round are one run).
+    const int turns = (k / 32 + 3) / 4;
+    const int from = (lane & ~7) + ((lane & 7) >> 1) + 4 * (lane & 1);
 #pragma unroll
     for (int j = 0; j < ACTS_HELD; j++) {
         const int d = threadIdx.x + j * stride;
         if (d >= k) break;
         const float v = __shfl_sync(0xffffffffu, held[j], from);
-        xh[(i64)r * k + d] = real ? f16_bits(v * scale) : (u16)0;
+        xh[mma_act_index(r, d, turns)] = real ? f16_bits(v * scale) : (u16)0;
     }
     for (int d = threadIdx.x + held_end; d < k; d += stride) {
-        const int src = (d & ~31) + from;
-        xh[(i64)r * k + d] = real ? f16_bits(value(src) * scale) : (u16)0;
+        const int src = (d & ~7) + ((d & 7) >> 1) + 4 * (d & 1);
+        xh[mma_act_index(r, d, turns)] = real ? f16_bits(value(src) * scale) : (u16)0;
     }
+    for (int d = k + threadIdx.x; d < turns * 128; d += stride) xh[mma_act_index(r, d, turns)] = 0;
 }
 
-// One warp per 32 output features (two A tiles) and one slice of the runs (blockIdx.y), over
-// TILES · 8 activation rows of xh. With one slice the output is final (y = or += rows · Wᵀ,
-// undoing the rows' scales); otherwise the slice's sums go to part[slice, row, feature] for
-// `mma_reduce`.
+// One warp per 32 output features (two A tiles) and one slice of the runs (blockIdx.y, whole
+// turns), over TILES · 8 activation rows of xh. With one slice the output is final (y = or +=
+// rows · Wᵀ, undoing the rows' scales); otherwise the slice's sums go to part[slice, row,
+// feature] for `mma_reduce`.
 template <int BITS, class S, int TILES>
 __device__ void qmma(const u32 *__restrict__ w, const typename S::T *__restrict__ scales,
                      const typename S::T *__restrict__ biases, const u16 *__restrict__ xh,
@@ -575,7 +595,7 @@ __device__ void qmma(const u32 *__restrict__ w, const typename S::T *__restrict_
                      float *__restrict__ part, int n, int k, int group, int rows,
                      int runs_per_slice, int accumulate) {
     const int lane = threadIdx.x, g = lane >> 2, t = lane & 3, tile = blockIdx.x;
-    const int runs = k >> 5, groups = k / group;
+    const int runs = k >> 5, groups = k / group, turns = (runs + 3) >> 2;
     const int r0 = blockIdx.y * runs_per_slice, r1 = min(runs, r0 + runs_per_slice);
     // Features of this lane: tile i, half h (rows g and g + 8 of the A tile).
     int feature[2][2];
@@ -590,51 +610,46 @@ __device__ void qmma(const u32 *__restrict__ w, const typename S::T *__restrict_
         for (int j = 0; j < TILES; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
-    // Two runs a turn, all their loads issued before the products: a warp's loads of one run
-    // (512 bytes of weights) are too few to cover the memory's latency.
-    for (int r = r0; r < r1; r += 2) {
-        u32 words[2][2][2][2], sc[2][2][2], bi[2][2][2];
-        uint4 acts[2][TILES];
+    for (int r = r0; r < r1; r += 4) {
+        // This lane's run; past the slice's last, the weights are zeros (scale and bias 0) and
+        // the activations the padding's zeros or the next slice's, which they multiply.
+        const bool live = r + t < r1;
+        const int run = live ? r + t : r1 - 1;
+        uint4 words[2][2][BITS / 4];
+        u32 sc[2][2], bi[2][2];
 #pragma unroll
-        for (int u = 0; u < 2; u++) {
-            const int run = min(r + u, r1 - 1);
+        for (int i = 0; i < 2; i++)
 #pragma unroll
-            for (int i = 0; i < 2; i++)
+            for (int h = 0; h < 2; h++) {
+                const uint4 *src =
+                    reinterpret_cast<const uint4 *>(w + ((i64)feature[i][h] * runs + run) * BITS);
+#pragma unroll
+                for (int q = 0; q < BITS / 4; q++) words[i][h][q] = __ldg(src + q);
+                const i64 gi = (i64)feature[i][h] * groups + (run << 5) / group;
+                sc[i][h] = live ? f16x2_splat(S::load(scales, gi)) : 0u;
+                bi[i][h] = live ? f16x2_splat(S::load(biases, gi)) : 0u;
+            }
+        const uint4 *acts = reinterpret_cast<const uint4 *>(xh) + (i64)(r >> 2) * 128 + lane;
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            uint4 b[TILES];
+#pragma unroll
+            for (int j = 0; j < TILES; j++) b[j] = __ldg(acts + ((i64)j * turns * 4 + u) * 32);
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                u32 p[2][4];
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
-                    const u32 *row = w + ((i64)feature[i][h] * runs + run) * BITS;
-                    words[u][i][h][0] = __ldg(row + quad_word<BITS>(0, t));
-                    words[u][i][h][1] = __ldg(row + quad_word<BITS>(1, t));
-                    const i64 gi = (i64)feature[i][h] * groups + (run << 5) / group;
-                    sc[u][i][h] = f16x2_splat(S::load(scales, gi));
-                    bi[u][i][h] = f16x2_splat(S::load(biases, gi));
+                    eight_weights<BITS>(words[i][h], u, p[h]);
+#pragma unroll
+                    for (int s = 0; s < 4; s++) p[h][s] = f16x2_fma(p[h][s], sc[i][h], bi[i][h]);
                 }
+                const u32 first[4] = {p[0][0], p[1][0], p[0][1], p[1][1]};
+                const u32 second[4] = {p[0][2], p[1][2], p[0][3], p[1][3]};
 #pragma unroll
-            for (int j = 0; j < TILES; j++)
-                acts[u][j] = __ldg(reinterpret_cast<const uint4 *>(
-                    xh + (i64)(8 * j + g) * k + (run << 5) + 8 * t));
-        }
-#pragma unroll
-        for (int u = 0; u < 2; u++) {
-            if (r + u >= r1) break;
-#pragma unroll
-            for (int step = 0; step < 2; step++) {
-#pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    u32 a[4];
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        u32 lo, hi;
-                        run_quad<BITS>(words[u][i][h][step], t, lo, hi);
-                        a[h] = f16x2_fma(lo, sc[u][i][h], bi[u][i][h]);
-                        a[2 + h] = f16x2_fma(hi, sc[u][i][h], bi[u][i][h]);
-                    }
-#pragma unroll
-                    for (int j = 0; j < TILES; j++) {
-                        const u32 b0 = step == 0 ? acts[u][j].x : acts[u][j].z;
-                        const u32 b1 = step == 0 ? acts[u][j].y : acts[u][j].w;
-                        mma_f16(acc[i][j], a, b0, b1);
-                    }
+                for (int j = 0; j < TILES; j++) {
+                    mma_f16(acc[i][j], first, b[j].x, b[j].y);
+                    mma_f16(acc[i][j], second, b[j].z, b[j].w);
                 }
             }
         }

@@ -911,7 +911,8 @@ struct MmaActs {
 fn mma_acts(x: &Buffer, m: usize, cols: usize, norm: InputNorm) -> Result<MmaActs> {
     let g = x.gpu().clone();
     let tiles = [1, 2, 4, 8].into_iter().find(|t| 8 * t >= m).unwrap_or(8);
-    let xh = g.scratch(2 * 8 * tiles * cols)?;
+    // Rows padded to whole turns of 4 runs (128 elements), as `qmma` takes them.
+    let xh = g.scratch(2 * 8 * tiles * cols.next_multiple_of(128))?;
     let row_scale = g.scratch(4 * 8 * tiles)?;
     let [norm_ptr, eps] = norm_args(norm);
     launch!(&g, "mma_acts", blocks(8 * tiles, 1024);
@@ -948,8 +949,8 @@ fn quantized_mma(
         MMA_WARPS_PER_SM
     };
     let wanted = (per_sm * g.multiprocessors()).div_ceil(feature_tiles);
-    // Slices of whole pairs of runs: the kernel takes two a turn.
-    let runs_per_slice = runs.div_ceil(wanted.clamp(1, runs)).next_multiple_of(2);
+    // Slices of whole turns: the kernel takes four runs at once.
+    let runs_per_slice = runs.div_ceil(wanted.clamp(1, runs)).next_multiple_of(4);
     let slices = runs.div_ceil(runs_per_slice);
     let (xh, row_scale, tiles) = (&acts.xh, &acts.row_scale, acts.tiles);
     let part = g.scratch(if slices > 1 {
