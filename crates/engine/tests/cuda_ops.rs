@@ -33,6 +33,8 @@ fn product_tolerance(bits: u32, m: usize, exact: bool) -> f32 {
     match m {
         _ if exact => EXACT,
         9.. => TF32,
+        // From 5 rows, 4- and 8-bit weights go to the tensor cores.
+        5.. if matches!(bits, 4 | 8) => TF32,
         _ if matches!(bits, 4 | 8) => INT16,
         _ => EXACT,
     }

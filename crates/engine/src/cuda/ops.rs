@@ -9,17 +9,26 @@ use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 use super::{err, Arg, Buffer, CacheRing, DenseWeights, Gpu, Memory, QuantizedWeights};
 use crate::{EngineError, Positions};
 
-/// Up to this many activation rows a matmul is a GEMV that streams each weight once; more go
-/// to the tensor cores: straight from 4- and 8-bit weights up to [`MMA_MAX_ROWS`] (batched
+/// Up to this many activation rows a matmul may be a GEMV that streams each weight once; more
+/// go to the tensor cores: straight from 4- and 8-bit weights up to [`MMA_MAX_ROWS`] (batched
 /// decoding), through cuBLAS on dequantized weights beyond (prefill, where cuBLAS's larger
 /// tiles win: 2048-token prompts ran at a quarter of the speed in 64-row turns of `qmma`).
-/// Two to eight rows whose int16 activations do not fit a block (a 5,632-wide down
-/// projection) go to the tensor cores too, one tile of 8: the f32-activation GEMV took
-/// 1.6 ms of a 3.2 ms step at 8 sequences of the 0.85B llama on the H200.
+/// 4- and 8-bit weights take the tensor cores from [`MMA_MIN_ROWS`] already, and from two rows
+/// where the int16 activations do not fit a block (a 5,632-wide down projection): the
+/// f32-activation GEMV took 1.6 ms of a 3.2 ms step at 8 sequences of the 0.85B llama on the
+/// H200.
 pub const GEMV_MAX_ROWS: usize = 8;
 
 /// Activation rows of the tensor-core products from packed weights (8 tiles of 8).
 const MMA_MAX_ROWS: usize = 64;
+
+/// From this many activation rows the tensor cores take the products of 4- and 8-bit weights
+/// where f16 operands are allowed, though the int16 GEMVs would fit up to [`GEMV_MAX_ROWS`].
+/// Measured on the H200 (2026-12-04, the 0.85B llama, 4-bit, 512-token prompts; int16 GEMVs
+/// against tensor cores): 5 sequences decoded at 3,664-3,730 against 3,694-3,748 tok/s, 6 at
+/// 4,142-4,146 against 4,391-4,461, 7 at 4,456-4,480 against 4,987-5,069, 8 at 4,817-4,856
+/// against 5,623-5,640; at 4 the GEMVs won (3,254-3,256 against 2,897-2,902).
+const MMA_MIN_ROWS: usize = 5;
 
 /// Warps per multiprocessor the tensor-core products from packed weights aim for, by slicing
 /// the runs: more keep more loads in flight, fewer leave fewer slices to add up. Measured on
@@ -891,10 +900,10 @@ pub fn quantized_matmul(
 }
 
 /// Whether [`quantized_mma`] takes a product of `m` rows of 4- or 8-bit weights on a handle
-/// that allows f16 operands: more than [`GEMV_MAX_ROWS`], up to [`MMA_MAX_ROWS`], or from two
-/// rows where the int16 activations do not fit a block.
+/// that allows f16 operands: from [`MMA_MIN_ROWS`] up to [`MMA_MAX_ROWS`], or from two rows
+/// where the int16 activations do not fit a block.
 fn mma_applies(g: &Gpu, s: QuantShape, m: usize) -> bool {
-    let rows = m > GEMV_MAX_ROWS || (m > 1 && int_acts_fit(s, m).is_none());
+    let rows = m >= MMA_MIN_ROWS || (m > 1 && int_acts_fit(s, m).is_none());
     !g.exact_math() && matches!(s.bits, 4 | 8) && rows && m <= MMA_MAX_ROWS
 }
 
