@@ -36,13 +36,14 @@ const MMA_MIN_ROWS: usize = 5;
 /// 32 → 11,219.
 const MMA_WARPS_PER_SM: usize = 8;
 
-/// [`MMA_WARPS_PER_SM`] for the products of one tile (2-8 rows whose int16 activations do not
-/// fit a block), whose warps hold fewer registers: slicing to fill an SM's 32 blocks keeps more
-/// loads in flight. Measured on the H200 (the synthetic 7.2B llama, every matrix of which takes
-/// them at 8 sequences): aiming at 8, 16 and 32 warps, 8 sequences decoded at 910-913, 958-961
-/// and 1,039 tok/s, 2 at 397-400, 418-421 and 424; the 0.85B's (its down projection) did not
-/// move.
-const MMA_ONE_TILE_WARPS_PER_SM: usize = 32;
+/// [`MMA_WARPS_PER_SM`] for the products of one tile (5-8 rows, or 2-4 whose int16 activations
+/// do not fit a block), whose warps hold fewer registers: slicing to fill more of an SM keeps
+/// more loads in flight. Measured on the H200 (the synthetic 7.2B llama, every matrix of which
+/// takes them at 5-8 sequences): with lanes loading 4-byte words (2026-12-03), aiming at 8, 16
+/// and 32 warps decoded 8 sequences at 910-913, 958-961 and 1,039 tok/s; with whole runs a lane
+/// (2026-12-04, 74 registers), aiming at 32, 16 and 64 decoded 8 at 1,497-1,505, 1,535-1,540 and
+/// 1,497-1,501, 6 at 1,181-1,185, 1,210-1,211 and 1,191-1,193; the 0.85B's 8 level.
+const MMA_ONE_TILE_WARPS_PER_SM: usize = 16;
 
 /// Bytes of f32 weights dequantized at a time for the many-row products: well within the
 /// H200's 50 MB of L2, so that the product reads them from there.
