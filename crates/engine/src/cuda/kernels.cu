@@ -401,7 +401,8 @@ QUANTIZED_BITS(8)
 
 // ---- tensor-core products of many activation rows ------------------------------------------------
 
-// y[r, :] = x[r, :] · Wᵀ for 9 to 64 rows r at once on the tensor cores (mma.sync m16n8k16, f16
+// y[r, :] = x[r, :] · Wᵀ for up to 64 rows r at once (from 5, or from 2 where the int16 GEMVs'
+// activations do not fit: `mma_applies` in ops.rs) on the tensor cores (mma.sync m16n8k16, f16
 // operands, f32 sums), straight from the packed 4- or 8-bit weights: each weight is read once
 // for all rows, where dequantizing the matrix for cuBLAS wrote and read it again in f32.
 //
