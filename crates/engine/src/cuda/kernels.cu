@@ -497,6 +497,15 @@ __device__ __forceinline__ void eight_weights(const uint4 (&words)[BITS / 4], in
     }
 }
 
+// Turns of four runs in a row of k tensor-core activations, the last padded with zeros.
+__device__ __forceinline__ int mma_turns(int k) { return (k / 32 + 3) / 4; }
+
+// The element of an eight (numbered within its run or row) whose value position i holds in the
+// pairs' order above: positions 0-7 hold elements 0, 4, 1, 5, 2, 6, 3, 7.
+__device__ __forceinline__ int eight_source(int i) {
+    return (i & ~7) + ((i & 7) >> 1) + 4 * (i & 1);
+}
+
 // Where element c (in the pairs' order above) of row r of the tensor-core activations goes: per
 // tile of 8 rows, per turn of 128 elements, per eight of a run, the warp's 32 lanes' (row g,
 // run t of the turn) 8 elements in lane order, so that each of the warp's loads reads 512
@@ -509,10 +518,11 @@ __device__ __forceinline__ i64 mma_act_index(int r, int c, int turns) {
 
 // x[rows, k] (f32; where norm is given, RMS-normed first as rms_norm does) into xh, tiles · 8
 // rows of whole turns (f16 bits, placed by `mma_act_index`, rows past `rows` and the padding
-// zero) and row_scale[r], what undoes the row's scaling; one block of 1024 threads per row of xh. Each thread loads its first
-// ACTS_HELD elements once and keeps them (past 1024 · ACTS_HELD, a row is read again), and a
-// run's elements are put in the lanes' order by shuffles within the warp that holds the run: one
-// round of loads where three passes over memory each waited on theirs.
+// zero) and row_scale[r], what undoes the row's scaling; one block of 1024 threads per row of
+// xh. Each thread loads its first ACTS_HELD elements once and keeps them (past 1024 ·
+// ACTS_HELD, a row is read again), and a run's elements are put in the lanes' order by shuffles
+// within the warp that holds the run: one round of loads where three passes over memory each
+// waited on theirs.
 #define ACTS_HELD 8
 extern "C" __global__ void __launch_bounds__(1024) mma_acts(const float *__restrict__ x,
                                                             u16 *__restrict__ xh,
@@ -572,10 +582,9 @@ extern "C" __global__ void __launch_bounds__(1024) mma_acts(const float *__restr
     const int biased = min(max(127 + 12 - e, 1), 254);
     const float scale = amax > 0.f ? __uint_as_float((u32)biased << 23) : 1.f;
     if (threadIdx.x == 0) row_scale[r] = 1.f / scale;
-    // Position d of an eight takes element `from` (a lane of the same warp: k is whole runs,
-    // and a warp's 32 elements of a round are one run).
-    const int turns = (k / 32 + 3) / 4;
-    const int from = (lane & ~7) + ((lane & 7) >> 1) + 4 * (lane & 1);
+    // A held element's value comes from lane `from` of the same warp (k is whole runs, and a
+    // warp's 32 elements of a round are one run).
+    const int turns = mma_turns(k), from = eight_source(lane);
 #pragma unroll
     for (int j = 0; j < ACTS_HELD; j++) {
         const int d = threadIdx.x + j * stride;
@@ -584,8 +593,7 @@ extern "C" __global__ void __launch_bounds__(1024) mma_acts(const float *__restr
         xh[mma_act_index(r, d, turns)] = real ? f16_bits(v * scale) : (u16)0;
     }
     for (int d = threadIdx.x + held_end; d < k; d += stride) {
-        const int src = (d & ~7) + ((d & 7) >> 1) + 4 * (d & 1);
-        xh[mma_act_index(r, d, turns)] = real ? f16_bits(value(src) * scale) : (u16)0;
+        xh[mma_act_index(r, d, turns)] = real ? f16_bits(value(eight_source(d)) * scale) : (u16)0;
     }
     for (int d = k + threadIdx.x; d < turns * 128; d += stride) xh[mma_act_index(r, d, turns)] = 0;
 }
@@ -601,7 +609,7 @@ __device__ void qmma(const u32 *__restrict__ w, const typename S::T *__restrict_
                      float *__restrict__ part, int n, int k, int group, int rows,
                      int runs_per_slice, int accumulate) {
     const int lane = threadIdx.x, g = lane >> 2, t = lane & 3, tile = blockIdx.x;
-    const int runs = k >> 5, groups = k / group, turns = (runs + 3) >> 2;
+    const int runs = k >> 5, groups = k / group, turns = mma_turns(k);
     const int r0 = blockIdx.y * runs_per_slice, r1 = min(runs, r0 + runs_per_slice);
     // Features of this lane: tile i, half h (rows g and g + 8 of the A tile).
     int feature[2][2];
@@ -625,17 +633,25 @@ __device__ void qmma(const u32 *__restrict__ w, const typename S::T *__restrict_
     // but one tile lost (8 sequences 1,485-1,495 -> 1,378-1,385), its 32 warps an SM loading
     // enough, and the early requests slowing the kernels before it.
     constexpr bool ask_ahead = TILES > 1;
+    // This lane's run of the turn at r (past the slice's last, the last), the run's words of
+    // feature (i, h), and the index of their scale and bias.
+    auto lane_run = [&](int r) { return min(r + t, r1 - 1); };
+    auto run_words = [&](int i, int h, int run) {
+        return w + ((i64)feature[i][h] * runs + run) * BITS;
+    };
+    auto group_index = [&](int i, int h, int run) {
+        return (i64)feature[i][h] * groups + (run << 5) / group;
+    };
     auto prefetch = [&](int r, bool groups_too) {
-        const int run = min(r + t, r1 - 1);
+        const int run = lane_run(r);
 #pragma unroll
         for (int i = 0; i < 2; i++)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                l2_prefetch(w + ((i64)feature[i][h] * runs + run) * BITS);
+                l2_prefetch(run_words(i, h, run));
                 if (groups_too) {
-                    const i64 gi = (i64)feature[i][h] * groups + (run << 5) / group;
-                    l2_prefetch(scales + gi);
-                    l2_prefetch(biases + gi);
+                    l2_prefetch(scales + group_index(i, h, run));
+                    l2_prefetch(biases + group_index(i, h, run));
                 }
             }
     };
@@ -643,21 +659,20 @@ __device__ void qmma(const u32 *__restrict__ w, const typename S::T *__restrict_
     await_inputs();
     for (int r = r0; r < r1; r += 4) {
         if (ask_ahead && r + 4 < r1) prefetch(r + 4, false);
-        // This lane's run; past the slice's last, the weights are zeros (scale and bias 0) and
-        // the activations the padding's zeros or the next slice's, which they multiply.
+        // Past the slice's last run, the weights are zeros (scale and bias 0) and the
+        // activations the padding's zeros or the next slice's, which they multiply.
         const bool live = r + t < r1;
-        const int run = live ? r + t : r1 - 1;
+        const int run = lane_run(r);
         uint4 words[2][2][BITS / 4];
         u32 sc[2][2], bi[2][2];
 #pragma unroll
         for (int i = 0; i < 2; i++)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                const uint4 *src =
-                    reinterpret_cast<const uint4 *>(w + ((i64)feature[i][h] * runs + run) * BITS);
+                const uint4 *src = reinterpret_cast<const uint4 *>(run_words(i, h, run));
 #pragma unroll
                 for (int q = 0; q < BITS / 4; q++) words[i][h][q] = __ldg(src + q);
-                const i64 gi = (i64)feature[i][h] * groups + (run << 5) / group;
+                const i64 gi = group_index(i, h, run);
                 sc[i][h] = live ? f16x2_splat(S::load(scales, gi)) : 0u;
                 bi[i][h] = live ? f16x2_splat(S::load(biases, gi)) : 0u;
             }

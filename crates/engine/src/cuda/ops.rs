@@ -22,6 +22,10 @@ pub const GEMV_MAX_ROWS: usize = 8;
 /// Activation rows of the tensor-core products from packed weights (8 tiles of 8).
 const MMA_MAX_ROWS: usize = 64;
 
+/// Runs of 32 weights a warp of `qmma` takes at once (a turn, one run a lane of each quad): its
+/// slices are whole turns, and its activations' rows are padded to them.
+const MMA_TURN_RUNS: usize = 4;
+
 /// From this many activation rows the tensor cores take the products of 4- and 8-bit weights
 /// where f16 operands are allowed, though the int16 GEMVs would fit up to [`GEMV_MAX_ROWS`].
 /// Measured on the H200 (2026-12-04, the 0.85B llama, 4-bit, 512-token prompts; int16 GEMVs
@@ -921,8 +925,7 @@ struct MmaActs {
 fn mma_acts(x: &Buffer, m: usize, cols: usize, norm: InputNorm) -> Result<MmaActs> {
     let g = x.gpu().clone();
     let tiles = [1, 2, 4, 8].into_iter().find(|t| 8 * t >= m).unwrap_or(8);
-    // Rows padded to whole turns of 4 runs (128 elements), as `qmma` takes them.
-    let xh = g.scratch(2 * 8 * tiles * cols.next_multiple_of(128))?;
+    let xh = g.scratch(2 * 8 * tiles * cols.next_multiple_of(32 * MMA_TURN_RUNS))?;
     let row_scale = g.scratch(4 * 8 * tiles)?;
     let [norm_ptr, eps] = norm_args(norm);
     launch!(&g, "mma_acts", blocks(8 * tiles, 1024);
@@ -959,8 +962,9 @@ fn quantized_mma(
         MMA_WARPS_PER_SM
     };
     let wanted = (per_sm * g.multiprocessors()).div_ceil(feature_tiles);
-    // Slices of whole turns: the kernel takes four runs at once.
-    let runs_per_slice = runs.div_ceil(wanted.clamp(1, runs)).next_multiple_of(4);
+    let runs_per_slice = runs
+        .div_ceil(wanted.clamp(1, runs))
+        .next_multiple_of(MMA_TURN_RUNS);
     let slices = runs.div_ceil(runs_per_slice);
     let (xh, row_scale, tiles) = (&acts.xh, &acts.row_scale, acts.tiles);
     let part = g.scratch(if slices > 1 {
