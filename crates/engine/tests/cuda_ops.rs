@@ -796,8 +796,9 @@ fn attention_full_sliding_and_split() {
 /// a sliding-window ring that has wrapped): the batched write and attention against the CPU,
 /// and against the one-sequence attention on the GPU. The cases take every number of query
 /// heads a warp of the batched kernel handles (1, 2, 4, and 4 then 3 of a group of 7), head
-/// dims of 64 to 256, and enough sequences (70 × 8 warps) that the keys are not split; f32
-/// and f16 caches.
+/// dims of 64 to 256 and 36 (whose f16 rows are not whole 16-byte units, staged through
+/// registers), and enough sequences (70 × 8 warps) that the keys are not split; f32 and f16
+/// caches.
 #[test]
 fn batched_kv_write_and_attention() {
     let Some((dev, _turn)) = gpu() else { return };
@@ -815,6 +816,7 @@ fn batched_kv_write_and_attention() {
         (14, 2, 64, None, vec![(128, 100), (512, 511)]),
         (4, 4, 128, None, vec![(256, 200), (64, 90)]),
         (4, 2, 256, None, vec![(128, 127), (96, 50)]),
+        (4, 2, 36, None, vec![(64, 40), (128, 100)]),
         (32, 8, 64, None, many),
     ];
     let precisions = [KvPrecision::F32, KvPrecision::F16];

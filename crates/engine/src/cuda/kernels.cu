@@ -60,8 +60,14 @@ __device__ __forceinline__ void await_inputs() {
 // ---- floats -------------------------------------------------------------------------------
 
 // `load4(p, i)`: elements 4i..4i+3 (aligned to four), as the caches' f32 and f16 rings are read.
+// `unpack(u, v)`: the PER_UNIT elements of a 16-byte unit as floats.
 struct F32 {
     typedef float T;
+    static constexpr int PER_UNIT = 4;
+    static __device__ __forceinline__ void unpack(uint4 u, float (&v)[4]) {
+        v[0] = __uint_as_float(u.x), v[1] = __uint_as_float(u.y);
+        v[2] = __uint_as_float(u.z), v[3] = __uint_as_float(u.w);
+    }
     static __device__ __forceinline__ float load(const float *p, i64 i) { return p[i]; }
     static __device__ __forceinline__ float4 load4(const float *p, int i) {
         return reinterpret_cast<const float4 *>(p)[i];
@@ -76,6 +82,15 @@ __device__ __forceinline__ float f16_float(u16 h) {
 
 struct F16 {
     typedef u16 T;
+    static constexpr int PER_UNIT = 8;
+    static __device__ __forceinline__ void unpack(uint4 u, float (&v)[8]) {
+        const u32 w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[2 * i] = f16_float((u16)w[i]);
+            v[2 * i + 1] = f16_float((u16)(w[i] >> 16));
+        }
+    }
     static __device__ __forceinline__ float load(const u16 *p, i64 i) { return f16_float(p[i]); }
     static __device__ __forceinline__ float4 load4(const u16 *p, int i) {
         const uint2 u = reinterpret_cast<const uint2 *>(p)[i];
@@ -1857,14 +1872,80 @@ ATTENTION_RINGS(4)
 ATTENTION_RINGS(8)
 ATTENTION_RINGS(16)
 
+// The batched attention stages tiles of 32 keys' rows (their keys, then their values) in shared
+// memory with cp.async, so that a tile's loads are in flight while the tile before is summed and
+// hold no registers. A row's d elements take `kv_units(d)` 16-byte units (the last one partly),
+// and its place in a tile `kv_row_units(d)`: one unit more where that count is even, so that
+// eight lanes reading a unit each of eight rows fall on distinct banks.
+template <class K>
+__device__ __forceinline__ int kv_units(int d) {
+    return (d * (int)sizeof(typename K::T) + 15) / 16;
+}
+
+template <class K>
+__device__ __forceinline__ int kv_row_units(int d) {
+    return kv_units<K>(d) | 1;
+}
+
+__device__ __forceinline__ void cp_async16(void *smem, const void *global) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(global) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Waits until at most N of the thread's latest cp.async groups are in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Copies into `tile` (keys' rows, then values' rows, 32 each of `units` 16-byte units) the rows
+// of the tile of positions p0.. whose positions lie in [from, to): ring slot (p0 % capacity) + r,
+// wrapping. Rows whose bytes are not whole 16-byte units (odd head dims) go through registers,
+// zero-padded to their last unit, so that the padding meets the queries' zeros as zeros.
+template <class K>
+__device__ __forceinline__ void stage_kv_rows(unsigned char *tile, const typename K::T *keys,
+                                              const typename K::T *values, int d, int units,
+                                              int capacity, i64 p0, i64 from, i64 to) {
+    typedef typename K::T T;
+    const int lane = threadIdx.x & 31;
+    const int r0 = (int)max((i64)0, from - p0), r1 = (int)min((i64)32, to - p0);
+    if (r0 >= r1) return;
+    const int slot0 = (int)(p0 % capacity), per_row = kv_units<K>(d);
+    unsigned char *vtile = tile + 32 * units * 16;
+    auto slot_of = [&](int r) { return slot0 + r < capacity ? slot0 + r : slot0 + r - capacity; };
+    if ((d * sizeof(T)) % 16 == 0) {
+        const unsigned char *kb = reinterpret_cast<const unsigned char *>(keys);
+        const unsigned char *vb = reinterpret_cast<const unsigned char *>(values);
+        for (int x = r0 * per_row + lane; x < r1 * per_row; x += 32) {
+            const int r = x / per_row, u = x % per_row;
+            const i64 at = (i64)slot_of(r) * d * sizeof(T) + u * 16;
+            cp_async16(tile + (r * units + u) * 16, kb + at);
+            cp_async16(vtile + (r * units + u) * 16, vb + at);
+        }
+    } else {
+        const int padded = per_row * 16 / (int)sizeof(T);
+        for (int x = r0 * padded + lane; x < r1 * padded; x += 32) {
+            const int r = x / padded, f = x % padded;
+            const i64 at = (i64)slot_of(r) * d + f;
+            reinterpret_cast<T *>(tile + r * units * 16)[f] = f < d ? keys[at] : (T)0;
+            reinterpret_cast<T *>(vtile + r * units * 16)[f] = f < d ? values[at] : (T)0;
+        }
+    }
+}
+
 // One query token of a sequence for `heads` (at most G) of the query heads that share one
 // key/value head, in one warp: each key and value is loaded once for all of them, where one
 // warp per head loads it once per head (grouped-query attention: 4 times for 32 heads over 8).
 // `q`, `out` and `part` start at the first head's row, `keys` and `values` at the key/value
 // head's ring; `counter` counts this warp's splits. Visible keys, splits and the merge as in
-// attention_split. Each lane keeps its own share of every head's softmax sum, added up once at
-// the end, and the weights of a tile go through shared memory, [key][head], so that one load
-// gives a key's weight for every head.
+// attention_split. The keys and values go through shared memory a tile of 32 at a time
+// (`stage_kv_rows`, `stages` buffers of the launch's dynamic shared memory). Each lane keeps its
+// own share of every head's softmax sum, added up once at the end, and the weights of a tile go
+// through shared memory, [key][head], so that one load gives a key's weight for every head.
 template <int E, int G, class K>
 __device__ void attention_group(const float *__restrict__ q,
                                 const typename K::T *__restrict__ keys,
@@ -1872,18 +1953,29 @@ __device__ void attention_group(const float *__restrict__ q,
                                 float *__restrict__ out, float *__restrict__ part,
                                 unsigned *__restrict__ counter, int heads, int d, int capacity,
                                 i64 start, i64 window, float scale, int splits, int per_split,
-                                int split) {
+                                int split, int stages) {
+    typedef typename K::T T;
+    extern __shared__ __align__(16) unsigned char kv_tiles[];
     __shared__ __align__(16) float qs[G][E * 32];
     __shared__ __align__(16) float ps[32][G];
     const int lane = threadIdx.x;
+    const int units = kv_row_units<K>(d), stage_bytes = 2 * 32 * units * 16;
+    SplitKeys sk;
+    const bool has_keys = split_keys(pos, start, window, splits, per_split, split, sk);
+    const i64 s0 = sk.s0, s1 = sk.s1;
+    // The first tile's rows that earlier steps wrote go up while the kernel before finishes (the
+    // one before it wrote this step's row, at `pos`); the rest of the tile after the wait.
+    if (has_keys)
+        stage_kv_rows<K>(kv_tiles, keys, values, d, units, capacity, s0, s0, min(s1, pos));
+    cp_async_commit();
+    await_inputs();
+    if (!has_keys) return;
+    stage_kv_rows<K>(kv_tiles, keys, values, d, units, capacity, s0, max(s0, pos), s1);
+    cp_async_commit();
     for (int i = lane; i < G * E * 32; i += 32) {
         const int g = i / (E * 32), f = i % (E * 32);
         qs[g][f] = g < heads && f < d ? q[(i64)g * d + f] : 0.f;
     }
-    __syncwarp();
-    SplitKeys sk;
-    if (!split_keys(pos, start, window, splits, per_split, split, sk)) return;
-    const i64 s0 = sk.s0, s1 = sk.s1;
     const int used = sk.used;
     float m[G], l[G], acc[G][E];
 #pragma unroll
@@ -1893,45 +1985,44 @@ __device__ void attention_group(const float *__restrict__ q,
 #pragma unroll
         for (int e = 0; e < E; e++) acc[g][e] = 0.f;
     }
-    constexpr int BATCH = E >= 32 ? 1 : 32 / E;
-    for (i64 p0 = s0; p0 < s1; p0 += 32) {
+    const int tiles = (int)((s1 - s0 + 31) / 32), per_row = kv_units<K>(d);
+    for (int t = 0; t < tiles; t++) {
+        const i64 p0 = s0 + (i64)t * 32;
+        // With two stages the next tile goes up while this one is summed; with one (rows too
+        // long for two in shared memory) it goes up now.
+        if (stages > 1) {
+            if (t + 1 < tiles)
+                stage_kv_rows<K>(kv_tiles + (t + 1) % 2 * stage_bytes, keys, values, d, units,
+                                 capacity, p0 + 32, p0 + 32, s1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            if (t > 0) stage_kv_rows<K>(kv_tiles, keys, values, d, units, capacity, p0, p0, s1);
+            cp_async_commit();
+            cp_async_wait<0>();
+        }
+        __syncwarp();
+        const unsigned char *kt = kv_tiles + (stages > 1 ? t % 2 : 0) * stage_bytes;
+        const unsigned char *vt = kt + 32 * units * 16;
         const int count = (int)min((i64)32, s1 - p0);
-        const int slot0 = (int)(p0 % capacity);
         float s[G];
 #pragma unroll
         for (int g = 0; g < G; g++) s[g] = -INFINITY;
         if (lane < count) {
-            int slot = slot0 + lane;
-            if (slot >= capacity) slot -= capacity;
-            const typename K::T *kr = keys + (i64)slot * d;
+            const uint4 *kr = reinterpret_cast<const uint4 *>(kt + lane * units * 16);
             float dot[G];
 #pragma unroll
             for (int g = 0; g < G; g++) dot[g] = 0.f;
-            if ((d & 3) == 0) {
-                // Past the row's end the loads repeat its last four, which meet the zeros the
-                // queries are padded with.
-                // Eight at a time in flight (32 registers).
-                const int last = (d >> 2) - 1;
-                constexpr int CHUNK = E * 8 < 8 ? E * 8 : 8;
-#pragma unroll 1
-                for (int e0 = 0; e0 < E * 8; e0 += CHUNK) {
-                    float4 b[CHUNK];
+            // A unit's elements meet the queries' (zero past d, as the rows' padding is).
+#pragma unroll 2
+            for (int u = 0; u < per_row; u++) {
+                float k[K::PER_UNIT];
+                K::unpack(kr[u], k);
 #pragma unroll
-                    for (int e = 0; e < CHUNK; e++) b[e] = K::load4(kr, min(e0 + e, last));
+                for (int g = 0; g < G; g++)
 #pragma unroll
-                    for (int e = 0; e < CHUNK; e++)
-#pragma unroll
-                        for (int g = 0; g < G; g++) {
-                            const float4 a = reinterpret_cast<const float4 *>(qs[g])[e0 + e];
-                            dot[g] += a.x * b[e].x + a.y * b[e].y + a.z * b[e].z + a.w * b[e].w;
-                        }
-                }
-            } else {
-                for (int e = 0; e < d; e++) {
-                    const float k = K::load(kr, e);
-#pragma unroll
-                    for (int g = 0; g < G; g++) dot[g] += qs[g][e] * k;
-                }
+                    for (int i = 0; i < K::PER_UNIT; i++)
+                        dot[g] += qs[g][u * K::PER_UNIT + i] * k[i];
             }
 #pragma unroll
             for (int g = 0; g < G; g++) s[g] = dot[g] * scale;
@@ -1948,34 +2039,24 @@ __device__ void attention_group(const float *__restrict__ q,
             m[g] = m_new;
         }
         __syncwarp();
-        // Values in batches whose loads all go out before any is used; keys past `count`
-        // read the tile's first slot and weigh 0.
+        // Rows past `count` were not staged: they are not read.
+        for (int j = 0; j < count; j++) {
+            const T *vr = reinterpret_cast<const T *>(vt + j * units * 16);
+            float pj[G];
 #pragma unroll
-        for (int j0 = 0; j0 < 32; j0 += BATCH) {
-            if (j0 >= count) break;
-            float v[BATCH][E];
+            for (int g = 0; g < G; g++) pj[g] = ps[j][g];
 #pragma unroll
-            for (int j = 0; j < BATCH; j++) {
-                int slot = slot0 + (j0 + j < count ? j0 + j : 0);
-                if (slot >= capacity) slot -= capacity;
-                const typename K::T *vr = values + (i64)slot * d;
+            for (int e = 0; e < E; e++) {
+                const int f = lane + 32 * e;
+                const float v = f < d ? K::load(vr, f) : 0.f;
 #pragma unroll
-                for (int e = 0; e < E; e++) {
-                    const int f = lane + 32 * e;
-                    v[j][e] = f < d ? K::load(vr, f) : 0.f;
-                }
+                for (int g = 0; g < G; g++) acc[g][e] += pj[g] * v;
             }
-#pragma unroll
-            for (int j = 0; j < BATCH; j++)
-#pragma unroll
-                for (int g = 0; g < G; g++) {
-                    const float pj = ps[j0 + j][g];
-#pragma unroll
-                    for (int e = 0; e < E; e++) acc[g][e] += pj * v[j][e];
-                }
         }
+        // Every lane done with the tile's buffer before it is staged again.
         __syncwarp();
     }
+
 #pragma unroll
     for (int g = 0; g < G; g++) l[g] = warp_sum(l[g]);
     if (used == 1) {
@@ -2022,16 +2103,15 @@ __device__ void attention_group(const float *__restrict__ q,
 // values[s] (capacity capacities[s], first kept position starts[s]), one warp per (sequence,
 // key/value head, chunk of G of its query heads, split): blockIdx.x = (s · kv_heads + kv head)
 // · chunks + chunk, blockIdx.y the split. The last chunk of a group that G does not divide has
-// fewer heads. At most 128 registers a thread, so that 16 warps fit on a multiprocessor (left
-// alone, the compiler takes 140 to 250 to keep every key's loads in flight). Rings of f32
-// (`attention_batch_E_G_f32`) or f16 (`_f16`).
+// fewer heads. The tables (positions, rings, capacities, starts) went up before the step's
+// first kernel that read them, so they are read before the wait. At most 128 registers a
+// thread. Rings of f32 (`attention_batch_E_G_f32`) or f16 (`_f16`).
 #define ATTENTION_BATCH(E, G, K, NAME)                                                          \
     extern "C" __global__ void __launch_bounds__(32, 16) attention_batch_##E##_##G##_##NAME(    \
         const float *q, const unsigned long long *keys, const unsigned long long *values,       \
         const int *positions, float *out, float *part, unsigned *counters, int heads,           \
         int kv_heads, int d, const int *capacities, const int *starts, i64 window, float scale, \
-        int splits, int per_split) {                                                            \
-        await_inputs();                                                                         \
+        int splits, int per_split, int stages) {                                                \
         const int group = heads / kv_heads, chunks = (group + G - 1) / G;                       \
         const int s = blockIdx.x / (kv_heads * chunks), kvh = blockIdx.x / chunks % kv_heads;   \
         const int chunk = blockIdx.x % chunks;                                                  \
@@ -2042,7 +2122,7 @@ __device__ void attention_group(const float *__restrict__ q,
                                  positions[s], out + first * d,                                 \
                                  part + first * splits * (d + 2), counters + blockIdx.x,        \
                                  min(G, group - chunk * G), d, capacities[s], starts[s],        \
-                                 window, scale, splits, per_split, blockIdx.y);                 \
+                                 window, scale, splits, per_split, blockIdx.y, stages);         \
     }
 #define ATTENTION_BATCH_RINGS(E, G) ATTENTION_BATCH(E, G, F32, f32) ATTENTION_BATCH(E, G, F16, f16)
 // G · E <= 16: at most sixteen accumulators a lane.

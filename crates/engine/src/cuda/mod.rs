@@ -246,7 +246,8 @@ impl Gpu {
     }
 
     /// Blocks of kernel `name` (`threads` each, with `shared` bytes of dynamic shared memory)
-    /// that the GPU runs at once: a grid of that many is one wave.
+    /// that the GPU runs at once: a grid of that many is one wave. Past the 48 KiB a kernel
+    /// may take unasked, it is first allowed `shared`.
     pub(crate) fn resident_blocks(
         &self,
         name: &str,
@@ -259,8 +260,16 @@ impl Gpu {
         }
         drop(known);
         self.bind()?;
-        let per_sm = self
-            .function(name)?
+        let function = self.function(name)?;
+        if shared > 48 << 10 {
+            function
+                .set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shared as i32,
+                )
+                .map_err(err)?;
+        }
+        let per_sm = function
             .occupancy_max_active_blocks_per_multiprocessor(threads, shared as usize, None)
             .map_err(err)?;
         let blocks = per_sm.max(1) as usize * self.inner.multiprocessors;

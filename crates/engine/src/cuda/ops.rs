@@ -416,7 +416,13 @@ pub fn attention_batch(
     let group = heads / first.kv_heads;
     let per_warp = query_heads_per_warp(group);
     let warps = seqs * first.kv_heads * group.div_ceil(per_warp);
-    let splits = batch_splits(&g, warps, span);
+    let kernel = format!(
+        "attention_batch_{per_lane}_{per_warp}_{}",
+        first.keys.suffix()
+    );
+    let (stages, shared) = kv_tile_stages(d, if half { 2 } else { 4 });
+    let resident = g.resident_blocks(&kernel, 32, shared)?;
+    let splits = batch_splits(&g, resident, warps, span);
     let per_split = span.div_ceil(splits).div_ceil(32) * 32;
     // The rings as kv_write_batch takes them (keys, then values), so that a step uploads the
     // table once for both.
@@ -431,15 +437,27 @@ pub fn attention_batch(
     let starts = g.indices(kvs.iter().map(|kv| kv.start))?;
     let (out, part) = split_outputs(&g, seqs * heads, d, splits)?;
     let window = first.window.min(i64::MAX as usize) as i64;
-    let kernel = format!(
-        "attention_batch_{per_lane}_{per_warp}_{}",
-        first.keys.suffix()
-    );
-    launch!(&g, &kernel, sliced_warps(warps, splits);
+    let cfg = LaunchConfig {
+        shared_mem_bytes: shared,
+        ..sliced_warps(warps, splits)
+    };
+    launch!(&g, &kernel, cfg;
         q.ptr(), keys, values, pos.ptr(), out.ptr(), part.ptr(),
         g.split_counters(), int(heads)?, int(first.kv_heads)?, int(d)?, capacities.ptr(),
-        starts.ptr(), window, scale, int(splits)?, int(per_split)?);
+        starts.ptr(), window, scale, int(splits)?, int(per_split)?, int(stages)?);
     Ok(out)
+}
+
+/// Shared memory for the batched attention's tiles of 32 keys' rows (`stage_kv_rows` in the
+/// kernels): rows of `d` elements of `bytes` each, in 16-byte units, an odd count of them (see
+/// `kv_row_units`), keys then values. Two tiles, so that one goes up while the other is summed,
+/// where they fit the 48 KiB a kernel takes unasked; else one (head dims of 256 and more).
+/// Returns the buffers and their bytes.
+fn kv_tile_stages(d: usize, bytes: usize) -> (usize, u32) {
+    let units = (d * bytes).div_ceil(16) | 1;
+    let tile = 2 * 32 * units * 16;
+    let stages = if 2 * tile <= 48 << 10 { 2 } else { 1 };
+    (stages, (stages * tile) as u32)
 }
 
 /// Query heads one warp of the batched attention takes of a group that shares a key/value
@@ -452,20 +470,17 @@ fn query_heads_per_warp(group: usize) -> usize {
     }
 }
 
-/// Warps per multiprocessor the batched attention's splits aim at: one wave (the kernel's
-/// registers let 16 fit), each warp with a few tiles of keys. On the H200, 64 sequences after
-/// 512-token prompts decoded at 16,246, 16,298-16,473 and 15,751 tok/s aiming at 8, 16 and 32.
-const BATCH_ATTENTION_WARPS_PER_SM: usize = 16;
-
 /// Splits of each of a batched attention's `warps` (sequence, head chunk) pairs: enough for
-/// [`BATCH_ATTENTION_WARPS_PER_SM`], at most one a tile of 32 keys and 64 in all, and none once
-/// the pairs outnumber [`Gpu::split_counters`]. Like [`decode_splits`], it follows the
-/// capacity (`span`), not the length.
-fn batch_splits(g: &Gpu, warps: usize, span: usize) -> usize {
+/// one wave of the kernel (`resident` warps, which its tiles' shared memory bounds), at most one
+/// a tile of 32 keys and 64 in all, and none once the pairs outnumber [`Gpu::split_counters`].
+/// Like [`decode_splits`], it follows the capacity (`span`), not the length. On the H200
+/// (2026-12-04, 4-bit llamas, 512-token prompts), aiming at twice the resident warps, or at 16
+/// an SM as before the tiles were staged, decoded up to 7% slower at 8 to 64 sequences.
+fn batch_splits(g: &Gpu, resident: usize, warps: usize, span: usize) -> usize {
     if warps >= SPLIT_QUERY_HEADS_PER_SM * g.multiprocessors() {
         return 1;
     }
-    (BATCH_ATTENTION_WARPS_PER_SM * g.multiprocessors())
+    resident
         .div_ceil(warps)
         .clamp(1, span.div_ceil(32).clamp(1, 64))
 }
