@@ -9,6 +9,8 @@
 #                   the 0.85B llama at 4 and 8 bits, the 7.2B at 4 bits, Qwen2.5-0.5B's shape
 #                   at 4 and 8 bits; decode 128 tokens after 512- and 2048-token prompts, and
 #                   those prefills
+#   models          the models' 4-bit checkpoints, written side by side to /tmp/models/NAME-4
+#                   (for a session's own runs after the stages)
 #   batch           oxlm batched decode on the 0.85B 4-bit llama: 1, 2, 4, 8, 16, 32 and 64
 #                   sequences decoding 128 tokens each after their own 512-token prompts
 #   llamacpp-batch  llama-batched-bench on that model's Q4_0 GGUF at the same counts and lengths
@@ -75,6 +77,15 @@ run_bench() {
       done
     done
   done
+}
+
+run_models() {
+  for m in "${MODELS[@]}"; do
+    set -- $m
+    dir=/tmp/models/$1-4
+    [ -f "$dir/config.json" ] || python3 benches/gpu/synthetic_mlx.py "$dir" $(shape_args "$@") --bits 4 >&2 &
+  done
+  wait
 }
 
 run_batch() {
@@ -176,6 +187,7 @@ for stage in "$@"; do
   case $stage in
     tests) run_tests ;;
     bench) run_bench ;;
+    models) run_models ;;
     batch) run_batch ;;
     llamacpp-build) build_llamacpp ;;
     llamacpp) run_llamacpp ;;
