@@ -650,6 +650,15 @@ impl CacheRing {
         self.half
     }
 
+    /// Bytes of one element: 2 (f16) or 4 (f32).
+    pub(crate) fn element_bytes(&self) -> usize {
+        if self.half {
+            2
+        } else {
+            4
+        }
+    }
+
     /// Bytes of device memory the elements take.
     pub fn size_in_bytes(&self) -> usize {
         self.words.len() * 4

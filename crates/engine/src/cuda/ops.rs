@@ -313,7 +313,7 @@ pub fn kv_move(
     let g = src.gpu().clone();
     launch!(&g, "kv_move", elements(&g, (p1 - p0) * kv_heads * d);
         src.ptr(), int(src_capacity)?, dst.ptr(), int(dst_capacity)?, int(kv_heads)?, int(d)?,
-        p0 as i64, p1 as i64, if src.is_half() { 2 } else { 4 });
+        p0 as i64, p1 as i64, int(src.element_bytes())?);
     Ok(())
 }
 
@@ -420,7 +420,7 @@ pub fn attention_batch(
         "attention_batch_{per_lane}_{per_warp}_{}",
         first.keys.suffix()
     );
-    let (stages, shared) = kv_tile_stages(d, if half { 2 } else { 4 });
+    let (stages, shared) = kv_tile_stages(d, first.keys.element_bytes());
     let resident = g.resident_blocks(&kernel, 32, shared)?;
     let splits = batch_splits(&g, resident, warps, span);
     let per_split = span.div_ceil(splits).div_ceil(32) * 32;
