@@ -55,6 +55,14 @@ shape_args() {
   echo "--hidden $2 --intermediate $3 --layers $4 --heads $5 --kv-heads $6 --vocab $7 ${8:+--arch $8}"
 }
 
+# write_model BITS NAME SHAPE...: a MODELS entry's checkpoint at BITS bits in
+# /tmp/models/NAME-BITS, written unless it is there already.
+write_model() {
+  local bits=$1; shift
+  local dir=/tmp/models/$1-$bits
+  [ -f "$dir/config.json" ] || python3 benches/gpu/synthetic_mlx.py "$dir" $(shape_args "$@") --bits $bits >&2
+}
+
 # kernels_compile, which compiles every variant afresh (two minutes here), ran in prepare.sh.
 run_tests() {
   for t in .device/tests/*; do
@@ -70,7 +78,7 @@ run_bench() {
     for bits in 4 8; do
       [ "$1" = llama-7.2b ] && [ $bits = 8 ] && continue
       dir=/tmp/models/$1-$bits
-      [ -f "$dir/config.json" ] || python3 benches/gpu/synthetic_mlx.py "$dir" $(shape_args "$@") --bits $bits >&2
+      write_model $bits "$@"
       for prompt in 512 2048; do
         .device/oxlm bench --device cuda --model "$dir" --prompt-tokens $prompt --gen-tokens 128 \
           --repeats 3 | tee -a "$OUT/bench.jsonl"
@@ -81,9 +89,7 @@ run_bench() {
 
 run_models() {
   for m in "${MODELS[@]}"; do
-    set -- $m
-    dir=/tmp/models/$1-4
-    [ -f "$dir/config.json" ] || python3 benches/gpu/synthetic_mlx.py "$dir" $(shape_args "$@") --bits 4 >&2 &
+    write_model 4 $m &
   done
   wait
 }
@@ -91,7 +97,7 @@ run_models() {
 run_batch() {
   set -- ${MODELS[0]}
   dir=/tmp/models/$1-4
-  [ -f "$dir/config.json" ] || python3 benches/gpu/synthetic_mlx.py "$dir" $(shape_args "$@") --bits 4 >&2
+  write_model 4 "$@"
   .device/oxlm bench --device cuda --model "$dir" --prompt-tokens 512 --gen-tokens 128 --repeats 1 \
     --batch 2 --batch 4 --batch 8 --batch 16 --batch 32 --batch 64 | tee -a "$OUT/batch.jsonl"
 }
@@ -149,7 +155,7 @@ run_torch() {
 run_profile() {
   set -- ${MODELS[0]}
   dir=/tmp/models/$1-4
-  [ -f "$dir/config.json" ] || python3 benches/gpu/synthetic_mlx.py "$dir" $(shape_args "$@") --bits 4 >&2
+  write_model 4 "$@"
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv --log-file "$OUT/profile.csv" \
     .device/oxlm bench --device cuda --model "$dir" --prompt-tokens 16 --gen-tokens 4 --repeats 1
@@ -159,7 +165,7 @@ run_profile() {
 run_kernels() {
   set -- ${MODELS[0]}
   dir=/tmp/models/$1-4
-  [ -f "$dir/config.json" ] || python3 benches/gpu/synthetic_mlx.py "$dir" $(shape_args "$@") --bits 4 >&2
+  write_model 4 "$@"
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   "$ncu" --clock-control none --kernel-name regex:'attention_2|qgemv_int_4|qgemv3_int_4|qglu_int_4' \
     --launch-skip 40 --launch-count 10 --section SpeedOfLight --section Occupancy \
