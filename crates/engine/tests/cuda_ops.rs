@@ -795,15 +795,18 @@ fn attention_full_sliding_and_split() {
 /// One token for each of several sequences, whose caches differ in capacity and length (one
 /// a sliding-window ring that has wrapped): the batched write and attention against the CPU,
 /// and against the one-sequence attention on the GPU. The cases take every number of query
-/// heads a warp of the batched kernel handles (1, 2, 4, and 4 then 3 of a group of 7), head
-/// dims of 64 to 256 and 36 (whose f16 rows are not whole 16-byte units, staged through
-/// registers), and enough sequences (70 × 8 warps) that the keys are not split; f32 and f16
-/// caches.
+/// heads a warp of the batched kernel handles, which the count of (sequence, key/value head)
+/// pairs picks against the GPU's multiprocessors (on the H200's 132: 1 of groups of 4 and 7 for
+/// a few sequences, 2 of groups of 2 and 4 for some more, 4, and 4 then 3 of a group of 7, for
+/// many), head dims of 64 to 256 and 36 (whose f16 rows are not whole 16-byte units, staged
+/// through registers), and enough sequences (70 × 8 warps) that the keys are not split; f32
+/// and f16 caches.
 #[test]
 fn batched_kv_write_and_attention() {
     let Some((dev, _turn)) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(8);
     let many: Vec<(usize, usize)> = (0..70).map(|i| (64, 1 + i % 64)).collect();
+    let some = |n: usize| -> Vec<(usize, usize)> { (0..n).map(|i| (128, 5 + 11 * i)).collect() };
     let cases = [
         (
             8,
@@ -813,10 +816,12 @@ fn batched_kv_write_and_attention() {
             vec![(256, 10), (512, 300), (256, 255), (1024, 700)],
         ),
         (8, 2, 64, Some(16), vec![(16, 40), (16, 5), (16, 16)]),
+        (8, 2, 64, None, some(10)),
         (14, 2, 64, None, vec![(128, 100), (512, 511)]),
+        (14, 2, 64, None, many.clone()),
         (4, 4, 128, None, vec![(256, 200), (64, 90)]),
         (4, 2, 256, None, vec![(128, 127), (96, 50)]),
-        (4, 2, 36, None, vec![(64, 40), (128, 100)]),
+        (4, 2, 36, None, some(12)),
         (32, 8, 64, None, many),
     ];
     let precisions = [KvPrecision::F32, KvPrecision::F16];
