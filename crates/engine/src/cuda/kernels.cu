@@ -1875,16 +1875,12 @@ ATTENTION_RINGS(16)
 // The batched attention stages tiles of 32 keys' rows (their keys, then their values) in shared
 // memory with cp.async, so that a tile's loads are in flight while the tile before is summed and
 // hold no registers. A row's d elements take `kv_units(d)` 16-byte units (the last one partly),
-// and its place in a tile `kv_row_units(d)`: one unit more where that count is even, so that
-// eight lanes reading a unit each of eight rows fall on distinct banks.
+// and its place in a tile `units`, which the launch gives (`kv_tile_stages` in ops.rs, with the
+// shared memory's size): one unit more where that count is even, so that eight lanes reading a
+// unit each of eight rows fall on distinct banks.
 template <class K>
 __device__ __forceinline__ int kv_units(int d) {
     return (d * (int)sizeof(typename K::T) + 15) / 16;
-}
-
-template <class K>
-__device__ __forceinline__ int kv_row_units(int d) {
-    return kv_units<K>(d) | 1;
 }
 
 __device__ __forceinline__ void cp_async16(void *smem, const void *global) {
@@ -1943,7 +1939,8 @@ __device__ __forceinline__ void stage_kv_rows(unsigned char *tile, const typenam
 // `q`, `out` and `part` start at the first head's row, `keys` and `values` at the key/value
 // head's ring; `counter` counts this warp's splits. Visible keys, splits and the merge as in
 // attention_split. The keys and values go through shared memory a tile of 32 at a time
-// (`stage_kv_rows`, `stages` buffers of the launch's dynamic shared memory). Each lane keeps its
+// (`stage_kv_rows`, `stages` buffers of the launch's dynamic shared memory, rows of `units`
+// 16-byte units). Each lane keeps its
 // own share of every head's softmax sum, added up once at the end, and the weights of a tile go
 // through shared memory, [key][head], so that one load gives a key's weight for every head.
 template <int E, int G, class K>
@@ -1953,13 +1950,13 @@ __device__ void attention_group(const float *__restrict__ q,
                                 float *__restrict__ out, float *__restrict__ part,
                                 unsigned *__restrict__ counter, int heads, int d, int capacity,
                                 i64 start, i64 window, float scale, int splits, int per_split,
-                                int split, int stages) {
+                                int split, int stages, int units) {
     typedef typename K::T T;
     extern __shared__ __align__(16) unsigned char kv_tiles[];
     __shared__ __align__(16) float qs[G][E * 32];
     __shared__ __align__(16) float ps[32][G];
     const int lane = threadIdx.x;
-    const int units = kv_row_units<K>(d), stage_bytes = 2 * 32 * units * 16;
+    const int stage_bytes = 2 * 32 * units * 16;
     SplitKeys sk;
     const bool has_keys = split_keys(pos, start, window, splits, per_split, split, sk);
     const i64 s0 = sk.s0, s1 = sk.s1;
@@ -2111,7 +2108,7 @@ __device__ void attention_group(const float *__restrict__ q,
         const float *q, const unsigned long long *keys, const unsigned long long *values,       \
         const int *positions, float *out, float *part, unsigned *counters, int heads,           \
         int kv_heads, int d, const int *capacities, const int *starts, i64 window, float scale, \
-        int splits, int per_split, int stages) {                                                \
+        int splits, int per_split, int stages, int units) {                                     \
         const int group = heads / kv_heads, chunks = (group + G - 1) / G;                       \
         const int s = blockIdx.x / (kv_heads * chunks), kvh = blockIdx.x / chunks % kv_heads;   \
         const int chunk = blockIdx.x % chunks;                                                  \
@@ -2122,7 +2119,7 @@ __device__ void attention_group(const float *__restrict__ q,
                                  positions[s], out + first * d,                                 \
                                  part + first * splits * (d + 2), counters + blockIdx.x,        \
                                  min(G, group - chunk * G), d, capacities[s], starts[s],        \
-                                 window, scale, splits, per_split, blockIdx.y, stages);         \
+                                 window, scale, splits, per_split, blockIdx.y, stages, units);  \
     }
 #define ATTENTION_BATCH_RINGS(E, G) ATTENTION_BATCH(E, G, F32, f32) ATTENTION_BATCH(E, G, F16, f16)
 // G · E <= 16: at most sixteen accumulators a lane.

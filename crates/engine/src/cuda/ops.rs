@@ -420,7 +420,7 @@ pub fn attention_batch(
         "attention_batch_{per_lane}_{per_warp}_{}",
         first.keys.suffix()
     );
-    let (stages, shared) = kv_tile_stages(d, first.keys.element_bytes());
+    let (stages, units, shared) = kv_tile_stages(d, first.keys.element_bytes());
     let resident = g.resident_blocks(&kernel, 32, shared)?;
     let splits = batch_splits(&g, resident, warps, span);
     let per_split = span.div_ceil(splits).div_ceil(32) * 32;
@@ -444,20 +444,21 @@ pub fn attention_batch(
     launch!(&g, &kernel, cfg;
         q.ptr(), keys, values, pos.ptr(), out.ptr(), part.ptr(),
         g.split_counters(), int(heads)?, int(first.kv_heads)?, int(d)?, capacities.ptr(),
-        starts.ptr(), window, scale, int(splits)?, int(per_split)?, int(stages)?);
+        starts.ptr(), window, scale, int(splits)?, int(per_split)?, int(stages)?, int(units)?);
     Ok(out)
 }
 
 /// Shared memory for the batched attention's tiles of 32 keys' rows (`stage_kv_rows` in the
-/// kernels): rows of `d` elements of `bytes` each, in 16-byte units, an odd count of them (see
-/// `kv_row_units`), keys then values. Two tiles, so that one goes up while the other is summed,
-/// where they fit the 48 KiB a kernel takes unasked; else one (head dims of 256 and more).
-/// Returns the buffers and their bytes.
-fn kv_tile_stages(d: usize, bytes: usize) -> (usize, u32) {
+/// kernels): rows of `d` elements of `bytes` each, in 16-byte units, an odd count of them (so
+/// that eight lanes reading a unit each of eight rows fall on distinct banks), keys then values.
+/// Two tiles, so that one goes up while the other is summed, where they fit the 48 KiB a kernel
+/// takes unasked; else one (head dims of 256 and more). Returns the tiles, a row's units and the
+/// bytes.
+fn kv_tile_stages(d: usize, bytes: usize) -> (usize, usize, u32) {
     let units = (d * bytes).div_ceil(16) | 1;
     let tile = 2 * 32 * units * 16;
     let stages = if 2 * tile <= 48 << 10 { 2 } else { 1 };
-    (stages, (stages * tile) as u32)
+    (stages, units, (stages * tile) as u32)
 }
 
 /// Query heads one warp of the batched attention takes of a group that shares a key/value
