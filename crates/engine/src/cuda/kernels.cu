@@ -1227,9 +1227,10 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
                              norm, eps, 0, 1);
 }
 
-// Each kernel comes in two widths: for up to 8 activation rows (`qgemv_int_4_bf16`) and for
-// one (`qgemv_int1_4_bf16`), which decoding a single sequence runs; holding one row's sums
-// instead of eight takes about a third fewer registers, so more warps fit an SM.
+// Each kernel comes in four widths: for up to 8 activation rows (`qgemv_int_4_bf16`), up to 4
+// (`qgemv_int4_4_bf16`), 2 (`qgemv_int2_4_bf16`) and one (`qgemv_int1_4_bf16`), which decoding
+// a single sequence runs; holding fewer rows' sums takes fewer registers (4-bit, bf16 scales,
+// sm_90: qgemv 97, 80, 77, 64; qglu 107, 79, 69, 55), so more warps fit an SM.
 #define QUANTIZED_INT(BITS, S, NAME, M, TAG)                                                       \
     extern "C" __global__ void qgemv_int##TAG##_##BITS##_##NAME(                                  \
         const u32 *w, const S::T *s, const S::T *b, const float *x, float *y, int n, int k,       \
@@ -1265,6 +1266,8 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
 
 #define QUANTIZED_INT_WIDTHS(BITS, S, NAME)                                                        \
     QUANTIZED_INT(BITS, S, NAME, 8, )                                                              \
+    QUANTIZED_INT(BITS, S, NAME, 4, 4)                                                             \
+    QUANTIZED_INT(BITS, S, NAME, 2, 2)                                                             \
     QUANTIZED_INT(BITS, S, NAME, 1, 1)                                                             \
     extern "C" __global__ void qkv_rope_int1_##BITS##_##NAME(                                     \
         const u32 *wq, const S::T *sq, const S::T *bq, const float *addq, const u32 *wk,          \

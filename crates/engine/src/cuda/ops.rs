@@ -782,9 +782,19 @@ fn int_acts_fit(s: QuantShape, m: usize) -> Option<u32> {
 const INT_STATIC_SHARED_BYTES: usize = 3 << 10;
 
 /// The int16-activation kernel `base` (`qgemv`, `qgemv3`, `qglu`) for `m` activation rows: the
-/// one-row variant (`qgemv_int1_4_bf16`, fewer registers) or the one for up to eight.
+/// narrowest that holds them (`qgemv_int1_4_bf16` for one, `_int2_` for two, `_int4_` for up to
+/// four, `_int_` for up to eight), whose fewer registers let more warps fit an SM. Measured on
+/// the H200 (2026-12-04, 4-bit, 512-token prompts), the widths of 2 and 4 against the 8-row
+/// kernels that took 2-4 rows before: 2 sequences of the 0.85B llama 2,219-2,269 → 2,595-2,691
+/// tok/s, 4 → 3,371-3,439 → 3,618-3,716; Qwen2.5-0.5B's shape 1,554-1,567 → 1,934-1,955 and
+/// 2,499-2,500 → 2,823-2,844; the 7.2B llama 519-520 → 568 and 836-837 → 889-892.
 fn int_kernel(base: &str, s: QuantShape, scale_type: &str, m: usize) -> String {
-    let width = if m == 1 { "1" } else { "" };
+    let width = match m {
+        1 => "1",
+        2 => "2",
+        3 | 4 => "4",
+        _ => "",
+    };
     format!("{base}_int{width}_{}_{scale_type}", s.bits)
 }
 
