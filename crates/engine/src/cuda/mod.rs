@@ -95,6 +95,8 @@ struct Inner {
     functions: Mutex<HashMap<String, CudaFunction>>,
     /// [`Gpu::resident_blocks`] by kernel, then threads and dynamic shared memory.
     resident: Mutex<HashMap<String, ResidentBlocks>>,
+    /// The dynamic shared memory past 48 KiB each kernel has been allowed (`allow_shared`).
+    shared_allowed: Mutex<HashMap<String, u32>>,
     blas: CudaBlas,
     step: Mutex<StepState>,
     /// Whether kernels are launched to start before the previous one ends (compute capability
@@ -173,6 +175,7 @@ impl Gpu {
                 module,
                 functions: Mutex::new(HashMap::new()),
                 resident: Mutex::new(HashMap::new()),
+                shared_allowed: Mutex::new(HashMap::new()),
                 blas,
                 step: Mutex::new(StepState::new()),
                 early_start: major >= 9,
@@ -261,14 +264,7 @@ impl Gpu {
         drop(known);
         self.bind()?;
         let function = self.function(name)?;
-        if shared > 48 << 10 {
-            function
-                .set_attribute(
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    shared as i32,
-                )
-                .map_err(err)?;
-        }
+        self.allow_shared(name, &function, shared)?;
         let per_sm = function
             .occupancy_max_active_blocks_per_multiprocessor(threads, shared as usize, None)
             .map_err(err)?;
@@ -279,6 +275,31 @@ impl Gpu {
             .or_default()
             .insert((threads, shared), blocks);
         Ok(blocks)
+    }
+
+    /// Allows kernel `name` `shared` bytes of dynamic shared memory where that is past the 48 KiB
+    /// a kernel may take unasked (once for each larger amount).
+    fn allow_shared(
+        &self,
+        name: &str,
+        function: &CudaFunction,
+        shared: u32,
+    ) -> Result<(), EngineError> {
+        if shared <= 48 << 10 {
+            return Ok(());
+        }
+        let mut allowed = self.inner.shared_allowed.lock().unwrap();
+        if allowed.get(name).is_some_and(|&b| b >= shared) {
+            return Ok(());
+        }
+        function
+            .set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared as i32,
+            )
+            .map_err(err)?;
+        allowed.insert(name.to_string(), shared);
+        Ok(())
     }
 
     /// Makes the GPU's context current on this thread: the raw driver calls below need it, and
@@ -310,6 +331,7 @@ impl Gpu {
     ) -> Result<(), EngineError> {
         self.bind()?;
         let f = self.function(name)?;
+        self.allow_shared(name, &f, cfg.shared_mem_bytes)?;
         if let Some(traced) = &self.inner.traced {
             traced.lock().unwrap().push(name.to_string());
         }

@@ -14,9 +14,9 @@ use crate::{EngineError, Positions};
 /// decoding), through cuBLAS on dequantized weights beyond (prefill, where cuBLAS's larger
 /// tiles win: 2048-token prompts ran at a quarter of the speed in 64-row turns of `qmma`).
 /// 4- and 8-bit weights take the tensor cores from [`MMA_MIN_ROWS`] already, and from two rows
-/// where the int16 activations do not fit a block (a 5,632-wide down projection): the
-/// f32-activation GEMV took 1.6 ms of a 3.2 ms step at 8 sequences of the 0.85B llama on the
-/// H200.
+/// where the int16 activations do not fit a block (four rows of a 14,336-wide down projection:
+/// [`INT_MAX_SHARED_BYTES`]): the f32-activation GEMV took 1.6 ms of a 3.2 ms step at 8
+/// sequences of the 0.85B llama on the H200.
 pub const GEMV_MAX_ROWS: usize = 8;
 
 /// Activation rows of the tensor-core products from packed weights (8 tiles of 8).
@@ -763,8 +763,8 @@ fn row_threads(cols: usize) -> u32 {
 /// `m` rows, rounded per run of 32, in tiles of 32 runs (`quantize_acts`). `None` where they
 /// do not apply: activations on an exact handle `g` (the activations' handle decides, as for
 /// the cuBLAS products), other bit widths, rows the tensor cores take ([`mma_applies`]), or
-/// activations over what is left of the 48 KiB a block gets without asking once the kernels'
-/// own arrays have theirs (then the f32-activation kernels run, for one row).
+/// activations over what is left of [`INT_MAX_SHARED_BYTES`] once the kernels' own arrays have
+/// theirs (then the f32-activation kernels run, for one row).
 fn int_acts_bytes(g: &Gpu, s: QuantShape, m: usize) -> Option<u32> {
     let applies = !g.exact_math() && matches!(s.bits, 4 | 8) && !mma_applies(g, s, m);
     int_acts_fit(s, m).filter(|_| applies)
@@ -774,8 +774,17 @@ fn int_acts_bytes(g: &Gpu, s: QuantShape, m: usize) -> Option<u32> {
 fn int_acts_fit(s: QuantShape, m: usize) -> Option<u32> {
     let runs = s.cols / 32;
     let bytes = m * (runs.div_ceil(32) * 2048 + runs * 8);
-    (m <= GEMV_MAX_ROWS && bytes + INT_STATIC_SHARED_BYTES <= 48 << 10).then_some(bytes as u32)
+    (m <= GEMV_MAX_ROWS && bytes + INT_STATIC_SHARED_BYTES <= INT_MAX_SHARED_BYTES)
+        .then_some(bytes as u32)
 }
+
+/// The most shared memory the int16-activation kernels take (their activations and own arrays),
+/// past the 48 KiB a kernel gets unasked: 2 rows of a 14,336-wide down projection, or 4 of a
+/// 5,632-wide one, take these kernels rather than the tensor cores. Measured on the H200
+/// (2026-12-04, 4-bit, 512-token prompts; at most 48, 100 and 200 KiB): the 7.2B llama decoded
+/// 2 sequences at 569-570, 604 and 604 tok/s, 4 at 892, 892-893 and 855-856 (its 4 rows'
+/// 129 KiB); the 0.85B 4 sequences at 3,642-3,720, 3,788-3,796 and 3,789-3,791.
+const INT_MAX_SHARED_BYTES: usize = 100 << 10;
 
 /// The int16-activation kernels' own shared arrays, at most: `qgemv_int`'s partial sums
 /// (`shares`, 2 KiB for eight rows) and `quantize_acts`' sums of squares (1 KiB).
