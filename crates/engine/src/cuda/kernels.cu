@@ -1943,9 +1943,9 @@ __device__ __forceinline__ void stage_kv_rows(unsigned char *tile, const typenam
 // head's ring; `counter` counts this warp's splits. Visible keys, splits and the merge as in
 // attention_split. The keys and values go through shared memory a tile of 32 at a time
 // (`stage_kv_rows`, `stages` buffers of the launch's dynamic shared memory, rows of `units`
-// 16-byte units). Each lane keeps its
-// own share of every head's softmax sum, added up once at the end, and the weights of a tile go
-// through shared memory, [key][head], so that one load gives a key's weight for every head.
+// 16-byte units). Each lane keeps its own share of every head's softmax sum, added up once at
+// the end, and the weights of a tile go through shared memory, [key][head], so that one load
+// gives a key's weight for every head.
 template <int E, int G, class K>
 __device__ void attention_group(const float *__restrict__ q,
                                 const typename K::T *__restrict__ keys,
@@ -2056,7 +2056,6 @@ __device__ void attention_group(const float *__restrict__ q,
         // Every lane done with the tile's buffer before it is staged again.
         __syncwarp();
     }
-
 #pragma unroll
     for (int g = 0; g < G; g++) l[g] = warp_sum(l[g]);
     if (used == 1) {

@@ -83,6 +83,9 @@ pub struct Gpu {
     exact_math: bool,
 }
 
+/// Shared memory a block may take without its kernel being allowed more (`Gpu::allow_shared`).
+pub(crate) const UNASKED_SHARED_BYTES: usize = 48 << 10;
+
 /// Blocks a kernel runs at once, by its threads and dynamic shared memory.
 type ResidentBlocks = HashMap<(u32, u32), usize>;
 
@@ -285,7 +288,7 @@ impl Gpu {
         function: &CudaFunction,
         shared: u32,
     ) -> Result<(), EngineError> {
-        if shared <= 48 << 10 {
+        if shared as usize <= UNASKED_SHARED_BYTES {
             return Ok(());
         }
         let mut allowed = self.inner.shared_allowed.lock().unwrap();

@@ -6,7 +6,9 @@
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
-use super::{err, Arg, Buffer, CacheRing, DenseWeights, Gpu, Memory, QuantizedWeights};
+use super::{
+    err, Arg, Buffer, CacheRing, DenseWeights, Gpu, Memory, QuantizedWeights, UNASKED_SHARED_BYTES,
+};
 use crate::{EngineError, Positions};
 
 /// Up to this many activation rows a matmul may be a GEMV that streams each weight once; more
@@ -457,7 +459,11 @@ pub fn attention_batch(
 fn kv_tile_stages(d: usize, bytes: usize) -> (usize, usize, u32) {
     let units = (d * bytes).div_ceil(16) | 1;
     let tile = 2 * 32 * units * 16;
-    let stages = if 2 * tile <= 48 << 10 { 2 } else { 1 };
+    let stages = if 2 * tile <= UNASKED_SHARED_BYTES {
+        2
+    } else {
+        1
+    };
     (stages, units, (stages * tile) as u32)
 }
 
