@@ -121,15 +121,19 @@ fn quantized_matmul_and_rows() {
                         assert_close(&what, &y, &cpu, product_tolerance(bits, m, exact));
                     }
                 }
-                let m = 2;
-                let x = random_vec(&mut rng, m * cols);
-                let r0 = random_vec(&mut rng, m * rows);
-                let mut cpu = Tensor::new(vec![m, rows], r0.clone());
-                ops::matmul_add(&host, &Tensor::new(vec![m, cols], x.clone()), &mut cpu).unwrap();
-                let mut y = on(&dev, vec![m, rows], &r0);
-                ops::matmul_add(&w, &on(&dev, vec![m, cols], &x), &mut y).unwrap();
-                let tol = product_tolerance(bits, m, false);
-                assert_close(&format!("{bits}-bit matmul_add"), &y, &cpu, tol);
+                // Added into an output: by the GEMV (2 rows), by the tensor cores' last slice
+                // of each tile (12).
+                for m in [2, 12] {
+                    let x = random_vec(&mut rng, m * cols);
+                    let r0 = random_vec(&mut rng, m * rows);
+                    let mut cpu = Tensor::new(vec![m, rows], r0.clone());
+                    let host_x = Tensor::new(vec![m, cols], x.clone());
+                    ops::matmul_add(&host, &host_x, &mut cpu).unwrap();
+                    let mut y = on(&dev, vec![m, rows], &r0);
+                    ops::matmul_add(&w, &on(&dev, vec![m, cols], &x), &mut y).unwrap();
+                    let tol = product_tolerance(bits, m, false);
+                    assert_close(&format!("{bits}-bit matmul_add m={m}"), &y, &cpu, tol);
+                }
 
                 let ids = [0, rows - 1, 17, 17, 1234];
                 let cpu = ops::matrix_rows(&host, &ids, &Device::Cpu).unwrap();
@@ -262,9 +266,9 @@ fn projections(
     (hosts, placed)
 }
 
-/// One to three projections of one input in one launch (attention's, an output head), against
-/// each alone on the CPU; from 5 rows, on the tensor cores from activations made (and normed)
-/// once for all of them.
+/// One to three projections of one input in one launch (attention's, an output head: one
+/// matrix through the one-wave GEMV), against each alone on the CPU; from 5 rows, on the tensor
+/// cores from activations made (and normed) once for all of them.
 #[test]
 fn quantized_matmul_group_in_one_launch() {
     let Some((dev, _turn)) = gpu() else { return };

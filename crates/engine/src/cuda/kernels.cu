@@ -1232,14 +1232,15 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
 // a single sequence runs; holding fewer rows' sums takes fewer registers (4-bit, bf16 scales,
 // sm_90: qgemv 97, 80, 77, 64; qglu 107, 79, 69, 55), so more warps fit an SM.
 #define QUANTIZED_INT(BITS, S, NAME, M, TAG)                                                       \
+    /* A non-null norm RMS-norms the input first (an output head's final norm).              */ \
     extern "C" __global__ void qgemv_int##TAG##_##BITS##_##NAME(                                  \
         const u32 *w, const S::T *s, const S::T *b, const float *x, float *y, int n, int k,       \
-        int g, int m, int acc, int parts, int blocks) {                                           \
+        int g, int m, int acc, int parts, int blocks, const float *norm, float eps) {             \
         qgemv_int<BITS, S, M>(w, s, b, x, y, n, k, g, m, acc, blockIdx.x, gridDim.x, blocks,      \
-                              parts, nullptr, 0.f);                                               \
+                              parts, norm, eps);                                                  \
     }                                                                                             \
-    /* Up to three matrices of one input (attention's q, k and v), the blocks in their order; */ \
-    /* n1 = 0 or n2 = 0 leaves matrices out. A non-null norm RMS-norms the input first.      */ \
+    /* Two or three matrices of one input (attention's q, k and v), the blocks in their      */ \
+    /* order; n2 = 0 leaves the third out. A non-null norm RMS-norms the input first.         */ \
     extern "C" __global__ void qgemv3_int##TAG##_##BITS##_##NAME(                                 \
         const u32 *w0, const S::T *s0, const S::T *b0, float *y0, int n0, const u32 *w1,          \
         const S::T *s1, const S::T *b1, float *y1, int n1, const u32 *w2, const S::T *s2,         \
