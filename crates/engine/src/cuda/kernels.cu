@@ -613,19 +613,24 @@ extern "C" __global__ void __launch_bounds__(1024) mma_acts(const float *__restr
     for (int d = k + threadIdx.x; d < turns * 128; d += stride) xh[mma_act_index(r, d, turns)] = 0;
 }
 
-// One warp per 32 output features (two A tiles) and one slice of the runs (blockIdx.y, whole
-// turns), over TILES · 8 activation rows of xh. With one slice the output is final (y = or +=
-// rows · Wᵀ, undoing the rows' scales); otherwise the slice's sums go to part[slice, row,
-// feature] for `mma_reduce`.
+// One warp per 32 output features (two A tiles) and one slice of the runs (whole turns), over
+// TILES · 8 activation rows of xh: y = or += rows · Wᵀ, undoing the rows' scales. A tile's
+// slices are either the warps of its block (blockIdx.x the tile), whose sums meet in the
+// launch's dynamic shared memory ([slice][row][32 features]) and which the block adds up in
+// the slices' order, or blocks of one warp (blockIdx.y the slice), whose sums go to
+// part[slice, row, feature] for `mma_reduce`. One slice's output is final.
 template <int BITS, class S, int TILES>
 __device__ void qmma(const u32 *__restrict__ w, const typename S::T *__restrict__ scales,
                      const typename S::T *__restrict__ biases, const u16 *__restrict__ xh,
                      const float *__restrict__ row_scale, float *__restrict__ y,
                      float *__restrict__ part, int n, int k, int group, int rows,
                      int runs_per_slice, int accumulate) {
-    const int lane = threadIdx.x, g = lane >> 2, t = lane & 3, tile = blockIdx.x;
+    extern __shared__ float slice_sums[];
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, tile = blockIdx.x;
+    const int slice = (threadIdx.x >> 5) + blockIdx.y, slices = (blockDim.x >> 5) * gridDim.y;
+    const bool in_block = blockDim.x > 32;
     const int runs = k >> 5, groups = k / group, turns = mma_turns(k);
-    const int r0 = blockIdx.y * runs_per_slice, r1 = min(runs, r0 + runs_per_slice);
+    const int r0 = slice * runs_per_slice, r1 = min(runs, r0 + runs_per_slice);
     // Features of this lane: tile i, half h (rows g and g + 8 of the A tile).
     int feature[2][2];
 #pragma unroll
@@ -718,24 +723,37 @@ __device__ void qmma(const u32 *__restrict__ w, const typename S::T *__restrict_
     }
     // acc[i][j]: features (tile i) rows g, g + 8 (elements 0-1, 2-3), activation rows 8j + 2t
     // and + 1.
-    const bool whole = gridDim.y == 1;
+    const bool whole = slices == 1;
 #pragma unroll
     for (int i = 0; i < 2; i++)
 #pragma unroll
         for (int j = 0; j < TILES; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int f = tile * 32 + 16 * i + 8 * (e >> 1) + g;
+                const int feature = 16 * i + 8 * (e >> 1) + g, f = tile * 32 + feature;
                 const int row = 8 * j + 2 * t + (e & 1);
                 if (f >= n || row >= rows) continue;
                 if (whole) {
                     float *o = y + (i64)row * n + f;
                     const float v = acc[i][j][e] * row_scale[row];
                     *o = accumulate ? *o + v : v;
+                } else if (in_block) {
+                    slice_sums[(slice * rows + row) * 32 + feature] = acc[i][j][e];
                 } else {
-                    part[((i64)blockIdx.y * rows + row) * n + f] = acc[i][j][e];
+                    part[((i64)slice * rows + row) * n + f] = acc[i][j][e];
                 }
             }
+    if (!in_block) return;
+    __syncthreads();
+    for (int e = threadIdx.x; e < rows * 32; e += blockDim.x) {
+        const int row = e >> 5, f = tile * 32 + (e & 31);
+        if (f >= n) continue;
+        float v = 0.f;
+        for (int s = 0; s < slices; s++) v += slice_sums[(s * rows + row) * 32 + (e & 31)];
+        float *o = y + (i64)row * n + f;
+        v *= row_scale[row];
+        *o = accumulate ? *o + v : v;
+    }
 }
 
 // y[row, f] (+)= row_scale[row] · Σ_slices part[slice, row, f], in the slices' order.

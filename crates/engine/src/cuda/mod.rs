@@ -280,6 +280,14 @@ impl Gpu {
         Ok(blocks)
     }
 
+    /// The most threads a block of kernel `name` may have (its registers can bound it below
+    /// 1,024).
+    pub(crate) fn max_threads_per_block(&self, name: &str) -> Result<usize, EngineError> {
+        self.bind()?;
+        let threads = self.function(name)?.max_threads_per_block().map_err(err)?;
+        Ok(threads.max(32) as usize)
+    }
+
     /// Allows kernel `name` `shared` bytes of dynamic shared memory where that is past the 48 KiB
     /// a kernel may take unasked (once for each larger amount).
     fn allow_shared(
