@@ -2,7 +2,8 @@
 # Session 19's sixth call: the sliced tensor-core products take a block per tile of 32 features,
 # a warp per slice, whose sums meet in shared memory (no mma_reduce launch), with the output
 # head through the one-wave GEMV (.device/oxlm, be10c00 and this), against a8c1b19
-# (.device/oxlm-a). The GPU tests, then decode of the 0.85B and 7.2B llamas and Qwen2.5-0.5B's shape, 4-bit, 512-token prompts, 128 tokens, 1, 8, 16 and
+# (.device/oxlm-a). The GPU tests, then decode of the 0.85B and 7.2B llamas and Qwen2.5-0.5B's
+# shape, 4-bit, 512-token prompts, 128 tokens, 1, 8, 16 and
 # 64 sequences, two rounds alternated; a traced decode of the 7.2B at 8 sequences.
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
