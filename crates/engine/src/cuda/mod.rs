@@ -95,7 +95,8 @@ struct Inner {
     multiprocessors: usize,
     stream: Arc<CudaStream>,
     module: Arc<CudaModule>,
-    functions: Mutex<HashMap<String, CudaFunction>>,
+    /// Each kernel loaded so far, with the most threads a block of it may have.
+    functions: Mutex<HashMap<String, (CudaFunction, usize)>>,
     /// [`Gpu::resident_blocks`] by kernel, then threads and dynamic shared memory.
     resident: Mutex<HashMap<String, ResidentBlocks>>,
     /// The dynamic shared memory past 48 KiB each kernel has been allowed (`allow_shared`).
@@ -238,17 +239,24 @@ impl Gpu {
 
     /// The kernel `name` of `kernels.cu`.
     pub(crate) fn function(&self, name: &str) -> Result<CudaFunction, EngineError> {
+        Ok(self.loaded(name)?.0)
+    }
+
+    /// The kernel `name` and the most threads a block of it may have (its registers can bound
+    /// it below 1,024), found once, when it is first loaded.
+    fn loaded(&self, name: &str) -> Result<(CudaFunction, usize), EngineError> {
         let mut functions = self.inner.functions.lock().unwrap();
-        if let Some(f) = functions.get(name) {
-            return Ok(f.clone());
+        if let Some(loaded) = functions.get(name) {
+            return Ok(loaded.clone());
         }
         let f = self
             .inner
             .module
             .load_function(name)
             .map_err(|e| EngineError::Cuda(format!("kernel `{name}`: {e:?}")))?;
-        functions.insert(name.to_string(), f.clone());
-        Ok(f)
+        let threads = f.max_threads_per_block().map_err(err)?.max(32) as usize;
+        functions.insert(name.to_string(), (f.clone(), threads));
+        Ok((f, threads))
     }
 
     /// Blocks of kernel `name` (`threads` each, with `shared` bytes of dynamic shared memory)
@@ -283,9 +291,7 @@ impl Gpu {
     /// The most threads a block of kernel `name` may have (its registers can bound it below
     /// 1,024).
     pub(crate) fn max_threads_per_block(&self, name: &str) -> Result<usize, EngineError> {
-        self.bind()?;
-        let threads = self.function(name)?.max_threads_per_block().map_err(err)?;
-        Ok(threads.max(32) as usize)
+        Ok(self.loaded(name)?.1)
     }
 
     /// Allows kernel `name` `shared` bytes of dynamic shared memory where that is past the 48 KiB

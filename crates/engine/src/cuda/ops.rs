@@ -1039,21 +1039,18 @@ fn quantized_mma(
     let feature_tiles = s.rows.div_ceil(32);
     let (xh, row_scale, tiles) = (&acts.xh, &acts.row_scale, acts.tiles);
     let kernel = format!("qmma_{}_{}_{tiles}", s.bits, w.scale_type);
-    let per_sm = if tiles == 1 {
-        MMA_ONE_TILE_WARPS_PER_SM
-    } else {
-        MMA_WARPS_PER_SM
-    };
-    // A block's slices' sums take 32 f32 features of each row a slice: at most 32 KiB.
+    // One tile's slices are the warps of a block, as many as it may have (their sums, 32 f32
+    // features of each row a slice, take at most 32 KiB); more tiles' are blocks of one warp.
     let in_block = tiles == 1;
-    let most = if in_block {
-        g.max_threads_per_block(&kernel)? / 32
+    let (per_sm, most) = if in_block {
+        let warps = g.max_threads_per_block(&kernel)? / 32;
+        (MMA_ONE_TILE_WARPS_PER_SM, warps.min(runs))
     } else {
-        runs
+        (MMA_WARPS_PER_SM, runs)
     };
     let wanted = (per_sm * g.multiprocessors()).div_ceil(feature_tiles);
     let runs_per_slice = runs
-        .div_ceil(wanted.clamp(1, most.min(runs)))
+        .div_ceil(wanted.clamp(1, most))
         .next_multiple_of(MMA_TURN_RUNS);
     let slices = runs.div_ceil(runs_per_slice);
     let (cfg, part) = if in_block {
