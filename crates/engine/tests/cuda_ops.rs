@@ -121,9 +121,9 @@ fn quantized_matmul_and_rows() {
                         assert_close(&what, &y, &cpu, product_tolerance(bits, m, exact));
                     }
                 }
-                // Added into an output: by the GEMV (2 rows), by the tensor cores' last slice
-                // of each tile (12).
-                for m in [2, 12] {
+                // Added into an output: by the GEMV (2 rows), by the tensor cores' one-tile
+                // block, which adds its slices up (6), and by `mma_reduce` after two tiles (12).
+                for m in [2, 6, 12] {
                     let x = random_vec(&mut rng, m * cols);
                     let r0 = random_vec(&mut rng, m * rows);
                     let mut cpu = Tensor::new(vec![m, rows], r0.clone());
