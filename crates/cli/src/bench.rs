@@ -7,6 +7,9 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use oxlm_engine::cpu::{pool, qint};
+use oxlm_engine::cuda::{
+    TracedLaunch, TRACE_DONE, TRACE_FIRST_READY, TRACE_STAGES, TRACE_STAGE_NAMES,
+};
 use oxlm_engine::{ops, DecodeSteps, KvPrecision};
 use oxlm_models::{Cache, LanguageModel, Logits};
 use oxlm_runtime::generate::{peak_memory_bytes, DEFAULT_PREFILL_STEP};
@@ -171,7 +174,9 @@ fn decode(
 /// time went: for each kernel, its launches a step and the microseconds a step it held the
 /// chain (from its inputs being ready to the next launch's), and how long after the launch
 /// before it was ready it started (its early start), medians over the steps; then the same for
-/// the first launches of a step. Only steps of the usual length count (not the first, which
+/// the first launches of a step. Each also holds when, from its first block's inputs ready, it
+/// reached the stages its kernel marks (`TRACE_STAGE_NAMES`: its last block ready, the last
+/// warp's activations rounded, keys summed, end...), and its end to the next launch's start. Only steps of the usual length count (not the first, which
 /// captures the graphs, nor those that grow the caches); the last launch of a step, whose chain
 /// runs on through the download and the host's turn, is left out. `None` off the GPU or
 /// untraced.
@@ -220,26 +225,67 @@ fn traced_decode(
             (median(chain.collect()), median(lag.collect()))
         })
         .collect();
+    // Within a launch, from its first block's inputs ready: each stage it marks (its last
+    // block's inputs ready, its last warp's activations rounded, keys summed, end...), then its
+    // end to the next launch's first block ready (medians over the steps).
+    let stages: Vec<Vec<Option<f64>>> = (0..per_step - 1)
+        .map(|p| {
+            let stage = |at: &dyn Fn(&[TracedLaunch]) -> Option<f64>| {
+                let v: Vec<f64> = steps.iter().filter_map(|s| at(s)).collect();
+                (!v.is_empty()).then(|| median(v))
+            };
+            let mut v: Vec<Option<f64>> = (1..TRACE_STAGES)
+                .map(|i| {
+                    stage(&|s| Some(us(s[p].stages_ns[TRACE_FIRST_READY]?, s[p].stages_ns[i]?)))
+                })
+                .collect();
+            v.push(stage(&|s| {
+                Some(us(
+                    s[p].stages_ns[TRACE_DONE]?,
+                    s[p + 1].stages_ns[TRACE_FIRST_READY]?,
+                ))
+            }));
+            v
+        })
+        .collect();
     let names = |p: usize| &steps[0][p].kernel;
-    let mut by_kernel: Vec<(&String, usize, f64, f64)> = Vec::new();
+    let mut by_kernel: Vec<(&String, usize, f64, f64, Vec<f64>)> = Vec::new();
     for (p, &(chain, lag)) in positions.iter().enumerate() {
+        let stage: Vec<f64> = stages[p].iter().map(|v| v.unwrap_or(f64::NAN)).collect();
         match by_kernel.iter_mut().find(|k| k.0 == names(p)) {
-            Some(k) => (k.1, k.2, k.3) = (k.1 + 1, k.2 + chain, k.3 + lag),
-            None => by_kernel.push((names(p), 1, chain, lag)),
+            Some(k) => {
+                (k.1, k.2, k.3) = (k.1 + 1, k.2 + chain, k.3 + lag);
+                k.4.iter_mut().zip(stage).for_each(|(a, b)| *a += b);
+            }
+            None => by_kernel.push((names(p), 1, chain, lag, stage)),
         }
     }
     by_kernel.sort_by(|a, b| b.2.total_cmp(&a.2));
+    let stage_json = |v: &[f64], count: f64| {
+        let names = TRACE_STAGE_NAMES[1..]
+            .iter()
+            .copied()
+            .chain(["done_to_next"]);
+        let at = |x: f64| (!x.is_nan()).then_some(x / count);
+        names
+            .zip(v)
+            .map(|(name, &x)| (format!("{name}_us"), json!(at(x))))
+            .collect::<serde_json::Map<_, _>>()
+    };
     Ok(Some(json!({
         "steps": steps.len(),
         "launches_per_step": per_step,
         "last_kernel": names(per_step - 1),
         "chain_us_but_last": positions.iter().map(|p| p.0).sum::<f64>(),
-        "by_kernel": by_kernel.iter().map(|(name, count, chain, lag)| json!({
+        "by_kernel": by_kernel.iter().map(|(name, count, chain, lag, stage)| json!({
             "kernel": name, "per_step": count, "chain_us": chain,
             "mean_lag_us": lag / *count as f64,
+            "mean_stages": stage_json(stage, *count as f64),
         })).collect::<Vec<_>>(),
         "first_positions": positions.iter().take(24).enumerate().map(|(p, (chain, lag))| json!({
             "kernel": names(p), "chain_us": chain, "lag_us": lag,
+            "stages": stage_json(
+                &stages[p].iter().map(|v| v.unwrap_or(f64::NAN)).collect::<Vec<_>>(), 1.0),
         })).collect::<Vec<_>>(),
     })))
 }

@@ -25,17 +25,54 @@ typedef long long i64;
 // or returns at once.
 //
 // With OXLM_TRACE defined (`Gpu::take_trace`), the first thread of each launch's first block
-// also records when it started and when its inputs were ready (%globaltimer, ns): the second
-// time of a launch and the next one's is how long the launch held the chain.
+// also records when it started, when its inputs were ready (%globaltimer, ns) and the launch's
+// %gridid: the second time of a launch and the next one's is how long the launch held the
+// chain. Every block then also records its inputs ready, and the int16 GEMVs and one
+// sequence's attention their stages (`trace_stage`), into the launch's slot by its grid id.
 #ifdef OXLM_TRACE
 #define TRACE_LAUNCHES 65536
-__device__ unsigned long long trace_times[2 * TRACE_LAUNCHES];
+__device__ unsigned long long trace_times[3 * TRACE_LAUNCHES];
 __device__ unsigned trace_count;
 __device__ __forceinline__ unsigned long long global_ns() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
+__device__ __forceinline__ unsigned long long grid_id() {
+    unsigned long long g;
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
+    return g;
+}
+// Per launch (slot gridid % TRACE_SLOTS), per stage, in TRACE_SHARDS copies (so that a launch's
+// warps do not all update one address): the latest time the stage was reached, by reductions
+// that return nothing, so that recording holds no warp up. The first stage holds the earliest
+// time a block's inputs were ready, as its complement. In the order of TRACE_STAGE_NAMES in
+// mod.rs.
+enum TraceStage {
+    TRACE_FIRST_READY,
+    TRACE_LAST_READY,
+    TRACE_ACTS,    // the int16 GEMVs' activations rounded; one sequence's attention's query loaded
+    TRACE_KEYS,    // one sequence's attention's keys and values summed
+    TRACE_DONE,    // a warp's end
+    TRACE_SCORES,  // one sequence's attention's first tile of scores
+    TRACE_COUNTED, // one sequence's attention's split counted
+    TRACE_STAGES
+};
+#define TRACE_SLOTS 1024
+#define TRACE_SHARDS 8
+__device__ unsigned long long trace_stages[TRACE_SLOTS][TRACE_STAGES][TRACE_SHARDS];
+__device__ __forceinline__ void trace_stage(int stage, unsigned shard) {
+    const unsigned long long t = global_ns();
+    atomicMax(&trace_stages[grid_id() % TRACE_SLOTS][stage][shard % TRACE_SHARDS],
+              stage == TRACE_FIRST_READY ? ~t : t);
+}
+#define TRACE_WARP(stage)                                                                          \
+    if ((threadIdx.x & 31) == 0) trace_stage(stage, blockIdx.x + (threadIdx.x >> 5))
+#define TRACE_BLOCK(stage)                                                                         \
+    if (threadIdx.x == 0) trace_stage(stage, blockIdx.x)
+#else
+#define TRACE_WARP(stage)
+#define TRACE_BLOCK(stage)
 #endif
 __device__ __forceinline__ void await_inputs() {
 #ifdef OXLM_TRACE
@@ -49,7 +86,13 @@ __device__ __forceinline__ void await_inputs() {
     if (traced) {
         const unsigned long long ready = global_ns();
         const unsigned i = atomicAdd(&trace_count, 1u);
-        if (i < TRACE_LAUNCHES) trace_times[2 * i] = started, trace_times[2 * i + 1] = ready;
+        if (i < TRACE_LAUNCHES)
+            trace_times[3 * i] = started, trace_times[3 * i + 1] = ready,
+            trace_times[3 * i + 2] = grid_id();
+    }
+    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
+        trace_stage(TRACE_FIRST_READY, blockIdx.x + blockIdx.y);
+        trace_stage(TRACE_LAST_READY, blockIdx.x + blockIdx.y);
     }
 #endif
 #if __CUDA_ARCH__ >= 900
@@ -1027,6 +1070,7 @@ __device__ __forceinline__ void qdot_jobs(const Rows &rows, const Done &done, in
     await_inputs();
     float row_scale[M];
     const QActs a = quantize_acts<BITS, M>(x, k, m, norm, eps, row_scale);
+    TRACE_BLOCK(TRACE_ACTS);
     float acc[R][M];
     zero(acc);
     int job = 0, i = 0;
@@ -1126,6 +1170,7 @@ __device__ void qgemv_int(const u32 *__restrict__ w, const typename S::T *__rest
     };
     qdot_jobs<BITS, S, 2, M>(rows, done, jobs_of(block, step, blocks), x, k, group, m, norm, eps,
                              part, parts);
+    TRACE_WARP(TRACE_DONE);
 }
 
 // Attention's projections of one token, its RoPE and its cache write in one launch: queries
@@ -1182,6 +1227,7 @@ __device__ void qkv_rope(const u32 *wq, const typename S::T *sq, const typename 
         v1 = warp_sum(acc[1][0]);
     };
     qdot_jobs<BITS, S, 2, 1>(both, sums, 1, x, k, group, 1, norm, eps, 0, 1);
+    TRACE_WARP(TRACE_DONE);
     if ((threadIdx.x & 31) != 0 || pair >= pairs) return;
     if (add) {
         v0 += add[rows[0]];
@@ -1243,6 +1289,7 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
     };
     qdot_jobs<BITS, S, 2, M>(rows, done, jobs_of(blockIdx.x, gridDim.x, blocks), x, k, group, m,
                              norm, eps, 0, 1);
+    TRACE_WARP(TRACE_DONE);
 }
 
 // Each kernel comes in four widths: for up to 8 activation rows (`qgemv_int_4_bf16`), up to 4
@@ -1761,6 +1808,7 @@ __device__ void attention_split(const float *__restrict__ q, const typename K::T
     const float *qv = q + (i64)th * d;
     for (int e = lane; e < E * 32; e += 32) qs[e] = e < d ? qv[e] : 0.f;
     __syncwarp();
+    TRACE_WARP(TRACE_ACTS);
     const i64 s0 = sk.s0, s1 = sk.s1;
     const int used = sk.used;
     float m = -INFINITY, l = 0.f, acc[E];
@@ -1813,6 +1861,7 @@ __device__ void attention_split(const float *__restrict__ q, const typename K::T
             }
             s = dot * scale;
         }
+        TRACE_WARP(TRACE_SCORES);
         const float m_new = fmaxf(m, warp_max(s));
         const float correction = expf(m - m_new);
         const float pr = lane < count ? expf(s - m_new) : 0.f;
@@ -1846,6 +1895,7 @@ __device__ void attention_split(const float *__restrict__ q, const typename K::T
         }
         m = m_new;
     }
+    TRACE_WARP(TRACE_KEYS);
     if (used == 1) {
         const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
@@ -1869,11 +1919,14 @@ __device__ void attention_split(const float *__restrict__ q, const typename K::T
         __syncwarp();
         unsigned done = 0;
         if (lane == 0) done = atomicAdd(counters + th, 1u);
-        if (__shfl_sync(0xffffffffu, done, 0) == (unsigned)used - 1) {
+        done = __shfl_sync(0xffffffffu, done, 0);
+        TRACE_WARP(TRACE_COUNTED);
+        if (done == (unsigned)used - 1) {
             combine_splits<E>(part + (i64)th * splits * (d + 2), out + (i64)th * d, d, used, lane);
             if (lane == 0) counters[th] = 0;
         }
     }
+    TRACE_WARP(TRACE_DONE);
 }
 
 // `attention_E_f32` over f32 rings, `attention_E_f16` over f16 ones.

@@ -114,13 +114,41 @@ struct Inner {
     traced: Option<Mutex<Vec<String>>>,
 }
 
+/// The traced stages' slots and shards (`trace_stages` in kernels.cu).
+const TRACE_SLOTS: usize = 1024;
+const TRACE_SHARDS: usize = 8;
+/// The stages a traced launch records, in the order of kernels.cu's `TRACE_*` stages.
+pub const TRACE_STAGE_NAMES: [&str; TRACE_STAGES] = [
+    "first_ready",
+    "last_ready",
+    "acts",
+    "keys",
+    "done",
+    "scores",
+    "counted",
+];
+pub const TRACE_STAGES: usize = 7;
+/// The stages at which a launch's first block found its inputs ready and a warp ended.
+pub const TRACE_FIRST_READY: usize = 0;
+pub const TRACE_DONE: usize = 4;
+
+fn words(bytes: &[u8]) -> Vec<u64> {
+    bytes
+        .chunks_exact(8)
+        .map(|b| u64::from_ne_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
 /// One launch of a traced run (see [`Gpu::take_trace`]): when its first block started and when
-/// its inputs were ready, in nanoseconds of the GPU's clock.
+/// its inputs were ready, in nanoseconds of the GPU's clock; then when it reached each of the
+/// [`TRACE_STAGE_NAMES`] (the first of its blocks for the first, the last for the others), where
+/// the kernel marks them.
 #[derive(Debug, Clone)]
 pub struct TracedLaunch {
     pub kernel: String,
     pub started_ns: u64,
     pub ready_ns: u64,
+    pub stages_ns: [Option<u64>; TRACE_STAGES],
 }
 
 impl Gpu {
@@ -366,7 +394,7 @@ impl Gpu {
         self.bind()?;
         let stream = &self.inner.stream;
         stream.synchronize().map_err(err)?;
-        let names = std::mem::take(&mut *traced.lock().unwrap());
+        let launched = std::mem::take(&mut *traced.lock().unwrap());
         let mut count = [0u8; 4];
         let mut counter = self
             .inner
@@ -381,32 +409,62 @@ impl Gpu {
             .module
             .get_global("trace_times", stream)
             .map_err(err)?;
-        let kept = count.min(times.len() / 16);
-        let mut bytes = vec![0u8; kept * 16];
+        let kept = count.min(times.len() / 24);
+        let mut bytes = vec![0u8; kept * 24];
         stream
-            .memcpy_dtoh(&times.slice(..kept * 16), &mut bytes)
+            .memcpy_dtoh(&times.slice(..kept * 24), &mut bytes)
             .map_err(err)?;
-        if count != names.len() || kept != count {
+        if count != launched.len() || kept != count {
             return Err(EngineError::Cuda(format!(
                 "the trace holds {kept} of {count} launches for {} kernels launched",
-                names.len()
+                launched.len()
             )));
         }
-        let times: Vec<u64> = bytes
-            .chunks_exact(8)
-            .map(|b| u64::from_ne_bytes(b.try_into().unwrap()))
-            .collect();
+        let stages = self.take_stages()?;
+        let times = words(&bytes);
+        // Each launch's slot of stages, unless two launches share one.
+        let slot = |grid: u64| (grid % TRACE_SLOTS as u64) as usize;
+        let mut used = vec![0u32; TRACE_SLOTS];
+        for t in times.chunks(3) {
+            used[slot(t[2])] += 1;
+        }
+        // The first stage holds complements, so that its latest is the earliest time.
+        let stage = |grid: u64, stage: usize| {
+            let shards =
+                &stages[(slot(grid) * TRACE_STAGES + stage) * TRACE_SHARDS..][..TRACE_SHARDS];
+            let latest = shards.iter().copied().max().filter(|&t| t > 0)?;
+            let first = stage == TRACE_FIRST_READY;
+            (used[slot(grid)] == 1).then_some(if first { !latest } else { latest })
+        };
         Ok(Some(
-            names
+            launched
                 .into_iter()
-                .zip(times.chunks(2))
+                .zip(times.chunks(3))
                 .map(|(kernel, t)| TracedLaunch {
                     kernel,
                     started_ns: t[0],
                     ready_ns: t[1],
+                    stages_ns: std::array::from_fn(|i| stage(t[2], i)),
                 })
                 .collect(),
         ))
+    }
+
+    /// The stages the launches since the last call recorded (`trace_stage` in kernels.cu),
+    /// emptied, as `[slot][stage][shard]`.
+    fn take_stages(&self) -> Result<Vec<u64>, EngineError> {
+        let stream = &self.inner.stream;
+        let mut stages = self
+            .inner
+            .module
+            .get_global("trace_stages", stream)
+            .map_err(err)?;
+        let mut bytes = vec![0u8; TRACE_SLOTS * TRACE_STAGES * TRACE_SHARDS * 8];
+        stream.memcpy_dtoh(&stages, &mut bytes).map_err(err)?;
+        stream
+            .memcpy_htod(&vec![0u8; bytes.len()], &mut stages)
+            .map_err(err)?;
+        Ok(words(&bytes))
     }
 
     /// Copies `bytes` between device addresses.
