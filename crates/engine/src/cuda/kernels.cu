@@ -1036,10 +1036,12 @@ __device__ __forceinline__ void qdot_run(const RunWeights<BITS, S, R> &rw, const
 // before the block rounds x[m, k] into shared memory (once, however many sets follow); each
 // stage, once summed, is refilled with the run D ahead, the next set's first while a set's last
 // are summed. Two stages: a third measured no faster on the H200 (2026-12-01) and costs
-// registers, which more warps an SM put to better use.
-template <int BITS, class S, int R, int M, class Rows, class Done>
-__device__ __forceinline__ void qdot_jobs(const Rows &rows, const Done &done, int jobs,
-                                          const float *__restrict__ x, int k, int group, int m,
+// registers, which more warps an SM put to better use. ready() runs once the inputs are, before
+// the activations are rounded, for loads of its own to fly with theirs.
+template <int BITS, class S, int R, int M, class Rows, class Done, class Ready>
+__device__ __forceinline__ void qdot_jobs(const Rows &rows, const Done &done, const Ready &ready,
+                                          int jobs, const float *__restrict__ x, int k, int group,
+                                          int m,
                                           const float *__restrict__ norm, float eps, int part,
                                           int parts) {
     constexpr int D = 2;
@@ -1068,6 +1070,7 @@ __device__ __forceinline__ void qdot_jobs(const Rows &rows, const Done &done, in
         advance(fetch_job, fetch_i);
     }
     await_inputs();
+    ready();
     float row_scale[M];
     const QActs a = quantize_acts<BITS, M>(x, k, m, norm, eps, row_scale);
     TRACE_BLOCK(TRACE_ACTS);
@@ -1135,6 +1138,15 @@ __device__ void qgemv_int(const u32 *__restrict__ w, const typename S::T *__rest
             br[i] = biases + row * groups;
         }
     };
+    // The lane that writes a set's sums.
+    auto writes = [&](int job) {
+        return (threadIdx.x & 31) == 0 && part == 0 && first_row(job) < n;
+    };
+    // For one or two rows only: the wider kernels have no registers to spare (measured on the
+    // H200, 2026-12-04: one sequence of the 0.85B llama 1,953-1,960 -> 2,035-2,037 tok/s, the
+    // 7.2B 491 -> 504, Qwen2.5-0.5B's shape 1,557-1,584 -> 1,638-1,640).
+    constexpr bool EARLY = M <= 2;
+    float prior[2][M];
     auto done = [&](int job, float (&acc)[2][M]) {
 #pragma unroll
         for (int i = 0; i < 2; i++)
@@ -1156,7 +1168,7 @@ __device__ void qgemv_int(const u32 *__restrict__ w, const typename S::T *__rest
                         for (int r = 0; r < M; r++) acc[i][r] += shares[warp + p][i][r];
         }
         const int row0 = first_row(job);
-        if ((threadIdx.x & 31) != 0 || part != 0 || row0 >= n) return;
+        if (!writes(job)) return;
 #pragma unroll
         for (int i = 0; i < 2; i++)
 #pragma unroll
@@ -1164,12 +1176,23 @@ __device__ void qgemv_int(const u32 *__restrict__ w, const typename S::T *__rest
                 if (r >= m) break;
                 if (row0 + i < n) {
                     float *o = y + (i64)r * n + row0 + i;
-                    *o = accumulate ? *o + acc[i][r] : acc[i][r];
+                    const float before = EARLY && job == 0 ? prior[i][r] : *o;
+                    *o = accumulate ? before + acc[i][r] : acc[i][r];
                 }
             }
     };
-    qdot_jobs<BITS, S, 2, M>(rows, done, jobs_of(block, step, blocks), x, k, group, m, norm, eps,
-                             part, parts);
+    // What the first set's rows add to, loaded with the activations rather than after the sums.
+    auto ready = [&] {
+        if (!EARLY || !accumulate || !writes(0)) return;
+        const int row0 = first_row(0);
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int r = 0; r < M; r++)
+                if (r < m && row0 + i < n) prior[i][r] = y[(i64)r * n + row0 + i];
+    };
+    qdot_jobs<BITS, S, 2, M>(rows, done, ready, jobs_of(block, step, blocks), x, k, group, m, norm,
+                             eps, part, parts);
     TRACE_WARP(TRACE_DONE);
 }
 
@@ -1226,7 +1249,7 @@ __device__ void qkv_rope(const u32 *wq, const typename S::T *sq, const typename 
         v0 = warp_sum(acc[0][0]);
         v1 = warp_sum(acc[1][0]);
     };
-    qdot_jobs<BITS, S, 2, 1>(both, sums, 1, x, k, group, 1, norm, eps, 0, 1);
+    qdot_jobs<BITS, S, 2, 1>(both, sums, [] {}, 1, x, k, group, 1, norm, eps, 0, 1);
     TRACE_WARP(TRACE_DONE);
     if ((threadIdx.x & 31) != 0 || pair >= pairs) return;
     if (add) {
@@ -1287,8 +1310,8 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
             }
         }
     };
-    qdot_jobs<BITS, S, 2, M>(rows, done, jobs_of(blockIdx.x, gridDim.x, blocks), x, k, group, m,
-                             norm, eps, 0, 1);
+    qdot_jobs<BITS, S, 2, M>(rows, done, [] {}, jobs_of(blockIdx.x, gridDim.x, blocks), x, k,
+                             group, m, norm, eps, 0, 1);
     TRACE_WARP(TRACE_DONE);
 }
 
