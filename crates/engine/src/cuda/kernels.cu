@@ -163,6 +163,24 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Σ over the warp of every lane's v[lane]: lane j gets the sum of all lanes' v[j]. Each of five
+// exchanges halves the values a lane keeps (31 shuffles in all, where 32 warp sums take 160).
+__device__ __forceinline__ float transpose_sum(float (&v)[32], int lane) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const bool upper = lane & o;
+        // A constant bound, so that the loops unroll and v stays in registers.
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            if (i >= o) break;
+            const float send = upper ? v[i] : v[i + o];
+            const float keep = upper ? v[i + o] : v[i];
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+        }
+    }
+    return v[0];
+}
+
 // ---- MLX affine weights ---------------------------------------------------------------------
 
 // A run of 32 weights is exactly BITS words and lies in one group (groups are 32, 64 or 128).
@@ -1804,7 +1822,6 @@ __device__ void attention_split(const float *__restrict__ q, const typename K::T
                                 unsigned *__restrict__ counters, int heads, int kv_heads, int d,
                                 int capacity, i64 start, i64 window, float scale, int splits,
                                 int per_split, int th, int split) {
-    __shared__ __align__(16) float qs[E * 32];
     const int lane = threadIdx.x;
     const int t = th / heads, h = th % heads;
     const int kvh = h / (heads / kv_heads);
@@ -1828,9 +1845,28 @@ __device__ void attention_split(const float *__restrict__ q, const typename K::T
     }
     await_inputs();
     if (!has_keys) return;
+    // The lane's E features of the query and of each key: lane·E.. (zeros past d).
     const float *qv = q + (i64)th * d;
-    for (int e = lane; e < E * 32; e += 32) qs[e] = e < d ? qv[e] : 0.f;
-    __syncwarp();
+    auto key_share = [&](const typename K::T *kr, float(&v)[E]) {
+        const int f0 = lane * E;
+        if constexpr (E >= 4) {
+            if ((d & 3) == 0) {
+#pragma unroll
+                for (int c = 0; c < E / 4; c++) {
+                    const bool in = f0 + 4 * c < d;
+                    const float4 a = K::load4(kr, in ? f0 / 4 + c : 0);
+                    v[4 * c] = in ? a.x : 0.f, v[4 * c + 1] = in ? a.y : 0.f;
+                    v[4 * c + 2] = in ? a.z : 0.f, v[4 * c + 3] = in ? a.w : 0.f;
+                }
+                return;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < E; i++) v[i] = f0 + i < d ? K::load(kr, f0 + i) : 0.f;
+    };
+    float qr[E];
+#pragma unroll
+    for (int i = 0; i < E; i++) qr[i] = lane * E + i < d ? qv[lane * E + i] : 0.f;
     TRACE_WARP(TRACE_ACTS);
     const i64 s0 = sk.s0, s1 = sk.s1;
     const int used = sk.used;
@@ -1848,11 +1884,11 @@ __device__ void attention_split(const float *__restrict__ q, const typename K::T
         const int count = (int)min((i64)32, s1 - p0);
         // Slots follow p0's without a division per key (positions past the ring's end wrap).
         const int slot0 = (int)(p0 % capacity);
-        auto value_row = [&](int j) {
+        auto slot_of = [&](int j) {
             int slot = slot0 + (j < count ? j : 0);
-            if (slot >= capacity) slot -= capacity;
-            return vh + (i64)slot * d;
+            return slot >= capacity ? slot - capacity : slot;
         };
+        auto value_row = [&](int j) { return vh + (i64)slot_of(j) * d; };
         float vfirst[VB][E];
 #pragma unroll
         for (int j = 0; j < VB; j++) {
@@ -1863,27 +1899,27 @@ __device__ void attention_split(const float *__restrict__ q, const typename K::T
                 vfirst[j][e] = f < d ? K::load(vr, f) : 0.f;
             }
         }
-        float s = -INFINITY;
-        if (lane < count) {
-            int slot = slot0 + lane;
-            if (slot >= capacity) slot -= capacity;
-            const typename K::T *kr = kh + (i64)slot * d;
-            float dot = 0.f;
-            if ((d & 3) == 0) {
-                const float4 *q4 = reinterpret_cast<const float4 *>(qs);
-                // Unconditional loads (past the row's end they repeat its last four, which
-                // meet the zeros the query is padded with) so that they all fly at once.
-                const int last = (d >> 2) - 1;
+        // Each key row is one load across the warp (the lanes' shares of its features), rather
+        // than a row a lane, which takes a cache line per lane and load; the lanes' dot products
+        // are then summed so that lane j holds key j's. Keys past `count` read the tile's first
+        // slot and score -inf.
+        constexpr int KB = E <= 4 ? 32 : 128 / E;
+        float dots[32];
 #pragma unroll
-                for (int e = 0; e < E * 8; e++) {
-                    const float4 a = q4[e], b = K::load4(kr, min(e, last));
-                    dot += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
-                }
-            } else {
-                for (int e = 0; e < d; e++) dot += qs[e] * K::load(kr, e);
+        for (int j0 = 0; j0 < 32; j0 += KB) {
+            float kv[KB][E];
+#pragma unroll
+            for (int j = 0; j < KB; j++) key_share(kh + (i64)slot_of(j0 + j) * d, kv[j]);
+#pragma unroll
+            for (int j = 0; j < KB; j++) {
+                float dot = 0.f;
+#pragma unroll
+                for (int i = 0; i < E; i++) dot += qr[i] * kv[j][i];
+                dots[j0 + j] = dot;
             }
-            s = dot * scale;
         }
+        const float dot = transpose_sum(dots, lane);
+        const float s = lane < count ? dot * scale : -INFINITY;
         TRACE_WARP(TRACE_SCORES);
         const float m_new = fmaxf(m, warp_max(s));
         const float correction = expf(m - m_new);
