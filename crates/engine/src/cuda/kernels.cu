@@ -1727,7 +1727,8 @@ extern "C" __global__ void kv_widen(const u16 *ring, float *out, int kv_heads, i
 // One warp per (query token, head, split of the visible keys), E = ceil(head_dim / 32) output
 // features per lane. Query t sees positions lo..hi: lo = max(start, positions[t] + 1 - window),
 // hi = positions[t] + 1 (its own key is in the cache already), slot p % capacity. Keys go 32 at
-// a time, one per lane, with an online softmax. Splits of per_split keys past hi have nothing to
+// a time (each row loaded across the warp, each key's score ending in its own lane), with an
+// online softmax. Splits of per_split keys past hi have nothing to
 // do and return at once. When only the first has keys its output is final; otherwise (max, sum,
 // unnormalised output) per split go to `part`, and the split that finishes last (counted in
 // counters[th], which it sets back to 0) merges them into `out`: no second launch.
