@@ -56,6 +56,8 @@ enum TraceStage {
     TRACE_DONE,    // a warp's end
     TRACE_SCORES,  // one sequence's attention's first tile of scores
     TRACE_COUNTED, // one sequence's attention's split counted
+    TRACE_MERGE_MAXIMA, // the merge's maxima and sums loaded and reduced
+    TRACE_MERGE_SUMMED, // the merge's outputs summed
     TRACE_STAGES
 };
 #define TRACE_SLOTS 1024
@@ -1776,6 +1778,7 @@ __device__ void combine_splits(const float *pp, float *out_row, int d, int used,
         ws[h] = w;
     }
     l = warp_sum(l);
+    TRACE_WARP(TRACE_MERGE_MAXIMA);
     const float inv = l > 0.f ? 1.f / l : 0.f;
     constexpr int ROUND = 64 / E < 32 ? 64 / E : 32;
     float v[E];
@@ -1800,6 +1803,7 @@ __device__ void combine_splits(const float *pp, float *out_row, int d, int used,
             for (int e = 0; e < E; e++) v[e] += w * part[j][e];
         }
     }
+    TRACE_WARP(TRACE_MERGE_SUMMED);
 #pragma unroll
     for (int e = 0; e < E; e++) {
         const int f = lane + 32 * e;

@@ -126,8 +126,10 @@ pub const TRACE_STAGE_NAMES: [&str; TRACE_STAGES] = [
     "done",
     "scores",
     "counted",
+    "merge_maxima",
+    "merge_summed",
 ];
-pub const TRACE_STAGES: usize = 7;
+pub const TRACE_STAGES: usize = 9;
 /// The stages at which a launch's first block found its inputs ready and a warp ended.
 pub const TRACE_FIRST_READY: usize = 0;
 pub const TRACE_DONE: usize = 4;
