@@ -1764,9 +1764,10 @@ __device__ void combine_splits(const float *pp, float *out_row, int d, int used,
     float ms[2], ws[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        const int s = lane + 32 * h;
-        ms[h] = s < used ? __ldcg(pp + s * stride) : -INFINITY;
-        ws[h] = s < used ? __ldcg(pp + s * stride + 1) : 0.f;
+        const int s = lane + 32 * h, at = min(s, used - 1) * stride;
+        const float mv = __ldcg(pp + at), wv = __ldcg(pp + at + 1);
+        ms[h] = s < used ? mv : -INFINITY;
+        ws[h] = s < used ? wv : 0.f;
     }
     const float m = warp_max(fmaxf(ms[0], ms[1]));
     // Each split's weight exp(m_s - m); the softmax's denominator is Σ weight · sum.
@@ -1792,8 +1793,8 @@ __device__ void combine_splits(const float *pp, float *out_row, int d, int used,
         for (int j = 0; j < ROUND; j++)
 #pragma unroll
             for (int e = 0; e < E; e++) {
-                const int f = lane + 32 * e;
-                part[j][e] = s0 + j < used && f < d ? __ldcg(pp + (s0 + j) * stride + 2 + f) : 0.f;
+                const int s = min(s0 + j, used - 1), f = min(lane + 32 * e, d - 1);
+                part[j][e] = __ldcg(pp + s * stride + 2 + f);
             }
 #pragma unroll
         for (int j = 0; j < ROUND; j++) {
