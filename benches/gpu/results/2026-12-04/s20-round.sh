@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Session 20's eleventh call: one sequence's split merge loads up to 32 splits' outputs in one
+# round for head dims to 128 (.device/oxlm; before, 16 splits a round at d = 128), against main
+# at 6b8146e (.device/oxlm-a). The GPU tests on it; then decode, one to 8 sequences and one
+# after 2,048 tokens, two rounds alternated; 4-bit, 512-token prompts.
+set -uo pipefail
+OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
+export OXLM_CACHE="$PWD/.device/cache"
+start=$SECONDS
+benches/gpu/device.sh models > "$OUT/models.log" 2>&1 &
+for t in .device/tests/*; do
+  echo "== $t"
+  timeout 300 "$t" --test-threads=1 --nocapture --skip kernels_compile 2>&1; echo "rc $?"
+done > "$OUT/tests.log" 2>&1
+grep -E "^(==|rc|test result|.*FAILED.*|.*panicked.*)" "$OUT/tests.log"
+wait
+run() { # binary, model
+  timeout 300 .device/$1 bench --device cuda --model /tmp/models/$2 --prompt-tokens 512 \
+    --gen-tokens 128 --repeats 1 --batch 2 --batch 4 --batch 8 --depth 2048 \
+    | sed "s/^{/{\"build\":\"$1\",/" >> "$OUT/ab.jsonl"
+}
+for round in 1 2; do
+  for m in llama-0.85b-4 llama-7.2b-4 qwen2.5-0.5b-4; do
+    for b in oxlm-a oxlm; do run $b $m; done
+  done
+  echo "round $round at $((SECONDS - start)) s"
+done
+python3 - "$OUT" <<'PY'
+import json, sys, collections
+runs = collections.defaultdict(list)
+for l in open(sys.argv[1] + "/ab.jsonl"):
+    r = json.loads(l)
+    runs[(r["model"].split("/")[-1], r["build"])].append([round(r["decode_tps"])] + [round(b["decode_tps"]) for b in r["batches"]] + [round(d["decode_tps"]) for d in r["depths"]])
+for k, v in runs.items(): print(*k, v)
+PY
