@@ -176,10 +176,10 @@ fn decode(
 /// before it was ready it started (its early start), medians over the steps; then the same for
 /// the first launches of a step. Each also holds when, from its first block's inputs ready, it
 /// reached the stages its kernel marks (`TRACE_STAGE_NAMES`: its last block ready, the last
-/// warp's activations rounded, keys summed, end...), and its end to the next launch's start. Only steps of the usual length count (not the first, which
-/// captures the graphs, nor those that grow the caches); the last launch of a step, whose chain
-/// runs on through the download and the host's turn, is left out. `None` off the GPU or
-/// untraced.
+/// warp's activations rounded, keys summed, end...), and its end to the next launch's start.
+/// Only steps of the usual length count (not the first, which captures the graphs, nor those
+/// that grow the caches); the last launch of a step, whose chain runs on through the download
+/// and the host's turn, is left out. `None` off the GPU or untraced.
 fn traced_decode(
     model: &dyn LanguageModel,
     kv_cache: KvPrecision,
@@ -227,14 +227,18 @@ fn traced_decode(
         .collect();
     // Within a launch, from its first block's inputs ready: each stage it marks (its last
     // block's inputs ready, its last warp's activations rounded, keys summed, end...), then its
-    // end to the next launch's first block ready (medians over the steps).
-    let stages: Vec<Vec<Option<f64>>> = (0..per_step - 1)
+    // end to the next launch's first block ready (medians over the steps; NaN where unmarked).
+    let stages: Vec<Vec<f64>> = (0..per_step - 1)
         .map(|p| {
             let stage = |at: &dyn Fn(&[TracedLaunch]) -> Option<f64>| {
                 let v: Vec<f64> = steps.iter().filter_map(|s| at(s)).collect();
-                (!v.is_empty()).then(|| median(v))
+                if v.is_empty() {
+                    f64::NAN
+                } else {
+                    median(v)
+                }
             };
-            let mut v: Vec<Option<f64>> = (1..TRACE_STAGES)
+            let mut v: Vec<f64> = (1..TRACE_STAGES)
                 .map(|i| {
                     stage(&|s| Some(us(s[p].stages_ns[TRACE_FIRST_READY]?, s[p].stages_ns[i]?)))
                 })
@@ -251,7 +255,7 @@ fn traced_decode(
     let names = |p: usize| &steps[0][p].kernel;
     let mut by_kernel: Vec<(&String, usize, f64, f64, Vec<f64>)> = Vec::new();
     for (p, &(chain, lag)) in positions.iter().enumerate() {
-        let stage: Vec<f64> = stages[p].iter().map(|v| v.unwrap_or(f64::NAN)).collect();
+        let stage = stages[p].clone();
         match by_kernel.iter_mut().find(|k| k.0 == names(p)) {
             Some(k) => {
                 (k.1, k.2, k.3) = (k.1 + 1, k.2 + chain, k.3 + lag);
@@ -284,8 +288,7 @@ fn traced_decode(
         })).collect::<Vec<_>>(),
         "first_positions": positions.iter().take(24).enumerate().map(|(p, (chain, lag))| json!({
             "kernel": names(p), "chain_us": chain, "lag_us": lag,
-            "stages": stage_json(
-                &stages[p].iter().map(|v| v.unwrap_or(f64::NAN)).collect::<Vec<_>>(), 1.0),
+            "stages": stage_json(&stages[p], 1.0),
         })).collect::<Vec<_>>(),
     })))
 }

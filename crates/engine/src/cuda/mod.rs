@@ -397,15 +397,8 @@ impl Gpu {
         let stream = &self.inner.stream;
         stream.synchronize().map_err(err)?;
         let launched = std::mem::take(&mut *traced.lock().unwrap());
-        let mut count = [0u8; 4];
-        let mut counter = self
-            .inner
-            .module
-            .get_global("trace_count", stream)
-            .map_err(err)?;
-        stream.memcpy_dtoh(&counter, &mut count).map_err(err)?;
-        stream.memcpy_htod(&[0u8; 4], &mut counter).map_err(err)?;
-        let count = u32::from_ne_bytes(count) as usize;
+        let count = self.take_global("trace_count", 4)?;
+        let count = u32::from_ne_bytes(count.try_into().unwrap()) as usize;
         let times = self
             .inner
             .module
@@ -422,7 +415,10 @@ impl Gpu {
                 launched.len()
             )));
         }
-        let stages = self.take_stages()?;
+        let stages = words(&self.take_global(
+            "trace_stages",
+            TRACE_SLOTS * TRACE_STAGES * TRACE_SHARDS * 8,
+        )?);
         let times = words(&bytes);
         // Each launch's slot of stages, unless two launches share one.
         let slot = |grid: u64| (grid % TRACE_SLOTS as u64) as usize;
@@ -452,21 +448,18 @@ impl Gpu {
         ))
     }
 
-    /// The stages the launches since the last call recorded (`trace_stage` in kernels.cu),
-    /// emptied, as `[slot][stage][shard]`.
-    fn take_stages(&self) -> Result<Vec<u64>, EngineError> {
+    /// The first `bytes` of the kernels' global `name` (a trace's count, or its stages as
+    /// `[slot][stage][shard]`), zeroed for the next launches.
+    fn take_global(&self, name: &str, bytes: usize) -> Result<Vec<u8>, EngineError> {
         let stream = &self.inner.stream;
-        let mut stages = self
-            .inner
-            .module
-            .get_global("trace_stages", stream)
-            .map_err(err)?;
-        let mut bytes = vec![0u8; TRACE_SLOTS * TRACE_STAGES * TRACE_SHARDS * 8];
-        stream.memcpy_dtoh(&stages, &mut bytes).map_err(err)?;
+        let mut global = self.inner.module.get_global(name, stream).map_err(err)?;
+        let mut global = global.slice_mut(..bytes);
+        let mut taken = vec![0u8; bytes];
+        stream.memcpy_dtoh(&global, &mut taken).map_err(err)?;
         stream
-            .memcpy_htod(&vec![0u8; bytes.len()], &mut stages)
+            .memcpy_htod(&vec![0u8; bytes], &mut global)
             .map_err(err)?;
-        Ok(words(&bytes))
+        Ok(taken)
     }
 
     /// Copies `bytes` between device addresses.
