@@ -145,6 +145,9 @@ struct Decoded {
     replayed: u64,
     /// Microseconds per step of host work before each step's download (GPU).
     host_us: Option<f64>,
+    /// Microseconds per replayed step of the GPU's span, from its first graph's launch to its
+    /// last replayed call's end (GPU): the rest of a step's wall time the GPU is idle.
+    gpu_us: Option<f64>,
 }
 
 /// Decodes `n` greedy tokens for every sequence of `caches` at once, starting from `tokens`,
@@ -166,6 +169,10 @@ fn decode(
         host_us: steps
             .host_time()
             .map(|host| host.as_secs_f64() * 1e6 / n.max(1) as f64),
+        gpu_us: steps
+            .gpu_time()
+            .filter(|_| steps.replayed() > 0)
+            .map(|span| span.as_secs_f64() * 1e6 / steps.replayed() as f64),
     })
 }
 
@@ -313,7 +320,7 @@ pub fn run(args: Args) -> Result<()> {
     let kv_cache = args.kv_cache.unwrap_or_default();
     let (mut prefill_tps, mut decode_tps) = (Vec::new(), Vec::new());
     let mut replayed_steps = 0;
-    let mut host_us = Vec::new();
+    let (mut host_us, mut gpu_us) = (Vec::new(), Vec::new());
     // One untimed run first: page in the weights and grow the caches.
     for rep in 0..=args.repeats.max(1) {
         let t = Instant::now();
@@ -326,6 +333,7 @@ pub fn run(args: Args) -> Result<()> {
             prefill_tps.push(args.prompt_tokens as f64 / prefill_s);
             decode_tps.push(args.gen_tokens as f64 / decoded.seconds);
             host_us.extend(decoded.host_us);
+            gpu_us.extend(decoded.gpu_us);
         }
     }
     let trace = traced_decode(
@@ -370,6 +378,7 @@ pub fn run(args: Args) -> Result<()> {
             "decode_tps": (sequences * args.gen_tokens) as f64 / decoded.seconds,
             "replayed_steps": decoded.replayed,
             "host_us_per_step": decoded.host_us,
+            "gpu_us_per_step": decoded.gpu_us,
             "trace": trace,
         }));
     }
@@ -388,6 +397,7 @@ pub fn run(args: Args) -> Result<()> {
         "decode_tps_runs": decode_tps,
         "replayed_steps": replayed_steps,
         "decode_host_us_per_step": (!host_us.is_empty()).then(|| median(host_us)),
+        "decode_gpu_us_per_step": (!gpu_us.is_empty()).then(|| median(gpu_us)),
         "depths": depths,
         "batches": batches,
         "peak_rss_bytes": peak_memory_bytes(),

@@ -77,6 +77,12 @@ impl DecodeSteps {
     pub fn host_time(&self) -> Option<Duration> {
         self.0.as_ref().map(|r| r.walking)
     }
+
+    /// On a GPU, over the replayed steps so far: the GPU's time from each one's first graph
+    /// launch to the end of its last replayed call ([`StepReplay::gpu_span`]).
+    pub fn gpu_time(&self) -> Option<Duration> {
+        self.0.as_ref().map(|r| r.gpu_span)
+    }
 }
 
 impl PartialEq for Device {

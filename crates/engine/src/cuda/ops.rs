@@ -172,18 +172,34 @@ pub fn range(x: &Buffer, start: usize, len: usize) -> Result<Buffer> {
 pub fn greedy_rows(x: &Buffer, cols: usize) -> Result<Vec<crate::ops::Pick>> {
     let g = x.gpu().clone();
     let rows = x.len() / cols;
-    let picks = g.output(2 * rows)?;
-    if rows > 0 {
-        launch!(&g, "greedy_rows", blocks(rows, 1024); x.ptr(), picks.ptr(), int(cols)?);
+    if rows == 0 {
+        return Ok(Vec::new());
     }
-    Ok(picks
-        .download()?
+    if 8 * rows > super::PINNED_DOWNLOAD_BYTES {
+        let picks = g.output(2 * rows)?;
+        launch!(&g, "greedy_rows", blocks(rows, 1024); x.ptr(), picks.ptr(), int(cols)?);
+        return Ok(picks_of(&picks.download()?));
+    }
+    // Written by the kernel straight into pinned host memory: a decode step's end waits for no
+    // copy after its last kernel.
+    g.with_pinned(|host, device| {
+        launch!(&g, "greedy_rows", blocks(rows, 1024); x.ptr(), device, int(cols)?);
+        g.finish_queued()?;
+        // SAFETY: the kernel wrote 2 · rows floats there, and has finished.
+        let landed = unsafe { std::slice::from_raw_parts(host.cast::<f32>(), 2 * rows) };
+        Ok(picks_of(landed))
+    })
+}
+
+/// Picks from greedy_rows' pairs (id, log-probability).
+fn picks_of(pairs: &[f32]) -> Vec<crate::ops::Pick> {
+    pairs
         .chunks_exact(2)
         .map(|p| crate::ops::Pick {
             id: p[0] as u32,
             logprob: p[1],
         })
-        .collect())
+        .collect()
 }
 
 pub fn gather_rows(x: &Buffer, cols: usize, rows: &[usize]) -> Result<Buffer> {

@@ -22,7 +22,7 @@ use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{result, sys, CudaSlice, CudaStream, LaunchConfig};
+use cudarc::driver::{result, sys, CudaEvent, CudaSlice, CudaStream, LaunchConfig};
 
 use super::{err, Gpu};
 use crate::EngineError;
@@ -248,6 +248,11 @@ pub(crate) struct StepState {
     retired: Vec<Mode>,
     /// When the step's replayable part ended (its first download began).
     walked: Option<Instant>,
+    /// Recorded on the stream as a replayed step launches its first graph and as it ends its
+    /// replayable part: the GPU's span of the step ([`StepReplay::gpu_span`]).
+    span_events: Option<(CudaEvent, CudaEvent)>,
+    /// Whether this step recorded both.
+    spanned: (bool, bool),
 }
 
 // SAFETY: the staging pointer is pinned host memory owned by this state for the GPU's life,
@@ -281,6 +286,8 @@ impl StepState {
             finished: None,
             retired: Vec::new(),
             walked: None,
+            span_events: None,
+            spanned: (false, false),
         }
     }
 
@@ -314,6 +321,14 @@ impl StepState {
                 .result()
                 .map_err(err)?;
             self.staging = host.cast();
+        }
+        if self.span_events.is_none() {
+            let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let ctx = stream.context();
+            self.span_events = Some((
+                ctx.new_event(timed).map_err(err)?,
+                ctx.new_event(timed).map_err(err)?,
+            ));
         }
         Ok(())
     }
@@ -389,6 +404,12 @@ impl StepState {
                 *cursor += 1;
                 let current = &recorded.segments[*segment];
                 if *cursor == current.ops.len() {
+                    if *segment == 0 {
+                        if let Some((first, _)) = &self.span_events {
+                            first.record(stream).map_err(err)?;
+                            self.spanned.0 = true;
+                        }
+                    }
                     current.graph.launch().map_err(err)?;
                     *segment += 1;
                     *cursor = 0;
@@ -429,6 +450,10 @@ impl StepState {
             } => {
                 if *segment < recorded.segments.len() {
                     return self.go_direct(stream);
+                }
+                if let Some((_, last)) = &self.span_events {
+                    last.record(stream).map_err(err)?;
+                    self.spanned.1 = true;
                 }
                 if let Mode::Replay { recorded, .. } =
                     std::mem::replace(&mut self.mode, Mode::Direct)
@@ -483,6 +508,10 @@ pub struct StepReplay {
     /// The host's time up to each step's download (walking the model, launching), over all
     /// steps.
     pub walking: Duration,
+    /// The GPU's time from each replayed step's first graph launch to the end of its last
+    /// replayed call, over all replayed steps: beside the steps' wall time, what the GPU
+    /// spends idle between steps (the download, the host's turn, the first graph's launch).
+    pub gpu_span: Duration,
 }
 
 impl StepReplay {
@@ -494,6 +523,7 @@ impl StepReplay {
             replayed: 0,
             captured: 0,
             walking: Duration::ZERO,
+            gpu_span: Duration::ZERO,
         }
     }
 
@@ -515,6 +545,7 @@ impl StepReplay {
             state.staged.clear();
             state.finished = None;
             state.walked = None;
+            state.spanned = (false, false);
             state.mode = match self.recorded.take() {
                 Some(recorded) => Mode::Replay {
                     recorded,
@@ -543,7 +574,14 @@ impl StepReplay {
         let finished = state.finished.take();
         let walked = state.walked.take();
         let retired = !state.retired.is_empty();
+        let span = match (&state.span_events, state.spanned) {
+            (Some((first, last)), (true, true)) => first.elapsed_ms(last).ok(),
+            _ => None,
+        };
         drop(state);
+        if let Some(ms) = span {
+            self.gpu_span += Duration::from_secs_f64(f64::from(ms) / 1e3);
+        }
         if retired {
             // Graphs given up this step are released once they have run.
             stream.synchronize().map_err(err)?;
