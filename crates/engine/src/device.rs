@@ -78,6 +78,12 @@ impl DecodeSteps {
         self.0.as_ref().map(|r| r.walking)
     }
 
+    /// On a GPU, the size of the memory the steps take their temporaries from, which grows
+    /// when a step outgrows it.
+    pub fn arena_bytes(&self) -> Option<usize> {
+        self.0.as_ref().map(|r| r.arena_bytes())
+    }
+
     /// On a GPU, over the replayed steps so far: the GPU's time from each one's first graph
     /// launch to the end of its last replayed call ([`StepReplay::gpu_span`]).
     pub fn gpu_time(&self) -> Option<Duration> {

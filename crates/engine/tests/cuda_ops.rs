@@ -18,8 +18,8 @@ use common::{random_quantized, random_vec};
 use oxlm_engine::quant::{SUPPORTED_BITS, SUPPORTED_GROUP_SIZES};
 use oxlm_engine::recurrent::{self, DeltaRuleDims};
 use oxlm_engine::{
-    cuda, ops, DType, Device, FloatMatrix, KvBuffer, KvPrecision, Positions, QuantizedMatrix,
-    Tensor,
+    cuda, ops, DType, DecodeSteps, Device, FloatMatrix, KvBuffer, KvPrecision, Positions,
+    QuantizedMatrix, Tensor,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -178,6 +178,53 @@ fn many_row_products_in_row_slices() {
             TF32,
         );
     }
+}
+
+/// Steps whose temporaries outgrow the steps' arena (256 MiB at first) double it, so that the
+/// next steps are captured and replayed whole, and give the same result throughout: each step
+/// makes 320 products of 1 MiB (64 rows by 4,096) and sums them, and the sum matches the host's.
+#[test]
+fn decode_steps_grow_their_arena() {
+    let Some((dev, _turn)) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(14);
+    let (rows, cols, m, products) = (4096, 256, 64, 320);
+    let host = random_quantized(&mut rng, rows, cols, 4, 64, DType::BF16);
+    let mut w = host.clone();
+    w.place(&dev).unwrap();
+    let x = random_vec(&mut rng, m * cols);
+    let mut cpu = ops::matmul(&host, &Tensor::new(vec![m, cols], x.clone())).unwrap();
+    ops::scale_inplace(&mut cpu, products as f32).unwrap();
+    let xg = on(&dev, vec![m, cols], &x);
+    let mut steps = DecodeSteps::new(&dev);
+    let first = steps.arena_bytes().unwrap();
+    let mut sums = Vec::new();
+    for _ in 0..5 {
+        let sum = steps
+            .run(|| {
+                let mut sum = ops::matmul(&w, &xg)?;
+                for _ in 1..products {
+                    ops::add_inplace(&mut sum, &ops::matmul(&w, &xg)?)?;
+                }
+                sum.to_vec()
+            })
+            .unwrap();
+        sums.push(sum);
+    }
+    assert!(
+        steps.arena_bytes().unwrap() > first,
+        "the arena did not grow"
+    );
+    assert!(steps.replayed() > 0, "no step was replayed");
+    for sum in &sums {
+        assert_eq!(sum, &sums[0], "the steps' sums differ");
+    }
+    let gpu_sum = Tensor::new(vec![m, rows], sums[0].clone());
+    assert_close(
+        "the steps' sum",
+        &gpu_sum,
+        &cpu,
+        product_tolerance(4, m, false),
+    );
 }
 
 /// Greedy picks on the GPU, against the host's, over rows with ties (values on a coarse grid),
