@@ -682,6 +682,12 @@ extern "C" __global__ void __launch_bounds__(1024) mma_acts(const float *__restr
 // launch's dynamic shared memory ([slice][row][32 features]) and which the block adds up in
 // the slices' order, or blocks of one warp (blockIdx.y the slice), whose sums go to
 // part[slice, row, feature] for `mma_reduce`. One slice's output is final.
+// *y (+)= sum · scale: a tensor-core product's row sum, its activations' scaling undone.
+__device__ __forceinline__ void store_scaled(float *y, float sum, float scale, int accumulate) {
+    const float v = sum * scale;
+    *y = accumulate ? *y + v : v;
+}
+
 template <int BITS, class S, int TILES>
 __device__ void qmma(const u32 *__restrict__ w, const typename S::T *__restrict__ scales,
                      const typename S::T *__restrict__ biases, const u16 *__restrict__ xh,
@@ -797,9 +803,7 @@ __device__ void qmma(const u32 *__restrict__ w, const typename S::T *__restrict_
                 const int row = 8 * j + 2 * t + (e & 1);
                 if (f >= n || row >= rows) continue;
                 if (whole) {
-                    float *o = y + (i64)row * n + f;
-                    const float v = acc[i][j][e] * row_scale[row];
-                    *o = accumulate ? *o + v : v;
+                    store_scaled(y + (i64)row * n + f, acc[i][j][e], row_scale[row], accumulate);
                 } else if (in_block) {
                     slice_sums[(slice * rows + row) * 32 + feature] = acc[i][j][e];
                 } else {
@@ -813,9 +817,7 @@ __device__ void qmma(const u32 *__restrict__ w, const typename S::T *__restrict_
         if (f >= n) continue;
         float v = 0.f;
         for (int s = 0; s < slices; s++) v += slice_sums[(s * rows + row) * 32 + (e & 31)];
-        float *o = y + (i64)row * n + f;
-        v *= row_scale[row];
-        *o = accumulate ? *o + v : v;
+        store_scaled(y + (i64)row * n + f, v, row_scale[row], accumulate);
     }
 }
 
@@ -829,8 +831,7 @@ extern "C" __global__ void mma_reduce(const float *__restrict__ part,
          i += (i64)gridDim.x * blockDim.x) {
         float v = 0.f;
         for (int s = 0; s < slices; s++) v += part[(i64)s * total + i];
-        v *= row_scale[i / n];
-        y[i] = accumulate ? y[i] + v : v;
+        store_scaled(y + i, v, row_scale[i / n], accumulate);
     }
 }
 
@@ -1894,17 +1895,18 @@ __device__ void attention_split(const float *__restrict__ q, const typename K::T
             int slot = slot0 + (j < count ? j : 0);
             return slot >= capacity ? slot - capacity : slot;
         };
-        auto value_row = [&](int j) { return vh + (i64)slot_of(j) * d; };
-        float vfirst[VB][E];
-#pragma unroll
-        for (int j = 0; j < VB; j++) {
-            const typename K::T *vr = value_row(j);
+        // The lane's features lane + 32e of key j's value row (zeros past d).
+        auto value_share = [&](int j, float(&v)[E]) {
+            const typename K::T *vr = vh + (i64)slot_of(j) * d;
 #pragma unroll
             for (int e = 0; e < E; e++) {
                 const int f = lane + 32 * e;
-                vfirst[j][e] = f < d ? K::load(vr, f) : 0.f;
+                v[e] = f < d ? K::load(vr, f) : 0.f;
             }
-        }
+        };
+        float vfirst[VB][E];
+#pragma unroll
+        for (int j = 0; j < VB; j++) value_share(j, vfirst[j]);
         // Each key row is one load across the warp (the lanes' shares of its features), rather
         // than a row a lane, which takes a cache line per lane and load; the lanes' dot products
         // are then summed so that lane j holds key j's. Keys past `count` read the tile's first
@@ -1943,14 +1945,7 @@ __device__ void attention_split(const float *__restrict__ q, const typename K::T
         for (int j0 = VB; j0 < 32; j0 += BATCH) {
             float v[BATCH][E];
 #pragma unroll
-            for (int j = 0; j < BATCH; j++) {
-                const typename K::T *vr = value_row(j0 + j);
-#pragma unroll
-                for (int e = 0; e < E; e++) {
-                    const int f = lane + 32 * e;
-                    v[j][e] = f < d ? K::load(vr, f) : 0.f;
-                }
-            }
+            for (int j = 0; j < BATCH; j++) value_share(j0 + j, v[j]);
 #pragma unroll
             for (int j = 0; j < BATCH; j++) {
                 const float pj = __shfl_sync(0xffffffffu, pr, j0 + j);
