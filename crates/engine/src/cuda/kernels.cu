@@ -676,18 +676,18 @@ extern "C" __global__ void __launch_bounds__(1024) mma_acts(const float *__restr
     for (int d = k + threadIdx.x; d < turns * 128; d += stride) xh[mma_act_index(r, d, turns)] = 0;
 }
 
-// One warp per 32 output features (two A tiles) and one slice of the runs (whole turns), over
-// TILES · 8 activation rows of xh: y = or += rows · Wᵀ, undoing the rows' scales. A tile's
-// slices are either the warps of its block (blockIdx.x the tile), whose sums meet in the
-// launch's dynamic shared memory ([slice][row][32 features]) and which the block adds up in
-// the slices' order, or blocks of one warp (blockIdx.y the slice), whose sums go to
-// part[slice, row, feature] for `mma_reduce`. One slice's output is final.
 // *y (+)= sum · scale: a tensor-core product's row sum, its activations' scaling undone.
 __device__ __forceinline__ void store_scaled(float *y, float sum, float scale, int accumulate) {
     const float v = sum * scale;
     *y = accumulate ? *y + v : v;
 }
 
+// One warp per 32 output features (two A tiles) and one slice of the runs (whole turns), over
+// TILES · 8 activation rows of xh: y = or += rows · Wᵀ, undoing the rows' scales. A tile's
+// slices are either the warps of its block (blockIdx.x the tile), whose sums meet in the
+// launch's dynamic shared memory ([slice][row][32 features]) and which the block adds up in
+// the slices' order, or blocks of one warp (blockIdx.y the slice), whose sums go to
+// part[slice, row, feature] for `mma_reduce`. One slice's output is final.
 template <int BITS, class S, int TILES>
 __device__ void qmma(const u32 *__restrict__ w, const typename S::T *__restrict__ scales,
                      const typename S::T *__restrict__ biases, const u16 *__restrict__ xh,

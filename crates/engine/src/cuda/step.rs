@@ -261,8 +261,9 @@ pub(crate) struct StepState {
     /// Recorded on the stream as a replayed step launches its first graph and as it ends its
     /// replayable part: the GPU's span of the step ([`StepReplay::gpu_span`]).
     span_events: Option<(CudaEvent, CudaEvent)>,
-    /// Whether this step recorded both.
-    spanned: (bool, bool),
+    /// Whether this step recorded the second (then it recorded the first too: a replay ends its
+    /// replayable part with every segment launched, the first among them).
+    spanned: bool,
 }
 
 // SAFETY: the staging pointer is pinned host memory owned by this state for the GPU's life,
@@ -299,7 +300,7 @@ impl StepState {
             retired: Vec::new(),
             walked: None,
             span_events: None,
-            spanned: (false, false),
+            spanned: false,
         }
     }
 
@@ -433,7 +434,6 @@ impl StepState {
                     if *segment == 0 {
                         if let Some((first, _)) = &self.span_events {
                             first.record(stream).map_err(err)?;
-                            self.spanned.0 = true;
                         }
                     }
                     current.graph.launch().map_err(err)?;
@@ -479,7 +479,7 @@ impl StepState {
                 }
                 if let Some((_, last)) = &self.span_events {
                     last.record(stream).map_err(err)?;
-                    self.spanned.1 = true;
+                    self.spanned = true;
                 }
                 if let Mode::Replay { recorded, .. } =
                     std::mem::replace(&mut self.mode, Mode::Direct)
@@ -578,7 +578,7 @@ impl StepReplay {
             state.staged.clear();
             state.finished = None;
             state.walked = None;
-            state.spanned = (false, false);
+            state.spanned = false;
             state.mode = match self.recorded.take() {
                 Some(recorded) => Mode::Replay {
                     recorded,
@@ -607,8 +607,8 @@ impl StepReplay {
         let finished = state.finished.take();
         let walked = state.walked.take();
         let retired = !state.retired.is_empty();
-        let span = match (&state.span_events, state.spanned) {
-            (Some((first, last)), (true, true)) => first.elapsed_ms(last).ok(),
+        let span = match &state.span_events {
+            Some((first, last)) if state.spanned => first.elapsed_ms(last).ok(),
             _ => None,
         };
         drop(state);
