@@ -867,17 +867,22 @@ fn one_wave(
 }
 
 /// Warps that share each pair of rows in `qgemv_int` (each a share of the rows' tiles of 32
-/// runs): two for matrices of fewer than 8,192 rows with rows of two tiles or more, so that a
-/// projection of few, long rows keeps as many loads in flight as a tall one. Measured on the
-/// H200 (2026-12-02, 4-bit): one, two and four shares decoded the 0.85B llama at 1,401, 1,466
-/// and 1,441 tok/s (its o and down projections, 2,048 rows), the 7.2B at 386, 417 and 386.
-fn int_parts(s: QuantShape) -> usize {
+/// runs): four or two where a row has tiles enough and every share still fits one wave of the
+/// kernel's `resident_warps`, else one, so that a projection of few, long rows keeps as many
+/// loads in flight as a tall one without a second wave. One sequence of the 0.85B llama: its
+/// down projection (2,048 rows of 5,632) takes four, its output projection two (rows of two
+/// tiles), the head one; the 7.2B's take two, and at two sequences, whose kernel holds fewer
+/// warps, one. Measured on the H200 (2026-12-04, 4-bit, 512-token prompts, two rounds) against
+/// two for every matrix of fewer than 8,192 rows with two tiles or more: a step of one sequence
+/// of Qwen2.5-0.5B's shape 546-550 -> 528 µs on the GPU (1,707-1,768 -> 1,784-1,796 tok/s), of
+/// the 0.85B 431 -> 425-429 µs; 2 sequences of the 7.2B 625-626 -> 641-649 tok/s.
+fn int_parts(s: QuantShape, resident_warps: usize) -> usize {
     let tiles = (s.cols / 32).div_ceil(32);
-    if s.rows < 8192 && tiles >= 2 {
-        2
-    } else {
-        1
-    }
+    let pairs = s.rows.div_ceil(2);
+    [4, 2]
+        .into_iter()
+        .find(|&parts| tiles >= parts && pairs * parts <= resident_warps)
+        .unwrap_or(1)
 }
 
 /// `y[m, rows] (+)= norm(x)[m, cols] · Wᵀ` through the int16-activation GEMV (`qgemv_int`), one
@@ -892,9 +897,10 @@ fn int_gemv(
 ) -> Result<()> {
     let g = &w.gpu;
     let threads = int_threads(s.cols);
-    let parts = int_parts(s);
-    let rows_per_block = 2 * threads as usize / 32 / parts;
     let name = int_kernel("qgemv", s, w.scale_type, m);
+    let resident_warps = g.resident_blocks(&name, threads, shared)? * threads as usize / 32;
+    let parts = int_parts(s, resident_warps);
+    let rows_per_block = 2 * threads as usize / 32 / parts;
     let (cfg, virtual_blocks) =
         one_wave(g, &name, s.rows.div_ceil(rows_per_block), threads, shared)?;
     let [norm_ptr, eps] = norm_args(norm);
