@@ -20,7 +20,8 @@
 #   llamacpp        llama-bench on GGUFs of the same shapes (Q4_0, Q8_0), once the build is done
 #   torch           PyTorch + transformers, bf16, the same shapes
 #   membw           the device-to-device copy bandwidth (the roofline)
-#   gemv            the matmul kernels alone at the benchmark shapes (examples/cuda_gemv.rs)
+#   gemv            the matmul kernels alone at the benchmark shapes and larger ones
+#                   (examples/cuda_gemv.rs)
 #   profile         Nsight Compute's duration of every kernel of a short decode on the 0.85B
 #                   4-bit llama (16-token prompt, 4 tokens), as CSV
 #   kernels         Nsight Compute's throughput, occupancy and stall sections for the decode

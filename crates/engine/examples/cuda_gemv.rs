@@ -1,7 +1,9 @@
 //! GPU matmul throughput on random MLX-quantized weights, at the shapes of the benchmark
-//! llamas: for one activation row (decoding), the time per call inside replayed step graphs,
-//! as decoding runs them, over copies of the matrix that together outgrow the L2 cache, and
-//! the GB/s of weight bytes that makes; for a 2048-row prefill, TFLOP/s.
+//! llamas and of larger models (a 70B's MLP, an 8B's head of 128,256 rows): for one activation
+//! row (decoding), the time per call inside replayed step graphs, as decoding runs them, over
+//! copies of the matrix that together outgrow the L2 cache many times (so that a step's launch
+//! and download weigh little beside its calls), and the GB/s of weight bytes that makes; for a
+//! 2048-row prefill, TFLOP/s.
 //!
 //! `cargo run --release -p oxlm-engine --example cuda_gemv [ROWSxCOLS...]` on a machine with a
 //! CUDA GPU: every shape, or the ones named (to profile one, for example).
@@ -10,8 +12,8 @@ use std::time::Instant;
 
 use oxlm_engine::{cuda, ops, Bytes, DType, DecodeSteps, Device, QuantizedMatrix, Tensor};
 
-/// Bytes of weights each decode step reads: several times the H200's 60 MB of L2.
-const STEP_BYTES: usize = 256 << 20;
+/// Bytes of weights each decode step reads: many times the H200's 60 MB of L2.
+const STEP_BYTES: usize = 1 << 30;
 
 fn random_matrix(rows: usize, cols: usize, bits: u32, seed: u64) -> QuantizedMatrix {
     let mut s = seed.wrapping_mul(6364136223846793005) | 1;
@@ -76,6 +78,9 @@ fn main() {
         (32000, 2048),
         (14336, 4096),
         (4096, 14336),
+        (28672, 8192),
+        (8192, 28672),
+        (128256, 4096),
     ];
     let chosen = shapes
         .into_iter()
