@@ -847,18 +847,18 @@ fn int_threads(cols: usize) -> u32 {
 }
 
 /// The launch of an int16-activation GEMV (`qgemv_int`, `qglu_int`) whose work is `work`
-/// blocks of `threads` with `shared` bytes: as many blocks as the GPU holds at once, or fewer,
-/// each taking its share of the work's blocks (virtual blocks, whose count the kernel takes as
-/// its last argument, returned here). A block rounds the activations once for all of its
-/// virtual blocks, and its loads run on from one into the next.
+/// blocks of `threads` with `shared` bytes: as many blocks as the GPU holds at once (`resident`,
+/// [`Gpu::resident_blocks`]), or fewer, each taking its share of the work's blocks (virtual
+/// blocks, whose count the kernel takes as its last argument, returned here). A block rounds
+/// the activations once for all of its virtual blocks, and its loads run on from one into the
+/// next.
 fn one_wave(
-    g: &Gpu,
-    name: &str,
+    resident: usize,
     work: usize,
     threads: u32,
     shared: u32,
 ) -> Result<(LaunchConfig, Arg)> {
-    let grid = work.min(g.resident_blocks(name, threads, shared)?);
+    let grid = work.min(resident);
     let cfg = LaunchConfig {
         shared_mem_bytes: shared,
         ..blocks(grid, threads)
@@ -898,11 +898,11 @@ fn int_gemv(
     let g = &w.gpu;
     let threads = int_threads(s.cols);
     let name = int_kernel("qgemv", s, w.scale_type, m);
-    let resident_warps = g.resident_blocks(&name, threads, shared)? * threads as usize / 32;
-    let parts = int_parts(s, resident_warps);
+    let resident = g.resident_blocks(&name, threads, shared)?;
+    let parts = int_parts(s, resident * threads as usize / 32);
     let rows_per_block = 2 * threads as usize / 32 / parts;
     let (cfg, virtual_blocks) =
-        one_wave(g, &name, s.rows.div_ceil(rows_per_block), threads, shared)?;
+        one_wave(resident, s.rows.div_ceil(rows_per_block), threads, shared)?;
     let [norm_ptr, eps] = norm_args(norm);
     launch!(g, &name, cfg;
         addr(g, &w.packed), addr(g, &w.scales), addr(g, &w.biases), x.ptr(), y,
@@ -1319,8 +1319,7 @@ pub fn quantized_glu(
         let threads = int_threads(s.cols);
         let name = int_kernel("qglu", s, gate.scale_type, m);
         let (cfg, virtual_blocks) = one_wave(
-            &g,
-            &name,
+            g.resident_blocks(&name, threads, shared)?,
             s.rows.div_ceil(threads as usize / 32),
             threads,
             shared,
