@@ -533,6 +533,28 @@ __device__ __forceinline__ void l2_prefetch(const void *p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+// Copies of 16 and 4 bytes from global into shared memory that the thread does not wait for
+// (`.cg`: the 16 bytes bypass L1), in groups it waits for with cp_async_wait.
+__device__ __forceinline__ void cp_async16(void *smem, const void *global) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(global) : "memory");
+}
+
+__device__ __forceinline__ void cp_async4(void *smem, const void *global) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(global) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Waits until at most N of the thread's latest cp.async groups are in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 __device__ __forceinline__ u32 f16x2_splat(float f) {
     const u32 h = f16_bits(f);
     return h | (h << 16);
@@ -983,7 +1005,18 @@ __device__ QActs quantize_acts(const float *__restrict__ x, int k, int m,
     return a;
 }
 
-// One run of R weight rows, loaded: its words, and its group's scale and bias per row.
+// The uint4 units of shared memory that quantize_acts fills for m rows of k activations; the
+// runs' pipeline (RunRing) follows them.
+__device__ __forceinline__ int acts_units(int k, int m) {
+    const int runs = k >> 5, tiles = (runs + 31) >> 5;
+    return m * tiles * 128 + (m * runs + 1) / 2;
+}
+
+// The stages of each lane's pipeline of weight runs in shared memory (RunRing); ops.rs's
+// `INT_RING_STAGES` sizes the launches' shared memory from the same number.
+#define INT_RING_STAGES 4
+
+// One run of R weight rows, in registers: its words, and its group's scale and bias per row.
 template <int BITS, class S, int R>
 struct RunWeights {
     u32 words[R][BITS];
@@ -999,6 +1032,78 @@ struct RunWeights {
             scale[i] = S::load(s[i], c >> gshift);
             bias[i] = S::load(b[i], c >> gshift);
         }
+    }
+};
+
+// The scale or bias at p, from the 4-byte word of shared memory that a copy of the aligned word
+// holding it filled.
+template <class S>
+__device__ __forceinline__ float group_value(u32 word, const typename S::T *p) {
+    if constexpr (sizeof(typename S::T) == 4) {
+        return __uint_as_float(word);
+    } else {
+        const u16 h = (u16)(reinterpret_cast<size_t>(p) & 2 ? word >> 16 : word);
+        return S::load(&h, 0);
+    }
+}
+
+// Each lane's pipeline of runs of R rows in shared memory: per stage and row, the run's BITS/4
+// 16-byte units, then the 4-byte words that hold its scale and bias, copied by cp.async so
+// that the bytes in flight are not bounded by registers. Every array is strided by the block's
+// threads, so that a warp's lanes touch consecutive words and each lane reads only what it
+// copied (a wait for its own groups, no barrier).
+template <int BITS, class S, int R>
+struct RunRing {
+    static constexpr int UNITS = BITS / 4;
+    uint4 *units;
+    u32 *words;
+    int threads, tid;
+
+    __device__ __forceinline__ RunRing(uint4 *base, int stages)
+        : units(base), words(reinterpret_cast<u32 *>(base + stages * R * UNITS * blockDim.x)),
+          threads(blockDim.x), tid(threadIdx.x) {}
+
+    // Starts copying run c of the rows whose words start at w[i] (scales, biases at s[i],
+    // b[i]; groups hold 2^gshift runs) into stage `st`.
+    __device__ __forceinline__ void fetch(int st, const u32 *const (&w)[R],
+                                          const typename S::T *const (&s)[R],
+                                          const typename S::T *const (&b)[R], int c, int gshift) {
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+#pragma unroll
+            for (int u = 0; u < UNITS; u++)
+                cp_async16(units + ((st * R + i) * UNITS + u) * threads + tid,
+                           w[i] + (i64)c * BITS + 4 * u);
+            const int g = c >> gshift;
+            cp_async4(words + (st * R + i) * 2 * threads + tid, aligned_word(s[i] + g));
+            cp_async4(words + ((st * R + i) * 2 + 1) * threads + tid, aligned_word(b[i] + g));
+        }
+    }
+
+    // Stage `st`, once its copies have landed, as run c of the rows whose scales and biases
+    // are at s[i] and b[i].
+    __device__ __forceinline__ void read(int st, RunWeights<BITS, S, R> &rw,
+                                         const typename S::T *const (&s)[R],
+                                         const typename S::T *const (&b)[R], int c,
+                                         int gshift) const {
+        const int g = c >> gshift;
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+#pragma unroll
+            for (int u = 0; u < UNITS; u++) {
+                const uint4 v = units[((st * R + i) * UNITS + u) * threads + tid];
+                rw.words[i][4 * u] = v.x;
+                rw.words[i][4 * u + 1] = v.y;
+                rw.words[i][4 * u + 2] = v.z;
+                rw.words[i][4 * u + 3] = v.w;
+            }
+            rw.scale[i] = group_value<S>(words[(st * R + i) * 2 * threads + tid], s[i] + g);
+            rw.bias[i] = group_value<S>(words[((st * R + i) * 2 + 1) * threads + tid], b[i] + g);
+        }
+    }
+
+    static __device__ __forceinline__ const void *aligned_word(const typename S::T *p) {
+        return reinterpret_cast<const void *>(reinterpret_cast<size_t>(p) & ~(size_t)3);
     }
 };
 
@@ -1056,30 +1161,39 @@ __device__ __forceinline__ void qdot_run(const RunWeights<BITS, S, R> &rw, const
 // kernel waits for its inputs (so, launched early, while the previous kernel still runs) and
 // before the block rounds x[m, k] into shared memory (once, however many sets follow); each
 // stage, once summed, is refilled with the run D ahead, the next set's first while a set's last
-// are summed. Two stages: a third measured no faster on the H200 (2026-12-01) and costs
-// registers, which more warps an SM put to better use. ready() runs once the inputs are, before
-// the activations are rounded, for loads of its own to fly with theirs.
-template <int BITS, class S, int R, int M, class Rows, class Done, class Ready>
+// are summed. The stages are registers (two: a third measured no faster on the H200,
+// 2026-12-01, and costs registers, which more warps an SM put to better use) or, with RING,
+// shared memory past the activations (RunRing, INT_RING_STAGES of them), which keeps more
+// bytes in flight with fewer registers. ready() runs once the inputs are, before the
+// activations are rounded, for loads of its own to fly with theirs.
+template <int BITS, class S, int R, int M, bool RING, class Rows, class Done, class Ready>
 __device__ __forceinline__ void qdot_jobs(const Rows &rows, const Done &done, const Ready &ready,
                                           int jobs, const float *__restrict__ x, int k, int group,
                                           int m,
                                           const float *__restrict__ norm, float eps, int part,
                                           int parts) {
-    constexpr int D = 2;
+    constexpr int D = RING ? INT_RING_STAGES : 2;
+    extern __shared__ uint4 smem[];
     const int runs = k >> 5, gshift = __ffs(group) - 6, step = 32 * parts;
     const int first = (threadIdx.x & 31) + 32 * part;
     const int per_job = (((runs + 31) >> 5) - part + parts - 1) / parts;
     const int items = jobs * per_job;
-    RunWeights<BITS, S, R> stage[D];
-    // Run i of set `job` into `st`, where there is one.
-    auto fetch = [&](RunWeights<BITS, S, R> &st, int job, int i) {
+    RunWeights<BITS, S, R> stage[RING ? 1 : D];
+    RunRing<BITS, S, R> ring(smem + acts_units(k, m), D);
+    // Run i of set `job` into stage `st`, where there is one; with RING a group of copies
+    // either way, so that every item's are the D-th group before its turn.
+    auto fetch = [&](int st, int job, int i) {
         const int c = first + i * step;
         if (job < jobs && c < runs) {
             const u32 *w[R];
             const typename S::T *sc[R], *bi[R];
             rows(job, w, sc, bi);
-            st.load(w, sc, bi, c, gshift);
+            if constexpr (RING)
+                ring.fetch(st, w, sc, bi, c, gshift);
+            else
+                stage[st].load(w, sc, bi, c, gshift);
         }
+        if constexpr (RING) cp_async_commit();
     };
     auto advance = [&](int &job, int &i) {
         if (++i == per_job) i = 0, job++;
@@ -1087,7 +1201,7 @@ __device__ __forceinline__ void qdot_jobs(const Rows &rows, const Done &done, co
     int fetch_job = 0, fetch_i = 0;
 #pragma unroll
     for (int d = 0; d < D; d++) {
-        fetch(stage[d], fetch_job, fetch_i);
+        fetch(d, fetch_job, fetch_i);
         advance(fetch_job, fetch_i);
     }
     await_inputs();
@@ -1098,25 +1212,42 @@ __device__ __forceinline__ void qdot_jobs(const Rows &rows, const Done &done, co
     float acc[R][M];
     zero(acc);
     int job = 0, i = 0;
-    for (int t0 = 0; t0 < items; t0 += D) {
-#pragma unroll
-        for (int d = 0; d < D; d++) {
-            if (t0 + d < items) {
-                const int c = first + i * step;
-                if (c < runs) qdot_run<BITS, S, R, M>(stage[d], a, c, m, acc);
-                fetch(stage[d], fetch_job, fetch_i);
-                advance(fetch_job, fetch_i);
-                if (i == per_job - 1) {
-                    if (norm)
-#pragma unroll
-                        for (int ii = 0; ii < R; ii++)
-#pragma unroll
-                            for (int r = 0; r < M; r++) acc[ii][r] *= row_scale[r];
-                    done(job, acc);
-                    zero(acc);
-                }
-                advance(job, i);
+    // Item t's run through stage st: summed, the stage refilled, the set's sums handed over.
+    auto item = [&](int st) {
+        const int c = first + i * step;
+        if constexpr (RING) {
+            cp_async_wait<D - 1>();
+            if (c < runs) {
+                const u32 *w[R];
+                const typename S::T *sc[R], *bi[R];
+                rows(job, w, sc, bi);
+                ring.read(st, stage[0], sc, bi, c, gshift);
+                qdot_run<BITS, S, R, M>(stage[0], a, c, m, acc);
             }
+        } else if (c < runs) {
+            qdot_run<BITS, S, R, M>(stage[st], a, c, m, acc);
+        }
+        // After the sums, which used what the stage held: a refill cannot overtake them.
+        fetch(st, fetch_job, fetch_i);
+        advance(fetch_job, fetch_i);
+        if (i == per_job - 1) {
+            if (norm)
+#pragma unroll
+                for (int ii = 0; ii < R; ii++)
+#pragma unroll
+                    for (int r = 0; r < M; r++) acc[ii][r] *= row_scale[r];
+            done(job, acc);
+            zero(acc);
+        }
+        advance(job, i);
+    };
+    if constexpr (RING) {
+        for (int t = 0; t < items; t++) item(t % D);
+    } else {
+        for (int t0 = 0; t0 < items; t0 += D) {
+#pragma unroll
+            for (int d = 0; d < D; d++)
+                if (t0 + d < items) item(d);
         }
     }
 }
@@ -1135,7 +1266,7 @@ __device__ __forceinline__ int jobs_of(int block, int step, int blocks) {
 // `blocks`: launched with as many blocks as the GPU holds at once, it rounds the activations
 // once for all of them and keeps its loads flowing from one pair of rows into the next. The
 // launch gives the activations their shared memory (`int_acts_bytes` in ops.rs).
-template <int BITS, class S, int M>
+template <int BITS, class S, int M, bool RING>
 __device__ void qgemv_int(const u32 *__restrict__ w, const typename S::T *__restrict__ scales,
                           const typename S::T *__restrict__ biases, const float *__restrict__ x,
                           float *__restrict__ y, int n, int k, int group, int m, int accumulate,
@@ -1212,7 +1343,7 @@ __device__ void qgemv_int(const u32 *__restrict__ w, const typename S::T *__rest
             for (int r = 0; r < M; r++)
                 if (r < m && row0 + i < n) prior[i][r] = y[(i64)r * n + row0 + i];
     };
-    qdot_jobs<BITS, S, 2, M>(rows, done, ready, jobs_of(block, step, blocks), x, k, group, m, norm,
+    qdot_jobs<BITS, S, 2, M, RING>(rows, done, ready, jobs_of(block, step, blocks), x, k, group, m, norm,
                              eps, part, parts);
     TRACE_WARP(TRACE_DONE);
 }
@@ -1270,7 +1401,7 @@ __device__ void qkv_rope(const u32 *wq, const typename S::T *sq, const typename 
         v0 = warp_sum(acc[0][0]);
         v1 = warp_sum(acc[1][0]);
     };
-    qdot_jobs<BITS, S, 2, 1>(both, sums, [] {}, 1, x, k, group, 1, norm, eps, 0, 1);
+    qdot_jobs<BITS, S, 2, 1, false>(both, sums, [] {}, 1, x, k, group, 1, norm, eps, 0, 1);
     TRACE_WARP(TRACE_DONE);
     if ((threadIdx.x & 31) != 0 || pair >= pairs) return;
     if (add) {
@@ -1300,7 +1431,7 @@ __device__ void qkv_rope(const u32 *wq, const typename S::T *sq, const typename 
 // The gated MLP's first half (see qglu) on int16 activations: each warp takes one row of the
 // gate and the same row of the up projection, a block `warps` of them in a virtual block; a
 // block takes virtual blocks blockIdx.x, + gridDim.x, ... below `blocks`, as qgemv_int's do.
-template <int BITS, class S, int M>
+template <int BITS, class S, int M, bool RING>
 __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__restrict__ gs,
                          const typename S::T *__restrict__ gb, const u32 *__restrict__ uw,
                          const typename S::T *__restrict__ us, const typename S::T *__restrict__ ub,
@@ -1331,7 +1462,7 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
             }
         }
     };
-    qdot_jobs<BITS, S, 2, M>(rows, done, [] {}, jobs_of(blockIdx.x, gridDim.x, blocks), x, k,
+    qdot_jobs<BITS, S, 2, M, RING>(rows, done, [] {}, jobs_of(blockIdx.x, gridDim.x, blocks), x, k,
                              group, m, norm, eps, 0, 1);
     TRACE_WARP(TRACE_DONE);
 }
@@ -1340,13 +1471,13 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
 // (`qgemv_int4_4_bf16`), 2 (`qgemv_int2_4_bf16`) and one (`qgemv_int1_4_bf16`), which decoding
 // a single sequence runs; holding fewer rows' sums takes fewer registers (4-bit, bf16 scales,
 // sm_90: qgemv 97, 80, 77, 64; qglu 107, 79, 69, 55), so more warps fit an SM.
-#define QUANTIZED_INT(BITS, S, NAME, M, TAG)                                                       \
+#define QUANTIZED_INT(BITS, S, NAME, M, TAG, RING)                                                 \
     /* A non-null norm RMS-norms the input first (an output head's final norm).              */ \
     extern "C" __global__ void qgemv_int##TAG##_##BITS##_##NAME(                                  \
         const u32 *w, const S::T *s, const S::T *b, const float *x, float *y, int n, int k,       \
         int g, int m, int acc, int parts, int blocks, const float *norm, float eps) {             \
-        qgemv_int<BITS, S, M>(w, s, b, x, y, n, k, g, m, acc, blockIdx.x, gridDim.x, blocks,      \
-                              parts, norm, eps);                                                  \
+        qgemv_int<BITS, S, M, RING>(w, s, b, x, y, n, k, g, m, acc, blockIdx.x, gridDim.x, blocks,\
+                                    parts, norm, eps);                                            \
     }                                                                                             \
     /* Two or three matrices of one input (attention's q, k and v), the blocks in their      */ \
     /* order; n2 = 0 leaves the third out. A non-null norm RMS-norms the input first.         */ \
@@ -1360,7 +1491,7 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
         const int blk = blockIdx.x, which = blk < nb0 ? 0 : blk < nb0 + nb1 ? 1 : 2;              \
         const int b = blk - (which > 0 ? nb0 : 0) - (which > 1 ? nb1 : 0);                        \
         /* One call of the inlined GEMV, on the chosen matrix: one virtual block, its own. */     \
-        qgemv_int<BITS, S, M>(which == 0 ? w0 : which == 1 ? w1 : w2,                             \
+        qgemv_int<BITS, S, M, RING>(which == 0 ? w0 : which == 1 ? w1 : w2,                       \
                               which == 0 ? s0 : which == 1 ? s1 : s2,                             \
                               which == 0 ? b0 : which == 1 ? b1 : b2, x,                          \
                               which == 0 ? y0 : which == 1 ? y1 : y2,                             \
@@ -1371,14 +1502,15 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
         const u32 *gw, const S::T *gs, const S::T *gb, const u32 *uw, const S::T *us,             \
         const S::T *ub, const float *x, float *out, int n, int k, int g, int m, int act,          \
         const float *norm, float eps, int blocks) {                                               \
-        qglu_int<BITS, S, M>(gw, gs, gb, uw, us, ub, x, out, n, k, g, m, act, norm, eps, blocks); \
+        qglu_int<BITS, S, M, RING>(gw, gs, gb, uw, us, ub, x, out, n, k, g, m, act, norm, eps,    \
+                                   blocks);                                                       \
     }
 
 #define QUANTIZED_INT_WIDTHS(BITS, S, NAME)                                                        \
-    QUANTIZED_INT(BITS, S, NAME, 8, )                                                              \
-    QUANTIZED_INT(BITS, S, NAME, 4, 4)                                                             \
-    QUANTIZED_INT(BITS, S, NAME, 2, 2)                                                             \
-    QUANTIZED_INT(BITS, S, NAME, 1, 1)                                                             \
+    QUANTIZED_INT(BITS, S, NAME, 8, , false)                                                       \
+    QUANTIZED_INT(BITS, S, NAME, 4, 4, false)                                                      \
+    QUANTIZED_INT(BITS, S, NAME, 2, 2, false)                                                      \
+    QUANTIZED_INT(BITS, S, NAME, 1, 1, false)                                                      \
     extern "C" __global__ void qkv_rope_int1_##BITS##_##NAME(                                     \
         const u32 *wq, const S::T *sq, const S::T *bq, const float *addq, const u32 *wk,          \
         const S::T *sk, const S::T *bk, const float *addk, const u32 *wv, const S::T *sv,         \
@@ -1391,6 +1523,17 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
     }
 
 FOR_INT_FORMATS(QUANTIZED_INT_WIDTHS)
+
+// The kernels of 2 and of up to 4 rows of 4-bit weights again, with their weight runs through
+// shared memory (RING), as `qgemv_int2r_4_bf16` and so on (ops.rs's `int_ring` chooses them).
+#define QUANTIZED_INT_RING(BITS, S, NAME)                                                          \
+    QUANTIZED_INT(BITS, S, NAME, 4, 4r, true)                                                      \
+    QUANTIZED_INT(BITS, S, NAME, 2, 2r, true)
+#define FOR_INT4_FORMATS(X) \
+    X(4, F32, f32)          \
+    X(4, F16, f16)          \
+    X(4, BF16, bf16)
+FOR_INT4_FORMATS(QUANTIZED_INT_RING)
 
 // ---- float weights --------------------------------------------------------------------------
 
@@ -2016,21 +2159,6 @@ ATTENTION_RINGS(16)
 template <class K>
 __device__ __forceinline__ int kv_units(int d) {
     return (d * (int)sizeof(typename K::T) + 15) / 16;
-}
-
-__device__ __forceinline__ void cp_async16(void *smem, const void *global) {
-    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(global) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-// Waits until at most N of the thread's latest cp.async groups are in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 // Copies into `tile` (keys' rows, then values' rows, 32 each of `units` 16-byte units) the rows

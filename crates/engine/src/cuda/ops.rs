@@ -812,9 +812,52 @@ const INT_MAX_SHARED_BYTES: usize = 100 << 10;
 /// (`shares`, 2 KiB for eight rows) and `quantize_acts`' sums of squares (1 KiB).
 const INT_STATIC_SHARED_BYTES: usize = 3 << 10;
 
+/// Stages of each lane's pipeline of weight runs in the ring kernels ([`int_ring`];
+/// `INT_RING_STAGES` in the kernels).
+const INT_RING_STAGES: usize = 4;
+
+/// Whether the int16-activation kernels for `m` rows of matrix `s` take their weight runs
+/// through a pipeline in shared memory (`RunRing` in the kernels, the `r` kernels of
+/// [`int_kernel`]) rather than two stages in registers: for two to four rows of a 4-bit matrix
+/// of [`RING_MIN_WEIGHTS`] or more, where the GEMV streams long enough for its bytes in flight,
+/// rather than its latency, to bound it.
+fn int_ring(s: QuantShape, m: usize) -> bool {
+    s.bits == 4 && (2..=4).contains(&m) && s.rows * s.cols >= RING_MIN_WEIGHTS
+}
+
+/// The least weights of a matrix whose 2-4-row GEMVs take the ring kernels: 8 MiB at 4 bits.
+/// Measured on the H200 (2026-12-04, 4-bit, 512-token prompts; tok/s of all sequences), against
+/// the stages in registers everywhere: with every such matrix, 2 sequences of the 0.85B llama
+/// 2,790 → 2,563, Qwen2.5-0.5B's shape 2,094 → 1,995, the 7.2B 646 → 681; from 16M weights
+/// (every projection of the 7.2B, its keys and values in one launch with its queries, and the
+/// three models' output heads), the 0.85B 2,790 → 2,781, Qwen's shape 2,094 → 2,118, the 7.2B
+/// 646 → 680 and at 4 sequences 908 → 984. At one row the ring was no better (4-bit 28,672×8,192 49.0 → 46.4 µs a
+/// call, 128,256×4,096 100.3 → 103.2; 8-bit twice as slow) and decoded one sequence 1-5% slower.
+const RING_MIN_WEIGHTS: usize = 1 << 24;
+
+/// The dynamic shared memory of an int16-activation kernel of `threads` over `acts` bytes of
+/// activations ([`int_acts_bytes`]): those, and with `ring` (4-bit weights) then each lane's
+/// pipeline of runs of two rows, per stage the rows' 16-byte runs and their scales' and biases'
+/// words.
+fn int_shared(acts: u32, threads: u32, ring: bool) -> u32 {
+    if !ring {
+        return acts;
+    }
+    let ring = threads as usize * INT_RING_STAGES * 2 * (16 + 8);
+    acts.next_multiple_of(16) + ring as u32
+}
+
+// The most a ring kernel takes fits the 227 KiB a block may have on the H100/H200 (blocks of up
+// to 512 threads, `int_threads`).
+const _: () = assert!(
+    INT_MAX_SHARED_BYTES + INT_STATIC_SHARED_BYTES + 512 * INT_RING_STAGES * 2 * (16 + 8)
+        <= 227 << 10
+);
+
 /// The int16-activation kernel `base` (`qgemv`, `qgemv3`, `qglu`) for `m` activation rows: the
 /// narrowest that holds them (`qgemv_int1_4_bf16` for one, `_int2_` for two, `_int4_` for up to
-/// four, `_int_` for up to eight), whose fewer registers let more warps fit an SM. Measured on
+/// four, `_int_` for up to eight; `_int2r_`, `_int4r_` where [`int_ring`] holds), whose fewer
+/// registers let more warps fit an SM. Measured on
 /// the H200 (2026-12-04, 4-bit, 512-token prompts), the widths of 2 and 4 against the 8-row
 /// kernels that took 2-4 rows before: 2 sequences of the 0.85B llama 2,219-2,269 → 2,595-2,691
 /// tok/s, 4 → 3,371-3,439 → 3,618-3,716; Qwen2.5-0.5B's shape 1,554-1,567 → 1,934-1,955 and
@@ -826,7 +869,8 @@ fn int_kernel(base: &str, s: QuantShape, scale_type: &str, m: usize) -> String {
         3 | 4 => "4",
         _ => "",
     };
-    format!("{base}_int{width}_{}_{scale_type}", s.bits)
+    let ring = if int_ring(s, m) { "r" } else { "" };
+    format!("{base}_int{width}{ring}_{}_{scale_type}", s.bits)
 }
 
 /// Threads per block of the int16-activation GEMVs, by the length of their rows (`cols`): 8
@@ -886,17 +930,18 @@ fn int_parts(s: QuantShape, resident_warps: usize) -> usize {
 }
 
 /// `y[m, rows] (+)= norm(x)[m, cols] · Wᵀ` through the int16-activation GEMV (`qgemv_int`), one
-/// wave of blocks taking the rows' virtual blocks, with `shared` bytes for the activations.
+/// wave of blocks taking the rows' virtual blocks, with `acts` bytes for the activations.
 fn int_gemv(
     (w, s): (&QuantizedWeights, QuantShape),
     x: &Buffer,
     m: usize,
     (y, accumulate): (u64, bool),
-    shared: u32,
+    acts: u32,
     norm: InputNorm,
 ) -> Result<()> {
     let g = &w.gpu;
     let threads = int_threads(s.cols);
+    let shared = int_shared(acts, threads, int_ring(s, m));
     let name = int_kernel("qgemv", s, w.scale_type, m);
     let resident = g.resident_blocks(&name, threads, shared)?;
     let parts = int_parts(s, resident * threads as usize / 32);
@@ -1155,6 +1200,7 @@ pub fn quantized_matmul_group(
         return Ok(Some(vec![y]));
     }
     let threads = int_threads(s.cols);
+    let shared = int_shared(shared, threads, int_ring(s, m));
     let per_block = 2 * threads as usize / 32;
     let outs = ws
         .iter()
@@ -1315,8 +1361,9 @@ pub fn quantized_glu(
         addr(&g, &up.scales),
         addr(&g, &up.biases),
     ];
-    if let Some(shared) = shared {
+    if let Some(acts) = shared {
         let threads = int_threads(s.cols);
+        let shared = int_shared(acts, threads, int_ring(s, m));
         let name = int_kernel("qglu", s, gate.scale_type, m);
         let (cfg, virtual_blocks) = one_wave(
             g.resident_blocks(&name, threads, shared)?,
