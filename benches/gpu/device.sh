@@ -168,7 +168,7 @@ run_kernels() {
   dir=/tmp/models/$1-4
   write_model 4 "$@"
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  "$ncu" --clock-control none --kernel-name regex:'attention_2|qgemv_int_4|qgemv3_int_4|qglu_int_4' \
+  "$ncu" --clock-control none --kernel-name regex:'attention_|qkv_rope_int1_4|qgemv_int1_4|qglu_int1_4' \
     --launch-skip 40 --launch-count 10 --section SpeedOfLight --section Occupancy \
     --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
     .device/oxlm bench --device cuda --model "$dir" --prompt-tokens 512 --gen-tokens 8 --repeats 1 \

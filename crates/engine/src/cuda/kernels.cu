@@ -1467,10 +1467,11 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
     TRACE_WARP(TRACE_DONE);
 }
 
-// Each kernel comes in four widths: for up to 8 activation rows (`qgemv_int_4_bf16`), up to 4
-// (`qgemv_int4_4_bf16`), 2 (`qgemv_int2_4_bf16`) and one (`qgemv_int1_4_bf16`), which decoding
-// a single sequence runs; holding fewer rows' sums takes fewer registers (4-bit, bf16 scales,
-// sm_90: qgemv 97, 80, 77, 64; qglu 107, 79, 69, 55), so more warps fit an SM.
+// Each kernel comes in three widths: for up to 4 activation rows (`qgemv_int4_4_bf16`; from 5
+// the tensor cores take them), 2 (`qgemv_int2_4_bf16`) and one (`qgemv_int1_4_bf16`), which
+// decoding a single sequence runs; holding fewer rows' sums takes fewer registers than the 8-row
+// kernels that took them before (4-bit, bf16 scales, sm_90: qgemv 80, 83, 64 against 113; qglu
+// 79, 69, 55 against 107), so more warps fit an SM.
 #define QUANTIZED_INT(BITS, S, NAME, M, TAG, RING)                                                 \
     /* A non-null norm RMS-norms the input first (an output head's final norm).              */ \
     extern "C" __global__ void qgemv_int##TAG##_##BITS##_##NAME(                                  \
@@ -1507,7 +1508,6 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
     }
 
 #define QUANTIZED_INT_WIDTHS(BITS, S, NAME)                                                        \
-    QUANTIZED_INT(BITS, S, NAME, 8, , false)                                                       \
     QUANTIZED_INT(BITS, S, NAME, 4, 4, false)                                                      \
     QUANTIZED_INT(BITS, S, NAME, 2, 2, false)                                                      \
     QUANTIZED_INT(BITS, S, NAME, 1, 1, false)                                                      \

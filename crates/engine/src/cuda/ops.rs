@@ -796,7 +796,7 @@ fn int_acts_bytes(g: &Gpu, s: QuantShape, m: usize) -> Option<u32> {
 fn int_acts_fit(s: QuantShape, m: usize) -> Option<u32> {
     let runs = s.cols / 32;
     let bytes = m * (runs.div_ceil(32) * 2048 + runs * 8);
-    (m <= GEMV_MAX_ROWS && bytes + INT_STATIC_SHARED_BYTES <= INT_MAX_SHARED_BYTES)
+    (m <= INT_MAX_ROWS && bytes + INT_STATIC_SHARED_BYTES <= INT_MAX_SHARED_BYTES)
         .then_some(bytes as u32)
 }
 
@@ -808,8 +808,12 @@ fn int_acts_fit(s: QuantShape, m: usize) -> Option<u32> {
 /// 129 KiB); the 0.85B 4 sequences at 3,642-3,720, 3,788-3,796 and 3,789-3,791.
 const INT_MAX_SHARED_BYTES: usize = 100 << 10;
 
-/// The int16-activation kernels' own shared arrays, at most: `qgemv_int`'s partial sums
-/// (`shares`, 2 KiB for eight rows) and `quantize_acts`' sums of squares (1 KiB).
+/// Activation rows the int16-activation kernels take at most: from [`MMA_MIN_ROWS`] the tensor
+/// cores do, wherever these kernels could.
+const INT_MAX_ROWS: usize = MMA_MIN_ROWS - 1;
+
+/// The int16-activation kernels' own shared arrays, at most, rounded up: `qgemv_int`'s partial
+/// sums (`shares`, 1 KiB for four rows) and `quantize_acts`' sums of squares (512 bytes).
 const INT_STATIC_SHARED_BYTES: usize = 3 << 10;
 
 /// Stages of each lane's pipeline of weight runs in the ring kernels ([`int_ring`];
@@ -856,7 +860,7 @@ const _: () = assert!(
 
 /// The int16-activation kernel `base` (`qgemv`, `qgemv3`, `qglu`) for `m` activation rows: the
 /// narrowest that holds them (`qgemv_int1_4_bf16` for one, `_int2_` for two, `_int4_` for up to
-/// four, `_int_` for up to eight; `_int2r_`, `_int4r_` where [`int_ring`] holds), whose fewer
+/// [`INT_MAX_ROWS`]; `_int2r_`, `_int4r_` where [`int_ring`] holds), whose fewer
 /// registers let more warps fit an SM. Measured on
 /// the H200 (2026-12-04, 4-bit, 512-token prompts), the widths of 2 and 4 against the 8-row
 /// kernels that took 2-4 rows before: 2 sequences of the 0.85B llama 2,219-2,269 → 2,595-2,691
@@ -866,8 +870,7 @@ fn int_kernel(base: &str, s: QuantShape, scale_type: &str, m: usize) -> String {
     let width = match m {
         1 => "1",
         2 => "2",
-        3 | 4 => "4",
-        _ => "",
+        _ => "4",
     };
     let ring = if int_ring(s, m) { "r" } else { "" };
     format!("{base}_int{width}{ring}_{}_{scale_type}", s.bits)
