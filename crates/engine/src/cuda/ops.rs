@@ -820,13 +820,17 @@ const INT_STATIC_SHARED_BYTES: usize = 3 << 10;
 /// `INT_RING_STAGES` in the kernels).
 const INT_RING_STAGES: usize = 4;
 
+/// Shared bytes of one lane's pipeline in the ring kernels: per stage, two rows' 16-byte runs
+/// of 4-bit weights and the 4-byte words that hold their scales and biases.
+const INT_RING_LANE_BYTES: usize = INT_RING_STAGES * 2 * (16 + 4 + 4);
+
 /// Whether the int16-activation kernels for `m` rows of matrix `s` take their weight runs
 /// through a pipeline in shared memory (`RunRing` in the kernels, the `r` kernels of
 /// [`int_kernel`]) rather than two stages in registers: for two to four rows of a 4-bit matrix
 /// of [`RING_MIN_WEIGHTS`] or more, where the GEMV streams long enough for its bytes in flight,
 /// rather than its latency, to bound it.
 fn int_ring(s: QuantShape, m: usize) -> bool {
-    s.bits == 4 && (2..=4).contains(&m) && s.rows * s.cols >= RING_MIN_WEIGHTS
+    s.bits == 4 && (2..=INT_MAX_ROWS).contains(&m) && s.rows * s.cols >= RING_MIN_WEIGHTS
 }
 
 /// The least weights of a matrix whose 2-4-row GEMVs take the ring kernels: 8 MiB at 4 bits.
@@ -835,37 +839,34 @@ fn int_ring(s: QuantShape, m: usize) -> bool {
 /// 2,790 → 2,563, Qwen2.5-0.5B's shape 2,094 → 1,995, the 7.2B 646 → 681; from 16M weights
 /// (every projection of the 7.2B, its keys and values in one launch with its queries, and the
 /// three models' output heads), the 0.85B 2,790 → 2,781, Qwen's shape 2,094 → 2,118, the 7.2B
-/// 646 → 680 and at 4 sequences 908 → 984. At one row the ring was no better (4-bit 28,672×8,192 49.0 → 46.4 µs a
-/// call, 128,256×4,096 100.3 → 103.2; 8-bit twice as slow) and decoded one sequence 1-5% slower.
+/// 646 → 680 and at 4 sequences 908 → 984. At one row the ring was no better (4-bit
+/// 28,672×8,192 49.0 → 46.4 µs a call, 128,256×4,096 100.3 → 103.2; 8-bit twice as slow) and
+/// decoded one sequence 1-5% slower.
 const RING_MIN_WEIGHTS: usize = 1 << 24;
 
 /// The dynamic shared memory of an int16-activation kernel of `threads` over `acts` bytes of
-/// activations ([`int_acts_bytes`]): those, and with `ring` (4-bit weights) then each lane's
-/// pipeline of runs of two rows, per stage the rows' 16-byte runs and their scales' and biases'
-/// words.
+/// activations ([`int_acts_bytes`]): those, and with `ring` each lane's pipeline after them.
 fn int_shared(acts: u32, threads: u32, ring: bool) -> u32 {
     if !ring {
         return acts;
     }
-    let ring = threads as usize * INT_RING_STAGES * 2 * (16 + 8);
-    acts.next_multiple_of(16) + ring as u32
+    acts.next_multiple_of(16) + (threads as usize * INT_RING_LANE_BYTES) as u32
 }
 
 // The most a ring kernel takes fits the 227 KiB a block may have on the H100/H200 (blocks of up
 // to 512 threads, `int_threads`).
 const _: () = assert!(
-    INT_MAX_SHARED_BYTES + INT_STATIC_SHARED_BYTES + 512 * INT_RING_STAGES * 2 * (16 + 8)
-        <= 227 << 10
+    INT_MAX_SHARED_BYTES + INT_STATIC_SHARED_BYTES + 512 * INT_RING_LANE_BYTES <= 227 << 10
 );
 
 /// The int16-activation kernel `base` (`qgemv`, `qgemv3`, `qglu`) for `m` activation rows: the
 /// narrowest that holds them (`qgemv_int1_4_bf16` for one, `_int2_` for two, `_int4_` for up to
-/// [`INT_MAX_ROWS`]; `_int2r_`, `_int4r_` where [`int_ring`] holds), whose fewer
-/// registers let more warps fit an SM. Measured on
-/// the H200 (2026-12-04, 4-bit, 512-token prompts), the widths of 2 and 4 against the 8-row
-/// kernels that took 2-4 rows before: 2 sequences of the 0.85B llama 2,219-2,269 → 2,595-2,691
-/// tok/s, 4 → 3,371-3,439 → 3,618-3,716; Qwen2.5-0.5B's shape 1,554-1,567 → 1,934-1,955 and
-/// 2,499-2,500 → 2,823-2,844; the 7.2B llama 519-520 → 568 and 836-837 → 889-892.
+/// [`INT_MAX_ROWS`]; `_int2r_`, `_int4r_` where [`int_ring`] holds), whose fewer registers let
+/// more warps fit an SM. Measured on the H200 (2026-12-04, 4-bit, 512-token prompts), the
+/// widths of 2 and 4 against the 8-row kernels that took 2-4 rows before: 2 sequences of the
+/// 0.85B llama 2,219-2,269 → 2,595-2,691 tok/s, 4 → 3,371-3,439 → 3,618-3,716; Qwen2.5-0.5B's
+/// shape 1,554-1,567 → 1,934-1,955 and 2,499-2,500 → 2,823-2,844; the 7.2B llama 519-520 → 568
+/// and 836-837 → 889-892.
 fn int_kernel(base: &str, s: QuantShape, scale_type: &str, m: usize) -> String {
     let width = match m {
         1 => "1",
