@@ -26,6 +26,11 @@
 #                   4-bit llama (16-token prompt, 4 tokens), as CSV
 #   kernels         Nsight Compute's throughput, occupancy and stall sections for the decode
 #                   GEMVs and attention of that model after a 512-token prompt
+#   mlx             mlx-lm on MLX's CUDA backend (mlx_lm_bench.py) on every model's 4-bit
+#                   checkpoint: one sequence after 512- and 2048-token prompts, then 8, 32 and 64
+#                   sequences. Its CUDA library comes in two parts (prepare.sh), each carried by
+#                   a call of its own on a machine that stays warm: the stage keeps the part a
+#                   call brings in /tmp/mlx and runs once both are there
 #   wait-llamacpp   waits for the background build
 # Logs and one JSON line per measurement go to $OUT (or ./out). ONLY=name (for example
 # ONLY=qwen2.5-0.5b) keeps every stage to one of the models below (batch, profile and kernels
@@ -176,6 +181,35 @@ run_kernels() {
   grep -E '^  [a-z_0-9]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued' "$OUT/kernels.txt" | head -80
 }
 
+run_mlx() {
+  local env=/tmp/mlx/env
+  mkdir -p /tmp/mlx
+  cp .device/mlx/* /tmp/mlx/ 2>/dev/null
+  if [ ! -f $env/.installed ]; then
+    if [ ! -f /tmp/mlx/part1 ] || [ ! -f /tmp/mlx/part2 ]; then
+      echo "mlx: kept $(ls /tmp/mlx | tr '\n' ' '); run this stage again with the other part"
+      return
+    fi
+    mkdir -p $env
+    cat /tmp/mlx/part1 /tmp/mlx/part2 | xz -d | tar xf - -C $env
+    for w in /tmp/mlx/*.whl; do python3 -m zipfile -e "$w" $env; done
+    touch $env/.installed
+  fi
+  export PYTHONPATH=$env LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib
+  if ! python3 -c 'import mlx.core as mx; assert mx.default_device() == mx.gpu' 2>> "$OUT/mlx.err"
+  then
+    echo "mlx: MLX has no GPU here (mlx.err)"
+    return
+  fi
+  run_models
+  for m in "${MODELS[@]}"; do
+    set -- $m
+    timeout 300 python3 benches/gpu/mlx_lm_bench.py /tmp/models/$1-4 2>> "$OUT/mlx.err" \
+      | tee -a "$OUT/mlx.jsonl"
+  done
+  unset PYTHONPATH LD_LIBRARY_PATH
+}
+
 run_membw() {
   python3 -c '
 import torch
@@ -201,6 +235,7 @@ for stage in "$@"; do
     llamacpp-batch) run_llamacpp_batch ;;
     torch) run_torch ;;
     membw) run_membw ;;
+    mlx) run_mlx ;;
     gemv) .device/cuda_gemv | tee "$OUT/gemv.txt" ;;
     profile) run_profile ;;
     kernels) run_kernels ;;

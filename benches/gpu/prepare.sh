@@ -38,4 +38,23 @@ if [ ! -f .device/llama.cpp.tgz ]; then
   tar czf .device/llama.cpp.tgz -C "$src/.." llama.cpp
   rm -rf "$tmp"
 fi
+# mlx-lm as a peer (device.sh's `mlx` stage): the wheels of MLX 0.32.4 for the machine's Python
+# (3.12) and CUDA (13), and mlx-lm 0.32.2, the oracle's versions, without dependencies (the
+# machine's PyTorch brings the CUDA 13 libraries MLX opens). MLX's CUDA library is a 90 MB wheel,
+# over what one call carries, so it comes recompressed (75 MB) in two parts (40 and 32 MiB),
+# each carried by a call of its own: .device/mlx/part1 with the wheels, then .device/mlx/part2
+# with the rest.
+if [ ! -f .device/mlx/part2 ]; then
+  tmp=$(mktemp -d)
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --platform manylinux_2_35_x86_64 -d "$tmp" mlx==0.32.4 mlx-cuda-13==0.32.4 mlx-lm==0.32.2
+  mkdir -p .device/mlx "$tmp/cuda"
+  mv "$tmp"/mlx-0.32.4-*.whl "$tmp"/mlx_lm-0.32.2-*.whl .device/mlx/
+  (cd "$tmp/cuda" && python3 -m zipfile -e "$tmp"/mlx_cuda_13-0.32.4-*.whl . && tar cf - . | xz -T2 -9) \
+    > "$tmp/cuda.tar.xz"
+  split -b 40M -d -a 1 "$tmp/cuda.tar.xz" "$tmp/part"
+  mv "$tmp/part0" .device/mlx/part1
+  mv "$tmp/part1" .device/mlx/part2
+  rm -rf "$tmp"
+fi
 du -sh .device/* .device/cache/*
