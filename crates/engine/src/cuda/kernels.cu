@@ -1275,10 +1275,13 @@ __device__ void qgemv_int(const u32 *__restrict__ w, const typename S::T *__rest
     __shared__ float shares[32][2][M];
     const int warp = threadIdx.x >> 5, part = warp % parts;
     const int rows_per_block = 2 * (blockDim.x >> 5) / parts;
+    // The warp's pair of rows within its block's, divided out once: inside first_row the
+    // division by `parts` was made again for every run a lane loaded.
+    const int pair_row = warp / parts * 2;
     const i64 groups = k / group, words = (i64)(k >> 5) * BITS;
     // The first of the warp's rows in its set `job`: past n for warps past the last row, which
     // still take part in rounding the activations (and read the last row).
-    auto first_row = [&](int job) { return (block + job * step) * rows_per_block + warp / parts * 2; };
+    auto first_row = [&](int job) { return (block + job * step) * rows_per_block + pair_row; };
     auto rows = [&](int job, const u32 *(&wr)[2], const typename S::T *(&sr)[2],
                     const typename S::T *(&br)[2]) {
         const int row0 = min(first_row(job), n - 1);
