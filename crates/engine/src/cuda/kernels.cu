@@ -1346,8 +1346,8 @@ __device__ void qgemv_int(const u32 *__restrict__ w, const typename S::T *__rest
             for (int r = 0; r < M; r++)
                 if (r < m && row0 + i < n) prior[i][r] = y[(i64)r * n + row0 + i];
     };
-    qdot_jobs<BITS, S, 2, M, RING>(rows, done, ready, jobs_of(block, step, blocks), x, k, group, m, norm,
-                             eps, part, parts);
+    qdot_jobs<BITS, S, 2, M, RING>(rows, done, ready, jobs_of(block, step, blocks), x, k, group, m,
+                                   norm, eps, part, parts);
     TRACE_WARP(TRACE_DONE);
 }
 
@@ -1465,8 +1465,8 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
             }
         }
     };
-    qdot_jobs<BITS, S, 2, M, RING>(rows, done, [] {}, jobs_of(blockIdx.x, gridDim.x, blocks), x, k,
-                             group, m, norm, eps, 0, 1);
+    qdot_jobs<BITS, S, 2, M, RING>(rows, done, [] {}, jobs_of(blockIdx.x, gridDim.x, blocks), x,
+                                   k, group, m, norm, eps, 0, 1);
     TRACE_WARP(TRACE_DONE);
 }
 

@@ -844,13 +844,14 @@ fn int_ring(s: QuantShape, m: usize) -> bool {
 /// decoded one sequence 1-5% slower.
 const RING_MIN_WEIGHTS: usize = 1 << 24;
 
-/// The dynamic shared memory of an int16-activation kernel of `threads` over `acts` bytes of
-/// activations ([`int_acts_bytes`]): those, and with `ring` each lane's pipeline after them.
-fn int_shared(acts: u32, threads: u32, ring: bool) -> u32 {
-    if !ring {
+/// The dynamic shared memory of the int16-activation kernel for `m` rows of matrix `s` over
+/// `acts` bytes of activations ([`int_acts_bytes`]): those, and where [`int_ring`] holds each
+/// lane's pipeline after them (its blocks of [`int_threads`]).
+fn int_shared(acts: u32, s: QuantShape, m: usize) -> u32 {
+    if !int_ring(s, m) {
         return acts;
     }
-    acts.next_multiple_of(16) + (threads as usize * INT_RING_LANE_BYTES) as u32
+    acts.next_multiple_of(16) + (int_threads(s.cols) as usize * INT_RING_LANE_BYTES) as u32
 }
 
 // The most a ring kernel takes fits the 227 KiB a block may have on the H100/H200 (blocks of up
@@ -945,7 +946,7 @@ fn int_gemv(
 ) -> Result<()> {
     let g = &w.gpu;
     let threads = int_threads(s.cols);
-    let shared = int_shared(acts, threads, int_ring(s, m));
+    let shared = int_shared(acts, s, m);
     let name = int_kernel("qgemv", s, w.scale_type, m);
     let resident = g.resident_blocks(&name, threads, shared)?;
     let parts = int_parts(s, resident * threads as usize / 32);
@@ -1204,7 +1205,7 @@ pub fn quantized_matmul_group(
         return Ok(Some(vec![y]));
     }
     let threads = int_threads(s.cols);
-    let shared = int_shared(shared, threads, int_ring(s, m));
+    let shared = int_shared(shared, s, m);
     let per_block = 2 * threads as usize / 32;
     let outs = ws
         .iter()
@@ -1367,7 +1368,7 @@ pub fn quantized_glu(
     ];
     if let Some(acts) = shared {
         let threads = int_threads(s.cols);
-        let shared = int_shared(acts, threads, int_ring(s, m));
+        let shared = int_shared(acts, s, m);
         let name = int_kernel("qglu", s, gate.scale_type, m);
         let (cfg, virtual_blocks) = one_wave(
             g.resident_blocks(&name, threads, shared)?,
