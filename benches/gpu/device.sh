@@ -195,19 +195,20 @@ run_mlx() {
     for w in /tmp/mlx/*.whl; do python3 -m zipfile -e "$w" $env; done
     touch $env/.installed
   fi
-  export PYTHONPATH=$env LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib
-  if ! python3 -c 'import mlx.core as mx; assert mx.default_device() == mx.gpu' 2>> "$OUT/mlx.err"
-  then
+  # MLX's Python for these commands alone, so that no other stage runs with it.
+  local python=(env PYTHONPATH=$env LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib
+    python3)
+  if ! "${python[@]}" -c 'import mlx.core as mx; assert mx.default_device() == mx.gpu' \
+    2>> "$OUT/mlx.err"; then
     echo "mlx: MLX has no GPU here (mlx.err)"
     return
   fi
   run_models
   for m in "${MODELS[@]}"; do
     set -- $m
-    timeout 300 python3 benches/gpu/mlx_lm_bench.py /tmp/models/$1-4 2>> "$OUT/mlx.err" \
+    timeout 300 "${python[@]}" benches/gpu/mlx_lm_bench.py /tmp/models/$1-4 2>> "$OUT/mlx.err" \
       | tee -a "$OUT/mlx.jsonl"
   done
-  unset PYTHONPATH LD_LIBRARY_PATH
 }
 
 run_membw() {

@@ -32,8 +32,9 @@ class NoTokenizer:
         return ""
 
 
-def one_sequence(model, prompt, gen):
-    """(prefill tok/s, decode tok/s) of one sequence: the first token comes from the prefill."""
+def one_sequence(model, prompts, gen):
+    """(prefill tok/s, decode tok/s) of prompts[0]: the first token comes from the prefill."""
+    prompt = prompts[0]
     t0 = time.perf_counter()
     steps = generate_step(mx.array(prompt), model, max_tokens=gen)
     next(steps)
@@ -42,6 +43,14 @@ def one_sequence(model, prompt, gen):
         pass
     t2 = time.perf_counter()
     return len(prompt) / (t1 - t0), (gen - 1) / (t2 - t1)
+
+
+def batched(model, prompts, gen):
+    """(prefill tok/s, decode tok/s) of all the prompts decoded together."""
+    n = len(prompts)
+    stats = batch_generate(model, NoTokenizer(), prompts, max_tokens=gen,
+                           completion_batch_size=n, prefill_batch_size=n).stats
+    return stats.prompt_tps, stats.generation_tps
 
 
 def main():
@@ -55,30 +64,18 @@ def main():
     vocab = config["vocab_size"]
     mx.random.seed(0)
     device = str(mx.default_device())
-    for prompt_tokens in (512, 2048):
+    cases = [(1, p, one_sequence) for p in (512, 2048)] + [(b, 512, batched) for b in a.batch]
+    for sequences, prompt_tokens, measure in cases:
         runs = []
         for rep in range(a.repeats + 1):
-            prompt = mx.random.randint(0, vocab, (prompt_tokens,)).tolist()
-            result = one_sequence(model, prompt, a.gen)
-            if rep:
+            prompts = mx.random.randint(0, vocab, (sequences, prompt_tokens)).tolist()
+            result = measure(model, prompts, a.gen)
+            if rep:  # the first is a warm-up
                 runs.append(result)
         print(json.dumps({"engine": "mlx-lm", "device": device, "model": a.model,
-                          "sequences": 1, "prompt_tokens": prompt_tokens,
+                          "sequences": sequences, "prompt_tokens": prompt_tokens,
                           "prefill_tps": statistics.median(r[0] for r in runs),
                           "decode_tps": statistics.median(r[1] for r in runs)}), flush=True)
-    for batch in a.batch:
-        runs = []
-        for rep in range(a.repeats + 1):
-            prompts = mx.random.randint(0, vocab, (batch, 512)).tolist()
-            stats = batch_generate(model, NoTokenizer(), prompts, max_tokens=a.gen,
-                                   completion_batch_size=batch, prefill_batch_size=batch).stats
-            if rep:
-                runs.append(stats)
-        print(json.dumps({"engine": "mlx-lm", "device": device, "model": a.model,
-                          "sequences": batch, "prompt_tokens": 512,
-                          "prefill_tps": statistics.median(s.prompt_tps for s in runs),
-                          "decode_tps": statistics.median(s.generation_tps for s in runs)}),
-              flush=True)
 
 
 if __name__ == "__main__":
