@@ -9,6 +9,7 @@ use oxlm_engine::ops::{self, Pick};
 use oxlm_engine::{DecodeSteps, KvPrecision};
 use oxlm_models::{Cache, ForwardError, LanguageModel, Logits};
 
+use crate::detokenizer::StreamingDetokenizer;
 use crate::sampler::{top_logprobs, Sampler, SamplerConfig};
 use crate::stop::StopMatcher;
 use crate::tokenizer::Tokenizer;
@@ -146,115 +147,204 @@ pub fn generate_stream(
     stream: &StreamOptions,
     on_event: &mut dyn FnMut(Event<'_>) -> ControlFlow<()>,
 ) -> Result<Generation, RuntimeError> {
-    let start = Instant::now();
-    let mut sampler = Sampler::new(options.sampler.clone())?;
-    let mut detokenizer = tokenizer.detokenizer()?;
-    let mut stop = StopMatcher::new(&stream.stop);
-    let mut history: Vec<u32> = prompt.to_vec();
-    let mut tokens = Vec::new();
-    let mut text = String::new();
-    let mut prompt_tps = 0.0;
-    let mut decode_start = start;
     let uncached = prompt.get(cache.offset..).unwrap_or_default();
+    let mut sequence = Sequence::new(tokenizer, prompt, uncached.len(), eos_ids, options, stream)?;
     let Some(mut logits) =
         prefill_reporting(model, uncached, cache, options.prefill_step, on_event)?
     else {
-        return Ok(Generation {
-            tokens,
-            text,
-            finish_reason: FinishReason::Cancelled,
-            prompt_tokens: prompt.len(),
-            prompt_tps,
-            generation_tps: 0.0,
-        });
+        return Ok(sequence.cancel());
     };
-    let mut finish_reason = FinishReason::Length;
-    let mut top = Vec::new();
     let mut steps = DecodeSteps::new(&model.info().device);
-    // Plain greedy decoding needs only each step's pick, taken where the logits are: a GPU then
-    // copies back two numbers instead of a vocabulary's row, and the host skips the sampler's
-    // pass over it.
-    let greedy = sampler.picks_greedily() && stream.top_logprobs == 0;
-    let mut pick: Option<Pick> = None;
-    while tokens.len() < options.max_tokens {
-        let (token, logprob) = match pick.take() {
-            Some(pick) => (pick.id, pick.logprob),
-            None => {
-                let token = sampler.sample(&mut logits, &history);
-                if stream.top_logprobs > 0 {
-                    top = top_logprobs(&logits, stream.top_logprobs);
+    let mut next = NextToken::Logits(&mut logits);
+    while let Some(token) = sequence.advance(next, on_event)? {
+        next = if sequence.picks_greedily() {
+            NextToken::Pick(steps.run(|| {
+                let logits = model.forward(&[token], cache, Logits::LastOnDevice)?;
+                Ok::<_, ForwardError>(ops::greedy_rows(&logits)?[0])
+            })?)
+        } else {
+            logits = steps
+                .run(|| model.forward(&[token], cache, Logits::Last))?
+                .into_data();
+            NextToken::Logits(&mut logits)
+        };
+    }
+    sequence.finish(on_event)
+}
+
+/// What a decoding step gives a sequence: the logits of its next token, or (for a sequence
+/// that [picks greedily](Sequence::picks_greedily)) their greedy pick, made where they are: a
+/// GPU then copies back two numbers instead of a vocabulary's row, and the host skips the
+/// sampler's pass over it.
+pub enum NextToken<'a> {
+    Logits(&'a mut [f32]),
+    Pick(Pick),
+}
+
+/// One sequence's generation once its prompt has gone through the model: it takes each next
+/// token from a decoding step's logits, streams the text that token makes final, and decides
+/// when generation ends. [`generate_stream`] runs one alone; a server steps many together.
+pub struct Sequence {
+    sampler: Sampler,
+    detokenizer: StreamingDetokenizer,
+    stop: StopMatcher,
+    eos_ids: HashSet<u32>,
+    max_tokens: usize,
+    top_logprobs: usize,
+    greedy: bool,
+    /// The prompt and the generated tokens, for the sampler's repetition penalties.
+    history: Vec<u32>,
+    tokens: Vec<u32>,
+    text: String,
+    top: Vec<(u32, f32)>,
+    /// Why generation ended, once it has.
+    finish_reason: Option<FinishReason>,
+    prompt_tokens: usize,
+    uncached: usize,
+    start: Instant,
+    decode_start: Instant,
+    prompt_tps: f64,
+}
+
+impl Sequence {
+    /// A sequence of `prompt`, of which `uncached` tokens go through the model (the rest came
+    /// from a prompt cache); its prompt time runs from here.
+    pub fn new(
+        tokenizer: &Tokenizer,
+        prompt: &[u32],
+        uncached: usize,
+        eos_ids: &HashSet<u32>,
+        options: &GenerateOptions,
+        stream: &StreamOptions,
+    ) -> Result<Sequence, RuntimeError> {
+        let sampler = Sampler::new(options.sampler.clone())?;
+        // Plain greedy decoding needs only each step's pick.
+        let greedy = sampler.picks_greedily() && stream.top_logprobs == 0;
+        let start = Instant::now();
+        Ok(Sequence {
+            sampler,
+            detokenizer: tokenizer.detokenizer()?,
+            stop: StopMatcher::new(&stream.stop),
+            eos_ids: eos_ids.clone(),
+            max_tokens: options.max_tokens,
+            top_logprobs: stream.top_logprobs,
+            greedy,
+            history: prompt.to_vec(),
+            tokens: Vec::new(),
+            text: String::new(),
+            top: Vec::new(),
+            // `max_tokens` 0 generates nothing.
+            finish_reason: (options.max_tokens == 0).then_some(FinishReason::Length),
+            prompt_tokens: prompt.len(),
+            uncached,
+            start,
+            decode_start: start,
+            prompt_tps: 0.0,
+        })
+    }
+
+    /// Whether its steps may give it [`NextToken::Pick`] rather than logits.
+    pub fn picks_greedily(&self) -> bool {
+        self.greedy
+    }
+
+    /// Takes the next token from `next` and reports it; returns the token for the model to
+    /// take next, or `None` once generation has ended (an end-of-sequence token, a stop
+    /// string, `max_tokens`, or `on_event` answering `Break`).
+    pub fn advance(
+        &mut self,
+        next: NextToken<'_>,
+        on_event: &mut dyn FnMut(Event<'_>) -> ControlFlow<()>,
+    ) -> Result<Option<u32>, RuntimeError> {
+        if self.finish_reason.is_some() {
+            return Ok(None);
+        }
+        let (token, logprob) = match next {
+            NextToken::Pick(pick) => (pick.id, pick.logprob),
+            NextToken::Logits(logits) => {
+                let token = self.sampler.sample(logits, &self.history);
+                if self.top_logprobs > 0 {
+                    self.top = top_logprobs(logits, self.top_logprobs);
                 }
                 let logprob = logits.get(token as usize).copied();
                 (token, logprob.unwrap_or(f32::NEG_INFINITY))
             }
         };
-        if tokens.is_empty() {
-            decode_start = Instant::now();
-            prompt_tps = uncached.len() as f64 / (decode_start - start).as_secs_f64();
+        if self.tokens.is_empty() {
+            self.decode_start = Instant::now();
+            let prompt_time = (self.decode_start - self.start).as_secs_f64();
+            self.prompt_tps = self.uncached as f64 / prompt_time;
         }
-        let is_eos = eos_ids.contains(&token);
+        let is_eos = self.eos_ids.contains(&token);
         let released = if is_eos {
             // The end-of-sequence token itself is not output.
-            finish_reason = FinishReason::Stop;
-            stop.push(&detokenizer.finish()?)
+            self.finish_reason = Some(FinishReason::Stop);
+            self.stop.push(&self.detokenizer.finish()?)
         } else {
-            tokens.push(token);
-            history.push(token);
-            stop.push(&detokenizer.push(token)?)
+            self.tokens.push(token);
+            self.history.push(token);
+            self.stop.push(&self.detokenizer.push(token)?)
         };
-        text.push_str(&released.text);
+        self.text.push_str(&released.text);
         let event = Event::Token {
             id: token,
             logprob,
-            top: &top,
+            top: &self.top,
             text: &released.text,
         };
         if on_event(event).is_break() {
-            finish_reason = FinishReason::Cancelled;
-            break;
+            self.finish_reason = Some(FinishReason::Cancelled);
+        } else if released.stopped {
+            self.finish_reason = Some(FinishReason::Stop);
+        } else if !is_eos && self.tokens.len() == self.max_tokens {
+            self.finish_reason = Some(FinishReason::Length);
         }
-        if released.stopped {
-            finish_reason = FinishReason::Stop;
-            break;
-        }
-        if is_eos || tokens.len() == options.max_tokens {
-            break;
-        }
-        if greedy {
-            pick = Some(steps.run(|| {
-                let logits = model.forward(&[token], cache, Logits::LastOnDevice)?;
-                Ok::<_, ForwardError>(ops::greedy_rows(&logits)?[0])
-            })?);
-        } else {
-            logits = steps
-                .run(|| model.forward(&[token], cache, Logits::Last))?
-                .into_data();
+        Ok(self.finish_reason.is_none().then_some(token))
+    }
+
+    /// Ends the generation before its first token: the caller stopped the prompt.
+    pub fn cancel(self) -> Generation {
+        Generation {
+            tokens: Vec::new(),
+            text: String::new(),
+            finish_reason: FinishReason::Cancelled,
+            prompt_tokens: self.prompt_tokens,
+            prompt_tps: 0.0,
+            generation_tps: 0.0,
         }
     }
-    // Text still held back is output unless a stop string ended generation.
-    let mut rest = String::new();
-    if finish_reason == FinishReason::Length {
-        rest = stop.push(&detokenizer.finish()?).text;
+
+    /// Ends the generation where it stands (a generation still going ends as `Length`):
+    /// releases the text held back, unless a stop string or the caller ended it.
+    pub fn finish(
+        mut self,
+        on_event: &mut dyn FnMut(Event<'_>) -> ControlFlow<()>,
+    ) -> Result<Generation, RuntimeError> {
+        let finish_reason = self.finish_reason.unwrap_or(FinishReason::Length);
+        let mut rest = String::new();
+        if finish_reason == FinishReason::Length {
+            rest = self.stop.push(&self.detokenizer.finish()?).text;
+        }
+        if finish_reason != FinishReason::Cancelled && !self.stop.stopped() {
+            rest.push_str(&self.stop.finish());
+        }
+        // Nothing is left to stop.
+        let _ = on_event(Event::Text(&rest));
+        self.text.push_str(&rest);
+        let elapsed = self.decode_start.elapsed().as_secs_f64();
+        Ok(Generation {
+            generation_tps: if elapsed > 0.0 && !self.tokens.is_empty() {
+                self.tokens.len() as f64 / elapsed
+            } else {
+                0.0
+            },
+            tokens: self.tokens,
+            text: self.text,
+            finish_reason,
+            prompt_tokens: self.prompt_tokens,
+            prompt_tps: self.prompt_tps,
+        })
     }
-    if finish_reason != FinishReason::Cancelled && !stop.stopped() {
-        rest.push_str(&stop.finish());
-    }
-    // Nothing is left to stop.
-    let _ = on_event(Event::Text(&rest));
-    text.push_str(&rest);
-    let elapsed = decode_start.elapsed().as_secs_f64();
-    Ok(Generation {
-        generation_tps: if elapsed > 0.0 {
-            tokens.len() as f64 / elapsed
-        } else {
-            0.0
-        },
-        tokens,
-        text,
-        finish_reason,
-        prompt_tokens: prompt.len(),
-        prompt_tps,
-    })
 }
 
 /// [`prefill`], reporting progress after each chunk; `None` when `on_event` stopped it.
