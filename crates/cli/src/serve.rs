@@ -66,6 +66,10 @@ pub struct Args {
     /// Prompt tokens processed per forward pass.
     #[arg(long, default_value_t = DEFAULT_PREFILL_STEP)]
     prefill_step_size: usize,
+    /// Most requests decoded together: concurrent requests (of one adapter) share each decoding
+    /// step, which reads the weights once for all of them; 1 serves one at a time.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    decode_concurrency: u32,
     /// DEBUG, INFO, WARNING, ERROR or CRITICAL; above INFO, no startup, shutdown or request lines.
     #[arg(long, default_value = "INFO")]
     log_level: LogLevel,
@@ -97,6 +101,7 @@ pub fn run(args: Args) -> Result<()> {
         allowed_origins: args.allowed_origins,
         max_request_bytes: args.max_request_bytes,
         prefill_step: args.prefill_step_size,
+        decode_concurrency: args.decode_concurrency as usize,
         kv_cache: args.kv_cache,
         adapter_path: args.adapter_path,
         adapters_dir: args.adapters_dir,

@@ -5,7 +5,8 @@
 //! Everything HTTP lives here: request validation, response and error shapes, streaming, tool
 //! call and reasoning parsing, per-request LoRA adapters (mlx_lm.server's `adapters` field,
 //! resolved inside one adapter directory), request log lines and graceful shutdown. Generation
-//! itself runs on one dedicated thread ([`worker`]), fed in arrival order.
+//! itself runs on one dedicated thread ([`worker`]), fed in arrival order, which decodes the
+//! requests of one adapter together.
 
 mod api;
 pub mod error;
@@ -56,6 +57,9 @@ pub struct Settings {
     /// Larger request bodies are refused with 413.
     pub max_request_bytes: usize,
     pub prefill_step: usize,
+    /// Most sequences decoded together (mlx_lm.server's `--decode-concurrency`): requests of
+    /// one adapter share each decoding step, reading the weights once for all of them.
+    pub decode_concurrency: usize,
     /// The KV cache's precision; `None`: the device's default.
     pub kv_cache: Option<KvPrecision>,
     /// The adapter of requests that name none (mlx_lm.server's `--adapter-path`).
@@ -128,6 +132,7 @@ impl Default for Settings {
             allowed_origins: vec!["*".into()],
             max_request_bytes: 32_000_000,
             prefill_step: DEFAULT_PREFILL_STEP,
+            decode_concurrency: 32,
             kv_cache: None,
             adapter_path: None,
             adapters_dir: None,
@@ -219,7 +224,7 @@ impl Server {
             entries: settings.prompt_cache_size,
             bytes: settings.prompt_cache_bytes,
         };
-        let worker = Worker::spawn(model.clone(), limits)?;
+        let worker = Worker::spawn(model.clone(), limits, settings.decode_concurrency)?;
         Ok(Server {
             state: Arc::new(AppState {
                 model,

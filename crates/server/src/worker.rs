@@ -1,21 +1,30 @@
 //! The generation thread. Model forward passes are long, CPU-bound and blocking, so they run on
 //! one dedicated thread, never on the async executor: HTTP keeps answering (health checks,
-//! model lists, queueing) while a generation runs. Requests are served one at a time, in the
-//! order they arrive. The thread owns the prompt cache, keyed by the adapter a job runs with.
+//! model lists, queueing) while a generation runs. The thread owns the prompt cache, keyed by
+//! the adapter a job runs with.
+//!
+//! Jobs of the same adapter decode together, as mlx_lm.server's batch generator decodes them:
+//! each step runs every sequence's next token through one forward pass (`forward_batch`),
+//! which reads each weight once for all of them. Jobs join the batch between steps, up to
+//! `--decode-concurrency` sequences: each prompt goes through the model alone and its first
+//! token streams at once. A job that needs another adapter waits until the batch has drained,
+//! and the batch takes no more jobs meanwhile, so that it is served in its turn.
 
+use std::collections::VecDeque;
 use std::ops::ControlFlow;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
+use oxlm_engine::{ops, DecodeSteps};
 use oxlm_models::lora::{AdaptedModel, AdapterError};
-use oxlm_models::LanguageModel;
+use oxlm_models::{Cache, ForwardError, LanguageModel, Logits};
 use oxlm_runtime::adapter_store::{Adapter, AdapterId};
-use oxlm_runtime::generate::prefill;
+use oxlm_runtime::generate::{NextToken, Sequence};
 use oxlm_runtime::prompt_cache::{is_truncatable, PromptCache};
 use oxlm_runtime::{
-    generate_stream, Event, FinishReason, GenerateOptions, LoadedModel, RuntimeError, StreamOptions,
+    Event, FinishReason, GenerateOptions, Generation, LoadedModel, RuntimeError, StreamOptions,
 };
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
@@ -53,6 +62,9 @@ pub enum JobError {
     Adapter(#[from] AdapterError),
     #[error("generation panicked: {0}")]
     Panic(String),
+    /// A decoding step that several jobs shared failed.
+    #[error("{0}")]
+    Step(String),
     #[error("The server is shutting down")]
     ShuttingDown,
 }
@@ -80,6 +92,51 @@ impl Job {
     /// Sends an update; false once the requester is gone or the server is shutting down.
     fn send(&self, update: Update) -> bool {
         self.updates.send(update).is_ok() && !self.cancelled()
+    }
+
+    /// Reports how the job ended (past `cancelled`, as the requester may still be there to
+    /// read why): a job cancelled by the shutdown ends with [`JobError::ShuttingDown`].
+    fn end(&self, result: Result<FinishReason, JobError>) {
+        let result = match result {
+            Ok(FinishReason::Cancelled) if self.shutdown.load(Ordering::Relaxed) => {
+                Err(JobError::ShuttingDown)
+            }
+            result => result,
+        };
+        let _ = self.updates.send(Update::Done(result));
+    }
+
+    /// The adapter the job runs with, as the prompt cache keys model state.
+    fn key(&self) -> Option<AdapterId> {
+        self.adapter.as_ref().map(|adapter| adapter.id.clone())
+    }
+
+    /// `on_event` for its generation: tokens and text become updates, and a requester gone
+    /// stops it.
+    fn on_event(&self) -> impl FnMut(Event<'_>) -> ControlFlow<()> + '_ {
+        move |event| {
+            let update = match event {
+                // The worker reports prompt progress itself.
+                Event::Prefill { .. } => return ControlFlow::Continue(()),
+                Event::Token {
+                    id,
+                    logprob,
+                    top,
+                    text,
+                } => Update::Token {
+                    id,
+                    logprob,
+                    top: top.to_vec(),
+                    text: text.to_owned(),
+                },
+                Event::Text(text) => Update::Text(text.to_owned()),
+            };
+            if self.send(update) {
+                ControlFlow::Continue(())
+            } else {
+                ControlFlow::Break(())
+            }
+        }
     }
 }
 
@@ -112,29 +169,24 @@ pub struct CacheLimits {
 }
 
 impl Worker {
-    pub fn spawn(model: Arc<LoadedModel>, limits: CacheLimits) -> std::io::Result<Self> {
+    /// Starts the thread, which decodes up to `decode_concurrency` sequences together.
+    pub fn spawn(
+        model: Arc<LoadedModel>,
+        limits: CacheLimits,
+        decode_concurrency: usize,
+    ) -> std::io::Result<Self> {
         let (jobs, queue) = mpsc::channel::<Job>();
         let thread = std::thread::Builder::new()
             .name("oxlm-generate".into())
             .spawn(move || {
-                let mut cache = StateCache::new(limits.entries, limits.bytes);
-                for job in queue {
-                    let result = if job.cancelled() {
-                        Ok(FinishReason::Cancelled)
-                    } else {
-                        // Requests are validated before they get here; this keeps one that
-                        // still trips a bug from taking the thread (and the server) down.
-                        catch_unwind(AssertUnwindSafe(|| run(&model, &mut cache, &job)))
-                            .unwrap_or_else(|panic| Err(JobError::Panic(panic_message(&*panic))))
-                    };
-                    let result = match result {
-                        Ok(FinishReason::Cancelled) if job.shutdown.load(Ordering::Relaxed) => {
-                            Err(JobError::ShuttingDown)
-                        }
-                        result => result,
-                    };
-                    // Past `cancelled`, as the requester may still be there to read why.
-                    let _ = job.updates.send(Update::Done(result));
+                let mut batch = Batch {
+                    loaded: &model,
+                    prompt_cache: StateCache::new(limits.entries, limits.bytes),
+                    capacity: decode_concurrency.max(1),
+                };
+                let mut waiting = VecDeque::new();
+                while let Some(first) = waiting.pop_front().or_else(|| queue.recv().ok()) {
+                    batch.serve(first, &queue, &mut waiting);
                 }
             })?;
         Ok(Worker {
@@ -186,95 +238,316 @@ impl Worker {
     }
 }
 
-fn run(
-    loaded: &LoadedModel,
-    prompt_cache: &mut StateCache,
-    job: &Job,
-) -> Result<FinishReason, JobError> {
-    let adapted = job
-        .adapter
-        .as_ref()
-        .map(|adapter| AdaptedModel::new(loaded.model.as_ref(), &adapter.adapters))
-        .transpose()?;
-    let model: &dyn LanguageModel = match &adapted {
-        Some(adapted) => adapted,
-        None => loaded.model.as_ref(),
-    };
-    let key = job.adapter.as_ref().map(|adapter| adapter.id.clone());
-    let prompt = &job.prompt;
-    let (mut cache, cached_tokens) = match prompt_cache.fetch(&key, prompt) {
-        Some(hit) => (hit.cache, hit.tokens),
-        None => (job.options.new_cache(model)?, 0),
-    };
-    if !job.send(Update::Started { cached_tokens }) {
-        return Ok(FinishReason::Cancelled);
+/// What serves one batch: the model, the prompt cache, and how many sequences may decode
+/// together.
+struct Batch<'a> {
+    loaded: &'a LoadedModel,
+    prompt_cache: StateCache,
+    capacity: usize,
+}
+
+/// A job whose sequence is decoding.
+struct Active {
+    job: Job,
+    cache: Cache,
+    sequence: Sequence,
+    /// The token the model takes next.
+    token: u32,
+}
+
+/// What one decoding step gave its sequences, in their order.
+enum Stepped {
+    Picks(Vec<ops::Pick>),
+    /// `[sequences, vocab]` logits on the host.
+    Logits(Vec<f32>),
+}
+
+impl Batch<'_> {
+    /// Serves `first` and the jobs of its adapter that arrive while its batch runs, until the
+    /// batch is empty; jobs of other adapters are left in `waiting`, in their order.
+    fn serve(&mut self, first: Job, queue: &mpsc::Receiver<Job>, waiting: &mut VecDeque<Job>) {
+        let adapter = first.adapter.clone();
+        let adapted = adapter
+            .as_ref()
+            .map(|adapter| AdaptedModel::new(self.loaded.model.as_ref(), &adapter.adapters))
+            .transpose();
+        let adapted = match adapted {
+            Ok(adapted) => adapted,
+            Err(e) => return first.end(Err(e.into())),
+        };
+        let model: &dyn LanguageModel = match &adapted {
+            Some(adapted) => adapted,
+            None => self.loaded.model.as_ref(),
+        };
+        let key = first.key();
+        waiting.push_front(first);
+        let mut active: Vec<Active> = Vec::new();
+        // Replays steps of one batch's make-up; a new one for each new make-up.
+        let mut steps = DecodeSteps::new(&model.info().device);
+        // Set once a job of another adapter waits: this batch then takes no more.
+        let mut draining = false;
+        loop {
+            waiting.extend(queue.try_iter());
+            // Jobs join between steps while the prompts taken since the last step are shorter
+            // than one prefill step: many short prompts join at once, and a long one holds the
+            // others up once.
+            let mut prompts = 0;
+            while !draining && active.len() < self.capacity {
+                let Some(job) = waiting.front() else { break };
+                if job.key() != key {
+                    draining = true;
+                } else if active.is_empty() || prompts < job.options.prefill_step {
+                    let job = waiting.pop_front().expect("a waiting job");
+                    prompts += job.prompt.len();
+                    if let Some(joined) = self.start(model, job) {
+                        active.push(joined);
+                        steps = DecodeSteps::new(&model.info().device);
+                    }
+                } else {
+                    break;
+                }
+            }
+            if active.is_empty() {
+                return;
+            }
+            let before = active.len();
+            active = self.step(model, &mut steps, active);
+            if active.len() != before {
+                steps = DecodeSteps::new(&model.info().device);
+            }
+        }
     }
-    // Recurrent and sliding-window state cannot be cut back later, so keep a snapshot of the
-    // prompt without its last token: the next turn of a chat, or a retry, resumes from it.
-    let snapshot_at = prompt.len() - 1;
-    if !is_truncatable(&cache) && cached_tokens < snapshot_at {
+
+    /// Runs `job`'s prompt through `model` and reports its first token: the job decoding, or
+    /// `None` when it has already ended (and been reported).
+    fn start(&mut self, model: &dyn LanguageModel, job: Job) -> Option<Active> {
+        if job.cancelled() {
+            job.end(Ok(FinishReason::Cancelled));
+            return None;
+        }
+        // Requests are validated before they get here; this keeps one that still trips a bug
+        // from taking the thread (and the server) down.
+        let started = catch_unwind(AssertUnwindSafe(|| self.prefill(model, &job)));
+        match started {
+            Ok(Ok(Some((cache, sequence, token)))) => Some(Active {
+                job,
+                cache,
+                sequence,
+                token,
+            }),
+            Ok(Ok(None)) => None,
+            Ok(Err(e)) => {
+                job.end(Err(e));
+                None
+            }
+            Err(panic) => {
+                job.end(Err(JobError::Panic(panic_message(&*panic))));
+                None
+            }
+        }
+    }
+
+    /// The prompt part of [`start`](Self::start): the job's cache, its sequence and the
+    /// token its first step takes, or `None` when the job has ended.
+    fn prefill(
+        &mut self,
+        model: &dyn LanguageModel,
+        job: &Job,
+    ) -> Result<Option<(Cache, Sequence, u32)>, JobError> {
+        let key = job.key();
+        let prompt = &job.prompt;
+        if prompt.is_empty() {
+            return Err(RuntimeError::from(ForwardError::EmptyInput).into());
+        }
+        let (mut cache, cached_tokens) = match self.prompt_cache.fetch(&key, prompt) {
+            Some(hit) => (hit.cache, hit.tokens),
+            None => (job.options.new_cache(model)?, 0),
+        };
+        if !job.send(Update::Started { cached_tokens }) {
+            job.end(Ok(FinishReason::Cancelled));
+            return Ok(None);
+        }
+        let loaded = self.loaded;
+        let mut sequence = Sequence::new(
+            &loaded.tokenizer,
+            prompt,
+            prompt.len() - cached_tokens,
+            &loaded.eos_ids,
+            &job.options,
+            &job.stream,
+        )?;
+        // Progress counts every uncached prompt token.
         let total = prompt.len() - cached_tokens;
-        for chunk in prompt[cached_tokens..snapshot_at].chunks(job.options.prefill_step.max(1)) {
-            prefill(model, chunk, &mut cache, job.options.prefill_step)
-                .map_err(RuntimeError::from)?;
-            let done = cache.offset - cached_tokens;
-            if !job.send(Update::Prefill { done, total }) {
-                prompt_cache.insert(key, prompt[..cache.offset].to_vec(), cache);
-                return Ok(FinishReason::Cancelled);
+        let step = job.options.prefill_step.max(1);
+        // Recurrent and sliding-window state cannot be cut back later, so keep a snapshot of the
+        // prompt without its last token: the next turn of a chat, or a retry, resumes from it.
+        let snapshot_at = prompt.len() - 1;
+        let mut logits = Vec::new();
+        let snapshots = !is_truncatable(&cache) && cached_tokens < snapshot_at;
+        let stops = if snapshots {
+            vec![snapshot_at, prompt.len()]
+        } else {
+            vec![prompt.len()]
+        };
+        for end in stops {
+            for chunk in prompt[cache.offset..end].chunks(step) {
+                logits = model
+                    .forward(chunk, &mut cache, Logits::Last)
+                    .map_err(RuntimeError::from)?
+                    .into_data();
+                let done = cache.offset - cached_tokens;
+                if !job.send(Update::Prefill { done, total }) {
+                    self.prompt_cache
+                        .insert(key, prompt[..cache.offset].to_vec(), cache);
+                    job.end(Ok(FinishReason::Cancelled));
+                    return Ok(None);
+                }
+            }
+            // A snapshot that does not fit in device memory is only a later cache miss.
+            if end == snapshot_at {
+                if let Ok(snapshot) = cache.try_clone() {
+                    self.prompt_cache
+                        .insert(key.clone(), prompt[..snapshot_at].to_vec(), snapshot);
+                }
             }
         }
-        // A snapshot that does not fit in device memory is only a later cache miss.
-        if let Ok(snapshot) = cache.try_clone() {
-            prompt_cache.insert(key.clone(), prompt[..snapshot_at].to_vec(), snapshot);
+        match sequence.advance(NextToken::Logits(&mut logits), &mut job.on_event())? {
+            Some(token) => Ok(Some((cache, sequence, token))),
+            None => {
+                self.finish(job, cache, sequence);
+                Ok(None)
+            }
         }
     }
-    // Progress counts every uncached prompt token, the snapshot's included.
-    let (prefilled, to_prefill) = (cache.offset - cached_tokens, prompt.len() - cached_tokens);
-    let generation = generate_stream(
-        model,
-        &loaded.tokenizer,
-        prompt,
-        &mut cache,
-        &loaded.eos_ids,
-        &job.options,
-        &job.stream,
-        &mut |event| {
-            let update = match event {
-                Event::Prefill { done, .. } => Update::Prefill {
-                    done: prefilled + done,
-                    total: to_prefill,
-                },
-                Event::Token {
-                    id,
-                    logprob,
-                    top,
-                    text,
-                } => Update::Token {
-                    id,
-                    logprob,
-                    top: top.to_vec(),
-                    text: text.to_owned(),
-                },
-                Event::Text(text) => Update::Text(text.to_owned()),
+
+    /// One decoding step of every sequence of `active`; returns those still decoding. A
+    /// sequence at the model's context limit ends alone with that error, before the step; a
+    /// step that fails or panics otherwise ends every job of the batch with its message.
+    fn step(
+        &mut self,
+        model: &dyn LanguageModel,
+        steps: &mut DecodeSteps,
+        active: Vec<Active>,
+    ) -> Vec<Active> {
+        let mut active: Vec<Active> = active
+            .into_iter()
+            .filter_map(|a| match model.info().max_context {
+                Some(limit) if a.cache.offset >= limit => {
+                    let needed = a.cache.offset + 1;
+                    let overflow = ForwardError::ContextOverflow { needed, limit };
+                    a.job.end(Err(RuntimeError::from(overflow).into()));
+                    None
+                }
+                _ => Some(a),
+            })
+            .collect();
+        if active.is_empty() {
+            return active;
+        }
+        let stepped = catch_unwind(AssertUnwindSafe(|| forward(model, steps, &mut active)));
+        let stepped = match stepped {
+            Ok(Ok(stepped)) => stepped,
+            Ok(Err(e)) => return end_all(active, || JobError::Step(e.to_string())),
+            Err(panic) => {
+                let message = panic_message(&*panic);
+                return end_all(active, || JobError::Panic(message.clone()));
+            }
+        };
+        let (picks, mut logits) = match stepped {
+            Stepped::Picks(picks) => (Some(picks), Vec::new()),
+            Stepped::Logits(logits) => (None, logits),
+        };
+        let mut rows = logits.chunks_mut(model.info().vocab_size.max(1));
+        let mut decoding = Vec::with_capacity(active.len());
+        for (i, mut a) in active.into_iter().enumerate() {
+            let next = match &picks {
+                Some(picks) => NextToken::Pick(picks[i]),
+                None => NextToken::Logits(rows.next().unwrap_or_default()),
             };
-            if job.send(update) {
-                ControlFlow::Continue(())
-            } else {
-                ControlFlow::Break(())
+            let advanced = catch_unwind(AssertUnwindSafe(|| {
+                a.sequence.advance(next, &mut a.job.on_event())
+            }));
+            match advanced {
+                Ok(Ok(Some(token))) => {
+                    a.token = token;
+                    decoding.push(a);
+                }
+                Ok(Ok(None)) => self.finish(&a.job, a.cache, a.sequence),
+                Ok(Err(e)) => a.job.end(Err(e.into())),
+                Err(panic) => a.job.end(Err(JobError::Panic(panic_message(&*panic)))),
             }
-        },
-    )?;
-    // What the cache holds: the prompt, then the generated tokens that went through the model.
-    let tokens: Vec<u32> = prompt
-        .iter()
-        .chain(&generation.tokens)
-        .take(cache.offset)
-        .copied()
-        .collect();
-    if tokens.len() == cache.offset {
-        prompt_cache.insert(key, tokens, cache);
+        }
+        decoding
     }
-    Ok(generation.finish_reason)
+
+    /// Ends `job`'s generation: reports it, and keeps what `cache` holds for later prompts.
+    fn finish(&mut self, job: &Job, cache: Cache, sequence: Sequence) {
+        let generation = catch_unwind(AssertUnwindSafe(|| sequence.finish(&mut job.on_event())));
+        match generation {
+            Ok(Ok(generation)) => {
+                self.keep(job, cache, &generation);
+                job.end(Ok(generation.finish_reason));
+            }
+            Ok(Err(e)) => job.end(Err(e.into())),
+            Err(panic) => job.end(Err(JobError::Panic(panic_message(&*panic)))),
+        }
+    }
+
+    /// Keeps `cache` in the prompt cache: the prompt, then the generated tokens that went
+    /// through the model.
+    fn keep(&mut self, job: &Job, cache: Cache, generation: &Generation) {
+        let tokens: Vec<u32> = job
+            .prompt
+            .iter()
+            .chain(&generation.tokens)
+            .take(cache.offset)
+            .copied()
+            .collect();
+        if tokens.len() == cache.offset {
+            self.prompt_cache.insert(job.key(), tokens, cache);
+        }
+    }
+}
+
+/// Runs each sequence's next token through `model`, replayed by `steps`: one sequence alone
+/// as generation runs it, several as one batch. Only picks come back when every sequence
+/// picks greedily (see [`NextToken`]); else the host gets every sequence's logits.
+fn forward(
+    model: &dyn LanguageModel,
+    steps: &mut DecodeSteps,
+    active: &mut [Active],
+) -> Result<Stepped, ForwardError> {
+    let greedy = active.iter().all(|a| a.sequence.picks_greedily());
+    steps.run(|| {
+        let logits = match active {
+            [one] => {
+                let on_device = if greedy {
+                    Logits::LastOnDevice
+                } else {
+                    Logits::Last
+                };
+                model.forward(&[one.token], &mut one.cache, on_device)?
+            }
+            many => {
+                let tokens: Vec<u32> = many.iter().map(|a| a.token).collect();
+                let mut caches: Vec<&mut Cache> = many.iter_mut().map(|a| &mut a.cache).collect();
+                model.forward_batch(&tokens, &mut caches)?
+            }
+        };
+        Ok(if greedy {
+            Stepped::Picks(ops::greedy_rows(&logits)?)
+        } else {
+            Stepped::Logits(logits.into_host()?.into_data())
+        })
+    })
+}
+
+/// Ends every job of `active` with the error of a step they shared.
+fn end_all(active: Vec<Active>, error: impl Fn() -> JobError) -> Vec<Active> {
+    for a in active {
+        a.job.end(Err(error()));
+    }
+    Vec::new()
 }
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {

@@ -1,0 +1,193 @@
+//! Requests served together: concurrent requests share decoding steps (`forward_batch`) up to
+//! `decode_concurrency`, and each gets what it gets served alone.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use oxlm_engine::{KvPrecision, Tensor};
+use oxlm_models::lora::Adaptable;
+use oxlm_models::{Cache, ForwardError, LanguageModel, Logits, ModelInfo};
+use oxlm_runtime::LoadedModel;
+use oxlm_server::{LogLevel, Server, Settings};
+use serde_json::{json, Value};
+
+/// The tiny llama fixture, recording how many sequences each batched step took. Its first
+/// forward pass is slow, so that requests sent together are all queued before the first of
+/// them decodes.
+struct Recording {
+    inner: Box<dyn LanguageModel>,
+    batches: Arc<Mutex<Vec<usize>>>,
+    first: AtomicBool,
+}
+
+impl LanguageModel for Recording {
+    fn info(&self) -> &ModelInfo {
+        self.inner.info()
+    }
+
+    fn new_cache(&self) -> Result<Cache, ForwardError> {
+        self.inner.new_cache()
+    }
+
+    fn new_cache_in(&self, precision: KvPrecision) -> Result<Cache, ForwardError> {
+        self.inner.new_cache_in(precision)
+    }
+
+    fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        logits: Logits,
+    ) -> Result<Tensor, ForwardError> {
+        if self.first.swap(false, Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        self.inner.forward(tokens, cache, logits)
+    }
+
+    fn forward_batch(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut Cache],
+    ) -> Result<Tensor, ForwardError> {
+        self.batches.lock().unwrap().push(tokens.len());
+        self.inner.forward_batch(tokens, caches)
+    }
+
+    fn adaptable(&self) -> Option<&dyn Adaptable> {
+        self.inner.adaptable()
+    }
+}
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tiny")
+        .join(name)
+}
+
+/// A server of the recording llama decoding up to `decode_concurrency` sequences together,
+/// with the adapters in `adapters_dir`: its address and the sizes of its batched steps.
+async fn start(
+    decode_concurrency: usize,
+    adapters_dir: Option<PathBuf>,
+) -> (String, Arc<Mutex<Vec<usize>>>) {
+    let mut loaded = LoadedModel::load(&fixture("llama-4bit-g64")).unwrap();
+    let batches = Arc::new(Mutex::new(Vec::new()));
+    loaded.model = Box::new(Recording {
+        inner: loaded.model,
+        batches: batches.clone(),
+        first: AtomicBool::new(true),
+    });
+    // Without a prompt cache, which would give a request the prefix of one that ended before
+    // it when served one at a time, and not when served together.
+    let settings = Settings {
+        decode_concurrency,
+        prompt_cache_size: 0,
+        adapters_dir,
+        log_level: LogLevel::Warning,
+        ..Settings::default()
+    };
+    let server = Server::new(loaded, settings).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(server.serve(listener));
+    (base, batches)
+}
+
+/// Four requests of different lengths and samplers: greedy ones, a seeded sampled one and one
+/// with top logprobs (whose steps need the logits on the host).
+fn requests() -> Vec<Value> {
+    vec![
+        json!({"prompt": "The history of the city begins", "max_tokens": 24}),
+        json!({"prompt": "Once upon a time", "max_tokens": 10}),
+        json!({"prompt": "The capital of", "max_tokens": 16, "temperature": 0.7, "seed": 3}),
+        json!({"prompt": "Numbers: one, two,", "max_tokens": 6, "logprobs": 2}),
+    ]
+}
+
+/// Sends the requests of `bodies`, each `apart` after the one before (well within the first
+/// one's slow prompt); returns each one's text, finish reason, usage and logprobs.
+async fn send_together(base: &str, bodies: Vec<Value>, apart: Duration) -> Vec<Value> {
+    let client = reqwest::Client::new();
+    let sends = bodies.into_iter().enumerate().map(|(i, body)| {
+        let client = client.clone();
+        let url = format!("{base}/v1/completions");
+        tokio::spawn(async move {
+            tokio::time::sleep(apart * i as u32).await;
+            let response = client.post(url).body(body.to_string()).send().await;
+            let text = response.unwrap().text().await.unwrap();
+            let r: Value = serde_json::from_str(&text).unwrap();
+            let choice = &r["choices"][0];
+            json!([
+                choice["text"],
+                choice["finish_reason"],
+                r["usage"],
+                choice["logprobs"]
+            ])
+        })
+    });
+    let mut replies = Vec::new();
+    for send in sends.collect::<Vec<_>>() {
+        replies.push(send.await.unwrap());
+    }
+    replies
+}
+
+#[tokio::test]
+async fn requests_sent_together_decode_together_as_they_decode_alone() {
+    let (together, batches) = start(32, None).await;
+    let replies = send_together(&together, requests(), Duration::ZERO).await;
+    // The first request's slow prompt lets the others queue; they join one a step.
+    assert_eq!(batches.lock().unwrap().iter().max(), Some(&4));
+
+    let (alone, batches) = start(1, None).await;
+    let expected = send_together(&alone, requests(), Duration::ZERO).await;
+    assert!(batches.lock().unwrap().is_empty(), "one at a time");
+    assert_eq!(replies, expected);
+    let finish: Vec<&Value> = replies.iter().map(|r| &r[1]).collect();
+    assert_eq!(finish, ["length"; 4]);
+    let completion_tokens: Vec<&Value> =
+        replies.iter().map(|r| &r[2]["completion_tokens"]).collect();
+    assert_eq!(completion_tokens, [24, 10, 16, 6]);
+}
+
+/// A request through another adapter waits until the batch before it has drained, and the
+/// batch takes no more meanwhile: the requests after it are decoded with it, through its
+/// adapter only if they name it.
+#[tokio::test]
+async fn a_request_of_another_adapter_waits_for_the_batch() {
+    let adapters = tempfile::tempdir().unwrap();
+    let sea = adapters.path().join("sea");
+    std::fs::create_dir(&sea).unwrap();
+    let lora = fixture("../lora/llama-4bit-g64-r4");
+    for file in ["adapter_config.json", "adapters.safetensors"] {
+        std::fs::copy(lora.join(file), sea.join(file)).unwrap();
+    }
+    let prompt = "The history of the city begins";
+    let bodies = || {
+        vec![
+            json!({"prompt": prompt, "max_tokens": 20}),
+            json!({"prompt": prompt, "max_tokens": 12}),
+            json!({"prompt": prompt, "max_tokens": 12, "adapters": "sea"}),
+            json!({"prompt": "Once upon a time", "max_tokens": 8}),
+            json!({"prompt": "Once upon a time", "max_tokens": 8, "adapters": "sea"}),
+        ]
+    };
+    let dir = Some(adapters.path().to_path_buf());
+    let (together, batches) = start(32, dir.clone()).await;
+    // In this order: two of the base model, one of the adapter, then one of each.
+    let apart = Duration::from_millis(40);
+    let replies = send_together(&together, bodies(), apart).await;
+    let (alone, _) = start(1, dir).await;
+    let expected = send_together(&alone, bodies(), apart).await;
+    assert_eq!(replies, expected);
+    // The adapter changed what it applies to.
+    assert_ne!(replies[2][0], replies[1][0]);
+    // The base model's only batched steps were of the two requests ahead of the adapter's.
+    let batches = batches.lock().unwrap();
+    assert!(batches.iter().all(|&n| n == 2), "{batches:?}");
+    // A step for each of the second's tokens past the first, which its prompt gave.
+    assert_eq!(batches.len(), 11);
+}
