@@ -368,7 +368,8 @@ fn integer_gemv_is_within_the_activation_rounding_bound() {
                     let v = w.view();
                     assert!(kernel.supports(&v));
                     let deq = v.dequantize();
-                    for m in [1, 3] {
+                    // Up to the most rows the integer GEMV takes (batched decoding).
+                    for m in [1, 3, qmatmul::INT_GEMV_MAX_M] {
                         let x = random_vec(&mut rng, m * cols);
                         let want = reference(&deq, rows, cols, &x, m);
                         let extra = rounding_bound(&deq, rows, cols, &x, g, max);
