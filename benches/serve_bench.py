@@ -1,0 +1,148 @@
+"""Serving throughput: `oxlm serve` against `mlx_lm.server`, with requests sent together.
+
+usage: python3 benches/serve_bench.py --oxlm target/release/oxlm --model DIR
+           [--mlx-python PYTHON] [--requests 1,4,8] [--max-tokens 64]
+
+Each server runs in a subprocess of its own on a free port and answers one warm-up request.
+Then, for each count n of `--requests`, n text completions (distinct prompts, greedy,
+`max_tokens`) are sent at once, each from a thread of its own; the figures are the generated
+tokens of all of them (their `usage.completion_tokens`; a reply may stop early at an
+end-of-sequence token) over the wall time from the first send to the last reply, and the mean
+time a request took. oxlm runs twice: decoding one request at a time (`--decode-concurrency 1`,
+as it served before batching) and with its default (32, mlx_lm.server's). mlx_lm.server runs
+with its defaults (batch generation, `--decode-concurrency 32`) when `--mlx-python` names a
+Python that has mlx-lm (on these machines, MLX's CPU backend).
+"""
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+PROMPTS = [
+    "The history of the river valley begins",
+    "Write a short story about a lighthouse keeper who",
+    "Explain how a bicycle gear system works:",
+    "List the planets of the solar system and describe",
+    "Once upon a time in a small mountain village,",
+    "The recipe for a good bread starts with",
+    "In computer science, a hash table is",
+    "The main causes of the industrial revolution were",
+]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(base, body, timeout=3600):
+    request = urllib.request.Request(
+        f"{base}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
+def wait_ready(base, process, timeout=600):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            sys.exit(f"the server exited with {process.returncode}")
+        try:
+            urllib.request.urlopen(f"{base}/v1/models", timeout=5).read()
+            return
+        except OSError:
+            time.sleep(0.5)
+    sys.exit("the server did not start")
+
+
+def send_together(base, n, max_tokens):
+    """(generated tokens, wall seconds, mean seconds a request) of n requests sent at once."""
+    results = [None] * n
+
+    def one(i):
+        start = time.time()
+        body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 0}
+        reply = post(base, body)
+        results[i] = (reply["usage"]["completion_tokens"], time.time() - start)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    start = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.time() - start
+    tokens = sum(r[0] for r in results)
+    return tokens, wall, sum(r[1] for r in results) / n
+
+
+def run_server(label, command, counts, max_tokens):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        command + ["--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_ready(base, process)
+        post(base, {"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+        rows = []
+        for n in counts:
+            tokens, wall, latency = send_together(base, n, max_tokens)
+            row = {
+                "server": label,
+                "requests": n,
+                "tokens": tokens,
+                "seconds": round(wall, 3),
+                "tok_s": round(tokens / wall, 2),
+                "mean_request_s": round(latency, 3),
+            }
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        return rows
+    finally:
+        process.terminate()
+        process.wait()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--oxlm", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--mlx-python")
+    parser.add_argument("--requests", default="1,4,8")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+    counts = [int(n) for n in args.requests.split(",")]
+    servers = [
+        ("oxlm, one at a time", [args.oxlm, "serve", "--model", args.model,
+                                 "--decode-concurrency", "1", "--log-level", "WARNING"]),
+        ("oxlm", [args.oxlm, "serve", "--model", args.model, "--log-level", "WARNING"]),
+    ]
+    if args.mlx_python:
+        servers.append(("mlx_lm.server", [args.mlx_python, "-m", "mlx_lm.server",
+                                          "--model", args.model, "--log-level", "WARNING"]))
+    rows = [row for label, command in servers
+            for row in run_server(label, command, counts, args.max_tokens)]
+    print()
+    print("| requests sent together | " + " | ".join(label for label, _ in servers) + " |")
+    print("|---|" + "---|" * len(servers))
+    for n in counts:
+        cells = []
+        for label, _ in servers:
+            row = next(r for r in rows if r["server"] == label and r["requests"] == n)
+            cells.append(f"{row['tok_s']} tok/s ({row['mean_request_s']} s a request)")
+        print(f"| {n} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
