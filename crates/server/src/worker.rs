@@ -5,10 +5,12 @@
 //!
 //! Jobs of the same adapter decode together, as mlx_lm.server's batch generator decodes them:
 //! each step runs every sequence's next token through one forward pass (`forward_batch`),
-//! which reads each weight once for all of them. Jobs join the batch between steps, up to
-//! `--decode-concurrency` sequences: each prompt goes through the model alone and its first
-//! token streams at once. A job that needs another adapter waits until the batch has drained,
-//! and the batch takes no more jobs meanwhile, so that it is served in its turn.
+//! which reads each weight once for all of them, up to `--decode-concurrency` sequences.
+//! Between steps, prompts go through the model alone, at most one prefill step's worth of
+//! tokens (`--prefill-step-size`): many short ones at once, a long one a chunk at a time while
+//! the others go on decoding; each streams its first token as soon as its prompt is through. A
+//! job that needs another adapter waits until the batch has drained, and the batch takes no
+//! more jobs meanwhile, so that it is served in its turn.
 
 use std::collections::VecDeque;
 use std::ops::ControlFlow;
@@ -255,6 +257,28 @@ struct Active {
     token: u32,
 }
 
+/// A job whose prompt is going through the model, a chunk at a time between steps.
+struct Prompting {
+    job: Job,
+    cache: Cache,
+    sequence: Sequence,
+    /// Prompt tokens whose state came from the prompt cache.
+    cached_tokens: usize,
+    /// Whether a snapshot of the prompt without its last token is still to be kept.
+    snapshot: bool,
+    /// The logits after the last chunk.
+    logits: Vec<f32>,
+}
+
+/// Where [`Batch::prompt`] left a job.
+enum Prompted {
+    /// More of its prompt is to go through.
+    More(Prompting),
+    Decoding(Active),
+    /// Reported as ended.
+    Ended,
+}
+
 /// What one decoding step gave its sequences, in their order.
 enum Stepped {
     Picks(Vec<ops::Pick>),
@@ -281,6 +305,7 @@ impl Batch<'_> {
         };
         let key = first.key();
         waiting.push_front(first);
+        let mut prompting: VecDeque<Prompting> = VecDeque::new();
         let mut active: Vec<Active> = Vec::new();
         // Replays steps of one batch's make-up; a new one for each new make-up.
         let mut steps = DecodeSteps::new(&model.info().device);
@@ -288,27 +313,40 @@ impl Batch<'_> {
         let mut draining = false;
         loop {
             waiting.extend(queue.try_iter());
-            // Jobs join between steps while the prompts taken since the last step are shorter
-            // than one prefill step: many short prompts join at once, and a long one holds the
-            // others up once.
-            let mut prompts = 0;
-            while !draining && active.len() < self.capacity {
+            while !draining && prompting.len() + active.len() < self.capacity {
                 let Some(job) = waiting.front() else { break };
                 if job.key() != key {
                     draining = true;
-                } else if active.is_empty() || prompts < job.options.prefill_step {
-                    let job = waiting.pop_front().expect("a waiting job");
-                    prompts += job.prompt.len();
-                    if let Some(joined) = self.start(model, job) {
+                    break;
+                }
+                let job = waiting.pop_front().expect("a waiting job");
+                if let Some(p) = self.begin(model, job) {
+                    prompting.push_back(p);
+                }
+            }
+            // Between steps, at most one prefill step's worth of prompt tokens: many short
+            // prompts at once, a long one a chunk at a time while the others go on decoding.
+            let mut budget = prompting
+                .front()
+                .map_or(0, |p| p.job.options.prefill_step.max(1));
+            while budget > 0 {
+                let Some(p) = prompting.pop_front() else {
+                    break;
+                };
+                match self.prompt(model, p, &mut budget) {
+                    Prompted::More(p) => prompting.push_front(p),
+                    Prompted::Decoding(joined) => {
                         active.push(joined);
                         steps = DecodeSteps::new(&model.info().device);
                     }
-                } else {
-                    break;
+                    Prompted::Ended => {}
                 }
             }
             if active.is_empty() {
-                return;
+                if prompting.is_empty() {
+                    return;
+                }
+                continue;
             }
             let before = active.len();
             active = self.step(model, &mut steps, active);
@@ -318,106 +356,156 @@ impl Batch<'_> {
         }
     }
 
-    /// Runs `job`'s prompt through `model` and reports its first token: the job decoding, or
-    /// `None` when it has already ended (and been reported).
-    fn start(&mut self, model: &dyn LanguageModel, job: Job) -> Option<Active> {
+    /// Takes `job` into the batch: its cache (from the prompt cache where a prefix is there)
+    /// and its sequence; `None` when it has already ended (and been reported).
+    fn begin(&mut self, model: &dyn LanguageModel, job: Job) -> Option<Prompting> {
         if job.cancelled() {
             job.end(Ok(FinishReason::Cancelled));
             return None;
         }
-        // Requests are validated before they get here; this keeps one that still trips a bug
-        // from taking the thread (and the server) down.
-        let started = catch_unwind(AssertUnwindSafe(|| self.prefill(model, &job)));
-        match started {
-            Ok(Ok(Some((cache, sequence, token)))) => Some(Active {
-                job,
-                cache,
-                sequence,
-                token,
-            }),
-            Ok(Ok(None)) => None,
-            Ok(Err(e)) => {
-                job.end(Err(e));
-                None
+        let state = catch_unwind(AssertUnwindSafe(|| self.state_for(model, &job)))
+            .unwrap_or_else(|panic| Err(JobError::Panic(panic_message(&*panic))));
+        match state {
+            Ok((cache, cached_tokens, sequence)) => {
+                if !job.send(Update::Started { cached_tokens }) {
+                    job.end(Ok(FinishReason::Cancelled));
+                    return None;
+                }
+                // Recurrent and sliding-window state cannot be cut back later, so such a cache
+                // keeps a snapshot of the prompt without its last token: the next turn of a
+                // chat, or a retry, resumes from it.
+                let snapshot_at = job.prompt.len() - 1;
+                let snapshot = !is_truncatable(&cache) && cached_tokens < snapshot_at;
+                Some(Prompting {
+                    job,
+                    cache,
+                    sequence,
+                    cached_tokens,
+                    snapshot,
+                    logits: Vec::new(),
+                })
             }
-            Err(panic) => {
-                job.end(Err(JobError::Panic(panic_message(&*panic))));
+            Err(e) => {
+                job.end(Err(e));
                 None
             }
         }
     }
 
-    /// The prompt part of [`start`](Self::start): the job's cache, its sequence and the
-    /// token its first step takes, or `None` when the job has ended.
-    fn prefill(
+    /// `job`'s cache (from the prompt cache where a prefix of its prompt is there), the prompt
+    /// tokens that came from there, and its sequence.
+    fn state_for(
         &mut self,
         model: &dyn LanguageModel,
         job: &Job,
-    ) -> Result<Option<(Cache, Sequence, u32)>, JobError> {
-        let key = job.key();
-        let prompt = &job.prompt;
-        if prompt.is_empty() {
+    ) -> Result<(Cache, usize, Sequence), JobError> {
+        if job.prompt.is_empty() {
             return Err(RuntimeError::from(ForwardError::EmptyInput).into());
         }
-        let (mut cache, cached_tokens) = match self.prompt_cache.fetch(&key, prompt) {
+        let (cache, cached_tokens) = match self.prompt_cache.fetch(&job.key(), &job.prompt) {
             Some(hit) => (hit.cache, hit.tokens),
             None => (job.options.new_cache(model)?, 0),
         };
-        if !job.send(Update::Started { cached_tokens }) {
-            job.end(Ok(FinishReason::Cancelled));
-            return Ok(None);
-        }
         let loaded = self.loaded;
-        let mut sequence = Sequence::new(
+        let sequence = Sequence::new(
             &loaded.tokenizer,
-            prompt,
-            prompt.len() - cached_tokens,
+            &job.prompt,
+            job.prompt.len() - cached_tokens,
             &loaded.eos_ids,
             &job.options,
             &job.stream,
         )?;
-        // Progress counts every uncached prompt token.
-        let total = prompt.len() - cached_tokens;
-        let step = job.options.prefill_step.max(1);
-        // Recurrent and sliding-window state cannot be cut back later, so keep a snapshot of the
-        // prompt without its last token: the next turn of a chat, or a retry, resumes from it.
-        let snapshot_at = prompt.len() - 1;
-        let mut logits = Vec::new();
-        let snapshots = !is_truncatable(&cache) && cached_tokens < snapshot_at;
-        let stops = if snapshots {
-            vec![snapshot_at, prompt.len()]
-        } else {
-            vec![prompt.len()]
+        Ok((cache, cached_tokens, sequence))
+    }
+
+    /// Runs up to `budget` more tokens of `p`'s prompt through `model` (taking them off the
+    /// budget), in chunks of at most one prefill step; once the whole prompt has gone through,
+    /// reports the first token. An error or a panic ends the job with its message.
+    fn prompt(
+        &mut self,
+        model: &dyn LanguageModel,
+        mut p: Prompting,
+        budget: &mut usize,
+    ) -> Prompted {
+        // Requests are validated before they get here; this keeps one that still trips a bug
+        // from taking the thread (and the server) down.
+        let ran = catch_unwind(AssertUnwindSafe(|| {
+            let through = self.prompt_chunks(model, &mut p, budget)?;
+            if !through {
+                return Ok(None);
+            }
+            let next = NextToken::Logits(&mut p.logits);
+            Ok(Some(p.sequence.advance(next, &mut p.job.on_event())?))
+        }));
+        let error = match ran {
+            Ok(Ok(None)) if p.job.cancelled() => {
+                // What went through is kept, as for a generation cut short.
+                let tokens = p.job.prompt[..p.cache.offset].to_vec();
+                self.prompt_cache.insert(p.job.key(), tokens, p.cache);
+                p.job.end(Ok(FinishReason::Cancelled));
+                return Prompted::Ended;
+            }
+            Ok(Ok(None)) => return Prompted::More(p),
+            Ok(Ok(Some(Some(token)))) => {
+                return Prompted::Decoding(Active {
+                    job: p.job,
+                    cache: p.cache,
+                    sequence: p.sequence,
+                    token,
+                })
+            }
+            Ok(Ok(Some(None))) => {
+                self.finish(&p.job, p.cache, p.sequence);
+                return Prompted::Ended;
+            }
+            Ok(Err(e)) => e,
+            Err(panic) => JobError::Panic(panic_message(&*panic)),
         };
-        for end in stops {
-            for chunk in prompt[cache.offset..end].chunks(step) {
-                logits = model
-                    .forward(chunk, &mut cache, Logits::Last)
-                    .map_err(RuntimeError::from)?
-                    .into_data();
-                let done = cache.offset - cached_tokens;
-                if !job.send(Update::Prefill { done, total }) {
-                    self.prompt_cache
-                        .insert(key, prompt[..cache.offset].to_vec(), cache);
-                    job.end(Ok(FinishReason::Cancelled));
-                    return Ok(None);
-                }
+        p.job.end(Err(error));
+        Prompted::Ended
+    }
+
+    /// The chunks of [`prompt`](Self::prompt): whether the whole prompt has gone through
+    /// (false when the budget ran out, or the requester went away).
+    fn prompt_chunks(
+        &mut self,
+        model: &dyn LanguageModel,
+        p: &mut Prompting,
+        budget: &mut usize,
+    ) -> Result<bool, JobError> {
+        let prompt = &p.job.prompt;
+        // Progress counts every uncached prompt token.
+        let total = prompt.len() - p.cached_tokens;
+        let step = p.job.options.prefill_step.max(1);
+        while p.cache.offset < prompt.len() {
+            if *budget == 0 {
+                return Ok(false);
             }
-            // A snapshot that does not fit in device memory is only a later cache miss.
-            if end == snapshot_at {
-                if let Ok(snapshot) = cache.try_clone() {
-                    self.prompt_cache
-                        .insert(key.clone(), prompt[..snapshot_at].to_vec(), snapshot);
+            let end = if p.snapshot {
+                prompt.len() - 1
+            } else {
+                prompt.len()
+            };
+            let chunk = &prompt[p.cache.offset..end.min(p.cache.offset + step.min(*budget))];
+            p.logits = model
+                .forward(chunk, &mut p.cache, Logits::Last)
+                .map_err(RuntimeError::from)?
+                .into_data();
+            *budget -= chunk.len();
+            let done = p.cache.offset - p.cached_tokens;
+            if !p.job.send(Update::Prefill { done, total }) {
+                return Ok(false);
+            }
+            if p.snapshot && p.cache.offset == end {
+                p.snapshot = false;
+                // A snapshot that does not fit in device memory is only a later cache miss.
+                if let Ok(snapshot) = p.cache.try_clone() {
+                    let tokens = prompt[..end].to_vec();
+                    self.prompt_cache.insert(p.job.key(), tokens, snapshot);
                 }
             }
         }
-        match sequence.advance(NextToken::Logits(&mut logits), &mut job.on_event())? {
-            Some(token) => Ok(Some((cache, sequence, token))),
-            None => {
-                self.finish(job, cache, sequence);
-                Ok(None)
-            }
-        }
+        Ok(true)
     }
 
     /// One decoding step of every sequence of `active`; returns those still decoding. A

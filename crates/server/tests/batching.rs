@@ -13,12 +13,37 @@ use oxlm_runtime::LoadedModel;
 use oxlm_server::{LogLevel, Server, Settings};
 use serde_json::{json, Value};
 
-/// The tiny llama fixture, recording how many sequences each batched step took. Its first
-/// forward pass is slow, so that requests sent together are all queued before the first of
-/// them decodes.
+/// A forward pass as the server asked for it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Call {
+    /// `forward` of this many prompt tokens of one sequence.
+    Prompt(usize),
+    /// `forward` of one sequence's next token, for its greedy pick.
+    Step,
+    /// `forward_batch` of this many sequences.
+    Batch(usize),
+}
+
+/// The model's calls, in order.
+type Calls = Arc<Mutex<Vec<Call>>>;
+
+/// The sizes of the batched steps among `calls`.
+fn batches(calls: &Calls) -> Vec<usize> {
+    let calls = calls.lock().unwrap();
+    calls
+        .iter()
+        .filter_map(|c| match c {
+            Call::Batch(n) => Some(*n),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The tiny llama fixture, recording its calls. Its first forward pass is slow, so that
+/// requests sent together are all queued before the first of them decodes.
 struct Recording {
     inner: Box<dyn LanguageModel>,
-    batches: Arc<Mutex<Vec<usize>>>,
+    calls: Calls,
     first: AtomicBool,
 }
 
@@ -44,6 +69,11 @@ impl LanguageModel for Recording {
         if self.first.swap(false, Ordering::Relaxed) {
             std::thread::sleep(Duration::from_millis(300));
         }
+        let call = match logits {
+            Logits::LastOnDevice => Call::Step,
+            _ => Call::Prompt(tokens.len()),
+        };
+        self.calls.lock().unwrap().push(call);
         self.inner.forward(tokens, cache, logits)
     }
 
@@ -52,7 +82,7 @@ impl LanguageModel for Recording {
         tokens: &[u32],
         caches: &mut [&mut Cache],
     ) -> Result<Tensor, ForwardError> {
-        self.batches.lock().unwrap().push(tokens.len());
+        self.calls.lock().unwrap().push(Call::Batch(tokens.len()));
         self.inner.forward_batch(tokens, caches)
     }
 
@@ -67,33 +97,38 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// A server of the recording llama decoding up to `decode_concurrency` sequences together,
-/// with the adapters in `adapters_dir`: its address and the sizes of its batched steps.
-async fn start(
-    decode_concurrency: usize,
-    adapters_dir: Option<PathBuf>,
-) -> (String, Arc<Mutex<Vec<usize>>>) {
+/// A server of the recording llama with `settings`: its address and the model's calls.
+async fn start_with(settings: Settings) -> (String, Calls) {
     let mut loaded = LoadedModel::load(&fixture("llama-4bit-g64")).unwrap();
-    let batches = Arc::new(Mutex::new(Vec::new()));
+    let calls = Arc::new(Mutex::new(Vec::new()));
     loaded.model = Box::new(Recording {
         inner: loaded.model,
-        batches: batches.clone(),
+        calls: calls.clone(),
         first: AtomicBool::new(true),
     });
-    // Without a prompt cache, which would give a request the prefix of one that ended before
-    // it when served one at a time, and not when served together.
     let settings = Settings {
-        decode_concurrency,
-        prompt_cache_size: 0,
-        adapters_dir,
         log_level: LogLevel::Warning,
-        ..Settings::default()
+        ..settings
     };
     let server = Server::new(loaded, settings).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(server.serve(listener));
-    (base, batches)
+    (base, calls)
+}
+
+/// [`start_with`] decoding up to `decode_concurrency` sequences together, with the adapters
+/// in `adapters_dir`.
+async fn start(decode_concurrency: usize, adapters_dir: Option<PathBuf>) -> (String, Calls) {
+    // Without a prompt cache, which would give a request the prefix of one that ended before
+    // it when served one at a time, and not when served together.
+    start_with(Settings {
+        decode_concurrency,
+        prompt_cache_size: 0,
+        adapters_dir,
+        ..Settings::default()
+    })
+    .await
 }
 
 /// Four requests of different lengths and samplers: greedy ones, a seeded sampled one and one
@@ -137,14 +172,14 @@ async fn send_together(base: &str, bodies: Vec<Value>, apart: Duration) -> Vec<V
 
 #[tokio::test]
 async fn requests_sent_together_decode_together_as_they_decode_alone() {
-    let (together, batches) = start(32, None).await;
+    let (together, calls) = start(32, None).await;
     let replies = send_together(&together, requests(), Duration::ZERO).await;
-    // The first request's slow prompt lets the others queue; they join one a step.
-    assert_eq!(batches.lock().unwrap().iter().max(), Some(&4));
+    // The first request's slow prompt lets the others queue.
+    assert_eq!(batches(&calls).iter().max(), Some(&4));
 
-    let (alone, batches) = start(1, None).await;
+    let (alone, calls) = start(1, None).await;
     let expected = send_together(&alone, requests(), Duration::ZERO).await;
-    assert!(batches.lock().unwrap().is_empty(), "one at a time");
+    assert!(batches(&calls).is_empty(), "one at a time");
     assert_eq!(replies, expected);
     let finish: Vec<&Value> = replies.iter().map(|r| &r[1]).collect();
     assert_eq!(finish, ["length"; 4]);
@@ -176,7 +211,7 @@ async fn a_request_of_another_adapter_waits_for_the_batch() {
         ]
     };
     let dir = Some(adapters.path().to_path_buf());
-    let (together, batches) = start(32, dir.clone()).await;
+    let (together, calls) = start(32, dir.clone()).await;
     // In this order: two of the base model, one of the adapter, then one of each.
     let apart = Duration::from_millis(40);
     let replies = send_together(&together, bodies(), apart).await;
@@ -186,8 +221,47 @@ async fn a_request_of_another_adapter_waits_for_the_batch() {
     // The adapter changed what it applies to.
     assert_ne!(replies[2][0], replies[1][0]);
     // The base model's only batched steps were of the two requests ahead of the adapter's.
-    let batches = batches.lock().unwrap();
+    let batches = batches(&calls);
     assert!(batches.iter().all(|&n| n == 2), "{batches:?}");
     // A step for each of the second's tokens past the first, which its prompt gave.
     assert_eq!(batches.len(), 11);
+}
+
+/// A long prompt goes through a prefill step at a time between decoding steps, so that the
+/// requests decoding meanwhile go on.
+#[tokio::test]
+async fn a_long_prompt_goes_through_between_steps() {
+    let (base, calls) = start_with(Settings {
+        prefill_step: 8,
+        ..Settings::default()
+    })
+    .await;
+    let long = "one two three four five six seven eight nine ten ".repeat(6);
+    let bodies = vec![
+        json!({"prompt": "Once upon a time", "max_tokens": 40}),
+        json!({"prompt": long, "max_tokens": 4}),
+    ];
+    let replies = send_together(&base, bodies, Duration::from_millis(100)).await;
+    let prompt_tokens = |r: &Value| r[2]["prompt_tokens"].as_u64().unwrap() as usize;
+    let (first, second) = (prompt_tokens(&replies[0]), prompt_tokens(&replies[1]));
+    assert!(second > 40, "{second}");
+    // The second arrives while the first's prompt goes through; then its own goes through in
+    // chunks of at most 8 tokens, each followed by a step of the first alone, until both
+    // decode together.
+    let calls = calls.lock().unwrap().clone();
+    let joined = calls.iter().position(|c| *c == Call::Batch(2)).unwrap();
+    let chunk = |c: &Call| match c {
+        Call::Prompt(n) => *n,
+        _ => 0,
+    };
+    let prompts: usize = calls[..joined].iter().map(chunk).sum();
+    assert_eq!(prompts, first + second, "{calls:?}");
+    assert!(calls[..joined].iter().all(|c| chunk(c) <= 8), "{calls:?}");
+    let first_step = calls.iter().position(|c| *c == Call::Step).unwrap();
+    for pair in calls[first_step..joined].windows(2) {
+        assert!(
+            pair.contains(&Call::Step),
+            "two chunks without a step: {calls:?}"
+        );
+    }
 }
