@@ -2,6 +2,8 @@
 
 usage: python3 benches/serve_bench.py --oxlm target/release/oxlm --model DIR
            [--mlx-python PYTHON] [--requests 1,4,8] [--max-tokens 64]
+       python3 benches/serve_bench.py --oxlm target/release/oxlm --model DIR
+           --long-prompt WORDS [--prefill-steps 2048,256]
 
 Each server runs in a subprocess of its own on a free port and answers one warm-up request.
 Then, for each count n of `--requests`, n text completions (distinct prompts, greedy,
@@ -12,6 +14,12 @@ time a request took. oxlm runs twice: decoding one request at a time (`--decode-
 as it served before batching) and with its default (32, mlx_lm.server's). mlx_lm.server runs
 with its defaults (batch generation, `--decode-concurrency 32`) when `--mlx-python` names a
 Python that has mlx-lm (on these machines, MLX's CPU backend).
+
+With `--long-prompt`, what a long prompt does to a request that is streaming meanwhile: one
+request streams 200 tokens; half a second in, a second one arrives with a prompt of WORDS
+words (and asks for one token). Reported per `--prefill-step-size` of oxlm: the streaming
+request's longest pause between two tokens, its median pause, and how long the second one
+took.
 """
 import argparse
 import json
@@ -84,7 +92,38 @@ def send_together(base, n, max_tokens):
     return tokens, wall, sum(r[1] for r in results) / n
 
 
-def run_server(label, command, counts, max_tokens):
+def stream_gaps(base, body):
+    """The seconds between consecutive events of a streamed completion."""
+    request = urllib.request.Request(
+        f"{base}/v1/completions",
+        data=json.dumps(dict(body, stream=True)).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    times = []
+    with urllib.request.urlopen(request, timeout=3600) as reply:
+        for line in reply:
+            if line.startswith(b"data: "):
+                times.append(time.time())
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def long_prompt(base, words):
+    """(longest pause, median pause, seconds the long prompt took)."""
+    gaps = []
+    streaming = threading.Thread(target=lambda: gaps.extend(stream_gaps(
+        base, {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0})))
+    streaming.start()
+    time.sleep(0.5)
+    start = time.time()
+    post(base, {"prompt": " ".join(["word"] * words), "max_tokens": 1, "temperature": 0})
+    took = time.time() - start
+    streaming.join()
+    gaps.sort()
+    return max(gaps), gaps[len(gaps) // 2], took
+
+
+def started(command):
+    """A server from `command` on a free port, once it answers: (process, base URL)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(
@@ -92,9 +131,14 @@ def run_server(label, command, counts, max_tokens):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    wait_ready(base, process)
+    post(base, {"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+    return process, base
+
+
+def run_server(label, command, counts, max_tokens):
+    process, base = started(command)
     try:
-        wait_ready(base, process)
-        post(base, {"prompt": "Hello", "max_tokens": 4, "temperature": 0})
         rows = []
         for n in counts:
             tokens, wall, latency = send_together(base, n, max_tokens)
@@ -121,7 +165,21 @@ def main():
     parser.add_argument("--mlx-python")
     parser.add_argument("--requests", default="1,4,8")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--long-prompt", type=int, default=0)
+    parser.add_argument("--prefill-steps", default="2048,256")
     args = parser.parse_args()
+    if args.long_prompt:
+        for step in args.prefill_steps.split(","):
+            process, base = started([args.oxlm, "serve", "--model", args.model,
+                                     "--prefill-step-size", step, "--log-level", "WARNING"])
+            try:
+                longest, median, took = long_prompt(base, args.long_prompt)
+            finally:
+                process.terminate()
+                process.wait()
+            print(f"--prefill-step-size {step}: longest pause {longest:.3f} s, median "
+                  f"{median:.4f} s; the long prompt took {took:.2f} s", flush=True)
+        return
     counts = [int(n) for n in args.requests.split(",")]
     servers = [
         ("oxlm, one at a time", [args.oxlm, "serve", "--model", args.model,
