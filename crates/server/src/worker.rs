@@ -478,7 +478,7 @@ impl Batch<'_> {
         let total = prompt.len() - p.cached_tokens;
         let step = p.job.options.prefill_step.max(1);
         while p.cache.offset < prompt.len() {
-            if *budget == 0 {
+            if *budget == 0 || p.job.cancelled() {
                 return Ok(false);
             }
             let end = if p.snapshot {
