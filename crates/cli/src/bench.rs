@@ -12,7 +12,7 @@ use oxlm_engine::cuda::{
 };
 use oxlm_engine::{ops, DecodeSteps, KvPrecision};
 use oxlm_models::{Cache, LanguageModel, Logits};
-use oxlm_runtime::generate::{peak_memory_bytes, DEFAULT_PREFILL_STEP};
+use oxlm_runtime::generate::{decode_step, peak_memory_bytes, Stepped, DEFAULT_PREFILL_STEP};
 use oxlm_runtime::hub::resolve_model;
 use serde_json::json;
 
@@ -103,19 +103,20 @@ fn prefill(model: &dyn LanguageModel, ids: &[u32], cache: &mut Cache) -> Result<
     Ok(ops::argmax(&logits))
 }
 
-/// One greedy decoding step for every sequence of `caches`, from each one's last token: as
-/// `generate` takes it for one sequence (the pick made where the logits are), through
-/// `forward_batch` for more.
+/// One greedy decoding step for every sequence of `caches`, from each one's last token, as
+/// `generate` and the server take it (`decode_step`: the picks made where the logits are; one
+/// sequence through `forward`, more through `forward_batch`), replayed by `steps`.
 fn greedy_step(
     model: &dyn LanguageModel,
+    steps: &mut DecodeSteps,
     tokens: &[u32],
     caches: &mut [Cache],
 ) -> Result<Vec<u32>> {
-    let logits = match caches {
-        [cache] => model.forward(tokens, cache, Logits::LastOnDevice)?,
-        _ => model.forward_batch(tokens, &mut caches.iter_mut().collect::<Vec<_>>())?,
+    let mut caches: Vec<&mut Cache> = caches.iter_mut().collect();
+    let Stepped::Picks(picks) = decode_step(model, steps, tokens, &mut caches, true)? else {
+        anyhow::bail!("a greedy step gave logits rather than picks");
     };
-    Ok(ops::greedy_rows(&logits)?.iter().map(|p| p.id).collect())
+    Ok(picks.iter().map(|p| p.id).collect())
 }
 
 /// New caches for `sequences` sequences, each prefilled with its own prompt of `len` tokens
@@ -161,7 +162,7 @@ fn decode(
     let mut steps = DecodeSteps::new(&model.info().device);
     let start = Instant::now();
     for _ in 0..n {
-        tokens = steps.run(|| greedy_step(model, &tokens, caches))?;
+        tokens = greedy_step(model, &mut steps, &tokens, caches)?;
     }
     Ok(Decoded {
         seconds: start.elapsed().as_secs_f64(),
@@ -209,7 +210,7 @@ fn traced_decode(
     let mut decode_steps = DecodeSteps::new(&model.info().device);
     let mut steps = Vec::with_capacity(n);
     for _ in 0..n {
-        tokens = decode_steps.run(|| greedy_step(model, &tokens, &mut caches))?;
+        tokens = greedy_step(model, &mut decode_steps, &tokens, &mut caches)?;
         steps.push(gpu.take_trace()?.unwrap_or_default());
     }
     let per_step = median(steps.iter().map(|s| s.len() as f64).collect()) as usize;

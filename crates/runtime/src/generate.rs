@@ -149,27 +149,66 @@ pub fn generate_stream(
 ) -> Result<Generation, RuntimeError> {
     let uncached = prompt.get(cache.offset..).unwrap_or_default();
     let mut sequence = Sequence::new(tokenizer, prompt, uncached.len(), eos_ids, options, stream)?;
-    let Some(mut logits) =
-        prefill_reporting(model, uncached, cache, options.prefill_step, on_event)?
+    let Some(logits) = prefill_reporting(model, uncached, cache, options.prefill_step, on_event)?
     else {
         return Ok(sequence.cancel());
     };
     let mut steps = DecodeSteps::new(&model.info().device);
-    let mut next = NextToken::Logits(&mut logits);
-    while let Some(token) = sequence.advance(next, on_event)? {
-        next = if sequence.picks_greedily() {
-            NextToken::Pick(steps.run(|| {
-                let logits = model.forward(&[token], cache, Logits::LastOnDevice)?;
-                Ok::<_, ForwardError>(ops::greedy_rows(&logits)?[0])
-            })?)
-        } else {
-            logits = steps
-                .run(|| model.forward(&[token], cache, Logits::Last))?
-                .into_data();
-            NextToken::Logits(&mut logits)
-        };
+    let (vocab, greedy) = (model.info().vocab_size, sequence.picks_greedily());
+    let mut stepped = Stepped::Logits(logits);
+    while let Some(token) = sequence.advance(stepped.next(0, vocab), on_event)? {
+        stepped = decode_step(model, &mut steps, &[token], &mut [&mut *cache], greedy)?;
     }
     sequence.finish(on_event)
+}
+
+/// What one decoding step gave its sequences, in their order.
+pub enum Stepped {
+    /// Each one's greedy pick, made where the logits are.
+    Picks(Vec<Pick>),
+    /// `[sequences, vocab]` logits on the host.
+    Logits(Vec<f32>),
+}
+
+impl Stepped {
+    /// What sequence `i` of the step takes its next token from.
+    pub fn next(&mut self, i: usize, vocab: usize) -> NextToken<'_> {
+        match self {
+            Stepped::Picks(picks) => NextToken::Pick(picks[i]),
+            Stepped::Logits(logits) => NextToken::Logits(&mut logits[i * vocab..(i + 1) * vocab]),
+        }
+    }
+}
+
+/// One decoding step, replayed by `steps`: `tokens[i]` through `model` after what `caches[i]`
+/// holds. One sequence goes alone; several go as one batch (`forward_batch`, which reads each
+/// weight once for all of them). With `greedy`, only their picks come back (see
+/// [`NextToken`]); otherwise every sequence's logits, on the host.
+pub fn decode_step(
+    model: &dyn LanguageModel,
+    steps: &mut DecodeSteps,
+    tokens: &[u32],
+    caches: &mut [&mut Cache],
+    greedy: bool,
+) -> Result<Stepped, ForwardError> {
+    steps.run(|| {
+        let logits = match caches {
+            [cache] => {
+                let kind = if greedy {
+                    Logits::LastOnDevice
+                } else {
+                    Logits::Last
+                };
+                model.forward(tokens, cache, kind)?
+            }
+            _ => model.forward_batch(tokens, caches)?,
+        };
+        Ok(if greedy {
+            Stepped::Picks(ops::greedy_rows(&logits)?)
+        } else {
+            Stepped::Logits(logits.into_host()?.into_data())
+        })
+    })
 }
 
 /// What a decoding step gives a sequence: the logits of its next token, or (for a sequence

@@ -19,11 +19,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
-use oxlm_engine::{ops, DecodeSteps};
+use oxlm_engine::DecodeSteps;
 use oxlm_models::lora::{AdaptedModel, AdapterError};
 use oxlm_models::{Cache, ForwardError, LanguageModel, Logits};
 use oxlm_runtime::adapter_store::{Adapter, AdapterId};
-use oxlm_runtime::generate::{NextToken, Sequence};
+use oxlm_runtime::generate::{decode_step, NextToken, Sequence};
 use oxlm_runtime::prompt_cache::{is_truncatable, PromptCache};
 use oxlm_runtime::{
     Event, FinishReason, GenerateOptions, Generation, LoadedModel, RuntimeError, StreamOptions,
@@ -279,13 +279,6 @@ enum Prompted {
     Ended,
 }
 
-/// What one decoding step gave its sequences, in their order.
-enum Stepped {
-    Picks(Vec<ops::Pick>),
-    /// `[sequences, vocab]` logits on the host.
-    Logits(Vec<f32>),
-}
-
 impl Batch<'_> {
     /// Serves `first` and the jobs of its adapter that arrive while its batch runs, until the
     /// batch is empty; jobs of other adapters are left in `waiting`, in their order.
@@ -532,8 +525,13 @@ impl Batch<'_> {
         if active.is_empty() {
             return active;
         }
-        let stepped = catch_unwind(AssertUnwindSafe(|| forward(model, steps, &mut active)));
-        let stepped = match stepped {
+        let greedy = active.iter().all(|a| a.sequence.picks_greedily());
+        let stepped = catch_unwind(AssertUnwindSafe(|| {
+            let tokens: Vec<u32> = active.iter().map(|a| a.token).collect();
+            let mut caches: Vec<&mut Cache> = active.iter_mut().map(|a| &mut a.cache).collect();
+            decode_step(model, steps, &tokens, &mut caches, greedy)
+        }));
+        let mut stepped = match stepped {
             Ok(Ok(stepped)) => stepped,
             Ok(Err(e)) => return end_all(active, || JobError::Step(e.to_string())),
             Err(panic) => {
@@ -541,17 +539,10 @@ impl Batch<'_> {
                 return end_all(active, || JobError::Panic(message.clone()));
             }
         };
-        let (picks, mut logits) = match stepped {
-            Stepped::Picks(picks) => (Some(picks), Vec::new()),
-            Stepped::Logits(logits) => (None, logits),
-        };
-        let mut rows = logits.chunks_mut(model.info().vocab_size.max(1));
+        let vocab = model.info().vocab_size;
         let mut decoding = Vec::with_capacity(active.len());
         for (i, mut a) in active.into_iter().enumerate() {
-            let next = match &picks {
-                Some(picks) => NextToken::Pick(picks[i]),
-                None => NextToken::Logits(rows.next().unwrap_or_default()),
-            };
+            let next = stepped.next(i, vocab);
             let advanced = catch_unwind(AssertUnwindSafe(|| {
                 a.sequence.advance(next, &mut a.job.on_event())
             }));
@@ -595,39 +586,6 @@ impl Batch<'_> {
             self.prompt_cache.insert(job.key(), tokens, cache);
         }
     }
-}
-
-/// Runs each sequence's next token through `model`, replayed by `steps`: one sequence alone
-/// as generation runs it, several as one batch. Only picks come back when every sequence
-/// picks greedily (see [`NextToken`]); else the host gets every sequence's logits.
-fn forward(
-    model: &dyn LanguageModel,
-    steps: &mut DecodeSteps,
-    active: &mut [Active],
-) -> Result<Stepped, ForwardError> {
-    let greedy = active.iter().all(|a| a.sequence.picks_greedily());
-    steps.run(|| {
-        let logits = match active {
-            [one] => {
-                let on_device = if greedy {
-                    Logits::LastOnDevice
-                } else {
-                    Logits::Last
-                };
-                model.forward(&[one.token], &mut one.cache, on_device)?
-            }
-            many => {
-                let tokens: Vec<u32> = many.iter().map(|a| a.token).collect();
-                let mut caches: Vec<&mut Cache> = many.iter_mut().map(|a| &mut a.cache).collect();
-                model.forward_batch(&tokens, &mut caches)?
-            }
-        };
-        Ok(if greedy {
-            Stepped::Picks(ops::greedy_rows(&logits)?)
-        } else {
-            Stepped::Logits(logits.into_host()?.into_data())
-        })
-    })
 }
 
 /// Ends every job of `active` with the error of a step they shared.
