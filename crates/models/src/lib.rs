@@ -38,6 +38,20 @@ pub struct ModelInfo {
     pub device: Device,
 }
 
+impl ModelInfo {
+    /// Whether `tokens` more fit the context after `offset` ([`ForwardError::ContextOverflow`]
+    /// where they do not).
+    pub fn check_context(&self, offset: usize, tokens: usize) -> Result<(), ForwardError> {
+        match self.max_context {
+            Some(limit) if offset + tokens > limit => Err(ForwardError::ContextOverflow {
+                needed: offset + tokens,
+                limit,
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// Which positions' logits a forward pass returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {
@@ -127,13 +141,7 @@ pub(crate) fn check_tokens(
             vocab: info.vocab_size,
         });
     }
-    if let Some(limit) = info.max_context {
-        let needed = offset + tokens.len();
-        if needed > limit {
-            return Err(ForwardError::ContextOverflow { needed, limit });
-        }
-    }
-    Ok(())
+    info.check_context(offset, tokens.len())
 }
 
 type Constructor = fn(Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError>;

@@ -512,14 +512,12 @@ impl Batch<'_> {
     ) -> Vec<Active> {
         let mut active: Vec<Active> = active
             .into_iter()
-            .filter_map(|a| match model.info().max_context {
-                Some(limit) if a.cache.offset >= limit => {
-                    let needed = a.cache.offset + 1;
-                    let overflow = ForwardError::ContextOverflow { needed, limit };
+            .filter_map(|a| match model.info().check_context(a.cache.offset, 1) {
+                Ok(()) => Some(a),
+                Err(overflow) => {
                     a.job.end(Err(RuntimeError::from(overflow).into()));
                     None
                 }
-                _ => Some(a),
             })
             .collect();
         if active.is_empty() {
