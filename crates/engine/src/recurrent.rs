@@ -39,35 +39,85 @@ fn mismatch(op: &str) -> EngineError {
     EngineError::Device(format!("{op}: operands are on different devices"))
 }
 
-/// Causal depthwise 1-D convolution of `x` (`[tokens, channels]`) continuing from `state`
-/// (`[kernel - 1, channels]`, the inputs before `x`, oldest first; zeros at the start of a
-/// sequence), with `weight` `[channels, kernel]`. `state` then holds the last `kernel - 1`
-/// inputs.
+/// The state each token of a chunk continues: every token one sequence's (`states` of one), or
+/// token `i` sequence `i`'s (a batched decoding step).
+fn tokens_per_state(tokens: usize, states: usize, op: &str) -> Result<usize> {
+    match states {
+        1 => Ok(tokens),
+        n if n == tokens => Ok(1),
+        n => Err(EngineError::Shape(format!(
+            "{op} of {tokens} tokens over {n} sequences' states"
+        ))),
+    }
+}
+
+/// The host slices of `states`, or `None` where one is not on the host.
+fn host_states<'a>(states: &'a mut [&mut Tensor]) -> Option<Vec<&'a mut [f32]>> {
+    states
+        .iter_mut()
+        .map(|s| match &mut s.storage {
+            Storage::Host(v) => Some(&mut v[..]),
+            Storage::Cuda(_) => None,
+        })
+        .collect()
+}
+
+/// The addresses of `states` on the GPU of `input`, or `None` where one is elsewhere.
+fn gpu_states(states: &[&mut Tensor], input: &cuda::Buffer) -> Option<Vec<u64>> {
+    states
+        .iter()
+        .map(|s| match &s.storage {
+            Storage::Cuda(b) if b.gpu().same(input.gpu()) => Some(b.ptr()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Causal depthwise 1-D convolution of `x` (`[tokens, channels]`) with `weight`
+/// (`[channels, kernel]`), continuing from the inputs before (`[kernel - 1, channels]` per
+/// state, oldest first; zeros at the start of a sequence). With one state, `x` is one
+/// sequence's tokens; with several, row `i` is the next token of sequence `i` (a batched
+/// decoding step). Each state then holds its sequence's last `kernel - 1` inputs.
 pub fn causal_conv1d(
     x: &Tensor,
     weight: &Tensor,
     kernel: usize,
-    state: &mut Tensor,
+    states: &mut [&mut Tensor],
 ) -> Result<Tensor> {
     let channels = x.cols();
+    let tokens = tokens_per_state(x.rows(), states.len(), "conv1d")?;
     shape(
-        kernel >= 1 && weight.len() == channels * kernel && state.len() == (kernel - 1) * channels,
+        kernel >= 1
+            && weight.len() == channels * kernel
+            && states.iter().all(|s| s.len() == (kernel - 1) * channels),
         || format!("conv1d of {:?} with kernel {kernel}", x.shape()),
     )?;
-    match (&x.storage, &weight.storage, &mut state.storage) {
-        (Storage::Host(x_), Storage::Host(w), Storage::Host(s)) => {
+    match (&x.storage, &weight.storage) {
+        (Storage::Host(x_), Storage::Host(w)) => {
+            let states = host_states(states).ok_or_else(|| mismatch("causal_conv1d"))?;
             let mut out = vec![0.0; x_.len()];
-            cpu::recurrent::causal_conv1d(x_, channels, w, kernel, s, &mut out);
+            let chunk = tokens * channels;
+            for ((x_, out), state) in x_.chunks(chunk).zip(out.chunks_mut(chunk)).zip(states) {
+                cpu::recurrent::causal_conv1d(x_, channels, w, kernel, state, out);
+            }
             Ok(Tensor::new(x.shape().to_vec(), out))
         }
-        (Storage::Cuda(x_), Storage::Cuda(w), Storage::Cuda(s)) => {
-            let out = cuda::ops::causal_conv1d(x_, w, s, channels, kernel)?;
+        (Storage::Cuda(x_), Storage::Cuda(w)) => {
+            let out = match &mut states[..] {
+                [one] => match &mut one.storage {
+                    Storage::Cuda(s) => cuda::ops::causal_conv1d(x_, w, s, channels, kernel)?,
+                    Storage::Host(_) => return Err(mismatch("causal_conv1d")),
+                },
+                many => {
+                    let table = gpu_states(many, x_).ok_or_else(|| mismatch("causal_conv1d"))?;
+                    cuda::ops::causal_conv1d_batch(x_, w, &table, channels, kernel)?
+                }
+            };
             Ok(Tensor::on_gpu(x.shape().to_vec(), out))
         }
         _ => Err(mismatch("causal_conv1d")),
     }
 }
-
 /// The decay `g = exp(neg_a · softplus(a + dt_bias))` and write strength `beta = sigmoid(b)`
 /// per token and value head, from `a` and `b` (`[tokens, v_heads]`).
 pub fn delta_gates(
@@ -104,13 +154,15 @@ pub fn delta_gates(
 /// The gated delta rule (Yang, Kautz & Hatamizadeh, "Gated Delta Networks"), as mlx-lm's
 /// `gated_delta_ops` computes it, over every token of the chunk: `q`, `k` `[tokens, k_heads ·
 /// k_dim]` (normalized and scaled), `v` `[tokens, v_heads · v_dim]`, `g` and `beta`
-/// `[tokens, v_heads]`. For each value head, with `S` its `[v_dim, k_dim]` slice of `state`:
+/// `[tokens, v_heads]`. For each value head, with `S` its `[v_dim, k_dim]` slice of a state:
 ///
 /// ```text
 /// S ← g_t · S;   δ = β_t · (v_t − S k_t);   S ← S + δ k_tᵀ;   y_t = S q_t
 /// ```
 ///
-/// Returns `y` (`[tokens, v_heads · v_dim]`); `state` is updated in place.
+/// With one state the tokens are one sequence's; with several, token `i` is the next of
+/// sequence `i` (a batched decoding step). Returns `y` (`[tokens, v_heads · v_dim]`); the states
+/// are updated in place.
 #[allow(clippy::too_many_arguments)]
 pub fn gated_delta_rule(
     q: &Tensor,
@@ -119,9 +171,10 @@ pub fn gated_delta_rule(
     g: &Tensor,
     beta: &Tensor,
     dims: DeltaRuleDims,
-    state: &mut Tensor,
+    states: &mut [&mut Tensor],
 ) -> Result<Tensor> {
     let tokens = g.len() / dims.v_heads.max(1);
+    let per_state = tokens_per_state(tokens, states.len(), "gated delta rule")?;
     shape(
         dims.k_heads > 0
             && dims.v_heads.is_multiple_of(dims.k_heads)
@@ -130,7 +183,7 @@ pub fn gated_delta_rule(
             && q.len() == tokens * dims.k_heads * dims.k_dim
             && k.len() == q.len()
             && v.len() == tokens * dims.v_heads * dims.v_dim
-            && state.len() == dims.state_len(),
+            && states.iter().all(|s| s.len() == dims.state_len()),
         || format!("gated delta rule of {:?} with {dims:?}", v.shape()),
     )?;
     let s = v.shape().to_vec();
@@ -140,7 +193,6 @@ pub fn gated_delta_rule(
         &v.storage,
         &g.storage,
         &beta.storage,
-        &mut state.storage,
     ) {
         (
             Storage::Host(q),
@@ -148,10 +200,23 @@ pub fn gated_delta_rule(
             Storage::Host(v),
             Storage::Host(g),
             Storage::Host(b),
-            Storage::Host(st),
         ) => {
+            let states = host_states(states).ok_or_else(|| mismatch("gated_delta_rule"))?;
             let mut y = vec![0.0; v.len()];
-            cpu::recurrent::gated_delta_rule(q, k, v, g, b, dims, st, &mut y);
+            let (qk, vy, gb) = (
+                per_state * dims.k_heads * dims.k_dim,
+                per_state * dims.v_heads * dims.v_dim,
+                per_state * dims.v_heads,
+            );
+            let chunks = q
+                .chunks(qk)
+                .zip(k.chunks(qk))
+                .zip(v.chunks(vy).zip(y.chunks_mut(vy)))
+                .zip(g.chunks(gb).zip(b.chunks(gb)))
+                .zip(states);
+            for ((((q, k), (v, y)), (g, b)), state) in chunks {
+                cpu::recurrent::gated_delta_rule(q, k, v, g, b, dims, state, y);
+            }
             Ok(Tensor::new(s, y))
         }
         (
@@ -160,11 +225,19 @@ pub fn gated_delta_rule(
             Storage::Cuda(v),
             Storage::Cuda(g),
             Storage::Cuda(b),
-            Storage::Cuda(st),
-        ) => Ok(Tensor::on_gpu(
-            s,
-            cuda::ops::gated_delta(q, k, v, g, b, st, dims)?,
-        )),
+        ) => {
+            let y = match &mut states[..] {
+                [one] => match &mut one.storage {
+                    Storage::Cuda(st) => cuda::ops::gated_delta(q, k, v, g, b, st, dims)?,
+                    Storage::Host(_) => return Err(mismatch("gated_delta_rule")),
+                },
+                many => {
+                    let table = gpu_states(many, q).ok_or_else(|| mismatch("gated_delta_rule"))?;
+                    cuda::ops::gated_delta_batch(q, k, v, g, b, &table, dims)?
+                }
+            };
+            Ok(Tensor::on_gpu(s, y))
+        }
         _ => Err(mismatch("gated_delta_rule")),
     }
 }

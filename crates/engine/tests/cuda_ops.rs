@@ -1004,7 +1004,7 @@ fn recurrent_ops() {
             &on(device, vec![tokens, channels], &x),
             &on(device, vec![channels, kernel], &w),
             kernel,
-            &mut state,
+            &mut [&mut state],
         )
         .unwrap();
         (out, state)
@@ -1047,7 +1047,7 @@ fn recurrent_ops() {
                 &g,
                 &beta,
                 dims,
-                &mut state,
+                &mut [&mut state],
             )
             .unwrap();
             (g, beta, y, state)
@@ -1059,5 +1059,66 @@ fn recurrent_ops() {
         assert_close(&format!("{what} beta"), &bg, &bc, 1e-6);
         assert_close(&format!("{what} y"), &yg, &yc, 1e-4);
         assert_close(&format!("{what} state"), &sg, &sc, 1e-4);
+
+        // A batched decoding step: token `s` of the chunk is the next of sequence `s`, each
+        // with its own state (the same tensors' rows, read as one sequence each).
+        let states0: Vec<Vec<f32>> = (0..tokens)
+            .map(|_| random_vec(&mut rng, dims.state_len()))
+            .collect();
+        let step = |device: &Device| {
+            let (g, beta) = recurrent::delta_gates(
+                &on(device, vec![tokens, v_heads], &a),
+                &on(device, vec![tokens, v_heads], &b),
+                &on(device, vec![v_heads], &dt),
+                &on(device, vec![v_heads], &neg_a),
+            )
+            .unwrap();
+            let mut states: Vec<Tensor> = states0
+                .iter()
+                .map(|s| on(device, vec![v_heads, v_dim, k_dim], s))
+                .collect();
+            let mut refs: Vec<&mut Tensor> = states.iter_mut().collect();
+            let y = recurrent::gated_delta_rule(
+                &on(device, vec![tokens, k_heads * k_dim], &q),
+                &on(device, vec![tokens, k_heads * k_dim], &k),
+                &on(device, vec![tokens, v_heads * v_dim], &v),
+                &g,
+                &beta,
+                dims,
+                &mut refs,
+            )
+            .unwrap();
+            (y, states)
+        };
+        let ((yc, sc), (yg, sg)) = (step(&Device::Cpu), step(&dev));
+        assert_close(&format!("{what} batched y"), &yg, &yc, 1e-4);
+        for (s, (g, c)) in sg.iter().zip(&sc).enumerate() {
+            assert_close(&format!("{what} batched state {s}"), g, c, 1e-4);
+        }
+    }
+
+    // The convolution's batched step: row `s` continues sequence `s`'s own state.
+    let states0: Vec<Vec<f32>> = (0..tokens)
+        .map(|_| random_vec(&mut rng, (kernel - 1) * channels))
+        .collect();
+    let conv_step = |device: &Device| {
+        let mut states: Vec<Tensor> = states0
+            .iter()
+            .map(|s| on(device, vec![kernel - 1, channels], s))
+            .collect();
+        let mut refs: Vec<&mut Tensor> = states.iter_mut().collect();
+        let out = recurrent::causal_conv1d(
+            &on(device, vec![tokens, channels], &x),
+            &on(device, vec![channels, kernel], &w),
+            kernel,
+            &mut refs,
+        )
+        .unwrap();
+        (out, states)
+    };
+    let ((oc, sc), (og, sg)) = (conv_step(&Device::Cpu), conv_step(&dev));
+    assert_close("batched conv1d", &og, &oc, EXACT);
+    for (s, (g, c)) in sg.iter().zip(&sc).enumerate() {
+        assert_close(&format!("batched conv1d state {s}"), g, c, 0.0);
     }
 }

@@ -66,7 +66,8 @@ impl GatedDeltaNet {
         let b = self.in_proj_b.forward(x)?;
         let a = self.in_proj_a.forward(x)?;
 
-        let mut mixed = recurrent::causal_conv1d(&qkv, &self.conv1d, self.kernel, &mut cache.conv)?;
+        let mut mixed =
+            recurrent::causal_conv1d(&qkv, &self.conv1d, self.kernel, &mut [&mut cache.conv])?;
         ops::silu_inplace(&mut mixed)?;
         let mut q = ops::columns(&mixed, 0, key_dim)?;
         let mut k = ops::columns(&mixed, key_dim, key_dim)?;
@@ -81,7 +82,7 @@ impl GatedDeltaNet {
         ops::scale_inplace(&mut k, inv_scale as f32)?;
 
         let (g, beta) = recurrent::delta_gates(&a, &b, &self.dt_bias, &self.neg_a)?;
-        let mut y = recurrent::gated_delta_rule(&q, &k, &v, &g, &beta, d, &mut cache.state)?;
+        let mut y = recurrent::gated_delta_rule(&q, &k, &v, &g, &beta, d, &mut [&mut cache.state])?;
         self.norm.forward_inplace(&mut y)?;
         ops::silu_mul_inplace(&mut z, &y)?;
         self.out_proj.forward(&z)

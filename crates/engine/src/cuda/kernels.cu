@@ -2471,13 +2471,10 @@ extern "C" __global__ void masked_softmax(float *scores, const int *positions, i
 
 // ---- recurrent layers ------------------------------------------------------------------------
 
-// Causal depthwise conv1d of x ([tokens, channels]) continuing from state ([kernel-1, channels],
-// oldest first), weight [channels, kernel]; one thread per channel, kernel ≤ 8.
-extern "C" __global__ void causal_conv1d(const float *x, const float *weight, float *state,
-                                         float *out, int tokens, int channels, int kernel) {
-    await_inputs();
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= channels) return;
+// Causal depthwise conv1d of channel c of x ([tokens, channels]) continuing from state
+// ([kernel-1, channels], oldest first), weight [channels, kernel]; kernel ≤ 8.
+__device__ void conv1d_channel(const float *x, const float *weight, float *state, float *out,
+                               int tokens, int channels, int kernel, int c) {
     float window[8], w[8];
     for (int j = 0; j < kernel; j++) w[j] = weight[(i64)c * kernel + j];
     for (int j = 0; j < kernel - 1; j++) window[j] = state[(i64)j * channels + c];
@@ -2489,6 +2486,27 @@ extern "C" __global__ void causal_conv1d(const float *x, const float *weight, fl
         for (int j = 0; j + 1 < kernel; j++) window[j] = window[j + 1];
     }
     for (int j = 0; j < kernel - 1; j++) state[(i64)j * channels + c] = window[j];
+}
+
+// One sequence's tokens; one thread per channel.
+extern "C" __global__ void causal_conv1d(const float *x, const float *weight, float *state,
+                                         float *out, int tokens, int channels, int kernel) {
+    await_inputs();
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    conv1d_channel(x, weight, state, out, tokens, channels, kernel, c);
+}
+
+// One token of each sequence (blockIdx.y): row s of x continues from the state at states[s].
+extern "C" __global__ void causal_conv1d_batch(const float *x, const float *weight,
+                                               const unsigned long long *states, float *out,
+                                               int channels, int kernel) {
+    await_inputs();
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    const i64 row = (i64)blockIdx.y * channels;
+    float *state = reinterpret_cast<float *>(states[blockIdx.y]);
+    conv1d_channel(x + row, weight, state, out + row, 1, channels, kernel, c);
 }
 
 // Per token and value head: decay g = exp(neg_a · softplus(a + dt_bias)) and write strength
@@ -2566,7 +2584,24 @@ __device__ void gated_delta(const float *__restrict__ q, const float *__restrict
         gated_delta<E>(q, k, v, g, beta, state, y, tokens, k_heads, v_heads, k_dim, v_dim);   \
     }
 
+// One token of each sequence (blockIdx.y): row s of the inputs updates the state at states[s].
+#define GATED_DELTA_BATCH(E)                                                                  \
+    extern "C" __global__ void gated_delta_batch_##E(                                         \
+        const float *q, const float *k, const float *v, const float *g, const float *beta,    \
+        const unsigned long long *states, float *y, int k_heads, int v_heads, int k_dim,      \
+        int v_dim) {                                                                          \
+        await_inputs();                                                                       \
+        const i64 s = blockIdx.y, qk = s * k_heads * k_dim, vy = s * v_heads * v_dim;         \
+        float *state = reinterpret_cast<float *>(states[s]);                                  \
+        gated_delta<E>(q + qk, k + qk, v + vy, g + s * v_heads, beta + s * v_heads, state,    \
+                       y + vy, 1, k_heads, v_heads, k_dim, v_dim);                            \
+    }
+
 GATED_DELTA(1)
 GATED_DELTA(2)
 GATED_DELTA(4)
 GATED_DELTA(8)
+GATED_DELTA_BATCH(1)
+GATED_DELTA_BATCH(2)
+GATED_DELTA_BATCH(4)
+GATED_DELTA_BATCH(8)

@@ -107,13 +107,18 @@ fn blocks(grid: usize, threads: u32) -> LaunchConfig {
     }
 }
 
-/// One warp per block for each of `items` and each of their `slices` (`blockIdx.y`).
-fn sliced_warps(items: usize, slices: usize) -> LaunchConfig {
+/// `grid` blocks of `threads` for each of `slices` (`blockIdx.y`).
+fn sliced_blocks(grid: usize, slices: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (items as u32, slices as u32, 1),
-        block_dim: (32, 1, 1),
+        grid_dim: (grid as u32, slices as u32, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// One warp per block for each of `items` and each of their `slices` (`blockIdx.y`).
+fn sliced_warps(items: usize, slices: usize) -> LaunchConfig {
+    sliced_blocks(items, slices, 32)
 }
 
 // ---- element-wise ---------------------------------------------------------------------------
@@ -711,16 +716,40 @@ pub fn causal_conv1d(
     channels: usize,
     kernel: usize,
 ) -> Result<Buffer> {
-    if kernel > 8 {
-        return Err(EngineError::Shape(format!(
-            "conv1d kernel {kernel} over the GPU's 8"
-        )));
-    }
+    conv_kernel_fits(kernel)?;
     let g = x.gpu().clone();
     let tokens = x.len() / channels;
     let out = g.output(x.len())?;
     launch!(&g, "causal_conv1d", blocks(channels.div_ceil(128), 128);
         x.ptr(), weight.ptr(), state.ptr(), out.ptr(), int(tokens)?, int(channels)?, int(kernel)?);
+    Ok(out)
+}
+
+/// The conv1d kernels hold at most 8 taps in registers.
+fn conv_kernel_fits(kernel: usize) -> Result<()> {
+    if kernel > 8 {
+        return Err(EngineError::Shape(format!(
+            "conv1d kernel {kernel} over the GPU's 8"
+        )));
+    }
+    Ok(())
+}
+
+/// [`causal_conv1d`] of one token of each sequence: row `s` of `x` continues from the state at
+/// `states[s]`.
+pub fn causal_conv1d_batch(
+    x: &Buffer,
+    weight: &Buffer,
+    states: &[u64],
+    channels: usize,
+    kernel: usize,
+) -> Result<Buffer> {
+    conv_kernel_fits(kernel)?;
+    let g = x.gpu().clone();
+    let table = g.addresses(states)?;
+    let out = g.output(x.len())?;
+    launch!(&g, "causal_conv1d_batch", sliced_blocks(channels.div_ceil(128), states.len(), 128);
+        x.ptr(), weight.ptr(), table.ptr(), out.ptr(), int(channels)?, int(kernel)?);
     Ok(out)
 }
 
@@ -750,18 +779,47 @@ pub fn gated_delta(
 ) -> Result<Buffer> {
     let g = q.gpu().clone();
     let tokens = decay.len() / dims.v_heads;
-    let per_lane = [1, 2, 4, 8]
-        .into_iter()
-        .find(|&e| 32 * e >= dims.k_dim)
-        .ok_or_else(|| {
-            EngineError::Shape(format!("key head dim {} over the GPU's 256", dims.k_dim))
-        })?;
+    let per_lane = delta_lanes(dims)?;
     let y = g.output(v.len())?;
     let rows = dims.v_heads * dims.v_dim;
     launch!(&g, &format!("gated_delta_{per_lane}"), blocks(rows.div_ceil(4), 128);
         q.ptr(), k.ptr(), v.ptr(), decay.ptr(), beta.ptr(), state.ptr(), y.ptr(), int(tokens)?,
         int(dims.k_heads)?, int(dims.v_heads)?, int(dims.k_dim)?, int(dims.v_dim)?);
     Ok(y)
+}
+
+/// [`gated_delta`] of one token of each sequence: row `s` of the inputs updates the state at
+/// `states[s]`.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_delta_batch(
+    q: &Buffer,
+    k: &Buffer,
+    v: &Buffer,
+    decay: &Buffer,
+    beta: &Buffer,
+    states: &[u64],
+    dims: crate::recurrent::DeltaRuleDims,
+) -> Result<Buffer> {
+    let g = q.gpu().clone();
+    let per_lane = delta_lanes(dims)?;
+    let table = g.addresses(states)?;
+    let y = g.output(v.len())?;
+    let rows = dims.v_heads * dims.v_dim;
+    launch!(&g, &format!("gated_delta_batch_{per_lane}"),
+        sliced_blocks(rows.div_ceil(4), states.len(), 128);
+        q.ptr(), k.ptr(), v.ptr(), decay.ptr(), beta.ptr(), table.ptr(), y.ptr(),
+        int(dims.k_heads)?, int(dims.v_heads)?, int(dims.k_dim)?, int(dims.v_dim)?);
+    Ok(y)
+}
+
+/// Key features each lane of the delta-rule kernels holds (their template parameter).
+fn delta_lanes(dims: crate::recurrent::DeltaRuleDims) -> Result<usize> {
+    [1, 2, 4, 8]
+        .into_iter()
+        .find(|&e| 32 * e >= dims.k_dim)
+        .ok_or_else(|| {
+            EngineError::Shape(format!("key head dim {} over the GPU's 256", dims.k_dim))
+        })
 }
 
 // ---- matmuls and embeddings ---------------------------------------------------------------------
