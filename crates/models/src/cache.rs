@@ -65,6 +65,15 @@ impl KvRings {
         ops::kv_write(rings, keys, values, kv_heads, head_dim, capacity, positions)
     }
 
+    /// The rings lent to an op that writes into them, of `capacity` slots.
+    pub(crate) fn target(&mut self, capacity: usize) -> ops::KvTarget<'_> {
+        ops::KvTarget {
+            keys: &mut self.keys,
+            values: &mut self.values,
+            capacity,
+        }
+    }
+
     /// The rings as attention reads them: positions `held` of `capacity` slots.
     pub(crate) fn view(
         &self,
@@ -169,74 +178,6 @@ impl KvCache {
         Ok(())
     }
 
-    /// Appends the keys and values of the token at `positions` (one position, following the
-    /// ones held) that `write` puts into the rings it is lent (grown to take the token), as one
-    /// fused op does while computing them. `write` returns `None`, having written nothing,
-    /// where it cannot; the cache then holds what it held.
-    pub fn append_with<T>(
-        &mut self,
-        positions: &Positions,
-        write: impl FnOnce(ops::KvTarget) -> Result<Option<T>, EngineError>,
-    ) -> Result<Option<T>, EngineError> {
-        check_follows(positions, self.len)?;
-        if positions.len() != 1 {
-            return Ok(None);
-        }
-        self.grow_to(self.len + 1)?;
-        let target = ops::KvTarget {
-            keys: &mut self.rings.keys,
-            values: &mut self.rings.values,
-            capacity: self.capacity,
-        };
-        let written = write(target)?;
-        if written.is_some() {
-            self.len += 1;
-        }
-        Ok(written)
-    }
-
-    /// Appends one token's keys and values to each of several caches: row `i` of `keys` and
-    /// `values` (`[caches, kv_heads · head_dim]`) at `positions[i]`, which follows what
-    /// `caches[i]` holds. One write for all of them.
-    pub fn append_batch(
-        caches: &mut [&mut KvCache],
-        keys: &Tensor,
-        values: &Tensor,
-        positions: &Positions,
-    ) -> Result<(), EngineError> {
-        let Some((h, d)) = caches.first().map(|c| c.shape()) else {
-            return Ok(());
-        };
-        for (i, cache) in caches.iter_mut().enumerate() {
-            if cache.shape() != (h, d) {
-                return Err(EngineError::Shape(
-                    "a batch's caches differ in shape".into(),
-                ));
-            }
-            check_next(positions.as_slice().get(i).copied(), cache.len)?;
-            cache.grow_to(cache.len + 1)?;
-        }
-        let capacities: Vec<usize> = caches.iter().map(|c| c.capacity).collect();
-        let (mut key_rings, mut value_rings): (Vec<&mut KvBuffer>, Vec<&mut KvBuffer>) = caches
-            .iter_mut()
-            .map(|c| (&mut c.rings.keys, &mut c.rings.values))
-            .unzip();
-        ops::kv_write_batch(
-            &mut key_rings,
-            &mut value_rings,
-            &capacities,
-            keys,
-            values,
-            h,
-            d,
-            positions,
-        )?;
-        for cache in caches.iter_mut() {
-            cache.len += 1;
-        }
-        Ok(())
-    }
-
     /// Forgets all but the first `len` positions (a prompt cache reusing a shared prefix).
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
@@ -266,6 +207,158 @@ impl KvCache {
             rings: self.rings.try_clone()?,
             ..*self
         })
+    }
+}
+
+impl AttentionCache for KvCache {
+    fn next_position(&self) -> usize {
+        self.len
+    }
+
+    fn shape(&self) -> (usize, usize) {
+        KvCache::shape(self)
+    }
+
+    fn append(
+        &mut self,
+        keys: &Tensor,
+        values: &Tensor,
+        positions: &Positions,
+    ) -> Result<(), EngineError> {
+        KvCache::append(self, keys, values, positions)
+    }
+
+    fn view(&self) -> Kv<'_> {
+        KvCache::view(self)
+    }
+
+    fn reserve_next(&mut self) -> Result<ops::KvTarget<'_>, EngineError> {
+        self.grow_to(self.len + 1)?;
+        Ok(self.rings.target(self.capacity))
+    }
+
+    fn advance(&mut self) {
+        self.len += 1;
+    }
+}
+
+/// What an attention layer keeps its keys and values in: a [`KvCache`], or a
+/// [`RotatingKvCache`] for a sliding window. A forward pass appends one sequence's tokens to
+/// one cache, or one token of each of several sequences to their caches together
+/// ([`append_kv`]), and attends over them ([`attend_kv`]).
+pub trait AttentionCache {
+    /// The position of the next token: the number seen so far.
+    fn next_position(&self) -> usize;
+
+    /// `(kv_heads, head_dim)`, to check that a cache fits the layer it is handed to.
+    fn shape(&self) -> (usize, usize);
+
+    /// Appends `[tokens, kv_heads · head_dim]` keys and values of the tokens at `positions`,
+    /// which follow the ones seen.
+    fn append(
+        &mut self,
+        keys: &Tensor,
+        values: &Tensor,
+        positions: &Positions,
+    ) -> Result<(), EngineError>;
+
+    /// The positions a query can attend over.
+    fn view(&self) -> Kv<'_>;
+
+    /// Makes room for the one position after those seen and lends the rings to write it into;
+    /// [`advance`](Self::advance) once it is written.
+    fn reserve_next(&mut self) -> Result<ops::KvTarget<'_>, EngineError>;
+
+    /// Counts the position written into the rings [`reserve_next`](Self::reserve_next) lent.
+    fn advance(&mut self);
+
+    /// Appends the keys and values of the token at `positions` (one position, following the
+    /// ones seen) that `write` puts into the rings it is lent, as one fused op does while
+    /// computing them. `write` returns `None`, having written nothing, where it cannot; the
+    /// cache then holds what it held.
+    fn append_with<T>(
+        &mut self,
+        positions: &Positions,
+        write: impl FnOnce(ops::KvTarget) -> Result<Option<T>, EngineError>,
+    ) -> Result<Option<T>, EngineError>
+    where
+        Self: Sized,
+    {
+        check_follows(positions, self.next_position())?;
+        if positions.len() != 1 {
+            return Ok(None);
+        }
+        let written = write(self.reserve_next()?)?;
+        if written.is_some() {
+            self.advance();
+        }
+        Ok(written)
+    }
+}
+
+/// Appends a forward pass's keys and values (`[tokens, kv_heads · head_dim]`): every row to the
+/// one cache of `caches`, or (several caches) row `i`, at `positions[i]`, to `caches[i]`, which
+/// it follows. One write for all of them.
+pub fn append_kv<C: AttentionCache>(
+    caches: &mut [&mut C],
+    keys: &Tensor,
+    values: &Tensor,
+    positions: &Positions,
+) -> Result<(), EngineError> {
+    let (h, d) = match caches {
+        [] => return Ok(()),
+        [one] => return one.append(keys, values, positions),
+        [first, ..] => first.shape(),
+    };
+    for (i, cache) in caches.iter().enumerate() {
+        if cache.shape() != (h, d) {
+            return Err(EngineError::Shape(
+                "a batch's caches differ in shape".into(),
+            ));
+        }
+        check_next(positions.as_slice().get(i).copied(), cache.next_position())?;
+    }
+    let mut targets = caches
+        .iter_mut()
+        .map(|c| c.reserve_next())
+        .collect::<Result<Vec<_>, _>>()?;
+    let capacities: Vec<usize> = targets.iter().map(|t| t.capacity).collect();
+    let (mut key_rings, mut value_rings): (Vec<_>, Vec<_>) = targets
+        .iter_mut()
+        .map(|t| (&mut *t.keys, &mut *t.values))
+        .unzip();
+    ops::kv_write_batch(
+        &mut key_rings,
+        &mut value_rings,
+        &capacities,
+        keys,
+        values,
+        h,
+        d,
+        positions,
+    )?;
+    for cache in caches.iter_mut() {
+        cache.advance();
+    }
+    Ok(())
+}
+
+/// Attention of a forward pass's queries (`[tokens, heads · head_dim]`) at `positions` over
+/// `caches`: all of them over the one cache, or (several caches) query `i` over `caches[i]`.
+pub fn attend_kv<C: AttentionCache>(
+    q: &Tensor,
+    heads: usize,
+    head_dim: usize,
+    positions: &Positions,
+    caches: &[&mut C],
+    scale: f32,
+) -> Result<Tensor, EngineError> {
+    match caches {
+        [one] => ops::attention(q, heads, head_dim, positions, &one.view(), scale),
+        many => {
+            let views: Vec<_> = many.iter().map(|c| c.view()).collect();
+            ops::attention_batch(q, heads, head_dim, positions, &views, scale)
+        }
     }
 }
 

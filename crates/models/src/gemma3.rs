@@ -12,7 +12,8 @@ use serde_json::{Map, Value};
 use crate::cache::{Cache, KvCache, LayerCache, RotatingKvCache};
 use crate::checkpoint::{Checkpoint, Config};
 use crate::layers::{Attention, Embedding, Linear, Mlp, OutputHead, RmsNorm, Rope};
-use crate::{check_tokens, ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
+use crate::pass::{LayerCaches, PassCaches};
+use crate::{check_batch, ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
 use oxlm_engine::{ops, Positions, Tensor};
 
 /// The text model's settings inside a multimodal wrapper, completed as the wrapper's `ModelArgs`
@@ -54,19 +55,23 @@ struct Block {
 }
 
 impl Block {
+    /// Attention over this layer's caches, plain for a global layer, rings for a sliding one.
     fn attention(
         &self,
         x: &Tensor,
         positions: &Positions,
-        cache: &mut LayerCache,
+        caches: LayerCaches,
     ) -> Result<Tensor, ForwardError> {
         let shape = (self.self_attn.kv_heads, self.self_attn.head_dim);
-        match cache {
-            LayerCache::Kv(kv) if !self.sliding && kv.shape() == shape => {
-                Ok(self.self_attn.forward(x, positions, kv)?)
+        let fits = |s: (usize, usize)| s == shape;
+        match caches {
+            LayerCaches::Kv(mut kvs) if !self.sliding && kvs.iter().all(|c| fits(c.shape())) => {
+                Ok(self.self_attn.forward(x, positions, &mut kvs)?)
             }
-            LayerCache::Rotating(ring) if self.sliding && ring.shape() == shape => {
-                Ok(self.self_attn.forward_sliding(x, positions, ring)?)
+            LayerCaches::Rotating(mut rings)
+                if self.sliding && rings.iter().all(|c| fits(c.shape())) =>
+            {
+                Ok(self.self_attn.forward(x, positions, &mut rings)?)
             }
             _ => Err(ForwardError::CacheMismatch),
         }
@@ -235,17 +240,34 @@ impl LanguageModel for Gemma3 {
         cache: &mut Cache,
         logits: Logits,
     ) -> Result<Tensor, ForwardError> {
-        let offset = cache.offset;
-        check_tokens(&self.info, tokens, offset)?;
-        if cache.layers.len() != self.layers.len() {
-            return Err(ForwardError::CacheMismatch);
-        }
-        let positions = Positions::following(offset, tokens.len(), &self.info.device)?;
+        let h = self.run(tokens, &mut [cache])?;
+        Ok(self.head.forward(h, logits, &self.embed_tokens)?)
+    }
+
+    fn forward_batch(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut Cache],
+    ) -> Result<Tensor, ForwardError> {
+        check_batch(tokens, caches)?;
+        let h = self.run(tokens, caches)?;
+        Ok(self
+            .head
+            .forward_on_device(h, Logits::All, &self.embed_tokens)?)
+    }
+}
+
+impl Gemma3 {
+    /// The hidden states after the last block: one sequence's `tokens` over the one cache of
+    /// `caches`, or one token of each sequence over its own.
+    fn run(&self, tokens: &[u32], caches: &mut [&mut Cache]) -> Result<Tensor, ForwardError> {
+        let (mut caches, positions) =
+            PassCaches::new(&self.info, tokens, caches, self.layers.len())?;
         let mut h = self.embed_tokens.forward(tokens)?;
         ops::scale_inplace(&mut h, self.embed_scale)?;
-        for (block, layer_cache) in self.layers.iter().zip(&mut cache.layers) {
+        for (i, block) in self.layers.iter().enumerate() {
             let x = block.input_layernorm.forward(&h)?;
-            let mut r = block.attention(&x, &positions, layer_cache)?;
+            let mut r = block.attention(&x, &positions, caches.layer(i)?)?;
             block.post_attention_layernorm.forward_inplace(&mut r)?;
             ops::add_inplace(&mut h, &r)?;
             let x = block.pre_feedforward_layernorm.forward(&h)?;
@@ -253,7 +275,7 @@ impl LanguageModel for Gemma3 {
             block.post_feedforward_layernorm.forward_inplace(&mut r)?;
             ops::add_inplace(&mut h, &r)?;
         }
-        cache.offset += tokens.len();
-        Ok(self.head.forward(h, logits, &self.embed_tokens)?)
+        caches.finish();
+        Ok(h)
     }
 }

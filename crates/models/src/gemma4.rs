@@ -11,14 +11,17 @@
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
-use crate::cache::{Cache, KvCache, LayerCache, RotatingKvCache};
+use crate::cache::{
+    append_kv, attend_kv, AttentionCache, Cache, KvCache, LayerCache, RotatingKvCache,
+};
 use crate::checkpoint::{Checkpoint, Config};
 use crate::gemma3::wrapped_text_config;
 use crate::layers::{
     load_host_vector, Embedding, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope,
 };
+use crate::pass::{LayerCaches, PassCaches};
 use crate::switch::{dispatch, load_experts};
-use crate::{check_tokens, ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
+use crate::{check_batch, ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
 use oxlm_engine::cpu::elementwise::softmax_inplace;
 use oxlm_engine::{ops, Device, Positions, Tensor};
 
@@ -57,13 +60,13 @@ struct Attention {
 }
 
 impl Attention {
-    /// Appends this layer's keys and values of `x` to `cache` (not for KV-shared layers).
+    /// Appends this layer's keys and values of `x` to its caches (not for KV-shared layers).
     fn store_kv(
         &self,
         kv: &KvProjections,
         x: &Tensor,
         positions: &Positions,
-        cache: &mut LayerCache,
+        caches: LayerCaches,
     ) -> Result<(), ForwardError> {
         let mut k = kv.k_proj.forward(x)?;
         // Without a value projection the values are the keys before their norm and rotation.
@@ -74,38 +77,42 @@ impl Attention {
         kv.k_norm.forward_inplace(&mut k)?;
         self.rope
             .apply(&mut k, self.kv_heads, self.head_dim, positions)?;
-        match cache {
-            LayerCache::Kv(c) if self.fits(false, c.shape()) => c.append(&k, &v, positions)?,
-            LayerCache::Rotating(c) if self.fits(true, c.shape()) => c.append(&k, &v, positions)?,
+        match caches {
+            LayerCaches::Kv(mut c) if self.fits(false, &c) => append_kv(&mut c, &k, &v, positions)?,
+            LayerCaches::Rotating(mut c) if self.fits(true, &c) => {
+                append_kv(&mut c, &k, &v, positions)?
+            }
             _ => return Err(ForwardError::CacheMismatch),
         }
         Ok(())
     }
 
-    /// Whether a cache of this kind (`sliding`) and `shape` is one this layer made.
-    fn fits(&self, sliding: bool, shape: (usize, usize)) -> bool {
-        self.sliding == sliding && shape == (self.kv_heads, self.head_dim)
+    /// Whether `caches` are of the kind (`sliding`) and shape this layer makes.
+    fn fits<C: AttentionCache>(&self, sliding: bool, caches: &[&mut C]) -> bool {
+        let shape = (self.kv_heads, self.head_dim);
+        self.sliding == sliding && caches.iter().all(|c| c.shape() == shape)
     }
 
-    /// Attends with queries of `x` over `cache`, which this layer's keys and values (or those
+    /// Attends with queries of `x` over `caches`, which this layer's keys and values (or those
     /// of the layer it shares with) are already in.
     fn forward(
         &self,
         x: &Tensor,
         positions: &Positions,
-        cache: &LayerCache,
+        caches: LayerCaches,
     ) -> Result<Tensor, ForwardError> {
         let mut q = self.q_proj.forward(x)?;
         self.q_norm.forward_inplace(&mut q)?;
         self.rope
             .apply(&mut q, self.heads, self.head_dim, positions)?;
         let (h, d) = (self.heads, self.head_dim);
-        let view = match cache {
-            LayerCache::Kv(c) if self.fits(false, c.shape()) => c.view(),
-            LayerCache::Rotating(c) if self.fits(true, c.shape()) => c.view(),
+        let out = match caches {
+            LayerCaches::Kv(c) if self.fits(false, &c) => attend_kv(&q, h, d, positions, &c, 1.0)?,
+            LayerCaches::Rotating(c) if self.fits(true, &c) => {
+                attend_kv(&q, h, d, positions, &c, 1.0)?
+            }
             _ => return Err(ForwardError::CacheMismatch),
         };
-        let out = ops::attention(&q, h, d, positions, &view, 1.0)?;
         Ok(self.o_proj.forward(&out)?)
     }
 }
@@ -685,13 +692,30 @@ impl LanguageModel for Gemma4 {
         cache: &mut Cache,
         logits: Logits,
     ) -> Result<Tensor, ForwardError> {
-        let offset = cache.offset;
-        check_tokens(&self.info, tokens, offset)?;
-        if cache.layers.len() != self.cached_layers {
-            return Err(ForwardError::CacheMismatch);
-        }
+        let h = self.run(tokens, &mut [cache])?;
+        Ok(self.head.forward(h, logits, &self.embed_tokens)?)
+    }
+
+    fn forward_batch(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut Cache],
+    ) -> Result<Tensor, ForwardError> {
+        check_batch(tokens, caches)?;
+        let h = self.run(tokens, caches)?;
+        Ok(self
+            .head
+            .forward_on_device(h, Logits::All, &self.embed_tokens)?)
+    }
+}
+
+impl Gemma4 {
+    /// The hidden states after the last block: one sequence's `tokens` over the one cache of
+    /// `caches`, or one token of each sequence over its own.
+    fn run(&self, tokens: &[u32], caches: &mut [&mut Cache]) -> Result<Tensor, ForwardError> {
+        let (mut caches, positions) =
+            PassCaches::new(&self.info, tokens, caches, self.cached_layers)?;
         let hidden = self.info.hidden_size;
-        let positions = Positions::following(offset, tokens.len(), &self.info.device)?;
         let mut h = self.embed_tokens.forward(tokens)?;
         ops::scale_inplace(&mut h, self.embed_scale)?;
         let per_layer_inputs = match &self.per_layer_inputs {
@@ -702,9 +726,9 @@ impl LanguageModel for Gemma4 {
             let attn = &block.self_attn;
             let x = block.input_layernorm.forward(&h)?;
             if let Some(kv) = &attn.kv {
-                attn.store_kv(kv, &x, &positions, &mut cache.layers[i])?;
+                attn.store_kv(kv, &x, &positions, caches.layer(i)?)?;
             }
-            let mut r = attn.forward(&x, &positions, &cache.layers[block.kv_source])?;
+            let mut r = attn.forward(&x, &positions, caches.layer(block.kv_source)?)?;
             block.post_attention_layernorm.forward_inplace(&mut r)?;
             ops::add_inplace(&mut h, &r)?;
 
@@ -727,7 +751,7 @@ impl LanguageModel for Gemma4 {
             }
             ops::scale_inplace(&mut h, block.layer_scalar)?;
         }
-        cache.offset += tokens.len();
-        Ok(self.head.forward(h, logits, &self.embed_tokens)?)
+        caches.finish();
+        Ok(h)
     }
 }

@@ -6,7 +6,7 @@ use oxlm_engine::{
 use serde_json::Value;
 use std::borrow::Cow;
 
-use crate::cache::{KvCache, RotatingKvCache};
+use crate::cache::{append_kv, attend_kv, AttentionCache};
 use crate::checkpoint::{Checkpoint, RawTensor};
 use crate::lora::{LoraLinear, ModuleAdapters};
 use crate::{LoadError, Logits};
@@ -492,73 +492,54 @@ pub struct Attention {
 }
 
 impl Attention {
-    /// `x` is `[tokens, hidden]`; the new keys and values are appended to `cache`.
-    pub fn forward(
+    /// `x` is `[tokens, hidden]`: one sequence's tokens over the one cache of `caches`, or the
+    /// next token of each sequence over its own (see [`Attention::attend`]).
+    pub fn forward<C: AttentionCache>(
         &self,
         x: &Tensor,
         positions: &Positions,
-        cache: &mut KvCache,
+        caches: &mut [&mut C],
     ) -> OpResult<Tensor> {
-        self.forward_adapted(x, positions, cache, ModuleAdapters::NONE)
+        let out = self.attend(Input::Plain(x), positions, caches, ModuleAdapters::NONE)?;
+        self.o_proj.forward(&out)
     }
 
-    /// [`Attention::forward`] with the projections `lora` names adapted.
-    pub fn forward_adapted(
-        &self,
-        x: &Tensor,
-        positions: &Positions,
-        cache: &mut KvCache,
-        lora: ModuleAdapters,
-    ) -> OpResult<Tensor> {
-        let out = self.attend(Input::Plain(x), positions, cache, lora)?;
-        self.o_proj.forward_adapted(&out, lora.get("o_proj"))
-    }
-
-    /// The heads' outputs (before the output projection) for one token of each of several
-    /// sequences: row `i` of the input sits at `positions[i]` and attends over `caches[i]`.
-    /// Projections, cache writes and attention each run once for all rows.
-    pub fn attend_batch(
+    /// The heads' outputs before the output projection, with the projections `lora` names
+    /// adapted. The input holds one sequence's tokens, which attend over the one cache of
+    /// `caches`, or (several caches) one token of each sequence: row `i` sits at
+    /// `positions[i]` and attends over `caches[i]`. Projections, cache writes and attention
+    /// each run once for all rows; the new keys and values are appended.
+    pub fn attend<C: AttentionCache>(
         &self,
         input: Input,
         positions: &Positions,
-        caches: &mut [&mut KvCache],
-    ) -> OpResult<Tensor> {
-        let (q, k, v) = self.project_input(input, positions, ModuleAdapters::NONE)?;
-        KvCache::append_batch(caches, &k, &v, positions)?;
-        let views: Vec<_> = caches.iter().map(|c| c.view()).collect();
-        ops::attention_batch(&q, self.heads, self.head_dim, positions, &views, self.scale)
-    }
-
-    /// The heads' outputs before the output projection; the new keys and values are appended
-    /// to `cache`.
-    pub fn attend(
-        &self,
-        input: Input,
-        positions: &Positions,
-        cache: &mut KvCache,
+        caches: &mut [&mut C],
         lora: ModuleAdapters,
     ) -> OpResult<Tensor> {
-        let q = match self.project_into(input, positions, cache, lora)? {
+        let fused = match caches {
+            [cache] => self.project_into(input, positions, *cache, lora)?,
+            _ => None,
+        };
+        let q = match fused {
             Some(q) => q,
             None => {
                 let (q, k, v) = self.project_input(input, positions, lora)?;
-                cache.append(&k, &v, positions)?;
+                append_kv(caches, &k, &v, positions)?;
                 q
             }
         };
-        let kv = cache.view();
-        ops::attention(&q, self.heads, self.head_dim, positions, &kv, self.scale)
+        attend_kv(&q, self.heads, self.head_dim, positions, caches, self.scale)
     }
 
     /// The rotated queries of one token whose keys and values went straight into `cache`, by
     /// one fused op (a GPU's decode step, saving the biases', the rotation's and the cache
     /// write's launches); `None` where it does not apply (adapters, per-head norms, unquantized
     /// projections, the host), having changed nothing.
-    fn project_into(
+    fn project_into<C: AttentionCache>(
         &self,
         input: Input,
         positions: &Positions,
-        cache: &mut KvCache,
+        cache: &mut C,
         lora: ModuleAdapters,
     ) -> OpResult<Option<Tensor>> {
         let adapted = ["q_proj", "k_proj", "v_proj"]
@@ -690,22 +671,8 @@ impl Mlp {
 }
 
 impl Attention {
-    /// Queries, keys and values of `x` (`[tokens, hidden]`), normed and rotated.
-    pub fn project(&self, x: &Tensor, positions: &Positions) -> OpResult<(Tensor, Tensor, Tensor)> {
-        self.project_adapted(x, positions, ModuleAdapters::NONE)
-    }
-
-    /// [`Attention::project`] with the projections `lora` names adapted.
-    pub fn project_adapted(
-        &self,
-        x: &Tensor,
-        positions: &Positions,
-        lora: ModuleAdapters,
-    ) -> OpResult<(Tensor, Tensor, Tensor)> {
-        self.project_input(Input::Plain(x), positions, lora)
-    }
-
-    /// [`Attention::project_adapted`] of an input that may still be normed.
+    /// Queries, keys and values of the input (`[tokens, hidden]`, possibly still to be normed),
+    /// normed and rotated.
     fn project_input(
         &self,
         input: Input,
@@ -760,27 +727,6 @@ impl Attention {
             out.next().unwrap(),
             out.next().unwrap(),
         ))
-    }
-
-    /// As [`Attention::forward`] for a sliding-window layer: each query sees the window its
-    /// `cache` keeps.
-    pub fn forward_sliding(
-        &self,
-        x: &Tensor,
-        positions: &Positions,
-        cache: &mut RotatingKvCache,
-    ) -> OpResult<Tensor> {
-        let (q, k, v) = self.project(x, positions)?;
-        cache.append(&k, &v, positions)?;
-        let out = ops::attention(
-            &q,
-            self.heads,
-            self.head_dim,
-            positions,
-            &cache.view(),
-            self.scale,
-        )?;
-        self.o_proj.forward(&out)
     }
 }
 

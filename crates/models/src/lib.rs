@@ -12,6 +12,7 @@ pub mod llama;
 mod llama_grad;
 pub mod lora;
 pub mod lora_grad;
+mod pass;
 pub mod qwen3_5;
 mod recurrent_cache;
 mod rotating_cache;
@@ -89,9 +90,9 @@ pub trait LanguageModel: Send + Sync {
 
     /// One decoding step of several sequences: `tokens[i]` follows what `caches[i]` holds.
     /// Returns `[sequences, vocab]` logits, on the host or on the model's device (a batch's
-    /// logits are megabytes; greedy picks need only `ops::greedy_rows` of them). This default
-    /// runs the sequences one after another; an architecture that overrides it runs them as one
-    /// batch, reading each weight once for all of them.
+    /// logits are megabytes; greedy picks need only `ops::greedy_rows` of them). The
+    /// architectures run them as one batch, reading each weight once for all of them; this
+    /// default, for a model that cannot, runs them one after another.
     fn forward_batch(
         &self,
         tokens: &[u32],

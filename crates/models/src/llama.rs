@@ -8,8 +8,9 @@ use crate::checkpoint::Checkpoint;
 use crate::layers::{Attention, Embedding, Input, Linear, Mlp, OutputHead, RmsNorm, Rope};
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::lora_grad::{Example, LossAndGrads};
-use crate::{check_batch, check_tokens, LanguageModel, LoadError, Logits, ModelInfo};
-use oxlm_engine::{ops, Positions, Tensor};
+use crate::pass::{LayerCaches, PassCaches};
+use crate::{check_batch, LanguageModel, LoadError, Logits, ModelInfo};
+use oxlm_engine::{ops, Tensor};
 
 use crate::ForwardError;
 
@@ -226,7 +227,8 @@ impl LanguageModel for Llama {
         cache: &mut Cache,
         logits: Logits,
     ) -> Result<Tensor, ForwardError> {
-        self.run(tokens, cache, logits, None)
+        let h = self.run(tokens, &mut [cache], None)?;
+        Ok(self.head.forward(h, logits, &self.embed_tokens)?)
     }
 
     fn forward_batch(
@@ -235,35 +237,7 @@ impl LanguageModel for Llama {
         caches: &mut [&mut Cache],
     ) -> Result<Tensor, ForwardError> {
         check_batch(tokens, caches)?;
-        let mut offsets = Vec::with_capacity(caches.len());
-        for (token, cache) in tokens.iter().zip(caches.iter()) {
-            check_tokens(&self.info, std::slice::from_ref(token), cache.offset)?;
-            if cache.layers.len() != self.layers.len() {
-                return Err(ForwardError::CacheMismatch);
-            }
-            offsets.push(cache.offset);
-        }
-        let positions = Positions::new(offsets, &self.info.device)?;
-        let mut h = self.embed_tokens.forward(tokens)?;
-        for (i, block) in self.layers.iter().enumerate() {
-            let mut kvs = caches
-                .iter_mut()
-                .map(|c| match &mut c.layers[i] {
-                    LayerCache::Kv(kv) => Ok(kv),
-                    _ => Err(ForwardError::CacheMismatch),
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            let (attn, mlp) = (&block.self_attn, &block.mlp);
-            let normed = Input::Normed(&h, &block.input_layernorm);
-            let out = attn.attend_batch(normed, &positions, &mut kvs)?;
-            attn.o_proj.add_forward(&out, None, &mut h)?;
-            let normed = Input::Normed(&h, &block.post_attention_layernorm);
-            let act = mlp.gated(normed, ModuleAdapters::NONE, ops::Activation::Silu)?;
-            mlp.down_proj.add_forward(&act, None, &mut h)?;
-        }
-        for cache in caches.iter_mut() {
-            cache.offset += 1;
-        }
+        let h = self.run(tokens, caches, None)?;
         Ok(self
             .head
             .forward_on_device(h, Logits::All, &self.embed_tokens)?)
@@ -305,7 +279,21 @@ impl Adaptable for Llama {
         logits: Logits,
         adapters: &Adapters,
     ) -> Result<Tensor, ForwardError> {
-        self.run(tokens, cache, logits, Some(adapters))
+        let h = self.run(tokens, &mut [cache], Some(adapters))?;
+        Ok(self.head.forward(h, logits, &self.embed_tokens)?)
+    }
+
+    fn forward_batch_adapted(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut Cache],
+        adapters: &Adapters,
+    ) -> Result<Tensor, ForwardError> {
+        check_batch(tokens, caches)?;
+        let h = self.run(tokens, caches, Some(adapters))?;
+        Ok(self
+            .head
+            .forward_on_device(h, Logits::All, &self.embed_tokens)?)
     }
 
     fn loss_and_grads(
@@ -319,22 +307,19 @@ impl Adaptable for Llama {
 }
 
 impl Llama {
+    /// The hidden states after the last block: one sequence's `tokens` over the one cache of
+    /// `caches`, or one token of each sequence over its own.
     fn run(
         &self,
         tokens: &[u32],
-        cache: &mut Cache,
-        logits: Logits,
+        caches: &mut [&mut Cache],
         adapters: Option<&Adapters>,
     ) -> Result<Tensor, ForwardError> {
-        let offset = cache.offset;
-        check_tokens(&self.info, tokens, offset)?;
-        if cache.layers.len() != self.layers.len() {
-            return Err(ForwardError::CacheMismatch);
-        }
-        let positions = Positions::following(offset, tokens.len(), &self.info.device)?;
+        let (mut caches, positions) =
+            PassCaches::new(&self.info, tokens, caches, self.layers.len())?;
         let mut h = self.embed_tokens.forward(tokens)?;
-        for (i, (block, layer_cache)) in self.layers.iter().zip(&mut cache.layers).enumerate() {
-            let LayerCache::Kv(kv) = layer_cache else {
+        for (i, block) in self.layers.iter().enumerate() {
+            let LayerCaches::Kv(mut kvs) = caches.layer(i)? else {
                 return Err(ForwardError::CacheMismatch);
             };
             let lora = |module| adapters.map_or(ModuleAdapters::NONE, |a| a.module(i, module));
@@ -342,7 +327,7 @@ impl Llama {
             // The norms are folded into the projections where the device can.
             let (attn_lora, mlp_lora) = (lora("self_attn"), lora("mlp"));
             let normed = Input::Normed(&h, &block.input_layernorm);
-            let out = attn.attend(normed, &positions, kv, attn_lora)?;
+            let out = attn.attend(normed, &positions, &mut kvs, attn_lora)?;
             attn.o_proj
                 .add_forward(&out, attn_lora.get("o_proj"), &mut h)?;
             let normed = Input::Normed(&h, &block.post_attention_layernorm);
@@ -350,7 +335,7 @@ impl Llama {
             mlp.down_proj
                 .add_forward(&act, mlp_lora.get("down_proj"), &mut h)?;
         }
-        cache.offset += tokens.len();
-        Ok(self.head.forward(h, logits, &self.embed_tokens)?)
+        caches.finish();
+        Ok(h)
     }
 }

@@ -62,6 +62,14 @@ pub trait Adaptable: Send + Sync {
         adapters: &Adapters,
     ) -> Result<Tensor, ForwardError>;
 
+    /// [`LanguageModel::forward_batch`] with each layer that `adapters` names adapted.
+    fn forward_batch_adapted(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut Cache],
+        adapters: &Adapters,
+    ) -> Result<Tensor, ForwardError>;
+
     /// mlx-lm's training loss over `examples` (the mean cross-entropy of their scored positions)
     /// and its gradient with respect to every matrix of `adapters`. With `checkpoint`, blocks
     /// keep only their inputs and run again during the backward pass (less memory, more time).
@@ -519,6 +527,15 @@ impl LanguageModel for AdaptedModel<'_> {
     ) -> Result<Tensor, ForwardError> {
         self.adaptable
             .forward_adapted(tokens, cache, logits, self.adapters)
+    }
+
+    fn forward_batch(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut Cache],
+    ) -> Result<Tensor, ForwardError> {
+        self.adaptable
+            .forward_batch_adapted(tokens, caches, self.adapters)
     }
 }
 

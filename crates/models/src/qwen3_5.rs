@@ -12,14 +12,15 @@ use oxlm_engine::recurrent::{self, DeltaRuleDims};
 use oxlm_engine::{ops, DType, Device, Positions, Tensor};
 use serde_json::Value;
 
-use crate::cache::{Cache, KvCache, LayerCache, RecurrentCache};
+use crate::cache::{append_kv, attend_kv, Cache, KvCache, LayerCache, RecurrentCache};
 use crate::checkpoint::Checkpoint;
 use crate::layers::{
     load_host_vector, load_vector, place_vector, Embedding, Linear, Mlp, OpResult, OutputHead,
     RmsNorm, Rope,
 };
+use crate::pass::{LayerCaches, PassCaches};
 use crate::switch::SparseMoe;
-use crate::{check_tokens, ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
+use crate::{check_batch, ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
 
 /// The eps of the L2 normalization of q and k in the delta rule (`normalize_qk`'s `eps`).
 const QK_NORM_EPS: f64 = 1e-6;
@@ -58,7 +59,9 @@ impl GatedDeltaNet {
         RecurrentCache::new(self.conv_dim(), self.kernel, self.dims, device)
     }
 
-    fn forward(&self, x: &Tensor, cache: &mut RecurrentCache) -> OpResult<Tensor> {
+    /// `x` holds one sequence's tokens, continuing the one cache of `caches`, or the next token
+    /// of each sequence, continuing its own.
+    fn forward(&self, x: &Tensor, caches: &mut [&mut RecurrentCache]) -> OpResult<Tensor> {
         let d = self.dims;
         let key_dim = self.key_dim();
         let qkv = self.in_proj_qkv.forward(x)?;
@@ -66,8 +69,8 @@ impl GatedDeltaNet {
         let b = self.in_proj_b.forward(x)?;
         let a = self.in_proj_a.forward(x)?;
 
-        let mut mixed =
-            recurrent::causal_conv1d(&qkv, &self.conv1d, self.kernel, &mut [&mut cache.conv])?;
+        let mut convs: Vec<&mut Tensor> = caches.iter_mut().map(|c| &mut c.conv).collect();
+        let mut mixed = recurrent::causal_conv1d(&qkv, &self.conv1d, self.kernel, &mut convs)?;
         ops::silu_inplace(&mut mixed)?;
         let mut q = ops::columns(&mixed, 0, key_dim)?;
         let mut k = ops::columns(&mixed, key_dim, key_dim)?;
@@ -82,7 +85,8 @@ impl GatedDeltaNet {
         ops::scale_inplace(&mut k, inv_scale as f32)?;
 
         let (g, beta) = recurrent::delta_gates(&a, &b, &self.dt_bias, &self.neg_a)?;
-        let mut y = recurrent::gated_delta_rule(&q, &k, &v, &g, &beta, d, &mut [&mut cache.state])?;
+        let mut states: Vec<&mut Tensor> = caches.iter_mut().map(|c| &mut c.state).collect();
+        let mut y = recurrent::gated_delta_rule(&q, &k, &v, &g, &beta, d, &mut states)?;
         self.norm.forward_inplace(&mut y)?;
         ops::silu_mul_inplace(&mut z, &y)?;
         self.out_proj.forward(&z)
@@ -108,7 +112,14 @@ struct GatedAttention {
 }
 
 impl GatedAttention {
-    fn forward(&self, x: &Tensor, positions: &Positions, cache: &mut KvCache) -> OpResult<Tensor> {
+    /// `x` holds one sequence's tokens, over the one cache of `caches`, or the next token of
+    /// each sequence, over its own.
+    fn forward(
+        &self,
+        x: &Tensor,
+        positions: &Positions,
+        caches: &mut [&mut KvCache],
+    ) -> OpResult<Tensor> {
         let (n, hd) = (positions.len(), self.head_dim);
         // Per head, `head_dim` queries then `head_dim` gates.
         let projected = self
@@ -123,8 +134,8 @@ impl GatedAttention {
         self.k_norm.forward_inplace(&mut k)?;
         self.rope
             .apply_pair(&mut q, self.heads, &mut k, self.kv_heads, hd, positions)?;
-        cache.append(&k, &v, positions)?;
-        let mut out = ops::attention(&q, self.heads, hd, positions, &cache.view(), self.scale)?;
+        append_kv(caches, &k, &v, positions)?;
+        let mut out = attend_kv(&q, self.heads, hd, positions, caches, self.scale)?;
         ops::sigmoid_mul_inplace(&mut out, &gate)?;
         self.o_proj.forward(&out)
     }
@@ -585,27 +596,53 @@ impl LanguageModel for Qwen3_5 {
         cache: &mut Cache,
         logits: Logits,
     ) -> Result<Tensor, ForwardError> {
-        let offset = cache.offset;
-        check_tokens(&self.info, tokens, offset)?;
-        // Checked before any layer runs, so that a wrong cache is left untouched.
-        let fits = cache.layers.len() == self.layers.len()
+        let h = self.run(tokens, &mut [cache])?;
+        Ok(self.head.forward(h, logits, &self.embed_tokens)?)
+    }
+
+    fn forward_batch(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut Cache],
+    ) -> Result<Tensor, ForwardError> {
+        check_batch(tokens, caches)?;
+        let h = self.run(tokens, caches)?;
+        Ok(self
+            .head
+            .forward_on_device(h, Logits::All, &self.embed_tokens)?)
+    }
+}
+
+impl Qwen3_5 {
+    /// Whether `cache` has this model's layers, each of the kind its mixer keeps.
+    fn fits(&self, cache: &Cache) -> bool {
+        cache.layers.len() == self.layers.len()
             && self.layers.iter().zip(&cache.layers).all(|(b, c)| {
                 matches!(
                     (&b.mixer, c),
                     (Mixer::Linear(_), LayerCache::Recurrent(_))
                         | (Mixer::Attention(_), LayerCache::Kv(_))
                 )
-            });
-        if !fits {
+            })
+    }
+
+    /// The hidden states after the last block: one sequence's `tokens` over the one cache of
+    /// `caches`, or one token of each sequence over its own.
+    fn run(&self, tokens: &[u32], caches: &mut [&mut Cache]) -> Result<Tensor, ForwardError> {
+        let (mut caches, positions) =
+            PassCaches::new(&self.info, tokens, caches, self.layers.len())?;
+        // Checked before any layer runs, so that a wrong cache is left untouched.
+        if !caches.iter().all(|c| self.fits(c)) {
             return Err(ForwardError::CacheMismatch);
         }
-        let positions = Positions::following(offset, tokens.len(), &self.info.device)?;
         let mut h = self.embed_tokens.forward(tokens)?;
-        for (block, layer_cache) in self.layers.iter().zip(&mut cache.layers) {
+        for (i, block) in self.layers.iter().enumerate() {
             let x = block.input_layernorm.forward(&h)?;
-            let r = match (&block.mixer, layer_cache) {
-                (Mixer::Linear(m), LayerCache::Recurrent(c)) => m.forward(&x, c)?,
-                (Mixer::Attention(m), LayerCache::Kv(c)) => m.forward(&x, &positions, c)?,
+            let r = match (&block.mixer, caches.layer(i)?) {
+                (Mixer::Linear(m), LayerCaches::Recurrent(mut c)) => m.forward(&x, &mut c)?,
+                (Mixer::Attention(m), LayerCaches::Kv(mut c)) => {
+                    m.forward(&x, &positions, &mut c)?
+                }
                 _ => return Err(ForwardError::CacheMismatch),
             };
             ops::add_inplace(&mut h, &r)?;
@@ -616,7 +653,7 @@ impl LanguageModel for Qwen3_5 {
             };
             ops::add_inplace(&mut h, &r)?;
         }
-        cache.offset += tokens.len();
-        Ok(self.head.forward(h, logits, &self.embed_tokens)?)
+        caches.finish();
+        Ok(h)
     }
 }

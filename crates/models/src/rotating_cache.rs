@@ -1,10 +1,10 @@
 //! The key/value cache of a sliding-window attention layer: a ring that keeps only the positions
 //! a query can still see, as mlx-lm's `RotatingKVCache` (with `keep = 0`) does.
 
-use oxlm_engine::ops::Kv;
+use oxlm_engine::ops::{Kv, KvTarget};
 use oxlm_engine::{Device, EngineError, KvPrecision, Positions, Tensor};
 
-use crate::cache::KvRings;
+use crate::cache::{AttentionCache, KvRings};
 
 /// Until the window fills, the ring grows in blocks of this many positions (as mlx-lm's
 /// `RotatingKVCache.step`), so that a short sequence does not reserve a whole window.
@@ -78,6 +78,22 @@ impl RotatingKvCache {
         Ok(())
     }
 
+    /// Sizes the ring for `n` more positions: one window for a single token, wider for a chunk.
+    fn make_room(&mut self, n: usize) -> Result<(), EngineError> {
+        let full = self.window - 1 + n.max(1);
+        let capacity = full.min((self.end + n).div_ceil(GROWTH_STEP) * GROWTH_STEP);
+        if capacity != self.capacity {
+            self.resize(capacity)?;
+        }
+        Ok(())
+    }
+
+    /// Counts `n` positions written; those that left the ring are no longer held.
+    fn advance_by(&mut self, n: usize) {
+        self.end += n;
+        self.start = self.start.max(self.end.saturating_sub(self.capacity));
+    }
+
     /// Appends `[tokens, kv_heads · head_dim]` keys and values of the tokens at `positions`,
     /// which follow the ones seen.
     pub fn append(
@@ -88,16 +104,11 @@ impl RotatingKvCache {
     ) -> Result<(), EngineError> {
         let n = positions.len();
         crate::cache::check_follows(positions, self.end)?;
-        let full = self.window - 1 + n.max(1);
-        let capacity = full.min((self.end + n).div_ceil(GROWTH_STEP) * GROWTH_STEP);
-        if capacity != self.capacity {
-            self.resize(capacity)?;
-        }
+        self.make_room(n)?;
         let shape = self.shape();
         self.rings
             .write(keys, values, shape, self.capacity, positions)?;
-        self.end += n;
-        self.start = self.start.max(self.end.saturating_sub(self.capacity));
+        self.advance_by(n);
         Ok(())
     }
 
@@ -139,6 +150,38 @@ impl RotatingKvCache {
             rings: self.rings.try_clone()?,
             ..*self
         })
+    }
+}
+
+impl AttentionCache for RotatingKvCache {
+    fn next_position(&self) -> usize {
+        self.end
+    }
+
+    fn shape(&self) -> (usize, usize) {
+        RotatingKvCache::shape(self)
+    }
+
+    fn append(
+        &mut self,
+        keys: &Tensor,
+        values: &Tensor,
+        positions: &Positions,
+    ) -> Result<(), EngineError> {
+        RotatingKvCache::append(self, keys, values, positions)
+    }
+
+    fn view(&self) -> Kv<'_> {
+        RotatingKvCache::view(self)
+    }
+
+    fn reserve_next(&mut self) -> Result<KvTarget<'_>, EngineError> {
+        self.make_room(1)?;
+        Ok(self.rings.target(self.capacity))
+    }
+
+    fn advance(&mut self) {
+        self.advance_by(1);
     }
 }
 

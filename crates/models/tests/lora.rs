@@ -94,6 +94,42 @@ fn adapted_logits_match_mlx_lm() {
     }
 }
 
+/// Sequences decoded together through an adapter (as a server's batch of one adapter's
+/// requests) get mlx-lm's adapted logits: prefixes of the prompt of three lengths, each
+/// prefilled apart, then their next tokens in one batched step.
+#[test]
+fn adapted_batched_decode_matches_mlx_lm() {
+    for (adapter, base) in CASES {
+        let model = load(&fixtures().join("tiny").join(base)).unwrap();
+        let adapters =
+            Adapters::load(&fixtures().join("lora").join(adapter), model.as_ref()).unwrap();
+        let adapted = AdaptedModel::new(model.as_ref(), &adapters).unwrap();
+        let (ids, want) = (prompt(adapter), golden(adapter, "adapted_logits"));
+        let vocab = model.info().vocab_size;
+        let lengths = [1, ids.len() / 2, ids.len() - 1];
+        let mut caches: Vec<_> = lengths
+            .iter()
+            .map(|&n| {
+                let mut cache = adapted.new_cache_in(KvPrecision::F32).unwrap();
+                adapted
+                    .forward(&ids[..n], &mut cache, Logits::Last)
+                    .unwrap();
+                cache
+            })
+            .collect();
+        let next: Vec<u32> = lengths.iter().map(|&n| ids[n]).collect();
+        let mut refs: Vec<_> = caches.iter_mut().collect();
+        let batch = adapted.forward_batch(&next, &mut refs).unwrap();
+        let batch = batch.into_host().unwrap();
+        for (i, &n) in lengths.iter().enumerate() {
+            let row = &batch.data()[i * vocab..(i + 1) * vocab];
+            let d = max_abs_diff(row, &want[n * vocab..(n + 1) * vocab]);
+            println!("{adapter}: batched position {n} within {d:.2e} of mlx-lm");
+            assert!(d < LOGIT_TOLERANCE, "{adapter} position {n}: {d}");
+        }
+    }
+}
+
 #[test]
 fn the_base_model_is_shared_and_unchanged() {
     let (adapter, base) = CASES[0];

@@ -388,10 +388,34 @@ fn qwen2_batched_decode_matches_one_by_one() {
     check_batch("qwen2-4bit-g64");
 }
 
-/// An architecture without its own batching falls back to one sequence at a time.
+/// Gated-DeltaNet layers step each sequence's own convolution and recurrent state.
 #[test]
 fn qwen3_5_batched_decode_matches_one_by_one() {
     check_batch("qwen3_5-4bit-g64");
+}
+
+#[test]
+fn qwen3_5_moe_batched_decode_matches_one_by_one() {
+    check_batch("qwen3_5_moe-4bit-g64");
+}
+
+/// Sliding-window layers (a window of 8: the sequences of 7 and 19 tokens are before and past
+/// it) keep each sequence's ring.
+#[test]
+fn gemma3_batched_decode_matches_one_by_one() {
+    check_batch("gemma3-4bit-g64");
+}
+
+/// With per-layer inputs and layers that attend over an earlier layer's caches.
+#[test]
+fn gemma4_batched_decode_matches_one_by_one() {
+    check_batch("gemma4-4bit-g32");
+}
+
+/// With routed experts beside each dense MLP, and values that are the keys' projection.
+#[test]
+fn gemma4_moe_batched_decode_matches_one_by_one() {
+    check_batch("gemma4-moe-4bit-g64");
 }
 
 #[test]

@@ -1,0 +1,103 @@
+//! The sequences of one forward pass: the tokens of one sequence, or one token of each of
+//! several sequences (a batched decoding step). Each architecture writes its forward pass once,
+//! over [`PassCaches`]: row-wise layers (norms, projections, MLPs, experts) run on all the rows
+//! alike, and the layers that read a sequence's state take the layer's caches from
+//! [`PassCaches::layer`], one or one per row, which the cache ops ([`crate::cache::append_kv`],
+//! [`crate::cache::attend_kv`], the recurrent ops) take either way.
+
+use oxlm_engine::Positions;
+
+use crate::cache::{Cache, KvCache, LayerCache, RecurrentCache, RotatingKvCache};
+use crate::{check_batch, check_tokens, ForwardError, ModelInfo};
+
+/// The caches of a forward pass.
+pub(crate) struct PassCaches<'p, 'c> {
+    caches: &'p mut [&'c mut Cache],
+    /// Tokens each cache takes: all of them for one cache, else one each.
+    per_cache: usize,
+}
+
+/// Layer `i` of each of a pass's caches, all of one kind.
+pub(crate) enum LayerCaches<'a> {
+    Kv(Vec<&'a mut KvCache>),
+    Rotating(Vec<&'a mut RotatingKvCache>),
+    Recurrent(Vec<&'a mut RecurrentCache>),
+}
+
+impl<'p, 'c> PassCaches<'p, 'c> {
+    /// Checks `tokens` against `caches` (one cache, or one token per cache) and the model: ids
+    /// in its vocabulary, positions within its context, caches of its `layers` layers. Nothing
+    /// is changed where a check fails. Returns the caches and where each row sits: consecutive
+    /// positions after the one cache's, or each sequence's next position.
+    pub fn new(
+        info: &ModelInfo,
+        tokens: &[u32],
+        caches: &'p mut [&'c mut Cache],
+        layers: usize,
+    ) -> Result<(Self, Positions), ForwardError> {
+        if caches.len() != 1 {
+            check_batch(tokens, caches)?;
+        }
+        if tokens.is_empty() {
+            return Err(ForwardError::EmptyInput);
+        }
+        let per_cache = if caches.len() == 1 { tokens.len() } else { 1 };
+        for (tokens, cache) in tokens.chunks(per_cache).zip(caches.iter()) {
+            check_tokens(info, tokens, cache.offset)?;
+            if cache.layers.len() != layers {
+                return Err(ForwardError::CacheMismatch);
+            }
+        }
+        let positions = match &caches[..] {
+            [one] => Positions::following(one.offset, per_cache, &info.device)?,
+            many => Positions::new(many.iter().map(|c| c.offset).collect(), &info.device)?,
+        };
+        Ok((PassCaches { caches, per_cache }, positions))
+    }
+
+    /// Layer `i` of each cache; [`ForwardError::CacheMismatch`] where they are not all of one
+    /// kind.
+    pub fn layer(&mut self, i: usize) -> Result<LayerCaches<'_>, ForwardError> {
+        let mut layers = self.caches.iter_mut().map(|c| c.layers.get_mut(i));
+        let first = layers.next().flatten().ok_or(ForwardError::CacheMismatch)?;
+        Ok(match first {
+            LayerCache::Kv(c) => LayerCaches::Kv(with_rest(c, layers, |l| match l {
+                LayerCache::Kv(c) => Some(c),
+                _ => None,
+            })?),
+            LayerCache::Rotating(c) => LayerCaches::Rotating(with_rest(c, layers, |l| match l {
+                LayerCache::Rotating(c) => Some(c),
+                _ => None,
+            })?),
+            LayerCache::Recurrent(c) => {
+                LayerCaches::Recurrent(with_rest(c, layers, |l| match l {
+                    LayerCache::Recurrent(c) => Some(c),
+                    _ => None,
+                })?)
+            }
+        })
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Cache> {
+        self.caches.iter().map(|c| &**c)
+    }
+
+    /// Counts the pass's tokens into its caches' offsets, once every layer has taken them.
+    pub fn finish(self) {
+        for cache in self.caches.iter_mut() {
+            cache.offset += self.per_cache;
+        }
+    }
+}
+
+/// `first` and the `rest` of a layer's caches, each as the kind `pick` takes (that of `first`),
+/// or [`ForwardError::CacheMismatch`].
+fn with_rest<'a, T>(
+    first: &'a mut T,
+    rest: impl Iterator<Item = Option<&'a mut LayerCache>>,
+    pick: fn(&'a mut LayerCache) -> Option<&'a mut T>,
+) -> Result<Vec<&'a mut T>, ForwardError> {
+    std::iter::once(Ok(first))
+        .chain(rest.map(|l| l.and_then(pick).ok_or(ForwardError::CacheMismatch)))
+        .collect()
+}
