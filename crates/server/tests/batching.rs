@@ -1,6 +1,8 @@
 //! Requests served together: concurrent requests share decoding steps (`forward_batch`) up to
 //! `decode_concurrency`, and each gets what it gets served alone.
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -92,9 +94,7 @@ impl LanguageModel for Recording {
 }
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/tiny")
-        .join(name)
+    common::fixtures().join("tiny").join(name)
 }
 
 /// A server of the recording llama with `settings`: its address and the model's calls.
@@ -111,9 +111,7 @@ async fn start_with(settings: Settings) -> (String, Calls) {
         ..settings
     };
     let server = Server::new(loaded, settings).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(server.serve(listener));
+    let base = common::listen(server).await;
     (base, calls)
 }
 

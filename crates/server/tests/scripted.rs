@@ -2,7 +2,9 @@
 //! behind a real chat template (Qwen 3.5's, Gemma 4's), with a tokenizer that has that family's
 //! markup tokens, so the reply is what a reasoning model that calls a tool writes.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::sync::Mutex;
 
 use oxlm_engine::{Device, Tensor};
@@ -82,8 +84,7 @@ const GEMMA4: Family = Family {
 
 /// The tiny tokenizer with `tokens` added, in `dir`.
 fn tokenizer_with(dir: &Path, tokens: &[&str]) -> Tokenizer {
-    let source =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny/tokenizer");
+    let source = common::fixtures().join("tiny/tokenizer");
     std::fs::copy(
         source.join("tokenizer_config.json"),
         dir.join("tokenizer_config.json"),
@@ -103,9 +104,7 @@ fn tokenizer_with(dir: &Path, tokens: &[&str]) -> Tokenizer {
 async fn start(family: &Family, reply: &str) -> String {
     let dir = tempfile::tempdir().unwrap();
     let tokenizer = tokenizer_with(dir.path(), family.tokens);
-    let template_path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/templates")
-        .join(family.template);
+    let template_path = common::fixtures().join("templates").join(family.template);
     let template =
         ChatTemplate::new(&std::fs::read_to_string(template_path).unwrap(), Map::new()).unwrap();
     let model = Scripted {
@@ -133,9 +132,7 @@ async fn start(family: &Family, reply: &str) -> String {
         ..Settings::default()
     };
     let server = Server::new(loaded, settings).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(server.serve(listener));
+    let base = common::listen(server).await;
     base
 }
 

@@ -3,6 +3,8 @@
 //! adapters chosen per request. Greedy outputs are checked against the goldens that mlx-lm
 //! produced for these models.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -14,9 +16,7 @@ use oxlm_server::{LogLevel, Server, Settings};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
+use common::fixtures;
 
 fn fixture(name: &str) -> PathBuf {
     fixtures().join("tiny").join(name)
@@ -71,9 +71,7 @@ async fn start(model: &str, settings: Settings) -> TestServer {
     };
     let server = Server::load(&fixture(model), settings).unwrap();
     let model_id = server.model_id().to_owned();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(server.serve(listener));
+    let base = common::listen(server).await;
     TestServer {
         base,
         model_id,
