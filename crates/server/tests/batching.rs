@@ -99,7 +99,12 @@ fn fixture(name: &str) -> PathBuf {
 
 /// A server of the recording llama with `settings`: its address and the model's calls.
 async fn start_with(settings: Settings) -> (String, Calls) {
-    let mut loaded = LoadedModel::load(&fixture("llama-4bit-g64")).unwrap();
+    start_model("llama-4bit-g64", settings).await
+}
+
+/// A server of the tiny model `name`, recording, with `settings`.
+async fn start_model(name: &str, settings: Settings) -> (String, Calls) {
+    let mut loaded = LoadedModel::load(&fixture(name)).unwrap();
     let calls = Arc::new(Mutex::new(Vec::new()));
     loaded.model = Box::new(Recording {
         inner: loaded.model,
@@ -184,6 +189,30 @@ async fn requests_sent_together_decode_together_as_they_decode_alone() {
     let completion_tokens: Vec<&Value> =
         replies.iter().map(|r| &r[2]["completion_tokens"]).collect();
     assert_eq!(completion_tokens, [24, 10, 16, 6]);
+}
+
+/// The other architectures' batched steps (recurrent state, sliding-window rings, experts,
+/// per-layer inputs) give each request what it gets alone too.
+#[tokio::test]
+async fn every_architecture_serves_requests_together_as_alone() {
+    let settings = |decode_concurrency| Settings {
+        decode_concurrency,
+        prompt_cache_size: 0,
+        ..Settings::default()
+    };
+    for name in [
+        "qwen3_5-4bit-g64",
+        "qwen3_5_moe-4bit-g64",
+        "gemma3-4bit-g64",
+        "gemma4-4bit-g32",
+    ] {
+        let (together, calls) = start_model(name, settings(32)).await;
+        let replies = send_together(&together, requests(), Duration::ZERO).await;
+        assert_eq!(batches(&calls).iter().max(), Some(&4), "{name}");
+        let (alone, _) = start_model(name, settings(1)).await;
+        let expected = send_together(&alone, requests(), Duration::ZERO).await;
+        assert_eq!(replies, expected, "{name}");
+    }
 }
 
 /// A request through another adapter waits until the batch before it has drained, and the
