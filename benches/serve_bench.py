@@ -1,7 +1,7 @@
 """Serving throughput: `oxlm serve` against `mlx_lm.server`, with requests sent together.
 
 usage: python3 benches/serve_bench.py --oxlm target/release/oxlm --model DIR
-           [--mlx-python PYTHON] [--requests 1,4,8] [--max-tokens 64]
+           [--mlx-python PYTHON] [--requests 1,4,8] [--max-tokens 64] [--serve-args="--device cuda"]
        python3 benches/serve_bench.py --oxlm target/release/oxlm --model DIR
            --long-prompt WORDS [--prefill-steps 2048,256]
 
@@ -13,7 +13,8 @@ end-of-sequence token) over the wall time from the first send to the last reply,
 time a request took. oxlm runs twice: decoding one request at a time (`--decode-concurrency 1`,
 as it served before batching) and with its default (32, mlx_lm.server's). mlx_lm.server runs
 with its defaults (batch generation, `--decode-concurrency 32`) when `--mlx-python` names a
-Python that has mlx-lm (on these machines, MLX's CPU backend).
+Python that has mlx-lm (on these machines, MLX's CPU backend). `--serve-args` are added to
+both of oxlm's command lines (for example `--device cuda`).
 
 With `--long-prompt`, what a long prompt does to a request that is streaming meanwhile: one
 request streams 200 tokens; half a second in, a second one arrives with a prompt of WORDS
@@ -23,6 +24,7 @@ took.
 """
 import argparse
 import json
+import shlex
 import socket
 import subprocess
 import sys
@@ -167,11 +169,12 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--long-prompt", type=int, default=0)
     parser.add_argument("--prefill-steps", default="2048,256")
+    parser.add_argument("--serve-args", default="", help="more arguments of `oxlm serve`")
     args = parser.parse_args()
+    oxlm = [args.oxlm, "serve", "--model", args.model, *shlex.split(args.serve_args)]
     if args.long_prompt:
         for step in args.prefill_steps.split(","):
-            process, base = started([args.oxlm, "serve", "--model", args.model,
-                                     "--prefill-step-size", step, "--log-level", "WARNING"])
+            process, base = started([*oxlm, "--prefill-step-size", step, "--log-level", "WARNING"])
             try:
                 longest, median, took = long_prompt(base, args.long_prompt)
             finally:
@@ -182,9 +185,8 @@ def main():
         return
     counts = [int(n) for n in args.requests.split(",")]
     servers = [
-        ("oxlm, one at a time", [args.oxlm, "serve", "--model", args.model,
-                                 "--decode-concurrency", "1", "--log-level", "WARNING"]),
-        ("oxlm", [args.oxlm, "serve", "--model", args.model, "--log-level", "WARNING"]),
+        ("oxlm, one at a time", [*oxlm, "--decode-concurrency", "1", "--log-level", "WARNING"]),
+        ("oxlm", [*oxlm, "--log-level", "WARNING"]),
     ]
     if args.mlx_python:
         servers.append(("mlx_lm.server", [args.mlx_python, "-m", "mlx_lm.server",
