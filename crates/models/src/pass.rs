@@ -78,6 +78,7 @@ impl<'p, 'c> PassCaches<'p, 'c> {
         })
     }
 
+    /// The pass's caches, for checks an architecture makes before any layer runs.
     pub fn iter(&self) -> impl Iterator<Item = &Cache> {
         self.caches.iter().map(|c| &**c)
     }
