@@ -812,6 +812,68 @@ fn host_attention(
     Ok(())
 }
 
+/// [`attention_batch`] on the host into `out`: every cache in the first one's precision.
+fn host_attention_batch(
+    q: &[f32],
+    heads: usize,
+    head_dim: usize,
+    positions: &[usize],
+    kvs: &[Kv],
+    scale: f32,
+    out: &mut [f32],
+) -> Result<()> {
+    fn views<'a, R: cpu::attention::KvRows>(
+        kvs: &[Kv<'a>],
+        rows: impl Fn(&'a KvStorage) -> Option<R>,
+    ) -> Result<Vec<cpu::attention::KvView<R>>> {
+        kvs.iter()
+            .map(|kv| {
+                Ok(cpu::attention::KvView {
+                    keys: rows(&kv.keys.storage).ok_or_else(|| mismatch("attention_batch"))?,
+                    values: rows(&kv.values.storage).ok_or_else(|| mismatch("attention_batch"))?,
+                    kv_heads: kv.kv_heads,
+                    capacity: kv.capacity,
+                    start: kv.start,
+                    end: kv.end,
+                    window: kv.window,
+                })
+            })
+            .collect()
+    }
+    let Some(first) = kvs.first() else {
+        return Ok(());
+    };
+    check(kvs.iter().all(|kv| kv.kv_heads == first.kv_heads), || {
+        "a batch's caches differ in heads".into()
+    })?;
+    let (h, d, p) = (heads, head_dim, positions);
+    match &first.keys.storage {
+        KvStorage::HostF32(_) => {
+            let views = views(kvs, |s| match s {
+                KvStorage::HostF32(v) => Some(&v[..]),
+                _ => None,
+            })?;
+            cpu::attention::attention_batch(q, h, d, p, &views, scale, out);
+        }
+        KvStorage::HostF16(_) => {
+            let views = views(kvs, |s| match s {
+                KvStorage::HostF16(v) => Some(&v[..]),
+                _ => None,
+            })?;
+            cpu::attention::attention_batch(q, h, d, p, &views, scale, out);
+        }
+        KvStorage::HostQ8(_) => {
+            let views = views(kvs, |s| match s {
+                KvStorage::HostQ8(v) => Some(v.rows()),
+                _ => None,
+            })?;
+            cpu::attention::attention_batch(q, h, d, p, &views, scale, out);
+        }
+        KvStorage::Cuda(_) => return Err(mismatch("attention_batch")),
+    }
+    Ok(())
+}
+
 /// Refuses a cache that `tokens` queries of `q` (`heads` of `head_dim`) cannot attend over.
 fn check_kv(q: &Tensor, tokens: usize, heads: usize, head_dim: usize, kv: &Kv) -> Result<()> {
     let row = kv.kv_heads * head_dim;
@@ -873,14 +935,17 @@ pub fn attention_batch(
         check_kv(q, n, heads, head_dim, kv)?;
     }
     match &q.storage {
-        Storage::Host(_) => {
-            let mut out = Vec::with_capacity(q.len());
-            for (i, kv) in kvs.iter().enumerate() {
-                let at = Positions::new(vec![positions.as_slice()[i]], &Device::Cpu)?;
-                out.extend(
-                    attention(&rows(q, i, 1)?, heads, head_dim, &at, kv, scale)?.into_data(),
-                );
-            }
+        Storage::Host(q) => {
+            let mut out = vec![0.0; q.len()];
+            host_attention_batch(
+                q,
+                heads,
+                head_dim,
+                positions.as_slice(),
+                kvs,
+                scale,
+                &mut out,
+            )?;
             Ok(Tensor::new(vec![n, heads * head_dim], out))
         }
         Storage::Cuda(qb) => {

@@ -632,13 +632,68 @@ pub fn attention<R: KvRows>(
     scale: f32,
     out: &mut [f32],
 ) {
-    let group = heads / kv.kv_heads;
+    attend_tokens(
+        q,
+        heads,
+        head_dim,
+        positions,
+        kv.kv_heads,
+        |_| kv,
+        scale,
+        out,
+    );
+}
+
+/// [`attention`] of one query token for each of several sequences: token `s` (row `s` of `q`)
+/// at `positions[s]` over `kvs[s]`, all of `kvs` of one layer (the same head counts). One pool
+/// job for the whole batch, where a job per sequence would cost a dispatch each.
+pub fn attention_batch<R: KvRows>(
+    q: &[f32],
+    heads: usize,
+    head_dim: usize,
+    positions: &[usize],
+    kvs: &[KvView<R>],
+    scale: f32,
+    out: &mut [f32],
+) {
+    let Some(first) = kvs.first() else { return };
+    assert!(
+        kvs.len() == positions.len() && kvs.iter().all(|kv| kv.kv_heads == first.kv_heads),
+        "a batch's caches differ in heads, or are not one per token"
+    );
+    let kv_heads = first.kv_heads;
+    attend_tokens(
+        q,
+        heads,
+        head_dim,
+        positions,
+        kv_heads,
+        |t| &kvs[t],
+        scale,
+        out,
+    );
+}
+
+/// Attention of each token `t` of `q` at `positions[t]` over `kv_of(t)`.
+#[allow(clippy::too_many_arguments)]
+fn attend_tokens<'k, R: KvRows + 'k>(
+    q: &[f32],
+    heads: usize,
+    head_dim: usize,
+    positions: &[usize],
+    kv_heads: usize,
+    kv_of: impl Fn(usize) -> &'k KvView<R> + Sync,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let group = heads / kv_heads;
     let d = head_dim;
     let isa = Isa::best();
     let out = SharedMut::new(&mut out[..positions.len() * heads * d]);
     // One task per token and KV head: the group's query heads share each key and value read.
-    pool::parallel_for(positions.len() * kv.kv_heads, &|task| {
-        let (t, kvh) = (task / kv.kv_heads, task % kv.kv_heads);
+    pool::parallel_for(positions.len() * kv_heads, &|task| {
+        let (t, kvh) = (task / kv_heads, task % kv_heads);
+        let kv = kv_of(t);
         let first = (t * heads + kvh * group) * d;
         let head = kvh * kv.capacity..(kvh + 1) * kv.capacity;
         let job = GroupAttention {
