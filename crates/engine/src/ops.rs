@@ -775,7 +775,54 @@ pub fn attention(
     }
 }
 
-/// [`attention`] on the host into `out`, over rings of either precision.
+/// Host caches as the CPU attention kernels read them, all of one precision.
+enum HostViews<'a> {
+    F32(Vec<cpu::attention::KvView<&'a [f32]>>),
+    F16(Vec<cpu::attention::KvView<&'a [half::f16]>>),
+    Q8(Vec<cpu::attention::KvView<cpu::attention::Q8Rows<'a>>>),
+}
+
+impl<'a> HostViews<'a> {
+    /// `kvs` as views; an error for `op` where one is not on the host in the first's precision.
+    fn of(kvs: &[Kv<'a>], op: &str) -> Result<Self> {
+        fn views<'a, R: cpu::attention::KvRows>(
+            kvs: &[Kv<'a>],
+            op: &str,
+            rows: impl Fn(&'a KvStorage) -> Option<R>,
+        ) -> Result<Vec<cpu::attention::KvView<R>>> {
+            kvs.iter()
+                .map(|kv| {
+                    Ok(cpu::attention::KvView {
+                        keys: rows(&kv.keys.storage).ok_or_else(|| mismatch(op))?,
+                        values: rows(&kv.values.storage).ok_or_else(|| mismatch(op))?,
+                        kv_heads: kv.kv_heads,
+                        capacity: kv.capacity,
+                        start: kv.start,
+                        end: kv.end,
+                        window: kv.window,
+                    })
+                })
+                .collect()
+        }
+        Ok(match kvs.first().map(|kv| &kv.keys.storage) {
+            Some(KvStorage::HostF32(_)) => HostViews::F32(views(kvs, op, |s| match s {
+                KvStorage::HostF32(v) => Some(&v[..]),
+                _ => None,
+            })?),
+            Some(KvStorage::HostF16(_)) => HostViews::F16(views(kvs, op, |s| match s {
+                KvStorage::HostF16(v) => Some(&v[..]),
+                _ => None,
+            })?),
+            Some(KvStorage::HostQ8(_)) => HostViews::Q8(views(kvs, op, |s| match s {
+                KvStorage::HostQ8(v) => Some(v.rows()),
+                _ => None,
+            })?),
+            _ => return Err(mismatch(op)),
+        })
+    }
+}
+
+/// [`attention`] on the host into `out`, over rings of any host precision.
 fn host_attention(
     q: &[f32],
     heads: usize,
@@ -785,29 +832,11 @@ fn host_attention(
     scale: f32,
     out: &mut [f32],
 ) -> Result<()> {
-    fn over<R: cpu::attention::KvRows>(keys: R, values: R, kv: &Kv) -> cpu::attention::KvView<R> {
-        cpu::attention::KvView {
-            keys,
-            values,
-            kv_heads: kv.kv_heads,
-            capacity: kv.capacity,
-            start: kv.start,
-            end: kv.end,
-            window: kv.window,
-        }
-    }
     let (h, d, p) = (heads, head_dim, positions);
-    match (&kv.keys.storage, &kv.values.storage) {
-        (KvStorage::HostF32(k), KvStorage::HostF32(v)) => {
-            cpu::attention::attention(q, h, d, p, &over(&k[..], &v[..], kv), scale, out)
-        }
-        (KvStorage::HostF16(k), KvStorage::HostF16(v)) => {
-            cpu::attention::attention(q, h, d, p, &over(&k[..], &v[..], kv), scale, out)
-        }
-        (KvStorage::HostQ8(k), KvStorage::HostQ8(v)) => {
-            cpu::attention::attention(q, h, d, p, &over(k.rows(), v.rows(), kv), scale, out)
-        }
-        _ => return Err(mismatch("attention")),
+    match HostViews::of(std::slice::from_ref(kv), "attention")? {
+        HostViews::F32(v) => cpu::attention::attention(q, h, d, p, &v[0], scale, out),
+        HostViews::F16(v) => cpu::attention::attention(q, h, d, p, &v[0], scale, out),
+        HostViews::Q8(v) => cpu::attention::attention(q, h, d, p, &v[0], scale, out),
     }
     Ok(())
 }
@@ -822,24 +851,6 @@ fn host_attention_batch(
     scale: f32,
     out: &mut [f32],
 ) -> Result<()> {
-    fn views<'a, R: cpu::attention::KvRows>(
-        kvs: &[Kv<'a>],
-        rows: impl Fn(&'a KvStorage) -> Option<R>,
-    ) -> Result<Vec<cpu::attention::KvView<R>>> {
-        kvs.iter()
-            .map(|kv| {
-                Ok(cpu::attention::KvView {
-                    keys: rows(&kv.keys.storage).ok_or_else(|| mismatch("attention_batch"))?,
-                    values: rows(&kv.values.storage).ok_or_else(|| mismatch("attention_batch"))?,
-                    kv_heads: kv.kv_heads,
-                    capacity: kv.capacity,
-                    start: kv.start,
-                    end: kv.end,
-                    window: kv.window,
-                })
-            })
-            .collect()
-    }
     let Some(first) = kvs.first() else {
         return Ok(());
     };
@@ -847,29 +858,10 @@ fn host_attention_batch(
         "a batch's caches differ in heads".into()
     })?;
     let (h, d, p) = (heads, head_dim, positions);
-    match &first.keys.storage {
-        KvStorage::HostF32(_) => {
-            let views = views(kvs, |s| match s {
-                KvStorage::HostF32(v) => Some(&v[..]),
-                _ => None,
-            })?;
-            cpu::attention::attention_batch(q, h, d, p, &views, scale, out);
-        }
-        KvStorage::HostF16(_) => {
-            let views = views(kvs, |s| match s {
-                KvStorage::HostF16(v) => Some(&v[..]),
-                _ => None,
-            })?;
-            cpu::attention::attention_batch(q, h, d, p, &views, scale, out);
-        }
-        KvStorage::HostQ8(_) => {
-            let views = views(kvs, |s| match s {
-                KvStorage::HostQ8(v) => Some(v.rows()),
-                _ => None,
-            })?;
-            cpu::attention::attention_batch(q, h, d, p, &views, scale, out);
-        }
-        KvStorage::Cuda(_) => return Err(mismatch("attention_batch")),
+    match HostViews::of(kvs, "attention_batch")? {
+        HostViews::F32(v) => cpu::attention::attention_batch(q, h, d, p, &v, scale, out),
+        HostViews::F16(v) => cpu::attention::attention_batch(q, h, d, p, &v, scale, out),
+        HostViews::Q8(v) => cpu::attention::attention_batch(q, h, d, p, &v, scale, out),
     }
     Ok(())
 }
