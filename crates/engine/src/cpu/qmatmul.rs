@@ -110,6 +110,15 @@ fn dequantize_columns(isa: Isa, w: &QuantizedView, row: usize, k0: usize, out: &
         Isa::Portable => dequantize_portable(w, row, k0, out),
         // SAFETY: the callers checked the processor.
         #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Amx if matches!(w.bits, 4 | 8) && w.group_size.is_multiple_of(16) => unsafe {
+            use super::avx512::dequantize;
+            match w.bits {
+                4 => dequantize::<4>(w, row, k0, out),
+                _ => dequantize::<8>(w, row, k0, out),
+            }
+        },
+        // SAFETY: the callers checked the processor.
+        #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe {
             use super::avx2::dequantize;
             match w.bits {
