@@ -301,12 +301,57 @@ pub(super) unsafe fn dequantize<const B: u32>(
     k0: usize,
     out: &mut [f32],
 ) {
+    let bytes: &[u8] = bytemuck::cast_slice(w.packed);
+    for_each_group(w, row, k0, out, |scale, bias, e0, group| {
+        let g = group.len();
+        let (s, b) = (_mm256_set1_ps(scale), _mm256_set1_ps(bias));
+        let dq = |q: __m256i, dst: &mut [f32]| {
+            let v = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), s), b);
+            _mm256_storeu_ps(dst.as_mut_ptr(), v);
+        };
+        match B {
+            // One word is eight elements.
+            4 => {
+                let words = &w.packed[e0 / 8..(e0 + g) / 8];
+                for (&word, dst) in words.iter().zip(group.chunks_exact_mut(8)) {
+                    dq(unpack_word4(word), dst);
+                }
+            }
+            // Two words are eight elements.
+            8 => {
+                let words = &w.packed[e0 / 4..(e0 + g) / 4];
+                for (pair, dst) in words.chunks_exact(2).zip(group.chunks_exact_mut(8)) {
+                    dq(
+                        _mm256_cvtepu8_epi32(_mm_loadl_epi64(pair.as_ptr().cast())),
+                        dst,
+                    );
+                }
+            }
+            _ => {
+                for (i, dst) in group.chunks_exact_mut(8).enumerate() {
+                    dq(unpack8::<B>(bytes, (e0 / 8 + i) * B as usize), dst);
+                }
+            }
+        }
+    });
+}
+
+/// Calls `each(scale, bias, first element, out's slice)` for every group of columns
+/// `k0..k0 + out.len()` (whole groups) of row `row`: the dequantizers' walk. Scales and biases
+/// are converted a batch of groups at a time, with the vector conversions.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn for_each_group(
+    w: &crate::quant::QuantizedView,
+    row: usize,
+    k0: usize,
+    out: &mut [f32],
+    mut each: impl FnMut(f32, f32, usize, &mut [f32]),
+) {
     const BATCH: usize = 16;
     let g = w.group_size;
     assert!(k0.is_multiple_of(g) && out.len().is_multiple_of(g) && k0 + out.len() <= w.cols);
-    let bytes: &[u8] = bytemuck::cast_slice(w.packed);
     let first = row * w.cols + k0;
-    // Scales and biases are converted a batch of groups at a time, with the vector conversions.
     for (bi, batch) in out.chunks_mut(BATCH * g).enumerate() {
         let groups = batch.len() / g;
         let mut sb = [0.0f32; 2 * BATCH];
@@ -314,36 +359,7 @@ pub(super) unsafe fn dequantize<const B: u32>(
         convert_slice(w.scales, g0, &mut sb[..groups]);
         convert_slice(w.biases, g0, &mut sb[BATCH..BATCH + groups]);
         for (gi, group) in batch.chunks_exact_mut(g).enumerate() {
-            let (s, b) = (_mm256_set1_ps(sb[gi]), _mm256_set1_ps(sb[BATCH + gi]));
-            let e0 = first + (bi * BATCH + gi) * g;
-            let dq = |q: __m256i, dst: &mut [f32]| {
-                let v = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), s), b);
-                _mm256_storeu_ps(dst.as_mut_ptr(), v);
-            };
-            match B {
-                // One word is eight elements.
-                4 => {
-                    let words = &w.packed[e0 / 8..(e0 + g) / 8];
-                    for (&word, dst) in words.iter().zip(group.chunks_exact_mut(8)) {
-                        dq(unpack_word4(word), dst);
-                    }
-                }
-                // Two words are eight elements.
-                8 => {
-                    let words = &w.packed[e0 / 4..(e0 + g) / 4];
-                    for (pair, dst) in words.chunks_exact(2).zip(group.chunks_exact_mut(8)) {
-                        dq(
-                            _mm256_cvtepu8_epi32(_mm_loadl_epi64(pair.as_ptr().cast())),
-                            dst,
-                        );
-                    }
-                }
-                _ => {
-                    for (i, dst) in group.chunks_exact_mut(8).enumerate() {
-                        dq(unpack8::<B>(bytes, (e0 / 8 + i) * B as usize), dst);
-                    }
-                }
-            }
+            each(sb[gi], sb[BATCH + gi], first + (bi * BATCH + gi) * g, group);
         }
     }
 }

@@ -605,42 +605,24 @@ pub(super) unsafe fn dequantize<const B: u32>(
     k0: usize,
     out: &mut [f32],
 ) {
-    const BATCH: usize = 16;
-    let g = w.group_size;
-    assert!(
-        (B == 4 || B == 8)
-            && g.is_multiple_of(16)
-            && k0.is_multiple_of(g)
-            && out.len().is_multiple_of(g)
-            && k0 + out.len() <= w.cols
-    );
+    assert!((B == 4 || B == 8) && w.group_size.is_multiple_of(16));
     let bytes: &[u8] = bytemuck::cast_slice(w.packed);
-    let first = row * w.cols + k0;
     let low = _mm_set1_epi8(0x0f);
-    // Scales and biases are converted a batch of groups at a time, with the vector conversions.
-    for (bi, batch) in out.chunks_mut(BATCH * g).enumerate() {
-        let groups = batch.len() / g;
-        let mut sb = [0.0f32; 2 * BATCH];
-        let g0 = first / g + bi * BATCH;
-        super::avx2::convert_slice(w.scales, g0, &mut sb[..groups]);
-        super::avx2::convert_slice(w.biases, g0, &mut sb[BATCH..BATCH + groups]);
-        for (gi, group) in batch.chunks_exact_mut(g).enumerate() {
-            let (s, b) = (_mm512_set1_ps(sb[gi]), _mm512_set1_ps(sb[BATCH + gi]));
-            let e0 = first + (bi * BATCH + gi) * g;
-            for (i, dst) in group.chunks_exact_mut(16).enumerate() {
-                let e = e0 + 16 * i;
-                let q = if B == 4 {
-                    // Element 2j is byte j's low nibble and 2j + 1 its high one.
-                    let x = _mm_loadl_epi64(bytes.as_ptr().add(e / 2).cast());
-                    let lo = _mm_and_si128(x, low);
-                    let hi = _mm_and_si128(_mm_srli_epi16::<4>(x), low);
-                    _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi))
-                } else {
-                    _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes.as_ptr().add(e).cast()))
-                };
-                let v = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), s), b);
-                _mm512_storeu_ps(dst.as_mut_ptr(), v);
-            }
+    super::avx2::for_each_group(w, row, k0, out, |scale, bias, e0, group| {
+        let (s, b) = (_mm512_set1_ps(scale), _mm512_set1_ps(bias));
+        for (i, dst) in group.chunks_exact_mut(16).enumerate() {
+            let e = e0 + 16 * i;
+            let q = if B == 4 {
+                // Element 2j is byte j's low nibble and 2j + 1 its high one.
+                let x = _mm_loadl_epi64(bytes.as_ptr().add(e / 2).cast());
+                let lo = _mm_and_si128(x, low);
+                let hi = _mm_and_si128(_mm_srli_epi16::<4>(x), low);
+                _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi))
+            } else {
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes.as_ptr().add(e).cast()))
+            };
+            let v = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), s), b);
+            _mm512_storeu_ps(dst.as_mut_ptr(), v);
         }
-    }
+    });
 }
