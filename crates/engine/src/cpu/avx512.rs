@@ -594,6 +594,22 @@ unsafe fn q8_values_for<const H: usize>(
     }
 }
 
+/// The sixteen `B`-bit integers (4 or 8) of elements `e..e + 16` of a packed matrix's `bytes`,
+/// as i32 lanes.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn sixteen<const B: u32>(bytes: &[u8], e: usize) -> __m512i {
+    if B == 4 {
+        // Element 2j is byte j's low nibble and 2j + 1 its high one.
+        let low = _mm_set1_epi8(0x0f);
+        let x = _mm_loadl_epi64(bytes[e / 2..e / 2 + 8].as_ptr().cast());
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(x), low);
+        _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(x, low), hi))
+    } else {
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes[e..e + 16].as_ptr().cast()))
+    }
+}
+
 /// [`super::avx2::dequantize`] of a 4- or 8-bit matrix whose groups are whole runs of sixteen,
 /// sixteen elements to a vector: the same `q · s + b` (a product, then a sum, as MLX rounds
 /// them), in half the instructions. Prefill's panels and a large batch's spend much of their
@@ -607,22 +623,73 @@ pub(super) unsafe fn dequantize<const B: u32>(
 ) {
     assert!((B == 4 || B == 8) && w.group_size.is_multiple_of(16));
     let bytes: &[u8] = bytemuck::cast_slice(w.packed);
-    let low = _mm_set1_epi8(0x0f);
     super::avx2::for_each_group(w, row, k0, out, |scale, bias, e0, group| {
         let (s, b) = (_mm512_set1_ps(scale), _mm512_set1_ps(bias));
         for (i, dst) in group.chunks_exact_mut(16).enumerate() {
             let e = e0 + 16 * i;
-            let q = if B == 4 {
-                // Element 2j is byte j's low nibble and 2j + 1 its high one.
-                let x = _mm_loadl_epi64(bytes.as_ptr().add(e / 2).cast());
-                let lo = _mm_and_si128(x, low);
-                let hi = _mm_and_si128(_mm_srli_epi16::<4>(x), low);
-                _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi))
-            } else {
-                _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes.as_ptr().add(e).cast()))
-            };
+            let q = sixteen::<B>(bytes, e);
             let v = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), s), b);
             _mm512_storeu_ps(dst.as_mut_ptr(), v);
         }
     });
+}
+
+/// Rows `n0..n0 + nc` of a 4- or 8-bit matrix, columns `k0..k0 + kc` (whole groups, of a
+/// multiple of 16), dequantized as [`dequantize`] does straight into the panel that
+/// [`column_major`] would make of them: sixteen rows by sixteen columns at a time, dequantized
+/// in registers and transposed there, where a row-major tile was written and read again.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+pub(super) unsafe fn dequantize_column_major<const B: u32>(
+    w: &crate::quant::QuantizedView,
+    n0: usize,
+    nc: usize,
+    k0: usize,
+    kc: usize,
+    panel: &mut [f32],
+) {
+    use super::gemm::wide::NR;
+    /// Groups of a panel's columns at the most (128 columns of groups of 16 or more).
+    const GROUPS: usize = 8;
+    let g = w.group_size;
+    assert!(
+        (B == 4 || B == 8)
+            && g.is_multiple_of(16)
+            && k0.is_multiple_of(g)
+            && kc.is_multiple_of(g)
+            && kc / g <= GROUPS
+            && k0 + kc <= w.cols
+            && nc <= NR
+            && n0 + nc <= w.rows
+            && panel.len() >= NR * kc
+    );
+    let bytes: &[u8] = bytemuck::cast_slice(w.packed);
+    // Each row's scales and biases over the panel's columns.
+    let mut scales = [[0.0f32; GROUPS]; NR];
+    let mut biases = [[0.0f32; GROUPS]; NR];
+    for r in 0..nc {
+        let first = ((n0 + r) * w.cols + k0) / g;
+        super::avx2::convert_slice(w.scales, first, &mut scales[r][..kc / g]);
+        super::avx2::convert_slice(w.biases, first, &mut biases[r][..kc / g]);
+    }
+    for r0 in (0..NR).step_by(16) {
+        for c0 in (0..kc).step_by(16) {
+            let gi = c0 / g;
+            let block: [__m512; 16] = std::array::from_fn(|r| {
+                let row = r0 + r;
+                if row >= nc {
+                    return _mm512_setzero_ps();
+                }
+                let e = (n0 + row) * w.cols + k0 + c0;
+                let q = sixteen::<B>(bytes, e);
+                let (s, b) = (scales[row][gi], biases[row][gi]);
+                _mm512_add_ps(
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s)),
+                    _mm512_set1_ps(b),
+                )
+            });
+            for (c, column) in transpose16(block).iter().enumerate() {
+                _mm512_storeu_ps(panel.as_mut_ptr().add((c0 + c) * NR + r0), *column);
+            }
+        }
+    }
 }

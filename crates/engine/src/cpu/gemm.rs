@@ -36,6 +36,39 @@ pub(super) trait Panels {
     /// Even f32 weights are copied: rows of the matrix itself lie a power of two apart in typical
     /// shapes, so a panel read in place would crowd a few L1 sets and miss.
     fn panel(&self, isa: Isa, n0: usize, nc: usize, k0: usize, kc: usize, tile: &mut [f32]);
+
+    /// The same rows and columns column-major into `panel` as the AVX-512 kernel reads them
+    /// (column `c` of [`wide::NR`] rows at `panel[c · NR..]`, rows past `nc` zero), by way of
+    /// `tile` where the matrix writes no such panel directly.
+    #[cfg(target_arch = "x86_64")]
+    #[allow(clippy::too_many_arguments)]
+    fn column_panel(
+        &self,
+        isa: Isa,
+        n0: usize,
+        nc: usize,
+        k0: usize,
+        kc: usize,
+        tile: &mut [f32],
+        panel: &mut [f32],
+    ) {
+        column_panel_via_tile(self, isa, (n0, nc, k0, kc), tile, panel);
+    }
+}
+
+/// [`Panels::column_panel`] through a row-major `tile`: [`Panels::panel`], then transposed.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn column_panel_via_tile(
+    w: &(impl Panels + ?Sized),
+    isa: Isa,
+    (n0, nc, k0, kc): (usize, usize, usize, usize),
+    tile: &mut [f32],
+    panel: &mut [f32],
+) {
+    w.panel(isa, n0, nc, k0, kc, tile);
+    // SAFETY: the AVX-512 kernels run only where the processor has them; `tile` holds `nc`
+    // rows of `kc` and `panel` `kc · NR` floats.
+    unsafe { super::avx512::column_major(tile, nc, kc, panel) };
 }
 
 /// Weight rows per pool task, a multiple of [`NC`]: each task re-reads the activations, so
@@ -261,10 +294,7 @@ pub(super) mod wide {
                         for r0 in (0..row_blocks).step_by(per_sweep) {
                             for n0 in (t0..t1).step_by(NR) {
                                 let nc = NR.min(t1 - n0);
-                                w.panel(isa, n0, nc, k0, kc, rows);
-                                // SAFETY: AVX-512 was checked by the caller; `rows` holds `nc`
-                                // rows of `kc` and `panel` `kc · NR` floats.
-                                unsafe { avx512::column_major(rows, nc, kc, panel) };
+                                w.column_panel(isa, n0, nc, k0, kc, rows, panel);
                                 for rb in r0..(r0 + per_sweep).min(row_blocks) {
                                     let mr = MR.min(m - rb * MR);
                                     let out = y.ptr(rb * MR * n + n0, (mr - 1) * n + nc);

@@ -153,6 +153,31 @@ impl Panels for QuantPanels<'_, '_> {
             dequantize_columns(isa, self.0, n0 + j, k0, out);
         }
     }
+
+    #[cfg(target_arch = "x86_64")]
+    fn column_panel(
+        &self,
+        isa: Isa,
+        n0: usize,
+        nc: usize,
+        k0: usize,
+        kc: usize,
+        tile: &mut [f32],
+        panel: &mut [f32],
+    ) {
+        let w = self.0;
+        if matches!(w.bits, 4 | 8) && w.group_size.is_multiple_of(16) {
+            // SAFETY: the column-major panels are the AVX-512 kernels'; the caller checked
+            // the processor.
+            return unsafe {
+                match w.bits {
+                    4 => super::avx512::dequantize_column_major::<4>(w, n0, nc, k0, kc, panel),
+                    _ => super::avx512::dequantize_column_major::<8>(w, n0, nc, k0, kc, panel),
+                }
+            };
+        }
+        gemm::column_panel_via_tile(self, isa, (n0, nc, k0, kc), tile, panel);
+    }
 }
 
 /// `out[i] = Σ x[i*g..(i+1)*g]`.
