@@ -25,9 +25,16 @@ pub const GEMV_MAX_M: usize = 6;
 /// Up to this many activation rows the integer GEMV ([`qint`]) beats dequantizing panels: it
 /// decodes batches of sequences. Measured on a 2-vCPU Xeon with AVX512-VNNI (2026-12-04,
 /// SmolLM2-135M 4-bit, `oxlm bench --batch`, tok/s of all sequences), the GEMV against the
-/// panels: 8 sequences 136-155 against 105, 12 157-158 against 149-150, 16 156-159 against
-/// 159-178 (one sequence: 124-128).
+/// panels as they were then (dequantized rows, transposed after): 8 sequences 136-155 against
+/// 105, 12 157-158 against 149-150, 16 156-159 against 159-178 (one sequence: 124-128). Where
+/// AVX-512 dequantizes straight into the panels, [`INT_GEMV_MAX_M_AVX512`] applies.
 pub const INT_GEMV_MAX_M: usize = 12;
+
+/// [`INT_GEMV_MAX_M`] where the panels are AVX-512's, dequantized in registers
+/// (`avx512::dequantize_column_major`). Same machine and model (2026-12-05, two runs each), the
+/// GEMV against those panels: 8 sequences 159-161 against 159-160, 9 161-166 against 162-174,
+/// 10 159-166 against 169-182, 12 162-167 against 226-229.
+pub const INT_GEMV_MAX_M_AVX512: usize = 8;
 
 /// Weight rows the GEMV walks together; the AVX2 kernels share each activation load among them.
 const GEMV_ROWS: usize = 4;
@@ -63,10 +70,19 @@ pub fn matmul_group(ws: &[&QuantizedView], x: &[f32], m: usize, ys: &mut [&mut [
     }
 }
 
+/// The most activation rows the integer GEMV takes on this processor.
+fn int_gemv_max_m() -> usize {
+    if Isa::best() >= Isa::Avx512 {
+        INT_GEMV_MAX_M_AVX512
+    } else {
+        INT_GEMV_MAX_M
+    }
+}
+
 /// The integer GEMV kernel that takes `m` rows against `w`, where one does.
 fn int_kernel(w: &QuantizedView, m: usize) -> Option<qint::IntKernel> {
     match qint::precision() {
-        qint::Precision::Int(a) if m <= INT_GEMV_MAX_M => qint::IntKernel::best(a, w),
+        qint::Precision::Int(a) if m <= int_gemv_max_m() => qint::IntKernel::best(a, w),
         _ => None,
     }
 }
