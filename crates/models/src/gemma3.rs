@@ -12,8 +12,8 @@ use serde_json::{Map, Value};
 use crate::cache::{Cache, KvCache, LayerCache, RotatingKvCache};
 use crate::checkpoint::{Checkpoint, Config};
 use crate::layers::{Attention, Embedding, Linear, Mlp, OutputHead, RmsNorm, Rope};
-use crate::pass::{LayerCaches, PassCaches};
-use crate::{check_batch, ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
+use crate::pass::{forward_one, forward_rows, LayerCaches, PassCaches};
+use crate::{ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
 use oxlm_engine::{ops, Positions, Tensor};
 
 /// The text model's settings inside a multimodal wrapper, completed as the wrapper's `ModelArgs`
@@ -240,8 +240,8 @@ impl LanguageModel for Gemma3 {
         cache: &mut Cache,
         logits: Logits,
     ) -> Result<Tensor, ForwardError> {
-        let h = self.run(tokens, &mut [cache])?;
-        Ok(self.head.forward(h, logits, &self.embed_tokens)?)
+        let output = (&self.head, &self.embed_tokens);
+        forward_one(cache, logits, output, |c| self.run(tokens, c))
     }
 
     fn forward_batch(
@@ -249,11 +249,8 @@ impl LanguageModel for Gemma3 {
         tokens: &[u32],
         caches: &mut [&mut Cache],
     ) -> Result<Tensor, ForwardError> {
-        check_batch(tokens, caches)?;
-        let h = self.run(tokens, caches)?;
-        Ok(self
-            .head
-            .forward_on_device(h, Logits::All, &self.embed_tokens)?)
+        let output = (&self.head, &self.embed_tokens);
+        forward_rows(tokens, caches, output, |c| self.run(tokens, c))
     }
 }
 

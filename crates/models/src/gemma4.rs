@@ -19,9 +19,9 @@ use crate::gemma3::wrapped_text_config;
 use crate::layers::{
     load_host_vector, Embedding, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope,
 };
-use crate::pass::{LayerCaches, PassCaches};
+use crate::pass::{forward_one, forward_rows, LayerCaches, PassCaches};
 use crate::switch::{dispatch, load_experts};
-use crate::{check_batch, ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
+use crate::{ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
 use oxlm_engine::cpu::elementwise::softmax_inplace;
 use oxlm_engine::{ops, Device, Positions, Tensor};
 
@@ -692,8 +692,8 @@ impl LanguageModel for Gemma4 {
         cache: &mut Cache,
         logits: Logits,
     ) -> Result<Tensor, ForwardError> {
-        let h = self.run(tokens, &mut [cache])?;
-        Ok(self.head.forward(h, logits, &self.embed_tokens)?)
+        let output = (&self.head, &self.embed_tokens);
+        forward_one(cache, logits, output, |c| self.run(tokens, c))
     }
 
     fn forward_batch(
@@ -701,11 +701,8 @@ impl LanguageModel for Gemma4 {
         tokens: &[u32],
         caches: &mut [&mut Cache],
     ) -> Result<Tensor, ForwardError> {
-        check_batch(tokens, caches)?;
-        let h = self.run(tokens, caches)?;
-        Ok(self
-            .head
-            .forward_on_device(h, Logits::All, &self.embed_tokens)?)
+        let output = (&self.head, &self.embed_tokens);
+        forward_rows(tokens, caches, output, |c| self.run(tokens, c))
     }
 }
 

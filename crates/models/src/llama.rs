@@ -8,8 +8,8 @@ use crate::checkpoint::Checkpoint;
 use crate::layers::{Attention, Embedding, Input, Linear, Mlp, OutputHead, RmsNorm, Rope};
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::lora_grad::{Example, LossAndGrads};
-use crate::pass::{LayerCaches, PassCaches};
-use crate::{check_batch, LanguageModel, LoadError, Logits, ModelInfo};
+use crate::pass::{forward_one, forward_rows, LayerCaches, PassCaches};
+use crate::{LanguageModel, LoadError, Logits, ModelInfo};
 use oxlm_engine::{ops, Tensor};
 
 use crate::ForwardError;
@@ -227,8 +227,8 @@ impl LanguageModel for Llama {
         cache: &mut Cache,
         logits: Logits,
     ) -> Result<Tensor, ForwardError> {
-        let h = self.run(tokens, &mut [cache], None)?;
-        Ok(self.head.forward(h, logits, &self.embed_tokens)?)
+        let output = (&self.head, &self.embed_tokens);
+        forward_one(cache, logits, output, |c| self.run(tokens, c, None))
     }
 
     fn forward_batch(
@@ -236,11 +236,8 @@ impl LanguageModel for Llama {
         tokens: &[u32],
         caches: &mut [&mut Cache],
     ) -> Result<Tensor, ForwardError> {
-        check_batch(tokens, caches)?;
-        let h = self.run(tokens, caches, None)?;
-        Ok(self
-            .head
-            .forward_on_device(h, Logits::All, &self.embed_tokens)?)
+        let output = (&self.head, &self.embed_tokens);
+        forward_rows(tokens, caches, output, |c| self.run(tokens, c, None))
     }
 
     fn adaptable(&self) -> Option<&dyn Adaptable> {
@@ -279,8 +276,10 @@ impl Adaptable for Llama {
         logits: Logits,
         adapters: &Adapters,
     ) -> Result<Tensor, ForwardError> {
-        let h = self.run(tokens, &mut [cache], Some(adapters))?;
-        Ok(self.head.forward(h, logits, &self.embed_tokens)?)
+        let output = (&self.head, &self.embed_tokens);
+        forward_one(cache, logits, output, |c| {
+            self.run(tokens, c, Some(adapters))
+        })
     }
 
     fn forward_batch_adapted(
@@ -289,11 +288,10 @@ impl Adaptable for Llama {
         caches: &mut [&mut Cache],
         adapters: &Adapters,
     ) -> Result<Tensor, ForwardError> {
-        check_batch(tokens, caches)?;
-        let h = self.run(tokens, caches, Some(adapters))?;
-        Ok(self
-            .head
-            .forward_on_device(h, Logits::All, &self.embed_tokens)?)
+        let output = (&self.head, &self.embed_tokens);
+        forward_rows(tokens, caches, output, |c| {
+            self.run(tokens, c, Some(adapters))
+        })
     }
 
     fn loss_and_grads(

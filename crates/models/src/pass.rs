@@ -5,10 +5,37 @@
 //! [`PassCaches::layer`], one or one per row, which the cache ops ([`crate::cache::append_kv`],
 //! [`crate::cache::attend_kv`], the recurrent ops) take either way.
 
-use oxlm_engine::Positions;
+use oxlm_engine::{Positions, Tensor};
 
 use crate::cache::{Cache, KvCache, LayerCache, RecurrentCache, RotatingKvCache};
-use crate::{check_batch, check_tokens, ForwardError, ModelInfo};
+use crate::layers::{Embedding, OutputHead};
+use crate::{check_batch, check_tokens, ForwardError, Logits, ModelInfo};
+
+/// [`crate::LanguageModel::forward`] of an architecture whose pass, `run`, gives the hidden
+/// states after its last block: `logits` of them through `head` (with the embeddings it may be
+/// tied to).
+pub(crate) fn forward_one(
+    cache: &mut Cache,
+    logits: Logits,
+    (head, embed): (&OutputHead, &Embedding),
+    run: impl FnOnce(&mut [&mut Cache]) -> Result<Tensor, ForwardError>,
+) -> Result<Tensor, ForwardError> {
+    let h = run(&mut [cache])?;
+    Ok(head.forward(h, logits, embed)?)
+}
+
+/// [`crate::LanguageModel::forward_batch`] of such an architecture: one token per cache, every
+/// row's logits left on the model's device.
+pub(crate) fn forward_rows(
+    tokens: &[u32],
+    caches: &mut [&mut Cache],
+    (head, embed): (&OutputHead, &Embedding),
+    run: impl FnOnce(&mut [&mut Cache]) -> Result<Tensor, ForwardError>,
+) -> Result<Tensor, ForwardError> {
+    check_batch(tokens, caches)?;
+    let h = run(caches)?;
+    Ok(head.forward_on_device(h, Logits::All, embed)?)
+}
 
 /// The caches of a forward pass.
 pub(crate) struct PassCaches<'p, 'c> {

@@ -18,9 +18,9 @@ use crate::layers::{
     load_host_vector, load_vector, place_vector, Embedding, Linear, Mlp, OpResult, OutputHead,
     RmsNorm, Rope,
 };
-use crate::pass::{LayerCaches, PassCaches};
+use crate::pass::{forward_one, forward_rows, LayerCaches, PassCaches};
 use crate::switch::SparseMoe;
-use crate::{check_batch, ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
+use crate::{ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
 
 /// The eps of the L2 normalization of q and k in the delta rule (`normalize_qk`'s `eps`).
 const QK_NORM_EPS: f64 = 1e-6;
@@ -596,8 +596,8 @@ impl LanguageModel for Qwen3_5 {
         cache: &mut Cache,
         logits: Logits,
     ) -> Result<Tensor, ForwardError> {
-        let h = self.run(tokens, &mut [cache])?;
-        Ok(self.head.forward(h, logits, &self.embed_tokens)?)
+        let output = (&self.head, &self.embed_tokens);
+        forward_one(cache, logits, output, |c| self.run(tokens, c))
     }
 
     fn forward_batch(
@@ -605,11 +605,8 @@ impl LanguageModel for Qwen3_5 {
         tokens: &[u32],
         caches: &mut [&mut Cache],
     ) -> Result<Tensor, ForwardError> {
-        check_batch(tokens, caches)?;
-        let h = self.run(tokens, caches)?;
-        Ok(self
-            .head
-            .forward_on_device(h, Logits::All, &self.embed_tokens)?)
+        let output = (&self.head, &self.embed_tokens);
+        forward_rows(tokens, caches, output, |c| self.run(tokens, c))
     }
 }
 
