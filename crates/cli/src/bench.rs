@@ -45,6 +45,11 @@ pub struct Args {
     /// all sequences together.
     #[arg(long)]
     batch: Vec<usize>,
+    /// Prompts of a `--batch` of different lengths, spread over the 256 tokens up to
+    /// `--prompt-tokens`, as a server's requests come: the sequences then outgrow their caches
+    /// at different steps.
+    #[arg(long)]
+    stagger: bool,
     /// Activations of the CPU decode GEMV: int8 triples or int16 pairs (as exact as f32; the
     /// default is whichever this processor runs faster), f32, or int16 and int8 (faster, less
     /// exact); see `oxlm_engine::cpu::qint`.
@@ -119,24 +124,38 @@ fn greedy_step(
     Ok(picks.iter().map(|p| p.id).collect())
 }
 
-/// New caches for `sequences` sequences, each prefilled with its own prompt of `len` tokens
-/// (seeded from `seed`), and each one's first pick.
+/// New caches for sequences of prompts `lengths` tokens long (seeded from `seed`), each
+/// prefilled with its own, and each one's first pick.
 fn prefill_sequences(
     model: &dyn LanguageModel,
     kv_cache: KvPrecision,
-    sequences: usize,
-    len: usize,
+    lengths: &[usize],
     seed: u64,
 ) -> Result<(Vec<u32>, Vec<Cache>)> {
     let vocab = model.info().vocab_size;
-    let mut caches = Vec::with_capacity(sequences);
-    let mut tokens = Vec::with_capacity(sequences);
-    for seq in 0..sequences as u64 {
+    let mut caches = Vec::with_capacity(lengths.len());
+    let mut tokens = Vec::with_capacity(lengths.len());
+    for (seq, &len) in (seed..).zip(lengths) {
         let mut cache = model.new_cache_in(kv_cache)?;
-        tokens.push(prefill(model, &prompt(len, vocab, seed + seq), &mut cache)?);
+        tokens.push(prefill(model, &prompt(len, vocab, seq), &mut cache)?);
         caches.push(cache);
     }
     Ok((tokens, caches))
+}
+
+/// The prompt lengths of a batch of `sequences`: all `len`, or with `stagger` spread evenly
+/// over the 256 tokens up to `len` (a cache's growth step), so that each sequence outgrows its
+/// cache at a step of its own.
+fn batch_lengths(sequences: usize, len: usize, stagger: bool) -> Vec<usize> {
+    (0..sequences)
+        .map(|i| {
+            if stagger {
+                len.saturating_sub(i * 256 / sequences).max(1)
+            } else {
+                len
+            }
+        })
+        .collect()
 }
 
 /// What a run of decode steps measured.
@@ -177,8 +196,8 @@ fn decode(
     })
 }
 
-/// With `OXLM_TRACE` set on a GPU (see `Gpu::take_trace`): `sequences` more prefills of
-/// `len` tokens and `n` decode steps of them all, traced step by step, and where the steps'
+/// With `OXLM_TRACE` set on a GPU (see `Gpu::take_trace`): more prefills, of prompts `lengths`
+/// tokens long, and `n` decode steps of them all, traced step by step, and where the steps'
 /// time went: for each kernel, its launches a step and the microseconds a step it held the
 /// chain (from its inputs being ready to the next launch's), and how long after the launch
 /// before it was ready it started (its early start), medians over the steps; then the same for
@@ -191,8 +210,7 @@ fn decode(
 fn traced_decode(
     model: &dyn LanguageModel,
     kv_cache: KvPrecision,
-    sequences: usize,
-    len: usize,
+    lengths: &[usize],
     n: usize,
 ) -> Result<Option<serde_json::Value>> {
     let oxlm_engine::Device::Cuda(gpu) = &model.info().device else {
@@ -205,7 +223,7 @@ fn traced_decode(
     if n < 3 {
         anyhow::bail!("a traced decode needs --gen-tokens 3 or more");
     }
-    let (mut tokens, mut caches) = prefill_sequences(model, kv_cache, sequences, len, 0)?;
+    let (mut tokens, mut caches) = prefill_sequences(model, kv_cache, lengths, 0)?;
     gpu.take_trace()?;
     let mut decode_steps = DecodeSteps::new(&model.info().device);
     let mut steps = Vec::with_capacity(n);
@@ -326,7 +344,7 @@ pub fn run(args: Args) -> Result<()> {
     for rep in 0..=args.repeats.max(1) {
         let t = Instant::now();
         let (tokens, mut caches) =
-            prefill_sequences(model.as_ref(), kv_cache, 1, args.prompt_tokens, rep as u64)?;
+            prefill_sequences(model.as_ref(), kv_cache, &[args.prompt_tokens], rep as u64)?;
         let prefill_s = t.elapsed().as_secs_f64();
         let decoded = decode(model.as_ref(), tokens, &mut caches, args.gen_tokens)?;
         replayed_steps = decoded.replayed;
@@ -340,40 +358,28 @@ pub fn run(args: Args) -> Result<()> {
     let trace = traced_decode(
         model.as_ref(),
         kv_cache,
-        1,
-        args.prompt_tokens,
+        &[args.prompt_tokens],
         args.gen_tokens,
     )?;
     let mut depths = Vec::new();
     for &depth in &args.depth {
         let len = depth.saturating_sub(args.depth_tokens).max(1);
-        let (tokens, mut caches) = prefill_sequences(model.as_ref(), kv_cache, 1, len, 99)?;
+        let (tokens, mut caches) = prefill_sequences(model.as_ref(), kv_cache, &[len], 99)?;
         let s = decode(model.as_ref(), tokens, &mut caches, args.depth_tokens)?.seconds;
         depths.push(json!({"context": depth, "decode_tps": args.depth_tokens as f64 / s}));
     }
     let mut batches = Vec::new();
     for &sequences in &args.batch {
+        let lengths = batch_lengths(sequences, args.prompt_tokens, args.stagger);
         // As for one sequence, an untimed run first: the batch's kernels are loaded, its
         // graphs captured and its temporaries allocated on their first step.
         let run = || -> Result<Decoded> {
-            let (tokens, mut caches) = prefill_sequences(
-                model.as_ref(),
-                kv_cache,
-                sequences,
-                args.prompt_tokens,
-                1000,
-            )?;
+            let (tokens, mut caches) = prefill_sequences(model.as_ref(), kv_cache, &lengths, 1000)?;
             decode(model.as_ref(), tokens, &mut caches, args.gen_tokens)
         };
         run()?;
         let decoded = run()?;
-        let trace = traced_decode(
-            model.as_ref(),
-            kv_cache,
-            sequences,
-            args.prompt_tokens,
-            args.gen_tokens,
-        )?;
+        let trace = traced_decode(model.as_ref(), kv_cache, &lengths, args.gen_tokens)?;
         batches.push(json!({
             "sequences": sequences,
             "decode_tps": (sequences * args.gen_tokens) as f64 / decoded.seconds,
