@@ -496,6 +496,23 @@ impl Cache {
         self.offset = len;
         Ok(())
     }
+
+    /// Sizes every attention layer's rings for the next token now, so that the decoding step
+    /// that writes it allocates and moves nothing. On a GPU, a step that grew a cache could not
+    /// be replayed from its recording (nor the next, captured again); made room for beforehand,
+    /// a batch's step still replays, since it reads the rings' addresses from a table uploaded
+    /// each step. Sequences of a batch outgrow their caches at different steps: 64 of them
+    /// would otherwise break a replay every four steps.
+    pub fn make_room_for_next(&mut self) -> Result<(), EngineError> {
+        for layer in &mut self.layers {
+            match layer {
+                LayerCache::Kv(kv) => _ = kv.reserve_next()?,
+                LayerCache::Rotating(ring) => _ = ring.reserve_next()?,
+                LayerCache::Recurrent(_) => {}
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -518,5 +535,46 @@ mod tests {
         assert_eq!(keys[299], 299.0);
         assert_eq!(keys[512 + 299], -299.0);
         assert_eq!(values[512 + 7], -7.5);
+    }
+
+    /// Room made for the next token beforehand leaves its append nothing to resize, in a
+    /// plain cache about to pass its capacity and in a sliding window after a prompt wider
+    /// than it.
+    #[test]
+    fn room_for_the_next_token_is_made_before_its_append() {
+        let device = Device::Cpu;
+        let rows = |n: usize| Tensor::new(vec![n, 2], (0..2 * n).map(|x| x as f32).collect());
+        let mut cache = Cache::new(vec![
+            LayerCache::Kv(KvCache::new(2, 1, &device).unwrap()),
+            LayerCache::Rotating(RotatingKvCache::new(2, 1, 8, &device).unwrap()),
+        ]);
+        let capacities = |cache: &Cache| -> Vec<usize> {
+            cache
+                .layers
+                .iter()
+                .map(|l| match l {
+                    LayerCache::Kv(kv) => kv.view().capacity,
+                    LayerCache::Rotating(ring) => ring.view().capacity,
+                    LayerCache::Recurrent(_) => unreachable!(),
+                })
+                .collect()
+        };
+        let append = |cache: &mut Cache, n: usize| {
+            let at = Positions::following(cache.offset, n, &device).unwrap();
+            for layer in &mut cache.layers {
+                match layer {
+                    LayerCache::Kv(kv) => kv.append(&rows(n), &rows(n), &at).unwrap(),
+                    LayerCache::Rotating(ring) => ring.append(&rows(n), &rows(n), &at).unwrap(),
+                    LayerCache::Recurrent(_) => unreachable!(),
+                }
+            }
+            cache.offset += n;
+        };
+        append(&mut cache, 256);
+        assert_eq!(capacities(&cache), [256, 256]);
+        cache.make_room_for_next().unwrap();
+        assert_eq!(capacities(&cache), [512, 8]);
+        append(&mut cache, 1);
+        assert_eq!(capacities(&cache), [512, 8]);
     }
 }

@@ -297,6 +297,69 @@ fn check_replay(name: &str) {
     );
 }
 
+/// On a GPU, a batch's decode steps go on replaying while its sequences outgrow their caches
+/// one after another, each cache made room for before the step
+/// (`Cache::make_room_for_next`, as `decode_step` does), and give the logits of steps issued
+/// one call at a time. Three sequences of 255, 252 and 249 tokens grow past 256 positions at
+/// steps 1, 4 and 7 of 12: only the first step (captured), the one where the longest cache
+/// grows (its attention splits change) and the next (captured again) are not replayed. Grown
+/// inside the steps, each growth would cost two.
+#[test]
+fn batched_steps_replay_while_caches_grow() {
+    if !cuda::libraries_present() {
+        eprintln!("skipped: no CUDA driver on this machine");
+        return;
+    }
+    let dir = fixtures().join("llama-4bit-g64");
+    let golden = read_golden(&dir);
+    let _turn = gpu_turn();
+    let device = Device::open("cuda").unwrap();
+    let model = load_on(&dir, &device).unwrap();
+    let prompt = |len: usize| -> Vec<u32> {
+        golden
+            .prompt_ids
+            .iter()
+            .copied()
+            .cycle()
+            .take(len)
+            .collect()
+    };
+    let decode = |replay: bool| {
+        let mut caches: Vec<_> = [255, 252, 249]
+            .map(|len| {
+                let mut cache = model.new_cache_in(KvPrecision::F16).unwrap();
+                model
+                    .forward(&prompt(len), &mut cache, Logits::Last)
+                    .unwrap();
+                cache
+            })
+            .into();
+        let mut tokens = vec![1u32, 2, 3];
+        let mut steps = oxlm_engine::DecodeSteps::new(&device);
+        let mut out = Vec::new();
+        for _ in 0..12 {
+            for cache in &mut caches {
+                cache.make_room_for_next().unwrap();
+            }
+            let mut refs: Vec<&mut oxlm_models::Cache> = caches.iter_mut().collect();
+            let mut step = || {
+                let logits = model.forward_batch(&tokens, &mut refs)?;
+                Ok::<_, oxlm_models::ForwardError>(logits.into_host()?)
+            };
+            let logits = if replay { steps.run(step) } else { step() };
+            let logits = logits.unwrap();
+            let picks = ops::greedy_rows(&logits).unwrap();
+            tokens = picks.iter().map(|p| p.id).collect();
+            out.push(logits.into_data());
+        }
+        (out, steps.replayed())
+    };
+    let (plain, _) = decode(false);
+    let (replayed, count) = decode(true);
+    assert_eq!(plain, replayed, "replayed steps differ");
+    assert!(count >= 9, "{count} of 12 steps replayed");
+}
+
 /// A server loads its model on one thread and generates on another: the GPU's context must
 /// follow the work.
 #[test]

@@ -183,7 +183,8 @@ impl Stepped {
 /// One decoding step, replayed by `steps`: `tokens[i]` through `model` after what `caches[i]`
 /// holds. One sequence goes alone; several go as one batch (`forward_batch`, which reads each
 /// weight once for all of them). With `greedy`, only their picks come back (see
-/// [`NextToken`]); otherwise every sequence's logits, on the host.
+/// [`NextToken`]); otherwise every sequence's logits, on the host. Caches grow before the
+/// step, not in it ([`Cache::make_room_for_next`]).
 pub fn decode_step(
     model: &dyn LanguageModel,
     steps: &mut DecodeSteps,
@@ -191,6 +192,9 @@ pub fn decode_step(
     caches: &mut [&mut Cache],
     greedy: bool,
 ) -> Result<Stepped, ForwardError> {
+    for cache in caches.iter_mut() {
+        cache.make_room_for_next()?;
+    }
     steps.run(|| {
         let logits = match caches {
             [cache] => {
