@@ -441,4 +441,67 @@ mod tests {
             "{err:?}"
         );
     }
+
+    /// A batch's attention (one query token for each sequence, over its own ring) gives each
+    /// sequence what it gets alone, bit for bit, over rings of each precision: sequences of
+    /// other lengths and ring sizes, one ring wrapped, with full attention and a sliding window.
+    #[test]
+    fn a_batch_attends_as_each_sequence_alone_in_every_precision() {
+        let (kv_heads, d, heads) = (2, 64, 8);
+        let row = kv_heads * d;
+        let batches = [
+            (None, [(256, 200), (64, 1), (512, 300)]),
+            (Some(16), [(16, 40), (32, 5), (16, 16)]),
+        ];
+        for precision in [KvPrecision::F32, KvPrecision::F16, KvPrecision::Q8] {
+            for (b, (window, sequences)) in batches.iter().enumerate() {
+                let rings: Vec<(KvBuffer, KvBuffer)> = sequences
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(capacity, len))| {
+                        let ring = || KvBuffer::zeros(capacity * row, precision, &Device::Cpu);
+                        let (mut kr, mut vr) = (ring().unwrap(), ring().unwrap());
+                        // The ring keeps the last `capacity` positions.
+                        let held = len.min(capacity);
+                        let at = Positions::new((len - held..len).collect(), &Device::Cpu);
+                        let seed = (10 * b + i) as f32;
+                        let kt = Tensor::new(vec![held, row], awkward(held * row, seed));
+                        let vt = Tensor::new(vec![held, row], awkward(held * row, seed + 0.5));
+                        let rings = (&mut kr, &mut vr);
+                        ops::kv_write(rings, &kt, &vt, kv_heads, d, capacity, &at.unwrap())
+                            .unwrap();
+                        (kr, vr)
+                    })
+                    .collect();
+                let views: Vec<Kv> = rings
+                    .iter()
+                    .zip(sequences)
+                    .map(|((k, v), &(capacity, len))| Kv {
+                        keys: k,
+                        values: v,
+                        kv_heads,
+                        capacity,
+                        start: len - len.min(capacity),
+                        end: len,
+                        window: *window,
+                    })
+                    .collect();
+                let n = sequences.len();
+                let q = Tensor::new(vec![n, heads * d], awkward(n * heads * d, 7.5));
+                let last: Vec<usize> = sequences.iter().map(|&(_, len)| len - 1).collect();
+                let at = Positions::new(last.clone(), &Device::Cpu).unwrap();
+                let batch = ops::attention_batch(&q, heads, d, &at, &views, 0.125).unwrap();
+                for (i, kv) in views.iter().enumerate() {
+                    let one = Positions::new(vec![last[i]], &Device::Cpu).unwrap();
+                    let q = ops::rows(&q, i, 1).unwrap();
+                    let alone = ops::attention(&q, heads, d, &one, kv, 0.125).unwrap();
+                    assert_eq!(
+                        ops::rows(&batch, i, 1).unwrap().data(),
+                        alone.data(),
+                        "{precision:?}, window {window:?}: sequence {i}"
+                    );
+                }
+            }
+        }
+    }
 }
