@@ -3,7 +3,7 @@
 usage: python3 benches/serve_bench.py --oxlm target/release/oxlm --model DIR
            [--mlx-python PYTHON] [--requests 1,4,8] [--max-tokens 64] [--serve-args="--device cuda"]
        python3 benches/serve_bench.py --oxlm target/release/oxlm --model DIR
-           --long-prompt WORDS [--prefill-steps 2048,256]
+           --long-prompt WORDS [--prefill-steps 2048,256] [--stream-tokens 200]
 
 Each server runs in a subprocess of its own on a free port and answers one warm-up request.
 Then, for each count n of `--requests`, n text completions (distinct prompts, greedy,
@@ -17,10 +17,11 @@ Python that has mlx-lm (on these machines, MLX's CPU backend). `--serve-args` ar
 both of oxlm's command lines (for example `--device cuda`).
 
 With `--long-prompt`, what a long prompt does to a request that is streaming meanwhile: one
-request streams 200 tokens; half a second in, a second one arrives with a prompt of WORDS
-words (and asks for one token). Reported per `--prefill-step-size` of oxlm: the streaming
-request's longest pause between two tokens, its median pause, and how long the second one
-took.
+request streams `--stream-tokens` tokens; once ten have come, a second one arrives with a
+prompt of WORDS words (and asks for one token). Reported per `--prefill-step-size` of oxlm: the
+streaming request's longest pause between two tokens, its median pause, and how long the
+second one took. The stream must outlast the long prompt: a GPU streams 200 tokens in a tenth
+of a second, so give it thousands there.
 """
 import argparse
 import json
@@ -94,28 +95,35 @@ def send_together(base, n, max_tokens):
     return tokens, wall, sum(r[1] for r in results) / n
 
 
-def stream_gaps(base, body):
-    """The seconds between consecutive events of a streamed completion."""
+def stream_gaps(base, body, tenth):
+    """The seconds between consecutive events of a streamed completion; `tenth` is set once
+    ten have come (or the stream ended sooner)."""
     request = urllib.request.Request(
         f"{base}/v1/completions",
         data=json.dumps(dict(body, stream=True)).encode(),
         headers={"Content-Type": "application/json"},
     )
     times = []
-    with urllib.request.urlopen(request, timeout=3600) as reply:
-        for line in reply:
-            if line.startswith(b"data: "):
-                times.append(time.time())
+    try:
+        with urllib.request.urlopen(request, timeout=3600) as reply:
+            for line in reply:
+                if line.startswith(b"data: "):
+                    times.append(time.time())
+                    if len(times) == 10:
+                        tenth.set()
+    finally:
+        tenth.set()
     return [b - a for a, b in zip(times, times[1:])]
 
 
-def long_prompt(base, words):
+def long_prompt(base, words, stream_tokens):
     """(longest pause, median pause, seconds the long prompt took)."""
     gaps = []
-    streaming = threading.Thread(target=lambda: gaps.extend(stream_gaps(
-        base, {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0})))
+    tenth = threading.Event()
+    body = {"prompt": PROMPTS[0], "max_tokens": stream_tokens, "temperature": 0}
+    streaming = threading.Thread(target=lambda: gaps.extend(stream_gaps(base, body, tenth)))
     streaming.start()
-    time.sleep(0.5)
+    tenth.wait()
     start = time.time()
     post(base, {"prompt": " ".join(["word"] * words), "max_tokens": 1, "temperature": 0})
     took = time.time() - start
@@ -169,6 +177,7 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--long-prompt", type=int, default=0)
     parser.add_argument("--prefill-steps", default="2048,256")
+    parser.add_argument("--stream-tokens", type=int, default=200)
     parser.add_argument("--serve-args", default="", help="more arguments of `oxlm serve`")
     args = parser.parse_args()
     oxlm = [args.oxlm, "serve", "--model", args.model, *shlex.split(args.serve_args)]
@@ -176,7 +185,7 @@ def main():
         for step in args.prefill_steps.split(","):
             process, base = started([*oxlm, "--prefill-step-size", step, "--log-level", "WARNING"])
             try:
-                longest, median, took = long_prompt(base, args.long_prompt)
+                longest, median, took = long_prompt(base, args.long_prompt, args.stream_tokens)
             finally:
                 process.terminate()
                 process.wait()
