@@ -67,7 +67,9 @@ pub struct Args {
     #[arg(long, default_value_t = DEFAULT_PREFILL_STEP)]
     prefill_step_size: usize,
     /// Most requests decoded together: concurrent requests (of one adapter) share each decoding
-    /// step, which reads the weights once for all of them; 1 serves one at a time.
+    /// step, which reads the weights once for all of them; 1 serves one at a time. The default
+    /// is mlx_lm.server's; a GPU gains from more (an H200 decodes 64 sequences of a 0.85B model
+    /// 1.5 times as fast as 32).
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
     decode_concurrency: u32,
     /// DEBUG, INFO, WARNING, ERROR or CRITICAL; above INFO, no startup, shutdown or request lines.
