@@ -1016,21 +1016,39 @@ __device__ __forceinline__ int acts_units(int k, int m) {
 // `INT_RING_STAGES` sizes the launches' shared memory from the same number.
 #define INT_RING_STAGES 4
 
+// The R matrices whose rows each set of qdot_jobs takes (one matrix twice for qgemv_int's
+// pairs of rows): row j of matrix i has its words at w[i] + j·words, its scales and biases at
+// s[i] + j·groups and b[i] + j·groups. A run's place is found with 32-bit offsets from these
+// bases (ops.rs's `int_acts_fit` keeps every matrix under 2^32 words): 64-bit products of rows
+// and lengths took most of a refill's instructions (qgemv_int1_4_bf16: 62 of 145 a run).
+template <int BITS, class S, int R>
+struct RowSources {
+    const u32 *w[R];
+    const typename S::T *s[R], *b[R];
+    u32 words, groups;
+
+    // Where run c of row `row` of matrix i starts, in words; and its group, in scales.
+    __device__ __forceinline__ u32 word_at(u32 row, int c) const { return row * words + c * BITS; }
+    __device__ __forceinline__ u32 group_at(u32 row, int c, int gshift) const {
+        return row * groups + (u32)(c >> gshift);
+    }
+};
+
 // One run of R weight rows, in registers: its words, and its group's scale and bias per row.
 template <int BITS, class S, int R>
 struct RunWeights {
     u32 words[R][BITS];
     float scale[R], bias[R];
 
-    // Run c of the rows whose words start at w[i] (scales, biases at s[i], b[i]); groups hold
-    // 2^gshift runs.
-    __device__ __forceinline__ void load(const u32 *const (&w)[R], const typename S::T *const (&s)[R],
-                                         const typename S::T *const (&b)[R], int c, int gshift) {
+    // Run c of row[i] of each matrix of `src`; groups hold 2^gshift runs.
+    __device__ __forceinline__ void load(const RowSources<BITS, S, R> &src, const u32 (&row)[R],
+                                         int c, int gshift) {
 #pragma unroll
         for (int i = 0; i < R; i++) {
-            load_run<BITS>(w[i] + (i64)c * BITS, words[i]);
-            scale[i] = S::load(s[i], c >> gshift);
-            bias[i] = S::load(b[i], c >> gshift);
+            load_run<BITS>(src.w[i] + src.word_at(row[i], c), words[i]);
+            const u32 g = src.group_at(row[i], c, gshift);
+            scale[i] = S::load(src.s[i], g);
+            bias[i] = S::load(src.b[i], g);
         }
     }
 };
@@ -1063,32 +1081,29 @@ struct RunRing {
         : units(base), words(reinterpret_cast<u32 *>(base + stages * R * UNITS * blockDim.x)),
           threads(blockDim.x), tid(threadIdx.x) {}
 
-    // Starts copying run c of the rows whose words start at w[i] (scales, biases at s[i],
-    // b[i]; groups hold 2^gshift runs) into stage `st`.
-    __device__ __forceinline__ void fetch(int st, const u32 *const (&w)[R],
-                                          const typename S::T *const (&s)[R],
-                                          const typename S::T *const (&b)[R], int c, int gshift) {
+    // Starts copying run c of row[i] of each matrix of `src` (groups hold 2^gshift runs) into
+    // stage `st`.
+    __device__ __forceinline__ void fetch(int st, const RowSources<BITS, S, R> &src,
+                                          const u32 (&row)[R], int c, int gshift) {
 #pragma unroll
         for (int i = 0; i < R; i++) {
+            const u32 *w = src.w[i] + src.word_at(row[i], c);
 #pragma unroll
             for (int u = 0; u < UNITS; u++)
-                cp_async16(units + ((st * R + i) * UNITS + u) * threads + tid,
-                           w[i] + (i64)c * BITS + 4 * u);
-            const int g = c >> gshift;
-            cp_async4(words + (st * R + i) * 2 * threads + tid, aligned_word(s[i] + g));
-            cp_async4(words + ((st * R + i) * 2 + 1) * threads + tid, aligned_word(b[i] + g));
+                cp_async16(units + ((st * R + i) * UNITS + u) * threads + tid, w + 4 * u);
+            const u32 g = src.group_at(row[i], c, gshift);
+            cp_async4(words + (st * R + i) * 2 * threads + tid, aligned_word(src.s[i] + g));
+            cp_async4(words + ((st * R + i) * 2 + 1) * threads + tid, aligned_word(src.b[i] + g));
         }
     }
 
-    // Stage `st`, once its copies have landed, as run c of the rows whose scales and biases
-    // are at s[i] and b[i].
+    // Stage `st`, once its copies have landed, as run c of row[i] of each matrix of `src`.
     __device__ __forceinline__ void read(int st, RunWeights<BITS, S, R> &rw,
-                                         const typename S::T *const (&s)[R],
-                                         const typename S::T *const (&b)[R], int c,
-                                         int gshift) const {
-        const int g = c >> gshift;
+                                         const RowSources<BITS, S, R> &src, const u32 (&row)[R],
+                                         int c, int gshift) const {
 #pragma unroll
         for (int i = 0; i < R; i++) {
+            const u32 g = src.group_at(row[i], c, gshift);
 #pragma unroll
             for (int u = 0; u < UNITS; u++) {
                 const uint4 v = units[((st * R + i) * UNITS + u) * threads + tid];
@@ -1097,8 +1112,9 @@ struct RunRing {
                 rw.words[i][4 * u + 2] = v.z;
                 rw.words[i][4 * u + 3] = v.w;
             }
-            rw.scale[i] = group_value<S>(words[(st * R + i) * 2 * threads + tid], s[i] + g);
-            rw.bias[i] = group_value<S>(words[((st * R + i) * 2 + 1) * threads + tid], b[i] + g);
+            rw.scale[i] = group_value<S>(words[(st * R + i) * 2 * threads + tid], src.s[i] + g);
+            rw.bias[i] =
+                group_value<S>(words[((st * R + i) * 2 + 1) * threads + tid], src.b[i] + g);
         }
     }
 
@@ -1153,7 +1169,7 @@ __device__ __forceinline__ void qdot_run(const RunWeights<BITS, S, R> &rw, const
 
 // Σ_k x[r, k] · W_i[k] for a sequence of `jobs` sets of R weight rows, each set's sums handed
 // to done(job, acc) (acc[i][r]: this lane's share of row i's sum with x[r, ·]; done sums the
-// warp). rows(job, w, s, b) points w[i], s[i] and b[i] at a set's words, scales and biases. The
+// warp). rows(job, row) names a set's rows: row[i] of matrix i of `src`. The
 // warp takes share `part` of `parts` of each set (tiles part, part + parts, ... of the rows'
 // tiles of 32 runs), each lane one run of each tile, and every lane as many runs of a set (those
 // past the row's end skipped), so that the warp finishes each set together. The lane's runs of
@@ -1167,9 +1183,9 @@ __device__ __forceinline__ void qdot_run(const RunWeights<BITS, S, R> &rw, const
 // bytes in flight with fewer registers. ready() runs once the inputs are, before the
 // activations are rounded, for loads of its own to fly with theirs.
 template <int BITS, class S, int R, int M, bool RING, class Rows, class Done, class Ready>
-__device__ __forceinline__ void qdot_jobs(const Rows &rows, const Done &done, const Ready &ready,
-                                          int jobs, const float *__restrict__ x, int k, int group,
-                                          int m,
+__device__ __forceinline__ void qdot_jobs(const RowSources<BITS, S, R> &src, const Rows &rows,
+                                          const Done &done, const Ready &ready, int jobs,
+                                          const float *__restrict__ x, int k, int group, int m,
                                           const float *__restrict__ norm, float eps, int part,
                                           int parts) {
     constexpr int D = RING ? INT_RING_STAGES : 2;
@@ -1185,13 +1201,12 @@ __device__ __forceinline__ void qdot_jobs(const Rows &rows, const Done &done, co
     auto fetch = [&](int st, int job, int i) {
         const int c = first + i * step;
         if (job < jobs && c < runs) {
-            const u32 *w[R];
-            const typename S::T *sc[R], *bi[R];
-            rows(job, w, sc, bi);
+            u32 row[R];
+            rows(job, row);
             if constexpr (RING)
-                ring.fetch(st, w, sc, bi, c, gshift);
+                ring.fetch(st, src, row, c, gshift);
             else
-                stage[st].load(w, sc, bi, c, gshift);
+                stage[st].load(src, row, c, gshift);
         }
         if constexpr (RING) cp_async_commit();
     };
@@ -1218,10 +1233,9 @@ __device__ __forceinline__ void qdot_jobs(const Rows &rows, const Done &done, co
         if constexpr (RING) {
             cp_async_wait<D - 1>();
             if (c < runs) {
-                const u32 *w[R];
-                const typename S::T *sc[R], *bi[R];
-                rows(job, w, sc, bi);
-                ring.read(st, stage[0], sc, bi, c, gshift);
+                u32 row[R];
+                rows(job, row);
+                ring.read(st, stage[0], src, row, c, gshift);
                 qdot_run<BITS, S, R, M>(stage[0], a, c, m, acc);
             }
         } else if (c < runs) {
@@ -1278,20 +1292,14 @@ __device__ void qgemv_int(const u32 *__restrict__ w, const typename S::T *__rest
     // The warp's pair of rows within its block's, divided out once: inside first_row the
     // division by `parts` was made again for every run a lane loaded.
     const int pair_row = warp / parts * 2;
-    const i64 groups = k / group, words = (i64)(k >> 5) * BITS;
+    const RowSources<BITS, S, 2> src = {
+        {w, w}, {scales, scales}, {biases, biases}, (u32)(k >> 5) * BITS, (u32)(k / group)};
     // The first of the warp's rows in its set `job`: past n for warps past the last row, which
     // still take part in rounding the activations (and read the last row).
     auto first_row = [&](int job) { return (block + job * step) * rows_per_block + pair_row; };
-    auto rows = [&](int job, const u32 *(&wr)[2], const typename S::T *(&sr)[2],
-                    const typename S::T *(&br)[2]) {
-        const int row0 = min(first_row(job), n - 1);
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            const i64 row = min(row0 + i, n - 1);
-            wr[i] = w + row * words;
-            sr[i] = scales + row * groups;
-            br[i] = biases + row * groups;
-        }
+    auto rows = [&](int job, u32 (&row)[2]) {
+        row[0] = min(first_row(job), n - 1);
+        row[1] = min(first_row(job) + 1, n - 1);
     };
     // The lane that writes a set's sums.
     auto writes = [&](int job) {
@@ -1346,8 +1354,8 @@ __device__ void qgemv_int(const u32 *__restrict__ w, const typename S::T *__rest
             for (int r = 0; r < M; r++)
                 if (r < m && row0 + i < n) prior[i][r] = y[(i64)r * n + row0 + i];
     };
-    qdot_jobs<BITS, S, 2, M, RING>(rows, done, ready, jobs_of(block, step, blocks), x, k, group, m,
-                                   norm, eps, part, parts);
+    qdot_jobs<BITS, S, 2, M, RING>(src, rows, done, ready, jobs_of(block, step, blocks), x, k, group,
+                                   m, norm, eps, part, parts);
     TRACE_WARP(TRACE_DONE);
 }
 
@@ -1389,22 +1397,15 @@ __device__ void qkv_rope(const u32 *wq, const typename S::T *sq, const typename 
     const typename S::T *sc = which == 0 ? sq : which == 1 ? sk : sv;
     const typename S::T *bi = which == 0 ? bq : which == 1 ? bk : bv;
     const float *add = which == 0 ? addq : which == 1 ? addk : addv;
-    const i64 groups = k / group, words = (i64)(k >> 5) * BITS;
-    auto both = [&](int, const u32 *(&wr)[2], const typename S::T *(&sr)[2],
-                    const typename S::T *(&br)[2]) {
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            wr[j] = w + rows[j] * words;
-            sr[j] = sc + rows[j] * groups;
-            br[j] = bi + rows[j] * groups;
-        }
-    };
+    const RowSources<BITS, S, 2> src = {
+        {w, w}, {sc, sc}, {bi, bi}, (u32)(k >> 5) * BITS, (u32)(k / group)};
+    auto both = [&](int, u32 (&row)[2]) { row[0] = rows[0], row[1] = rows[1]; };
     float v0, v1;
     auto sums = [&](int, float (&acc)[2][1]) {
         v0 = warp_sum(acc[0][0]);
         v1 = warp_sum(acc[1][0]);
     };
-    qdot_jobs<BITS, S, 2, 1, false>(both, sums, [] {}, 1, x, k, group, 1, norm, eps, 0, 1);
+    qdot_jobs<BITS, S, 2, 1, false>(src, both, sums, [] {}, 1, x, k, group, 1, norm, eps, 0, 1);
     TRACE_WARP(TRACE_DONE);
     if ((threadIdx.x & 31) != 0 || pair >= pairs) return;
     if (add) {
@@ -1442,16 +1443,11 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
                          int group, int m, int act, const float *__restrict__ norm, float eps,
                          int blocks) {
     const int warps = blockDim.x >> 5;
-    const i64 groups = k / group, words = (i64)(k >> 5) * BITS;
+    const RowSources<BITS, S, 2> src = {
+        {gw, uw}, {gs, us}, {gb, ub}, (u32)(k >> 5) * BITS, (u32)(k / group)};
     // Past n for warps past the last row, which still take part in rounding the activations.
     auto row_of = [&](int job) { return (blockIdx.x + job * gridDim.x) * warps + (threadIdx.x >> 5); };
-    auto rows = [&](int job, const u32 *(&wr)[2], const typename S::T *(&sr)[2],
-                    const typename S::T *(&br)[2]) {
-        const i64 row = min(row_of(job), n - 1);
-        wr[0] = gw + row * words, wr[1] = uw + row * words;
-        sr[0] = gs + row * groups, sr[1] = us + row * groups;
-        br[0] = gb + row * groups, br[1] = ub + row * groups;
-    };
+    auto rows = [&](int job, u32 (&row)[2]) { row[0] = row[1] = min(row_of(job), n - 1); };
     auto done = [&](int job, float (&acc)[2][M]) {
         const int row = row_of(job);
 #pragma unroll
@@ -1465,8 +1461,8 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
             }
         }
     };
-    qdot_jobs<BITS, S, 2, M, RING>(rows, done, [] {}, jobs_of(blockIdx.x, gridDim.x, blocks), x,
-                                   k, group, m, norm, eps, 0, 1);
+    qdot_jobs<BITS, S, 2, M, RING>(src, rows, done, [] {}, jobs_of(blockIdx.x, gridDim.x, blocks),
+                                   x, k, group, m, norm, eps, 0, 1);
     TRACE_WARP(TRACE_DONE);
 }
 
@@ -1475,9 +1471,9 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
 // decoding a single sequence runs; holding fewer rows' sums takes fewer registers than the 8-row
 // kernels that took them before (4-bit, bf16 scales, sm_90: qgemv 80, 83, 64 against 113; qglu
 // 79, 69, 55 against 107), so more warps fit an SM.
-#define QUANTIZED_INT(BITS, S, NAME, M, TAG, RING)                                                 \
+#define QUANTIZED_INT(BITS, S, NAME, M, TAG, RING, BOUNDS)                                         \
     /* A non-null norm RMS-norms the input first (an output head's final norm).              */ \
-    extern "C" __global__ void qgemv_int##TAG##_##BITS##_##NAME(                                  \
+    extern "C" __global__ void BOUNDS qgemv_int##TAG##_##BITS##_##NAME(                           \
         const u32 *w, const S::T *s, const S::T *b, const float *x, float *y, int n, int k,       \
         int g, int m, int acc, int parts, int blocks, const float *norm, float eps) {             \
         qgemv_int<BITS, S, M, RING>(w, s, b, x, y, n, k, g, m, acc, blockIdx.x, gridDim.x, blocks,\
@@ -1510,10 +1506,16 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
                                    blocks);                                                       \
     }
 
+// The one-row 4-bit GEMV held to 64 registers, so that two blocks of 512 threads fit an SM: left
+// to itself it took 71 once its runs were placed by 32-bit offsets (RowSources). The 8-bit one
+// holds more than 64 either way and fits one block of 512.
+#define INT1_BOUNDS_4 __launch_bounds__(512, 2)
+#define INT1_BOUNDS_8
+
 #define QUANTIZED_INT_WIDTHS(BITS, S, NAME)                                                        \
-    QUANTIZED_INT(BITS, S, NAME, 4, 4, false)                                                      \
-    QUANTIZED_INT(BITS, S, NAME, 2, 2, false)                                                      \
-    QUANTIZED_INT(BITS, S, NAME, 1, 1, false)                                                      \
+    QUANTIZED_INT(BITS, S, NAME, 4, 4, false, )                                                    \
+    QUANTIZED_INT(BITS, S, NAME, 2, 2, false, )                                                    \
+    QUANTIZED_INT(BITS, S, NAME, 1, 1, false, INT1_BOUNDS_##BITS)                                  \
     extern "C" __global__ void qkv_rope_int1_##BITS##_##NAME(                                     \
         const u32 *wq, const S::T *sq, const S::T *bq, const float *addq, const u32 *wk,          \
         const S::T *sk, const S::T *bk, const float *addk, const u32 *wv, const S::T *sv,         \
@@ -1530,8 +1532,8 @@ FOR_INT_FORMATS(QUANTIZED_INT_WIDTHS)
 // The kernels of 2 and of up to 4 rows of 4-bit weights again, with their weight runs through
 // shared memory (RING), as `qgemv_int2r_4_bf16` and so on (ops.rs's `int_ring` chooses them).
 #define QUANTIZED_INT_RING(BITS, S, NAME)                                                          \
-    QUANTIZED_INT(BITS, S, NAME, 4, 4r, true)                                                      \
-    QUANTIZED_INT(BITS, S, NAME, 2, 2r, true)
+    QUANTIZED_INT(BITS, S, NAME, 4, 4r, true, )                                                    \
+    QUANTIZED_INT(BITS, S, NAME, 2, 2r, true, )
 #define FOR_INT4_FORMATS(X) \
     X(4, F32, f32)          \
     X(4, F16, f16)          \

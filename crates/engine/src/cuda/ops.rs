@@ -854,8 +854,15 @@ fn int_acts_bytes(g: &Gpu, s: QuantShape, m: usize) -> Option<u32> {
 fn int_acts_fit(s: QuantShape, m: usize) -> Option<u32> {
     let runs = s.cols / 32;
     let bytes = m * (runs.div_ceil(32) * 2048 + runs * 8);
-    (m <= INT_MAX_ROWS && bytes + INT_STATIC_SHARED_BYTES <= INT_MAX_SHARED_BYTES)
-        .then_some(bytes as u32)
+    let fits = m <= INT_MAX_ROWS && bytes + INT_STATIC_SHARED_BYTES <= INT_MAX_SHARED_BYTES;
+    (fits && int_offsets_fit(s)).then_some(bytes as u32)
+}
+
+/// Whether the int16-activation kernels can place every weight run of `s` by 32-bit offsets
+/// from the matrix's start (`RowSources` in the kernels): a matrix of at most 2^32 words
+/// (16 GiB), as every projection and head of a real model is.
+fn int_offsets_fit(s: QuantShape) -> bool {
+    s.rows as u64 * (s.cols / 32) as u64 * u64::from(s.bits) <= 1 << 32
 }
 
 /// The most shared memory the int16-activation kernels take (their activations and own arrays),
@@ -1245,6 +1252,7 @@ pub fn quantized_matmul_group(
     };
     let g = first.gpu.clone();
     let fits = same_format(ws) && (1..=3).contains(&ws.len());
+    let offsets_fit = ws.iter().all(|&(_, t)| int_offsets_fit(t));
     if fits && mma_applies(x.gpu(), s, m) {
         let acts = mma_acts(x, m, s.cols, norm)?;
         let outs = ws.iter().map(|&(w, t)| {
@@ -1254,7 +1262,7 @@ pub fn quantized_matmul_group(
         });
         return outs.collect::<Result<Vec<_>>>().map(Some);
     }
-    let Some(shared) = int_acts_bytes(x.gpu(), s, m).filter(|_| fits) else {
+    let Some(shared) = int_acts_bytes(x.gpu(), s, m).filter(|_| fits && offsets_fit) else {
         return Ok(None);
     };
     if let [(w, s)] = ws {
@@ -1322,7 +1330,10 @@ pub fn qkv_rope_write(
 ) -> Result<Option<Buffer>> {
     let (first, s, _) = ws[0];
     let formats = ws.map(|(w, s, _)| (w, s));
-    let Some(shared) = int_acts_bytes(x.gpu(), s, 1).filter(|_| same_format(&formats)) else {
+    let offsets_fit = formats.iter().all(|&(_, t)| int_offsets_fit(t));
+    let Some(shared) =
+        int_acts_bytes(x.gpu(), s, 1).filter(|_| same_format(&formats) && offsets_fit)
+    else {
         return Ok(None);
     };
     let g = first.gpu.clone();
