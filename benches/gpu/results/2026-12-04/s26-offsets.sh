@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Session 25's first call. Build b (branch gpu-int-offsets): the int16-activation kernels place
-# each weight run by 32-bit offsets from the matrices' starts (RowSources), where every refill
-# multiplied rows by lengths in 64 bits (qgemv_int1_4_bf16's refill: 62 -> 32 instructions;
-# held to 64 registers by __launch_bounds__). GPU tests on b; cuda_gemv main (41dc64e) against b,
-# two rounds; then main against b, alternated, two rounds on the 0.85B and Qwen2.5-0.5B's shape
-# while the 7.2B is written, then the 7.2B; 1, 2 and 4 sequences after 512-token prompts.
+# The planned first call of the next session lent a GPU (prepared in sessions 25 and 26, not yet
+# run). Build b (branch gpu-int-offsets): the int16-activation kernels place each weight run by
+# 32-bit offsets from the matrices' starts (RowSources), where every refill multiplied rows by
+# lengths in 64 bits (qgemv_int1_4_bf16's refill: 62 -> 32 instructions; held to 64 registers by
+# __launch_bounds__). GPU tests of main (0bf8bdf: they include the batched recurrent kernels and
+# the batched decode of Qwen3.5, Gemma 3 and Gemma 4 on the GPU); cuda_gemv main against b, two
+# rounds; then main against b, alternated, two rounds on the 0.85B and Qwen2.5-0.5B's shape while
+# the 7.2B is written, then the 7.2B; 1, 2 and 4 sequences after 512-token prompts.
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 export OXLM_CACHE="$PWD/.device/cache"
