@@ -10,6 +10,8 @@
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 export OXLM_CACHE="$PWD/.device/cache"
+# The test binaries find tests/fixtures through the path they were built at.
+mkdir -p /work && { [ -e /work/main ] || ln -s "$PWD" /work/main; }
 gunzip -f .device/cache/cuda/*.gz .device/oxlm-*.gz .device/cuda_gemv-*.gz .device/tests/*.gz
 chmod +x .device/oxlm-* .device/cuda_gemv-* .device/tests/*
 (ONLY=llama-0.85b benches/gpu/device.sh models; ONLY=qwen2.5-0.5b benches/gpu/device.sh models
