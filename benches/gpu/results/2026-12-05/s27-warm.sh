@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Session 27, fifth call: s27-pause.sh's servers without the 1,000-word prompt first, from
+# main with the 32-bit-offset kernels and the server warming up on a GPU before its first job
+# (a 256-token prompt through the model, forgotten). Carry .device/oxlm-d.gz .device/cache
+# .device/smollm2-tokenizer.
+set -uo pipefail
+OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
+export OXLM_CACHE="$PWD/.device/cache"
+gunzip -f .device/cache/cuda/*.gz .device/oxlm-d.gz 2>/dev/null
+chmod +x .device/oxlm-d
+S=/tmp/models/serve-0.85b
+[ -f $S/model.safetensors ] || python3 benches/gpu/synthetic_mlx.py $S --hidden 2048 \
+  --intermediate 5632 --layers 16 --heads 32 --kv-heads 8 --vocab 49152 --bits 4 > "$OUT/model.log" 2>&1
+cp .device/smollm2-tokenizer/* $S/
+cd benches && python3 - "$S" <<'PY' 2>&1 | tee "$OUT/pause.txt"
+import sys
+import serve_bench as sb
+model = sys.argv[1]
+for step in ["2048", "128"]:
+    for warm in [False]:
+        process, base = sb.started(["../.device/oxlm-d", "serve", "--model", model, "--device",
+                                    "cuda", "--prefill-step-size", step, "--log-level", "WARNING"])
+        try:
+            if warm:
+                sb.post(base, {"prompt": " ".join(["word"] * 1000), "max_tokens": 1})
+            longest, median, took = sb.long_prompt(base, 3000, 3000)
+        finally:
+            process.terminate()
+            process.wait()
+        print(f"step {step}, warmed by a long prompt: {warm}: longest pause {longest:.3f} s, "
+              f"median {median:.4f} s; the long prompt took {took:.2f} s", flush=True)
+PY
