@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
 use oxlm_engine::{cuda, ops, Device, KvPrecision, Tensor};
-use oxlm_models::{load_on, Logits};
+use oxlm_models::{load_on, LanguageModel, Logits};
 
 /// Largest |Δlogit| allowed: both sides compute in f32, differing only in summation order.
 const LOGIT_TOLERANCE: f32 = 2e-3;
@@ -233,18 +233,48 @@ fn check_model_on(name: &str, label: &str, device: &Device, tolerance: f32) {
     println!("{name}: max |Δlogit| prompt {prompt_diff:.2e}, greedy steps {step_diff:.2e}");
 }
 
-/// On a GPU, decode steps replayed from a captured graph give the logits of steps issued one
-/// call at a time, bit for bit, and most steps are replayed.
-fn check_replay(name: &str) {
+/// What a test that runs on the GPU alone holds: its turn there, a fixture's golden, GPU 0
+/// and the fixture's model on it.
+struct OnGpu {
+    turn: MutexGuard<'static, ()>,
+    golden: Golden,
+    device: Device,
+    model: Box<dyn LanguageModel>,
+}
+
+/// Fixture `name` loaded on GPU 0, with the turn there; `None` (the test skipped) on a machine
+/// without a CUDA driver.
+fn on_gpu(name: &str) -> Option<OnGpu> {
     if !cuda::libraries_present() {
         eprintln!("skipped: no CUDA driver on this machine");
-        return;
+        return None;
     }
     let dir = fixtures().join(name);
     let golden = read_golden(&dir);
-    let _turn = gpu_turn();
+    let turn = gpu_turn();
     let device = Device::open("cuda").unwrap();
     let model = load_on(&dir, &device).unwrap();
+    Some(OnGpu {
+        turn,
+        golden,
+        device,
+        model,
+    })
+}
+
+/// On a GPU, decode steps replayed from a captured graph give the logits of steps issued one
+/// call at a time, bit for bit, and most steps are replayed.
+fn check_replay(name: &str) {
+    // The turn first, so that it is let go last.
+    let Some(OnGpu {
+        turn: _turn,
+        golden,
+        device,
+        model,
+    }) = on_gpu(name)
+    else {
+        return;
+    };
     let prefilled = || {
         let mut cache = model.new_cache_in(KvPrecision::F32).unwrap();
         model
@@ -306,15 +336,16 @@ fn check_replay(name: &str) {
 /// inside the steps, each growth would cost two.
 #[test]
 fn batched_steps_replay_while_caches_grow() {
-    if !cuda::libraries_present() {
-        eprintln!("skipped: no CUDA driver on this machine");
+    // The turn first, so that it is let go last.
+    let Some(OnGpu {
+        turn: _turn,
+        golden,
+        device,
+        model,
+    }) = on_gpu("llama-4bit-g64")
+    else {
         return;
-    }
-    let dir = fixtures().join("llama-4bit-g64");
-    let golden = read_golden(&dir);
-    let _turn = gpu_turn();
-    let device = Device::open("cuda").unwrap();
-    let model = load_on(&dir, &device).unwrap();
+    };
     let prompt = |len: usize| -> Vec<u32> {
         golden
             .prompt_ids
@@ -364,16 +395,17 @@ fn batched_steps_replay_while_caches_grow() {
 /// follow the work.
 #[test]
 fn a_gpu_model_runs_on_another_thread() {
-    if !cuda::libraries_present() {
-        eprintln!("skipped: no CUDA driver on this machine");
+    // The turn first, so that it is let go last.
+    let Some(OnGpu {
+        turn: _turn,
+        golden,
+        model,
+        ..
+    }) = on_gpu("llama-4bit-g64")
+    else {
         return;
-    }
-    let dir = fixtures().join("llama-4bit-g64");
-    let golden = read_golden(&dir);
-    let _turn = gpu_turn();
-    let device = Device::open("cuda").unwrap();
-    let model = load_on(&dir, &device).unwrap();
-    let first = |model: &dyn oxlm_models::LanguageModel| {
+    };
+    let first = |model: &dyn LanguageModel| {
         let mut cache = model.new_cache_in(KvPrecision::F32).unwrap();
         let logits = model.forward(&golden.prompt_ids, &mut cache, Logits::Last);
         logits.unwrap().into_data()
