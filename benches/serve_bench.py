@@ -4,6 +4,8 @@ usage: python3 benches/serve_bench.py --oxlm target/release/oxlm --model DIR
            [--mlx-python PYTHON] [--requests 1,4,8] [--max-tokens 64] [--serve-args="--device cuda"]
        python3 benches/serve_bench.py --oxlm target/release/oxlm --model DIR
            --long-prompt WORDS [--prefill-steps 2048,256] [--stream-tokens 200]
+       python3 benches/serve_bench.py --oxlm target/release/oxlm --model DIR
+           --arrivals 400 [--rate 100] [--max-tokens 128]
 
 Each server runs in a subprocess of its own on a free port and answers one warm-up request.
 Then, for each count n of `--requests`, n text completions (distinct prompts, greedy,
@@ -22,9 +24,17 @@ prompt of WORDS words (and asks for one token). Reported per `--prefill-step-siz
 streaming request's longest pause between two tokens, its median pause, and how long the
 second one took. The stream must outlast the long prompt: a GPU streams 200 tokens in a tenth
 of a second, so give it thousands there.
+
+With `--arrivals N`, requests come as a server's do, one at a time and each at its own moment:
+N of them at the moments of a Poisson process of `--rate` a second, each asking for between a
+quarter of `--max-tokens` and all of it (both drawn from a fixed seed, so that every run sends
+the same), against oxlm with its defaults. Batches then change their make-up every few steps.
+Reported: the generated tokens over the wall time from the first send to the last reply, and
+the mean and 90th-percentile time a request took.
 """
 import argparse
 import json
+import random
 import shlex
 import socket
 import subprocess
@@ -93,6 +103,34 @@ def send_together(base, n, max_tokens):
     wall = time.time() - start
     tokens = sum(r[0] for r in results)
     return tokens, wall, sum(r[1] for r in results) / n
+
+
+def arrivals(base, n, rate, max_tokens):
+    """(generated tokens, wall seconds, mean and 90th-percentile seconds a request) of n requests
+    sent at the moments of a seeded Poisson process of `rate` a second."""
+    rng = random.Random(0)
+    schedule, at = [], 0.0
+    for _ in range(n):
+        at += rng.expovariate(rate)
+        schedule.append((at, rng.randint(max(1, max_tokens // 4), max_tokens)))
+    results = [None] * n
+
+    def one(i, at, tokens):
+        time.sleep(max(0.0, start + at - time.time()))
+        sent = time.time()
+        body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": tokens, "temperature": 0}
+        reply = post(base, body)
+        results[i] = (reply["usage"]["completion_tokens"], time.time() - sent)
+
+    threads = [threading.Thread(target=one, args=(i, *s)) for i, s in enumerate(schedule)]
+    start = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.time() - start
+    took = sorted(r[1] for r in results)
+    return sum(r[0] for r in results), wall, sum(took) / n, took[(9 * n) // 10 - 1]
 
 
 def stream_gaps(base, body, tenth):
@@ -178,6 +216,8 @@ def main():
     parser.add_argument("--long-prompt", type=int, default=0)
     parser.add_argument("--prefill-steps", default="2048,256")
     parser.add_argument("--stream-tokens", type=int, default=200)
+    parser.add_argument("--arrivals", type=int, default=0)
+    parser.add_argument("--rate", type=float, default=100.0, help="arrivals a second")
     parser.add_argument("--serve-args", default="", help="more arguments of `oxlm serve`")
     args = parser.parse_args()
     oxlm = [args.oxlm, "serve", "--model", args.model, *shlex.split(args.serve_args)]
@@ -191,6 +231,18 @@ def main():
                 process.wait()
             print(f"--prefill-step-size {step}: longest pause {longest:.3f} s, median "
                   f"{median:.4f} s; the long prompt took {took:.2f} s", flush=True)
+        return
+    if args.arrivals:
+        process, base = started([*oxlm, "--log-level", "WARNING"])
+        try:
+            tokens, wall, mean, p90 = arrivals(base, args.arrivals, args.rate, args.max_tokens)
+        finally:
+            process.terminate()
+            process.wait()
+        print(json.dumps({"arrivals": args.arrivals, "rate": args.rate, "tokens": tokens,
+                          "seconds": round(wall, 3), "tok_s": round(tokens / wall, 2),
+                          "mean_request_s": round(mean, 3), "p90_request_s": round(p90, 3)}),
+              flush=True)
         return
     counts = [int(n) for n in args.requests.split(",")]
     servers = [
