@@ -84,25 +84,32 @@ def wait_ready(base, process, timeout=600):
     sys.exit("the server did not start")
 
 
-def send_together(base, n, max_tokens):
-    """(generated tokens, wall seconds, mean seconds a request) of n requests sent at once."""
-    results = [None] * n
+def send(base, schedule):
+    """Sends one request per (seconds after the first, max_tokens) of `schedule`, each from a
+    thread of its own: (per request, its generated tokens and seconds from its send to its
+    reply; wall seconds from the first send to the last reply)."""
+    results = [None] * len(schedule)
 
-    def one(i):
-        start = time.time()
+    def one(i, at, max_tokens):
+        time.sleep(max(0.0, start + at - time.time()))
+        sent = time.time()
         body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 0}
         reply = post(base, body)
-        results[i] = (reply["usage"]["completion_tokens"], time.time() - start)
+        results[i] = (reply["usage"]["completion_tokens"], time.time() - sent)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    threads = [threading.Thread(target=one, args=(i, *s)) for i, s in enumerate(schedule)]
     start = time.time()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.time() - start
-    tokens = sum(r[0] for r in results)
-    return tokens, wall, sum(r[1] for r in results) / n
+    return results, time.time() - start
+
+
+def send_together(base, n, max_tokens):
+    """(generated tokens, wall seconds, mean seconds a request) of n requests sent at once."""
+    results, wall = send(base, [(0.0, max_tokens)] * n)
+    return sum(r[0] for r in results), wall, sum(r[1] for r in results) / n
 
 
 def arrivals(base, n, rate, max_tokens):
@@ -113,22 +120,7 @@ def arrivals(base, n, rate, max_tokens):
     for _ in range(n):
         at += rng.expovariate(rate)
         schedule.append((at, rng.randint(max(1, max_tokens // 4), max_tokens)))
-    results = [None] * n
-
-    def one(i, at, tokens):
-        time.sleep(max(0.0, start + at - time.time()))
-        sent = time.time()
-        body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": tokens, "temperature": 0}
-        reply = post(base, body)
-        results[i] = (reply["usage"]["completion_tokens"], time.time() - sent)
-
-    threads = [threading.Thread(target=one, args=(i, *s)) for i, s in enumerate(schedule)]
-    start = time.time()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.time() - start
+    results, wall = send(base, schedule)
     took = sorted(r[1] for r in results)
     return sum(r[0] for r in results), wall, sum(took) / n, took[(9 * n) // 10 - 1]
 
