@@ -236,10 +236,11 @@ fn check_model_on(name: &str, label: &str, device: &Device, tolerance: f32) {
 /// What a test that runs on the GPU alone holds: its turn there, a fixture's golden, GPU 0
 /// and the fixture's model on it.
 struct OnGpu {
-    turn: MutexGuard<'static, ()>,
     golden: Golden,
     device: Device,
     model: Box<dyn LanguageModel>,
+    /// Last, so that it is let go after the model (fields drop in their order).
+    turn: MutexGuard<'static, ()>,
 }
 
 /// Fixture `name` loaded on GPU 0, with the turn there; `None` (the test skipped) on a machine
@@ -255,11 +256,68 @@ fn on_gpu(name: &str) -> Option<OnGpu> {
     let device = Device::open("cuda").unwrap();
     let model = load_on(&dir, &device).unwrap();
     Some(OnGpu {
-        turn,
         golden,
         device,
         model,
+        turn,
     })
+}
+
+impl OnGpu {
+    /// f16 caches (the GPU's default) prefilled with prompts of `lens` tokens, each the golden
+    /// prompt repeated from its `skip`th token.
+    fn prefilled(&self, lens: &[usize], skip: usize) -> Vec<oxlm_models::Cache> {
+        lens.iter()
+            .map(|&len| {
+                let prompt: Vec<u32> = self
+                    .golden
+                    .prompt_ids
+                    .iter()
+                    .copied()
+                    .cycle()
+                    .skip(skip)
+                    .take(len)
+                    .collect();
+                let mut cache = self.model.new_cache_in(KvPrecision::F16).unwrap();
+                self.model
+                    .forward(&prompt, &mut cache, Logits::Last)
+                    .unwrap();
+                cache
+            })
+            .collect()
+    }
+
+    /// The logits of `count` greedy decode steps of the batch `caches` (first tokens 1, 2,
+    /// ...), each cache made room for before the step as `decode_step` does; issued one call at
+    /// a time, or through `steps`.
+    fn decode_batch(
+        &self,
+        caches: &mut [oxlm_models::Cache],
+        count: usize,
+        mut steps: Option<&mut oxlm_engine::DecodeSteps>,
+    ) -> Vec<Vec<f32>> {
+        let mut tokens: Vec<u32> = (1..=caches.len() as u32).collect();
+        let mut out = Vec::new();
+        for _ in 0..count {
+            for cache in caches.iter_mut() {
+                cache.make_room_for_next().unwrap();
+            }
+            let mut refs: Vec<&mut oxlm_models::Cache> = caches.iter_mut().collect();
+            let mut step = || {
+                let logits = self.model.forward_batch(&tokens, &mut refs)?;
+                Ok::<_, oxlm_models::ForwardError>(logits.into_host()?)
+            };
+            let logits = match steps.as_deref_mut() {
+                Some(steps) => steps.run(step),
+                None => step(),
+            };
+            let logits = logits.unwrap();
+            let picks = ops::greedy_rows(&logits).unwrap();
+            tokens = picks.iter().map(|p| p.id).collect();
+            out.push(logits.into_data());
+        }
+        out
+    }
 }
 
 /// On a GPU, decode steps replayed from a captured graph give the logits of steps issued one
@@ -336,59 +394,41 @@ fn check_replay(name: &str) {
 /// inside the steps, each growth would cost two.
 #[test]
 fn batched_steps_replay_while_caches_grow() {
-    // The turn first, so that it is let go last.
-    let Some(OnGpu {
-        turn: _turn,
-        golden,
-        device,
-        model,
-    }) = on_gpu("llama-4bit-g64")
-    else {
+    let Some(gpu) = on_gpu("llama-4bit-g64") else {
         return;
     };
-    let prompt = |len: usize| -> Vec<u32> {
-        golden
-            .prompt_ids
-            .iter()
-            .copied()
-            .cycle()
-            .take(len)
-            .collect()
-    };
-    let decode = |replay: bool| {
-        let mut caches: Vec<_> = [255, 252, 249]
-            .map(|len| {
-                let mut cache = model.new_cache_in(KvPrecision::F16).unwrap();
-                model
-                    .forward(&prompt(len), &mut cache, Logits::Last)
-                    .unwrap();
-                cache
-            })
-            .into();
-        let mut tokens = vec![1u32, 2, 3];
-        let mut steps = oxlm_engine::DecodeSteps::new(&device);
-        let mut out = Vec::new();
-        for _ in 0..12 {
-            for cache in &mut caches {
-                cache.make_room_for_next().unwrap();
-            }
-            let mut refs: Vec<&mut oxlm_models::Cache> = caches.iter_mut().collect();
-            let mut step = || {
-                let logits = model.forward_batch(&tokens, &mut refs)?;
-                Ok::<_, oxlm_models::ForwardError>(logits.into_host()?)
-            };
-            let logits = if replay { steps.run(step) } else { step() };
-            let logits = logits.unwrap();
-            let picks = ops::greedy_rows(&logits).unwrap();
-            tokens = picks.iter().map(|p| p.id).collect();
-            out.push(logits.into_data());
-        }
-        (out, steps.replayed())
-    };
-    let (plain, _) = decode(false);
-    let (replayed, count) = decode(true);
+    let plain = gpu.decode_batch(&mut gpu.prefilled(&[255, 252, 249], 0), 12, None);
+    let mut steps = oxlm_engine::DecodeSteps::new(&gpu.device);
+    let replayed = gpu.decode_batch(
+        &mut gpu.prefilled(&[255, 252, 249], 0),
+        12,
+        Some(&mut steps),
+    );
     assert_eq!(plain, replayed, "replayed steps differ");
+    let count = steps.replayed();
     assert!(count >= 9, "{count} of 12 steps replayed");
+}
+
+/// On a GPU, the steps recorded for one batch replay for another batch of as many sequences
+/// (other prompts, other lengths), as a server's batch does when one request ends and another
+/// takes its place: each step uploads its batch's cache tables, so the calls are the same ones.
+/// Its logits equal the steps issued one call at a time, bit for bit, and every step replays.
+#[test]
+fn a_recording_replays_for_another_batch_of_its_size() {
+    let Some(gpu) = on_gpu("llama-4bit-g64") else {
+        return;
+    };
+    let mut steps = oxlm_engine::DecodeSteps::new(&gpu.device);
+    gpu.decode_batch(&mut gpu.prefilled(&[40, 31, 22], 0), 4, Some(&mut steps));
+    let recorded = steps.replayed();
+    let direct = gpu.decode_batch(&mut gpu.prefilled(&[37, 12, 29], 5), 4, None);
+    let replayed = gpu.decode_batch(&mut gpu.prefilled(&[37, 12, 29], 5), 4, Some(&mut steps));
+    assert_eq!(direct, replayed, "the other batch's replayed steps differ");
+    assert_eq!(
+        steps.replayed() - recorded,
+        4,
+        "the other batch's steps were not all replayed"
+    );
 }
 
 /// A server loads its model on one thread and generates on another: the GPU's context must
