@@ -12,7 +12,7 @@
 //! job that needs another adapter waits until the batch has drained, and the batch takes no
 //! more jobs meanwhile, so that it is served in its turn.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::ops::ControlFlow;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -322,8 +322,10 @@ impl Batch<'_> {
         waiting.push_front(first);
         let mut prompting: VecDeque<Prompting> = VecDeque::new();
         let mut active: Vec<Active> = Vec::new();
-        // Replays steps of one batch's make-up; a new one for each new make-up.
-        let mut steps = DecodeSteps::new(&model.info().device);
+        // Replays the steps of a batch of each size met: a step of as many sequences issues
+        // the same calls whichever they are (their cache tables are uploaded each step), and a
+        // replay checks each call before it skips it.
+        let mut steps_by_size: HashMap<usize, DecodeSteps> = HashMap::new();
         // Set once a job of another adapter waits: this batch then takes no more.
         let mut draining = false;
         loop {
@@ -350,10 +352,7 @@ impl Batch<'_> {
                 };
                 match self.prompt(model, p, &mut budget) {
                     Prompted::More(p) => prompting.push_front(p),
-                    Prompted::Decoding(joined) => {
-                        active.push(joined);
-                        steps = DecodeSteps::new(&model.info().device);
-                    }
+                    Prompted::Decoding(joined) => active.push(joined),
                     Prompted::Ended => {}
                 }
             }
@@ -363,11 +362,7 @@ impl Batch<'_> {
                 }
                 continue;
             }
-            let before = active.len();
-            active = self.step(model, &mut steps, active);
-            if active.len() != before {
-                steps = DecodeSteps::new(&model.info().device);
-            }
+            active = self.step(model, &mut steps_by_size, active);
         }
     }
 
@@ -523,13 +518,14 @@ impl Batch<'_> {
         Ok(true)
     }
 
-    /// One decoding step of every sequence of `active`; returns those still decoding. A
-    /// sequence at the model's context limit ends alone with that error, before the step; a
-    /// step that fails or panics otherwise ends every job of the batch with its message.
+    /// One decoding step of every sequence of `active`, through the recording of its batch size
+    /// in `steps_by_size`; returns those still decoding. A sequence at the model's context
+    /// limit ends alone with that error, before the step; a step that fails or panics otherwise
+    /// ends every job of the batch with its message.
     fn step(
         &mut self,
         model: &dyn LanguageModel,
-        steps: &mut DecodeSteps,
+        steps_by_size: &mut HashMap<usize, DecodeSteps>,
         active: Vec<Active>,
     ) -> Vec<Active> {
         let mut active: Vec<Active> = active
@@ -545,6 +541,11 @@ impl Batch<'_> {
         if active.is_empty() {
             return active;
         }
+        // Sized after the sequences at their limit have left, so that a size's recording only
+        // ever sees steps of that size.
+        let steps = steps_by_size
+            .entry(active.len())
+            .or_insert_with(|| DecodeSteps::new(&model.info().device));
         let greedy = active.iter().all(|a| a.sequence.picks_greedily());
         let stepped = catch_unwind(AssertUnwindSafe(|| {
             let tokens: Vec<u32> = active.iter().map(|a| a.token).collect();
