@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use half::bf16;
-use oxlm_engine::cpu::{dense, pool, qint, qmatmul, Isa};
+use oxlm_engine::cpu::{dense, matmul, pool, qint, Isa};
 use oxlm_engine::{Bytes, DType, FloatMatrix, QuantizedMatrix};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -86,7 +86,7 @@ fn main() {
         let mut y = vec![0.0; rows];
         let gbs = |t: f64| w.size_in_bytes() as f64 / t / 1e9;
         for &isa in &isas {
-            let (t, best) = time(budget, || qmatmul::gemv(isa, &w.view(), &x, 1, &mut y));
+            let (t, best) = time(budget, || matmul::gemv(isa, &w.view(), &x, 1, &mut y));
             println!(
                 "  {rows:>5}x{cols} {bits}-bit g{g} {:<18} {:6.2} GB/s (best {:6.2})  {:7.3} ms",
                 format!("{isa:?} f32"),
@@ -115,7 +115,9 @@ fn main() {
     let x = random_vec(&mut rng, 4096);
     let mut y = vec![0.0; 4096];
     for &isa in &isas {
-        let (t, best) = time(budget, || dense::gemv(isa, &dense_bf16, &x, 1, &mut y));
+        let (t, best) = time(budget, || {
+            dense::gemv(isa, &dense_bf16.view(), &x, 1, &mut y)
+        });
         let gbs = |t: f64| (4096 * 4096 * 2) as f64 / t / 1e9;
         println!(
             "   4096x4096 bf16 dense  {isa:<8?} {:6.2} GB/s (best {:6.2})  {:7.3} ms",
@@ -133,7 +135,7 @@ fn main() {
     for bits in [4, 8] {
         let w = quantized(&mut rng, n, k, bits, 64);
         for &isa in &isas {
-            let (t, best) = time(budget, || qmatmul::gemm(isa, &w.view(), &x, m, &mut y));
+            let (t, best) = time(budget, || matmul::gemm(isa, &w.view(), &x, m, &mut y));
             println!(
                 "  {bits}-bit g64      {isa:<8?} {:6.1} GFLOP/s (best {:6.1})",
                 flops / t / 1e9,
@@ -144,7 +146,7 @@ fn main() {
     let dense_f32 = FloatMatrix::from_f32(n, k, &values).unwrap();
     for (name, w) in [("bf16 dense", &dense_bf16), ("f32 dense ", &dense_f32)] {
         for &isa in &isas {
-            let (t, best) = time(budget, || dense::gemm(isa, w, &x, m, &mut y));
+            let (t, best) = time(budget, || dense::gemm(isa, &w.view(), &x, m, &mut y));
             println!(
                 "  {name}      {isa:<8?} {:6.1} GFLOP/s (best {:6.1})",
                 flops / t / 1e9,
@@ -159,8 +161,8 @@ fn main() {
     for m in 1..=8 {
         let x = random_vec(&mut rng, m * 4096);
         let mut y = vec![0.0; m * 4096];
-        let (_, tv) = time(budget / 4, || qmatmul::gemv(isa, &w.view(), &x, m, &mut y));
-        let (_, tm) = time(budget / 4, || qmatmul::gemm(isa, &w.view(), &x, m, &mut y));
+        let (_, tv) = time(budget / 4, || matmul::gemv(isa, &w.view(), &x, m, &mut y));
+        let (_, tm) = time(budget / 4, || matmul::gemm(isa, &w.view(), &x, m, &mut y));
         println!("  m={m}  gemv {:7.3}  gemm {:7.3}", tv * 1e3, tm * 1e3);
     }
 }

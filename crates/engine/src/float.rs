@@ -1,8 +1,7 @@
 use std::sync::Arc;
 
-use half::{bf16, f16};
-
 use crate::cuda::{self, DenseWeights, Gpu};
+use crate::params::{DenseView, FloatSlice};
 use crate::{cpu, Bytes, DType, Device, EngineError};
 
 /// A row-major `[rows, cols]` matrix of f32, f16 or bf16 values, viewed in place.
@@ -15,56 +14,6 @@ pub struct FloatMatrix {
     data: Bytes,
     /// The same matrix in a GPU's memory, once [`place`](Self::place)d there.
     gpu: Option<Arc<DenseWeights>>,
-}
-
-/// A typed view of float weights.
-#[derive(Clone, Copy)]
-pub enum FloatSlice<'a> {
-    F32(&'a [f32]),
-    F16(&'a [f16]),
-    BF16(&'a [bf16]),
-}
-
-impl FloatSlice<'_> {
-    /// Converts `range` of the values to f32 into `out`.
-    pub fn to_f32(&self, start: usize, out: &mut [f32]) {
-        let end = start + out.len();
-        match self {
-            FloatSlice::F32(v) => out.copy_from_slice(&v[start..end]),
-            FloatSlice::F16(v) => {
-                for (o, x) in out.iter_mut().zip(&v[start..end]) {
-                    *o = x.to_f32();
-                }
-            }
-            FloatSlice::BF16(v) => {
-                for (o, x) in out.iter_mut().zip(&v[start..end]) {
-                    *o = x.to_f32();
-                }
-            }
-        }
-    }
-
-    /// One value as f32.
-    #[inline]
-    pub fn get(&self, i: usize) -> f32 {
-        match self {
-            FloatSlice::F32(v) => v[i],
-            FloatSlice::F16(v) => v[i].to_f32(),
-            FloatSlice::BF16(v) => v[i].to_f32(),
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        match self {
-            FloatSlice::F32(v) => v.len(),
-            FloatSlice::F16(v) => v.len(),
-            FloatSlice::BF16(v) => v.len(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 /// Checks that `data` holds `count` floats of `dtype` and returns it aligned for viewing.
@@ -143,9 +92,18 @@ impl FloatMatrix {
         float_slice(self.dtype, &self.data)
     }
 
+    /// The matrix as the host kernels read it.
+    pub fn view(&self) -> DenseView<'_> {
+        DenseView {
+            rows: self.rows,
+            cols: self.cols,
+            values: self.values(),
+        }
+    }
+
     /// Row `row` as f32.
     pub fn row_to_f32(&self, row: usize, out: &mut [f32]) {
-        self.values().to_f32(row * self.cols, &mut out[..self.cols]);
+        self.view().row_to_f32(row, out);
     }
 
     /// All values as f32.
@@ -157,6 +115,6 @@ impl FloatMatrix {
 
     /// `y[m, rows] = x[m, cols] · Wᵀ`.
     pub fn matmul(&self, x: &[f32], m: usize, y: &mut [f32]) {
-        cpu::dense::matmul(self, x, m, y);
+        cpu::dense::matmul(&self.view(), x, m, y);
     }
 }

@@ -16,10 +16,10 @@ pub fn quantized_matmul_backward(w: &QuantizedMatrix, dy: &[f32], m: usize, dx: 
 
 /// `dx[m, cols] = dy[m, rows] · W` for `y = x · Wᵀ`, on float weights.
 pub fn dense_matmul_backward(w: &FloatMatrix, dy: &[f32], m: usize, dx: &mut [f32]) {
-    transposed::dense(Isa::best(), w, dy, m, dx);
+    transposed::dense(Isa::best(), &w.view(), dy, m, dx);
 }
 
-/// Backward of [`crate::cpu::elementwise::rms_norm`] for rows of `x`: with `r = 1/sqrt(mean(x²) + eps)` and
+/// Backward of [`crate::cpu::norm::rms_norm`] for rows of `x`: with `r = 1/sqrt(mean(x²) + eps)` and
 /// `g = weight · dy`, `dx = r·g - x·r³·mean(g·x)`.
 pub fn rms_norm_backward(x: &[f32], weight: &[f32], eps: f32, dy: &[f32], dx: &mut [f32]) {
     let dim = weight.len();

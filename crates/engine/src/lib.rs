@@ -16,9 +16,9 @@ pub mod float;
 pub mod grad;
 pub mod kv;
 pub mod ops;
+pub mod params;
 mod positions;
 pub mod quant;
-pub mod recurrent;
 pub mod tensor;
 
 pub use buffer::{Bytes, WeightBuffer};

@@ -1,12 +1,12 @@
 //! The positions of the tokens of one forward pass, on the device that needs them, so that the
 //! ops of every layer share one copy.
 
-use crate::cuda::Memory;
+use crate::cuda::{GpuPositions, Memory};
 use crate::{Device, EngineError};
 
 pub struct Positions {
     values: Vec<usize>,
-    pub(crate) gpu: Option<Memory>,
+    gpu: Option<Memory>,
 }
 
 impl Positions {
@@ -34,5 +34,17 @@ impl Positions {
 
     pub fn is_empty(&self) -> bool {
         self.values.is_empty()
+    }
+
+    /// The positions' copy on the GPU, for its kernels.
+    pub(crate) fn on_gpu(&self) -> Result<GpuPositions<'_>, EngineError> {
+        let memory = self
+            .gpu
+            .as_ref()
+            .ok_or_else(|| EngineError::Device("positions were made for the CPU".into()))?;
+        Ok(GpuPositions {
+            memory,
+            len: self.values.len(),
+        })
     }
 }

@@ -11,7 +11,9 @@
 use std::sync::Arc;
 
 use crate::cuda::{self, Gpu, QuantizedWeights};
-use crate::float::{checked_float_bytes, float_slice, FloatSlice};
+use crate::float::{checked_float_bytes, float_slice};
+pub use crate::params::QuantizedView;
+use crate::params::{affine_code, affine_group};
 use crate::{cpu, Bytes, DType, Device, EngineError};
 
 /// Bit widths MLX's affine mode defines.
@@ -32,20 +34,6 @@ pub struct QuantizedMatrix {
     biases: Bytes,
     /// The same matrix in a GPU's memory, once [`place`](Self::place)d there.
     gpu: Option<Arc<QuantizedWeights>>,
-}
-
-/// Borrowed parts of a [`QuantizedMatrix`], as the kernels read them.
-#[derive(Clone, Copy)]
-pub struct QuantizedView<'a> {
-    pub rows: usize,
-    pub cols: usize,
-    pub bits: u32,
-    pub group_size: usize,
-    /// `rows * cols * bits / 32` words.
-    pub packed: &'a [u32],
-    /// `rows * cols / group_size` values each.
-    pub scales: FloatSlice<'a>,
-    pub biases: FloatSlice<'a>,
 }
 
 impl QuantizedMatrix {
@@ -124,8 +112,8 @@ impl QuantizedMatrix {
         }
     }
 
-    pub(crate) fn shape(&self) -> cuda::ops::QuantShape {
-        cuda::ops::QuantShape {
+    pub(crate) fn shape(&self) -> cuda::matmul::QuantShape {
+        cuda::matmul::QuantShape {
             rows: self.rows,
             cols: self.cols,
             bits: self.bits,
@@ -152,80 +140,13 @@ impl QuantizedMatrix {
 
     /// `y[m, rows] = x[m, cols] · Wᵀ`.
     pub fn matmul(&self, x: &[f32], m: usize, y: &mut [f32]) {
-        cpu::qmatmul::matmul(&self.view(), x, m, y);
+        cpu::matmul::matmul(&self.view(), x, m, y);
     }
 
     /// Row `row` dequantized to f32 (an embedding lookup).
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         self.view().dequantize_row(row, out);
     }
-}
-
-impl QuantizedView<'_> {
-    /// The quantized integer of element `(row, col)`.
-    #[inline]
-    pub fn q(&self, row: usize, col: usize) -> u32 {
-        let bits = self.bits as usize;
-        let row_words = self.cols * bits / 32;
-        let bit = col * bits;
-        let word = row * row_words + bit / 32;
-        let shift = bit % 32;
-        let mut v = self.packed[word] >> shift;
-        if shift + bits > 32 {
-            v |= self.packed[word + 1] << (32 - shift);
-        }
-        v & ((1u32 << bits) - 1)
-    }
-
-    /// Row `row` dequantized to f32; the plain definition every kernel is tested against.
-    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
-        let groups = self.cols / self.group_size;
-        for (col, o) in out[..self.cols].iter_mut().enumerate() {
-            let g = row * groups + col / self.group_size;
-            *o = self.scales.get(g) * self.q(row, col) as f32 + self.biases.get(g);
-        }
-    }
-
-    /// The whole matrix dequantized to f32.
-    pub fn dequantize(&self) -> Vec<f32> {
-        let mut out = vec![0.0; self.rows * self.cols];
-        for (row, chunk) in out.chunks_mut(self.cols).enumerate() {
-            self.dequantize_row(row, chunk);
-        }
-        out
-    }
-}
-
-/// The scale and bias `mx.quantize` (affine mode) gives a group of values with `levels + 1`
-/// codes. As MLX: the bias sits on whichever end has the larger magnitude (the "edge"), the
-/// scale's sign follows so that the other end is reached, and the scale is then nudged so that
-/// the edge is an exact multiple of it, which keeps zero representable.
-pub(crate) fn affine_group(group: &[f32], levels: f32) -> (f32, f32) {
-    let (lo, hi) = group
-        .iter()
-        .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
-            (lo.min(v), hi.max(v))
-        });
-    let mut scale = ((hi - lo) / levels).max(1e-7);
-    let edge = if lo.abs() > hi.abs() {
-        lo
-    } else {
-        scale = -scale;
-        hi
-    };
-    let q0 = (edge / scale).round_ties_even();
-    let bias = if q0 != 0.0 {
-        scale = edge / q0;
-        edge
-    } else {
-        0.0
-    };
-    (scale, bias)
-}
-
-/// The code of `v` in a group of `scale` and `bias` (see [`affine_group`]).
-pub(crate) fn affine_code(v: f32, scale: f32, bias: f32, levels: f32) -> u32 {
-    ((v - bias) / scale).round_ties_even().clamp(0.0, levels) as u32
 }
 
 /// Quantizes a row-major f32 matrix the way `mx.quantize` does (affine mode), returning the

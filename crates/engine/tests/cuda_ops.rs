@@ -15,8 +15,8 @@ mod common;
 use std::sync::{Mutex, MutexGuard};
 
 use common::{random_quantized, random_vec};
+use oxlm_engine::ops::recurrent::{self, DeltaRuleDims};
 use oxlm_engine::quant::{SUPPORTED_BITS, SUPPORTED_GROUP_SIZES};
-use oxlm_engine::recurrent::{self, DeltaRuleDims};
 use oxlm_engine::{
     cuda, ops, DType, DecodeSteps, Device, FloatMatrix, KvBuffer, KvPrecision, Positions,
     QuantizedMatrix, Tensor,

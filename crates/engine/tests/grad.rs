@@ -6,7 +6,8 @@
 //! of the largest gradient.
 
 use oxlm_engine::cpu::attention::{attention, KvView};
-use oxlm_engine::cpu::elementwise::{rms_norm, rope_inplace, silu_mul_inplace};
+use oxlm_engine::cpu::elementwise::silu_mul_inplace;
+use oxlm_engine::cpu::norm::{rms_norm, rope_inplace};
 use oxlm_engine::cpu::Isa;
 use oxlm_engine::grad::{
     attention_backward, cross_entropy, cross_entropy_backward_inplace, dense_matmul_backward,

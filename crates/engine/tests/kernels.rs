@@ -10,7 +10,8 @@
 mod common;
 
 use common::{floats_as, random_quantized as random_matrix, random_vec};
-use oxlm_engine::cpu::{dense, elementwise, pool, qint, qmatmul, Isa};
+use oxlm_engine::cpu::{dense, elementwise, matmul, pool, qint, Isa};
+use oxlm_engine::params::DenseView;
 use oxlm_engine::quant::{QuantizedView, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES};
 use oxlm_engine::{Bytes, DType, FloatMatrix, QuantizedMatrix};
 use rand::rngs::StdRng;
@@ -21,7 +22,7 @@ const MS: [usize; 4] = [1, 3, 17, 64];
 const SCALE_DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
 type Method = fn(Isa, &QuantizedView, &[f32], usize, &mut [f32]);
-const METHODS: [(&str, Method); 2] = [("gemv", qmatmul::gemv), ("gemm", qmatmul::gemm)];
+const METHODS: [(&str, Method); 2] = [("gemv", matmul::gemv), ("gemm", matmul::gemm)];
 
 /// `x · Wᵀ` in f64 on the given f32 weights, with `Σ|w·x|` per output.
 fn reference(w: &[f32], rows: usize, cols: usize, x: &[f32], m: usize) -> (Vec<f64>, Vec<f64>) {
@@ -147,7 +148,7 @@ fn fast_dequantization_is_bit_exact() {
                 for isa in Isa::available() {
                     let mut row = vec![f32::NAN; cols];
                     for r in 0..rows {
-                        qmatmul::dequantize_row(isa, &v, r, &mut row);
+                        matmul::dequantize_row(isa, &v, r, &mut row);
                         let want = &deq[r * cols..(r + 1) * cols];
                         let same = row
                             .iter()
@@ -250,7 +251,7 @@ fn quantize_rounds_to_the_nearest_representable_value() {
 #[test]
 fn dense_matmul_matches_the_reference() {
     let mut rng = StdRng::seed_from_u64(5);
-    type Dense = fn(Isa, &FloatMatrix, &[f32], usize, &mut [f32]);
+    type Dense = fn(Isa, &DenseView, &[f32], usize, &mut [f32]);
     let methods: [(&str, Dense); 2] = [("gemv", dense::gemv), ("gemm", dense::gemm)];
     // 45 and 1100 columns leave partial vectors; 1100 spans three GEMM panels.
     for (rows, cols) in [(7, 45), (37, 1100), (5, 8)] {
@@ -264,7 +265,7 @@ fn dense_matmul_matches_the_reference() {
                 for isa in Isa::available() {
                     for (name, method) in methods {
                         let mut y = vec![f32::NAN; m * rows];
-                        method(isa, &w, &x, m, &mut y);
+                        method(isa, &w.view(), &x, m, &mut y);
                         compare(&y, &want).unwrap_or_else(|e| {
                             panic!("{dtype} [{rows}x{cols}] m={m} {isa:?} {name}: {e}")
                         });
@@ -369,7 +370,7 @@ fn integer_gemv_is_within_the_activation_rounding_bound() {
                     assert!(kernel.supports(&v));
                     let deq = v.dequantize();
                     // Up to the most rows the integer GEMV takes (batched decoding).
-                    for m in [1, 3, qmatmul::INT_GEMV_MAX_M] {
+                    for m in [1, 3, matmul::INT_GEMV_MAX_M] {
                         let x = random_vec(&mut rng, m * cols);
                         let want = reference(&deq, rows, cols, &x, m);
                         let extra = rounding_bound(&deq, rows, cols, &x, g, max);
@@ -404,7 +405,7 @@ fn pairs_and_triples_are_as_exact_as_f32() {
                 .fold(0.0, f64::max)
         };
         let mut y = vec![f32::NAN; rows];
-        qmatmul::gemv(Isa::best(), &v, &x, 1, &mut y);
+        matmul::gemv(Isa::best(), &v, &x, 1, &mut y);
         let float = worst(&y);
         for &kernel in qint::IntKernel::available() {
             if kernel.activations == qint::Activations::I8 {
@@ -487,7 +488,7 @@ fn grouped_gemv_equals_one_gemv_per_matrix() {
                 .iter()
                 .map(|w| {
                     let mut y = vec![0.0; m * w.rows];
-                    qmatmul::matmul(w, &x, m, &mut y);
+                    matmul::matmul(w, &x, m, &mut y);
                     y
                 })
                 .collect();
@@ -495,7 +496,7 @@ fn grouped_gemv_equals_one_gemv_per_matrix() {
                 pool::set_threads(threads);
                 let mut ys: Vec<Vec<f32>> = views.iter().map(|w| vec![0.0; m * w.rows]).collect();
                 let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
-                qmatmul::matmul_group(&refs, &x, m, &mut outs);
+                matmul::matmul_group(&refs, &x, m, &mut outs);
                 assert_eq!(ys, alone, "{bits}-bit g{g} m={m} threads={threads}");
             }
         }

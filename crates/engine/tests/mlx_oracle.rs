@@ -5,7 +5,7 @@
 //! docstring describes every tensor.
 
 use half::{bf16, f16};
-use oxlm_engine::cpu::{qmatmul, Isa};
+use oxlm_engine::cpu::{matmul, Isa};
 use oxlm_engine::quant::{quantize, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES};
 use oxlm_engine::{Bytes, DType, QuantizedMatrix};
 use safetensors::{Dtype, SafeTensors};
@@ -121,7 +121,7 @@ fn dequantize_matches_mlx_bit_for_bit() {
         for isa in Isa::available() {
             let mut row = vec![0.0; w.cols];
             for r in 0..w.rows {
-                qmatmul::dequantize_row(isa, &w.view(), r, &mut row);
+                matmul::dequantize_row(isa, &w.view(), r, &mut row);
                 assert_eq!(
                     row,
                     want[r * w.cols..(r + 1) * w.cols],
@@ -164,7 +164,7 @@ fn matmul_matches_mlx_quantized_matmul() {
     let (xshape, x) = f32s(&st, "x");
     let (m, cols) = (xshape[0], xshape[1]);
     type Method = fn(Isa, &oxlm_engine::quant::QuantizedView, &[f32], usize, &mut [f32]);
-    let methods: [(&str, Method); 2] = [("gemv", qmatmul::gemv), ("gemm", qmatmul::gemm)];
+    let methods: [(&str, Method); 2] = [("gemv", matmul::gemv), ("gemm", matmul::gemm)];
     for (tag, dtype, bits, g) in every_case() {
         let prefix = format!("{tag}.b{bits}.g{g}.");
         let w = quantized(&st, &prefix, dtype, bits, g);

@@ -8,7 +8,7 @@
 //! checkpoints (`model.language_model.*` or `model.*`) are read as mlx-lm's `sanitize` reads
 //! them: their conv1d weights are `[channels, 1, kernel]` and their RMSNorms scale by `1 + w`.
 
-use oxlm_engine::recurrent::{self, DeltaRuleDims};
+use oxlm_engine::ops::recurrent::{self, DeltaRuleDims};
 use oxlm_engine::{ops, DType, Device, Positions, Tensor};
 use serde_json::Value;
 

@@ -1,6 +1,6 @@
 //! The state of a recurrent layer (Qwen3.5's gated DeltaNet; mlx-lm's `ArraysCache(size=2)`).
 
-use oxlm_engine::recurrent::DeltaRuleDims;
+use oxlm_engine::ops::recurrent::DeltaRuleDims;
 use oxlm_engine::{Device, EngineError, Tensor};
 
 /// What one gated-DeltaNet layer carries from token to token: the last `kernel - 1` inputs of

@@ -143,7 +143,7 @@ fn can_truncate(cache: &Cache, len: usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use oxlm_engine::recurrent::DeltaRuleDims;
+    use oxlm_engine::ops::recurrent::DeltaRuleDims;
     use oxlm_engine::{Device, Positions, Tensor};
     use oxlm_models::cache::{KvCache, RecurrentCache};
 

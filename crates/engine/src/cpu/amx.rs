@@ -20,8 +20,8 @@ use std::sync::OnceLock;
 use super::avx2::Elem;
 use super::pool::{self, SharedMut};
 use super::{with_scratch, with_task_scratch};
-use crate::float::FloatSlice;
-use crate::quant::QuantizedView;
+use crate::params::FloatSlice;
+use crate::params::QuantizedView;
 
 /// Rows of a tile, and bytes of each row.
 const TILE_ROWS: usize = 16;

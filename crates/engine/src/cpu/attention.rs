@@ -13,7 +13,7 @@ use half::f16;
 
 use super::pool::{self, SharedMut};
 use super::{with_task_scratch, Isa};
-use crate::float::FloatSlice;
+use crate::params::FloatSlice;
 
 /// The element types a cache ring is kept in (see `crate::kv`).
 pub trait KvElem: Copy + Send + Sync + sealed::Sealed {
@@ -159,9 +159,9 @@ pub fn quantize_q8(src: &[f32], codes: &mut [u8], scales: &mut [f32], biases: &m
         .chunks_exact(Q8_GROUP)
         .zip(codes.chunks_exact_mut(Q8_GROUP));
     for ((group, codes), (scale, bias)) in groups.zip(scales.iter_mut().zip(biases.iter_mut())) {
-        (*scale, *bias) = crate::quant::affine_group(group, 255.0);
+        (*scale, *bias) = crate::params::affine_group(group, 255.0);
         for (c, &v) in codes.iter_mut().zip(group) {
-            *c = crate::quant::affine_code(v, *scale, *bias, 255.0) as u8;
+            *c = crate::params::affine_code(v, *scale, *bias, 255.0) as u8;
         }
     }
 }

@@ -6,7 +6,7 @@ use std::arch::x86_64::*;
 use half::{bf16, f16};
 
 use super::gemm::Kernel;
-use crate::float::FloatSlice;
+use crate::params::FloatSlice;
 
 /// The float types weights, scales and biases come in.
 pub(super) trait Elem: Copy {
@@ -296,7 +296,7 @@ unsafe fn unpack8<const B: u32>(bytes: &[u8], off: usize) -> __m256i {
 /// `QuantizedView::dequantize_row` does: `scale * q`, then `+ bias`, each rounded.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn dequantize<const B: u32>(
-    w: &crate::quant::QuantizedView,
+    w: &crate::params::QuantizedView,
     row: usize,
     k0: usize,
     out: &mut [f32],
@@ -342,7 +342,7 @@ pub(super) unsafe fn dequantize<const B: u32>(
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 pub(super) unsafe fn for_each_group(
-    w: &crate::quant::QuantizedView,
+    w: &crate::params::QuantizedView,
     row: usize,
     k0: usize,
     out: &mut [f32],
@@ -365,7 +365,7 @@ pub(super) unsafe fn for_each_group(
 }
 
 /// `Σ_groups s · Σ q·x` for `R` consecutive rows of a `B`-bit matrix, `B` in {2, 4, 8}, against
-/// one activation row laid out by `qmatmul::permute_planes`. The bias term is the caller's.
+/// one activation row laid out by `matmul::permute_planes`. The bias term is the caller's.
 ///
 /// Eight packed words are loaded as one vector; "plane" `k` of it is bits `B*k..B*(k+1)` of every
 /// word, isolated with one AND as `q << B*k`, which converts to f32 exactly and meets
@@ -467,7 +467,7 @@ unsafe fn spread32<const B: usize>(bytes: &[u8], off: usize, control: __m256i) -
 }
 
 /// `Σ_groups s · Σ q·x` for `R` consecutive rows of a `B`-bit matrix, `B` in {3, 5, 6}, against
-/// one activation row laid out by `qmatmul::permute_spread`. The bias term is the caller's.
+/// one activation row laid out by `matmul::permute_spread`. The bias term is the caller's.
 ///
 /// After [`spread32`], element `4l + k` sits in lane `l` at bit `o_l + B*k`, `o_l = 4lB mod 8`;
 /// one AND per plane `k` isolates it as `q << (o_l + B*k)` (below 2^28, so exact in f32), which

@@ -616,7 +616,7 @@ unsafe fn sixteen<const B: u32>(bytes: &[u8], e: usize) -> __m512i {
 /// time here.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 pub(super) unsafe fn dequantize<const B: u32>(
-    w: &crate::quant::QuantizedView,
+    w: &crate::params::QuantizedView,
     row: usize,
     k0: usize,
     out: &mut [f32],
@@ -640,7 +640,7 @@ pub(super) unsafe fn dequantize<const B: u32>(
 /// in registers and transposed there, where a row-major tile was written and read again.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 pub(super) unsafe fn dequantize_column_major<const B: u32>(
-    w: &crate::quant::QuantizedView,
+    w: &crate::params::QuantizedView,
     n0: usize,
     nc: usize,
     k0: usize,

@@ -6,14 +6,14 @@
 
 use super::gemm::{self, Panels};
 use super::{with_scratch, Isa};
-use crate::float::FloatSlice;
-use crate::FloatMatrix;
+use crate::params::DenseView;
+use crate::params::FloatSlice;
 
 /// Up to this many activation rows the GEMV path beats the blocked GEMM.
 pub const GEMV_MAX_M: usize = 4;
 
 /// `y[m, rows] = x[m, cols] · Wᵀ` for float weights, with the best kernels for this processor.
-pub fn matmul(w: &FloatMatrix, x: &[f32], m: usize, y: &mut [f32]) {
+pub fn matmul(w: &DenseView, x: &[f32], m: usize, y: &mut [f32]) {
     let isa = Isa::best();
     if m <= GEMV_MAX_M {
         gemv(isa, w, x, m, y);
@@ -23,14 +23,14 @@ pub fn matmul(w: &FloatMatrix, x: &[f32], m: usize, y: &mut [f32]) {
 }
 
 /// [`matmul`] by the GEMV method on the given kernels (panics if the processor lacks them).
-pub fn gemv(isa: Isa, w: &FloatMatrix, x: &[f32], m: usize, y: &mut [f32]) {
+pub fn gemv(isa: Isa, w: &DenseView, x: &[f32], m: usize, y: &mut [f32]) {
     check(isa, w, x, m, y);
     match isa {
         Isa::Portable => gemv_portable(w, x, m, y),
         // SAFETY: `check` found AVX2, FMA and F16C.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe {
-            match w.values() {
+            match w.values {
                 FloatSlice::F32(v) => gemv_avx2(v, w.rows, w.cols, x, m, y),
                 FloatSlice::F16(v) => gemv_avx2(v, w.rows, w.cols, x, m, y),
                 FloatSlice::BF16(v) => gemv_avx2(v, w.rows, w.cols, x, m, y),
@@ -42,7 +42,7 @@ pub fn gemv(isa: Isa, w: &FloatMatrix, x: &[f32], m: usize, y: &mut [f32]) {
 }
 
 /// [`matmul`] by the GEMM method on the given kernels (panics if the processor lacks them).
-pub fn gemm(isa: Isa, w: &FloatMatrix, x: &[f32], m: usize, y: &mut [f32]) {
+pub fn gemm(isa: Isa, w: &DenseView, x: &[f32], m: usize, y: &mut [f32]) {
     check(isa, w, x, m, y);
     gemm::gemm(isa, w, x, m, y);
 }
@@ -90,7 +90,7 @@ pub(super) fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-fn check(isa: Isa, w: &FloatMatrix, x: &[f32], m: usize, y: &[f32]) {
+fn check(isa: Isa, w: &DenseView, x: &[f32], m: usize, y: &[f32]) {
     isa.check();
     assert!(
         x.len() >= m * w.cols && y.len() >= m * w.rows,
@@ -102,7 +102,7 @@ fn check(isa: Isa, w: &FloatMatrix, x: &[f32], m: usize, y: &[f32]) {
 }
 
 /// Converts one weight row at a time and takes its dot product with every activation row.
-fn gemv_portable(w: &FloatMatrix, x: &[f32], m: usize, y: &mut [f32]) {
+fn gemv_portable(w: &DenseView, x: &[f32], m: usize, y: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
     with_scratch(cols, |row| {
         for r in 0..rows {
@@ -144,7 +144,7 @@ unsafe fn gemv_avx2<T: super::avx2::Elem>(
     }
 }
 
-impl Panels for FloatMatrix {
+impl Panels for DenseView<'_> {
     fn rows(&self) -> usize {
         self.rows
     }
@@ -154,7 +154,7 @@ impl Panels for FloatMatrix {
     }
 
     fn panel(&self, isa: Isa, n0: usize, nc: usize, k0: usize, kc: usize, tile: &mut [f32]) {
-        let values = self.values();
+        let values = self.values;
         for (j, out) in tile.chunks_exact_mut(kc).take(nc).enumerate() {
             let start = (n0 + j) * self.cols + k0;
             match isa {

@@ -5,6 +5,12 @@
 //! Kernels take f32 activations (the integer GEMVs of [`qint`] quantize them themselves); matmuls
 //! and attention split their outputs over [`pool`]. Each public entry point has an `Isa`-taking
 //! variant so that tests can run the AVX2 and the portable code side by side.
+//!
+//! By op family, as in [`crate::ops`]: [`matmul`] (quantized weights; float weights in [`dense`],
+//! the integer GEMVs in [`qint`], the blocked GEMM in `gemm` and `amx`, backward products in
+//! [`transposed`]), [`attention`] (with the caches' rings), [`norm`], [`elementwise`] and
+//! [`recurrent`]. `avx2`, `avx512` and `x86_int` hold each instruction set's primitives that
+//! the families share.
 
 #[cfg(target_arch = "x86_64")]
 /// `$f::<$g.., H>(args)` with `H = $heads` (1 to 4; more take 4): the attention kernels hold a
@@ -29,9 +35,10 @@ mod avx512;
 pub mod dense;
 pub mod elementwise;
 mod gemm;
+pub mod matmul;
+pub mod norm;
 pub mod pool;
 pub mod qint;
-pub mod qmatmul;
 pub mod recurrent;
 pub mod transposed;
 #[cfg(target_arch = "x86_64")]

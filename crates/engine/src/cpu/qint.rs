@@ -20,12 +20,12 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
+use super::matmul::weight_bytes;
 use super::pool::{self, SharedMut};
-use super::qmatmul::weight_bytes;
 use super::with_scratch;
 #[cfg(target_arch = "x86_64")]
-use crate::float::FloatSlice;
-use crate::quant::QuantizedView;
+use crate::params::FloatSlice;
+use crate::params::QuantizedView;
 
 /// Weight rows handed to one kernel call per activation row: their bytes stay in L1/L2 while
 /// every activation row passes over them.
@@ -34,10 +34,10 @@ const ROW_BLOCK: usize = 16;
 /// Weight rows per pool task.
 const TASK_ROWS: usize = 64;
 
-/// How the decode GEMV ([`super::qmatmul::matmul`] with few activation rows) treats activations.
+/// How the decode GEMV ([`super::matmul::matmul`] with few activation rows) treats activations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Precision {
-    /// f32 activations against weights converted to float (`qmatmul::gemv`).
+    /// f32 activations against weights converted to float (`matmul::gemv`).
     F32,
     /// Integer activations of the given kind where an integer kernel takes the weights, f32
     /// elsewhere.

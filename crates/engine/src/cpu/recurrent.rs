@@ -6,7 +6,7 @@
 //! token. Activations and state are f32.
 
 use super::dense::dot;
-use crate::recurrent::DeltaRuleDims;
+use crate::params::DeltaRuleDims;
 
 /// Causal depthwise 1-D convolution of `x` (`[tokens, channels]`) continuing from `state`.
 ///

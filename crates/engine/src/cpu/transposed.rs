@@ -7,8 +7,8 @@
 
 use super::gemm::{self, Panels};
 use super::Isa;
-use crate::quant::QuantizedView;
-use crate::FloatMatrix;
+use crate::params::DenseView;
+use crate::params::QuantizedView;
 
 /// `dx[m, w.cols] = dy[m, w.rows] · W` on packed weights.
 pub fn quantized(isa: Isa, w: &QuantizedView, dy: &[f32], m: usize, dx: &mut [f32]) {
@@ -17,7 +17,7 @@ pub fn quantized(isa: Isa, w: &QuantizedView, dy: &[f32], m: usize, dx: &mut [f3
 }
 
 /// `dx[m, w.cols] = dy[m, w.rows] · W` on float weights.
-pub fn dense(isa: Isa, w: &FloatMatrix, dy: &[f32], m: usize, dx: &mut [f32]) {
+pub fn dense(isa: Isa, w: &DenseView, dy: &[f32], m: usize, dx: &mut [f32]) {
     isa.check();
     gemm::gemm(isa, &DenseTransposed(w), dy, m, dx);
 }
@@ -64,7 +64,7 @@ impl Panels for QuantTransposed<'_, '_> {
 }
 
 /// `Wᵀ` of float weights, as panels.
-struct DenseTransposed<'a>(&'a FloatMatrix);
+struct DenseTransposed<'a>(&'a DenseView<'a>);
 
 #[allow(clippy::misnamed_getters)]
 impl Panels for DenseTransposed<'_> {
@@ -77,7 +77,7 @@ impl Panels for DenseTransposed<'_> {
     }
 
     fn panel(&self, _: Isa, n0: usize, nc: usize, k0: usize, kc: usize, tile: &mut [f32]) {
-        let (values, cols) = (self.0.values(), self.0.cols);
+        let (values, cols) = (self.0.values, self.0.cols);
         for i in 0..kc {
             let start = (k0 + i) * cols + n0;
             for j in 0..nc {

@@ -1,13 +1,20 @@
 //! The CUDA backend. cudarc opens libcuda, libnvrtc and libcublas when a GPU is first asked
 //! for, so a build needs no CUDA toolkit and runs on machines without one (where
-//! [`Gpu::open`] fails with a clear error). The kernels (`kernels.cu`) are compiled by NVRTC for
+//! [`Gpu::open`] fails with a clear error). The kernels (`kernels/*.cu`) are compiled by NVRTC for
 //! the device's architecture on first use and the binary is kept under the cache directory.
 //!
 //! One stream per GPU runs every op in order; buffers come from the driver's stream-ordered
 //! pool, which is told to keep freed memory, so a decode step allocates nothing from the OS.
 
+#[macro_use]
+mod launch;
+
+pub(crate) mod attention;
 mod compile;
-pub(crate) mod ops;
+pub(crate) mod elementwise;
+pub(crate) mod matmul;
+pub(crate) mod norm;
+pub(crate) mod recurrent;
 mod step;
 
 use std::collections::HashMap;
@@ -25,8 +32,16 @@ use step::{Op, StepState};
 
 use crate::EngineError;
 
-/// The kernels' CUDA C source.
-const KERNELS: &str = include_str!("kernels.cu");
+/// The kernels' CUDA C source: one file per op family under `kernels/`, joined in this order
+/// (each may use what the files before it define) into the one source NVRTC compiles.
+const KERNELS: &str = concat!(
+    include_str!("kernels/prelude.cu"),
+    include_str!("kernels/matmul.cu"),
+    include_str!("kernels/elementwise.cu"),
+    include_str!("kernels/norm.cu"),
+    include_str!("kernels/attention.cu"),
+    include_str!("kernels/recurrent.cu"),
+);
 
 pub(crate) fn err(e: impl std::fmt::Debug) -> EngineError {
     EngineError::Cuda(format!("{e:?}"))
@@ -108,7 +123,7 @@ struct Inner {
     step: Mutex<StepState>,
     /// Whether kernels are launched to start before the previous one ends (compute capability
     /// 9.0 and later, where they wait for their inputs themselves: `await_inputs` in
-    /// kernels.cu).
+    /// kernels/prelude.cu).
     early_start: bool,
     /// One count per (token, head) of a split attention launch, of the splits that finished;
     /// the last resets it. Zeroed once, lasting, so captured step graphs can name it.
@@ -164,10 +179,10 @@ impl Drop for PinnedHost {
     }
 }
 
-/// The traced stages' slots and shards (`trace_stages` in kernels.cu).
+/// The traced stages' slots and shards (`trace_stages` in kernels/trace.cu).
 const TRACE_SLOTS: usize = 1024;
 const TRACE_SHARDS: usize = 8;
-/// The stages a traced launch records, in the order of kernels.cu's `TRACE_*` stages.
+/// The stages a traced launch records, in the order of kernels/trace.cu's `TRACE_*` stages.
 pub const TRACE_STAGE_NAMES: [&str; TRACE_STAGES] = [
     "first_ready",
     "last_ready",
@@ -248,7 +263,7 @@ impl Gpu {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(err)? as usize;
         let split_counters = stream
-            .alloc_zeros(ops::SPLIT_QUERY_HEADS_PER_SM * multiprocessors)
+            .alloc_zeros(attention::SPLIT_QUERY_HEADS_PER_SM * multiprocessors)
             .map_err(err)?;
         Ok(Gpu {
             inner: Arc::new(Inner {
@@ -318,7 +333,7 @@ impl Gpu {
         self.inner.split_counters.device_ptr(&self.inner.stream).0
     }
 
-    /// The kernel `name` of `kernels.cu`.
+    /// The kernel `name` of the kernels' source.
     pub(crate) fn function(&self, name: &str) -> Result<CudaFunction, EngineError> {
         Ok(self.loaded(name)?.0)
     }
@@ -438,7 +453,7 @@ impl Gpu {
     }
 
     /// The launches since the last call, once they have run, where the process was started with
-    /// `OXLM_TRACE` set (the kernels then record their times: `await_inputs` in kernels.cu);
+    /// `OXLM_TRACE` set (the kernels then record their times: `await_inputs` in kernels/prelude.cu);
     /// `None` otherwise. For finding where a decode step's time goes.
     pub fn take_trace(&self) -> Result<Option<Vec<TracedLaunch>>, EngineError> {
         let Some(traced) = &self.inner.traced else {
@@ -696,6 +711,23 @@ pub(crate) struct Memory {
 impl Memory {
     pub(crate) fn ptr(&self) -> u64 {
         self.ptr
+    }
+}
+
+/// The positions of a pass's tokens in device memory (as i32), and how many there are.
+#[derive(Clone, Copy)]
+pub(crate) struct GpuPositions<'a> {
+    pub memory: &'a Memory,
+    pub len: usize,
+}
+
+impl GpuPositions<'_> {
+    pub(crate) fn ptr(&self) -> u64 {
+        self.memory.ptr()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
     }
 }
 

@@ -97,7 +97,7 @@ pub(crate) enum Op {
         block: (u32, u32, u32),
         shared: u32,
         args: Vec<Arg>,
-        /// Launched as a programmatic dependent launch (see `await_inputs` in kernels.cu).
+        /// Launched as a programmatic dependent launch (see `await_inputs` in kernels/prelude.cu).
         early_start: bool,
     },
     CopyDtoD {
@@ -133,7 +133,7 @@ impl Op {
     /// Issues the call on `stream`.
     fn run(&self, stream: &CudaStream, staging: *mut u8) -> Result<(), EngineError> {
         let s = stream.cu_stream();
-        // SAFETY: kernels get exactly the arguments they were compiled for (ops.rs builds
+        // SAFETY: kernels get exactly the arguments they were compiled for (the launchers build
         // them), copies stay inside buffers their callers sized.
         unsafe {
             match self {

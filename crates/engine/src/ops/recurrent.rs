@@ -3,41 +3,10 @@
 //! the gated delta rule. Each runs a whole chunk of tokens in one call, so a prompt is prefilled
 //! without a per-token pass through the model; a decode step is the same call with one token.
 
+use super::{check, mismatch, Result};
+pub use crate::params::DeltaRuleDims;
 use crate::tensor::Storage;
 use crate::{cpu, cuda, EngineError, Tensor};
-
-type Result<T> = std::result::Result<T, EngineError>;
-
-/// Head counts and sizes of one [`gated_delta_rule`] call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DeltaRuleDims {
-    /// Query/key heads.
-    pub k_heads: usize,
-    /// Value heads: a multiple of `k_heads`; value head `h` reads key head
-    /// `h / (v_heads / k_heads)`.
-    pub v_heads: usize,
-    pub k_dim: usize,
-    pub v_dim: usize,
-}
-
-impl DeltaRuleDims {
-    /// f32s in one sequence's state: `[v_heads, v_dim, k_dim]`.
-    pub fn state_len(&self) -> usize {
-        self.v_heads * self.v_dim * self.k_dim
-    }
-}
-
-fn shape(ok: bool, what: impl FnOnce() -> String) -> Result<()> {
-    if ok {
-        Ok(())
-    } else {
-        Err(EngineError::Shape(what()))
-    }
-}
-
-fn mismatch(op: &str) -> EngineError {
-    EngineError::Device(format!("{op}: operands are on different devices"))
-}
 
 /// The state each token of a chunk continues: every token one sequence's (`states` of one), or
 /// token `i` sequence `i`'s (a batched decoding step).
@@ -86,7 +55,7 @@ pub fn causal_conv1d(
 ) -> Result<Tensor> {
     let channels = x.cols();
     let tokens = tokens_per_state(x.rows(), states.len(), "conv1d")?;
-    shape(
+    check(
         kernel >= 1
             && weight.len() == channels * kernel
             && states.iter().all(|s| s.len() == (kernel - 1) * channels),
@@ -105,12 +74,12 @@ pub fn causal_conv1d(
         (Storage::Cuda(x_), Storage::Cuda(w)) => {
             let out = match &mut states[..] {
                 [one] => match &mut one.storage {
-                    Storage::Cuda(s) => cuda::ops::causal_conv1d(x_, w, s, channels, kernel)?,
+                    Storage::Cuda(s) => cuda::recurrent::causal_conv1d(x_, w, s, channels, kernel)?,
                     Storage::Host(_) => return Err(mismatch("causal_conv1d")),
                 },
                 many => {
                     let table = gpu_states(many, x_).ok_or_else(|| mismatch("causal_conv1d"))?;
-                    cuda::ops::causal_conv1d_batch(x_, w, &table, channels, kernel)?
+                    cuda::recurrent::causal_conv1d_batch(x_, w, &table, channels, kernel)?
                 }
             };
             Ok(Tensor::on_gpu(x.shape().to_vec(), out))
@@ -126,7 +95,7 @@ pub fn delta_gates(
     dt_bias: &Tensor,
     neg_a: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
-    shape(
+    check(
         a.len() == b.len() && dt_bias.len() == neg_a.len() && a.cols() == dt_bias.len(),
         || {
             format!(
@@ -144,7 +113,7 @@ pub fn delta_gates(
             Ok((Tensor::new(s.clone(), g), Tensor::new(s, beta)))
         }
         (Storage::Cuda(a_), Storage::Cuda(b_), Storage::Cuda(dt), Storage::Cuda(na)) => {
-            let (g, beta) = cuda::ops::delta_gates(a_, b_, dt, na)?;
+            let (g, beta) = cuda::recurrent::delta_gates(a_, b_, dt, na)?;
             Ok((Tensor::on_gpu(s.clone(), g), Tensor::on_gpu(s, beta)))
         }
         _ => Err(mismatch("delta_gates")),
@@ -175,7 +144,7 @@ pub fn gated_delta_rule(
 ) -> Result<Tensor> {
     let tokens = g.len() / dims.v_heads.max(1);
     let per_state = tokens_per_state(tokens, states.len(), "gated delta rule")?;
-    shape(
+    check(
         dims.k_heads > 0
             && dims.v_heads.is_multiple_of(dims.k_heads)
             && g.len() == tokens * dims.v_heads
@@ -228,12 +197,12 @@ pub fn gated_delta_rule(
         ) => {
             let y = match &mut states[..] {
                 [one] => match &mut one.storage {
-                    Storage::Cuda(st) => cuda::ops::gated_delta(q, k, v, g, b, st, dims)?,
+                    Storage::Cuda(st) => cuda::recurrent::gated_delta(q, k, v, g, b, st, dims)?,
                     Storage::Host(_) => return Err(mismatch("gated_delta_rule")),
                 },
                 many => {
                     let table = gpu_states(many, q).ok_or_else(|| mismatch("gated_delta_rule"))?;
-                    cuda::ops::gated_delta_batch(q, k, v, g, b, &table, dims)?
+                    cuda::recurrent::gated_delta_batch(q, k, v, g, b, &table, dims)?
                 }
             };
             Ok(Tensor::on_gpu(s, y))

@@ -15,8 +15,8 @@
 use super::gemm::{self, Panels};
 use super::pool::{self, SharedMut};
 use super::{qint, with_scratch, with_task_scratch, Isa};
-use crate::float::FloatSlice;
-use crate::quant::QuantizedView;
+use crate::params::FloatSlice;
+use crate::params::QuantizedView;
 
 /// Up to this many activation rows the f32-activation GEMV beats dequantizing panels (measured
 /// crossover: 7-8 rows at 2, 4 and 8 bits, 5 at 3, 5 and 6 bits).

@@ -1,0 +1,440 @@
+//! Launchers of the key/value cache and attention kernels (`kernels/attention.cu`).
+//!
+//! Shapes are checked by the callers in [`crate::ops`]; these take buffers of the right lengths,
+//! and kernel arguments are raw device addresses, so that an op may read and write one buffer.
+
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::driver::LaunchConfig;
+
+use super::launch::{blocks, elements, int, sliced_warps, Result};
+use super::matmul::compute_type;
+use super::{err, Arg, Buffer, CacheRing, Gpu, GpuPositions, Memory, UNASKED_SHARED_BYTES};
+use crate::EngineError;
+
+/// Writes `src[0]` and `src[1]` (keys and values, `[tokens, kv_heads, d]` each) at `positions`
+/// (consecutive) of the rings `cache[0]` and `cache[1]` of `capacity` slots (of one precision);
+/// the first position is read on the device, so that a replayed decode step writes where its
+/// own token goes.
+pub fn kv_write(
+    cache: [&mut CacheRing; 2],
+    src: [&Buffer; 2],
+    kv_heads: usize,
+    d: usize,
+    capacity: usize,
+    positions: GpuPositions,
+) -> Result<()> {
+    let g = cache[0].gpu().clone();
+    let tokens = src[0].len() / (kv_heads * d);
+    launch!(&g, "kv_write", elements(&g, src[0].len());
+        cache[0].ptr(), cache[1].ptr(), src[0].ptr(), src[1].ptr(), int(tokens)?, int(kv_heads)?,
+        int(d)?, int(capacity)?, positions.ptr(), cache[0].is_half() as i32);
+    Ok(())
+}
+
+/// [`kv_write`] of one token for each of several sequences: row `s` of the keys `src[0]` and
+/// values `src[1]` into the rings at `rings[s]` and `rings[n + s]` (`capacities[s]` slots, f16
+/// elements if `half`, else f32) at `positions[s]`.
+#[allow(clippy::too_many_arguments)]
+pub fn kv_write_batch(
+    rings: &[u64],
+    half: bool,
+    capacities: &[usize],
+    src: [&Buffer; 2],
+    kv_heads: usize,
+    d: usize,
+    positions: GpuPositions,
+) -> Result<()> {
+    let g = src[0].gpu().clone();
+    let ptrs = g.addresses(rings)?;
+    let caps = g.indices(capacities.iter().copied())?;
+    launch!(&g, "kv_write_batch", elements(&g, src[0].len());
+        ptrs.ptr(), src[0].ptr(), src[1].ptr(), int(capacities.len())?, int(kv_heads)?, int(d)?,
+        caps.ptr(), positions.ptr(), half as i32);
+    Ok(())
+}
+
+/// Copies positions `p0..p1` between rings of different capacities (and one precision).
+#[allow(clippy::too_many_arguments)]
+pub fn kv_move(
+    src: &CacheRing,
+    src_capacity: usize,
+    dst: &mut CacheRing,
+    dst_capacity: usize,
+    kv_heads: usize,
+    d: usize,
+    p0: usize,
+    p1: usize,
+) -> Result<()> {
+    if p1 <= p0 {
+        return Ok(());
+    }
+    let g = src.gpu().clone();
+    launch!(&g, "kv_move", elements(&g, (p1 - p0) * kv_heads * d);
+        src.ptr(), int(src_capacity)?, dst.ptr(), int(dst_capacity)?, int(kv_heads)?, int(d)?,
+        p0 as i64, p1 as i64, int(src.element_bytes())?);
+    Ok(())
+}
+
+/// What an attention call reads from a cache (see `attention_split` in the kernels).
+pub struct KvRing<'a> {
+    pub keys: &'a CacheRing,
+    pub values: &'a CacheRing,
+    pub kv_heads: usize,
+    pub capacity: usize,
+    pub start: usize,
+    pub end: usize,
+    /// `usize::MAX` for full attention.
+    pub window: usize,
+}
+
+/// Queries from which attention runs as matrix products on cuBLAS (scores in memory) rather
+/// than one warp per query: prefill, where the products keep the GPU busy.
+const GEMM_ATTENTION_MIN_TOKENS: usize = 16;
+
+/// Bytes of scores one pass of [`attention_gemm`] may hold; longer prompts go in slices.
+const SCORE_BYTES: usize = 256 << 20;
+
+/// Decode attention splits each (token, head)'s keys only while there are fewer pairs than
+/// this many per multiprocessor; more fill the GPU unsplit.
+pub(crate) const SPLIT_QUERY_HEADS_PER_SM: usize = 4;
+
+pub fn attention(
+    q: &Buffer,
+    heads: usize,
+    d: usize,
+    positions: GpuPositions,
+    kv: &KvRing,
+    scale: f32,
+) -> Result<Buffer> {
+    let g = q.gpu().clone();
+    let tokens = positions.len();
+    if tokens >= GEMM_ATTENTION_MIN_TOKENS {
+        return attention_gemm(q, heads, d, positions, kv, scale);
+    }
+    let per_lane = lanes_per_feature(d)?;
+    let span = kv.capacity.min(kv.window).max(1);
+    let splits = decode_splits(&g, tokens * heads, span);
+    let per_split = span.div_ceil(splits).div_ceil(32) * 32;
+    let (out, part) = split_outputs(&g, tokens * heads, d, splits)?;
+    let window = kv.window.min(i64::MAX as usize) as i64;
+    let kernel = format!("attention_{per_lane}_{}", kv.keys.suffix());
+    launch!(&g, &kernel, sliced_warps(tokens * heads, splits);
+        q.ptr(), kv.keys.ptr(), kv.values.ptr(), positions.ptr(), out.ptr(), part.ptr(),
+        g.split_counters(), int(heads)?, int(kv.kv_heads)?, int(d)?, int(kv.capacity)?,
+        kv.start as i64, window, scale, int(splits)?, int(per_split)?);
+    Ok(out)
+}
+
+/// The output and the per-split partials of a one-warp attention launch over `query_heads`
+/// (token, head) pairs.
+fn split_outputs(g: &Gpu, query_heads: usize, d: usize, splits: usize) -> Result<(Buffer, Buffer)> {
+    let out = g.output(query_heads * d)?;
+    let part = g.output(if splits > 1 {
+        query_heads * splits * (d + 2)
+    } else {
+        1
+    })?;
+    Ok((out, part))
+}
+
+/// [`attention`] of one query token for each of several sequences (row `s` of `q` at
+/// `positions[s]` over `kvs[s]`, which share their head count and window), in one launch.
+pub fn attention_batch(
+    q: &Buffer,
+    heads: usize,
+    d: usize,
+    positions: GpuPositions,
+    kvs: &[KvRing],
+    scale: f32,
+) -> Result<Buffer> {
+    let g = q.gpu().clone();
+    let seqs = kvs.len();
+    let Some(first) = kvs.first() else {
+        return Err(EngineError::Shape("attention over no caches".into()));
+    };
+    let half = first.keys.is_half();
+    if kvs.iter().any(|kv| {
+        kv.kv_heads != first.kv_heads
+            || kv.window != first.window
+            || kv.keys.is_half() != half
+            || kv.values.is_half() != half
+    }) {
+        return Err(EngineError::Shape(
+            "a batch's caches differ in heads, window or precision".into(),
+        ));
+    }
+    let per_lane = lanes_per_feature(d)?;
+    let span = kvs
+        .iter()
+        .map(|kv| kv.capacity.min(kv.window).max(1))
+        .max()
+        .unwrap_or(1);
+    let group = heads / first.kv_heads;
+    let per_warp = query_heads_per_warp(group, seqs * first.kv_heads, g.multiprocessors());
+    let warps = seqs * first.kv_heads * group.div_ceil(per_warp);
+    let kernel = format!(
+        "attention_batch_{per_lane}_{per_warp}_{}",
+        first.keys.suffix()
+    );
+    let (stages, units, shared) = kv_tile_stages(d, first.keys.element_bytes());
+    let resident = g.resident_blocks(&kernel, 32, shared)?;
+    let splits = batch_splits(&g, resident, warps, span);
+    let per_split = span.div_ceil(splits).div_ceil(32) * 32;
+    // The rings as kv_write_batch takes them (keys, then values), so that a step uploads the
+    // table once for both.
+    let rings: Vec<u64> = kvs
+        .iter()
+        .map(|kv| kv.keys.ptr())
+        .chain(kvs.iter().map(|kv| kv.values.ptr()))
+        .collect();
+    let rings = g.addresses(&rings)?;
+    let (keys, values) = (rings.ptr(), rings.ptr() + 8 * seqs as u64);
+    let capacities = g.indices(kvs.iter().map(|kv| kv.capacity))?;
+    let starts = g.indices(kvs.iter().map(|kv| kv.start))?;
+    let (out, part) = split_outputs(&g, seqs * heads, d, splits)?;
+    let window = first.window.min(i64::MAX as usize) as i64;
+    let cfg = LaunchConfig {
+        shared_mem_bytes: shared,
+        ..sliced_warps(warps, splits)
+    };
+    launch!(&g, &kernel, cfg;
+        q.ptr(), keys, values, positions.ptr(), out.ptr(), part.ptr(),
+        g.split_counters(), int(heads)?, int(first.kv_heads)?, int(d)?, capacities.ptr(),
+        starts.ptr(), window, scale, int(splits)?, int(per_split)?, int(stages)?, int(units)?);
+    Ok(out)
+}
+
+/// Shared memory for the batched attention's tiles of 32 keys' rows (`stage_kv_rows` in the
+/// kernels): rows of `d` elements of `bytes` each, in 16-byte units, an odd count of them (so
+/// that eight lanes reading a unit each of eight rows fall on distinct banks), keys then values.
+/// Two tiles, so that one goes up while the other is summed, where they fit the 48 KiB a kernel
+/// takes unasked; else one (head dims of 256 and more). Returns the tiles, a row's units and the
+/// bytes.
+fn kv_tile_stages(d: usize, bytes: usize) -> (usize, usize, u32) {
+    let units = (d * bytes).div_ceil(16) | 1;
+    let tile = 2 * 32 * units * 16;
+    let stages = if 2 * tile <= UNASKED_SHARED_BYTES {
+        2
+    } else {
+        1
+    };
+    (stages, units, (stages * tile) as u32)
+}
+
+/// Query heads one warp of the batched attention takes of a group that shares a key/value
+/// head (`attention_batch_E_G`'s G): it loads each key and value once for all of them, up to
+/// four; fewer while the (sequence, key/value head) `pairs` are few beside the GPU's
+/// `multiprocessors`, so that more warps share the work, each merging its heads' splits with
+/// fewer rounds. Measured on the H200 (2026-12-04, 4-bit llamas with groups of 4 over 8
+/// key/value heads, 512-token prompts; G = 4, 2, 1 in tok/s): the 0.85B at 2 sequences
+/// 1,975-2,021, 2,193-2,202, 2,210-2,256; at 4 3,128-3,216, 3,386-3,409, 3,484-3,501; at 8
+/// 5,442-5,493, 5,771-5,786, 5,738-5,783; at 16 9,681-9,932, 9,969-9,998, 9,528-9,593; the 7.2B
+/// at 2 466, 491-493, 518-520; at 4 773-774, 839-842, 836; at 8 1,605-1,609, 1,615-1,625,
+/// 1,609-1,615; at 16 2,673-2,685, 2,702-2,717, 2,530-2,533.
+fn query_heads_per_warp(group: usize, pairs: usize, multiprocessors: usize) -> usize {
+    let most = match group {
+        1 => 1,
+        2 => 2,
+        _ => 4,
+    };
+    if 8 * pairs <= multiprocessors {
+        1
+    } else if pairs <= multiprocessors {
+        most.min(2)
+    } else {
+        most
+    }
+}
+
+/// Splits of each of a batched attention's `warps` (sequence, head chunk) pairs: enough for
+/// one wave of the kernel (`resident` warps, which its tiles' shared memory bounds), at most one
+/// a tile of 32 keys and 64 in all, and none once the pairs outnumber [`Gpu::split_counters`].
+/// Like [`decode_splits`], it follows the capacity (`span`), not the length. On the H200
+/// (2026-12-04, 4-bit llamas, 512-token prompts), aiming at twice the resident warps, or at 16
+/// an SM as before the tiles were staged, decoded up to 7% slower at 8 to 64 sequences.
+fn batch_splits(g: &Gpu, resident: usize, warps: usize, span: usize) -> usize {
+    if warps >= SPLIT_QUERY_HEADS_PER_SM * g.multiprocessors() {
+        return 1;
+    }
+    resident
+        .div_ceil(warps)
+        .clamp(1, span.div_ceil(32).clamp(1, 64))
+}
+
+/// Output features per lane of the one-warp attention kernels (`attention_E`): a power of two.
+fn lanes_per_feature(d: usize) -> Result<usize> {
+    let lanes = d.div_ceil(32);
+    [1, 2, 4, 8, 16]
+        .into_iter()
+        .find(|&e| e >= lanes)
+        .ok_or_else(|| EngineError::Shape(format!("head dim {d} over the GPU attention's 512")))
+}
+
+/// Few queries (decoding) split each one's keys over several warps, one tile of 32 keys each
+/// up to 64 splits, so the GPU fills up and each warp's chain of loads stays short. The split
+/// follows the capacity (`span`), not the length, so a decode step's launch stays the same
+/// from one token to the next (a replayed step graph holds it). Only fewer (token, head)
+/// pairs than [`Gpu::split_counters`] counts split.
+fn decode_splits(g: &Gpu, query_heads: usize, span: usize) -> usize {
+    if query_heads < SPLIT_QUERY_HEADS_PER_SM * g.multiprocessors() {
+        span.div_ceil(32).clamp(1, 64)
+    } else {
+        1
+    }
+}
+
+/// [`attention`] for many queries: per KV head, scores = Q·Kᵀ over the cache's slots (a strided
+/// batched product, the group's query heads stacked), masked softmax, then P·V; f32 operands,
+/// through TF32 tensor cores unless the GPU handle is exact.
+fn attention_gemm(
+    q: &Buffer,
+    heads: usize,
+    d: usize,
+    positions: GpuPositions,
+    kv: &KvRing,
+    scale: f32,
+) -> Result<Buffer> {
+    let g = q.gpu().clone();
+    let tokens = positions.len();
+    let group = heads / kv.kv_heads;
+    let slots = kv.end.min(kv.capacity);
+    let window = kv.window.min(i64::MAX as usize) as i64;
+    let out = g.output(tokens * heads * d)?;
+    let chunk = (SCORE_BYTES / (4 * heads * slots.max(1))).clamp(1, tokens);
+    let compute = compute_type(&g);
+    // The products read f32: an f16 cache's visible slots are widened first.
+    let widened = |ring: &CacheRing| -> Result<Memory> {
+        let wide = g.scratch(4 * kv.kv_heads * slots * d)?;
+        launch!(&g, "kv_widen", elements(&g, kv.kv_heads * slots * d);
+            ring.ptr(), wide.ptr(), int(kv.kv_heads)?, int(kv.capacity)?, int(slots)?, int(d)?);
+        Ok(wide)
+    };
+    let widened_rings = kv
+        .keys
+        .is_half()
+        .then(|| Ok((widened(kv.keys)?, widened(kv.values)?)))
+        .transpose()?;
+    let (keys, values, ring_stride) = match &widened_rings {
+        Some((k, v)) => (k.ptr(), v.ptr(), slots * d),
+        None => (kv.keys.ptr(), kv.values.ptr(), kv.capacity * d),
+    };
+    let qt = g.scratch(4 * (chunk * heads * d))?;
+    let scores = g.scratch(4 * (chunk * heads * slots))?;
+    let ot = g.scratch(4 * (chunk * heads * d))?;
+    for t0 in (0..tokens).step_by(chunk) {
+        let count = chunk.min(tokens - t0);
+        let rows = group * count;
+        launch!(&g, "heads_first", elements(&g, count * heads * d);
+            q.ptr(), qt.ptr(), int(t0)?, int(count)?, int(heads)?, int(d)?);
+        // scores[h, t, j] = scale · q[h, t] · keys[h / group, j]
+        batched_gemm(
+            &g,
+            Gemm {
+                transpose_a: true,
+                m: slots,
+                n: rows,
+                k: d,
+                alpha: scale,
+                a: keys,
+                lda: d,
+                stride_a: ring_stride,
+                b: qt.ptr(),
+                ldb: d,
+                stride_b: rows * d,
+                c: scores.ptr(),
+                ldc: slots,
+                stride_c: rows * slots,
+                batches: kv.kv_heads,
+                compute,
+            },
+        )?;
+        launch!(&g, "masked_softmax", blocks(heads * count, 256);
+            scores.ptr(), positions.ptr(), int(t0)?, int(count)?, int(slots)?,
+            int(kv.capacity)?, kv.start as i64, kv.end as i64, window);
+        // out[h, t] = Σ_j scores[h, t, j] · values[h / group, j]
+        batched_gemm(
+            &g,
+            Gemm {
+                transpose_a: false,
+                m: d,
+                n: rows,
+                k: slots,
+                alpha: 1.0,
+                a: values,
+                lda: d,
+                stride_a: ring_stride,
+                b: scores.ptr(),
+                ldb: slots,
+                stride_b: rows * slots,
+                c: ot.ptr(),
+                ldc: d,
+                stride_c: rows * d,
+                batches: kv.kv_heads,
+                compute,
+            },
+        )?;
+        launch!(&g, "heads_last", elements(&g, count * heads * d);
+            ot.ptr(), out.ptr(), int(t0)?, int(count)?, int(heads)?, int(d)?);
+    }
+    Ok(out)
+}
+
+/// One strided batched f32 product `C = alpha · op(A) · B` in cuBLAS's column-major terms
+/// (`op` transposes A when asked), batch `i` at `a + i·stride_a` and so on.
+struct Gemm {
+    transpose_a: bool,
+    m: usize,
+    n: usize,
+    k: usize,
+    alpha: f32,
+    a: u64,
+    lda: usize,
+    stride_a: usize,
+    b: u64,
+    ldb: usize,
+    stride_b: usize,
+    c: u64,
+    ldc: usize,
+    stride_c: usize,
+    batches: usize,
+    compute: cublasComputeType_t,
+}
+
+fn batched_gemm(g: &Gpu, p: Gemm) -> Result<()> {
+    let beta = 0.0f32;
+    let f32_t = cudaDataType::CUDA_R_32F;
+    let op_a = if p.transpose_a {
+        cublasOperation_t::CUBLAS_OP_T
+    } else {
+        cublasOperation_t::CUBLAS_OP_N
+    };
+    // SAFETY: the callers size the buffers for the strides and leading dimensions given.
+    g.blas_call(|blas| unsafe {
+        cudarc::cublas::result::gemm_strided_batched_ex(
+            *blas.handle(),
+            op_a,
+            cublasOperation_t::CUBLAS_OP_N,
+            int(p.m)?,
+            int(p.n)?,
+            int(p.k)?,
+            (&p.alpha as *const f32).cast(),
+            p.a as *const _,
+            f32_t,
+            int(p.lda)?,
+            p.stride_a as i64,
+            p.b as *const _,
+            f32_t,
+            int(p.ldb)?,
+            p.stride_b as i64,
+            (&beta as *const f32).cast(),
+            p.c as *mut _,
+            f32_t,
+            int(p.ldc)?,
+            p.stride_c as i64,
+            int(p.batches)?,
+            p.compute,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+        .map_err(err)
+    })
+}

@@ -1,0 +1,117 @@
+//! Launchers of the element-wise kernels (`kernels/elementwise.cu`): arithmetic in place, copies
+//! of columns and rows, gathers and scatters, and greedy picks.
+//!
+//! Shapes are checked by the callers in [`crate::ops`]; these take buffers of the right lengths,
+//! and kernel arguments are raw device addresses, so that an op may read and write one buffer.
+
+use super::launch::{blocks, elements, int, Result};
+use super::{Arg, Buffer, Gpu};
+
+pub fn add_row(x: &mut Buffer, row: &Buffer) -> Result<()> {
+    let g = x.gpu().clone();
+    launch!(&g, "add_row", elements(&g, x.len()); x.ptr(), row.ptr(), x.len() as i64, int(row.len())?);
+    Ok(())
+}
+
+pub fn scale(x: &mut Buffer, s: f32) -> Result<()> {
+    let g = x.gpu().clone();
+    launch!(&g, "scale", elements(&g, x.len()); x.ptr(), s, x.len() as i64);
+    Ok(())
+}
+
+pub fn softcap(x: &mut Buffer, cap: f32) -> Result<()> {
+    let g = x.gpu().clone();
+    launch!(&g, "softcap", elements(&g, x.len()); x.ptr(), cap, x.len() as i64);
+    Ok(())
+}
+
+pub fn silu(x: &mut Buffer) -> Result<()> {
+    let g = x.gpu().clone();
+    launch!(&g, "silu", elements(&g, x.len()); x.ptr(), x.len() as i64);
+    Ok(())
+}
+
+/// `x = op(x, y)` for the binary kernels `add`, `silu_mul`, `gelu_mul` and `sigmoid_mul`.
+pub fn binary(kernel: &str, x: &mut Buffer, y: &Buffer) -> Result<()> {
+    let g = x.gpu().clone();
+    launch!(&g, kernel, elements(&g, x.len()); x.ptr(), y.ptr(), x.len() as i64);
+    Ok(())
+}
+
+/// Columns `start..start + width` of every `cols`-wide row.
+pub fn columns(x: &Buffer, cols: usize, start: usize, width: usize) -> Result<Buffer> {
+    let g = x.gpu().clone();
+    let rows = x.len() / cols;
+    let out = g.output(rows * width)?;
+    launch!(&g, "columns", elements(&g, rows * width);
+        x.ptr(), out.ptr(), rows as i64, int(cols)?, int(start)?, int(width)?);
+    Ok(out)
+}
+
+/// Elements `start..start + len`, copied.
+pub fn range(x: &Buffer, start: usize, len: usize) -> Result<Buffer> {
+    let g = x.gpu().clone();
+    let out = g.output(len)?;
+    g.copy(out.ptr(), x.ptr() + 4 * start as u64, 4 * len)?;
+    Ok(out)
+}
+
+/// Each row's greedy pick (`greedy_rows` in the kernels): only the picks, two numbers a row,
+/// are copied back.
+pub fn greedy_rows(x: &Buffer, cols: usize) -> Result<Vec<crate::params::Pick>> {
+    let g = x.gpu().clone();
+    let rows = x.len() / cols;
+    if rows == 0 {
+        return Ok(Vec::new());
+    }
+    if 8 * rows > super::PINNED_DOWNLOAD_BYTES {
+        let picks = g.output(2 * rows)?;
+        launch!(&g, "greedy_rows", blocks(rows, 1024); x.ptr(), picks.ptr(), int(cols)?);
+        return Ok(picks_of(&picks.download()?));
+    }
+    // Written by the kernel straight into pinned host memory: a decode step's end waits for no
+    // copy after its last kernel.
+    g.with_pinned(|host, device| {
+        launch!(&g, "greedy_rows", blocks(rows, 1024); x.ptr(), device, int(cols)?);
+        g.finish_queued()?;
+        // SAFETY: the kernel wrote 2 · rows floats there, and has finished.
+        let landed = unsafe { std::slice::from_raw_parts(host.cast::<f32>(), 2 * rows) };
+        Ok(picks_of(landed))
+    })
+}
+
+/// Picks from greedy_rows' pairs (id, log-probability).
+fn picks_of(pairs: &[f32]) -> Vec<crate::params::Pick> {
+    pairs
+        .chunks_exact(2)
+        .map(|p| crate::params::Pick {
+            id: p[0] as u32,
+            logprob: p[1],
+        })
+        .collect()
+}
+
+pub fn gather_rows(x: &Buffer, cols: usize, rows: &[usize]) -> Result<Buffer> {
+    let g = x.gpu().clone();
+    let idx = g.indices(rows.iter().copied())?;
+    let out = g.output(rows.len() * cols)?;
+    launch!(&g, "gather_rows", elements(&g, rows.len() * cols);
+        x.ptr(), idx.ptr(), out.ptr(), rows.len() as i64, int(cols)?);
+    Ok(out)
+}
+
+/// `y[rows[i]] += weights[i] · src[i]` (distinct rows).
+pub fn scatter_add_rows(
+    y: &mut Buffer,
+    src: &Buffer,
+    cols: usize,
+    rows: &[usize],
+    weights: &[f32],
+) -> Result<()> {
+    let g = y.gpu().clone();
+    let idx = g.indices(rows.iter().copied())?;
+    let w = g.upload(weights)?;
+    launch!(&g, "scatter_add_rows", elements(&g, rows.len() * cols);
+        y.ptr(), src.ptr(), idx.ptr(), w.ptr(), rows.len() as i64, int(cols)?);
+    Ok(())
+}

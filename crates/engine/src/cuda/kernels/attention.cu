@@ -1,0 +1,669 @@
+// ---- key/value caches -----------------------------------------------------------------------
+
+// Writes new keys and values ([tokens, kv_heads, d] each) at positions[0].. of a cache's two
+// rings, laid out [kv_heads, capacity, d], position p in slot p % capacity.
+extern "C" __global__ void kv_write(void *keys, void *values, const float *new_keys,
+                                    const float *new_values, int tokens, int kv_heads, int d,
+                                    int capacity, const int *positions, int half) {
+    await_inputs();
+    const i64 first = positions[0];
+    GRID_STRIDE(i, (i64)tokens * kv_heads * d) {
+        const int e = (int)(i % d);
+        const i64 th = i / d;
+        const int h = (int)(th % kv_heads);
+        const i64 t = th / kv_heads;
+        const i64 at = ((i64)h * capacity + (first + t) % capacity) * d + e;
+        kv_store(keys, at, new_keys[i], half);
+        kv_store(values, at, new_values[i], half);
+    }
+}
+
+// kv_write for one token of each of several sequences: row s of new_keys and new_values
+// ([seqs, kv_heads, d]) goes to the rings at rings[s] and rings[seqs + s] (capacity
+// capacities[s]) at positions[s].
+extern "C" __global__ void kv_write_batch(const unsigned long long *rings, const float *new_keys,
+                                          const float *new_values, int seqs, int kv_heads, int d,
+                                          const int *capacities, const int *positions, int half) {
+    await_inputs();
+    GRID_STRIDE(i, (i64)seqs * kv_heads * d) {
+        const int e = (int)(i % d);
+        const i64 sh = i / d;
+        const int h = (int)(sh % kv_heads);
+        const int s = (int)(sh / kv_heads);
+        const int capacity = capacities[s];
+        const i64 at = ((i64)h * capacity + positions[s] % capacity) * d + e;
+        kv_store(reinterpret_cast<void *>(rings[s]), at, new_keys[i], half);
+        kv_store(reinterpret_cast<void *>(rings[seqs + s]), at, new_values[i], half);
+    }
+}
+
+// Copies positions p0..p1 from one ring to another of a different capacity, elements of
+// `bytes` (4 or 2) as they are.
+extern "C" __global__ void kv_move(const void *src, int src_capacity, void *dst, int dst_capacity,
+                                   int kv_heads, int d, i64 p0, i64 p1, int bytes) {
+    await_inputs();
+    GRID_STRIDE(i, (p1 - p0) * kv_heads * d) {
+        const int e = (int)(i % d);
+        const i64 hp = i / d;
+        const i64 p = p0 + hp % (p1 - p0);
+        const i64 h = hp / (p1 - p0);
+        const i64 to = (h * dst_capacity + p % dst_capacity) * d + e;
+        const i64 from = (h * src_capacity + p % src_capacity) * d + e;
+        if (bytes == 2)
+            static_cast<u16 *>(dst)[to] = static_cast<const u16 *>(src)[from];
+        else
+            static_cast<float *>(dst)[to] = static_cast<const float *>(src)[from];
+    }
+}
+
+// The first `slots` slots of each head of an f16 ring ([kv_heads, capacity, d]) as f32
+// ([kv_heads, slots, d]), for prefill's attention products.
+extern "C" __global__ void kv_widen(const u16 *ring, float *out, int kv_heads, int capacity,
+                                    int slots, int d) {
+    await_inputs();
+    GRID_STRIDE(i, (i64)kv_heads * slots * d) {
+        const int e = (int)(i % d);
+        const i64 hj = i / d;
+        const i64 h = hj / slots, j = hj % slots;
+        out[i] = F16::load(ring, (h * capacity + j) * d + e);
+    }
+}
+
+// ---- attention -------------------------------------------------------------------------------
+
+// One warp per (query token, head, split of the visible keys), E = ceil(head_dim / 32) output
+// features per lane. Query t sees positions lo..hi: lo = max(start, positions[t] + 1 - window),
+// hi = positions[t] + 1 (its own key is in the cache already), slot p % capacity. Keys go 32 at
+// a time (each row loaded across the warp, each key's score ending in its own lane), with an
+// online softmax. Splits of per_split keys past hi have nothing to
+// do and return at once. When only the first has keys its output is final; otherwise (max, sum,
+// unnormalised output) per split go to `part`, and the split that finishes last (counted in
+// counters[th], which it sets back to 0) merges them into `out`: no second launch.
+// `th` = token · heads + head, counted from q, positions, out, part and counters.
+// The positions [s0, s1) that split `split` of a query at `pos` attends (lo..hi split in runs
+// of `per_split`: lo = max(start, pos + 1 - window), hi = pos + 1), and how many of the
+// `splits` hold keys (`used`: at least one, so that an empty window still writes zeros).
+// False for a split past them, which has nothing to do.
+struct SplitKeys {
+    i64 s0, s1;
+    int used;
+};
+
+__device__ __forceinline__ bool split_keys(i64 pos, i64 start, i64 window, int splits,
+                                           int per_split, int split, SplitKeys &k) {
+    const i64 hi = pos + 1, lo = min(hi, max(start, pos + 1 - window));
+    k.used = (int)max((i64)1, min((i64)splits, (hi - lo + per_split - 1) / per_split));
+    k.s0 = lo + (i64)split * per_split;
+    k.s1 = min(hi, k.s0 + per_split);
+    return split < k.used;
+}
+
+// Merges the first `used` split partials `pp` ([splits, d + 2]: max, sum, unnormalised output)
+// of one (token, head) into `out_row`. Lane s takes splits s and s + 32 (at most 64), so that
+// the maxima and sums come in one round of loads; then each lane's features (lane + 32e) of
+// 64 / E splits at a time, all loaded before any is summed (one round for up to 32 splits of d =
+// 64). Loads go through L2, where other blocks' writes are.
+template <int E>
+__device__ void combine_splits(const float *pp, float *out_row, int d, int used, int lane) {
+    const int stride = d + 2;
+    float ms[2], ws[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int s = lane + 32 * h, at = min(s, used - 1) * stride;
+        const float mv = __ldcg(pp + at), wv = __ldcg(pp + at + 1);
+        ms[h] = s < used ? mv : -INFINITY;
+        ws[h] = s < used ? wv : 0.f;
+    }
+    const float m = warp_max(fmaxf(ms[0], ms[1]));
+    // Each split's weight exp(m_s - m); the softmax's denominator is Σ weight · sum.
+    float l = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const float w = ms[h] > -INFINITY ? expf(ms[h] - m) : 0.f;
+        l += w * ws[h];
+        ws[h] = w;
+    }
+    l = warp_sum(l);
+    TRACE_WARP(TRACE_MERGE_MAXIMA);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    constexpr int ROUND = 64 / E < 32 ? 64 / E : 32;
+    float v[E];
+#pragma unroll
+    for (int e = 0; e < E; e++) v[e] = 0.f;
+#pragma unroll
+    for (int s0 = 0; s0 < 64; s0 += ROUND) {
+        if (s0 >= used) break;
+        float part[ROUND][E];
+#pragma unroll
+        for (int j = 0; j < ROUND; j++)
+#pragma unroll
+            for (int e = 0; e < E; e++) {
+                const int s = min(s0 + j, used - 1), f = min(lane + 32 * e, d - 1);
+                part[j][e] = __ldcg(pp + s * stride + 2 + f);
+            }
+#pragma unroll
+        for (int j = 0; j < ROUND; j++) {
+            const int s = s0 + j;
+            const float w = __shfl_sync(0xffffffffu, s < 32 ? ws[0] : ws[1], s & 31);
+#pragma unroll
+            for (int e = 0; e < E; e++) v[e] += w * part[j][e];
+        }
+    }
+    TRACE_WARP(TRACE_MERGE_SUMMED);
+#pragma unroll
+    for (int e = 0; e < E; e++) {
+        const int f = lane + 32 * e;
+        if (f < d) out_row[f] = v[e] * inv;
+    }
+}
+
+// combine_splits as a call of its own: inlined after attention_group's loop, its loads in
+// flight spill that kernel's registers (bounded at 128).
+template <int E>
+__device__ __noinline__ void combine_splits_call(const float *pp, float *out_row, int d, int used,
+                                                 int lane) {
+    combine_splits<E>(pp, out_row, d, used, lane);
+}
+
+template <int E, class K>
+__device__ void attention_split(const float *__restrict__ q, const typename K::T *__restrict__ keys,
+                                const typename K::T *__restrict__ values,
+                                const int *__restrict__ positions,
+                                float *__restrict__ out, float *__restrict__ part,
+                                unsigned *__restrict__ counters, int heads, int kv_heads, int d,
+                                int capacity, i64 start, i64 window, float scale, int splits,
+                                int per_split, int th, int split) {
+    const int lane = threadIdx.x;
+    const int t = th / heads, h = th % heads;
+    const int kvh = h / (heads / kv_heads);
+    const typename K::T *kh = keys + (i64)kvh * capacity * d;
+    const typename K::T *vh = values + (i64)kvh * capacity * d;
+    // The positions went up before the step's first kernel, and the keys and values before
+    // the query's own were (mostly) written by earlier steps: while the kernel before finishes,
+    // the split's rows are fetched into L2 (a hint: the loads after the wait read what is
+    // there then), so that those loads do not wait on HBM.
+    SplitKeys sk;
+    const i64 pos = positions[t];
+    const bool has_keys = split_keys(pos, start, window, splits, per_split, split, sk);
+    if (has_keys) {
+        for (i64 p = sk.s0 + lane; p < min(sk.s1, pos); p += 32) {
+            const i64 row = p % capacity * d;
+            for (int f = 0; f < d; f += 128 / (int)sizeof(typename K::T)) {
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(kh + row + f));
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(vh + row + f));
+            }
+        }
+    }
+    await_inputs();
+    if (!has_keys) return;
+    // The lane's E features of the query and of each key: lane·E.. (zeros past d).
+    const float *qv = q + (i64)th * d;
+    auto key_share = [&](const typename K::T *kr, float(&v)[E]) {
+        const int f0 = lane * E;
+        if constexpr (E >= 4) {
+            if ((d & 3) == 0) {
+#pragma unroll
+                for (int c = 0; c < E / 4; c++) {
+                    const bool in = f0 + 4 * c < d;
+                    const float4 a = K::load4(kr, in ? f0 / 4 + c : 0);
+                    v[4 * c] = in ? a.x : 0.f, v[4 * c + 1] = in ? a.y : 0.f;
+                    v[4 * c + 2] = in ? a.z : 0.f, v[4 * c + 3] = in ? a.w : 0.f;
+                }
+                return;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < E; i++) v[i] = f0 + i < d ? K::load(kr, f0 + i) : 0.f;
+    };
+    float qr[E];
+#pragma unroll
+    for (int i = 0; i < E; i++) qr[i] = lane * E + i < d ? qv[lane * E + i] : 0.f;
+    TRACE_WARP(TRACE_ACTS);
+    const i64 s0 = sk.s0, s1 = sk.s1;
+    const int used = sk.used;
+    float m = -INFINITY, l = 0.f, acc[E];
+#pragma unroll
+    for (int e = 0; e < E; e++) acc[e] = 0.f;
+    // The values of the first VB keys of a tile are loaded with its keys, before the scores
+    // that weigh them (they do not depend on them): one round of loads instead of two or three,
+    // for a decode step's few warps, each with one tile or two. The rest of the values come in
+    // batches whose loads are all issued before any is used. Keys past `count` read the tile's
+    // first (written) slot and weigh 0.
+    constexpr int VB = E <= 2 ? 32 : 32 / E;
+    constexpr int BATCH = E >= 32 ? 1 : 32 / E;
+    for (i64 p0 = s0; p0 < s1; p0 += 32) {
+        const int count = (int)min((i64)32, s1 - p0);
+        // Slots follow p0's without a division per key (positions past the ring's end wrap).
+        const int slot0 = (int)(p0 % capacity);
+        auto slot_of = [&](int j) {
+            int slot = slot0 + (j < count ? j : 0);
+            return slot >= capacity ? slot - capacity : slot;
+        };
+        // The lane's features lane + 32e of key j's value row (zeros past d).
+        auto value_share = [&](int j, float(&v)[E]) {
+            const typename K::T *vr = vh + (i64)slot_of(j) * d;
+#pragma unroll
+            for (int e = 0; e < E; e++) {
+                const int f = lane + 32 * e;
+                v[e] = f < d ? K::load(vr, f) : 0.f;
+            }
+        };
+        float vfirst[VB][E];
+#pragma unroll
+        for (int j = 0; j < VB; j++) value_share(j, vfirst[j]);
+        // Each key row is one load across the warp (the lanes' shares of its features), rather
+        // than a row a lane, which takes a cache line per lane and load; the lanes' dot products
+        // are then summed so that lane j holds key j's. Keys past `count` read the tile's first
+        // slot and score -inf.
+        constexpr int KB = E <= 4 ? 32 : 128 / E;
+        float dots[32];
+#pragma unroll
+        for (int j0 = 0; j0 < 32; j0 += KB) {
+            float kv[KB][E];
+#pragma unroll
+            for (int j = 0; j < KB; j++) key_share(kh + (i64)slot_of(j0 + j) * d, kv[j]);
+#pragma unroll
+            for (int j = 0; j < KB; j++) {
+                float dot = 0.f;
+#pragma unroll
+                for (int i = 0; i < E; i++) dot += qr[i] * kv[j][i];
+                dots[j0 + j] = dot;
+            }
+        }
+        const float dot = transpose_sum(dots, lane);
+        const float s = lane < count ? dot * scale : -INFINITY;
+        TRACE_WARP(TRACE_SCORES);
+        const float m_new = fmaxf(m, warp_max(s));
+        const float correction = expf(m - m_new);
+        const float pr = lane < count ? expf(s - m_new) : 0.f;
+        l = l * correction + warp_sum(pr);
+#pragma unroll
+        for (int e = 0; e < E; e++) acc[e] *= correction;
+#pragma unroll
+        for (int j = 0; j < VB; j++) {
+            const float pj = __shfl_sync(0xffffffffu, pr, j);
+#pragma unroll
+            for (int e = 0; e < E; e++) acc[e] += pj * vfirst[j][e];
+        }
+#pragma unroll
+        for (int j0 = VB; j0 < 32; j0 += BATCH) {
+            float v[BATCH][E];
+#pragma unroll
+            for (int j = 0; j < BATCH; j++) value_share(j0 + j, v[j]);
+#pragma unroll
+            for (int j = 0; j < BATCH; j++) {
+                const float pj = __shfl_sync(0xffffffffu, pr, j0 + j);
+#pragma unroll
+                for (int e = 0; e < E; e++) acc[e] += pj * v[j][e];
+            }
+        }
+        m = m_new;
+    }
+    TRACE_WARP(TRACE_KEYS);
+    if (used == 1) {
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const int f = lane + 32 * e;
+            if (f < d) out[(i64)th * d + f] = acc[e] * inv;
+        }
+    } else {
+        float *pp = part + ((i64)th * splits + split) * (d + 2);
+        if (lane == 0) {
+            pp[0] = m;
+            pp[1] = l;
+        }
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const int f = lane + 32 * e;
+            if (f < d) pp[2 + f] = acc[e];
+        }
+        // Every lane's partials visible before the count, so that the last split reads them all.
+        __threadfence();
+        __syncwarp();
+        unsigned done = 0;
+        if (lane == 0) done = atomicAdd(counters + th, 1u);
+        done = __shfl_sync(0xffffffffu, done, 0);
+        TRACE_WARP(TRACE_COUNTED);
+        if (done == (unsigned)used - 1) {
+            combine_splits<E>(part + (i64)th * splits * (d + 2), out + (i64)th * d, d, used, lane);
+            if (lane == 0) counters[th] = 0;
+        }
+    }
+    TRACE_WARP(TRACE_DONE);
+}
+
+// `attention_E_f32` over f32 rings, `attention_E_f16` over f16 ones.
+#define ATTENTION(E, K, NAME)                                                                   \
+    extern "C" __global__ void attention_##E##_##NAME(                                          \
+        const float *q, const K::T *keys, const K::T *values, const int *positions, float *out, \
+        float *part, unsigned *counters, int heads, int kv_heads, int d, int capacity,          \
+        i64 start, i64 window, float scale, int splits, int per_split) {                        \
+        attention_split<E, K>(q, keys, values, positions, out, part, counters, heads, kv_heads, \
+                              d, capacity, start, window, scale, splits, per_split,             \
+                              blockIdx.x, blockIdx.y);                                          \
+    }
+#define ATTENTION_RINGS(E) ATTENTION(E, F32, f32) ATTENTION(E, F16, f16)
+
+ATTENTION_RINGS(1)
+ATTENTION_RINGS(2)
+ATTENTION_RINGS(4)
+ATTENTION_RINGS(8)
+ATTENTION_RINGS(16)
+
+// The batched attention stages tiles of 32 keys' rows (their keys, then their values) in shared
+// memory with cp.async, so that a tile's loads are in flight while the tile before is summed and
+// hold no registers. A row's d elements take `kv_units(d)` 16-byte units (the last one partly),
+// and its place in a tile `units`, which the launch gives (`kv_tile_stages` in ops.rs, with the
+// shared memory's size): one unit more where that count is even, so that eight lanes reading a
+// unit each of eight rows fall on distinct banks.
+template <class K>
+__device__ __forceinline__ int kv_units(int d) {
+    return (d * (int)sizeof(typename K::T) + 15) / 16;
+}
+
+// Copies into `tile` (keys' rows, then values' rows, 32 each of `units` 16-byte units) the rows
+// of the tile of positions p0.. whose positions lie in [from, to): ring slot (p0 % capacity) + r,
+// wrapping. Rows whose bytes are not whole 16-byte units (odd head dims) go through registers,
+// zero-padded to their last unit, so that the padding meets the queries' zeros as zeros.
+template <class K>
+__device__ __forceinline__ void stage_kv_rows(unsigned char *tile, const typename K::T *keys,
+                                              const typename K::T *values, int d, int units,
+                                              int capacity, i64 p0, i64 from, i64 to) {
+    typedef typename K::T T;
+    const int lane = threadIdx.x & 31;
+    const int r0 = (int)max((i64)0, from - p0), r1 = (int)min((i64)32, to - p0);
+    if (r0 >= r1) return;
+    const int slot0 = (int)(p0 % capacity), per_row = kv_units<K>(d);
+    unsigned char *vtile = tile + 32 * units * 16;
+    auto slot_of = [&](int r) { return slot0 + r < capacity ? slot0 + r : slot0 + r - capacity; };
+    if ((d * sizeof(T)) % 16 == 0) {
+        const unsigned char *kb = reinterpret_cast<const unsigned char *>(keys);
+        const unsigned char *vb = reinterpret_cast<const unsigned char *>(values);
+        for (int x = r0 * per_row + lane; x < r1 * per_row; x += 32) {
+            const int r = x / per_row, u = x % per_row;
+            const i64 at = (i64)slot_of(r) * d * sizeof(T) + u * 16;
+            cp_async16(tile + (r * units + u) * 16, kb + at);
+            cp_async16(vtile + (r * units + u) * 16, vb + at);
+        }
+    } else {
+        const int padded = per_row * 16 / (int)sizeof(T);
+        for (int x = r0 * padded + lane; x < r1 * padded; x += 32) {
+            const int r = x / padded, f = x % padded;
+            const i64 at = (i64)slot_of(r) * d + f;
+            reinterpret_cast<T *>(tile + r * units * 16)[f] = f < d ? keys[at] : (T)0;
+            reinterpret_cast<T *>(vtile + r * units * 16)[f] = f < d ? values[at] : (T)0;
+        }
+    }
+}
+
+// One query token of a sequence for `heads` (at most G) of the query heads that share one
+// key/value head, in one warp: each key and value is loaded once for all of them, where one
+// warp per head loads it once per head (grouped-query attention: 4 times for 32 heads over 8).
+// `q`, `out` and `part` start at the first head's row, `keys` and `values` at the key/value
+// head's ring; `counter` counts this warp's splits. Visible keys, splits and the merge as in
+// attention_split. The keys and values go through shared memory a tile of 32 at a time
+// (`stage_kv_rows`, `stages` buffers of the launch's dynamic shared memory, rows of `units`
+// 16-byte units). Each lane keeps its own share of every head's softmax sum, added up once at
+// the end, and the weights of a tile go through shared memory, [key][head], so that one load
+// gives a key's weight for every head.
+template <int E, int G, class K>
+__device__ void attention_group(const float *__restrict__ q,
+                                const typename K::T *__restrict__ keys,
+                                const typename K::T *__restrict__ values, i64 pos,
+                                float *__restrict__ out, float *__restrict__ part,
+                                unsigned *__restrict__ counter, int heads, int d, int capacity,
+                                i64 start, i64 window, float scale, int splits, int per_split,
+                                int split, int stages, int units) {
+    typedef typename K::T T;
+    extern __shared__ __align__(16) unsigned char kv_tiles[];
+    __shared__ __align__(16) float qs[G][E * 32];
+    __shared__ __align__(16) float ps[32][G];
+    const int lane = threadIdx.x;
+    const int stage_bytes = 2 * 32 * units * 16;
+    SplitKeys sk;
+    const bool has_keys = split_keys(pos, start, window, splits, per_split, split, sk);
+    const i64 s0 = sk.s0, s1 = sk.s1;
+    // The first tile's rows that earlier steps wrote go up while the kernel before finishes (the
+    // one before it wrote this step's row, at `pos`); the rest of the tile after the wait.
+    if (has_keys)
+        stage_kv_rows<K>(kv_tiles, keys, values, d, units, capacity, s0, s0, min(s1, pos));
+    cp_async_commit();
+    await_inputs();
+    if (!has_keys) return;
+    stage_kv_rows<K>(kv_tiles, keys, values, d, units, capacity, s0, max(s0, pos), s1);
+    cp_async_commit();
+    for (int i = lane; i < G * E * 32; i += 32) {
+        const int g = i / (E * 32), f = i % (E * 32);
+        qs[g][f] = g < heads && f < d ? q[(i64)g * d + f] : 0.f;
+    }
+    const int used = sk.used;
+    float m[G], l[G], acc[G][E];
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; e++) acc[g][e] = 0.f;
+    }
+    const int tiles = (int)((s1 - s0 + 31) / 32), per_row = kv_units<K>(d);
+    for (int t = 0; t < tiles; t++) {
+        const i64 p0 = s0 + (i64)t * 32;
+        // With two stages the next tile goes up while this one is summed; with one (rows too
+        // long for two in shared memory) it goes up now.
+        if (stages > 1) {
+            if (t + 1 < tiles)
+                stage_kv_rows<K>(kv_tiles + (t + 1) % 2 * stage_bytes, keys, values, d, units,
+                                 capacity, p0 + 32, p0 + 32, s1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            if (t > 0) stage_kv_rows<K>(kv_tiles, keys, values, d, units, capacity, p0, p0, s1);
+            cp_async_commit();
+            cp_async_wait<0>();
+        }
+        __syncwarp();
+        const unsigned char *kt = kv_tiles + (stages > 1 ? t % 2 : 0) * stage_bytes;
+        const unsigned char *vt = kt + 32 * units * 16;
+        const int count = (int)min((i64)32, s1 - p0);
+        float s[G];
+#pragma unroll
+        for (int g = 0; g < G; g++) s[g] = -INFINITY;
+        if (lane < count) {
+            const uint4 *kr = reinterpret_cast<const uint4 *>(kt + lane * units * 16);
+            float dot[G];
+#pragma unroll
+            for (int g = 0; g < G; g++) dot[g] = 0.f;
+            // A unit's elements meet the queries' (zero past d, as the rows' padding is).
+#pragma unroll 2
+            for (int u = 0; u < per_row; u++) {
+                float k[K::PER_UNIT];
+                K::unpack(kr[u], k);
+#pragma unroll
+                for (int g = 0; g < G; g++)
+#pragma unroll
+                    for (int i = 0; i < K::PER_UNIT; i++)
+                        dot[g] += qs[g][u * K::PER_UNIT + i] * k[i];
+            }
+#pragma unroll
+            for (int g = 0; g < G; g++) s[g] = dot[g] * scale;
+        }
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            const float m_new = fmaxf(m[g], warp_max(s[g]));
+            const float correction = expf(m[g] - m_new);
+            const float pr = lane < count ? expf(s[g] - m_new) : 0.f;
+            l[g] = l[g] * correction + pr;
+#pragma unroll
+            for (int e = 0; e < E; e++) acc[g][e] *= correction;
+            ps[lane][g] = pr;
+            m[g] = m_new;
+        }
+        __syncwarp();
+        // Rows past `count` were not staged: they are not read.
+        for (int j = 0; j < count; j++) {
+            const T *vr = reinterpret_cast<const T *>(vt + j * units * 16);
+            float pj[G];
+#pragma unroll
+            for (int g = 0; g < G; g++) pj[g] = ps[j][g];
+#pragma unroll
+            for (int e = 0; e < E; e++) {
+                const int f = lane + 32 * e;
+                const float v = f < d ? K::load(vr, f) : 0.f;
+#pragma unroll
+                for (int g = 0; g < G; g++) acc[g][e] += pj[g] * v;
+            }
+        }
+        // Every lane done with the tile's buffer before it is staged again.
+        __syncwarp();
+    }
+#pragma unroll
+    for (int g = 0; g < G; g++) l[g] = warp_sum(l[g]);
+    if (used == 1) {
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            if (g >= heads) break;
+            const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+#pragma unroll
+            for (int e = 0; e < E; e++) {
+                const int f = lane + 32 * e;
+                if (f < d) out[(i64)g * d + f] = acc[g][e] * inv;
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        if (g >= heads) break;
+        float *pp = part + ((i64)g * splits + split) * (d + 2);
+        if (lane == 0) {
+            pp[0] = m[g];
+            pp[1] = l[g];
+        }
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const int f = lane + 32 * e;
+            if (f < d) pp[2 + f] = acc[g][e];
+        }
+    }
+    // Every lane's partials visible before the count, so that the last split reads them all.
+    __threadfence();
+    __syncwarp();
+    unsigned done = 0;
+    if (lane == 0) done = atomicAdd(counter, 1u);
+    if (__shfl_sync(0xffffffffu, done, 0) == (unsigned)used - 1) {
+        for (int g = 0; g < heads; g++)
+            combine_splits_call<E>(part + (i64)g * splits * (d + 2), out + (i64)g * d, d, used,
+                                   lane);
+        if (lane == 0) *counter = 0;
+    }
+}
+
+// One query token for each of several sequences, sequence s over the cache at keys[s] and
+// values[s] (capacity capacities[s], first kept position starts[s]), one warp per (sequence,
+// key/value head, chunk of G of its query heads, split): blockIdx.x = (s · kv_heads + kv head)
+// · chunks + chunk, blockIdx.y the split. The last chunk of a group that G does not divide has
+// fewer heads. The tables (positions, rings, capacities, starts) went up before the step's
+// first kernel that read them, so they are read before the wait. At most 128 registers a
+// thread. Rings of f32 (`attention_batch_E_G_f32`) or f16 (`_f16`).
+#define ATTENTION_BATCH(E, G, K, NAME)                                                          \
+    extern "C" __global__ void __launch_bounds__(32, 16) attention_batch_##E##_##G##_##NAME(    \
+        const float *q, const unsigned long long *keys, const unsigned long long *values,       \
+        const int *positions, float *out, float *part, unsigned *counters, int heads,           \
+        int kv_heads, int d, const int *capacities, const int *starts, i64 window, float scale, \
+        int splits, int per_split, int stages, int units) {                                     \
+        const int group = heads / kv_heads, chunks = (group + G - 1) / G;                       \
+        const int s = blockIdx.x / (kv_heads * chunks), kvh = blockIdx.x / chunks % kv_heads;   \
+        const int chunk = blockIdx.x % chunks;                                                  \
+        const i64 first = (i64)s * heads + kvh * group + chunk * G;                             \
+        const i64 ring = (i64)kvh * capacities[s] * d;                                          \
+        attention_group<E, G, K>(q + first * d, reinterpret_cast<const K::T *>(keys[s]) + ring, \
+                                 reinterpret_cast<const K::T *>(values[s]) + ring,              \
+                                 positions[s], out + first * d,                                 \
+                                 part + first * splits * (d + 2), counters + blockIdx.x,        \
+                                 min(G, group - chunk * G), d, capacities[s], starts[s],        \
+                                 window, scale, splits, per_split, blockIdx.y, stages, units);  \
+    }
+#define ATTENTION_BATCH_RINGS(E, G) ATTENTION_BATCH(E, G, F32, f32) ATTENTION_BATCH(E, G, F16, f16)
+// G · E <= 16: at most sixteen accumulators a lane.
+ATTENTION_BATCH_RINGS(1, 1)
+ATTENTION_BATCH_RINGS(1, 2)
+ATTENTION_BATCH_RINGS(1, 4)
+ATTENTION_BATCH_RINGS(2, 1)
+ATTENTION_BATCH_RINGS(2, 2)
+ATTENTION_BATCH_RINGS(2, 4)
+ATTENTION_BATCH_RINGS(4, 1)
+ATTENTION_BATCH_RINGS(4, 2)
+ATTENTION_BATCH_RINGS(4, 4)
+ATTENTION_BATCH_RINGS(8, 1)
+ATTENTION_BATCH_RINGS(8, 2)
+ATTENTION_BATCH_RINGS(16, 1)
+
+// Attention of many queries (prefill) as two batched matrix products with the scores between
+// them: heads_first lays queries out per head, masked_softmax turns each head's scores into
+// weights, heads_last puts the output back in token order.
+
+// out[h, t, :] = x[t0 + t, h, :] for t < count
+extern "C" __global__ void heads_first(const float *x, float *out, int t0, int count, int heads,
+                                       int d) {
+    await_inputs();
+    GRID_STRIDE(i, (i64)count * heads * d) {
+        const int e = (int)(i % d);
+        const i64 ht = i / d;
+        const int t = (int)(ht % count), h = (int)(ht / count);
+        out[i] = x[((i64)(t0 + t) * heads + h) * d + e];
+    }
+}
+
+// out[t0 + t, h, :] = x[h, t, :] for t < count
+extern "C" __global__ void heads_last(const float *x, float *out, int t0, int count, int heads,
+                                      int d) {
+    await_inputs();
+    GRID_STRIDE(i, (i64)count * heads * d) {
+        const int e = (int)(i % d);
+        const i64 ht = i / d;
+        const int t = (int)(ht % count), h = (int)(ht / count);
+        out[((i64)(t0 + t) * heads + h) * d + e] = x[i];
+    }
+}
+
+// Softmax in place of each row of scores ([heads · count, slots], row (h, t) for query
+// t0 + t), over the slots query t may see: slot j holds position p(j), the one position in
+// [end - slots, end) that is j modulo capacity; visible when start <= p <= positions[t0 + t] and
+// p > positions[t0 + t] - window. One block per row.
+extern "C" __global__ void masked_softmax(float *scores, const int *positions, int t0, int count,
+                                          int slots, int capacity, i64 start, i64 end,
+                                          i64 window) {
+    await_inputs();
+    __shared__ float partial[32];
+    float *row = scores + (i64)blockIdx.x * slots;
+    const i64 pos = positions[t0 + blockIdx.x % count];
+    const i64 first = end - slots;
+    const int shift = (int)(first % capacity);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    auto visible = [&](int j) {
+        const i64 p = first + (j - shift + capacity) % capacity;
+        return p >= start && p <= pos && p > pos - window;
+    };
+    float m = -INFINITY;
+    for (int j = threadIdx.x; j < slots; j += blockDim.x)
+        if (visible(j)) m = fmaxf(m, row[j]);
+    m = warp_max(m);
+    if (lane == 0) partial[warp] = m;
+    __syncthreads();
+    m = warp_max(lane < warps ? partial[lane] : -INFINITY);
+    __syncthreads();
+    float sum = 0.f;
+    for (int j = threadIdx.x; j < slots; j += blockDim.x) {
+        const float e = visible(j) ? expf(row[j] - m) : 0.f;
+        row[j] = e;
+        sum += e;
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) partial[warp] = sum;
+    __syncthreads();
+    sum = warp_sum(lane < warps ? partial[lane] : 0.f);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int j = threadIdx.x; j < slots; j += blockDim.x) row[j] *= inv;
+}
+

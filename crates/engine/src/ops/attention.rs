@@ -1,0 +1,445 @@
+//! Writes into key/value caches, moves between them, and attention over them.
+
+use crate::cpu;
+use crate::cuda::{self, Buffer};
+use crate::kv::{KvBuffer, KvPrecision, KvStorage};
+use crate::tensor::Storage;
+use crate::{EngineError, Positions, Tensor};
+
+use super::{check, mismatch, Result};
+
+/// A layer's cached keys and values as attention reads them: `[kv_heads, capacity, head_dim]`
+/// each, position `p` in slot `p % capacity`, positions `start..end` present.
+pub struct Kv<'a> {
+    pub keys: &'a KvBuffer,
+    pub values: &'a KvBuffer,
+    pub kv_heads: usize,
+    pub capacity: usize,
+    pub start: usize,
+    pub end: usize,
+    /// `Some(w)`: a sliding window; a query sees the `w` positions ending at its own.
+    pub window: Option<usize>,
+}
+
+/// Writes `src` (`[tokens, kv_heads · head_dim]`) into a host ring at positions `first..`.
+fn write_host_ring(
+    ring: &mut KvBuffer,
+    src: &[f32],
+    kv_heads: usize,
+    head_dim: usize,
+    capacity: usize,
+    first: usize,
+) -> Result<()> {
+    match &mut ring.storage {
+        KvStorage::HostF32(c) => {
+            cpu::attention::kv_write(c, src, kv_heads, head_dim, capacity, first)
+        }
+        KvStorage::HostF16(c) => {
+            cpu::attention::kv_write(c, src, kv_heads, head_dim, capacity, first)
+        }
+        KvStorage::HostQ8(q) => {
+            if !head_dim.is_multiple_of(cpu::attention::Q8_GROUP) {
+                return Err(EngineError::UnsupportedQuantization(format!(
+                    "an 8-bit KV cache needs head dims that are multiples of {}; this model's \
+                     are {head_dim} (use --kv-cache f16)",
+                    cpu::attention::Q8_GROUP
+                )));
+            }
+            let cache = (&mut q.codes[..], &mut q.scales[..], &mut q.biases[..]);
+            cpu::attention::kv_write_q8(cache, src, kv_heads, head_dim, capacity, first)
+        }
+        KvStorage::Cuda(_) => return Err(mismatch("kv_write")),
+    }
+    Ok(())
+}
+
+/// Writes `keys` and `values` (`[tokens, kv_heads · head_dim]` each) of the tokens at
+/// `positions` (consecutive) into a cache's two rings, `cache.0` and `cache.1`
+/// (`[kv_heads, capacity, head_dim]`, position `p` in slot `p % capacity`); one launch on a GPU.
+pub fn kv_write(
+    cache: (&mut KvBuffer, &mut KvBuffer),
+    keys: &Tensor,
+    values: &Tensor,
+    kv_heads: usize,
+    head_dim: usize,
+    capacity: usize,
+    positions: &Positions,
+) -> Result<()> {
+    let row = kv_heads * head_dim;
+    let p = positions.as_slice();
+    check(
+        cache.0.len() == capacity * row
+            && cache.1.len() == capacity * row
+            && keys.len() == p.len() * row
+            && values.len() == p.len() * row
+            && p.len() <= capacity
+            && p.windows(2).all(|w| w[1] == w[0] + 1),
+        || {
+            format!(
+                "writing {:?} and {:?} into a cache of {capacity} × {row}",
+                keys.shape(),
+                values.shape()
+            )
+        },
+    )?;
+    if p.is_empty() {
+        return Ok(());
+    }
+    match (&keys.storage, &values.storage) {
+        (Storage::Host(k), Storage::Host(v)) => {
+            write_host_ring(cache.0, k, kv_heads, head_dim, capacity, p[0])?;
+            write_host_ring(cache.1, v, kv_heads, head_dim, capacity, p[0])
+        }
+        (Storage::Cuda(k), Storage::Cuda(v)) => {
+            match (&mut cache.0.storage, &mut cache.1.storage) {
+                (KvStorage::Cuda(kc), KvStorage::Cuda(vc))
+                    if kc.is_half() == vc.is_half()
+                        && [vc.gpu(), k.gpu(), v.gpu()]
+                            .iter()
+                            .all(|g| kc.gpu().same(g)) =>
+                {
+                    cuda::attention::kv_write(
+                        [kc, vc],
+                        [k, v],
+                        kv_heads,
+                        head_dim,
+                        capacity,
+                        positions.on_gpu()?,
+                    )
+                }
+                _ => Err(mismatch("kv_write")),
+            }
+        }
+        _ => Err(mismatch("kv_write")),
+    }
+}
+
+/// [`kv_write`] of one token for each of several sequences: row `i` of `keys` and `values`
+/// (`[sequences, kv_heads · head_dim]`) into the rings `key_rings[i]` and `value_rings[i]`
+/// (`[kv_heads, capacities[i], head_dim]`) at `positions[i]`, in one launch on a GPU.
+#[allow(clippy::too_many_arguments)]
+pub fn kv_write_batch(
+    key_rings: &mut [&mut KvBuffer],
+    value_rings: &mut [&mut KvBuffer],
+    capacities: &[usize],
+    keys: &Tensor,
+    values: &Tensor,
+    kv_heads: usize,
+    head_dim: usize,
+    positions: &Positions,
+) -> Result<()> {
+    let row = kv_heads * head_dim;
+    let n = key_rings.len();
+    check(
+        value_rings.len() == n
+            && capacities.len() == n
+            && positions.len() == n
+            && keys.len() == n * row
+            && values.len() == n * row
+            && key_rings
+                .iter()
+                .chain(value_rings.iter())
+                .zip(capacities.iter().chain(capacities))
+                .all(|(c, &cap)| cap > 0 && c.len() == cap * row),
+        || {
+            format!(
+                "writing {:?} into {n} caches of {capacities:?} × {row}",
+                keys.shape()
+            )
+        },
+    )?;
+    match (&keys.storage, &values.storage) {
+        (Storage::Host(k), Storage::Host(v)) => {
+            let rings = key_rings.iter_mut().zip(value_rings.iter_mut());
+            for (i, (kr, vr)) in rings.enumerate() {
+                let (p, cap) = (positions.as_slice()[i], capacities[i]);
+                let rows = i * row..(i + 1) * row;
+                write_host_ring(kr, &k[rows.clone()], kv_heads, head_dim, cap, p)?;
+                write_host_ring(vr, &v[rows], kv_heads, head_dim, cap, p)?;
+            }
+            Ok(())
+        }
+        (Storage::Cuda(kb), Storage::Cuda(vb)) if kb.gpu().same(vb.gpu()) => {
+            // Key rings' addresses, then value rings', all of one precision.
+            let half = key_rings.first().map(|r| r.precision() == KvPrecision::F16);
+            let ptrs = key_rings
+                .iter()
+                .chain(value_rings.iter())
+                .map(|c| match &c.storage {
+                    KvStorage::Cuda(r) if r.gpu().same(kb.gpu()) && Some(r.is_half()) == half => {
+                        Ok(r.ptr())
+                    }
+                    _ => Err(mismatch("kv_write_batch")),
+                })
+                .collect::<Result<Vec<u64>>>()?;
+            let half = half.unwrap_or(false);
+            cuda::attention::kv_write_batch(
+                &ptrs,
+                half,
+                capacities,
+                [kb, vb],
+                kv_heads,
+                head_dim,
+                positions.on_gpu()?,
+            )
+        }
+        _ => Err(mismatch("kv_write_batch")),
+    }
+}
+
+/// Copies positions `positions` from a ring of `src_capacity` slots to one of `dst_capacity`
+/// of the same precision.
+pub fn kv_move(
+    src: &KvBuffer,
+    src_capacity: usize,
+    dst: &mut KvBuffer,
+    dst_capacity: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    positions: std::ops::Range<usize>,
+) -> Result<()> {
+    let row = kv_heads * head_dim;
+    check(
+        src.len() == src_capacity * row && dst.len() == dst_capacity * row,
+        || "kv_move between caches of other shapes".into(),
+    )?;
+    let (h, d, p) = (kv_heads, head_dim, positions.clone());
+    match (&src.storage, &mut dst.storage) {
+        (KvStorage::HostF32(s), KvStorage::HostF32(t)) => {
+            cpu::attention::kv_move(s, src_capacity, t, dst_capacity, h, d, p);
+            Ok(())
+        }
+        (KvStorage::HostF16(s), KvStorage::HostF16(t)) => {
+            cpu::attention::kv_move(s, src_capacity, t, dst_capacity, h, d, p);
+            Ok(())
+        }
+        (KvStorage::HostQ8(s), KvStorage::HostQ8(t)) => {
+            let groups = d / cpu::attention::Q8_GROUP;
+            let (sc, dc) = (src_capacity, dst_capacity);
+            cpu::attention::kv_move(&s.codes, sc, &mut t.codes, dc, h, d, p.clone());
+            cpu::attention::kv_move(&s.scales, sc, &mut t.scales, dc, h, groups, p.clone());
+            cpu::attention::kv_move(&s.biases, sc, &mut t.biases, dc, h, groups, p);
+            Ok(())
+        }
+        (KvStorage::Cuda(s), KvStorage::Cuda(t))
+            if s.gpu().same(t.gpu()) && s.is_half() == t.is_half() =>
+        {
+            let (p0, p1) = (p.start, p.end);
+            cuda::attention::kv_move(s, src_capacity, t, dst_capacity, h, d, p0, p1)
+        }
+        _ => Err(mismatch("kv_move")),
+    }
+}
+
+/// Scaled dot-product attention of `q` (`[tokens, heads · head_dim]`) over `kv`: query `t`
+/// sees positions up to `positions[t]` (causal) within the window, and query head `h` reads
+/// key head `h / (heads / kv_heads)` (grouped-query attention). Returns `[tokens, heads ·
+/// head_dim]`.
+pub fn attention(
+    q: &Tensor,
+    heads: usize,
+    head_dim: usize,
+    positions: &Positions,
+    kv: &Kv,
+    scale: f32,
+) -> Result<Tensor> {
+    check_kv(q, positions.len(), heads, head_dim, kv)?;
+    let shape = vec![positions.len(), heads * head_dim];
+    let p = positions.as_slice();
+    match &q.storage {
+        Storage::Host(q) => {
+            let mut out = vec![0.0; q.len()];
+            host_attention(q, heads, head_dim, p, kv, scale, &mut out)?;
+            Ok(Tensor::new(shape, out))
+        }
+        Storage::Cuda(qb) => {
+            let ring = kv_ring(qb, kv)?;
+            let out =
+                cuda::attention::attention(qb, heads, head_dim, positions.on_gpu()?, &ring, scale)?;
+            Ok(Tensor::on_gpu(shape, out))
+        }
+    }
+}
+
+/// Host caches as the CPU attention kernels read them, all of one precision.
+enum HostViews<'a> {
+    F32(Vec<cpu::attention::KvView<&'a [f32]>>),
+    F16(Vec<cpu::attention::KvView<&'a [half::f16]>>),
+    Q8(Vec<cpu::attention::KvView<cpu::attention::Q8Rows<'a>>>),
+}
+
+impl<'a> HostViews<'a> {
+    /// `kvs` as views; an error for `op` where one is not on the host in the first's precision.
+    fn of(kvs: &[Kv<'a>], op: &str) -> Result<Self> {
+        fn views<'a, R: cpu::attention::KvRows>(
+            kvs: &[Kv<'a>],
+            op: &str,
+            rows: impl Fn(&'a KvStorage) -> Option<R>,
+        ) -> Result<Vec<cpu::attention::KvView<R>>> {
+            kvs.iter()
+                .map(|kv| {
+                    Ok(cpu::attention::KvView {
+                        keys: rows(&kv.keys.storage).ok_or_else(|| mismatch(op))?,
+                        values: rows(&kv.values.storage).ok_or_else(|| mismatch(op))?,
+                        kv_heads: kv.kv_heads,
+                        capacity: kv.capacity,
+                        start: kv.start,
+                        end: kv.end,
+                        window: kv.window,
+                    })
+                })
+                .collect()
+        }
+        Ok(match kvs.first().map(|kv| &kv.keys.storage) {
+            Some(KvStorage::HostF32(_)) => HostViews::F32(views(kvs, op, |s| match s {
+                KvStorage::HostF32(v) => Some(&v[..]),
+                _ => None,
+            })?),
+            Some(KvStorage::HostF16(_)) => HostViews::F16(views(kvs, op, |s| match s {
+                KvStorage::HostF16(v) => Some(&v[..]),
+                _ => None,
+            })?),
+            Some(KvStorage::HostQ8(_)) => HostViews::Q8(views(kvs, op, |s| match s {
+                KvStorage::HostQ8(v) => Some(v.rows()),
+                _ => None,
+            })?),
+            _ => return Err(mismatch(op)),
+        })
+    }
+}
+
+/// [`attention`] on the host into `out`, over rings of any host precision.
+fn host_attention(
+    q: &[f32],
+    heads: usize,
+    head_dim: usize,
+    positions: &[usize],
+    kv: &Kv,
+    scale: f32,
+    out: &mut [f32],
+) -> Result<()> {
+    let (h, d, p) = (heads, head_dim, positions);
+    match HostViews::of(std::slice::from_ref(kv), "attention")? {
+        HostViews::F32(v) => cpu::attention::attention(q, h, d, p, &v[0], scale, out),
+        HostViews::F16(v) => cpu::attention::attention(q, h, d, p, &v[0], scale, out),
+        HostViews::Q8(v) => cpu::attention::attention(q, h, d, p, &v[0], scale, out),
+    }
+    Ok(())
+}
+
+/// [`attention_batch`] on the host into `out`: every cache in the first one's precision.
+fn host_attention_batch(
+    q: &[f32],
+    heads: usize,
+    head_dim: usize,
+    positions: &[usize],
+    kvs: &[Kv],
+    scale: f32,
+    out: &mut [f32],
+) -> Result<()> {
+    let Some(first) = kvs.first() else {
+        return Ok(());
+    };
+    check(kvs.iter().all(|kv| kv.kv_heads == first.kv_heads), || {
+        "a batch's caches differ in heads".into()
+    })?;
+    let (h, d, p) = (heads, head_dim, positions);
+    match HostViews::of(kvs, "attention_batch")? {
+        HostViews::F32(v) => cpu::attention::attention_batch(q, h, d, p, &v, scale, out),
+        HostViews::F16(v) => cpu::attention::attention_batch(q, h, d, p, &v, scale, out),
+        HostViews::Q8(v) => cpu::attention::attention_batch(q, h, d, p, &v, scale, out),
+    }
+    Ok(())
+}
+
+/// Refuses a cache that `tokens` queries of `q` (`heads` of `head_dim`) cannot attend over.
+fn check_kv(q: &Tensor, tokens: usize, heads: usize, head_dim: usize, kv: &Kv) -> Result<()> {
+    let row = kv.kv_heads * head_dim;
+    check(
+        q.len() == tokens * heads * head_dim
+            && kv.kv_heads > 0
+            && heads.is_multiple_of(kv.kv_heads)
+            && kv.keys.len() == kv.capacity * row
+            && kv.values.len() == kv.capacity * row
+            && kv.start <= kv.end
+            && kv.end - kv.start <= kv.capacity,
+        || {
+            format!(
+                "attention of {:?} ({heads} heads of {head_dim}) over {} KV heads × {}",
+                q.shape(),
+                kv.kv_heads,
+                kv.capacity
+            )
+        },
+    )
+}
+
+/// `kv` as the CUDA attention kernels read it, when it is on `q`'s GPU.
+fn kv_ring<'a>(q: &Buffer, kv: &Kv<'a>) -> Result<cuda::attention::KvRing<'a>> {
+    match (&kv.keys.storage, &kv.values.storage) {
+        (KvStorage::Cuda(k), KvStorage::Cuda(v))
+            if q.gpu().same(k.gpu()) && q.gpu().same(v.gpu()) && k.is_half() == v.is_half() =>
+        {
+            Ok(cuda::attention::KvRing {
+                keys: k,
+                values: v,
+                kv_heads: kv.kv_heads,
+                capacity: kv.capacity,
+                start: kv.start,
+                end: kv.end,
+                window: kv.window.unwrap_or(usize::MAX),
+            })
+        }
+        _ => Err(mismatch("attention")),
+    }
+}
+
+/// [`attention`] of one query token for each of several sequences: row `i` of `q`
+/// (`[sequences, heads · head_dim]`) sits at `positions[i]` and attends over `kvs[i]`; one
+/// launch on a GPU.
+pub fn attention_batch(
+    q: &Tensor,
+    heads: usize,
+    head_dim: usize,
+    positions: &Positions,
+    kvs: &[Kv],
+    scale: f32,
+) -> Result<Tensor> {
+    let n = kvs.len();
+    check(positions.len() == n, || {
+        format!("{} positions for {n} caches", positions.len())
+    })?;
+    for kv in kvs {
+        check_kv(q, n, heads, head_dim, kv)?;
+    }
+    match &q.storage {
+        Storage::Host(q) => {
+            let mut out = vec![0.0; q.len()];
+            host_attention_batch(
+                q,
+                heads,
+                head_dim,
+                positions.as_slice(),
+                kvs,
+                scale,
+                &mut out,
+            )?;
+            Ok(Tensor::new(vec![n, heads * head_dim], out))
+        }
+        Storage::Cuda(qb) => {
+            let rings = kvs
+                .iter()
+                .map(|kv| kv_ring(qb, kv))
+                .collect::<Result<Vec<_>>>()?;
+            let out = cuda::attention::attention_batch(
+                qb,
+                heads,
+                head_dim,
+                positions.on_gpu()?,
+                &rings,
+                scale,
+            )?;
+            Ok(Tensor::on_gpu(vec![n, heads * head_dim], out))
+        }
+    }
+}

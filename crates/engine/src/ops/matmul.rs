@@ -1,0 +1,374 @@
+//! Products with weight matrices: matmuls, the fused projections (attention's query, key and
+//! value with RoPE and the cache write; the gated MLP's first half), and embedding rows.
+
+use crate::cpu;
+use crate::cuda::{self, Buffer};
+use crate::kv::{KvBuffer, KvStorage};
+use crate::tensor::Storage;
+use crate::{Device, FloatMatrix, Positions, QuantizedMatrix, Tensor};
+
+use super::{
+    add_inplace, check, gelu_approx_mul_inplace, mismatch, rms_norm, silu_mul_inplace, with_last,
+    Heads, Result,
+};
+
+/// A weight matrix the matmul and row-lookup ops take: MLX-quantized or float.
+pub trait WeightMatrix {
+    /// `[rows, cols]`: rows are output features.
+    fn dims(&self) -> (usize, usize);
+    /// `y[m, rows] = x[m, cols] · Wᵀ` on the host.
+    fn matmul_host(&self, x: &[f32], m: usize, y: &mut [f32]);
+    /// The same on `x`'s GPU, from the copy placed there: a new buffer, or (`AddTo`) a sum
+    /// into an existing one.
+    fn matmul_gpu(&self, x: &Buffer, m: usize, out: cuda::matmul::Output)
+        -> Result<Option<Buffer>>;
+    /// Row `i` as f32 on the host.
+    fn row_host(&self, i: usize, out: &mut [f32]);
+    /// Rows `ids` as f32 on `gpu`.
+    fn rows_gpu(&self, gpu: &cuda::Gpu, ids: &[usize]) -> Result<Buffer>;
+}
+
+impl WeightMatrix for QuantizedMatrix {
+    fn dims(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+    fn matmul_host(&self, x: &[f32], m: usize, y: &mut [f32]) {
+        cpu::matmul::matmul(&self.view(), x, m, y);
+    }
+    fn matmul_gpu(
+        &self,
+        x: &Buffer,
+        m: usize,
+        out: cuda::matmul::Output,
+    ) -> Result<Option<Buffer>> {
+        cuda::matmul::quantized_matmul(self.on_gpu(x.gpu())?, self.shape(), x, m, out)
+    }
+    fn row_host(&self, i: usize, out: &mut [f32]) {
+        self.dequantize_row(i, out);
+    }
+    fn rows_gpu(&self, gpu: &cuda::Gpu, ids: &[usize]) -> Result<Buffer> {
+        cuda::matmul::quantized_rows(self.on_gpu(gpu)?, self.shape(), ids)
+    }
+}
+
+impl WeightMatrix for FloatMatrix {
+    fn dims(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+    fn matmul_host(&self, x: &[f32], m: usize, y: &mut [f32]) {
+        cpu::dense::matmul(&self.view(), x, m, y);
+    }
+    fn matmul_gpu(
+        &self,
+        x: &Buffer,
+        m: usize,
+        out: cuda::matmul::Output,
+    ) -> Result<Option<Buffer>> {
+        let y = cuda::matmul::dense_matmul(self.on_gpu(x.gpu())?, self.rows, self.cols, x, m)?;
+        match out {
+            cuda::matmul::Output::New => Ok(Some(y)),
+            cuda::matmul::Output::AddTo(sum) => {
+                cuda::elementwise::binary("add", sum, &y)?;
+                Ok(None)
+            }
+        }
+    }
+    fn row_host(&self, i: usize, out: &mut [f32]) {
+        self.row_to_f32(i, out);
+    }
+    fn rows_gpu(&self, gpu: &cuda::Gpu, ids: &[usize]) -> Result<Buffer> {
+        cuda::matmul::dense_rows(self.on_gpu(gpu)?, self.cols, ids)
+    }
+}
+
+/// `x · Wᵀ` for `x` of `[…, cols]`: `[…, rows]`, on `x`'s device.
+pub fn matmul(w: &impl WeightMatrix, x: &Tensor) -> Result<Tensor> {
+    let (rows, cols) = w.dims();
+    check(x.cols() == cols, || {
+        format!("matmul of {:?} by [{rows}, {cols}]ᵀ", x.shape())
+    })?;
+    let (m, shape) = (x.rows(), with_last(x.shape(), rows));
+    match &x.storage {
+        Storage::Host(v) => {
+            let mut y = vec![0.0; m * rows];
+            w.matmul_host(v, m, &mut y);
+            Ok(Tensor::new(shape, y))
+        }
+        Storage::Cuda(b) => {
+            let y = w.matmul_gpu(b, m, cuda::matmul::Output::New)?;
+            Ok(Tensor::on_gpu(shape, y.expect("a new output")))
+        }
+    }
+}
+
+/// An RMS norm a product applies to its input rows first, as [`rms_norm`] would: a GPU folds
+/// it into the product where it can (a decode step saves a launch a norm).
+#[derive(Clone, Copy)]
+pub struct InputNorm<'a> {
+    pub weight: &'a Tensor,
+    pub eps: f32,
+}
+
+/// `x`, normed by `norm` if there is one: borrowed as it is, or the new normed tensor.
+pub fn normed<'a>(x: &'a Tensor, norm: Option<InputNorm>) -> Result<std::borrow::Cow<'a, Tensor>> {
+    Ok(match norm {
+        None => std::borrow::Cow::Borrowed(x),
+        Some(n) => std::borrow::Cow::Owned(rms_norm(x, n.weight, n.eps)?),
+    })
+}
+
+/// `norm` as a kernel reading `x` (on a GPU, `cols` wide) can fold it in: `Some(None)` for no
+/// norm, `Some(Some(..))` for a weight beside `x` as wide as its rows. `None` for any other
+/// norm, which the unfused path then applies through [`rms_norm`] (or refuses there).
+fn foldable<'a>(
+    x: &Buffer,
+    cols: usize,
+    norm: Option<InputNorm<'a>>,
+) -> Option<cuda::matmul::InputNorm<'a>> {
+    let Some(n) = norm else { return Some(None) };
+    match &n.weight.storage {
+        Storage::Cuda(w) if w.gpu().same(x.gpu()) && w.len() == cols => Some(Some((w, n.eps))),
+        _ => None,
+    }
+}
+
+/// `norm(x) · Wⱼᵀ` for each of `ws` (a layer's q/k/v projections, say): on the CPU one job
+/// over all their rows, with the activations quantized once; on a GPU one launch where the
+/// int16-activation GEMV applies (the norm folded in), else one matmul each.
+pub fn quantized_matmul_group(
+    ws: &[&QuantizedMatrix],
+    x: &Tensor,
+    norm: Option<InputNorm>,
+) -> Result<Vec<Tensor>> {
+    for w in ws {
+        check(x.cols() == w.cols, || {
+            format!("matmul of {:?} by [{}, {}]ᵀ", x.shape(), w.rows, w.cols)
+        })?;
+    }
+    let gpu = match &x.storage {
+        Storage::Cuda(b) => foldable(b, x.cols(), norm).map(|folded| (b, folded)),
+        Storage::Host(_) => None,
+    };
+    if let Some((b, folded)) = gpu {
+        let placed = ws
+            .iter()
+            .map(|w| Ok((w.on_gpu(b.gpu())?, w.shape())))
+            .collect::<Result<Vec<_>>>()?;
+        if let Some(ys) = cuda::matmul::quantized_matmul_group(&placed, b, x.rows(), folded)? {
+            return Ok(ws
+                .iter()
+                .zip(ys)
+                .map(|(w, y)| Tensor::on_gpu(with_last(x.shape(), w.rows), y))
+                .collect());
+        }
+    }
+    let x = &*normed(x, norm)?;
+    let Storage::Host(v) = &x.storage else {
+        return ws.iter().map(|w| matmul(*w, x)).collect();
+    };
+    let m = x.rows();
+    let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0.0; m * w.rows]).collect();
+    let views: Vec<_> = ws.iter().map(|w| w.view()).collect();
+    let view_refs: Vec<_> = views.iter().collect();
+    let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
+    cpu::matmul::matmul_group(&view_refs, v, m, &mut outs);
+    Ok(ws
+        .iter()
+        .zip(ys)
+        .map(|(w, y)| Tensor::new(with_last(x.shape(), w.rows), y))
+        .collect())
+}
+
+/// `residual += x · Wᵀ`, in one pass where the device allows (a residual connection).
+pub fn matmul_add(w: &impl WeightMatrix, x: &Tensor, residual: &mut Tensor) -> Result<()> {
+    let (rows, cols) = w.dims();
+    check(
+        x.cols() == cols && residual.len() == x.rows() * rows,
+        || {
+            format!(
+                "matmul of {:?} by [{rows}, {cols}]ᵀ into {:?}",
+                x.shape(),
+                residual.shape()
+            )
+        },
+    )?;
+    match (&x.storage, &mut residual.storage) {
+        (Storage::Cuda(b), Storage::Cuda(sum)) if b.gpu().same(sum.gpu()) => {
+            w.matmul_gpu(b, x.rows(), cuda::matmul::Output::AddTo(sum))?;
+            Ok(())
+        }
+        _ => add_inplace(residual, &matmul(w, x)?),
+    }
+}
+
+/// The activation between the gate and up projections of a gated MLP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// SwiGLU: `silu(gate) · up`.
+    Silu,
+    /// GeGLU: `gelu_approx(gate) · up`.
+    GeluApprox,
+}
+
+/// `act(norm(x) · Gᵀ) · (norm(x) · Uᵀ)`: one pass over both matrices on a GPU when they share
+/// shape and quantization and `x` has few rows (the norm folded in where the int16-activation
+/// kernel runs), else the norm, the two matmuls and the activation.
+pub fn quantized_glu(
+    gate: &QuantizedMatrix,
+    up: &QuantizedMatrix,
+    x: &Tensor,
+    norm: Option<InputNorm>,
+    act: Activation,
+) -> Result<Tensor> {
+    let same_format = (gate.rows, gate.cols, gate.bits, gate.group_size)
+        == (up.rows, up.cols, up.bits, up.group_size);
+    let gpu = match &x.storage {
+        Storage::Cuda(b) if same_format && x.cols() == gate.cols => {
+            foldable(b, x.cols(), norm).map(|folded| (b, folded))
+        }
+        _ => None,
+    };
+    if let Some((b, folded)) = gpu {
+        let kind = match act {
+            Activation::Silu => cuda::matmul::Glu::Silu,
+            Activation::GeluApprox => cuda::matmul::Glu::GeluApprox,
+        };
+        let (g, u) = (gate.on_gpu(b.gpu())?, up.on_gpu(b.gpu())?);
+        let (s, m) = (gate.shape(), x.rows());
+        if let Some(out) = cuda::matmul::quantized_glu(g, u, s, b, m, kind, folded)? {
+            return Ok(Tensor::on_gpu(with_last(x.shape(), gate.rows), out));
+        }
+    }
+    let x = &*normed(x, norm)?;
+    let mut pair = quantized_matmul_group(&[gate, up], x, None)?.into_iter();
+    let (mut h, u) = (pair.next().unwrap(), pair.next().unwrap());
+    match act {
+        Activation::Silu => silu_mul_inplace(&mut h, &u)?,
+        Activation::GeluApprox => gelu_approx_mul_inplace(&mut h, &u)?,
+    }
+    Ok(h)
+}
+
+/// Rows `ids` of `w` as f32 on `device` (an embedding lookup).
+pub fn matrix_rows(w: &impl WeightMatrix, ids: &[usize], device: &Device) -> Result<Tensor> {
+    let (rows, cols) = w.dims();
+    check(ids.iter().all(|&i| i < rows), || {
+        format!("row index past the {rows} rows of the table")
+    })?;
+    let shape = vec![ids.len(), cols];
+    match device {
+        Device::Cpu => {
+            let mut out = vec![0.0; ids.len() * cols];
+            for (&i, row) in ids.iter().zip(out.chunks_exact_mut(cols)) {
+                w.row_host(i, row);
+            }
+            Ok(Tensor::new(shape, out))
+        }
+        Device::Cuda(gpu) => Ok(Tensor::on_gpu(shape, w.rows_gpu(gpu, ids)?)),
+    }
+}
+
+/// A rotation by position (RoPE), as [`rope_pair_inplace`] applies it: one frequency per pair
+/// of features; neighbours paired with `traditional`, else the halves of each head.
+#[derive(Clone, Copy)]
+pub struct Rotation<'a> {
+    pub inv_freqs: &'a Tensor,
+    pub traditional: bool,
+}
+
+/// Where a token's keys and values go: a cache's two rings of `capacity` slots, as
+/// [`kv_write`] writes them.
+pub struct KvTarget<'a> {
+    pub keys: &'a mut KvBuffer,
+    pub values: &'a mut KvBuffer,
+    pub capacity: usize,
+}
+
+/// Attention's projections of one token, its rotation and its cache write in one launch on a
+/// GPU: `ws` are the query, key and value projections of `x` (normed first by `norm`), each
+/// with its bias if it has one, the queries and keys rotated at `positions` by `rope`, the keys
+/// and values written into `cache`. The same numbers as [`quantized_matmul_group`],
+/// [`add_row_inplace`], [`rope_pair_inplace`] and [`kv_write`] in turn. Returns the rotated
+/// queries, or `None` where the fused kernel does not apply (the host, more than one token,
+/// widths other than 4 and 8 bits, an exact GPU handle, a rotation of part of each head),
+/// having written nothing: the caller then takes those steps.
+pub fn qkv_rope_write(
+    ws: [(&QuantizedMatrix, Option<&Tensor>); 3],
+    x: &Tensor,
+    norm: Option<InputNorm>,
+    shape: Heads,
+    rope: Rotation,
+    positions: &Positions,
+    cache: KvTarget,
+) -> Result<Option<Tensor>> {
+    let Heads {
+        heads,
+        kv_heads,
+        head_dim,
+    } = shape;
+    let rows = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim];
+    check(
+        ws.iter().zip(rows).all(|((w, bias), r)| {
+            w.rows == r && w.cols == x.cols() && bias.is_none_or(|b| b.len() == r)
+        }),
+        || format!("q/k/v projections of {:?} into {shape:?}", x.shape()),
+    )?;
+    let (Storage::Cuda(xb), Storage::Cuda(freqs), KvStorage::Cuda(keys), KvStorage::Cuda(values)) = (
+        &x.storage,
+        &rope.inv_freqs.storage,
+        &mut cache.keys.storage,
+        &mut cache.values.storage,
+    ) else {
+        return Ok(None);
+    };
+    if x.rows() != 1 || positions.len() != 1 || 2 * freqs.len() != head_dim {
+        return Ok(None);
+    }
+    let ring = cache.capacity * rows[1];
+    check(keys.len() == ring && values.len() == ring, || {
+        format!("a cache of {} slots × {}", cache.capacity, rows[1])
+    })?;
+    if keys.is_half() != values.is_half()
+        || ![freqs.gpu(), keys.gpu(), values.gpu()]
+            .iter()
+            .all(|g| xb.gpu().same(g))
+    {
+        return Err(mismatch("qkv_rope_write"));
+    }
+    let Some(folded) = foldable(xb, x.cols(), norm) else {
+        return Ok(None);
+    };
+    let gpu = xb.gpu();
+    let placed = [
+        on_gpu_with_bias(ws[0], gpu)?,
+        on_gpu_with_bias(ws[1], gpu)?,
+        on_gpu_with_bias(ws[2], gpu)?,
+    ];
+    let q = cuda::matmul::qkv_rope_write(
+        placed,
+        xb,
+        folded,
+        shape,
+        (freqs, rope.traditional),
+        positions.on_gpu()?,
+        (keys, values, cache.capacity),
+    )?;
+    Ok(q.map(|q| Tensor::on_gpu(with_last(x.shape(), rows[0]), q)))
+}
+
+/// A projection's copy on `gpu`, its shape and its bias's buffer there.
+fn on_gpu_with_bias<'a>(
+    (w, bias): (&'a QuantizedMatrix, Option<&'a Tensor>),
+    gpu: &cuda::Gpu,
+) -> Result<(
+    &'a cuda::QuantizedWeights,
+    cuda::matmul::QuantShape,
+    Option<&'a Buffer>,
+)> {
+    let bias = match bias.map(|b| &b.storage) {
+        None => None,
+        Some(Storage::Cuda(b)) if b.gpu().same(gpu) => Some(b),
+        Some(_) => return Err(mismatch("qkv_rope_write")),
+    };
+    Ok((w.on_gpu(gpu)?, w.shape(), bias))
+}
