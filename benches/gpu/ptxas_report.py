@@ -1,6 +1,7 @@
-"""Registers, spills and shared memory of every kernel in kernels.cu, as ptxas reports them when
-NVRTC compiles the file for a GPU architecture: no GPU needed, only libnvrtc (the PyPI package
-nvidia-cuda-nvrtc that scripts/test.sh installs into the oracle venv).
+"""Registers, spills and shared memory of every CUDA kernel, as ptxas reports them when NVRTC
+compiles oxlm's kernel source (printed by the engine's `kernel_source` example) for a GPU
+architecture: no GPU needed, only libnvrtc (the PyPI package nvidia-cuda-nvrtc that
+scripts/test.sh installs into the oracle venv).
 
 usage: $(scripts/oracle/venv.sh) benches/gpu/ptxas_report.py [--arch sm_90] [--filter REGEX]
 (about a minute on 2 cores)
@@ -10,10 +11,15 @@ import argparse
 import ctypes
 import os
 import re
+import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SOURCE = os.path.join(ROOT, "crates/engine/src/cuda/kernels.cu")
+
+
+def kernel_source() -> bytes:
+    example = ["cargo", "run", "-q", "--release", "-p", "oxlm-engine", "--example", "kernel_source"]
+    return subprocess.run(example, cwd=ROOT, check=True, capture_output=True).stdout
 
 
 def nvrtc():
@@ -28,7 +34,7 @@ def nvrtc():
 def compile_log(arch: str) -> str:
     nv = nvrtc()
     prog = ctypes.c_void_p()
-    src = open(SOURCE, "rb").read()
+    src = kernel_source()
     check = lambda rc, what: rc == 0 or sys.exit(f"{what} failed: {rc}")
     check(nv.nvrtcCreateProgram(ctypes.byref(prog), src, b"kernels.cu", 0, None, None), "create")
     opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"--ptxas-options=-v"]

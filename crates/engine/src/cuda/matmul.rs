@@ -17,11 +17,11 @@ use super::{
 /// Up to this many activation rows a matmul may be a GEMV that streams each weight once; more
 /// go to the tensor cores: straight from 4- and 8-bit weights up to [`MMA_MAX_ROWS`] (batched
 /// decoding), through cuBLAS on dequantized weights beyond (prefill, where cuBLAS's larger
-/// tiles win: 2048-token prompts ran at a quarter of the speed in 64-row turns of `qmma`).
+/// tiles run long prompts several times faster than 64-row turns of `qmma`).
 /// 4- and 8-bit weights take the tensor cores from [`MMA_MIN_ROWS`] already, and from two rows
 /// where the int16 activations do not fit a block (four rows of a 14,336-wide down projection:
-/// [`INT_MAX_SHARED_BYTES`]): the f32-activation GEMV took 1.6 ms of a 3.2 ms step at 8
-/// sequences of the 0.85B llama on the H200.
+/// [`INT_MAX_SHARED_BYTES`]), because the f32-activation GEMV left for those takes about half
+/// of a batched decode step on an H200.
 pub const GEMV_MAX_ROWS: usize = 8;
 
 /// Activation rows of the tensor-core products from packed weights (8 tiles of 8).
@@ -29,29 +29,24 @@ const MMA_MAX_ROWS: usize = 64;
 
 /// Runs of 32 weights a warp of `qmma` takes at once (a turn, one run a lane of each quad): its
 /// slices are whole turns, and its activations' rows are padded to them.
-const MMA_TURN_RUNS: usize = 4;
+pub(super) const MMA_TURN_RUNS: usize = 4;
 
 /// From this many activation rows the tensor cores take the products of 4- and 8-bit weights
 /// where f16 operands are allowed, though the int16 GEMVs would fit up to [`GEMV_MAX_ROWS`].
-/// Measured on the H200 (2026-12-04, the 0.85B llama, 4-bit, 512-token prompts; int16 GEMVs
-/// against tensor cores): 5 sequences decoded at 3,664-3,730 against 3,694-3,748 tok/s, 6 at
-/// 4,142-4,146 against 4,391-4,461, 7 at 4,456-4,480 against 4,987-5,069, 8 at 4,817-4,856
-/// against 5,623-5,640; at 4 the GEMVs won (3,254-3,256 against 2,897-2,902).
+/// From five rows the tensor cores beat the int16 GEMVs on an H200 decoding 4-bit llamas, by
+/// more the more rows; at four the GEMVs still win.
 const MMA_MIN_ROWS: usize = 5;
 
 /// Warps per multiprocessor the tensor-core products from packed weights aim for, by slicing
-/// the runs: more keep more loads in flight, fewer leave fewer slices to add up. Measured on
-/// the H200 at 64 sequences of the 0.85B llama: 4 → 12,482 tok/s, 8 → 12,520, 16 → 11,678,
-/// 32 → 11,219.
+/// the runs: more keep more loads in flight, fewer leave fewer slices to add up. On an H200
+/// decoding many sequences, 4 or 8 balance the two best; 16 and more lose to the added slices.
 const MMA_WARPS_PER_SM: usize = 8;
 
 /// [`MMA_WARPS_PER_SM`] for the products of one tile (5-8 rows, or 2-4 whose int16 activations
 /// do not fit a block), whose warps hold fewer registers: slicing to fill more of an SM keeps
-/// more loads in flight. Measured on the H200 (the synthetic 7.2B llama, every matrix of which
-/// takes them at 5-8 sequences): with lanes loading 4-byte words (2026-12-03), aiming at 8, 16
-/// and 32 warps decoded 8 sequences at 910-913, 958-961 and 1,039 tok/s; with whole runs a lane
-/// (2026-12-04, 74 registers), aiming at 32, 16 and 64 decoded 8 at 1,497-1,505, 1,535-1,540 and
-/// 1,497-1,501, 6 at 1,181-1,185, 1,210-1,211 and 1,191-1,193; the 0.85B's 8 level.
+/// more loads in flight. On an H200, 16 decodes 6-8 sequences of a 7B-sized llama (every
+/// matrix of which takes these products there) a little faster than 32 or 64, and a small
+/// llama no differently.
 const MMA_ONE_TILE_WARPS_PER_SM: usize = 16;
 
 /// Bytes of f32 weights dequantized at a time for the many-row products: well within the
@@ -108,10 +103,9 @@ fn int_offsets_fit(s: QuantShape) -> bool {
 
 /// The most shared memory the int16-activation kernels take (their activations and own arrays),
 /// past the 48 KiB a kernel gets unasked: 2 rows of a 14,336-wide down projection, or 4 of a
-/// 5,632-wide one, take these kernels rather than the tensor cores. Measured on the H200
-/// (2026-12-04, 4-bit, 512-token prompts; at most 48, 100 and 200 KiB): the 7.2B llama decoded
-/// 2 sequences at 569-570, 604 and 604 tok/s, 4 at 892, 892-893 and 855-856 (its 4 rows'
-/// 129 KiB); the 0.85B 4 sequences at 3,642-3,720, 3,788-3,796 and 3,789-3,791.
+/// 5,632-wide one, take these kernels rather than the tensor cores. On an H200 that decodes 2-4
+/// sequences a few percent faster than the unasked 48 KiB, while a limit that lets four
+/// 14,336-wide rows (129 KiB) in as well decodes those slower than the tensor cores do.
 const INT_MAX_SHARED_BYTES: usize = 100 << 10;
 
 /// Activation rows the int16-activation kernels take at most: from [`MMA_MIN_ROWS`] the tensor
@@ -124,7 +118,7 @@ const INT_STATIC_SHARED_BYTES: usize = 3 << 10;
 
 /// Stages of each lane's pipeline of weight runs in the ring kernels ([`int_ring`];
 /// `INT_RING_STAGES` in the kernels).
-const INT_RING_STAGES: usize = 4;
+pub(super) const INT_RING_STAGES: usize = 4;
 
 /// Shared bytes of one lane's pipeline in the ring kernels: per stage, two rows' 16-byte runs
 /// of 4-bit weights and the 4-byte words that hold their scales and biases.
@@ -140,14 +134,9 @@ fn int_ring(s: QuantShape, m: usize) -> bool {
 }
 
 /// The least weights of a matrix whose 2-4-row GEMVs take the ring kernels: 8 MiB at 4 bits.
-/// Measured on the H200 (2026-12-04, 4-bit, 512-token prompts; tok/s of all sequences), against
-/// the stages in registers everywhere: with every such matrix, 2 sequences of the 0.85B llama
-/// 2,790 → 2,563, Qwen2.5-0.5B's shape 2,094 → 1,995, the 7.2B 646 → 681; from 16M weights
-/// (every projection of the 7.2B, its keys and values in one launch with its queries, and the
-/// three models' output heads), the 0.85B 2,790 → 2,781, Qwen's shape 2,094 → 2,118, the 7.2B
-/// 646 → 680 and at 4 sequences 908 → 984. At one row the ring was no better (4-bit
-/// 28,672×8,192 49.0 → 46.4 µs a call, 128,256×4,096 100.3 → 103.2; 8-bit twice as slow) and
-/// decoded one sequence 1-5% slower.
+/// On an H200 the ring speeds up matrices this large (a 7B-sized llama's projections, output
+/// heads) and slows smaller ones, against two stages in registers; at one row it is no faster
+/// (at 8 bits, twice as slow), so one-row and 8-bit GEMVs keep the registers.
 const RING_MIN_WEIGHTS: usize = 1 << 24;
 
 /// The dynamic shared memory of the int16-activation kernel for `m` rows of matrix `s` over
@@ -169,11 +158,8 @@ const _: () = assert!(
 /// The int16-activation kernel `base` (`qgemv`, `qgemv3`, `qglu`) for `m` activation rows: the
 /// narrowest that holds them (`qgemv_int1_4_bf16` for one, `_int2_` for two, `_int4_` for up to
 /// [`INT_MAX_ROWS`]; `_int2r_`, `_int4r_` where [`int_ring`] holds), whose fewer registers let
-/// more warps fit an SM. Measured on the H200 (2026-12-04, 4-bit, 512-token prompts), the
-/// widths of 2 and 4 against the 8-row kernels that took 2-4 rows before: 2 sequences of the
-/// 0.85B llama 2,219-2,269 → 2,595-2,691 tok/s, 4 → 3,371-3,439 → 3,618-3,716; Qwen2.5-0.5B's
-/// shape 1,554-1,567 → 1,934-1,955 and 2,499-2,500 → 2,823-2,844; the 7.2B llama 519-520 → 568
-/// and 836-837 → 889-892.
+/// more warps fit an SM: on an H200 they decode 2-4 sequences clearly faster than one kernel
+/// sized for eight rows.
 fn int_kernel(base: &str, s: QuantShape, scale_type: &str, m: usize) -> String {
     let width = match m {
         1 => "1",
@@ -186,13 +172,10 @@ fn int_kernel(base: &str, s: QuantShape, scale_type: &str, m: usize) -> String {
 
 /// Threads per block of the int16-activation GEMVs, by the length of their rows (`cols`): 8
 /// warps, or 16 for rows of 4,096 weights and more. Each block rounds the activations once for
-/// all its rows, so longer rows want more rows a block. The kernels for up to 8 activation rows
-/// hold about 95 registers a thread (2 blocks of 8 warps an SM, or 1 of 16), the one-row ones
-/// about 64 (4 or 2). Measured on the H200: with the 8-row kernels alone (2026-12-01, 4-bit, one
-/// row), 2048×2048 took 2.8/2.5/2.6 µs with 4/8/16 warps, 2048×5632 8.0/6.8/7.2, 4096×14336
-/// 23.8/19.0/17.4, and the 7.2B llama decoded at 261/285/302 tok/s with every GEMV at 4/8/16
-/// warps; with the one-row kernels (2026-12-02), every GEMV at 8 warps against this rule
-/// decoded the 7.2B at 385 against 417 tok/s and the 0.85B at 1,421 against 1,408.
+/// all its rows, so longer rows want more rows a block. The one-row kernels hold about 64
+/// registers a thread (4 blocks of 8 warps an SM, or 2 of 16). On an H200, 8 warps suit rows of
+/// 2,048 weights and 16 the rows of 4,096 and more: a 7B-sized llama decodes several percent
+/// faster than with 8 everywhere, a small one no slower.
 fn int_threads(cols: usize) -> u32 {
     if cols >= 4096 {
         512
@@ -227,10 +210,8 @@ fn one_wave(
 /// loads in flight as a tall one without a second wave. One sequence of the 0.85B llama: its
 /// down projection (2,048 rows of 5,632) takes four, its output projection two (rows of two
 /// tiles), the head one; the 7.2B's take two, and at two sequences, whose kernel holds fewer
-/// warps, one. Measured on the H200 (2026-12-04, 4-bit, 512-token prompts, two rounds) against
-/// two for every matrix of fewer than 8,192 rows with two tiles or more: a step of one sequence
-/// of Qwen2.5-0.5B's shape 546-550 -> 528 µs on the GPU (1,707-1,768 -> 1,784-1,796 tok/s), of
-/// the 0.85B 431 -> 425-429 µs; 2 sequences of the 7.2B 625-626 -> 641-649 tok/s.
+/// warps, one. On an H200 this decodes a few percent faster than two warps for every matrix of
+/// fewer than 8,192 rows with two tiles or more.
 fn int_parts(s: QuantShape, resident_warps: usize) -> usize {
     let tiles = (s.cols / 32).div_ceil(32);
     let pairs = s.rows.div_ceil(2);
@@ -310,7 +291,7 @@ pub fn quantized_matmul(
         // Four rows per block share each activation load; the block's threads split the row
         // (one run of 32 weights each, as far as the row goes). Tall matrices have blocks
         // enough to fill the GPU with one warp each, which saves the blocks' reductions
-        // (measured on the H200: 14336x4096 in 28 us against 47).
+        // (40% of a 14336x4096 product's time on an H200).
         let threads = if s.rows >= 8192 {
             32
         } else {
@@ -395,11 +376,8 @@ fn mma_acts(x: &Buffer, m: usize, cols: usize, norm: InputNorm) -> Result<MmaAct
 /// features are the warps of one block (as many as it holds), whose sums meet in its shared
 /// memory; over more, blocks of one warp, whose sums `mma_reduce` adds up: those fit beside the
 /// kernel before, so that their weights' early requests go up while it runs (`ask_ahead` in the
-/// kernels). Measured on the H200 (2026-12-04, 4-bit, 512-token prompts), slices as one block's
-/// warps against one-warp blocks and `mma_reduce`: 8 sequences (one tile) of the 0.85B llama
-/// 5,943-5,964 → 6,137-6,318 tok/s, of the 7.2B 1,624-1,630 → 1,705-1,714, of Qwen2.5-0.5B's
-/// shape 4,354-4,411 → 4,594-4,765; but 16 sequences of the 7.2B 2,711-2,742 → 2,549-2,565 and
-/// 64 of the 0.85B 24,227-24,538 → 21,180-22,005.
+/// kernels). On an H200 one block's warps beat one-warp blocks and `mma_reduce` by a few
+/// percent over one tile of rows, and lose by more over two tiles and beyond.
 fn quantized_mma(
     w: &QuantizedWeights,
     s: QuantShape,
@@ -478,10 +456,8 @@ fn same_format(ws: &[(&QuantizedWeights, QuantShape)]) -> bool {
 /// once where those apply; `None` otherwise (the caller norms and multiplies one matrix at a
 /// time). One matrix (an output head) takes the one-wave GEMV ([`int_gemv`]), whose blocks each
 /// round the activations once for all their rows; two or three `qgemv3`, a block per 2 rows a
-/// warp. Measured on the H200 (2026-12-04, 4-bit, 512-token prompts), a head through the
-/// one-wave GEMV against `qgemv3`: Qwen2.5-0.5B's shape (151,936 rows) decoded 1 sequence at
-/// 1,536-1,602 against 1,511-1,526 tok/s and 4 at 3,110-3,136 against 2,833-2,872; the 0.85B
-/// and 7.2B llamas (32,000 rows) the same.
+/// warp. On an H200 the one-wave GEMV decodes with a 152K-row head up to a tenth faster than
+/// `qgemv3` would, and with a 32K-row one as fast.
 pub fn quantized_matmul_group(
     ws: &[(&QuantizedWeights, QuantShape)],
     x: &Buffer,

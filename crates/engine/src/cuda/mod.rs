@@ -16,6 +16,7 @@ pub(crate) mod matmul;
 pub(crate) mod norm;
 pub(crate) mod recurrent;
 mod step;
+mod trace;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -29,6 +30,8 @@ use cudarc::driver::{
 pub(crate) use step::Arg;
 pub use step::StepReplay;
 use step::{Op, StepState};
+use trace::tracing;
+pub use trace::{TracedLaunch, TRACE_DONE, TRACE_FIRST_READY, TRACE_STAGES, TRACE_STAGE_NAMES};
 
 use crate::EngineError;
 
@@ -36,6 +39,7 @@ use crate::EngineError;
 /// (each may use what the files before it define) into the one source NVRTC compiles.
 const KERNELS: &str = concat!(
     include_str!("kernels/prelude.cu"),
+    include_str!("kernels/trace.cu"),
     include_str!("kernels/matmul.cu"),
     include_str!("kernels/elementwise.cu"),
     include_str!("kernels/norm.cu"),
@@ -76,18 +80,23 @@ pub fn compile_kernels(major: i32, minor: i32, traced: bool) -> Result<Vec<u8>, 
     compile::cubin(&kernel_source(traced), major, minor)
 }
 
-/// Whether the kernels record their launch times (`OXLM_TRACE` set: [`Gpu::take_trace`]).
-fn tracing() -> bool {
-    std::env::var_os("OXLM_TRACE").is_some()
+/// The kernels' source: the constants they share with the launchers, then the files, recording
+/// their launches where `traced`.
+pub fn kernel_source(traced: bool) -> String {
+    let trace = if traced { "#define OXLM_TRACE\n" } else { "" };
+    format!("{}{}{trace}{KERNELS}", shared_constants(), trace::defines())
 }
 
-/// The kernels' source, recording their launches where `traced`.
-fn kernel_source(traced: bool) -> std::borrow::Cow<'static, str> {
-    if traced {
-        format!("#define OXLM_TRACE\n{KERNELS}").into()
-    } else {
-        KERNELS.into()
-    }
+/// Constants that launchers and kernels both use, written once on the Rust side and put ahead
+/// of the kernels' source as `#define`s.
+fn shared_constants() -> String {
+    [
+        ("INT_RING_STAGES", matmul::INT_RING_STAGES),
+        ("MMA_TURN_RUNS", matmul::MMA_TURN_RUNS),
+    ]
+    .iter()
+    .map(|(name, value)| format!("#define {name} {value}\n"))
+    .collect()
 }
 
 /// A handle on one GPU: its context, stream, compiled kernels and cuBLAS, and the precision of
@@ -134,10 +143,8 @@ struct Inner {
 
 /// Downloads up to this size (a vocabulary's logits) go through pinned host memory, and greedy
 /// picks are written there by their kernel: a copy into pageable memory costs the driver a
-/// staging copy of its own, and each decode step waits for its download while the GPU idles.
-/// Measured on the H200 (2026-12-04, one sequence of the 4-bit 0.85B llama): the GPU idled
-/// 26-34 us between steps with pageable downloads, 18-20 with picks written here; 2,150-2,168
-/// -> 2,219-2,237 tok/s.
+/// staging copy of its own, and each decode step waits for its download while the GPU idles
+/// (about a third of that idle time goes, and one sequence decodes a few percent faster).
 pub(crate) const PINNED_DOWNLOAD_BYTES: usize = 4 << 20;
 
 /// Page-locked host memory from the driver, mapped into the device's address space (a kernel
@@ -177,45 +184,6 @@ impl Drop for PinnedHost {
             let _ = sys::cuMemFreeHost(self.host.cast());
         }
     }
-}
-
-/// The traced stages' slots and shards (`trace_stages` in kernels/trace.cu).
-const TRACE_SLOTS: usize = 1024;
-const TRACE_SHARDS: usize = 8;
-/// The stages a traced launch records, in the order of kernels/trace.cu's `TRACE_*` stages.
-pub const TRACE_STAGE_NAMES: [&str; TRACE_STAGES] = [
-    "first_ready",
-    "last_ready",
-    "acts",
-    "keys",
-    "done",
-    "scores",
-    "counted",
-    "merge_maxima",
-    "merge_summed",
-];
-pub const TRACE_STAGES: usize = 9;
-/// The stages at which a launch's first block found its inputs ready and a warp ended.
-pub const TRACE_FIRST_READY: usize = 0;
-pub const TRACE_DONE: usize = 4;
-
-fn words(bytes: &[u8]) -> Vec<u64> {
-    bytes
-        .chunks_exact(8)
-        .map(|b| u64::from_ne_bytes(b.try_into().unwrap()))
-        .collect()
-}
-
-/// One launch of a traced run (see [`Gpu::take_trace`]): when its first block started and when
-/// its inputs were ready, in nanoseconds of the GPU's clock; then when it reached each of the
-/// [`TRACE_STAGE_NAMES`] (the first of its blocks for the first, the last for the others), where
-/// the kernel marks them.
-#[derive(Debug, Clone)]
-pub struct TracedLaunch {
-    pub kernel: String,
-    pub started_ns: u64,
-    pub ready_ns: u64,
-    pub stages_ns: [Option<u64>; TRACE_STAGES],
 }
 
 impl Gpu {
@@ -450,82 +418,6 @@ impl Gpu {
         }
         let op = Op::kernel(f.cu_function(), cfg, args, self.inner.early_start);
         self.step_state().submit(&self.inner.stream, op)
-    }
-
-    /// The launches since the last call, once they have run, where the process was started with
-    /// `OXLM_TRACE` set (the kernels then record their times: `await_inputs` in kernels/prelude.cu);
-    /// `None` otherwise. For finding where a decode step's time goes.
-    pub fn take_trace(&self) -> Result<Option<Vec<TracedLaunch>>, EngineError> {
-        let Some(traced) = &self.inner.traced else {
-            return Ok(None);
-        };
-        self.bind()?;
-        let stream = &self.inner.stream;
-        stream.synchronize().map_err(err)?;
-        let launched = std::mem::take(&mut *traced.lock().unwrap());
-        let count = self.take_global("trace_count", 4)?;
-        let count = u32::from_ne_bytes(count.try_into().unwrap()) as usize;
-        let times = self
-            .inner
-            .module
-            .get_global("trace_times", stream)
-            .map_err(err)?;
-        let kept = count.min(times.len() / 24);
-        let mut bytes = vec![0u8; kept * 24];
-        stream
-            .memcpy_dtoh(&times.slice(..kept * 24), &mut bytes)
-            .map_err(err)?;
-        if count != launched.len() || kept != count {
-            return Err(EngineError::Cuda(format!(
-                "the trace holds {kept} of {count} launches for {} kernels launched",
-                launched.len()
-            )));
-        }
-        let stages = words(&self.take_global(
-            "trace_stages",
-            TRACE_SLOTS * TRACE_STAGES * TRACE_SHARDS * 8,
-        )?);
-        let times = words(&bytes);
-        // Each launch's slot of stages, unless two launches share one.
-        let slot = |grid: u64| (grid % TRACE_SLOTS as u64) as usize;
-        let mut used = vec![0u32; TRACE_SLOTS];
-        for t in times.chunks(3) {
-            used[slot(t[2])] += 1;
-        }
-        // The first stage holds complements, so that its latest is the earliest time.
-        let stage = |grid: u64, stage: usize| {
-            let shards =
-                &stages[(slot(grid) * TRACE_STAGES + stage) * TRACE_SHARDS..][..TRACE_SHARDS];
-            let latest = shards.iter().copied().max().filter(|&t| t > 0)?;
-            let first = stage == TRACE_FIRST_READY;
-            (used[slot(grid)] == 1).then_some(if first { !latest } else { latest })
-        };
-        Ok(Some(
-            launched
-                .into_iter()
-                .zip(times.chunks(3))
-                .map(|(kernel, t)| TracedLaunch {
-                    kernel,
-                    started_ns: t[0],
-                    ready_ns: t[1],
-                    stages_ns: std::array::from_fn(|i| stage(t[2], i)),
-                })
-                .collect(),
-        ))
-    }
-
-    /// The first `bytes` of the kernels' global `name` (a trace's count, or its stages as
-    /// `[slot][stage][shard]`), zeroed for the next launches.
-    fn take_global(&self, name: &str, bytes: usize) -> Result<Vec<u8>, EngineError> {
-        let stream = &self.inner.stream;
-        let mut global = self.inner.module.get_global(name, stream).map_err(err)?;
-        let mut global = global.slice_mut(..bytes);
-        let mut taken = vec![0u8; bytes];
-        stream.memcpy_dtoh(&global, &mut taken).map_err(err)?;
-        stream
-            .memcpy_htod(&vec![0u8; bytes], &mut global)
-            .map_err(err)?;
-        Ok(taken)
     }
 
     /// Copies `bytes` between device addresses.

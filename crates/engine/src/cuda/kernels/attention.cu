@@ -354,7 +354,7 @@ ATTENTION_RINGS(16)
 // The batched attention stages tiles of 32 keys' rows (their keys, then their values) in shared
 // memory with cp.async, so that a tile's loads are in flight while the tile before is summed and
 // hold no registers. A row's d elements take `kv_units(d)` 16-byte units (the last one partly),
-// and its place in a tile `units`, which the launch gives (`kv_tile_stages` in ops.rs, with the
+// and its place in a tile `units`, which the launch gives (`kv_tile_stages` in cuda/attention.rs, with the
 // shared memory's size): one unit more where that count is even, so that eight lanes reading a
 // unit each of eight rows fall on distinct banks.
 template <class K>

@@ -1,9 +1,5 @@
 // ---- element-wise ---------------------------------------------------------------------------
 
-#define GRID_STRIDE(i, n)                                                  \
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < (n);    \
-         i += (i64)gridDim.x * blockDim.x)
-
 extern "C" __global__ void add(float *x, const float *y, i64 n) {
     await_inputs();
     GRID_STRIDE(i, n) x[i] += y[i];

@@ -100,14 +100,6 @@ __device__ __forceinline__ void qdot_rows(const u32 *__restrict__ w,
     }
 }
 
-template <int ROWS, int M>
-__device__ __forceinline__ void zero(float (&acc)[ROWS][M]) {
-#pragma unroll
-    for (int i = 0; i < ROWS; i++)
-#pragma unroll
-        for (int r = 0; r < M; r++) acc[i][r] = 0.f;
-}
-
 // Sums each thread's acc[i][r] over the block into sum[i][r] (valid in thread 0): warps reduce
 // with shuffles, then the warps' partials meet in shared memory.
 template <int ROWS>
@@ -295,7 +287,7 @@ QUANTIZED_BITS(8)
 // ---- tensor-core products of many activation rows ------------------------------------------------
 
 // y[r, :] = x[r, :] · Wᵀ for up to 64 rows r at once (from 5, or from 2 where the int16 GEMVs'
-// activations do not fit: `mma_applies` in ops.rs) on the tensor cores (mma.sync m16n8k16, f16
+// activations do not fit: `mma_applies` in cuda/matmul.rs) on the tensor cores (mma.sync m16n8k16, f16
 // operands, f32 sums), straight from the packed 4- or 8-bit weights: each weight is read once
 // for all rows, where dequantizing the matrix for cuBLAS wrote and read it again in f32.
 //
@@ -323,51 +315,6 @@ __device__ __forceinline__ u32 f16x2_fma(u32 a, u32 b, u32 c) {
     u32 r;
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
     return r;
-}
-
-__device__ __forceinline__ u16 f16_bits(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-
-// A cache's rings hold f32, or f16 (`half`): rounded to nearest once when written, saturating
-// at ±65504 as the host's f16 cache does (an infinity would turn softmax into NaN); NaN stays
-// NaN. Written once a token, read every step after: the flag is a branch, not a variant.
-__device__ __forceinline__ void kv_store(void *ring, i64 i, float v, int half) {
-    if (half) {
-        const float c = v != v ? v : fminf(fmaxf(v, -65504.f), 65504.f);
-        static_cast<u16 *>(ring)[i] = f16_bits(c);
-    } else {
-        static_cast<float *>(ring)[i] = v;
-    }
-}
-
-// Asks L2 for the line at p, without waiting or holding a register.
-__device__ __forceinline__ void l2_prefetch(const void *p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
-// Copies of 16 and 4 bytes from global into shared memory that the thread does not wait for
-// (`.cg`: the 16 bytes bypass L1), in groups it waits for with cp_async_wait.
-__device__ __forceinline__ void cp_async16(void *smem, const void *global) {
-    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(global) : "memory");
-}
-
-__device__ __forceinline__ void cp_async4(void *smem, const void *global) {
-    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(global) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-// Waits until at most N of the thread's latest cp.async groups are in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ u32 f16x2_splat(float f) {
@@ -413,7 +360,9 @@ __device__ __forceinline__ void eight_weights(const uint4 (&words)[BITS / 4], in
 }
 
 // Turns of four runs in a row of k tensor-core activations, the last padded with zeros.
-__device__ __forceinline__ int mma_turns(int k) { return (k / 32 + 3) / 4; }
+__device__ __forceinline__ int mma_turns(int k) {
+    return (k / 32 + MMA_TURN_RUNS - 1) / MMA_TURN_RUNS;
+}
 
 // The element of an eight (numbered within its run or row) whose value position i holds in the
 // pairs' order above: positions 0-7 hold elements 0, 4, 1, 5, 2, 6, 3, 7.
@@ -554,10 +503,9 @@ __device__ void qmma(const u32 *__restrict__ w, const typename S::T *__restrict_
     // asked of L2 ahead of their loads, which then wait on L2 rather than memory: the first
     // turn's before the kernel waits for its inputs (while the kernel before it runs), with its
     // scales and biases, each next turn's while this one's are multiplied. Registers would hold
-    // them too, but they are what keeps warps on an SM. Measured on the H200 (2026-12-04, 7.2B
-    // llama, 4-bit): 16 sequences 2,321 -> 2,559-2,591 tok/s, 64: 5,116-5,127 -> 5,772-5,862;
-    // but one tile lost (8 sequences 1,485-1,495 -> 1,378-1,385), its 32 warps an SM loading
-    // enough, and the early requests slowing the kernels before it.
+    // them too, but they are what keeps warps on an SM. It pays from two tiles on (large
+    // batches on the 7.2B llama gain about a tenth); one tile's 32 warps an SM already load
+    // enough, and there the early requests only slow the kernel before it.
     constexpr bool ask_ahead = TILES > 1;
     // This lane's run of the turn at r (past the slice's last, the last), the run's words of
     // feature (i, h), and the index of their scale and bias.
@@ -827,14 +775,13 @@ __device__ __forceinline__ int acts_units(int k, int m) {
     return m * tiles * 128 + (m * runs + 1) / 2;
 }
 
-// The stages of each lane's pipeline of weight runs in shared memory (RunRing); ops.rs's
-// `INT_RING_STAGES` sizes the launches' shared memory from the same number.
-#define INT_RING_STAGES 4
+// The stages of each lane's pipeline of weight runs in shared memory (RunRing); cuda/matmul.rs's
+// `INT_RING_STAGES` (from cuda/matmul.rs, which sizes the launches' shared memory by it).
 
 // The R matrices whose rows each set of qdot_jobs takes (one matrix twice for qgemv_int's
 // pairs of rows): row j of matrix i has its words at w[i] + j·words, its scales and biases at
 // s[i] + j·groups and b[i] + j·groups. A run's place is found with 32-bit offsets from these
-// bases (ops.rs's `int_acts_fit` keeps every matrix under 2^32 words): 64-bit products of rows
+// bases (cuda/matmul.rs's `int_acts_fit` keeps every matrix under 2^32 words): 64-bit products of rows
 // and lengths took most of a refill's instructions (qgemv_int1_4_bf16: 62 of 145 a run).
 template <int BITS, class S, int R>
 struct RowSources {
@@ -992,8 +939,8 @@ __device__ __forceinline__ void qdot_run(const RunWeights<BITS, S, R> &rw, const
 // kernel waits for its inputs (so, launched early, while the previous kernel still runs) and
 // before the block rounds x[m, k] into shared memory (once, however many sets follow); each
 // stage, once summed, is refilled with the run D ahead, the next set's first while a set's last
-// are summed. The stages are registers (two: a third measured no faster on the H200,
-// 2026-12-01, and costs registers, which more warps an SM put to better use) or, with RING,
+// are summed. The stages are registers (two: a third is no faster and costs registers, which
+// more warps an SM put to better use) or, with RING,
 // shared memory past the activations (RunRing, INT_RING_STAGES of them), which keeps more
 // bytes in flight with fewer registers. ready() runs once the inputs are, before the
 // activations are rounded, for loads of its own to fly with theirs.
@@ -1094,7 +1041,7 @@ __device__ __forceinline__ int jobs_of(int block, int step, int blocks) {
 // to keep the memory busy. A block takes virtual blocks `block`, `block + step`, ... below
 // `blocks`: launched with as many blocks as the GPU holds at once, it rounds the activations
 // once for all of them and keeps its loads flowing from one pair of rows into the next. The
-// launch gives the activations their shared memory (`int_acts_bytes` in ops.rs).
+// launch gives the activations their shared memory (`int_acts_bytes` in cuda/matmul.rs).
 template <int BITS, class S, int M, bool RING>
 __device__ void qgemv_int(const u32 *__restrict__ w, const typename S::T *__restrict__ scales,
                           const typename S::T *__restrict__ biases, const float *__restrict__ x,
@@ -1120,9 +1067,8 @@ __device__ void qgemv_int(const u32 *__restrict__ w, const typename S::T *__rest
     auto writes = [&](int job) {
         return (threadIdx.x & 31) == 0 && part == 0 && first_row(job) < n;
     };
-    // For one or two rows only: the wider kernels have no registers to spare (measured on the
-    // H200, 2026-12-04: one sequence of the 0.85B llama 1,953-1,960 -> 2,035-2,037 tok/s, the
-    // 7.2B 491 -> 504, Qwen2.5-0.5B's shape 1,557-1,584 -> 1,638-1,640).
+    // For one or two rows only: it makes one sequence's decode a few percent faster, and the
+    // wider kernels have no registers to spare for it.
     constexpr bool EARLY = M <= 2;
     float prior[2][M];
     auto done = [&](int job, float (&acc)[2][M]) {
@@ -1345,7 +1291,7 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
 FOR_INT_FORMATS(QUANTIZED_INT_WIDTHS)
 
 // The kernels of 2 and of up to 4 rows of 4-bit weights again, with their weight runs through
-// shared memory (RING), as `qgemv_int2r_4_bf16` and so on (ops.rs's `int_ring` chooses them).
+// shared memory (RING), as `qgemv_int2r_4_bf16` and so on (cuda/matmul.rs's `int_ring` chooses them).
 #define QUANTIZED_INT_RING(BITS, S, NAME)                                                          \
     QUANTIZED_INT(BITS, S, NAME, 4, 4r, true, )                                                    \
     QUANTIZED_INT(BITS, S, NAME, 2, 2r, true, )

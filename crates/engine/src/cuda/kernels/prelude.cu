@@ -6,6 +6,11 @@
 // half-precision values are converted with PTX or bit shifts.
 //
 // Entry points are `extern "C"`, one per template instance, named `<kernel>_<variant>`.
+//
+// This file comes first of the files joined into one source (`KERNELS` in cuda/mod.rs), after
+// the constants the launchers share with the kernels (INT_RING_STAGES, MMA_TURN_RUNS, TRACE_*),
+// which cuda/mod.rs writes as #defines. Each op family's file uses only what this file and
+// trace.cu define.
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -15,6 +20,11 @@ typedef long long i64;
 
 // ---- launch order ---------------------------------------------------------------------------
 
+// Tracing's hooks around the wait below (trace.cu, joined after this file): empty unless
+// OXLM_TRACE is defined.
+__device__ __forceinline__ unsigned long long trace_launch_begin();
+__device__ __forceinline__ void trace_launch_ready(unsigned long long started);
+
 // From sm_90 every kernel is launched as a programmatic dependent launch (`Op::run`): it may
 // start while the kernel before it is still running, so that its launch, and a GEMV's first
 // weight loads, overlap that kernel's tail instead of following it. Every kernel therefore
@@ -23,80 +33,12 @@ typedef long long i64;
 // so every earlier one, each having waited in turn), then lets the next kernel launch. Before
 // sm_90, and for kernels launched plainly, the stream's order already holds and this is empty
 // or returns at once.
-//
-// With OXLM_TRACE defined (`Gpu::take_trace`), the first thread of each launch's first block
-// also records when it started, when its inputs were ready (%globaltimer, ns) and the launch's
-// %gridid: the second time of a launch and the next one's is how long the launch held the
-// chain. Every block then also records its inputs ready, and the int16 GEMVs and one
-// sequence's attention their stages (`trace_stage`), into the launch's slot by its grid id.
-#ifdef OXLM_TRACE
-#define TRACE_LAUNCHES 65536
-__device__ unsigned long long trace_times[3 * TRACE_LAUNCHES];
-__device__ unsigned trace_count;
-__device__ __forceinline__ unsigned long long global_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-__device__ __forceinline__ unsigned long long grid_id() {
-    unsigned long long g;
-    asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
-    return g;
-}
-// Per launch (slot gridid % TRACE_SLOTS), per stage, in TRACE_SHARDS copies (so that a launch's
-// warps do not all update one address): the latest time the stage was reached, by reductions
-// that return nothing, so that recording holds no warp up. The first stage holds the earliest
-// time a block's inputs were ready, as its complement. In the order of TRACE_STAGE_NAMES in
-// mod.rs.
-enum TraceStage {
-    TRACE_FIRST_READY,
-    TRACE_LAST_READY,
-    TRACE_ACTS,    // the int16 GEMVs' activations rounded; one sequence's attention's query loaded
-    TRACE_KEYS,    // one sequence's attention's keys and values summed
-    TRACE_DONE,    // a warp's end
-    TRACE_SCORES,  // one sequence's attention's first tile of scores
-    TRACE_COUNTED, // one sequence's attention's split counted
-    TRACE_MERGE_MAXIMA, // the merge's maxima and sums loaded and reduced
-    TRACE_MERGE_SUMMED, // the merge's outputs summed
-    TRACE_STAGES
-};
-#define TRACE_SLOTS 1024
-#define TRACE_SHARDS 8
-__device__ unsigned long long trace_stages[TRACE_SLOTS][TRACE_STAGES][TRACE_SHARDS];
-__device__ __forceinline__ void trace_stage(int stage, unsigned shard) {
-    const unsigned long long t = global_ns();
-    atomicMax(&trace_stages[grid_id() % TRACE_SLOTS][stage][shard % TRACE_SHARDS],
-              stage == TRACE_FIRST_READY ? ~t : t);
-}
-#define TRACE_WARP(stage)                                                                          \
-    if ((threadIdx.x & 31) == 0) trace_stage(stage, blockIdx.x + (threadIdx.x >> 5))
-#define TRACE_BLOCK(stage)                                                                         \
-    if (threadIdx.x == 0) trace_stage(stage, blockIdx.x)
-#else
-#define TRACE_WARP(stage)
-#define TRACE_BLOCK(stage)
-#endif
 __device__ __forceinline__ void await_inputs() {
-#ifdef OXLM_TRACE
-    const bool traced = threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
-    const unsigned long long started = traced ? global_ns() : 0;
-#endif
+    const unsigned long long started = trace_launch_begin();
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-#ifdef OXLM_TRACE
-    if (traced) {
-        const unsigned long long ready = global_ns();
-        const unsigned i = atomicAdd(&trace_count, 1u);
-        if (i < TRACE_LAUNCHES)
-            trace_times[3 * i] = started, trace_times[3 * i + 1] = ready,
-            trace_times[3 * i + 2] = grid_id();
-    }
-    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
-        trace_stage(TRACE_FIRST_READY, blockIdx.x + blockIdx.y);
-        trace_stage(TRACE_LAST_READY, blockIdx.x + blockIdx.y);
-    }
-#endif
+    trace_launch_ready(started);
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
@@ -183,3 +125,61 @@ __device__ __forceinline__ float transpose_sum(float (&v)[32], int lane) {
     return v[0];
 }
 
+// ---- shared by the families ---------------------------------------------------------------
+
+#define GRID_STRIDE(i, n)                                                  \
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < (n);    \
+         i += (i64)gridDim.x * blockDim.x)
+
+template <int ROWS, int M>
+__device__ __forceinline__ void zero(float (&acc)[ROWS][M]) {
+#pragma unroll
+    for (int i = 0; i < ROWS; i++)
+#pragma unroll
+        for (int r = 0; r < M; r++) acc[i][r] = 0.f;
+}
+
+__device__ __forceinline__ u16 f16_bits(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// A cache's rings hold f32, or f16 (`half`): rounded to nearest once when written, saturating
+// at ±65504 as the host's f16 cache does (an infinity would turn softmax into NaN); NaN stays
+// NaN. Written once a token, read every step after: the flag is a branch, not a variant.
+__device__ __forceinline__ void kv_store(void *ring, i64 i, float v, int half) {
+    if (half) {
+        const float c = v != v ? v : fminf(fmaxf(v, -65504.f), 65504.f);
+        static_cast<u16 *>(ring)[i] = f16_bits(c);
+    } else {
+        static_cast<float *>(ring)[i] = v;
+    }
+}
+
+// Asks L2 for the line at p, without waiting or holding a register.
+__device__ __forceinline__ void l2_prefetch(const void *p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// Copies of 16 and 4 bytes from global into shared memory that the thread does not wait for
+// (`.cg`: the 16 bytes bypass L1), in groups it waits for with cp_async_wait.
+__device__ __forceinline__ void cp_async16(void *smem, const void *global) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(global) : "memory");
+}
+
+__device__ __forceinline__ void cp_async4(void *smem, const void *global) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(global) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Waits until at most N of the thread's latest cp.async groups are in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
