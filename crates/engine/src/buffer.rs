@@ -25,9 +25,8 @@ impl AsRef<[u8]> for AlignedVec {
 
 /// Writable storage for weights the CPU streams through: anonymous memory that Linux is asked
 /// to back with transparent huge pages, so that reading a matrix takes one TLB entry per 2 MiB
-/// instead of one per 4 KiB page (a page cache's memory map gets 4 KiB pages). On this project's
-/// 2-vCPU Xeons the one-thread decode of a 0.85B 4-bit model ran 7-24% faster with its weights
-/// read into one than mapped (BENCHMARKS.md, "Weights in huge pages"). Elsewhere, or when the
+/// instead of one per 4 KiB page (a page cache's memory map gets 4 KiB pages): on 2-vCPU Xeons
+/// one thread decodes up to a quarter faster from it than from a map. Elsewhere, or when the
 /// kernel declines, it is plain anonymous memory.
 pub struct WeightBuffer {
     map: memmap2::MmapMut,

@@ -22,7 +22,7 @@ const LOGIT_TOLERANCE: f32 = 2e-3;
 /// Largest |Δlogit| allowed in the prompt logits where the GPU prefill rounds operands to TF32
 /// (10-bit mantissas). These random models amplify rounding: mlx-lm's own bf16 run of them
 /// drifts from its fp32 one by 0.8 (qwen3) to 13 (qwen3_5); TF32 stays under 0.34 on all of
-/// them (H200, 2026-12-01). Decode steps are checked on the exact run; here they also round
+/// them (on an H200). Decode steps are checked on the exact run; here they also round
 /// activations to int16 (cuda_ops holds those kernels to 1e-4 relative), and a rounding-sized
 /// change of the prefilled cache can flip a mixture-of-experts route later on, which no
 /// tolerance bounds.

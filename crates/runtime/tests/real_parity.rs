@@ -27,9 +27,8 @@ const F16_CACHE_TOLERANCE: f32 = 0.02;
 /// then round to a neighbouring code, a step of 1/255 of their group's range, and those steps
 /// add up through 30 layers (measured: 0.17 to 0.40 in the first step; mlx-lm's own 8-bit cache
 /// is 0.23 to 0.46 from its unquantized one). Any change of rounding moves it within that band:
-/// the integer kernels (queries and softmax weights rounded to int16) measured 0.51, then 0.47
-/// with the queries' ties rounded to even; with only their scores 0.26, only their values 0.39.
-/// On a VM whose prefill GEMM runs on AMX tiles (another order of sums) it measured 0.63.
+/// the integer kernels (queries and softmax weights rounded to int16) take it to about 0.5, and
+/// a prefill GEMM on AMX tiles (another order of sums) to about 0.65.
 const Q8_CACHE_TOLERANCE: f32 = 0.8;
 
 fn model_dir(name: &str) -> Option<PathBuf> {

@@ -247,9 +247,9 @@ impl Worker {
 const WARM_UP_TOKENS: usize = 256;
 
 /// On a GPU, runs one prompt through the model and forgets it, so that the first long prompt
-/// a server gets does not pay for what a device sets up on first use. On the H200 that cost
-/// stalled every other request's stream for 0.11-0.12 s, whatever `--prefill-step-size`;
-/// after a warm-up, 7 ms with a step of 128 tokens. Nothing of the kind shows on the CPU.
+/// a server gets does not pay for what a device sets up on first use: on an H200 that stalls
+/// every other request's stream for over a tenth of a second, whatever `--prefill-step-size`,
+/// where a warm device stalls them for milliseconds. Nothing of the kind shows on the CPU.
 fn warm_up(model: &dyn LanguageModel) {
     if model.info().device.is_cpu() {
         return;

@@ -335,10 +335,10 @@ impl Job<'_> {
     /// activation row: tile products, then `y += s·C + b·Σx` into `ys` (rows `TASK_N` apart).
     ///
     /// A tile load costs about as much as two products and a load into a tile that products
-    /// still read waits for them (tiles are not renamed; measured here), so the weight tiles of
-    /// up to 64 columns stay loaded for every activation block, each activation tile meets both
-    /// weight blocks, and activation loads alternate between two tiles. Groups of 128 go in two
-    /// halves, the accumulators parked in `stash` between them.
+    /// still read waits for them (tiles are not renamed), so the weight tiles of up to 64
+    /// columns stay loaded for every activation block, each activation tile meets both weight
+    /// blocks, and activation loads alternate between two tiles. Groups of 128 go in two halves,
+    /// the accumulators parked in `stash` between them.
     ///
     /// # Safety
     /// The tile configuration must be loaded and the processor must have AMX and AVX-512.

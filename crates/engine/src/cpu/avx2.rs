@@ -49,8 +49,8 @@ pub(super) unsafe fn prefetch<T>(p: *const T) {
 }
 
 /// Bytes ahead of the rows being read that attention asks the cache for: one core's stream of
-/// keys or values otherwise waits on memory (at 4096 positions it got 6 GB/s of a core's 12 to
-/// 14 without, 9.5 with, on a Sapphire Rapids VM).
+/// keys or values otherwise waits on memory (at 4096 positions on a Sapphire Rapids core, about
+/// half the core's bandwidth without, three quarters with).
 const ATTENTION_PREFETCH_BYTES: usize = 2048;
 
 /// Prefetches the cache lines of the `len` elements [`ATTENTION_PREFETCH_BYTES`] past `p`.

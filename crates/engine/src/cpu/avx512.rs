@@ -22,7 +22,7 @@ fn first_lanes(n: usize) -> __mmask16 {
 
 /// Rows `0..nc` of `rows` (`kc` floats each) column-major into `panel`: column `c` of the
 /// `NR` rows at `panel[c · NR..]`, rows past `nc` zero. Sixteen rows × sixteen columns at a
-/// time, transposed in registers (a gather per column measured several times slower).
+/// time, transposed in registers (a gather per column is several times slower).
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn column_major(rows: &[f32], nc: usize, kc: usize, panel: &mut [f32]) {
     use super::gemm::wide::NR;
@@ -637,7 +637,7 @@ pub(super) unsafe fn dequantize<const B: u32>(
 /// Rows `n0..n0 + nc` of a 4- or 8-bit matrix, columns `k0..k0 + kc` (whole groups, of a
 /// multiple of 16), dequantized as [`dequantize`] does straight into the panel that
 /// [`column_major`] would make of them: sixteen rows by sixteen columns at a time, dequantized
-/// in registers and transposed there, where a row-major tile was written and read again.
+/// in registers and transposed there, rather than written as a row-major tile and read again.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 pub(super) unsafe fn dequantize_column_major<const B: u32>(
     w: &crate::params::QuantizedView,

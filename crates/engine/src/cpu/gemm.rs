@@ -219,7 +219,7 @@ pub(super) struct Kernel<'a> {
 
 impl Kernel<'_> {
     /// One dot product per output in eight-lane arrays, which the compiler vectorises for any
-    /// target (a register-blocked version in arrays was left scalar).
+    /// target (the compiler leaves a register-blocked version in arrays scalar).
     fn portable<const R: usize, const C: usize>(self) {
         for i in 0..R {
             let x = &self.x[i * self.xs..][..self.kc];
@@ -247,8 +247,8 @@ pub(super) mod wide {
     /// Weight rows per panel: four vectors of sixteen.
     pub(in super::super) const NR: usize = 64;
     /// Activation rows per kernel call: 24 accumulators, four weight vectors and a broadcast,
-    /// ten loads for 24 FMAs. (Measured in L1 on a Sapphire Rapids core: 6 × 64 reached the
-    /// FMAs' peak, 14 × 32 and 8 × 48 about 85% of it.)
+    /// ten loads for 24 FMAs. (In L1 on a Sapphire Rapids core 6 × 64 reaches the FMAs' peak,
+    /// 14 × 32 and 8 × 48 about 85% of it.)
     pub(in super::super) const MR: usize = 6;
     /// Kernel calls' worth of activation rows swept per panel (a 512-token prompt in one sweep):
     /// `MC · MR · KC` f32 is 288 KiB, in L2.

@@ -18,22 +18,19 @@ use super::{qint, with_scratch, with_task_scratch, Isa};
 use crate::params::FloatSlice;
 use crate::params::QuantizedView;
 
-/// Up to this many activation rows the f32-activation GEMV beats dequantizing panels (measured
-/// crossover: 7-8 rows at 2, 4 and 8 bits, 5 at 3, 5 and 6 bits).
+/// Up to this many activation rows the f32-activation GEMV beats dequantizing panels: the
+/// crossover lies at 7-8 rows for 2-, 4- and 8-bit weights and at 5 for 3-, 5- and 6-bit ones.
 pub const GEMV_MAX_M: usize = 6;
 
 /// Up to this many activation rows the integer GEMV ([`qint`]) beats dequantizing panels: it
-/// decodes batches of sequences. Measured on a 2-vCPU Xeon with AVX512-VNNI (2026-12-04,
-/// SmolLM2-135M 4-bit, `oxlm bench --batch`, tok/s of all sequences), the GEMV against the
-/// panels as they were then (dequantized rows, transposed after): 8 sequences 136-155 against
-/// 105, 12 157-158 against 149-150, 16 156-159 against 159-178 (one sequence: 124-128). Where
+/// decodes batches of sequences. Against panels dequantized by rows and transposed after, it
+/// still wins at 12 sequences of a small 4-bit model on a 2-vCPU Xeon and loses at 16. Where
 /// AVX-512 dequantizes straight into the panels, [`INT_GEMV_MAX_M_AVX512`] applies.
 pub const INT_GEMV_MAX_M: usize = 12;
 
 /// [`INT_GEMV_MAX_M`] where the panels are AVX-512's, dequantized in registers
-/// (`avx512::dequantize_column_major`). Same machine and model (2026-12-05, two runs each), the
-/// GEMV against those panels: 8 sequences 159-161 against 159-160, 9 161-166 against 162-174,
-/// 10 159-166 against 169-182, 12 162-167 against 226-229.
+/// (`avx512::dequantize_column_major`): on the same machine and model those panels draw level
+/// with the GEMV at 8 sequences and pull ahead from 9.
 pub const INT_GEMV_MAX_M_AVX512: usize = 8;
 
 /// Weight rows the GEMV walks together; the AVX2 kernels share each activation load among them.

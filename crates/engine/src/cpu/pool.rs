@@ -148,7 +148,8 @@ fn pool() -> &'static Mutex<Pool> {
 /// reports the topology, else the CPUs the process may use. Two hyperthreads of one core share
 /// its load ports and FMA units, which these kernels keep busy, so a second thread per core
 /// gains nothing and costs a wake-up per job; a second core nearly doubles the arithmetic and
-/// adds memory bandwidth (measured on a 2-core Xeon: decode 16 → 22 tok/s on a 0.85B model).
+/// adds memory bandwidth (a 2-core Xeon decodes a 0.85B model about 40% faster on both cores
+/// than on one).
 pub fn default_threads() -> usize {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     physical_cores()
@@ -242,8 +243,8 @@ pub fn parallel_for(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
 }
 
 /// Work below this many bytes of weights (about 80 µs of streaming on one core) runs on the
-/// calling thread alone: waking a sleeping worker takes tens of microseconds (measured 30-60 µs
-/// in a KVM guest), so smaller jobs finish sooner without it.
+/// calling thread alone: waking a sleeping worker takes tens of microseconds (30-60 µs in a
+/// KVM guest), so smaller jobs finish sooner without it.
 pub(crate) const PARALLEL_MIN_BYTES: usize = 1 << 20;
 
 /// [`parallel_for`] for tasks that together read `bytes` of weights: on the caller alone below

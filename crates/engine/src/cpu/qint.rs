@@ -46,9 +46,9 @@ pub enum Precision {
 
 /// The default: the activations as exact as the f32 path that this processor runs fastest,
 /// int8 triples where VNNI takes a byte product in one instruction (a 4-bit weight costs 1.5
-/// instructions where pairs take 3; 1.3-1.6× the GB/s of pairs on a Sapphire Rapids core,
-/// `examples/qgemv_bench`), int16 pairs on AVX2 alone (where `vpmaddubsw` and `vpmaddwd` take
-/// two for a byte product, and triples measured no faster).
+/// instructions where pairs take 3; 1.3-1.6× the throughput of pairs on a Sapphire Rapids
+/// core, `examples/qgemv_bench`), int16 pairs on AVX2 alone (where `vpmaddubsw` and `vpmaddwd`
+/// take two for a byte product, and triples are no faster).
 pub fn default_precision() -> Precision {
     let vnni = IntKernel::available().iter().any(|k| k.isa != IntIsa::Avx2);
     Precision::Int(if vnni {

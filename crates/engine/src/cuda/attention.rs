@@ -225,12 +225,9 @@ fn kv_tile_stages(d: usize, bytes: usize) -> (usize, usize, u32) {
 /// head (`attention_batch_E_G`'s G): it loads each key and value once for all of them, up to
 /// four; fewer while the (sequence, key/value head) `pairs` are few beside the GPU's
 /// `multiprocessors`, so that more warps share the work, each merging its heads' splits with
-/// fewer rounds. Measured on the H200 (2026-12-04, 4-bit llamas with groups of 4 over 8
-/// key/value heads, 512-token prompts; G = 4, 2, 1 in tok/s): the 0.85B at 2 sequences
-/// 1,975-2,021, 2,193-2,202, 2,210-2,256; at 4 3,128-3,216, 3,386-3,409, 3,484-3,501; at 8
-/// 5,442-5,493, 5,771-5,786, 5,738-5,783; at 16 9,681-9,932, 9,969-9,998, 9,528-9,593; the 7.2B
-/// at 2 466, 491-493, 518-520; at 4 773-774, 839-842, 836; at 8 1,605-1,609, 1,615-1,625,
-/// 1,609-1,615; at 16 2,673-2,685, 2,702-2,717, 2,530-2,533.
+/// fewer rounds. On an H200 decoding llamas with groups of 4 over 8 key/value heads, one head a
+/// warp wins while the pairs are under an eighth of the multiprocessors, two while they are no
+/// more than the multiprocessors; four, at so few pairs, lose up to a tenth.
 fn query_heads_per_warp(group: usize, pairs: usize, multiprocessors: usize) -> usize {
     let most = match group {
         1 => 1,
@@ -249,9 +246,9 @@ fn query_heads_per_warp(group: usize, pairs: usize, multiprocessors: usize) -> u
 /// Splits of each of a batched attention's `warps` (sequence, head chunk) pairs: enough for
 /// one wave of the kernel (`resident` warps, which its tiles' shared memory bounds), at most one
 /// a tile of 32 keys and 64 in all, and none once the pairs outnumber [`Gpu::split_counters`].
-/// Like [`decode_splits`], it follows the capacity (`span`), not the length. On the H200
-/// (2026-12-04, 4-bit llamas, 512-token prompts), aiming at twice the resident warps, or at 16
-/// an SM as before the tiles were staged, decoded up to 7% slower at 8 to 64 sequences.
+/// Like [`decode_splits`], it follows the capacity (`span`), not the length. One wave is enough:
+/// on an H200, aiming at twice the resident warps, or at a fixed 16 an SM, decodes 8 to 64
+/// sequences of llamas up to 7% slower.
 fn batch_splits(g: &Gpu, resident: usize, warps: usize, span: usize) -> usize {
     if warps >= SPLIT_QUERY_HEADS_PER_SM * g.multiprocessors() {
         return 1;

@@ -30,11 +30,9 @@ use crate::EngineError;
 /// Device memory for one step's temporaries at first. A step that outgrows it issues the rest
 /// of its calls itself, and the next doubles it (while the doubling takes at most half the
 /// free memory), so that steps of many sequences, whose tensor-core products' partial sums
-/// alone take some 20 MiB a layer at 16 sequences of an 8B model, replay whole. Measured on the
-/// H200 (2026-12-04, 4-bit, 512-token prompts), 256 MiB against 4 GiB: 32 sequences of the
-/// 0.85B llama 16,008-16,407 -> 16,543-17,016 tok/s, 64 23,632-24,429 -> 25,066-25,100; the 7.2B
-/// at 16 2,781-2,792 -> 2,871-2,880, 32 4,584-4,587 -> 4,736-4,750, 64 6,042-6,054 ->
-/// 6,169-6,179.
+/// alone take some 20 MiB a layer at 16 sequences of an 8B model, replay whole. Small batches
+/// fit 256 MiB, and the doubling gives larger ones the few percent that a step outgrowing its
+/// arena costs them on an H200, without reserving gigabytes up front.
 const ARENA_BYTES: usize = 256 << 20;
 /// Pinned host memory for one step's uploads (token ids, positions).
 const STAGING_BYTES: usize = 1 << 20;
@@ -43,8 +41,8 @@ const STAGING_BYTES: usize = 1 << 20;
 const SEGMENT_OPS: usize = 32;
 /// Calls in a step's first segment; each next one holds twice as many, up to [`SEGMENT_OPS`].
 /// The GPU waits for the host to walk the first segment's calls (about a microsecond each)
-/// before a step starts: 8 then 16 took 2-5% more tokens a second than 32 from the start, on
-/// the H200 (2026-12-03), and 4 no more than 8.
+/// before a step starts: on an H200, 8 then 16 decode a few percent faster than 32 from the
+/// start, and 4 no faster than 8.
 const FIRST_SEGMENT_OPS: usize = 8;
 
 /// How many calls segment `index` of a step holds.
