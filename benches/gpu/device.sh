@@ -32,15 +32,44 @@
 #                   a call of its own on a machine that stays warm: the stage keeps the part a
 #                   call brings in /tmp/mlx and runs once both are there
 #   wait-llamacpp   waits for the background build
+#   stagger         oxlm batches of 16 and 64 sequences on the 0.85B 4-bit llama whose prompts are
+#                   spread over the 256 tokens up to 512 (`bench --stagger`, as a server's
+#                   requests come), so that they outgrow their caches at different steps; 256
+#                   tokens each, the steps replayed in the JSON
+#   trace           where a decode step's time goes, kernel by kernel (`OXLM_TRACE`, with the
+#                   traced kernels prepare.sh compiles): the 0.85B 4-bit llama, 1, 8 and 64
+#                   sequences after 512-token prompts
+#   serve           `oxlm serve --device cuda` (benches/serve_bench.py) on the 0.85B llama's shape
+#                   with SmolLM2's vocabulary and tokenizer (carried by prepare.sh; random weights,
+#                   so the text is noise): 1, 8, 32 and 64 requests of 128 tokens sent together,
+#                   decoded one at a time and batched; then a 3,000-word prompt arriving while a
+#                   request streams, the stream's longest pause at prefill steps of 2048, 512 and
+#                   128 (each server's first long prompt: any first-use cost its warm-up leaves
+#                   shows here)
+#   arrivals        that server under requests arriving at random (serve_bench.py --arrivals):
+#                   4 seconds of them at 150 a second, then at 50 (RATES="150 50"), each asking for
+#                   32 to 128 tokens
 # Logs and one JSON line per measurement go to $OUT (or ./out). ONLY=name (for example
-# ONLY=qwen2.5-0.5b) keeps every stage to one of the models below (batch, profile and kernels
-# then take that model instead of the 0.85B llama).
+# ONLY=qwen2.5-0.5b) keeps every stage to one of the models below (batch, stagger, trace, profile,
+# kernels, serve and arrivals then take that model instead of the 0.85B llama).
+# AB=NAME compares two builds: prepare.sh run with AB=REV (a git revision; NAME is REV with any /
+# as -) also builds oxlm and cuda_gemv at REV, with their kernels, as .device/oxlm-NAME.gz and
+# .device/cuda_gemv-NAME.gz (carry them too); bench, batch, stagger, trace, serve, arrivals and
+# gemv then take each measurement with that build and this tree's in turn, ROUNDS times (2 unless
+# set; without AB, 1), each JSON line led by "build": NAME or "tree", each other line by the same.
+# A session's own one-off scripts and their outputs go in experiments/ (ignored by git; name it
+# in the call's carry), never in the tree: a measurement worth re-running becomes a stage here.
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
 export OXLM_CACHE="$PWD/.device/cache"
-# prepare.sh's kernels come gzipped, to fit the carry.
-gunzip -f .device/cache/cuda/*.gz 2>/dev/null
+# prepare.sh's kernels, and an A/B's second build, come gzipped, to fit the carry.
+gunzip -f .device/cache/cuda/*.gz .device/oxlm-*.gz .device/cuda_gemv-*.gz 2>/dev/null
+AB=${AB:-}
+AB=${AB//\//-}
+[ -z "$AB" ] || chmod +x ".device/oxlm-$AB" ".device/cuda_gemv-$AB"
+ROUNDS=${ROUNDS:-${AB:+2}}
+ROUNDS=${ROUNDS:-1}
 LLAMA=/opt/llama.cpp
 # The test binaries find tests/fixtures through the path they were built at.
 mkdir -p /work && { [ -e /work/main ] || ln -s "$PWD" /work/main; }
@@ -69,13 +98,52 @@ write_model() {
   [ -f "$dir/config.json" ] || python3 benches/gpu/synthetic_mlx.py "$dir" $(shape_args "$@") --bits $bits >&2
 }
 
+# tag NAME: with AB, each JSON line led by "build":"NAME", each other line by "NAME: ".
+tag() {
+  if [ -n "$AB" ]; then sed -u "s/^{/{\"build\":\"$1\",/; t; s/^./$1: &/"; else cat; fi
+}
+
+# builds COMMAND...: COMMAND, whose words .device/oxlm and .device/cuda_gemv name this tree's
+# builds; with AB, first with .device/oxlm-AB and .device/cuda_gemv-AB in their place, then as it
+# is; ROUNDS times.
+builds() {
+  local suffix word label args
+  for _ in $(seq "$ROUNDS"); do
+    for suffix in ${AB:+"-$AB"} ""; do
+      args=()
+      for word in "$@"; do
+        case $word in .device/oxlm | .device/cuda_gemv) word=$word$suffix ;; esac
+        args+=("$word")
+      done
+      label=${suffix#-}
+      "${args[@]}" | tag "${label:-tree}"
+    done
+  done
+}
+
+# serve_model: prints the directory of the first model's 4-bit checkpoint with SmolLM2's
+# vocabulary (49,152) and tokenizer, so that a server reads and writes text, written unless it
+# is there already.
+serve_model() {
+  set -- ${MODELS[0]}
+  local dir=/tmp/models/$1-serve
+  if [ ! -f .device/smollm2-tokenizer/tokenizer.json ]; then
+    echo "no .device/smollm2-tokenizer: prepare.sh builds it; carry it" >&2
+    return 1
+  fi
+  { [ -f "$dir/config.json" ] || python3 benches/gpu/synthetic_mlx.py "$dir" \
+    $(shape_args "$1" "$2" "$3" "$4" "$5" "$6" 49152 "${8:-}") --bits 4 >&2; } \
+    && cp .device/smollm2-tokenizer/* "$dir/" && echo "$dir"
+}
+
 # kernels_compile, which compiles every variant afresh (two minutes here), ran in prepare.sh.
 run_tests() {
   for t in .device/tests/*; do
     echo "== $t"
-    "$t" --test-threads=1 --nocapture --skip kernels_compile 2>&1
+    timeout 300 "$t" --test-threads=1 --nocapture --skip kernels_compile 2>&1
+    echo "rc $?"
   done > "$OUT/tests.log" 2>&1
-  grep -E "^(==|test result|.* on cuda.*|.*FAILED.*|.*panicked.*)" "$OUT/tests.log"
+  grep -E "^(==|rc|test result|.* on cuda.*|.*FAILED.*|.*panicked.*)" "$OUT/tests.log"
 }
 
 run_bench() {
@@ -86,8 +154,8 @@ run_bench() {
       dir=/tmp/models/$1-$bits
       write_model $bits "$@"
       for prompt in 512 2048; do
-        .device/oxlm bench --device cuda --model "$dir" --prompt-tokens $prompt --gen-tokens 128 \
-          --repeats 3 | tee -a "$OUT/bench.jsonl"
+        builds .device/oxlm bench --device cuda --model "$dir" --prompt-tokens $prompt \
+          --gen-tokens 128 --repeats 3 | tee -a "$OUT/bench.jsonl"
       done
     done
   done
@@ -104,8 +172,47 @@ run_batch() {
   set -- ${MODELS[0]}
   dir=/tmp/models/$1-4
   write_model 4 "$@"
-  .device/oxlm bench --device cuda --model "$dir" --prompt-tokens 512 --gen-tokens 128 --repeats 1 \
-    --batch 2 --batch 4 --batch 8 --batch 16 --batch 32 --batch 64 | tee -a "$OUT/batch.jsonl"
+  builds .device/oxlm bench --device cuda --model "$dir" --prompt-tokens 512 --gen-tokens 128 \
+    --repeats 1 --batch 2 --batch 4 --batch 8 --batch 16 --batch 32 --batch 64 \
+    | tee -a "$OUT/batch.jsonl"
+}
+
+run_stagger() {
+  set -- ${MODELS[0]}
+  dir=/tmp/models/$1-4
+  write_model 4 "$@"
+  builds .device/oxlm bench --device cuda --model "$dir" --prompt-tokens 512 --gen-tokens 256 \
+    --repeats 1 --batch 16 --batch 64 --stagger | tee -a "$OUT/stagger.jsonl"
+}
+
+# The JSON's `trace` (one sequence) and each batch's: every kernel's microseconds a step.
+run_trace() {
+  set -- ${MODELS[0]}
+  dir=/tmp/models/$1-4
+  write_model 4 "$@"
+  builds env OXLM_TRACE=1 .device/oxlm bench --device cuda --model "$dir" --prompt-tokens 512 \
+    --gen-tokens 16 --repeats 1 --batch 8 --batch 64 | tee -a "$OUT/trace.jsonl"
+}
+
+run_serve() {
+  local dir
+  dir=$(serve_model) || return
+  builds python3 benches/serve_bench.py --oxlm .device/oxlm --model "$dir" --requests 1,8,32,64 \
+    --max-tokens 128 --serve-args="--device cuda" 2>&1 | tee -a "$OUT/serve.txt"
+  # The stream must outlast the long prompt's prefill: thousands of tokens on a GPU.
+  builds python3 benches/serve_bench.py --oxlm .device/oxlm --model "$dir" --long-prompt 3000 \
+    --stream-tokens 3000 --prefill-steps 2048,512,128 --serve-args="--device cuda" 2>&1 \
+    | tee -a "$OUT/serve.txt"
+}
+
+run_arrivals() {
+  local dir rate
+  dir=$(serve_model) || return
+  for rate in ${RATES:-150 50}; do
+    builds python3 benches/serve_bench.py --oxlm .device/oxlm --model "$dir" \
+      --arrivals $((rate * 4)) --rate "$rate" --max-tokens 128 --serve-args="--device cuda" \
+      2>> "$OUT/arrivals.err" | tee -a "$OUT/arrivals.jsonl"
+  done
 }
 
 build_llamacpp() {
@@ -237,10 +344,14 @@ for stage in "$@"; do
     torch) run_torch ;;
     membw) run_membw ;;
     mlx) run_mlx ;;
-    gemv) .device/cuda_gemv | tee "$OUT/gemv.txt" ;;
+    gemv) builds .device/cuda_gemv | tee "$OUT/gemv.txt" ;;
     profile) run_profile ;;
     kernels) run_kernels ;;
     wait-llamacpp) while [ ! -f $LLAMA/build.done ]; do sleep 5; done ;;
+    stagger) run_stagger ;;
+    trace) run_trace ;;
+    serve) run_serve ;;
+    arrivals) run_arrivals ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done

@@ -7,10 +7,16 @@
 # from 13.5 were compiled again there, over two minutes of device time a variant): pip package
 # nvidia-cuda-nvrtc==13.0.88, its lib folder on LD_LIBRARY_PATH. And, kept from
 # one run to the next, llama.cpp's source from the llama-cpp-python 0.3.36 sdist, trimmed to
-# the CUDA backend (about 10 MB), which device.sh builds there.
+# the CUDA backend (about 10 MB), which device.sh builds there; and SmolLM2's tokenizer
+# (scripts/models/fetch_models.sh), for device.sh's serving stages.
+# AB=REV (a git revision: main, a branch, a commit) also builds oxlm and cuda_gemv at REV, in a
+# worktree of its own (target/ab-src, built into target/ab), with its kernels in the same cache:
+# .device/oxlm-NAME.gz and .device/cuda_gemv-NAME.gz (NAME: REV with any / as -), for
+# device.sh's A/B (AB=NAME there).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-rm -rf .device/tests .device/cache .device/oxlm && mkdir -p .device/tests .device/cache
+rm -rf .device/tests .device/cache .device/oxlm .device/oxlm-*.gz .device/cuda_gemv-*.gz
+mkdir -p .device/tests .device/cache
 cargo build --release -p oxlm-cli
 cargo build --release -p oxlm-engine --example cuda_gemv
 cp target/release/examples/cuda_gemv .device/cuda_gemv
@@ -24,6 +30,22 @@ for line in sys.stdin:
         print(m["executable"])' | while read -r exe; do cp "$exe" ".device/tests/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
 strip .device/oxlm .device/cuda_gemv .device/tests/*
 OXLM_CACHE="$PWD/.device/cache" cargo test -q -p oxlm-engine --test cuda_ops kernels_compile
+if [ -n "${AB:-}" ]; then
+  ab=${AB//\//-} root=$PWD src=$PWD/target/ab-src
+  rm -rf "$src" && git worktree prune && git worktree add -q --detach "$src" "$AB"
+  (
+    cd "$src"
+    export CARGO_TARGET_DIR="$root/target/ab"
+    cargo build --release -p oxlm-cli
+    cargo build --release -p oxlm-engine --example cuda_gemv
+    OXLM_CACHE="$root/.device/cache" cargo test -q -p oxlm-engine --test cuda_ops kernels_compile
+  )
+  git worktree remove --force "$src"
+  cp target/ab/release/oxlm ".device/oxlm-$ab"
+  cp target/ab/release/examples/cuda_gemv ".device/cuda_gemv-$ab"
+  strip ".device/oxlm-$ab" ".device/cuda_gemv-$ab"
+  gzip -f ".device/oxlm-$ab" ".device/cuda_gemv-$ab"
+fi
 rm -f .device/cache/cuda/kernels-sm_80-*
 gzip -1 .device/cache/cuda/*.cubin
 if [ ! -f .device/llama.cpp.tgz ]; then
@@ -56,5 +78,10 @@ if [ ! -f .device/mlx/part2 ]; then
   mv "$tmp/part0" .device/mlx/part1
   mv "$tmp/part1" .device/mlx/part2
   rm -rf "$tmp"
+fi
+if [ ! -f .device/smollm2-tokenizer/tokenizer.json ]; then
+  smol=$(scripts/models/fetch_models.sh smollm2)
+  mkdir -p .device/smollm2-tokenizer
+  cp "$smol/tokenizer.json" "$smol/tokenizer_config.json" .device/smollm2-tokenizer/
 fi
 du -sh .device/* .device/cache/*
