@@ -56,11 +56,6 @@ impl Config {
             .ok_or_else(|| LoadError::Config("`model_type` is missing".into()))
     }
 
-    /// The raw value of `key` in the text model's settings.
-    pub fn raw(&self, key: &str) -> Option<&Value> {
-        self.text.get(key).filter(|v| !v.is_null())
-    }
-
     /// The raw value of `key` at the top level, not overridden by `text_config` (a multimodal
     /// wrapper's own settings).
     pub fn top_level(&self, key: &str) -> Option<&Value> {
@@ -73,20 +68,23 @@ impl Config {
         self.text.get(key).is_some_and(Value::is_null)
     }
 
-    /// `key` parsed as `T`, or `None` when absent or null.
-    pub fn get<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>, LoadError> {
-        self.raw(key)
-            .map(|v| {
-                serde_json::from_value(v.clone())
-                    .map_err(|e| LoadError::Config(format!("`{key}` has an unexpected value: {e}")))
-            })
-            .transpose()
-    }
-
-    /// `key` parsed as `T`; an error naming the key when it is absent.
-    pub fn require<T: DeserializeOwned>(&self, key: &str) -> Result<T, LoadError> {
-        self.get(key)?
-            .ok_or_else(|| LoadError::Config(format!("`{key}` is missing")))
+    /// The text model's settings as an architecture's typed config `T`: keys that are absent or
+    /// null take `T`'s defaults, keys `T` does not name are ignored, and a value of the wrong
+    /// type is an error naming the key.
+    pub fn args<T: DeserializeOwned>(&self) -> Result<T, LoadError> {
+        let present: Map<String, Value> = self
+            .text
+            .iter()
+            .filter(|(_, v)| !v.is_null())
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        serde_path_to_error::deserialize(Value::Object(present)).map_err(|e| {
+            // A missing key is named by the error itself, at the top.
+            match e.path().to_string().as_str() {
+                "." => LoadError::Config(e.inner().to_string()),
+                key => LoadError::Config(format!("`{key}`: {}", e.inner())),
+            }
+        })
     }
 }
 
@@ -439,6 +437,36 @@ impl Checkpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(Debug, serde::Deserialize)]
+    struct Args {
+        hidden_size: usize,
+        #[serde(default = "default_theta")]
+        rope_theta: f32,
+    }
+
+    fn default_theta() -> f32 {
+        10000.0
+    }
+
+    fn args(json: Value) -> Result<Args, LoadError> {
+        Config::from_value(json)?.args()
+    }
+
+    #[test]
+    fn typed_args_take_defaults_ignore_unknown_keys_and_name_a_bad_key() {
+        let a = args(serde_json::json!({"hidden_size": 64, "rope_theta": null, "other": [1]}));
+        assert_eq!(a.unwrap().rope_theta, 10000.0);
+        let nested = serde_json::json!({"hidden_size": 8, "text_config": {"hidden_size": 64}});
+        assert_eq!(args(nested).unwrap().hidden_size, 64);
+        let err = args(serde_json::json!({"hidden_size": 64, "rope_theta": "high"})).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "config.json: `rope_theta`: invalid type: string \"high\", expected f32"
+        );
+        let err = args(serde_json::json!({"rope_theta": 1.0})).unwrap_err();
+        assert_eq!(err.to_string(), "config.json: missing field `hidden_size`");
+    }
 
     /// A safetensors file of one u32 array whose data starts at file offset 8 + 18 (2 mod 8),
     /// as `mlx_lm convert` leaves many.

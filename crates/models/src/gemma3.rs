@@ -7,6 +7,7 @@
 //! own RoPE base and a ring cache.
 
 use half::bf16;
+use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use crate::cache::{Cache, KvCache, LayerCache, RotatingKvCache};
@@ -15,6 +16,51 @@ use crate::layers::{Attention, Embedding, Linear, Mlp, OutputHead, RmsNorm, Rope
 use crate::pass::{forward_one, forward_rows, LayerCaches, PassCaches};
 use crate::{ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
 use oxlm_engine::{ops, Positions, Tensor};
+
+/// `config.json`'s keys for Gemma 3's text model, with mlx-lm's `ModelArgs` defaults for the
+/// absent or null ones.
+#[derive(Deserialize)]
+#[serde(default)]
+struct Gemma3Config {
+    hidden_size: usize,
+    num_hidden_layers: usize,
+    intermediate_size: usize,
+    num_attention_heads: usize,
+    head_dim: usize,
+    rms_norm_eps: f32,
+    vocab_size: usize,
+    num_key_value_heads: usize,
+    rope_theta: f32,
+    rope_local_base_freq: f32,
+    query_pre_attn_scalar: f64,
+    sliding_window: usize,
+    /// Every this many layers one attends globally; the others through the window.
+    sliding_window_pattern: usize,
+    max_position_embeddings: usize,
+    rope_scaling: Option<Value>,
+}
+
+impl Default for Gemma3Config {
+    fn default() -> Self {
+        Gemma3Config {
+            hidden_size: 1152,
+            num_hidden_layers: 26,
+            intermediate_size: 6912,
+            num_attention_heads: 4,
+            head_dim: 256,
+            rms_norm_eps: 1e-6,
+            vocab_size: 262144,
+            num_key_value_heads: 1,
+            rope_theta: 1_000_000.0,
+            rope_local_base_freq: 10_000.0,
+            query_pre_attn_scalar: 256.0,
+            sliding_window: 512,
+            sliding_window_pattern: 6,
+            max_position_embeddings: 32768,
+            rope_scaling: None,
+        }
+    }
+}
 
 /// The text model's settings inside a multimodal wrapper, completed as the wrapper's `ModelArgs`
 /// does: the wrapper's `vocab_size` (or `vocab_default`) replaces the nested one, and the head
@@ -102,22 +148,16 @@ impl Gemma3 {
         } else {
             (ckpt.config.clone(), "")
         };
-        // mlx-lm's `ModelArgs` defaults.
-        let hidden: usize = cfg.get("hidden_size")?.unwrap_or(1152);
-        let layers: usize = cfg.get("num_hidden_layers")?.unwrap_or(26);
-        let intermediate: usize = cfg.get("intermediate_size")?.unwrap_or(6912);
-        let heads: usize = cfg.get("num_attention_heads")?.unwrap_or(4);
-        let head_dim: usize = cfg.get("head_dim")?.unwrap_or(256);
-        let eps: f32 = cfg.get("rms_norm_eps")?.unwrap_or(1e-6);
-        let vocab: usize = cfg.get("vocab_size")?.unwrap_or(262144);
-        let kv_heads: usize = cfg.get("num_key_value_heads")?.unwrap_or(1);
-        let rope_theta: f32 = cfg.get("rope_theta")?.unwrap_or(1_000_000.0);
-        let rope_local_base: f32 = cfg.get("rope_local_base_freq")?.unwrap_or(10_000.0);
-        let query_pre_attn_scalar: f64 = cfg.get("query_pre_attn_scalar")?.unwrap_or(256.0);
-        let sliding_window: usize = cfg.get("sliding_window")?.unwrap_or(512);
-        let pattern: usize = cfg.get("sliding_window_pattern")?.unwrap_or(6);
-        let max_context: usize = cfg.get("max_position_embeddings")?.unwrap_or(32768);
-        let scaling = cfg.raw("rope_scaling").cloned();
+        let c: Gemma3Config = cfg.args()?;
+        let (hidden, layers, intermediate) =
+            (c.hidden_size, c.num_hidden_layers, c.intermediate_size);
+        let (heads, kv_heads, head_dim) =
+            (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let (eps, vocab, max_context) = (c.rms_norm_eps, c.vocab_size, c.max_position_embeddings);
+        let (rope_theta, rope_local_base) = (c.rope_theta, c.rope_local_base_freq);
+        let query_pre_attn_scalar = c.query_pre_attn_scalar;
+        let (sliding_window, pattern) = (c.sliding_window, c.sliding_window_pattern);
+        let scaling = c.rope_scaling;
         if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             return Err(LoadError::Config(format!(
                 "{heads} attention heads cannot be grouped over {kv_heads} key/value heads"

@@ -8,7 +8,7 @@
 //! learned per-layer output scalar, an optional mixture-of-experts block beside the MLP, and
 //! final logit softcapping.
 
-use serde::de::DeserializeOwned;
+use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::cache::{
@@ -25,16 +25,83 @@ use crate::{ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
 use oxlm_engine::cpu::elementwise::softmax_inplace;
 use oxlm_engine::{ops, Device, Positions, Tensor};
 
-/// `key` as mlx-lm's `ModelArgs` reads it: `default` when absent, `None` when null.
-fn setting<T: DeserializeOwned>(
-    cfg: &Config,
-    key: &str,
-    default: Option<T>,
-) -> Result<Option<T>, LoadError> {
-    if cfg.is_null(key) {
-        return Ok(None);
+/// `config.json`'s keys for Gemma 4's text model, with mlx-lm's `ModelArgs` defaults for the
+/// absent ones. [`Args::from_config`] checks them and derives the rest.
+#[derive(Deserialize)]
+#[serde(default)]
+struct Gemma4Config {
+    hidden_size: usize,
+    num_hidden_layers: usize,
+    intermediate_size: usize,
+    num_attention_heads: usize,
+    head_dim: usize,
+    /// The global layers' head size; null, or 0, for `head_dim`.
+    global_head_dim: usize,
+    rms_norm_eps: f32,
+    vocab_size: usize,
+    vocab_size_per_layer_input: usize,
+    num_key_value_heads: usize,
+    num_global_key_value_heads: Option<usize>,
+    /// Null, or 0, for a model without per-layer inputs.
+    hidden_size_per_layer_input: usize,
+    sliding_window: usize,
+    /// Without `layer_types`: every this many layers one is global.
+    sliding_window_pattern: usize,
+    layer_types: Option<Vec<String>>,
+    num_kv_shared_layers: usize,
+    max_position_embeddings: usize,
+    attention_k_eq_v: bool,
+    /// Null for none.
+    final_logit_softcapping: f32,
+    use_double_wide_mlp: bool,
+    tie_word_embeddings: bool,
+    enable_moe_block: bool,
+    num_experts: Option<usize>,
+    top_k_experts: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    rope_traditional: bool,
+    /// Per layer kind (`full_attention`, `sliding_attention`): `rope_theta`, `rope_type`,
+    /// `partial_rotary_factor`.
+    rope_parameters: Value,
+}
+
+impl Default for Gemma4Config {
+    fn default() -> Self {
+        Gemma4Config {
+            hidden_size: 1536,
+            num_hidden_layers: 35,
+            intermediate_size: 6144,
+            num_attention_heads: 8,
+            head_dim: 256,
+            global_head_dim: 512,
+            rms_norm_eps: 1e-6,
+            vocab_size: 262144,
+            vocab_size_per_layer_input: 262144,
+            num_key_value_heads: 1,
+            num_global_key_value_heads: None,
+            hidden_size_per_layer_input: 256,
+            sliding_window: 512,
+            sliding_window_pattern: 5,
+            layer_types: None,
+            num_kv_shared_layers: 20,
+            max_position_embeddings: 131072,
+            attention_k_eq_v: false,
+            final_logit_softcapping: 30.0,
+            use_double_wide_mlp: true,
+            tie_word_embeddings: true,
+            enable_moe_block: false,
+            num_experts: None,
+            top_k_experts: None,
+            moe_intermediate_size: None,
+            rope_traditional: false,
+            rope_parameters: json!({
+                "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                   "rope_type": "proportional"},
+                "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 10000.0,
+                                      "rope_type": "default"},
+            }),
+        }
     }
-    Ok(cfg.get(key)?.or(default))
 }
 
 /// The key and value projections of a layer that computes its own.
@@ -342,13 +409,18 @@ struct Args {
 impl Args {
     fn from_config(cfg: &Config, device: &Device) -> Result<Self, LoadError> {
         let bad = |msg: String| LoadError::Config(msg);
-        let layers: usize = cfg.get("num_hidden_layers")?.unwrap_or(35);
-        let head_dim: usize = cfg.get("head_dim")?.unwrap_or(256);
-        let global_head_dim = setting(cfg, "global_head_dim", Some(512usize))?
+        let c: Gemma4Config = cfg.args()?;
+        // mlx-lm passes a null as `None`, over the default: these settings are then off.
+        fn unless_null<T>(cfg: &Config, key: &str, value: T) -> Option<T> {
+            (!cfg.is_null(key)).then_some(value)
+        }
+        let layers = c.num_hidden_layers;
+        let head_dim = c.head_dim;
+        let global_head_dim = unless_null(cfg, "global_head_dim", c.global_head_dim)
             .filter(|&d| d > 0)
             .unwrap_or(head_dim);
-        let pattern: usize = cfg.get("sliding_window_pattern")?.unwrap_or(5);
-        let layer_types: Vec<String> = match cfg.get("layer_types")? {
+        let pattern = c.sliding_window_pattern;
+        let layer_types: Vec<String> = match c.layer_types {
             Some(types) => types,
             None if pattern > 0 => (0..layers)
                 .map(|i| match (i + 1) % pattern {
@@ -373,7 +445,7 @@ impl Args {
             })
             .collect::<Result<Vec<bool>, LoadError>>()?;
         // Each KV-shared layer reads the cache of the last earlier layer of its kind.
-        let kv_shared: usize = cfg.get("num_kv_shared_layers")?.unwrap_or(20);
+        let kv_shared = c.num_kv_shared_layers;
         let cached_layers = layers.saturating_sub(kv_shared);
         let mut kv_sources: Vec<usize> = (0..layers).collect();
         for j in cached_layers..layers {
@@ -387,46 +459,48 @@ impl Args {
                     ))
                 })?;
         }
-        let moe = if cfg.get("enable_moe_block")?.unwrap_or(false) {
-            let experts: usize = cfg.require("num_experts")?;
-            let top_k: usize = cfg.require("top_k_experts")?;
+        let missing = |key: &str| bad(format!("`{key}` is missing"));
+        let moe = if c.enable_moe_block {
+            let experts = c.num_experts.ok_or_else(|| missing("num_experts"))?;
+            let top_k = c.top_k_experts.ok_or_else(|| missing("top_k_experts"))?;
             if top_k == 0 || top_k > experts {
                 return Err(bad(format!("{top_k} experts per token of {experts}")));
             }
             Some(MoeArgs {
                 experts,
                 top_k,
-                intermediate: cfg.require("moe_intermediate_size")?,
+                intermediate: c
+                    .moe_intermediate_size
+                    .ok_or_else(|| missing("moe_intermediate_size"))?,
             })
         } else {
             None
         };
-        let traditional: bool = cfg.get("rope_traditional")?.unwrap_or(false);
-        let rope_parameters = cfg.raw("rope_parameters").cloned().unwrap_or(json!({
-            "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
-                               "rope_type": "proportional"},
-            "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 10000.0,
-                                  "rope_type": "default"},
-        }));
+        let traditional = c.rope_traditional;
+        let rope_parameters = c.rope_parameters;
         let args = Args {
-            hidden: cfg.get("hidden_size")?.unwrap_or(1536),
-            intermediate: cfg.get("intermediate_size")?.unwrap_or(6144),
-            heads: cfg.get("num_attention_heads")?.unwrap_or(8),
+            hidden: c.hidden_size,
+            intermediate: c.intermediate_size,
+            heads: c.num_attention_heads,
             head_dim,
             global_head_dim,
-            eps: cfg.get("rms_norm_eps")?.unwrap_or(1e-6),
-            vocab: cfg.get("vocab_size")?.unwrap_or(262144),
-            vocab_per_layer: cfg.get("vocab_size_per_layer_input")?.unwrap_or(262144),
-            kv_heads: cfg.get("num_key_value_heads")?.unwrap_or(1),
-            global_kv_heads: cfg.get("num_global_key_value_heads")?,
-            per_layer_dim: setting(cfg, "hidden_size_per_layer_input", Some(256usize))?
-                .filter(|&d| d > 0),
-            sliding_window: cfg.get("sliding_window")?.unwrap_or(512),
-            max_context: cfg.get("max_position_embeddings")?.unwrap_or(131072),
-            k_eq_v: cfg.get("attention_k_eq_v")?.unwrap_or(false),
-            softcap: setting(cfg, "final_logit_softcapping", Some(30.0f32))?,
-            double_wide: cfg.get("use_double_wide_mlp")?.unwrap_or(true),
-            tied: cfg.get("tie_word_embeddings")?.unwrap_or(true),
+            eps: c.rms_norm_eps,
+            vocab: c.vocab_size,
+            vocab_per_layer: c.vocab_size_per_layer_input,
+            kv_heads: c.num_key_value_heads,
+            global_kv_heads: c.num_global_key_value_heads,
+            per_layer_dim: unless_null(
+                cfg,
+                "hidden_size_per_layer_input",
+                c.hidden_size_per_layer_input,
+            )
+            .filter(|&d| d > 0),
+            sliding_window: c.sliding_window,
+            max_context: c.max_position_embeddings,
+            k_eq_v: c.attention_k_eq_v,
+            softcap: unless_null(cfg, "final_logit_softcapping", c.final_logit_softcapping),
+            double_wide: c.use_double_wide_mlp,
+            tied: c.tie_word_embeddings,
             moe,
             sliding,
             kv_sources,

@@ -1,6 +1,7 @@
 //! The llama family as mlx-lm's `llama.py`, `qwen2.py` and `qwen3.py` define it: Llama 2/3
 //! (with llama3 RoPE scaling), Mistral, SmolLM, Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm).
 
+use serde::Deserialize;
 use serde_json::Value;
 
 use crate::cache::{Cache, KvCache, LayerCache};
@@ -29,64 +30,66 @@ pub struct Llama {
     pub(crate) head: OutputHead,
 }
 
-/// The per-family switches that distinguish the model types this file serves.
-struct Flavour {
-    qkv_bias: bool,
-    qk_norm: bool,
+/// `config.json`'s keys for this family, as mlx-lm's `ModelArgs` reads them (absent or null
+/// keys take the defaults noted; [`Llama::load`] derives the rest).
+#[derive(Deserialize)]
+struct LlamaConfig {
+    hidden_size: usize,
+    num_hidden_layers: usize,
+    intermediate_size: usize,
+    num_attention_heads: usize,
+    /// `num_attention_heads` when absent.
+    num_key_value_heads: Option<usize>,
+    /// `hidden_size / num_attention_heads` when absent.
+    head_dim: Option<usize>,
+    vocab_size: usize,
+    rms_norm_eps: f32,
+    /// Tied when absent, but for qwen3.
+    tie_word_embeddings: Option<bool>,
+    max_position_embeddings: Option<usize>,
+    /// `rope_parameters.rope_theta`, else 10000, when absent.
+    rope_theta: Option<f32>,
+    rope_scaling: Option<Value>,
+    /// transformers ≥ 5 nests `rope_theta` and the scaling here.
+    rope_parameters: Option<Value>,
+    #[serde(default)]
+    rope_traditional: bool,
+    layer_types: Option<Vec<String>>,
+    /// Llama's and Mistral's switches; qwen2 always has q/k/v biases, and neither qwen has
+    /// MLP biases.
+    #[serde(default)]
+    attention_bias: bool,
+    #[serde(default)]
     mlp_bias: bool,
-}
-
-fn flavour(model_type: &str, ckpt: &Checkpoint) -> Result<Flavour, LoadError> {
-    let cfg = &ckpt.config;
-    Ok(match model_type {
-        "qwen2" => Flavour {
-            qkv_bias: true,
-            qk_norm: false,
-            mlp_bias: false,
-        },
-        "qwen3" => Flavour {
-            qkv_bias: false,
-            qk_norm: true,
-            mlp_bias: false,
-        },
-        _ => Flavour {
-            qkv_bias: cfg.get("attention_bias")?.unwrap_or(false),
-            qk_norm: false,
-            mlp_bias: cfg.get("mlp_bias")?.unwrap_or(false),
-        },
-    })
 }
 
 impl Llama {
     pub fn load(mut ckpt: Checkpoint) -> Result<Self, LoadError> {
         let model_type = ckpt.config.model_type()?.to_string();
-        let f = flavour(&model_type, &ckpt)?;
-        let cfg = &ckpt.config;
-        let hidden: usize = cfg.require("hidden_size")?;
-        let layers: usize = cfg.require("num_hidden_layers")?;
-        let intermediate: usize = cfg.require("intermediate_size")?;
-        let heads: usize = cfg.require("num_attention_heads")?;
-        let kv_heads: usize = cfg.get("num_key_value_heads")?.unwrap_or(heads);
-        let head_dim: usize = cfg.get("head_dim")?.unwrap_or(hidden / heads.max(1));
-        let vocab: usize = cfg.require("vocab_size")?;
-        let eps: f32 = cfg.require("rms_norm_eps")?;
-        let tied: bool = cfg
-            .get("tie_word_embeddings")?
-            .unwrap_or(model_type != "qwen3");
-        let max_context: Option<usize> = cfg.get("max_position_embeddings")?;
-        // transformers ≥ 5 nests rope_theta and the scaling under `rope_parameters`.
-        let rope_parameters = cfg.raw("rope_parameters").cloned();
-        let rope_theta: f32 = match cfg.get("rope_theta")? {
-            Some(theta) => theta,
-            None => rope_parameters
+        let c: LlamaConfig = ckpt.config.args()?;
+        let (qkv_bias, qk_norm, mlp_bias) = match model_type.as_str() {
+            "qwen2" => (true, false, false),
+            "qwen3" => (false, true, false),
+            _ => (c.attention_bias, false, c.mlp_bias),
+        };
+        let (hidden, layers, intermediate) =
+            (c.hidden_size, c.num_hidden_layers, c.intermediate_size);
+        let heads = c.num_attention_heads;
+        let kv_heads = c.num_key_value_heads.unwrap_or(heads);
+        let head_dim = c.head_dim.unwrap_or(hidden / heads.max(1));
+        let (vocab, eps) = (c.vocab_size, c.rms_norm_eps);
+        let tied = c.tie_word_embeddings.unwrap_or(model_type != "qwen3");
+        let max_context = c.max_position_embeddings;
+        let rope_theta = c.rope_theta.unwrap_or_else(|| {
+            c.rope_parameters
                 .as_ref()
                 .and_then(|p| p.get("rope_theta"))
                 .and_then(Value::as_f64)
-                .unwrap_or(10000.0) as f32,
-        };
-        let scaling = cfg.raw("rope_scaling").cloned().or(rope_parameters);
-        let traditional: bool = cfg.get("rope_traditional")?.unwrap_or(false);
-        if let Some(types) = cfg.get::<Vec<String>>("layer_types")? {
+                .unwrap_or(10000.0) as f32
+        });
+        let scaling = c.rope_scaling.or(c.rope_parameters);
+        let traditional = c.rope_traditional;
+        if let Some(types) = &c.layer_types {
             if types.iter().any(|t| t != "full_attention") {
                 return Err(LoadError::Config(
                     "sliding-window llama layers are not supported yet".into(),
@@ -115,8 +118,8 @@ impl Llama {
         for i in 0..layers {
             let p = format!("model.layers.{i}");
             let a = format!("{p}.self_attn");
-            let qk_norm = |ckpt: &mut Checkpoint, which: &str| {
-                f.qk_norm
+            let q_k_norm = |ckpt: &mut Checkpoint, which: &str| {
+                qk_norm
                     .then(|| RmsNorm::load(ckpt, &format!("{a}.{which}"), head_dim, eps))
                     .transpose()
             };
@@ -126,21 +129,21 @@ impl Llama {
                     &format!("{a}.q_proj"),
                     hidden,
                     heads * head_dim,
-                    f.qkv_bias,
+                    qkv_bias,
                 )?,
                 k_proj: Linear::load(
                     &mut ckpt,
                     &format!("{a}.k_proj"),
                     hidden,
                     kv_heads * head_dim,
-                    f.qkv_bias,
+                    qkv_bias,
                 )?,
                 v_proj: Linear::load(
                     &mut ckpt,
                     &format!("{a}.v_proj"),
                     hidden,
                     kv_heads * head_dim,
-                    f.qkv_bias,
+                    qkv_bias,
                 )?,
                 o_proj: Linear::load(
                     &mut ckpt,
@@ -149,8 +152,8 @@ impl Llama {
                     hidden,
                     false,
                 )?,
-                q_norm: qk_norm(&mut ckpt, "q_norm")?,
-                k_norm: qk_norm(&mut ckpt, "k_norm")?,
+                q_norm: q_k_norm(&mut ckpt, "q_norm")?,
+                k_norm: q_k_norm(&mut ckpt, "k_norm")?,
                 rope: rope.clone(),
                 heads,
                 kv_heads,
@@ -176,7 +179,7 @@ impl Llama {
                     &format!("{p}.mlp"),
                     hidden,
                     intermediate,
-                    f.mlp_bias,
+                    mlp_bias,
                 )?,
             });
         }

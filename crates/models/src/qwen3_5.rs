@@ -10,6 +10,7 @@
 
 use oxlm_engine::ops::recurrent::{self, DeltaRuleDims};
 use oxlm_engine::{ops, DType, Device, Positions, Tensor};
+use serde::Deserialize;
 use serde_json::Value;
 
 use crate::cache::{append_kv, attend_kv, Cache, KvCache, LayerCache, RecurrentCache};
@@ -175,6 +176,7 @@ struct Args {
     layers: usize,
     eps: f32,
     vocab: usize,
+    max_context: Option<usize>,
     tied: bool,
     full_attention_interval: usize,
     heads: usize,
@@ -197,22 +199,85 @@ struct MoeArgs {
     norm_topk_prob: bool,
 }
 
+/// `config.json`'s keys for Qwen3.5's text model (dense and MoE), as mlx-lm's `ModelArgs` reads
+/// them, with its defaults for the absent ones; [`Args::from_config`] checks them and derives
+/// the rest.
+#[derive(Deserialize)]
+struct Qwen35Config {
+    hidden_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: usize,
+    /// `hidden_size / num_attention_heads` when absent.
+    head_dim: Option<usize>,
+    #[serde(default = "default_full_attention_interval")]
+    full_attention_interval: usize,
+    layer_types: Option<Vec<String>>,
+    linear_num_key_heads: usize,
+    linear_num_value_heads: usize,
+    linear_key_head_dim: usize,
+    linear_value_head_dim: usize,
+    #[serde(default = "default_conv_kernel")]
+    linear_conv_kernel_dim: usize,
+    /// transformers ≥ 5 keeps `rope_theta` and `partial_rotary_factor` here, over the flat keys.
+    rope_parameters: Option<Value>,
+    #[serde(default = "default_rope_theta")]
+    rope_theta: f64,
+    #[serde(default = "default_partial_rotary_factor")]
+    partial_rotary_factor: f64,
+    #[serde(default = "default_rms_norm_eps")]
+    rms_norm_eps: f32,
+    vocab_size: usize,
+    #[serde(default)]
+    tie_word_embeddings: bool,
+    #[serde(default)]
+    attention_bias: bool,
+    /// Dense models only.
+    intermediate_size: Option<usize>,
+    /// MoE models: more than 0 experts.
+    #[serde(default)]
+    num_experts: usize,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    shared_expert_intermediate_size: Option<usize>,
+    #[serde(default = "default_true")]
+    norm_topk_prob: bool,
+    max_position_embeddings: Option<usize>,
+}
+
+fn default_full_attention_interval() -> usize {
+    4
+}
+fn default_conv_kernel() -> usize {
+    4
+}
+fn default_rope_theta() -> f64 {
+    100000.0
+}
+fn default_partial_rotary_factor() -> f64 {
+    0.25
+}
+fn default_rms_norm_eps() -> f32 {
+    1e-6
+}
+fn default_true() -> bool {
+    true
+}
+
 impl Args {
     fn from_config(ckpt: &Checkpoint) -> Result<Self, LoadError> {
-        let cfg = &ckpt.config;
-        let hidden: usize = cfg.require("hidden_size")?;
-        let layers: usize = cfg.require("num_hidden_layers")?;
-        let heads: usize = cfg.require("num_attention_heads")?;
-        let kv_heads: usize = cfg.require("num_key_value_heads")?;
-        let head_dim: usize = cfg.get("head_dim")?.unwrap_or(hidden / heads.max(1));
-        let full_attention_interval: usize = cfg.get("full_attention_interval")?.unwrap_or(4);
+        let c: Qwen35Config = ckpt.config.args()?;
+        let (hidden, layers) = (c.hidden_size, c.num_hidden_layers);
+        let (heads, kv_heads) = (c.num_attention_heads, c.num_key_value_heads);
+        let head_dim = c.head_dim.unwrap_or(hidden / heads.max(1));
+        let full_attention_interval = c.full_attention_interval;
         let linear = DeltaRuleDims {
-            k_heads: cfg.require("linear_num_key_heads")?,
-            v_heads: cfg.require("linear_num_value_heads")?,
-            k_dim: cfg.require("linear_key_head_dim")?,
-            v_dim: cfg.require("linear_value_head_dim")?,
+            k_heads: c.linear_num_key_heads,
+            v_heads: c.linear_num_value_heads,
+            k_dim: c.linear_key_head_dim,
+            v_dim: c.linear_value_head_dim,
         };
-        let conv_kernel: usize = cfg.get("linear_conv_kernel_dim")?.unwrap_or(4);
+        let conv_kernel = c.linear_conv_kernel_dim;
         let d = linear;
         let sizes = [
             hidden, heads, kv_heads, head_dim, d.k_heads, d.v_heads, d.k_dim, d.v_dim,
@@ -239,7 +304,7 @@ impl Args {
             ));
         }
         // mlx-lm places the layers by the interval alone; a `layer_types` list must agree.
-        if let Some(types) = cfg.get::<Vec<String>>("layer_types")? {
+        if let Some(types) = &c.layer_types {
             let expected = (0..layers).map(|i| {
                 if is_linear(i, full_attention_interval) {
                     "linear_attention"
@@ -255,9 +320,7 @@ impl Args {
             }
         }
 
-        // Rope settings live in `rope_parameters` (transformers ≥ 5); without it mlx-lm's
-        // defaults apply: theta 100000, a quarter of each head rotated.
-        let params = cfg.raw("rope_parameters").cloned();
+        let params = c.rope_parameters;
         let param = |key: &str, default: f64| -> Result<f64, LoadError> {
             match params.as_ref().and_then(|p| p.get(key)) {
                 None | Some(Value::Null) => Ok(default),
@@ -266,11 +329,8 @@ impl Args {
                 }),
             }
         };
-        let rope_theta = param("rope_theta", cfg.get("rope_theta")?.unwrap_or(100000.0))?;
-        let partial = param(
-            "partial_rotary_factor",
-            cfg.get("partial_rotary_factor")?.unwrap_or(0.25),
-        )?;
+        let rope_theta = param("rope_theta", c.rope_theta)?;
+        let partial = param("partial_rotary_factor", c.partial_rotary_factor)?;
         let rotary_dims = (head_dim as f64 * partial) as usize;
         if !rotary_dims.is_multiple_of(2) || rotary_dims > head_dim {
             return Err(LoadError::Config(format!(
@@ -286,9 +346,12 @@ impl Args {
             &ckpt.device,
         )?;
 
-        let experts: usize = cfg.get("num_experts")?.unwrap_or(0);
+        let missing = |key: &str| LoadError::Config(format!("`{key}` is missing"));
+        let experts = c.num_experts;
         let moe = if experts > 0 {
-            let top_k: usize = cfg.require("num_experts_per_tok")?;
+            let top_k = c
+                .num_experts_per_tok
+                .ok_or_else(|| missing("num_experts_per_tok"))?;
             if top_k == 0 || top_k > experts {
                 return Err(LoadError::Config(format!(
                     "{top_k} experts per token of {experts}"
@@ -297,28 +360,35 @@ impl Args {
             Some(MoeArgs {
                 experts,
                 top_k,
-                intermediate: cfg.require("moe_intermediate_size")?,
-                shared_intermediate: cfg.require("shared_expert_intermediate_size")?,
-                norm_topk_prob: cfg.get("norm_topk_prob")?.unwrap_or(true),
+                intermediate: c
+                    .moe_intermediate_size
+                    .ok_or_else(|| missing("moe_intermediate_size"))?,
+                shared_intermediate: c
+                    .shared_expert_intermediate_size
+                    .ok_or_else(|| missing("shared_expert_intermediate_size"))?,
+                norm_topk_prob: c.norm_topk_prob,
             })
         } else {
             None
         };
         let intermediate = match moe {
             Some(_) => 0,
-            None => cfg.require("intermediate_size")?,
+            None => c
+                .intermediate_size
+                .ok_or_else(|| missing("intermediate_size"))?,
         };
         Ok(Args {
             hidden,
             layers,
-            eps: cfg.get("rms_norm_eps")?.unwrap_or(1e-6),
-            vocab: cfg.require("vocab_size")?,
-            tied: cfg.get("tie_word_embeddings")?.unwrap_or(false),
+            eps: c.rms_norm_eps,
+            vocab: c.vocab_size,
+            max_context: c.max_position_embeddings,
+            tied: c.tie_word_embeddings,
             full_attention_interval,
             heads,
             kv_heads,
             head_dim,
-            attention_bias: cfg.get("attention_bias")?.unwrap_or(false),
+            attention_bias: c.attention_bias,
             rope,
             linear,
             conv_kernel,
@@ -484,7 +554,7 @@ impl Qwen3_5 {
     pub fn load(mut ckpt: Checkpoint) -> Result<Self, LoadError> {
         let model_type = ckpt.config.model_type()?.to_string();
         let args = Args::from_config(&ckpt)?;
-        let max_context: Option<usize> = ckpt.config.get("max_position_embeddings")?;
+        let max_context = args.max_context;
         let layout = Layout::sanitize(&mut ckpt, &args);
         if args.tied {
             ckpt.discard_where(|name| name.starts_with(&format!("{LM_HEAD}.")));
