@@ -13,9 +13,9 @@ use serde_json::{Map, Value};
 use crate::cache::{Cache, KvCache, LayerCache, RotatingKvCache};
 use crate::checkpoint::{Checkpoint, Config};
 use crate::layers::{Attention, Embedding, Linear, Mlp, OutputHead, RmsNorm, Rope};
-use crate::pass::{forward_one, forward_rows, LayerCaches, PassCaches};
-use crate::{ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
-use oxlm_engine::{ops, Positions, Tensor};
+use crate::pass::{Architecture, LayerCaches, PassCaches};
+use crate::{ForwardError, LoadError, ModelInfo};
+use oxlm_engine::{ops, EngineError, Positions, Tensor};
 
 /// `config.json`'s keys for Gemma 3's text model, with mlx-lm's `ModelArgs` defaults for the
 /// absent or null ones.
@@ -252,52 +252,36 @@ impl Gemma3 {
     }
 }
 
-impl LanguageModel for Gemma3 {
+impl Architecture for Gemma3 {
     fn info(&self) -> &ModelInfo {
         &self.info
     }
 
-    fn new_cache(&self) -> Result<Cache, ForwardError> {
+    fn layer_caches(&self) -> Result<Vec<LayerCache>, EngineError> {
         let device = &self.info.device;
-        Ok(Cache::from_layers(self.layers.iter().map(|b| {
-            let (kv_heads, head_dim) = (b.self_attn.kv_heads, b.self_attn.head_dim);
-            Ok(if b.sliding {
-                LayerCache::Rotating(RotatingKvCache::new(
-                    kv_heads,
-                    head_dim,
-                    self.sliding_window,
-                    device,
-                )?)
-            } else {
-                LayerCache::Kv(KvCache::new(kv_heads, head_dim, device)?)
+        self.layers
+            .iter()
+            .map(|b| {
+                let (kv_heads, head_dim) = (b.self_attn.kv_heads, b.self_attn.head_dim);
+                Ok(if b.sliding {
+                    LayerCache::Rotating(RotatingKvCache::new(
+                        kv_heads,
+                        head_dim,
+                        self.sliding_window,
+                        device,
+                    )?)
+                } else {
+                    LayerCache::Kv(KvCache::new(kv_heads, head_dim, device)?)
+                })
             })
-        }))?)
+            .collect()
     }
 
-    fn forward(
-        &self,
-        tokens: &[u32],
-        cache: &mut Cache,
-        logits: Logits,
-    ) -> Result<Tensor, ForwardError> {
-        let output = (&self.head, &self.embed_tokens);
-        forward_one(cache, logits, output, |c| self.run(tokens, c))
-    }
-
-    fn forward_batch(
+    fn hidden_states(
         &self,
         tokens: &[u32],
         caches: &mut [&mut Cache],
     ) -> Result<Tensor, ForwardError> {
-        let output = (&self.head, &self.embed_tokens);
-        forward_rows(tokens, caches, output, |c| self.run(tokens, c))
-    }
-}
-
-impl Gemma3 {
-    /// The hidden states after the last block: one sequence's `tokens` over the one cache of
-    /// `caches`, or one token of each sequence over its own.
-    fn run(&self, tokens: &[u32], caches: &mut [&mut Cache]) -> Result<Tensor, ForwardError> {
         let (mut caches, positions) =
             PassCaches::new(&self.info, tokens, caches, self.layers.len())?;
         let mut h = self.embed_tokens.forward(tokens)?;
@@ -314,5 +298,9 @@ impl Gemma3 {
         }
         caches.finish();
         Ok(h)
+    }
+
+    fn output(&self) -> (&OutputHead, &Embedding) {
+        (&self.head, &self.embed_tokens)
     }
 }

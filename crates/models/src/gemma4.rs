@@ -19,11 +19,11 @@ use crate::gemma3::wrapped_text_config;
 use crate::layers::{
     load_host_vector, Embedding, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope,
 };
-use crate::pass::{forward_one, forward_rows, LayerCaches, PassCaches};
+use crate::pass::{Architecture, LayerCaches, PassCaches};
 use crate::switch::{dispatch, load_experts};
-use crate::{ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
+use crate::{ForwardError, LoadError, ModelInfo};
 use oxlm_engine::cpu::elementwise::softmax_inplace;
-use oxlm_engine::{ops, Device, Positions, Tensor};
+use oxlm_engine::{ops, Device, EngineError, Positions, Tensor};
 
 /// `config.json`'s keys for Gemma 4's text model, with mlx-lm's `ModelArgs` defaults for the
 /// absent ones. [`Args::from_config`] checks them and derives the rest.
@@ -182,6 +182,60 @@ impl Attention {
         };
         Ok(self.o_proj.forward(&out)?)
     }
+
+    fn load(ckpt: &mut Checkpoint, p: &str, args: &Args, i: usize) -> Result<Self, LoadError> {
+        let a = format!("{p}.self_attn");
+        let sliding = args.sliding[i];
+        let (hidden, heads, eps) = (args.hidden, args.heads, args.eps);
+        let d = if sliding {
+            args.head_dim
+        } else {
+            args.global_head_dim
+        };
+        let k_eq_v = args.k_eq_v && !sliding;
+        let kv_heads = match args.global_kv_heads {
+            Some(g) if k_eq_v => g,
+            _ => args.kv_heads,
+        };
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(LoadError::Config(format!(
+                "{heads} attention heads cannot be grouped over {kv_heads} key/value heads"
+            )));
+        }
+        let linear = |ckpt: &mut Checkpoint, name: &str, inputs, outputs| {
+            Linear::load(ckpt, &format!("{a}.{name}"), inputs, outputs, false)
+        };
+        let kv = if i < args.cached_layers {
+            Some(KvProjections {
+                k_proj: linear(ckpt, "k_proj", hidden, kv_heads * d)?,
+                v_proj: (!k_eq_v)
+                    .then(|| linear(ckpt, "v_proj", hidden, kv_heads * d))
+                    .transpose()?,
+                k_norm: RmsNorm::load(ckpt, &format!("{a}.k_norm"), d, eps)?,
+                v_norm: RmsNorm::unscaled(d, eps, &ckpt.device)?,
+            })
+        } else {
+            // As mlx-lm's `sanitize`: a KV-shared layer's own projections go unused.
+            let unused = [".k_proj.", ".v_proj.", ".k_norm."].map(|s| format!("{a}{s}"));
+            ckpt.discard_where(|name| unused.iter().any(|u| name.starts_with(u)));
+            None
+        };
+        Ok(Attention {
+            q_proj: linear(ckpt, "q_proj", hidden, heads * d)?,
+            kv,
+            o_proj: linear(ckpt, "o_proj", heads * d, hidden)?,
+            q_norm: RmsNorm::load(ckpt, &format!("{a}.q_norm"), d, eps)?,
+            rope: if sliding {
+                args.sliding_rope.clone()
+            } else {
+                args.global_rope.clone()
+            },
+            heads,
+            kv_heads,
+            head_dim: d,
+            sliding,
+        })
+    }
 }
 
 /// The E-series gate that mixes a layer's slice of the per-layer inputs into the residual.
@@ -337,6 +391,32 @@ impl PerLayerInputs {
         ops::add_inplace(&mut projected, &from_ids)?;
         ops::scale_inplace(&mut projected, 2f64.powf(-0.5) as f32)?;
         Ok(projected)
+    }
+
+    fn load(ckpt: &mut Checkpoint, m: &str, args: &Args, dim: usize) -> Result<Self, LoadError> {
+        let width = args.layers() * dim;
+        Ok(PerLayerInputs {
+            embed_tokens_per_layer: Embedding::load(
+                ckpt,
+                &format!("{m}.embed_tokens_per_layer"),
+                args.vocab_per_layer,
+                width,
+            )?,
+            per_layer_model_projection: Linear::load(
+                ckpt,
+                &format!("{m}.per_layer_model_projection"),
+                args.hidden,
+                width,
+                false,
+            )?,
+            per_layer_projection_norm: RmsNorm::load(
+                ckpt,
+                &format!("{m}.per_layer_projection_norm"),
+                dim,
+                args.eps,
+            )?,
+            dim,
+        })
     }
 }
 
@@ -537,90 +617,6 @@ impl Args {
     }
 }
 
-impl PerLayerInputs {
-    fn load(ckpt: &mut Checkpoint, m: &str, args: &Args, dim: usize) -> Result<Self, LoadError> {
-        let width = args.layers() * dim;
-        Ok(PerLayerInputs {
-            embed_tokens_per_layer: Embedding::load(
-                ckpt,
-                &format!("{m}.embed_tokens_per_layer"),
-                args.vocab_per_layer,
-                width,
-            )?,
-            per_layer_model_projection: Linear::load(
-                ckpt,
-                &format!("{m}.per_layer_model_projection"),
-                args.hidden,
-                width,
-                false,
-            )?,
-            per_layer_projection_norm: RmsNorm::load(
-                ckpt,
-                &format!("{m}.per_layer_projection_norm"),
-                dim,
-                args.eps,
-            )?,
-            dim,
-        })
-    }
-}
-
-impl Attention {
-    fn load(ckpt: &mut Checkpoint, p: &str, args: &Args, i: usize) -> Result<Self, LoadError> {
-        let a = format!("{p}.self_attn");
-        let sliding = args.sliding[i];
-        let (hidden, heads, eps) = (args.hidden, args.heads, args.eps);
-        let d = if sliding {
-            args.head_dim
-        } else {
-            args.global_head_dim
-        };
-        let k_eq_v = args.k_eq_v && !sliding;
-        let kv_heads = match args.global_kv_heads {
-            Some(g) if k_eq_v => g,
-            _ => args.kv_heads,
-        };
-        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-            return Err(LoadError::Config(format!(
-                "{heads} attention heads cannot be grouped over {kv_heads} key/value heads"
-            )));
-        }
-        let linear = |ckpt: &mut Checkpoint, name: &str, inputs, outputs| {
-            Linear::load(ckpt, &format!("{a}.{name}"), inputs, outputs, false)
-        };
-        let kv = if i < args.cached_layers {
-            Some(KvProjections {
-                k_proj: linear(ckpt, "k_proj", hidden, kv_heads * d)?,
-                v_proj: (!k_eq_v)
-                    .then(|| linear(ckpt, "v_proj", hidden, kv_heads * d))
-                    .transpose()?,
-                k_norm: RmsNorm::load(ckpt, &format!("{a}.k_norm"), d, eps)?,
-                v_norm: RmsNorm::unscaled(d, eps, &ckpt.device)?,
-            })
-        } else {
-            // As mlx-lm's `sanitize`: a KV-shared layer's own projections go unused.
-            let unused = [".k_proj.", ".v_proj.", ".k_norm."].map(|s| format!("{a}{s}"));
-            ckpt.discard_where(|name| unused.iter().any(|u| name.starts_with(u)));
-            None
-        };
-        Ok(Attention {
-            q_proj: linear(ckpt, "q_proj", hidden, heads * d)?,
-            kv,
-            o_proj: linear(ckpt, "o_proj", heads * d, hidden)?,
-            q_norm: RmsNorm::load(ckpt, &format!("{a}.q_norm"), d, eps)?,
-            rope: if sliding {
-                args.sliding_rope.clone()
-            } else {
-                args.global_rope.clone()
-            },
-            heads,
-            kv_heads,
-            head_dim: d,
-            sliding,
-        })
-    }
-}
-
 impl Block {
     fn load(ckpt: &mut Checkpoint, m: &str, args: &Args, i: usize) -> Result<Self, LoadError> {
         let p = format!("{m}.layers.{i}");
@@ -736,15 +732,17 @@ impl Gemma4 {
     }
 }
 
-impl LanguageModel for Gemma4 {
+impl Architecture for Gemma4 {
     fn info(&self) -> &ModelInfo {
         &self.info
     }
 
-    fn new_cache(&self) -> Result<Cache, ForwardError> {
+    /// Only the first `cached_layers` keep a cache; the KV-shared layers read theirs.
+    fn layer_caches(&self) -> Result<Vec<LayerCache>, EngineError> {
         let device = &self.info.device;
-        Ok(Cache::from_layers(
-            self.layers[..self.cached_layers].iter().map(|b| {
+        self.layers[..self.cached_layers]
+            .iter()
+            .map(|b| {
                 let a = &b.self_attn;
                 Ok(if a.sliding {
                     LayerCache::Rotating(RotatingKvCache::new(
@@ -756,34 +754,15 @@ impl LanguageModel for Gemma4 {
                 } else {
                     LayerCache::Kv(KvCache::new(a.kv_heads, a.head_dim, device)?)
                 })
-            }),
-        )?)
+            })
+            .collect()
     }
 
-    fn forward(
-        &self,
-        tokens: &[u32],
-        cache: &mut Cache,
-        logits: Logits,
-    ) -> Result<Tensor, ForwardError> {
-        let output = (&self.head, &self.embed_tokens);
-        forward_one(cache, logits, output, |c| self.run(tokens, c))
-    }
-
-    fn forward_batch(
+    fn hidden_states(
         &self,
         tokens: &[u32],
         caches: &mut [&mut Cache],
     ) -> Result<Tensor, ForwardError> {
-        let output = (&self.head, &self.embed_tokens);
-        forward_rows(tokens, caches, output, |c| self.run(tokens, c))
-    }
-}
-
-impl Gemma4 {
-    /// The hidden states after the last block: one sequence's `tokens` over the one cache of
-    /// `caches`, or one token of each sequence over its own.
-    fn run(&self, tokens: &[u32], caches: &mut [&mut Cache]) -> Result<Tensor, ForwardError> {
         let (mut caches, positions) =
             PassCaches::new(&self.info, tokens, caches, self.cached_layers)?;
         let hidden = self.info.hidden_size;
@@ -824,5 +803,9 @@ impl Gemma4 {
         }
         caches.finish();
         Ok(h)
+    }
+
+    fn output(&self) -> (&OutputHead, &Embedding) {
+        (&self.head, &self.embed_tokens)
     }
 }

@@ -9,9 +9,9 @@ use crate::checkpoint::Checkpoint;
 use crate::layers::{Attention, Embedding, Input, Linear, Mlp, OutputHead, RmsNorm, Rope};
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::lora_grad::{Example, LossAndGrads};
-use crate::pass::{forward_one, forward_rows, LayerCaches, PassCaches};
-use crate::{LanguageModel, LoadError, Logits, ModelInfo};
-use oxlm_engine::{ops, Tensor};
+use crate::pass::{forward_one, forward_rows, Architecture, LayerCaches, PassCaches};
+use crate::{LoadError, Logits, ModelInfo};
+use oxlm_engine::{ops, EngineError, Tensor};
 
 use crate::ForwardError;
 
@@ -207,40 +207,68 @@ impl Llama {
             },
         })
     }
+
+    /// The hidden states after the last block: one sequence's `tokens` over the one cache of
+    /// `caches`, or one token of each sequence over its own.
+    fn run(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut Cache],
+        adapters: Option<&Adapters>,
+    ) -> Result<Tensor, ForwardError> {
+        let (mut caches, positions) =
+            PassCaches::new(&self.info, tokens, caches, self.layers.len())?;
+        let mut h = self.embed_tokens.forward(tokens)?;
+        for (i, block) in self.layers.iter().enumerate() {
+            let LayerCaches::Kv(mut kvs) = caches.layer(i)? else {
+                return Err(ForwardError::CacheMismatch);
+            };
+            let lora = |module| adapters.map_or(ModuleAdapters::NONE, |a| a.module(i, module));
+            let (attn, mlp) = (&block.self_attn, &block.mlp);
+            // The norms are folded into the projections where the device can.
+            let (attn_lora, mlp_lora) = (lora("self_attn"), lora("mlp"));
+            let normed = Input::Normed(&h, &block.input_layernorm);
+            let out = attn.attend(normed, &positions, &mut kvs, attn_lora)?;
+            attn.o_proj
+                .add_forward(&out, attn_lora.get("o_proj"), &mut h)?;
+            let normed = Input::Normed(&h, &block.post_attention_layernorm);
+            let act = mlp.gated(normed, mlp_lora, ops::Activation::Silu)?;
+            mlp.down_proj
+                .add_forward(&act, mlp_lora.get("down_proj"), &mut h)?;
+        }
+        caches.finish();
+        Ok(h)
+    }
 }
 
-impl LanguageModel for Llama {
+impl Architecture for Llama {
     fn info(&self) -> &ModelInfo {
         &self.info
     }
 
-    fn new_cache(&self) -> Result<Cache, ForwardError> {
+    fn layer_caches(&self) -> Result<Vec<LayerCache>, EngineError> {
         let device = &self.info.device;
-        Ok(Cache::from_layers(self.layers.iter().map(|b| {
-            let a = &b.self_attn;
-            Ok(LayerCache::Kv(KvCache::new(
-                a.kv_heads, a.head_dim, device,
-            )?))
-        }))?)
+        self.layers
+            .iter()
+            .map(|b| {
+                let a = &b.self_attn;
+                Ok(LayerCache::Kv(KvCache::new(
+                    a.kv_heads, a.head_dim, device,
+                )?))
+            })
+            .collect()
     }
 
-    fn forward(
-        &self,
-        tokens: &[u32],
-        cache: &mut Cache,
-        logits: Logits,
-    ) -> Result<Tensor, ForwardError> {
-        let output = (&self.head, &self.embed_tokens);
-        forward_one(cache, logits, output, |c| self.run(tokens, c, None))
-    }
-
-    fn forward_batch(
+    fn hidden_states(
         &self,
         tokens: &[u32],
         caches: &mut [&mut Cache],
     ) -> Result<Tensor, ForwardError> {
-        let output = (&self.head, &self.embed_tokens);
-        forward_rows(tokens, caches, output, |c| self.run(tokens, c, None))
+        self.run(tokens, caches, None)
+    }
+
+    fn output(&self) -> (&OutputHead, &Embedding) {
+        (&self.head, &self.embed_tokens)
     }
 
     fn adaptable(&self) -> Option<&dyn Adaptable> {
@@ -279,8 +307,7 @@ impl Adaptable for Llama {
         logits: Logits,
         adapters: &Adapters,
     ) -> Result<Tensor, ForwardError> {
-        let output = (&self.head, &self.embed_tokens);
-        forward_one(cache, logits, output, |c| {
+        forward_one(cache, logits, self.output(), |c| {
             self.run(tokens, c, Some(adapters))
         })
     }
@@ -291,8 +318,7 @@ impl Adaptable for Llama {
         caches: &mut [&mut Cache],
         adapters: &Adapters,
     ) -> Result<Tensor, ForwardError> {
-        let output = (&self.head, &self.embed_tokens);
-        forward_rows(tokens, caches, output, |c| {
+        forward_rows(tokens, caches, self.output(), |c| {
             self.run(tokens, c, Some(adapters))
         })
     }
@@ -304,39 +330,5 @@ impl Adaptable for Llama {
         checkpoint: bool,
     ) -> Result<LossAndGrads, ForwardError> {
         self.lora_loss_and_grads(examples, adapters, checkpoint)
-    }
-}
-
-impl Llama {
-    /// The hidden states after the last block: one sequence's `tokens` over the one cache of
-    /// `caches`, or one token of each sequence over its own.
-    fn run(
-        &self,
-        tokens: &[u32],
-        caches: &mut [&mut Cache],
-        adapters: Option<&Adapters>,
-    ) -> Result<Tensor, ForwardError> {
-        let (mut caches, positions) =
-            PassCaches::new(&self.info, tokens, caches, self.layers.len())?;
-        let mut h = self.embed_tokens.forward(tokens)?;
-        for (i, block) in self.layers.iter().enumerate() {
-            let LayerCaches::Kv(mut kvs) = caches.layer(i)? else {
-                return Err(ForwardError::CacheMismatch);
-            };
-            let lora = |module| adapters.map_or(ModuleAdapters::NONE, |a| a.module(i, module));
-            let (attn, mlp) = (&block.self_attn, &block.mlp);
-            // The norms are folded into the projections where the device can.
-            let (attn_lora, mlp_lora) = (lora("self_attn"), lora("mlp"));
-            let normed = Input::Normed(&h, &block.input_layernorm);
-            let out = attn.attend(normed, &positions, &mut kvs, attn_lora)?;
-            attn.o_proj
-                .add_forward(&out, attn_lora.get("o_proj"), &mut h)?;
-            let normed = Input::Normed(&h, &block.post_attention_layernorm);
-            let act = mlp.gated(normed, mlp_lora, ops::Activation::Silu)?;
-            mlp.down_proj
-                .add_forward(&act, mlp_lora.get("down_proj"), &mut h)?;
-        }
-        caches.finish();
-        Ok(h)
     }
 }

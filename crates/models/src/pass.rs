@@ -1,3 +1,6 @@
+//! An architecture's pass, and the [`LanguageModel`] written once over it (see
+//! [`Architecture`]).
+//!
 //! The sequences of one forward pass: the tokens of one sequence, or one token of each of
 //! several sequences (a batched decoding step). Each architecture writes its forward pass once,
 //! over [`PassCaches`]: row-wise layers (norms, projections, MLPs, experts) run on all the rows
@@ -5,15 +8,78 @@
 //! [`PassCaches::layer`], one or one per row, which the cache ops ([`crate::cache::append_kv`],
 //! [`crate::cache::attend_kv`], the recurrent ops) take either way.
 
-use oxlm_engine::{Positions, Tensor};
+use oxlm_engine::{EngineError, Positions, Tensor};
 
 use crate::cache::{Cache, KvCache, LayerCache, RecurrentCache, RotatingKvCache};
 use crate::layers::{Embedding, OutputHead};
-use crate::{check_batch, check_tokens, ForwardError, Logits, ModelInfo};
+use crate::lora::Adaptable;
+use crate::{check_batch, check_tokens, ForwardError, LanguageModel, Logits, ModelInfo};
 
-/// [`crate::LanguageModel::forward`] of an architecture whose pass, `run`, gives the hidden
-/// states after its last block: `logits` of them through `head` (with the embeddings it may be
-/// tied to).
+/// What one architecture provides: its settings, the cache each layer keeps, its pass and its
+/// output head. [`LanguageModel`] is written once over it: cache creation, one sequence's
+/// forward pass and the batched decoding step, with the logits placed as each asks.
+pub trait Architecture: Send + Sync {
+    fn info(&self) -> &ModelInfo;
+
+    /// A fresh cache for each layer that keeps one, for one sequence on the model's device.
+    fn layer_caches(&self) -> Result<Vec<LayerCache>, EngineError>;
+
+    /// The hidden states after the last block: one sequence's `tokens` over the one cache of
+    /// `caches`, or one token of each sequence over its own (see [`PassCaches`]).
+    fn hidden_states(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut Cache],
+    ) -> Result<Tensor, ForwardError>;
+
+    /// The output head, and the embeddings it may be tied to.
+    fn output(&self) -> (&OutputHead, &Embedding);
+
+    /// The model as LoRA adapters attach to it; `None` while its architecture takes none.
+    fn adaptable(&self) -> Option<&dyn Adaptable> {
+        None
+    }
+}
+
+impl<A: Architecture> LanguageModel for A {
+    fn info(&self) -> &ModelInfo {
+        Architecture::info(self)
+    }
+
+    fn new_cache(&self) -> Result<Cache, ForwardError> {
+        Ok(Cache::from_layers(
+            self.layer_caches()?.into_iter().map(Ok),
+        )?)
+    }
+
+    fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        logits: Logits,
+    ) -> Result<Tensor, ForwardError> {
+        forward_one(cache, logits, self.output(), |c| {
+            self.hidden_states(tokens, c)
+        })
+    }
+
+    fn forward_batch(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut Cache],
+    ) -> Result<Tensor, ForwardError> {
+        forward_rows(tokens, caches, self.output(), |c| {
+            self.hidden_states(tokens, c)
+        })
+    }
+
+    fn adaptable(&self) -> Option<&dyn Adaptable> {
+        Architecture::adaptable(self)
+    }
+}
+
+/// [`LanguageModel::forward`] of a pass, `run`, that gives the hidden states after the last
+/// block: `logits` of them through `head` (with the embeddings it may be tied to).
 pub(crate) fn forward_one(
     cache: &mut Cache,
     logits: Logits,
@@ -24,8 +90,8 @@ pub(crate) fn forward_one(
     Ok(head.forward(h, logits, embed)?)
 }
 
-/// [`crate::LanguageModel::forward_batch`] of such an architecture: one token per cache, every
-/// row's logits left on the model's device.
+/// [`LanguageModel::forward_batch`] of such a pass: one token per cache, every row's logits
+/// left on the model's device.
 pub(crate) fn forward_rows(
     tokens: &[u32],
     caches: &mut [&mut Cache],

@@ -9,7 +9,7 @@
 //! them: their conv1d weights are `[channels, 1, kernel]` and their RMSNorms scale by `1 + w`.
 
 use oxlm_engine::ops::recurrent::{self, DeltaRuleDims};
-use oxlm_engine::{ops, DType, Device, Positions, Tensor};
+use oxlm_engine::{ops, DType, Device, EngineError, Positions, Tensor};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -19,9 +19,9 @@ use crate::layers::{
     load_host_vector, load_vector, place_vector, Embedding, Linear, Mlp, OpResult, OutputHead,
     RmsNorm, Rope,
 };
-use crate::pass::{forward_one, forward_rows, LayerCaches, PassCaches};
+use crate::pass::{Architecture, LayerCaches, PassCaches};
 use crate::switch::SparseMoe;
-use crate::{ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
+use crate::{ForwardError, LoadError, ModelInfo};
 
 /// The eps of the L2 normalization of q and k in the delta rule (`normalize_qk`'s `eps`).
 const QK_NORM_EPS: f64 = 1e-6;
@@ -641,46 +641,7 @@ impl Qwen3_5 {
             },
         })
     }
-}
 
-impl LanguageModel for Qwen3_5 {
-    fn info(&self) -> &ModelInfo {
-        &self.info
-    }
-
-    fn new_cache(&self) -> Result<Cache, ForwardError> {
-        let device = &self.info.device;
-        Ok(Cache::from_layers(self.layers.iter().map(|b| {
-            Ok(match &b.mixer {
-                Mixer::Linear(m) => LayerCache::Recurrent(m.new_cache(device)?),
-                Mixer::Attention(m) => {
-                    LayerCache::Kv(KvCache::new(m.kv_heads, m.head_dim, device)?)
-                }
-            })
-        }))?)
-    }
-
-    fn forward(
-        &self,
-        tokens: &[u32],
-        cache: &mut Cache,
-        logits: Logits,
-    ) -> Result<Tensor, ForwardError> {
-        let output = (&self.head, &self.embed_tokens);
-        forward_one(cache, logits, output, |c| self.run(tokens, c))
-    }
-
-    fn forward_batch(
-        &self,
-        tokens: &[u32],
-        caches: &mut [&mut Cache],
-    ) -> Result<Tensor, ForwardError> {
-        let output = (&self.head, &self.embed_tokens);
-        forward_rows(tokens, caches, output, |c| self.run(tokens, c))
-    }
-}
-
-impl Qwen3_5 {
     /// Whether `cache` has this model's layers, each of the kind its mixer keeps.
     fn fits(&self, cache: &Cache) -> bool {
         cache.layers.len() == self.layers.len()
@@ -692,10 +653,33 @@ impl Qwen3_5 {
                 )
             })
     }
+}
 
-    /// The hidden states after the last block: one sequence's `tokens` over the one cache of
-    /// `caches`, or one token of each sequence over its own.
-    fn run(&self, tokens: &[u32], caches: &mut [&mut Cache]) -> Result<Tensor, ForwardError> {
+impl Architecture for Qwen3_5 {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn layer_caches(&self) -> Result<Vec<LayerCache>, EngineError> {
+        let device = &self.info.device;
+        self.layers
+            .iter()
+            .map(|b| {
+                Ok(match &b.mixer {
+                    Mixer::Linear(m) => LayerCache::Recurrent(m.new_cache(device)?),
+                    Mixer::Attention(m) => {
+                        LayerCache::Kv(KvCache::new(m.kv_heads, m.head_dim, device)?)
+                    }
+                })
+            })
+            .collect()
+    }
+
+    fn hidden_states(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut Cache],
+    ) -> Result<Tensor, ForwardError> {
         let (mut caches, positions) =
             PassCaches::new(&self.info, tokens, caches, self.layers.len())?;
         // Checked before any layer runs, so that a wrong cache is left untouched.
@@ -722,5 +706,9 @@ impl Qwen3_5 {
         }
         caches.finish();
         Ok(h)
+    }
+
+    fn output(&self) -> (&OutputHead, &Embedding) {
+        (&self.head, &self.embed_tokens)
     }
 }
