@@ -1,8 +1,9 @@
 """Seeded LoRA adapters for the tiny models, made with mlx-lm's own tuner code, and goldens of the adapted
 and the fused models.
 
-usage: PY=$(scripts/oracle/venv.sh); $PY scripts/oracle/make_lora_fixture.py [TINY_ROOT] [OUT_ROOT]
-  TINY_ROOT default tests/fixtures/tiny (the base models), OUT_ROOT default tests/fixtures/lora
+usage: PY=$(scripts/oracle/venv.sh); $PY scripts/oracle/make_lora_fixture.py [TINY_ROOT] [OUT_ROOT] [NAME...]
+  TINY_ROOT default tests/fixtures/tiny (the base models), OUT_ROOT default tests/fixtures/lora;
+  NAMEs: only those ADAPTERS entries (default: all)
 
 For each ADAPTERS entry, OUT_ROOT/<name>/ gets
   adapter_config.json, adapters.safetensors   as `mlx_lm lora` writes them (lora_a [in, r], lora_b [r, out], f32)
@@ -42,6 +43,9 @@ ADAPTERS = {
     "qwen2-4bit-g64-keys": dict(base="qwen2-4bit-g64", seed=2, num_layers=-1,
                                 lora_parameters={"rank": 8, "dropout": 0.0, "scale": 10.0,
                                                  "keys": ["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"]}),
+    # Gemma 3's text model: every linear of every block (GeGLU MLP, q/k norms, sliding layers).
+    "gemma3-4bit-g64-r4": dict(base="gemma3-4bit-g64", seed=3, num_layers=-1,
+                               lora_parameters={"rank": 4, "dropout": 0.0, "scale": 20.0}),
 }
 
 
@@ -88,7 +92,9 @@ def logits(path, prompt, adapter=None):
 def main():
     tiny = Path(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/tiny")
     root = Path(sys.argv[2] if len(sys.argv) > 2 else "tests/fixtures/lora")
-    for name, spec in ADAPTERS.items():
+    names = sys.argv[3:] or list(ADAPTERS)
+    for name in names:
+        spec = ADAPTERS[name]
         base, out = tiny / spec["base"], root / name
         make_adapter(base, out, spec)
         _, tok = load(str(base))

@@ -60,6 +60,8 @@ pub enum ForwardError {
     #[error("a batch of {tokens} tokens for {caches} caches: one token per sequence is needed")]
     BatchMismatch { tokens: usize, caches: usize },
     /// A kernel or device failure (out of GPU memory, for one).
+    #[error("{0} models cannot be trained yet: LoRA training has a backward pass for the llama family only")]
+    NotTrainable(String),
     #[error(transparent)]
     Engine(#[from] EngineError),
 }

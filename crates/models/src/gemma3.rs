@@ -12,7 +12,10 @@ use serde_json::{Map, Value};
 
 use crate::cache::{Cache, KvCache, LayerCache, RotatingKvCache};
 use crate::checkpoint::{Checkpoint, Config};
-use crate::layers::{Attention, Embedding, Linear, Mlp, OutputHead, RmsNorm, Rope};
+use crate::layers::{
+    attention_mlp_linears, Attention, Embedding, Linear, Mlp, OutputHead, RmsNorm, Rope,
+};
+use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
 use crate::{ForwardError, LoadError, ModelInfo};
 use oxlm_engine::{ops, EngineError, Positions, Tensor};
@@ -101,23 +104,25 @@ struct Block {
 }
 
 impl Block {
-    /// Attention over this layer's caches, plain for a global layer, rings for a sliding one.
+    /// Attention over this layer's caches, plain for a global layer, rings for a sliding one,
+    /// with the projections `lora` names adapted.
     fn attention(
         &self,
         x: &Tensor,
         positions: &Positions,
         caches: LayerCaches,
+        lora: ModuleAdapters,
     ) -> Result<Tensor, ForwardError> {
         let shape = (self.self_attn.kv_heads, self.self_attn.head_dim);
         let fits = |s: (usize, usize)| s == shape;
         match caches {
             LayerCaches::Kv(mut kvs) if !self.sliding && kvs.iter().all(|c| fits(c.shape())) => {
-                Ok(self.self_attn.forward(x, positions, &mut kvs)?)
+                Ok(self.self_attn.forward(x, positions, &mut kvs, lora)?)
             }
             LayerCaches::Rotating(mut rings)
                 if self.sliding && rings.iter().all(|c| fits(c.shape())) =>
             {
-                Ok(self.self_attn.forward(x, positions, &mut rings)?)
+                Ok(self.self_attn.forward(x, positions, &mut rings, lora)?)
             }
             _ => Err(ForwardError::CacheMismatch),
         }
@@ -281,18 +286,20 @@ impl Architecture for Gemma3 {
         &self,
         tokens: &[u32],
         caches: &mut [&mut Cache],
+        adapters: Option<&Adapters>,
     ) -> Result<Tensor, ForwardError> {
         let (mut caches, positions) =
             PassCaches::new(&self.info, tokens, caches, self.layers.len())?;
         let mut h = self.embed_tokens.forward(tokens)?;
         ops::scale_inplace(&mut h, self.embed_scale)?;
         for (i, block) in self.layers.iter().enumerate() {
+            let lora = |module| adapters.map_or(ModuleAdapters::NONE, |a| a.module(i, module));
             let x = block.input_layernorm.forward(&h)?;
-            let mut r = block.attention(&x, &positions, caches.layer(i)?)?;
+            let mut r = block.attention(&x, &positions, caches.layer(i)?, lora("self_attn"))?;
             block.post_attention_layernorm.forward_inplace(&mut r)?;
             ops::add_inplace(&mut h, &r)?;
             let x = block.pre_feedforward_layernorm.forward(&h)?;
-            let mut r = block.mlp.forward_geglu(&x)?;
+            let mut r = block.mlp.forward_geglu(&x, lora("mlp"))?;
             block.post_feedforward_layernorm.forward_inplace(&mut r)?;
             ops::add_inplace(&mut h, &r)?;
         }
@@ -302,5 +309,20 @@ impl Architecture for Gemma3 {
 
     fn output(&self) -> (&OutputHead, &Embedding) {
         (&self.head, &self.embed_tokens)
+    }
+
+    /// The text model: mlx-lm's adapters of the multimodal wrapper name its layers under
+    /// `language_model.`, which adapters do not reach yet.
+    fn adaptable(&self) -> Option<&dyn Adaptable> {
+        (self.info.model_type == "gemma3_text").then_some(self as &dyn Adaptable)
+    }
+}
+
+impl Adaptable for Gemma3 {
+    fn block_linears(&self) -> Vec<Vec<LinearShape>> {
+        let blocks = self.layers.iter();
+        blocks
+            .map(|b| attention_mlp_linears(&b.self_attn, &b.mlp))
+            .collect()
     }
 }

@@ -19,6 +19,7 @@ use crate::gemma3::wrapped_text_config;
 use crate::layers::{
     load_host_vector, Embedding, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope,
 };
+use crate::lora::{Adapters, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
 use crate::switch::{dispatch, load_experts};
 use crate::{ForwardError, LoadError, ModelInfo};
@@ -342,12 +343,15 @@ impl MoeBlock {
         pre_feedforward_layernorm: &RmsNorm,
         h: &Tensor,
     ) -> OpResult<Tensor> {
-        let mut dense = mlp.forward_geglu(&pre_feedforward_layernorm.forward(h)?)?;
+        let mut dense =
+            mlp.forward_geglu(&pre_feedforward_layernorm.forward(h)?, ModuleAdapters::NONE)?;
         self.post_feedforward_layernorm_1
             .forward_inplace(&mut dense)?;
         let routed = self.route(h)?;
         let x = self.pre_feedforward_layernorm_2.forward(h)?;
-        let mut sparse = dispatch(&x, &routed, |e, rows| self.experts[e].forward_geglu(rows))?;
+        let mut sparse = dispatch(&x, &routed, |e, rows| {
+            self.experts[e].forward_geglu(rows, ModuleAdapters::NONE)
+        })?;
         self.post_feedforward_layernorm_2
             .forward_inplace(&mut sparse)?;
         ops::add_inplace(&mut dense, &sparse)?;
@@ -758,10 +762,12 @@ impl Architecture for Gemma4 {
             .collect()
     }
 
+    /// Takes no adapters yet (not [`Adaptable`](crate::lora::Adaptable)).
     fn hidden_states(
         &self,
         tokens: &[u32],
         caches: &mut [&mut Cache],
+        _adapters: Option<&Adapters>,
     ) -> Result<Tensor, ForwardError> {
         let (mut caches, positions) =
             PassCaches::new(&self.info, tokens, caches, self.cached_layers)?;
@@ -784,9 +790,10 @@ impl Architecture for Gemma4 {
 
             let mut r = match &block.moe {
                 Some(moe) => moe.forward(&block.mlp, &block.pre_feedforward_layernorm, &h)?,
-                None => block
-                    .mlp
-                    .forward_geglu(&block.pre_feedforward_layernorm.forward(&h)?)?,
+                None => block.mlp.forward_geglu(
+                    &block.pre_feedforward_layernorm.forward(&h)?,
+                    ModuleAdapters::NONE,
+                )?,
             };
             block.post_feedforward_layernorm.forward_inplace(&mut r)?;
             ops::add_inplace(&mut h, &r)?;

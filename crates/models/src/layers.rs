@@ -8,7 +8,7 @@ use std::borrow::Cow;
 
 use crate::cache::{append_kv, attend_kv, AttentionCache};
 use crate::checkpoint::{Checkpoint, RawTensor};
-use crate::lora::{LoraLinear, ModuleAdapters};
+use crate::lora::{LinearShape, LoraLinear, ModuleAdapters};
 use crate::{LoadError, Logits};
 
 /// What the ops of a forward pass may fail with (device errors, shapes).
@@ -493,15 +493,17 @@ pub struct Attention {
 
 impl Attention {
     /// `x` is `[tokens, hidden]`: one sequence's tokens over the one cache of `caches`, or the
-    /// next token of each sequence over its own (see [`Attention::attend`]).
+    /// next token of each sequence over its own (see [`Attention::attend`]), with the
+    /// projections `lora` names adapted.
     pub fn forward<C: AttentionCache>(
         &self,
         x: &Tensor,
         positions: &Positions,
         caches: &mut [&mut C],
+        lora: ModuleAdapters,
     ) -> OpResult<Tensor> {
-        let out = self.attend(Input::Plain(x), positions, caches, ModuleAdapters::NONE)?;
-        self.o_proj.forward(&out)
+        let out = self.attend(Input::Plain(x), positions, caches, lora)?;
+        self.o_proj.forward_adapted(&out, lora.get("o_proj"))
     }
 
     /// The heads' outputs before the output projection, with the projections `lora` names
@@ -659,14 +661,11 @@ impl RmsNorm {
 }
 
 impl Mlp {
-    /// The GeGLU feed-forward block of Gemma: `down(gelu_approx(gate(x)) * up(x))`.
-    pub fn forward_geglu(&self, x: &Tensor) -> OpResult<Tensor> {
-        let h = self.gated(
-            Input::Plain(x),
-            ModuleAdapters::NONE,
-            ops::Activation::GeluApprox,
-        )?;
-        self.down_proj.forward(&h)
+    /// The GeGLU feed-forward block of Gemma: `down(gelu_approx(gate(x)) * up(x))`, with the
+    /// projections `lora` names adapted.
+    pub fn forward_geglu(&self, x: &Tensor, lora: ModuleAdapters) -> OpResult<Tensor> {
+        let h = self.gated(Input::Plain(x), lora, ops::Activation::GeluApprox)?;
+        self.down_proj.forward_adapted(&h, lora.get("down_proj"))
     }
 }
 
@@ -788,4 +787,23 @@ impl OutputHead {
         }
         Ok(out)
     }
+}
+
+/// The linear layers of a block of `self_attn` and `mlp`, as mlx-lm's default LoRA keys select
+/// them (every linear layer of the block).
+pub(crate) fn attention_mlp_linears(attn: &Attention, mlp: &Mlp) -> Vec<LinearShape> {
+    let shape = |key, l: &Linear| LinearShape {
+        key,
+        in_features: l.weight.cols(),
+        out_features: l.weight.rows(),
+    };
+    vec![
+        shape("self_attn.q_proj", &attn.q_proj),
+        shape("self_attn.k_proj", &attn.k_proj),
+        shape("self_attn.v_proj", &attn.v_proj),
+        shape("self_attn.o_proj", &attn.o_proj),
+        shape("mlp.gate_proj", &mlp.gate_proj),
+        shape("mlp.up_proj", &mlp.up_proj),
+        shape("mlp.down_proj", &mlp.down_proj),
+    ]
 }

@@ -6,11 +6,13 @@ use serde_json::Value;
 
 use crate::cache::{Cache, KvCache, LayerCache};
 use crate::checkpoint::Checkpoint;
-use crate::layers::{Attention, Embedding, Input, Linear, Mlp, OutputHead, RmsNorm, Rope};
+use crate::layers::{
+    attention_mlp_linears, Attention, Embedding, Input, Linear, Mlp, OutputHead, RmsNorm, Rope,
+};
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::lora_grad::{Example, LossAndGrads};
-use crate::pass::{forward_one, forward_rows, Architecture, LayerCaches, PassCaches};
-use crate::{LoadError, Logits, ModelInfo};
+use crate::pass::{Architecture, LayerCaches, PassCaches};
+use crate::{LoadError, ModelInfo};
 use oxlm_engine::{ops, EngineError, Tensor};
 
 use crate::ForwardError;
@@ -207,10 +209,27 @@ impl Llama {
             },
         })
     }
+}
 
-    /// The hidden states after the last block: one sequence's `tokens` over the one cache of
-    /// `caches`, or one token of each sequence over its own.
-    fn run(
+impl Architecture for Llama {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn layer_caches(&self) -> Result<Vec<LayerCache>, EngineError> {
+        let device = &self.info.device;
+        self.layers
+            .iter()
+            .map(|b| {
+                let a = &b.self_attn;
+                Ok(LayerCache::Kv(KvCache::new(
+                    a.kv_heads, a.head_dim, device,
+                )?))
+            })
+            .collect()
+    }
+
+    fn hidden_states(
         &self,
         tokens: &[u32],
         caches: &mut [&mut Cache],
@@ -239,33 +258,6 @@ impl Llama {
         caches.finish();
         Ok(h)
     }
-}
-
-impl Architecture for Llama {
-    fn info(&self) -> &ModelInfo {
-        &self.info
-    }
-
-    fn layer_caches(&self) -> Result<Vec<LayerCache>, EngineError> {
-        let device = &self.info.device;
-        self.layers
-            .iter()
-            .map(|b| {
-                let a = &b.self_attn;
-                Ok(LayerCache::Kv(KvCache::new(
-                    a.kv_heads, a.head_dim, device,
-                )?))
-            })
-            .collect()
-    }
-
-    fn hidden_states(
-        &self,
-        tokens: &[u32],
-        caches: &mut [&mut Cache],
-    ) -> Result<Tensor, ForwardError> {
-        self.run(tokens, caches, None)
-    }
 
     fn output(&self) -> (&OutputHead, &Embedding) {
         (&self.head, &self.embed_tokens)
@@ -278,49 +270,10 @@ impl Architecture for Llama {
 
 impl Adaptable for Llama {
     fn block_linears(&self) -> Vec<Vec<LinearShape>> {
-        let shape = |key, l: &Linear| LinearShape {
-            key,
-            in_features: l.weight.cols(),
-            out_features: l.weight.rows(),
-        };
-        self.layers
-            .iter()
-            .map(|b| {
-                let (a, m) = (&b.self_attn, &b.mlp);
-                vec![
-                    shape("self_attn.q_proj", &a.q_proj),
-                    shape("self_attn.k_proj", &a.k_proj),
-                    shape("self_attn.v_proj", &a.v_proj),
-                    shape("self_attn.o_proj", &a.o_proj),
-                    shape("mlp.gate_proj", &m.gate_proj),
-                    shape("mlp.up_proj", &m.up_proj),
-                    shape("mlp.down_proj", &m.down_proj),
-                ]
-            })
+        let blocks = self.layers.iter();
+        blocks
+            .map(|b| attention_mlp_linears(&b.self_attn, &b.mlp))
             .collect()
-    }
-
-    fn forward_adapted(
-        &self,
-        tokens: &[u32],
-        cache: &mut Cache,
-        logits: Logits,
-        adapters: &Adapters,
-    ) -> Result<Tensor, ForwardError> {
-        forward_one(cache, logits, self.output(), |c| {
-            self.run(tokens, c, Some(adapters))
-        })
-    }
-
-    fn forward_batch_adapted(
-        &self,
-        tokens: &[u32],
-        caches: &mut [&mut Cache],
-        adapters: &Adapters,
-    ) -> Result<Tensor, ForwardError> {
-        forward_rows(tokens, caches, self.output(), |c| {
-            self.run(tokens, c, Some(adapters))
-        })
     }
 
     fn loss_and_grads(

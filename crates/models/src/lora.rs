@@ -13,6 +13,7 @@ use thiserror::Error;
 use crate::cache::Cache;
 use crate::checkpoint::{open_safetensors, read_json, Residency};
 use crate::lora_grad::{Example, LossAndGrads};
+use crate::pass::{forward_one, forward_rows, Architecture};
 use crate::save::{write_safetensors, SaveError, TensorBytes};
 use crate::{ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
 
@@ -30,7 +31,9 @@ pub enum AdapterError {
     Config { path: PathBuf, reason: String },
     #[error("fine_tune_type `{0}` is not supported (supported: lora)")]
     UnsupportedType(String),
-    #[error("model_type `{0}` does not take LoRA adapters yet (supported: the llama family)")]
+    #[error(
+        "model_type `{0}` does not take LoRA adapters yet (supported: the llama family, gemma3_text)"
+    )]
     UnsupportedModel(String),
     #[error("adapter at {} does not fit the model:\n  {}", .path.display(), .problems.join("\n  "))]
     Mismatch {
@@ -49,7 +52,7 @@ pub struct LinearShape {
 }
 
 /// A model whose blocks LoRA adapters attach to.
-pub trait Adaptable: Send + Sync {
+pub trait Adaptable: Architecture {
     /// The linear layers of each block that mlx-lm's default LoRA keys select.
     fn block_linears(&self) -> Vec<Vec<LinearShape>>;
 
@@ -60,7 +63,11 @@ pub trait Adaptable: Send + Sync {
         cache: &mut Cache,
         logits: Logits,
         adapters: &Adapters,
-    ) -> Result<Tensor, ForwardError>;
+    ) -> Result<Tensor, ForwardError> {
+        forward_one(cache, logits, self.output(), |c| {
+            self.hidden_states(tokens, c, Some(adapters))
+        })
+    }
 
     /// [`LanguageModel::forward_batch`] with each layer that `adapters` names adapted.
     fn forward_batch_adapted(
@@ -68,17 +75,24 @@ pub trait Adaptable: Send + Sync {
         tokens: &[u32],
         caches: &mut [&mut Cache],
         adapters: &Adapters,
-    ) -> Result<Tensor, ForwardError>;
+    ) -> Result<Tensor, ForwardError> {
+        forward_rows(tokens, caches, self.output(), |c| {
+            self.hidden_states(tokens, c, Some(adapters))
+        })
+    }
 
     /// mlx-lm's training loss over `examples` (the mean cross-entropy of their scored positions)
     /// and its gradient with respect to every matrix of `adapters`. With `checkpoint`, blocks
     /// keep only their inputs and run again during the backward pass (less memory, more time).
+    /// An architecture without a backward pass refuses.
     fn loss_and_grads(
         &self,
-        examples: &[Example],
-        adapters: &Adapters,
-        checkpoint: bool,
-    ) -> Result<LossAndGrads, ForwardError>;
+        _examples: &[Example],
+        _adapters: &Adapters,
+        _checkpoint: bool,
+    ) -> Result<LossAndGrads, ForwardError> {
+        Err(ForwardError::NotTrainable(self.info().model_type.clone()))
+    }
 }
 
 /// `lora_parameters` and the layer selection of `adapter_config.json`.

@@ -12,7 +12,7 @@ use oxlm_engine::{EngineError, Positions, Tensor};
 
 use crate::cache::{Cache, KvCache, LayerCache, RecurrentCache, RotatingKvCache};
 use crate::layers::{Embedding, OutputHead};
-use crate::lora::Adaptable;
+use crate::lora::{Adaptable, Adapters};
 use crate::{check_batch, check_tokens, ForwardError, LanguageModel, Logits, ModelInfo};
 
 /// What one architecture provides: its settings, the cache each layer keeps, its pass and its
@@ -25,11 +25,13 @@ pub trait Architecture: Send + Sync {
     fn layer_caches(&self) -> Result<Vec<LayerCache>, EngineError>;
 
     /// The hidden states after the last block: one sequence's `tokens` over the one cache of
-    /// `caches`, or one token of each sequence over its own (see [`PassCaches`]).
+    /// `caches`, or one token of each sequence over its own (see [`PassCaches`]), with the
+    /// linear layers `adapters` names adapted (only an [`Adaptable`] architecture is given any).
     fn hidden_states(
         &self,
         tokens: &[u32],
         caches: &mut [&mut Cache],
+        adapters: Option<&Adapters>,
     ) -> Result<Tensor, ForwardError>;
 
     /// The output head, and the embeddings it may be tied to.
@@ -59,7 +61,7 @@ impl<A: Architecture> LanguageModel for A {
         logits: Logits,
     ) -> Result<Tensor, ForwardError> {
         forward_one(cache, logits, self.output(), |c| {
-            self.hidden_states(tokens, c)
+            self.hidden_states(tokens, c, None)
         })
     }
 
@@ -69,7 +71,7 @@ impl<A: Architecture> LanguageModel for A {
         caches: &mut [&mut Cache],
     ) -> Result<Tensor, ForwardError> {
         forward_rows(tokens, caches, self.output(), |c| {
-            self.hidden_states(tokens, c)
+            self.hidden_states(tokens, c, None)
         })
     }
 

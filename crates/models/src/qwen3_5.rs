@@ -19,6 +19,7 @@ use crate::layers::{
     load_host_vector, load_vector, place_vector, Embedding, Linear, Mlp, OpResult, OutputHead,
     RmsNorm, Rope,
 };
+use crate::lora::Adapters;
 use crate::pass::{Architecture, LayerCaches, PassCaches};
 use crate::switch::SparseMoe;
 use crate::{ForwardError, LoadError, ModelInfo};
@@ -675,10 +676,12 @@ impl Architecture for Qwen3_5 {
             .collect()
     }
 
+    /// Takes no adapters yet (not [`Adaptable`](crate::lora::Adaptable)).
     fn hidden_states(
         &self,
         tokens: &[u32],
         caches: &mut [&mut Cache],
+        _adapters: Option<&Adapters>,
     ) -> Result<Tensor, ForwardError> {
         let (mut caches, positions) =
             PassCaches::new(&self.info, tokens, caches, self.layers.len())?;

@@ -49,9 +49,10 @@ fn logits(dir: &Path, ids: &[u32]) -> Vec<f32> {
         .into_data()
 }
 
-const CASES: [(&str, &str); 2] = [
+const CASES: [(&str, &str); 3] = [
     ("llama-4bit-g64-r4", "llama-4bit-g64"),
     ("qwen2-4bit-g64-keys", "qwen2-4bit-g64"),
+    ("gemma3-4bit-g64-r4", "gemma3-4bit-g64"),
 ];
 
 #[test]

@@ -57,9 +57,10 @@ fn all_logits(model: &dyn LanguageModel, tokens: &[u32]) -> Vec<f32> {
 }
 
 /// `(adapter fixture, base model)`.
-const CASES: [(&str, &str); 2] = [
+const CASES: [(&str, &str); 3] = [
     ("llama-4bit-g64-r4", "llama-4bit-g64"),
     ("qwen2-4bit-g64-keys", "qwen2-4bit-g64"),
+    ("gemma3-4bit-g64-r4", "gemma3-4bit-g64"),
 ];
 
 #[test]
@@ -228,7 +229,7 @@ fn broken_or_foreign_adapters_are_refused() {
 
     let err = load_err(
         &fixtures().join("lora/llama-4bit-g64-r4"),
-        "gemma3-4bit-g64",
+        "gemma4-4bit-g32",
     );
     assert!(matches!(err, AdapterError::UnsupportedModel(_)), "{err}");
 }
