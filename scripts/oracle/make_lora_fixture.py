@@ -46,6 +46,10 @@ ADAPTERS = {
     # Gemma 3's text model: every linear of every block (GeGLU MLP, q/k norms, sliding layers).
     "gemma3-4bit-g64-r4": dict(base="gemma3-4bit-g64", seed=3, num_layers=-1,
                                lora_parameters={"rank": 4, "dropout": 0.0, "scale": 20.0}),
+    # Qwen3.5 (dense): the gated-DeltaNet and the gated attention's projections and the MLPs of
+    # every block, under language_model.
+    "qwen3_5-4bit-g64-r4": dict(base="qwen3_5-4bit-g64", seed=4, num_layers=-1,
+                                lora_parameters={"rank": 4, "dropout": 0.0, "scale": 8.0}),
 }
 
 

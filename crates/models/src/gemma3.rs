@@ -12,9 +12,7 @@ use serde_json::{Map, Value};
 
 use crate::cache::{Cache, KvCache, LayerCache, RotatingKvCache};
 use crate::checkpoint::{Checkpoint, Config};
-use crate::layers::{
-    attention_mlp_linears, Attention, Embedding, Linear, Mlp, OutputHead, RmsNorm, Rope,
-};
+use crate::layers::{Attention, Embedding, Linear, Mlp, OutputHead, RmsNorm, Rope};
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
 use crate::{ForwardError, LoadError, ModelInfo};
@@ -322,7 +320,7 @@ impl Adaptable for Gemma3 {
     fn block_linears(&self) -> Vec<Vec<LinearShape>> {
         let blocks = self.layers.iter();
         blocks
-            .map(|b| attention_mlp_linears(&b.self_attn, &b.mlp))
+            .map(|b| [b.self_attn.linears(), b.mlp.linears()].concat())
             .collect()
     }
 }

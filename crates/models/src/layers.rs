@@ -789,21 +789,35 @@ impl OutputHead {
     }
 }
 
-/// The linear layers of a block of `self_attn` and `mlp`, as mlx-lm's default LoRA keys select
-/// them (every linear layer of the block).
-pub(crate) fn attention_mlp_linears(attn: &Attention, mlp: &Mlp) -> Vec<LinearShape> {
-    let shape = |key, l: &Linear| LinearShape {
+/// Linear layer `l` as adapters see it: its key within its block (`self_attn.q_proj`) and its
+/// shape.
+pub(crate) fn linear_shape(key: &'static str, l: &Linear) -> LinearShape {
+    LinearShape {
         key,
         in_features: l.weight.cols(),
         out_features: l.weight.rows(),
-    };
-    vec![
-        shape("self_attn.q_proj", &attn.q_proj),
-        shape("self_attn.k_proj", &attn.k_proj),
-        shape("self_attn.v_proj", &attn.v_proj),
-        shape("self_attn.o_proj", &attn.o_proj),
-        shape("mlp.gate_proj", &mlp.gate_proj),
-        shape("mlp.up_proj", &mlp.up_proj),
-        shape("mlp.down_proj", &mlp.down_proj),
-    ]
+    }
+}
+
+impl Attention {
+    /// Its projections, as mlx-lm's default LoRA keys select them (under `self_attn`).
+    pub(crate) fn linears(&self) -> Vec<LinearShape> {
+        vec![
+            linear_shape("self_attn.q_proj", &self.q_proj),
+            linear_shape("self_attn.k_proj", &self.k_proj),
+            linear_shape("self_attn.v_proj", &self.v_proj),
+            linear_shape("self_attn.o_proj", &self.o_proj),
+        ]
+    }
+}
+
+impl Mlp {
+    /// Its projections, as mlx-lm's default LoRA keys select them (under `mlp`).
+    pub(crate) fn linears(&self) -> Vec<LinearShape> {
+        vec![
+            linear_shape("mlp.gate_proj", &self.gate_proj),
+            linear_shape("mlp.up_proj", &self.up_proj),
+            linear_shape("mlp.down_proj", &self.down_proj),
+        ]
+    }
 }

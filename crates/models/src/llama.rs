@@ -6,9 +6,7 @@ use serde_json::Value;
 
 use crate::cache::{Cache, KvCache, LayerCache};
 use crate::checkpoint::Checkpoint;
-use crate::layers::{
-    attention_mlp_linears, Attention, Embedding, Input, Linear, Mlp, OutputHead, RmsNorm, Rope,
-};
+use crate::layers::{Attention, Embedding, Input, Linear, Mlp, OutputHead, RmsNorm, Rope};
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::lora_grad::{Example, LossAndGrads};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
@@ -272,7 +270,7 @@ impl Adaptable for Llama {
     fn block_linears(&self) -> Vec<Vec<LinearShape>> {
         let blocks = self.layers.iter();
         blocks
-            .map(|b| attention_mlp_linears(&b.self_attn, &b.mlp))
+            .map(|b| [b.self_attn.linears(), b.mlp.linears()].concat())
             .collect()
     }
 

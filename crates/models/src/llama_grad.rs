@@ -15,7 +15,7 @@ use oxlm_engine::{ops, Positions, Tensor};
 
 use crate::layers::{Attention, Linear, OpResult};
 use crate::llama::{Block, Llama};
-use crate::lora::{block_path, Adapters, ModuleAdapters};
+use crate::lora::{Adapters, ModuleAdapters};
 use crate::lora_grad::{
     base_input_grad, linear_backward, zero_grads, Example, LoraGrad, LossAndGrads,
 };
@@ -185,7 +185,7 @@ impl BlockGrads<'_> {
         need_dx: bool,
     ) -> Option<Vec<f32>> {
         let adapter = self.adapters.module(self.block, module).get(name);
-        let path = format!("{}.{module}.{name}", block_path(self.block));
+        let path = format!("{}.{module}.{name}", self.adapters.block_path(self.block));
         let slot = adapter.zip(self.grads.get_mut(&path));
         linear_backward(linear, slot, x, dy, self.tokens, need_dx)
     }
@@ -354,7 +354,7 @@ impl Llama {
                 adapters
                     .layers
                     .keys()
-                    .any(|p| p.starts_with(&format!("{}.", block_path(i))))
+                    .any(|p| p.starts_with(&format!("{}.", adapters.block_path(i))))
             })
             .unwrap_or(self.layers.len());
         let dloss = 1.0 / tokens.max(1) as f32;

@@ -32,7 +32,7 @@ pub enum AdapterError {
     #[error("fine_tune_type `{0}` is not supported (supported: lora)")]
     UnsupportedType(String),
     #[error(
-        "model_type `{0}` does not take LoRA adapters yet (supported: the llama family, gemma3_text)"
+        "model_type `{0}` does not take LoRA adapters yet (supported: the llama family, gemma3_text, dense qwen3_5)"
     )]
     UnsupportedModel(String),
     #[error("adapter at {} does not fit the model:\n  {}", .path.display(), .problems.join("\n  "))]
@@ -55,6 +55,12 @@ pub struct LinearShape {
 pub trait Adaptable: Architecture {
     /// The linear layers of each block that mlx-lm's default LoRA keys select.
     fn block_linears(&self) -> Vec<Vec<LinearShape>>;
+
+    /// Where mlx-lm's model keeps its blocks: adapters name block `i`'s layers under
+    /// `{blocks_path}.{i}`.
+    fn blocks_path(&self) -> &'static str {
+        "model.layers"
+    }
 
     /// [`LanguageModel::forward`] with each layer that `adapters` names adapted.
     fn forward_adapted(
@@ -188,12 +194,13 @@ impl LoraConfig {
 
     /// Full module path → shape of every layer this config adapts in a model with these blocks,
     /// following `linear_to_lora_layers`.
-    pub fn targets(&self, blocks: &[Vec<LinearShape>]) -> BTreeMap<String, LinearShape> {
+    pub fn targets(&self, blocks: &Blocks) -> BTreeMap<String, LinearShape> {
         let mut out = BTreeMap::new();
         for (i, linears) in blocks
+            .linears
             .iter()
             .enumerate()
-            .skip(self.first_block(blocks.len()))
+            .skip(self.first_block(blocks.linears.len()))
         {
             for shape in linears {
                 let chosen = self
@@ -201,7 +208,7 @@ impl LoraConfig {
                     .as_ref()
                     .is_none_or(|keys| keys.iter().any(|k| k == shape.key));
                 if chosen {
-                    out.insert(format!("{}.{}", block_path(i), shape.key), shape.clone());
+                    out.insert(format!("{}.{i}.{}", blocks.path, shape.key), shape.clone());
                 }
             }
         }
@@ -281,6 +288,8 @@ impl LoraLinear {
 pub struct Adapters {
     pub config: LoraConfig,
     pub layers: BTreeMap<String, LoraLinear>,
+    /// The model's [`Adaptable::blocks_path`].
+    pub blocks_path: &'static str,
 }
 
 /// The adapters of one module's linear layers (e.g. block 3's `self_attn`), by layer name.
@@ -304,15 +313,16 @@ impl<'a> ModuleAdapters<'a> {
         let set = self.set?;
         set.layers.get(&format!(
             "{}.{}.{name}",
-            block_path(self.block),
+            set.block_path(self.block),
             self.module
         ))
     }
 }
 
-/// Where mlx-lm's models keep block `i`.
-pub fn block_path(i: usize) -> String {
-    format!("model.layers.{i}")
+/// A model's adaptable linear layers: where its blocks are, and each block's.
+pub struct Blocks {
+    pub path: &'static str,
+    pub linears: Vec<Vec<LinearShape>>,
 }
 
 /// A layer's `lora_a` and `lora_b` as far as a file holds them.
@@ -371,10 +381,13 @@ fn read_arrays(
     }
 }
 
-fn model_linears(model: &dyn LanguageModel) -> Result<Vec<Vec<LinearShape>>, AdapterError> {
+fn model_blocks(model: &dyn LanguageModel) -> Result<Blocks, AdapterError> {
     model
         .adaptable()
-        .map(|a| a.block_linears())
+        .map(|a| Blocks {
+            path: a.blocks_path(),
+            linears: a.block_linears(),
+        })
         .ok_or_else(|| AdapterError::UnsupportedModel(model.info().model_type.clone()))
 }
 
@@ -388,8 +401,9 @@ impl Adapters {
         }
         let config_path = dir.join(CONFIG_FILE);
         let config = LoraConfig::from_json(&read_json(&config_path)?, &config_path)?;
+        let blocks = model_blocks(model)?;
         let shapes = config
-            .targets(&model_linears(model)?)
+            .targets(&blocks)
             .into_iter()
             .map(|(path, s)| (path, (s.in_features, s.out_features)))
             .collect();
@@ -409,13 +423,18 @@ impl Adapters {
             };
             layers.insert(path, layer);
         }
-        Ok(Adapters { config, layers })
+        Ok(Adapters {
+            config,
+            layers,
+            blocks_path: blocks.path,
+        })
     }
 
     /// Every layer `config` adapts in `model`, with both matrices zero (training fills `a`).
     pub fn zeros(config: LoraConfig, model: &dyn LanguageModel) -> Result<Self, AdapterError> {
+        let blocks = model_blocks(model)?;
         let layers = config
-            .targets(&model_linears(model)?)
+            .targets(&blocks)
             .into_iter()
             .map(|(path, s)| {
                 let layer = LoraLinear {
@@ -429,7 +448,11 @@ impl Adapters {
                 (path, layer)
             })
             .collect();
-        Ok(Adapters { config, layers })
+        Ok(Adapters {
+            config,
+            layers,
+            blocks_path: blocks.path,
+        })
     }
 
     /// Replaces matrices with those in the safetensors `file` (`--resume-adapter-file`); every
@@ -472,7 +495,7 @@ impl Adapters {
 
     /// Checks that every adapted layer exists in `model` with the adapter's shape.
     pub fn check(&self, model: &dyn LanguageModel) -> Result<(), AdapterError> {
-        let targets = self.config.targets(&model_linears(model)?);
+        let targets = self.config.targets(&model_blocks(model)?);
         let problems: Vec<String> = self
             .layers
             .iter()
@@ -491,6 +514,11 @@ impl Adapters {
                 problems,
             })
         }
+    }
+
+    /// Where the model keeps block `i` (`model.layers.3`), as the adapted layers are named.
+    pub fn block_path(&self, i: usize) -> String {
+        format!("{}.{i}", self.blocks_path)
     }
 
     /// The adapters of module `module` (e.g. `mlp`) of block `block`.
@@ -557,13 +585,16 @@ impl LanguageModel for AdaptedModel<'_> {
 mod tests {
     use super::*;
 
-    fn blocks(n: usize) -> Vec<Vec<LinearShape>> {
+    fn blocks(n: usize) -> Blocks {
         let shape = |key| LinearShape {
             key,
             in_features: 8,
             out_features: 4,
         };
-        vec![vec![shape("self_attn.q_proj"), shape("mlp.down_proj")]; n]
+        Blocks {
+            path: "model.layers",
+            linears: vec![vec![shape("self_attn.q_proj"), shape("mlp.down_proj")]; n],
+        }
     }
 
     fn adapted_blocks(config: &LoraConfig, n: usize) -> Vec<String> {

@@ -16,10 +16,10 @@ use serde_json::Value;
 use crate::cache::{append_kv, attend_kv, Cache, KvCache, LayerCache, RecurrentCache};
 use crate::checkpoint::Checkpoint;
 use crate::layers::{
-    load_host_vector, load_vector, place_vector, Embedding, Linear, Mlp, OpResult, OutputHead,
-    RmsNorm, Rope,
+    linear_shape, load_host_vector, load_vector, place_vector, Embedding, Linear, Mlp, OpResult,
+    OutputHead, RmsNorm, Rope,
 };
-use crate::lora::Adapters;
+use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
 use crate::switch::SparseMoe;
 use crate::{ForwardError, LoadError, ModelInfo};
@@ -62,14 +62,21 @@ impl GatedDeltaNet {
     }
 
     /// `x` holds one sequence's tokens, continuing the one cache of `caches`, or the next token
-    /// of each sequence, continuing its own.
-    fn forward(&self, x: &Tensor, caches: &mut [&mut RecurrentCache]) -> OpResult<Tensor> {
+    /// of each sequence, continuing its own; the projections `lora` names are adapted.
+    fn forward(
+        &self,
+        x: &Tensor,
+        caches: &mut [&mut RecurrentCache],
+        lora: ModuleAdapters,
+    ) -> OpResult<Tensor> {
         let d = self.dims;
         let key_dim = self.key_dim();
-        let qkv = self.in_proj_qkv.forward(x)?;
-        let mut z = self.in_proj_z.forward(x)?;
-        let b = self.in_proj_b.forward(x)?;
-        let a = self.in_proj_a.forward(x)?;
+        let qkv = self
+            .in_proj_qkv
+            .forward_adapted(x, lora.get("in_proj_qkv"))?;
+        let mut z = self.in_proj_z.forward_adapted(x, lora.get("in_proj_z"))?;
+        let b = self.in_proj_b.forward_adapted(x, lora.get("in_proj_b"))?;
+        let a = self.in_proj_a.forward_adapted(x, lora.get("in_proj_a"))?;
 
         let mut convs: Vec<&mut Tensor> = caches.iter_mut().map(|c| &mut c.conv).collect();
         let mut mixed = recurrent::causal_conv1d(&qkv, &self.conv1d, self.kernel, &mut convs)?;
@@ -91,7 +98,18 @@ impl GatedDeltaNet {
         let mut y = recurrent::gated_delta_rule(&q, &k, &v, &g, &beta, d, &mut states)?;
         self.norm.forward_inplace(&mut y)?;
         ops::silu_mul_inplace(&mut z, &y)?;
-        self.out_proj.forward(&z)
+        self.out_proj.forward_adapted(&z, lora.get("out_proj"))
+    }
+
+    /// Its projections, as mlx-lm's default LoRA keys select them.
+    fn linears(&self) -> Vec<LinearShape> {
+        vec![
+            linear_shape("linear_attn.in_proj_qkv", &self.in_proj_qkv),
+            linear_shape("linear_attn.in_proj_z", &self.in_proj_z),
+            linear_shape("linear_attn.in_proj_b", &self.in_proj_b),
+            linear_shape("linear_attn.in_proj_a", &self.in_proj_a),
+            linear_shape("linear_attn.out_proj", &self.out_proj),
+        ]
     }
 }
 
@@ -115,23 +133,24 @@ struct GatedAttention {
 
 impl GatedAttention {
     /// `x` holds one sequence's tokens, over the one cache of `caches`, or the next token of
-    /// each sequence, over its own.
+    /// each sequence, over its own; the projections `lora` names are adapted.
     fn forward(
         &self,
         x: &Tensor,
         positions: &Positions,
         caches: &mut [&mut KvCache],
+        lora: ModuleAdapters,
     ) -> OpResult<Tensor> {
         let (n, hd) = (positions.len(), self.head_dim);
         // Per head, `head_dim` queries then `head_dim` gates.
         let projected = self
             .q_proj
-            .forward(x)?
+            .forward_adapted(x, lora.get("q_proj"))?
             .reshape(vec![n * self.heads, 2 * hd]);
         let mut q = ops::columns(&projected, 0, hd)?.reshape(vec![n, self.heads * hd]);
         let gate = ops::columns(&projected, hd, hd)?.reshape(vec![n, self.heads * hd]);
-        let mut k = self.k_proj.forward(x)?;
-        let v = self.v_proj.forward(x)?;
+        let mut k = self.k_proj.forward_adapted(x, lora.get("k_proj"))?;
+        let v = self.v_proj.forward_adapted(x, lora.get("v_proj"))?;
         self.q_norm.forward_inplace(&mut q)?;
         self.k_norm.forward_inplace(&mut k)?;
         self.rope
@@ -139,7 +158,17 @@ impl GatedAttention {
         append_kv(caches, &k, &v, positions)?;
         let mut out = attend_kv(&q, self.heads, hd, positions, caches, self.scale)?;
         ops::sigmoid_mul_inplace(&mut out, &gate)?;
-        self.o_proj.forward(&out)
+        self.o_proj.forward_adapted(&out, lora.get("o_proj"))
+    }
+
+    /// Its projections, as mlx-lm's default LoRA keys select them.
+    fn linears(&self) -> Vec<LinearShape> {
+        vec![
+            linear_shape("self_attn.q_proj", &self.q_proj),
+            linear_shape("self_attn.k_proj", &self.k_proj),
+            linear_shape("self_attn.v_proj", &self.v_proj),
+            linear_shape("self_attn.o_proj", &self.o_proj),
+        ]
     }
 }
 
@@ -676,12 +705,11 @@ impl Architecture for Qwen3_5 {
             .collect()
     }
 
-    /// Takes no adapters yet (not [`Adaptable`](crate::lora::Adaptable)).
     fn hidden_states(
         &self,
         tokens: &[u32],
         caches: &mut [&mut Cache],
-        _adapters: Option<&Adapters>,
+        adapters: Option<&Adapters>,
     ) -> Result<Tensor, ForwardError> {
         let (mut caches, positions) =
             PassCaches::new(&self.info, tokens, caches, self.layers.len())?;
@@ -691,18 +719,21 @@ impl Architecture for Qwen3_5 {
         }
         let mut h = self.embed_tokens.forward(tokens)?;
         for (i, block) in self.layers.iter().enumerate() {
+            let lora = |module| adapters.map_or(ModuleAdapters::NONE, |a| a.module(i, module));
             let x = block.input_layernorm.forward(&h)?;
             let r = match (&block.mixer, caches.layer(i)?) {
-                (Mixer::Linear(m), LayerCaches::Recurrent(mut c)) => m.forward(&x, &mut c)?,
+                (Mixer::Linear(m), LayerCaches::Recurrent(mut c)) => {
+                    m.forward(&x, &mut c, lora("linear_attn"))?
+                }
                 (Mixer::Attention(m), LayerCaches::Kv(mut c)) => {
-                    m.forward(&x, &positions, &mut c)?
+                    m.forward(&x, &positions, &mut c, lora("self_attn"))?
                 }
                 _ => return Err(ForwardError::CacheMismatch),
             };
             ops::add_inplace(&mut h, &r)?;
             let x = block.post_attention_layernorm.forward(&h)?;
             let r = match &block.mlp {
-                FeedForward::Dense(mlp) => mlp.forward(&x)?,
+                FeedForward::Dense(mlp) => mlp.forward_adapted(&x, lora("mlp"))?,
                 FeedForward::Moe(moe) => moe.forward(&x)?,
             };
             ops::add_inplace(&mut h, &r)?;
@@ -713,5 +744,40 @@ impl Architecture for Qwen3_5 {
 
     fn output(&self) -> (&OutputHead, &Embedding) {
         (&self.head, &self.embed_tokens)
+    }
+
+    /// Dense models: the experts of a mixture take no adapters yet.
+    fn adaptable(&self) -> Option<&dyn Adaptable> {
+        let dense = self
+            .layers
+            .iter()
+            .all(|b| matches!(b.mlp, FeedForward::Dense(_)));
+        dense.then_some(self as &dyn Adaptable)
+    }
+}
+
+impl Adaptable for Qwen3_5 {
+    fn block_linears(&self) -> Vec<Vec<LinearShape>> {
+        let blocks = self.layers.iter();
+        blocks
+            .map(|b| {
+                let mut linears = match &b.mixer {
+                    Mixer::Linear(m) => m.linears(),
+                    Mixer::Attention(m) => m.linears(),
+                };
+                if let FeedForward::Dense(mlp) = &b.mlp {
+                    linears.extend(mlp.linears());
+                }
+                linears
+            })
+            .collect()
+    }
+
+    /// mlx-lm's `qwen3_5` nests the text model under `language_model`.
+    fn blocks_path(&self) -> &'static str {
+        match self.info.model_type.as_str() {
+            "qwen3_5_text" => "model.layers",
+            _ => "language_model.model.layers",
+        }
     }
 }

@@ -49,10 +49,11 @@ fn logits(dir: &Path, ids: &[u32]) -> Vec<f32> {
         .into_data()
 }
 
-const CASES: [(&str, &str); 3] = [
+const CASES: [(&str, &str); 4] = [
     ("llama-4bit-g64-r4", "llama-4bit-g64"),
     ("qwen2-4bit-g64-keys", "qwen2-4bit-g64"),
     ("gemma3-4bit-g64-r4", "gemma3-4bit-g64"),
+    ("qwen3_5-4bit-g64-r4", "qwen3_5-4bit-g64"),
 ];
 
 #[test]

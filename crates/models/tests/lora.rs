@@ -57,10 +57,11 @@ fn all_logits(model: &dyn LanguageModel, tokens: &[u32]) -> Vec<f32> {
 }
 
 /// `(adapter fixture, base model)`.
-const CASES: [(&str, &str); 3] = [
+const CASES: [(&str, &str); 4] = [
     ("llama-4bit-g64-r4", "llama-4bit-g64"),
     ("qwen2-4bit-g64-keys", "qwen2-4bit-g64"),
     ("gemma3-4bit-g64-r4", "gemma3-4bit-g64"),
+    ("qwen3_5-4bit-g64-r4", "qwen3_5-4bit-g64"),
 ];
 
 #[test]
