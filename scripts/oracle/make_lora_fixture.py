@@ -50,6 +50,15 @@ ADAPTERS = {
     # every block, under language_model.
     "qwen3_5-4bit-g64-r4": dict(base="qwen3_5-4bit-g64", seed=4, num_layers=-1,
                                 lora_parameters={"rank": 4, "dropout": 0.0, "scale": 8.0}),
+    # Gemma 4's text model (E-series): attention (KV-shared layers have no k/v of their own),
+    # GeGLU MLPs and the per-layer input gates of every block.
+    "gemma4-4bit-g32-r4": dict(base="gemma4-4bit-g32", seed=5, num_layers=-1,
+                               lora_parameters={"rank": 4, "dropout": 0.0, "scale": 8.0}),
+    # The multimodal wrappers, which name the text model's layers under language_model.
+    "gemma3-vlm-8bit-g32-r4": dict(base="gemma3-vlm-8bit-g32", seed=6, num_layers=2,
+                                   lora_parameters={"rank": 4, "dropout": 0.0, "scale": 8.0}),
+    "gemma4-vlm-8bit-g64-r4": dict(base="gemma4-vlm-8bit-g64", seed=7, num_layers=2,
+                                   lora_parameters={"rank": 4, "dropout": 0.0, "scale": 8.0}),
 }
 
 

@@ -309,14 +309,20 @@ impl Architecture for Gemma3 {
         (&self.head, &self.embed_tokens)
     }
 
-    /// The text model: mlx-lm's adapters of the multimodal wrapper name its layers under
-    /// `language_model.`, which adapters do not reach yet.
     fn adaptable(&self) -> Option<&dyn Adaptable> {
-        (self.info.model_type == "gemma3_text").then_some(self as &dyn Adaptable)
+        Some(self)
     }
 }
 
 impl Adaptable for Gemma3 {
+    /// mlx-lm's multimodal `gemma3` nests the text model under `language_model`.
+    fn blocks_path(&self) -> &'static str {
+        match self.info.model_type.as_str() {
+            "gemma3" => "language_model.model.layers",
+            _ => "model.layers",
+        }
+    }
+
     fn block_linears(&self) -> Vec<Vec<LinearShape>> {
         let blocks = self.layers.iter();
         blocks

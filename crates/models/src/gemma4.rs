@@ -17,9 +17,9 @@ use crate::cache::{
 use crate::checkpoint::{Checkpoint, Config};
 use crate::gemma3::wrapped_text_config;
 use crate::layers::{
-    load_host_vector, Embedding, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope,
+    linear_shape, load_host_vector, Embedding, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope,
 };
-use crate::lora::{Adapters, ModuleAdapters};
+use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
 use crate::switch::{dispatch, load_experts};
 use crate::{ForwardError, LoadError, ModelInfo};
@@ -135,11 +135,14 @@ impl Attention {
         x: &Tensor,
         positions: &Positions,
         caches: LayerCaches,
+        lora: ModuleAdapters,
     ) -> Result<(), ForwardError> {
-        let mut k = kv.k_proj.forward(x)?;
+        let mut k = kv.k_proj.forward_adapted(x, lora.get("k_proj"))?;
         // Without a value projection the values are the keys before their norm and rotation.
         let v = match &kv.v_proj {
-            Some(v_proj) => kv.v_norm.forward(&v_proj.forward(x)?)?,
+            Some(v_proj) => kv
+                .v_norm
+                .forward(&v_proj.forward_adapted(x, lora.get("v_proj"))?)?,
             None => kv.v_norm.forward(&k)?,
         };
         kv.k_norm.forward_inplace(&mut k)?;
@@ -168,8 +171,9 @@ impl Attention {
         x: &Tensor,
         positions: &Positions,
         caches: LayerCaches,
+        lora: ModuleAdapters,
     ) -> Result<Tensor, ForwardError> {
-        let mut q = self.q_proj.forward(x)?;
+        let mut q = self.q_proj.forward_adapted(x, lora.get("q_proj"))?;
         self.q_norm.forward_inplace(&mut q)?;
         self.rope
             .apply(&mut q, self.heads, self.head_dim, positions)?;
@@ -181,7 +185,23 @@ impl Attention {
             }
             _ => return Err(ForwardError::CacheMismatch),
         };
-        Ok(self.o_proj.forward(&out)?)
+        Ok(self.o_proj.forward_adapted(&out, lora.get("o_proj"))?)
+    }
+
+    /// Its projections, as mlx-lm's default LoRA keys select them (a KV-shared layer has no
+    /// keys and values of its own, a global `attention_k_eq_v` layer no value projection).
+    fn linears(&self) -> Vec<LinearShape> {
+        let mut out = vec![linear_shape("self_attn.q_proj", &self.q_proj)];
+        if let Some(kv) = &self.kv {
+            out.push(linear_shape("self_attn.k_proj", &kv.k_proj));
+            out.extend(
+                kv.v_proj
+                    .as_ref()
+                    .map(|v| linear_shape("self_attn.v_proj", v)),
+            );
+        }
+        out.push(linear_shape("self_attn.o_proj", &self.o_proj));
+        out
     }
 
     fn load(ckpt: &mut Checkpoint, p: &str, args: &Args, i: usize) -> Result<Self, LoadError> {
@@ -767,7 +787,7 @@ impl Architecture for Gemma4 {
         &self,
         tokens: &[u32],
         caches: &mut [&mut Cache],
-        _adapters: Option<&Adapters>,
+        adapters: Option<&Adapters>,
     ) -> Result<Tensor, ForwardError> {
         let (mut caches, positions) =
             PassCaches::new(&self.info, tokens, caches, self.cached_layers)?;
@@ -779,30 +799,34 @@ impl Architecture for Gemma4 {
             None => None,
         };
         for (i, block) in self.layers.iter().enumerate() {
+            let lora = |module| adapters.map_or(ModuleAdapters::NONE, |a| a.module(i, module));
             let attn = &block.self_attn;
             let x = block.input_layernorm.forward(&h)?;
             if let Some(kv) = &attn.kv {
-                attn.store_kv(kv, &x, &positions, caches.layer(i)?)?;
+                attn.store_kv(kv, &x, &positions, caches.layer(i)?, lora("self_attn"))?;
             }
-            let mut r = attn.forward(&x, &positions, caches.layer(block.kv_source)?)?;
+            let source = caches.layer(block.kv_source)?;
+            let mut r = attn.forward(&x, &positions, source, lora("self_attn"))?;
             block.post_attention_layernorm.forward_inplace(&mut r)?;
             ops::add_inplace(&mut h, &r)?;
 
             let mut r = match &block.moe {
                 Some(moe) => moe.forward(&block.mlp, &block.pre_feedforward_layernorm, &h)?,
-                None => block.mlp.forward_geglu(
-                    &block.pre_feedforward_layernorm.forward(&h)?,
-                    ModuleAdapters::NONE,
-                )?,
+                None => block
+                    .mlp
+                    .forward_geglu(&block.pre_feedforward_layernorm.forward(&h)?, lora("mlp"))?,
             };
             block.post_feedforward_layernorm.forward_inplace(&mut r)?;
             ops::add_inplace(&mut h, &r)?;
 
             if let (Some(gate), Some((inputs, dim))) = (&block.per_layer, &per_layer_inputs) {
-                let mut g = gate.per_layer_input_gate.forward(&h)?;
+                let own = lora("");
+                let input_gate = &gate.per_layer_input_gate;
+                let mut g = input_gate.forward_adapted(&h, own.get("per_layer_input_gate"))?;
                 let input = ops::columns(inputs, i * dim, *dim)?;
                 ops::gelu_approx_mul_inplace(&mut g, &input)?;
-                let mut g = gate.per_layer_projection.forward(&g)?;
+                let projection = &gate.per_layer_projection;
+                let mut g = projection.forward_adapted(&g, own.get("per_layer_projection"))?;
                 gate.post_per_layer_input_norm.forward_inplace(&mut g)?;
                 ops::add_inplace(&mut h, &g)?;
             }
@@ -814,5 +838,37 @@ impl Architecture for Gemma4 {
 
     fn output(&self) -> (&OutputHead, &Embedding) {
         (&self.head, &self.embed_tokens)
+    }
+
+    /// Models without a mixture of experts: the experts take no adapters yet.
+    fn adaptable(&self) -> Option<&dyn Adaptable> {
+        let dense = self.layers.iter().all(|b| b.moe.is_none());
+        dense.then_some(self as &dyn Adaptable)
+    }
+}
+
+impl Adaptable for Gemma4 {
+    /// mlx-lm's multimodal `gemma4` nests the text model under `language_model`.
+    fn blocks_path(&self) -> &'static str {
+        match self.info.model_type.as_str() {
+            "gemma4" => "language_model.model.layers",
+            _ => "model.layers",
+        }
+    }
+
+    fn block_linears(&self) -> Vec<Vec<LinearShape>> {
+        let blocks = self.layers.iter();
+        blocks
+            .map(|b| {
+                let mut linears = [b.self_attn.linears(), b.mlp.linears()].concat();
+                if let Some(gate) = &b.per_layer {
+                    let (input_gate, projection) =
+                        (&gate.per_layer_input_gate, &gate.per_layer_projection);
+                    linears.push(linear_shape("per_layer_input_gate", input_gate));
+                    linears.push(linear_shape("per_layer_projection", projection));
+                }
+                linears
+            })
+            .collect()
     }
 }

@@ -31,9 +31,7 @@ pub enum AdapterError {
     Config { path: PathBuf, reason: String },
     #[error("fine_tune_type `{0}` is not supported (supported: lora)")]
     UnsupportedType(String),
-    #[error(
-        "model_type `{0}` does not take LoRA adapters yet (supported: the llama family, gemma3_text, dense qwen3_5)"
-    )]
+    #[error("`{0}` models with a mixture of experts do not take LoRA adapters yet")]
     UnsupportedModel(String),
     #[error("adapter at {} does not fit the model:\n  {}", .path.display(), .problems.join("\n  "))]
     Mismatch {
@@ -311,11 +309,12 @@ impl<'a> ModuleAdapters<'a> {
     /// The adapter of layer `name` within the module.
     pub fn get(&self, name: &str) -> Option<&'a LoraLinear> {
         let set = self.set?;
-        set.layers.get(&format!(
-            "{}.{}.{name}",
-            set.block_path(self.block),
-            self.module
-        ))
+        let block = set.block_path(self.block);
+        set.layers.get(&match self.module {
+            // The block's own layers (Gemma 4's per-layer input gate).
+            "" => format!("{block}.{name}"),
+            module => format!("{block}.{module}.{name}"),
+        })
     }
 }
 
@@ -521,7 +520,8 @@ impl Adapters {
         format!("{}.{i}", self.blocks_path)
     }
 
-    /// The adapters of module `module` (e.g. `mlp`) of block `block`.
+    /// The adapters of module `module` (e.g. `mlp`; `""` for the block's own layers) of block
+    /// `block`.
     pub fn module<'a>(&'a self, block: usize, module: &'a str) -> ModuleAdapters<'a> {
         ModuleAdapters {
             set: Some(self),

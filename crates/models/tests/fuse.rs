@@ -49,11 +49,14 @@ fn logits(dir: &Path, ids: &[u32]) -> Vec<f32> {
         .into_data()
 }
 
-const CASES: [(&str, &str); 4] = [
+const CASES: [(&str, &str); 7] = [
     ("llama-4bit-g64-r4", "llama-4bit-g64"),
     ("qwen2-4bit-g64-keys", "qwen2-4bit-g64"),
     ("gemma3-4bit-g64-r4", "gemma3-4bit-g64"),
     ("qwen3_5-4bit-g64-r4", "qwen3_5-4bit-g64"),
+    ("gemma4-4bit-g32-r4", "gemma4-4bit-g32"),
+    ("gemma3-vlm-8bit-g32-r4", "gemma3-vlm-8bit-g32"),
+    ("gemma4-vlm-8bit-g64-r4", "gemma4-vlm-8bit-g64"),
 ];
 
 #[test]

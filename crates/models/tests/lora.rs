@@ -57,11 +57,14 @@ fn all_logits(model: &dyn LanguageModel, tokens: &[u32]) -> Vec<f32> {
 }
 
 /// `(adapter fixture, base model)`.
-const CASES: [(&str, &str); 4] = [
+const CASES: [(&str, &str); 7] = [
     ("llama-4bit-g64-r4", "llama-4bit-g64"),
     ("qwen2-4bit-g64-keys", "qwen2-4bit-g64"),
     ("gemma3-4bit-g64-r4", "gemma3-4bit-g64"),
     ("qwen3_5-4bit-g64-r4", "qwen3_5-4bit-g64"),
+    ("gemma4-4bit-g32-r4", "gemma4-4bit-g32"),
+    ("gemma3-vlm-8bit-g32-r4", "gemma3-vlm-8bit-g32"),
+    ("gemma4-vlm-8bit-g64-r4", "gemma4-vlm-8bit-g64"),
 ];
 
 #[test]
@@ -230,7 +233,7 @@ fn broken_or_foreign_adapters_are_refused() {
 
     let err = load_err(
         &fixtures().join("lora/llama-4bit-g64-r4"),
-        "gemma4-4bit-g32",
+        "gemma4-moe-4bit-g64",
     );
     assert!(matches!(err, AdapterError::UnsupportedModel(_)), "{err}");
 }

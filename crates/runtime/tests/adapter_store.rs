@@ -97,7 +97,7 @@ fn names_resolve_inside_the_root_only() {
 
 #[test]
 fn models_without_adapter_support_and_missing_roots_are_refused() {
-    let gemma = model("gemma4-4bit-g32");
+    let gemma = model("gemma4-moe-4bit-g64");
     let root = root();
     let error = AdapterStore::open(root.path(), 2, gemma.as_ref())
         .err()
