@@ -314,6 +314,70 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {
     Ok(files)
 }
 
+/// The tensors of one module of a checkpoint: a view under its path (`model.layers.3`), so that
+/// a module's `load` names only its own tensors (`weight`) and hands each child module the view
+/// under the child's name ([`Scope::pp`]), as the module tree names them. Taking still takes from
+/// the checkpoint, so what no module takes is an error at [`Checkpoint::finish`].
+pub struct Scope<'a> {
+    ckpt: &'a mut Checkpoint,
+    path: String,
+}
+
+impl Scope<'_> {
+    /// The view of child module `name` (`self_attn`, `layers.3`).
+    pub fn pp(&mut self, name: impl std::fmt::Display) -> Scope<'_> {
+        let path = self.path_of(&name.to_string());
+        Scope {
+            ckpt: self.ckpt,
+            path,
+        }
+    }
+
+    /// Where this module is (`model.layers.3.self_attn`; empty at the root).
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// The full name of this module's tensor or child `name`.
+    pub fn path_of(&self, name: &str) -> String {
+        match self.path.as_str() {
+            "" => name.to_string(),
+            path => format!("{path}.{name}"),
+        }
+    }
+
+    /// Takes this module's tensor `name` out of the checkpoint.
+    pub fn take(&mut self, name: &str) -> Result<RawTensor, LoadError> {
+        self.ckpt.take(&self.path_of(name))
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.ckpt.contains(&self.path_of(name))
+    }
+
+    /// This module's tensor `name`, left in the checkpoint.
+    pub fn peek(&self, name: &str) -> Option<&RawTensor> {
+        self.ckpt.peek(&self.path_of(name))
+    }
+
+    /// Drops every tensor of child module `name`: weights the checkpoint has and the model
+    /// does not use, as mlx-lm's `sanitize` drops them.
+    pub fn discard(&mut self, name: &str) {
+        let under = format!("{}.", self.path_of(name));
+        self.ckpt.discard_where(|n| n.starts_with(&under));
+    }
+
+    /// How this module's weights are quantized, if the config says.
+    pub fn quantization(&self) -> Option<QuantSpec> {
+        self.ckpt.quantization.for_module(&self.path)
+    }
+
+    /// Where the layers place the weights they take.
+    pub fn device(&self) -> &Device {
+        &self.ckpt.device
+    }
+}
+
 /// An opened model directory. Layers take their weights out of it by name; what is left at the
 /// end is reported by [`Checkpoint::finish`], so a config that does not match the weights fails.
 pub struct Checkpoint {
@@ -385,6 +449,14 @@ impl Checkpoint {
                 }
             })
             .sum()
+    }
+
+    /// The view of the module at `path` (`""` for the whole checkpoint).
+    pub fn scope(&mut self, path: &str) -> Scope<'_> {
+        Scope {
+            ckpt: self,
+            path: path.to_string(),
+        }
     }
 
     pub fn contains(&self, name: &str) -> bool {

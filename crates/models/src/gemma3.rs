@@ -175,33 +175,22 @@ impl Gemma3 {
         let local_rope = Rope::new(head_dim, rope_local_base, false, None, &device)?;
         let global_rope = Rope::new(head_dim, rope_theta, false, scaling.as_ref(), &device)?;
 
-        let m = format!("{prefix}model");
-        let embed_tokens = Embedding::load(&mut ckpt, &format!("{m}.embed_tokens"), vocab, hidden)?;
+        let mut root = ckpt.scope(prefix.trim_end_matches('.'));
+        let mut model = root.pp("model");
+        let embed_tokens = Embedding::load(&mut model.pp("embed_tokens"), vocab, hidden)?;
         let mut blocks = Vec::with_capacity(layers);
         for i in 0..layers {
-            let p = format!("{m}.layers.{i}");
-            let a = format!("{p}.self_attn");
+            let mut block = model.pp(format_args!("layers.{i}"));
+            let mut a = block.pp("self_attn");
             let sliding = (i + 1) % pattern != 0;
-            let linear = |ckpt: &mut Checkpoint, name: &str, inputs, outputs| {
-                Linear::load(ckpt, &format!("{a}.{name}"), inputs, outputs, false)
-            };
+            let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
             let self_attn = Attention {
-                q_proj: linear(&mut ckpt, "q_proj", hidden, heads * head_dim)?,
-                k_proj: linear(&mut ckpt, "k_proj", hidden, kv_heads * head_dim)?,
-                v_proj: linear(&mut ckpt, "v_proj", hidden, kv_heads * head_dim)?,
-                o_proj: linear(&mut ckpt, "o_proj", heads * head_dim, hidden)?,
-                q_norm: Some(RmsNorm::load_plus_one(
-                    &mut ckpt,
-                    &format!("{a}.q_norm"),
-                    head_dim,
-                    eps,
-                )?),
-                k_norm: Some(RmsNorm::load_plus_one(
-                    &mut ckpt,
-                    &format!("{a}.k_norm"),
-                    head_dim,
-                    eps,
-                )?),
+                q_proj: Linear::load(&mut a.pp("q_proj"), hidden, q_width, false)?,
+                k_proj: Linear::load(&mut a.pp("k_proj"), hidden, kv_width, false)?,
+                v_proj: Linear::load(&mut a.pp("v_proj"), hidden, kv_width, false)?,
+                o_proj: Linear::load(&mut a.pp("o_proj"), q_width, hidden, false)?,
+                q_norm: Some(RmsNorm::load_plus_one(&mut a.pp("q_norm"), head_dim, eps)?),
+                k_norm: Some(RmsNorm::load_plus_one(&mut a.pp("k_norm"), head_dim, eps)?),
                 rope: if sliding {
                     local_rope.clone()
                 } else {
@@ -212,25 +201,26 @@ impl Gemma3 {
                 head_dim,
                 scale: query_pre_attn_scalar.powf(-0.5) as f32,
             };
-            let norm = |ckpt: &mut Checkpoint, name: &str| {
-                RmsNorm::load_plus_one(ckpt, &format!("{p}.{name}"), hidden, eps)
-            };
+            let mut norm = |name: &str| RmsNorm::load_plus_one(&mut block.pp(name), hidden, eps);
+            let input_layernorm = norm("input_layernorm")?;
+            let post_attention_layernorm = norm("post_attention_layernorm")?;
+            let pre_feedforward_layernorm = norm("pre_feedforward_layernorm")?;
+            let post_feedforward_layernorm = norm("post_feedforward_layernorm")?;
             blocks.push(Block {
-                input_layernorm: norm(&mut ckpt, "input_layernorm")?,
+                input_layernorm,
                 self_attn,
-                post_attention_layernorm: norm(&mut ckpt, "post_attention_layernorm")?,
-                pre_feedforward_layernorm: norm(&mut ckpt, "pre_feedforward_layernorm")?,
-                mlp: Mlp::load(&mut ckpt, &format!("{p}.mlp"), hidden, intermediate, false)?,
-                post_feedforward_layernorm: norm(&mut ckpt, "post_feedforward_layernorm")?,
+                post_attention_layernorm,
+                pre_feedforward_layernorm,
+                mlp: Mlp::load(&mut block.pp("mlp"), hidden, intermediate, false)?,
+                post_feedforward_layernorm,
                 sliding,
             });
         }
-        let norm = RmsNorm::load_plus_one(&mut ckpt, &format!("{m}.norm"), hidden, eps)?;
+        let norm = RmsNorm::load_plus_one(&mut model.pp("norm"), hidden, eps)?;
         // As mlx-lm's `sanitize`: the head is tied exactly when the checkpoint has none.
-        let head = format!("{prefix}lm_head");
-        let lm_head = ckpt
-            .contains(&format!("{head}.weight"))
-            .then(|| Linear::load(&mut ckpt, &head, hidden, vocab, false))
+        let lm_head = root
+            .contains("lm_head.weight")
+            .then(|| Linear::load(&mut root.pp("lm_head"), hidden, vocab, false))
             .transpose()?;
         ckpt.finish()?;
         Ok(Gemma3 {

@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use crate::cache::{
     append_kv, attend_kv, AttentionCache, Cache, KvCache, LayerCache, RotatingKvCache,
 };
-use crate::checkpoint::{Checkpoint, Config};
+use crate::checkpoint::{Checkpoint, Config, Scope};
 use crate::gemma3::wrapped_text_config;
 use crate::layers::{
     linear_shape, load_host_vector, Embedding, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope,
@@ -204,8 +204,8 @@ impl Attention {
         out
     }
 
-    fn load(ckpt: &mut Checkpoint, p: &str, args: &Args, i: usize) -> Result<Self, LoadError> {
-        let a = format!("{p}.self_attn");
+    /// The `self_attn` module of block `i`.
+    fn load(a: &mut Scope, args: &Args, i: usize) -> Result<Self, LoadError> {
         let sliding = args.sliding[i];
         let (hidden, heads, eps) = (args.hidden, args.heads, args.eps);
         let d = if sliding {
@@ -223,29 +223,29 @@ impl Attention {
                 "{heads} attention heads cannot be grouped over {kv_heads} key/value heads"
             )));
         }
-        let linear = |ckpt: &mut Checkpoint, name: &str, inputs, outputs| {
-            Linear::load(ckpt, &format!("{a}.{name}"), inputs, outputs, false)
-        };
+        let mut linear =
+            |name: &str, inputs, outputs| Linear::load(&mut a.pp(name), inputs, outputs, false);
         let kv = if i < args.cached_layers {
             Some(KvProjections {
-                k_proj: linear(ckpt, "k_proj", hidden, kv_heads * d)?,
+                k_proj: linear("k_proj", hidden, kv_heads * d)?,
                 v_proj: (!k_eq_v)
-                    .then(|| linear(ckpt, "v_proj", hidden, kv_heads * d))
+                    .then(|| linear("v_proj", hidden, kv_heads * d))
                     .transpose()?,
-                k_norm: RmsNorm::load(ckpt, &format!("{a}.k_norm"), d, eps)?,
-                v_norm: RmsNorm::unscaled(d, eps, &ckpt.device)?,
+                k_norm: RmsNorm::load(&mut a.pp("k_norm"), d, eps)?,
+                v_norm: RmsNorm::unscaled(d, eps, a.device())?,
             })
         } else {
             // As mlx-lm's `sanitize`: a KV-shared layer's own projections go unused.
-            let unused = [".k_proj.", ".v_proj.", ".k_norm."].map(|s| format!("{a}{s}"));
-            ckpt.discard_where(|name| unused.iter().any(|u| name.starts_with(u)));
+            for unused in ["k_proj", "v_proj", "k_norm"] {
+                a.discard(unused);
+            }
             None
         };
         Ok(Attention {
-            q_proj: linear(ckpt, "q_proj", hidden, heads * d)?,
+            q_proj: Linear::load(&mut a.pp("q_proj"), hidden, heads * d, false)?,
             kv,
-            o_proj: linear(ckpt, "o_proj", heads * d, hidden)?,
-            q_norm: RmsNorm::load(ckpt, &format!("{a}.q_norm"), d, eps)?,
+            o_proj: Linear::load(&mut a.pp("o_proj"), heads * d, hidden, false)?,
+            q_norm: RmsNorm::load(&mut a.pp("q_norm"), d, eps)?,
             rope: if sliding {
                 args.sliding_rope.clone()
             } else {
@@ -282,51 +282,36 @@ struct MoeBlock {
 }
 
 impl MoeBlock {
-    fn load(
-        ckpt: &mut Checkpoint,
-        prefix: &str,
-        hidden: usize,
-        args: &MoeArgs,
-        eps: f32,
-    ) -> Result<Self, LoadError> {
+    /// From the tensors of its block (`router`, `experts` and the extra norms sit there).
+    fn load(block: &mut Scope, hidden: usize, args: &MoeArgs, eps: f32) -> Result<Self, LoadError> {
         let MoeArgs {
             experts,
             top_k,
             intermediate,
         } = *args;
         let mlps = load_experts(
-            ckpt,
-            &format!("{prefix}.experts.switch_glu"),
+            &mut block.pp("experts.switch_glu"),
             experts,
             hidden,
             intermediate,
         )?;
+        let mut router = block.pp("router");
         let root = (hidden as f64).powf(-0.5) as f32;
-        let scale = load_host_vector(ckpt, &format!("{prefix}.router.scale"), hidden)?;
+        let scale = load_host_vector(&mut router, "scale", hidden)?;
         let scale: Vec<f32> = scale.iter().map(|s| s * root).collect();
-        let router_norm = RmsNorm::new(&scale, eps, &ckpt.device)?;
-        let norm = |ckpt: &mut Checkpoint, name: &str| {
-            RmsNorm::load(ckpt, &format!("{prefix}.{name}"), hidden, eps)
-        };
+        let router_norm = RmsNorm::new(&scale, eps, router.device())?;
+        let router_proj = Linear::load(&mut router.pp("proj"), hidden, experts, false)?;
+        let per_expert_scale = load_host_vector(&mut router, "per_expert_scale", experts)?;
+        let mut norm = |name: &str| RmsNorm::load(&mut block.pp(name), hidden, eps);
         Ok(MoeBlock {
-            router_proj: Linear::load(
-                ckpt,
-                &format!("{prefix}.router.proj"),
-                hidden,
-                experts,
-                false,
-            )?,
+            router_proj,
             router_norm,
-            per_expert_scale: load_host_vector(
-                ckpt,
-                &format!("{prefix}.router.per_expert_scale"),
-                experts,
-            )?,
+            per_expert_scale,
             top_k,
             experts: mlps,
-            pre_feedforward_layernorm_2: norm(ckpt, "pre_feedforward_layernorm_2")?,
-            post_feedforward_layernorm_1: norm(ckpt, "post_feedforward_layernorm_1")?,
-            post_feedforward_layernorm_2: norm(ckpt, "post_feedforward_layernorm_2")?,
+            pre_feedforward_layernorm_2: norm("pre_feedforward_layernorm_2")?,
+            post_feedforward_layernorm_1: norm("post_feedforward_layernorm_1")?,
+            post_feedforward_layernorm_2: norm("post_feedforward_layernorm_2")?,
         })
     }
 
@@ -417,25 +402,23 @@ impl PerLayerInputs {
         Ok(projected)
     }
 
-    fn load(ckpt: &mut Checkpoint, m: &str, args: &Args, dim: usize) -> Result<Self, LoadError> {
+    /// From the tensors of the model (they sit beside its blocks).
+    fn load(model: &mut Scope, args: &Args, dim: usize) -> Result<Self, LoadError> {
         let width = args.layers() * dim;
         Ok(PerLayerInputs {
             embed_tokens_per_layer: Embedding::load(
-                ckpt,
-                &format!("{m}.embed_tokens_per_layer"),
+                &mut model.pp("embed_tokens_per_layer"),
                 args.vocab_per_layer,
                 width,
             )?,
             per_layer_model_projection: Linear::load(
-                ckpt,
-                &format!("{m}.per_layer_model_projection"),
+                &mut model.pp("per_layer_model_projection"),
                 args.hidden,
                 width,
                 false,
             )?,
             per_layer_projection_norm: RmsNorm::load(
-                ckpt,
-                &format!("{m}.per_layer_projection_norm"),
+                &mut model.pp("per_layer_projection_norm"),
                 dim,
                 args.eps,
             )?,
@@ -642,49 +625,45 @@ impl Args {
 }
 
 impl Block {
-    fn load(ckpt: &mut Checkpoint, m: &str, args: &Args, i: usize) -> Result<Self, LoadError> {
-        let p = format!("{m}.layers.{i}");
+    /// Block `i` of the model, from its scope (`model.layers.{i}`).
+    fn load(block: &mut Scope, args: &Args, i: usize) -> Result<Self, LoadError> {
         let (hidden, eps) = (args.hidden, args.eps);
-        let norm = |ckpt: &mut Checkpoint, name: &str| {
-            RmsNorm::load(ckpt, &format!("{p}.{name}"), hidden, eps)
-        };
+        let norm = |block: &mut Scope, name: &str| RmsNorm::load(&mut block.pp(name), hidden, eps);
         // KV-shared layers have a double-wide MLP.
         let kv_shared = i >= args.cached_layers && args.cached_layers > 0;
         let mlp_width = args.intermediate * if args.double_wide && kv_shared { 2 } else { 1 };
         let per_layer = match args.per_layer_dim {
             Some(dim) => Some(PerLayerGate {
                 per_layer_input_gate: Linear::load(
-                    ckpt,
-                    &format!("{p}.per_layer_input_gate"),
+                    &mut block.pp("per_layer_input_gate"),
                     hidden,
                     dim,
                     false,
                 )?,
                 per_layer_projection: Linear::load(
-                    ckpt,
-                    &format!("{p}.per_layer_projection"),
+                    &mut block.pp("per_layer_projection"),
                     dim,
                     hidden,
                     false,
                 )?,
-                post_per_layer_input_norm: norm(ckpt, "post_per_layer_input_norm")?,
+                post_per_layer_input_norm: norm(block, "post_per_layer_input_norm")?,
             }),
             None => None,
         };
         Ok(Block {
-            input_layernorm: norm(ckpt, "input_layernorm")?,
-            self_attn: Attention::load(ckpt, &p, args, i)?,
-            post_attention_layernorm: norm(ckpt, "post_attention_layernorm")?,
-            pre_feedforward_layernorm: norm(ckpt, "pre_feedforward_layernorm")?,
-            mlp: Mlp::load(ckpt, &format!("{p}.mlp"), hidden, mlp_width, false)?,
+            input_layernorm: norm(block, "input_layernorm")?,
+            self_attn: Attention::load(&mut block.pp("self_attn"), args, i)?,
+            post_attention_layernorm: norm(block, "post_attention_layernorm")?,
+            pre_feedforward_layernorm: norm(block, "pre_feedforward_layernorm")?,
+            mlp: Mlp::load(&mut block.pp("mlp"), hidden, mlp_width, false)?,
             moe: args
                 .moe
                 .as_ref()
-                .map(|moe| MoeBlock::load(ckpt, &p, hidden, moe, eps))
+                .map(|moe| MoeBlock::load(block, hidden, moe, eps))
                 .transpose()?,
-            post_feedforward_layernorm: norm(ckpt, "post_feedforward_layernorm")?,
+            post_feedforward_layernorm: norm(block, "post_feedforward_layernorm")?,
             per_layer,
-            layer_scalar: load_host_vector(ckpt, &format!("{p}.layer_scalar"), 1)?[0],
+            layer_scalar: load_host_vector(block, "layer_scalar", 1)?[0],
             kv_source: args.kv_sources[i],
         })
     }
@@ -716,19 +695,20 @@ impl Gemma4 {
             let unused = ["input_max", "input_min", "output_max", "output_min"];
             name.contains("self_attn.rotary_emb") || unused.iter().any(|s| name.contains(s))
         });
-        let m = format!("{prefix}model");
         let (hidden, vocab) = (args.hidden, args.vocab);
-        let embed_tokens = Embedding::load(&mut ckpt, &format!("{m}.embed_tokens"), vocab, hidden)?;
+        let mut root = ckpt.scope(prefix.trim_end_matches('.'));
+        let mut model = root.pp("model");
+        let embed_tokens = Embedding::load(&mut model.pp("embed_tokens"), vocab, hidden)?;
         let per_layer_inputs = args
             .per_layer_dim
-            .map(|dim| PerLayerInputs::load(&mut ckpt, &m, &args, dim))
+            .map(|dim| PerLayerInputs::load(&mut model, &args, dim))
             .transpose()?;
         let layers = (0..args.layers())
-            .map(|i| Block::load(&mut ckpt, &m, &args, i))
+            .map(|i| Block::load(&mut model.pp(format_args!("layers.{i}")), &args, i))
             .collect::<Result<Vec<_>, _>>()?;
-        let norm = RmsNorm::load(&mut ckpt, &format!("{m}.norm"), hidden, args.eps)?;
+        let norm = RmsNorm::load(&mut model.pp("norm"), hidden, args.eps)?;
         let lm_head = (!args.tied)
-            .then(|| Linear::load(&mut ckpt, &format!("{prefix}lm_head"), hidden, vocab, false))
+            .then(|| Linear::load(&mut root.pp("lm_head"), hidden, vocab, false))
             .transpose()?;
         let device = ckpt.device.clone();
         ckpt.finish()?;

@@ -1,4 +1,4 @@
-//! Layers shared by every architecture, each built from a [`Checkpoint`] by its weight prefix.
+//! Layers shared by every architecture, each loaded from its own [`Scope`] of the checkpoint.
 
 use oxlm_engine::{
     ops, DType, Device, EngineError, FloatMatrix, Positions, QuantizedMatrix, Tensor,
@@ -7,7 +7,7 @@ use serde_json::Value;
 use std::borrow::Cow;
 
 use crate::cache::{append_kv, attend_kv, AttentionCache};
-use crate::checkpoint::{Checkpoint, RawTensor};
+use crate::checkpoint::{RawTensor, Scope};
 use crate::lora::{LinearShape, LoraLinear, ModuleAdapters};
 use crate::{LoadError, Logits};
 
@@ -61,20 +61,15 @@ fn shape_error(name: &str, t: &RawTensor, expected: String) -> LoadError {
 }
 
 impl Weight {
-    /// Loads `{prefix}.weight` (and `.scales`/`.biases` when quantized) as `[rows, cols]`.
-    pub fn load(
-        ckpt: &mut Checkpoint,
-        prefix: &str,
-        rows: usize,
-        cols: usize,
-    ) -> Result<Self, LoadError> {
-        let name = format!("{prefix}.weight");
-        let weight = ckpt.take(&name)?;
+    /// Loads the module's `weight` (and `scales`/`biases` when quantized) as `[rows, cols]`.
+    pub fn load(vb: &mut Scope, rows: usize, cols: usize) -> Result<Self, LoadError> {
+        let name = vb.path_of("weight");
+        let weight = vb.take("weight")?;
         let engine_err = |source| LoadError::Engine {
             name: name.clone(),
             source,
         };
-        if !ckpt.contains(&format!("{prefix}.scales")) {
+        if !vb.contains("scales") {
             if weight.shape != [rows, cols] || !weight.dtype.is_float() {
                 return Err(shape_error(
                     &name,
@@ -84,14 +79,15 @@ impl Weight {
             }
             let mut dense =
                 FloatMatrix::new(rows, cols, weight.dtype, weight.data).map_err(engine_err)?;
-            dense.place(&ckpt.device).map_err(engine_err)?;
+            dense.place(vb.device()).map_err(engine_err)?;
             return Ok(Weight::Dense(dense));
         }
-        let scales = ckpt.take(&format!("{prefix}.scales"))?;
-        let biases = ckpt.take(&format!("{prefix}.biases"))?;
-        let spec = ckpt.quantization.for_module(prefix).ok_or_else(|| {
+        let scales = vb.take("scales")?;
+        let biases = vb.take("biases")?;
+        let spec = vb.quantization().ok_or_else(|| {
             LoadError::Config(format!(
-                "`{prefix}` is quantized in the weights but config.json has no `quantization`"
+                "`{}` is quantized in the weights but config.json has no `quantization`",
+                vb.path()
             ))
         })?;
         let words = cols * spec.bits as usize / 32;
@@ -109,7 +105,7 @@ impl Weight {
         for (t, what) in [(&scales, "scales"), (&biases, "biases")] {
             if t.shape != [rows, groups] || t.dtype != scales.dtype {
                 return Err(shape_error(
-                    &format!("{prefix}.{what}"),
+                    &vb.path_of(what),
                     t,
                     format!("[{rows}, {groups}] (group size {})", spec.group_size),
                 ));
@@ -126,7 +122,7 @@ impl Weight {
             biases.data,
         )
         .map_err(engine_err)?;
-        quantized.place(&ckpt.device).map_err(engine_err)?;
+        quantized.place(vb.device()).map_err(engine_err)?;
         Ok(Weight::Quantized(quantized))
     }
 
@@ -178,28 +174,22 @@ impl Weight {
 }
 
 /// Loads a 1-D float array of `len` values as f32, in host memory.
-pub fn load_host_vector(
-    ckpt: &mut Checkpoint,
-    name: &str,
-    len: usize,
-) -> Result<Vec<f32>, LoadError> {
-    let t = ckpt.take(name)?;
+pub fn load_host_vector(vb: &mut Scope, name: &str, len: usize) -> Result<Vec<f32>, LoadError> {
+    let t = vb.take(name)?;
+    let name = vb.path_of(name);
     if t.shape != [len] || !t.dtype.is_float() {
-        return Err(shape_error(name, &t, format!("[{len}] floats")));
+        return Err(shape_error(&name, &t, format!("[{len}] floats")));
     }
     FloatMatrix::new(1, len, t.dtype, t.data)
         .map(|m| m.to_f32_vec())
-        .map_err(|source| LoadError::Engine {
-            name: name.to_string(),
-            source,
-        })
+        .map_err(|source| LoadError::Engine { name, source })
 }
 
 /// Loads a 1-D float array of `len` values as f32 on the checkpoint's device (norm weights,
 /// biases).
-pub fn load_vector(ckpt: &mut Checkpoint, name: &str, len: usize) -> Result<Tensor, LoadError> {
-    let values = load_host_vector(ckpt, name, len)?;
-    place_vector(&values, &ckpt.device, name)
+pub fn load_vector(vb: &mut Scope, name: &str, len: usize) -> Result<Tensor, LoadError> {
+    let values = load_host_vector(vb, name, len)?;
+    place_vector(&values, vb.device(), &vb.path_of(name))
 }
 
 /// `values` as a 1-D tensor on `device`; `name` labels an error.
@@ -219,15 +209,14 @@ pub struct Linear {
 
 impl Linear {
     pub fn load(
-        ckpt: &mut Checkpoint,
-        prefix: &str,
+        vb: &mut Scope,
         in_features: usize,
         out_features: usize,
         bias: bool,
     ) -> Result<Self, LoadError> {
-        let weight = Weight::load(ckpt, prefix, out_features, in_features)?;
+        let weight = Weight::load(vb, out_features, in_features)?;
         let bias = bias
-            .then(|| load_vector(ckpt, &format!("{prefix}.bias"), out_features))
+            .then(|| load_vector(vb, "bias", out_features))
             .transpose()?;
         Ok(Linear { weight, bias })
     }
@@ -272,15 +261,10 @@ pub struct Embedding {
 }
 
 impl Embedding {
-    pub fn load(
-        ckpt: &mut Checkpoint,
-        prefix: &str,
-        vocab: usize,
-        dim: usize,
-    ) -> Result<Self, LoadError> {
+    pub fn load(vb: &mut Scope, vocab: usize, dim: usize) -> Result<Self, LoadError> {
         Ok(Embedding {
-            weight: Weight::load(ckpt, prefix, vocab, dim)?,
-            device: ckpt.device.clone(),
+            weight: Weight::load(vb, vocab, dim)?,
+            device: vb.device().clone(),
         })
     }
 
@@ -312,14 +296,9 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
-    pub fn load(
-        ckpt: &mut Checkpoint,
-        prefix: &str,
-        dim: usize,
-        eps: f32,
-    ) -> Result<Self, LoadError> {
+    pub fn load(vb: &mut Scope, dim: usize, eps: f32) -> Result<Self, LoadError> {
         Ok(RmsNorm {
-            weight: load_vector(ckpt, &format!("{prefix}.weight"), dim)?,
+            weight: load_vector(vb, "weight", dim)?,
             eps,
         })
     }
@@ -588,17 +567,11 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    pub fn load(
-        ckpt: &mut Checkpoint,
-        prefix: &str,
-        dim: usize,
-        hidden: usize,
-        bias: bool,
-    ) -> Result<Self, LoadError> {
+    pub fn load(vb: &mut Scope, dim: usize, hidden: usize, bias: bool) -> Result<Self, LoadError> {
         Ok(Mlp {
-            gate_proj: Linear::load(ckpt, &format!("{prefix}.gate_proj"), dim, hidden, bias)?,
-            up_proj: Linear::load(ckpt, &format!("{prefix}.up_proj"), dim, hidden, bias)?,
-            down_proj: Linear::load(ckpt, &format!("{prefix}.down_proj"), hidden, dim, bias)?,
+            gate_proj: Linear::load(&mut vb.pp("gate_proj"), dim, hidden, bias)?,
+            up_proj: Linear::load(&mut vb.pp("up_proj"), dim, hidden, bias)?,
+            down_proj: Linear::load(&mut vb.pp("down_proj"), hidden, dim, bias)?,
         })
     }
 
@@ -641,17 +614,12 @@ impl Mlp {
 
 impl RmsNorm {
     /// Gemma's norm, which scales by `1 + weight`: the checkpoint stores offsets from 1.
-    pub fn load_plus_one(
-        ckpt: &mut Checkpoint,
-        prefix: &str,
-        dim: usize,
-        eps: f32,
-    ) -> Result<Self, LoadError> {
-        let mut weight = load_host_vector(ckpt, &format!("{prefix}.weight"), dim)?;
+    pub fn load_plus_one(vb: &mut Scope, dim: usize, eps: f32) -> Result<Self, LoadError> {
+        let mut weight = load_host_vector(vb, "weight", dim)?;
         for w in &mut weight {
             *w += 1.0;
         }
-        RmsNorm::new(&weight, eps, &ckpt.device)
+        RmsNorm::new(&weight, eps, vb.device())
     }
 
     /// A norm without a learned scale (`mx.fast.rms_norm(x, None, eps)`).

@@ -22,7 +22,7 @@ mod switch;
 use std::path::Path;
 
 pub use cache::Cache;
-pub use checkpoint::{Checkpoint, Config};
+pub use checkpoint::{Checkpoint, Config, Scope};
 pub use error::{ForwardError, LoadError, TruncateError};
 use oxlm_engine::{Device, KvPrecision, Tensor};
 

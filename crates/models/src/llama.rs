@@ -5,7 +5,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::cache::{Cache, KvCache, LayerCache};
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, Scope};
 use crate::layers::{Attention, Embedding, Input, Linear, Mlp, OutputHead, RmsNorm, Rope};
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::lora_grad::{Example, LossAndGrads};
@@ -113,47 +113,26 @@ impl Llama {
             ckpt.discard_where(|name| name.starts_with("lm_head."));
         }
 
-        let embed_tokens = Embedding::load(&mut ckpt, "model.embed_tokens", vocab, hidden)?;
+        let mut root = ckpt.scope("");
+        let mut model = root.pp("model");
+        let embed_tokens = Embedding::load(&mut model.pp("embed_tokens"), vocab, hidden)?;
         let mut blocks = Vec::with_capacity(layers);
         for i in 0..layers {
-            let p = format!("model.layers.{i}");
-            let a = format!("{p}.self_attn");
-            let q_k_norm = |ckpt: &mut Checkpoint, which: &str| {
+            let mut block = model.pp(format_args!("layers.{i}"));
+            let mut a = block.pp("self_attn");
+            let q_k_norm = |a: &mut Scope, which: &str| {
                 qk_norm
-                    .then(|| RmsNorm::load(ckpt, &format!("{a}.{which}"), head_dim, eps))
+                    .then(|| RmsNorm::load(&mut a.pp(which), head_dim, eps))
                     .transpose()
             };
+            let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
             let self_attn = Attention {
-                q_proj: Linear::load(
-                    &mut ckpt,
-                    &format!("{a}.q_proj"),
-                    hidden,
-                    heads * head_dim,
-                    qkv_bias,
-                )?,
-                k_proj: Linear::load(
-                    &mut ckpt,
-                    &format!("{a}.k_proj"),
-                    hidden,
-                    kv_heads * head_dim,
-                    qkv_bias,
-                )?,
-                v_proj: Linear::load(
-                    &mut ckpt,
-                    &format!("{a}.v_proj"),
-                    hidden,
-                    kv_heads * head_dim,
-                    qkv_bias,
-                )?,
-                o_proj: Linear::load(
-                    &mut ckpt,
-                    &format!("{a}.o_proj"),
-                    heads * head_dim,
-                    hidden,
-                    false,
-                )?,
-                q_norm: q_k_norm(&mut ckpt, "q_norm")?,
-                k_norm: q_k_norm(&mut ckpt, "k_norm")?,
+                q_proj: Linear::load(&mut a.pp("q_proj"), hidden, q_width, qkv_bias)?,
+                k_proj: Linear::load(&mut a.pp("k_proj"), hidden, kv_width, qkv_bias)?,
+                v_proj: Linear::load(&mut a.pp("v_proj"), hidden, kv_width, qkv_bias)?,
+                o_proj: Linear::load(&mut a.pp("o_proj"), q_width, hidden, false)?,
+                q_norm: q_k_norm(&mut a, "q_norm")?,
+                k_norm: q_k_norm(&mut a, "k_norm")?,
                 rope: rope.clone(),
                 heads,
                 kv_heads,
@@ -161,31 +140,19 @@ impl Llama {
                 scale: (head_dim as f32).powf(-0.5),
             };
             blocks.push(Block {
-                input_layernorm: RmsNorm::load(
-                    &mut ckpt,
-                    &format!("{p}.input_layernorm"),
-                    hidden,
-                    eps,
-                )?,
+                input_layernorm: RmsNorm::load(&mut block.pp("input_layernorm"), hidden, eps)?,
                 self_attn,
                 post_attention_layernorm: RmsNorm::load(
-                    &mut ckpt,
-                    &format!("{p}.post_attention_layernorm"),
+                    &mut block.pp("post_attention_layernorm"),
                     hidden,
                     eps,
                 )?,
-                mlp: Mlp::load(
-                    &mut ckpt,
-                    &format!("{p}.mlp"),
-                    hidden,
-                    intermediate,
-                    mlp_bias,
-                )?,
+                mlp: Mlp::load(&mut block.pp("mlp"), hidden, intermediate, mlp_bias)?,
             });
         }
-        let norm = RmsNorm::load(&mut ckpt, "model.norm", hidden, eps)?;
+        let norm = RmsNorm::load(&mut model.pp("norm"), hidden, eps)?;
         let lm_head = (!tied)
-            .then(|| Linear::load(&mut ckpt, "lm_head", hidden, vocab, false))
+            .then(|| Linear::load(&mut root.pp("lm_head"), hidden, vocab, false))
             .transpose()?;
         let device = ckpt.device.clone();
         ckpt.finish()?;

@@ -14,7 +14,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::cache::{append_kv, attend_kv, Cache, KvCache, LayerCache, RecurrentCache};
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, Scope};
 use crate::layers::{
     linear_shape, load_host_vector, load_vector, place_vector, Embedding, Linear, Mlp, OpResult,
     OutputHead, RmsNorm, Rope,
@@ -471,15 +471,9 @@ impl Layout {
 
     /// An RMSNorm that Hugging Face stores as an offset from 1: `sanitize` adds the 1 in the
     /// weight's own dtype, so the sum is rounded to it here as well.
-    fn shifted_norm(
-        &self,
-        ckpt: &mut Checkpoint,
-        prefix: &str,
-        dim: usize,
-        eps: f32,
-    ) -> Result<RmsNorm, LoadError> {
-        let dtype = ckpt.peek(&format!("{prefix}.weight")).map(|t| t.dtype);
-        let mut weight = load_host_vector(ckpt, &format!("{prefix}.weight"), dim)?;
+    fn shifted_norm(&self, vb: &mut Scope, dim: usize, eps: f32) -> Result<RmsNorm, LoadError> {
+        let dtype = vb.peek("weight").map(|t| t.dtype);
+        let mut weight = load_host_vector(vb, "weight", dim)?;
         if self.hugging_face {
             for w in &mut weight {
                 *w = match dtype {
@@ -489,13 +483,13 @@ impl Layout {
                 };
             }
         }
-        RmsNorm::new(&weight, eps, &ckpt.device)
+        RmsNorm::new(&weight, eps, vb.device())
     }
 }
 
+/// The `linear_attn` module of a block.
 fn load_linear_attn(
-    ckpt: &mut Checkpoint,
-    p: &str,
+    vb: &mut Scope,
     args: &Args,
     layout: &Layout,
 ) -> Result<GatedDeltaNet, LoadError> {
@@ -505,15 +499,15 @@ fn load_linear_attn(
     let conv_dim = 2 * key_dim + value_dim;
     let h = args.hidden;
 
-    let name = format!("{p}.conv1d.weight");
+    let name = vb.path_of("conv1d.weight");
     let kernel = args.conv_kernel;
     let expected = if layout.hugging_face {
         [conv_dim, 1, kernel]
     } else {
         [conv_dim, kernel, 1]
     };
-    let raw = ckpt
-        .peek(&name)
+    let raw = vb
+        .peek("conv1d.weight")
         .ok_or_else(|| LoadError::MissingTensor(name.clone()))?;
     if raw.shape != expected {
         return Err(LoadError::TensorShape {
@@ -524,54 +518,54 @@ fn load_linear_attn(
         });
     }
     // Both layouts hold `[conv_dim, kernel]` in memory.
-    let conv1d = load_flat(ckpt, &name, conv_dim * kernel)?;
-    let device = ckpt.device.clone();
-    let a_log = load_host_vector(ckpt, &format!("{p}.A_log"), d.v_heads)?;
+    let conv1d = load_flat(vb, "conv1d.weight", conv_dim * kernel)?;
+    let device = vb.device().clone();
+    let a_log = load_host_vector(vb, "A_log", d.v_heads)?;
     let neg_a: Vec<f32> = a_log.iter().map(|&x| -x.exp()).collect();
     let inv_scale = (d.k_dim as f64).powf(-0.5);
     let qk_eps = QK_NORM_EPS * inv_scale * inv_scale;
     Ok(GatedDeltaNet {
-        in_proj_qkv: Linear::load(ckpt, &format!("{p}.in_proj_qkv"), h, conv_dim, false)?,
-        in_proj_z: Linear::load(ckpt, &format!("{p}.in_proj_z"), h, value_dim, false)?,
-        in_proj_b: Linear::load(ckpt, &format!("{p}.in_proj_b"), h, d.v_heads, false)?,
-        in_proj_a: Linear::load(ckpt, &format!("{p}.in_proj_a"), h, d.v_heads, false)?,
+        in_proj_qkv: Linear::load(&mut vb.pp("in_proj_qkv"), h, conv_dim, false)?,
+        in_proj_z: Linear::load(&mut vb.pp("in_proj_z"), h, value_dim, false)?,
+        in_proj_b: Linear::load(&mut vb.pp("in_proj_b"), h, d.v_heads, false)?,
+        in_proj_a: Linear::load(&mut vb.pp("in_proj_a"), h, d.v_heads, false)?,
         conv1d: place_vector(&conv1d, &device, &name)?.reshape(vec![conv_dim, kernel]),
         kernel,
-        dt_bias: load_vector(ckpt, &format!("{p}.dt_bias"), d.v_heads)?,
-        neg_a: place_vector(&neg_a, &device, &format!("{p}.A_log"))?,
-        norm: RmsNorm::load(ckpt, &format!("{p}.norm"), d.v_dim, args.eps)?,
+        dt_bias: load_vector(vb, "dt_bias", d.v_heads)?,
+        neg_a: place_vector(&neg_a, &device, &vb.path_of("A_log"))?,
+        norm: RmsNorm::load(&mut vb.pp("norm"), d.v_dim, args.eps)?,
         unit_norm: RmsNorm::unscaled(d.k_dim, qk_eps as f32, &device)?,
-        out_proj: Linear::load(ckpt, &format!("{p}.out_proj"), value_dim, h, false)?,
+        out_proj: Linear::load(&mut vb.pp("out_proj"), value_dim, h, false)?,
         dims: d,
     })
 }
 
-/// A float array of any shape holding `len` values, as f32.
-fn load_flat(ckpt: &mut Checkpoint, name: &str, len: usize) -> Result<Vec<f32>, LoadError> {
-    let t = ckpt.take(name)?;
+/// The module's float array `name` of any shape holding `len` values, as f32.
+fn load_flat(vb: &mut Scope, name: &str, len: usize) -> Result<Vec<f32>, LoadError> {
+    let t = vb.take(name)?;
     oxlm_engine::FloatMatrix::new(1, len, t.dtype, t.data)
         .map(|m| m.to_f32_vec())
         .map_err(|source| LoadError::Engine {
-            name: name.to_string(),
+            name: vb.path_of(name),
             source,
         })
 }
 
+/// The `self_attn` module of a block.
 fn load_self_attn(
-    ckpt: &mut Checkpoint,
-    p: &str,
+    vb: &mut Scope,
     args: &Args,
     layout: &Layout,
 ) -> Result<GatedAttention, LoadError> {
     let (h, hd, bias) = (args.hidden, args.head_dim, args.attention_bias);
     let (q_dim, kv_dim) = (args.heads * hd, args.kv_heads * hd);
     Ok(GatedAttention {
-        q_proj: Linear::load(ckpt, &format!("{p}.q_proj"), h, 2 * q_dim, bias)?,
-        k_proj: Linear::load(ckpt, &format!("{p}.k_proj"), h, kv_dim, bias)?,
-        v_proj: Linear::load(ckpt, &format!("{p}.v_proj"), h, kv_dim, bias)?,
-        o_proj: Linear::load(ckpt, &format!("{p}.o_proj"), q_dim, h, bias)?,
-        q_norm: layout.shifted_norm(ckpt, &format!("{p}.q_norm"), hd, args.eps)?,
-        k_norm: layout.shifted_norm(ckpt, &format!("{p}.k_norm"), hd, args.eps)?,
+        q_proj: Linear::load(&mut vb.pp("q_proj"), h, 2 * q_dim, bias)?,
+        k_proj: Linear::load(&mut vb.pp("k_proj"), h, kv_dim, bias)?,
+        v_proj: Linear::load(&mut vb.pp("v_proj"), h, kv_dim, bias)?,
+        o_proj: Linear::load(&mut vb.pp("o_proj"), q_dim, h, bias)?,
+        q_norm: layout.shifted_norm(&mut vb.pp("q_norm"), hd, args.eps)?,
+        k_norm: layout.shifted_norm(&mut vb.pp("k_norm"), hd, args.eps)?,
         rope: args.rope.clone(),
         heads: args.heads,
         kv_heads: args.kv_heads,
@@ -590,38 +584,30 @@ impl Qwen3_5 {
             ckpt.discard_where(|name| name.starts_with(&format!("{LM_HEAD}.")));
         }
 
-        let m = MODEL;
         let (h, eps) = (args.hidden, args.eps);
-        let embed_tokens = Embedding::load(&mut ckpt, &format!("{m}.embed_tokens"), args.vocab, h)?;
+        let mut model = ckpt.scope(MODEL);
+        let embed_tokens = Embedding::load(&mut model.pp("embed_tokens"), args.vocab, h)?;
         let mut blocks = Vec::with_capacity(args.layers);
         for i in 0..args.layers {
-            let p = format!("{m}.layers.{i}");
+            let mut block = model.pp(format_args!("layers.{i}"));
             let mixer = if is_linear(i, args.full_attention_interval) {
                 Mixer::Linear(load_linear_attn(
-                    &mut ckpt,
-                    &format!("{p}.linear_attn"),
+                    &mut block.pp("linear_attn"),
                     &args,
                     &layout,
                 )?)
             } else {
-                Mixer::Attention(load_self_attn(
-                    &mut ckpt,
-                    &format!("{p}.self_attn"),
-                    &args,
-                    &layout,
-                )?)
+                Mixer::Attention(load_self_attn(&mut block.pp("self_attn"), &args, &layout)?)
             };
             let mlp = match &args.moe {
                 None => FeedForward::Dense(Mlp::load(
-                    &mut ckpt,
-                    &format!("{p}.mlp"),
+                    &mut block.pp("mlp"),
                     h,
                     args.intermediate,
                     false,
                 )?),
                 Some(moe) => FeedForward::Moe(SparseMoe::load(
-                    &mut ckpt,
-                    &format!("{p}.mlp"),
+                    &mut block.pp("mlp"),
                     h,
                     moe.experts,
                     moe.top_k,
@@ -631,25 +617,19 @@ impl Qwen3_5 {
                 )?),
             };
             blocks.push(Block {
-                input_layernorm: layout.shifted_norm(
-                    &mut ckpt,
-                    &format!("{p}.input_layernorm"),
-                    h,
-                    eps,
-                )?,
+                input_layernorm: layout.shifted_norm(&mut block.pp("input_layernorm"), h, eps)?,
                 mixer,
                 post_attention_layernorm: layout.shifted_norm(
-                    &mut ckpt,
-                    &format!("{p}.post_attention_layernorm"),
+                    &mut block.pp("post_attention_layernorm"),
                     h,
                     eps,
                 )?,
                 mlp,
             });
         }
-        let norm = layout.shifted_norm(&mut ckpt, &format!("{m}.norm"), h, eps)?;
+        let norm = layout.shifted_norm(&mut model.pp("norm"), h, eps)?;
         let lm_head = (!args.tied)
-            .then(|| Linear::load(&mut ckpt, LM_HEAD, h, args.vocab, false))
+            .then(|| Linear::load(&mut ckpt.scope(LM_HEAD), h, args.vocab, false))
             .transpose()?;
         let device = ckpt.device.clone();
         ckpt.finish()?;

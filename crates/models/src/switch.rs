@@ -4,7 +4,7 @@
 use oxlm_engine::cpu::elementwise::softmax_inplace;
 use oxlm_engine::{ops, DType, FloatMatrix, QuantizedMatrix, Tensor};
 
-use crate::checkpoint::{Checkpoint, RawTensor};
+use crate::checkpoint::{RawTensor, Scope};
 use crate::layers::{Linear, Mlp, OpResult, Weight};
 use crate::LoadError;
 
@@ -17,29 +17,29 @@ fn shape_error(name: &str, t: &RawTensor, expected: String) -> LoadError {
     }
 }
 
-/// Splits the `[experts, rows, cols]` stack `{prefix}.weight` (quantized when `.scales` exist)
+/// Splits the module's `[experts, rows, cols]` stack `weight` (quantized when `scales` exist)
 /// into one `[rows, cols]` matrix per expert, each still viewing the checkpoint's bytes.
 pub fn load_stacked(
-    ckpt: &mut Checkpoint,
-    prefix: &str,
+    vb: &mut Scope,
     experts: usize,
     rows: usize,
     cols: usize,
 ) -> Result<Vec<Weight>, LoadError> {
-    let name = format!("{prefix}.weight");
-    let weight = ckpt.take(&name)?;
+    let name = vb.path_of("weight");
+    let weight = vb.take("weight")?;
     let engine_err = |source| LoadError::Engine {
         name: name.clone(),
         source,
     };
+    let path = vb.path().to_string();
     // One expert's slice of a stack whose arrays hold `per_expert` bytes each.
     let part = |t: &RawTensor, e: usize, what: &str| {
         let per_expert = t.data.len() / experts;
         t.data
             .slice(e * per_expert, per_expert)
-            .ok_or_else(|| shape_error(&format!("{prefix}.{what}"), t, "a stack per expert".into()))
+            .ok_or_else(|| shape_error(&format!("{path}.{what}"), t, "a stack per expert".into()))
     };
-    if !ckpt.contains(&format!("{prefix}.scales")) {
+    if !vb.contains("scales") {
         if weight.shape != [experts, rows, cols] || !weight.dtype.is_float() {
             return Err(shape_error(
                 &name,
@@ -52,16 +52,17 @@ pub fn load_stacked(
                 let mut w = FloatMatrix::new(rows, cols, weight.dtype, part(&weight, e, "weight")?)
                     .map(Weight::Dense)
                     .map_err(engine_err)?;
-                w.place(&ckpt.device).map_err(engine_err)?;
+                w.place(vb.device()).map_err(engine_err)?;
                 Ok(w)
             })
             .collect();
     }
-    let scales = ckpt.take(&format!("{prefix}.scales"))?;
-    let biases = ckpt.take(&format!("{prefix}.biases"))?;
-    let spec = ckpt.quantization.for_module(prefix).ok_or_else(|| {
+    let scales = vb.take("scales")?;
+    let biases = vb.take("biases")?;
+    let spec = vb.quantization().ok_or_else(|| {
         LoadError::Config(format!(
-            "`{prefix}` is quantized in the weights but config.json has no `quantization`"
+            "`{}` is quantized in the weights but config.json has no `quantization`",
+            vb.path()
         ))
     })?;
     let words = cols * spec.bits as usize / 32;
@@ -79,7 +80,7 @@ pub fn load_stacked(
     for (t, what) in [(&scales, "scales"), (&biases, "biases")] {
         if t.shape != [experts, rows, groups] || t.dtype != scales.dtype {
             return Err(shape_error(
-                &format!("{prefix}.{what}"),
+                &vb.path_of(what),
                 t,
                 format!(
                     "[{experts}, {rows}, {groups}] (group size {})",
@@ -102,26 +103,22 @@ pub fn load_stacked(
             )
             .map(Weight::Quantized)
             .map_err(engine_err)?;
-            w.place(&ckpt.device).map_err(engine_err)?;
+            w.place(vb.device()).map_err(engine_err)?;
             Ok(w)
         })
         .collect()
 }
 
-/// One GLU block per expert from the stacked `{prefix}.{gate,up,down}_proj` tensors.
+/// One GLU block per expert from the module's stacked `{gate,up,down}_proj` tensors.
 pub fn load_experts(
-    ckpt: &mut Checkpoint,
-    prefix: &str,
+    vb: &mut Scope,
     experts: usize,
     dim: usize,
     intermediate: usize,
 ) -> Result<Vec<Mlp>, LoadError> {
-    let stack = |ckpt: &mut Checkpoint, name: &str, rows, cols| {
-        load_stacked(ckpt, &format!("{prefix}.{name}"), experts, rows, cols)
-    };
-    let gates = stack(ckpt, "gate_proj", intermediate, dim)?;
-    let ups = stack(ckpt, "up_proj", intermediate, dim)?;
-    let downs = stack(ckpt, "down_proj", dim, intermediate)?;
+    let gates = load_stacked(&mut vb.pp("gate_proj"), experts, intermediate, dim)?;
+    let ups = load_stacked(&mut vb.pp("up_proj"), experts, intermediate, dim)?;
+    let downs = load_stacked(&mut vb.pp("down_proj"), experts, dim, intermediate)?;
     let linear = |weight| Linear { weight, bias: None };
     Ok(gates
         .into_iter()
@@ -174,8 +171,7 @@ pub struct SparseMoe {
 impl SparseMoe {
     #[allow(clippy::too_many_arguments)]
     pub fn load(
-        ckpt: &mut Checkpoint,
-        prefix: &str,
+        vb: &mut Scope,
         dim: usize,
         experts: usize,
         top_k: usize,
@@ -183,32 +179,14 @@ impl SparseMoe {
         shared_intermediate: usize,
         norm_topk_prob: bool,
     ) -> Result<Self, LoadError> {
-        let mlps = load_experts(
-            ckpt,
-            &format!("{prefix}.switch_mlp"),
-            experts,
-            dim,
-            intermediate,
-        )?;
+        let mlps = load_experts(&mut vb.pp("switch_mlp"), experts, dim, intermediate)?;
         Ok(SparseMoe {
-            gate: Linear::load(ckpt, &format!("{prefix}.gate"), dim, experts, false)?,
+            gate: Linear::load(&mut vb.pp("gate"), dim, experts, false)?,
             experts: mlps,
             top_k,
             norm_topk_prob,
-            shared_expert: Mlp::load(
-                ckpt,
-                &format!("{prefix}.shared_expert"),
-                dim,
-                shared_intermediate,
-                false,
-            )?,
-            shared_expert_gate: Linear::load(
-                ckpt,
-                &format!("{prefix}.shared_expert_gate"),
-                dim,
-                1,
-                false,
-            )?,
+            shared_expert: Mlp::load(&mut vb.pp("shared_expert"), dim, shared_intermediate, false)?,
+            shared_expert_gate: Linear::load(&mut vb.pp("shared_expert_gate"), dim, 1, false)?,
         })
     }
 
