@@ -59,6 +59,12 @@ ADAPTERS = {
                                    lora_parameters={"rank": 4, "dropout": 0.0, "scale": 8.0}),
     "gemma4-vlm-8bit-g64-r4": dict(base="gemma4-vlm-8bit-g64", seed=7, num_layers=2,
                                    lora_parameters={"rank": 4, "dropout": 0.0, "scale": 8.0}),
+    # Mixtures of experts: the routers, each expert of the stacked switch layers (lora_a
+    # [experts, rank, in], lora_b [experts, out, rank]) and Qwen3.5's shared expert and its gate.
+    "qwen3_5_moe-4bit-g64-r4": dict(base="qwen3_5_moe-4bit-g64", seed=8, num_layers=-1,
+                                    lora_parameters={"rank": 4, "dropout": 0.0, "scale": 8.0}),
+    "gemma4-moe-4bit-g64-r4": dict(base="gemma4-moe-4bit-g64", seed=9, num_layers=-1,
+                                   lora_parameters={"rank": 4, "dropout": 0.0, "scale": 8.0}),
 }
 
 

@@ -46,6 +46,8 @@ pub enum FuseError {
     Save(#[from] SaveError),
     #[error("weight `{name}`: {reason}")]
     Weight { name: String, reason: String },
+    #[error("fusing adapters of a mixture's experts is not supported yet (`{0}`)")]
+    Experts(String),
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,
@@ -218,6 +220,9 @@ pub fn fuse(
         let model = crate::load(model_dir)?;
         Adapters::load(adapter_dir, model.as_ref())?
     };
+    if let Some(path) = adapters.experts.keys().next() {
+        return Err(FuseError::Experts(path.clone()));
+    }
     let mut ckpt = Checkpoint::open(model_dir)?;
     // Fusing and dequantizing change no layer's shape, so the count is the base model's.
     let total_parameters = ckpt.parameter_count();

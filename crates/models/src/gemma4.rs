@@ -17,7 +17,8 @@ use crate::cache::{
 use crate::checkpoint::{Checkpoint, Config, Scope};
 use crate::gemma3::wrapped_text_config;
 use crate::layers::{
-    linear_shape, load_host_vector, Embedding, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope,
+    experts_shape, linear_shape, load_host_vector, Embedding, Linear, Mlp, OpResult, OutputHead,
+    RmsNorm, Rope,
 };
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
@@ -317,11 +318,11 @@ impl MoeBlock {
 
     /// `Router`: for each expert, the tokens of `h` (`[n, hidden]`) routed to it and their
     /// weights: a softmax over the top-k scores, times the expert's own scale.
-    fn route(&self, h: &Tensor) -> OpResult<Vec<Vec<(usize, f32)>>> {
+    fn route(&self, h: &Tensor, router: ModuleAdapters) -> OpResult<Vec<Vec<(usize, f32)>>> {
         let count = self.experts.len();
         let scores = self
             .router_proj
-            .forward(&self.router_norm.forward(h)?)?
+            .forward_adapted(&self.router_norm.forward(h)?, router.get("proj"))?
             .into_vec()?;
         let mut routed = vec![Vec::new(); count];
         let mut order: Vec<usize> = Vec::with_capacity(count);
@@ -341,21 +342,22 @@ impl MoeBlock {
 
     /// The feed-forward output of a MoE layer: dense MLP and experts, each normed, summed.
     /// Each expert runs once, on all the rows routed to it, reading only the chosen experts'
-    /// weights.
-    fn forward(
+    /// weights. `lora` gives the adapters of the block's modules by name.
+    fn forward<'a>(
         &self,
         mlp: &Mlp,
         pre_feedforward_layernorm: &RmsNorm,
         h: &Tensor,
+        lora: impl Fn(&'static str) -> ModuleAdapters<'a>,
     ) -> OpResult<Tensor> {
-        let mut dense =
-            mlp.forward_geglu(&pre_feedforward_layernorm.forward(h)?, ModuleAdapters::NONE)?;
+        let mut dense = mlp.forward_geglu(&pre_feedforward_layernorm.forward(h)?, lora("mlp"))?;
         self.post_feedforward_layernorm_1
             .forward_inplace(&mut dense)?;
-        let routed = self.route(h)?;
+        let routed = self.route(h, lora("router"))?;
         let x = self.pre_feedforward_layernorm_2.forward(h)?;
+        let experts = lora("experts.switch_glu");
         let mut sparse = dispatch(&x, &routed, |e, rows| {
-            self.experts[e].forward_geglu(rows, ModuleAdapters::NONE)
+            self.experts[e].forward_geglu(rows, experts.expert(e))
         })?;
         self.post_feedforward_layernorm_2
             .forward_inplace(&mut sparse)?;
@@ -791,7 +793,7 @@ impl Architecture for Gemma4 {
             ops::add_inplace(&mut h, &r)?;
 
             let mut r = match &block.moe {
-                Some(moe) => moe.forward(&block.mlp, &block.pre_feedforward_layernorm, &h)?,
+                Some(moe) => moe.forward(&block.mlp, &block.pre_feedforward_layernorm, &h, lora)?,
                 None => block
                     .mlp
                     .forward_geglu(&block.pre_feedforward_layernorm.forward(&h)?, lora("mlp"))?,
@@ -820,10 +822,8 @@ impl Architecture for Gemma4 {
         (&self.head, &self.embed_tokens)
     }
 
-    /// Models without a mixture of experts: the experts take no adapters yet.
     fn adaptable(&self) -> Option<&dyn Adaptable> {
-        let dense = self.layers.iter().all(|b| b.moe.is_none());
-        dense.then_some(self as &dyn Adaptable)
+        Some(self)
     }
 }
 
@@ -841,6 +841,15 @@ impl Adaptable for Gemma4 {
         blocks
             .map(|b| {
                 let mut linears = [b.self_attn.linears(), b.mlp.linears()].concat();
+                if let Some(moe) = &b.moe {
+                    linears.push(linear_shape("router.proj", &moe.router_proj));
+                    let experts = &moe.experts;
+                    linears.extend([
+                        experts_shape("experts.switch_glu.gate_proj", experts, |m| &m.gate_proj),
+                        experts_shape("experts.switch_glu.up_proj", experts, |m| &m.up_proj),
+                        experts_shape("experts.switch_glu.down_proj", experts, |m| &m.down_proj),
+                    ]);
+                }
                 if let Some(gate) = &b.per_layer {
                     let (input_gate, projection) =
                         (&gate.per_layer_input_gate, &gate.per_layer_projection);

@@ -764,6 +764,19 @@ pub(crate) fn linear_shape(key: &'static str, l: &Linear) -> LinearShape {
         key,
         in_features: l.weight.cols(),
         out_features: l.weight.rows(),
+        experts: 0,
+    }
+}
+
+/// The stacked layer `key` of a mixture's `experts` (each expert's `layer`), as adapters see it.
+pub(crate) fn experts_shape(
+    key: &'static str,
+    experts: &[Mlp],
+    layer: fn(&Mlp) -> &Linear,
+) -> LinearShape {
+    LinearShape {
+        experts: experts.len(),
+        ..linear_shape(key, layer(&experts[0]))
     }
 }
 

@@ -31,7 +31,7 @@ pub enum AdapterError {
     Config { path: PathBuf, reason: String },
     #[error("fine_tune_type `{0}` is not supported (supported: lora)")]
     UnsupportedType(String),
-    #[error("`{0}` models with a mixture of experts do not take LoRA adapters yet")]
+    #[error("this `{0}` model takes no LoRA adapters (adapters do not stack)")]
     UnsupportedModel(String),
     #[error("adapter at {} does not fit the model:\n  {}", .path.display(), .problems.join("\n  "))]
     Mismatch {
@@ -47,6 +47,9 @@ pub struct LinearShape {
     pub key: &'static str,
     pub in_features: usize,
     pub out_features: usize,
+    /// The experts of a mixture's stacked layer (`switch_mlp.gate_proj`), each `[out, in]`;
+    /// 0 for a plain layer.
+    pub experts: usize,
 }
 
 /// A model whose blocks LoRA adapters attach to.
@@ -286,6 +289,10 @@ impl LoraLinear {
 pub struct Adapters {
     pub config: LoraConfig,
     pub layers: BTreeMap<String, LoraLinear>,
+    /// The stacked layers of mixtures' experts, one adapter per expert. mlx-lm keeps each as
+    /// `lora_a` `[experts, rank, in]` and `lora_b` `[experts, out, rank]`; training and
+    /// `save_weights` take plain layers only.
+    pub experts: BTreeMap<String, Vec<LoraLinear>>,
     /// The model's [`Adaptable::blocks_path`].
     pub blocks_path: &'static str,
 }
@@ -296,6 +303,8 @@ pub struct ModuleAdapters<'a> {
     set: Option<&'a Adapters>,
     block: usize,
     module: &'a str,
+    /// For a mixture's stacked experts: the expert whose adapters [`ModuleAdapters::get`] gives.
+    expert: Option<usize>,
 }
 
 impl<'a> ModuleAdapters<'a> {
@@ -304,17 +313,30 @@ impl<'a> ModuleAdapters<'a> {
         set: None,
         block: 0,
         module: "",
+        expert: None,
     };
+
+    /// The adapters of expert `e` of the stacked layers of this module (`switch_mlp`).
+    pub fn expert(self, e: usize) -> Self {
+        ModuleAdapters {
+            expert: Some(e),
+            ..self
+        }
+    }
 
     /// The adapter of layer `name` within the module.
     pub fn get(&self, name: &str) -> Option<&'a LoraLinear> {
         let set = self.set?;
         let block = set.block_path(self.block);
-        set.layers.get(&match self.module {
+        let path = match self.module {
             // The block's own layers (Gemma 4's per-layer input gate).
             "" => format!("{block}.{name}"),
             module => format!("{block}.{module}.{name}"),
-        })
+        };
+        match self.expert {
+            Some(e) => set.experts.get(&path)?.get(e),
+            None => set.layers.get(&path),
+        }
     }
 }
 
@@ -324,6 +346,13 @@ pub struct Blocks {
     pub linears: Vec<Vec<LinearShape>>,
 }
 
+/// `m` (`[rows, cols]`, row-major) transposed.
+fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    (0..cols)
+        .flat_map(|c| (0..rows).map(move |r| m[r * cols + c]))
+        .collect()
+}
+
 /// A layer's `lora_a` and `lora_b` as far as a file holds them.
 type Halves = [Option<Vec<f32>>; 2];
 
@@ -331,7 +360,7 @@ type Halves = [Option<Vec<f32>>; 2];
 /// the layer's `(in, out)` in `shapes` and `rank`.
 fn read_arrays(
     file: &Path,
-    shapes: &BTreeMap<String, (usize, usize)>,
+    shapes: &BTreeMap<String, LinearShape>,
     rank: usize,
 ) -> Result<BTreeMap<String, Halves>, AdapterError> {
     let weights = open_safetensors(file, Residency::Mapped)?;
@@ -346,14 +375,16 @@ fn read_arrays(
                 Some((layer, ["lora_a", "lora_b"].iter().position(|l| *l == leaf)?))
             })
             .and_then(|(layer, half)| Some((layer, half, shapes.get(layer)?)));
-        let Some((layer, half, &(in_features, out_features))) = parsed else {
+        let Some((layer, half, shape)) = parsed else {
             problems.push(format!("{name}: not an adapter parameter in the model"));
             continue;
         };
-        let expected = if half == 0 {
-            [in_features, rank]
-        } else {
-            [rank, out_features]
+        let (inputs, outputs, experts) = (shape.in_features, shape.out_features, shape.experts);
+        let expected = match (half, experts) {
+            (0, 0) => vec![inputs, rank],
+            (_, 0) => vec![rank, outputs],
+            (0, _) => vec![experts, rank, inputs],
+            _ => vec![experts, outputs, rank],
         };
         if t.shape != expected || !t.dtype.is_float() {
             problems.push(format!(
@@ -362,7 +393,8 @@ fn read_arrays(
             ));
             continue;
         }
-        let values = FloatMatrix::new(expected[0], expected[1], t.dtype, t.data.clone())
+        let count = expected.iter().product();
+        let values = FloatMatrix::new(1, count, t.dtype, t.data.clone())
             .map_err(|source| LoadError::Engine {
                 name: name.clone(),
                 source,
@@ -401,30 +433,39 @@ impl Adapters {
         let config_path = dir.join(CONFIG_FILE);
         let config = LoraConfig::from_json(&read_json(&config_path)?, &config_path)?;
         let blocks = model_blocks(model)?;
-        let shapes = config
-            .targets(&blocks)
-            .into_iter()
-            .map(|(path, s)| (path, (s.in_features, s.out_features)))
-            .collect();
+        let shapes = config.targets(&blocks);
         let arrays = read_arrays(&dir.join(WEIGHTS_FILE), &shapes, config.rank)?;
-        let mut layers = BTreeMap::new();
+        let (mut layers, mut experts) = (BTreeMap::new(), BTreeMap::new());
         for (path, [a, b]) in arrays {
             // mlx-lm keeps a missing `lora_b` at zero; a missing `lora_a` then does not matter.
             let (Some(a), Some(b)) = (a, b) else { continue };
-            let (in_features, out_features) = shapes[&path];
-            let layer = LoraLinear {
-                in_features,
-                out_features,
+            let shape = &shapes[&path];
+            let layer = |a, b| LoraLinear {
+                in_features: shape.in_features,
+                out_features: shape.out_features,
                 rank: config.rank,
                 scale: config.scale,
                 a,
                 b,
             };
-            layers.insert(path, layer);
+            if shape.experts == 0 {
+                layers.insert(path, layer(a, b));
+                continue;
+            }
+            // Expert e's `lora_a[e]` is `[rank, in]` and `lora_b[e]` `[out, rank]`: transposed,
+            // they are a plain layer's `[in, rank]` and `[rank, out]`.
+            let (r, inputs, outputs) = (config.rank, shape.in_features, shape.out_features);
+            let each = (0..shape.experts).map(|e| {
+                let a_e = transpose(&a[e * r * inputs..][..r * inputs], r, inputs);
+                let b_e = transpose(&b[e * outputs * r..][..outputs * r], outputs, r);
+                layer(a_e, b_e)
+            });
+            experts.insert(path, each.collect());
         }
         Ok(Adapters {
             config,
             layers,
+            experts,
             blocks_path: blocks.path,
         })
     }
@@ -432,24 +473,26 @@ impl Adapters {
     /// Every layer `config` adapts in `model`, with both matrices zero (training fills `a`).
     pub fn zeros(config: LoraConfig, model: &dyn LanguageModel) -> Result<Self, AdapterError> {
         let blocks = model_blocks(model)?;
-        let layers = config
-            .targets(&blocks)
-            .into_iter()
-            .map(|(path, s)| {
-                let layer = LoraLinear {
-                    in_features: s.in_features,
-                    out_features: s.out_features,
-                    rank: config.rank,
-                    scale: config.scale,
-                    a: vec![0.0; s.in_features * config.rank],
-                    b: vec![0.0; config.rank * s.out_features],
-                };
-                (path, layer)
-            })
-            .collect();
+        let (mut layers, mut experts) = (BTreeMap::new(), BTreeMap::new());
+        for (path, s) in config.targets(&blocks) {
+            let zero = LoraLinear {
+                in_features: s.in_features,
+                out_features: s.out_features,
+                rank: config.rank,
+                scale: config.scale,
+                a: vec![0.0; s.in_features * config.rank],
+                b: vec![0.0; config.rank * s.out_features],
+            };
+            if s.experts == 0 {
+                layers.insert(path, zero);
+            } else {
+                experts.insert(path, vec![zero; s.experts]);
+            }
+        }
         Ok(Adapters {
             config,
             layers,
+            experts,
             blocks_path: blocks.path,
         })
     }
@@ -460,10 +503,14 @@ impl Adapters {
         if !file.exists() {
             return Err(AdapterError::NotFound(file.to_path_buf()));
         }
-        let shapes = self
-            .layers
-            .iter()
-            .map(|(path, l)| (path.clone(), (l.in_features, l.out_features)))
+        let shape = |l: &LoraLinear| LinearShape {
+            key: "",
+            in_features: l.in_features,
+            out_features: l.out_features,
+            experts: 0,
+        };
+        let shapes = (self.layers.iter())
+            .map(|(path, l)| (path.clone(), shape(l)))
             .collect();
         for (path, [a, b]) in read_arrays(file, &shapes, self.config.rank)? {
             let layer = self
@@ -495,15 +542,19 @@ impl Adapters {
     /// Checks that every adapted layer exists in `model` with the adapter's shape.
     pub fn check(&self, model: &dyn LanguageModel) -> Result<(), AdapterError> {
         let targets = self.config.targets(&model_blocks(model)?);
-        let problems: Vec<String> = self
-            .layers
-            .iter()
-            .filter(|(path, l)| {
-                targets.get(*path).is_none_or(|s| {
-                    (s.in_features, s.out_features) != (l.in_features, l.out_features)
-                })
+        let fits = |path: &String, experts: usize, l: &LoraLinear| {
+            targets.get(path).is_some_and(|s| {
+                (s.in_features, s.out_features, s.experts)
+                    == (l.in_features, l.out_features, experts)
             })
-            .map(|(path, _)| format!("{path}: no layer of this shape in the model"))
+        };
+        let plain = self.layers.iter().filter(|(path, l)| !fits(path, 0, l));
+        let stacked = (self.experts.iter())
+            .filter(|(path, each)| !each.iter().all(|l| fits(path, each.len(), l)));
+        let problems: Vec<String> = plain
+            .map(|(path, _)| path)
+            .chain(stacked.map(|(path, _)| path))
+            .map(|path| format!("{path}: no layer of this shape in the model"))
             .collect();
         if problems.is_empty() {
             Ok(())
@@ -527,6 +578,7 @@ impl Adapters {
             set: Some(self),
             block,
             module,
+            expert: None,
         }
     }
 }
@@ -590,6 +642,7 @@ mod tests {
             key,
             in_features: 8,
             out_features: 4,
+            experts: 0,
         };
         Blocks {
             path: "model.layers",

@@ -714,7 +714,12 @@ impl Architecture for Qwen3_5 {
             let x = block.post_attention_layernorm.forward(&h)?;
             let r = match &block.mlp {
                 FeedForward::Dense(mlp) => mlp.forward_adapted(&x, lora("mlp"))?,
-                FeedForward::Moe(moe) => moe.forward(&x)?,
+                FeedForward::Moe(moe) => moe.forward(
+                    &x,
+                    lora("mlp"),
+                    lora("mlp.switch_mlp"),
+                    lora("mlp.shared_expert"),
+                )?,
             };
             ops::add_inplace(&mut h, &r)?;
         }
@@ -726,13 +731,8 @@ impl Architecture for Qwen3_5 {
         (&self.head, &self.embed_tokens)
     }
 
-    /// Dense models: the experts of a mixture take no adapters yet.
     fn adaptable(&self) -> Option<&dyn Adaptable> {
-        let dense = self
-            .layers
-            .iter()
-            .all(|b| matches!(b.mlp, FeedForward::Dense(_)));
-        dense.then_some(self as &dyn Adaptable)
+        Some(self)
     }
 }
 
@@ -745,9 +745,10 @@ impl Adaptable for Qwen3_5 {
                     Mixer::Linear(m) => m.linears(),
                     Mixer::Attention(m) => m.linears(),
                 };
-                if let FeedForward::Dense(mlp) = &b.mlp {
-                    linears.extend(mlp.linears());
-                }
+                linears.extend(match &b.mlp {
+                    FeedForward::Dense(mlp) => mlp.linears(),
+                    FeedForward::Moe(moe) => moe.linears(),
+                });
                 linears
             })
             .collect()

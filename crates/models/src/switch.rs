@@ -5,7 +5,8 @@ use oxlm_engine::cpu::elementwise::softmax_inplace;
 use oxlm_engine::{ops, DType, FloatMatrix, QuantizedMatrix, Tensor};
 
 use crate::checkpoint::{RawTensor, Scope};
-use crate::layers::{Linear, Mlp, OpResult, Weight};
+use crate::layers::{experts_shape, linear_shape, Linear, Mlp, OpResult, Weight};
+use crate::lora::{LinearShape, ModuleAdapters};
 use crate::LoadError;
 
 fn shape_error(name: &str, t: &RawTensor, expected: String) -> LoadError {
@@ -169,6 +170,28 @@ pub struct SparseMoe {
 }
 
 impl SparseMoe {
+    /// Its layers, as mlx-lm's default LoRA keys select them (under `mlp`).
+    pub(crate) fn linears(&self) -> Vec<LinearShape> {
+        let experts = &self.experts;
+        let mut out = vec![
+            linear_shape("mlp.gate", &self.gate),
+            experts_shape("mlp.switch_mlp.gate_proj", experts, |m| &m.gate_proj),
+            experts_shape("mlp.switch_mlp.up_proj", experts, |m| &m.up_proj),
+            experts_shape("mlp.switch_mlp.down_proj", experts, |m| &m.down_proj),
+        ];
+        let shared = &self.shared_expert;
+        out.extend([
+            linear_shape("mlp.shared_expert.gate_proj", &shared.gate_proj),
+            linear_shape("mlp.shared_expert.up_proj", &shared.up_proj),
+            linear_shape("mlp.shared_expert.down_proj", &shared.down_proj),
+        ]);
+        out.push(linear_shape(
+            "mlp.shared_expert_gate",
+            &self.shared_expert_gate,
+        ));
+        out
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub fn load(
         vb: &mut Scope,
@@ -191,11 +214,19 @@ impl SparseMoe {
     }
 
     /// `x` is `[n, dim]`. Each expert runs once on all the tokens routed to it; routing is
-    /// decided on the host from the router's logits.
-    pub fn forward(&self, x: &Tensor) -> OpResult<Tensor> {
+    /// decided on the host from the router's logits. `lora` holds the adapters of the block's
+    /// `mlp` (the router `gate` and `shared_expert_gate`), and `experts` and `shared` those of its
+    /// `switch_mlp` and `shared_expert`.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        lora: ModuleAdapters,
+        experts: ModuleAdapters,
+        shared: ModuleAdapters,
+    ) -> OpResult<Tensor> {
         let n = x.rows();
         let count = self.experts.len();
-        let logits = self.gate.forward(x)?.into_vec()?;
+        let logits = self.gate.forward_adapted(x, lora.get("gate"))?.into_vec()?;
         // (token, weight) pairs per expert
         let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); count];
         let mut order: Vec<usize> = Vec::with_capacity(count);
@@ -216,11 +247,13 @@ impl SparseMoe {
                 routed[e].push((t, weight));
             }
         }
-        let mut y = dispatch(x, &routed, |e, rows| self.experts[e].forward(rows))?;
-        let shared = self.shared_expert.forward(x)?;
+        let mut y = dispatch(x, &routed, |e, rows| {
+            self.experts[e].forward_adapted(rows, experts.expert(e))
+        })?;
+        let shared = self.shared_expert.forward_adapted(x, shared)?;
         let gates: Vec<f32> = self
             .shared_expert_gate
-            .forward(x)?
+            .forward_adapted(x, lora.get("shared_expert_gate"))?
             .into_vec()?
             .into_iter()
             .map(sigmoid)

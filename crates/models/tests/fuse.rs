@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use oxlm_engine::KvPrecision;
-use oxlm_models::fuse::fuse;
+use oxlm_models::fuse::{fuse, FuseError};
 use oxlm_models::{load, Logits};
 
 const LOGIT_TOLERANCE: f32 = 2e-3;
@@ -177,4 +177,19 @@ fn index_counts_like_mlx_lm() {
         read(out.path())["weight_map"],
         read(&base_dir)["weight_map"]
     );
+}
+
+#[test]
+fn adapters_of_experts_are_refused_and_nothing_is_written() {
+    let out = tempfile::tempdir().unwrap();
+    let save = out.path().join("fused");
+    let err = fuse(
+        &fixtures().join("tiny/qwen3_5_moe-4bit-g64"),
+        &fixtures().join("lora/qwen3_5_moe-4bit-g64-r4"),
+        &save,
+        false,
+    )
+    .unwrap_err();
+    assert!(matches!(err, FuseError::Experts(_)), "{err}");
+    assert!(!save.exists());
 }

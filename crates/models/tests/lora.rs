@@ -57,7 +57,7 @@ fn all_logits(model: &dyn LanguageModel, tokens: &[u32]) -> Vec<f32> {
 }
 
 /// `(adapter fixture, base model)`.
-const CASES: [(&str, &str); 7] = [
+const CASES: [(&str, &str); 9] = [
     ("llama-4bit-g64-r4", "llama-4bit-g64"),
     ("qwen2-4bit-g64-keys", "qwen2-4bit-g64"),
     ("gemma3-4bit-g64-r4", "gemma3-4bit-g64"),
@@ -65,6 +65,8 @@ const CASES: [(&str, &str); 7] = [
     ("gemma4-4bit-g32-r4", "gemma4-4bit-g32"),
     ("gemma3-vlm-8bit-g32-r4", "gemma3-vlm-8bit-g32"),
     ("gemma4-vlm-8bit-g64-r4", "gemma4-vlm-8bit-g64"),
+    ("qwen3_5_moe-4bit-g64-r4", "qwen3_5_moe-4bit-g64"),
+    ("gemma4-moe-4bit-g64-r4", "gemma4-moe-4bit-g64"),
 ];
 
 #[test]
@@ -235,6 +237,14 @@ fn broken_or_foreign_adapters_are_refused() {
         &fixtures().join("lora/llama-4bit-g64-r4"),
         "gemma4-moe-4bit-g64",
     );
+    assert!(matches!(err, AdapterError::Mismatch { .. }), "{err}");
+
+    // Adapters do not stack on a model already seen through adapters.
+    let llama = load(&fixtures().join("tiny/llama-4bit-g64")).unwrap();
+    let lora = fixtures().join("lora/llama-4bit-g64-r4");
+    let adapters = Adapters::load(&lora, llama.as_ref()).unwrap();
+    let adapted = AdaptedModel::new(llama.as_ref(), &adapters).unwrap();
+    let err = Adapters::load(&lora, &adapted).unwrap_err();
     assert!(matches!(err, AdapterError::UnsupportedModel(_)), "{err}");
 }
 

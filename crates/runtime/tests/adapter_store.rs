@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use oxlm_models::lora::{AdaptedModel, Adapters};
 use oxlm_runtime::adapter_store::{AdapterStore, AdapterStoreError};
 
 fn fixtures() -> PathBuf {
@@ -97,13 +98,14 @@ fn names_resolve_inside_the_root_only() {
 
 #[test]
 fn models_without_adapter_support_and_missing_roots_are_refused() {
-    let gemma = model("gemma4-moe-4bit-g64");
-    let root = root();
-    let error = AdapterStore::open(root.path(), 2, gemma.as_ref())
-        .err()
-        .unwrap();
-    assert!(matches!(error, AdapterStoreError::Model(_)), "{error}");
+    // A model already seen through adapters takes no more.
     let llama = model("llama-4bit-g64");
+    let lora = fixtures().join("lora/llama-4bit-g64-r4");
+    let adapters = Adapters::load(&lora, llama.as_ref()).unwrap();
+    let adapted = AdaptedModel::new(llama.as_ref(), &adapters).unwrap();
+    let root = root();
+    let error = AdapterStore::open(root.path(), 2, &adapted).err().unwrap();
+    assert!(matches!(error, AdapterStoreError::Model(_)), "{error}");
     let error = AdapterStore::open(&root.path().join("none"), 2, llama.as_ref())
         .err()
         .unwrap();
