@@ -241,6 +241,10 @@ impl Adaptable for Llama {
             .collect()
     }
 
+    fn trainable(&self) -> bool {
+        true
+    }
+
     fn loss_and_grads(
         &self,
         examples: &[Example],

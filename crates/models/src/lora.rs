@@ -88,6 +88,11 @@ pub trait Adaptable: Architecture {
         })
     }
 
+    /// Whether [`Adaptable::loss_and_grads`] is implemented: a trainer asks before it starts.
+    fn trainable(&self) -> bool {
+        false
+    }
+
     /// mlx-lm's training loss over `examples` (the mean cross-entropy of their scored positions)
     /// and its gradient with respect to every matrix of `adapters`. With `checkpoint`, blocks
     /// keep only their inputs and run again during the backward pass (less memory, more time).

@@ -329,3 +329,37 @@ fn resuming_loads_the_saved_checkpoint() {
         .load_weights(&out.path().join("adapters.safetensors"))
         .is_err());
 }
+
+/// Architectures without a backward pass are refused before any step or validation runs.
+#[test]
+fn training_an_architecture_without_a_backward_pass_is_refused_up_front() {
+    let model = load(&fixtures().join("tiny/gemma3-4bit-g64")).unwrap();
+    let mut adapters = init_adapters(model.as_ref(), LoraConfig::new(1), 7).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let args = TrainArgs {
+        batch_size: 1,
+        iters: 1,
+        val_batches: 1,
+        steps_per_report: 1,
+        steps_per_eval: 1,
+        save_every: 1,
+        max_seq_length: 64,
+        learning_rate: 1e-3,
+        grad_checkpoint: false,
+        adapter_file: out.path().join("adapters.safetensors"),
+    };
+    let mut events = 0;
+    let err = train(
+        model.as_ref(),
+        &mut adapters,
+        &load_set("data/train.jsonl", false),
+        &load_set("data/valid.jsonl", false),
+        &args,
+        &mut NumpyRandom::new(0),
+        &mut |_| events += 1,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("cannot be trained yet"), "{err}");
+    assert_eq!(events, 0);
+    assert!(!args.adapter_file.exists());
+}

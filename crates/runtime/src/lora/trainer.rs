@@ -148,6 +148,10 @@ pub fn train(
     let adaptable = model
         .adaptable()
         .ok_or_else(|| AdapterError::UnsupportedModel(model.info().model_type.clone()))?;
+    if !adaptable.trainable() {
+        let model_type = model.info().model_type.clone();
+        return Err(ForwardError::NotTrainable(model_type).into());
+    }
     let mut batches = Batches::new(train, args.batch_size, args.max_seq_length, true)?;
     let mut adam = Adam::new(args.learning_rate);
     let (mut losses, mut tokens, mut steps, mut trained_tokens) = (0.0f64, 0usize, 0usize, 0usize);
