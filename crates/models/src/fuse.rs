@@ -46,8 +46,6 @@ pub enum FuseError {
     Save(#[from] SaveError),
     #[error("weight `{name}`: {reason}")]
     Weight { name: String, reason: String },
-    #[error("fusing adapters of a mixture's experts is not supported yet (`{0}`)")]
-    Experts(String),
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,
@@ -86,10 +84,13 @@ fn float_bytes(dtype: DType, values: &[f32]) -> Vec<u8> {
     }
 }
 
-/// A quantized layer as read from the checkpoint.
+/// A quantized layer as read from the checkpoint: a matrix, or a mixture's stack of one per
+/// expert, seen as one matrix of all their rows (quantization groups never cross a row).
 struct Quantized {
     matrix: QuantizedMatrix,
     dtype: DType,
+    /// The stored shape but its last axis: `[rows]`, or `[experts, rows]`.
+    lead: Vec<usize>,
 }
 
 impl Quantized {
@@ -101,13 +102,13 @@ impl Quantized {
             name: format!("{prefix}.weight"),
             reason: e.to_string(),
         };
-        let [rows, words] = weight.shape[..] else {
+        let Some((&words, lead)) = weight.shape.split_last().filter(|(_, l)| !l.is_empty()) else {
             return Err(bad(EngineError::Shape(format!(
                 "{:?} is not a matrix",
                 weight.shape
             ))));
         };
-        let cols = words * 32 / spec.bits as usize;
+        let (rows, cols) = (lead.iter().product(), words * 32 / spec.bits as usize);
         let matrix = QuantizedMatrix::new(
             rows,
             cols,
@@ -122,6 +123,7 @@ impl Quantized {
         Ok(Quantized {
             matrix,
             dtype: scales.dtype,
+            lead: lead.to_vec(),
         })
     }
 
@@ -176,15 +178,23 @@ fn raw(t: &RawTensor) -> TensorBytes<'_> {
     }
 }
 
-/// Quantizes `values` (`[rows, cols]`) as `mx.quantize` does for weights of `dtype`.
+/// `lead` (the shape but its last axis) with `last` appended.
+fn shape_with(lead: &[usize], last: usize) -> Vec<usize> {
+    let mut shape = lead.to_vec();
+    shape.push(last);
+    shape
+}
+
+/// Quantizes `values` (`lead` rows of `cols`) as `mx.quantize` does for weights of `dtype`.
 fn requantize(
     prefix: &str,
     values: &[f32],
-    rows: usize,
+    lead: &[usize],
     cols: usize,
     spec: QuantSpec,
     dtype: DType,
 ) -> [(String, TensorBytes<'static>); 3] {
+    let rows = lead.iter().product();
     let (packed, scales, biases) = quantize(values, rows, cols, spec.bits, spec.group_size);
     let words = cols * spec.bits as usize / 32;
     let groups = cols / spec.group_size;
@@ -193,19 +203,39 @@ fn requantize(
             format!("{prefix}.weight"),
             owned(
                 DType::U32,
-                vec![rows, words],
+                shape_with(lead, words),
                 packed.iter().flat_map(|w| w.to_le_bytes()).collect(),
             ),
         ),
         (
             format!("{prefix}.scales"),
-            owned(dtype, vec![rows, groups], float_bytes(dtype, &scales)),
+            owned(dtype, shape_with(lead, groups), float_bytes(dtype, &scales)),
         ),
         (
             format!("{prefix}.biases"),
-            owned(dtype, vec![rows, groups], float_bytes(dtype, &biases)),
+            owned(dtype, shape_with(lead, groups), float_bytes(dtype, &biases)),
         ),
     ]
+}
+
+/// Each adapted layer's path and the adapters to merge into it: one, or one per expert of a
+/// stack, in the order of the stack's rows.
+fn layer_adapters(adapters: &Adapters) -> impl Iterator<Item = (&String, Vec<&LoraLinear>)> {
+    let plain = adapters.layers.iter().map(|(p, l)| (p, vec![l]));
+    plain.chain(
+        adapters
+            .experts
+            .iter()
+            .map(|(p, each)| (p, each.iter().collect())),
+    )
+}
+
+/// Merges `loras` into `weight`, each into its block of rows (the experts of a stack in turn).
+fn merge_all(weight: &mut [f32], loras: &[&LoraLinear], dtype: DType) {
+    let per = weight.len() / loras.len().max(1);
+    for (block, lora) in weight.chunks_exact_mut(per).zip(loras) {
+        merge(block, lora, dtype);
+    }
 }
 
 /// Merges the adapters in `adapter_dir` into the model in `model_dir` and writes the result to
@@ -220,14 +250,11 @@ pub fn fuse(
         let model = crate::load(model_dir)?;
         Adapters::load(adapter_dir, model.as_ref())?
     };
-    if let Some(path) = adapters.experts.keys().next() {
-        return Err(FuseError::Experts(path.clone()));
-    }
     let mut ckpt = Checkpoint::open(model_dir)?;
     // Fusing and dequantizing change no layer's shape, so the count is the base model's.
     let total_parameters = ckpt.parameter_count();
     let mut out: BTreeMap<String, TensorBytes> = BTreeMap::new();
-    for (prefix, lora) in &adapters.layers {
+    for (prefix, loras) in layer_adapters(&adapters) {
         let weight_name = format!("{prefix}.weight");
         match ckpt
             .quantization
@@ -236,31 +263,29 @@ pub fn fuse(
         {
             Some(spec) => {
                 let q = Quantized::take(&mut ckpt, prefix, spec)?;
-                let (rows, cols, dtype) = (q.matrix.rows, q.matrix.cols, q.dtype);
+                let (cols, dtype) = (q.matrix.cols, q.dtype);
                 let mut w = q.dequantize();
-                merge(&mut w, lora, dtype);
+                merge_all(&mut w, &loras, dtype);
                 if dequantize {
-                    out.insert(
-                        weight_name,
-                        owned(dtype, vec![rows, cols], float_bytes(dtype, &w)),
-                    );
+                    let shape = shape_with(&q.lead, cols);
+                    out.insert(weight_name, owned(dtype, shape, float_bytes(dtype, &w)));
                 } else {
-                    out.extend(requantize(prefix, &w, rows, cols, spec, dtype));
+                    out.extend(requantize(prefix, &w, &q.lead, cols, spec, dtype));
                 }
             }
             None => {
                 let t = ckpt.take(&weight_name)?;
-                let (rows, cols) = (lora.out_features, lora.in_features);
+                let (rows, cols) = (loras.len() * loras[0].out_features, loras[0].in_features);
                 let mut w = FloatMatrix::new(rows, cols, t.dtype, t.data)
                     .map_err(|e| FuseError::Weight {
                         name: weight_name.clone(),
                         reason: e.to_string(),
                     })?
                     .to_f32_vec();
-                merge(&mut w, lora, t.dtype);
+                merge_all(&mut w, &loras, t.dtype);
                 out.insert(
                     weight_name,
-                    owned(t.dtype, vec![rows, cols], float_bytes(t.dtype, &w)),
+                    owned(t.dtype, t.shape, float_bytes(t.dtype, &w)),
                 );
             }
         }
@@ -286,7 +311,7 @@ pub fn fuse(
                 format!("{prefix}.weight"),
                 owned(
                     q.dtype,
-                    vec![q.matrix.rows, q.matrix.cols],
+                    shape_with(&q.lead, q.matrix.cols),
                     float_bytes(q.dtype, &w),
                 ),
             );
@@ -314,7 +339,7 @@ pub fn fuse(
         }
     }
     Ok(FuseReport {
-        fused_layers: adapters.layers.len(),
+        fused_layers: adapters.layers.len() + adapters.experts.len(),
         dequantized_layers,
         weight_files,
     })

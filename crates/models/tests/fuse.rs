@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use oxlm_engine::KvPrecision;
-use oxlm_models::fuse::{fuse, FuseError};
+use oxlm_models::fuse::fuse;
 use oxlm_models::{load, Logits};
 
 const LOGIT_TOLERANCE: f32 = 2e-3;
@@ -49,7 +49,7 @@ fn logits(dir: &Path, ids: &[u32]) -> Vec<f32> {
         .into_data()
 }
 
-const CASES: [(&str, &str); 7] = [
+const CASES: [(&str, &str); 9] = [
     ("llama-4bit-g64-r4", "llama-4bit-g64"),
     ("qwen2-4bit-g64-keys", "qwen2-4bit-g64"),
     ("gemma3-4bit-g64-r4", "gemma3-4bit-g64"),
@@ -57,6 +57,8 @@ const CASES: [(&str, &str); 7] = [
     ("gemma4-4bit-g32-r4", "gemma4-4bit-g32"),
     ("gemma3-vlm-8bit-g32-r4", "gemma3-vlm-8bit-g32"),
     ("gemma4-vlm-8bit-g64-r4", "gemma4-vlm-8bit-g64"),
+    ("qwen3_5_moe-4bit-g64-r4", "qwen3_5_moe-4bit-g64"),
+    ("gemma4-moe-4bit-g64-r4", "gemma4-moe-4bit-g64"),
 ];
 
 #[test]
@@ -177,19 +179,4 @@ fn index_counts_like_mlx_lm() {
         read(out.path())["weight_map"],
         read(&base_dir)["weight_map"]
     );
-}
-
-#[test]
-fn adapters_of_experts_are_refused_and_nothing_is_written() {
-    let out = tempfile::tempdir().unwrap();
-    let save = out.path().join("fused");
-    let err = fuse(
-        &fixtures().join("tiny/qwen3_5_moe-4bit-g64"),
-        &fixtures().join("lora/qwen3_5_moe-4bit-g64-r4"),
-        &save,
-        false,
-    )
-    .unwrap_err();
-    assert!(matches!(err, FuseError::Experts(_)), "{err}");
-    assert!(!save.exists());
 }
