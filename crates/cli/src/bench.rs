@@ -29,7 +29,7 @@ pub struct Args {
     #[arg(long, default_value_t = 128)]
     gen_tokens: usize,
     /// Kernel threads (default: one per physical core).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::parse_threads)]
     threads: Option<usize>,
     /// Timed runs; the medians are reported.
     #[arg(long, default_value_t = 3)]
@@ -410,6 +410,6 @@ pub fn run(args: Args) -> Result<()> {
         "peak_rss_bytes": peak_memory_bytes(),
         "trace": trace,
     });
-    println!("{report}");
+    say!("{report}");
     Ok(())
 }

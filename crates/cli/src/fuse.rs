@@ -24,7 +24,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    println!("Loading pretrained model");
+    say!("Loading pretrained model");
     let report = fuse(
         &resolve_model(&args.model)?,
         &args.adapter_path,
@@ -39,9 +39,9 @@ pub fn run(args: Args) -> Result<()> {
         )
     })?;
     if args.de_quantize {
-        println!("Dequantizing model");
+        say!("Dequantizing model");
     }
-    println!(
+    say!(
         "Fused {} adapted layers into {} ({} weight file{})",
         report.fused_layers,
         args.save_path.display(),

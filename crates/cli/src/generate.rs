@@ -1,15 +1,18 @@
 //! `oxlm generate`: a drop-in for `mlx_lm.generate`, printing the same report.
 
 use std::io::{Read, Write};
+use std::ops::ControlFlow;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use oxlm_models::lora::{AdaptedModel, Adapters};
 use oxlm_models::LanguageModel;
-use oxlm_runtime::generate::{peak_memory_bytes, DEFAULT_PREFILL_STEP};
+use oxlm_runtime::generate::{
+    generate_stream, peak_memory_bytes, Event, StreamOptions, DEFAULT_PREFILL_STEP,
+};
 use oxlm_runtime::hub::resolve_model;
 use oxlm_runtime::sampler::SamplerConfig;
-use oxlm_runtime::{generate, GenerateOptions, LoadedModel};
+use oxlm_runtime::{GenerateOptions, LoadedModel};
 use serde_json::{json, Map, Value};
 
 #[derive(clap::Args)]
@@ -25,16 +28,16 @@ pub struct Args {
     #[arg(long, short = 'm', default_value_t = 100)]
     max_tokens: usize,
     /// Sampling temperature; 0 picks the most likely token (greedy).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = crate::parse_temperature)]
     temp: f32,
     /// Nucleus sampling: keep the most likely tokens whose probabilities sum to this.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = crate::parse_probability)]
     top_p: f32,
     /// Keep only the K most likely tokens (0 keeps all).
     #[arg(long, default_value_t = 0)]
     top_k: usize,
     /// Drop tokens less likely than this fraction of the most likely one.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = crate::parse_probability)]
     min_p: f32,
     /// Seed of the sampler's random numbers.
     #[arg(long)]
@@ -55,7 +58,7 @@ pub struct Args {
     #[arg(long, default_value_t = DEFAULT_PREFILL_STEP)]
     prefill_step_size: usize,
     /// Kernel threads (default: one per physical core).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::parse_threads)]
     threads: Option<usize>,
     /// Where the model runs: cpu, cuda (GPU 0) or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
@@ -124,35 +127,49 @@ pub fn run(args: Args) -> Result<()> {
         prefill_step: args.prefill_step_size,
         kv_cache: args.kv_cache,
     };
-    println!("==========");
-    let mut stdout = std::io::stdout();
-    let generation = generate(
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "==========")?;
+    // A failed write (a closed pipe) stops the generation and is reported after it.
+    let mut written = Ok(());
+    let mut cache = options.new_cache(model)?;
+    let generation = generate_stream(
         model,
         &loaded.tokenizer,
         &ids,
+        &mut cache,
         &loaded.eos_ids,
         &options,
-        &mut |text| {
-            let _ = stdout.write_all(text.as_bytes());
-            let _ = stdout.flush();
+        &StreamOptions::default(),
+        &mut |event| {
+            let (Event::Token { text, .. } | Event::Text(text)) = event else {
+                return ControlFlow::Continue(());
+            };
+            written = out.write_all(text.as_bytes()).and_then(|()| out.flush());
+            match written {
+                Ok(()) => ControlFlow::Continue(()),
+                Err(_) => ControlFlow::Break(()),
+            }
         },
     )?;
-    println!();
-    println!("==========");
+    written?;
+    writeln!(out)?;
+    writeln!(out, "==========")?;
     if generation.text.is_empty() {
-        println!("No text generated for this prompt");
+        writeln!(out, "No text generated for this prompt")?;
         return Ok(());
     }
-    println!(
+    writeln!(
+        out,
         "Prompt: {} tokens, {:.3} tokens-per-sec",
         generation.prompt_tokens, generation.prompt_tps
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "Generation: {} tokens, {:.3} tokens-per-sec",
         generation.tokens.len(),
         generation.generation_tps
-    );
+    )?;
     let peak = peak_memory_bytes().unwrap_or(0) as f64 / 1e9;
-    println!("Peak memory: {peak:.3} GB");
+    writeln!(out, "Peak memory: {peak:.3} GB")?;
     Ok(())
 }

@@ -121,7 +121,7 @@ impl Ui {
     }
 
     fn line(&self, text: String) {
-        self.bars.suspend(|| println!("{text}"));
+        self.bars.suspend(|| say!("{text}"));
     }
 
     fn event(&mut self, event: Event) {
@@ -250,7 +250,7 @@ fn evaluate_test(
         &mut || bar.inc(1),
     )?;
     bar.finish_and_clear();
-    println!("Test loss {loss:.3}, Test ppl {:.3}.", (loss as f64).exp());
+    say!("Test loss {loss:.3}, Test ppl {:.3}.", (loss as f64).exp());
     Ok(())
 }
 
@@ -271,11 +271,11 @@ pub fn run(args: Args) -> Result<()> {
         bail!("Must provide at least one of --train or --test");
     }
     let mut rng = NumpyRandom::new(args.seed);
-    println!("Loading pretrained model");
+    say!("Loading pretrained model");
     let loaded = LoadedModel::load(&resolve_model(&args.model)?)
         .with_context(|| format!("loading {}", args.model.display()))?;
     let model = loaded.model.as_ref();
-    println!("Loading datasets");
+    say!("Loading datasets");
     if !args.data.is_dir() {
         bail!(
             "--data {}: no such directory (a directory of .jsonl files is needed; Hugging Face \
@@ -293,7 +293,7 @@ pub fn run(args: Args) -> Result<()> {
         bail!("Training set not found or empty. Must provide training set for fine-tuning.");
     }
     if args.train && splits.valid.is_empty() {
-        println!(
+        say!(
             "Warning: Validation set not found or empty. Training will proceed without validation."
         );
     }
@@ -302,7 +302,7 @@ pub fn run(args: Args) -> Result<()> {
     }
 
     let adapters = if args.train {
-        println!("Training");
+        say!("Training");
         let layers = model.info().num_layers;
         if args.num_layers > layers as i64 {
             bail!(
@@ -313,7 +313,7 @@ pub fn run(args: Args) -> Result<()> {
         let config = LoraConfig::new(args.num_layers);
         let mut adapters = init_adapters(model, config.clone(), args.seed as u64)?;
         if let Some(file) = &args.resume_adapter_file {
-            println!("Loading fine-tuned weights from {}", file.display());
+            say!("Loading fine-tuned weights from {}", file.display());
             adapters.load_weights(file)?;
         }
         train(
@@ -331,7 +331,7 @@ pub fn run(args: Args) -> Result<()> {
             .with_context(|| format!("loading adapters from {}", args.adapter_path.display()))?
     };
     if args.test {
-        println!("Testing");
+        say!("Testing");
         evaluate_test(&loaded, &adapters, &splits.test, &args, &mut rng)?;
     }
     Ok(())
@@ -364,9 +364,9 @@ fn train(
         ),
         ("max seq", thousands(args.max_seq_length as u64)),
     ];
-    println!("oxlm lora");
+    say!("oxlm lora");
     for (key, value) in rows {
-        println!("  {key:<13}   {value}");
+        say!("  {key:<13}   {value}");
     }
     let trainable: usize = adapters
         .layers
@@ -374,7 +374,7 @@ fn train(
         .map(|l| l.a.len() + l.b.len())
         .sum();
     let total = Checkpoint::open(&loaded.dir)?.parameter_count();
-    println!(
+    say!(
         "Trainable parameters: {:.3}% ({:.3}M/{:.3}M)",
         trainable as f64 * 100.0 / total as f64,
         trainable as f64 / 1e6,

@@ -1,5 +1,11 @@
 //! `oxlm`: the command line. Each verb parses its arguments and calls the runtime.
 
+/// `println!` for the verbs' reports: ends the process where `println!` would panic, quietly
+/// when the output was closed (`| head`), with an error when it cannot be written (a full disk).
+macro_rules! say {
+    ($($arg:tt)*) => { crate::say(format_args!($($arg)*)) };
+}
+
 mod bench;
 mod fuse;
 mod generate;
@@ -56,6 +62,55 @@ fn parse_kv_cache(spec: &str) -> Result<KvPrecision, String> {
     }
 }
 
+/// The most `--threads` a kernel pool takes: more is a typo, which would exhaust the process's
+/// threads rather than speed anything up.
+const MAX_THREADS: usize = 1024;
+
+fn parse_threads(spec: &str) -> Result<usize, String> {
+    match spec.parse::<usize>() {
+        Ok(n @ 1..=MAX_THREADS) => Ok(n),
+        _ => Err(format!(
+            "`{spec}`: expected a thread count from 1 to {MAX_THREADS}"
+        )),
+    }
+}
+
+/// A sampling temperature: a finite number, at least 0.
+fn parse_temperature(spec: &str) -> Result<f32, String> {
+    match spec.parse::<f32>() {
+        Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
+        _ => Err(format!("`{spec}`: expected a finite number, at least 0")),
+    }
+}
+
+/// `--top-p` and `--min-p`: a number from 0 to 1.
+fn parse_probability(spec: &str) -> Result<f32, String> {
+    match spec.parse::<f32>() {
+        Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
+        _ => Err(format!("`{spec}`: expected a number from 0 to 1")),
+    }
+}
+
+fn say(line: std::fmt::Arguments) {
+    use std::io::Write;
+    if let Err(err) = writeln!(std::io::stdout().lock(), "{line}") {
+        if err.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("error: writing the output: {err}");
+        std::process::exit(1);
+    }
+}
+
+/// Whether `err` comes from writing to an output that was closed (`oxlm generate | head`).
+fn closed_output(err: &anyhow::Error) -> bool {
+    err.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -65,8 +120,13 @@ fn main() {
         Command::Serve(args) => serve::run(args),
         Command::Bench(args) => bench::run(args),
     };
-    if let Err(err) = result {
-        eprintln!("error: {err:#}");
-        std::process::exit(1);
+    match result {
+        Ok(()) => {}
+        // Whoever closed the output has what they wanted, as with any Unix filter.
+        Err(err) if closed_output(&err) => {}
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            std::process::exit(1);
+        }
     }
 }

@@ -1,0 +1,90 @@
+//! The real `oxlm generate` binary with outputs and arguments that used to end it in a panic or
+//! an abort: a reader that closes the pipe early, a full disk, and out-of-range numbers.
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+
+const OXLM: &str = env!("CARGO_BIN_EXE_oxlm");
+
+fn model() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny/llama-4bit-g64")
+}
+
+fn generate(extra: &[&str]) -> Command {
+    let mut command = Command::new(OXLM);
+    command
+        .arg("generate")
+        .arg("--model")
+        .arg(model())
+        .args(["--prompt", "Write one sentence about the sea."])
+        .args(extra);
+    command
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// `oxlm generate | head -c 10`: the reader leaves, and generation ends quietly.
+#[test]
+fn a_reader_closing_the_pipe_ends_generation_quietly() {
+    let mut child = generate(&["--max-tokens", "200"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 10];
+    child.stdout.take().unwrap().read_exact(&mut first).unwrap();
+    // The pipe's reading end is dropped here, as `head` exits.
+    let output = child.wait_with_output().unwrap();
+    assert!(
+        output.status.success(),
+        "{:?}: {}",
+        output.status,
+        stderr(&output)
+    );
+    assert!(!stderr(&output).contains("panicked"), "{}", stderr(&output));
+}
+
+/// `oxlm generate > /dev/full`: an error naming the cause, not a panic.
+#[test]
+fn an_output_that_cannot_be_written_is_an_error() {
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let output = generate(&["--max-tokens", "5"])
+        .stdout(full)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("No space left on device"),
+        "{}",
+        stderr(&output)
+    );
+    assert!(!stderr(&output).contains("panicked"), "{}", stderr(&output));
+}
+
+/// Numbers the sampler or the thread pool cannot take are refused before the model loads.
+#[test]
+fn out_of_range_numbers_are_refused_naming_them() {
+    for (flag, value) in [
+        ("--threads", "100000"),
+        ("--threads", "0"),
+        ("--top-p", "2"),
+        ("--top-p", "nan"),
+        ("--min-p", "-0.5"),
+        ("--temp", "inf"),
+        ("--temp", "-1"),
+    ] {
+        let output = generate(&[&format!("{flag}={value}")]).output().unwrap();
+        let message = stderr(&output);
+        assert_eq!(output.status.code(), Some(2), "{flag} {value}: {message}");
+        assert!(
+            message.contains(&format!("`{value}`")),
+            "{flag} {value}: {message}"
+        );
+    }
+}
