@@ -34,16 +34,16 @@ pub struct Args {
     #[arg(long, default_value_t = 512)]
     max_tokens: usize,
     /// Default sampling temperature (else generation_config.json's, else 0: greedy).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::parse_temperature)]
     temp: Option<f32>,
     /// Default nucleus sampling top-p (else generation_config.json's, else 1: off).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::parse_probability)]
     top_p: Option<f32>,
     /// Default top-k (else generation_config.json's, else 0: off).
     #[arg(long)]
     top_k: Option<usize>,
     /// Default min-p (else generation_config.json's, else 0: off).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::parse_probability)]
     min_p: Option<f32>,
     /// Chat template variables for every request, as a JSON object (e.g. '{"enable_thinking": false}').
     #[arg(long)]
@@ -55,7 +55,7 @@ pub struct Args {
     #[arg(long, default_value = "8G", value_parser = parse_size)]
     prompt_cache_bytes: usize,
     /// Require `Authorization: Bearer KEY` on /v1 requests.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_api_key)]
     api_key: Option<String>,
     /// Comma-separated CORS origins; * allows any.
     #[arg(long, default_value = "*", value_delimiter = ',')]
@@ -115,6 +115,14 @@ pub fn run(args: Args) -> Result<()> {
     let model_dir = resolve_model(&args.model)?;
     oxlm_server::run(&model_dir, settings, &args.host, args.port)
         .with_context(|| format!("serving {}", args.model.display()))
+}
+
+/// An API key: an empty one would refuse every request, whatever it sends.
+fn parse_api_key(key: &str) -> Result<String, String> {
+    if key.is_empty() {
+        return Err("an empty key would lock every client out".into());
+    }
+    Ok(key.to_string())
 }
 
 fn parse_seconds(text: &str) -> Result<f64, String> {

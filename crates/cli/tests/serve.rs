@@ -306,3 +306,21 @@ fn log_level_warning_prints_no_request_lines() {
     assert!(status.success());
     assert_eq!(lines, Vec::<String>::new());
 }
+
+/// An empty `--api-key` would refuse every request whatever it sends: refused at start.
+#[test]
+fn an_empty_api_key_is_refused() {
+    let output = Command::new(OXLM)
+        .arg("serve")
+        .arg("--model")
+        .arg(model())
+        .arg("--api-key=")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("an empty key would lock every client out"),
+        "{stderr}"
+    );
+}

@@ -82,6 +82,20 @@ pub struct KvBuffer {
 }
 
 impl KvBuffer {
+    /// Whether the ring can hold heads of `head_dim` elements: an 8-bit ring's groups of 64
+    /// must not straddle two heads.
+    pub fn check_head_dim(&self, head_dim: usize) -> Result<(), EngineError> {
+        match &self.storage {
+            KvStorage::HostQ8(_) if !head_dim.is_multiple_of(Q8_GROUP) => {
+                Err(EngineError::UnsupportedQuantization(format!(
+                    "an 8-bit KV cache needs head dims that are multiples of {Q8_GROUP}; this \
+                     model's are {head_dim} (use --kv-cache f16)"
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// `len` zeros on `device`. A GPU ring asked for 8 bits keeps f16, the narrowest its
     /// kernels read. An 8-bit ring holds whole groups of 64 elements (rows of heads of a
     /// multiple of 64).

@@ -98,9 +98,17 @@ impl KvRings {
     }
 
     /// The same elements kept in `precision` (see [`KvBuffer::into_precision`]).
-    pub(crate) fn into_precision(self, precision: KvPrecision) -> Result<Self, EngineError> {
+    /// The rings in `precision`, for heads of `head_dim` elements (refused where the precision
+    /// cannot hold them).
+    pub(crate) fn into_precision(
+        self,
+        precision: KvPrecision,
+        head_dim: usize,
+    ) -> Result<Self, EngineError> {
+        let keys = self.keys.into_precision(precision)?;
+        keys.check_head_dim(head_dim)?;
         Ok(KvRings {
-            keys: self.keys.into_precision(precision)?,
+            keys,
             values: self.values.into_precision(precision)?,
         })
     }
@@ -197,7 +205,7 @@ impl KvCache {
     /// [`KvBuffer::into_precision`]).
     pub fn with_precision(self, precision: KvPrecision) -> Result<Self, EngineError> {
         Ok(KvCache {
-            rings: self.rings.into_precision(precision)?,
+            rings: self.rings.into_precision(precision, self.head_dim)?,
             ..self
         })
     }

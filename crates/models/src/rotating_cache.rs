@@ -140,7 +140,7 @@ impl RotatingKvCache {
     /// [`oxlm_engine::KvBuffer::into_precision`]).
     pub fn with_precision(self, precision: KvPrecision) -> Result<Self, EngineError> {
         Ok(RotatingKvCache {
-            rings: self.rings.into_precision(precision)?,
+            rings: self.rings.into_precision(precision, self.head_dim)?,
             ..self
         })
     }

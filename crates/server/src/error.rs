@@ -162,6 +162,10 @@ pub enum ServeError {
     Adapter(#[from] oxlm_models::lora::AdapterError),
     #[error(transparent)]
     AdapterStore(#[from] AdapterStoreError),
+    /// Caches of the asked precision cannot be made for this model (heads too narrow for 8-bit
+    /// groups): refused at start rather than failing every request.
+    #[error("--kv-cache: {0}")]
+    KvCache(#[source] oxlm_models::ForwardError),
     #[error("cannot listen on {address}: {source}")]
     Bind {
         address: String,

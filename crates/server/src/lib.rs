@@ -208,6 +208,9 @@ impl Server {
             .display()
             .to_string();
         let base = model.model.as_ref();
+        if let Some(precision) = settings.kv_cache {
+            base.new_cache_in(precision).map_err(ServeError::KvCache)?;
+        }
         let default_adapter = match &settings.adapter_path {
             Some(dir) => Some(Arc::new(Adapter::load(dir, base)?)),
             None => None,

@@ -920,3 +920,18 @@ async fn the_prompt_cache_keeps_adapters_apart() {
         assert_eq!(again["choices"], first["choices"], "{adapter:?}");
     }
 }
+
+/// A cache precision the model's heads cannot take is refused when the server starts, not
+/// with a 500 to every request.
+#[test]
+fn a_kv_cache_the_heads_cannot_take_is_refused_at_start() {
+    let settings = Settings {
+        kv_cache: Some(oxlm_engine::KvPrecision::Q8),
+        ..Settings::default()
+    };
+    // The tiny llama's heads are 16 wide; 8-bit caches need multiples of 64.
+    let err = Server::load(&fixture("llama-4bit-g64"), settings)
+        .err()
+        .unwrap();
+    assert!(err.to_string().starts_with("--kv-cache: "), "{err}");
+}

@@ -4,7 +4,7 @@ use crate::cpu;
 use crate::cuda::{self, Buffer};
 use crate::kv::{KvBuffer, KvPrecision, KvStorage};
 use crate::tensor::Storage;
-use crate::{EngineError, Positions, Tensor};
+use crate::{Positions, Tensor};
 
 use super::{check, mismatch, Result};
 
@@ -30,6 +30,7 @@ fn write_host_ring(
     capacity: usize,
     first: usize,
 ) -> Result<()> {
+    ring.check_head_dim(head_dim)?;
     match &mut ring.storage {
         KvStorage::HostF32(c) => {
             cpu::attention::kv_write(c, src, kv_heads, head_dim, capacity, first)
@@ -38,13 +39,6 @@ fn write_host_ring(
             cpu::attention::kv_write(c, src, kv_heads, head_dim, capacity, first)
         }
         KvStorage::HostQ8(q) => {
-            if !head_dim.is_multiple_of(cpu::attention::Q8_GROUP) {
-                return Err(EngineError::UnsupportedQuantization(format!(
-                    "an 8-bit KV cache needs head dims that are multiples of {}; this model's \
-                     are {head_dim} (use --kv-cache f16)",
-                    cpu::attention::Q8_GROUP
-                )));
-            }
             let cache = (&mut q.codes[..], &mut q.scales[..], &mut q.biases[..]);
             cpu::attention::kv_write_q8(cache, src, kv_heads, head_dim, capacity, first)
         }
