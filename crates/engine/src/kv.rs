@@ -7,7 +7,7 @@
 use half::f16;
 
 use crate::cpu::attention::{self, KvElem, Q8Rows, Q8_GROUP};
-use crate::cuda::CacheRing;
+use crate::cuda::DeviceRing;
 use crate::{Device, EngineError};
 
 /// The element type of a cache's rings.
@@ -25,11 +25,11 @@ pub enum KvPrecision {
     Q8,
 }
 
-pub(crate) enum KvStorage {
+pub(crate) enum RingStorage {
     HostF32(Vec<f32>),
     HostF16(Vec<f16>),
     HostQ8(Q8Ring),
-    Cuda(CacheRing),
+    Cuda(DeviceRing),
 }
 
 /// Codes and the per-group scales and biases of an 8-bit ring (see [`Q8Rows`]).
@@ -77,16 +77,16 @@ impl Q8Ring {
 
 /// One ring of a layer's cached keys or values (`[kv_heads, capacity, head_dim]` elements),
 /// written and read by the cache ops of [`crate::ops`].
-pub struct KvBuffer {
-    pub(crate) storage: KvStorage,
+pub struct KvRing {
+    pub(crate) storage: RingStorage,
 }
 
-impl KvBuffer {
+impl KvRing {
     /// Whether the ring can hold heads of `head_dim` elements: an 8-bit ring's groups of 64
     /// must not straddle two heads.
     pub fn check_head_dim(&self, head_dim: usize) -> Result<(), EngineError> {
         match &self.storage {
-            KvStorage::HostQ8(_) if !head_dim.is_multiple_of(Q8_GROUP) => {
+            RingStorage::HostQ8(_) if !head_dim.is_multiple_of(Q8_GROUP) => {
                 Err(EngineError::UnsupportedQuantization(format!(
                     "an 8-bit KV cache needs head dims that are multiples of {Q8_GROUP}; this \
                      model's are {head_dim} (use --kv-cache f16)"
@@ -103,25 +103,25 @@ impl KvBuffer {
         len: usize,
         precision: KvPrecision,
         device: &Device,
-    ) -> Result<KvBuffer, EngineError> {
+    ) -> Result<KvRing, EngineError> {
         let storage = match (device, precision) {
-            (Device::Cpu, KvPrecision::F32) => KvStorage::HostF32(vec![0.0; len]),
-            (Device::Cpu, KvPrecision::F16) => KvStorage::HostF16(vec![f16::ZERO; len]),
-            (Device::Cpu, KvPrecision::Q8) => KvStorage::HostQ8(Q8Ring::zeros(len)),
+            (Device::Cpu, KvPrecision::F32) => RingStorage::HostF32(vec![0.0; len]),
+            (Device::Cpu, KvPrecision::F16) => RingStorage::HostF16(vec![f16::ZERO; len]),
+            (Device::Cpu, KvPrecision::Q8) => RingStorage::HostQ8(Q8Ring::zeros(len)),
             (Device::Cuda(gpu), precision) => {
-                KvStorage::Cuda(CacheRing::zeros(gpu, len, precision != KvPrecision::F32)?)
+                RingStorage::Cuda(DeviceRing::zeros(gpu, len, precision != KvPrecision::F32)?)
             }
         };
-        Ok(KvBuffer { storage })
+        Ok(KvRing { storage })
     }
 
     /// Elements held.
     pub fn len(&self) -> usize {
         match &self.storage {
-            KvStorage::HostF32(v) => v.len(),
-            KvStorage::HostF16(v) => v.len(),
-            KvStorage::HostQ8(q) => q.codes.len(),
-            KvStorage::Cuda(b) => b.len(),
+            RingStorage::HostF32(v) => v.len(),
+            RingStorage::HostF16(v) => v.len(),
+            RingStorage::HostQ8(q) => q.codes.len(),
+            RingStorage::Cuda(b) => b.len(),
         }
     }
 
@@ -131,37 +131,39 @@ impl KvBuffer {
 
     pub fn precision(&self) -> KvPrecision {
         match &self.storage {
-            KvStorage::HostF16(_) => KvPrecision::F16,
-            KvStorage::HostQ8(_) => KvPrecision::Q8,
-            KvStorage::Cuda(r) if r.is_half() => KvPrecision::F16,
-            KvStorage::HostF32(_) | KvStorage::Cuda(_) => KvPrecision::F32,
+            RingStorage::HostF16(_) => KvPrecision::F16,
+            RingStorage::HostQ8(_) => KvPrecision::Q8,
+            RingStorage::Cuda(r) if r.is_half() => KvPrecision::F16,
+            RingStorage::HostF32(_) | RingStorage::Cuda(_) => KvPrecision::F32,
         }
     }
 
     pub fn device(&self) -> Device {
         match &self.storage {
-            KvStorage::HostF32(_) | KvStorage::HostF16(_) | KvStorage::HostQ8(_) => Device::Cpu,
-            KvStorage::Cuda(b) => Device::Cuda(b.gpu().clone()),
+            RingStorage::HostF32(_) | RingStorage::HostF16(_) | RingStorage::HostQ8(_) => {
+                Device::Cpu
+            }
+            RingStorage::Cuda(b) => Device::Cuda(b.gpu().clone()),
         }
     }
 
     /// Bytes of host or device memory held.
     pub fn size_in_bytes(&self) -> usize {
         match &self.storage {
-            KvStorage::HostF32(v) => v.len() * 4,
-            KvStorage::HostF16(v) => v.len() * 2,
-            KvStorage::HostQ8(q) => q.codes.len() + (q.scales.len() + q.biases.len()) * 4,
-            KvStorage::Cuda(r) => r.size_in_bytes(),
+            RingStorage::HostF32(v) => v.len() * 4,
+            RingStorage::HostF16(v) => v.len() * 2,
+            RingStorage::HostQ8(q) => q.codes.len() + (q.scales.len() + q.biases.len()) * 4,
+            RingStorage::Cuda(r) => r.size_in_bytes(),
         }
     }
 
     /// The elements as f32, copied from the device if need be.
     pub fn to_vec(&self) -> Result<Vec<f32>, EngineError> {
         match &self.storage {
-            KvStorage::HostF32(v) => Ok(v.clone()),
-            KvStorage::HostF16(v) => Ok(v.iter().map(|x| x.to_f32()).collect()),
-            KvStorage::HostQ8(q) => Ok(q.to_vec()),
-            KvStorage::Cuda(b) => b.download(),
+            RingStorage::HostF32(v) => Ok(v.clone()),
+            RingStorage::HostF16(v) => Ok(v.iter().map(|x| x.to_f32()).collect()),
+            RingStorage::HostQ8(q) => Ok(q.to_vec()),
+            RingStorage::Cuda(b) => b.download(),
         }
     }
 
@@ -169,72 +171,72 @@ impl KvBuffer {
     /// (through f32 where both ends are narrower). A GPU ring asked for 8 bits keeps f16, and a
     /// host ring of elements that are not whole groups of 64 stays f32. Fails only when a GPU
     /// runs out of memory for the new ring.
-    pub fn into_precision(self, precision: KvPrecision) -> Result<KvBuffer, EngineError> {
+    pub fn into_precision(self, precision: KvPrecision) -> Result<KvRing, EngineError> {
         if self.precision() == precision {
             return Ok(self);
         }
         let values = match self.storage {
-            KvStorage::HostF32(v) => v,
-            KvStorage::HostF16(v) => v.into_iter().map(f16::to_f32).collect(),
-            KvStorage::HostQ8(q) => q.to_vec(),
-            KvStorage::Cuda(ring) => {
+            RingStorage::HostF32(v) => v,
+            RingStorage::HostF16(v) => v.into_iter().map(f16::to_f32).collect(),
+            RingStorage::HostQ8(q) => q.to_vec(),
+            RingStorage::Cuda(ring) => {
                 let half = precision != KvPrecision::F32;
                 if ring.is_half() == half {
-                    return Ok(KvBuffer {
-                        storage: KvStorage::Cuda(ring),
+                    return Ok(KvRing {
+                        storage: RingStorage::Cuda(ring),
                     });
                 }
                 let values = ring.download()?;
-                let converted = CacheRing::upload(ring.gpu(), &values, half)?;
-                return Ok(KvBuffer {
-                    storage: KvStorage::Cuda(converted),
+                let converted = DeviceRing::upload(ring.gpu(), &values, half)?;
+                return Ok(KvRing {
+                    storage: RingStorage::Cuda(converted),
                 });
             }
         };
         let storage = match precision {
             KvPrecision::F16 => {
-                KvStorage::HostF16(values.into_iter().map(KvElem::from_f32).collect())
+                RingStorage::HostF16(values.into_iter().map(KvElem::from_f32).collect())
             }
             KvPrecision::Q8 => match Q8Ring::quantized(&values) {
-                Some(q) => KvStorage::HostQ8(q),
-                None => KvStorage::HostF32(values),
+                Some(q) => RingStorage::HostQ8(q),
+                None => RingStorage::HostF32(values),
             },
-            KvPrecision::F32 => KvStorage::HostF32(values),
+            KvPrecision::F32 => RingStorage::HostF32(values),
         };
-        Ok(KvBuffer { storage })
+        Ok(KvRing { storage })
     }
 
     /// A copy on the same device; on a GPU it fails if device memory runs out.
-    pub fn try_clone(&self) -> Result<KvBuffer, EngineError> {
+    pub fn try_clone(&self) -> Result<KvRing, EngineError> {
         let storage = match &self.storage {
-            KvStorage::HostF32(v) => KvStorage::HostF32(v.clone()),
-            KvStorage::HostF16(v) => KvStorage::HostF16(v.clone()),
-            KvStorage::HostQ8(q) => KvStorage::HostQ8(q.clone()),
-            KvStorage::Cuda(b) => KvStorage::Cuda(b.try_clone()?),
+            RingStorage::HostF32(v) => RingStorage::HostF32(v.clone()),
+            RingStorage::HostF16(v) => RingStorage::HostF16(v.clone()),
+            RingStorage::HostQ8(q) => RingStorage::HostQ8(q.clone()),
+            RingStorage::Cuda(b) => RingStorage::Cuda(b.try_clone()?),
         };
-        Ok(KvBuffer { storage })
+        Ok(KvRing { storage })
     }
 }
 
-/// Clones on a GPU copy device memory; use [`KvBuffer::try_clone`] where running out of it
+/// Clones on a GPU copy device memory; use [`KvRing::try_clone`] where running out of it
 /// must be an error rather than a panic.
-impl Clone for KvBuffer {
+impl Clone for KvRing {
     fn clone(&self) -> Self {
         self.try_clone().expect("copying a cache on its device")
     }
 }
 
-impl std::fmt::Debug for KvBuffer {
+impl std::fmt::Debug for KvRing {
     fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
         let (n, p, d) = (self.len(), self.precision(), self.device());
-        write!(f, "KvBuffer({n} × {p:?} on {d:?})")
+        write!(f, "KvRing({n} × {p:?} on {d:?})")
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::{self, Kv};
+    use crate::ops::{self, KvView};
     use crate::{Positions, Tensor};
 
     /// Values that f16 does not hold exactly, and one past its range.
@@ -262,7 +264,7 @@ mod tests {
         };
         assert_eq!(rounded(&[1e6])[0], 65504.0);
         let fill = |precision, k: &[f32], v: &[f32]| {
-            let ring = || KvBuffer::zeros(capacity * row, precision, &Device::Cpu).unwrap();
+            let ring = || KvRing::zeros(capacity * row, precision, &Device::Cpu).unwrap();
             let (mut kr, mut vr) = (ring(), ring());
             let from = tokens - capacity;
             let at = Positions::new((from..tokens).collect(), &Device::Cpu).unwrap();
@@ -278,8 +280,8 @@ mod tests {
         let q = Tensor::new(vec![1, heads * d], awkward(heads * d, 2.5));
         let at = Positions::new(vec![tokens - 1], &Device::Cpu).unwrap();
         for window in [None, Some(5)] {
-            let attend = |(k, v): &(KvBuffer, KvBuffer)| {
-                let kv = Kv {
+            let attend = |(k, v): &(KvRing, KvRing)| {
+                let kv = KvView {
                     keys: k,
                     values: v,
                     kv_heads,
@@ -297,8 +299,7 @@ mod tests {
         let widened = half.0.clone().into_precision(KvPrecision::F32).unwrap();
         assert_eq!(widened.precision(), KvPrecision::F32);
         assert_eq!(widened.to_vec().unwrap(), exact.0.to_vec().unwrap());
-        let mut moved =
-            KvBuffer::zeros(2 * capacity * row, KvPrecision::F16, &Device::Cpu).unwrap();
+        let mut moved = KvRing::zeros(2 * capacity * row, KvPrecision::F16, &Device::Cpu).unwrap();
         ops::kv_move(
             &half.0,
             capacity,
@@ -336,7 +337,7 @@ mod tests {
         let from = tokens - capacity;
         let at = Positions::new((from..tokens).collect(), &Device::Cpu).unwrap();
         let fill = |precision, k: &[f32], v: &[f32]| {
-            let ring = || KvBuffer::zeros(capacity * row, precision, &Device::Cpu).unwrap();
+            let ring = || KvRing::zeros(capacity * row, precision, &Device::Cpu).unwrap();
             let (mut kr, mut vr) = (ring(), ring());
             let kt = Tensor::new(vec![capacity, row], k[k.len() - capacity * row..].to_vec());
             let vt = Tensor::new(vec![capacity, row], v[v.len() - capacity * row..].to_vec());
@@ -367,11 +368,11 @@ mod tests {
         near(&held.0, &written.0, 1.5);
         near(&held.1, &written.1, 1.5);
         let exact = (
-            KvBuffer {
-                storage: KvStorage::HostF32(held.0.clone()),
+            KvRing {
+                storage: RingStorage::HostF32(held.0.clone()),
             },
-            KvBuffer {
-                storage: KvStorage::HostF32(held.1.clone()),
+            KvRing {
+                storage: RingStorage::HostF32(held.1.clone()),
             },
         );
         assert_eq!(
@@ -385,8 +386,8 @@ mod tests {
         );
         let last = Positions::new((from..tokens).collect(), &Device::Cpu).unwrap();
         for window in [None, Some(5)] {
-            let attend = |(k, v): (&KvBuffer, &KvBuffer)| {
-                let kv = Kv {
+            let attend = |(k, v): (&KvRing, &KvRing)| {
+                let kv = KvView {
                     keys: k,
                     values: v,
                     kv_heads,
@@ -408,7 +409,7 @@ mod tests {
                 );
             }
         }
-        let mut moved = KvBuffer::zeros(2 * capacity * row, KvPrecision::Q8, &Device::Cpu).unwrap();
+        let mut moved = KvRing::zeros(2 * capacity * row, KvPrecision::Q8, &Device::Cpu).unwrap();
         ops::kv_move(
             &kq,
             capacity,
@@ -420,7 +421,7 @@ mod tests {
         )
         .unwrap();
         let mut expected =
-            KvBuffer::zeros(2 * capacity * row, KvPrecision::F32, &Device::Cpu).unwrap();
+            KvRing::zeros(2 * capacity * row, KvPrecision::F32, &Device::Cpu).unwrap();
         ops::kv_move(
             &exact.0,
             capacity,
@@ -437,7 +438,7 @@ mod tests {
         near(&requantized.to_vec().unwrap(), &held.0, 1.5);
 
         let small = 16;
-        let ring = || KvBuffer::zeros(capacity * kv_heads * small, KvPrecision::Q8, &Device::Cpu);
+        let ring = || KvRing::zeros(capacity * kv_heads * small, KvPrecision::Q8, &Device::Cpu);
         let (mut kr, mut vr) = (ring().unwrap(), ring().unwrap());
         let one = Tensor::new(vec![1, kv_heads * small], vec![0.5; kv_heads * small]);
         let first = Positions::new(vec![0], &Device::Cpu).unwrap();
@@ -469,11 +470,11 @@ mod tests {
         ];
         for precision in [KvPrecision::F32, KvPrecision::F16, KvPrecision::Q8] {
             for (b, (window, sequences)) in batches.iter().enumerate() {
-                let rings: Vec<(KvBuffer, KvBuffer)> = sequences
+                let rings: Vec<(KvRing, KvRing)> = sequences
                     .iter()
                     .enumerate()
                     .map(|(i, &(capacity, len))| {
-                        let ring = || KvBuffer::zeros(capacity * row, precision, &Device::Cpu);
+                        let ring = || KvRing::zeros(capacity * row, precision, &Device::Cpu);
                         let (mut kr, mut vr) = (ring().unwrap(), ring().unwrap());
                         // The ring keeps the last `capacity` positions.
                         let held = len.min(capacity);
@@ -487,10 +488,10 @@ mod tests {
                         (kr, vr)
                     })
                     .collect();
-                let views: Vec<Kv> = rings
+                let views: Vec<KvView> = rings
                     .iter()
                     .zip(sequences)
-                    .map(|((k, v), &(capacity, len))| Kv {
+                    .map(|((k, v), &(capacity, len))| KvView {
                         keys: k,
                         values: v,
                         kv_heads,

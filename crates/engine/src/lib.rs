@@ -26,7 +26,7 @@ pub use device::{DecodeSteps, Device};
 pub use dtype::DType;
 pub use error::EngineError;
 pub use float::FloatMatrix;
-pub use kv::{KvBuffer, KvPrecision};
+pub use kv::{KvPrecision, KvRing};
 pub use positions::Positions;
 pub use quant::QuantizedMatrix;
 pub use tensor::Tensor;

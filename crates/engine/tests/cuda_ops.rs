@@ -18,7 +18,7 @@ use common::{random_quantized, random_vec};
 use oxlm_engine::ops::recurrent::{self, DeltaRuleDims};
 use oxlm_engine::quant::{SUPPORTED_BITS, SUPPORTED_GROUP_SIZES};
 use oxlm_engine::{
-    cuda, ops, DType, DecodeSteps, Device, FloatMatrix, KvBuffer, KvPrecision, Positions,
+    cuda, ops, DType, DecodeSteps, Device, FloatMatrix, KvPrecision, KvRing, Positions,
     QuantizedMatrix, Tensor,
 };
 use rand::rngs::StdRng;
@@ -392,7 +392,7 @@ fn quantized_matmul_group_in_one_launch() {
 #[test]
 fn fused_projection_rotation_and_cache_write() {
     const CAPACITY: usize = 8;
-    fn target<'a>(keys: &'a mut KvBuffer, values: &'a mut KvBuffer) -> ops::KvTarget<'a> {
+    fn target<'a>(keys: &'a mut KvRing, values: &'a mut KvRing) -> ops::KvTarget<'a> {
         ops::KvTarget {
             keys,
             values,
@@ -430,7 +430,7 @@ fn fused_projection_rotation_and_cache_write() {
             );
             let x = random_vec(&mut rng, cols);
             let ring = |device: &Device| {
-                KvBuffer::zeros(kv_heads * capacity * d, precision, device).unwrap()
+                KvRing::zeros(kv_heads * capacity * d, precision, device).unwrap()
             };
             // An f16 ring's elements may round the other way from sums a little apart.
             let ring_tolerance = match precision {
@@ -744,12 +744,12 @@ fn cache(
     d: usize,
     capacity: usize,
     len: usize,
-) -> [(KvBuffer, KvBuffer); 2] {
+) -> [(KvRing, KvRing); 2] {
     let mut pairs = Vec::new();
     let k = random_vec(rng, len * kv_heads * d);
     let v = random_vec(rng, len * kv_heads * d);
     for device in [&Device::Cpu, dev] {
-        let ring = || KvBuffer::zeros(kv_heads * capacity * d, precision, device).unwrap();
+        let ring = || KvRing::zeros(kv_heads * capacity * d, precision, device).unwrap();
         let (mut keys, mut values) = (ring(), ring());
         // Written in two chunks, the second wrapping round the ring when len > capacity.
         let split = len / 3;
@@ -820,8 +820,8 @@ fn attention_full_sliding_and_split() {
         let start = end.saturating_sub(capacity);
         let q = random_vec(&mut rng, positions.len() * heads * d);
         let shape = vec![positions.len(), heads * d];
-        let run = |device: &Device, keys: &KvBuffer, values: &KvBuffer| {
-            let kv = ops::Kv {
+        let run = |device: &Device, keys: &KvRing, values: &KvRing| {
+            let kv = ops::KvView {
                 keys,
                 values,
                 kv_heads,
@@ -891,7 +891,7 @@ fn batched_kv_write_and_attention() {
         let (heads, kv_heads, d, window, ref sequences) = *case;
         let row = kv_heads * d;
         let n = sequences.len();
-        let mut caches: Vec<[(KvBuffer, KvBuffer); 2]> = sequences
+        let mut caches: Vec<[(KvRing, KvRing); 2]> = sequences
             .iter()
             .map(|&(capacity, len)| cache(&mut rng, &dev, precision, kv_heads, d, capacity, len))
             .collect();
@@ -908,16 +908,16 @@ fn batched_kv_write_and_attention() {
                 on(device, vec![n, row], &new_k),
                 on(device, vec![n, row], &new_v),
             );
-            let (mut keys, mut values): (Vec<&mut KvBuffer>, Vec<&mut KvBuffer>) = caches
+            let (mut keys, mut values): (Vec<&mut KvRing>, Vec<&mut KvRing>) = caches
                 .iter_mut()
                 .map(|c| (&mut c[side].0, &mut c[side].1))
                 .unzip();
             ops::kv_write_batch(&mut keys, &mut values, &capacities, &k, &v, kv_heads, d, &p)
                 .unwrap();
-            let views: Vec<ops::Kv> = caches
+            let views: Vec<ops::KvView> = caches
                 .iter()
                 .zip(sequences)
-                .map(|(c, &(capacity, len))| ops::Kv {
+                .map(|(c, &(capacity, len))| ops::KvView {
                     keys: &c[side].0,
                     values: &c[side].1,
                     kv_heads,
@@ -969,7 +969,7 @@ fn kv_move_between_rings() {
     let (h, d) = (2, 8);
     for precision in [KvPrecision::F32, KvPrecision::F16] {
         let [(kc, _), (kg, _)] = cache(&mut rng, &dev, precision, h, d, 16, 40);
-        let ring = |device: &Device| KvBuffer::zeros(h * 24 * d, precision, device).unwrap();
+        let ring = |device: &Device| KvRing::zeros(h * 24 * d, precision, device).unwrap();
         let mut cpu = ring(&Device::Cpu);
         ops::kv_move(&kc, 16, &mut cpu, 24, h, d, 27..40).unwrap();
         let mut y = ring(&dev);

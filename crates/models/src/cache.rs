@@ -2,8 +2,8 @@
 
 use std::ops::Range;
 
-use oxlm_engine::ops::{self, Kv};
-use oxlm_engine::{Device, EngineError, KvBuffer, KvPrecision, Positions, Tensor};
+use oxlm_engine::ops::{self, KvView};
+use oxlm_engine::{Device, EngineError, KvPrecision, KvRing, Positions, Tensor};
 
 pub use crate::recurrent_cache::RecurrentCache;
 pub use crate::rotating_cache::RotatingKvCache;
@@ -18,14 +18,14 @@ const GROWTH_STEP: usize = 256;
 /// capacity and positions.
 #[derive(Debug, Clone)]
 pub(crate) struct KvRings {
-    keys: KvBuffer,
-    values: KvBuffer,
+    keys: KvRing,
+    values: KvRing,
 }
 
 impl KvRings {
     /// Empty rings on `device`, in the default precision.
     pub(crate) fn new(device: &Device) -> Result<Self, EngineError> {
-        let ring = || KvBuffer::zeros(0, KvPrecision::default(), device);
+        let ring = || KvRing::zeros(0, KvPrecision::default(), device);
         Ok(KvRings {
             keys: ring()?,
             values: ring()?,
@@ -44,7 +44,7 @@ impl KvRings {
         let (h, d) = (kv_heads, head_dim);
         let (precision, device) = (self.keys.precision(), self.keys.device());
         for buf in [&mut self.keys, &mut self.values] {
-            let mut ring = KvBuffer::zeros(h * capacity * d, precision, &device)?;
+            let mut ring = KvRing::zeros(h * capacity * d, precision, &device)?;
             ops::kv_move(buf, from, &mut ring, capacity, h, d, positions.clone())?;
             *buf = ring;
         }
@@ -81,8 +81,8 @@ impl KvRings {
         capacity: usize,
         held: Range<usize>,
         window: Option<usize>,
-    ) -> Kv<'_> {
-        Kv {
+    ) -> KvView<'_> {
+        KvView {
             keys: &self.keys,
             values: &self.values,
             kv_heads,
@@ -97,7 +97,7 @@ impl KvRings {
         self.keys.size_in_bytes() + self.values.size_in_bytes()
     }
 
-    /// The same elements kept in `precision` (see [`KvBuffer::into_precision`]).
+    /// The same elements kept in `precision` (see [`KvRing::into_precision`]).
     /// The rings in `precision`, for heads of `head_dim` elements (refused where the precision
     /// cannot hold them).
     pub(crate) fn into_precision(
@@ -191,7 +191,7 @@ impl KvCache {
         self.len = self.len.min(len);
     }
 
-    pub fn view(&self) -> Kv<'_> {
+    pub fn view(&self) -> KvView<'_> {
         self.rings
             .view(self.kv_heads, self.capacity, 0..self.len, None)
     }
@@ -202,7 +202,7 @@ impl KvCache {
     }
 
     /// The same positions with their keys and values kept in `precision` (see
-    /// [`KvBuffer::into_precision`]).
+    /// [`KvRing::into_precision`]).
     pub fn with_precision(self, precision: KvPrecision) -> Result<Self, EngineError> {
         Ok(KvCache {
             rings: self.rings.into_precision(precision, self.head_dim)?,
@@ -236,7 +236,7 @@ impl AttentionCache for KvCache {
         KvCache::append(self, keys, values, positions)
     }
 
-    fn view(&self) -> Kv<'_> {
+    fn view(&self) -> KvView<'_> {
         KvCache::view(self)
     }
 
@@ -271,7 +271,7 @@ pub trait AttentionCache {
     ) -> Result<(), EngineError>;
 
     /// The positions a query can attend over.
-    fn view(&self) -> Kv<'_>;
+    fn view(&self) -> KvView<'_>;
 
     /// Makes room for the one position after those seen and lends the rings to write it into;
     /// [`advance`](Self::advance) once it is written.

@@ -1,7 +1,7 @@
 //! The key/value cache of a sliding-window attention layer: a ring that keeps only the positions
 //! a query can still see, as mlx-lm's `RotatingKVCache` (with `keep = 0`) does.
 
-use oxlm_engine::ops::{Kv, KvTarget};
+use oxlm_engine::ops::{KvTarget, KvView};
 use oxlm_engine::{Device, EngineError, KvPrecision, Positions, Tensor};
 
 use crate::cache::{AttentionCache, KvRings};
@@ -125,7 +125,7 @@ impl RotatingKvCache {
         self.start = self.start.min(self.end);
     }
 
-    pub fn view(&self) -> Kv<'_> {
+    pub fn view(&self) -> KvView<'_> {
         let held = self.start..self.end;
         self.rings
             .view(self.kv_heads, self.capacity, held, Some(self.window))
@@ -137,7 +137,7 @@ impl RotatingKvCache {
     }
 
     /// The same positions with their keys and values kept in `precision` (see
-    /// [`oxlm_engine::KvBuffer::into_precision`]).
+    /// [`oxlm_engine::KvRing::into_precision`]).
     pub fn with_precision(self, precision: KvPrecision) -> Result<Self, EngineError> {
         Ok(RotatingKvCache {
             rings: self.rings.into_precision(precision, self.head_dim)?,
@@ -171,7 +171,7 @@ impl AttentionCache for RotatingKvCache {
         RotatingKvCache::append(self, keys, values, positions)
     }
 
-    fn view(&self) -> Kv<'_> {
+    fn view(&self) -> KvView<'_> {
         RotatingKvCache::view(self)
     }
 

@@ -69,7 +69,7 @@ fn cache_diff(a: &Cache, b: &Cache) -> f32 {
                         .flat_map(|h| v[h * cap * d..][..x.end * d].to_vec())
                         .collect()
                 };
-                let host = |b: &oxlm_engine::KvBuffer| b.to_vec().unwrap();
+                let host = |b: &oxlm_engine::KvRing| b.to_vec().unwrap();
                 let (xk, yk) = (host(x.keys), host(y.keys));
                 let (xv, yv) = (host(x.values), host(y.values));
                 max_abs_diff(&filled(&xk, x.capacity), &filled(&yk, y.capacity)).max(max_abs_diff(

@@ -8,7 +8,7 @@ use cudarc::driver::LaunchConfig;
 
 use super::launch::{blocks, elements, int, sliced_warps, Result};
 use super::matmul::compute_type;
-use super::{err, Arg, Buffer, CacheRing, Gpu, GpuPositions, Memory, UNASKED_SHARED_BYTES};
+use super::{err, Arg, Buffer, DeviceRing, Gpu, GpuPositions, Memory, UNASKED_SHARED_BYTES};
 use crate::EngineError;
 
 /// Writes `src[0]` and `src[1]` (keys and values, `[tokens, kv_heads, d]` each) at `positions`
@@ -16,7 +16,7 @@ use crate::EngineError;
 /// the first position is read on the device, so that a replayed decode step writes where its
 /// own token goes.
 pub fn kv_write(
-    cache: [&mut CacheRing; 2],
+    cache: [&mut DeviceRing; 2],
     src: [&Buffer; 2],
     kv_heads: usize,
     d: usize,
@@ -56,9 +56,9 @@ pub fn kv_write_batch(
 /// Copies positions `p0..p1` between rings of different capacities (and one precision).
 #[allow(clippy::too_many_arguments)]
 pub fn kv_move(
-    src: &CacheRing,
+    src: &DeviceRing,
     src_capacity: usize,
-    dst: &mut CacheRing,
+    dst: &mut DeviceRing,
     dst_capacity: usize,
     kv_heads: usize,
     d: usize,
@@ -76,9 +76,9 @@ pub fn kv_move(
 }
 
 /// What an attention call reads from a cache (see `attention_split` in the kernels).
-pub struct KvRing<'a> {
-    pub keys: &'a CacheRing,
-    pub values: &'a CacheRing,
+pub struct KvView<'a> {
+    pub keys: &'a DeviceRing,
+    pub values: &'a DeviceRing,
     pub kv_heads: usize,
     pub capacity: usize,
     pub start: usize,
@@ -103,7 +103,7 @@ pub fn attention(
     heads: usize,
     d: usize,
     positions: GpuPositions,
-    kv: &KvRing,
+    kv: &KvView,
     scale: f32,
 ) -> Result<Buffer> {
     let g = q.gpu().clone();
@@ -144,7 +144,7 @@ pub fn attention_batch(
     heads: usize,
     d: usize,
     positions: GpuPositions,
-    kvs: &[KvRing],
+    kvs: &[KvView],
     scale: f32,
 ) -> Result<Buffer> {
     let g = q.gpu().clone();
@@ -288,7 +288,7 @@ fn attention_gemm(
     heads: usize,
     d: usize,
     positions: GpuPositions,
-    kv: &KvRing,
+    kv: &KvView,
     scale: f32,
 ) -> Result<Buffer> {
     let g = q.gpu().clone();
@@ -300,7 +300,7 @@ fn attention_gemm(
     let chunk = (SCORE_BYTES / (4 * heads * slots.max(1))).clamp(1, tokens);
     let compute = compute_type(&g);
     // The products read f32: an f16 cache's visible slots are widened first.
-    let widened = |ring: &CacheRing| -> Result<Memory> {
+    let widened = |ring: &DeviceRing| -> Result<Memory> {
         let wide = g.scratch(4 * kv.kv_heads * slots * d)?;
         launch!(&g, "kv_widen", elements(&g, kv.kv_heads * slots * d);
             ring.ptr(), wide.ptr(), int(kv.kv_heads)?, int(kv.capacity)?, int(slots)?, int(d)?);

@@ -11,7 +11,7 @@ use cudarc::driver::LaunchConfig;
 use super::elementwise::binary;
 use super::launch::{addr, blocks, elements, int, sliced_warps, Result};
 use super::{
-    err, Arg, Buffer, CacheRing, DenseWeights, Gpu, GpuPositions, Memory, QuantizedWeights,
+    err, Arg, Buffer, DenseWeights, DeviceRing, Gpu, GpuPositions, Memory, QuantizedWeights,
 };
 
 /// Up to this many activation rows a matmul may be a GEMV that streams each weight once; more
@@ -543,7 +543,7 @@ pub fn qkv_rope_write(
     shape: crate::params::Heads,
     (inv_freqs, traditional): (&Buffer, bool),
     positions: GpuPositions,
-    (keys, values, capacity): (&mut CacheRing, &mut CacheRing, usize),
+    (keys, values, capacity): (&mut DeviceRing, &mut DeviceRing, usize),
 ) -> Result<Option<Buffer>> {
     let (first, s, _) = ws[0];
     let formats = ws.map(|(w, s, _)| (w, s));

@@ -702,17 +702,17 @@ impl Buffer {
 
 /// One ring of a key/value cache in device memory: `len` elements of f32, or of f16 (`half`),
 /// in a lasting allocation of whole f32 words.
-pub struct CacheRing {
+pub struct DeviceRing {
     words: Buffer,
     len: usize,
     half: bool,
 }
 
-impl CacheRing {
+impl DeviceRing {
     /// `len` zeros.
-    pub(crate) fn zeros(gpu: &Gpu, len: usize, half: bool) -> Result<CacheRing, EngineError> {
+    pub(crate) fn zeros(gpu: &Gpu, len: usize, half: bool) -> Result<DeviceRing, EngineError> {
         let words = if half { len.div_ceil(2) } else { len };
-        Ok(CacheRing {
+        Ok(DeviceRing {
             words: gpu.zeros(words)?,
             len,
             half,
@@ -720,7 +720,7 @@ impl CacheRing {
     }
 
     /// `values` in a new ring, rounded to f16 (as `kv_store` in the kernels rounds) if `half`.
-    pub(crate) fn upload(gpu: &Gpu, values: &[f32], half: bool) -> Result<CacheRing, EngineError> {
+    pub(crate) fn upload(gpu: &Gpu, values: &[f32], half: bool) -> Result<DeviceRing, EngineError> {
         use crate::cpu::attention::KvElem;
         let words = if half {
             let bits =
@@ -734,7 +734,7 @@ impl CacheRing {
         } else {
             gpu.upload(values)?
         };
-        Ok(CacheRing {
+        Ok(DeviceRing {
             words,
             len: values.len(),
             half,
@@ -786,8 +786,8 @@ impl CacheRing {
     }
 
     /// A copy in a new, lasting allocation.
-    pub(crate) fn try_clone(&self) -> Result<CacheRing, EngineError> {
-        Ok(CacheRing {
+    pub(crate) fn try_clone(&self) -> Result<DeviceRing, EngineError> {
+        Ok(DeviceRing {
             words: self.words.try_clone()?,
             len: self.len,
             half: self.half,

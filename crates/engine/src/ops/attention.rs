@@ -2,7 +2,7 @@
 
 use crate::cpu;
 use crate::cuda::{self, Buffer};
-use crate::kv::{KvBuffer, KvPrecision, KvStorage};
+use crate::kv::{KvPrecision, KvRing, RingStorage};
 use crate::tensor::Storage;
 use crate::{Positions, Tensor};
 
@@ -10,9 +10,9 @@ use super::{check, mismatch, Result};
 
 /// A layer's cached keys and values as attention reads them: `[kv_heads, capacity, head_dim]`
 /// each, position `p` in slot `p % capacity`, positions `start..end` present.
-pub struct Kv<'a> {
-    pub keys: &'a KvBuffer,
-    pub values: &'a KvBuffer,
+pub struct KvView<'a> {
+    pub keys: &'a KvRing,
+    pub values: &'a KvRing,
     pub kv_heads: usize,
     pub capacity: usize,
     pub start: usize,
@@ -23,7 +23,7 @@ pub struct Kv<'a> {
 
 /// Writes `src` (`[tokens, kv_heads · head_dim]`) into a host ring at positions `first..`.
 fn write_host_ring(
-    ring: &mut KvBuffer,
+    ring: &mut KvRing,
     src: &[f32],
     kv_heads: usize,
     head_dim: usize,
@@ -32,17 +32,17 @@ fn write_host_ring(
 ) -> Result<()> {
     ring.check_head_dim(head_dim)?;
     match &mut ring.storage {
-        KvStorage::HostF32(c) => {
+        RingStorage::HostF32(c) => {
             cpu::attention::kv_write(c, src, kv_heads, head_dim, capacity, first)
         }
-        KvStorage::HostF16(c) => {
+        RingStorage::HostF16(c) => {
             cpu::attention::kv_write(c, src, kv_heads, head_dim, capacity, first)
         }
-        KvStorage::HostQ8(q) => {
+        RingStorage::HostQ8(q) => {
             let cache = (&mut q.codes[..], &mut q.scales[..], &mut q.biases[..]);
             cpu::attention::kv_write_q8(cache, src, kv_heads, head_dim, capacity, first)
         }
-        KvStorage::Cuda(_) => return Err(mismatch("kv_write")),
+        RingStorage::Cuda(_) => return Err(mismatch("kv_write")),
     }
     Ok(())
 }
@@ -51,7 +51,7 @@ fn write_host_ring(
 /// `positions` (consecutive) into a cache's two rings, `cache.0` and `cache.1`
 /// (`[kv_heads, capacity, head_dim]`, position `p` in slot `p % capacity`); one launch on a GPU.
 pub fn kv_write(
-    cache: (&mut KvBuffer, &mut KvBuffer),
+    cache: (&mut KvRing, &mut KvRing),
     keys: &Tensor,
     values: &Tensor,
     kv_heads: usize,
@@ -86,7 +86,7 @@ pub fn kv_write(
         }
         (Storage::Cuda(k), Storage::Cuda(v)) => {
             match (&mut cache.0.storage, &mut cache.1.storage) {
-                (KvStorage::Cuda(kc), KvStorage::Cuda(vc))
+                (RingStorage::Cuda(kc), RingStorage::Cuda(vc))
                     if kc.is_half() == vc.is_half()
                         && [vc.gpu(), k.gpu(), v.gpu()]
                             .iter()
@@ -113,8 +113,8 @@ pub fn kv_write(
 /// (`[kv_heads, capacities[i], head_dim]`) at `positions[i]`, in one launch on a GPU.
 #[allow(clippy::too_many_arguments)]
 pub fn kv_write_batch(
-    key_rings: &mut [&mut KvBuffer],
-    value_rings: &mut [&mut KvBuffer],
+    key_rings: &mut [&mut KvRing],
+    value_rings: &mut [&mut KvRing],
     capacities: &[usize],
     keys: &Tensor,
     values: &Tensor,
@@ -160,7 +160,7 @@ pub fn kv_write_batch(
                 .iter()
                 .chain(value_rings.iter())
                 .map(|c| match &c.storage {
-                    KvStorage::Cuda(r) if r.gpu().same(kb.gpu()) && Some(r.is_half()) == half => {
+                    RingStorage::Cuda(r) if r.gpu().same(kb.gpu()) && Some(r.is_half()) == half => {
                         Ok(r.ptr())
                     }
                     _ => Err(mismatch("kv_write_batch")),
@@ -184,9 +184,9 @@ pub fn kv_write_batch(
 /// Copies positions `positions` from a ring of `src_capacity` slots to one of `dst_capacity`
 /// of the same precision.
 pub fn kv_move(
-    src: &KvBuffer,
+    src: &KvRing,
     src_capacity: usize,
-    dst: &mut KvBuffer,
+    dst: &mut KvRing,
     dst_capacity: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -199,15 +199,15 @@ pub fn kv_move(
     )?;
     let (h, d, p) = (kv_heads, head_dim, positions.clone());
     match (&src.storage, &mut dst.storage) {
-        (KvStorage::HostF32(s), KvStorage::HostF32(t)) => {
+        (RingStorage::HostF32(s), RingStorage::HostF32(t)) => {
             cpu::attention::kv_move(s, src_capacity, t, dst_capacity, h, d, p);
             Ok(())
         }
-        (KvStorage::HostF16(s), KvStorage::HostF16(t)) => {
+        (RingStorage::HostF16(s), RingStorage::HostF16(t)) => {
             cpu::attention::kv_move(s, src_capacity, t, dst_capacity, h, d, p);
             Ok(())
         }
-        (KvStorage::HostQ8(s), KvStorage::HostQ8(t)) => {
+        (RingStorage::HostQ8(s), RingStorage::HostQ8(t)) => {
             let groups = d / cpu::attention::Q8_GROUP;
             let (sc, dc) = (src_capacity, dst_capacity);
             cpu::attention::kv_move(&s.codes, sc, &mut t.codes, dc, h, d, p.clone());
@@ -215,7 +215,7 @@ pub fn kv_move(
             cpu::attention::kv_move(&s.biases, sc, &mut t.biases, dc, h, groups, p);
             Ok(())
         }
-        (KvStorage::Cuda(s), KvStorage::Cuda(t))
+        (RingStorage::Cuda(s), RingStorage::Cuda(t))
             if s.gpu().same(t.gpu()) && s.is_half() == t.is_half() =>
         {
             let (p0, p1) = (p.start, p.end);
@@ -234,7 +234,7 @@ pub fn attention(
     heads: usize,
     head_dim: usize,
     positions: &Positions,
-    kv: &Kv,
+    kv: &KvView,
     scale: f32,
 ) -> Result<Tensor> {
     check_kv(q, positions.len(), heads, head_dim, kv)?;
@@ -264,11 +264,11 @@ enum HostViews<'a> {
 
 impl<'a> HostViews<'a> {
     /// `kvs` as views; an error for `op` where one is not on the host in the first's precision.
-    fn of(kvs: &[Kv<'a>], op: &str) -> Result<Self> {
+    fn of(kvs: &[KvView<'a>], op: &str) -> Result<Self> {
         fn views<'a, R: cpu::attention::KvRows>(
-            kvs: &[Kv<'a>],
+            kvs: &[KvView<'a>],
             op: &str,
-            rows: impl Fn(&'a KvStorage) -> Option<R>,
+            rows: impl Fn(&'a RingStorage) -> Option<R>,
         ) -> Result<Vec<cpu::attention::KvView<R>>> {
             kvs.iter()
                 .map(|kv| {
@@ -285,16 +285,16 @@ impl<'a> HostViews<'a> {
                 .collect()
         }
         Ok(match kvs.first().map(|kv| &kv.keys.storage) {
-            Some(KvStorage::HostF32(_)) => HostViews::F32(views(kvs, op, |s| match s {
-                KvStorage::HostF32(v) => Some(&v[..]),
+            Some(RingStorage::HostF32(_)) => HostViews::F32(views(kvs, op, |s| match s {
+                RingStorage::HostF32(v) => Some(&v[..]),
                 _ => None,
             })?),
-            Some(KvStorage::HostF16(_)) => HostViews::F16(views(kvs, op, |s| match s {
-                KvStorage::HostF16(v) => Some(&v[..]),
+            Some(RingStorage::HostF16(_)) => HostViews::F16(views(kvs, op, |s| match s {
+                RingStorage::HostF16(v) => Some(&v[..]),
                 _ => None,
             })?),
-            Some(KvStorage::HostQ8(_)) => HostViews::Q8(views(kvs, op, |s| match s {
-                KvStorage::HostQ8(v) => Some(v.rows()),
+            Some(RingStorage::HostQ8(_)) => HostViews::Q8(views(kvs, op, |s| match s {
+                RingStorage::HostQ8(v) => Some(v.rows()),
                 _ => None,
             })?),
             _ => return Err(mismatch(op)),
@@ -308,7 +308,7 @@ fn host_attention(
     heads: usize,
     head_dim: usize,
     positions: &[usize],
-    kv: &Kv,
+    kv: &KvView,
     scale: f32,
     out: &mut [f32],
 ) -> Result<()> {
@@ -327,7 +327,7 @@ fn host_attention_batch(
     heads: usize,
     head_dim: usize,
     positions: &[usize],
-    kvs: &[Kv],
+    kvs: &[KvView],
     scale: f32,
     out: &mut [f32],
 ) -> Result<()> {
@@ -347,7 +347,7 @@ fn host_attention_batch(
 }
 
 /// Refuses a cache that `tokens` queries of `q` (`heads` of `head_dim`) cannot attend over.
-fn check_kv(q: &Tensor, tokens: usize, heads: usize, head_dim: usize, kv: &Kv) -> Result<()> {
+fn check_kv(q: &Tensor, tokens: usize, heads: usize, head_dim: usize, kv: &KvView) -> Result<()> {
     let row = kv.kv_heads * head_dim;
     check(
         q.len() == tokens * heads * head_dim
@@ -369,12 +369,12 @@ fn check_kv(q: &Tensor, tokens: usize, heads: usize, head_dim: usize, kv: &Kv) -
 }
 
 /// `kv` as the CUDA attention kernels read it, when it is on `q`'s GPU.
-fn kv_ring<'a>(q: &Buffer, kv: &Kv<'a>) -> Result<cuda::attention::KvRing<'a>> {
+fn kv_ring<'a>(q: &Buffer, kv: &KvView<'a>) -> Result<cuda::attention::KvView<'a>> {
     match (&kv.keys.storage, &kv.values.storage) {
-        (KvStorage::Cuda(k), KvStorage::Cuda(v))
+        (RingStorage::Cuda(k), RingStorage::Cuda(v))
             if q.gpu().same(k.gpu()) && q.gpu().same(v.gpu()) && k.is_half() == v.is_half() =>
         {
-            Ok(cuda::attention::KvRing {
+            Ok(cuda::attention::KvView {
                 keys: k,
                 values: v,
                 kv_heads: kv.kv_heads,
@@ -396,7 +396,7 @@ pub fn attention_batch(
     heads: usize,
     head_dim: usize,
     positions: &Positions,
-    kvs: &[Kv],
+    kvs: &[KvView],
     scale: f32,
 ) -> Result<Tensor> {
     let n = kvs.len();

@@ -3,7 +3,7 @@
 
 use crate::cpu;
 use crate::cuda::{self, Buffer};
-use crate::kv::{KvBuffer, KvStorage};
+use crate::kv::{KvRing, RingStorage};
 use crate::tensor::Storage;
 use crate::{Device, FloatMatrix, Positions, QuantizedMatrix, Tensor};
 
@@ -279,8 +279,8 @@ pub struct Rotation<'a> {
 /// Where a token's keys and values go: a cache's two rings of `capacity` slots, as
 /// [`kv_write`] writes them.
 pub struct KvTarget<'a> {
-    pub keys: &'a mut KvBuffer,
-    pub values: &'a mut KvBuffer,
+    pub keys: &'a mut KvRing,
+    pub values: &'a mut KvRing,
     pub capacity: usize,
 }
 
@@ -313,12 +313,18 @@ pub fn qkv_rope_write(
         }),
         || format!("q/k/v projections of {:?} into {shape:?}", x.shape()),
     )?;
-    let (Storage::Cuda(xb), Storage::Cuda(freqs), KvStorage::Cuda(keys), KvStorage::Cuda(values)) = (
+    let (
+        Storage::Cuda(xb),
+        Storage::Cuda(freqs),
+        RingStorage::Cuda(keys),
+        RingStorage::Cuda(values),
+    ) = (
         &x.storage,
         &rope.inv_freqs.storage,
         &mut cache.keys.storage,
         &mut cache.values.storage,
-    ) else {
+    )
+    else {
         return Ok(None);
     };
     if x.rows() != 1 || positions.len() != 1 || 2 * freqs.len() != head_dim {
