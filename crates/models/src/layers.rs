@@ -322,6 +322,20 @@ impl RmsNorm {
     pub fn forward_inplace(&self, x: &mut Tensor) -> OpResult<()> {
         ops::rms_norm_inplace(x, &self.weight, self.eps)
     }
+
+    /// Gemma's norm, which scales by `1 + weight`: the checkpoint stores offsets from 1.
+    pub fn load_plus_one(vb: &mut Scope, dim: usize, eps: f32) -> Result<Self, LoadError> {
+        let mut weight = load_host_vector(vb, "weight", dim)?;
+        for w in &mut weight {
+            *w += 1.0;
+        }
+        RmsNorm::new(&weight, eps, vb.device())
+    }
+
+    /// A norm without a learned scale (`mx.fast.rms_norm(x, None, eps)`).
+    pub fn unscaled(dim: usize, eps: f32, device: &Device) -> Result<Self, LoadError> {
+        RmsNorm::new(&vec![1.0; dim], eps, device)
+    }
 }
 
 /// Rotary position embedding with the frequencies of one of mlx-lm's RoPE variants.
@@ -556,88 +570,7 @@ impl Attention {
             ops::qkv_rope_write(ws, x, norm, shape, rope, positions, target)
         })
     }
-}
 
-/// The SwiGLU feed-forward block: `down(silu(gate(x)) * up(x))`.
-#[derive(Debug, Clone)]
-pub struct Mlp {
-    pub gate_proj: Linear,
-    pub up_proj: Linear,
-    pub down_proj: Linear,
-}
-
-impl Mlp {
-    pub fn load(vb: &mut Scope, dim: usize, hidden: usize, bias: bool) -> Result<Self, LoadError> {
-        Ok(Mlp {
-            gate_proj: Linear::load(&mut vb.pp("gate_proj"), dim, hidden, bias)?,
-            up_proj: Linear::load(&mut vb.pp("up_proj"), dim, hidden, bias)?,
-            down_proj: Linear::load(&mut vb.pp("down_proj"), hidden, dim, bias)?,
-        })
-    }
-
-    pub fn forward(&self, x: &Tensor) -> OpResult<Tensor> {
-        self.forward_adapted(x, ModuleAdapters::NONE)
-    }
-
-    /// [`Mlp::forward`] with the projections `lora` names adapted.
-    pub fn forward_adapted(&self, x: &Tensor, lora: ModuleAdapters) -> OpResult<Tensor> {
-        let h = self.gated(Input::Plain(x), lora, ops::Activation::Silu)?;
-        self.down_proj.forward_adapted(&h, lora.get("down_proj"))
-    }
-
-    /// `act(gate(x)) · up(x)`, the input to the down projection: one pass over both
-    /// projections (and the input's norm) where they are plain quantized layers of one format.
-    pub fn gated(
-        &self,
-        input: Input,
-        lora: ModuleAdapters,
-        act: ops::Activation,
-    ) -> OpResult<Tensor> {
-        let (g, u) = (&self.gate_proj, &self.up_proj);
-        let (ga, ua) = (lora.get("gate_proj"), lora.get("up_proj"));
-        let plain = g.bias.is_none() && u.bias.is_none() && ga.is_none() && ua.is_none();
-        if let (true, Weight::Quantized(gw), Weight::Quantized(uw)) = (plain, &g.weight, &u.weight)
-        {
-            let (x, norm) = input.parts();
-            return ops::quantized_glu(gw, uw, x, norm, act);
-        }
-        let x = &*input.tensor()?;
-        let mut h = g.forward_adapted(x, ga)?;
-        let up = u.forward_adapted(x, ua)?;
-        match act {
-            ops::Activation::Silu => ops::silu_mul_inplace(&mut h, &up)?,
-            ops::Activation::GeluApprox => ops::gelu_approx_mul_inplace(&mut h, &up)?,
-        }
-        Ok(h)
-    }
-}
-
-impl RmsNorm {
-    /// Gemma's norm, which scales by `1 + weight`: the checkpoint stores offsets from 1.
-    pub fn load_plus_one(vb: &mut Scope, dim: usize, eps: f32) -> Result<Self, LoadError> {
-        let mut weight = load_host_vector(vb, "weight", dim)?;
-        for w in &mut weight {
-            *w += 1.0;
-        }
-        RmsNorm::new(&weight, eps, vb.device())
-    }
-
-    /// A norm without a learned scale (`mx.fast.rms_norm(x, None, eps)`).
-    pub fn unscaled(dim: usize, eps: f32, device: &Device) -> Result<Self, LoadError> {
-        RmsNorm::new(&vec![1.0; dim], eps, device)
-    }
-}
-
-impl Mlp {
-    /// The GeGLU feed-forward block of Gemma: `down(gelu_approx(gate(x)) * up(x))`, with the
-    /// projections `lora` names adapted.
-    pub fn forward_geglu(&self, x: &Tensor, lora: ModuleAdapters) -> OpResult<Tensor> {
-        let h = self.gated(Input::Plain(x), lora, ops::Activation::GeluApprox)?;
-        self.down_proj.forward_adapted(&h, lora.get("down_proj"))
-    }
-}
-
-impl Attention {
     /// Queries, keys and values of the input (`[tokens, hidden]`, possibly still to be normed),
     /// normed and rotated.
     fn project_input(
@@ -694,6 +627,86 @@ impl Attention {
             out.next().unwrap(),
             out.next().unwrap(),
         ))
+    }
+
+    /// Its projections, as mlx-lm's default LoRA keys select them (under `self_attn`).
+    pub(crate) fn linears(&self) -> Vec<LinearShape> {
+        vec![
+            linear_shape("self_attn.q_proj", &self.q_proj),
+            linear_shape("self_attn.k_proj", &self.k_proj),
+            linear_shape("self_attn.v_proj", &self.v_proj),
+            linear_shape("self_attn.o_proj", &self.o_proj),
+        ]
+    }
+}
+
+/// The SwiGLU feed-forward block: `down(silu(gate(x)) * up(x))`.
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+}
+
+impl Mlp {
+    pub fn load(vb: &mut Scope, dim: usize, hidden: usize, bias: bool) -> Result<Self, LoadError> {
+        Ok(Mlp {
+            gate_proj: Linear::load(&mut vb.pp("gate_proj"), dim, hidden, bias)?,
+            up_proj: Linear::load(&mut vb.pp("up_proj"), dim, hidden, bias)?,
+            down_proj: Linear::load(&mut vb.pp("down_proj"), hidden, dim, bias)?,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> OpResult<Tensor> {
+        self.forward_adapted(x, ModuleAdapters::NONE)
+    }
+
+    /// [`Mlp::forward`] with the projections `lora` names adapted.
+    pub fn forward_adapted(&self, x: &Tensor, lora: ModuleAdapters) -> OpResult<Tensor> {
+        let h = self.gated(Input::Plain(x), lora, ops::Activation::Silu)?;
+        self.down_proj.forward_adapted(&h, lora.get("down_proj"))
+    }
+
+    /// `act(gate(x)) · up(x)`, the input to the down projection: one pass over both
+    /// projections (and the input's norm) where they are plain quantized layers of one format.
+    pub fn gated(
+        &self,
+        input: Input,
+        lora: ModuleAdapters,
+        act: ops::Activation,
+    ) -> OpResult<Tensor> {
+        let (g, u) = (&self.gate_proj, &self.up_proj);
+        let (ga, ua) = (lora.get("gate_proj"), lora.get("up_proj"));
+        let plain = g.bias.is_none() && u.bias.is_none() && ga.is_none() && ua.is_none();
+        if let (true, Weight::Quantized(gw), Weight::Quantized(uw)) = (plain, &g.weight, &u.weight)
+        {
+            let (x, norm) = input.parts();
+            return ops::quantized_glu(gw, uw, x, norm, act);
+        }
+        let x = &*input.tensor()?;
+        let mut h = g.forward_adapted(x, ga)?;
+        let up = u.forward_adapted(x, ua)?;
+        match act {
+            ops::Activation::Silu => ops::silu_mul_inplace(&mut h, &up)?,
+            ops::Activation::GeluApprox => ops::gelu_approx_mul_inplace(&mut h, &up)?,
+        }
+        Ok(h)
+    }
+
+    /// The GeGLU feed-forward block of Gemma: `down(gelu_approx(gate(x)) * up(x))`, with the
+    /// projections `lora` names adapted.
+    pub fn forward_geglu(&self, x: &Tensor, lora: ModuleAdapters) -> OpResult<Tensor> {
+        let h = self.gated(Input::Plain(x), lora, ops::Activation::GeluApprox)?;
+        self.down_proj.forward_adapted(&h, lora.get("down_proj"))
+    }
+
+    /// Its projections, as mlx-lm's default LoRA keys select them (under `mlp`).
+    pub(crate) fn linears(&self) -> Vec<LinearShape> {
+        vec![
+            linear_shape("mlp.gate_proj", &self.gate_proj),
+            linear_shape("mlp.up_proj", &self.up_proj),
+            linear_shape("mlp.down_proj", &self.down_proj),
+        ]
     }
 }
 
@@ -777,28 +790,5 @@ pub(crate) fn experts_shape(
     LinearShape {
         experts: experts.len(),
         ..linear_shape(key, layer(&experts[0]))
-    }
-}
-
-impl Attention {
-    /// Its projections, as mlx-lm's default LoRA keys select them (under `self_attn`).
-    pub(crate) fn linears(&self) -> Vec<LinearShape> {
-        vec![
-            linear_shape("self_attn.q_proj", &self.q_proj),
-            linear_shape("self_attn.k_proj", &self.k_proj),
-            linear_shape("self_attn.v_proj", &self.v_proj),
-            linear_shape("self_attn.o_proj", &self.o_proj),
-        ]
-    }
-}
-
-impl Mlp {
-    /// Its projections, as mlx-lm's default LoRA keys select them (under `mlp`).
-    pub(crate) fn linears(&self) -> Vec<LinearShape> {
-        vec![
-            linear_shape("mlp.gate_proj", &self.gate_proj),
-            linear_shape("mlp.up_proj", &self.up_proj),
-            linear_shape("mlp.down_proj", &self.down_proj),
-        ]
     }
 }
