@@ -13,6 +13,15 @@ use crate::LoadError;
 
 /// Reads and parses a JSON file, naming the file in any error.
 pub fn read_json(path: &Path) -> Result<Value, LoadError> {
+    // A FIFO or a device would block the read, or never end it.
+    if let Ok(meta) = std::fs::metadata(path) {
+        if !meta.is_file() {
+            return Err(LoadError::Io {
+                path: path.to_path_buf(),
+                source: std::io::Error::other("not a regular file"),
+            });
+        }
+    }
     let text = std::fs::read_to_string(path).map_err(|source| match source.kind() {
         std::io::ErrorKind::NotFound => LoadError::MissingFile(path.to_path_buf()),
         _ => LoadError::Io {
@@ -449,6 +458,24 @@ impl Checkpoint {
                 }
             })
             .sum()
+    }
+
+    /// Refuses a `num_hidden_layers` larger than the count of the checkpoint's tensors: every
+    /// layer has weights, and the count sizes what an architecture allocates before it reads
+    /// the first (2^40 layers would abort the process rather than fail).
+    pub fn check_layer_count(&self) -> Result<(), LoadError> {
+        let layers = self
+            .config
+            .text
+            .get("num_hidden_layers")
+            .and_then(Value::as_u64);
+        match layers {
+            Some(n) if n > self.tensors.len() as u64 => Err(LoadError::Config(format!(
+                "`num_hidden_layers` is {n}, but the weights hold {} tensors in all",
+                self.tensors.len()
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// The view of the module at `path` (`""` for the whole checkpoint).

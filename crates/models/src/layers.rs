@@ -295,11 +295,23 @@ pub struct RmsNorm {
     pub eps: f32,
 }
 
+/// `value` of the config's `key` where it must be a positive number (a norm's epsilon, RoPE's
+/// base): zero, negative or NaN values load and then compute garbage.
+fn positive(key: &str, value: f32) -> Result<f32, LoadError> {
+    if value > 0.0 && value.is_finite() {
+        Ok(value)
+    } else {
+        Err(LoadError::Config(format!(
+            "`{key}` must be a positive number, not {value}"
+        )))
+    }
+}
+
 impl RmsNorm {
     pub fn load(vb: &mut Scope, dim: usize, eps: f32) -> Result<Self, LoadError> {
         Ok(RmsNorm {
             weight: load_vector(vb, "weight", dim)?,
-            eps,
+            eps: positive("rms_norm_eps", eps)?,
         })
     }
 
@@ -307,7 +319,7 @@ impl RmsNorm {
     pub fn new(weight: &[f32], eps: f32, device: &Device) -> Result<Self, LoadError> {
         Ok(RmsNorm {
             weight: place_vector(weight, device, "norm weight")?,
-            eps,
+            eps: positive("rms_norm_eps", eps)?,
         })
     }
 
@@ -356,6 +368,7 @@ impl Rope {
         scaling: Option<&Value>,
         device: &Device,
     ) -> Result<Self, LoadError> {
+        positive("rope_theta", base)?;
         let rope_type = scaling
             .and_then(|s| s.get("type").or_else(|| s.get("rope_type")))
             .and_then(Value::as_str)

@@ -202,5 +202,7 @@ pub fn load_on(dir: &Path, device: &Device) -> Result<Box<dyn LanguageModel>, Lo
             found: model_type,
             supported: supported_model_types(),
         })?;
-    constructor(Checkpoint::open_on(dir, device)?)
+    let ckpt = Checkpoint::open_on(dir, device)?;
+    ckpt.check_layer_count()?;
+    constructor(ckpt)
 }

@@ -116,7 +116,7 @@ impl Llama {
         let mut root = ckpt.scope("");
         let mut model = root.pp("model");
         let embed_tokens = Embedding::load(&mut model.pp("embed_tokens"), vocab, hidden)?;
-        let mut blocks = Vec::with_capacity(layers);
+        let mut blocks = Vec::new();
         for i in 0..layers {
             let mut block = model.pp(format_args!("layers.{i}"));
             let mut a = block.pp("self_attn");

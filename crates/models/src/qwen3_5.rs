@@ -587,7 +587,7 @@ impl Qwen3_5 {
         let (h, eps) = (args.hidden, args.eps);
         let mut model = ckpt.scope(MODEL);
         let embed_tokens = Embedding::load(&mut model.pp("embed_tokens"), args.vocab, h)?;
-        let mut blocks = Vec::with_capacity(args.layers);
+        let mut blocks = Vec::new();
         for i in 0..args.layers {
             let mut block = model.pp(format_args!("layers.{i}"));
             let mixer = if is_linear(i, args.full_attention_interval) {

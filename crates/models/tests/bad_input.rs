@@ -169,3 +169,56 @@ fn malformed_config_json() {
         "{err}"
     );
 }
+
+/// Sets the text model's `key`: in `text_config` where the config nests one.
+fn set_text(config: &mut Value, key: &str, value: Value) {
+    match config.get("text_config") {
+        Some(_) => config["text_config"][key] = value,
+        None => config[key] = value,
+    }
+}
+
+/// Configs that used to abort, hang or load into garbage: an impossible layer count, a
+/// `config.json` that is a FIFO, and a non-positive norm epsilon or RoPE base. Each is an error
+/// naming the cause, for every architecture that reads the key.
+#[test]
+fn impossible_configs_are_refused() {
+    for model in ["llama-8bit-g32", "gemma4-4bit-g32", "qwen3_5-4bit-g64"] {
+        let dir = copy_of(model);
+        edit_config(dir.path(), |c| {
+            set_text(c, "num_hidden_layers", (1u64 << 40).into())
+        });
+        let err = load_err(dir.path());
+        assert!(
+            err.to_string()
+                .contains("`num_hidden_layers` is 1099511627776"),
+            "{model}: {err}"
+        );
+    }
+    for (model, key, value) in [
+        ("llama-8bit-g32", "rms_norm_eps", 0.0),
+        ("llama-8bit-g32", "rms_norm_eps", -1e-6),
+        ("llama-8bit-g32", "rope_theta", -10000.0),
+        ("gemma3-4bit-g64", "rope_theta", 0.0),
+        ("qwen3_5-4bit-g64", "rms_norm_eps", 0.0),
+    ] {
+        let dir = copy_of(model);
+        edit_config(dir.path(), |c| set_text(c, key, value.into()));
+        let err = load_err(dir.path());
+        assert!(
+            err.to_string()
+                .contains(&format!("`{key}` must be a positive number")),
+            "{model} {key}={value}: {err}"
+        );
+    }
+    let dir = copy_of("llama-8bit-g32");
+    let config = dir.path().join("config.json");
+    std::fs::remove_file(&config).unwrap();
+    let made = std::process::Command::new("mkfifo")
+        .arg(&config)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let err = load_err(dir.path());
+    assert!(err.to_string().contains("not a regular file"), "{err}");
+}
