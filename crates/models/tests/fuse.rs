@@ -2,64 +2,18 @@
 //! scripts/oracle/make_lora_fixture.py): the same re-quantized arrays, and a model directory that
 //! loads and gives mlx-lm's logits for the fused model, quantized or dequantized.
 
-use std::path::{Path, PathBuf};
+mod lora_fixtures;
 
-use oxlm_engine::KvPrecision;
+use std::path::Path;
+
+use lora_fixtures::{all_logits, fixtures, golden, max_abs_diff, prompt, CASES, LOGIT_TOLERANCE};
 use oxlm_models::fuse::fuse;
-use oxlm_models::{load, Logits};
+use oxlm_models::load;
 
-const LOGIT_TOLERANCE: f32 = 2e-3;
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
-fn f32s(data: &[u8]) -> Vec<f32> {
-    data.chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect()
-}
-
-fn golden(adapter: &str, name: &str) -> Vec<f32> {
-    let bytes = std::fs::read(
-        fixtures()
-            .join("lora")
-            .join(adapter)
-            .join("golden.safetensors"),
-    )
-    .unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    f32s(st.tensor(name).unwrap().data())
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
+/// Every position's logits of the model in `dir` over `ids`.
 fn logits(dir: &Path, ids: &[u32]) -> Vec<f32> {
-    let model = load(dir).unwrap();
-    let mut cache = model.new_cache_in(KvPrecision::F32).unwrap();
-    model
-        .forward(ids, &mut cache, Logits::All)
-        .unwrap()
-        .into_data()
+    all_logits(load(dir).unwrap().as_ref(), ids)
 }
-
-const CASES: [(&str, &str); 9] = [
-    ("llama-4bit-g64-r4", "llama-4bit-g64"),
-    ("qwen2-4bit-g64-keys", "qwen2-4bit-g64"),
-    ("gemma3-4bit-g64-r4", "gemma3-4bit-g64"),
-    ("qwen3_5-4bit-g64-r4", "qwen3_5-4bit-g64"),
-    ("gemma4-4bit-g32-r4", "gemma4-4bit-g32"),
-    ("gemma3-vlm-8bit-g32-r4", "gemma3-vlm-8bit-g32"),
-    ("gemma4-vlm-8bit-g64-r4", "gemma4-vlm-8bit-g64"),
-    ("qwen3_5_moe-4bit-g64-r4", "qwen3_5_moe-4bit-g64"),
-    ("gemma4-moe-4bit-g64-r4", "gemma4-moe-4bit-g64"),
-];
 
 #[test]
 fn fused_checkpoints_match_mlx_lm() {
@@ -106,10 +60,7 @@ fn fused_checkpoints_match_mlx_lm() {
         println!("{adapter}: {differing} of {bytes} weight bytes differ from mlx-lm's fused model");
         assert_eq!(differing, 0, "{adapter}: fused arrays differ from mlx-lm's");
 
-        let ids: Vec<u32> = golden(adapter, "prompt_ids")
-            .iter()
-            .map(|v| v.to_bits())
-            .collect();
+        let ids = prompt(adapter);
         let diff = max_abs_diff(&logits(out.path(), &ids), &golden(adapter, "fused_logits"));
         println!("{adapter}: fused logits max |Δ| {diff:.2e}");
         assert!(diff < LOGIT_TOLERANCE);
@@ -142,10 +93,7 @@ fn dequantized_fuse_matches_mlx_lm() {
         assert!(
             config.get("quantization").is_none() && config.get("quantization_config").is_none()
         );
-        let ids: Vec<u32> = golden(adapter, "prompt_ids")
-            .iter()
-            .map(|v| v.to_bits())
-            .collect();
+        let ids = prompt(adapter);
         let diff = max_abs_diff(
             &logits(out.path(), &ids),
             &golden(adapter, "dequantized_logits"),

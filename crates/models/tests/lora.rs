@@ -2,72 +2,15 @@
 //! scripts/oracle/make_lora_fixture.py) give mlx-lm's logits when applied unfused, through a full
 //! forward and through the KV cache, and broken or foreign adapters are refused with a clear error.
 
-use std::path::{Path, PathBuf};
+mod lora_fixtures;
 
+use std::path::Path;
+
+use lora_fixtures::{all_logits, fixtures, golden, max_abs_diff, prompt, CASES, LOGIT_TOLERANCE};
 use oxlm_engine::KvPrecision;
 use oxlm_models::lora::{AdaptedModel, AdapterError, Adapters};
 use oxlm_models::{load, LanguageModel, Logits};
 use serde_json::Value;
-
-/// As the tiny-model parity tests: both sides compute in f32.
-const LOGIT_TOLERANCE: f32 = 2e-3;
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
-fn golden(adapter: &str, name: &str) -> Vec<f32> {
-    let bytes = std::fs::read(
-        fixtures()
-            .join("lora")
-            .join(adapter)
-            .join("golden.safetensors"),
-    )
-    .unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    st.tensor(name)
-        .unwrap()
-        .data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect()
-}
-
-fn prompt(adapter: &str) -> Vec<u32> {
-    golden(adapter, "prompt_ids")
-        .into_iter()
-        .map(|v| v.to_bits())
-        .collect()
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
-fn all_logits(model: &dyn LanguageModel, tokens: &[u32]) -> Vec<f32> {
-    let mut cache = model.new_cache_in(KvPrecision::F32).unwrap();
-    model
-        .forward(tokens, &mut cache, Logits::All)
-        .unwrap()
-        .into_data()
-}
-
-/// `(adapter fixture, base model)`.
-const CASES: [(&str, &str); 9] = [
-    ("llama-4bit-g64-r4", "llama-4bit-g64"),
-    ("qwen2-4bit-g64-keys", "qwen2-4bit-g64"),
-    ("gemma3-4bit-g64-r4", "gemma3-4bit-g64"),
-    ("qwen3_5-4bit-g64-r4", "qwen3_5-4bit-g64"),
-    ("gemma4-4bit-g32-r4", "gemma4-4bit-g32"),
-    ("gemma3-vlm-8bit-g32-r4", "gemma3-vlm-8bit-g32"),
-    ("gemma4-vlm-8bit-g64-r4", "gemma4-vlm-8bit-g64"),
-    ("qwen3_5_moe-4bit-g64-r4", "qwen3_5_moe-4bit-g64"),
-    ("gemma4-moe-4bit-g64-r4", "gemma4-moe-4bit-g64"),
-];
 
 #[test]
 fn adapted_logits_match_mlx_lm() {
