@@ -298,10 +298,6 @@ impl Architecture for Gemma3 {
     fn output(&self) -> (&OutputHead, &Embedding) {
         (&self.head, &self.embed_tokens)
     }
-
-    fn adaptable(&self) -> Option<&dyn Adaptable> {
-        Some(self)
-    }
 }
 
 impl Adaptable for Gemma3 {

@@ -227,10 +227,6 @@ impl Architecture for Llama {
     fn output(&self) -> (&OutputHead, &Embedding) {
         (&self.head, &self.embed_tokens)
     }
-
-    fn adaptable(&self) -> Option<&dyn Adaptable> {
-        Some(self)
-    }
 }
 
 impl Adaptable for Llama {

@@ -16,8 +16,9 @@ use crate::lora::{Adaptable, Adapters};
 use crate::{check_batch, check_tokens, ForwardError, LanguageModel, Logits, ModelInfo};
 
 /// What one architecture provides: its settings, the cache each layer keeps, its pass and its
-/// output head. [`LanguageModel`] is written once over it: cache creation, one sequence's
-/// forward pass and the batched decoding step, with the logits placed as each asks.
+/// output head; with its adaptable layers ([`Adaptable`]), [`LanguageModel`] is written once
+/// over it: cache creation, one sequence's forward pass and the batched decoding step, with the
+/// logits placed as each asks.
 pub trait Architecture: Send + Sync {
     fn info(&self) -> &ModelInfo;
 
@@ -36,14 +37,9 @@ pub trait Architecture: Send + Sync {
 
     /// The output head, and the embeddings it may be tied to.
     fn output(&self) -> (&OutputHead, &Embedding);
-
-    /// The model as LoRA adapters attach to it; `None` while its architecture takes none.
-    fn adaptable(&self) -> Option<&dyn Adaptable> {
-        None
-    }
 }
 
-impl<A: Architecture> LanguageModel for A {
+impl<A: Adaptable> LanguageModel for A {
     fn info(&self) -> &ModelInfo {
         Architecture::info(self)
     }
@@ -76,7 +72,7 @@ impl<A: Architecture> LanguageModel for A {
     }
 
     fn adaptable(&self) -> Option<&dyn Adaptable> {
-        Architecture::adaptable(self)
+        Some(self)
     }
 }
 

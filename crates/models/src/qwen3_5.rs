@@ -730,10 +730,6 @@ impl Architecture for Qwen3_5 {
     fn output(&self) -> (&OutputHead, &Embedding) {
         (&self.head, &self.embed_tokens)
     }
-
-    fn adaptable(&self) -> Option<&dyn Adaptable> {
-        Some(self)
-    }
 }
 
 impl Adaptable for Qwen3_5 {
