@@ -94,21 +94,23 @@ fn parse_probability(spec: &str) -> Result<f32, String> {
 fn say(line: std::fmt::Arguments) {
     use std::io::Write;
     if let Err(err) = writeln!(std::io::stdout().lock(), "{line}") {
-        if err.kind() == std::io::ErrorKind::BrokenPipe {
-            std::process::exit(0);
-        }
-        eprintln!("error: writing the output: {err}");
-        std::process::exit(1);
+        fail(anyhow::Error::new(err).context("writing the output"));
     }
 }
 
-/// Whether `err` comes from writing to an output that was closed (`oxlm generate | head`).
-fn closed_output(err: &anyhow::Error) -> bool {
-    err.chain().any(|cause| {
+/// Ends the process for `err`: quietly where the output was closed (`oxlm generate | head`),
+/// as whoever closed it has what they wanted; else with the error and status 1.
+fn fail(err: anyhow::Error) -> ! {
+    let closed = err.chain().any(|cause| {
         cause
             .downcast_ref::<std::io::Error>()
             .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
-    })
+    });
+    if closed {
+        std::process::exit(0);
+    }
+    eprintln!("error: {err:#}");
+    std::process::exit(1);
 }
 
 fn main() {
@@ -120,13 +122,7 @@ fn main() {
         Command::Serve(args) => serve::run(args),
         Command::Bench(args) => bench::run(args),
     };
-    match result {
-        Ok(()) => {}
-        // Whoever closed the output has what they wanted, as with any Unix filter.
-        Err(err) if closed_output(&err) => {}
-        Err(err) => {
-            eprintln!("error: {err:#}");
-            std::process::exit(1);
-        }
+    if let Err(err) = result {
+        fail(err);
     }
 }
