@@ -33,7 +33,7 @@ impl WeightMatrix for QuantizedMatrix {
         (self.rows, self.cols)
     }
     fn matmul_host(&self, x: &[f32], m: usize, y: &mut [f32]) {
-        cpu::matmul::matmul(&self.view(), x, m, y);
+        QuantizedMatrix::matmul(self, x, m, y);
     }
     fn matmul_gpu(
         &self,
@@ -56,7 +56,7 @@ impl WeightMatrix for FloatMatrix {
         (self.rows, self.cols)
     }
     fn matmul_host(&self, x: &[f32], m: usize, y: &mut [f32]) {
-        cpu::dense::matmul(&self.view(), x, m, y);
+        FloatMatrix::matmul(self, x, m, y);
     }
     fn matmul_gpu(
         &self,
