@@ -12,7 +12,7 @@ use oxlm_models::{Cache, ForwardError, LanguageModel, Logits};
 use crate::detokenizer::StreamingDetokenizer;
 use crate::sampler::{top_logprobs, Sampler, SamplerConfig};
 use crate::stop::StopMatcher;
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{Tokenizer, TokenizerError};
 use crate::RuntimeError;
 
 /// mlx-lm's `--prefill-step-size` default.
@@ -148,7 +148,14 @@ pub fn generate_stream(
     on_event: &mut dyn FnMut(Event<'_>) -> ControlFlow<()>,
 ) -> Result<Generation, RuntimeError> {
     let uncached = prompt.get(cache.offset..).unwrap_or_default();
-    let mut sequence = Sequence::new(tokenizer, prompt, uncached.len(), eos_ids, options, stream)?;
+    let mut sequence = Sequence::new(
+        Some(tokenizer),
+        prompt,
+        uncached.len(),
+        eos_ids,
+        options,
+        stream,
+    )?;
     let Some(logits) = prefill_reporting(model, uncached, cache, options.prefill_step, on_event)?
     else {
         return Ok(sequence.cancel());
@@ -229,7 +236,8 @@ pub enum NextToken<'a> {
 /// when generation ends. [`generate_stream`] runs one alone; a server steps many together.
 pub struct Sequence {
     sampler: Sampler,
-    detokenizer: StreamingDetokenizer,
+    /// `None`: token ids only, no text.
+    detokenizer: Option<StreamingDetokenizer>,
     stop: StopMatcher,
     eos_ids: HashSet<u32>,
     max_tokens: usize,
@@ -251,9 +259,10 @@ pub struct Sequence {
 
 impl Sequence {
     /// A sequence of `prompt`, of which `uncached` tokens go through the model (the rest came
-    /// from a prompt cache); its prompt time runs from here.
+    /// from a prompt cache); its prompt time runs from here. Without a tokenizer it makes no
+    /// text (a benchmark's model need not have one), and stop strings never match.
     pub fn new(
-        tokenizer: &Tokenizer,
+        tokenizer: Option<&Tokenizer>,
         prompt: &[u32],
         uncached: usize,
         eos_ids: &HashSet<u32>,
@@ -266,7 +275,7 @@ impl Sequence {
         let start = Instant::now();
         Ok(Sequence {
             sampler,
-            detokenizer: tokenizer.detokenizer()?,
+            detokenizer: tokenizer.map(Tokenizer::detokenizer).transpose()?,
             stop: StopMatcher::new(&stream.stop),
             eos_ids: eos_ids.clone(),
             max_tokens: options.max_tokens,
@@ -322,11 +331,13 @@ impl Sequence {
         let released = if is_eos {
             // The end-of-sequence token itself is not output.
             self.finish_reason = Some(FinishReason::Stop);
-            self.stop.push(&self.detokenizer.finish()?)
+            let text = self.detokenized(|d| d.finish())?;
+            self.stop.push(&text)
         } else {
             self.tokens.push(token);
             self.history.push(token);
-            self.stop.push(&self.detokenizer.push(token)?)
+            let text = self.detokenized(|d| d.push(token))?;
+            self.stop.push(&text)
         };
         self.text.push_str(&released.text);
         let event = Event::Token {
@@ -343,6 +354,14 @@ impl Sequence {
             self.finish_reason = Some(FinishReason::Length);
         }
         Ok(self.finish_reason.is_none().then_some(token))
+    }
+
+    /// What the detokenizer releases through `f`; nothing without one.
+    fn detokenized(
+        &mut self,
+        f: impl FnOnce(&mut StreamingDetokenizer) -> Result<String, TokenizerError>,
+    ) -> Result<String, TokenizerError> {
+        self.detokenizer.as_mut().map_or(Ok(String::new()), f)
     }
 
     /// Ends the generation before its first token: the caller stopped the prompt.
@@ -366,7 +385,8 @@ impl Sequence {
         let finish_reason = self.finish_reason.unwrap_or(FinishReason::Length);
         let mut rest = String::new();
         if finish_reason == FinishReason::Length {
-            rest = self.stop.push(&self.detokenizer.finish()?).text;
+            let text = self.detokenized(|d| d.finish())?;
+            rest = self.stop.push(&text).text;
         }
         if finish_reason != FinishReason::Cancelled && !self.stop.stopped() {
             rest.push_str(&self.stop.finish());

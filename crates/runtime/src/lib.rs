@@ -1,6 +1,7 @@
 //! The runtime: tokenizers and chat templates, sampling, and the generation loop over a model.
 
 pub mod adapter_store;
+pub mod batcher;
 pub mod chat_template;
 pub mod detokenizer;
 pub mod generate;

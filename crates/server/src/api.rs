@@ -22,7 +22,9 @@ use crate::error::ApiError;
 use crate::log::{log_requests, TokenCounts};
 use crate::parsers::{OutputParser, Piece, ToolCall};
 use crate::request::{self, Params, Prompt};
-use crate::worker::{Running, Update};
+use oxlm_runtime::batcher::Update;
+
+use crate::worker::Running;
 use crate::{unix_time, AppState};
 
 type Shared = State<Arc<AppState>>;

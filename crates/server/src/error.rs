@@ -5,7 +5,7 @@ use axum::response::{IntoResponse, Response};
 use oxlm_runtime::adapter_store::AdapterStoreError;
 use serde_json::{json, Value};
 
-use crate::worker::JobError;
+use oxlm_runtime::batcher::JobError;
 
 /// An error answered to a client as `{"error": {"message", "type", "param", "code"}}`.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -1,144 +1,33 @@
 //! The generation thread. Model forward passes are long, CPU-bound and blocking, so they run on
 //! one dedicated thread, never on the async executor: HTTP keeps answering (health checks,
-//! model lists, queueing) while a generation runs. The thread owns the prompt cache, keyed by
-//! the adapter a job runs with.
-//!
-//! Jobs of the same adapter decode together, as mlx_lm.server's batch generator decodes them:
-//! each step runs every sequence's next token through one forward pass (`forward_batch`),
-//! which reads each weight once for all of them, up to `--decode-concurrency` sequences.
-//! Between steps, prompts go through the model alone, at most one prefill step's worth of
-//! tokens (`--prefill-step-size`): many short ones at once, a long one a chunk at a time while
-//! the others go on decoding; each streams its first token as soon as its prompt is through. A
-//! job that needs another adapter waits until the batch has drained, and the batch takes no
-//! more jobs meanwhile, so that it is served in its turn.
+//! model lists, queueing) while a generation runs. The thread runs the runtime's continuous
+//! batcher over the jobs the requests submit, in arrival order.
 
-use std::collections::{HashMap, VecDeque};
-use std::ops::ControlFlow;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
-use oxlm_engine::DecodeSteps;
-use oxlm_models::lora::{AdaptedModel, AdapterError};
-use oxlm_models::{Cache, ForwardError, LanguageModel, Logits};
-use oxlm_runtime::adapter_store::{Adapter, AdapterId};
-use oxlm_runtime::generate::{decode_step, NextToken, Sequence};
-use oxlm_runtime::prompt_cache::{is_truncatable, PromptCache};
-use oxlm_runtime::{
-    Event, FinishReason, GenerateOptions, Generation, LoadedModel, RuntimeError, StreamOptions,
-};
+use oxlm_runtime::adapter_store::Adapter;
+use oxlm_runtime::batcher::{Batcher, BatcherSettings, Job, JobError, Requester, Update};
+use oxlm_runtime::{GenerateOptions, LoadedModel, StreamOptions};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::error::ApiError;
 
-/// What the generation thread reports about one job, in order: `Started`, progress, tokens,
-/// then `Done`.
-#[derive(Debug)]
-pub enum Update {
-    Started {
-        /// Prompt tokens whose state came from the prompt cache.
-        cached_tokens: usize,
-    },
-    Prefill {
-        done: usize,
-        total: usize,
-    },
-    Token {
-        id: u32,
-        logprob: f32,
-        top: Vec<(u32, f32)>,
-        /// Output made final by this token.
-        text: String,
-    },
-    /// Output released after the last token.
-    Text(String),
-    Done(Result<FinishReason, JobError>),
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum JobError {
-    #[error(transparent)]
-    Runtime(#[from] RuntimeError),
-    #[error(transparent)]
-    Adapter(#[from] AdapterError),
-    #[error("generation panicked: {0}")]
-    Panic(String),
-    /// A decoding step that several jobs shared failed.
-    #[error("{0}")]
-    Step(String),
-    #[error("The server is shutting down")]
-    ShuttingDown,
-}
-
-/// The prompt cache: model state by the adapter that computed it (`None`: the base model).
-type StateCache = PromptCache<Option<AdapterId>>;
-
-struct Job {
-    prompt: Vec<u32>,
-    adapter: Option<Arc<Adapter>>,
-    options: GenerateOptions,
-    stream: StreamOptions,
+/// A request waiting for its job's updates.
+struct Request {
     updates: UnboundedSender<Update>,
+    /// Set when the request is dropped.
     cancel: Arc<AtomicBool>,
-    shutdown: Arc<AtomicBool>,
 }
 
-impl Job {
+impl Requester for Request {
+    fn deliver(&self, update: Update) -> bool {
+        self.updates.send(update).is_ok()
+    }
+
     fn cancelled(&self) -> bool {
-        self.cancel.load(Ordering::Relaxed)
-            || self.shutdown.load(Ordering::Relaxed)
-            || self.updates.is_closed()
-    }
-
-    /// Sends an update; false once the requester is gone or the server is shutting down.
-    fn send(&self, update: Update) -> bool {
-        self.updates.send(update).is_ok() && !self.cancelled()
-    }
-
-    /// Reports how the job ended (past `cancelled`, as the requester may still be there to
-    /// read why): a job cancelled by the shutdown ends with [`JobError::ShuttingDown`].
-    fn end(&self, result: Result<FinishReason, JobError>) {
-        let result = match result {
-            Ok(FinishReason::Cancelled) if self.shutdown.load(Ordering::Relaxed) => {
-                Err(JobError::ShuttingDown)
-            }
-            result => result,
-        };
-        let _ = self.updates.send(Update::Done(result));
-    }
-
-    /// The adapter the job runs with, as the prompt cache keys model state.
-    fn key(&self) -> Option<AdapterId> {
-        self.adapter.as_ref().map(|adapter| adapter.id.clone())
-    }
-
-    /// `on_event` for its generation: tokens and text become updates, and a requester gone
-    /// stops it.
-    fn on_event(&self) -> impl FnMut(Event<'_>) -> ControlFlow<()> + '_ {
-        move |event| {
-            let update = match event {
-                // The worker reports prompt progress itself.
-                Event::Prefill { .. } => return ControlFlow::Continue(()),
-                Event::Token {
-                    id,
-                    logprob,
-                    top,
-                    text,
-                } => Update::Token {
-                    id,
-                    logprob,
-                    top: top.to_vec(),
-                    text: text.to_owned(),
-                },
-                Event::Text(text) => Update::Text(text.to_owned()),
-            };
-            if self.send(update) {
-                ControlFlow::Continue(())
-            } else {
-                ControlFlow::Break(())
-            }
-        }
+        self.cancel.load(Ordering::Relaxed) || self.updates.is_closed()
     }
 }
 
@@ -178,24 +67,30 @@ impl Worker {
         decode_concurrency: usize,
     ) -> std::io::Result<Self> {
         let (jobs, queue) = mpsc::channel::<Job>();
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let settings = BatcherSettings {
+            capacity: decode_concurrency,
+            cache_entries: limits.entries,
+            cache_bytes: limits.bytes,
+            shutdown: shutdown.clone(),
+        };
         let thread = std::thread::Builder::new()
             .name("oxlm-generate".into())
             .spawn(move || {
-                warm_up(model.model.as_ref());
-                let mut batch = Batch {
-                    loaded: &model,
-                    prompt_cache: StateCache::new(limits.entries, limits.bytes),
-                    capacity: decode_concurrency.max(1),
-                };
-                let mut waiting = VecDeque::new();
-                while let Some(first) = waiting.pop_front().or_else(|| queue.recv().ok()) {
-                    batch.serve(first, &queue, &mut waiting);
-                }
+                let loaded = &*model;
+                let mut batcher = Batcher::new(
+                    loaded.model.as_ref(),
+                    Some(&loaded.tokenizer),
+                    &loaded.eos_ids,
+                    settings,
+                );
+                batcher.warm_up();
+                batcher.run(&queue);
             })?;
         Ok(Worker {
             jobs,
             thread,
-            shutdown: Arc::new(AtomicBool::new(false)),
+            shutdown,
         })
     }
 
@@ -227,9 +122,10 @@ impl Worker {
             adapter,
             options,
             stream,
-            updates,
-            cancel: cancel.clone(),
-            shutdown: self.shutdown.clone(),
+            requester: Box::new(Request {
+                updates,
+                cancel: cancel.clone(),
+            }),
         };
         self.jobs
             .send(job)
@@ -239,388 +135,4 @@ impl Worker {
             cancel,
         })
     }
-}
-
-/// Tokens of the prompt a GPU server runs once before its first job: enough for the paths a
-/// long prompt takes (products on tensor cores, attention as matrix products), whatever
-/// prefill step is set.
-const WARM_UP_TOKENS: usize = 256;
-
-/// On a GPU, runs one prompt through the model and forgets it, so that the first long prompt
-/// a server gets does not pay for what a device sets up on first use: on an H200 that stalls
-/// every other request's stream for over a tenth of a second, whatever `--prefill-step-size`,
-/// where a warm device stalls them for milliseconds. Nothing of the kind shows on the CPU.
-fn warm_up(model: &dyn LanguageModel) {
-    if model.info().device.is_cpu() {
-        return;
-    }
-    let tokens = model.info().max_context.unwrap_or(usize::MAX);
-    let prompt = vec![0; WARM_UP_TOKENS.min(tokens)];
-    // A failure here (device memory, say) is left for the jobs to meet and report.
-    let _ = model
-        .new_cache()
-        .and_then(|mut cache| model.forward(&prompt, &mut cache, Logits::Last));
-}
-
-/// What serves one batch: the model, the prompt cache, and how many sequences may decode
-/// together.
-struct Batch<'a> {
-    loaded: &'a LoadedModel,
-    prompt_cache: StateCache,
-    capacity: usize,
-}
-
-/// A job whose sequence is decoding.
-struct Active {
-    job: Job,
-    cache: Cache,
-    sequence: Sequence,
-    /// The token the model takes next.
-    token: u32,
-}
-
-/// A job whose prompt is going through the model, a chunk at a time between steps.
-struct Prompting {
-    job: Job,
-    cache: Cache,
-    sequence: Sequence,
-    /// Prompt tokens whose state came from the prompt cache.
-    cached_tokens: usize,
-    /// Whether a snapshot of the prompt without its last token is still to be kept.
-    snapshot: bool,
-    /// The logits after the last chunk.
-    logits: Vec<f32>,
-}
-
-/// Where [`Batch::prompt`] left a job.
-enum Prompted {
-    /// More of its prompt is to go through.
-    More(Prompting),
-    Decoding(Active),
-    /// Reported as ended.
-    Ended,
-}
-
-impl Batch<'_> {
-    /// Serves `first` and the jobs of its adapter that arrive while its batch runs, until the
-    /// batch is empty; jobs of other adapters are left in `waiting`, in their order.
-    fn serve(&mut self, first: Job, queue: &mpsc::Receiver<Job>, waiting: &mut VecDeque<Job>) {
-        let adapter = first.adapter.clone();
-        let adapted = adapter
-            .as_ref()
-            .map(|adapter| AdaptedModel::new(self.loaded.model.as_ref(), &adapter.adapters))
-            .transpose();
-        let adapted = match adapted {
-            Ok(adapted) => adapted,
-            Err(e) => return first.end(Err(e.into())),
-        };
-        let model: &dyn LanguageModel = match &adapted {
-            Some(adapted) => adapted,
-            None => self.loaded.model.as_ref(),
-        };
-        let key = first.key();
-        waiting.push_front(first);
-        let mut prompting: VecDeque<Prompting> = VecDeque::new();
-        let mut active: Vec<Active> = Vec::new();
-        // Replays the steps of a batch of each size met: a step of as many sequences issues
-        // the same calls whichever they are (their cache tables are uploaded each step), and a
-        // replay checks each call before it skips it.
-        let mut steps_by_size: HashMap<usize, DecodeSteps> = HashMap::new();
-        // Set once a job of another adapter waits: this batch then takes no more.
-        let mut draining = false;
-        loop {
-            waiting.extend(queue.try_iter());
-            while !draining && prompting.len() + active.len() < self.capacity {
-                let Some(job) = waiting.front() else { break };
-                if job.key() != key {
-                    draining = true;
-                    break;
-                }
-                let job = waiting.pop_front().expect("a waiting job");
-                if let Some(p) = self.begin(model, job) {
-                    prompting.push_back(p);
-                }
-            }
-            // Between steps, at most one prefill step's worth of prompt tokens: many short
-            // prompts at once, a long one a chunk at a time while the others go on decoding.
-            let mut budget = prompting
-                .front()
-                .map_or(0, |p| p.job.options.prefill_step.max(1));
-            while budget > 0 {
-                let Some(p) = prompting.pop_front() else {
-                    break;
-                };
-                match self.prompt(model, p, &mut budget) {
-                    Prompted::More(p) => prompting.push_front(p),
-                    Prompted::Decoding(joined) => active.push(joined),
-                    Prompted::Ended => {}
-                }
-            }
-            if active.is_empty() {
-                if prompting.is_empty() {
-                    return;
-                }
-                continue;
-            }
-            active = self.step(model, &mut steps_by_size, active);
-        }
-    }
-
-    /// Takes `job` into the batch: its cache (from the prompt cache where a prefix is there)
-    /// and its sequence; `None` when it has already ended (and been reported).
-    fn begin(&mut self, model: &dyn LanguageModel, job: Job) -> Option<Prompting> {
-        if job.cancelled() {
-            job.end(Ok(FinishReason::Cancelled));
-            return None;
-        }
-        let state = catch_unwind(AssertUnwindSafe(|| self.state_for(model, &job)))
-            .unwrap_or_else(|panic| Err(JobError::Panic(panic_message(&*panic))));
-        match state {
-            Ok((cache, cached_tokens, sequence)) => {
-                if !job.send(Update::Started { cached_tokens }) {
-                    job.end(Ok(FinishReason::Cancelled));
-                    return None;
-                }
-                // Recurrent and sliding-window state cannot be cut back later, so such a cache
-                // keeps a snapshot of the prompt without its last token: the next turn of a
-                // chat, or a retry, resumes from it.
-                let snapshot_at = job.prompt.len() - 1;
-                let snapshot = !is_truncatable(&cache) && cached_tokens < snapshot_at;
-                Some(Prompting {
-                    job,
-                    cache,
-                    sequence,
-                    cached_tokens,
-                    snapshot,
-                    logits: Vec::new(),
-                })
-            }
-            Err(e) => {
-                job.end(Err(e));
-                None
-            }
-        }
-    }
-
-    /// `job`'s cache (from the prompt cache where a prefix of its prompt is there), the prompt
-    /// tokens that came from there, and its sequence.
-    fn state_for(
-        &mut self,
-        model: &dyn LanguageModel,
-        job: &Job,
-    ) -> Result<(Cache, usize, Sequence), JobError> {
-        if job.prompt.is_empty() {
-            return Err(RuntimeError::from(ForwardError::EmptyInput).into());
-        }
-        let (cache, cached_tokens) = match self.prompt_cache.fetch(&job.key(), &job.prompt) {
-            Some(hit) => (hit.cache, hit.tokens),
-            None => (job.options.new_cache(model)?, 0),
-        };
-        let loaded = self.loaded;
-        let sequence = Sequence::new(
-            &loaded.tokenizer,
-            &job.prompt,
-            job.prompt.len() - cached_tokens,
-            &loaded.eos_ids,
-            &job.options,
-            &job.stream,
-        )?;
-        Ok((cache, cached_tokens, sequence))
-    }
-
-    /// Runs up to `budget` more tokens of `p`'s prompt through `model` (taking them off the
-    /// budget), in chunks of at most one prefill step; once the whole prompt has gone through,
-    /// reports the first token. An error or a panic ends the job with its message.
-    fn prompt(
-        &mut self,
-        model: &dyn LanguageModel,
-        mut p: Prompting,
-        budget: &mut usize,
-    ) -> Prompted {
-        // Requests are validated before they get here; this keeps one that still trips a bug
-        // from taking the thread (and the server) down.
-        let ran = catch_unwind(AssertUnwindSafe(|| {
-            let through = self.prompt_chunks(model, &mut p, budget)?;
-            if !through {
-                return Ok(None);
-            }
-            let next = NextToken::Logits(&mut p.logits);
-            Ok(Some(p.sequence.advance(next, &mut p.job.on_event())?))
-        }));
-        let error = match ran {
-            Ok(Ok(None)) if p.job.cancelled() => {
-                // What went through is kept, as for a generation cut short.
-                let tokens = p.job.prompt[..p.cache.offset].to_vec();
-                self.prompt_cache.insert(p.job.key(), tokens, p.cache);
-                p.job.end(Ok(FinishReason::Cancelled));
-                return Prompted::Ended;
-            }
-            Ok(Ok(None)) => return Prompted::More(p),
-            Ok(Ok(Some(Some(token)))) => {
-                return Prompted::Decoding(Active {
-                    job: p.job,
-                    cache: p.cache,
-                    sequence: p.sequence,
-                    token,
-                })
-            }
-            Ok(Ok(Some(None))) => {
-                self.finish(&p.job, p.cache, p.sequence);
-                return Prompted::Ended;
-            }
-            Ok(Err(e)) => e,
-            Err(panic) => JobError::Panic(panic_message(&*panic)),
-        };
-        p.job.end(Err(error));
-        Prompted::Ended
-    }
-
-    /// The chunks of [`prompt`](Self::prompt): whether the whole prompt has gone through
-    /// (false when the budget ran out, or the requester went away).
-    fn prompt_chunks(
-        &mut self,
-        model: &dyn LanguageModel,
-        p: &mut Prompting,
-        budget: &mut usize,
-    ) -> Result<bool, JobError> {
-        let prompt = &p.job.prompt;
-        // Progress counts every uncached prompt token.
-        let total = prompt.len() - p.cached_tokens;
-        let step = p.job.options.prefill_step.max(1);
-        while p.cache.offset < prompt.len() {
-            if *budget == 0 || p.job.cancelled() {
-                return Ok(false);
-            }
-            let end = if p.snapshot {
-                prompt.len() - 1
-            } else {
-                prompt.len()
-            };
-            let chunk = &prompt[p.cache.offset..end.min(p.cache.offset + step.min(*budget))];
-            p.logits = model
-                .forward(chunk, &mut p.cache, Logits::Last)
-                .map_err(RuntimeError::from)?
-                .into_data();
-            *budget -= chunk.len();
-            let done = p.cache.offset - p.cached_tokens;
-            if !p.job.send(Update::Prefill { done, total }) {
-                return Ok(false);
-            }
-            if p.snapshot && p.cache.offset == end {
-                p.snapshot = false;
-                // A snapshot that does not fit in device memory is only a later cache miss.
-                if let Ok(snapshot) = p.cache.try_clone() {
-                    let tokens = prompt[..end].to_vec();
-                    self.prompt_cache.insert(p.job.key(), tokens, snapshot);
-                }
-            }
-        }
-        Ok(true)
-    }
-
-    /// One decoding step of every sequence of `active`, through the recording of its batch size
-    /// in `steps_by_size`; returns those still decoding. A sequence at the model's context
-    /// limit ends alone with that error, before the step; a step that fails or panics otherwise
-    /// ends every job of the batch with its message.
-    fn step(
-        &mut self,
-        model: &dyn LanguageModel,
-        steps_by_size: &mut HashMap<usize, DecodeSteps>,
-        active: Vec<Active>,
-    ) -> Vec<Active> {
-        let mut active: Vec<Active> = active
-            .into_iter()
-            .filter_map(|a| match model.info().check_context(a.cache.offset, 1) {
-                Ok(()) => Some(a),
-                Err(overflow) => {
-                    a.job.end(Err(RuntimeError::from(overflow).into()));
-                    None
-                }
-            })
-            .collect();
-        if active.is_empty() {
-            return active;
-        }
-        // Sized after the sequences at their limit have left, so that a size's recording only
-        // ever sees steps of that size.
-        let steps = steps_by_size
-            .entry(active.len())
-            .or_insert_with(|| DecodeSteps::new(&model.info().device));
-        let greedy = active.iter().all(|a| a.sequence.picks_greedily());
-        let stepped = catch_unwind(AssertUnwindSafe(|| {
-            let tokens: Vec<u32> = active.iter().map(|a| a.token).collect();
-            let mut caches: Vec<&mut Cache> = active.iter_mut().map(|a| &mut a.cache).collect();
-            decode_step(model, steps, &tokens, &mut caches, greedy)
-        }));
-        let mut stepped = match stepped {
-            Ok(Ok(stepped)) => stepped,
-            Ok(Err(e)) => return end_all(active, || JobError::Step(e.to_string())),
-            Err(panic) => {
-                let message = panic_message(&*panic);
-                return end_all(active, || JobError::Panic(message.clone()));
-            }
-        };
-        let vocab = model.info().vocab_size;
-        let mut decoding = Vec::with_capacity(active.len());
-        for (i, mut a) in active.into_iter().enumerate() {
-            let next = stepped.next(i, vocab);
-            let advanced = catch_unwind(AssertUnwindSafe(|| {
-                a.sequence.advance(next, &mut a.job.on_event())
-            }));
-            match advanced {
-                Ok(Ok(Some(token))) => {
-                    a.token = token;
-                    decoding.push(a);
-                }
-                Ok(Ok(None)) => self.finish(&a.job, a.cache, a.sequence),
-                Ok(Err(e)) => a.job.end(Err(e.into())),
-                Err(panic) => a.job.end(Err(JobError::Panic(panic_message(&*panic)))),
-            }
-        }
-        decoding
-    }
-
-    /// Ends `job`'s generation: reports it, and keeps what `cache` holds for later prompts.
-    fn finish(&mut self, job: &Job, cache: Cache, sequence: Sequence) {
-        let generation = catch_unwind(AssertUnwindSafe(|| sequence.finish(&mut job.on_event())));
-        match generation {
-            Ok(Ok(generation)) => {
-                self.keep(job, cache, &generation);
-                job.end(Ok(generation.finish_reason));
-            }
-            Ok(Err(e)) => job.end(Err(e.into())),
-            Err(panic) => job.end(Err(JobError::Panic(panic_message(&*panic)))),
-        }
-    }
-
-    /// Keeps `cache` in the prompt cache: the prompt, then the generated tokens that went
-    /// through the model.
-    fn keep(&mut self, job: &Job, cache: Cache, generation: &Generation) {
-        let tokens: Vec<u32> = job
-            .prompt
-            .iter()
-            .chain(&generation.tokens)
-            .take(cache.offset)
-            .copied()
-            .collect();
-        if tokens.len() == cache.offset {
-            self.prompt_cache.insert(job.key(), tokens, cache);
-        }
-    }
-}
-
-/// Ends every job of `active` with the error of a step they shared.
-fn end_all(active: Vec<Active>, error: impl Fn() -> JobError) -> Vec<Active> {
-    for a in active {
-        a.job.end(Err(error()));
-    }
-    Vec::new()
-}
-
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into())
 }

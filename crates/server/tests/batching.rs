@@ -1,5 +1,6 @@
 //! Requests served together: concurrent requests share decoding steps (`forward_batch`) up to
-//! `decode_concurrency`, and each gets what it gets served alone.
+//! `decode_concurrency`, and each gets what it gets served alone. How the batcher schedules
+//! (adapters, prompts cut between steps, the prompt cache) is tested in the runtime.
 
 mod common;
 
@@ -189,106 +190,4 @@ async fn requests_sent_together_decode_together_as_they_decode_alone() {
     let completion_tokens: Vec<&Value> =
         replies.iter().map(|r| &r[2]["completion_tokens"]).collect();
     assert_eq!(completion_tokens, [24, 10, 16, 6]);
-}
-
-/// The other architectures' batched steps (recurrent state, sliding-window rings, experts,
-/// per-layer inputs) give each request what it gets alone too.
-#[tokio::test]
-async fn every_architecture_serves_requests_together_as_alone() {
-    let settings = |decode_concurrency| Settings {
-        decode_concurrency,
-        prompt_cache_size: 0,
-        ..Settings::default()
-    };
-    for name in [
-        "qwen3_5-4bit-g64",
-        "qwen3_5_moe-4bit-g64",
-        "gemma3-4bit-g64",
-        "gemma4-4bit-g32",
-    ] {
-        let (together, calls) = start_model(name, settings(32)).await;
-        let replies = send_together(&together, requests(), Duration::ZERO).await;
-        assert_eq!(batches(&calls).iter().max(), Some(&4), "{name}");
-        let (alone, _) = start_model(name, settings(1)).await;
-        let expected = send_together(&alone, requests(), Duration::ZERO).await;
-        assert_eq!(replies, expected, "{name}");
-    }
-}
-
-/// A request through another adapter waits until the batch before it has drained, and the
-/// batch takes no more meanwhile: the requests after it are decoded with it, through its
-/// adapter only if they name it.
-#[tokio::test]
-async fn a_request_of_another_adapter_waits_for_the_batch() {
-    let adapters = tempfile::tempdir().unwrap();
-    let sea = adapters.path().join("sea");
-    std::fs::create_dir(&sea).unwrap();
-    let lora = fixture("../lora/llama-4bit-g64-r4");
-    for file in ["adapter_config.json", "adapters.safetensors"] {
-        std::fs::copy(lora.join(file), sea.join(file)).unwrap();
-    }
-    let prompt = "The history of the city begins";
-    let bodies = || {
-        vec![
-            json!({"prompt": prompt, "max_tokens": 20}),
-            json!({"prompt": prompt, "max_tokens": 12}),
-            json!({"prompt": prompt, "max_tokens": 12, "adapters": "sea"}),
-            json!({"prompt": "Once upon a time", "max_tokens": 8}),
-            json!({"prompt": "Once upon a time", "max_tokens": 8, "adapters": "sea"}),
-        ]
-    };
-    let dir = Some(adapters.path().to_path_buf());
-    let (together, calls) = start(32, dir.clone()).await;
-    // In this order: two of the base model, one of the adapter, then one of each.
-    let apart = Duration::from_millis(40);
-    let replies = send_together(&together, bodies(), apart).await;
-    let (alone, _) = start(1, dir).await;
-    let expected = send_together(&alone, bodies(), apart).await;
-    assert_eq!(replies, expected);
-    // The adapter changed what it applies to.
-    assert_ne!(replies[2][0], replies[1][0]);
-    // The base model's only batched steps were of the two requests ahead of the adapter's.
-    let batches = batches(&calls);
-    assert!(batches.iter().all(|&n| n == 2), "{batches:?}");
-    // A step for each of the second's tokens past the first, which its prompt gave.
-    assert_eq!(batches.len(), 11);
-}
-
-/// A long prompt goes through a prefill step at a time between decoding steps, so that the
-/// requests decoding meanwhile go on.
-#[tokio::test]
-async fn a_long_prompt_goes_through_between_steps() {
-    let (base, calls) = start_with(Settings {
-        prefill_step: 8,
-        ..Settings::default()
-    })
-    .await;
-    let long = "one two three four five six seven eight nine ten ".repeat(6);
-    let bodies = vec![
-        json!({"prompt": "Once upon a time", "max_tokens": 40}),
-        json!({"prompt": long, "max_tokens": 4}),
-    ];
-    let replies = send_together(&base, bodies, Duration::from_millis(100)).await;
-    let prompt_tokens = |r: &Value| r[2]["prompt_tokens"].as_u64().unwrap() as usize;
-    let (first, second) = (prompt_tokens(&replies[0]), prompt_tokens(&replies[1]));
-    assert!(second > 40, "{second}");
-    // The second arrives while the first's prompt goes through; then its own goes through in
-    // chunks of at most 8 tokens, each followed by a step of the first alone, until both
-    // decode together.
-    let calls = calls.lock().unwrap().clone();
-    let joined = calls.iter().position(|c| *c == Call::Batch(2)).unwrap();
-    let chunk = |c: &Call| match c {
-        Call::Prompt(n) => *n,
-        _ => 0,
-    };
-    let prompts: usize = calls[..joined].iter().map(chunk).sum();
-    assert_eq!(prompts, first + second, "{calls:?}");
-    assert!(calls[..joined].iter().all(|c| chunk(c) <= 8), "{calls:?}");
-    let first_step = calls.iter().position(|c| *c == Call::Step).unwrap();
-    for pair in calls[first_step..joined].windows(2) {
-        assert!(
-            pair.contains(&Call::Step),
-            "two chunks without a step: {calls:?}"
-        );
-    }
 }

@@ -1,0 +1,492 @@
+//! The continuous batcher on tiny models, with every job queued before it runs, so that what it
+//! does is the same on every run: which jobs share a step, how prompts are cut between steps,
+//! what the prompt cache gives, and that each job gets what it gets served alone.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+
+use oxlm_engine::{KvPrecision, Tensor};
+use oxlm_models::lora::Adaptable;
+use oxlm_models::{Cache, ForwardError, LanguageModel, Logits, ModelInfo};
+use oxlm_runtime::adapter_store::Adapter;
+use oxlm_runtime::batcher::{Batcher, BatcherSettings, Job, JobError, Requester, Update};
+use oxlm_runtime::sampler::SamplerConfig;
+use oxlm_runtime::tokenizer::Tokenizer;
+use oxlm_runtime::{FinishReason, GenerateOptions, RuntimeError, StreamOptions};
+
+/// A forward pass as the batcher asked for it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Call {
+    /// `forward` of this many prompt tokens of one sequence.
+    Prompt(usize),
+    /// `forward` of one greedy sequence's next token.
+    Step,
+    /// `forward_batch` of this many sequences.
+    Batch(usize),
+}
+
+/// A model that records the calls made of it.
+struct Recording {
+    inner: Box<dyn LanguageModel>,
+    calls: Mutex<Vec<Call>>,
+}
+
+impl Recording {
+    fn calls(&self) -> Vec<Call> {
+        std::mem::take(&mut self.calls.lock().unwrap())
+    }
+}
+
+impl LanguageModel for Recording {
+    fn info(&self) -> &ModelInfo {
+        self.inner.info()
+    }
+
+    fn new_cache(&self) -> Result<Cache, ForwardError> {
+        self.inner.new_cache()
+    }
+
+    fn new_cache_in(&self, precision: KvPrecision) -> Result<Cache, ForwardError> {
+        self.inner.new_cache_in(precision)
+    }
+
+    fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        logits: Logits,
+    ) -> Result<Tensor, ForwardError> {
+        let call = match logits {
+            Logits::LastOnDevice => Call::Step,
+            _ => Call::Prompt(tokens.len()),
+        };
+        self.calls.lock().unwrap().push(call);
+        self.inner.forward(tokens, cache, logits)
+    }
+
+    fn forward_batch(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut Cache],
+    ) -> Result<Tensor, ForwardError> {
+        self.calls.lock().unwrap().push(Call::Batch(tokens.len()));
+        self.inner.forward_batch(tokens, caches)
+    }
+
+    fn adaptable(&self) -> Option<&dyn Adaptable> {
+        self.inner.adaptable()
+    }
+}
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+/// The tiny model `name`, recording its calls, and its tokenizer.
+fn load(name: &str) -> (Tokenizer, Recording) {
+    let dir = fixtures().join("tiny").join(name);
+    let model = Recording {
+        inner: oxlm_models::load(&dir).unwrap(),
+        calls: Mutex::new(Vec::new()),
+    };
+    (Tokenizer::from_dir(&dir).unwrap(), model)
+}
+
+/// What a job was told, in order.
+#[derive(Clone, Default)]
+struct Log(Arc<Mutex<Vec<Update>>>);
+
+/// A requester that logs every update, and gives the job up after `cancel_after` tokens.
+struct Logging {
+    log: Log,
+    cancel_after: Option<usize>,
+    tokens: AtomicUsize,
+}
+
+impl Requester for Logging {
+    fn deliver(&self, update: Update) -> bool {
+        if matches!(update, Update::Token { .. }) {
+            self.tokens.fetch_add(1, Ordering::Relaxed);
+        }
+        self.log.0.lock().unwrap().push(update);
+        true
+    }
+
+    fn cancelled(&self) -> bool {
+        self.cancel_after
+            .is_some_and(|n| self.tokens.load(Ordering::Relaxed) >= n)
+    }
+}
+
+/// What a job asks for.
+#[derive(Clone)]
+struct Ask {
+    prompt: String,
+    max_tokens: usize,
+    sampler: SamplerConfig,
+    top_logprobs: usize,
+    adapter: Option<Arc<Adapter>>,
+    prefill_step: usize,
+    cancel_after: Option<usize>,
+}
+
+fn ask(prompt: &str, max_tokens: usize) -> Ask {
+    Ask {
+        prompt: prompt.into(),
+        max_tokens,
+        sampler: SamplerConfig::default(),
+        top_logprobs: 0,
+        adapter: None,
+        prefill_step: 2048,
+        cancel_after: None,
+    }
+}
+
+/// What a job ended with: its tokens, its text, its log-probabilities and how it ended.
+#[derive(Debug, PartialEq)]
+struct Served {
+    cached_tokens: Option<usize>,
+    tokens: Vec<u32>,
+    text: String,
+    logprobs: Vec<(f32, Vec<(u32, f32)>)>,
+    end: Result<FinishReason, String>,
+}
+
+fn served(log: &Log) -> Served {
+    let mut s = Served {
+        cached_tokens: None,
+        tokens: Vec::new(),
+        text: String::new(),
+        logprobs: Vec::new(),
+        end: Err("no Done".into()),
+    };
+    for update in log.0.lock().unwrap().iter() {
+        match update {
+            Update::Started { cached_tokens } => s.cached_tokens = Some(*cached_tokens),
+            Update::Prefill { .. } => {}
+            Update::Token {
+                id,
+                logprob,
+                top,
+                text,
+            } => {
+                s.tokens.push(*id);
+                s.logprobs.push((*logprob, top.clone()));
+                s.text.push_str(text);
+            }
+            Update::Text(text) => s.text.push_str(text),
+            Update::Done(end) => s.end = end.as_ref().copied().map_err(|e| e.to_string()),
+        }
+    }
+    s
+}
+
+struct Run {
+    capacity: usize,
+    cache_entries: usize,
+    shutdown: bool,
+}
+
+const TOGETHER: Run = Run {
+    capacity: 32,
+    cache_entries: 0,
+    shutdown: false,
+};
+
+const ALONE: Run = Run {
+    capacity: 1,
+    ..TOGETHER
+};
+
+/// Queues a job for each of `asks`, then runs the batcher over them until all are served.
+fn serve(tokenizer: &Tokenizer, model: &Recording, asks: &[Ask], run: Run) -> Vec<Log> {
+    let (jobs, queue) = mpsc::channel();
+    let mut logs = Vec::new();
+    for a in asks {
+        let log = Log::default();
+        let job = Job {
+            prompt: tokenizer.encode(&a.prompt, false).unwrap(),
+            adapter: a.adapter.clone(),
+            options: GenerateOptions {
+                max_tokens: a.max_tokens,
+                sampler: a.sampler.clone(),
+                prefill_step: a.prefill_step,
+                kv_cache: None,
+            },
+            stream: StreamOptions {
+                stop: Vec::new(),
+                top_logprobs: a.top_logprobs,
+            },
+            requester: Box::new(Logging {
+                log: log.clone(),
+                cancel_after: a.cancel_after,
+                tokens: AtomicUsize::new(0),
+            }),
+        };
+        jobs.send(job).unwrap();
+        logs.push(log);
+    }
+    drop(jobs);
+    let settings = BatcherSettings {
+        capacity: run.capacity,
+        cache_entries: run.cache_entries,
+        cache_bytes: usize::MAX,
+        shutdown: Arc::new(AtomicBool::new(run.shutdown)),
+    };
+    // No end-of-sequence ids: every job runs for as many tokens as it asks.
+    let eos_ids = HashSet::new();
+    Batcher::new(model, Some(tokenizer), &eos_ids, settings).run(&queue);
+    logs
+}
+
+/// Four jobs of different lengths and samplers: greedy ones, a seeded sampled one and one with
+/// top logprobs (whose steps need the logits on the host).
+fn four() -> Vec<Ask> {
+    let sampled = SamplerConfig {
+        temperature: 0.7,
+        seed: Some(3),
+        ..SamplerConfig::default()
+    };
+    vec![
+        ask("The history of the city begins", 24),
+        ask("Once upon a time", 10),
+        Ask {
+            sampler: sampled,
+            ..ask("The capital of", 16)
+        },
+        Ask {
+            top_logprobs: 2,
+            ..ask("Numbers: one, two,", 6)
+        },
+    ]
+}
+
+fn batches(calls: &[Call]) -> Vec<usize> {
+    calls
+        .iter()
+        .filter_map(|c| match c {
+            Call::Batch(n) => Some(*n),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Every architecture's batched steps (attention, recurrent state, sliding-window rings,
+/// experts, per-layer inputs) give each job what it gets alone, up to the capacity.
+#[test]
+fn jobs_queued_together_decode_together_as_they_decode_alone() {
+    for name in [
+        "llama-4bit-g64",
+        "qwen3_5-4bit-g64",
+        "qwen3_5_moe-4bit-g64",
+        "gemma3-4bit-g64",
+        "gemma4-4bit-g32",
+    ] {
+        let (tokenizer, model) = load(name);
+        let alone: Vec<Served> = serve(&tokenizer, &model, &four(), ALONE)
+            .iter()
+            .map(served)
+            .collect();
+        assert!(batches(&model.calls()).is_empty(), "{name}: one at a time");
+        let lengths: Vec<usize> = alone.iter().map(|s| s.tokens.len()).collect();
+        assert_eq!(lengths, [24, 10, 16, 6], "{name}");
+        assert!(alone
+            .iter()
+            .all(|s| s.end == Ok(FinishReason::Length) && !s.text.is_empty()));
+
+        let together: Vec<Served> = serve(&tokenizer, &model, &four(), TOGETHER)
+            .iter()
+            .map(served)
+            .collect();
+        assert_eq!(together, alone, "{name}");
+        // All four prompts go through before the first step, then the batch shrinks as the
+        // shorter jobs end.
+        let calls = model.calls();
+        assert!(calls[..4].iter().all(|c| matches!(c, Call::Prompt(_))));
+        let sizes = batches(&calls);
+        assert_eq!(sizes.iter().filter(|&&n| n == 4).count(), 5, "{name}");
+        assert_eq!(sizes.iter().filter(|&&n| n == 3).count(), 4, "{name}");
+        assert_eq!(sizes.iter().filter(|&&n| n == 2).count(), 6, "{name}");
+        assert_eq!(calls.iter().filter(|&&c| c == Call::Step).count(), 8);
+
+        let two = Run {
+            capacity: 2,
+            ..TOGETHER
+        };
+        let capped: Vec<Served> = serve(&tokenizer, &model, &four(), two)
+            .iter()
+            .map(served)
+            .collect();
+        assert_eq!(capped, alone, "{name}");
+        assert_eq!(batches(&model.calls()).iter().max(), Some(&2), "{name}");
+    }
+}
+
+/// A job through another adapter waits until the batch before it has drained, and the batch
+/// takes no more meanwhile: the jobs after it wait their turn too.
+#[test]
+fn a_job_of_another_adapter_waits_for_the_batch() {
+    let (tokenizer, model) = load("llama-4bit-g64");
+    let lora = fixtures().join("lora/llama-4bit-g64-r4");
+    let sea = Some(Arc::new(Adapter::load(&lora, &model).unwrap()));
+    let prompt = "The history of the city begins";
+    let asks = [
+        ask(prompt, 20),
+        ask(prompt, 12),
+        Ask {
+            adapter: sea.clone(),
+            ..ask(prompt, 12)
+        },
+        ask("Once upon a time", 8),
+        ask("Once upon a time", 8),
+    ];
+    let alone: Vec<Served> = serve(&tokenizer, &model, &asks, ALONE)
+        .iter()
+        .map(served)
+        .collect();
+    model.calls();
+    let together: Vec<Served> = serve(&tokenizer, &model, &asks, TOGETHER)
+        .iter()
+        .map(served)
+        .collect();
+    assert_eq!(together, alone);
+    // The adapter changed what it applies to.
+    assert_ne!(together[2].tokens, together[1].tokens);
+    // The first two decode together (11 steps, then the first alone); then the adapter's job
+    // alone; then the last two together.
+    let calls = model.calls();
+    let p = |n| Call::Prompt(n);
+    let n = |i: usize| tokenizer.encode(&asks[i].prompt, false).unwrap().len();
+    // The adapter's passes go past the recording, straight to the architecture.
+    let expected: Vec<Call> = [
+        vec![p(n(0)), p(n(1))],
+        vec![Call::Batch(2); 11],
+        vec![Call::Step; 8],
+        vec![p(n(3)), p(n(4))],
+        vec![Call::Batch(2); 7],
+    ]
+    .concat();
+    assert_eq!(calls, expected);
+}
+
+/// A long prompt goes through a prefill step at a time between decoding steps, so that the
+/// jobs decoding meanwhile go on.
+#[test]
+fn a_long_prompt_goes_through_between_steps() {
+    const STEP: usize = 16;
+    let (tokenizer, model) = load("llama-4bit-g64");
+    let long = "one two three four five six seven eight nine ten ".repeat(6);
+    let asks = [
+        Ask {
+            prefill_step: STEP,
+            ..ask("Once upon a time", 40)
+        },
+        Ask {
+            prefill_step: STEP,
+            ..ask(&long, 4)
+        },
+    ];
+    let together: Vec<Served> = serve(&tokenizer, &model, &asks, TOGETHER)
+        .iter()
+        .map(served)
+        .collect();
+    let calls = model.calls();
+    let alone: Vec<Served> = serve(&tokenizer, &model, &asks, ALONE)
+        .iter()
+        .map(served)
+        .collect();
+    // The same tokens: the prompt is cut elsewhere, so its log-probabilities differ in their
+    // last bits.
+    let tokens = |s: &[Served]| s.iter().map(|s| s.tokens.clone()).collect::<Vec<_>>();
+    assert_eq!(tokens(&together), tokens(&alone));
+    let first = tokenizer.encode(&asks[0].prompt, false).unwrap().len();
+    let second = tokenizer.encode(&long, false).unwrap().len();
+    assert!(first < STEP && second > 40, "{first} {second}");
+    // The first prompt and the first chunk of the second share the first prefill step; then
+    // each chunk of a step is followed by a step of the first alone, until both decode together.
+    let mut expected = vec![Call::Prompt(first), Call::Prompt(STEP - first), Call::Step];
+    let mut left = second - (STEP - first);
+    while left > 0 {
+        expected.push(Call::Prompt(left.min(STEP)));
+        left -= left.min(STEP);
+        expected.push(if left > 0 { Call::Step } else { Call::Batch(2) });
+    }
+    assert_eq!(calls[..expected.len()], expected[..], "{calls:?}");
+}
+
+/// A prompt seen before starts from the state kept for it: after the whole prompt for
+/// attention caches, and for recurrent and sliding-window caches, which cannot be cut back,
+/// from the snapshot kept of the prompt without its last token.
+#[test]
+fn a_prompt_seen_before_starts_from_the_prompt_cache() {
+    for name in ["llama-4bit-g64", "qwen3_5-4bit-g64", "gemma3-4bit-g64"] {
+        let (tokenizer, model) = load(name);
+        let prompt = "The history of the city begins";
+        let n = tokenizer.encode(prompt, false).unwrap().len();
+        let asks = [ask(prompt, 6), ask(prompt, 6)];
+        let cached = Run {
+            cache_entries: 4,
+            ..ALONE
+        };
+        let logs: Vec<Served> = serve(&tokenizer, &model, &asks, cached)
+            .iter()
+            .map(served)
+            .collect();
+        assert_eq!(logs[0].cached_tokens, Some(0), "{name}");
+        assert_eq!(logs[1].cached_tokens, Some(n - 1), "{name}");
+        assert_eq!(logs[1].tokens, logs[0].tokens, "{name}");
+        let calls = model.calls();
+        let prompts: Vec<&Call> = calls
+            .iter()
+            .filter(|c| matches!(c, Call::Prompt(_)))
+            .collect();
+        let first: &[Call] = if name == "llama-4bit-g64" {
+            &[Call::Prompt(n)]
+        } else {
+            &[Call::Prompt(n - 1), Call::Prompt(1)]
+        };
+        let expected: Vec<&Call> = first.iter().chain(&[Call::Prompt(1)]).collect();
+        assert_eq!(prompts, expected, "{name}");
+    }
+}
+
+/// A job its requester gives up ends as cancelled while the others go on; an empty prompt ends
+/// with an error of its own; at shutdown every job ends with the shutdown's error.
+#[test]
+fn jobs_end_alone_when_given_up_or_wrong() {
+    let (tokenizer, model) = load("llama-4bit-g64");
+    let asks = [
+        ask("Once upon a time", 12),
+        Ask {
+            cancel_after: Some(3),
+            ..ask("The capital of", 12)
+        },
+        ask("", 4),
+    ];
+    let logs: Vec<Served> = serve(&tokenizer, &model, &asks, TOGETHER)
+        .iter()
+        .map(served)
+        .collect();
+    assert_eq!(logs[0].end, Ok(FinishReason::Length));
+    assert_eq!(logs[0].tokens.len(), 12);
+    assert_eq!(logs[1].end, Ok(FinishReason::Cancelled));
+    assert_eq!(logs[1].tokens.len(), 3);
+    let empty = RuntimeError::from(ForwardError::EmptyInput).to_string();
+    assert_eq!(logs[2].end, Err(empty));
+    assert_eq!(logs[2].cached_tokens, None);
+
+    model.calls();
+    let shutdown = Run {
+        shutdown: true,
+        ..TOGETHER
+    };
+    let logs = serve(&tokenizer, &model, &asks[..2], shutdown);
+    for log in &logs {
+        let served = served(log);
+        assert_eq!(served.end, Err(JobError::ShuttingDown.to_string()));
+        assert!(served.tokens.is_empty());
+    }
+    assert!(model.calls().is_empty());
+}
