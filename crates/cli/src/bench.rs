@@ -2,7 +2,10 @@
 //! end-of-sequence stop, for the peer benchmark in `benches/`. Prints one JSON object; on a GPU
 //! with `OXLM_TRACE` set, it also holds where a decode step's time went (`trace`).
 
+use std::collections::HashSet;
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -12,8 +15,11 @@ use oxlm_engine::cuda::{
 };
 use oxlm_engine::{ops, DecodeSteps, KvPrecision};
 use oxlm_models::{Cache, LanguageModel, Logits};
+use oxlm_runtime::batcher::{Batcher, BatcherSettings, Job, Requester, Update};
 use oxlm_runtime::generate::{decode_step, peak_memory_bytes, Stepped, DEFAULT_PREFILL_STEP};
 use oxlm_runtime::hub::resolve_model;
+use oxlm_runtime::sampler::SamplerConfig;
+use oxlm_runtime::{GenerateOptions, StreamOptions};
 use serde_json::json;
 
 #[derive(clap::Args)]
@@ -41,8 +47,8 @@ pub struct Args {
     #[arg(long, default_value_t = 32)]
     depth_tokens: usize,
     /// Also time decoding `--gen-tokens` tokens for this many sequences at once, each first
-    /// prefilled with its own `--prompt-tokens` prompt (repeatable); reports the tokens/s of
-    /// all sequences together.
+    /// prefilled with its own `--prompt-tokens` prompt (repeatable), through the batcher that
+    /// serves concurrent requests; reports the tokens/s of all sequences together.
     #[arg(long)]
     batch: Vec<usize>,
     /// Prompts of a `--batch` of different lengths, spread over the 256 tokens up to
@@ -193,6 +199,111 @@ fn decode(
             .gpu_time()
             .filter(|_| steps.replayed() > 0)
             .map(|span| span.as_secs_f64() * 1e6 / steps.replayed() as f64),
+    })
+}
+
+/// When the jobs of a batch got their first token and ended, and the first error met.
+struct BatchTimes {
+    first_token: Vec<Option<Instant>>,
+    done: Vec<Option<Instant>>,
+    error: Option<String>,
+}
+
+/// A benchmark's job: it only notes the times of its updates.
+struct Timed {
+    times: Arc<Mutex<BatchTimes>>,
+    job: usize,
+}
+
+impl Requester for Timed {
+    fn deliver(&self, update: Update) -> bool {
+        let mut times = self.times.lock().unwrap_or_else(|e| e.into_inner());
+        match update {
+            Update::Token { .. } => {
+                times.first_token[self.job].get_or_insert_with(Instant::now);
+            }
+            Update::Done(result) => {
+                times.done[self.job] = Some(Instant::now());
+                if let Err(e) = result {
+                    times.error.get_or_insert(e.to_string());
+                }
+            }
+            _ => {}
+        }
+        true
+    }
+
+    fn cancelled(&self) -> bool {
+        false
+    }
+}
+
+/// Decodes `n` greedy tokens for each of prompts `lengths` tokens long through the runtime's
+/// batcher, as `serve` decodes concurrent requests; times the steps from the last first token
+/// (every prompt goes through before the first step) to the last job's end.
+fn decode_batch(
+    model: &dyn LanguageModel,
+    kv_cache: KvPrecision,
+    lengths: &[usize],
+    n: usize,
+) -> Result<Decoded> {
+    let vocab = model.info().vocab_size;
+    let times = Arc::new(Mutex::new(BatchTimes {
+        first_token: vec![None; lengths.len()],
+        done: vec![None; lengths.len()],
+        error: None,
+    }));
+    let (jobs, queue) = mpsc::channel();
+    for (job, (seed, &len)) in (1000..).zip(lengths).enumerate() {
+        let options = GenerateOptions {
+            max_tokens: n + 1,
+            sampler: SamplerConfig::default(),
+            // All prompts in the first prefill turn, each in one pass.
+            prefill_step: lengths.iter().sum::<usize>().max(1),
+            kv_cache: Some(kv_cache),
+        };
+        let requester = Timed {
+            times: times.clone(),
+            job,
+        };
+        jobs.send(Job {
+            prompt: prompt(len, vocab, seed),
+            adapter: None,
+            options,
+            stream: StreamOptions::default(),
+            requester: Box::new(requester),
+        })
+        .map_err(|_| anyhow::anyhow!("the batcher's queue closed"))?;
+    }
+    drop(jobs);
+    let settings = BatcherSettings {
+        capacity: lengths.len(),
+        cache_entries: 0,
+        cache_bytes: 0,
+        shutdown: Arc::new(AtomicBool::new(false)),
+    };
+    // No end-of-sequence stop: every sequence decodes `n` tokens.
+    let eos_ids = HashSet::new();
+    let mut batcher = Batcher::new(model, None, &eos_ids, settings);
+    batcher.run(&queue);
+    let times = times.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(e) = &times.error {
+        anyhow::bail!("a batched job failed: {e}");
+    }
+    let start = times.first_token.iter().flatten().max();
+    let end = times.done.iter().flatten().max();
+    let (Some(start), Some(end)) = (start, end) else {
+        anyhow::bail!("the batch ended without its tokens");
+    };
+    let totals = batcher.step_totals();
+    let per_step = |d: std::time::Duration| d.as_secs_f64() * 1e6 / totals.steps.max(1) as f64;
+    let on_gpu = !model.info().device.is_cpu();
+    Ok(Decoded {
+        seconds: (*end - *start).as_secs_f64(),
+        replayed: totals.replayed,
+        host_us: on_gpu.then(|| per_step(totals.host)),
+        gpu_us: (on_gpu && totals.replayed > 0)
+            .then(|| totals.gpu.as_secs_f64() * 1e6 / totals.replayed as f64),
     })
 }
 
@@ -373,10 +484,7 @@ pub fn run(args: Args) -> Result<()> {
         let lengths = batch_lengths(sequences, args.prompt_tokens, args.stagger);
         // As for one sequence, an untimed run first: the batch's kernels are loaded, its
         // graphs captured and its temporaries allocated on their first step.
-        let run = || -> Result<Decoded> {
-            let (tokens, mut caches) = prefill_sequences(model.as_ref(), kv_cache, &lengths, 1000)?;
-            decode(model.as_ref(), tokens, &mut caches, args.gen_tokens)
-        };
+        let run = || decode_batch(model.as_ref(), kv_cache, &lengths, args.gen_tokens);
         run()?;
         let decoded = run()?;
         let trace = traced_decode(model.as_ref(), kv_cache, &lengths, args.gen_tokens)?;
