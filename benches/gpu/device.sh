@@ -4,7 +4,8 @@
 # trimmed llama.cpp source tree.
 #
 # usage: benches/gpu/device.sh STAGE...   (in order)
-#   tests           every carried test binary (CUDA op parity, tiny-model parity on the GPU)
+#   tests           every carried test binary (CUDA op parity, tiny-model and adapter parity on
+#                   the GPU)
 #   bench           oxlm on synthetic models (random weights written here by synthetic_mlx.py):
 #                   the 0.85B llama at 4 and 8 bits, the 7.2B at 4 bits, Qwen2.5-0.5B's shape
 #                   at 4 and 8 bits; decode 128 tokens after 512- and 2048-token prompts, and

@@ -21,7 +21,7 @@ cargo build --release -p oxlm-cli
 cargo build --release -p oxlm-engine --example cuda_gemv
 cp target/release/examples/cuda_gemv .device/cuda_gemv
 cp target/release/oxlm .device/oxlm
-cargo test --no-run -p oxlm-engine --test cuda_ops -p oxlm-models --test tiny_parity \
+cargo test --no-run -p oxlm-engine --test cuda_ops -p oxlm-models --test tiny_parity --test lora \
   --message-format=json 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:

@@ -1,21 +1,28 @@
 //! LoRA adapters made by mlx-lm's tuner (tests/fixtures/lora, from
 //! scripts/oracle/make_lora_fixture.py) give mlx-lm's logits when applied unfused, through a full
-//! forward and through the KV cache, and broken or foreign adapters are refused with a clear error.
+//! forward, through the KV cache and in batched steps, on the CPU and the GPU; broken or foreign
+//! adapters are refused with a clear error.
 
 mod lora_fixtures;
 
 use std::path::Path;
 
-use lora_fixtures::{all_logits, fixtures, golden, max_abs_diff, prompt, CASES, LOGIT_TOLERANCE};
+use lora_fixtures::{
+    all_logits, devices, fixtures, golden, max_abs_diff, prompt, CASES, LOGIT_TOLERANCE,
+};
 use oxlm_engine::KvPrecision;
 use oxlm_models::lora::{AdaptedModel, AdapterError, Adapters};
-use oxlm_models::{load, LanguageModel, Logits};
+use oxlm_models::{load, load_on, LanguageModel, Logits};
 use serde_json::Value;
 
 #[test]
 fn adapted_logits_match_mlx_lm() {
-    for (adapter, base) in CASES {
-        let model = load(&fixtures().join("tiny").join(base)).unwrap();
+    let (devices, _turn) = devices();
+    for ((adapter, base), device) in CASES
+        .iter()
+        .flat_map(|c| devices.iter().map(move |d| (c, d)))
+    {
+        let model = load_on(&fixtures().join("tiny").join(base), device).unwrap();
         let adapters =
             Adapters::load(&fixtures().join("lora").join(adapter), model.as_ref()).unwrap();
         let adapted = AdaptedModel::new(model.as_ref(), &adapters).unwrap();
@@ -26,7 +33,7 @@ fn adapted_logits_match_mlx_lm() {
         );
         let want = golden(adapter, "adapted_logits");
         let diff = max_abs_diff(&all_logits(&adapted, &ids), &want);
-        println!("{adapter}: max |Δ| base {base_diff:.2e}, adapted {diff:.2e}");
+        println!("{adapter} on {device}: max |Δ| base {base_diff:.2e}, adapted {diff:.2e}");
         assert!(base_diff < LOGIT_TOLERANCE && diff < LOGIT_TOLERANCE);
 
         // Token by token through the KV cache, after a prefill of all but the last 4.
@@ -38,8 +45,12 @@ fn adapted_logits_match_mlx_lm() {
             .unwrap();
         for (t, &id) in ids.iter().enumerate().skip(split) {
             let got = adapted.forward(&[id], &mut cache, Logits::Last).unwrap();
+            let got = got.into_host().unwrap();
             let d = max_abs_diff(got.data(), &want[t * vocab..(t + 1) * vocab]);
-            assert!(d < LOGIT_TOLERANCE, "{adapter} position {t}: {d}");
+            assert!(
+                d < LOGIT_TOLERANCE,
+                "{adapter} on {device} position {t}: {d}"
+            );
         }
     }
 }
@@ -49,8 +60,12 @@ fn adapted_logits_match_mlx_lm() {
 /// prefilled apart, then their next tokens in one batched step.
 #[test]
 fn adapted_batched_decode_matches_mlx_lm() {
-    for (adapter, base) in CASES {
-        let model = load(&fixtures().join("tiny").join(base)).unwrap();
+    let (devices, _turn) = devices();
+    for ((adapter, base), device) in CASES
+        .iter()
+        .flat_map(|c| devices.iter().map(move |d| (c, d)))
+    {
+        let model = load_on(&fixtures().join("tiny").join(base), device).unwrap();
         let adapters =
             Adapters::load(&fixtures().join("lora").join(adapter), model.as_ref()).unwrap();
         let adapted = AdaptedModel::new(model.as_ref(), &adapters).unwrap();
@@ -74,8 +89,11 @@ fn adapted_batched_decode_matches_mlx_lm() {
         for (i, &n) in lengths.iter().enumerate() {
             let row = &batch.data()[i * vocab..(i + 1) * vocab];
             let d = max_abs_diff(row, &want[n * vocab..(n + 1) * vocab]);
-            println!("{adapter}: batched position {n} within {d:.2e} of mlx-lm");
-            assert!(d < LOGIT_TOLERANCE, "{adapter} position {n}: {d}");
+            println!("{adapter} on {device}: batched position {n} within {d:.2e} of mlx-lm");
+            assert!(
+                d < LOGIT_TOLERANCE,
+                "{adapter} on {device} position {n}: {d}"
+            );
         }
     }
 }

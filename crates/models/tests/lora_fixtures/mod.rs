@@ -4,8 +4,9 @@
 #![allow(dead_code)] // each test binary uses its own part
 
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
 
-use oxlm_engine::KvPrecision;
+use oxlm_engine::{cuda, Device, KvPrecision};
 use oxlm_models::{LanguageModel, Logits};
 
 /// As the tiny-model parity tests: both sides compute in f32.
@@ -67,5 +68,24 @@ pub fn all_logits(model: &dyn LanguageModel, tokens: &[u32]) -> Vec<f32> {
     model
         .forward(tokens, &mut cache, Logits::All)
         .unwrap()
+        .into_host()
+        .unwrap()
         .into_data()
+}
+
+/// The devices adapters are checked on: the CPU, then the GPU (if any) in exact math, which
+/// holds the same tolerance; with the GPU, this test's turn on it (a GPU handle has one stream
+/// for every thread).
+pub fn devices() -> (Vec<Device>, Option<MutexGuard<'static, ()>>) {
+    static TURN: Mutex<()> = Mutex::new(());
+    if !cuda::libraries_present() {
+        eprintln!("GPU runs skipped: no CUDA driver on this machine");
+        return (vec![Device::Cpu], None);
+    }
+    let turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let Device::Cuda(gpu) = Device::open("cuda").expect("opening GPU 0") else {
+        unreachable!()
+    };
+    let exact = Device::Cuda(gpu.with_exact_math(true));
+    (vec![Device::Cpu, exact], Some(turn))
 }
