@@ -82,6 +82,25 @@ pub fn silu_mul_backward(gate: &[f32], up: &[f32], dh: &[f32]) -> (Vec<f32>, Vec
     (dgate, dup)
 }
 
+/// Backward of [`crate::ops::gelu_approx_mul_inplace`] (`h = gelu_approx(gate) · up`, GELU's
+/// tanh approximation): returns `(dgate, dup)` for the output gradient `dh`.
+pub fn gelu_approx_mul_backward(gate: &[f32], up: &[f32], dh: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const CUBIC: f32 = 0.044715;
+    let mut dgate = vec![0.0; gate.len()];
+    let mut dup = vec![0.0; gate.len()];
+    for i in 0..gate.len() {
+        let x = gate[i];
+        let t = (SQRT_2_OVER_PI * (x + CUBIC * x * x * x)).tanh();
+        let gelu = 0.5 * x * (1.0 + t);
+        let slope = 0.5 * (1.0 + t)
+            + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * CUBIC * x * x);
+        dup[i] = dh[i] * gelu;
+        dgate[i] = dh[i] * up[i] * slope;
+    }
+    (dgate, dup)
+}
+
 /// Gradients of [`crate::ops::attention`] for one sequence at positions `0..n` (causal), with
 /// the probabilities recomputed rather than stored: `dq` is `[n, heads, head_dim]` like `q`,
 /// `dk` and `dv` are `[kv_heads, n, head_dim]` like the keys and values of `kv`.
@@ -92,7 +111,8 @@ pub struct AttentionGrads {
 }
 
 /// Backward of [`crate::ops::attention`] over `kv` holding exactly the `n` positions of `q`
-/// (`kv.capacity == kv.end == n`, from 0, no window), for the output gradient `dout` (`[n, heads, head_dim]`).
+/// (`kv.capacity == kv.end == n`, from 0; through its window, if any), for the output gradient
+/// `dout` (`[n, heads, head_dim]`).
 pub fn attention_backward(
     q: &[f32],
     heads: usize,
@@ -103,7 +123,7 @@ pub fn attention_backward(
 ) -> AttentionGrads {
     let n = kv.end;
     assert!(
-        kv.capacity == n && kv.start == 0 && kv.window.is_none(),
+        kv.capacity == n && kv.start == 0,
         "attention_backward takes one whole sequence"
     );
     let group = heads / kv.kv_heads;
@@ -112,13 +132,16 @@ pub fn attention_backward(
     let mut dv = vec![0.0; kv.values.len()];
     let mut p = vec![0.0f32; n];
     for t in 0..n {
-        let visible = t + 1;
+        // Query `t` sees positions `first..=t`.
+        let first = kv.window.map_or(0, |w| (t + 1).saturating_sub(w));
+        let visible = t + 1 - first;
         for h in 0..heads {
             let kvh = h / group;
             let at = (t * heads + h) * head_dim;
             let (qv, dov) = (&q[at..at + head_dim], &dout[at..at + head_dim]);
-            let keys = &kv.keys[kvh * n * head_dim..][..visible * head_dim];
-            let values = &kv.values[kvh * n * head_dim..][..visible * head_dim];
+            let seen = (kvh * n + first) * head_dim..(kvh * n + t + 1) * head_dim;
+            let keys = &kv.keys[seen.clone()];
+            let values = &kv.values[seen.clone()];
             let p = &mut p[..visible];
             for (pj, kj) in p.iter_mut().zip(keys.chunks_exact(head_dim)) {
                 *pj = dot(qv, kj) * scale;
@@ -130,8 +153,8 @@ pub fn attention_backward(
                 .map(|vj| dot(dov, vj))
                 .collect();
             let mean: f32 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
-            let dkh = &mut dk[kvh * n * head_dim..][..visible * head_dim];
-            let dvh = &mut dv[kvh * n * head_dim..][..visible * head_dim];
+            let dkh = &mut dk[seen.clone()];
+            let dvh = &mut dv[seen];
             let dqv = &mut dq[at..at + head_dim];
             for j in 0..visible {
                 let ds = p[j] * (dp[j] - mean) * scale;

@@ -6,12 +6,13 @@
 //! of the largest gradient.
 
 use oxlm_engine::cpu::attention::{attention, KvView};
-use oxlm_engine::cpu::elementwise::silu_mul_inplace;
+use oxlm_engine::cpu::elementwise::{gelu_approx_mul_inplace, silu_mul_inplace};
 use oxlm_engine::cpu::norm::{rms_norm, rope_inplace};
 use oxlm_engine::cpu::Isa;
 use oxlm_engine::grad::{
     attention_backward, cross_entropy, cross_entropy_backward_inplace, dense_matmul_backward,
-    quantized_matmul_backward, rms_norm_backward, rope_backward_inplace, silu_mul_backward,
+    gelu_approx_mul_backward, quantized_matmul_backward, rms_norm_backward, rope_backward_inplace,
+    silu_mul_backward,
 };
 use oxlm_engine::quant::quantize;
 use oxlm_engine::{Bytes, DType, FloatMatrix, QuantizedMatrix};
@@ -109,31 +110,55 @@ fn rope_matches_finite_differences() {
     }
 }
 
+/// A gated activation's forward (`gate = act(gate) · up`) and backward.
+type Gated = (
+    &'static str,
+    fn(&mut [f32], &[f32]),
+    fn(&[f32], &[f32], &[f32]) -> (Vec<f32>, Vec<f32>),
+);
+
 #[test]
-fn swiglu_matches_finite_differences() {
-    let mut rng = StdRng::seed_from_u64(3);
-    let gate = random(&mut rng, 40, 4.0);
-    let up = random(&mut rng, 40, 2.0);
-    let r = random(&mut rng, 40, 1.0);
-    let (dgate, dup) = silu_mul_backward(&gate, &up, &r);
-    let by_gate = |g: &[f32]| {
-        let mut y = g.to_vec();
-        silu_mul_inplace(&mut y, &up);
-        y
-    };
-    let by_up = |u: &[f32]| {
-        let mut y = gate.clone();
-        silu_mul_inplace(&mut y, u);
-        y
-    };
-    assert_close("swiglu gate", &dgate, &numeric_grad(&gate, &r, by_gate));
-    assert_close("swiglu up", &dup, &numeric_grad(&up, &r, by_up));
+fn gated_activations_match_finite_differences() {
+    let cases: [Gated; 2] = [
+        ("swiglu", silu_mul_inplace, silu_mul_backward),
+        ("geglu", gelu_approx_mul_inplace, gelu_approx_mul_backward),
+    ];
+    for (name, forward, backward) in cases {
+        let mut rng = StdRng::seed_from_u64(3);
+        let gate = random(&mut rng, 40, 4.0);
+        let up = random(&mut rng, 40, 2.0);
+        let r = random(&mut rng, 40, 1.0);
+        let (dgate, dup) = backward(&gate, &up, &r);
+        let by_gate = |g: &[f32]| {
+            let mut y = g.to_vec();
+            forward(&mut y, &up);
+            y
+        };
+        let by_up = |u: &[f32]| {
+            let mut y = gate.clone();
+            forward(&mut y, u);
+            y
+        };
+        assert_close(
+            &format!("{name} gate"),
+            &dgate,
+            &numeric_grad(&gate, &r, by_gate),
+        );
+        assert_close(&format!("{name} up"), &dup, &numeric_grad(&up, &r, by_up));
+    }
 }
 
 #[test]
 fn attention_matches_finite_differences() {
+    // Causal, and through a sliding window shorter than the sequence.
+    for window in [None, Some(3)] {
+        check_attention(window);
+    }
+}
+
+fn check_attention(window: Option<usize>) {
     let mut rng = StdRng::seed_from_u64(4);
-    let (n, heads, kv_heads, d) = (5, 4, 2, 8);
+    let (n, heads, kv_heads, d) = (7, 4, 2, 8);
     let scale = (d as f32).powf(-0.5);
     let positions: Vec<usize> = (0..n).collect();
     let q = random(&mut rng, n * heads * d, 1.5);
@@ -141,12 +166,19 @@ fn attention_matches_finite_differences() {
     let v = random(&mut rng, kv_heads * n * d, 1.5);
     let r = random(&mut rng, n * heads * d, 1.0);
     let run = |q: &[f32], k: &[f32], v: &[f32]| {
-        let kv = KvView::sequence(k, v, kv_heads, n);
         let mut out = vec![0.0; q.len()];
-        attention(q, heads, d, &positions, &kv, scale, &mut out);
+        attention(
+            q,
+            heads,
+            d,
+            &positions,
+            &KvView::sequence(k, v, kv_heads, n).within(window),
+            scale,
+            &mut out,
+        );
         out
     };
-    let kv = KvView::sequence(&k[..], &v[..], kv_heads, n);
+    let kv = KvView::sequence(&k[..], &v[..], kv_heads, n).within(window);
     let g = attention_backward(&q, heads, d, &kv, scale, &r);
     assert_close(
         "attention dq",

@@ -607,6 +607,11 @@ impl<R> KvView<R> {
         }
     }
 
+    /// The same positions seen through `window` (a sliding-window layer's), or causally.
+    pub fn within(self, window: Option<usize>) -> Self {
+        KvView { window, ..self }
+    }
+
     /// The slots a query at `pos` attends, in position order: one run, or two where the ring
     /// wraps.
     fn runs(&self, pos: usize) -> [Range<usize>; 2] {
