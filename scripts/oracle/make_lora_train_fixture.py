@@ -1,8 +1,8 @@
 """Training goldens for `oxlm lora`, computed by mlx-lm's own tuner (datasets, iterate_batches, default_loss,
 Adam, train) with fp32 activations on the tiny small-vocabulary models.
 
-usage: PY=$(scripts/oracle/venv.sh); $PY scripts/oracle/make_lora_train_fixture.py [TINY_ROOT] [OUT_ROOT]
-  TINY_ROOT default tests/fixtures/tiny, OUT_ROOT default tests/fixtures/lora
+usage: PY=$(scripts/oracle/venv.sh); $PY scripts/oracle/make_lora_train_fixture.py [TINY_ROOT] [OUT_ROOT] [RUN...]
+  TINY_ROOT default tests/fixtures/tiny, OUT_ROOT default tests/fixtures/lora; RUNs (names in RUNS) default all
 
 Writes
   OUT_ROOT/data/{train,valid}.jsonl            chat data: sentences of GPL-3 as user/assistant turns (some with a
@@ -52,6 +52,9 @@ RUNS = {
                            lora_parameters={"rank": 8, "dropout": 0.0, "scale": 20.0}),
     # last block only; q/k RMSNorm, tied 4-bit head
     "qwen3-8bit-g128": dict(base="qwen3-8bit-g128", seed=4, num_layers=1,
+                            lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
+    # every block: sliding-window (8) and global layers, GeGLU, norms after attention and MLP
+    "gemma3-4bit-g64": dict(base="gemma3-4bit-g64", seed=5, num_layers=4,
                             lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
 }
 
@@ -188,7 +191,8 @@ def main():
                        ("data-completions/train", True), ("data-text/train", False)):
         sets[f"{name}.jsonl mask_prompt={mask}"] = processed(root / f"{name}.jsonl", tok, mask)
     (root / "datasets.json").write_text(json.dumps(sets) + "\n")
-    for name, spec in RUNS.items():
+    for name in sys.argv[3:] or RUNS:
+        spec = RUNS[name]
         base, out = tiny / spec["base"], root / f"train-{name}"
         if out.exists():
             shutil.rmtree(out)

@@ -1,25 +1,53 @@
-//! The loss and LoRA gradients of a llama-family model, one example at a time (the examples of a
-//! batch do not interact, so their gradients simply add): a forward pass that keeps what the
-//! backward pass needs, then the backward pass from the loss down to the lowest adapted block.
-//! With `checkpoint`, only each block's input is kept and the block is run again on the way back.
+//! The loss and LoRA gradients of a model of pre-norm decoder blocks (llama's, and Gemma 3's
+//! with its norms after attention and MLP, GeGLU and sliding windows), one example at a time
+//! (the examples of a batch do not interact, so their gradients simply add): a forward pass
+//! that keeps what the backward pass needs, then the backward pass from the loss down to the
+//! lowest adapted block. With `checkpoint`, only each block's input is kept and the block is run
+//! again on the way back.
 
 use std::collections::BTreeMap;
 
 use oxlm_engine::cpu::attention::KvView;
 use oxlm_engine::cpu::elementwise::add_inplace;
 use oxlm_engine::grad::{
-    attention_backward, cross_entropy, cross_entropy_backward_inplace, rms_norm_backward,
-    rope_backward_inplace, silu_mul_backward,
+    attention_backward, cross_entropy, cross_entropy_backward_inplace, gelu_approx_mul_backward,
+    rms_norm_backward, rope_backward_inplace, silu_mul_backward,
 };
+use oxlm_engine::ops::Activation;
 use oxlm_engine::{ops, Positions, Tensor};
 
-use crate::layers::{Attention, Linear, OpResult};
-use crate::llama::{Block, Llama};
+use crate::layers::{Attention, Linear, Mlp, OpResult, RmsNorm};
 use crate::lora::{Adapters, ModuleAdapters};
 use crate::lora_grad::{
     base_input_grad, linear_backward, zero_grads, Example, LoraGrad, LossAndGrads,
 };
+use crate::pass::Architecture;
 use crate::{check_tokens, ForwardError};
+
+/// A decoder block as the backward pass sees it: `h + post_attn(attn(input_norm(h)))`, then
+/// `h + post_mlp(mlp(mlp_norm(h)))`.
+pub struct DecoderBlock<'a> {
+    pub input_norm: &'a RmsNorm,
+    pub attn: &'a Attention,
+    /// Gemma's norm of the attention's output, before the residual.
+    pub attn_out_norm: Option<&'a RmsNorm>,
+    pub mlp_norm: &'a RmsNorm,
+    pub mlp: &'a Mlp,
+    /// Gemma's norm of the MLP's output, before the residual.
+    pub mlp_out_norm: Option<&'a RmsNorm>,
+    pub activation: Activation,
+    /// A sliding-window layer's window.
+    pub window: Option<usize>,
+}
+
+/// A model the backward pass can train: its blocks over its (scaled) embeddings, and the
+/// output head of [`Architecture::output`] (without a soft-cap, which the pass refuses).
+pub trait Decoder: Architecture {
+    /// The first block's input for `tokens`.
+    fn embed(&self, tokens: &[u32]) -> OpResult<Tensor>;
+
+    fn blocks(&self) -> Vec<DecoderBlock<'_>>;
+}
 
 /// Rows of logits computed at once, so that `[tokens, vocab]` never exists in full.
 const HEAD_ROWS: usize = 64;
@@ -37,6 +65,8 @@ struct Saved {
     k: Vec<f32>,
     v: Vec<f32>,
     attn: Tensor,
+    /// The attention's output before its norm, where the block has one.
+    attn_out: Option<Tensor>,
     h_mid: Tensor,
     x2: Tensor,
     gate: Tensor,
@@ -84,36 +114,22 @@ fn host(values: Vec<f32>, n: usize) -> Tensor {
 }
 
 /// A block's forward pass over one whole sequence (positions `0..n`), keeping its activations.
-fn forward_block(block: &Block, h_in: Tensor, lora: [ModuleAdapters; 2]) -> OpResult<Saved> {
-    let a: &Attention = &block.self_attn;
+fn forward_block(block: &DecoderBlock, h_in: Tensor, lora: [ModuleAdapters; 2]) -> OpResult<Saved> {
+    let a: &Attention = block.attn;
     let n = h_in.rows();
     let positions = Positions::following(0, n, &oxlm_engine::Device::Cpu)?;
-    let x1 = block.input_layernorm.forward(&h_in)?;
+    let x1 = block.input_norm.forward(&h_in)?;
     let mut q = a.q_proj.forward_adapted(&x1, lora[0].get("q_proj"))?;
     let mut k = a.k_proj.forward_adapted(&x1, lora[0].get("k_proj"))?;
     let v = a.v_proj.forward_adapted(&x1, lora[0].get("v_proj"))?;
-    let q_raw = match &a.q_norm {
-        Some(norm) => {
-            let raw = q.try_clone()?;
-            norm.forward_inplace(&mut q)?;
-            Some(raw)
-        }
-        None => None,
-    };
-    let k_raw = match &a.k_norm {
-        Some(norm) => {
-            let raw = k.try_clone()?;
-            norm.forward_inplace(&mut k)?;
-            Some(raw)
-        }
-        None => None,
-    };
+    let q_raw = norm_keeping_input(a.q_norm.as_ref(), &mut q)?;
+    let k_raw = norm_keeping_input(a.k_norm.as_ref(), &mut k)?;
     a.rope.apply(&mut q, a.heads, a.head_dim, &positions)?;
     a.rope.apply(&mut k, a.kv_heads, a.head_dim, &positions)?;
     let k = tokens_to_heads(k.data(), n, a.kv_heads, a.head_dim);
     let v = tokens_to_heads(v.data(), n, a.kv_heads, a.head_dim);
     let mut attn = vec![0.0; q.len()];
-    let kv = KvView::sequence(&k[..], &v[..], a.kv_heads, n);
+    let kv = KvView::sequence(&k[..], &v[..], a.kv_heads, n).within(block.window);
     let p = positions.as_slice();
     oxlm_engine::cpu::attention::attention(
         q.data(),
@@ -125,17 +141,19 @@ fn forward_block(block: &Block, h_in: Tensor, lora: [ModuleAdapters; 2]) -> OpRe
         &mut attn,
     );
     let attn = host(attn, n);
+    let mut out = a.o_proj.forward_adapted(&attn, lora[0].get("o_proj"))?;
+    let attn_out = norm_keeping_input(block.attn_out_norm, &mut out)?;
     let mut h_mid = h_in.try_clone()?;
-    ops::add_inplace(
-        &mut h_mid,
-        &a.o_proj.forward_adapted(&attn, lora[0].get("o_proj"))?,
-    )?;
-    let x2 = block.post_attention_layernorm.forward(&h_mid)?;
-    let m = &block.mlp;
+    ops::add_inplace(&mut h_mid, &out)?;
+    let x2 = block.mlp_norm.forward(&h_mid)?;
+    let m = block.mlp;
     let gate = m.gate_proj.forward_adapted(&x2, lora[1].get("gate_proj"))?;
     let up = m.up_proj.forward_adapted(&x2, lora[1].get("up_proj"))?;
     let mut act = gate.try_clone()?;
-    ops::silu_mul_inplace(&mut act, &up)?;
+    match block.activation {
+        Activation::Silu => ops::silu_mul_inplace(&mut act, &up)?,
+        Activation::GeluApprox => ops::gelu_approx_mul_inplace(&mut act, &up)?,
+    }
     Ok(Saved {
         h_in,
         x1,
@@ -145,6 +163,7 @@ fn forward_block(block: &Block, h_in: Tensor, lora: [ModuleAdapters; 2]) -> OpRe
         k,
         v,
         attn,
+        attn_out,
         h_mid,
         x2,
         gate,
@@ -153,15 +172,43 @@ fn forward_block(block: &Block, h_in: Tensor, lora: [ModuleAdapters; 2]) -> OpRe
     })
 }
 
-/// The block's output `h_mid + down(act)`.
-fn block_output(block: &Block, s: &Saved, lora: ModuleAdapters) -> OpResult<Tensor> {
-    let down = block
+/// Norms `x` in place where there is a norm, and returns what it was (for the backward pass).
+fn norm_keeping_input(norm: Option<&RmsNorm>, x: &mut Tensor) -> OpResult<Option<Tensor>> {
+    let Some(norm) = norm else { return Ok(None) };
+    let input = x.try_clone()?;
+    norm.forward_inplace(x)?;
+    Ok(Some(input))
+}
+
+/// The MLP's output before its norm, `down(act)`.
+fn mlp_output(block: &DecoderBlock, s: &Saved, lora: ModuleAdapters) -> OpResult<Tensor> {
+    block
         .mlp
         .down_proj
-        .forward_adapted(&s.act, lora.get("down_proj"))?;
+        .forward_adapted(&s.act, lora.get("down_proj"))
+}
+
+/// The block's output `h_mid + post_mlp(down(act))`.
+fn block_output(block: &DecoderBlock, s: &Saved, lora: ModuleAdapters) -> OpResult<Tensor> {
+    let mut down = mlp_output(block, s, lora)?;
+    if let Some(norm) = block.mlp_out_norm {
+        norm.forward_inplace(&mut down)?;
+    }
     let mut out = s.h_mid.try_clone()?;
     ops::add_inplace(&mut out, &down)?;
     Ok(out)
+}
+
+/// `dy` taken back through `norm` of `x` (as is, when there is no norm).
+fn through_norm(norm: Option<&RmsNorm>, x: Option<&Tensor>, dy: &[f32]) -> Vec<f32> {
+    match (norm, x) {
+        (Some(norm), Some(x)) => {
+            let mut dx = vec![0.0; dy.len()];
+            rms_norm_backward(x.data(), norm.weight.data(), norm.eps, dy, &mut dx);
+            dx
+        }
+        _ => dy.to_vec(),
+    }
 }
 
 /// One block's adapters and their gradient slots, for the backward pass through its layers.
@@ -205,35 +252,36 @@ impl BlockGrads<'_> {
 }
 
 /// Backward of one block: returns `dh_in` unless `lowest` (nothing below needs it).
+/// `mlp_out` is the MLP's output before its norm, where the block has one.
 fn backward_block(
-    block: &Block,
+    block: &DecoderBlock,
     s: &Saved,
+    mlp_out: Option<&Tensor>,
     dh_out: Vec<f32>,
     mut g: BlockGrads,
     lowest: bool,
 ) -> Option<Vec<f32>> {
-    let (a, m) = (&block.self_attn, &block.mlp);
+    let (a, m) = (block.attn, block.mlp);
     let n = g.tokens;
 
-    let d_act = g.through(&m.down_proj, "mlp", "down_proj", s.act.data(), &dh_out);
-    let (dgate, dup) = silu_mul_backward(s.gate.data(), s.up.data(), &d_act);
+    let d_down = through_norm(block.mlp_out_norm, mlp_out, &dh_out);
+    let d_act = g.through(&m.down_proj, "mlp", "down_proj", s.act.data(), &d_down);
+    let (dgate, dup) = match block.activation {
+        Activation::Silu => silu_mul_backward(s.gate.data(), s.up.data(), &d_act),
+        Activation::GeluApprox => gelu_approx_mul_backward(s.gate.data(), s.up.data(), &d_act),
+    };
     let dx2 = add(
         g.through(&m.gate_proj, "mlp", "gate_proj", s.x2.data(), &dgate),
         &g.through(&m.up_proj, "mlp", "up_proj", s.x2.data(), &dup),
     );
-    let norm = &block.post_attention_layernorm;
-    let mut dh_mid = vec![0.0; dh_out.len()];
-    rms_norm_backward(
-        s.h_mid.data(),
-        norm.weight.data(),
-        norm.eps,
-        &dx2,
-        &mut dh_mid,
+    let dh_mid = add(
+        through_norm(Some(block.mlp_norm), Some(&s.h_mid), &dx2),
+        &dh_out,
     );
-    let dh_mid = add(dh_mid, &dh_out);
 
-    let d_attn = g.through(&a.o_proj, "self_attn", "o_proj", s.attn.data(), &dh_mid);
-    let kv = KvView::sequence(&s.k[..], &s.v[..], a.kv_heads, n);
+    let d_out = through_norm(block.attn_out_norm, s.attn_out.as_ref(), &dh_mid);
+    let d_attn = g.through(&a.o_proj, "self_attn", "o_proj", s.attn.data(), &d_out);
+    let kv = KvView::sequence(&s.k[..], &s.v[..], a.kv_heads, n).within(block.window);
     let grads = attention_backward(s.q.data(), a.heads, a.head_dim, &kv, a.scale, &d_attn);
     let mut dq = grads.dq;
     let mut dk = heads_to_tokens(&grads.dk, n, a.kv_heads, a.head_dim);
@@ -249,16 +297,8 @@ fn backward_block(
         inv,
         traditional,
     );
-    for (norm, raw, d) in [
-        (&a.q_norm, &s.q_raw, &mut dq),
-        (&a.k_norm, &s.k_raw, &mut dk),
-    ] {
-        if let (Some(norm), Some(raw)) = (norm, raw) {
-            let mut dx = vec![0.0; d.len()];
-            rms_norm_backward(raw.data(), norm.weight.data(), norm.eps, d, &mut dx);
-            *d = dx;
-        }
-    }
+    let dq = through_norm(a.q_norm.as_ref(), s.q_raw.as_ref(), &dq);
+    let dk = through_norm(a.k_norm.as_ref(), s.k_raw.as_ref(), &dk);
     let mut dx1: Option<Vec<f32>> = None;
     for (linear, name, dy) in [
         (&a.q_proj, "q_proj", &dq),
@@ -271,136 +311,137 @@ fn backward_block(
             (acc, dx) => acc.or(dx),
         };
     }
-    let dx1 = dx1?;
-    let norm = &block.input_layernorm;
-    let mut dh_in = vec![0.0; dh_mid.len()];
-    rms_norm_backward(
-        s.h_in.data(),
-        norm.weight.data(),
-        norm.eps,
-        &dx1,
-        &mut dh_in,
-    );
+    let dh_in = through_norm(Some(block.input_norm), Some(&s.h_in), &dx1?);
     Some(add(dh_in, &dh_mid))
 }
 
-impl Llama {
-    /// The final norm, the head and the loss over the scored positions of `h`; returns the loss
-    /// summed over them and adds `dloss · ∂loss/∂h` into a new `dh`.
-    fn head_backward(&self, h: &Tensor, ex: &Example, dloss: f32) -> OpResult<(f64, Vec<f32>)> {
-        let (dim, vocab) = (self.info.hidden_size, self.info.vocab_size);
-        let mut dh = vec![0.0; h.len()];
-        let mut sum = 0.0f64;
-        let n = ex.inputs.len();
-        let norm = &self.head.norm;
-        for start in (ex.loss_from..n).step_by(HEAD_ROWS) {
-            let rows = HEAD_ROWS.min(n - start);
-            let hs = ops::rows(h, start, rows)?;
-            let normed = norm.forward(&hs)?;
-            let (logits, weight) = match &self.head.lm_head {
-                Some(head) => (head.forward(&normed)?, &head.weight),
-                None => (
-                    self.embed_tokens.as_linear(&normed)?,
-                    &self.embed_tokens.weight,
-                ),
-            };
-            let mut logits = logits.into_vec()?;
-            for (t, row) in logits.chunks_exact_mut(vocab).enumerate() {
-                let target = ex.targets[start + t] as usize;
-                sum += cross_entropy(row, target) as f64;
-                cross_entropy_backward_inplace(row, target, dloss);
-            }
-            let dnormed = base_input_grad(weight, &logits, rows);
-            rms_norm_backward(
-                hs.data(),
-                norm.weight.data(),
-                norm.eps,
-                &dnormed,
-                &mut dh[start * dim..(start + rows) * dim],
-            );
+/// The final norm, the head and the loss over the scored positions of `h`; returns the loss
+/// summed over them and adds `dloss · ∂loss/∂h` into a new `dh`.
+fn head_backward(
+    model: &dyn Decoder,
+    h: &Tensor,
+    ex: &Example,
+    dloss: f32,
+) -> OpResult<(f64, Vec<f32>)> {
+    let info = model.info();
+    let (dim, vocab) = (info.hidden_size, info.vocab_size);
+    let (head, embed) = model.output();
+    let mut dh = vec![0.0; h.len()];
+    let mut sum = 0.0f64;
+    let n = ex.inputs.len();
+    let norm = &head.norm;
+    for start in (ex.loss_from..n).step_by(HEAD_ROWS) {
+        let rows = HEAD_ROWS.min(n - start);
+        let hs = ops::rows(h, start, rows)?;
+        let normed = norm.forward(&hs)?;
+        let (logits, weight) = match &head.lm_head {
+            Some(head) => (head.forward(&normed)?, &head.weight),
+            None => (embed.as_linear(&normed)?, &embed.weight),
+        };
+        let mut logits = logits.into_vec()?;
+        for (t, row) in logits.chunks_exact_mut(vocab).enumerate() {
+            let target = ex.targets[start + t] as usize;
+            sum += cross_entropy(row, target) as f64;
+            cross_entropy_backward_inplace(row, target, dloss);
         }
-        Ok((sum, dh))
-    }
-
-    fn check_example(&self, ex: &Example) -> Result<(), ForwardError> {
-        check_tokens(&self.info, &ex.inputs, 0)?;
-        check_tokens(&self.info, &ex.targets, 0)?;
-        assert!(
-            ex.targets.len() == ex.inputs.len() && ex.loss_from < ex.inputs.len(),
-            "malformed example"
+        let dnormed = base_input_grad(weight, &logits, rows);
+        rms_norm_backward(
+            hs.data(),
+            norm.weight.data(),
+            norm.eps,
+            &dnormed,
+            &mut dh[start * dim..(start + rows) * dim],
         );
-        Ok(())
     }
+    Ok((sum, dh))
+}
 
-    /// See [`crate::lora::Adaptable::loss_and_grads`].
-    pub(crate) fn lora_loss_and_grads(
-        &self,
-        examples: &[Example],
-        adapters: &Adapters,
-        checkpoint: bool,
-    ) -> Result<LossAndGrads, ForwardError> {
-        if !self.info.device.is_cpu() {
-            return Err(ForwardError::Engine(oxlm_engine::EngineError::Device(
-                "LoRA training runs on the CPU: load the model with the cpu device".into(),
-            )));
-        }
-        for ex in examples {
-            self.check_example(ex)?;
-        }
-        let tokens: usize = examples.iter().map(Example::scored).sum();
-        let mut grads = zero_grads(adapters);
-        let lowest = (0..self.layers.len())
-            .find(|&i| {
-                adapters
-                    .layers
-                    .keys()
-                    .any(|p| p.starts_with(&format!("{}.", adapters.block_path(i))))
-            })
-            .unwrap_or(self.layers.len());
-        let dloss = 1.0 / tokens.max(1) as f32;
-        let mut sum = 0.0f64;
-        for ex in examples {
-            let mut h = self.embed_tokens.forward(&ex.inputs)?;
-            let lora = |i| [adapters.module(i, "self_attn"), adapters.module(i, "mlp")];
-            for block in &self.layers[..lowest] {
-                let none = [ModuleAdapters::NONE; 2];
-                h = block_output(block, &forward_block(block, h, none)?, none[1])?;
-            }
-            let mut kept = Vec::new();
-            for (i, block) in self.layers.iter().enumerate().skip(lowest) {
-                let s = forward_block(block, h, lora(i))?;
-                h = block_output(block, &s, lora(i)[1])?;
-                kept.push(if checkpoint {
-                    Kept::Input(s.h_in)
-                } else {
-                    Kept::All(Box::new(s))
-                });
-            }
-            let (loss, mut dh) = self.head_backward(&h, ex, dloss)?;
-            sum += loss;
-            for (j, k) in kept.into_iter().enumerate().rev() {
-                let i = lowest + j;
-                let block = &self.layers[i];
-                let s = match k {
-                    Kept::All(s) => *s,
-                    Kept::Input(h_in) => forward_block(block, h_in, lora(i))?,
-                };
-                let g = BlockGrads {
-                    block: i,
-                    tokens: ex.inputs.len(),
-                    adapters,
-                    grads: &mut grads,
-                };
-                match backward_block(block, &s, dh, g, i == lowest) {
-                    Some(d) => dh = d,
-                    None => break,
-                }
-            }
-        }
-        Ok(LossAndGrads {
-            loss: (sum / tokens.max(1) as f64) as f32,
-            tokens,
-            grads,
-        })
+fn check_example(model: &dyn Decoder, ex: &Example) -> Result<(), ForwardError> {
+    check_tokens(model.info(), &ex.inputs, 0)?;
+    check_tokens(model.info(), &ex.targets, 0)?;
+    assert!(
+        ex.targets.len() == ex.inputs.len() && ex.loss_from < ex.inputs.len(),
+        "malformed example"
+    );
+    Ok(())
+}
+
+/// See [`crate::lora::Adaptable::loss_and_grads`].
+pub(crate) fn loss_and_grads(
+    model: &dyn Decoder,
+    examples: &[Example],
+    adapters: &Adapters,
+    checkpoint: bool,
+) -> Result<LossAndGrads, ForwardError> {
+    if !model.info().device.is_cpu() {
+        return Err(ForwardError::Engine(oxlm_engine::EngineError::Device(
+            "LoRA training runs on the CPU: load the model with the cpu device".into(),
+        )));
     }
+    if model.output().0.softcap.is_some() {
+        return Err(ForwardError::NotTrainable(model.info().model_type.clone()));
+    }
+    for ex in examples {
+        check_example(model, ex)?;
+    }
+    let blocks = model.blocks();
+    let tokens: usize = examples.iter().map(Example::scored).sum();
+    let mut grads = zero_grads(adapters);
+    let lowest = (0..blocks.len())
+        .find(|&i| {
+            adapters
+                .layers
+                .keys()
+                .any(|p| p.starts_with(&format!("{}.", adapters.block_path(i))))
+        })
+        .unwrap_or(blocks.len());
+    let dloss = 1.0 / tokens.max(1) as f32;
+    let mut sum = 0.0f64;
+    for ex in examples {
+        let mut h = model.embed(&ex.inputs)?;
+        let lora = |i| [adapters.module(i, "self_attn"), adapters.module(i, "mlp")];
+        for block in &blocks[..lowest] {
+            let none = [ModuleAdapters::NONE; 2];
+            h = block_output(block, &forward_block(block, h, none)?, none[1])?;
+        }
+        let mut kept = Vec::new();
+        for (i, block) in blocks.iter().enumerate().skip(lowest) {
+            let s = forward_block(block, h, lora(i))?;
+            h = block_output(block, &s, lora(i)[1])?;
+            kept.push(if checkpoint {
+                Kept::Input(s.h_in)
+            } else {
+                Kept::All(Box::new(s))
+            });
+        }
+        let (loss, mut dh) = head_backward(model, &h, ex, dloss)?;
+        sum += loss;
+        for (j, k) in kept.into_iter().enumerate().rev() {
+            let i = lowest + j;
+            let block = &blocks[i];
+            let s = match k {
+                Kept::All(s) => *s,
+                Kept::Input(h_in) => forward_block(block, h_in, lora(i))?,
+            };
+            let mlp_out = match block.mlp_out_norm {
+                Some(_) => Some(mlp_output(block, &s, lora(i)[1])?),
+                None => None,
+            };
+            let g = BlockGrads {
+                block: i,
+                tokens: ex.inputs.len(),
+                adapters,
+                grads: &mut grads,
+            };
+            match backward_block(block, &s, mlp_out.as_ref(), dh, g, i == lowest) {
+                Some(d) => dh = d,
+                None => break,
+            }
+        }
+    }
+    Ok(LossAndGrads {
+        loss: (sum / tokens.max(1) as f64) as f32,
+        tokens,
+        grads,
+    })
 }

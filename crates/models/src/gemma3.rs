@@ -12,7 +12,8 @@ use serde_json::{Map, Value};
 
 use crate::cache::{Cache, KvCache, LayerCache, RotatingKvCache};
 use crate::checkpoint::{Checkpoint, Config};
-use crate::layers::{Attention, Embedding, Linear, Mlp, OutputHead, RmsNorm, Rope};
+use crate::decoder_grad::{Decoder, DecoderBlock};
+use crate::layers::{Attention, Embedding, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope};
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
 use crate::{ForwardError, LoadError, ModelInfo};
@@ -278,8 +279,7 @@ impl Architecture for Gemma3 {
     ) -> Result<Tensor, ForwardError> {
         let (mut caches, positions) =
             PassCaches::new(&self.info, tokens, caches, self.layers.len())?;
-        let mut h = self.embed_tokens.forward(tokens)?;
-        ops::scale_inplace(&mut h, self.embed_scale)?;
+        let mut h = self.embed(tokens)?;
         for (i, block) in self.layers.iter().enumerate() {
             let lora = |module| adapters.map_or(ModuleAdapters::NONE, |a| a.module(i, module));
             let x = block.input_layernorm.forward(&h)?;
@@ -313,6 +313,34 @@ impl Adaptable for Gemma3 {
         let blocks = self.layers.iter();
         blocks
             .map(|b| [b.self_attn.linears(), b.mlp.linears()].concat())
+            .collect()
+    }
+
+    fn decoder(&self) -> Option<&dyn Decoder> {
+        Some(self)
+    }
+}
+
+impl Decoder for Gemma3 {
+    fn embed(&self, tokens: &[u32]) -> OpResult<Tensor> {
+        let mut h = self.embed_tokens.forward(tokens)?;
+        ops::scale_inplace(&mut h, self.embed_scale)?;
+        Ok(h)
+    }
+
+    fn blocks(&self) -> Vec<DecoderBlock<'_>> {
+        let blocks = self.layers.iter();
+        blocks
+            .map(|b| DecoderBlock {
+                input_norm: &b.input_layernorm,
+                attn: &b.self_attn,
+                attn_out_norm: Some(&b.post_attention_layernorm),
+                mlp_norm: &b.pre_feedforward_layernorm,
+                mlp: &b.mlp,
+                mlp_out_norm: Some(&b.post_feedforward_layernorm),
+                activation: ops::Activation::GeluApprox,
+                window: b.sliding.then_some(self.sliding_window),
+            })
             .collect()
     }
 }

@@ -3,13 +3,13 @@
 
 pub mod cache;
 pub mod checkpoint;
+mod decoder_grad;
 mod error;
 pub mod fuse;
 pub mod gemma3;
 pub mod gemma4;
 pub mod layers;
 pub mod llama;
-mod llama_grad;
 pub mod lora;
 pub mod lora_grad;
 mod pass;

@@ -6,28 +6,29 @@ use serde_json::Value;
 
 use crate::cache::{Cache, KvCache, LayerCache};
 use crate::checkpoint::{Checkpoint, Scope};
-use crate::layers::{Attention, Embedding, Input, Linear, Mlp, OutputHead, RmsNorm, Rope};
+use crate::decoder_grad::{Decoder, DecoderBlock};
+use crate::layers::{
+    Attention, Embedding, Input, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope,
+};
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
-use crate::lora_grad::{Example, LossAndGrads};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
 use crate::{LoadError, ModelInfo};
 use oxlm_engine::{ops, EngineError, Tensor};
 
 use crate::ForwardError;
 
-// Fields are visible in the crate for the backward pass (`llama_grad`).
-pub(crate) struct Block {
-    pub(crate) input_layernorm: RmsNorm,
-    pub(crate) self_attn: Attention,
-    pub(crate) post_attention_layernorm: RmsNorm,
-    pub(crate) mlp: Mlp,
+struct Block {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
 }
 
 pub struct Llama {
-    pub(crate) info: ModelInfo,
-    pub(crate) embed_tokens: Embedding,
-    pub(crate) layers: Vec<Block>,
-    pub(crate) head: OutputHead,
+    info: ModelInfo,
+    embed_tokens: Embedding,
+    layers: Vec<Block>,
+    head: OutputHead,
 }
 
 /// `config.json`'s keys for this family, as mlx-lm's `ModelArgs` reads them (absent or null
@@ -237,16 +238,29 @@ impl Adaptable for Llama {
             .collect()
     }
 
-    fn trainable(&self) -> bool {
-        true
+    fn decoder(&self) -> Option<&dyn Decoder> {
+        Some(self)
+    }
+}
+
+impl Decoder for Llama {
+    fn embed(&self, tokens: &[u32]) -> OpResult<Tensor> {
+        self.embed_tokens.forward(tokens)
     }
 
-    fn loss_and_grads(
-        &self,
-        examples: &[Example],
-        adapters: &Adapters,
-        checkpoint: bool,
-    ) -> Result<LossAndGrads, ForwardError> {
-        self.lora_loss_and_grads(examples, adapters, checkpoint)
+    fn blocks(&self) -> Vec<DecoderBlock<'_>> {
+        let blocks = self.layers.iter();
+        blocks
+            .map(|b| DecoderBlock {
+                input_norm: &b.input_layernorm,
+                attn: &b.self_attn,
+                attn_out_norm: None,
+                mlp_norm: &b.post_attention_layernorm,
+                mlp: &b.mlp,
+                mlp_out_norm: None,
+                activation: ops::Activation::Silu,
+                window: None,
+            })
+            .collect()
     }
 }

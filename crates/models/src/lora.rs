@@ -12,6 +12,7 @@ use thiserror::Error;
 
 use crate::cache::Cache;
 use crate::checkpoint::{open_safetensors, read_json, Residency};
+use crate::decoder_grad::{self, Decoder};
 use crate::lora_grad::{Example, LossAndGrads};
 use crate::pass::{forward_one, forward_rows, Architecture};
 use crate::save::{write_safetensors, SaveError, TensorBytes};
@@ -88,9 +89,14 @@ pub trait Adaptable: Architecture {
         })
     }
 
-    /// Whether [`Adaptable::loss_and_grads`] is implemented: a trainer asks before it starts.
+    /// The model as the backward pass sees it, for an architecture that trains.
+    fn decoder(&self) -> Option<&dyn Decoder> {
+        None
+    }
+
+    /// Whether [`Adaptable::loss_and_grads`] can run: a trainer asks before it starts.
     fn trainable(&self) -> bool {
-        false
+        self.decoder().is_some()
     }
 
     /// mlx-lm's training loss over `examples` (the mean cross-entropy of their scored positions)
@@ -99,11 +105,14 @@ pub trait Adaptable: Architecture {
     /// An architecture without a backward pass refuses.
     fn loss_and_grads(
         &self,
-        _examples: &[Example],
-        _adapters: &Adapters,
-        _checkpoint: bool,
+        examples: &[Example],
+        adapters: &Adapters,
+        checkpoint: bool,
     ) -> Result<LossAndGrads, ForwardError> {
-        Err(ForwardError::NotTrainable(self.info().model_type.clone()))
+        match self.decoder() {
+            Some(decoder) => decoder_grad::loss_and_grads(decoder, examples, adapters, checkpoint),
+            None => Err(ForwardError::NotTrainable(self.info().model_type.clone())),
+        }
     }
 }
 

@@ -59,9 +59,10 @@ fn read_step(run: &str) -> Step {
     }
 }
 
-const RUNS: [(&str, &str); 2] = [
+const RUNS: [(&str, &str); 3] = [
     ("train-llama-4bit-g64", "llama-4bit-g64"),
     ("train-qwen3-8bit-g128", "qwen3-8bit-g128"),
+    ("train-gemma3-4bit-g64", "gemma3-4bit-g64"),
 ];
 
 fn setup(run: &str, base: &str) -> (Box<dyn LanguageModel>, Adapters) {

@@ -142,6 +142,7 @@ fn thirty_steps_follow_mlx_lm() {
     for (run, base) in [
         ("train-llama-4bit-g64", "llama-4bit-g64"),
         ("train-qwen3-8bit-g128", "qwen3-8bit-g128"),
+        ("train-gemma3-4bit-g64", "gemma3-4bit-g64"),
     ] {
         let model = load(&fixtures().join("tiny").join(base)).unwrap();
         let mut adapters = Adapters::load(
@@ -333,7 +334,7 @@ fn resuming_loads_the_saved_checkpoint() {
 /// Architectures without a backward pass are refused before any step or validation runs.
 #[test]
 fn training_an_architecture_without_a_backward_pass_is_refused_up_front() {
-    let model = load(&fixtures().join("tiny/gemma3-4bit-g64")).unwrap();
+    let model = load(&fixtures().join("tiny/qwen3_5-4bit-g64")).unwrap();
     let mut adapters = init_adapters(model.as_ref(), LoraConfig::new(1), 7).unwrap();
     let out = tempfile::tempdir().unwrap();
     let args = TrainArgs {
