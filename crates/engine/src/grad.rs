@@ -1,4 +1,5 @@
-//! Backward passes of the ops in [`crate::cpu::elementwise`] and [`crate::cpu::attention`] (and of the linear layers), for training adapters
+//! Backward passes of the ops in [`crate::cpu::elementwise`], [`crate::cpu::attention`] and
+//! [`crate::cpu::recurrent`] (and of the linear layers), for training adapters
 //! on a frozen model: each takes what its forward saw and the gradient of the loss with respect
 //! to the forward's output, and returns the gradient with respect to its input. Weights of the
 //! frozen model get no gradient.
@@ -6,7 +7,9 @@
 use crate::cpu::attention::KvView;
 use crate::cpu::dense::dot;
 use crate::cpu::elementwise::softmax_inplace;
+use crate::cpu::recurrent::delta_gates;
 use crate::cpu::{transposed, Isa};
+use crate::params::DeltaRuleDims;
 use crate::{FloatMatrix, QuantizedMatrix};
 
 /// `dx[m, cols] = dy[m, rows] · W` for `y = x · Wᵀ`, on the packed weights.
@@ -188,4 +191,174 @@ pub fn cross_entropy_backward_inplace(logits: &mut [f32], target: usize, dloss: 
     for v in logits.iter_mut() {
         *v *= dloss;
     }
+}
+
+/// Backward of [`crate::cpu::recurrent::causal_conv1d`] over one whole sequence from zero state
+/// (`x` and `dout` `[tokens, channels]`, `weight` `[channels, kernel]`): the input gradient.
+pub fn causal_conv1d_backward(
+    dout: &[f32],
+    channels: usize,
+    weight: &[f32],
+    kernel: usize,
+) -> Vec<f32> {
+    let tokens = dout.len() / channels;
+    let mut dx = vec![0.0; dout.len()];
+    // out[t] reads x[t + j - (kernel - 1)] with weight j.
+    for t in 0..tokens {
+        for j in 0..kernel {
+            let Some(s) = (t + j).checked_sub(kernel - 1) else {
+                continue;
+            };
+            for c in 0..channels {
+                dx[s * channels + c] += weight[c * kernel + j] * dout[t * channels + c];
+            }
+        }
+    }
+    dx
+}
+
+/// Backward of [`crate::cpu::recurrent::delta_gates`]: `(da, db)` for the gradients `dg` and
+/// `dbeta` of its outputs.
+pub fn delta_gates_backward(
+    a: &[f32],
+    b: &[f32],
+    dt_bias: &[f32],
+    neg_a: &[f32],
+    dg: &[f32],
+    dbeta: &[f32],
+) -> (Vec<f32>, Vec<f32>) {
+    let heads = dt_bias.len();
+    let (mut g, mut beta) = (vec![0.0; a.len()], vec![0.0; a.len()]);
+    delta_gates(a, b, dt_bias, neg_a, &mut g, &mut beta);
+    let mut da = vec![0.0; a.len()];
+    let mut db = vec![0.0; a.len()];
+    for i in 0..a.len() {
+        // softplus' is the sigmoid.
+        let sig = 1.0 / (1.0 + (-(a[i] + dt_bias[i % heads])).exp());
+        da[i] = dg[i] * g[i] * neg_a[i % heads] * sig;
+        db[i] = dbeta[i] * beta[i] * (1.0 - beta[i]);
+    }
+    (da, db)
+}
+
+/// Gradients of [`crate::cpu::recurrent::gated_delta_rule`] over one whole sequence from zero
+/// state, shaped as its inputs.
+pub struct DeltaRuleGrads {
+    pub dq: Vec<f32>,
+    pub dk: Vec<f32>,
+    pub dv: Vec<f32>,
+    pub dg: Vec<f32>,
+    pub dbeta: Vec<f32>,
+}
+
+/// Tokens between the states the backward pass of the delta rule keeps: it runs the rule again
+/// from each kept state, a chunk at a time, rather than keep a state per token.
+const DELTA_RULE_CHUNK: usize = 64;
+
+/// Backward of [`crate::cpu::recurrent::gated_delta_rule`] over one whole sequence from zero
+/// state, for the output gradient `dy` (`[tokens, v_heads · v_dim]`). Each row `s` of a head's
+/// state (one value feature) evolves alone: `s' = g·s`, `δ = β(v − s'·k)`, `s ← s' + δk`,
+/// `y = s·q`; its gradient flows back through those steps in reverse.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_delta_rule_backward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    dims: DeltaRuleDims,
+    dy: &[f32],
+) -> DeltaRuleGrads {
+    let DeltaRuleDims {
+        k_heads,
+        v_heads,
+        k_dim,
+        v_dim,
+    } = dims;
+    let tokens = g.len() / v_heads;
+    let group = v_heads / k_heads;
+    let mut grads = DeltaRuleGrads {
+        dq: vec![0.0; q.len()],
+        dk: vec![0.0; k.len()],
+        dv: vec![0.0; v.len()],
+        dg: vec![0.0; g.len()],
+        dbeta: vec![0.0; beta.len()],
+    };
+    let state_len = dims.state_len();
+    // One step of the rule for token `t` on `state`, as the forward pass takes it.
+    let step = |t: usize, state: &mut [f32]| {
+        for h in 0..v_heads {
+            let kt = &k[(t * k_heads + h / group) * k_dim..][..k_dim];
+            let (decay, b) = (g[t * v_heads + h], beta[t * v_heads + h]);
+            let rows = state[h * v_dim * k_dim..][..v_dim * k_dim].chunks_exact_mut(k_dim);
+            for (row, &vd) in rows.zip(&v[(t * v_heads + h) * v_dim..][..v_dim]) {
+                row.iter_mut().for_each(|s| *s *= decay);
+                let delta = (vd - dot(row, kt)) * b;
+                row.iter_mut().zip(kt).for_each(|(s, &kj)| *s += kj * delta);
+            }
+        }
+    };
+    // The state before each chunk.
+    let mut kept = Vec::new();
+    let mut state = vec![0.0f32; state_len];
+    for t in 0..tokens {
+        if t % DELTA_RULE_CHUNK == 0 {
+            kept.push(state.clone());
+        }
+        step(t, &mut state);
+    }
+    let mut ds = vec![0.0f32; state_len];
+    let mut before = Vec::new();
+    for (c, start) in kept.iter().zip((0..tokens).step_by(DELTA_RULE_CHUNK)).rev() {
+        let end = (start + DELTA_RULE_CHUNK).min(tokens);
+        // The state before each token of the chunk.
+        before.clear();
+        let mut state = c.clone();
+        for t in start..end {
+            before.push(state.clone());
+            step(t, &mut state);
+        }
+        for t in (start..end).rev() {
+            let prev = &before[t - start];
+            for h in 0..v_heads {
+                let at = (t * k_heads + h / group) * k_dim;
+                let (qt, kt) = (&q[at..at + k_dim], &k[at..at + k_dim]);
+                let gh = t * v_heads + h;
+                let (decay, b) = (g[gh], beta[gh]);
+                for d in 0..v_dim {
+                    let r = (h * v_dim + d) * k_dim;
+                    let (s_prev, dsr) = (&prev[r..r + k_dim], &mut ds[r..r + k_dim]);
+                    let vd = v[(t * v_heads + h) * v_dim + d];
+                    let dyd = dy[(t * v_heads + h) * v_dim + d];
+                    // s' = g·s_prev, m = s'·k, δ = β(v − m), s = s' + δk.
+                    let m = decay * dot(s_prev, kt);
+                    let delta = b * (vd - m);
+                    let (dq, dk) = (&mut grads.dq[at..at + k_dim], &mut grads.dk[at..at + k_dim]);
+                    // y = s·q.
+                    for j in 0..k_dim {
+                        let s = decay * s_prev[j] + delta * kt[j];
+                        dq[j] += dyd * s;
+                        dsr[j] += dyd * qt[j];
+                    }
+                    let d_delta = dot(dsr, kt);
+                    for j in 0..k_dim {
+                        dk[j] += delta * dsr[j];
+                    }
+                    grads.dv[(t * v_heads + h) * v_dim + d] += b * d_delta;
+                    grads.dbeta[gh] += d_delta * (vd - m);
+                    let dm = -b * d_delta;
+                    // ds' = ds + dm·k; dk += dm·s'; ds_prev = g·ds'; dg += ds'·s_prev.
+                    let mut dg = 0.0;
+                    for j in 0..k_dim {
+                        dk[j] += dm * decay * s_prev[j];
+                        let ds_mid = dsr[j] + dm * kt[j];
+                        dg += ds_mid * s_prev[j];
+                        dsr[j] = decay * ds_mid;
+                    }
+                    grads.dg[gh] += dg;
+                }
+            }
+        }
+    }
+    grads
 }

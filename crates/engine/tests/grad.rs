@@ -8,12 +8,15 @@
 use oxlm_engine::cpu::attention::{attention, KvView};
 use oxlm_engine::cpu::elementwise::{gelu_approx_mul_inplace, silu_mul_inplace};
 use oxlm_engine::cpu::norm::{rms_norm, rope_inplace};
+use oxlm_engine::cpu::recurrent::{causal_conv1d, delta_gates, gated_delta_rule};
 use oxlm_engine::cpu::Isa;
 use oxlm_engine::grad::{
-    attention_backward, cross_entropy, cross_entropy_backward_inplace, dense_matmul_backward,
+    attention_backward, causal_conv1d_backward, cross_entropy, cross_entropy_backward_inplace,
+    delta_gates_backward, dense_matmul_backward, gated_delta_rule_backward,
     gelu_approx_mul_backward, quantized_matmul_backward, rms_norm_backward, rope_backward_inplace,
     silu_mul_backward,
 };
+use oxlm_engine::params::DeltaRuleDims;
 use oxlm_engine::quant::quantize;
 use oxlm_engine::{Bytes, DType, FloatMatrix, QuantizedMatrix};
 use rand::rngs::StdRng;
@@ -195,6 +198,107 @@ fn check_attention(window: Option<usize>) {
         &g.dv,
         &numeric_grad(&v, &r, |v| run(&q, &k, v)),
     );
+}
+
+#[test]
+fn causal_conv1d_matches_finite_differences() {
+    let mut rng = StdRng::seed_from_u64(6);
+    let (tokens, channels, kernel) = (6, 5, 4);
+    let x = random(&mut rng, tokens * channels, 1.0);
+    let w = random(&mut rng, channels * kernel, 1.0);
+    let r = random(&mut rng, tokens * channels, 1.0);
+    let run = |x: &[f32]| {
+        let mut state = vec![0.0; (kernel - 1) * channels];
+        let mut out = vec![0.0; x.len()];
+        causal_conv1d(x, channels, &w, kernel, &mut state, &mut out);
+        out
+    };
+    let dx = causal_conv1d_backward(&r, channels, &w, kernel);
+    assert_close("conv1d", &dx, &numeric_grad(&x, &r, run));
+}
+
+#[test]
+fn delta_gates_match_finite_differences() {
+    let mut rng = StdRng::seed_from_u64(7);
+    let (tokens, heads) = (5, 3);
+    let a = random(&mut rng, tokens * heads, 3.0);
+    let b = random(&mut rng, tokens * heads, 3.0);
+    let dt_bias = random(&mut rng, heads, 1.0);
+    let neg_a: Vec<f32> = random(&mut rng, heads, 1.0)
+        .iter()
+        .map(|x| -x.exp())
+        .collect();
+    let (rg, rb) = (
+        random(&mut rng, a.len(), 1.0),
+        random(&mut rng, a.len(), 1.0),
+    );
+    let gates = |a: &[f32], b: &[f32]| {
+        let (mut g, mut beta) = (vec![0.0; a.len()], vec![0.0; a.len()]);
+        delta_gates(a, b, &dt_bias, &neg_a, &mut g, &mut beta);
+        [g, beta].concat()
+    };
+    let r = [rg.clone(), rb.clone()].concat();
+    let (da, db) = delta_gates_backward(&a, &b, &dt_bias, &neg_a, &rg, &rb);
+    assert_close("gates a", &da, &numeric_grad(&a, &r, |a| gates(a, &b)));
+    assert_close("gates b", &db, &numeric_grad(&b, &r, |b| gates(&a, b)));
+}
+
+/// Over more tokens than the backward pass runs between the states it keeps.
+#[test]
+fn gated_delta_rule_matches_finite_differences() {
+    let mut rng = StdRng::seed_from_u64(8);
+    let dims = DeltaRuleDims {
+        k_heads: 1,
+        v_heads: 2,
+        k_dim: 4,
+        v_dim: 3,
+    };
+    let tokens = 70;
+    let q = random(&mut rng, tokens * dims.k_heads * dims.k_dim, 0.5);
+    let k = random(&mut rng, q.len(), 0.5);
+    let v = random(&mut rng, tokens * dims.v_heads * dims.v_dim, 1.0);
+    let g: Vec<f32> = (0..tokens * dims.v_heads)
+        .map(|_| rng.random_range(0.8..1.0))
+        .collect();
+    let beta: Vec<f32> = (0..g.len()).map(|_| rng.random_range(0.1..0.9)).collect();
+    let r = random(&mut rng, v.len(), 1.0);
+    let run = |q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32]| {
+        let mut state = vec![0.0; dims.state_len()];
+        let mut y = vec![0.0; v.len()];
+        gated_delta_rule(q, k, v, g, beta, dims, &mut state, &mut y);
+        y
+    };
+    let grads = gated_delta_rule_backward(&q, &k, &v, &g, &beta, dims, &r);
+    let checks = [
+        (
+            "delta q",
+            &grads.dq,
+            numeric_grad(&q, &r, |q| run(q, &k, &v, &g, &beta)),
+        ),
+        (
+            "delta k",
+            &grads.dk,
+            numeric_grad(&k, &r, |k| run(&q, k, &v, &g, &beta)),
+        ),
+        (
+            "delta v",
+            &grads.dv,
+            numeric_grad(&v, &r, |v| run(&q, &k, v, &g, &beta)),
+        ),
+        (
+            "delta g",
+            &grads.dg,
+            numeric_grad(&g, &r, |g| run(&q, &k, &v, g, &beta)),
+        ),
+        (
+            "delta beta",
+            &grads.dbeta,
+            numeric_grad(&beta, &r, |b| run(&q, &k, &v, &g, b)),
+        ),
+    ];
+    for (what, analytic, numeric) in checks {
+        assert_close(what, analytic, &numeric);
+    }
 }
 
 #[test]
