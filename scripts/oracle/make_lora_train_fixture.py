@@ -56,6 +56,9 @@ RUNS = {
     # every block: sliding-window (8) and global layers, GeGLU, norms after attention and MLP
     "gemma3-4bit-g64": dict(base="gemma3-4bit-g64", seed=5, num_layers=4,
                             lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
+    # every block: gated-DeltaNet and gated full-attention layers
+    "qwen3_5-4bit-g64": dict(base="qwen3_5-4bit-g64", seed=6, num_layers=6,
+                             lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
 }
 
 

@@ -14,9 +14,10 @@ use oxlm_engine::grad::{
     rms_norm_backward, rope_backward_inplace, silu_mul_backward,
 };
 use oxlm_engine::ops::Activation;
+use oxlm_engine::params::Heads;
 use oxlm_engine::{ops, Positions, Tensor};
 
-use crate::layers::{Attention, Linear, Mlp, OpResult, RmsNorm};
+use crate::layers::{Attention, Linear, Mlp, OpResult, RmsNorm, Rope};
 use crate::lora::{Adapters, ModuleAdapters};
 use crate::lora_grad::{
     base_input_grad, linear_backward, zero_grads, Example, LoraGrad, LossAndGrads,
@@ -24,19 +25,52 @@ use crate::lora_grad::{
 use crate::pass::Architecture;
 use crate::{check_tokens, ForwardError};
 
-/// A decoder block as the backward pass sees it: `h + post_attn(attn(input_norm(h)))`, then
+/// A decoder block as the backward pass sees it: `h + post_mix(mixer(input_norm(h)))`, then
 /// `h + post_mlp(mlp(mlp_norm(h)))`.
 pub struct DecoderBlock<'a> {
     pub input_norm: &'a RmsNorm,
-    pub attn: &'a Attention,
-    /// Gemma's norm of the attention's output, before the residual.
-    pub attn_out_norm: Option<&'a RmsNorm>,
+    /// Attention, or another sequence mixer.
+    pub mixer: Box<dyn MixerGrad + 'a>,
+    /// Gemma's norm of the mixer's output, before the residual.
+    pub mixer_out_norm: Option<&'a RmsNorm>,
     pub mlp_norm: &'a RmsNorm,
     pub mlp: &'a Mlp,
     /// Gemma's norm of the MLP's output, before the residual.
     pub mlp_out_norm: Option<&'a RmsNorm>,
     pub activation: Activation,
-    /// A sliding-window layer's window.
+}
+
+/// A block's sequence mixer as the backward pass sees it.
+pub trait MixerGrad {
+    /// The module its adapters are under (`self_attn`, `linear_attn`).
+    fn module(&self) -> &'static str;
+
+    /// Its output for one whole sequence `x` (positions `0..n`, no cache), with the projections
+    /// `lora` names adapted, and what its backward pass reads.
+    fn forward_saving<'s>(
+        &'s self,
+        x: &Tensor,
+        lora: ModuleAdapters,
+    ) -> OpResult<(Tensor, Box<dyn MixerSaved + 's>)>;
+}
+
+/// What a mixer's forward pass kept for its backward pass.
+pub trait MixerSaved {
+    /// Adds the gradients of the mixer's adapters for its input `x` and output gradient `dy`,
+    /// and returns `dx` when `need_dx`.
+    fn backward(
+        &self,
+        x: &[f32],
+        dy: &[f32],
+        g: &mut BlockGrads,
+        need_dx: bool,
+    ) -> Option<Vec<f32>>;
+}
+
+/// Self-attention with RoPE and optional q/k norms (llama's, Gemma's), through a window on a
+/// sliding-window layer.
+pub struct AttentionGrad<'a> {
+    pub attn: &'a Attention,
     pub window: Option<usize>,
 }
 
@@ -54,19 +88,12 @@ const HEAD_ROWS: usize = 64;
 
 /// What a block's backward pass reads from its forward pass (host tensors: training runs on
 /// the CPU).
-struct Saved {
+struct Saved<'a> {
     h_in: Tensor,
     x1: Tensor,
-    /// Queries and keys before their per-head norms (Qwen3), when the block has them.
-    q_raw: Option<Tensor>,
-    k_raw: Option<Tensor>,
-    /// Rotated queries `[n, heads, head_dim]`; keys and values `[kv_heads, n, head_dim]`.
-    q: Tensor,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    attn: Tensor,
-    /// The attention's output before its norm, where the block has one.
-    attn_out: Option<Tensor>,
+    mixer: Box<dyn MixerSaved + 'a>,
+    /// The mixer's output before its norm, where the block has one.
+    mixer_out: Option<Tensor>,
     h_mid: Tensor,
     x2: Tensor,
     gate: Tensor,
@@ -75,13 +102,28 @@ struct Saved {
 }
 
 /// What an adapted block keeps for the backward pass: everything, or (checkpointing) its input.
-enum Kept {
-    All(Box<Saved>),
+enum Kept<'a> {
+    All(Box<Saved<'a>>),
     Input(Tensor),
 }
 
+/// What attention's backward pass reads.
+struct AttentionSaved<'a> {
+    attn: &'a Attention,
+    window: Option<usize>,
+    /// Queries and keys before their per-head norms, when the block has them.
+    q_raw: Option<Tensor>,
+    k_raw: Option<Tensor>,
+    /// Rotated queries `[n, heads, head_dim]`; keys and values `[kv_heads, n, head_dim]`.
+    q: Tensor,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// The attention's output, `o_proj`'s input.
+    out: Tensor,
+}
+
 /// `[n, heads, d]` → `[heads, n, d]`: keys and values as attention reads them.
-fn tokens_to_heads(x: &[f32], n: usize, heads: usize, d: usize) -> Vec<f32> {
+pub(crate) fn tokens_to_heads(x: &[f32], n: usize, heads: usize, d: usize) -> Vec<f32> {
     let mut out = vec![0.0; x.len()];
     for t in 0..n {
         for h in 0..heads {
@@ -92,7 +134,7 @@ fn tokens_to_heads(x: &[f32], n: usize, heads: usize, d: usize) -> Vec<f32> {
 }
 
 /// `[heads, n, d]` → `[n, heads, d]`.
-fn heads_to_tokens(x: &[f32], n: usize, heads: usize, d: usize) -> Vec<f32> {
+pub(crate) fn heads_to_tokens(x: &[f32], n: usize, heads: usize, d: usize) -> Vec<f32> {
     let mut out = vec![0.0; x.len()];
     for h in 0..heads {
         for t in 0..n {
@@ -102,47 +144,131 @@ fn heads_to_tokens(x: &[f32], n: usize, heads: usize, d: usize) -> Vec<f32> {
     out
 }
 
-fn add(mut a: Vec<f32>, b: &[f32]) -> Vec<f32> {
+pub(crate) fn add(mut a: Vec<f32>, b: &[f32]) -> Vec<f32> {
     add_inplace(&mut a, b);
     a
 }
 
 /// `[n, dim]` rows as a host tensor.
-fn host(values: Vec<f32>, n: usize) -> Tensor {
+pub(crate) fn host(values: Vec<f32>, n: usize) -> Tensor {
     let dim = values.len() / n;
     Tensor::new(vec![n, dim], values)
 }
 
-/// A block's forward pass over one whole sequence (positions `0..n`), keeping its activations.
-fn forward_block(block: &DecoderBlock, h_in: Tensor, lora: [ModuleAdapters; 2]) -> OpResult<Saved> {
-    let a: &Attention = block.attn;
-    let n = h_in.rows();
-    let positions = Positions::following(0, n, &oxlm_engine::Device::Cpu)?;
-    let x1 = block.input_norm.forward(&h_in)?;
-    let mut q = a.q_proj.forward_adapted(&x1, lora[0].get("q_proj"))?;
-    let mut k = a.k_proj.forward_adapted(&x1, lora[0].get("k_proj"))?;
-    let v = a.v_proj.forward_adapted(&x1, lora[0].get("v_proj"))?;
-    let q_raw = norm_keeping_input(a.q_norm.as_ref(), &mut q)?;
-    let k_raw = norm_keeping_input(a.k_norm.as_ref(), &mut k)?;
-    a.rope.apply(&mut q, a.heads, a.head_dim, &positions)?;
-    a.rope.apply(&mut k, a.kv_heads, a.head_dim, &positions)?;
-    let k = tokens_to_heads(k.data(), n, a.kv_heads, a.head_dim);
-    let v = tokens_to_heads(v.data(), n, a.kv_heads, a.head_dim);
-    let mut attn = vec![0.0; q.len()];
-    let kv = KvView::sequence(&k[..], &v[..], a.kv_heads, n).within(block.window);
-    let p = positions.as_slice();
+impl MixerGrad for AttentionGrad<'_> {
+    fn module(&self) -> &'static str {
+        "self_attn"
+    }
+
+    fn forward_saving<'s>(
+        &'s self,
+        x: &Tensor,
+        lora: ModuleAdapters,
+    ) -> OpResult<(Tensor, Box<dyn MixerSaved + 's>)> {
+        let a = self.attn;
+        let n = x.rows();
+        let positions = Positions::following(0, n, &oxlm_engine::Device::Cpu)?;
+        let mut q = a.q_proj.forward_adapted(x, lora.get("q_proj"))?;
+        let mut k = a.k_proj.forward_adapted(x, lora.get("k_proj"))?;
+        let v = a.v_proj.forward_adapted(x, lora.get("v_proj"))?;
+        let q_raw = norm_keeping_input(a.q_norm.as_ref(), &mut q)?;
+        let k_raw = norm_keeping_input(a.k_norm.as_ref(), &mut k)?;
+        a.rope.apply(&mut q, a.heads, a.head_dim, &positions)?;
+        a.rope.apply(&mut k, a.kv_heads, a.head_dim, &positions)?;
+        let k = tokens_to_heads(k.data(), n, a.kv_heads, a.head_dim);
+        let v = tokens_to_heads(v.data(), n, a.kv_heads, a.head_dim);
+        let heads = Heads {
+            heads: a.heads,
+            kv_heads: a.kv_heads,
+            head_dim: a.head_dim,
+        };
+        let out = sequence_attention(&q, &k, &v, heads, a.scale, self.window)?;
+        let y = a.o_proj.forward_adapted(&out, lora.get("o_proj"))?;
+        let saved = AttentionSaved {
+            attn: a,
+            window: self.window,
+            q_raw,
+            k_raw,
+            q,
+            k,
+            v,
+            out,
+        };
+        Ok((y, Box::new(saved)))
+    }
+}
+
+/// Causal attention of one whole sequence's rotated queries `q` (`[n, heads · head_dim]`) over
+/// its keys and values (`[kv_heads, n, head_dim]`), through `window`.
+pub(crate) fn sequence_attention(
+    q: &Tensor,
+    k: &[f32],
+    v: &[f32],
+    h: Heads,
+    scale: f32,
+    window: Option<usize>,
+) -> OpResult<Tensor> {
+    let n = q.rows();
+    let positions: Vec<usize> = (0..n).collect();
+    let kv = KvView::sequence(k, v, h.kv_heads, n).within(window);
+    let mut out = vec![0.0; q.len()];
     oxlm_engine::cpu::attention::attention(
         q.data(),
-        a.heads,
-        a.head_dim,
-        p,
+        h.heads,
+        h.head_dim,
+        &positions,
         &kv,
-        a.scale,
-        &mut attn,
+        scale,
+        &mut out,
     );
-    let attn = host(attn, n);
-    let mut out = a.o_proj.forward_adapted(&attn, lora[0].get("o_proj"))?;
-    let attn_out = norm_keeping_input(block.attn_out_norm, &mut out)?;
+    Ok(host(out, n))
+}
+
+impl MixerSaved for AttentionSaved<'_> {
+    fn backward(
+        &self,
+        x: &[f32],
+        dy: &[f32],
+        g: &mut BlockGrads,
+        need_dx: bool,
+    ) -> Option<Vec<f32>> {
+        let a = self.attn;
+        let n = g.tokens;
+        let d_out = g.through(&a.o_proj, "self_attn", "o_proj", self.out.data(), dy);
+        let kv = KvView::sequence(&self.k[..], &self.v[..], a.kv_heads, n).within(self.window);
+        let grads = attention_backward(self.q.data(), a.heads, a.head_dim, &kv, a.scale, &d_out);
+        let mut dq = grads.dq;
+        let mut dk = heads_to_tokens(&grads.dk, n, a.kv_heads, a.head_dim);
+        let dv = heads_to_tokens(&grads.dv, n, a.kv_heads, a.head_dim);
+        rope_backward(&a.rope, &mut dq, a.heads, a.head_dim);
+        rope_backward(&a.rope, &mut dk, a.kv_heads, a.head_dim);
+        let dq = through_norm(a.q_norm.as_ref(), self.q_raw.as_ref(), &dq);
+        let dk = through_norm(a.k_norm.as_ref(), self.k_raw.as_ref(), &dk);
+        let projections = [
+            (&a.q_proj, "q_proj", &dq),
+            (&a.k_proj, "k_proj", &dk),
+            (&a.v_proj, "v_proj", &dv),
+        ];
+        g.inputs_of(&projections, "self_attn", x, need_dx)
+    }
+}
+
+/// Backward of RoPE over one whole sequence (positions `0..n`) of `heads` heads, in place.
+pub(crate) fn rope_backward(rope: &Rope, d: &mut [f32], heads: usize, head_dim: usize) {
+    let positions: Vec<usize> = (0..d.len() / (heads * head_dim)).collect();
+    let (inv, traditional) = (rope.inv_freqs.data(), rope.traditional);
+    rope_backward_inplace(d, heads, head_dim, &positions, inv, traditional);
+}
+
+/// A block's forward pass over one whole sequence (positions `0..n`), keeping its activations.
+fn forward_block<'a>(
+    block: &'a DecoderBlock,
+    h_in: Tensor,
+    lora: [ModuleAdapters; 2],
+) -> OpResult<Saved<'a>> {
+    let x1 = block.input_norm.forward(&h_in)?;
+    let (mut out, mixer) = block.mixer.forward_saving(&x1, lora[0])?;
+    let mixer_out = norm_keeping_input(block.mixer_out_norm, &mut out)?;
     let mut h_mid = h_in.try_clone()?;
     ops::add_inplace(&mut h_mid, &out)?;
     let x2 = block.mlp_norm.forward(&h_mid)?;
@@ -157,13 +283,8 @@ fn forward_block(block: &DecoderBlock, h_in: Tensor, lora: [ModuleAdapters; 2]) 
     Ok(Saved {
         h_in,
         x1,
-        q_raw,
-        k_raw,
-        q,
-        k,
-        v,
-        attn,
-        attn_out,
+        mixer,
+        mixer_out,
         h_mid,
         x2,
         gate,
@@ -173,7 +294,10 @@ fn forward_block(block: &DecoderBlock, h_in: Tensor, lora: [ModuleAdapters; 2]) 
 }
 
 /// Norms `x` in place where there is a norm, and returns what it was (for the backward pass).
-fn norm_keeping_input(norm: Option<&RmsNorm>, x: &mut Tensor) -> OpResult<Option<Tensor>> {
+pub(crate) fn norm_keeping_input(
+    norm: Option<&RmsNorm>,
+    x: &mut Tensor,
+) -> OpResult<Option<Tensor>> {
     let Some(norm) = norm else { return Ok(None) };
     let input = x.try_clone()?;
     norm.forward_inplace(x)?;
@@ -200,7 +324,7 @@ fn block_output(block: &DecoderBlock, s: &Saved, lora: ModuleAdapters) -> OpResu
 }
 
 /// `dy` taken back through `norm` of `x` (as is, when there is no norm).
-fn through_norm(norm: Option<&RmsNorm>, x: Option<&Tensor>, dy: &[f32]) -> Vec<f32> {
+pub(crate) fn through_norm(norm: Option<&RmsNorm>, x: Option<&Tensor>, dy: &[f32]) -> Vec<f32> {
     match (norm, x) {
         (Some(norm), Some(x)) => {
             let mut dx = vec![0.0; dy.len()];
@@ -212,9 +336,10 @@ fn through_norm(norm: Option<&RmsNorm>, x: Option<&Tensor>, dy: &[f32]) -> Vec<f
 }
 
 /// One block's adapters and their gradient slots, for the backward pass through its layers.
-struct BlockGrads<'a> {
+pub struct BlockGrads<'a> {
     block: usize,
-    tokens: usize,
+    /// The sequence's length.
+    pub tokens: usize,
     adapters: &'a Adapters,
     grads: &'a mut BTreeMap<String, LoraGrad>,
 }
@@ -222,7 +347,7 @@ struct BlockGrads<'a> {
 impl BlockGrads<'_> {
     /// Backward of the block's layer `module.name` for input `x` and output gradient `dy`:
     /// adds its adapter's gradients, returns `dx` when `need_dx`.
-    fn linear(
+    pub fn linear(
         &mut self,
         linear: &Linear,
         module: &str,
@@ -237,8 +362,28 @@ impl BlockGrads<'_> {
         linear_backward(linear, slot, x, dy, self.tokens, need_dx)
     }
 
+    /// The gradient of the input `x` that the layers of `projections` (under `module`) share,
+    /// each with its output gradient, when `need_dx`; their adapters' gradients are added.
+    pub fn inputs_of(
+        &mut self,
+        projections: &[(&Linear, &str, &Vec<f32>)],
+        module: &str,
+        x: &[f32],
+        need_dx: bool,
+    ) -> Option<Vec<f32>> {
+        let mut dx: Option<Vec<f32>> = None;
+        for &(linear, name, dy) in projections {
+            let d = self.linear(linear, module, name, x, dy, need_dx);
+            dx = match (dx, d) {
+                (Some(acc), Some(d)) => Some(add(acc, &d)),
+                (acc, d) => acc.or(d),
+            };
+        }
+        dx
+    }
+
     /// [`BlockGrads::linear`] for a layer whose input gradient is needed.
-    fn through(
+    pub fn through(
         &mut self,
         linear: &Linear,
         module: &str,
@@ -261,9 +406,7 @@ fn backward_block(
     mut g: BlockGrads,
     lowest: bool,
 ) -> Option<Vec<f32>> {
-    let (a, m) = (block.attn, block.mlp);
-    let n = g.tokens;
-
+    let m = block.mlp;
     let d_down = through_norm(block.mlp_out_norm, mlp_out, &dh_out);
     let d_act = g.through(&m.down_proj, "mlp", "down_proj", s.act.data(), &d_down);
     let (dgate, dup) = match block.activation {
@@ -278,40 +421,9 @@ fn backward_block(
         through_norm(Some(block.mlp_norm), Some(&s.h_mid), &dx2),
         &dh_out,
     );
-
-    let d_out = through_norm(block.attn_out_norm, s.attn_out.as_ref(), &dh_mid);
-    let d_attn = g.through(&a.o_proj, "self_attn", "o_proj", s.attn.data(), &d_out);
-    let kv = KvView::sequence(&s.k[..], &s.v[..], a.kv_heads, n).within(block.window);
-    let grads = attention_backward(s.q.data(), a.heads, a.head_dim, &kv, a.scale, &d_attn);
-    let mut dq = grads.dq;
-    let mut dk = heads_to_tokens(&grads.dk, n, a.kv_heads, a.head_dim);
-    let dv = heads_to_tokens(&grads.dv, n, a.kv_heads, a.head_dim);
-    let positions: Vec<usize> = (0..n).collect();
-    let (inv, traditional) = (a.rope.inv_freqs.data(), a.rope.traditional);
-    rope_backward_inplace(&mut dq, a.heads, a.head_dim, &positions, inv, traditional);
-    rope_backward_inplace(
-        &mut dk,
-        a.kv_heads,
-        a.head_dim,
-        &positions,
-        inv,
-        traditional,
-    );
-    let dq = through_norm(a.q_norm.as_ref(), s.q_raw.as_ref(), &dq);
-    let dk = through_norm(a.k_norm.as_ref(), s.k_raw.as_ref(), &dk);
-    let mut dx1: Option<Vec<f32>> = None;
-    for (linear, name, dy) in [
-        (&a.q_proj, "q_proj", &dq),
-        (&a.k_proj, "k_proj", &dk),
-        (&a.v_proj, "v_proj", &dv),
-    ] {
-        let dx = g.linear(linear, "self_attn", name, s.x1.data(), dy, !lowest);
-        dx1 = match (dx1, dx) {
-            (Some(acc), Some(dx)) => Some(add(acc, &dx)),
-            (acc, dx) => acc.or(dx),
-        };
-    }
-    let dh_in = through_norm(Some(block.input_norm), Some(&s.h_in), &dx1?);
+    let d_mixed = through_norm(block.mixer_out_norm, s.mixer_out.as_ref(), &dh_mid);
+    let dx1 = s.mixer.backward(s.x1.data(), &d_mixed, &mut g, !lowest)?;
+    let dh_in = through_norm(Some(block.input_norm), Some(&s.h_in), &dx1);
     Some(add(dh_in, &dh_mid))
 }
 
@@ -399,7 +511,10 @@ pub(crate) fn loss_and_grads(
     let mut sum = 0.0f64;
     for ex in examples {
         let mut h = model.embed(&ex.inputs)?;
-        let lora = |i| [adapters.module(i, "self_attn"), adapters.module(i, "mlp")];
+        let lora = |i: usize| {
+            let mixer = blocks[i].mixer.module();
+            [adapters.module(i, mixer), adapters.module(i, "mlp")]
+        };
         for block in &blocks[..lowest] {
             let none = [ModuleAdapters::NONE; 2];
             h = block_output(block, &forward_block(block, h, none)?, none[1])?;

@@ -12,7 +12,7 @@ use serde_json::{Map, Value};
 
 use crate::cache::{Cache, KvCache, LayerCache, RotatingKvCache};
 use crate::checkpoint::{Checkpoint, Config};
-use crate::decoder_grad::{Decoder, DecoderBlock};
+use crate::decoder_grad::{AttentionGrad, Decoder, DecoderBlock};
 use crate::layers::{Attention, Embedding, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope};
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
@@ -333,13 +333,15 @@ impl Decoder for Gemma3 {
         blocks
             .map(|b| DecoderBlock {
                 input_norm: &b.input_layernorm,
-                attn: &b.self_attn,
-                attn_out_norm: Some(&b.post_attention_layernorm),
+                mixer: Box::new(AttentionGrad {
+                    attn: &b.self_attn,
+                    window: b.sliding.then_some(self.sliding_window),
+                }),
+                mixer_out_norm: Some(&b.post_attention_layernorm),
                 mlp_norm: &b.pre_feedforward_layernorm,
                 mlp: &b.mlp,
                 mlp_out_norm: Some(&b.post_feedforward_layernorm),
                 activation: ops::Activation::GeluApprox,
-                window: b.sliding.then_some(self.sliding_window),
             })
             .collect()
     }

@@ -6,7 +6,7 @@ use serde_json::Value;
 
 use crate::cache::{Cache, KvCache, LayerCache};
 use crate::checkpoint::{Checkpoint, Scope};
-use crate::decoder_grad::{Decoder, DecoderBlock};
+use crate::decoder_grad::{AttentionGrad, Decoder, DecoderBlock};
 use crate::layers::{
     Attention, Embedding, Input, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope,
 };
@@ -253,13 +253,15 @@ impl Decoder for Llama {
         blocks
             .map(|b| DecoderBlock {
                 input_norm: &b.input_layernorm,
-                attn: &b.self_attn,
-                attn_out_norm: None,
+                mixer: Box::new(AttentionGrad {
+                    attn: &b.self_attn,
+                    window: None,
+                }),
+                mixer_out_norm: None,
                 mlp_norm: &b.post_attention_layernorm,
                 mlp: &b.mlp,
                 mlp_out_norm: None,
                 activation: ops::Activation::Silu,
-                window: None,
             })
             .collect()
     }

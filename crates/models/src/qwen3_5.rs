@@ -15,6 +15,7 @@ use serde_json::Value;
 
 use crate::cache::{append_kv, attend_kv, Cache, KvCache, LayerCache, RecurrentCache};
 use crate::checkpoint::{Checkpoint, Scope};
+use crate::decoder_grad::Decoder;
 use crate::layers::{
     linear_shape, load_host_vector, load_vector, place_vector, Embedding, Linear, Mlp, OpResult,
     OutputHead, RmsNorm, Rope,
@@ -23,6 +24,8 @@ use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
 use crate::switch::SparseMoe;
 use crate::{ForwardError, LoadError, ModelInfo};
+
+mod grad;
 
 /// The eps of the L2 normalization of q and k in the delta rule (`normalize_qk`'s `eps`).
 const QK_NORM_EPS: f64 = 1e-6;
@@ -748,6 +751,12 @@ impl Adaptable for Qwen3_5 {
                 linears
             })
             .collect()
+    }
+
+    /// Dense models train; the mixture of experts has no backward pass yet.
+    fn decoder(&self) -> Option<&dyn Decoder> {
+        let dense = (self.layers.iter()).all(|b| matches!(b.mlp, FeedForward::Dense(_)));
+        dense.then_some(self as &dyn Decoder)
     }
 
     /// mlx-lm's `qwen3_5` nests the text model under `language_model`.

@@ -59,10 +59,11 @@ fn read_step(run: &str) -> Step {
     }
 }
 
-const RUNS: [(&str, &str); 3] = [
+const RUNS: [(&str, &str); 4] = [
     ("train-llama-4bit-g64", "llama-4bit-g64"),
     ("train-qwen3-8bit-g128", "qwen3-8bit-g128"),
     ("train-gemma3-4bit-g64", "gemma3-4bit-g64"),
+    ("train-qwen3_5-4bit-g64", "qwen3_5-4bit-g64"),
 ];
 
 fn setup(run: &str, base: &str) -> (Box<dyn LanguageModel>, Adapters) {

@@ -133,16 +133,18 @@ fn max_rel(a: &[f32], b: &[f32]) -> f32 {
 /// chaotic: mlx-lm itself, started from the same adapter scaled by 1 + 1e-6·N(0, 1), strays by
 /// up to 7e-3 by step 20, and oxlm's kernels sum in another order on each CPU family (measured
 /// at step 30: under 2e-2 on an AVX-512 Xeon, 2.1e-2 on an AVX2-only EPYC). The first ten
-/// steps agree far more closely.
+/// steps agree far more closely (for Qwen3.5 the first seven: mlx-lm itself, perturbed so,
+/// strays by 1.1e-3 at step 8 there).
 const CURVE_BAND: f32 = 3e-2;
 const EARLY_BAND: f32 = 1e-3;
 
 #[test]
 fn thirty_steps_follow_mlx_lm() {
-    for (run, base) in [
-        ("train-llama-4bit-g64", "llama-4bit-g64"),
-        ("train-qwen3-8bit-g128", "qwen3-8bit-g128"),
-        ("train-gemma3-4bit-g64", "gemma3-4bit-g64"),
+    for (run, base, early) in [
+        ("train-llama-4bit-g64", "llama-4bit-g64", 10),
+        ("train-qwen3-8bit-g128", "qwen3-8bit-g128", 10),
+        ("train-gemma3-4bit-g64", "gemma3-4bit-g64", 10),
+        ("train-qwen3_5-4bit-g64", "qwen3_5-4bit-g64", 7),
     ] {
         let model = load(&fixtures().join("tiny").join(base)).unwrap();
         let mut adapters = Adapters::load(
@@ -200,7 +202,7 @@ fn thirty_steps_follow_mlx_lm() {
         );
         assert_eq!(losses.len(), 30);
         assert!((losses[0] - want.train[0]).abs() / want.train[0] < 1e-4);
-        assert!(max_rel(&losses[..10], &want.train[..10]) < EARLY_BAND);
+        assert!(max_rel(&losses[..early], &want.train[..early]) < EARLY_BAND);
         assert!(train_diff < CURVE_BAND && val_diff < CURVE_BAND);
         assert_eq!(
             vals.iter().map(|v| v.0).collect::<Vec<_>>(),
@@ -334,7 +336,7 @@ fn resuming_loads_the_saved_checkpoint() {
 /// Architectures without a backward pass are refused before any step or validation runs.
 #[test]
 fn training_an_architecture_without_a_backward_pass_is_refused_up_front() {
-    let model = load(&fixtures().join("tiny/qwen3_5-4bit-g64")).unwrap();
+    let model = load(&fixtures().join("tiny/qwen3_5_moe-4bit-g64")).unwrap();
     let mut adapters = init_adapters(model.as_ref(), LoraConfig::new(1), 7).unwrap();
     let out = tempfile::tempdir().unwrap();
     let args = TrainArgs {
