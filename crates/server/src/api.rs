@@ -584,7 +584,7 @@ async fn complete_response(
 ) -> Result<Response, ApiError> {
     let mut pieces = Vec::new();
     let reason = loop {
-        match running.updates.recv().await {
+        match running.next().await {
             Some(Update::Started { cached_tokens }) => reply.cached_tokens = cached_tokens,
             Some(Update::Prefill { .. }) => {}
             Some(Update::Token {
@@ -651,7 +651,7 @@ impl ChunkStream {
             if self.done {
                 return None;
             }
-            match self.running.updates.recv().await {
+            match self.running.next().await {
                 Some(update) => self.update(update),
                 None => self.fail(ApiError::server("the generation thread stopped")),
             }

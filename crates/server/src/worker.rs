@@ -11,6 +11,7 @@ use oxlm_runtime::adapter_store::Adapter;
 use oxlm_runtime::batcher::{Batcher, BatcherSettings, Job, JobError, Requester, Update};
 use oxlm_runtime::{GenerateOptions, LoadedModel, StreamOptions};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::watch;
 
 use crate::error::ApiError;
 
@@ -34,8 +35,24 @@ impl Requester for Request {
 /// A job in progress, seen from the request: its updates, and cancellation when dropped
 /// (the client disconnected and the response future or stream was dropped).
 pub struct Running {
-    pub updates: UnboundedReceiver<Update>,
+    updates: UnboundedReceiver<Update>,
     cancel: Arc<AtomicBool>,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl Running {
+    /// The job's next update; at shutdown, its end with [`JobError::ShuttingDown`] at once,
+    /// whatever the generation thread is doing: a prompt's forward pass may hold it for
+    /// longer than the server waits for responses to close.
+    pub async fn next(&mut self) -> Option<Update> {
+        tokio::select! {
+            biased;
+            update = self.updates.recv() => update,
+            _ = self.shutdown.wait_for(|&down| down) => {
+                Some(Update::Done(Err(JobError::ShuttingDown)))
+            }
+        }
+    }
 }
 
 impl Drop for Running {
@@ -50,6 +67,8 @@ pub struct Worker {
     thread: JoinHandle<()>,
     /// Set when the server shuts down: every job, running or queued, ends with an error.
     shutdown: Arc<AtomicBool>,
+    /// The same, for the requests waiting on their jobs.
+    shutdown_watch: watch::Sender<bool>,
 }
 
 /// Prompt cache limits.
@@ -91,12 +110,14 @@ impl Worker {
             jobs,
             thread,
             shutdown,
+            shutdown_watch: watch::Sender::new(false),
         })
     }
 
     /// Ends every job, running or queued, with [`JobError::ShuttingDown`], and refuses new ones.
     pub fn shut_down(&self) {
         self.shutdown.store(true, Ordering::Relaxed);
+        self.shutdown_watch.send_replace(true);
     }
 
     /// Whether the thread still takes jobs.
@@ -133,6 +154,7 @@ impl Worker {
         Ok(Running {
             updates: receiver,
             cancel,
+            shutdown: self.shutdown_watch.subscribe(),
         })
     }
 }

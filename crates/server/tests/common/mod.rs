@@ -1,5 +1,7 @@
 //! What the server's test files share: the repository's fixtures and a server on a free port.
 
+#![allow(dead_code)] // each test binary uses its own part
+
 use std::path::PathBuf;
 
 use oxlm_server::Server;
