@@ -49,7 +49,7 @@ pub struct Args {
     #[arg(long, default_value_t = 25, allow_negative_numbers = true)]
     val_batches: i64,
     /// Adam learning rate.
-    #[arg(long, default_value_t = 1e-5)]
+    #[arg(long, default_value_t = 1e-5, value_parser = learning_rate)]
     learning_rate: f64,
     /// Steps between training-loss reports.
     #[arg(long, default_value_t = 10, value_parser = positive)]
@@ -88,6 +88,20 @@ fn positive(text: &str) -> Result<usize, String> {
         Ok(0) => Err("must be at least 1".into()),
         Ok(n) => Ok(n),
         Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A rate Adam can step with: training computes in f32, where the rate must be finite and above
+/// 0 (a NaN, infinite or negative rate, or one that f32 rounds to 0 or infinity, is refused).
+fn learning_rate(text: &str) -> Result<f64, String> {
+    let rate: f64 = text
+        .parse()
+        .map_err(|e: std::num::ParseFloatError| e.to_string())?;
+    let in_f32 = rate as f32;
+    if in_f32.is_finite() && in_f32 > 0.0 {
+        Ok(rate)
+    } else {
+        Err("expected a finite number above 0".into())
     }
 }
 

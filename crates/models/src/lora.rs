@@ -21,6 +21,12 @@ use crate::{ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
 pub const CONFIG_FILE: &str = "adapter_config.json";
 pub const WEIGHTS_FILE: &str = "adapters.safetensors";
 
+/// The largest `lora_parameters.scale` (in magnitude) an adapter may have. mlx-lm trains with
+/// 20 and adapters converted from PEFT get alpha / rank, tens to a few hundred; past 1e4 the
+/// update outweighs the layer it adapts by orders of magnitude, so such a scale is a broken
+/// config rather than a choice (1e39, infinite in f32, turned every logit to NaN).
+pub const MAX_SCALE: f64 = 1e4;
+
 /// Why an adapter could not be loaded or used with a model.
 #[derive(Debug, Error)]
 pub enum AdapterError {
@@ -39,6 +45,8 @@ pub enum AdapterError {
         path: PathBuf,
         problems: Vec<String>,
     },
+    #[error("{}: NaN or infinite values in {}", .path.display(), .tensors.join(", "))]
+    NonFiniteWeights { path: PathBuf, tensors: Vec<String> },
 }
 
 /// A linear layer an adapter can attach to: its path within a block and its shape.
@@ -171,6 +179,12 @@ impl LoraConfig {
         let scale = number("scale").ok_or_else(|| {
             bad("`lora_parameters.scale` is missing (mlx-lm uses `scale`, not `alpha`)".into())
         })?;
+        if !(-MAX_SCALE..=MAX_SCALE).contains(&scale) {
+            return Err(bad(format!(
+                "`lora_parameters.scale` is {scale}: expected a number from -{MAX_SCALE} to \
+                 {MAX_SCALE}"
+            )));
+        }
         let keys = match params.get("keys") {
             None | Some(Value::Null) => None,
             Some(Value::Array(keys)) => Some(
@@ -371,14 +385,15 @@ fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 type Halves = [Option<Vec<f32>>; 2];
 
 /// The `lora_a` / `lora_b` arrays of the safetensors `file` by layer path, each checked against
-/// the layer's `(in, out)` in `shapes` and `rank`.
+/// the layer's `(in, out)` in `shapes` and `rank`, and to hold finite numbers only (one NaN
+/// would turn every output of the model to NaN).
 fn read_arrays(
     file: &Path,
     shapes: &BTreeMap<String, LinearShape>,
     rank: usize,
 ) -> Result<BTreeMap<String, Halves>, AdapterError> {
     let weights = open_safetensors(file, Residency::Mapped)?;
-    let mut problems = Vec::new();
+    let (mut problems, mut non_finite) = (Vec::new(), Vec::new());
     let mut out: BTreeMap<String, Halves> = BTreeMap::new();
     let names: BTreeSet<&String> = weights.keys().collect();
     for name in names {
@@ -414,16 +429,24 @@ fn read_arrays(
                 source,
             })?
             .to_f32_vec();
+        if !values.iter().all(|v| v.is_finite()) {
+            non_finite.push(name.clone());
+        }
         out.entry(layer.to_string()).or_default()[half] = Some(values);
     }
-    if problems.is_empty() {
-        Ok(out)
-    } else {
-        Err(AdapterError::Mismatch {
+    if !problems.is_empty() {
+        return Err(AdapterError::Mismatch {
             path: file.to_path_buf(),
             problems,
-        })
+        });
     }
+    if !non_finite.is_empty() {
+        return Err(AdapterError::NonFiniteWeights {
+            path: file.to_path_buf(),
+            tensors: non_finite,
+        });
+    }
+    Ok(out)
 }
 
 fn model_blocks(model: &dyn LanguageModel) -> Result<Blocks, AdapterError> {

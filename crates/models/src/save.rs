@@ -1,12 +1,18 @@
 //! Writing checkpoint files atomically: each file goes to a temporary name beside its target and
 //! is renamed over it once complete, so an interrupted run never leaves a half-written file where
-//! the last good one was.
+//! the last good one was. The temporary file is removed when the write fails, and by
+//! [`remove_partial_files_before_exit`] when a signal ends the process.
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use oxlm_engine::DType;
+use safetensors::tensor::{Metadata, TensorInfo, TensorView};
+use safetensors::View;
 use serde_json::Value;
 use thiserror::Error;
 
@@ -59,11 +65,83 @@ fn safetensors_dtype(dtype: DType) -> safetensors::Dtype {
     }
 }
 
-/// The temporary name `path` is written under before the rename.
-fn partial(path: &Path) -> PathBuf {
-    let mut name = path.file_name().unwrap_or_default().to_os_string();
-    name.push(".partial");
-    path.with_file_name(name)
+/// The temporary files this process is writing. A signal's default action ends the process
+/// without running destructors, so a handler of SIGINT or SIGTERM removes them through
+/// [`remove_partial_files_before_exit`].
+static PARTIAL_FILES: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+fn partial_files() -> MutexGuard<'static, Vec<PathBuf>> {
+    // Each change to the list is one push or one removal, so a panic cannot leave it half made.
+    PARTIAL_FILES.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Removes every temporary file this process is writing, and keeps new ones from being started
+/// or renamed: for a signal handler that ends the process next. Writers that get this far wait
+/// until the process ends.
+pub fn remove_partial_files_before_exit() {
+    let mut files = partial_files();
+    for file in files.drain(..) {
+        let _ = std::fs::remove_file(file);
+    }
+    // Never unlocked: a writer let in now would make a file that no one removes.
+    std::mem::forget(files);
+}
+
+/// A file being written under a temporary name beside its target: [`Partial::commit`] renames
+/// it over the target; dropped before that (an error, a panic), it removes the file.
+struct Partial {
+    target: PathBuf,
+    temp: PathBuf,
+}
+
+impl Partial {
+    /// Creates (or truncates) the temporary file of `target`.
+    fn create(target: &Path) -> Result<(Self, File), SaveError> {
+        let mut name = target.file_name().unwrap_or_default().to_os_string();
+        name.push(".partial");
+        let temp = target.with_file_name(name);
+        // Under the lock, so that a signal handler's removal either sees the file or keeps it
+        // from being made.
+        let mut files = partial_files();
+        let file = File::create(&temp).map_err(io_error(target))?;
+        files.push(temp.clone());
+        let partial = Partial {
+            target: target.to_path_buf(),
+            temp,
+        };
+        Ok((partial, file))
+    }
+
+    fn commit(self) -> Result<(), SaveError> {
+        let renamed = {
+            let mut files = partial_files();
+            let renamed = std::fs::rename(&self.temp, &self.target);
+            if renamed.is_ok() {
+                forget_file(&mut files, &self.temp);
+            }
+            renamed
+        };
+        // On failure the drop that follows removes the temporary file.
+        renamed.map_err(io_error(&self.target))
+    }
+}
+
+impl Drop for Partial {
+    fn drop(&mut self) {
+        let mut files = partial_files();
+        if forget_file(&mut files, &self.temp) {
+            let _ = std::fs::remove_file(&self.temp);
+        }
+    }
+}
+
+/// Takes `file` off the list; whether it was there (not yet committed or removed).
+fn forget_file(files: &mut Vec<PathBuf>, file: &Path) -> bool {
+    let found = files.iter().position(|f| f == file);
+    if let Some(i) = found {
+        files.swap_remove(i);
+    }
+    found.is_some()
 }
 
 fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> SaveError + '_ {
@@ -73,11 +151,9 @@ fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> SaveError + '_ {
     }
 }
 
-fn commit(path: &Path) -> Result<(), SaveError> {
-    std::fs::rename(partial(path), path).map_err(io_error(path))
-}
-
-/// Writes `tensors` as a safetensors file with MLX's `{"format": "mlx"}` metadata.
+/// Writes `tensors` as a safetensors file with MLX's `{"format": "mlx"}` metadata, laid out as
+/// `safetensors::serialize` lays it out. Written here rather than by `serialize_to_file`, whose
+/// own temporary file (a random name) a signal handler could not know to remove.
 pub fn write_safetensors(
     path: &Path,
     tensors: &BTreeMap<String, TensorBytes>,
@@ -86,22 +162,51 @@ pub fn write_safetensors(
         path: path.to_path_buf(),
         reason,
     };
-    let views = tensors
+    // A view checks that its shape fits its bytes.
+    let mut views = tensors
         .iter()
         .map(|(name, t)| {
-            safetensors::tensor::TensorView::new(
-                safetensors_dtype(t.dtype),
-                t.shape.clone(),
-                &t.data,
-            )
-            .map(|view| (name.as_str(), view))
-            .map_err(|e| bad(format!("`{name}`: {e}")))
+            TensorView::new(safetensors_dtype(t.dtype), t.shape.clone(), &t.data)
+                .map(|view| (name.as_str(), view))
+                .map_err(|e| bad(format!("`{name}`: {e}")))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let metadata = HashMap::from([("format".to_string(), "mlx".to_string())]);
-    safetensors::tensor::serialize_to_file(views, Some(metadata), &partial(path))
-        .map_err(|e| bad(e.to_string()))?;
-    commit(path)
+    // safetensors' order: by descending alignment of the dtype, then by name.
+    views.sort_by(|(a, x), (b, y)| y.dtype().cmp(&x.dtype()).then(a.cmp(b)));
+    let mut end = 0;
+    let infos = views
+        .iter()
+        .map(|(name, view)| {
+            let start = end;
+            end += view.data_len();
+            let info = TensorInfo {
+                dtype: view.dtype(),
+                shape: view.shape().to_vec(),
+                data_offsets: (start, end),
+            };
+            (name.to_string(), info)
+        })
+        .collect();
+    let format = HashMap::from([("format".to_string(), "mlx".to_string())]);
+    let metadata = Metadata::new(Some(format), infos).map_err(|e| bad(e.to_string()))?;
+    let mut header = serde_json::to_vec(&metadata).map_err(|e| bad(e.to_string()))?;
+    // The data starts on a multiple of 8 bytes, padded with spaces.
+    header.resize(header.len().next_multiple_of(8), b' ');
+
+    let (partial, file) = Partial::create(path)?;
+    write_parts(file, &header, &views).map_err(io_error(path))?;
+    partial.commit()
+}
+
+/// A safetensors file's length-prefixed header, then each view's bytes in order.
+fn write_parts(file: File, header: &[u8], views: &[(&str, TensorView)]) -> std::io::Result<()> {
+    let mut out = BufWriter::with_capacity(1 << 20, file);
+    out.write_all(&(header.len() as u64).to_le_bytes())?;
+    out.write_all(header)?;
+    for (_, view) in views {
+        out.write_all(view.data())?;
+    }
+    out.flush()
 }
 
 /// Writes `value` as JSON indented by 4 spaces, as mlx-lm's `json.dump(…, indent=4)`.
@@ -110,14 +215,19 @@ pub fn write_json(path: &Path, value: &Value) -> Result<(), SaveError> {
     let formatter = serde_json::ser::PrettyFormatter::with_indent(b"    ");
     let mut ser = serde_json::Serializer::with_formatter(&mut text, formatter);
     serde::Serialize::serialize(value, &mut ser).expect("a JSON value always serializes");
-    std::fs::write(partial(path), text).map_err(io_error(path))?;
-    commit(path)
+    let (partial, mut file) = Partial::create(path)?;
+    file.write_all(&text).map_err(io_error(path))?;
+    drop(file);
+    partial.commit()
 }
 
 /// Copies `from` to `to` by way of a temporary name.
 pub fn copy_file(from: &Path, to: &Path) -> Result<(), SaveError> {
-    std::fs::copy(from, partial(to)).map_err(io_error(from))?;
-    commit(to)
+    let mut source = File::open(from).map_err(io_error(from))?;
+    let (partial, mut file) = Partial::create(to)?;
+    std::io::copy(&mut source, &mut file).map_err(io_error(to))?;
+    drop(file);
+    partial.commit()
 }
 
 #[cfg(test)]
@@ -149,5 +259,71 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, ["adapters.safetensors"]);
+    }
+
+    fn entries(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// The file is what `safetensors::serialize` makes of the same arrays, byte for byte.
+    #[test]
+    fn the_layout_is_safetensors_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.safetensors");
+        let mut tensors = one(&[1.0, 2.0, 3.0]);
+        tensors.insert(
+            "a.scales".into(),
+            TensorBytes {
+                dtype: DType::BF16,
+                shape: vec![1, 3],
+                data: Cow::Owned(vec![1, 2, 3, 4, 5, 6]),
+            },
+        );
+        tensors.insert(
+            "a.weight".into(),
+            TensorBytes {
+                dtype: DType::U32,
+                shape: vec![1],
+                data: Cow::Owned(vec![7, 8, 9, 10]),
+            },
+        );
+        write_safetensors(&path, &tensors).unwrap();
+        let views = tensors.iter().map(|(name, t)| {
+            let view = TensorView::new(safetensors_dtype(t.dtype), t.shape.clone(), &t.data);
+            (name.clone(), view.unwrap())
+        });
+        let format = HashMap::from([("format".to_string(), "mlx".to_string())]);
+        let want = safetensors::serialize(views, Some(format)).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), want);
+    }
+
+    /// A write that fails after its temporary file was made (here the rename, onto a directory)
+    /// removes that file.
+    #[test]
+    fn a_failed_write_leaves_no_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = dir.path().join("tokenizer.json");
+        std::fs::write(&source, "{}").unwrap();
+        let target = dir.path().join("taken");
+        std::fs::create_dir(&target).unwrap();
+        std::fs::write(target.join("inside"), "").unwrap();
+        let failures = [
+            write_safetensors(&target, &one(&[1.0])),
+            write_json(&target, &Value::Null),
+            copy_file(&source, &target),
+        ];
+        for failure in failures {
+            let err = failure.unwrap_err();
+            assert!(
+                matches!(&err, SaveError::Io { path, .. } if *path == target),
+                "{err}"
+            );
+        }
+        assert_eq!(entries(dir.path()), ["taken", "tokenizer.json"]);
     }
 }

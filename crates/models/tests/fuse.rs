@@ -128,3 +128,37 @@ fn index_counts_like_mlx_lm() {
         read(&base_dir)["weight_map"]
     );
 }
+
+/// A fuse that fails part way (config.json cannot take the place of a directory of that name,
+/// after the weights are written) leaves no temporary file.
+#[test]
+fn a_fuse_failing_part_way_leaves_no_temporary_file() {
+    let (adapter, base) = CASES[0];
+    let out = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(out.path().join("config.json/taken")).unwrap();
+    let err = fuse(
+        &fixtures().join("tiny").join(base),
+        &fixtures().join("lora").join(adapter),
+        out.path(),
+        false,
+    )
+    .unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with(&format!("{}:", out.path().join("config.json").display())),
+        "{err}"
+    );
+    let mut left: Vec<String> = std::fs::read_dir(out.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(
+        left,
+        [
+            "config.json",
+            "model.safetensors",
+            "model.safetensors.index.json"
+        ]
+    );
+}

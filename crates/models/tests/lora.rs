@@ -130,6 +130,29 @@ fn edit_config(dir: &Path, edit: impl FnOnce(&mut Value)) {
     std::fs::write(path, config.to_string()).unwrap();
 }
 
+/// Rewrites the f32 safetensors `file` with the first value of each of `names` set to `value`.
+fn set_first_value(file: &Path, names: &[&str], value: f32) {
+    let bytes = std::fs::read(file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let mut data = view.data().to_vec();
+            if names.contains(&name.as_str()) {
+                data[..4].copy_from_slice(&value.to_le_bytes());
+            }
+            (name, view.shape().to_vec(), data)
+        })
+        .collect();
+    let views = tensors.iter().map(|(name, shape, data)| {
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data);
+        (name.clone(), view.unwrap())
+    });
+    safetensors::serialize_to_file(views, None, file).unwrap();
+}
+
 fn load_err(adapter: &Path, base: &str) -> AdapterError {
     let model = load(&fixtures().join("tiny").join(base)).unwrap();
     Adapters::load(adapter, model.as_ref()).expect_err("the adapter should be refused")
@@ -176,6 +199,50 @@ fn broken_or_foreign_adapters_are_refused() {
     });
     let err = load_err(dir.path(), "llama-4bit-g64");
     assert!(err.to_string().contains("not `alpha`"), "{err}");
+
+    // A scale that is infinite in f32, or past any adapter's, answered with empty text.
+    for scale in [1e39, -1e39, 1e5] {
+        let dir = adapter_copy("llama-4bit-g64-r4");
+        edit_config(dir.path(), |c| c["lora_parameters"]["scale"] = scale.into());
+        let err = load_err(dir.path(), "llama-4bit-g64");
+        let config = dir.path().join("adapter_config.json");
+        assert!(
+            matches!(&err, AdapterError::Config { path, .. } if *path == config),
+            "{err}"
+        );
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "{}: `lora_parameters.scale` is {scale}: expected a number from -10000 to 10000",
+                config.display()
+            )
+        );
+    }
+
+    // Weights holding NaN or infinity, named with their file.
+    for bad in [f32::NAN, f32::INFINITY] {
+        let dir = adapter_copy("llama-4bit-g64-r4");
+        let weights = dir.path().join("adapters.safetensors");
+        let poisoned = [
+            "model.layers.1.mlp.up_proj.lora_b",
+            "model.layers.1.self_attn.q_proj.lora_a",
+        ];
+        set_first_value(&weights, &poisoned, bad);
+        let err = load_err(dir.path(), "llama-4bit-g64");
+        assert!(
+            matches!(&err, AdapterError::NonFiniteWeights { path, tensors }
+                if *path == weights && tensors == &poisoned),
+            "{err}"
+        );
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "{}: NaN or infinite values in {}",
+                weights.display(),
+                poisoned.join(", ")
+            )
+        );
+    }
 
     let dir = adapter_copy("llama-4bit-g64-r4");
     edit_config(dir.path(), |c| c["fine_tune_type"] = "dora".into());

@@ -125,6 +125,13 @@ impl AdapterStore {
         if !dir.join(CONFIG_FILE).is_file() {
             return Err(not_found());
         }
+        // The files are read through links too: a file that is one must also lead inside.
+        for file in [CONFIG_FILE, WEIGHTS_FILE] {
+            let target = dir.join(file).canonicalize();
+            if target.is_ok_and(|target| !target.starts_with(&self.root)) {
+                return Err(AdapterStoreError::OutsideRoot(name.to_owned()));
+            }
+        }
         Ok(dir)
     }
 

@@ -96,6 +96,54 @@ fn names_resolve_inside_the_root_only() {
     ));
 }
 
+/// The adapter's directory is inside the root, but one of its files is a link to a file outside:
+/// refused as a directory link out would be. Links between adapters inside the root are fine.
+#[test]
+fn files_linked_out_of_the_root_are_refused() {
+    let model = model("llama-4bit-g64");
+    let root = root();
+    let outside = tempfile::tempdir().unwrap();
+    for file in ["adapter_config.json", "adapters.safetensors"] {
+        std::fs::copy(root.path().join("a").join(file), outside.path().join(file)).unwrap();
+        let dir = root.path().join(format!("linked-{file}"));
+        std::fs::create_dir(&dir).unwrap();
+        for other in ["adapter_config.json", "adapters.safetensors"] {
+            if other != file {
+                std::fs::copy(root.path().join("a").join(other), dir.join(other)).unwrap();
+            }
+        }
+        std::os::unix::fs::symlink(outside.path().join(file), dir.join(file)).unwrap();
+    }
+    let mut store = AdapterStore::open(root.path(), 2, model.as_ref()).unwrap();
+    for name in ["linked-adapter_config.json", "linked-adapters.safetensors"] {
+        let refused = |result: Result<(), AdapterStoreError>| match result {
+            Err(AdapterStoreError::OutsideRoot(refused)) => refused == name,
+            _ => false,
+        };
+        assert!(refused(store.resolve(name).map(|_| ())), "{name}");
+        assert!(
+            refused(store.get(name, model.as_ref()).map(|_| ())),
+            "{name}"
+        );
+    }
+
+    let shared = root.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::copy(
+        root.path().join("a/adapter_config.json"),
+        shared.join("adapter_config.json"),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink(
+        "../a/adapters.safetensors",
+        shared.join("adapters.safetensors"),
+    )
+    .unwrap();
+    let a = store.get("a", model.as_ref()).unwrap();
+    let linked = store.get("shared", model.as_ref()).unwrap();
+    assert_eq!(linked.adapters.layers, a.adapters.layers);
+}
+
 #[test]
 fn models_without_adapter_support_and_missing_roots_are_refused() {
     // A model already seen through adapters takes no more.

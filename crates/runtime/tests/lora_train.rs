@@ -5,14 +5,14 @@
 
 use std::path::{Path, PathBuf};
 
-use oxlm_models::lora::{AdaptedModel, Adapters, LoraConfig};
+use oxlm_models::lora::{AdaptedModel, Adapters, LoraConfig, LoraLinear};
 use oxlm_models::lora_grad::{loss_sum, Example};
 use oxlm_models::{load, LanguageModel};
 use oxlm_runtime::chat_template::ChatTemplate;
 use oxlm_runtime::lora::batches::Batches;
 use oxlm_runtime::lora::data::{Dataset, Encoder};
 use oxlm_runtime::lora::np_random::NumpyRandom;
-use oxlm_runtime::lora::trainer::{evaluate, init_adapters, train, Event, TrainArgs};
+use oxlm_runtime::lora::trainer::{evaluate, init_adapters, train, Event, TrainArgs, TrainError};
 use oxlm_runtime::tokenizer::Tokenizer;
 use serde_json::Value;
 
@@ -365,4 +365,89 @@ fn training_an_architecture_without_a_backward_pass_is_refused_up_front() {
     assert!(err.to_string().contains("cannot be trained yet"), "{err}");
     assert_eq!(events, 0);
     assert!(!args.adapter_file.exists());
+}
+
+fn short_run(learning_rate: f32, out: &Path) -> TrainArgs {
+    TrainArgs {
+        batch_size: 4,
+        iters: 5,
+        val_batches: 1,
+        steps_per_report: 1,
+        steps_per_eval: 100,
+        save_every: 100,
+        max_seq_length: 64,
+        learning_rate,
+        grad_checkpoint: false,
+        adapter_file: out.join("adapters.safetensors"),
+    }
+}
+
+/// A rate Adam cannot step with is refused before any step, validation or save.
+#[test]
+fn learning_rates_that_cannot_train_are_refused_up_front() {
+    let model = load(&tokenizer_dir()).unwrap();
+    let train_set = load_set("data/train.jsonl", false);
+    let out = tempfile::tempdir().unwrap();
+    for rate in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -1e-5] {
+        let mut adapters = init_adapters(model.as_ref(), LoraConfig::new(1), 7).unwrap();
+        let mut events = 0;
+        let err = train(
+            model.as_ref(),
+            &mut adapters,
+            &train_set,
+            &train_set,
+            &short_run(rate, out.path()),
+            &mut NumpyRandom::new(0),
+            &mut |_| events += 1,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(err, TrainError::LearningRate(r) if r.to_bits() == rate.to_bits()),
+            "{err}"
+        );
+        assert_eq!(
+            err.to_string(),
+            format!("the learning rate must be a finite number above 0, not {rate}")
+        );
+        assert_eq!(events, 0);
+    }
+    assert!(std::fs::read_dir(out.path()).unwrap().next().is_none());
+}
+
+/// At a rate of 1e30 the first step sends the adapters to ±1e30 and the second one's loss is
+/// not a number: training stops there, leaving the adapters of the last good step unsaved
+/// rather than writing NaN.
+#[test]
+fn a_diverging_run_stops_before_saving_nan_adapters() {
+    let model = load(&tokenizer_dir()).unwrap();
+    let train_set = load_set("data/train.jsonl", false);
+    let out = tempfile::tempdir().unwrap();
+    let mut adapters = init_adapters(model.as_ref(), LoraConfig::new(-1), 7).unwrap();
+    let mut steps = Vec::new();
+    let err = train(
+        model.as_ref(),
+        &mut adapters,
+        &train_set,
+        &Dataset::default(),
+        &short_run(1e30, out.path()),
+        &mut NumpyRandom::new(0),
+        &mut |e| {
+            if let Event::Step { iteration } = e {
+                steps.push(iteration)
+            }
+        },
+    )
+    .unwrap_err();
+    println!("{err}");
+    assert!(
+        matches!(err, TrainError::NonFiniteLoss { iteration: 2, loss } if loss.is_nan()),
+        "{err}"
+    );
+    assert!(err
+        .to_string()
+        .starts_with("training diverged at iteration 2: the loss is NaN"));
+    assert_eq!(steps, [1]);
+    let finite = |l: &LoraLinear| l.a.iter().chain(&l.b).all(|v| v.is_finite());
+    assert!(adapters.layers.values().all(finite));
+    assert!(!out.path().join("adapters.safetensors").exists());
 }

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use oxlm_models::lora::{AdaptedModel, AdapterError, Adapters, LoraConfig};
-use oxlm_models::lora_grad::loss_sum;
+use oxlm_models::lora_grad::{loss_sum, LoraGrad};
 use oxlm_models::save::SaveError;
 use oxlm_models::{ForwardError, LanguageModel};
 use rand::rngs::StdRng;
@@ -30,6 +30,20 @@ pub enum TrainError {
     Forward(#[from] ForwardError),
     #[error(transparent)]
     Save(#[from] SaveError),
+    #[error("the learning rate must be a finite number above 0, not {0}")]
+    LearningRate(f32),
+    /// The step is not applied, so that no adapters of NaN are saved.
+    #[error(
+        "training diverged at iteration {iteration}: the loss is {loss}; the adapters are not \
+         updated or saved from this step on"
+    )]
+    NonFiniteLoss { iteration: usize, loss: f32 },
+    /// The step is not applied, so that no adapters of NaN are saved.
+    #[error(
+        "training diverged at iteration {iteration}: the gradient of {layer} holds NaN or \
+         infinite values; the adapters are not updated or saved from this step on"
+    )]
+    NonFiniteGradient { iteration: usize, layer: String },
 }
 
 /// mlx-lm's `TrainingArgs` (and the learning rate).
@@ -135,7 +149,8 @@ pub fn evaluate(
 }
 
 /// Trains `adapters` on `train` (validating on `valid` when it is not empty), saving them to
-/// `args.adapter_file` every `save_every` steps (beside a numbered copy) and at the end.
+/// `args.adapter_file` every `save_every` steps (beside a numbered copy) and at the end. A step
+/// whose loss or gradients are not finite ends training with an error before it changes them.
 pub fn train(
     model: &dyn LanguageModel,
     adapters: &mut Adapters,
@@ -151,6 +166,9 @@ pub fn train(
     if !adaptable.trainable() {
         let model_type = model.info().model_type.clone();
         return Err(ForwardError::NotTrainable(model_type).into());
+    }
+    if !(args.learning_rate.is_finite() && args.learning_rate > 0.0) {
+        return Err(TrainError::LearningRate(args.learning_rate));
     }
     let mut batches = Batches::new(train, args.batch_size, args.max_seq_length, true)?;
     let mut adam = Adam::new(args.learning_rate);
@@ -195,6 +213,19 @@ pub fn train(
             tic = Instant::now();
         }
         let step = adaptable.loss_and_grads(&batch.examples, adapters, args.grad_checkpoint)?;
+        if !step.loss.is_finite() {
+            return Err(TrainError::NonFiniteLoss {
+                iteration: it,
+                loss: step.loss,
+            });
+        }
+        let finite = |g: &LoraGrad| g.a.iter().chain(&g.b).all(|v| v.is_finite());
+        if let Some((layer, _)) = step.grads.iter().find(|(_, g)| !finite(g)) {
+            return Err(TrainError::NonFiniteGradient {
+                iteration: it,
+                layer: layer.clone(),
+            });
+        }
         adam.update(adapters, &step.grads);
         losses += step.loss as f64;
         tokens += step.tokens;
