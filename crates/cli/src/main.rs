@@ -14,6 +14,7 @@ mod serve;
 
 use clap::{Parser, Subcommand};
 use oxlm_engine::{Device, KvPrecision};
+use oxlm_runtime::sampler::MIN_TEMPERATURE;
 
 #[derive(Parser)]
 #[command(
@@ -75,11 +76,14 @@ fn parse_threads(spec: &str) -> Result<usize, String> {
     }
 }
 
-/// A sampling temperature: a finite number, at least 0.
+/// A sampling temperature: 0 (greedy), or one whose sampling stays finite (the server's range).
 fn parse_temperature(spec: &str) -> Result<f32, String> {
     match spec.parse::<f32>() {
-        Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
-        _ => Err(format!("`{spec}`: expected a finite number, at least 0")),
+        Ok(t) if t == 0.0 || (MIN_TEMPERATURE..=f32::MAX).contains(&t) => Ok(t),
+        _ => Err(format!(
+            "`{spec}`: expected 0 (greedy) or a number from {MIN_TEMPERATURE:?} to {:?}",
+            f32::MAX
+        )),
     }
 }
 

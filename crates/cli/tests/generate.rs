@@ -78,6 +78,8 @@ fn out_of_range_numbers_are_refused_naming_them() {
         ("--min-p", "-0.5"),
         ("--temp", "inf"),
         ("--temp", "-1"),
+        ("--temp", "1e-45"),
+        ("--temp", "1e39"),
     ] {
         let output = generate(&[&format!("{flag}={value}")]).output().unwrap();
         let message = stderr(&output);

@@ -252,7 +252,7 @@ fn sigterm_lets_a_request_in_progress_finish() {
     let serve = Serve::start(&["--shutdown-grace", "60"]);
     // Long enough (end-of-sequence banned) that the signal comes while it runs.
     let body = chat_request(json!({"max_tokens": 3000, "stream": true,
-                                   "logit_bias": {"0": -1000, "2": -1000}}));
+                                   "logit_bias": {"0": -100, "2": -100}}));
     let mut stream = serve.send("/v1/chat/completions", &body);
     read_until(&mut stream, "data: ");
     serve.signal("TERM");
@@ -269,7 +269,7 @@ fn sigterm_lets_a_request_in_progress_finish() {
 
 /// A request that would run for minutes: end-of-sequence tokens banned.
 fn endless(stream: bool) -> Value {
-    let banned = json!({"0": -1000, "2": -1000});
+    let banned = json!({"0": -100, "2": -100});
     chat_request(json!({"max_tokens": 100_000, "logit_bias": banned, "stream": stream}))
 }
 

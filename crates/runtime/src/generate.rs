@@ -147,6 +147,8 @@ pub fn generate_stream(
     stream: &StreamOptions,
     on_event: &mut dyn FnMut(Event<'_>) -> ControlFlow<()>,
 ) -> Result<Generation, RuntimeError> {
+    // Refused before prefill, which would otherwise run up to the limit before failing.
+    model.info().check_context(0, prompt.len())?;
     let uncached = prompt.get(cache.offset..).unwrap_or_default();
     let mut sequence = Sequence::new(
         Some(tokenizer),

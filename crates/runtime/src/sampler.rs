@@ -45,6 +45,16 @@ pub enum SamplerError {
     RepetitionPenalty(f32),
 }
 
+/// The smallest positive temperature that draws meaningfully. The draw weighs each token by
+/// `exp(logprob / temperature - max)` in f32, which rounds `logprob / temperature` by up to
+/// 2^-24 of itself. The likeliest token the filters leave has a log-probability above -130 (at
+/// worst XTC keeps one of the smallest positive f32 probability, about e^-104, under a top
+/// token of at least 1 / vocabulary), so from 1e-4 up that rounding stays within a tenth of a
+/// nat; much colder it outgrows f32's exponent range and the weights become noise, then NaN.
+/// Colder than 1e-4 is greedy in all but name anyway: a token 0.001 nats less likely than the
+/// top one is drawn e^-10 times as often.
+pub const MIN_TEMPERATURE: f32 = 1e-4;
+
 /// Sampling parameters; defaults are mlx-lm's (`mlx_lm generate` CLI / server): greedy, every filter off,
 /// penalty contexts of 20 tokens.
 #[derive(Clone, Debug, PartialEq, Deserialize)]

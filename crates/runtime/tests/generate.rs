@@ -6,11 +6,13 @@ use std::path::PathBuf;
 
 use oxlm_engine::KvPrecision;
 use oxlm_models::cache::LayerCache;
+use oxlm_models::ForwardError;
 use oxlm_runtime::generate::prefill;
 use oxlm_runtime::prompt_cache::PromptCache;
 use oxlm_runtime::sampler::SamplerConfig;
 use oxlm_runtime::{
-    generate, generate_stream, Event, FinishReason, GenerateOptions, LoadedModel, StreamOptions,
+    generate, generate_stream, Event, FinishReason, GenerateOptions, LoadedModel, RuntimeError,
+    StreamOptions,
 };
 use serde_json::Value;
 
@@ -192,4 +194,39 @@ fn stop_strings_and_cancellation() {
     assert_eq!(reason, FinishReason::Cancelled);
     assert_eq!(ids, c.greedy[..3]);
     assert_eq!(cache.offset, c.prompt.len() + 2);
+}
+
+/// A prompt past the model's context (2048 tokens) is refused before any of it goes through the
+/// model, not once prefill reaches the limit.
+#[test]
+fn a_prompt_past_the_context_is_refused_before_prefill() {
+    let c = case("llama-8bit-g32");
+    let model = c.loaded.model.as_ref();
+    let prompt = vec![c.prompt[0]; 2049];
+    let mut cache = model.new_cache().unwrap();
+    let mut events = 0;
+    let result = generate_stream(
+        model,
+        &c.loaded.tokenizer,
+        &prompt,
+        &mut cache,
+        &c.loaded.eos_ids,
+        &options(4),
+        &StreamOptions::default(),
+        &mut |_| {
+            events += 1;
+            ControlFlow::Continue(())
+        },
+    );
+    let Err(RuntimeError::Forward(overflow)) = result else {
+        panic!("a prompt of 2049 tokens was not refused");
+    };
+    assert_eq!(
+        overflow,
+        ForwardError::ContextOverflow {
+            needed: 2049,
+            limit: 2048
+        }
+    );
+    assert_eq!((events, cache.offset), (0, 0));
 }

@@ -13,7 +13,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use oxlm_runtime::adapter_store::{Adapter, AdapterStore};
+use oxlm_runtime::adapter_store::{Adapter, AdapterStore, AdapterStoreError};
 use oxlm_runtime::{FinishReason, GenerateOptions, StreamOptions};
 use rand::Rng;
 use serde_json::{json, Map, Value};
@@ -331,7 +331,15 @@ async fn adapter_for(
     };
     let state = state.clone();
     blocking(move || {
-        let adapter = adapters(&state)?.get(&name, state.model.model.as_ref())?;
+        let adapter = adapters(&state)?
+            .get(&name, state.model.model.as_ref())
+            .inspect_err(|error| {
+                // The client is told of the adapter's files by its name; the log says where
+                // they are, for whoever has to mend them.
+                if matches!(error, AdapterStoreError::Unusable { .. }) {
+                    state.settings.info(error);
+                }
+            })?;
         Ok(Some(adapter))
     })
     .await

@@ -1,7 +1,11 @@
 //! Errors: the OpenAI API's error objects for clients, and what can stop the server starting.
 
+use std::path::{Path, PathBuf};
+
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
+use oxlm_models::lora::AdapterError;
+use oxlm_models::LoadError;
 use oxlm_runtime::adapter_store::AdapterStoreError;
 use serde_json::{json, Value};
 
@@ -123,22 +127,78 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// Messages name adapters and their files as the client named them, never by where they are on
+/// the server.
 impl From<AdapterStoreError> for ApiError {
     fn from(error: AdapterStoreError) -> Self {
-        let message = error.to_string();
         match error {
             AdapterStoreError::NotFound(_) => ApiError {
                 code: Some("adapter_not_found"),
                 param: Some("adapters".into()),
-                ..ApiError::not_found(message)
+                ..ApiError::not_found(error.to_string())
             },
-            AdapterStoreError::OutsideRoot(_) | AdapterStoreError::Unusable { .. } => {
-                ApiError::invalid_param("adapters", message)
+            AdapterStoreError::OutsideRoot(_) => {
+                ApiError::invalid_param("adapters", error.to_string())
             }
-            AdapterStoreError::Root { .. } | AdapterStoreError::Model(_) => {
-                ApiError::server(message)
+            AdapterStoreError::Unusable { name, error } => {
+                let error = AdapterStoreError::Unusable {
+                    error: adapter_error_within(error, Path::new(&name)),
+                    name,
+                };
+                ApiError::invalid_param("adapters", error.to_string())
+            }
+            AdapterStoreError::Root { source, .. } => {
+                ApiError::server(format!("The adapter directory cannot be used: {source}"))
+            }
+            AdapterStoreError::Model(error) => {
+                ApiError::server(adapter_error_within(error, Path::new("")).to_string())
             }
         }
+    }
+}
+
+/// `error` with each path in it replaced by `dir` joined with the path's file name: an adapter
+/// is read from the files directly inside its directory, so `dir` (the adapter's name) locates
+/// them for a client. Every variant is listed so that a new one is looked at for paths.
+fn adapter_error_within(error: AdapterError, dir: &Path) -> AdapterError {
+    let within = |path: PathBuf| dir.join(path.file_name().unwrap_or_default());
+    match error {
+        AdapterError::NotFound(_) => AdapterError::NotFound(dir.to_path_buf()),
+        AdapterError::Config { path, reason } => AdapterError::Config {
+            path: within(path),
+            reason,
+        },
+        AdapterError::Mismatch { path, problems } => AdapterError::Mismatch {
+            path: within(path),
+            problems,
+        },
+        AdapterError::NonFiniteWeights { path, tensors } => AdapterError::NonFiniteWeights {
+            path: within(path),
+            tensors,
+        },
+        AdapterError::Load(error) => AdapterError::Load(match error {
+            LoadError::Io { path, source } => LoadError::Io {
+                path: within(path),
+                source,
+            },
+            LoadError::Json { path, source } => LoadError::Json {
+                path: within(path),
+                source,
+            },
+            LoadError::MissingFile(path) => LoadError::MissingFile(within(path)),
+            LoadError::Safetensors { path, reason } => LoadError::Safetensors {
+                path: within(path),
+                reason,
+            },
+            error @ (LoadError::MissingTensor(_)
+            | LoadError::TensorShape { .. }
+            | LoadError::UnusedTensors(_)
+            | LoadError::UnsupportedModelType { .. }
+            | LoadError::UnsupportedQuantization(_)
+            | LoadError::Config(_)
+            | LoadError::Engine { .. }) => error,
+        }),
+        error @ (AdapterError::UnsupportedType(_) | AdapterError::UnsupportedModel(_)) => error,
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use oxlm_runtime::sampler::{Sampler, SamplerConfig};
+use oxlm_runtime::sampler::{Sampler, SamplerConfig, MIN_TEMPERATURE};
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
@@ -28,6 +28,17 @@ const MAX_TOP_LOGPROBS: u64 = 20;
 
 /// The most stop strings a request may give (OpenAI allows 4).
 const MAX_STOP: usize = 16;
+
+/// OpenAI's bound on `presence_penalty` and `frequency_penalty`, either way.
+const MAX_PENALTY: f32 = 2.0;
+
+/// OpenAI's bound on a `logit_bias` value, either way: -100 bans a token, 100 all but forces it.
+const MAX_LOGIT_BIAS: f32 = 100.0;
+
+/// How far `repetition_penalty` may scale the logits of repeated tokens, either way: a factor
+/// of 100 already bans or forces a token, and factors near f32's limits make logits infinite,
+/// and the softmax over them NaN.
+const MAX_REPETITION_PENALTY: f32 = 100.0;
 
 /// Generation parameters shared by both endpoints.
 #[derive(Debug, Clone)]
@@ -206,7 +217,7 @@ fn params(fields: &Fields, defaults: &Defaults, legacy_logprobs: bool) -> Result
     };
     let sampler = SamplerConfig {
         temperature: fields
-            .number("temperature", 0.0, f64::INFINITY)?
+            .number_or_zero("temperature", "greedy", MIN_TEMPERATURE, f32::MAX)?
             .unwrap_or(defaults.temperature),
         top_p: fields.number("top_p", 0.0, 1.0)?.unwrap_or(defaults.top_p),
         top_k: fields
@@ -217,12 +228,17 @@ fn params(fields: &Fields, defaults: &Defaults, legacy_logprobs: bool) -> Result
         xtc_threshold: fields.number("xtc_threshold", 0.0, 1.0)?.unwrap_or(0.1),
         xtc_special_tokens: defaults.xtc_special_tokens.clone(),
         repetition_penalty: fields
-            .number("repetition_penalty", 0.0, f64::INFINITY)?
+            .number_or_zero(
+                "repetition_penalty",
+                "off",
+                1.0 / MAX_REPETITION_PENALTY,
+                MAX_REPETITION_PENALTY,
+            )?
             .or(defaults.repetition_penalty),
         repetition_context_size: fields.size("repetition_context_size", 20)?,
-        presence_penalty: fields.number("presence_penalty", f64::NEG_INFINITY, f64::INFINITY)?,
+        presence_penalty: fields.number("presence_penalty", -MAX_PENALTY, MAX_PENALTY)?,
         presence_context_size: fields.size("presence_context_size", 20)?,
-        frequency_penalty: fields.number("frequency_penalty", f64::NEG_INFINITY, f64::INFINITY)?,
+        frequency_penalty: fields.number("frequency_penalty", -MAX_PENALTY, MAX_PENALTY)?,
         frequency_context_size: fields.size("frequency_context_size", 20)?,
         logit_bias: fields.logit_bias()?,
         seed: fields.seed()?,
@@ -354,26 +370,47 @@ impl Fields<'_> {
         Ok(self.uint(name, 0)?.map_or(default, |n| n as usize))
     }
 
-    fn number(&self, name: &str, min: f64, max: f64) -> Result<Option<f32>, ApiError> {
+    /// A number from `min` to `max`.
+    fn number(&self, name: &str, min: f32, max: f32) -> Result<Option<f32>, ApiError> {
+        self.bounded(name, None, min, max)
+    }
+
+    /// 0, which has a meaning of its own (`zero_means`), or a number from `min` to `max`.
+    fn number_or_zero(
+        &self,
+        name: &str,
+        zero_means: &str,
+        min: f32,
+        max: f32,
+    ) -> Result<Option<f32>, ApiError> {
+        self.bounded(name, Some(zero_means), min, max)
+    }
+
+    /// A number from `min` to `max`, or 0 where `zero_means` says what 0 means. The range is
+    /// checked on the f32 the sampler takes, where a number past f32's range is infinite and
+    /// one too small for it is 0.
+    fn bounded(
+        &self,
+        name: &str,
+        zero_means: Option<&str>,
+        min: f32,
+        max: f32,
+    ) -> Result<Option<f32>, ApiError> {
         let Some(v) = self.get(name) else {
             return Ok(None);
         };
         let x = v
             .as_f64()
             .ok_or_else(|| ApiError::invalid_param(name, format!("`{name}` must be a number")))?;
-        if x < min {
-            return Err(ApiError::invalid_param(
-                name,
-                format!("`{name}` must be at least {min}"),
-            ));
+        let narrowed = x as f32;
+        if (zero_means.is_some() && x == 0.0) || (min..=max).contains(&narrowed) {
+            return Ok(Some(narrowed));
         }
-        if x > max {
-            return Err(ApiError::invalid_param(
-                name,
-                format!("`{name}` must be at most {max}"),
-            ));
-        }
-        Ok(Some(x as f32))
+        let zero = zero_means.map_or_else(String::new, |meaning| format!("0 ({meaning}) or "));
+        Err(ApiError::invalid_param(
+            name,
+            format!("`{name}` must be {zero}a number from {min:?} to {max:?}"),
+        ))
     }
 
     fn object(&self, name: &str) -> Result<Option<Map<String, Value>>, ApiError> {
@@ -423,11 +460,26 @@ impl Fields<'_> {
             return Ok(BTreeMap::new());
         };
         map.iter()
-            .map(|(id, bias)| Some((id.parse().ok()?, bias.as_f64()? as f32)))
-            .collect::<Option<_>>()
-            .ok_or_else(|| {
-                ApiError::invalid_param("logit_bias", "logit_bias must be a dict of int to float")
+            .map(|(id, bias)| {
+                let (Ok(id), Some(bias)) = (id.parse::<u32>(), bias.as_f64()) else {
+                    return Err(ApiError::invalid_param(
+                        "logit_bias",
+                        "logit_bias must be a dict of int to float",
+                    ));
+                };
+                if !(-f64::from(MAX_LOGIT_BIAS)..=f64::from(MAX_LOGIT_BIAS)).contains(&bias) {
+                    return Err(ApiError::invalid_param(
+                        "logit_bias",
+                        format!(
+                            "`logit_bias` values must be numbers from {:?} to \
+                             {MAX_LOGIT_BIAS:?} (token {id} has {bias:?})",
+                            -MAX_LOGIT_BIAS
+                        ),
+                    ));
+                }
+                Ok((id, bias as f32))
             })
+            .collect()
     }
 }
 
@@ -510,6 +562,49 @@ mod tests {
         let err = chat(json!({"messages": msg, "xtc_probability": 0.5, "xtc_threshold": 0.9}))
             .unwrap_err();
         assert_eq!(err.status, 400);
+    }
+
+    #[test]
+    fn sampling_values_must_keep_sampling_finite() {
+        let with = |key: &str, value: Value| {
+            let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
+            body[key] = value;
+            chat(body)
+        };
+        for (key, value) in [
+            ("temperature", json!(1e-45)),
+            ("temperature", json!(9e-5)),
+            ("temperature", json!(1e39)),
+            ("presence_penalty", json!(-2.5)),
+            ("frequency_penalty", json!(1e39)),
+            ("repetition_penalty", json!(1e-45)),
+            ("repetition_penalty", json!(101)),
+            ("logit_bias", json!({"12": -100.5})),
+        ] {
+            let err = with(key, value.clone()).unwrap_err();
+            assert_eq!(err.status, 400, "{key} {value}");
+            assert_eq!(err.param.as_deref(), Some(key), "{key} {value}");
+        }
+        // The ends of each range, and the 0s that mean greedy and no penalty.
+        let sampler = |key: &str, value: Value| with(key, value).unwrap().params.sampler;
+        assert_eq!(sampler("temperature", json!(1e-4)).temperature, 1e-4);
+        assert_eq!(sampler("temperature", json!(0)).temperature, 0.0);
+        assert_eq!(
+            sampler("presence_penalty", json!(-2)).presence_penalty,
+            Some(-2.0)
+        );
+        assert_eq!(
+            sampler("frequency_penalty", json!(2)).frequency_penalty,
+            Some(2.0)
+        );
+        let repetition = |value| sampler("repetition_penalty", value).repetition_penalty;
+        assert_eq!(repetition(json!(0.01)), Some(0.01));
+        assert_eq!(repetition(json!(100)), Some(100.0));
+        assert_eq!(repetition(json!(0)), Some(0.0));
+        assert_eq!(
+            sampler("logit_bias", json!({"1": -100, "2": 100})).logit_bias,
+            BTreeMap::from([(1, -100.0), (2, 100.0)])
+        );
     }
 
     #[test]

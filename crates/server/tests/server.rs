@@ -462,6 +462,135 @@ async fn bad_requests_get_openai_errors() {
     assert_eq!(status, 200);
 }
 
+/// The OpenAI error object of a 400 for `param`.
+fn invalid(param: &str, message: &str) -> Value {
+    json!({"error": {"message": message, "type": "invalid_request_error", "param": param,
+                     "code": null}})
+}
+
+/// Sampling values that would turn the weights of a draw infinite or NaN are refused, naming
+/// the accepted range; values at the ends of the ranges are served.
+#[tokio::test]
+async fn sampling_values_that_break_sampling_are_refused() {
+    let golden = Golden::load("llama-8bit-g32");
+    let server = start("llama-8bit-g32", Settings::default()).await;
+    let temperature = "`temperature` must be 0 (greedy) or a number from 0.0001 to 3.4028235e38";
+    let presence = "`presence_penalty` must be a number from -2.0 to 2.0";
+    let frequency = "`frequency_penalty` must be a number from -2.0 to 2.0";
+    let repetition = "`repetition_penalty` must be 0 (off) or a number from 0.01 to 100.0";
+    for (field, value, message) in [
+        ("temperature", json!(1e-45), temperature),
+        ("temperature", json!(1e-5), temperature),
+        ("temperature", json!(1e39), temperature),
+        ("presence_penalty", json!(1e39), presence),
+        ("presence_penalty", json!(-1e39), presence),
+        ("presence_penalty", json!(2.5), presence),
+        ("frequency_penalty", json!(1e39), frequency),
+        ("frequency_penalty", json!(-1e39), frequency),
+        ("repetition_penalty", json!(1e39), repetition),
+        ("repetition_penalty", json!(1e-45), repetition),
+        ("repetition_penalty", json!(-1), repetition),
+    ] {
+        for (path, body) in [
+            (
+                "/v1/chat/completions",
+                chat_body(&golden, json!({field: value})),
+            ),
+            ("/v1/completions", json!({"prompt": "sea", field: value})),
+        ] {
+            let (status, r) = server.post(path, &body).await;
+            assert_eq!(status, 400, "{path} {field} {value}: {r}");
+            assert_eq!(r, invalid(field, message), "{path} {field} {value}");
+        }
+    }
+    let (status, r) = server
+        .post(
+            "/v1/chat/completions",
+            &chat_body(&golden, json!({"logit_bias": {"12": 1e39}})),
+        )
+        .await;
+    assert_eq!(status, 400);
+    let message = "`logit_bias` values must be numbers from -100.0 to 100.0 (token 12 has 1e39)";
+    assert_eq!(r, invalid("logit_bias", message));
+
+    // The ends of the ranges are served; sampling that cold is greedy.
+    let coldest = chat_body(
+        &golden,
+        json!({"max_tokens": 8, "temperature": 1e-4, "seed": 0}),
+    );
+    let (status, r) = server.post("/v1/chat/completions", &coldest).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["choices"][0]["message"]["content"], golden.text(8));
+    let extremes = json!({"max_tokens": 4, "temperature": 3.4028235e38, "presence_penalty": -2,
+        "frequency_penalty": 2, "repetition_penalty": 100, "logit_bias": {"12": -100, "13": 100}});
+    let (status, r) = server
+        .post("/v1/chat/completions", &chat_body(&golden, extremes))
+        .await;
+    assert_eq!(status, 200, "{r}");
+    // A draw as hot as that is uniform: it may pick an end-of-sequence token.
+    let finish = &r["choices"][0]["finish_reason"];
+    assert!(finish == "length" || finish == "stop", "{r}");
+}
+
+/// Every way a prompt can pass the model's context (2048 tokens) is refused before it is
+/// queued: a chat prompt that only the template's tokens take past it, and a completion's
+/// token ids; a prompt that fills the context exactly gets its one token.
+#[tokio::test]
+async fn prompts_past_the_context_are_refused_before_prefill() {
+    let loaded = LoadedModel::load(&fixture("llama-8bit-g32")).unwrap();
+    let template = loaded.chat_template.as_ref().unwrap();
+    let tokens = |text: &str| loaded.tokenizer.encode(text, false).unwrap().len();
+    let messages = |words: usize| json!([{"role": "user", "content": "sea ".repeat(words)}]);
+    let templated = |words: usize| {
+        let text = template
+            .render(&messages(words), None, true, &serde_json::Map::new())
+            .unwrap();
+        tokens(&text)
+    };
+    // The fewest words whose templated prompt passes the context.
+    let (mut fits, mut passes) = (0, 4096);
+    while passes - fits > 1 {
+        let middle = (fits + passes) / 2;
+        if templated(middle) > 2048 {
+            passes = middle;
+        } else {
+            fits = middle;
+        }
+    }
+    let content = "sea ".repeat(passes);
+    assert!(tokens(&content) <= 2048, "the content alone fits");
+
+    let server = start("llama-8bit-g32", Settings::default()).await;
+    let context_error = |param: &str, prompt: usize| {
+        json!({"error": {
+            "message": format!("This model's maximum context length is 2048 tokens. However, \
+                                your prompt has {prompt} tokens."),
+            "type": "invalid_request_error", "param": param, "code": "context_length_exceeded"}})
+    };
+    for stream in [false, true] {
+        let body = json!({"messages": messages(passes), "stream": stream});
+        let (status, r) = server.post("/v1/chat/completions", &body).await;
+        assert_eq!(status, 400, "{r}");
+        assert_eq!(r, context_error("messages", templated(passes)));
+    }
+    let (status, r) = server
+        .post("/v1/completions", &json!({"prompt": vec![12; 2049]}))
+        .await;
+    assert_eq!(status, 400, "{r}");
+    assert_eq!(r, context_error("prompt", 2049));
+
+    let (status, r) = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": vec![12; 2048], "max_tokens": 8}),
+        )
+        .await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["choices"][0]["finish_reason"], "length");
+    assert_eq!(r["usage"]["prompt_tokens"], 2048);
+    assert_eq!(r["usage"]["completion_tokens"], 1);
+}
+
 #[tokio::test]
 async fn api_key_and_body_limit() {
     let golden = Golden::load("llama-8bit-g32");
@@ -550,7 +679,7 @@ async fn models_and_health() {
 /// tokens are banned and the context is 131072 tokens.
 fn endless(stream: bool) -> Value {
     json!({"messages": [{"role": "user", "content": "go"}], "max_tokens": 100_000,
-           "logit_bias": {"0": -1000, "2": -1000}, "stream": stream})
+           "logit_bias": {"0": -100, "2": -100}, "stream": stream})
 }
 
 /// How long a short request takes to be answered: long when the worker is still busy.
@@ -874,6 +1003,54 @@ async fn adapter_errors_are_openai_objects() {
             "message": "This server takes no per-request adapters (start it with --adapters-dir)",
             "type": "invalid_request_error", "param": "adapters", "code": null}})
     );
+}
+
+/// An adapter that cannot be loaded is reported by the name the client gave and the files
+/// within it, never by where the server keeps them.
+#[tokio::test]
+async fn adapter_errors_name_no_server_paths() {
+    let (golden, root, server) = adapter_server().await;
+    let broken = root.root.path().join("broken");
+    std::fs::create_dir(&broken).unwrap();
+    std::fs::write(broken.join("adapter_config.json"), "{").unwrap();
+    let unweighted = root.root.path().join("nested/unweighted");
+    std::fs::create_dir_all(&unweighted).unwrap();
+    std::fs::copy(
+        fixtures().join("lora/llama-4bit-g64-r4/adapter_config.json"),
+        unweighted.join("adapter_config.json"),
+    )
+    .unwrap();
+    for (name, problem) in [
+        (
+            "broken",
+            "broken/adapter_config.json: malformed JSON: EOF while parsing an object at line 1 \
+             column 1",
+        ),
+        (
+            "nested/unweighted",
+            "nested/unweighted/adapters.safetensors: no such file (is this an MLX model \
+             directory?)",
+        ),
+    ] {
+        let body = chat_body(&golden, json!({"max_tokens": 4, "adapters": name}));
+        let (status, r) = server.post("/v1/chat/completions", &body).await;
+        assert_eq!(status, 400, "{r}");
+        let message = format!("The adapter `{name}` cannot be used with this model: {problem}");
+        assert_eq!(r, invalid("adapters", &message));
+    }
+    let body = chat_body(&golden, json!({"max_tokens": 4, "adapters": "qwen"}));
+    let (status, r) = server.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 400, "{r}");
+    let message = r["error"]["message"].as_str().unwrap();
+    let mismatch = "The adapter `qwen` cannot be used with this model: adapter at \
+                    qwen/adapters.safetensors does not fit the model:\n  ";
+    assert!(message.starts_with(mismatch), "{message}");
+    for dir in [
+        root.root.path().to_path_buf(),
+        root.root.path().canonicalize().unwrap(),
+    ] {
+        assert!(!message.contains(dir.to_str().unwrap()), "{message}");
+    }
 }
 
 #[tokio::test]
