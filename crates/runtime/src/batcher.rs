@@ -327,6 +327,11 @@ impl<'a> Batcher<'a> {
             }
             // Between steps, at most one prefill step's worth of prompt tokens: many short
             // prompts at once, a long one a chunk at a time while the others go on decoding.
+            // The prompts with the least left go first, so that one arriving while a long one
+            // goes through waits for one chunk of it, not for all of it.
+            prompting
+                .make_contiguous()
+                .sort_by_key(|p| p.held.job.prompt.len() - p.cache.offset);
             let mut budget = prompting
                 .front()
                 .map_or(0, |p| p.held.job.options.prefill_step.max(1));
@@ -399,6 +404,11 @@ impl<'a> Batcher<'a> {
         if job.prompt.is_empty() {
             return Err(RuntimeError::from(ForwardError::EmptyInput).into());
         }
+        // Refused before prefill, which would otherwise run up to the limit before failing.
+        model
+            .info()
+            .check_context(0, job.prompt.len())
+            .map_err(RuntimeError::from)?;
         let key = job.adapter.as_ref().map(|adapter| adapter.id.clone());
         let (cache, cached_tokens) = match self.prompt_cache.fetch(&key, &job.prompt) {
             Some(hit) => (hit.cache, hit.tokens),

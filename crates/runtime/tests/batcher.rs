@@ -200,35 +200,51 @@ const ALONE: Run = Run {
     ..TOGETHER
 };
 
+/// The job `a` asks for, and the log of what it is told.
+fn job(tokenizer: &Tokenizer, a: &Ask) -> (Job, Log) {
+    let log = Log::default();
+    let job = Job {
+        prompt: tokenizer.encode(&a.prompt, false).unwrap(),
+        adapter: a.adapter.clone(),
+        options: GenerateOptions {
+            max_tokens: a.max_tokens,
+            sampler: a.sampler.clone(),
+            prefill_step: a.prefill_step,
+            kv_cache: None,
+        },
+        stream: StreamOptions {
+            stop: Vec::new(),
+            top_logprobs: a.top_logprobs,
+        },
+        requester: Box::new(Logging {
+            log: log.clone(),
+            cancel_after: a.cancel_after,
+            tokens: AtomicUsize::new(0),
+        }),
+    };
+    (job, log)
+}
+
 /// Queues a job for each of `asks`, then runs the batcher over them until all are served.
 fn serve(tokenizer: &Tokenizer, model: &Recording, asks: &[Ask], run: Run) -> Vec<Log> {
     let (jobs, queue) = mpsc::channel();
     let mut logs = Vec::new();
     for a in asks {
-        let log = Log::default();
-        let job = Job {
-            prompt: tokenizer.encode(&a.prompt, false).unwrap(),
-            adapter: a.adapter.clone(),
-            options: GenerateOptions {
-                max_tokens: a.max_tokens,
-                sampler: a.sampler.clone(),
-                prefill_step: a.prefill_step,
-                kv_cache: None,
-            },
-            stream: StreamOptions {
-                stop: Vec::new(),
-                top_logprobs: a.top_logprobs,
-            },
-            requester: Box::new(Logging {
-                log: log.clone(),
-                cancel_after: a.cancel_after,
-                tokens: AtomicUsize::new(0),
-            }),
-        };
+        let (job, log) = job(tokenizer, a);
         jobs.send(job).unwrap();
         logs.push(log);
     }
     drop(jobs);
+    run_batcher(tokenizer, model, &queue, run);
+    logs
+}
+
+fn run_batcher(
+    tokenizer: &Tokenizer,
+    model: &dyn LanguageModel,
+    queue: &mpsc::Receiver<Job>,
+    run: Run,
+) {
     let settings = BatcherSettings {
         capacity: run.capacity,
         cache_entries: run.cache_entries,
@@ -237,8 +253,7 @@ fn serve(tokenizer: &Tokenizer, model: &Recording, asks: &[Ask], run: Run) -> Ve
     };
     // No end-of-sequence ids: every job runs for as many tokens as it asks.
     let eos_ids = HashSet::new();
-    Batcher::new(model, Some(tokenizer), &eos_ids, settings).run(&queue);
-    logs
+    Batcher::new(model, Some(tokenizer), &eos_ids, settings).run(queue);
 }
 
 /// Four jobs of different lengths and samplers: greedy ones, a seeded sampled one and one with
@@ -489,4 +504,107 @@ fn jobs_end_alone_when_given_up_or_wrong() {
         assert!(served.tokens.is_empty());
     }
     assert!(model.calls().is_empty());
+}
+
+/// A job whose prompt is past the model's context (2048 tokens) ends with the overflow before
+/// any of it goes through the model, not once prefill reaches the limit.
+#[test]
+fn a_prompt_past_the_context_ends_before_prefill() {
+    let (tokenizer, model) = load("llama-8bit-g32");
+    let long = ask(&"sea ".repeat(3000), 4);
+    let needed = tokenizer.encode(&long.prompt, false).unwrap().len();
+    assert!(needed > 2048);
+    let logs = serve(&tokenizer, &model, &[long], TOGETHER);
+    let served = served(&logs[0]);
+    let overflow = ForwardError::ContextOverflow {
+        needed,
+        limit: 2048,
+    };
+    assert_eq!(served.end, Err(RuntimeError::from(overflow).to_string()));
+    assert_eq!(served.cached_tokens, None);
+    assert!(model.calls().is_empty());
+}
+
+/// A model that queues one more job during its first forward pass, as a request arrives while
+/// a prompt goes through.
+struct Arriving<'a> {
+    inner: &'a Recording,
+    late: Mutex<Option<(mpsc::Sender<Job>, Job)>>,
+}
+
+impl LanguageModel for Arriving<'_> {
+    fn info(&self) -> &ModelInfo {
+        self.inner.info()
+    }
+
+    fn new_cache(&self) -> Result<Cache, ForwardError> {
+        self.inner.new_cache()
+    }
+
+    fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        logits: Logits,
+    ) -> Result<Tensor, ForwardError> {
+        if let Some((jobs, job)) = self.late.lock().unwrap().take() {
+            jobs.send(job).unwrap();
+        }
+        self.inner.forward(tokens, cache, logits)
+    }
+
+    fn forward_batch(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut Cache],
+    ) -> Result<Tensor, ForwardError> {
+        self.inner.forward_batch(tokens, caches)
+    }
+}
+
+/// A short prompt that arrives while a long one goes through a chunk at a time goes through
+/// before the long one's next chunk, and starts decoding: it waits for one chunk, not for the
+/// whole prompt.
+#[test]
+fn a_short_prompt_does_not_wait_for_a_long_one() {
+    const STEP: usize = 16;
+    let (tokenizer, model) = load("llama-4bit-g64");
+    let long = Ask {
+        prefill_step: STEP,
+        ..ask(
+            &"one two three four five six seven eight nine ten ".repeat(6),
+            4,
+        )
+    };
+    let short = Ask {
+        prefill_step: STEP,
+        ..ask("Once upon a time", 6)
+    };
+    let (jobs, queue) = mpsc::channel();
+    let (first, _) = job(&tokenizer, &long);
+    let (late, log) = job(&tokenizer, &short);
+    jobs.send(first).unwrap();
+    let arriving = Arriving {
+        inner: &model,
+        late: Mutex::new(Some((jobs, late))),
+    };
+    run_batcher(&tokenizer, &arriving, &queue, TOGETHER);
+    let n = tokenizer.encode(&short.prompt, false).unwrap().len();
+    let calls = model.calls();
+    // The long prompt's first chunk, the short prompt whole, the rest of that prefill step from
+    // the long one, and the short one's first step.
+    assert_eq!(
+        calls[..4],
+        [
+            Call::Prompt(STEP),
+            Call::Prompt(n),
+            Call::Prompt(STEP - n),
+            Call::Step
+        ],
+        "{calls:?}"
+    );
+    let got = served(&log);
+    assert_eq!(got.tokens.len(), 6);
+    let alone = serve(&tokenizer, &model, &[short], ALONE);
+    assert_eq!(got.tokens, served(&alone[0]).tokens);
 }
