@@ -20,9 +20,11 @@ both of oxlm's command lines (for example `--device cuda`).
 
 With `--long-prompt`, what a long prompt does to a request that is streaming meanwhile: one
 request streams `--stream-tokens` tokens; once ten have come, a second one arrives with a
-prompt of WORDS words (and asks for one token). Reported per `--prefill-step-size` of oxlm: the
-streaming request's longest pause between two tokens, its median pause, and how long the
-second one took. The stream must outlast the long prompt: a GPU streams 200 tokens in a tenth
+prompt of WORDS words (and asks for one token), and a second later a third with a short prompt
+(one token too). Reported per `--prefill-step-size` of oxlm: the streaming request's longest
+pause between two tokens, its median pause, how long the long one took, and how long the short
+one took (its time to first token: it waits for the chunk of the long prompt in progress, not
+for the whole prompt). The stream must outlast the long prompt: a GPU streams 200 tokens in a tenth
 of a second, so give it thousands there.
 
 With `--arrivals N`, requests come as a server's do, one at a time and each at its own moment:
@@ -147,7 +149,8 @@ def stream_gaps(base, body, tenth):
 
 
 def long_prompt(base, words, stream_tokens):
-    """(longest pause, median pause, seconds the long prompt took)."""
+    """(longest pause, median pause, seconds the long prompt took, seconds the short request
+    sent a second after it took)."""
     gaps = []
     tenth = threading.Event()
     body = {"prompt": PROMPTS[0], "max_tokens": stream_tokens, "temperature": 0}
@@ -155,11 +158,18 @@ def long_prompt(base, words, stream_tokens):
     streaming.start()
     tenth.wait()
     start = time.time()
-    post(base, {"prompt": " ".join(["word"] * words), "max_tokens": 1, "temperature": 0})
-    took = time.time() - start
+    took = []
+    long = {"prompt": " ".join(["word"] * words), "max_tokens": 1, "temperature": 0}
+    sending = threading.Thread(target=lambda: (post(base, long), took.append(time.time() - start)))
+    sending.start()
+    time.sleep(1)
+    short_start = time.time()
+    post(base, {"prompt": PROMPTS[1], "max_tokens": 1, "temperature": 0})
+    short = time.time() - short_start
+    sending.join()
     streaming.join()
     gaps.sort()
-    return max(gaps), gaps[len(gaps) // 2], took
+    return max(gaps), gaps[len(gaps) // 2], took[0], short
 
 
 def started(command):
@@ -217,12 +227,14 @@ def main():
         for step in args.prefill_steps.split(","):
             process, base = started([*oxlm, "--prefill-step-size", step, "--log-level", "WARNING"])
             try:
-                longest, median, took = long_prompt(base, args.long_prompt, args.stream_tokens)
+                longest, median, took, short = long_prompt(
+                    base, args.long_prompt, args.stream_tokens)
             finally:
                 process.terminate()
                 process.wait()
             print(f"--prefill-step-size {step}: longest pause {longest:.3f} s, median "
-                  f"{median:.4f} s; the long prompt took {took:.2f} s", flush=True)
+                  f"{median:.4f} s; the long prompt took {took:.2f} s, a one-token request "
+                  f"sent a second after it {short:.2f} s", flush=True)
         return
     if args.arrivals:
         process, base = started([*oxlm, "--log-level", "WARNING"])
