@@ -2,9 +2,9 @@
 //! one adapter together, as mlx_lm.server's batch generator does. Each step runs every
 //! sequence's next token through one forward pass (`forward_batch`), which reads each weight
 //! once for all of them, up to a capacity. Between steps, prompts go through the model alone,
-//! at most one prefill step's worth of tokens: many short ones at once, a long one a chunk at a
-//! time while the others go on decoding; each streams its first token as soon as its prompt is
-//! through. A job that needs another adapter waits until the batch has drained, and the batch
+//! at most one prefill step's worth of tokens, those with the fewest tokens left first: many
+//! short ones at once, a long one a chunk at a time while the others go on decoding; each
+//! streams its first token as soon as its prompt is through. A job that needs another adapter waits until the batch has drained, and the batch
 //! takes no more jobs meanwhile, so that it is served in its turn.
 //!
 //! The batcher owns the prompt cache, keyed by the adapter a job runs with, and the GPU's
