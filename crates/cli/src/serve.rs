@@ -72,6 +72,10 @@ pub struct Args {
     /// 1.5 times as fast as 32).
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
     decode_concurrency: u32,
+    /// Most requests waiting for a place beyond those decoding; more are answered 429 with
+    /// Retry-After, so that a router sends them elsewhere (default: no limit).
+    #[arg(long)]
+    max_queued_requests: Option<usize>,
     /// DEBUG, INFO, WARNING, ERROR or CRITICAL; above INFO, no startup, shutdown or request lines.
     #[arg(long, default_value = "INFO")]
     log_level: LogLevel,
@@ -104,6 +108,7 @@ pub fn run(args: Args) -> Result<()> {
         max_request_bytes: args.max_request_bytes,
         prefill_step: args.prefill_step_size,
         decode_concurrency: args.decode_concurrency as usize,
+        max_queued_requests: args.max_queued_requests,
         kv_cache: args.kv_cache,
         adapter_path: args.adapter_path,
         adapters_dir: args.adapters_dir,

@@ -22,6 +22,8 @@ pub struct ApiError {
     /// The request field at fault.
     pub param: Option<String>,
     pub code: Option<&'static str>,
+    /// Seconds a client should wait before trying again (`Retry-After`).
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -32,6 +34,7 @@ impl ApiError {
             kind,
             param: None,
             code: None,
+            retry_after: None,
         }
     }
 
@@ -96,6 +99,15 @@ impl ApiError {
         )
     }
 
+    /// 429: the queue is full; try again after `seconds`.
+    pub fn too_many_requests(message: impl Into<String>, seconds: u64) -> Self {
+        ApiError {
+            code: Some("too_many_requests"),
+            retry_after: Some(seconds),
+            ..Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
+        }
+    }
+
     pub fn server(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
     }
@@ -118,12 +130,18 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = self.body().to_string();
-        (
+        let mut response = (
             self.status,
             [(header::CONTENT_TYPE, "application/json")],
             body,
         )
-            .into_response()
+            .into_response();
+        if let Some(seconds) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from(seconds));
+        }
+        response
     }
 }
 

@@ -60,6 +60,9 @@ pub struct Settings {
     /// Most sequences decoded together (mlx_lm.server's `--decode-concurrency`): requests of
     /// one adapter share each decoding step, reading the weights once for all of them.
     pub decode_concurrency: usize,
+    /// Most requests waiting for a place beyond those decoding; more get 429 with
+    /// `Retry-After` (`None`: no limit).
+    pub max_queued_requests: Option<usize>,
     /// The KV cache's precision; `None`: the device's default.
     pub kv_cache: Option<KvPrecision>,
     /// The adapter of requests that name none (mlx_lm.server's `--adapter-path`).
@@ -133,6 +136,7 @@ impl Default for Settings {
             max_request_bytes: 32_000_000,
             prefill_step: DEFAULT_PREFILL_STEP,
             decode_concurrency: 32,
+            max_queued_requests: None,
             kv_cache: None,
             adapter_path: None,
             adapters_dir: None,
@@ -227,7 +231,12 @@ impl Server {
             entries: settings.prompt_cache_size,
             bytes: settings.prompt_cache_bytes,
         };
-        let worker = Worker::spawn(model.clone(), limits, settings.decode_concurrency)?;
+        let worker = Worker::spawn(
+            model.clone(),
+            limits,
+            settings.decode_concurrency,
+            settings.max_queued_requests,
+        )?;
         Ok(Server {
             state: Arc::new(AppState {
                 model,

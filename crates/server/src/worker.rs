@@ -3,7 +3,7 @@
 //! model lists, queueing) while a generation runs. The thread runs the runtime's continuous
 //! batcher over the jobs the requests submit, in arrival order.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
@@ -38,6 +38,8 @@ pub struct Running {
     updates: UnboundedReceiver<Update>,
     cancel: Arc<AtomicBool>,
     shutdown: watch::Receiver<bool>,
+    /// The worker's count of requests not yet answered, this one among them.
+    outstanding: Arc<AtomicUsize>,
 }
 
 impl Running {
@@ -58,6 +60,7 @@ impl Running {
 impl Drop for Running {
     fn drop(&mut self) {
         self.cancel.store(true, Ordering::Relaxed);
+        self.outstanding.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -69,7 +72,14 @@ pub struct Worker {
     shutdown: Arc<AtomicBool>,
     /// The same, for the requests waiting on their jobs.
     shutdown_watch: watch::Sender<bool>,
+    /// Requests submitted and not yet answered (decoding or queued).
+    outstanding: Arc<AtomicUsize>,
+    /// Most requests answered at once: decoding, then queued (`None`: no limit).
+    max_outstanding: Option<usize>,
 }
+
+/// What a refused request is told to wait before it tries again.
+const RETRY_AFTER_SECONDS: u64 = 1;
 
 /// Prompt cache limits.
 #[derive(Debug, Clone, Copy)]
@@ -79,11 +89,13 @@ pub struct CacheLimits {
 }
 
 impl Worker {
-    /// Starts the thread, which decodes up to `decode_concurrency` sequences together.
+    /// Starts the thread, which decodes up to `decode_concurrency` sequences together; at most
+    /// `max_queued` more requests wait for a place.
     pub fn spawn(
         model: Arc<LoadedModel>,
         limits: CacheLimits,
         decode_concurrency: usize,
+        max_queued: Option<usize>,
     ) -> std::io::Result<Self> {
         let (jobs, queue) = mpsc::channel::<Job>();
         let shutdown = Arc::new(AtomicBool::new(false));
@@ -111,6 +123,8 @@ impl Worker {
             thread,
             shutdown,
             shutdown_watch: watch::Sender::new(false),
+            outstanding: Arc::new(AtomicUsize::new(0)),
+            max_outstanding: max_queued.map(|queued| decode_concurrency + queued),
         })
     }
 
@@ -136,6 +150,15 @@ impl Worker {
         if self.shutdown.load(Ordering::Relaxed) {
             return Err(JobError::ShuttingDown.into());
         }
+        let taken = self.outstanding.fetch_add(1, Ordering::Relaxed);
+        if self.max_outstanding.is_some_and(|max| taken >= max) {
+            self.outstanding.fetch_sub(1, Ordering::Relaxed);
+            return Err(ApiError::too_many_requests(
+                "Too many requests are waiting: try again shortly",
+                RETRY_AFTER_SECONDS,
+            ));
+        }
+        let outstanding = self.outstanding.clone();
         let (updates, receiver) = unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let job = Job {
@@ -148,13 +171,15 @@ impl Worker {
                 cancel: cancel.clone(),
             }),
         };
-        self.jobs
-            .send(job)
-            .map_err(|_| ApiError::unavailable("the generation thread has stopped"))?;
-        Ok(Running {
+        let running = Running {
             updates: receiver,
             cancel,
             shutdown: self.shutdown_watch.subscribe(),
-        })
+            outstanding,
+        };
+        self.jobs
+            .send(job)
+            .map_err(|_| ApiError::unavailable("the generation thread has stopped"))?;
+        Ok(running)
     }
 }

@@ -4,48 +4,15 @@
 
 mod common;
 
+/// Longer than the server waits for its responses to close once it has cancelled them.
+const PROMPT_TIME: Duration = Duration::from_secs(5);
+
 use std::time::{Duration, Instant};
 
-use oxlm_engine::{KvPrecision, Tensor};
-use oxlm_models::{Cache, ForwardError, LanguageModel, Logits, ModelInfo};
+use common::SlowPrompts;
 use oxlm_runtime::LoadedModel;
 use oxlm_server::{LogLevel, Server, Settings};
 use serde_json::{json, Value};
-
-/// How long the model takes over a prompt: longer than the server waits for its responses to
-/// close once it has cancelled them.
-const PROMPT_TIME: Duration = Duration::from_secs(5);
-
-/// The tiny llama fixture, slow over prompts as a large model is over a long one.
-struct SlowPrompts {
-    inner: Box<dyn LanguageModel>,
-}
-
-impl LanguageModel for SlowPrompts {
-    fn info(&self) -> &ModelInfo {
-        self.inner.info()
-    }
-
-    fn new_cache(&self) -> Result<Cache, ForwardError> {
-        self.inner.new_cache()
-    }
-
-    fn new_cache_in(&self, precision: KvPrecision) -> Result<Cache, ForwardError> {
-        self.inner.new_cache_in(precision)
-    }
-
-    fn forward(
-        &self,
-        tokens: &[u32],
-        cache: &mut Cache,
-        logits: Logits,
-    ) -> Result<Tensor, ForwardError> {
-        if tokens.len() > 1 {
-            std::thread::sleep(PROMPT_TIME);
-        }
-        self.inner.forward(tokens, cache, logits)
-    }
-}
 
 #[tokio::test]
 async fn requests_in_their_prompt_at_shutdown_end_with_its_error() {
@@ -53,6 +20,7 @@ async fn requests_in_their_prompt_at_shutdown_end_with_its_error() {
     let mut loaded = LoadedModel::load(&dir).unwrap();
     loaded.model = Box::new(SlowPrompts {
         inner: loaded.model,
+        prompt_time: PROMPT_TIME,
     });
     let settings = Settings {
         shutdown_grace: Duration::ZERO,
