@@ -110,47 +110,121 @@ enum Kept<'a> {
 /// What attention's backward pass reads.
 struct AttentionSaved<'a> {
     attn: &'a Attention,
+    core: SequenceAttention<'a>,
+    /// The attention's output, `o_proj`'s input.
+    out: Tensor,
+}
+
+/// The part of attention between its projections and its output projection, over one whole
+/// sequence: per-head q/k norms where there are, RoPE, and causal attention through an optional
+/// window; with what its backward pass reads.
+pub(crate) struct SequenceAttention<'a> {
+    heads: Heads,
+    scale: f32,
     window: Option<usize>,
-    /// Queries and keys before their per-head norms, when the block has them.
+    rope: &'a Rope,
+    q_norm: Option<&'a RmsNorm>,
+    k_norm: Option<&'a RmsNorm>,
+    /// Queries and keys before their norms, where there are.
     q_raw: Option<Tensor>,
     k_raw: Option<Tensor>,
     /// Rotated queries `[n, heads, head_dim]`; keys and values `[kv_heads, n, head_dim]`.
     q: Tensor,
     k: Vec<f32>,
     v: Vec<f32>,
-    /// The attention's output, `o_proj`'s input.
-    out: Tensor,
 }
 
-/// `[n, heads, d]` → `[heads, n, d]`: keys and values as attention reads them.
-pub(crate) fn tokens_to_heads(x: &[f32], n: usize, heads: usize, d: usize) -> Vec<f32> {
+/// What [`SequenceAttention`] computes with, besides its inputs.
+pub(crate) struct AttentionShape<'a> {
+    pub heads: Heads,
+    pub scale: f32,
+    pub window: Option<usize>,
+    pub rope: &'a Rope,
+    pub q_norm: Option<&'a RmsNorm>,
+    pub k_norm: Option<&'a RmsNorm>,
+}
+
+impl<'a> SequenceAttention<'a> {
+    /// Attention of the projected queries, keys and values `q`, `k`, `v` (`[n, heads ·
+    /// head_dim]`, `[n, kv_heads · head_dim]`): its output `[n, heads · head_dim]`, and itself.
+    pub(crate) fn forward(
+        shape: AttentionShape<'a>,
+        mut q: Tensor,
+        mut k: Tensor,
+        v: &Tensor,
+    ) -> OpResult<(Tensor, Self)> {
+        let AttentionShape {
+            heads: h,
+            scale,
+            window,
+            rope,
+            q_norm,
+            k_norm,
+        } = shape;
+        let n = q.rows();
+        let positions = Positions::following(0, n, &oxlm_engine::Device::Cpu)?;
+        let q_raw = norm_keeping_input(q_norm, &mut q)?;
+        let k_raw = norm_keeping_input(k_norm, &mut k)?;
+        rope.apply_pair(&mut q, h.heads, &mut k, h.kv_heads, h.head_dim, &positions)?;
+        let k = transpose_heads(k.data(), n, h.kv_heads, h.head_dim);
+        let v = transpose_heads(v.data(), n, h.kv_heads, h.head_dim);
+        let kv = KvView::sequence(&k[..], &v[..], h.kv_heads, n).within(window);
+        let mut out = vec![0.0; q.len()];
+        let p: Vec<usize> = (0..n).collect();
+        let attention = oxlm_engine::cpu::attention::attention;
+        attention(q.data(), h.heads, h.head_dim, &p, &kv, scale, &mut out);
+        let core = SequenceAttention {
+            heads: h,
+            scale,
+            window,
+            rope,
+            q_norm,
+            k_norm,
+            q_raw,
+            k_raw,
+            q,
+            k,
+            v,
+        };
+        Ok((host(out, n), core))
+    }
+
+    /// The gradients of the projected `q`, `k` and `v` for the output gradient `d_out`.
+    pub(crate) fn backward(&self, d_out: &[f32]) -> [Vec<f32>; 3] {
+        let h = self.heads;
+        let n = self.q.rows();
+        let kv = KvView::sequence(&self.k[..], &self.v[..], h.kv_heads, n).within(self.window);
+        let grads = attention_backward(self.q.data(), h.heads, h.head_dim, &kv, self.scale, d_out);
+        let mut dq = grads.dq;
+        let mut dk = transpose_heads(&grads.dk, h.kv_heads, n, h.head_dim);
+        let dv = transpose_heads(&grads.dv, h.kv_heads, n, h.head_dim);
+        rope_backward(self.rope, &mut dq, h.heads, h.head_dim);
+        rope_backward(self.rope, &mut dk, h.kv_heads, h.head_dim);
+        let dq = through_norm(self.q_norm, self.q_raw.as_ref(), &dq);
+        let dk = through_norm(self.k_norm, self.k_raw.as_ref(), &dk);
+        [dq, dk, dv]
+    }
+}
+
+/// `[a, b, d]` → `[b, a, d]`: a sequence's keys and values `[n, heads, d]` as attention reads
+/// them (`[heads, n, d]`), and back.
+fn transpose_heads(x: &[f32], a: usize, b: usize, d: usize) -> Vec<f32> {
     let mut out = vec![0.0; x.len()];
-    for t in 0..n {
-        for h in 0..heads {
-            out[(h * n + t) * d..][..d].copy_from_slice(&x[(t * heads + h) * d..][..d]);
+    for i in 0..a {
+        for j in 0..b {
+            out[(j * a + i) * d..][..d].copy_from_slice(&x[(i * b + j) * d..][..d]);
         }
     }
     out
 }
 
-/// `[heads, n, d]` → `[n, heads, d]`.
-pub(crate) fn heads_to_tokens(x: &[f32], n: usize, heads: usize, d: usize) -> Vec<f32> {
-    let mut out = vec![0.0; x.len()];
-    for h in 0..heads {
-        for t in 0..n {
-            out[(t * heads + h) * d..][..d].copy_from_slice(&x[(h * n + t) * d..][..d]);
-        }
-    }
-    out
-}
-
-pub(crate) fn add(mut a: Vec<f32>, b: &[f32]) -> Vec<f32> {
+fn add(mut a: Vec<f32>, b: &[f32]) -> Vec<f32> {
     add_inplace(&mut a, b);
     a
 }
 
 /// `[n, dim]` rows as a host tensor.
-pub(crate) fn host(values: Vec<f32>, n: usize) -> Tensor {
+fn host(values: Vec<f32>, n: usize) -> Tensor {
     let dim = values.len() / n;
     Tensor::new(vec![n, dim], values)
 }
@@ -166,62 +240,26 @@ impl MixerGrad for AttentionGrad<'_> {
         lora: ModuleAdapters,
     ) -> OpResult<(Tensor, Box<dyn MixerSaved + 's>)> {
         let a = self.attn;
-        let n = x.rows();
-        let positions = Positions::following(0, n, &oxlm_engine::Device::Cpu)?;
-        let mut q = a.q_proj.forward_adapted(x, lora.get("q_proj"))?;
-        let mut k = a.k_proj.forward_adapted(x, lora.get("k_proj"))?;
+        let q = a.q_proj.forward_adapted(x, lora.get("q_proj"))?;
+        let k = a.k_proj.forward_adapted(x, lora.get("k_proj"))?;
         let v = a.v_proj.forward_adapted(x, lora.get("v_proj"))?;
-        let q_raw = norm_keeping_input(a.q_norm.as_ref(), &mut q)?;
-        let k_raw = norm_keeping_input(a.k_norm.as_ref(), &mut k)?;
-        a.rope.apply(&mut q, a.heads, a.head_dim, &positions)?;
-        a.rope.apply(&mut k, a.kv_heads, a.head_dim, &positions)?;
-        let k = tokens_to_heads(k.data(), n, a.kv_heads, a.head_dim);
-        let v = tokens_to_heads(v.data(), n, a.kv_heads, a.head_dim);
-        let heads = Heads {
-            heads: a.heads,
-            kv_heads: a.kv_heads,
-            head_dim: a.head_dim,
-        };
-        let out = sequence_attention(&q, &k, &v, heads, a.scale, self.window)?;
-        let y = a.o_proj.forward_adapted(&out, lora.get("o_proj"))?;
-        let saved = AttentionSaved {
-            attn: a,
+        let shape = AttentionShape {
+            heads: Heads {
+                heads: a.heads,
+                kv_heads: a.kv_heads,
+                head_dim: a.head_dim,
+            },
+            scale: a.scale,
             window: self.window,
-            q_raw,
-            k_raw,
-            q,
-            k,
-            v,
-            out,
+            rope: &a.rope,
+            q_norm: a.q_norm.as_ref(),
+            k_norm: a.k_norm.as_ref(),
         };
+        let (out, core) = SequenceAttention::forward(shape, q, k, &v)?;
+        let y = a.o_proj.forward_adapted(&out, lora.get("o_proj"))?;
+        let saved = AttentionSaved { attn: a, core, out };
         Ok((y, Box::new(saved)))
     }
-}
-
-/// Causal attention of one whole sequence's rotated queries `q` (`[n, heads · head_dim]`) over
-/// its keys and values (`[kv_heads, n, head_dim]`), through `window`.
-pub(crate) fn sequence_attention(
-    q: &Tensor,
-    k: &[f32],
-    v: &[f32],
-    h: Heads,
-    scale: f32,
-    window: Option<usize>,
-) -> OpResult<Tensor> {
-    let n = q.rows();
-    let positions: Vec<usize> = (0..n).collect();
-    let kv = KvView::sequence(k, v, h.kv_heads, n).within(window);
-    let mut out = vec![0.0; q.len()];
-    oxlm_engine::cpu::attention::attention(
-        q.data(),
-        h.heads,
-        h.head_dim,
-        &positions,
-        &kv,
-        scale,
-        &mut out,
-    );
-    Ok(host(out, n))
 }
 
 impl MixerSaved for AttentionSaved<'_> {
@@ -233,17 +271,8 @@ impl MixerSaved for AttentionSaved<'_> {
         need_dx: bool,
     ) -> Option<Vec<f32>> {
         let a = self.attn;
-        let n = g.tokens;
         let d_out = g.through(&a.o_proj, "self_attn", "o_proj", self.out.data(), dy);
-        let kv = KvView::sequence(&self.k[..], &self.v[..], a.kv_heads, n).within(self.window);
-        let grads = attention_backward(self.q.data(), a.heads, a.head_dim, &kv, a.scale, &d_out);
-        let mut dq = grads.dq;
-        let mut dk = heads_to_tokens(&grads.dk, n, a.kv_heads, a.head_dim);
-        let dv = heads_to_tokens(&grads.dv, n, a.kv_heads, a.head_dim);
-        rope_backward(&a.rope, &mut dq, a.heads, a.head_dim);
-        rope_backward(&a.rope, &mut dk, a.kv_heads, a.head_dim);
-        let dq = through_norm(a.q_norm.as_ref(), self.q_raw.as_ref(), &dq);
-        let dk = through_norm(a.k_norm.as_ref(), self.k_raw.as_ref(), &dk);
+        let [dq, dk, dv] = self.core.backward(&d_out);
         let projections = [
             (&a.q_proj, "q_proj", &dq),
             (&a.k_proj, "k_proj", &dk),
@@ -254,7 +283,7 @@ impl MixerSaved for AttentionSaved<'_> {
 }
 
 /// Backward of RoPE over one whole sequence (positions `0..n`) of `heads` heads, in place.
-pub(crate) fn rope_backward(rope: &Rope, d: &mut [f32], heads: usize, head_dim: usize) {
+fn rope_backward(rope: &Rope, d: &mut [f32], heads: usize, head_dim: usize) {
     let positions: Vec<usize> = (0..d.len() / (heads * head_dim)).collect();
     let (inv, traditional) = (rope.inv_freqs.data(), rope.traditional);
     rope_backward_inplace(d, heads, head_dim, &positions, inv, traditional);

@@ -1,19 +1,17 @@
 //! Qwen3.5's mixers as the backward pass sees them (see [`crate::decoder_grad`]): the gated
 //! DeltaNet and the gated full attention, each over one whole sequence from an empty cache.
 
-use oxlm_engine::cpu::attention::KvView;
 use oxlm_engine::grad::{
-    attention_backward, causal_conv1d_backward, delta_gates_backward, gated_delta_rule_backward,
-    silu_mul_backward,
+    causal_conv1d_backward, delta_gates_backward, gated_delta_rule_backward, silu_mul_backward,
 };
 use oxlm_engine::ops::{self, recurrent};
 use oxlm_engine::params::Heads;
-use oxlm_engine::{Device, Positions, Tensor};
+use oxlm_engine::{Device, Tensor};
 
 use super::{FeedForward, GatedAttention, GatedDeltaNet, Mixer, Qwen3_5};
 use crate::decoder_grad::{
-    heads_to_tokens, norm_keeping_input, rope_backward, sequence_attention, through_norm,
-    tokens_to_heads, BlockGrads, Decoder, DecoderBlock, MixerGrad, MixerSaved,
+    norm_keeping_input, through_norm, AttentionShape, BlockGrads, Decoder, DecoderBlock, MixerGrad,
+    MixerSaved, SequenceAttention,
 };
 use crate::layers::OpResult;
 use crate::lora::ModuleAdapters;
@@ -207,13 +205,7 @@ impl MixerSaved for DeltaNetSaved<'_> {
 /// What the gated attention's backward pass reads.
 struct GatedAttentionSaved<'a> {
     attn: &'a GatedAttention,
-    /// Queries and keys before their norms; rotated queries; keys and values
-    /// `[kv_heads, n, head_dim]`.
-    q_raw: Tensor,
-    k_raw: Tensor,
-    q: Tensor,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    core: SequenceAttention<'a>,
     /// The attention's output before and after its gate.
     out: Tensor,
     gate: Tensor,
@@ -242,32 +234,29 @@ impl MixerGrad for &GatedAttention {
     ) -> OpResult<(Tensor, Box<dyn MixerSaved + 's>)> {
         let a: &GatedAttention = self;
         let (n, hd) = (x.rows(), a.head_dim);
-        let positions = Positions::following(0, n, &Device::Cpu)?;
         let projected = a
             .q_proj
             .forward_adapted(x, lora.get("q_proj"))?
             .reshape(vec![n * a.heads, 2 * hd]);
-        let mut q = ops::columns(&projected, 0, hd)?.reshape(vec![n, a.heads * hd]);
+        let q = ops::columns(&projected, 0, hd)?.reshape(vec![n, a.heads * hd]);
         let gate = ops::columns(&projected, hd, hd)?.reshape(vec![n, a.heads * hd]);
-        let mut k = a.k_proj.forward_adapted(x, lora.get("k_proj"))?;
+        let k = a.k_proj.forward_adapted(x, lora.get("k_proj"))?;
         let v = a.v_proj.forward_adapted(x, lora.get("v_proj"))?;
-        let q_raw = norm_keeping_input(Some(&a.q_norm), &mut q)?.expect("a norm");
-        let k_raw = norm_keeping_input(Some(&a.k_norm), &mut k)?.expect("a norm");
-        a.rope
-            .apply_pair(&mut q, a.heads, &mut k, a.kv_heads, hd, &positions)?;
-        let k = tokens_to_heads(k.data(), n, a.kv_heads, hd);
-        let v = tokens_to_heads(v.data(), n, a.kv_heads, hd);
-        let out = sequence_attention(&q, &k, &v, a.heads(), a.scale, None)?;
+        let shape = AttentionShape {
+            heads: a.heads(),
+            scale: a.scale,
+            window: None,
+            rope: &a.rope,
+            q_norm: Some(&a.q_norm),
+            k_norm: Some(&a.k_norm),
+        };
+        let (out, core) = SequenceAttention::forward(shape, q, k, &v)?;
         let mut gated = out.try_clone()?;
         ops::sigmoid_mul_inplace(&mut gated, &gate)?;
         let y = a.o_proj.forward_adapted(&gated, lora.get("o_proj"))?;
         let saved = GatedAttentionSaved {
             attn: a,
-            q_raw,
-            k_raw,
-            q,
-            k,
-            v,
+            core,
             out,
             gate,
             gated,
@@ -294,15 +283,7 @@ impl MixerSaved for GatedAttentionSaved<'_> {
             d_out[i] = d * s;
             d_gate[i] = d * self.out.data()[i] * s * (1.0 - s);
         }
-        let kv = KvView::sequence(&self.k[..], &self.v[..], a.kv_heads, n);
-        let grads = attention_backward(self.q.data(), a.heads, hd, &kv, a.scale, &d_out);
-        let mut dq = grads.dq;
-        let mut dk = heads_to_tokens(&grads.dk, n, a.kv_heads, hd);
-        let dv = heads_to_tokens(&grads.dv, n, a.kv_heads, hd);
-        rope_backward(&a.rope, &mut dq, a.heads, hd);
-        rope_backward(&a.rope, &mut dk, a.kv_heads, hd);
-        let dq = through_norm(Some(&a.q_norm), Some(&self.q_raw), &dq);
-        let dk = through_norm(Some(&a.k_norm), Some(&self.k_raw), &dk);
+        let [dq, dk, dv] = self.core.backward(&d_out);
         // Per head, `head_dim` queries then `head_dim` gates, as `q_proj` gives them.
         let d_projected = join_columns(&[(&dq, hd), (&d_gate, hd)], n * a.heads);
         let projections = [
