@@ -27,10 +27,12 @@ enum Call {
     Batch(usize),
 }
 
-/// A model that records the calls made of it.
+/// A model that records the calls made of it, and queues `late`'s job during its next forward
+/// pass, as a request arrives while a prompt goes through.
 struct Recording {
     inner: Box<dyn LanguageModel>,
     calls: Mutex<Vec<Call>>,
+    late: Mutex<Option<(mpsc::Sender<Job>, Job)>>,
 }
 
 impl Recording {
@@ -58,6 +60,9 @@ impl LanguageModel for Recording {
         cache: &mut Cache,
         logits: Logits,
     ) -> Result<Tensor, ForwardError> {
+        if let Some((jobs, job)) = self.late.lock().unwrap().take() {
+            jobs.send(job).unwrap();
+        }
         let call = match logits {
             Logits::LastOnDevice => Call::Step,
             _ => Call::Prompt(tokens.len()),
@@ -90,6 +95,7 @@ fn load(name: &str) -> (Tokenizer, Recording) {
     let model = Recording {
         inner: oxlm_models::load(&dir).unwrap(),
         calls: Mutex::new(Vec::new()),
+        late: Mutex::new(None),
     };
     (Tokenizer::from_dir(&dir).unwrap(), model)
 }
@@ -525,43 +531,6 @@ fn a_prompt_past_the_context_ends_before_prefill() {
     assert!(model.calls().is_empty());
 }
 
-/// A model that queues one more job during its first forward pass, as a request arrives while
-/// a prompt goes through.
-struct Arriving<'a> {
-    inner: &'a Recording,
-    late: Mutex<Option<(mpsc::Sender<Job>, Job)>>,
-}
-
-impl LanguageModel for Arriving<'_> {
-    fn info(&self) -> &ModelInfo {
-        self.inner.info()
-    }
-
-    fn new_cache(&self) -> Result<Cache, ForwardError> {
-        self.inner.new_cache()
-    }
-
-    fn forward(
-        &self,
-        tokens: &[u32],
-        cache: &mut Cache,
-        logits: Logits,
-    ) -> Result<Tensor, ForwardError> {
-        if let Some((jobs, job)) = self.late.lock().unwrap().take() {
-            jobs.send(job).unwrap();
-        }
-        self.inner.forward(tokens, cache, logits)
-    }
-
-    fn forward_batch(
-        &self,
-        tokens: &[u32],
-        caches: &mut [&mut Cache],
-    ) -> Result<Tensor, ForwardError> {
-        self.inner.forward_batch(tokens, caches)
-    }
-}
-
 /// A short prompt that arrives while a long one goes through a chunk at a time goes through
 /// before the long one's next chunk, and starts decoding: it waits for one chunk, not for the
 /// whole prompt.
@@ -584,11 +553,8 @@ fn a_short_prompt_does_not_wait_for_a_long_one() {
     let (first, _) = job(&tokenizer, &long);
     let (late, log) = job(&tokenizer, &short);
     jobs.send(first).unwrap();
-    let arriving = Arriving {
-        inner: &model,
-        late: Mutex::new(Some((jobs, late))),
-    };
-    run_batcher(&tokenizer, &arriving, &queue, TOGETHER);
+    *model.late.lock().unwrap() = Some((jobs, late));
+    run_batcher(&tokenizer, &model, &queue, TOGETHER);
     let n = tokenizer.encode(&short.prompt, false).unwrap().len();
     let calls = model.calls();
     // The long prompt's first chunk, the short prompt whole, the rest of that prefill step from
