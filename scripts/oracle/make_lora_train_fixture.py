@@ -59,6 +59,10 @@ RUNS = {
     # every block: gated-DeltaNet and gated full-attention layers
     "qwen3_5-4bit-g64": dict(base="qwen3_5-4bit-g64", seed=6, num_layers=6,
                              lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
+    # every block: a mixture of experts (top-2 of 4, router and stacked experts adapted) with
+    # a gated shared expert
+    "qwen3_5_moe-4bit-g64": dict(base="qwen3_5_moe-4bit-g64", seed=7, num_layers=4,
+                                 lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
 }
 
 

@@ -1,11 +1,10 @@
-//! The loss and LoRA gradients of a model of pre-norm decoder blocks (llama's, and Gemma 3's
-//! with its norms after attention and MLP, GeGLU and sliding windows), one example at a time
+//! The loss and LoRA gradients of a model of pre-norm decoder blocks (llama's, Gemma 3's with
+//! its norms after attention and MLP, GeGLU and sliding windows, and those whose mixer or MLP is
+//! another kind: Qwen3.5's gated DeltaNet, a mixture of experts), one example at a time
 //! (the examples of a batch do not interact, so their gradients simply add): a forward pass
 //! that keeps what the backward pass needs, then the backward pass from the loss down to the
 //! lowest adapted block. With `checkpoint`, only each block's input is kept and the block is run
 //! again on the way back.
-
-use std::collections::BTreeMap;
 
 use oxlm_engine::cpu::attention::KvView;
 use oxlm_engine::cpu::elementwise::add_inplace;
@@ -19,9 +18,7 @@ use oxlm_engine::{ops, Positions, Tensor};
 
 use crate::layers::{Attention, Linear, Mlp, OpResult, RmsNorm, Rope};
 use crate::lora::{Adapters, ModuleAdapters};
-use crate::lora_grad::{
-    base_input_grad, linear_backward, zero_grads, Example, LoraGrad, LossAndGrads,
-};
+use crate::lora_grad::{base_input_grad, linear_backward, AdapterGrads, Example, LossAndGrads};
 use crate::pass::Architecture;
 use crate::{check_tokens, ForwardError};
 
@@ -34,10 +31,10 @@ pub struct DecoderBlock<'a> {
     /// Gemma's norm of the mixer's output, before the residual.
     pub mixer_out_norm: Option<&'a RmsNorm>,
     pub mlp_norm: &'a RmsNorm,
-    pub mlp: &'a Mlp,
+    /// A gated MLP, or a mixture of experts.
+    pub mlp: Box<dyn MlpGrad + 'a>,
     /// Gemma's norm of the MLP's output, before the residual.
     pub mlp_out_norm: Option<&'a RmsNorm>,
-    pub activation: Activation,
 }
 
 /// A block's sequence mixer as the backward pass sees it.
@@ -65,6 +62,137 @@ pub trait MixerSaved {
         g: &mut BlockGrads,
         need_dx: bool,
     ) -> Option<Vec<f32>>;
+}
+
+/// A block's feed-forward part as the backward pass sees it.
+pub trait MlpGrad {
+    /// Its output for the rows `x`, with the layers `lora` names adapted, and what its backward
+    /// pass reads.
+    fn forward_saving<'s>(
+        &'s self,
+        x: &Tensor,
+        lora: BlockAdapters,
+    ) -> OpResult<(Tensor, Box<dyn MlpSaved + 's>)>;
+}
+
+/// What a feed-forward part's forward pass kept for its backward pass.
+pub trait MlpSaved {
+    /// Adds the gradients of its adapters for its input `x` and output gradient `dy`, and
+    /// returns `dx`.
+    fn backward(&self, x: &[f32], dy: &[f32], g: &mut BlockGrads) -> Vec<f32>;
+}
+
+/// The adapters of one block, by module (`mlp`, `mlp.switch_mlp`); none at all for a block that
+/// is not adapted.
+#[derive(Clone, Copy)]
+pub struct BlockAdapters<'a> {
+    adapters: Option<&'a Adapters>,
+    block: usize,
+}
+
+impl<'a> BlockAdapters<'a> {
+    const NONE: BlockAdapters<'static> = BlockAdapters {
+        adapters: None,
+        block: 0,
+    };
+
+    pub fn module(self, module: &'a str) -> ModuleAdapters<'a> {
+        match self.adapters {
+            Some(adapters) => adapters.module(self.block, module),
+            None => ModuleAdapters::NONE,
+        }
+    }
+}
+
+/// A gated MLP, `down(act(gate(x)) · up(x))`, under `mlp`.
+pub struct GatedMlpGrad<'a> {
+    pub mlp: &'a Mlp,
+    pub activation: Activation,
+}
+
+/// What a gated MLP's backward pass reads.
+pub(crate) struct GatedSaved {
+    gate: Tensor,
+    up: Tensor,
+    /// `act(gate) · up`, the down projection's input.
+    act: Tensor,
+}
+
+impl GatedSaved {
+    /// The MLP's output for the rows `x`, with the layers `lora` names adapted, and itself.
+    pub(crate) fn forward(
+        mlp: &Mlp,
+        activation: Activation,
+        x: &Tensor,
+        lora: ModuleAdapters,
+    ) -> OpResult<(Tensor, Self)> {
+        let gate = mlp.gate_proj.forward_adapted(x, lora.get("gate_proj"))?;
+        let up = mlp.up_proj.forward_adapted(x, lora.get("up_proj"))?;
+        let mut act = gate.try_clone()?;
+        match activation {
+            Activation::Silu => ops::silu_mul_inplace(&mut act, &up)?,
+            Activation::GeluApprox => ops::gelu_approx_mul_inplace(&mut act, &up)?,
+        }
+        let out = mlp.down_proj.forward_adapted(&act, lora.get("down_proj"))?;
+        Ok((out, GatedSaved { gate, up, act }))
+    }
+
+    /// `dx` for the output gradient `dy` of the MLP `at` names; its adapters' gradients are
+    /// added.
+    pub(crate) fn backward(
+        &self,
+        mlp: &Mlp,
+        activation: Activation,
+        at: At,
+        x: &[f32],
+        dy: &[f32],
+        g: &mut BlockGrads,
+    ) -> Vec<f32> {
+        let d_act = g.through(&mlp.down_proj, at, "down_proj", self.act.data(), dy);
+        let (gate, up) = (self.gate.data(), self.up.data());
+        let (dgate, dup) = match activation {
+            Activation::Silu => silu_mul_backward(gate, up, &d_act),
+            Activation::GeluApprox => gelu_approx_mul_backward(gate, up, &d_act),
+        };
+        add(
+            g.through(&mlp.gate_proj, at, "gate_proj", x, &dgate),
+            &g.through(&mlp.up_proj, at, "up_proj", x, &dup),
+        )
+    }
+}
+
+/// Where a layer's adapter is: its module in the block, and for a stack of experts, the expert.
+#[derive(Clone, Copy)]
+pub struct At<'a> {
+    pub module: &'a str,
+    pub expert: Option<usize>,
+}
+
+impl<'a> From<&'a str> for At<'a> {
+    fn from(module: &'a str) -> Self {
+        At {
+            module,
+            expert: None,
+        }
+    }
+}
+
+impl MlpGrad for GatedMlpGrad<'_> {
+    fn forward_saving<'s>(
+        &'s self,
+        x: &Tensor,
+        lora: BlockAdapters,
+    ) -> OpResult<(Tensor, Box<dyn MlpSaved + 's>)> {
+        let (out, saved) = GatedSaved::forward(self.mlp, self.activation, x, lora.module("mlp"))?;
+        Ok((out, Box::new((self, saved))))
+    }
+}
+
+impl MlpSaved for (&GatedMlpGrad<'_>, GatedSaved) {
+    fn backward(&self, x: &[f32], dy: &[f32], g: &mut BlockGrads) -> Vec<f32> {
+        let (mlp, saved) = self;
+        saved.backward(mlp.mlp, mlp.activation, "mlp".into(), x, dy, g)
+    }
 }
 
 /// Self-attention with RoPE and optional q/k norms (llama's, Gemma's), through a window on a
@@ -96,9 +224,9 @@ struct Saved<'a> {
     mixer_out: Option<Tensor>,
     h_mid: Tensor,
     x2: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    act: Tensor,
+    mlp: Box<dyn MlpSaved + 'a>,
+    /// The MLP's output before its norm, where the block has one.
+    mlp_out: Option<Tensor>,
 }
 
 /// What an adapted block keeps for the backward pass: everything, or (checkpointing) its input.
@@ -289,37 +417,37 @@ fn rope_backward(rope: &Rope, d: &mut [f32], heads: usize, head_dim: usize) {
     rope_backward_inplace(d, heads, head_dim, &positions, inv, traditional);
 }
 
-/// A block's forward pass over one whole sequence (positions `0..n`), keeping its activations.
+/// The adapters of a block's mixer and of the rest of it.
+type Lora<'a> = (ModuleAdapters<'a>, BlockAdapters<'a>);
+
+/// A block's forward pass over one whole sequence (positions `0..n`), keeping its activations;
+/// and its output.
 fn forward_block<'a>(
     block: &'a DecoderBlock,
     h_in: Tensor,
-    lora: [ModuleAdapters; 2],
-) -> OpResult<Saved<'a>> {
+    lora: Lora,
+) -> OpResult<(Saved<'a>, Tensor)> {
     let x1 = block.input_norm.forward(&h_in)?;
-    let (mut out, mixer) = block.mixer.forward_saving(&x1, lora[0])?;
+    let (mut out, mixer) = block.mixer.forward_saving(&x1, lora.0)?;
     let mixer_out = norm_keeping_input(block.mixer_out_norm, &mut out)?;
     let mut h_mid = h_in.try_clone()?;
     ops::add_inplace(&mut h_mid, &out)?;
     let x2 = block.mlp_norm.forward(&h_mid)?;
-    let m = block.mlp;
-    let gate = m.gate_proj.forward_adapted(&x2, lora[1].get("gate_proj"))?;
-    let up = m.up_proj.forward_adapted(&x2, lora[1].get("up_proj"))?;
-    let mut act = gate.try_clone()?;
-    match block.activation {
-        Activation::Silu => ops::silu_mul_inplace(&mut act, &up)?,
-        Activation::GeluApprox => ops::gelu_approx_mul_inplace(&mut act, &up)?,
-    }
-    Ok(Saved {
+    let (mut out, mlp) = block.mlp.forward_saving(&x2, lora.1)?;
+    let mlp_out = norm_keeping_input(block.mlp_out_norm, &mut out)?;
+    let mut h_out = h_mid.try_clone()?;
+    ops::add_inplace(&mut h_out, &out)?;
+    let saved = Saved {
         h_in,
         x1,
         mixer,
         mixer_out,
         h_mid,
         x2,
-        gate,
-        up,
-        act,
-    })
+        mlp,
+        mlp_out,
+    };
+    Ok((saved, h_out))
 }
 
 /// Norms `x` in place where there is a norm, and returns what it was (for the backward pass).
@@ -331,25 +459,6 @@ pub(crate) fn norm_keeping_input(
     let input = x.try_clone()?;
     norm.forward_inplace(x)?;
     Ok(Some(input))
-}
-
-/// The MLP's output before its norm, `down(act)`.
-fn mlp_output(block: &DecoderBlock, s: &Saved, lora: ModuleAdapters) -> OpResult<Tensor> {
-    block
-        .mlp
-        .down_proj
-        .forward_adapted(&s.act, lora.get("down_proj"))
-}
-
-/// The block's output `h_mid + post_mlp(down(act))`.
-fn block_output(block: &DecoderBlock, s: &Saved, lora: ModuleAdapters) -> OpResult<Tensor> {
-    let mut down = mlp_output(block, s, lora)?;
-    if let Some(norm) = block.mlp_out_norm {
-        norm.forward_inplace(&mut down)?;
-    }
-    let mut out = s.h_mid.try_clone()?;
-    ops::add_inplace(&mut out, &down)?;
-    Ok(out)
 }
 
 /// `dy` taken back through `norm` of `x` (as is, when there is no norm).
@@ -370,25 +479,35 @@ pub struct BlockGrads<'a> {
     /// The sequence's length.
     pub tokens: usize,
     adapters: &'a Adapters,
-    grads: &'a mut BTreeMap<String, LoraGrad>,
+    grads: &'a mut AdapterGrads,
 }
 
 impl BlockGrads<'_> {
-    /// Backward of the block's layer `module.name` for input `x` and output gradient `dy`:
-    /// adds its adapter's gradients, returns `dx` when `need_dx`.
-    pub fn linear(
+    /// Backward of the block's layer `name` in `at` (a module, or one expert of a stack) for
+    /// input `x` and output gradient `dy`: adds its adapter's gradients, returns `dx` when
+    /// `need_dx`.
+    pub fn linear<'m>(
         &mut self,
         linear: &Linear,
-        module: &str,
+        at: impl Into<At<'m>>,
         name: &str,
         x: &[f32],
         dy: &[f32],
         need_dx: bool,
     ) -> Option<Vec<f32>> {
-        let adapter = self.adapters.module(self.block, module).get(name);
-        let path = format!("{}.{module}.{name}", self.adapters.block_path(self.block));
-        let slot = adapter.zip(self.grads.get_mut(&path));
-        linear_backward(linear, slot, x, dy, self.tokens, need_dx)
+        let at = at.into();
+        let mut lora = self.adapters.module(self.block, at.module);
+        let block = self.adapters.block_path(self.block);
+        let path = format!("{block}.{}.{name}", at.module);
+        let slot = match at.expert {
+            Some(e) => {
+                lora = lora.expert(e);
+                self.grads.experts.get_mut(&path).and_then(|g| g.get_mut(e))
+            }
+            None => self.grads.layers.get_mut(&path),
+        };
+        let rows = x.len() / linear.weight.cols();
+        linear_backward(linear, lora.get(name).zip(slot), x, dy, rows, need_dx)
     }
 
     /// The gradient of the input `x` that the layers of `projections` (under `module`) share,
@@ -412,40 +531,29 @@ impl BlockGrads<'_> {
     }
 
     /// [`BlockGrads::linear`] for a layer whose input gradient is needed.
-    pub fn through(
+    pub fn through<'m>(
         &mut self,
         linear: &Linear,
-        module: &str,
+        at: impl Into<At<'m>>,
         name: &str,
         x: &[f32],
         dy: &[f32],
     ) -> Vec<f32> {
-        self.linear(linear, module, name, x, dy, true)
+        self.linear(linear, at, name, x, dy, true)
             .expect("dx was asked for")
     }
 }
 
 /// Backward of one block: returns `dh_in` unless `lowest` (nothing below needs it).
-/// `mlp_out` is the MLP's output before its norm, where the block has one.
 fn backward_block(
     block: &DecoderBlock,
     s: &Saved,
-    mlp_out: Option<&Tensor>,
     dh_out: Vec<f32>,
     mut g: BlockGrads,
     lowest: bool,
 ) -> Option<Vec<f32>> {
-    let m = block.mlp;
-    let d_down = through_norm(block.mlp_out_norm, mlp_out, &dh_out);
-    let d_act = g.through(&m.down_proj, "mlp", "down_proj", s.act.data(), &d_down);
-    let (dgate, dup) = match block.activation {
-        Activation::Silu => silu_mul_backward(s.gate.data(), s.up.data(), &d_act),
-        Activation::GeluApprox => gelu_approx_mul_backward(s.gate.data(), s.up.data(), &d_act),
-    };
-    let dx2 = add(
-        g.through(&m.gate_proj, "mlp", "gate_proj", s.x2.data(), &dgate),
-        &g.through(&m.up_proj, "mlp", "up_proj", s.x2.data(), &dup),
-    );
+    let d_mlp = through_norm(block.mlp_out_norm, s.mlp_out.as_ref(), &dh_out);
+    let dx2 = s.mlp.backward(s.x2.data(), &d_mlp, &mut g);
     let dh_mid = add(
         through_norm(Some(block.mlp_norm), Some(&s.h_mid), &dx2),
         &dh_out,
@@ -527,31 +635,33 @@ pub(crate) fn loss_and_grads(
     }
     let blocks = model.blocks();
     let tokens: usize = examples.iter().map(Example::scored).sum();
-    let mut grads = zero_grads(adapters);
+    let mut grads = AdapterGrads::zeros(adapters);
     let lowest = (0..blocks.len())
         .find(|&i| {
-            adapters
-                .layers
-                .keys()
-                .any(|p| p.starts_with(&format!("{}.", adapters.block_path(i))))
+            let prefix = format!("{}.", adapters.block_path(i));
+            let mut paths = adapters.layers.keys().chain(adapters.experts.keys());
+            paths.any(|p| p.starts_with(&prefix))
         })
         .unwrap_or(blocks.len());
     let dloss = 1.0 / tokens.max(1) as f32;
     let mut sum = 0.0f64;
     for ex in examples {
         let mut h = model.embed(&ex.inputs)?;
-        let lora = |i: usize| {
-            let mixer = blocks[i].mixer.module();
-            [adapters.module(i, mixer), adapters.module(i, "mlp")]
+        let lora = |i: usize| -> Lora {
+            let block = BlockAdapters {
+                adapters: Some(adapters),
+                block: i,
+            };
+            (block.module(blocks[i].mixer.module()), block)
         };
         for block in &blocks[..lowest] {
-            let none = [ModuleAdapters::NONE; 2];
-            h = block_output(block, &forward_block(block, h, none)?, none[1])?;
+            let none = (ModuleAdapters::NONE, BlockAdapters::NONE);
+            h = forward_block(block, h, none)?.1;
         }
         let mut kept = Vec::new();
         for (i, block) in blocks.iter().enumerate().skip(lowest) {
-            let s = forward_block(block, h, lora(i))?;
-            h = block_output(block, &s, lora(i)[1])?;
+            let s;
+            (s, h) = forward_block(block, h, lora(i))?;
             kept.push(if checkpoint {
                 Kept::Input(s.h_in)
             } else {
@@ -565,11 +675,7 @@ pub(crate) fn loss_and_grads(
             let block = &blocks[i];
             let s = match k {
                 Kept::All(s) => *s,
-                Kept::Input(h_in) => forward_block(block, h_in, lora(i))?,
-            };
-            let mlp_out = match block.mlp_out_norm {
-                Some(_) => Some(mlp_output(block, &s, lora(i)[1])?),
-                None => None,
+                Kept::Input(h_in) => forward_block(block, h_in, lora(i))?.0,
             };
             let g = BlockGrads {
                 block: i,
@@ -577,7 +683,7 @@ pub(crate) fn loss_and_grads(
                 adapters,
                 grads: &mut grads,
             };
-            match backward_block(block, &s, mlp_out.as_ref(), dh, g, i == lowest) {
+            match backward_block(block, &s, dh, g, i == lowest) {
                 Some(d) => dh = d,
                 None => break,
             }

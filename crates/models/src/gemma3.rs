@@ -12,7 +12,7 @@ use serde_json::{Map, Value};
 
 use crate::cache::{Cache, KvCache, LayerCache, RotatingKvCache};
 use crate::checkpoint::{Checkpoint, Config};
-use crate::decoder_grad::{AttentionGrad, Decoder, DecoderBlock};
+use crate::decoder_grad::{AttentionGrad, Decoder, DecoderBlock, GatedMlpGrad};
 use crate::layers::{Attention, Embedding, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope};
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
@@ -339,9 +339,11 @@ impl Decoder for Gemma3 {
                 }),
                 mixer_out_norm: Some(&b.post_attention_layernorm),
                 mlp_norm: &b.pre_feedforward_layernorm,
-                mlp: &b.mlp,
+                mlp: Box::new(GatedMlpGrad {
+                    mlp: &b.mlp,
+                    activation: ops::Activation::GeluApprox,
+                }),
                 mlp_out_norm: Some(&b.post_feedforward_layernorm),
-                activation: ops::Activation::GeluApprox,
             })
             .collect()
     }

@@ -6,7 +6,7 @@ use serde_json::Value;
 
 use crate::cache::{Cache, KvCache, LayerCache};
 use crate::checkpoint::{Checkpoint, Scope};
-use crate::decoder_grad::{AttentionGrad, Decoder, DecoderBlock};
+use crate::decoder_grad::{AttentionGrad, Decoder, DecoderBlock, GatedMlpGrad};
 use crate::layers::{
     Attention, Embedding, Input, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope,
 };
@@ -259,9 +259,11 @@ impl Decoder for Llama {
                 }),
                 mixer_out_norm: None,
                 mlp_norm: &b.post_attention_layernorm,
-                mlp: &b.mlp,
+                mlp: Box::new(GatedMlpGrad {
+                    mlp: &b.mlp,
+                    activation: ops::Activation::Silu,
+                }),
                 mlp_out_norm: None,
-                activation: ops::Activation::Silu,
             })
             .collect()
     }

@@ -540,36 +540,63 @@ impl Adapters {
         if !file.exists() {
             return Err(AdapterError::NotFound(file.to_path_buf()));
         }
-        let shape = |l: &LoraLinear| LinearShape {
+        let shape = |l: &LoraLinear, experts| LinearShape {
             key: "",
             in_features: l.in_features,
             out_features: l.out_features,
-            experts: 0,
+            experts,
         };
-        let shapes = (self.layers.iter())
-            .map(|(path, l)| (path.clone(), shape(l)))
-            .collect();
-        for (path, [a, b]) in read_arrays(file, &shapes, self.config.rank)? {
-            let layer = self
-                .layers
-                .get_mut(&path)
-                .expect("read_arrays keeps known layers");
-            if let Some(a) = a {
-                layer.a = a;
+        let plain = (self.layers.iter()).map(|(path, l)| (path.clone(), shape(l, 0)));
+        let stacked = (self.experts.iter())
+            .filter_map(|(path, each)| Some((path.clone(), shape(each.first()?, each.len()))));
+        let shapes = plain.chain(stacked).collect();
+        let r = self.config.rank;
+        for (path, [a, b]) in read_arrays(file, &shapes, r)? {
+            if let Some(layer) = self.layers.get_mut(&path) {
+                if let Some(a) = a {
+                    layer.a = a;
+                }
+                if let Some(b) = b {
+                    layer.b = b;
+                }
+                continue;
             }
-            if let Some(b) = b {
-                layer.b = b;
+            let each = (self.experts.get_mut(&path)).expect("read_arrays keeps known layers");
+            for (e, layer) in each.iter_mut().enumerate() {
+                let (inputs, outputs) = (layer.in_features, layer.out_features);
+                if let Some(a) = &a {
+                    layer.a = transpose(&a[e * r * inputs..][..r * inputs], r, inputs);
+                }
+                if let Some(b) = &b {
+                    layer.b = transpose(&b[e * outputs * r..][..outputs * r], outputs, r);
+                }
             }
         }
         Ok(())
     }
 
-    /// Writes every matrix to the safetensors `file` (atomically), named as mlx-lm names them.
+    /// Writes every matrix to the safetensors `file` (atomically), named and shaped as mlx-lm
+    /// keeps them: an expert stack's as `[experts, rank, in]` and `[experts, out, rank]`.
     pub fn save_weights(&self, file: &Path) -> Result<(), SaveError> {
         let mut tensors = BTreeMap::new();
         for (path, l) in &self.layers {
             let a = TensorBytes::f32(vec![l.in_features, l.rank], &l.a);
             let b = TensorBytes::f32(vec![l.rank, l.out_features], &l.b);
+            tensors.insert(format!("{path}.lora_a"), a);
+            tensors.insert(format!("{path}.lora_b"), b);
+        }
+        for (path, each) in &self.experts {
+            let Some(first) = each.first() else { continue };
+            let (r, inputs, outputs) = (first.rank, first.in_features, first.out_features);
+            let a: Vec<f32> = (each.iter())
+                .flat_map(|l| transpose(&l.a, inputs, r))
+                .collect();
+            let b: Vec<f32> = (each.iter())
+                .flat_map(|l| transpose(&l.b, r, outputs))
+                .collect();
+            let experts = each.len();
+            let a = TensorBytes::f32(vec![experts, r, inputs], &a);
+            let b = TensorBytes::f32(vec![experts, outputs, r], &b);
             tensors.insert(format!("{path}.lora_a"), a);
             tensors.insert(format!("{path}.lora_b"), b);
         }

@@ -49,19 +49,44 @@ pub struct LoraGrad {
     pub b: Vec<f32>,
 }
 
-/// Zero gradients for every layer of `adapters`.
-pub fn zero_grads(adapters: &Adapters) -> BTreeMap<String, LoraGrad> {
-    adapters
-        .layers
-        .iter()
-        .map(|(path, l)| {
-            let grad = LoraGrad {
-                a: vec![0.0; l.a.len()],
-                b: vec![0.0; l.b.len()],
-            };
-            (path.clone(), grad)
-        })
-        .collect()
+impl LoraGrad {
+    /// Zero gradients for `layer`.
+    pub fn zeros(layer: &LoraLinear) -> Self {
+        LoraGrad {
+            a: vec![0.0; layer.a.len()],
+            b: vec![0.0; layer.b.len()],
+        }
+    }
+}
+
+/// The gradients of a set of adapters, shaped as [`Adapters`]: one per adapted layer, and one per
+/// expert of each adapted stack of experts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdapterGrads {
+    pub layers: BTreeMap<String, LoraGrad>,
+    pub experts: BTreeMap<String, Vec<LoraGrad>>,
+}
+
+impl AdapterGrads {
+    /// Zero gradients for every layer of `adapters`.
+    pub fn zeros(adapters: &Adapters) -> Self {
+        let layers = (adapters.layers.iter())
+            .map(|(path, l)| (path.clone(), LoraGrad::zeros(l)))
+            .collect();
+        let experts = (adapters.experts.iter())
+            .map(|(path, each)| (path.clone(), each.iter().map(LoraGrad::zeros).collect()))
+            .collect();
+        AdapterGrads { layers, experts }
+    }
+
+    /// Every gradient with the name of its layer (`path` or, for an expert, `path[e]`).
+    pub fn named(&self) -> impl Iterator<Item = (String, &LoraGrad)> {
+        let layers = self.layers.iter().map(|(path, g)| (path.clone(), g));
+        let experts = self.experts.iter().flat_map(|(path, each)| {
+            (each.iter().enumerate()).map(move |(e, g)| (format!("{path}[{e}]"), g))
+        });
+        layers.chain(experts)
+    }
 }
 
 /// The mean loss of a batch and its gradient with respect to each adapter matrix.
@@ -71,7 +96,7 @@ pub struct LossAndGrads {
     pub loss: f32,
     /// Scored positions (mlx-lm's `ntoks`).
     pub tokens: usize,
-    pub grads: BTreeMap<String, LoraGrad>,
+    pub grads: AdapterGrads,
 }
 
 /// `dx[m, in] = dy[m, out] · W` for a layer's base weights.

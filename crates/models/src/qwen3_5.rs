@@ -753,10 +753,8 @@ impl Adaptable for Qwen3_5 {
             .collect()
     }
 
-    /// Dense models train; the mixture of experts has no backward pass yet.
     fn decoder(&self) -> Option<&dyn Decoder> {
-        let dense = (self.layers.iter()).all(|b| matches!(b.mlp, FeedForward::Dense(_)));
-        dense.then_some(self as &dyn Decoder)
+        Some(self)
     }
 
     /// mlx-lm's `qwen3_5` nests the text model under `language_model`.

@@ -1,6 +1,8 @@
 //! Sparse mixtures of experts: the stacked expert weights of mlx-lm's `switch_layers.py`
 //! (`SwitchGLU`) and the routed block of `qwen3_next.py` (`Qwen3NextSparseMoeBlock`).
 
+mod grad;
+
 use oxlm_engine::cpu::elementwise::softmax_inplace;
 use oxlm_engine::{ops, DType, FloatMatrix, QuantizedMatrix, Tensor};
 
@@ -225,28 +227,9 @@ impl SparseMoe {
         shared: ModuleAdapters,
     ) -> OpResult<Tensor> {
         let n = x.rows();
-        let count = self.experts.len();
-        let logits = self.gate.forward_adapted(x, lora.get("gate"))?.into_vec()?;
-        // (token, weight) pairs per expert
-        let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); count];
-        let mut order: Vec<usize> = Vec::with_capacity(count);
-        for (t, probs) in logits.chunks_exact(count).enumerate() {
-            let mut probs = probs.to_vec();
-            softmax_inplace(&mut probs);
-            order.clear();
-            order.extend(0..count);
-            order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
-            let top = &order[..self.top_k];
-            let total: f32 = top.iter().map(|&e| probs[e]).sum();
-            for &e in top {
-                let weight = if self.norm_topk_prob {
-                    probs[e] / total
-                } else {
-                    probs[e]
-                };
-                routed[e].push((t, weight));
-            }
-        }
+        let mut probs = self.gate.forward_adapted(x, lora.get("gate"))?.into_vec()?;
+        let chosen = self.route(&mut probs);
+        let routed = self.by_expert(&chosen);
         let mut y = dispatch(x, &routed, |e, rows| {
             self.experts[e].forward_adapted(rows, experts.expert(e))
         })?;
@@ -261,5 +244,39 @@ impl SparseMoe {
         let all: Vec<usize> = (0..n).collect();
         ops::scatter_add_rows(&mut y, &shared, &all, &gates)?;
         Ok(y)
+    }
+
+    /// Turns each token's router logits (`[n, experts]`) into probabilities, in place, and
+    /// returns its `top_k` experts, best first, with their weights: `[n, top_k]`.
+    fn route(&self, probs: &mut [f32]) -> Vec<(usize, f32)> {
+        let count = self.experts.len();
+        let mut chosen = Vec::with_capacity(probs.len() / count * self.top_k);
+        let mut order: Vec<usize> = Vec::with_capacity(count);
+        for p in probs.chunks_exact_mut(count) {
+            softmax_inplace(p);
+            order.clear();
+            order.extend(0..count);
+            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            let top = &order[..self.top_k];
+            let total: f32 = top.iter().map(|&e| p[e]).sum();
+            chosen.extend(top.iter().map(|&e| {
+                let weight = if self.norm_topk_prob {
+                    p[e] / total
+                } else {
+                    p[e]
+                };
+                (e, weight)
+            }));
+        }
+        chosen
+    }
+
+    /// [`SparseMoe::route`]'s choices as `(token, weight)` pairs per expert.
+    fn by_expert(&self, chosen: &[(usize, f32)]) -> Vec<Vec<(usize, f32)>> {
+        let mut routed = vec![Vec::new(); self.experts.len()];
+        for (slot, &(e, weight)) in chosen.iter().enumerate() {
+            routed[e].push((slot / self.top_k, weight));
+        }
+        routed
     }
 }

@@ -137,14 +137,19 @@ fn max_rel(a: &[f32], b: &[f32]) -> f32 {
 /// strays by 1.1e-3 at step 8 there).
 const CURVE_BAND: f32 = 3e-2;
 const EARLY_BAND: f32 = 1e-3;
+/// A mixture of experts is more chaotic still, as a token that changes experts changes its
+/// output at once: mlx-lm itself, perturbed as above, strays by 1.2e-3 at step 4, 1.6e-2 at
+/// step 6 and 3.5e-2 within 30 steps.
+const MOE_CURVE_BAND: f32 = 6e-2;
 
 #[test]
 fn thirty_steps_follow_mlx_lm() {
-    for (run, base, early) in [
-        ("train-llama-4bit-g64", "llama-4bit-g64", 10),
-        ("train-qwen3-8bit-g128", "qwen3-8bit-g128", 10),
-        ("train-gemma3-4bit-g64", "gemma3-4bit-g64", 10),
-        ("train-qwen3_5-4bit-g64", "qwen3_5-4bit-g64", 7),
+    for (run, base, early, band) in [
+        ("train-llama-4bit-g64", "llama-4bit-g64", 10, CURVE_BAND),
+        ("train-qwen3-8bit-g128", "qwen3-8bit-g128", 10, CURVE_BAND),
+        ("train-gemma3-4bit-g64", "gemma3-4bit-g64", 10, CURVE_BAND),
+        ("train-qwen3_5-4bit-g64", "qwen3_5-4bit-g64", 7, CURVE_BAND),
+        ("train-qwen3_5_moe-4bit-g64", "qwen3_5_moe-4bit-g64", 3, MOE_CURVE_BAND),
     ] {
         let model = load(&fixtures().join("tiny").join(base)).unwrap();
         let mut adapters = Adapters::load(
@@ -203,7 +208,7 @@ fn thirty_steps_follow_mlx_lm() {
         assert_eq!(losses.len(), 30);
         assert!((losses[0] - want.train[0]).abs() / want.train[0] < 1e-4);
         assert!(max_rel(&losses[..early], &want.train[..early]) < EARLY_BAND);
-        assert!(train_diff < CURVE_BAND && val_diff < CURVE_BAND);
+        assert!(train_diff < band && val_diff < band);
         assert_eq!(
             vals.iter().map(|v| v.0).collect::<Vec<_>>(),
             want.val.iter().map(|v| v.0).collect::<Vec<_>>()
@@ -248,7 +253,7 @@ fn thirty_steps_follow_mlx_lm() {
             want.final_full_val_loss
         );
         assert!((theirs - want.final_full_val_loss).abs() / want.final_full_val_loss < 1e-4);
-        assert!((ours - want.final_full_val_loss).abs() / want.final_full_val_loss < CURVE_BAND);
+        assert!((ours - want.final_full_val_loss).abs() / want.final_full_val_loss < band);
     }
 }
 
@@ -336,7 +341,7 @@ fn resuming_loads_the_saved_checkpoint() {
 /// Architectures without a backward pass are refused before any step or validation runs.
 #[test]
 fn training_an_architecture_without_a_backward_pass_is_refused_up_front() {
-    let model = load(&fixtures().join("tiny/qwen3_5_moe-4bit-g64")).unwrap();
+    let model = load(&fixtures().join("tiny/gemma4-4bit-g32")).unwrap();
     let mut adapters = init_adapters(model.as_ref(), LoraConfig::new(1), 7).unwrap();
     let out = tempfile::tempdir().unwrap();
     let args = TrainArgs {
@@ -450,4 +455,20 @@ fn a_diverging_run_stops_before_saving_nan_adapters() {
     let finite = |l: &LoraLinear| l.a.iter().chain(&l.b).all(|v| v.is_finite());
     assert!(adapters.layers.values().all(finite));
     assert!(!out.path().join("adapters.safetensors").exists());
+}
+
+/// A mixture's expert adapters are saved in mlx-lm's stacked layout and read back as they were.
+#[test]
+fn expert_adapters_resume_as_saved() {
+    let model = load(&fixtures().join("tiny/qwen3_5_moe-4bit-g64")).unwrap();
+    let saved = init_adapters(model.as_ref(), LoraConfig::new(-1), 7).unwrap();
+    assert!(!saved.experts.is_empty());
+    let out = tempfile::tempdir().unwrap();
+    let file = out.path().join("adapters.safetensors");
+    saved.save_weights(&file).unwrap();
+    let mut resumed = init_adapters(model.as_ref(), LoraConfig::new(-1), 8).unwrap();
+    assert_ne!(resumed.experts, saved.experts);
+    resumed.load_weights(&file).unwrap();
+    assert_eq!(resumed.experts, saved.experts);
+    assert_eq!(resumed.layers, saved.layers);
 }

@@ -10,8 +10,8 @@ use oxlm_engine::{Device, Tensor};
 
 use super::{FeedForward, GatedAttention, GatedDeltaNet, Mixer, Qwen3_5};
 use crate::decoder_grad::{
-    norm_keeping_input, through_norm, AttentionShape, BlockGrads, Decoder, DecoderBlock, MixerGrad,
-    MixerSaved, SequenceAttention,
+    norm_keeping_input, through_norm, AttentionShape, BlockGrads, Decoder, DecoderBlock,
+    GatedMlpGrad, MixerGrad, MixerSaved, MlpGrad, SequenceAttention,
 };
 use crate::layers::OpResult;
 use crate::lora::ModuleAdapters;
@@ -33,11 +33,13 @@ impl Decoder for Qwen3_5 {
                 mixer_out_norm: None,
                 mlp_norm: &b.post_attention_layernorm,
                 mlp: match &b.mlp {
-                    FeedForward::Dense(mlp) => mlp,
-                    FeedForward::Moe(_) => unreachable!("a mixture of experts does not train"),
+                    FeedForward::Dense(mlp) => Box::new(GatedMlpGrad {
+                        mlp,
+                        activation: ops::Activation::Silu,
+                    }) as Box<dyn MlpGrad>,
+                    FeedForward::Moe(moe) => Box::new(moe),
                 },
                 mlp_out_norm: None,
-                activation: ops::Activation::Silu,
             })
             .collect()
     }

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use oxlm_models::lora::Adapters;
-use oxlm_models::lora_grad::LoraGrad;
+use oxlm_models::lora_grad::{AdapterGrads, LoraGrad};
 
 pub struct Adam {
     pub learning_rate: f32,
@@ -14,7 +14,8 @@ pub struct Adam {
     c1: f32,
     c2: f32,
     eps: f32,
-    /// First and second moments, shaped as the gradients.
+    /// First and second moments, shaped as the gradients, by layer (`path`, or `path[e]` for
+    /// expert `e` of a stack).
     state: BTreeMap<String, (LoraGrad, LoraGrad)>,
 }
 
@@ -41,21 +42,22 @@ impl Adam {
     }
 
     /// One update of every adapter matrix from its gradient.
-    pub fn update(&mut self, adapters: &mut Adapters, grads: &BTreeMap<String, LoraGrad>) {
-        for (path, layer) in &mut adapters.layers {
-            let Some(g) = grads.get(path) else { continue };
-            let zeros = || LoraGrad {
-                a: vec![0.0; g.a.len()],
-                b: vec![0.0; g.b.len()],
-            };
-            let mut state = self
-                .state
-                .remove(path)
-                .unwrap_or_else(|| (zeros(), zeros()));
+    pub fn update(&mut self, adapters: &mut Adapters, grads: &AdapterGrads) {
+        let plain =
+            (adapters.layers.iter_mut()).map(|(path, l)| (path.clone(), l, grads.layers.get(path)));
+        let experts = adapters.experts.iter_mut().flat_map(|(path, each)| {
+            let g = grads.experts.get(path);
+            (each.iter_mut().enumerate())
+                .map(move |(e, l)| (format!("{path}[{e}]"), l, g.and_then(|g| g.get(e))))
+        });
+        for (name, layer, g) in plain.chain(experts) {
+            let Some(g) = g else { continue };
+            let mut state = (self.state.remove(&name))
+                .unwrap_or_else(|| (LoraGrad::zeros(layer), LoraGrad::zeros(layer)));
             let (m, v) = &mut state;
             self.step(&mut layer.a, &g.a, &mut m.a, &mut v.a);
             self.step(&mut layer.b, &g.b, &mut m.b, &mut v.b);
-            self.state.insert(path.clone(), state);
+            self.state.insert(name, state);
         }
     }
 }

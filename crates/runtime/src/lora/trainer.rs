@@ -110,7 +110,8 @@ pub fn init_adapters(
 ) -> Result<Adapters, AdapterError> {
     let mut adapters = Adapters::zeros(config, model)?;
     let mut rng = StdRng::seed_from_u64(seed);
-    for layer in adapters.layers.values_mut() {
+    let experts = adapters.experts.values_mut().flatten();
+    for layer in adapters.layers.values_mut().chain(experts) {
         let bound = 1.0 / (layer.in_features as f32).sqrt();
         for a in &mut layer.a {
             *a = rng.random_range(-bound..bound);
@@ -220,10 +221,10 @@ pub fn train(
             });
         }
         let finite = |g: &LoraGrad| g.a.iter().chain(&g.b).all(|v| v.is_finite());
-        if let Some((layer, _)) = step.grads.iter().find(|(_, g)| !finite(g)) {
+        if let Some((layer, _)) = step.grads.named().find(|(_, g)| !finite(g)) {
             return Err(TrainError::NonFiniteGradient {
                 iteration: it,
-                layer: layer.clone(),
+                layer,
             });
         }
         adam.update(adapters, &step.grads);
