@@ -63,6 +63,13 @@ RUNS = {
     # a gated shared expert
     "qwen3_5_moe-4bit-g64": dict(base="qwen3_5_moe-4bit-g64", seed=7, num_layers=4,
                                  lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
+    # every block: per-layer inputs, KV-shared layers, value norms, proportional RoPE, a
+    # soft-capped head
+    "gemma4-4bit-g32": dict(base="gemma4-4bit-g32", seed=8, num_layers=6,
+                            lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
+    # every block: routed GeGLU experts beside the dense MLP, values that are keys
+    "gemma4-moe-4bit-g64": dict(base="gemma4-moe-4bit-g64", seed=9, num_layers=4,
+                                lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
 }
 
 

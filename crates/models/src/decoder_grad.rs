@@ -23,18 +23,25 @@ use crate::pass::Architecture;
 use crate::{check_tokens, ForwardError};
 
 /// A decoder block as the backward pass sees it: `h + post_mix(mixer(input_norm(h)))`, then
-/// `h + post_mlp(mlp(mlp_norm(h)))`.
+/// `h + post_mlp(mlp(mlp_norm(h)))`, then `h + tail(h)` where there is a tail, all scaled by
+/// `output_scale`.
 pub struct DecoderBlock<'a> {
     pub input_norm: &'a RmsNorm,
     /// Attention, or another sequence mixer.
     pub mixer: Box<dyn MixerGrad + 'a>,
     /// Gemma's norm of the mixer's output, before the residual.
     pub mixer_out_norm: Option<&'a RmsNorm>,
-    pub mlp_norm: &'a RmsNorm,
+    /// `None` where the MLP norms its input itself (Gemma 4's mixture, whose parts each have
+    /// their own norm).
+    pub mlp_norm: Option<&'a RmsNorm>,
     /// A gated MLP, or a mixture of experts.
     pub mlp: Box<dyn MlpGrad + 'a>,
     /// Gemma's norm of the MLP's output, before the residual.
     pub mlp_out_norm: Option<&'a RmsNorm>,
+    /// A last residual branch (Gemma 4's per-layer input gate).
+    pub tail: Option<Box<dyn MlpGrad + 'a>>,
+    /// Gemma 4's per-layer scalar; 1 elsewhere.
+    pub output_scale: f32,
 }
 
 /// A block's sequence mixer as the backward pass sees it.
@@ -203,12 +210,14 @@ pub struct AttentionGrad<'a> {
 }
 
 /// A model the backward pass can train: its blocks over its (scaled) embeddings, and the
-/// output head of [`Architecture::output`] (without a soft-cap, which the pass refuses).
+/// output head of [`Architecture::output`].
 pub trait Decoder: Architecture {
     /// The first block's input for `tokens`.
     fn embed(&self, tokens: &[u32]) -> OpResult<Tensor>;
 
-    fn blocks(&self) -> Vec<DecoderBlock<'_>>;
+    /// The blocks as they run over the sequence `tokens` (for the per-token inputs and shared
+    /// keys and values some architectures give their blocks beside the hidden state).
+    fn blocks(&self, tokens: &[u32]) -> OpResult<Vec<DecoderBlock<'_>>>;
 }
 
 /// Rows of logits computed at once, so that `[tokens, vocab]` never exists in full.
@@ -227,6 +236,8 @@ struct Saved<'a> {
     mlp: Box<dyn MlpSaved + 'a>,
     /// The MLP's output before its norm, where the block has one.
     mlp_out: Option<Tensor>,
+    /// The tail's input, and what its backward pass reads, where there is a tail.
+    tail: Option<(Tensor, Box<dyn MlpSaved + 'a>)>,
 }
 
 /// What an adapted block keeps for the backward pass: everything, or (checkpointing) its input.
@@ -277,9 +288,32 @@ impl<'a> SequenceAttention<'a> {
     /// head_dim]`, `[n, kv_heads · head_dim]`): its output `[n, heads · head_dim]`, and itself.
     pub(crate) fn forward(
         shape: AttentionShape<'a>,
-        mut q: Tensor,
+        q: Tensor,
         mut k: Tensor,
         v: &Tensor,
+    ) -> OpResult<(Tensor, Self)> {
+        let h = shape.heads;
+        let n = k.rows();
+        let k_raw = norm_keeping_input(shape.k_norm, &mut k)?;
+        let positions = Positions::following(0, n, &oxlm_engine::Device::Cpu)?;
+        shape
+            .rope
+            .apply(&mut k, h.kv_heads, h.head_dim, &positions)?;
+        let k = transpose_heads(k.data(), n, h.kv_heads, h.head_dim);
+        let v = transpose_heads(v.data(), n, h.kv_heads, h.head_dim);
+        let (out, mut core) = Self::over(shape, q, k, v)?;
+        core.k_raw = k_raw;
+        Ok((out, core))
+    }
+
+    /// Attention of the projected queries `q` over keys and values already normed, rotated and
+    /// laid out as attention reads them, `[kv_heads, n, head_dim]` (another layer's, where
+    /// layers share them).
+    pub(crate) fn over(
+        shape: AttentionShape<'a>,
+        mut q: Tensor,
+        k: Vec<f32>,
+        v: Vec<f32>,
     ) -> OpResult<(Tensor, Self)> {
         let AttentionShape {
             heads: h,
@@ -292,10 +326,7 @@ impl<'a> SequenceAttention<'a> {
         let n = q.rows();
         let positions = Positions::following(0, n, &oxlm_engine::Device::Cpu)?;
         let q_raw = norm_keeping_input(q_norm, &mut q)?;
-        let k_raw = norm_keeping_input(k_norm, &mut k)?;
-        rope.apply_pair(&mut q, h.heads, &mut k, h.kv_heads, h.head_dim, &positions)?;
-        let k = transpose_heads(k.data(), n, h.kv_heads, h.head_dim);
-        let v = transpose_heads(v.data(), n, h.kv_heads, h.head_dim);
+        rope.apply(&mut q, h.heads, h.head_dim, &positions)?;
         let kv = KvView::sequence(&k[..], &v[..], h.kv_heads, n).within(window);
         let mut out = vec![0.0; q.len()];
         let p: Vec<usize> = (0..n).collect();
@@ -309,7 +340,7 @@ impl<'a> SequenceAttention<'a> {
             q_norm,
             k_norm,
             q_raw,
-            k_raw,
+            k_raw: None,
             q,
             k,
             v,
@@ -317,20 +348,41 @@ impl<'a> SequenceAttention<'a> {
         Ok((host(out, n), core))
     }
 
+    /// The keys and values attention read, laid out as [`SequenceAttention::over`] takes them.
+    pub(crate) fn keys_values(&self) -> (&[f32], &[f32]) {
+        (&self.k, &self.v)
+    }
+
     /// The gradients of the projected `q`, `k` and `v` for the output gradient `d_out`.
     pub(crate) fn backward(&self, d_out: &[f32]) -> [Vec<f32>; 3] {
+        let (dq, dk, dv) = self.backward_over(d_out);
+        let (dk, dv) = self.key_value_grads(dk, dv);
+        [dq, dk, dv]
+    }
+
+    /// The gradient of the projected queries for the output gradient `d_out`, and those of
+    /// the keys and values laid out as [`SequenceAttention::over`] takes them.
+    pub(crate) fn backward_over(&self, d_out: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let h = self.heads;
         let n = self.q.rows();
         let kv = KvView::sequence(&self.k[..], &self.v[..], h.kv_heads, n).within(self.window);
         let grads = attention_backward(self.q.data(), h.heads, h.head_dim, &kv, self.scale, d_out);
         let mut dq = grads.dq;
-        let mut dk = transpose_heads(&grads.dk, h.kv_heads, n, h.head_dim);
-        let dv = transpose_heads(&grads.dv, h.kv_heads, n, h.head_dim);
         rope_backward(self.rope, &mut dq, h.heads, h.head_dim);
-        rope_backward(self.rope, &mut dk, h.kv_heads, h.head_dim);
         let dq = through_norm(self.q_norm, self.q_raw.as_ref(), &dq);
+        (dq, grads.dk, grads.dv)
+    }
+
+    /// The gradients of the projected keys and values for those laid out as attention read
+    /// them.
+    pub(crate) fn key_value_grads(&self, dk: Vec<f32>, dv: Vec<f32>) -> (Vec<f32>, Vec<f32>) {
+        let h = self.heads;
+        let n = self.q.rows();
+        let mut dk = transpose_heads(&dk, h.kv_heads, n, h.head_dim);
+        let dv = transpose_heads(&dv, h.kv_heads, n, h.head_dim);
+        rope_backward(self.rope, &mut dk, h.kv_heads, h.head_dim);
         let dk = through_norm(self.k_norm, self.k_raw.as_ref(), &dk);
-        [dq, dk, dv]
+        (dk, dv)
     }
 }
 
@@ -432,11 +484,26 @@ fn forward_block<'a>(
     let mixer_out = norm_keeping_input(block.mixer_out_norm, &mut out)?;
     let mut h_mid = h_in.try_clone()?;
     ops::add_inplace(&mut h_mid, &out)?;
-    let x2 = block.mlp_norm.forward(&h_mid)?;
+    let x2 = match block.mlp_norm {
+        Some(norm) => norm.forward(&h_mid)?,
+        None => h_mid.try_clone()?,
+    };
     let (mut out, mlp) = block.mlp.forward_saving(&x2, lora.1)?;
     let mlp_out = norm_keeping_input(block.mlp_out_norm, &mut out)?;
     let mut h_out = h_mid.try_clone()?;
     ops::add_inplace(&mut h_out, &out)?;
+    let tail = match &block.tail {
+        Some(tail) => {
+            let (out, saved) = tail.forward_saving(&h_out, lora.1)?;
+            let input = h_out.try_clone()?;
+            ops::add_inplace(&mut h_out, &out)?;
+            Some((input, saved))
+        }
+        None => None,
+    };
+    if block.output_scale != 1.0 {
+        ops::scale_inplace(&mut h_out, block.output_scale)?;
+    }
     let saved = Saved {
         h_in,
         x1,
@@ -446,6 +513,7 @@ fn forward_block<'a>(
         x2,
         mlp,
         mlp_out,
+        tail,
     };
     Ok((saved, h_out))
 }
@@ -498,7 +566,10 @@ impl BlockGrads<'_> {
         let at = at.into();
         let mut lora = self.adapters.module(self.block, at.module);
         let block = self.adapters.block_path(self.block);
-        let path = format!("{block}.{}.{name}", at.module);
+        let path = match at.module {
+            "" => format!("{block}.{name}"),
+            module => format!("{block}.{module}.{name}"),
+        };
         let slot = match at.expert {
             Some(e) => {
                 lora = lora.expert(e);
@@ -548,24 +619,29 @@ impl BlockGrads<'_> {
 fn backward_block(
     block: &DecoderBlock,
     s: &Saved,
-    dh_out: Vec<f32>,
+    mut dh_out: Vec<f32>,
     mut g: BlockGrads,
     lowest: bool,
 ) -> Option<Vec<f32>> {
+    if block.output_scale != 1.0 {
+        dh_out.iter_mut().for_each(|d| *d *= block.output_scale);
+    }
+    if let Some((input, tail)) = &s.tail {
+        let d_input = tail.backward(input.data(), &dh_out, &mut g);
+        add_inplace(&mut dh_out, &d_input);
+    }
     let d_mlp = through_norm(block.mlp_out_norm, s.mlp_out.as_ref(), &dh_out);
     let dx2 = s.mlp.backward(s.x2.data(), &d_mlp, &mut g);
-    let dh_mid = add(
-        through_norm(Some(block.mlp_norm), Some(&s.h_mid), &dx2),
-        &dh_out,
-    );
+    let dh_mid = add(through_norm(block.mlp_norm, Some(&s.h_mid), &dx2), &dh_out);
     let d_mixed = through_norm(block.mixer_out_norm, s.mixer_out.as_ref(), &dh_mid);
     let dx1 = s.mixer.backward(s.x1.data(), &d_mixed, &mut g, !lowest)?;
     let dh_in = through_norm(Some(block.input_norm), Some(&s.h_in), &dx1);
     Some(add(dh_in, &dh_mid))
 }
 
-/// The final norm, the head and the loss over the scored positions of `h`; returns the loss
-/// summed over them and adds `dloss · ∂loss/∂h` into a new `dh`.
+/// The final norm, the head (and its soft-cap, where there is one) and the loss over the scored
+/// positions of `h`; returns the loss summed over them and adds `dloss · ∂loss/∂h` into a new
+/// `dh`.
 fn head_backward(
     model: &dyn Decoder,
     h: &Tensor,
@@ -583,15 +659,26 @@ fn head_backward(
         let rows = HEAD_ROWS.min(n - start);
         let hs = ops::rows(h, start, rows)?;
         let normed = norm.forward(&hs)?;
-        let (logits, weight) = match &head.lm_head {
+        let (mut logits, weight) = match &head.lm_head {
             Some(head) => (head.forward(&normed)?, &head.weight),
             None => (embed.as_linear(&normed)?, &embed.weight),
         };
+        if let Some(cap) = head.softcap {
+            ops::softcap_inplace(&mut logits, cap)?;
+        }
         let mut logits = logits.into_vec()?;
+        // cap · tanh(z / cap) has the derivative 1 - tanh², from the capped logits.
+        let slopes: Option<Vec<f32>> = head.softcap.map(|cap| {
+            let slope = |l: &f32| 1.0 - (l / cap) * (l / cap);
+            logits.iter().map(slope).collect()
+        });
         for (t, row) in logits.chunks_exact_mut(vocab).enumerate() {
             let target = ex.targets[start + t] as usize;
             sum += cross_entropy(row, target) as f64;
             cross_entropy_backward_inplace(row, target, dloss);
+        }
+        if let Some(slopes) = slopes {
+            logits.iter_mut().zip(slopes).for_each(|(d, s)| *d *= s);
         }
         let dnormed = base_input_grad(weight, &logits, rows);
         rms_norm_backward(
@@ -627,25 +714,23 @@ pub(crate) fn loss_and_grads(
             "LoRA training runs on the CPU: load the model with the cpu device".into(),
         )));
     }
-    if model.output().0.softcap.is_some() {
-        return Err(ForwardError::NotTrainable(model.info().model_type.clone()));
-    }
     for ex in examples {
         check_example(model, ex)?;
     }
-    let blocks = model.blocks();
     let tokens: usize = examples.iter().map(Example::scored).sum();
     let mut grads = AdapterGrads::zeros(adapters);
-    let lowest = (0..blocks.len())
+    let layers = model.info().num_layers;
+    let lowest = (0..layers)
         .find(|&i| {
             let prefix = format!("{}.", adapters.block_path(i));
             let mut paths = adapters.layers.keys().chain(adapters.experts.keys());
             paths.any(|p| p.starts_with(&prefix))
         })
-        .unwrap_or(blocks.len());
+        .unwrap_or(layers);
     let dloss = 1.0 / tokens.max(1) as f32;
     let mut sum = 0.0f64;
     for ex in examples {
+        let blocks = model.blocks(&ex.inputs)?;
         let mut h = model.embed(&ex.inputs)?;
         let lora = |i: usize| -> Lora {
             let block = BlockAdapters {

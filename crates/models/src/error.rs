@@ -59,11 +59,6 @@ pub enum ForwardError {
     CacheMismatch,
     #[error("a batch of {tokens} tokens for {caches} caches: one token per sequence is needed")]
     BatchMismatch { tokens: usize, caches: usize },
-    #[error(
-        "{0} models cannot be trained yet: LoRA training has a backward pass for the llama \
-         family, Gemma 3 and Qwen3.5"
-    )]
-    NotTrainable(String),
     /// A kernel or device failure (out of GPU memory, for one).
     #[error(transparent)]
     Engine(#[from] EngineError),

@@ -316,8 +316,8 @@ impl Adaptable for Gemma3 {
             .collect()
     }
 
-    fn decoder(&self) -> Option<&dyn Decoder> {
-        Some(self)
+    fn decoder(&self) -> &dyn Decoder {
+        self
     }
 }
 
@@ -328,9 +328,9 @@ impl Decoder for Gemma3 {
         Ok(h)
     }
 
-    fn blocks(&self) -> Vec<DecoderBlock<'_>> {
+    fn blocks(&self, _tokens: &[u32]) -> OpResult<Vec<DecoderBlock<'_>>> {
         let blocks = self.layers.iter();
-        blocks
+        Ok(blocks
             .map(|b| DecoderBlock {
                 input_norm: &b.input_layernorm,
                 mixer: Box::new(AttentionGrad {
@@ -338,13 +338,15 @@ impl Decoder for Gemma3 {
                     window: b.sliding.then_some(self.sliding_window),
                 }),
                 mixer_out_norm: Some(&b.post_attention_layernorm),
-                mlp_norm: &b.pre_feedforward_layernorm,
+                mlp_norm: Some(&b.pre_feedforward_layernorm),
                 mlp: Box::new(GatedMlpGrad {
                     mlp: &b.mlp,
                     activation: ops::Activation::GeluApprox,
                 }),
                 mlp_out_norm: Some(&b.post_feedforward_layernorm),
+                tail: None,
+                output_scale: 1.0,
             })
-            .collect()
+            .collect())
     }
 }

@@ -8,6 +8,8 @@
 //! learned per-layer output scalar, an optional mixture-of-experts block beside the MLP, and
 //! final logit softcapping.
 
+mod grad;
+
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -15,6 +17,7 @@ use crate::cache::{
     append_kv, attend_kv, AttentionCache, Cache, KvCache, LayerCache, RotatingKvCache,
 };
 use crate::checkpoint::{Checkpoint, Config, Scope};
+use crate::decoder_grad::Decoder;
 use crate::gemma3::wrapped_text_config;
 use crate::layers::{
     experts_shape, linear_shape, load_host_vector, Embedding, Linear, Mlp, OpResult, OutputHead,
@@ -22,7 +25,7 @@ use crate::layers::{
 };
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
-use crate::switch::{dispatch, load_experts};
+use crate::switch::{by_expert, dispatch, load_experts};
 use crate::{ForwardError, LoadError, ModelInfo};
 use oxlm_engine::cpu::elementwise::softmax_inplace;
 use oxlm_engine::{ops, Device, EngineError, Positions, Tensor};
@@ -316,28 +319,24 @@ impl MoeBlock {
         })
     }
 
-    /// `Router`: for each expert, the tokens of `h` (`[n, hidden]`) routed to it and their
-    /// weights: a softmax over the top-k scores, times the expert's own scale.
-    fn route(&self, h: &Tensor, router: ModuleAdapters) -> OpResult<Vec<Vec<(usize, f32)>>> {
+    /// `Router`: each token's top-k experts, best first, from the router's scores `[n,
+    /// experts]`, and their weights: a softmax over the top-k scores, times the expert's own
+    /// scale. `[n, top_k]`.
+    fn choose(&self, scores: &[f32]) -> Vec<(usize, f32)> {
         let count = self.experts.len();
-        let scores = self
-            .router_proj
-            .forward_adapted(&self.router_norm.forward(h)?, router.get("proj"))?
-            .into_vec()?;
-        let mut routed = vec![Vec::new(); count];
+        let mut chosen = Vec::with_capacity(scores.len() / count * self.top_k);
         let mut order: Vec<usize> = Vec::with_capacity(count);
-        for (t, scores) in scores.chunks_exact(count).enumerate() {
+        for scores in scores.chunks_exact(count) {
             order.clear();
             order.extend(0..count);
             order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
             let top = &order[..self.top_k];
             let mut weights: Vec<f32> = top.iter().map(|&e| scores[e]).collect();
             softmax_inplace(&mut weights);
-            for (&e, w) in top.iter().zip(weights) {
-                routed[e].push((t, w * self.per_expert_scale[e]));
-            }
+            let scaled = top.iter().zip(weights);
+            chosen.extend(scaled.map(|(&e, w)| (e, w * self.per_expert_scale[e])));
         }
-        Ok(routed)
+        chosen
     }
 
     /// The feed-forward output of a MoE layer: dense MLP and experts, each normed, summed.
@@ -353,7 +352,11 @@ impl MoeBlock {
         let mut dense = mlp.forward_geglu(&pre_feedforward_layernorm.forward(h)?, lora("mlp"))?;
         self.post_feedforward_layernorm_1
             .forward_inplace(&mut dense)?;
-        let routed = self.route(h, lora("router"))?;
+        let router_in = self.router_norm.forward(h)?;
+        let scores = (self.router_proj)
+            .forward_adapted(&router_in, lora("router").get("proj"))?
+            .into_vec()?;
+        let routed = by_expert(&self.choose(&scores), self.top_k, self.experts.len());
         let x = self.pre_feedforward_layernorm_2.forward(h)?;
         let experts = lora("experts.switch_glu");
         let mut sparse = dispatch(&x, &routed, |e, rows| {
@@ -824,6 +827,10 @@ impl Architecture for Gemma4 {
 }
 
 impl Adaptable for Gemma4 {
+    fn decoder(&self) -> &dyn Decoder {
+        self
+    }
+
     /// mlx-lm's multimodal `gemma4` nests the text model under `language_model`.
     fn blocks_path(&self) -> &'static str {
         match self.info.model_type.as_str() {

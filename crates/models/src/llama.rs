@@ -238,8 +238,8 @@ impl Adaptable for Llama {
             .collect()
     }
 
-    fn decoder(&self) -> Option<&dyn Decoder> {
-        Some(self)
+    fn decoder(&self) -> &dyn Decoder {
+        self
     }
 }
 
@@ -248,9 +248,9 @@ impl Decoder for Llama {
         self.embed_tokens.forward(tokens)
     }
 
-    fn blocks(&self) -> Vec<DecoderBlock<'_>> {
+    fn blocks(&self, _tokens: &[u32]) -> OpResult<Vec<DecoderBlock<'_>>> {
         let blocks = self.layers.iter();
-        blocks
+        Ok(blocks
             .map(|b| DecoderBlock {
                 input_norm: &b.input_layernorm,
                 mixer: Box::new(AttentionGrad {
@@ -258,13 +258,15 @@ impl Decoder for Llama {
                     window: None,
                 }),
                 mixer_out_norm: None,
-                mlp_norm: &b.post_attention_layernorm,
+                mlp_norm: Some(&b.post_attention_layernorm),
                 mlp: Box::new(GatedMlpGrad {
                     mlp: &b.mlp,
                     activation: ops::Activation::Silu,
                 }),
                 mlp_out_norm: None,
+                tail: None,
+                output_scale: 1.0,
             })
-            .collect()
+            .collect())
     }
 }

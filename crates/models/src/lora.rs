@@ -97,30 +97,19 @@ pub trait Adaptable: Architecture {
         })
     }
 
-    /// The model as the backward pass sees it, for an architecture that trains.
-    fn decoder(&self) -> Option<&dyn Decoder> {
-        None
-    }
-
-    /// Whether [`Adaptable::loss_and_grads`] can run: a trainer asks before it starts.
-    fn trainable(&self) -> bool {
-        self.decoder().is_some()
-    }
+    /// The model as the backward pass sees it.
+    fn decoder(&self) -> &dyn Decoder;
 
     /// mlx-lm's training loss over `examples` (the mean cross-entropy of their scored positions)
     /// and its gradient with respect to every matrix of `adapters`. With `checkpoint`, blocks
     /// keep only their inputs and run again during the backward pass (less memory, more time).
-    /// An architecture without a backward pass refuses.
     fn loss_and_grads(
         &self,
         examples: &[Example],
         adapters: &Adapters,
         checkpoint: bool,
     ) -> Result<LossAndGrads, ForwardError> {
-        match self.decoder() {
-            Some(decoder) => decoder_grad::loss_and_grads(decoder, examples, adapters, checkpoint),
-            None => Err(ForwardError::NotTrainable(self.info().model_type.clone())),
-        }
+        decoder_grad::loss_and_grads(self.decoder(), examples, adapters, checkpoint)
     }
 }
 

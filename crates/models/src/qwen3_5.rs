@@ -753,8 +753,8 @@ impl Adaptable for Qwen3_5 {
             .collect()
     }
 
-    fn decoder(&self) -> Option<&dyn Decoder> {
-        Some(self)
+    fn decoder(&self) -> &dyn Decoder {
+        self
     }
 
     /// mlx-lm's `qwen3_5` nests the text model under `language_model`.

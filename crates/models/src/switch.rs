@@ -1,7 +1,7 @@
 //! Sparse mixtures of experts: the stacked expert weights of mlx-lm's `switch_layers.py`
 //! (`SwitchGLU`) and the routed block of `qwen3_next.py` (`Qwen3NextSparseMoeBlock`).
 
-mod grad;
+pub(crate) mod grad;
 
 use oxlm_engine::cpu::elementwise::softmax_inplace;
 use oxlm_engine::{ops, DType, FloatMatrix, QuantizedMatrix, Tensor};
@@ -229,7 +229,7 @@ impl SparseMoe {
         let n = x.rows();
         let mut probs = self.gate.forward_adapted(x, lora.get("gate"))?.into_vec()?;
         let chosen = self.route(&mut probs);
-        let routed = self.by_expert(&chosen);
+        let routed = by_expert(&chosen, self.top_k, self.experts.len());
         let mut y = dispatch(x, &routed, |e, rows| {
             self.experts[e].forward_adapted(rows, experts.expert(e))
         })?;
@@ -270,13 +270,26 @@ impl SparseMoe {
         }
         chosen
     }
+}
 
-    /// [`SparseMoe::route`]'s choices as `(token, weight)` pairs per expert.
-    fn by_expert(&self, chosen: &[(usize, f32)]) -> Vec<Vec<(usize, f32)>> {
-        let mut routed = vec![Vec::new(); self.experts.len()];
-        for (slot, &(e, weight)) in chosen.iter().enumerate() {
-            routed[e].push((slot / self.top_k, weight));
-        }
-        routed
+/// Each token's `top_k` choices of `(expert, weight)` as the slots (indices into `chosen`) of
+/// each of `count` experts, in token order.
+pub(crate) fn slots_by_expert(chosen: &[(usize, f32)], count: usize) -> Vec<Vec<usize>> {
+    let mut slots = vec![Vec::new(); count];
+    for (slot, &(e, _)) in chosen.iter().enumerate() {
+        slots[e].push(slot);
     }
+    slots
+}
+
+/// Each token's `top_k` choices of `(expert, weight)` as the `(token, weight)` pairs of each of
+/// `count` experts, as [`dispatch`] takes them.
+pub(crate) fn by_expert(
+    chosen: &[(usize, f32)],
+    top_k: usize,
+    count: usize,
+) -> Vec<Vec<(usize, f32)>> {
+    let slots = slots_by_expert(chosen, count);
+    let pairs = |slots: Vec<usize>| slots.into_iter().map(|s| (s / top_k, chosen[s].1));
+    slots.into_iter().map(|s| pairs(s).collect()).collect()
 }

@@ -59,12 +59,14 @@ fn read_step(run: &str) -> Step {
     }
 }
 
-const RUNS: [(&str, &str); 5] = [
+const RUNS: [(&str, &str); 7] = [
     ("train-llama-4bit-g64", "llama-4bit-g64"),
     ("train-qwen3-8bit-g128", "qwen3-8bit-g128"),
     ("train-gemma3-4bit-g64", "gemma3-4bit-g64"),
     ("train-qwen3_5-4bit-g64", "qwen3_5-4bit-g64"),
     ("train-qwen3_5_moe-4bit-g64", "qwen3_5_moe-4bit-g64"),
+    ("train-gemma4-4bit-g32", "gemma4-4bit-g32"),
+    ("train-gemma4-moe-4bit-g64", "gemma4-moe-4bit-g64"),
 ];
 
 /// The gradient tolerance of one array of `run`. In the mixture-of-experts run, the first
@@ -91,7 +93,11 @@ fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 /// as `[experts, rank, in]` and `[experts, out, rank]`.
 fn mlx_layout(grads: &AdapterGrads, adapters: &Adapters, layer: &str, half: &str) -> Vec<f32> {
     if let Some(g) = grads.layers.get(layer) {
-        return if half == "lora_a" { g.a.clone() } else { g.b.clone() };
+        return if half == "lora_a" {
+            g.a.clone()
+        } else {
+            g.b.clone()
+        };
     }
     let shapes = &adapters.experts[layer][0];
     let (r, inputs, outputs) = (shapes.rank, shapes.in_features, shapes.out_features);
@@ -220,4 +226,3 @@ fn gradients_match_finite_differences() {
         }
     }
 }
-

@@ -134,12 +134,12 @@ fn max_rel(a: &[f32], b: &[f32]) -> f32 {
 /// up to 7e-3 by step 20, and oxlm's kernels sum in another order on each CPU family (measured
 /// at step 30: under 2e-2 on an AVX-512 Xeon, 2.1e-2 on an AVX2-only EPYC). The first ten
 /// steps agree far more closely (for Qwen3.5 the first seven: mlx-lm itself, perturbed so,
-/// strays by 1.1e-3 at step 8 there).
+/// strays by 1.1e-3 at step 8 there; for Gemma 4 the first eight: 3.5e-3 at step 9).
 const CURVE_BAND: f32 = 3e-2;
 const EARLY_BAND: f32 = 1e-3;
 /// A mixture of experts is more chaotic still, as a token that changes experts changes its
-/// output at once: mlx-lm itself, perturbed as above, strays by 1.2e-3 at step 4, 1.6e-2 at
-/// step 6 and 3.5e-2 within 30 steps.
+/// output at once: mlx-lm itself, perturbed as above, strays by 1.2e-3 at step 4 of Qwen3.5's
+/// and 3.6e-3 at step 3 of Gemma 4's, and by up to 3.5e-2 within 30 steps.
 const MOE_CURVE_BAND: f32 = 6e-2;
 
 #[test]
@@ -149,7 +149,19 @@ fn thirty_steps_follow_mlx_lm() {
         ("train-qwen3-8bit-g128", "qwen3-8bit-g128", 10, CURVE_BAND),
         ("train-gemma3-4bit-g64", "gemma3-4bit-g64", 10, CURVE_BAND),
         ("train-qwen3_5-4bit-g64", "qwen3_5-4bit-g64", 7, CURVE_BAND),
-        ("train-qwen3_5_moe-4bit-g64", "qwen3_5_moe-4bit-g64", 3, MOE_CURVE_BAND),
+        (
+            "train-qwen3_5_moe-4bit-g64",
+            "qwen3_5_moe-4bit-g64",
+            3,
+            MOE_CURVE_BAND,
+        ),
+        ("train-gemma4-4bit-g32", "gemma4-4bit-g32", 8, CURVE_BAND),
+        (
+            "train-gemma4-moe-4bit-g64",
+            "gemma4-moe-4bit-g64",
+            2,
+            MOE_CURVE_BAND,
+        ),
     ] {
         let model = load(&fixtures().join("tiny").join(base)).unwrap();
         let mut adapters = Adapters::load(
@@ -336,40 +348,6 @@ fn resuming_loads_the_saved_checkpoint() {
     assert!(wrong
         .load_weights(&out.path().join("adapters.safetensors"))
         .is_err());
-}
-
-/// Architectures without a backward pass are refused before any step or validation runs.
-#[test]
-fn training_an_architecture_without_a_backward_pass_is_refused_up_front() {
-    let model = load(&fixtures().join("tiny/gemma4-4bit-g32")).unwrap();
-    let mut adapters = init_adapters(model.as_ref(), LoraConfig::new(1), 7).unwrap();
-    let out = tempfile::tempdir().unwrap();
-    let args = TrainArgs {
-        batch_size: 1,
-        iters: 1,
-        val_batches: 1,
-        steps_per_report: 1,
-        steps_per_eval: 1,
-        save_every: 1,
-        max_seq_length: 64,
-        learning_rate: 1e-3,
-        grad_checkpoint: false,
-        adapter_file: out.path().join("adapters.safetensors"),
-    };
-    let mut events = 0;
-    let err = train(
-        model.as_ref(),
-        &mut adapters,
-        &load_set("data/train.jsonl", false),
-        &load_set("data/valid.jsonl", false),
-        &args,
-        &mut NumpyRandom::new(0),
-        &mut |_| events += 1,
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("cannot be trained yet"), "{err}");
-    assert_eq!(events, 0);
-    assert!(!args.adapter_file.exists());
 }
 
 fn short_run(learning_rate: f32, out: &Path) -> TrainArgs {

@@ -21,9 +21,9 @@ impl Decoder for Qwen3_5 {
         self.embed_tokens.forward(tokens)
     }
 
-    fn blocks(&self) -> Vec<DecoderBlock<'_>> {
+    fn blocks(&self, _tokens: &[u32]) -> OpResult<Vec<DecoderBlock<'_>>> {
         let blocks = self.layers.iter();
-        blocks
+        Ok(blocks
             .map(|b| DecoderBlock {
                 input_norm: &b.input_layernorm,
                 mixer: match &b.mixer {
@@ -31,7 +31,7 @@ impl Decoder for Qwen3_5 {
                     Mixer::Attention(m) => Box::new(m),
                 },
                 mixer_out_norm: None,
-                mlp_norm: &b.post_attention_layernorm,
+                mlp_norm: Some(&b.post_attention_layernorm),
                 mlp: match &b.mlp {
                     FeedForward::Dense(mlp) => Box::new(GatedMlpGrad {
                         mlp,
@@ -40,8 +40,10 @@ impl Decoder for Qwen3_5 {
                     FeedForward::Moe(moe) => Box::new(moe),
                 },
                 mlp_out_norm: None,
+                tail: None,
+                output_scale: 1.0,
             })
-            .collect()
+            .collect())
     }
 }
 

@@ -1,43 +1,128 @@
-//! The mixture of experts as the backward pass sees it (see [`crate::decoder_grad`]): the
-//! gradient reaches the chosen experts through their outputs, the router through the weights
-//! it gave them (the choice itself is not differentiated, as mlx-lm stops its gradient), and
-//! the shared expert and its sigmoid gate.
+//! Mixtures of experts as the backward pass sees them (see [`crate::decoder_grad`]): the
+//! gradient reaches the chosen experts through their outputs and the router through the weights
+//! it gave them (the choice itself is not differentiated, as mlx-lm stops its gradient).
+//! [`RoutedSaved`] is the part every mixture shares; Qwen3.5's [`SparseMoe`] adds a shared
+//! expert and its sigmoid gate.
 
 use oxlm_engine::cpu::elementwise::add_inplace;
 use oxlm_engine::ops::{self, Activation};
 use oxlm_engine::Tensor;
 
-use super::{sigmoid, SparseMoe};
+use super::{sigmoid, slots_by_expert, SparseMoe};
 use crate::decoder_grad::{At, BlockAdapters, BlockGrads, GatedSaved, MlpGrad, MlpSaved};
-use crate::layers::OpResult;
+use crate::layers::{Mlp, OpResult};
+use crate::lora::ModuleAdapters;
 
 /// What one expert's backward pass reads.
 struct ExpertSaved {
-    /// The tokens routed to it, and for each the index of its choice in [`MoeSaved::chosen`].
-    rows: Vec<usize>,
+    /// The indices of its choices in `chosen`, in token order.
     slots: Vec<usize>,
-    /// Its input rows and its output rows before weighting.
+    /// Its input rows, and its output rows before weighting.
     x: Tensor,
     out: Tensor,
     mlp: GatedSaved,
 }
 
-/// What the mixture's backward pass reads.
+/// Experts that each ran once on the rows routed to them: what their backward pass reads.
+pub(crate) struct RoutedSaved {
+    /// Per expert; `None` for one no token chose.
+    experts: Vec<Option<ExpertSaved>>,
+    activation: Activation,
+    top_k: usize,
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(a, b)| a * b).sum()
+}
+
+impl RoutedSaved {
+    /// For each row of `x`, the sum over its `top_k` choices in `chosen` (`(expert, weight)`,
+    /// `top_k` per row) of the weight times that expert's output, with the experts' adapters
+    /// from `lora` (their stacked module's); and itself.
+    pub(crate) fn forward(
+        experts: &[Mlp],
+        activation: Activation,
+        x: &Tensor,
+        chosen: &[(usize, f32)],
+        top_k: usize,
+        lora: ModuleAdapters,
+    ) -> OpResult<(Tensor, Self)> {
+        let mut y = Tensor::zeros(x.shape().to_vec(), &x.device())?;
+        let mut saved = Vec::with_capacity(experts.len());
+        for (e, slots) in slots_by_expert(chosen, experts.len())
+            .into_iter()
+            .enumerate()
+        {
+            if slots.is_empty() {
+                saved.push(None);
+                continue;
+            }
+            let rows: Vec<usize> = slots.iter().map(|s| s / top_k).collect();
+            let weights: Vec<f32> = slots.iter().map(|&s| chosen[s].1).collect();
+            let xe = ops::gather_rows(x, &rows)?;
+            let (out, mlp) = GatedSaved::forward(&experts[e], activation, &xe, lora.expert(e))?;
+            ops::scatter_add_rows(&mut y, &out, &rows, &weights)?;
+            saved.push(Some(ExpertSaved {
+                slots,
+                x: xe,
+                out,
+                mlp,
+            }));
+        }
+        let routed = RoutedSaved {
+            experts: saved,
+            activation,
+            top_k,
+        };
+        Ok((y, routed))
+    }
+
+    /// The gradient of the input and of each choice's weight for the output gradient `dy`;
+    /// the gradients of the experts' adapters (under `module`) are added.
+    pub(crate) fn backward(
+        &self,
+        experts: &[Mlp],
+        module: &str,
+        chosen: &[(usize, f32)],
+        dy: &[f32],
+        g: &mut BlockGrads,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let (top_k, dim) = (self.top_k, dy.len() * self.top_k / chosen.len());
+        let mut dx = vec![0.0; dy.len()];
+        let mut d_weights = vec![0.0; chosen.len()];
+        for (e, saved) in self.experts.iter().enumerate() {
+            let Some(s) = saved else { continue };
+            let mut dy_e = Vec::with_capacity(s.slots.len() * dim);
+            for (r, &slot) in s.slots.iter().enumerate() {
+                let dy_t = &dy[slot / top_k * dim..][..dim];
+                let weight = chosen[slot].1;
+                dy_e.extend(dy_t.iter().map(|d| d * weight));
+                d_weights[slot] = dot(dy_t, &s.out.data()[r * dim..][..dim]);
+            }
+            let at = At {
+                module,
+                expert: Some(e),
+            };
+            let dx_e = (s.mlp).backward(&experts[e], self.activation, at, s.x.data(), &dy_e, g);
+            for (&slot, d) in s.slots.iter().zip(dx_e.chunks_exact(dim)) {
+                add_inplace(&mut dx[slot / top_k * dim..][..dim], d);
+            }
+        }
+        (dx, d_weights)
+    }
+}
+
+/// What Qwen3.5's mixture's backward pass reads.
 struct MoeSaved<'a> {
     moe: &'a SparseMoe,
     /// The router's probabilities `[n, experts]`; each token's chosen experts and weights.
     probs: Vec<f32>,
     chosen: Vec<(usize, f32)>,
-    /// Per expert; `None` for one no token chose.
-    experts: Vec<Option<ExpertSaved>>,
+    routed: RoutedSaved,
     shared: GatedSaved,
     shared_out: Tensor,
     /// The shared expert's gate per token, after its sigmoid.
     shared_gates: Vec<f32>,
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(a, b)| a * b).sum()
 }
 
 impl MlpGrad for &SparseMoe {
@@ -55,38 +140,11 @@ impl MlpGrad for &SparseMoe {
             .into_vec()?;
         let chosen = moe.route(&mut probs);
         let switch = lora.module("mlp.switch_mlp");
-        let mut y = Tensor::zeros(x.shape().to_vec(), &x.device())?;
-        let mut experts = Vec::with_capacity(moe.experts.len());
-        for (e, tokens) in moe.by_expert(&chosen).into_iter().enumerate() {
-            if tokens.is_empty() {
-                experts.push(None);
-                continue;
-            }
-            let (rows, weights): (Vec<usize>, Vec<f32>) = tokens.into_iter().unzip();
-            let slots = rows
-                .iter()
-                .map(|&t| {
-                    let mine = |&s: &usize| chosen[s].0 == e;
-                    (t * moe.top_k..(t + 1) * moe.top_k)
-                        .find(mine)
-                        .expect("routed")
-                })
-                .collect();
-            let xe = ops::gather_rows(x, &rows)?;
-            let (out, mlp) =
-                GatedSaved::forward(&moe.experts[e], Activation::Silu, &xe, switch.expert(e))?;
-            ops::scatter_add_rows(&mut y, &out, &rows, &weights)?;
-            experts.push(Some(ExpertSaved {
-                rows,
-                slots,
-                x: xe,
-                out,
-                mlp,
-            }));
-        }
+        let silu = Activation::Silu;
+        let (mut y, routed) =
+            RoutedSaved::forward(&moe.experts, silu, x, &chosen, moe.top_k, switch)?;
         let shared_lora = lora.module("mlp.shared_expert");
-        let (shared_out, shared) =
-            GatedSaved::forward(&moe.shared_expert, Activation::Silu, x, shared_lora)?;
+        let (shared_out, shared) = GatedSaved::forward(&moe.shared_expert, silu, x, shared_lora)?;
         let shared_gates: Vec<f32> = (moe.shared_expert_gate)
             .forward_adapted(x, router.get("shared_expert_gate"))?
             .into_vec()?
@@ -99,7 +157,7 @@ impl MlpGrad for &SparseMoe {
             moe,
             probs,
             chosen,
-            experts,
+            routed,
             shared,
             shared_out,
             shared_gates,
@@ -144,30 +202,10 @@ impl MlpSaved for MoeSaved<'_> {
         let moe = self.moe;
         let n = self.shared_gates.len();
         let dim = dy.len() / n;
-        let mut dx = vec![0.0; x.len()];
-        let mut d_weights = vec![0.0; self.chosen.len()];
-        for (e, saved) in self.experts.iter().enumerate() {
-            let Some(s) = saved else { continue };
-            let mut dy_e = Vec::with_capacity(s.rows.len() * dim);
-            for (r, (&t, &slot)) in s.rows.iter().zip(&s.slots).enumerate() {
-                let dy_t = &dy[t * dim..][..dim];
-                let weight = self.chosen[slot].1;
-                dy_e.extend(dy_t.iter().map(|d| d * weight));
-                d_weights[slot] = dot(dy_t, &s.out.data()[r * dim..][..dim]);
-            }
-            let at = At {
-                module: "mlp.switch_mlp",
-                expert: Some(e),
-            };
-            let mlp = &moe.experts[e];
-            let dx_e = (s.mlp).backward(mlp, Activation::Silu, at, s.x.data(), &dy_e, g);
-            for (&t, d) in s.rows.iter().zip(dx_e.chunks_exact(dim)) {
-                add_inplace(&mut dx[t * dim..][..dim], d);
-            }
-        }
+        let switch = "mlp.switch_mlp";
+        let (mut dx, d_weights) = (self.routed).backward(&moe.experts, switch, &self.chosen, dy, g);
         let d_logits = self.router_grad(&d_weights);
-        let router = At::from("mlp");
-        add_inplace(&mut dx, &g.through(&moe.gate, router, "gate", x, &d_logits));
+        add_inplace(&mut dx, &g.through(&moe.gate, "mlp", "gate", x, &d_logits));
         let shared_out = self.shared_out.data();
         let mut d_shared = Vec::with_capacity(dy.len());
         let mut d_gate = Vec::with_capacity(n);
@@ -177,14 +215,12 @@ impl MlpSaved for MoeSaved<'_> {
             d_gate.push(gate * (1.0 - gate) * dot(dy_t, &shared_out[t * dim..][..dim]));
         }
         let at = At::from("mlp.shared_expert");
-        let shared = &moe.shared_expert;
-        let dx_shared = (self.shared).backward(shared, Activation::Silu, at, x, &d_shared, g);
+        let (shared, silu) = (&moe.shared_expert, Activation::Silu);
+        let dx_shared = (self.shared).backward(shared, silu, at, x, &d_shared, g);
         add_inplace(&mut dx, &dx_shared);
         let gate = &moe.shared_expert_gate;
-        add_inplace(
-            &mut dx,
-            &g.through(gate, router, "shared_expert_gate", x, &d_gate),
-        );
+        let d_x_gate = g.through(gate, "mlp", "shared_expert_gate", x, &d_gate);
+        add_inplace(&mut dx, &d_x_gate);
         dx
     }
 }

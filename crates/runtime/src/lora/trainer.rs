@@ -164,10 +164,6 @@ pub fn train(
     let adaptable = model
         .adaptable()
         .ok_or_else(|| AdapterError::UnsupportedModel(model.info().model_type.clone()))?;
-    if !adaptable.trainable() {
-        let model_type = model.info().model_type.clone();
-        return Err(ForwardError::NotTrainable(model_type).into());
-    }
     if !(args.learning_rate.is_finite() && args.learning_rate > 0.0) {
         return Err(TrainError::LearningRate(args.learning_rate));
     }
