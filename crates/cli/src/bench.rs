@@ -281,6 +281,7 @@ fn decode_batch(
         cache_entries: 0,
         cache_bytes: 0,
         shutdown: Arc::new(AtomicBool::new(false)),
+        stats: Arc::default(),
     };
     // No end-of-sequence stop: every sequence decodes `n` tokens.
     let eos_ids = HashSet::new();

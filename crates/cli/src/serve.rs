@@ -60,9 +60,33 @@ pub struct Args {
     /// Comma-separated CORS origins; * allows any.
     #[arg(long, default_value = "*", value_delimiter = ',')]
     allowed_origins: Vec<String>,
-    /// Largest request body accepted (e.g. 32M); larger ones get 413.
+    /// Largest request body accepted (e.g. 32M); larger ones get 413, at once when the request
+    /// declares its length.
     #[arg(long, default_value = "32M", value_parser = parse_size)]
     max_request_bytes: usize,
+    /// Seconds a connection with no request in progress (new, or between keep-alive requests)
+    /// stays open. Longer than clients and load balancers keep idle connections, so that they,
+    /// not the server, close them.
+    #[arg(long, default_value_t = 75.0, value_parser = parse_timeout)]
+    idle_timeout: f64,
+    /// Seconds a request's head (request line and headers) may take to arrive from its first
+    /// byte; a client that sends it slower is disconnected.
+    #[arg(long, default_value_t = 60.0, value_parser = parse_timeout)]
+    header_timeout: f64,
+    /// Seconds a request's whole body may take to arrive after its head; a client that sends
+    /// it slower is answered 408 and disconnected.
+    #[arg(long, default_value_t = 60.0, value_parser = parse_timeout)]
+    body_timeout: f64,
+    /// Seconds a response may wait on a client that reads none of it before the connection is
+    /// closed (and its generation cancelled).
+    #[arg(long, default_value_t = 60.0, value_parser = parse_timeout)]
+    send_timeout: f64,
+    /// Most connections open at once; one more is answered 503 with Retry-After and closed.
+    /// Default: 1024, or fewer where the open-file limit (ulimit -n) leaves less room beside the
+    /// descriptors the server keeps for itself (80). A larger value is taken as given: raise
+    /// ulimit -n with it.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    max_connections: Option<u32>,
     /// Prompt tokens processed per forward pass.
     #[arg(long, default_value_t = DEFAULT_PREFILL_STEP)]
     prefill_step_size: usize,
@@ -106,6 +130,13 @@ pub fn run(args: Args) -> Result<()> {
         api_key: args.api_key,
         allowed_origins: args.allowed_origins,
         max_request_bytes: args.max_request_bytes,
+        idle_timeout: Duration::from_secs_f64(args.idle_timeout),
+        header_timeout: Duration::from_secs_f64(args.header_timeout),
+        body_timeout: Duration::from_secs_f64(args.body_timeout),
+        send_timeout: Duration::from_secs_f64(args.send_timeout),
+        max_connections: args
+            .max_connections
+            .map_or_else(|| Settings::default().max_connections, |cap| cap as usize),
         prefill_step: args.prefill_step_size,
         decode_concurrency: args.decode_concurrency as usize,
         max_queued_requests: args.max_queued_requests,
@@ -135,6 +166,15 @@ fn parse_seconds(text: &str) -> Result<f64, String> {
         Ok(seconds) if seconds.is_finite() && seconds >= 0.0 => Ok(seconds),
         _ => Err(format!("`{text}` is not a number of seconds")),
     }
+}
+
+/// A timeout: a number of seconds above zero (a zero timeout would close every connection).
+fn parse_timeout(text: &str) -> Result<f64, String> {
+    let seconds = parse_seconds(text)?;
+    if seconds == 0.0 {
+        return Err("a timeout of 0 would close every connection at once".into());
+    }
+    Ok(seconds)
 }
 
 /// A byte count with an optional decimal suffix (K, M, G, KB, MB, GB), as mlx-lm's `_parse_size`.

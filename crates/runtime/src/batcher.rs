@@ -9,12 +9,13 @@
 //!
 //! The batcher owns the prompt cache, keyed by the adapter a job runs with, and the GPU's
 //! recordings of a decoding step for each batch size. It runs on the caller's thread and
-//! blocks there ([`Batcher::run`]); a server gives it a thread of its own and a channel.
+//! blocks there ([`Batcher::run`]); a server gives it a thread of its own and a channel, and
+//! reads what it is doing from [`BatcherStats`].
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::ControlFlow;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
@@ -95,6 +96,78 @@ pub struct BatcherSettings {
     pub cache_bytes: usize,
     /// Set to end every job, running or queued, with [`JobError::ShuttingDown`].
     pub shutdown: Arc<AtomicBool>,
+    /// Where the batcher tells what it is doing.
+    pub stats: Arc<BatcherStats>,
+}
+
+/// What a batcher is doing, for whoever reports on it (a server's metrics): written by the
+/// batcher between steps, read at any time through [`snapshot`](Self::snapshot).
+#[derive(Debug, Default)]
+pub struct BatcherStats {
+    running: AtomicUsize,
+    waiting: AtomicUsize,
+    kv_tokens: AtomicUsize,
+    kv_capacity_tokens: AtomicUsize,
+    prompt_cache_entries: AtomicUsize,
+    prompt_cache_bytes: AtomicUsize,
+    prefix_cache_queries: AtomicU64,
+    prefix_cache_hits: AtomicU64,
+}
+
+/// [`BatcherStats`] at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BatcherSnapshot {
+    /// Jobs in the batch: their prompts going through the model, or decoding.
+    pub running: usize,
+    /// Jobs taken from the queue and not yet in the batch: behind a full batch, or behind the
+    /// batch of another adapter.
+    pub waiting: usize,
+    /// Context tokens that the running jobs' caches hold.
+    pub kv_tokens: usize,
+    /// Context tokens the batch can hold: its capacity times the model's context length (0 for
+    /// a model that states no context length).
+    pub kv_capacity_tokens: usize,
+    pub prompt_cache_entries: usize,
+    /// Bytes of model state the prompt cache holds.
+    pub prompt_cache_bytes: usize,
+    /// Prompt tokens looked up in the prompt cache, and how many of them it held: in tokens, as
+    /// vLLM counts its prefix cache's queries and hits.
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+}
+
+impl BatcherStats {
+    pub fn snapshot(&self) -> BatcherSnapshot {
+        let load = |n: &AtomicUsize| n.load(Ordering::Relaxed);
+        BatcherSnapshot {
+            running: load(&self.running),
+            waiting: load(&self.waiting),
+            kv_tokens: load(&self.kv_tokens),
+            kv_capacity_tokens: load(&self.kv_capacity_tokens),
+            prompt_cache_entries: load(&self.prompt_cache_entries),
+            prompt_cache_bytes: load(&self.prompt_cache_bytes),
+            prefix_cache_queries: self.prefix_cache_queries.load(Ordering::Relaxed),
+            prefix_cache_hits: self.prefix_cache_hits.load(Ordering::Relaxed),
+        }
+    }
+
+    /// A prompt of `queried` tokens looked up in the prompt cache, `hits` of them found there.
+    fn count_lookup(&self, queried: usize, hits: usize) {
+        let add = |n: &AtomicU64, value: usize| n.fetch_add(value as u64, Ordering::Relaxed);
+        add(&self.prefix_cache_queries, queried);
+        add(&self.prefix_cache_hits, hits);
+    }
+}
+
+impl BatcherSnapshot {
+    /// The share of the batch's context in use: `kv_tokens` over `kv_capacity_tokens`, from 0
+    /// to 1 (0 when the capacity is unknown).
+    pub fn kv_usage(&self) -> f64 {
+        if self.kv_capacity_tokens == 0 {
+            return 0.0;
+        }
+        self.kv_tokens as f64 / self.kv_capacity_tokens as f64
+    }
 }
 
 /// The prompt cache: model state by the adapter that computed it (`None`: the base model).
@@ -171,6 +244,7 @@ pub struct Batcher<'a> {
     prompt_cache: StateCache,
     capacity: usize,
     shutdown: Arc<AtomicBool>,
+    stats: Arc<BatcherStats>,
     steps: StepTotals,
 }
 
@@ -237,13 +311,20 @@ impl<'a> Batcher<'a> {
         eos_ids: &'a HashSet<u32>,
         settings: BatcherSettings,
     ) -> Self {
+        let capacity = settings.capacity.max(1);
+        let context = model.info().max_context.unwrap_or(0);
+        settings
+            .stats
+            .kv_capacity_tokens
+            .store(capacity.saturating_mul(context), Ordering::Relaxed);
         Batcher {
             model,
             tokenizer,
             eos_ids,
             prompt_cache: StateCache::new(settings.cache_entries, settings.cache_bytes),
-            capacity: settings.capacity.max(1),
+            capacity,
             shutdown: settings.shutdown,
+            stats: settings.stats,
             steps: StepTotals::default(),
         }
     }
@@ -296,7 +377,10 @@ impl<'a> Batcher<'a> {
             .transpose();
         let adapted = match adapted {
             Ok(adapted) => adapted,
-            Err(e) => return first.end(Err(e.into())),
+            Err(e) => {
+                first.end(Err(e.into()));
+                return self.publish(waiting.len(), &VecDeque::new(), &[]);
+            }
         };
         let model: &dyn LanguageModel = match &adapted {
             Some(adapted) => adapted,
@@ -325,6 +409,7 @@ impl<'a> Batcher<'a> {
                     prompting.push_back(p);
                 }
             }
+            self.publish(waiting.len(), &prompting, &active);
             // Between steps, at most one prefill step's worth of prompt tokens: many short
             // prompts at once, a long one a chunk at a time while the others go on decoding.
             // The prompts with the least left go first, so that one arriving while a long one
@@ -345,6 +430,7 @@ impl<'a> Batcher<'a> {
                     Prompted::Ended => {}
                 }
             }
+            self.publish(waiting.len(), &prompting, &active);
             if active.is_empty() {
                 if prompting.is_empty() {
                     break;
@@ -356,6 +442,21 @@ impl<'a> Batcher<'a> {
         steps_by_size
             .values()
             .for_each(|steps| self.steps.add(steps));
+        self.publish(waiting.len(), &prompting, &active);
+    }
+
+    /// Tells [`BatcherStats`] where the batch stands: the jobs in it and behind it, the
+    /// context their caches hold, and the prompt cache's size.
+    fn publish(&self, waiting: usize, prompting: &VecDeque<Prompting>, active: &[Active]) {
+        let stats = &self.stats;
+        let kv_tokens = prompting.iter().map(|p| p.cache.offset);
+        let kv_tokens: usize = kv_tokens.chain(active.iter().map(|a| a.cache.offset)).sum();
+        let store = |n: &AtomicUsize, value| n.store(value, Ordering::Relaxed);
+        store(&stats.running, prompting.len() + active.len());
+        store(&stats.waiting, waiting);
+        store(&stats.kv_tokens, kv_tokens);
+        store(&stats.prompt_cache_entries, self.prompt_cache.len());
+        store(&stats.prompt_cache_bytes, self.prompt_cache.bytes());
     }
 
     /// Takes `held` into the batch: its cache (from the prompt cache where a prefix is there)
@@ -414,6 +515,7 @@ impl<'a> Batcher<'a> {
             Some(hit) => (hit.cache, hit.tokens),
             None => (job.options.new_cache(model)?, 0),
         };
+        self.stats.count_lookup(job.prompt.len(), cached_tokens);
         let sequence = Sequence::new(
             self.tokenizer,
             &job.prompt,

@@ -11,7 +11,9 @@ use oxlm_engine::{KvPrecision, Tensor};
 use oxlm_models::lora::Adaptable;
 use oxlm_models::{Cache, ForwardError, LanguageModel, Logits, ModelInfo};
 use oxlm_runtime::adapter_store::Adapter;
-use oxlm_runtime::batcher::{Batcher, BatcherSettings, Job, JobError, Requester, Update};
+use oxlm_runtime::batcher::{
+    Batcher, BatcherSettings, BatcherSnapshot, BatcherStats, Job, JobError, Requester, Update,
+};
 use oxlm_runtime::sampler::SamplerConfig;
 use oxlm_runtime::tokenizer::Tokenizer;
 use oxlm_runtime::{FinishReason, GenerateOptions, RuntimeError, StreamOptions};
@@ -27,17 +29,32 @@ enum Call {
     Batch(usize),
 }
 
-/// A model that records the calls made of it, and queues `late`'s job during its next forward
-/// pass, as a request arrives while a prompt goes through.
+/// A model that records the calls made of it, with what the batcher serving it reported at
+/// each, and queues `late`'s job during its next forward pass, as a request arrives while a
+/// prompt goes through.
 struct Recording {
     inner: Box<dyn LanguageModel>,
-    calls: Mutex<Vec<Call>>,
+    calls: Mutex<Vec<(Call, BatcherSnapshot)>>,
     late: Mutex<Option<(mpsc::Sender<Job>, Job)>>,
+    /// What the batchers serving this model report.
+    stats: Arc<BatcherStats>,
 }
 
 impl Recording {
     fn calls(&self) -> Vec<Call> {
+        self.calls_with_stats()
+            .into_iter()
+            .map(|(c, _)| c)
+            .collect()
+    }
+
+    fn calls_with_stats(&self) -> Vec<(Call, BatcherSnapshot)> {
         std::mem::take(&mut self.calls.lock().unwrap())
+    }
+
+    fn record(&self, call: Call) {
+        let stats = self.stats.snapshot();
+        self.calls.lock().unwrap().push((call, stats));
     }
 }
 
@@ -63,11 +80,10 @@ impl LanguageModel for Recording {
         if let Some((jobs, job)) = self.late.lock().unwrap().take() {
             jobs.send(job).unwrap();
         }
-        let call = match logits {
+        self.record(match logits {
             Logits::LastOnDevice => Call::Step,
             _ => Call::Prompt(tokens.len()),
-        };
-        self.calls.lock().unwrap().push(call);
+        });
         self.inner.forward(tokens, cache, logits)
     }
 
@@ -76,7 +92,7 @@ impl LanguageModel for Recording {
         tokens: &[u32],
         caches: &mut [&mut Cache],
     ) -> Result<Tensor, ForwardError> {
-        self.calls.lock().unwrap().push(Call::Batch(tokens.len()));
+        self.record(Call::Batch(tokens.len()));
         self.inner.forward_batch(tokens, caches)
     }
 
@@ -96,6 +112,7 @@ fn load(name: &str) -> (Tokenizer, Recording) {
         inner: oxlm_models::load(&dir).unwrap(),
         calls: Mutex::new(Vec::new()),
         late: Mutex::new(None),
+        stats: Arc::default(),
     };
     (Tokenizer::from_dir(&dir).unwrap(), model)
 }
@@ -245,17 +262,13 @@ fn serve(tokenizer: &Tokenizer, model: &Recording, asks: &[Ask], run: Run) -> Ve
     logs
 }
 
-fn run_batcher(
-    tokenizer: &Tokenizer,
-    model: &dyn LanguageModel,
-    queue: &mpsc::Receiver<Job>,
-    run: Run,
-) {
+fn run_batcher(tokenizer: &Tokenizer, model: &Recording, queue: &mpsc::Receiver<Job>, run: Run) {
     let settings = BatcherSettings {
         capacity: run.capacity,
         cache_entries: run.cache_entries,
         cache_bytes: usize::MAX,
         shutdown: Arc::new(AtomicBool::new(run.shutdown)),
+        stats: model.stats.clone(),
     };
     // No end-of-sequence ids: every job runs for as many tokens as it asks.
     let eos_ids = HashSet::new();
@@ -573,4 +586,72 @@ fn a_short_prompt_does_not_wait_for_a_long_one() {
     assert_eq!(got.tokens.len(), 6);
     let alone = serve(&tokenizer, &model, &[short], ALONE);
     assert_eq!(got.tokens, served(&alone[0]).tokens);
+}
+
+/// What the batcher reports between steps: the jobs in its batch and those waiting for a place,
+/// the context their caches hold against what the batch can hold, and its prompt cache's
+/// lookups and hits, in tokens.
+#[test]
+fn the_batcher_reports_its_queue_and_prompt_cache() {
+    // A context of 2048 tokens.
+    let (tokenizer, model) = load("llama-8bit-g32");
+    let city = "The history of the city begins";
+    let asks = [
+        ask(city, 6),
+        ask(city, 6),
+        ask(city, 4),
+        ask("Once upon a time", 4),
+    ];
+    let n = tokenizer.encode(city, false).unwrap().len();
+    let m = tokenizer.encode(&asks[3].prompt, false).unwrap().len();
+    let two = Run {
+        capacity: 2,
+        cache_entries: 4,
+        ..TOGETHER
+    };
+    let logs: Vec<Served> = serve(&tokenizer, &model, &asks, two)
+        .iter()
+        .map(served)
+        .collect();
+    // The first two go through together, so neither finds the other's state; the third starts
+    // from theirs.
+    let cached: Vec<Option<usize>> = logs.iter().map(|s| s.cached_tokens).collect();
+    assert_eq!(cached, [Some(0), Some(0), Some(n - 1), Some(0)]);
+    let seen: Vec<(Call, usize, usize, usize)> = model
+        .calls_with_stats()
+        .into_iter()
+        .map(|(call, s)| (call, s.running, s.waiting, s.kv_tokens))
+        .collect();
+    let mut expected = vec![(Call::Prompt(n), 2, 2, 0), (Call::Prompt(n), 2, 2, 0)];
+    // Each step of the first two holds two more tokens of context than the one before.
+    expected.extend((0..5).map(|k| (Call::Batch(2), 2, 2, 2 * (n + k))));
+    // The third holds its cached prefix before its last prompt token goes through.
+    expected.extend([
+        (Call::Prompt(1), 2, 0, n - 1),
+        (Call::Prompt(m), 2, 0, n - 1),
+    ]);
+    expected.extend((0..3).map(|k| (Call::Batch(2), 2, 0, n + m + 2 * k)));
+    assert_eq!(seen, expected);
+    let end = model.stats.snapshot();
+    let kept = end.prompt_cache_bytes;
+    assert!(kept > 0);
+    let expected_end = BatcherSnapshot {
+        running: 0,
+        waiting: 0,
+        kv_tokens: 0,
+        kv_capacity_tokens: 2 * 2048,
+        // The first two's state (one entry, as their tokens are the same), the third's (a
+        // prefix of theirs, kept on its own) and the last one's.
+        prompt_cache_entries: 3,
+        prompt_cache_bytes: kept,
+        prefix_cache_queries: (3 * n + m) as u64,
+        prefix_cache_hits: (n - 1) as u64,
+    };
+    assert_eq!(end, expected_end);
+    assert_eq!(end.kv_usage(), 0.0);
+    let half = BatcherSnapshot {
+        kv_tokens: 2048,
+        ..expected_end
+    };
+    assert_eq!(half.kv_usage(), 0.5);
 }

@@ -39,7 +39,12 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
     Router::new()
         .merge(api)
+        // Not behind the API key, as vLLM's are not: probes and scrapers carry none, and none
+        // tells anything of a request's content.
         .route("/health", get(health))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
+        .route("/stats", get(stats))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.settings.max_request_bytes))
@@ -108,13 +113,31 @@ async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
     ApiError::method_not_allowed(format!("Method {method} is not allowed for {}", uri.path()))
 }
 
+/// Liveness, as mlx_lm.server answers it.
 async fn health(State(state): Shared) -> Response {
-    if state.worker.is_alive() {
+    health_response(state.worker.is_alive())
+}
+
+pub(crate) fn health_response(alive: bool) -> Response {
+    if alive {
         Json(json!({"status": "ok"})).into_response()
     } else {
         let body = Json(json!({"status": "unavailable"}));
         (StatusCode::SERVICE_UNAVAILABLE, body).into_response()
     }
+}
+
+/// Readiness: false once a shutdown signal has come, while requests in progress drain.
+async fn ready(State(state): Shared) -> Response {
+    state.readiness().response()
+}
+
+async fn metrics(State(state): Shared) -> Response {
+    state.telemetry.metrics_response()
+}
+
+async fn stats(State(state): Shared) -> Json {
+    Json(state.telemetry.stats(state.readiness()))
 }
 
 /// The served model; with an adapter directory, also the adapter names a request's `adapters`
@@ -147,7 +170,7 @@ async fn model(State(state): Shared, UrlPath(id): UrlPath<String>) -> Result<Jso
 }
 
 /// A JSON response (axum's `Json` needs serde's derive; values are built with `json!` here).
-struct Json(Value);
+pub(crate) struct Json(pub(crate) Value);
 
 impl IntoResponse for Json {
     fn into_response(self) -> Response {

@@ -99,6 +99,15 @@ impl ApiError {
         )
     }
 
+    /// 408: the request did not arrive in time.
+    pub fn request_timeout(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            message,
+        )
+    }
+
     /// 429: the queue is full; try again after `seconds`.
     pub fn too_many_requests(message: impl Into<String>, seconds: u64) -> Self {
         ApiError {

@@ -1,21 +1,25 @@
 //! `oxlm serve`: an HTTP server with the OpenAI API that mlx_lm.server (mlx-lm 0.32.2) offers,
 //! over the oxlm runtime: `POST /v1/chat/completions` and `/v1/completions` (JSON or SSE
-//! streams), `GET /v1/models` and `GET /health`.
+//! streams), `GET /v1/models` and `GET /health`; and for orchestrators, `GET /ready`,
+//! `GET /metrics` (Prometheus, under vLLM's names) and `GET /stats`.
 //!
 //! Everything HTTP lives here: request validation, response and error shapes, streaming, tool
 //! call and reasoning parsing, per-request LoRA adapters (mlx_lm.server's `adapters` field,
-//! resolved inside one adapter directory), request log lines and graceful shutdown. Generation
-//! itself runs on one dedicated thread ([`worker`]), fed in arrival order, which decodes the
-//! requests of one adapter together.
+//! resolved inside one adapter directory), request log lines, metrics, serving while the model
+//! loads ([`Loading`]) and graceful shutdown. Generation itself runs on one dedicated thread
+//! ([`worker`]), fed in arrival order, which decodes the requests of one adapter together.
 
 mod api;
+mod connections;
 pub mod error;
+mod loading;
 mod log;
+mod metrics;
 pub mod parsers;
 mod request;
 mod worker;
 
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
@@ -29,7 +33,10 @@ use oxlm_runtime::{LoadedModel, RuntimeError};
 use serde_json::{Map, Value};
 
 pub use error::{ApiError, ServeError};
+pub use loading::Loading;
 
+use crate::connections::ConnectionLimits;
+use crate::metrics::{Readiness, Telemetry};
 use crate::parsers::ToolFormat;
 use crate::request::Defaults;
 use crate::worker::{CacheLimits, Worker};
@@ -54,8 +61,23 @@ pub struct Settings {
     pub api_key: Option<String>,
     /// CORS origins; `*` allows any.
     pub allowed_origins: Vec<String>,
-    /// Larger request bodies are refused with 413.
+    /// Larger request bodies are refused with 413 (before any of the body is read when its
+    /// length is declared).
     pub max_request_bytes: usize,
+    /// A connection with no request in progress (new, or between keep-alive requests) is closed
+    /// after this long.
+    pub idle_timeout: Duration,
+    /// From a request's first byte, its whole head (request line and headers) must arrive within
+    /// this long, else the connection is closed.
+    pub header_timeout: Duration,
+    /// A request's body must arrive within this long of its head, else it is answered 408 and
+    /// its connection closed.
+    pub body_timeout: Duration,
+    /// A response that its client takes nothing of for this long (a client that stopped reading)
+    /// has its connection closed.
+    pub send_timeout: Duration,
+    /// Most connections open at once; one more is answered 503 with `Retry-After` and closed.
+    pub max_connections: usize,
     pub prefill_step: usize,
     /// Most sequences decoded together (mlx_lm.server's `--decode-concurrency`): requests of
     /// one adapter share each decoding step, reading the weights once for all of them.
@@ -134,6 +156,15 @@ impl Default for Settings {
             api_key: None,
             allowed_origins: vec!["*".into()],
             max_request_bytes: 32_000_000,
+            // nginx's (client_header_timeout, client_body_timeout and send_timeout 60 s,
+            // keepalive_timeout 75 s). uvicorn's 5 s keep-alive, and so vLLM's, is no longer than
+            // clients keep pooled connections (httpx 5 s, load balancers 60 s): one can be reused
+            // just as the server closes it.
+            idle_timeout: Duration::from_secs(75),
+            header_timeout: Duration::from_secs(60),
+            body_timeout: Duration::from_secs(60),
+            send_timeout: Duration::from_secs(60),
+            max_connections: connections::default_max_connections(),
             prefill_step: DEFAULT_PREFILL_STEP,
             decode_concurrency: 32,
             max_queued_requests: None,
@@ -164,6 +195,13 @@ struct AppState {
     /// Loaded on demand; one load at a time.
     adapters: Option<Mutex<AdapterStore>>,
     worker: Worker,
+    telemetry: Arc<Telemetry>,
+}
+
+impl AppState {
+    fn readiness(&self) -> Readiness {
+        self.telemetry.readiness(self.worker.is_alive())
+    }
 }
 
 /// A loaded model and its generation thread, ready to serve.
@@ -179,6 +217,17 @@ impl Server {
 
     /// Serves a model already loaded (its `dir` gives generation_config.json and the model id).
     pub fn new(model: LoadedModel, settings: Settings) -> Result<Self, ServeError> {
+        let telemetry = Arc::new(Telemetry::new(model_id(&model.dir)));
+        Self::with_telemetry(model, settings, telemetry)
+    }
+
+    /// [`new`](Self::new), reporting through `telemetry`, which has answered since before the
+    /// model loaded.
+    fn with_telemetry(
+        model: LoadedModel,
+        settings: Settings,
+        telemetry: Arc<Telemetry>,
+    ) -> Result<Self, ServeError> {
         let model = Arc::new(model);
         let model_dir = model.dir.as_path();
         let recommended = SamplingDefaults::from_dir(model_dir)?;
@@ -206,11 +255,7 @@ impl Server {
                 .flat_map(|template| template.sources()),
         );
         let think = model.tokenizer.think_markers();
-        let model_id = model_dir
-            .canonicalize()
-            .unwrap_or_else(|_| model_dir.to_path_buf())
-            .display()
-            .to_string();
+        let model_id = telemetry.model_id().to_owned();
         let base = model.model.as_ref();
         if let Some(precision) = settings.kv_cache {
             base.new_cache_in(precision).map_err(ServeError::KvCache)?;
@@ -236,6 +281,7 @@ impl Server {
             limits,
             settings.decode_concurrency,
             settings.max_queued_requests,
+            telemetry.clone(),
         )?;
         Ok(Server {
             state: Arc::new(AppState {
@@ -249,6 +295,7 @@ impl Server {
                 default_adapter,
                 adapters,
                 worker,
+                telemetry,
             }),
         })
     }
@@ -264,7 +311,9 @@ impl Server {
 
     /// Serves on `listener` until the process ends.
     pub async fn serve(self, listener: tokio::net::TcpListener) -> std::io::Result<()> {
-        axum::serve(listener, self.router()).await
+        let limits = ConnectionLimits::from(&self.state.settings);
+        connections::serve(listener, self.router(), limits, std::future::pending()).await;
+        Ok(())
     }
 
     /// Serves on `listener` until `shutdown` resolves (to the reason, for the log line). Then no
@@ -280,49 +329,43 @@ impl Server {
         let stop = async move {
             let _ = signalled.send(shutdown.await);
         };
-        let serving = axum::serve(listener, self.router())
-            .with_graceful_shutdown(stop)
-            .into_future();
+        let limits = ConnectionLimits::from(&state.settings);
+        let serving = connections::serve(listener, self.router(), limits, stop);
         tokio::pin!(serving);
         let reason = tokio::select! {
-            result = &mut serving => return result,
+            () = &mut serving => return Ok(()),
             reason = on_signal => reason.unwrap_or_default(),
         };
+        state.telemetry.start_draining();
         let grace = state.settings.shutdown_grace;
         state.settings.info(format_args!(
             "Shutting down ({reason}): requests in progress have {:.1}s to finish",
             grace.as_secs_f64()
         ));
-        let result = match tokio::time::timeout(grace, &mut serving).await {
-            Ok(result) => result,
-            Err(_) => {
-                state
-                    .settings
-                    .info("Cancelling the generations still in progress");
-                state.worker.shut_down();
-                // Cancelled responses end at once; a client that reads nothing more is not
-                // waited for.
-                tokio::time::timeout(CLOSE_TIMEOUT, serving)
-                    .await
-                    .unwrap_or(Ok(()))
-            }
-        };
+        if tokio::time::timeout(grace, &mut serving).await.is_err() {
+            state
+                .settings
+                .info("Cancelling the generations still in progress");
+            state.worker.shut_down();
+            // Cancelled responses end at once; a client that reads nothing more is not waited
+            // for.
+            let _ = tokio::time::timeout(CLOSE_TIMEOUT, serving).await;
+        }
         state.settings.info("Server stopped");
-        result
+        Ok(())
     }
 }
 
 /// How long cancelled responses get to reach their clients at shutdown.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Loads the model, listens on `host:port` and serves until SIGINT or SIGTERM, blocking (the
-/// CLI's entry point).
+/// Listens on `host:port`, loads the model meanwhile (see [`Loading`]) and serves until SIGINT
+/// or SIGTERM, blocking (the CLI's entry point).
 pub fn run(model_dir: &Path, settings: Settings, host: &str, port: u16) -> Result<(), ServeError> {
-    let server = Server::load(model_dir, settings)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(async {
+    let loading = runtime.block_on(async {
         let address = format!("{host}:{port}");
         let listener = tokio::net::TcpListener::bind(&address)
             .await
@@ -330,12 +373,15 @@ pub fn run(model_dir: &Path, settings: Settings, host: &str, port: u16) -> Resul
                 address: address.clone(),
                 source,
             })?;
+        Ok::<_, ServeError>(Loading::start(listener, model_dir, &settings)?)
+    })?;
+    // On this thread, while the runtime's threads answer for the loading server. A signal now
+    // ends the process as it always has: there is nothing to drain.
+    let model = LoadedModel::load_on(model_dir, &settings.device)?;
+    runtime.block_on(async {
+        // Before any request reaches the model, so that a signal from then on drains them.
         let shutdown = shutdown_signal()?;
-        server.state.settings.info(format_args!(
-            "Serving {} at http://{} (OpenAI API: /v1/chat/completions, /v1/completions, /v1/models)",
-            server.model_id(),
-            listener.local_addr()?
-        ));
+        let (server, listener) = loading.finish(model, settings)?;
         server.serve_until(listener, shutdown).await?;
         Ok(())
     })
@@ -352,6 +398,16 @@ fn shutdown_signal() -> std::io::Result<impl Future<Output = String>> {
             _ = terminate.recv() => "SIGTERM".to_owned(),
         }
     })
+}
+
+/// The id `/v1/models` lists and metrics are labelled with: the model directory's absolute path,
+/// as mlx_lm.server names a model given by path.
+fn model_id(model_dir: &Path) -> String {
+    model_dir
+        .canonicalize()
+        .unwrap_or_else(|_| model_dir.to_path_buf())
+        .display()
+        .to_string()
 }
 
 fn unix_time() -> u64 {

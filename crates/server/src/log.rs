@@ -1,5 +1,6 @@
 //! One line on stderr per request once its response has been sent in full (or its client went
 //! away): method, path, status, duration and, for generations, prompt and completion tokens.
+//! Readiness probes and metrics scrapes are not logged.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -47,7 +48,12 @@ impl TokenCounts {
     }
 }
 
-/// Gives every request its [`TokenCounts`] and, when the log level shows requests, logs it.
+/// Paths that orchestrators poll, left out of the log: llm-d's scheduler scrapes `/metrics`
+/// every 50 ms by default.
+const POLLED: [&str; 2] = ["/metrics", "/ready"];
+
+/// Gives every request its [`TokenCounts`] and, when the log level shows requests, logs it
+/// (unless it is a poll).
 pub(crate) async fn log_requests(
     State(state): State<Arc<AppState>>,
     mut request: Request,
@@ -55,7 +61,7 @@ pub(crate) async fn log_requests(
 ) -> Response {
     let tokens = TokenCounts::default();
     request.extensions_mut().insert(tokens.clone());
-    if !state.settings.logs_info() {
+    if !state.settings.logs_info() || POLLED.contains(&request.uri().path()) {
         return next.run(request).await;
     }
     let mut line = RequestLine {

@@ -1,7 +1,8 @@
 //! The generation thread. Model forward passes are long, CPU-bound and blocking, so they run on
 //! one dedicated thread, never on the async executor: HTTP keeps answering (health checks,
 //! model lists, queueing) while a generation runs. The thread runs the runtime's continuous
-//! batcher over the jobs the requests submit, in arrival order.
+//! batcher over the jobs the requests submit, in arrival order, and times each request's
+//! updates as it hands them over (see [`crate::metrics`]).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
@@ -14,16 +15,19 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::watch;
 
 use crate::error::ApiError;
+use crate::metrics::{RequestTimer, Telemetry};
 
 /// A request waiting for its job's updates.
 struct Request {
     updates: UnboundedSender<Update>,
     /// Set when the request is dropped.
     cancel: Arc<AtomicBool>,
+    timer: RequestTimer,
 }
 
 impl Requester for Request {
     fn deliver(&self, update: Update) -> bool {
+        self.timer.record(&update);
         self.updates.send(update).is_ok()
     }
 
@@ -76,6 +80,8 @@ pub struct Worker {
     outstanding: Arc<AtomicUsize>,
     /// Most requests answered at once: decoding, then queued (`None`: no limit).
     max_outstanding: Option<usize>,
+    /// Where the batcher and the requests' timers report.
+    telemetry: Arc<Telemetry>,
 }
 
 /// What a refused request is told to wait before it tries again.
@@ -96,6 +102,7 @@ impl Worker {
         limits: CacheLimits,
         decode_concurrency: usize,
         max_queued: Option<usize>,
+        telemetry: Arc<Telemetry>,
     ) -> std::io::Result<Self> {
         let (jobs, queue) = mpsc::channel::<Job>();
         let shutdown = Arc::new(AtomicBool::new(false));
@@ -104,6 +111,7 @@ impl Worker {
             cache_entries: limits.entries,
             cache_bytes: limits.bytes,
             shutdown: shutdown.clone(),
+            stats: telemetry.batcher_stats(),
         };
         let thread = std::thread::Builder::new()
             .name("oxlm-generate".into())
@@ -125,6 +133,7 @@ impl Worker {
             shutdown_watch: watch::Sender::new(false),
             outstanding: Arc::new(AtomicUsize::new(0)),
             max_outstanding: max_queued.map(|queued| decode_concurrency + queued),
+            telemetry,
         })
     }
 
@@ -161,6 +170,7 @@ impl Worker {
         let outstanding = self.outstanding.clone();
         let (updates, receiver) = unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
+        let timer = self.telemetry.timer(prompt.len());
         let job = Job {
             prompt,
             adapter,
@@ -169,6 +179,7 @@ impl Worker {
             requester: Box::new(Request {
                 updates,
                 cancel: cancel.clone(),
+                timer,
             }),
         };
         let running = Running {
