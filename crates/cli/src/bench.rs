@@ -272,6 +272,7 @@ fn decode_batch(
             options,
             stream: StreamOptions::default(),
             requester: Box::new(requester),
+            deadline: None,
         })
         .map_err(|_| anyhow::anyhow!("the batcher's queue closed"))?;
     }

@@ -100,6 +100,11 @@ pub struct Args {
     /// Retry-After, so that a router sends them elsewhere (default: no limit).
     #[arg(long)]
     max_queued_requests: Option<usize>,
+    /// Seconds a request may take from its arrival to its last token, waiting in the queue
+    /// included; past it the generation stops and the request ends with a 504 error object
+    /// (streams: an error event, then [DONE]). Default: no limit.
+    #[arg(long, value_parser = parse_timeout)]
+    request_timeout: Option<f64>,
     /// DEBUG, INFO, WARNING, ERROR or CRITICAL; above INFO, no startup, shutdown or request lines.
     #[arg(long, default_value = "INFO")]
     log_level: LogLevel,
@@ -140,6 +145,7 @@ pub fn run(args: Args) -> Result<()> {
         prefill_step: args.prefill_step_size,
         decode_concurrency: args.decode_concurrency as usize,
         max_queued_requests: args.max_queued_requests,
+        request_timeout: args.request_timeout.map(Duration::from_secs_f64),
         kv_cache: args.kv_cache,
         adapter_path: args.adapter_path,
         adapters_dir: args.adapters_dir,

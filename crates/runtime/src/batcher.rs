@@ -17,7 +17,7 @@ use std::ops::ControlFlow;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use oxlm_engine::DecodeSteps;
 use oxlm_models::lora::{AdaptedModel, AdapterError};
@@ -65,6 +65,9 @@ pub enum JobError {
     Step(String),
     #[error("The server is shutting down")]
     ShuttingDown,
+    /// The job ran past its [`Job::deadline`].
+    #[error("The request did not finish within the server's time limit")]
+    DeadlineExceeded,
 }
 
 /// Who waits for a job's updates.
@@ -84,6 +87,9 @@ pub struct Job {
     pub options: GenerateOptions,
     pub stream: StreamOptions,
     pub requester: Box<dyn Requester>,
+    /// Past it, the job ends with [`JobError::DeadlineExceeded`], between two steps or before
+    /// its prompt goes through the model.
+    pub deadline: Option<Instant>,
 }
 
 /// How the batcher serves.
@@ -181,7 +187,13 @@ struct Held {
 
 impl Held {
     fn cancelled(&self) -> bool {
-        self.shutdown.load(Ordering::Relaxed) || self.job.requester.cancelled()
+        self.shutdown.load(Ordering::Relaxed)
+            || self.job.requester.cancelled()
+            || self.past_deadline()
+    }
+
+    fn past_deadline(&self) -> bool {
+        self.job.deadline.is_some_and(|d| Instant::now() >= d)
     }
 
     /// Sends an update; false once the requester is gone or the batcher is shutting down.
@@ -190,12 +202,14 @@ impl Held {
     }
 
     /// Reports how the job ended (past `cancelled`, as the requester may still be there to
-    /// read why): a job cancelled by the shutdown ends with [`JobError::ShuttingDown`].
+    /// read why): a job cancelled by the shutdown ends with [`JobError::ShuttingDown`], one
+    /// past its deadline with [`JobError::DeadlineExceeded`].
     fn end(&self, result: Result<FinishReason, JobError>) {
         let result = match result {
             Ok(FinishReason::Cancelled) if self.shutdown.load(Ordering::Relaxed) => {
                 Err(JobError::ShuttingDown)
             }
+            Ok(FinishReason::Cancelled) if self.past_deadline() => Err(JobError::DeadlineExceeded),
             result => result,
         };
         self.job.requester.deliver(Update::Done(result));

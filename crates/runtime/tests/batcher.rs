@@ -6,6 +6,7 @@ use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use oxlm_engine::{KvPrecision, Tensor};
 use oxlm_models::lora::Adaptable;
@@ -153,6 +154,7 @@ struct Ask {
     adapter: Option<Arc<Adapter>>,
     prefill_step: usize,
     cancel_after: Option<usize>,
+    deadline: Option<Instant>,
 }
 
 fn ask(prompt: &str, max_tokens: usize) -> Ask {
@@ -164,6 +166,7 @@ fn ask(prompt: &str, max_tokens: usize) -> Ask {
         adapter: None,
         prefill_step: 2048,
         cancel_after: None,
+        deadline: None,
     }
 }
 
@@ -244,6 +247,7 @@ fn job(tokenizer: &Tokenizer, a: &Ask) -> (Job, Log) {
             cancel_after: a.cancel_after,
             tokens: AtomicUsize::new(0),
         }),
+        deadline: a.deadline,
     };
     (job, log)
 }
@@ -510,6 +514,28 @@ fn jobs_end_alone_when_given_up_or_wrong() {
     let empty = RuntimeError::from(ForwardError::EmptyInput).to_string();
     assert_eq!(logs[2].end, Err(empty));
     assert_eq!(logs[2].cached_tokens, None);
+
+    // Past its deadline, a job ends before its prompt goes through the model; one with time
+    // left is served.
+    model.calls();
+    let late = Ask {
+        deadline: Some(Instant::now()),
+        ..ask("Once upon a time", 12)
+    };
+    let on_time = Ask {
+        deadline: Some(Instant::now() + Duration::from_secs(600)),
+        ..ask("The capital of", 4)
+    };
+    let logs = serve(&tokenizer, &model, &[late, on_time.clone()], TOGETHER);
+    let (late, on_time) = (served(&logs[0]), served(&logs[1]));
+    assert_eq!(late.end, Err(JobError::DeadlineExceeded.to_string()));
+    assert_eq!((late.cached_tokens, late.tokens.len()), (None, 0));
+    assert_eq!(
+        (on_time.end, on_time.tokens.len()),
+        (Ok(FinishReason::Length), 4)
+    );
+    let n = tokenizer.encode("The capital of", false).unwrap().len();
+    assert_eq!(model.calls()[0], Call::Prompt(n));
 
     model.calls();
     let shutdown = Run {

@@ -125,6 +125,14 @@ impl ApiError {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message)
     }
 
+    /// 504: the request ran past the server's `--request-timeout`.
+    pub fn timed_out(message: impl Into<String>) -> Self {
+        ApiError {
+            code: Some("timeout"),
+            ..Self::new(StatusCode::GATEWAY_TIMEOUT, "server_error", message)
+        }
+    }
+
     /// The JSON body, also sent as an event when a stream fails after it started.
     pub fn body(&self) -> Value {
         json!({"error": {
@@ -233,6 +241,7 @@ impl From<JobError> for ApiError {
     fn from(error: JobError) -> Self {
         match error {
             JobError::ShuttingDown => ApiError::unavailable(error.to_string()),
+            JobError::DeadlineExceeded => ApiError::timed_out(error.to_string()),
             error => ApiError::server(error.to_string()),
         }
     }

@@ -85,6 +85,9 @@ pub struct Settings {
     /// Most requests waiting for a place beyond those decoding; more get 429 with
     /// `Retry-After` (`None`: no limit).
     pub max_queued_requests: Option<usize>,
+    /// How long a request may take from its arrival to its last token, queueing included;
+    /// past it, it ends with a 504 error object (`None`: no limit).
+    pub request_timeout: Option<Duration>,
     /// The KV cache's precision; `None`: the device's default.
     pub kv_cache: Option<KvPrecision>,
     /// The adapter of requests that name none (mlx_lm.server's `--adapter-path`).
@@ -168,6 +171,7 @@ impl Default for Settings {
             prefill_step: DEFAULT_PREFILL_STEP,
             decode_concurrency: 32,
             max_queued_requests: None,
+            request_timeout: None,
             kv_cache: None,
             adapter_path: None,
             adapters_dir: None,
@@ -281,6 +285,7 @@ impl Server {
             limits,
             settings.decode_concurrency,
             settings.max_queued_requests,
+            settings.request_timeout,
             telemetry.clone(),
         )?;
         Ok(Server {

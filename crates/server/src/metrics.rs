@@ -51,7 +51,9 @@ fn finished_reason(result: &Result<FinishReason, JobError>) -> &'static str {
     match result {
         Ok(FinishReason::Stop) => "stop",
         Ok(FinishReason::Length) => "length",
-        Ok(FinishReason::Cancelled) | Err(JobError::ShuttingDown) => "abort",
+        Ok(FinishReason::Cancelled)
+        | Err(JobError::ShuttingDown)
+        | Err(JobError::DeadlineExceeded) => "abort",
         Err(_) => "error",
     }
 }

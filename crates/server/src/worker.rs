@@ -7,6 +7,7 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use oxlm_runtime::adapter_store::Adapter;
 use oxlm_runtime::batcher::{Batcher, BatcherSettings, Job, JobError, Requester, Update};
@@ -44,18 +45,30 @@ pub struct Running {
     shutdown: watch::Receiver<bool>,
     /// The worker's count of requests not yet answered, this one among them.
     outstanding: Arc<AtomicUsize>,
+    /// When the request gives up, under `--request-timeout`.
+    deadline: Option<Instant>,
 }
 
 impl Running {
-    /// The job's next update; at shutdown, its end with [`JobError::ShuttingDown`] at once,
-    /// whatever the generation thread is doing: a prompt's forward pass may hold it for
-    /// longer than the server waits for responses to close.
+    /// The job's next update; at shutdown or past its deadline, its end with
+    /// [`JobError::ShuttingDown`] or [`JobError::DeadlineExceeded`] at once, whatever the
+    /// generation thread is doing: a prompt's forward pass may hold it for longer.
     pub async fn next(&mut self) -> Option<Update> {
+        let deadline = async {
+            match self.deadline {
+                Some(deadline) => tokio::time::sleep_until(deadline.into()).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             biased;
             update = self.updates.recv() => update,
             _ = self.shutdown.wait_for(|&down| down) => {
                 Some(Update::Done(Err(JobError::ShuttingDown)))
+            }
+            () = deadline => {
+                self.cancel.store(true, Ordering::Relaxed);
+                Some(Update::Done(Err(JobError::DeadlineExceeded)))
             }
         }
     }
@@ -80,6 +93,8 @@ pub struct Worker {
     outstanding: Arc<AtomicUsize>,
     /// Most requests answered at once: decoding, then queued (`None`: no limit).
     max_outstanding: Option<usize>,
+    /// How long a request may take, from its submission to its last token.
+    request_timeout: Option<Duration>,
     /// Where the batcher and the requests' timers report.
     telemetry: Arc<Telemetry>,
 }
@@ -96,12 +111,14 @@ pub struct CacheLimits {
 
 impl Worker {
     /// Starts the thread, which decodes up to `decode_concurrency` sequences together; at most
-    /// `max_queued` more requests wait for a place.
+    /// `max_queued` more requests wait for a place; each request has `request_timeout` to
+    /// finish.
     pub fn spawn(
         model: Arc<LoadedModel>,
         limits: CacheLimits,
         decode_concurrency: usize,
         max_queued: Option<usize>,
+        request_timeout: Option<Duration>,
         telemetry: Arc<Telemetry>,
     ) -> std::io::Result<Self> {
         let (jobs, queue) = mpsc::channel::<Job>();
@@ -133,6 +150,7 @@ impl Worker {
             shutdown_watch: watch::Sender::new(false),
             outstanding: Arc::new(AtomicUsize::new(0)),
             max_outstanding: max_queued.map(|queued| decode_concurrency + queued),
+            request_timeout,
             telemetry,
         })
     }
@@ -171,6 +189,7 @@ impl Worker {
         let (updates, receiver) = unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let timer = self.telemetry.timer(prompt.len());
+        let deadline = self.request_timeout.map(|timeout| Instant::now() + timeout);
         let job = Job {
             prompt,
             adapter,
@@ -181,12 +200,14 @@ impl Worker {
                 cancel: cancel.clone(),
                 timer,
             }),
+            deadline,
         };
         let running = Running {
             updates: receiver,
             cancel,
             shutdown: self.shutdown_watch.subscribe(),
             outstanding,
+            deadline,
         };
         self.jobs
             .send(job)
