@@ -283,6 +283,8 @@ fn decode_batch(
         cache_bytes: 0,
         shutdown: Arc::new(AtomicBool::new(false)),
         stats: Arc::default(),
+        // Whole steps: the figures are the model's, not a schedule's.
+        prefill_pause: None,
     };
     // No end-of-sequence stop: every sequence decodes `n` tokens.
     let eos_ids = HashSet::new();

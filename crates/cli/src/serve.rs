@@ -90,6 +90,12 @@ pub struct Args {
     /// Prompt tokens processed per forward pass.
     #[arg(long, default_value_t = DEFAULT_PREFILL_STEP)]
     prefill_step_size: usize,
+    /// Seconds the prompts going through between two decoding steps may hold up the requests
+    /// decoding and those arriving: a long prompt goes through in chunks of fewer tokens than
+    /// --prefill-step-size where the measured prompt speed needs it, so that a short request's
+    /// first token does not wait for a long prompt. 0: whole --prefill-step-size chunks.
+    #[arg(long, default_value_t = 0.5, value_parser = parse_seconds)]
+    max_prefill_pause: f64,
     /// Most requests decoded together: concurrent requests (of one adapter) share each decoding
     /// step, which reads the weights once for all of them; 1 serves one at a time. The default
     /// is mlx_lm.server's; a GPU gains from more (an H200 decodes 64 sequences of a 0.85B model
@@ -143,6 +149,8 @@ pub fn run(args: Args) -> Result<()> {
             .max_connections
             .map_or_else(|| Settings::default().max_connections, |cap| cap as usize),
         prefill_step: args.prefill_step_size,
+        prefill_pause: (args.max_prefill_pause > 0.0)
+            .then(|| Duration::from_secs_f64(args.max_prefill_pause)),
         decode_concurrency: args.decode_concurrency as usize,
         max_queued_requests: args.max_queued_requests,
         request_timeout: args.request_timeout.map(Duration::from_secs_f64),

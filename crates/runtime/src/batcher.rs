@@ -104,6 +104,10 @@ pub struct BatcherSettings {
     pub shutdown: Arc<AtomicBool>,
     /// Where the batcher tells what it is doing.
     pub stats: Arc<BatcherStats>,
+    /// The longest the prompts going through between two steps should hold up the jobs
+    /// decoding and those arriving: fewer prompt tokens than a prefill step go through where
+    /// the model's measured prompt speed says a step would take longer. `None`: a whole step.
+    pub prefill_pause: Option<Duration>,
 }
 
 /// What a batcher is doing, for whoever reports on it (a server's metrics): written by the
@@ -175,6 +179,11 @@ impl BatcherSnapshot {
         self.kv_tokens as f64 / self.kv_capacity_tokens as f64
     }
 }
+
+/// Prompt tokens between two steps before the prompt speed is known, and at the least: a
+/// chunk small enough for a CPU, large enough that its speed is not all per-pass overhead.
+const FIRST_PREFILL_BUDGET: usize = 256;
+const MIN_PREFILL_BUDGET: usize = 16;
 
 /// The prompt cache: model state by the adapter that computed it (`None`: the base model).
 type StateCache = PromptCache<Option<AdapterId>>;
@@ -260,6 +269,9 @@ pub struct Batcher<'a> {
     shutdown: Arc<AtomicBool>,
     stats: Arc<BatcherStats>,
     steps: StepTotals,
+    prefill_pause: Option<Duration>,
+    /// Prompt tokens per second of the last chunk that went through the model.
+    prefill_rate: Option<f64>,
 }
 
 /// The decoding steps of the batches served so far.
@@ -340,6 +352,8 @@ impl<'a> Batcher<'a> {
             shutdown: settings.shutdown,
             stats: settings.stats,
             steps: StepTotals::default(),
+            prefill_pause: settings.prefill_pause,
+            prefill_rate: None,
         }
     }
 
@@ -433,7 +447,7 @@ impl<'a> Batcher<'a> {
                 .sort_by_key(|p| p.held.job.prompt.len() - p.cache.offset);
             let mut budget = prompting
                 .front()
-                .map_or(0, |p| p.held.job.options.prefill_step.max(1));
+                .map_or(0, |p| self.prefill_budget(p.held.job.options.prefill_step));
             while budget > 0 {
                 let Some(p) = prompting.pop_front() else {
                     break;
@@ -457,6 +471,20 @@ impl<'a> Batcher<'a> {
             .values()
             .for_each(|steps| self.steps.add(steps));
         self.publish(waiting.len(), &prompting, &active);
+    }
+
+    /// Prompt tokens to put through between two steps: a prefill step, or fewer where the
+    /// measured prompt speed says it would take longer than the prefill pause.
+    fn prefill_budget(&self, step: usize) -> usize {
+        let step = step.max(1);
+        let Some(pause) = self.prefill_pause else {
+            return step;
+        };
+        let fits = match self.prefill_rate {
+            Some(rate) => (rate * pause.as_secs_f64()) as usize,
+            None => FIRST_PREFILL_BUDGET,
+        };
+        step.min(fits.max(MIN_PREFILL_BUDGET))
     }
 
     /// Tells [`BatcherStats`] where the batch stands: the jobs in it and behind it, the
@@ -610,10 +638,15 @@ impl<'a> Batcher<'a> {
                 prompt.len()
             };
             let chunk = &prompt[p.cache.offset..end.min(p.cache.offset + step.min(*budget))];
+            let started = Instant::now();
             p.logits = model
                 .forward(chunk, &mut p.cache, Logits::Last)
                 .map_err(RuntimeError::from)?
                 .into_data();
+            let seconds = started.elapsed().as_secs_f64();
+            if seconds > 0.0 {
+                self.prefill_rate = Some(chunk.len() as f64 / seconds);
+            }
             *budget -= chunk.len();
             let done = p.cache.offset - p.cached_tokens;
             if !p.held.send(Update::Prefill { done, total }) {

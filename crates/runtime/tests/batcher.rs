@@ -32,9 +32,10 @@ enum Call {
 
 /// A model that records the calls made of it, with what the batcher serving it reported at
 /// each, and queues `late`'s job during its next forward pass, as a request arrives while a
-/// prompt goes through.
+/// prompt goes through. Prompt tokens take `token_time` each at least, as a larger model's do.
 struct Recording {
     inner: Box<dyn LanguageModel>,
+    token_time: Duration,
     calls: Mutex<Vec<(Call, BatcherSnapshot)>>,
     late: Mutex<Option<(mpsc::Sender<Job>, Job)>>,
     /// What the batchers serving this model report.
@@ -83,7 +84,10 @@ impl LanguageModel for Recording {
         }
         self.record(match logits {
             Logits::LastOnDevice => Call::Step,
-            _ => Call::Prompt(tokens.len()),
+            _ => {
+                std::thread::sleep(self.token_time * tokens.len() as u32);
+                Call::Prompt(tokens.len())
+            }
         });
         self.inner.forward(tokens, cache, logits)
     }
@@ -111,6 +115,7 @@ fn load(name: &str) -> (Tokenizer, Recording) {
     let dir = fixtures().join("tiny").join(name);
     let model = Recording {
         inner: oxlm_models::load(&dir).unwrap(),
+        token_time: Duration::ZERO,
         calls: Mutex::new(Vec::new()),
         late: Mutex::new(None),
         stats: Arc::default(),
@@ -213,12 +218,14 @@ struct Run {
     capacity: usize,
     cache_entries: usize,
     shutdown: bool,
+    prefill_pause: Option<Duration>,
 }
 
 const TOGETHER: Run = Run {
     capacity: 32,
     cache_entries: 0,
     shutdown: false,
+    prefill_pause: None,
 };
 
 const ALONE: Run = Run {
@@ -273,6 +280,7 @@ fn run_batcher(tokenizer: &Tokenizer, model: &Recording, queue: &mpsc::Receiver<
         cache_bytes: usize::MAX,
         shutdown: Arc::new(AtomicBool::new(run.shutdown)),
         stats: model.stats.clone(),
+        prefill_pause: run.prefill_pause,
     };
     // No end-of-sequence ids: every job runs for as many tokens as it asks.
     let eos_ids = HashSet::new();
@@ -612,6 +620,40 @@ fn a_short_prompt_does_not_wait_for_a_long_one() {
     assert_eq!(got.tokens.len(), 6);
     let alone = serve(&tokenizer, &model, &[short], ALONE);
     assert_eq!(got.tokens, served(&alone[0]).tokens);
+}
+
+/// With a prefill pause, a long prompt goes through in chunks that take about that long at the
+/// speed measured on the chunk before (here at most 0.5 ms a token, so at most 120 tokens in
+/// 60 ms), from a first chunk of 256 tokens, whatever the prefill step.
+#[test]
+fn a_prefill_pause_sizes_the_chunks_by_the_measured_speed() {
+    let (tokenizer, mut model) = load("llama-8bit-g32");
+    model.token_time = Duration::from_micros(500);
+    let long = ask(
+        &"one two three four five six seven eight nine ten ".repeat(60),
+        2,
+    );
+    let n = tokenizer.encode(&long.prompt, false).unwrap().len();
+    assert!(n > 400, "{n}");
+    let run = Run {
+        prefill_pause: Some(Duration::from_millis(60)),
+        ..TOGETHER
+    };
+    let logs = serve(&tokenizer, &model, &[long], run);
+    assert_eq!(served(&logs[0]).end, Ok(FinishReason::Length));
+    let chunks: Vec<usize> = (model.calls().into_iter())
+        .filter_map(|c| match c {
+            Call::Prompt(n) => Some(n),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(chunks[0], 256);
+    assert!(chunks.len() > 2, "{chunks:?}");
+    assert!(
+        chunks[1..].iter().all(|c| (16..=120).contains(c)),
+        "{chunks:?}"
+    );
+    assert_eq!(chunks.iter().sum::<usize>(), n);
 }
 
 /// What the batcher reports between steps: the jobs in its batch and those waiting for a place,

@@ -39,7 +39,7 @@ use crate::connections::ConnectionLimits;
 use crate::metrics::{Readiness, Telemetry};
 use crate::parsers::ToolFormat;
 use crate::request::Defaults;
-use crate::worker::{CacheLimits, Worker};
+use crate::worker::Worker;
 
 /// Server settings; `Default` gives mlx_lm.server's defaults.
 #[derive(Debug, Clone)]
@@ -79,6 +79,10 @@ pub struct Settings {
     /// Most connections open at once; one more is answered 503 with `Retry-After` and closed.
     pub max_connections: usize,
     pub prefill_step: usize,
+    /// The longest the prompts going through between two decoding steps should hold up the
+    /// requests decoding and those arriving: a prompt goes through in chunks as small as the
+    /// model's measured prompt speed needs (`None`: whole `prefill_step` chunks).
+    pub prefill_pause: Option<Duration>,
     /// Most sequences decoded together (mlx_lm.server's `--decode-concurrency`): requests of
     /// one adapter share each decoding step, reading the weights once for all of them.
     pub decode_concurrency: usize,
@@ -169,6 +173,9 @@ impl Default for Settings {
             send_timeout: Duration::from_secs(60),
             max_connections: connections::default_max_connections(),
             prefill_step: DEFAULT_PREFILL_STEP,
+            // A short request's first token within about a second of its arrival, whatever long
+            // prompt is going through (on a GPU, a whole step takes less).
+            prefill_pause: Some(Duration::from_millis(500)),
             decode_concurrency: 32,
             max_queued_requests: None,
             request_timeout: None,
@@ -276,18 +283,7 @@ impl Server {
             )?)),
             None => None,
         };
-        let limits = CacheLimits {
-            entries: settings.prompt_cache_size,
-            bytes: settings.prompt_cache_bytes,
-        };
-        let worker = Worker::spawn(
-            model.clone(),
-            limits,
-            settings.decode_concurrency,
-            settings.max_queued_requests,
-            settings.request_timeout,
-            telemetry.clone(),
-        )?;
+        let worker = Worker::spawn(model.clone(), &settings, telemetry.clone())?;
         Ok(Server {
             state: Arc::new(AppState {
                 model,

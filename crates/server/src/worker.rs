@@ -17,6 +17,7 @@ use tokio::sync::watch;
 
 use crate::error::ApiError;
 use crate::metrics::{RequestTimer, Telemetry};
+use crate::Settings;
 
 /// A request waiting for its job's updates.
 struct Request {
@@ -102,33 +103,25 @@ pub struct Worker {
 /// What a refused request is told to wait before it tries again.
 const RETRY_AFTER_SECONDS: u64 = 1;
 
-/// Prompt cache limits.
-#[derive(Debug, Clone, Copy)]
-pub struct CacheLimits {
-    pub entries: usize,
-    pub bytes: usize,
-}
-
 impl Worker {
-    /// Starts the thread, which decodes up to `decode_concurrency` sequences together; at most
-    /// `max_queued` more requests wait for a place; each request has `request_timeout` to
-    /// finish.
+    /// Starts the thread, which decodes up to `--decode-concurrency` sequences together; at
+    /// most `--max-queued-requests` more wait for a place; each request has
+    /// `--request-timeout` to finish.
     pub fn spawn(
         model: Arc<LoadedModel>,
-        limits: CacheLimits,
-        decode_concurrency: usize,
-        max_queued: Option<usize>,
-        request_timeout: Option<Duration>,
+        serving: &Settings,
         telemetry: Arc<Telemetry>,
     ) -> std::io::Result<Self> {
         let (jobs, queue) = mpsc::channel::<Job>();
         let shutdown = Arc::new(AtomicBool::new(false));
+        let decode_concurrency = serving.decode_concurrency;
         let settings = BatcherSettings {
             capacity: decode_concurrency,
-            cache_entries: limits.entries,
-            cache_bytes: limits.bytes,
+            cache_entries: serving.prompt_cache_size,
+            cache_bytes: serving.prompt_cache_bytes,
             shutdown: shutdown.clone(),
             stats: telemetry.batcher_stats(),
+            prefill_pause: serving.prefill_pause,
         };
         let thread = std::thread::Builder::new()
             .name("oxlm-generate".into())
@@ -149,8 +142,9 @@ impl Worker {
             shutdown,
             shutdown_watch: watch::Sender::new(false),
             outstanding: Arc::new(AtomicUsize::new(0)),
-            max_outstanding: max_queued.map(|queued| decode_concurrency + queued),
-            request_timeout,
+            max_outstanding: (serving.max_queued_requests)
+                .map(|queued| decode_concurrency + queued),
+            request_timeout: serving.request_timeout,
             telemetry,
         })
     }

@@ -130,6 +130,9 @@ async fn start(decode_concurrency: usize, adapters_dir: Option<PathBuf>) -> (Str
         decode_concurrency,
         prompt_cache_size: 0,
         adapters_dir,
+        // Each prompt in one pass, together as alone (the slow prompts would otherwise shrink
+        // the chunks, and another chunking moves the logits in their last digits).
+        prefill_pause: None,
         ..Settings::default()
     })
     .await

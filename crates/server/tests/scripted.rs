@@ -126,9 +126,11 @@ async fn start(family: &Family, reply: &str) -> String {
         chat_template: Some(template),
         eos_ids: [EOS].into(),
     };
-    // Every request starts from an empty cache: the script is indexed by position.
+    // Every request starts from an empty cache and goes through in one pass: the script is
+    // indexed by position from the end of the first.
     let settings = Settings {
         prompt_cache_size: 0,
+        prefill_pause: None,
         ..Settings::default()
     };
     let server = Server::new(loaded, settings).unwrap();
