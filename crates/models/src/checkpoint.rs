@@ -460,22 +460,48 @@ impl Checkpoint {
             .sum()
     }
 
-    /// Refuses a `num_hidden_layers` larger than the count of the checkpoint's tensors: every
-    /// layer has weights, and the count sizes what an architecture allocates before it reads
-    /// the first (2^40 layers would abort the process rather than fail).
-    pub fn check_layer_count(&self) -> Result<(), LoadError> {
-        let layers = self
-            .config
-            .text
-            .get("num_hidden_layers")
-            .and_then(Value::as_u64);
-        match layers {
-            Some(n) if n > self.tensors.len() as u64 => Err(LoadError::Config(format!(
+    /// Refuses sizes in the config that no weight could hold, as each sizes what an
+    /// architecture allocates before it reads the first weight (2^40 layers, or a RoPE table
+    /// for 2^30 dimensions, would abort the process rather than fail): a `num_hidden_layers`
+    /// larger than the count of the checkpoint's tensors (every layer has weights), and a head
+    /// size larger than any dimension of any weight (a head is a slice of a projection's rows).
+    pub fn check_sizes(&self) -> Result<(), LoadError> {
+        let text = &self.config.text;
+        let layers = text.get("num_hidden_layers").and_then(Value::as_u64);
+        if let Some(n) = layers.filter(|&n| n > self.tensors.len() as u64) {
+            return Err(LoadError::Config(format!(
                 "`num_hidden_layers` is {n}, but the weights hold {} tensors in all",
                 self.tensors.len()
-            ))),
-            _ => Ok(()),
+            )));
         }
+        let largest = self.largest_dimension() as u64;
+        for key in ["head_dim", "global_head_dim"] {
+            let size = text.get(key).and_then(Value::as_u64);
+            if let Some(n) = size.filter(|&n| n > largest) {
+                return Err(LoadError::Config(format!(
+                    "`{key}` is {n}, but no weight has a dimension that large (the largest is \
+                     {largest})"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The largest dimension of any weight, counting a quantized layer's unpacked values.
+    fn largest_dimension(&self) -> usize {
+        let quantized = |prefix: &str| self.contains(&format!("{prefix}.scales"));
+        let dims = self.tensors.iter().map(|(name, t)| {
+            let (prefix, leaf) = name.rsplit_once('.').unwrap_or(("", name));
+            let largest = t.shape.iter().copied().max().unwrap_or(0);
+            match (leaf, self.quantization.for_module(prefix)) {
+                ("weight", Some(spec)) if quantized(prefix) => {
+                    let values = t.shape.last().map_or(0, |w| w * 32 / spec.bits as usize);
+                    largest.max(values)
+                }
+                _ => largest,
+            }
+        });
+        dims.max().unwrap_or(0)
     }
 
     /// The view of the module at `path` (`""` for the whole checkpoint).

@@ -203,6 +203,6 @@ pub fn load_on(dir: &Path, device: &Device) -> Result<Box<dyn LanguageModel>, Lo
             supported: supported_model_types(),
         })?;
     let ckpt = Checkpoint::open_on(dir, device)?;
-    ckpt.check_layer_count()?;
+    ckpt.check_sizes()?;
     constructor(ckpt)
 }

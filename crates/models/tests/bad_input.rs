@@ -178,8 +178,8 @@ fn set_text(config: &mut Value, key: &str, value: Value) {
     }
 }
 
-/// Configs that used to abort, hang or load into garbage: an impossible layer count, a
-/// `config.json` that is a FIFO, and a non-positive norm epsilon or RoPE base. Each is an error
+/// Configs that used to abort, hang or load into garbage: an impossible layer count or head
+/// size, a `config.json` that is a FIFO, and a non-positive norm epsilon or RoPE base. Each is an error
 /// naming the cause, for every architecture that reads the key.
 #[test]
 fn impossible_configs_are_refused() {
@@ -192,6 +192,21 @@ fn impossible_configs_are_refused() {
         assert!(
             err.to_string()
                 .contains("`num_hidden_layers` is 1099511627776"),
+            "{model}: {err}"
+        );
+    }
+    for (model, key) in [
+        ("llama-8bit-g32", "head_dim"),
+        ("gemma4-4bit-g32", "global_head_dim"),
+        ("qwen3_5-4bit-g64", "head_dim"),
+    ] {
+        let dir = copy_of(model);
+        edit_config(dir.path(), |c| set_text(c, key, (1u64 << 30).into()));
+        let err = load_err(dir.path());
+        assert!(
+            err.to_string().contains(&format!(
+                "`{key}` is 1073741824, but no weight has a dimension that large"
+            )),
             "{model}: {err}"
         );
     }
