@@ -120,15 +120,22 @@ fn parse_spec(where_: &str, v: &Map<String, Value>) -> Result<QuantSpec, LoadErr
             )));
         }
     }
-    let bits = v.get("bits").and_then(Value::as_u64);
-    let group_size = v.get("group_size").and_then(Value::as_u64);
+    // Even a spec no layer reads must be sane: `Checkpoint::parameter_count` divides by its bits.
+    let bits = v
+        .get("bits")
+        .and_then(Value::as_u64)
+        .filter(|b| (1..=32).contains(b));
+    let group_size = v
+        .get("group_size")
+        .and_then(Value::as_u64)
+        .filter(|&g| g > 0);
     match (bits, group_size) {
         (Some(bits), Some(group_size)) => Ok(QuantSpec {
             bits: bits as u32,
             group_size: group_size as usize,
         }),
         _ => Err(LoadError::Config(format!(
-            "{where_} needs integer `bits` and `group_size`"
+            "{where_} needs integer `bits` from 1 to 32 and a positive integer `group_size`"
         ))),
     }
 }
@@ -591,6 +598,21 @@ mod tests {
         );
         let err = args(serde_json::json!({"rope_theta": 1.0})).unwrap_err();
         assert_eq!(err.to_string(), "config.json: missing field `hidden_size`");
+    }
+
+    #[test]
+    fn quantization_specs_need_positive_bits_and_group_sizes() {
+        // An override for weights the model drops (a tied model's `lm_head`) is checked too.
+        for spec in [
+            serde_json::json!({"bits": 0, "group_size": 64}),
+            serde_json::json!({"bits": 4, "group_size": 0}),
+            serde_json::json!({"bits": 1u64 << 32, "group_size": 64}),
+        ] {
+            let config = serde_json::json!({"quantization":
+                {"bits": 4, "group_size": 64, "lm_head": spec.clone()}});
+            let quantization = Quantization::from_config(&Config::from_value(config).unwrap());
+            assert!(quantization.is_err(), "{spec}");
+        }
     }
 
     /// A safetensors file of one u32 array whose data starts at file offset 8 + 18 (2 mod 8),
