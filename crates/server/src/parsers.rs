@@ -385,7 +385,7 @@ pub fn parse_gemma4_calls(body: &str) -> Option<Vec<ToolCall>> {
             return None;
         }
         let mut reader = Gemma4Args(args);
-        let arguments = reader.value()?;
+        let arguments = reader.value(0)?;
         calls.push(ToolCall {
             name: name.to_owned(),
             arguments: arguments.to_string(),
@@ -400,8 +400,15 @@ pub fn parse_gemma4_calls(body: &str) -> Option<Vec<ToolCall>> {
 /// and `null`. Holds the text not read yet.
 struct Gemma4Args<'a>(&'a str);
 
+/// How deep Gemma 4 arguments may nest, about as deep as serde_json reads JSON: each level is a
+/// frame of [`Gemma4Args::value`], and a reply of 100,000 `[`s would overflow the thread's stack.
+const GEMMA4_MAX_DEPTH: usize = 128;
+
 impl Gemma4Args<'_> {
-    fn value(&mut self) -> Option<Value> {
+    fn value(&mut self, depth: usize) -> Option<Value> {
+        if depth > GEMMA4_MAX_DEPTH {
+            return None;
+        }
         self.0 = self.0.trim_start();
         if self.0.starts_with(GEMMA4_QUOTE) {
             return self.string().map(Value::String);
@@ -416,7 +423,7 @@ impl Gemma4Args<'_> {
                 if !self.eat(':') {
                     return None;
                 }
-                object.insert(key, self.value()?);
+                object.insert(key, self.value(depth + 1)?);
                 if self.eat('}') {
                     return Some(Value::Object(object));
                 }
@@ -431,7 +438,7 @@ impl Gemma4Args<'_> {
                 return Some(Value::Array(list));
             }
             loop {
-                list.push(self.value()?);
+                list.push(self.value(depth + 1)?);
                 if self.eat(']') {
                     return Some(Value::Array(list));
                 }
@@ -757,6 +764,15 @@ mod tests {
                 call("get_weather", json!({"city": "São Paulo"})),
             ]
         );
+    }
+
+    #[test]
+    fn gemma4_arguments_nest_about_as_deep_as_json() {
+        let nested = |depth| format!("call:f{{x:{}1{}}}", "[".repeat(depth), "]".repeat(depth));
+        assert!(parse_gemma4_calls(&nested(100)).is_some());
+        // Each level takes a stack frame: a reply of `[`s must not overflow the stack, which
+        // takes the whole server down.
+        assert_eq!(parse_gemma4_calls(&nested(100_000)), None);
     }
 
     #[test]
