@@ -695,7 +695,8 @@ fn strip_generation_tags(source: &str) -> String {
     while let Some(start) = rest.find("{%") {
         out.push_str(&rest[..start]);
         let tag = &rest[start..];
-        let Some(end) = tag.find("%}") else {
+        // The tag's end comes after its start: `{%}` is no tag (it may sit in a comment).
+        let Some(end) = tag[2..].find("%}").map(|at| at + 2) else {
             out.push_str(tag);
             return out;
         };
@@ -1111,6 +1112,10 @@ mod tests {
             strip_generation_tags("{%- generation +%}"),
             "{%- if true +%}"
         );
+        // Found by fuzz/fuzz_targets/tokenizer_config.rs: `{%}` was read as a whole tag.
+        let commented = "{# {%} #}{{ messages[0].content }}";
+        assert_eq!(render(commented, json!([{"content": "a"}])).unwrap(), "a");
+        assert_eq!(strip_generation_tags("a {%}"), "a {%}");
     }
 
     #[test]
