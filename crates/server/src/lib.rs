@@ -16,7 +16,8 @@ mod loading;
 mod log;
 mod metrics;
 pub mod parsers;
-mod request;
+/// Request bodies parsed and checked into what generation takes (public for the fuzz targets).
+pub mod request;
 mod worker;
 
 use std::future::Future;
