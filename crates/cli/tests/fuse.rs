@@ -91,10 +91,16 @@ fn a_signal_during_fuse_leaves_no_temporary_file() {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        // The directory is made just before the weights are written: the signal comes as the
-        // weight file's first bytes are.
+        // The output is written in a directory beside the save path, made just before the
+        // weights are written: the signal comes as the weight file's first bytes are.
+        let staged = |out: &Path| -> Vec<String> {
+            let staging = entries(out)
+                .into_iter()
+                .find(|n| n.starts_with(".fused.partial-"));
+            staging.map_or_else(Vec::new, |dir| entries(&out.join(dir)))
+        };
         let deadline = Instant::now() + Duration::from_secs(120);
-        while entries(&save).is_empty() {
+        while staged(out.path()).is_empty() {
             assert!(child.try_wait().unwrap().is_none(), "fuse ended first");
             assert!(Instant::now() < deadline, "fuse wrote nothing in 120 s");
             std::thread::sleep(Duration::from_millis(1));
@@ -112,6 +118,11 @@ fn a_signal_during_fuse_leaves_no_temporary_file() {
             "SIG{signal}: {stderr}"
         );
 
+        assert!(
+            entries(out.path()).iter().all(|n| n == "fused"),
+            "SIG{signal} left {:?} beside the save path",
+            entries(out.path())
+        );
         let left = entries(&save);
         let finished = [
             "config.json",

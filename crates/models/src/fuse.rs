@@ -16,7 +16,7 @@ use thiserror::Error;
 
 use crate::checkpoint::{read_json, Checkpoint, QuantSpec, RawTensor};
 use crate::lora::{AdapterError, Adapters, LoraLinear};
-use crate::save::{copy_file, write_json, write_safetensors, SaveError, TensorBytes};
+use crate::save::{copy_file, write_json, write_safetensors, SaveError, StagedDir, TensorBytes};
 use crate::LoadError;
 
 /// mlx-lm starts a new weight file past this many bytes (`MAX_FILE_SIZE_GB`).
@@ -326,18 +326,22 @@ pub fn fuse(
     for (name, t) in &rest {
         out.insert(name.clone(), raw(t));
     }
-    std::fs::create_dir_all(save_path).map_err(|source| FuseError::Io {
-        path: save_path.to_path_buf(),
-        source,
-    })?;
-    let weight_files = write_weights(save_path, out, total_parameters)?;
-    write_config(model_dir, save_path, dequantize)?;
+    // Written whole beside `save_path`, then swapped in: an earlier output there stays whole
+    // until the new one is.
+    let staged = StagedDir::create(save_path)?;
+    let dir = staged.path();
+    let written = write_weights(dir, out, total_parameters)?;
+    write_config(model_dir, dir, dequantize)?;
     for file in CARRIED_FILES {
         let from = model_dir.join(file);
         if from.exists() {
-            copy_file(&from, &save_path.join(file))?;
+            copy_file(&from, &dir.join(file))?;
         }
     }
+    staged.commit()?;
+    let weight_files = (written.iter())
+        .filter_map(|file| Some(save_path.join(file.file_name()?)))
+        .collect();
     Ok(FuseReport {
         fused_layers: adapters.layers.len() + adapters.experts.len(),
         dequantized_layers,

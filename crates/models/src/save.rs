@@ -1,6 +1,8 @@
 //! Writing checkpoint files atomically: each file goes to a temporary name beside its target and
 //! is renamed over it once complete, so an interrupted run never leaves a half-written file where
-//! the last good one was. The temporary file is removed when the write fails, and by
+//! the last good one was. A directory of files that belong together (a model) is written whole
+//! beside its target and swapped into place ([`StagedDir`]), so that it is never some files of
+//! each. Temporary files and directories are removed when the write fails, and by
 //! [`remove_partial_files_before_exit`] when a signal ends the process.
 
 use std::borrow::Cow;
@@ -81,7 +83,10 @@ fn partial_files() -> MutexGuard<'static, Vec<PathBuf>> {
 pub fn remove_partial_files_before_exit() {
     let mut files = partial_files();
     for file in files.drain(..) {
-        let _ = std::fs::remove_file(file);
+        let _ = match file.is_dir() {
+            true => std::fs::remove_dir_all(file),
+            false => std::fs::remove_file(file),
+        };
     }
     // Never unlocked: a writer let in now would make a file that no one removes.
     std::mem::forget(files);
@@ -131,6 +136,103 @@ impl Drop for Partial {
         let mut files = partial_files();
         if forget_file(&mut files, &self.temp) {
             let _ = std::fs::remove_file(&self.temp);
+        }
+    }
+}
+
+/// A directory written under a temporary name beside its target (`.NAME.partial-PID`), then
+/// swapped into place whole by [`StagedDir::commit`]: killed at any moment (SIGKILL included),
+/// the target holds either its earlier files or all the new ones. Dropped before the commit,
+/// it is removed; one left by a process that was killed is removed by the next `create`.
+pub struct StagedDir {
+    target: PathBuf,
+    dir: PathBuf,
+}
+
+impl StagedDir {
+    pub fn create(target: &Path) -> Result<Self, SaveError> {
+        let parent = match target.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        std::fs::create_dir_all(&parent).map_err(io_error(&parent))?;
+        let name = target.file_name().unwrap_or_default().to_string_lossy();
+        let prefix = format!(".{name}.partial-");
+        remove_abandoned(&parent, &prefix);
+        let dir = parent.join(format!("{prefix}{}", std::process::id()));
+        let mut files = partial_files();
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).map_err(io_error(&dir))?;
+        files.push(dir.clone());
+        Ok(StagedDir {
+            target: target.to_path_buf(),
+            dir,
+        })
+    }
+
+    /// Where the files go until the commit.
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Puts the directory in place of its target. An existing target is exchanged with it in
+    /// one step; of the earlier files, those the new output does not replace and that are not
+    /// weights (a README, say) are moved into the new one, and the rest is removed.
+    pub fn commit(self) -> Result<(), SaveError> {
+        let mut files = partial_files();
+        if !self.target.exists() {
+            std::fs::rename(&self.dir, &self.target).map_err(io_error(&self.target))?;
+            forget_file(&mut files, &self.dir);
+            return Ok(());
+        }
+        use rustix::fs::{renameat_with, RenameFlags, CWD};
+        let exchanged = renameat_with(CWD, &self.dir, CWD, &self.target, RenameFlags::EXCHANGE);
+        if exchanged.is_err() {
+            // A file system without the exchange: the earlier directory steps aside first, which
+            // leaves a moment with no target.
+            let aside = self.dir.with_extension("earlier");
+            std::fs::rename(&self.target, &aside).map_err(io_error(&self.target))?;
+            std::fs::rename(&self.dir, &self.target).map_err(io_error(&self.target))?;
+            std::fs::rename(&aside, &self.dir).map_err(io_error(&self.dir))?;
+        }
+        // The staged path now holds the earlier files; the list still names it, so a signal
+        // from here on removes them.
+        drop(files);
+        let earlier = std::fs::read_dir(&self.dir).map_err(io_error(&self.dir))?;
+        for entry in earlier.flatten() {
+            let name = entry.file_name();
+            let weights = name.to_string_lossy().contains(".safetensors");
+            if !weights && !self.target.join(&name).exists() {
+                let _ = std::fs::rename(entry.path(), self.target.join(&name));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for StagedDir {
+    fn drop(&mut self) {
+        let mut files = partial_files();
+        if forget_file(&mut files, &self.dir) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// Removes the staged directories (`{prefix}PID`) in `parent` of processes that are gone.
+fn remove_abandoned(parent: &Path, prefix: &str) {
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let pid = name
+            .to_string_lossy()
+            .strip_prefix(prefix)
+            .map(str::to_owned);
+        let gone = pid.is_some_and(|pid| !Path::new("/proc").join(pid).exists());
+        if gone {
+            let _ = std::fs::remove_dir_all(entry.path());
         }
     }
 }
@@ -325,5 +427,60 @@ mod tests {
             );
         }
         assert_eq!(entries(dir.path()), ["taken", "tokenizer.json"]);
+    }
+
+    /// A staged directory replaces its target whole: the earlier weights go, a file the new
+    /// output does not write stays, and nothing is left beside the target; dropped before the
+    /// commit, it leaves the target as it was; one a killed process left is removed by the next.
+    #[test]
+    fn a_staged_directory_replaces_its_target_whole() {
+        let root = tempfile::tempdir().unwrap();
+        let target = root.path().join("model");
+        std::fs::create_dir(&target).unwrap();
+        for name in [
+            "model-00001-of-00002.safetensors",
+            "config.json",
+            "README.md",
+        ] {
+            std::fs::write(target.join(name), "earlier").unwrap();
+        }
+        let abandoned = root.path().join(".model.partial-4000000");
+        std::fs::create_dir(&abandoned).unwrap();
+
+        let staged = StagedDir::create(&target).unwrap();
+        assert!(!abandoned.exists());
+        std::fs::write(staged.path().join("config.json"), "new").unwrap();
+        drop(staged);
+        assert_eq!(entries(root.path()), ["model"]);
+        assert_eq!(
+            std::fs::read_to_string(target.join("config.json")).unwrap(),
+            "earlier"
+        );
+
+        let staged = StagedDir::create(&target).unwrap();
+        for name in ["model.safetensors", "config.json"] {
+            std::fs::write(staged.path().join(name), "new").unwrap();
+        }
+        staged.commit().unwrap();
+        assert_eq!(entries(root.path()), ["model"]);
+        assert_eq!(
+            entries(&target),
+            ["README.md", "config.json", "model.safetensors"]
+        );
+        assert_eq!(
+            std::fs::read_to_string(target.join("config.json")).unwrap(),
+            "new"
+        );
+        assert_eq!(
+            std::fs::read_to_string(target.join("README.md")).unwrap(),
+            "earlier"
+        );
+
+        let fresh = root.path().join("fresh");
+        let staged = StagedDir::create(&fresh).unwrap();
+        std::fs::write(staged.path().join("config.json"), "new").unwrap();
+        staged.commit().unwrap();
+        assert_eq!(entries(&fresh), ["config.json"]);
+        assert_eq!(entries(root.path()), ["fresh", "model"]);
     }
 }

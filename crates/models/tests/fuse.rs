@@ -129,36 +129,43 @@ fn index_counts_like_mlx_lm() {
     );
 }
 
-/// A fuse that fails part way (config.json cannot take the place of a directory of that name,
-/// after the weights are written) leaves no temporary file.
+/// A fuse that fails part way (after the weights are written, a tokenizer file of the model
+/// cannot be copied) leaves the earlier output as it was, and nothing beside it.
 #[test]
-fn a_fuse_failing_part_way_leaves_no_temporary_file() {
+fn a_fuse_failing_part_way_leaves_the_earlier_output() {
     let (adapter, base) = CASES[0];
+    let model = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixtures().join("tiny").join(base)).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), model.path().join(entry.file_name())).unwrap();
+    }
+    let unreadable = model.path().join("special_tokens_map.json");
+    let _ = std::fs::remove_file(&unreadable);
+    std::fs::create_dir(&unreadable).unwrap();
     let out = tempfile::tempdir().unwrap();
-    std::fs::create_dir_all(out.path().join("config.json/taken")).unwrap();
+    let save = out.path().join("fused");
+    std::fs::create_dir(&save).unwrap();
+    std::fs::write(save.join("config.json"), "earlier").unwrap();
     let err = fuse(
-        &fixtures().join("tiny").join(base),
+        model.path(),
         &fixtures().join("lora").join(adapter),
-        out.path(),
+        &save,
         false,
     )
     .unwrap_err();
-    assert!(
-        err.to_string()
-            .starts_with(&format!("{}:", out.path().join("config.json").display())),
-        "{err}"
-    );
-    let mut left: Vec<String> = std::fs::read_dir(out.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    left.sort();
+    assert!(err.to_string().contains("special_tokens_map.json"), "{err}");
+    let entries = |dir: &Path| -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(entries(out.path()), ["fused"]);
+    assert_eq!(entries(&save), ["config.json"]);
     assert_eq!(
-        left,
-        [
-            "config.json",
-            "model.safetensors",
-            "model.safetensors.index.json"
-        ]
+        std::fs::read_to_string(save.join("config.json")).unwrap(),
+        "earlier"
     );
 }
