@@ -5,7 +5,7 @@ use std::convert::Infallible;
 use std::sync::{Arc, PoisonError};
 
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::extract::rejection::{BytesRejection, PathRejection};
 use axum::extract::{DefaultBodyLimit, Extension, Path as UrlPath, Request, State};
 use axum::http::{header, HeaderValue, Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
@@ -157,7 +157,12 @@ async fn models(State(state): Shared) -> Result<Json, ApiError> {
     Ok(Json(json!({"object": "list", "data": [model]})))
 }
 
-async fn model(State(state): Shared, UrlPath(id): UrlPath<String>) -> Result<Json, ApiError> {
+async fn model(
+    State(state): Shared,
+    id: Result<UrlPath<String>, PathRejection>,
+) -> Result<Json, ApiError> {
+    // A path that is not UTF-8 once decoded (`%ff`) gets the API's error, not axum's text.
+    let UrlPath(id) = id.map_err(|e| ApiError::invalid(e.body_text()))?;
     let wanted = id.trim_start_matches('/');
     if wanted == state.model_id.trim_start_matches('/') {
         Ok(Json(model_object(state).await?))

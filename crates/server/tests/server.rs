@@ -671,6 +671,9 @@ async fn models_and_health() {
     assert_eq!(&one, model);
     let (status, r) = server.get("/v1/models/other").await;
     assert_error(status, &r, 404, None);
+    // An id that is not UTF-8 once decoded gets the API's error object too.
+    let (status, r) = server.get("/v1/models/%ff%fe").await;
+    assert_error(status, &r, 400, None);
     let (status, r) = server.get("/health").await;
     assert_eq!((status, r), (StatusCode::OK, json!({"status": "ok"})));
 }
