@@ -19,3 +19,20 @@ cargo build --profile test -p oxlm-cli
 "$PY" crates/server/tests/sdk/openai_sdk.py target/debug/oxlm
 "$PY" -m pip install -q --disable-pip-version-check "prometheus_client==0.26.0"
 "$PY" crates/server/tests/sdk/prometheus_scrape.py target/debug/oxlm
+# The robustness harness (crates/harness), bounded: a few minutes on 2 vCPUs. Every part runs,
+# and the script fails at the end if any did; BENCHMARKS.md has the full-size runs.
+cargo build --profile test -p oxlm-harness
+HARNESS=target/debug/oxlm-harness
+OXLM=target/debug/oxlm
+TINY=tests/fixtures/tiny/llama-4bit-g64
+harness_failed=0
+"$HARNESS" requests --server-bin "$OXLM" --model "$TINY" --count 2000 --seed 1 || harness_failed=1
+"$HARNESS" checkpoints --oxlm-bin "$OXLM" --model "$TINY" --count 1000 --seed 1 || harness_failed=1
+"$HARNESS" load --server-bin "$OXLM" --model "$TINY" --clients 64 --seconds 20 || harness_failed=1
+"$HARNESS" slow-clients --server-bin "$OXLM" --model "$TINY" --observe-seconds 6 || harness_failed=1
+"$HARNESS" restart --oxlm-bin "$OXLM" --model "$TINY" \
+  --adapter tests/fixtures/lora/llama-4bit-g64-r4 --fuse-kills 4 || harness_failed=1
+if [ "$harness_failed" != 0 ]; then
+  echo "the robustness harness failed: see its summary lines above" >&2
+  exit 1
+fi
