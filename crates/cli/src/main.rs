@@ -113,8 +113,24 @@ fn fail(err: anyhow::Error) -> ! {
     if closed {
         std::process::exit(0);
     }
-    eprintln!("error: {err:#}");
+    eprintln!("error: {}", message(&err));
     std::process::exit(1);
+}
+
+/// The error and its causes, `: `-separated, each cause left out where the message before it
+/// already ends with it (the library errors name their source in their own message).
+fn message(err: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in err.chain() {
+        let cause = cause.to_string();
+        if !text.ends_with(&cause) {
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
+            text.push_str(&cause);
+        }
+    }
+    text
 }
 
 fn main() {

@@ -1,5 +1,6 @@
 //! The real `oxlm generate` binary with outputs and arguments that used to end it in a panic or
-//! an abort: a reader that closes the pipe early, a full disk, and out-of-range numbers.
+//! an abort: a reader that closes the pipe early, a full disk, and out-of-range numbers; and how
+//! an error reads.
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -89,4 +90,32 @@ fn out_of_range_numbers_are_refused_naming_them() {
             "{flag} {value}: {message}"
         );
     }
+}
+
+/// An error names each cause once, though the library errors carry their source in their own
+/// message too.
+#[test]
+fn an_error_names_each_cause_once() {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(model()).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+    }
+    let config = dir.path().join("config.json");
+    std::fs::remove_file(&config).unwrap();
+    std::fs::create_dir(&config).unwrap();
+    let output = Command::new(OXLM)
+        .arg("generate")
+        .arg("--model")
+        .arg(dir.path())
+        .args(["--prompt", "hi"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let want = format!(
+        "error: loading {}: {}: not a regular file\n",
+        dir.path().display(),
+        config.display()
+    );
+    assert_eq!(stderr(&output), want);
 }
