@@ -39,6 +39,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 use tower::ServiceExt;
 
+use crate::body::Holding;
 use crate::error::ApiError;
 use crate::Settings;
 
@@ -460,38 +461,12 @@ fn closing(error: ApiError) -> Response<Body> {
     response
 }
 
+/// The response, keeping its connection handling a request until its body is dropped.
 fn tracked(response: Response<Body>, in_progress: RequestInProgress) -> Response<TrackedBody> {
-    response.map(|body| TrackedBody {
-        body,
-        _in_progress: in_progress,
-    })
+    response.map(|body| Holding::new(body, in_progress))
 }
 
-/// A response body that keeps its connection handling a request until it is dropped.
-struct TrackedBody {
-    body: Body,
-    _in_progress: RequestInProgress,
-}
-
-impl HttpBody for TrackedBody {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
-    }
-}
+type TrackedBody = Holding<RequestInProgress>;
 
 /// A request body that must arrive by a deadline; past it, reading fails and `timed_out` tells
 /// the service to answer 408 whatever the handler made of the failure.

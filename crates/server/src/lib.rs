@@ -10,6 +10,7 @@
 //! ([`worker`]), fed in arrival order, which decodes the requests of one adapter together.
 
 mod api;
+mod body;
 mod connections;
 pub mod error;
 mod loading;

@@ -2,19 +2,17 @@
 //! away): method, path, status, duration and, for generations, prompt and completion tokens.
 //! Readiness probes and metrics scrapes are not logged.
 
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Instant;
 
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::Response;
-use http_body::{Body as HttpBody, Frame, SizeHint};
 
+use crate::body::Holding;
 use crate::AppState;
 
 /// The token counts of a generation request, shared by its handler and its log line.
@@ -74,7 +72,7 @@ pub(crate) async fn log_requests(
     let response = next.run(request).await;
     line.status = response.status();
     let (parts, body) = response.into_parts();
-    Response::from_parts(parts, Body::new(LoggedBody { body, _line: line }))
+    Response::from_parts(parts, Body::new(Holding::new(body, line)))
 }
 
 /// Printed when dropped: when the response body has been sent, or abandoned.
@@ -103,32 +101,5 @@ impl Drop for RequestLine {
             ));
         }
         eprintln!("{line}");
-    }
-}
-
-/// A response body that carries its request's log line until it is dropped, keeping the
-/// body's own size (and so its `Content-Length`).
-struct LoggedBody {
-    body: Body,
-    _line: RequestLine,
-}
-
-impl HttpBody for LoggedBody {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
     }
 }
