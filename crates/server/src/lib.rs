@@ -336,8 +336,11 @@ impl Server {
         let serving = connections::serve(listener, self.router(), limits, stop);
         tokio::pin!(serving);
         let reason = tokio::select! {
-            () = &mut serving => return Ok(()),
+            // The signal first: with no connection open, serving ends as soon as it has come,
+            // and the shutdown must still drain and say so.
+            biased;
             reason = on_signal => reason.unwrap_or_default(),
+            () = &mut serving => return Ok(()),
         };
         state.telemetry.start_draining();
         let grace = state.settings.shutdown_grace;
