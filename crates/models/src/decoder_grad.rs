@@ -532,13 +532,16 @@ pub(crate) fn norm_keeping_input(
 /// `dy` taken back through `norm` of `x` (as is, when there is no norm).
 pub(crate) fn through_norm(norm: Option<&RmsNorm>, x: Option<&Tensor>, dy: &[f32]) -> Vec<f32> {
     match (norm, x) {
-        (Some(norm), Some(x)) => {
-            let mut dx = vec![0.0; dy.len()];
-            rms_norm_backward(x.data(), norm.weight.data(), norm.eps, dy, &mut dx);
-            dx
-        }
+        (Some(norm), Some(x)) => norm_backward(norm, x.data(), dy),
         _ => dy.to_vec(),
     }
+}
+
+/// `dy` taken back through `norm` of `x`.
+pub(crate) fn norm_backward(norm: &RmsNorm, x: &[f32], dy: &[f32]) -> Vec<f32> {
+    let mut dx = vec![0.0; dy.len()];
+    rms_norm_backward(x, norm.weight.data(), norm.eps, dy, &mut dx);
+    dx
 }
 
 /// One block's adapters and their gradient slots, for the backward pass through its layers.

@@ -15,8 +15,8 @@ use oxlm_engine::Tensor;
 
 use super::{Attention, Gemma4, MoeBlock, PerLayerGate};
 use crate::decoder_grad::{
-    norm_keeping_input, through_norm, At, AttentionShape, BlockAdapters, BlockGrads, Decoder,
-    DecoderBlock, GatedMlpGrad, GatedSaved, MixerGrad, MixerSaved, MlpGrad, MlpSaved,
+    norm_backward, norm_keeping_input, through_norm, At, AttentionShape, BlockAdapters, BlockGrads,
+    Decoder, DecoderBlock, GatedMlpGrad, GatedSaved, MixerGrad, MixerSaved, MlpGrad, MlpSaved,
     SequenceAttention,
 };
 use crate::layers::{Mlp, OpResult, RmsNorm};
@@ -391,9 +391,6 @@ impl MoeSaved<'_> {
 impl MlpSaved for MoeSaved<'_> {
     fn backward(&self, h: &[f32], dy: &[f32], g: &mut BlockGrads) -> Vec<f32> {
         let (moe, gelu) = (self.grad.moe, Activation::GeluApprox);
-        let h_tensor = Tensor::new(vec![self.dense_in.rows(), self.dense_in.cols()], h.to_vec());
-        let h = Some(&h_tensor);
-
         let d_dense = through_norm(
             Some(&moe.post_feedforward_layernorm_1),
             Some(&self.dense_out),
@@ -401,7 +398,7 @@ impl MlpSaved for MoeSaved<'_> {
         );
         let dense_in = self.dense_in.data();
         let dx = (self.dense).backward(self.grad.mlp, gelu, At::from("mlp"), dense_in, &d_dense, g);
-        let mut dh = through_norm(Some(self.grad.mlp_norm), h, &dx);
+        let mut dh = norm_backward(self.grad.mlp_norm, h, &dx);
 
         let d_sparse = through_norm(
             Some(&moe.post_feedforward_layernorm_2),
@@ -413,13 +410,13 @@ impl MlpSaved for MoeSaved<'_> {
             (self.routed).backward(&moe.experts, switch, &self.chosen, &d_sparse, g);
         add_inplace(
             &mut dh,
-            &through_norm(Some(&moe.pre_feedforward_layernorm_2), h, &dx),
+            &norm_backward(&moe.pre_feedforward_layernorm_2, h, &dx),
         );
 
         let d_scores = self.router_grad(&d_weights);
         let router_in = self.router_in.data();
         let dx = g.through(&moe.router_proj, "router", "proj", router_in, &d_scores);
-        add_inplace(&mut dh, &through_norm(Some(&moe.router_norm), h, &dx));
+        add_inplace(&mut dh, &norm_backward(&moe.router_norm, h, &dx));
         dh
     }
 }
