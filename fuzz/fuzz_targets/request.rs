@@ -9,18 +9,6 @@ use serde_json::{Map, Value};
 
 use oxlm_server::request::{self, Defaults, Params, Prompt};
 
-fn defaults() -> Defaults {
-    Defaults {
-        max_tokens: 512,
-        temperature: 0.0,
-        top_p: 1.0,
-        top_k: 0,
-        min_p: 0.0,
-        repetition_penalty: None,
-        xtc_special_tokens: vec![2],
-    }
-}
-
 /// What the body asked for comes out as it was asked, and within range.
 fn check(body: &Map<String, Value>, p: &Params) {
     let field = |name: &str| body.get(name).filter(|v| !v.is_null());
@@ -62,7 +50,10 @@ fuzz_target!(|data: &[u8]| {
     let Ok(body) = request::parse_body(data) else {
         return;
     };
-    let defaults = defaults();
+    let defaults = Defaults {
+        xtc_special_tokens: vec![2],
+        ..Defaults::default()
+    };
     match request::chat_request(&body, &defaults) {
         Ok(chat) => {
             check(&body, &chat.params);

@@ -9,4 +9,5 @@ out="${1:-tests/fixtures/tiny}"
 "$PY" scripts/oracle/make_goldens.py "$out"
 "$PY" scripts/oracle/make_tiny_qwen3_5.py "$out"   # builds its models and their goldens
 "$PY" scripts/oracle/make_tiny_gemma.py "$out"     # builds its models and their goldens
+"$PY" scripts/oracle/make_embedding_fixture.py "$out"  # a Qwen3-Embedding checkpoint and its embeddings
 "$PY" scripts/oracle/numpy_reference.py "$out"   # independent numpy forward must match the goldens (< 1e-3)

@@ -3,7 +3,7 @@
 //! with `OXLM_TRACE` set, it also holds where a decode step's time went (`trace`).
 
 use std::collections::HashSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
@@ -16,9 +16,11 @@ use oxlm_engine::cuda::{
 use oxlm_engine::{ops, DecodeSteps, KvPrecision};
 use oxlm_models::{Cache, LanguageModel, Logits};
 use oxlm_runtime::batcher::{Batcher, BatcherSettings, Job, Requester, Update};
+use oxlm_runtime::constraint::{Grammar, Grammars};
 use oxlm_runtime::generate::{decode_step, peak_memory_bytes, Stepped, DEFAULT_PREFILL_STEP};
 use oxlm_runtime::hub::resolve_model;
 use oxlm_runtime::sampler::SamplerConfig;
+use oxlm_runtime::tokenizer::Tokenizer;
 use oxlm_runtime::{GenerateOptions, StreamOptions};
 use serde_json::json;
 
@@ -66,6 +68,12 @@ pub struct Args {
     device: oxlm_engine::Device,
     #[arg(long, value_parser = crate::parse_kv_cache, help = crate::KV_CACHE_HELP)]
     kv_cache: Option<KvPrecision>,
+    /// Also time each `--batch` with every sequence constrained to JSON valid under the JSON
+    /// Schema in this file (one that no `--gen-tokens` output completes, such as
+    /// benches/structured_schema.json), and report the cost against the free batch. Needs the
+    /// model's tokenizer.
+    #[arg(long)]
+    json_schema: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -246,6 +254,7 @@ fn decode_batch(
     kv_cache: KvPrecision,
     lengths: &[usize],
     n: usize,
+    constrained: Option<&Constrained>,
 ) -> Result<Decoded> {
     let vocab = model.info().vocab_size;
     let times = Arc::new(Mutex::new(BatchTimes {
@@ -270,7 +279,12 @@ fn decode_batch(
             prompt: prompt(len, vocab, seed),
             adapter: None,
             options,
-            stream: StreamOptions::default(),
+            stream: StreamOptions {
+                constraint: constrained
+                    .map(|c| c.grammars.constraint(&c.grammar))
+                    .transpose()?,
+                ..StreamOptions::default()
+            },
             requester: Box::new(requester),
             deadline: None,
         })
@@ -309,6 +323,29 @@ fn decode_batch(
         gpu_us: (on_gpu && totals.replayed > 0)
             .then(|| totals.gpu.as_secs_f64() * 1e6 / totals.replayed as f64),
     })
+}
+
+/// A grammar every sequence of a constrained batch follows.
+struct Constrained {
+    grammars: Grammars,
+    grammar: Grammar,
+}
+
+impl Constrained {
+    fn load(model_dir: &Path, vocab_size: usize, schema: &Path) -> Result<Self> {
+        let tokenizer = Tokenizer::from_dir(model_dir)?;
+        let eos = tokenizer
+            .eos_token_id()
+            .context("the tokenizer has no eos token")?;
+        let text = std::fs::read_to_string(schema)
+            .with_context(|| format!("reading {}", schema.display()))?;
+        let schema = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not JSON", schema.display()))?;
+        Ok(Constrained {
+            grammars: Grammars::new(&tokenizer, &[eos], vocab_size)?,
+            grammar: Grammar::JsonSchema(schema),
+        })
+    }
 }
 
 /// With `OXLM_TRACE` set on a GPU (see `Gpu::take_trace`): more prefills, of prompts `lengths`
@@ -452,6 +489,11 @@ pub fn run(args: Args) -> Result<()> {
         .with_context(|| format!("loading {}", args.model.display()))?;
     let load_s = start.elapsed().as_secs_f64();
     let kv_cache = args.kv_cache.unwrap_or_default();
+    let constrained = args
+        .json_schema
+        .as_deref()
+        .map(|schema| Constrained::load(&model_dir, model.info().vocab_size, schema))
+        .transpose()?;
     let (mut prefill_tps, mut decode_tps) = (Vec::new(), Vec::new());
     let mut replayed_steps = 0;
     let (mut host_us, mut gpu_us) = (Vec::new(), Vec::new());
@@ -488,13 +530,39 @@ pub fn run(args: Args) -> Result<()> {
         let lengths = batch_lengths(sequences, args.prompt_tokens, args.stagger);
         // As for one sequence, an untimed run first: the batch's kernels are loaded, its
         // graphs captured and its temporaries allocated on their first step.
-        let run = || decode_batch(model.as_ref(), kv_cache, &lengths, args.gen_tokens);
-        run()?;
-        let decoded = run()?;
+        let run = |constrained| {
+            decode_batch(
+                model.as_ref(),
+                kv_cache,
+                &lengths,
+                args.gen_tokens,
+                constrained,
+            )
+        };
+        run(None)?;
+        let decoded = run(None)?;
+        let tps = |decoded: &Decoded| (sequences * args.gen_tokens) as f64 / decoded.seconds;
+        // The free and the constrained runs in turn, so that both meet the same machine.
+        let constrained_tps = match &constrained {
+            Some(constrained) => {
+                run(Some(constrained))?;
+                let mut runs = Vec::new();
+                for _ in 0..args.repeats.max(1) {
+                    runs.push((tps(&run(None)?), tps(&run(Some(constrained))?)));
+                }
+                Some(runs)
+            }
+            None => None,
+        };
         let trace = traced_decode(model.as_ref(), kv_cache, &lengths, args.gen_tokens)?;
         batches.push(json!({
             "sequences": sequences,
-            "decode_tps": (sequences * args.gen_tokens) as f64 / decoded.seconds,
+            "decode_tps": tps(&decoded),
+            // Pairs of (free, constrained) tokens/s, and the median cost of the constraint.
+            "constrained_runs": constrained_tps,
+            "constraint_overhead": constrained_tps.as_ref().map(|runs| {
+                median(runs.iter().map(|(free, constrained)| 1.0 - constrained / free).collect())
+            }),
             "replayed_steps": decoded.replayed,
             "host_us_per_step": decoded.host_us,
             "gpu_us_per_step": decoded.gpu_us,

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use oxlm_models::lora::{AdaptedModel, Adapters};
 use oxlm_models::LanguageModel;
+use oxlm_runtime::constraint::Grammar;
 use oxlm_runtime::generate::{
     generate_stream, peak_memory_bytes, Event, StreamOptions, DEFAULT_PREFILL_STEP,
 };
@@ -65,6 +66,35 @@ pub struct Args {
     device: oxlm_engine::Device,
     #[arg(long, value_parser = crate::parse_kv_cache, help = crate::KV_CACHE_HELP)]
     kv_cache: Option<oxlm_engine::KvPrecision>,
+    /// Constrain the output to JSON valid under the JSON Schema in this file (each token is
+    /// picked among those that keep the output valid).
+    #[arg(long, group = "structure")]
+    json_schema: Option<PathBuf>,
+    /// Constrain the output to the Lark grammar in this file (llguidance's dialect: `%json
+    /// {...}` embeds a JSON Schema, `<name>` a special token).
+    #[arg(long, group = "structure")]
+    grammar: Option<PathBuf>,
+    /// Constrain the whole output to match this regular expression.
+    #[arg(long, group = "structure")]
+    regex: Option<String>,
+}
+
+impl Args {
+    /// The grammar the output must follow, if one is asked for.
+    fn grammar(&self) -> Result<Option<Grammar>> {
+        let read = |path: &PathBuf| {
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+        };
+        Ok(if let Some(path) = &self.json_schema {
+            let schema = serde_json::from_str(&read(path)?)
+                .with_context(|| format!("{} is not JSON", path.display()))?;
+            Some(Grammar::JsonSchema(schema))
+        } else if let Some(path) = &self.grammar {
+            Some(Grammar::Lark(read(path)?))
+        } else {
+            self.regex.clone().map(Grammar::Regex)
+        })
+    }
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -114,6 +144,14 @@ pub fn run(args: Args) -> Result<()> {
         }
         None => loaded.tokenizer.encode(&prompt, true)?,
     };
+    let constraint = match args.grammar()? {
+        Some(grammar) => Some(loaded.grammars()?.constraint(&grammar)?),
+        None => None,
+    };
+    let stream = StreamOptions {
+        constraint,
+        ..StreamOptions::default()
+    };
     let options = GenerateOptions {
         max_tokens: args.max_tokens,
         sampler: SamplerConfig {
@@ -139,7 +177,7 @@ pub fn run(args: Args) -> Result<()> {
         &mut cache,
         &loaded.eos_ids,
         &options,
-        &StreamOptions::default(),
+        &stream,
         &mut |event| {
             let (Event::Token { text, .. } | Event::Text(text)) = event else {
                 return ControlFlow::Continue(());

@@ -7,6 +7,7 @@ macro_rules! say {
 }
 
 mod bench;
+mod embed;
 mod fuse;
 mod generate;
 mod lora;
@@ -37,6 +38,8 @@ enum Command {
     Lora(lora::Args),
     /// Serve the OpenAI API over HTTP, as `mlx_lm.server` does.
     Serve(serve::Args),
+    /// Embed texts with an embedding model (Qwen3-Embedding), as sentence-transformers does.
+    Embed(embed::Args),
     /// Time prefill and decode on fixed token ids (for benches/).
     #[command(hide = true)]
     Bench(bench::Args),
@@ -140,6 +143,7 @@ fn main() {
         Command::Fuse(args) => fuse::run(args),
         Command::Lora(args) => lora::run(args),
         Command::Serve(args) => serve::run(args),
+        Command::Embed(args) => embed::run(args),
         Command::Bench(args) => bench::run(args),
     };
     if let Err(err) = result {

@@ -25,6 +25,16 @@ pub struct Args {
     /// Most adapters from --adapters-dir kept loaded (least recently used out).
     #[arg(long, default_value_t = 8)]
     adapter_cache_size: usize,
+    /// Most Responses API responses kept for previous_response_id and GET /v1/responses/ID
+    /// (least recently used out); 0 keeps none.
+    #[arg(long, default_value_t = 1000)]
+    response_store_size: usize,
+    /// Most bytes of responses (as JSON, with their conversations) kept (e.g. 256M).
+    #[arg(long, default_value = "256M", value_parser = parse_size)]
+    response_store_bytes: usize,
+    /// Seconds a kept response stays after it was last used.
+    #[arg(long, default_value_t = 3600.0, value_parser = parse_seconds)]
+    response_store_ttl: f64,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -158,6 +168,9 @@ pub fn run(args: Args) -> Result<()> {
         adapter_path: args.adapter_path,
         adapters_dir: args.adapters_dir,
         adapter_cache_size: args.adapter_cache_size,
+        response_store_size: args.response_store_size,
+        response_store_bytes: args.response_store_bytes,
+        response_store_ttl: Duration::from_secs_f64(args.response_store_ttl),
         log_level: args.log_level,
         shutdown_grace: Duration::from_secs_f64(args.shutdown_grace),
         device: args.device,

@@ -119,3 +119,60 @@ fn an_error_names_each_cause_once() {
     );
     assert_eq!(stderr(&output), want);
 }
+
+/// The generated text between the report's `==========` lines.
+fn generated(output: &Output) -> String {
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let mut parts = stdout.split("==========\n");
+    parts.nth(1).unwrap().trim_end_matches('\n').to_owned()
+}
+
+/// `--json-schema`, `--regex` and `--grammar` hold a model with random weights to their shape;
+/// a schema the engine cannot enforce is an error naming what it cannot.
+#[test]
+fn structured_output_holds_and_what_cannot_be_enforced_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let schema = dir.path().join("schema.json");
+    std::fs::write(
+        &schema,
+        r#"{"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 3}},
+            "required": ["n"], "additionalProperties": false}"#,
+    )
+    .unwrap();
+    let path = schema.to_str().unwrap();
+    let output = generate(&["--json-schema", path, "--temp", "1", "--seed", "3"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", stderr(&output));
+    let text = generated(&output);
+    assert!(
+        ["{\"n\": 1}", "{\"n\": 2}", "{\"n\": 3}"].contains(&text.as_str()),
+        "{text}"
+    );
+
+    let output = generate(&["--regex", "(red|green|blue)!", "--temp", "1"])
+        .output()
+        .unwrap();
+    let text = generated(&output);
+    assert!(
+        ["red!", "green!", "blue!"].contains(&text.as_str()),
+        "{text}"
+    );
+
+    let lark = dir.path().join("answer.lark");
+    std::fs::write(&lark, "start: \"Answer: \" %json {\"type\": \"boolean\"}\n").unwrap();
+    let output = generate(&["--grammar", lark.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let text = generated(&output);
+    assert!(text == "Answer: true" || text == "Answer: false", "{text}");
+
+    std::fs::write(&schema, r#"{"$ref": "https://example.com/remote.json"}"#).unwrap();
+    let output = generate(&["--json-schema", path]).output().unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    assert!(
+        stderr(&output).contains("example.com"),
+        "{}",
+        stderr(&output)
+    );
+}

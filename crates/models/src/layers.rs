@@ -734,13 +734,13 @@ pub struct OutputHead {
 }
 
 impl OutputHead {
-    /// Logits `[rows, vocab]` of `h` (`[tokens, hidden]`), on the host but for
-    /// [`Logits::LastOnDevice`].
+    /// Logits `[rows, vocab]` of `h` (`[tokens, hidden]`), or its normed rows for the hidden
+    /// states; on the host but for [`Logits::LastOnDevice`].
     pub fn forward(&self, h: Tensor, logits: Logits, embed: &Embedding) -> OpResult<Tensor> {
         let out = self.forward_on_device(h, logits, embed)?;
         match logits {
             Logits::LastOnDevice => Ok(out),
-            Logits::Last | Logits::All => out.into_host(),
+            Logits::Last | Logits::All | Logits::HiddenLast | Logits::HiddenAll => out.into_host(),
         }
     }
 
@@ -754,9 +754,13 @@ impl OutputHead {
     ) -> OpResult<Tensor> {
         let n = h.rows();
         let mut h = match logits {
-            Logits::All => h,
-            Logits::Last | Logits::LastOnDevice => ops::rows(&h, n - 1, 1)?,
+            Logits::All | Logits::HiddenAll => h,
+            Logits::Last | Logits::LastOnDevice | Logits::HiddenLast => ops::rows(&h, n - 1, 1)?,
         };
+        if matches!(logits, Logits::HiddenLast | Logits::HiddenAll) {
+            self.norm.forward_inplace(&mut h)?;
+            return Ok(h);
+        }
         let head = match &self.lm_head {
             Some(head) => head.bias.is_none().then_some(&head.weight),
             None => Some(&embed.weight),

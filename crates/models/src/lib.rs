@@ -53,7 +53,7 @@ impl ModelInfo {
     }
 }
 
-/// Which positions' logits a forward pass returns.
+/// What a forward pass returns: which positions' logits, or the hidden states the head takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {
     /// Only the last position's: `[1, vocab]` (prefill and decoding).
@@ -64,6 +64,12 @@ pub enum Logits {
     /// little of it (a greedy pick, `oxlm_engine::ops::greedy_rows`), so that a GPU does not
     /// copy a vocabulary's row back every step.
     LastOnDevice,
+    /// The last position's hidden state after the final norm, no head applied: `[1, hidden]`,
+    /// on the host (what an embedding model's last-token pooling takes).
+    HiddenLast,
+    /// Every position's hidden state after the final norm: `[tokens, hidden]`, on the host
+    /// (what mean pooling averages).
+    HiddenAll,
 }
 
 /// A causal language model.

@@ -79,7 +79,10 @@ impl Llama {
         let kv_heads = c.num_key_value_heads.unwrap_or(heads);
         let head_dim = c.head_dim.unwrap_or(hidden / heads.max(1));
         let (vocab, eps) = (c.vocab_size, c.rms_norm_eps);
-        let tied = c.tie_word_embeddings.unwrap_or(model_type != "qwen3");
+        // Embedding checkpoints saved as a bare `Qwen3Model` (Qwen3-Embedding-8B, which is untied)
+        // have no head: their hidden states are what they are for, so the embeddings stand in.
+        let tied = c.tie_word_embeddings.unwrap_or(model_type != "qwen3")
+            || !ckpt.contains("lm_head.weight");
         let max_context = c.max_position_embeddings;
         let rope_theta = c.rope_theta.unwrap_or_else(|| {
             c.rope_parameters

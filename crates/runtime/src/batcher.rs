@@ -92,6 +92,23 @@ pub struct Job {
     pub deadline: Option<Instant>,
 }
 
+/// Work on the model other than generation (an embedding), run on the batcher's thread between
+/// two steps: a GPU's stream and its step recordings are that thread's alone.
+pub type Task = Box<dyn FnOnce(&dyn LanguageModel) + Send>;
+
+/// What the batcher's queue carries.
+pub enum Work {
+    /// Boxed: a job is over a kilobyte, a task a pointer.
+    Generate(Box<Job>),
+    Run(Task),
+}
+
+impl From<Job> for Work {
+    fn from(job: Job) -> Self {
+        Work::Generate(Box::new(job))
+    }
+}
+
 /// How the batcher serves.
 #[derive(Debug, Clone)]
 pub struct BatcherSettings {
@@ -380,24 +397,42 @@ impl<'a> Batcher<'a> {
             .and_then(|mut cache| model.forward(&prompt, &mut cache, Logits::Last));
     }
 
-    /// Serves the jobs of `queue` in their order until it is closed and empty.
-    pub fn run(&mut self, queue: &mpsc::Receiver<Job>) {
+    /// Serves the jobs of `queue` in their order until it is closed and empty; its tasks run as
+    /// soon as the batcher meets them.
+    pub fn run<W: Into<Work>>(&mut self, queue: &mpsc::Receiver<W>) {
         let mut waiting = VecDeque::new();
-        while let Some(first) = waiting.pop_front().or_else(|| self.hold(queue.recv().ok())) {
+        while let Some(first) = waiting
+            .pop_front()
+            .or_else(|| queue.iter().find_map(|work| self.take(work.into())))
+        {
             self.serve(first, queue, &mut waiting);
         }
     }
 
-    fn hold(&self, job: Option<Job>) -> Option<Held> {
-        job.map(|job| Held {
-            job,
-            shutdown: self.shutdown.clone(),
-        })
+    /// A job, held to be served; a task is run now, on the model without adapters (a panic in
+    /// it drops its reply channel, which its requester sees).
+    fn take(&self, work: Work) -> Option<Held> {
+        match work {
+            Work::Generate(job) => Some(Held {
+                job: *job,
+                shutdown: self.shutdown.clone(),
+            }),
+            Work::Run(task) => {
+                let model = self.model;
+                let _ = catch_unwind(AssertUnwindSafe(|| task(model)));
+                None
+            }
+        }
     }
 
     /// Serves `first` and the jobs of its adapter that arrive while its batch runs, until the
     /// batch is empty; jobs of other adapters are left in `waiting`, in their order.
-    fn serve(&mut self, first: Held, queue: &mpsc::Receiver<Job>, waiting: &mut VecDeque<Held>) {
+    fn serve<W: Into<Work>>(
+        &mut self,
+        first: Held,
+        queue: &mpsc::Receiver<W>,
+        waiting: &mut VecDeque<Held>,
+    ) {
         let adapter = first.job.adapter.clone();
         let adapted = adapter
             .as_ref()
@@ -425,7 +460,7 @@ impl<'a> Batcher<'a> {
         // Set once a job of another adapter waits: this batch then takes no more.
         let mut draining = false;
         loop {
-            waiting.extend(queue.try_iter().filter_map(|job| self.hold(Some(job))));
+            waiting.extend(queue.try_iter().filter_map(|work| self.take(work.into())));
             while !draining && prompting.len() + active.len() < self.capacity {
                 let Some(held) = waiting.front() else { break };
                 if held.key() != key {
@@ -696,8 +731,25 @@ impl<'a> Batcher<'a> {
         self.steps.steps += 1;
         let stepped = catch_unwind(AssertUnwindSafe(|| {
             let tokens: Vec<u32> = active.iter().map(|a| a.token).collect();
-            let mut caches: Vec<&mut Cache> = active.iter_mut().map(|a| &mut a.cache).collect();
-            decode_step(model, steps, &tokens, &mut caches, greedy)
+            let mut caches = Vec::with_capacity(active.len());
+            let mut constraints = Vec::new();
+            for a in active.iter_mut() {
+                caches.push(&mut a.cache);
+                constraints.extend(a.sequence.constraint_mut());
+            }
+            if constraints.is_empty() {
+                return decode_step(model, steps, &tokens, &mut caches, greedy);
+            }
+            // Grammars' masks need only the tokens already taken: they are computed while the
+            // model runs the step, not after it.
+            std::thread::scope(|scope| {
+                let masks = scope.spawn(|| constraints.into_iter().for_each(|c| c.prepare()));
+                let stepped = decode_step(model, steps, &tokens, &mut caches, greedy);
+                if let Err(panic) = masks.join() {
+                    std::panic::resume_unwind(panic);
+                }
+                stepped
+            })
         }));
         let mut stepped = match stepped {
             Ok(Ok(stepped)) => stepped,

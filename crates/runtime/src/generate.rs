@@ -9,6 +9,7 @@ use oxlm_engine::ops::{self, Pick};
 use oxlm_engine::{DecodeSteps, KvPrecision};
 use oxlm_models::{Cache, ForwardError, LanguageModel, Logits};
 
+use crate::constraint::TokenConstraint;
 use crate::detokenizer::StreamingDetokenizer;
 use crate::sampler::{top_logprobs, Sampler, SamplerConfig};
 use crate::stop::StopMatcher;
@@ -109,6 +110,8 @@ pub struct StreamOptions {
     pub stop: Vec<String>,
     /// How many of the most likely tokens to report with each sampled one.
     pub top_logprobs: usize,
+    /// The grammar the output must follow; generation ends once it is complete.
+    pub constraint: Option<TokenConstraint>,
 }
 
 /// Progress reported by [`generate_stream`]; the callback answers whether to go on.
@@ -238,6 +241,7 @@ pub enum NextToken<'a> {
 /// when generation ends. [`generate_stream`] runs one alone; a server steps many together.
 pub struct Sequence {
     sampler: Sampler,
+    constraint: Option<TokenConstraint>,
     /// `None`: token ids only, no text.
     detokenizer: Option<StreamingDetokenizer>,
     stop: StopMatcher,
@@ -272,11 +276,13 @@ impl Sequence {
         stream: &StreamOptions,
     ) -> Result<Sequence, RuntimeError> {
         let sampler = Sampler::new(options.sampler.clone())?;
-        // Plain greedy decoding needs only each step's pick.
-        let greedy = sampler.picks_greedily() && stream.top_logprobs == 0;
+        // Plain greedy decoding needs only each step's pick; a grammar needs the logits to mask.
+        let greedy =
+            sampler.picks_greedily() && stream.top_logprobs == 0 && stream.constraint.is_none();
         let start = Instant::now();
         Ok(Sequence {
             sampler,
+            constraint: stream.constraint.clone(),
             detokenizer: tokenizer.map(Tokenizer::detokenizer).transpose()?,
             stop: StopMatcher::new(&stream.stop),
             eos_ids: eos_ids.clone(),
@@ -295,6 +301,13 @@ impl Sequence {
             decode_start: start,
             prompt_tps: 0.0,
         })
+    }
+
+    /// Its grammar, while it still has tokens to take.
+    pub fn constraint_mut(&mut self) -> Option<&mut TokenConstraint> {
+        self.constraint
+            .as_mut()
+            .filter(|_| self.finish_reason.is_none())
     }
 
     /// Whether its steps may give it [`NextToken::Pick`] rather than logits.
@@ -316,6 +329,9 @@ impl Sequence {
         let (token, logprob) = match next {
             NextToken::Pick(pick) => (pick.id, pick.logprob),
             NextToken::Logits(logits) => {
+                if let Some(constraint) = &mut self.constraint {
+                    constraint.mask(logits)?;
+                }
                 let token = self.sampler.sample(logits, &self.history);
                 if self.top_logprobs > 0 {
                     self.top = top_logprobs(logits, self.top_logprobs);
@@ -330,6 +346,7 @@ impl Sequence {
             self.prompt_tps = self.uncached as f64 / prompt_time;
         }
         let is_eos = self.eos_ids.contains(&token);
+        let mut grammar_complete = false;
         let released = if is_eos {
             // The end-of-sequence token itself is not output.
             self.finish_reason = Some(FinishReason::Stop);
@@ -338,7 +355,14 @@ impl Sequence {
         } else {
             self.tokens.push(token);
             self.history.push(token);
-            let text = self.detokenized(|d| d.push(token))?;
+            let mut text = self.detokenized(|d| d.push(token))?;
+            if let Some(constraint) = &mut self.constraint {
+                grammar_complete = constraint.accept(token)?;
+            }
+            if grammar_complete {
+                // Nothing follows: the text held back for later tokens is final.
+                text.push_str(&self.detokenized(|d| d.finish())?);
+            }
             self.stop.push(&text)
         };
         self.text.push_str(&released.text);
@@ -350,7 +374,7 @@ impl Sequence {
         };
         if on_event(event).is_break() {
             self.finish_reason = Some(FinishReason::Cancelled);
-        } else if released.stopped {
+        } else if released.stopped || grammar_complete {
             self.finish_reason = Some(FinishReason::Stop);
         } else if !is_eos && self.tokens.len() == self.max_tokens {
             self.finish_reason = Some(FinishReason::Length);

@@ -3,7 +3,9 @@
 pub mod adapter_store;
 pub mod batcher;
 pub mod chat_template;
+pub mod constraint;
 pub mod detokenizer;
+pub mod embed;
 pub mod generate;
 pub mod generation_config;
 pub mod hub;
@@ -34,4 +36,6 @@ pub enum RuntimeError {
     ChatTemplate(#[from] chat_template::ChatTemplateError),
     #[error(transparent)]
     Sampler(#[from] sampler::SamplerError),
+    #[error(transparent)]
+    Constraint(#[from] constraint::ConstraintError),
 }

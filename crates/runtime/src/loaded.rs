@@ -8,6 +8,7 @@ use oxlm_models::checkpoint::read_json;
 use oxlm_models::{LanguageModel, LoadError};
 
 use crate::chat_template::ChatTemplate;
+use crate::constraint::{ConstraintError, Grammars};
 use crate::tokenizer::{token_ids_from_json, Tokenizer};
 use crate::RuntimeError;
 
@@ -51,5 +52,12 @@ impl LoadedModel {
             chat_template,
             eos_ids,
         })
+    }
+
+    /// A grammar compiler over this model's vocabulary, for constrained generation.
+    pub fn grammars(&self) -> Result<Grammars, ConstraintError> {
+        let mut eos_ids: Vec<u32> = self.eos_ids.iter().copied().collect();
+        eos_ids.sort_unstable();
+        Grammars::new(&self.tokenizer, &eos_ids, self.model.info().vocab_size)
     }
 }

@@ -674,6 +674,11 @@ impl Tokenizer {
         })
     }
 
+    /// The whole tokenizer (with the tokens its config adds) as tokenizer.json text.
+    pub fn to_json(&self) -> Result<String> {
+        self.inner.to_string(false).map_err(TokenizerError::Backend)
+    }
+
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }

@@ -248,6 +248,7 @@ fn job(tokenizer: &Tokenizer, a: &Ask) -> (Job, Log) {
         stream: StreamOptions {
             stop: Vec::new(),
             top_logprobs: a.top_logprobs,
+            ..StreamOptions::default()
         },
         requester: Box::new(Logging {
             log: log.clone(),

@@ -182,6 +182,7 @@ fn stop_strings_and_cancellation() {
     let stop = StreamOptions {
         stop: vec!["yve".into()],
         top_logprobs: 2,
+        ..StreamOptions::default()
     };
     let (ids, text, reason) = run(&c, &mut model.new_cache().unwrap(), 32, &stop, None);
     assert_eq!(text, full[..full.find("yve").unwrap()]);

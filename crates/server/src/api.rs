@@ -1,7 +1,5 @@
 //! Routes, handlers and response shapes (OpenAI's, with mlx_lm.server's extras).
 
-use std::collections::VecDeque;
-use std::convert::Infallible;
 use std::sync::{Arc, PoisonError};
 
 use axum::body::Bytes;
@@ -9,11 +7,12 @@ use axum::extract::rejection::{BytesRejection, PathRejection};
 use axum::extract::{DefaultBodyLimit, Extension, Path as UrlPath, Request, State};
 use axum::http::{header, HeaderValue, Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::sse::{Event as SseEvent, KeepAlive};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use oxlm_runtime::adapter_store::{Adapter, AdapterStore, AdapterStoreError};
+use oxlm_runtime::constraint::TokenConstraint;
 use oxlm_runtime::{FinishReason, GenerateOptions, StreamOptions};
 use rand::Rng;
 use serde_json::{json, Map, Value};
@@ -22,6 +21,8 @@ use crate::error::ApiError;
 use crate::log::{log_requests, TokenCounts};
 use crate::parsers::{OutputParser, Piece, ToolCall};
 use crate::request::{self, Params, Prompt};
+use crate::sse::{self, EventSource, Events};
+use crate::structured::{self, Markup};
 use oxlm_runtime::batcher::Update;
 
 use crate::worker::Running;
@@ -34,6 +35,17 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(crate::anthropic::messages))
+        .route(
+            "/v1/messages/count_tokens",
+            post(crate::anthropic::count_tokens),
+        )
+        .route("/v1/responses", post(crate::responses::create))
+        .route(
+            "/v1/responses/{id}",
+            get(crate::responses::retrieve).delete(crate::responses::delete),
+        )
+        .route("/v1/embeddings", post(crate::embeddings::embeddings))
         .route("/v1/models", get(models))
         .route("/v1/models/{*id}", get(model))
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
@@ -55,13 +67,20 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
 
 async fn authorize(State(state): Shared, request: Request, next: Next) -> Response {
     if let Some(key) = &state.settings.api_key {
-        let given = request
-            .headers()
+        let headers = request.headers();
+        let bearer = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
-        if !given.is_some_and(|given| same_secret(given.trim(), key)) {
-            return ApiError::unauthorized().into_response();
+        // Anthropic's clients send the key as `x-api-key`.
+        let api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok());
+        let mut given = [bearer, api_key].into_iter().flatten();
+        if !given.any(|given| same_secret(given.trim(), key)) {
+            return if request.uri().path().starts_with("/v1/messages") {
+                crate::anthropic::unauthorized()
+            } else {
+                ApiError::unauthorized().into_response()
+            };
         }
     }
     next.run(request).await
@@ -184,7 +203,9 @@ impl IntoResponse for Json {
     }
 }
 
-fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Map<String, Value>, ApiError> {
+pub(crate) fn read_body(
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Map<String, Value>, ApiError> {
     match body {
         Ok(bytes) => request::parse_body(&bytes),
         Err(rejection) if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE => Err(
@@ -207,8 +228,6 @@ struct Exchange {
     id: String,
     created: u64,
     params: Params,
-    /// Also what its log line reports.
-    tokens: TokenCounts,
 }
 
 async fn chat_completions(
@@ -217,18 +236,11 @@ async fn chat_completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let result = async {
-        let req = request::chat_request(&read_body(body)?, &state.defaults)?;
-        let st = state.clone();
-        let (req, prompt) = blocking(move || {
-            let prompt = chat_prompt(&st, &req)?;
-            Ok((req, prompt))
-        })
-        .await?;
-        let tools = req.tools.map(|t| (state.tool_format, t));
-        let parser = OutputParser::new(state.think, prompt.in_reasoning, tools);
+        let mut req = request::chat_request(&read_body(body)?, &state.defaults)?;
+        let (running, reply) = start_chat(&state, &mut req, &tokens).await?;
         let id = format!("chatcmpl-{}", uuid4());
-        let exchange = Exchange::new(state, Kind::Chat, id, req.params, tokens);
-        respond(exchange, prompt.ids, "messages", Some(parser)).await
+        let exchange = Exchange::new(state, Kind::Chat, id, req.params);
+        respond(exchange, running, reply).await
     };
     result.await.unwrap_or_else(IntoResponse::into_response)
 }
@@ -239,19 +251,68 @@ async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let result = async {
-        let req = request::completion_request(&read_body(body)?, &state.defaults)?;
+        let mut req = request::completion_request(&read_body(body)?, &state.defaults)?;
         let st = state.clone();
         let prompt = req.prompt;
         let ids = blocking(move || text_prompt(&st, &prompt)).await?;
+        let running = submit(&state, &mut req.params, ids, "prompt", None, &tokens).await?;
+        let reply = Reply::new(&state, &req.params, &tokens, None);
         let id = format!("cmpl-{}", uuid4());
-        let exchange = Exchange::new(state, Kind::Text, id, req.params, tokens);
-        respond(exchange, ids, "prompt", None).await
+        let exchange = Exchange::new(state, Kind::Text, id, req.params);
+        respond(exchange, running, reply).await
     };
     result.await.unwrap_or_else(IntoResponse::into_response)
 }
 
+/// A chat request on its way: its messages rendered through the chat template and queued
+/// (`req.params.max_tokens` cut to what the context holds), and the parser that splits its
+/// reply into content, reasoning and tool calls. Every chat API (OpenAI's chat completions
+/// and Responses, Anthropic's Messages) starts its requests here.
+pub(crate) async fn start_chat(
+    state: &Arc<AppState>,
+    req: &mut request::ChatRequest,
+    tokens: &TokenCounts,
+) -> Result<(Running, Reply), ApiError> {
+    let st = state.clone();
+    let rendered = req.clone();
+    let (prompt, constraint) = blocking(move || {
+        let prompt = chat_prompt(&st, &rendered)?;
+        let markup = Markup {
+            format: st.tool_format,
+            think: st.think,
+            in_reasoning: prompt.in_reasoning,
+        };
+        let constraint = if structured::enforces(&rendered) {
+            let grammars = st.grammars()?;
+            structured::check_schemas(&rendered, grammars)?;
+            let grammar = structured::reply_grammar(&rendered, &markup, grammars);
+            let constraint = grammars.constraint(&grammar).map_err(|e| {
+                ApiError::invalid_param(structured::param(&rendered), e.to_string())
+            })?;
+            Some(constraint)
+        } else {
+            None
+        };
+        Ok((prompt, constraint))
+    })
+    .await?;
+    let tools = req.tools.clone().map(|t| (state.tool_format, t));
+    let parser = OutputParser::new(state.think, prompt.in_reasoning, tools);
+    let running = submit(
+        state,
+        &mut req.params,
+        prompt.ids,
+        "messages",
+        constraint,
+        tokens,
+    )
+    .await?;
+    let reply = Reply::new(state, &req.params, tokens, Some(parser));
+    Ok((running, reply))
+}
+
 /// Runs CPU work (templates, tokenizers) off the async executor.
-async fn blocking<T: Send + 'static>(
+pub(crate) async fn blocking<T: Send + 'static>(
     work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
     tokio::task::spawn_blocking(work)
@@ -259,13 +320,16 @@ async fn blocking<T: Send + 'static>(
         .unwrap_or_else(|e| Err(ApiError::server(format!("request preparation failed: {e}"))))
 }
 
-struct ChatPrompt {
-    ids: Vec<u32>,
+pub(crate) struct ChatPrompt {
+    pub(crate) ids: Vec<u32>,
     /// The template opened a reasoning block that the reply continues.
-    in_reasoning: bool,
+    pub(crate) in_reasoning: bool,
 }
 
-fn chat_prompt(state: &AppState, req: &request::ChatRequest) -> Result<ChatPrompt, ApiError> {
+pub(crate) fn chat_prompt(
+    state: &AppState,
+    req: &request::ChatRequest,
+) -> Result<ChatPrompt, ApiError> {
     let tokenizer = &state.model.tokenizer;
     let Some(template) = &state.model.chat_template else {
         let text = plain_chat(&req.messages, req.role_mapping.as_ref());
@@ -333,7 +397,7 @@ fn text_prompt(state: &AppState, prompt: &Prompt) -> Result<Vec<u32>, ApiError> 
     }
 }
 
-fn internal(e: impl std::fmt::Display) -> ApiError {
+pub(crate) fn internal(e: impl std::fmt::Display) -> ApiError {
     ApiError::server(e.to_string())
 }
 
@@ -350,7 +414,7 @@ fn adapters(state: &AppState) -> Result<std::sync::MutexGuard<'_, AdapterStore>,
 }
 
 /// The adapter a request runs with: the one it names, else the server's default.
-async fn adapter_for(
+pub(crate) async fn adapter_for(
     state: &Arc<AppState>,
     name: Option<String>,
 ) -> Result<Option<Arc<Adapter>>, ApiError> {
@@ -373,15 +437,16 @@ async fn adapter_for(
     .await
 }
 
-/// Checks the prompt against the context, queues it, and answers as JSON or as a stream.
-async fn respond(
-    mut exchange: Exchange,
+/// Checks the prompt against the context (cutting `params.max_tokens` to what it holds) and
+/// queues it; `prompt_param` names the field an error about it points at.
+pub(crate) async fn submit(
+    state: &Arc<AppState>,
+    params: &mut Params,
     prompt: Vec<u32>,
     prompt_param: &str,
-    parser: Option<OutputParser>,
-) -> Result<Response, ApiError> {
-    let state = exchange.state.clone();
-    let params = &mut exchange.params;
+    constraint: Option<TokenConstraint>,
+    tokens: &TokenCounts,
+) -> Result<Running, ApiError> {
     if prompt.is_empty() {
         return Err(ApiError::invalid_param(prompt_param, "The prompt is empty"));
     }
@@ -392,7 +457,7 @@ async fn respond(
         // The last token never goes through the model, so the context holds one more.
         params.max_tokens = params.max_tokens.min(limit + 1 - prompt.len());
     }
-    let adapter = adapter_for(&state, params.adapter.clone()).await?;
+    let adapter = adapter_for(state, params.adapter.clone()).await?;
     let options = GenerateOptions {
         max_tokens: params.max_tokens,
         sampler: params.sampler.clone(),
@@ -402,10 +467,14 @@ async fn respond(
     let stream = StreamOptions {
         stop: params.stop.clone(),
         top_logprobs: params.top_logprobs,
+        constraint,
     };
-    exchange.tokens.start(prompt.len());
-    let running = state.worker.submit(prompt, adapter, options, stream)?;
-    let reply = Reply::new(&exchange, parser);
+    tokens.start(prompt.len());
+    state.worker.submit(prompt, adapter, options, stream)
+}
+
+/// Answers as JSON or as a stream, as the request asked.
+async fn respond(exchange: Exchange, running: Running, reply: Reply) -> Result<Response, ApiError> {
     if exchange.params.stream {
         Ok(stream_response(exchange, running, reply))
     } else {
@@ -414,30 +483,37 @@ async fn respond(
 }
 
 /// Generated output as it comes: pieces of the message, token log-probabilities, counts.
-struct Reply {
+pub(crate) struct Reply {
     /// Chat replies are split into content, reasoning and tool calls; text completions are not.
     parser: Option<OutputParser>,
     tokenizer: oxlm_runtime::tokenizer::Tokenizer,
     logprobs: bool,
-    tokens: TokenCounts,
-    cached_tokens: usize,
+    pub(crate) tokens: TokenCounts,
+    /// Prompt tokens that came from the prompt cache.
+    pub(crate) cached_tokens: usize,
     /// Log-probabilities not yet sent.
     entries: Vec<Value>,
 }
 
 impl Reply {
-    fn new(exchange: &Exchange, parser: Option<OutputParser>) -> Self {
+    pub(crate) fn new(
+        state: &AppState,
+        params: &Params,
+        tokens: &TokenCounts,
+        parser: Option<OutputParser>,
+    ) -> Self {
         Reply {
             parser,
-            tokenizer: exchange.state.model.tokenizer.clone(),
-            logprobs: exchange.params.logprobs,
-            tokens: exchange.tokens.clone(),
+            tokenizer: state.model.tokenizer.clone(),
+            logprobs: params.logprobs,
+            tokens: tokens.clone(),
             cached_tokens: 0,
             entries: Vec::new(),
         }
     }
 
-    fn text(&mut self, text: &str) -> Vec<Piece> {
+    /// The pieces text released at the end of generation completes.
+    pub(crate) fn text(&mut self, text: &str) -> Vec<Piece> {
         match &mut self.parser {
             Some(parser) => parser.push(text),
             None if text.is_empty() => Vec::new(),
@@ -445,7 +521,14 @@ impl Reply {
         }
     }
 
-    fn token(&mut self, id: u32, logprob: f32, top: &[(u32, f32)], text: &str) -> Vec<Piece> {
+    /// Counts a generated token; the pieces its text completes.
+    pub(crate) fn token(
+        &mut self,
+        id: u32,
+        logprob: f32,
+        top: &[(u32, f32)],
+        text: &str,
+    ) -> Vec<Piece> {
         self.tokens.add_completion_token();
         if self.logprobs {
             let mut entry = self.token_info(id, logprob);
@@ -455,7 +538,8 @@ impl Reply {
         self.text(text)
     }
 
-    fn finish(&mut self) -> Vec<Piece> {
+    /// What the parser still held once generation ended.
+    pub(crate) fn finish(&mut self) -> Vec<Piece> {
         self.parser
             .as_mut()
             .map(OutputParser::finish)
@@ -567,20 +651,13 @@ fn text_of(pieces: &[Piece]) -> String {
 }
 
 impl Exchange {
-    fn new(
-        state: Arc<AppState>,
-        kind: Kind,
-        id: String,
-        params: Params,
-        tokens: TokenCounts,
-    ) -> Self {
+    fn new(state: Arc<AppState>, kind: Kind, id: String, params: Params) -> Self {
         Exchange {
             state,
             kind,
             id,
             created: unix_time(),
             params,
-            tokens,
         }
     }
 
@@ -654,9 +731,7 @@ struct ChunkStream {
     exchange: Exchange,
     running: Running,
     reply: Reply,
-    ready: VecDeque<SseEvent>,
     tool_calls: usize,
-    done: bool,
 }
 
 fn stream_response(exchange: Exchange, running: Running, reply: Reply) -> Response {
@@ -664,42 +739,27 @@ fn stream_response(exchange: Exchange, running: Running, reply: Reply) -> Respon
         exchange,
         running,
         reply,
-        ready: VecDeque::new(),
         tool_calls: 0,
-        done: false,
     };
-    // Dropping the stream (the client went away) drops `running`, which cancels the job.
-    let events = futures_util::stream::unfold(chunks, |mut chunks| async move {
-        let event = chunks.next().await?;
-        Some((Ok::<_, Infallible>(event), chunks))
-    });
-    Sse::new(events)
-        .keep_alive(KeepAlive::default())
-        .into_response()
+    sse::response(chunks, Events::default(), KeepAlive::default())
+}
+
+impl EventSource for ChunkStream {
+    async fn advance(&mut self, events: &mut Events) {
+        match self.running.next().await {
+            Some(update) => self.update(update, events),
+            None => fail(ApiError::server("the generation thread stopped"), events),
+        }
+    }
 }
 
 impl ChunkStream {
-    async fn next(&mut self) -> Option<SseEvent> {
-        loop {
-            if let Some(event) = self.ready.pop_front() {
-                return Some(event);
-            }
-            if self.done {
-                return None;
-            }
-            match self.running.next().await {
-                Some(update) => self.update(update),
-                None => self.fail(ApiError::server("the generation thread stopped")),
-            }
-        }
-    }
-
-    fn update(&mut self, update: Update) {
+    fn update(&mut self, update: Update, events: &mut Events) {
         match update {
             Update::Started { cached_tokens } => self.reply.cached_tokens = cached_tokens,
-            Update::Prefill { done, total } => self
-                .ready
-                .push_back(SseEvent::default().comment(format!("keepalive {done}/{total}"))),
+            Update::Prefill { done, total } => {
+                events.push(SseEvent::default().comment(format!("keepalive {done}/{total}")))
+            }
             Update::Token {
                 id,
                 logprob,
@@ -707,31 +767,31 @@ impl ChunkStream {
                 text,
             } => {
                 let pieces = self.reply.token(id, logprob, &top, &text);
-                self.chunk(&pieces, None);
+                self.chunk(&pieces, None, events);
             }
             Update::Text(text) => {
                 let pieces = self.reply.text(&text);
-                self.chunk(&pieces, None);
+                self.chunk(&pieces, None, events);
             }
             Update::Done(Ok(reason)) => {
                 let pieces = self.reply.finish();
                 let tool_calls =
                     self.tool_calls > 0 || pieces.iter().any(|p| matches!(p, Piece::ToolCall(_)));
-                self.chunk(&pieces, Some(finish_reason(reason, tool_calls)));
+                self.chunk(&pieces, Some(finish_reason(reason, tool_calls)), events);
                 if self.exchange.params.include_usage {
                     let mut usage = self.exchange.envelope(true, Vec::new());
                     usage["usage"] = self.reply.usage();
-                    self.send(&usage);
+                    events.push(data(&usage));
                 }
-                self.ready.push_back(SseEvent::default().data("[DONE]"));
-                self.done = true;
+                events.push(SseEvent::default().data("[DONE]"));
+                events.end();
             }
-            Update::Done(Err(e)) => self.fail(e.into()),
+            Update::Done(Err(e)) => fail(e.into(), events),
         }
     }
 
     /// Queues a chunk for `pieces`; nothing when there is nothing to say.
-    fn chunk(&mut self, pieces: &[Piece], finish: Option<&str>) {
+    fn chunk(&mut self, pieces: &[Piece], finish: Option<&str>, events: &mut Events) {
         let empty = pieces.iter().all(|p| match p {
             Piece::Content(t) | Piece::Reasoning(t) => t.is_empty(),
             Piece::ToolCall(_) => false,
@@ -750,24 +810,24 @@ impl ChunkStream {
         let logprobs = self.reply.take_logprobs(self.exchange.kind);
         let choice = self.exchange.choice(body, logprobs, finish);
         let chunk = self.exchange.envelope(true, vec![choice]);
-        self.send(&chunk);
-    }
-
-    fn send(&mut self, value: &Value) {
-        self.ready
-            .push_back(SseEvent::default().data(value.to_string()));
-    }
-
-    /// A failure after the stream started: an error object as the last data, then `[DONE]`.
-    fn fail(&mut self, error: ApiError) {
-        self.send(&error.body());
-        self.ready.push_back(SseEvent::default().data("[DONE]"));
-        self.done = true;
+        events.push(data(&chunk));
     }
 }
 
+/// A failure after the stream started: an error object as the last data, then `[DONE]`.
+fn fail(error: ApiError, events: &mut Events) {
+    events.push(data(&error.body()));
+    events.push(SseEvent::default().data("[DONE]"));
+    events.end();
+}
+
+/// An SSE event of `value` as JSON data.
+fn data(value: &Value) -> SseEvent {
+    SseEvent::default().data(value.to_string())
+}
+
 /// A random (version 4) UUID, as mlx_lm.server's ids use.
-fn uuid4() -> String {
+pub(crate) fn uuid4() -> String {
     let mut b: [u8; 16] = rand::rng().random();
     b[6] = (b[6] & 0x0f) | 0x40;
     b[8] = (b[8] & 0x3f) | 0x80;

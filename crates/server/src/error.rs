@@ -142,15 +142,33 @@ impl ApiError {
             "code": self.code,
         }})
     }
-}
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = self.body().to_string();
+    /// The body in the Anthropic Messages API's shape, its `type` following the status.
+    pub fn anthropic_body(&self) -> Value {
+        let kind = match self.status {
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
+            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+            StatusCode::SERVICE_UNAVAILABLE => "overloaded_error",
+            StatusCode::GATEWAY_TIMEOUT => "timeout_error",
+            status if status.is_client_error() => "invalid_request_error",
+            _ => "api_error",
+        };
+        json!({"type": "error", "error": {"type": kind, "message": self.message}})
+    }
+
+    /// The response of the Anthropic routes: [`Self::anthropic_body`], status and headers as
+    /// any other.
+    pub fn into_anthropic_response(self) -> Response {
+        self.response(&self.anthropic_body())
+    }
+
+    fn response(&self, body: &Value) -> Response {
         let mut response = (
             self.status,
             [(header::CONTENT_TYPE, "application/json")],
-            body,
+            body.to_string(),
         )
             .into_response();
         if let Some(seconds) = self.retry_after {
@@ -159,6 +177,12 @@ impl IntoResponse for ApiError {
                 .insert(header::RETRY_AFTER, header::HeaderValue::from(seconds));
         }
         response
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        self.response(&self.body())
     }
 }
 

@@ -1,17 +1,22 @@
 //! `oxlm serve`: an HTTP server with the OpenAI API that mlx_lm.server (mlx-lm 0.32.2) offers,
 //! over the oxlm runtime: `POST /v1/chat/completions` and `/v1/completions` (JSON or SSE
-//! streams), `GET /v1/models` and `GET /health`; and for orchestrators, `GET /ready`,
-//! `GET /metrics` (Prometheus, under vLLM's names) and `GET /stats`.
+//! streams), `GET /v1/models` and `GET /health`; the APIs agents speak: OpenAI's Responses
+//! (`/v1/responses`), Anthropic's Messages (`/v1/messages`) and embeddings (`/v1/embeddings`);
+//! and for orchestrators, `GET /ready`, `GET /metrics` (Prometheus, under vLLM's names) and
+//! `GET /stats`.
 //!
 //! Everything HTTP lives here: request validation, response and error shapes, streaming, tool
-//! call and reasoning parsing, per-request LoRA adapters (mlx_lm.server's `adapters` field,
+//! call and reasoning parsing, structured output (`response_format` and `tool_choice` as
+//! grammars), per-request LoRA adapters (mlx_lm.server's `adapters` field,
 //! resolved inside one adapter directory), request log lines, metrics, serving while the model
 //! loads ([`Loading`]) and graceful shutdown. Generation itself runs on one dedicated thread
 //! ([`worker`]), fed in arrival order, which decodes the requests of one adapter together.
 
+mod anthropic;
 mod api;
 mod body;
 mod connections;
+mod embeddings;
 pub mod error;
 mod loading;
 mod log;
@@ -19,16 +24,22 @@ mod metrics;
 pub mod parsers;
 /// Request bodies parsed and checked into what generation takes (public for the fuzz targets).
 pub mod request;
+mod response_store;
+mod responses;
+mod sse;
+mod structured;
 mod worker;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use oxlm_engine::{Device, KvPrecision};
 use oxlm_runtime::adapter_store::{Adapter, AdapterStore};
+use oxlm_runtime::constraint::Grammars;
+use oxlm_runtime::embed::{EmbedError, Embedder};
 use oxlm_runtime::generate::DEFAULT_PREFILL_STEP;
 use oxlm_runtime::generation_config::SamplingDefaults;
 use oxlm_runtime::{LoadedModel, RuntimeError};
@@ -41,6 +52,7 @@ use crate::connections::ConnectionLimits;
 use crate::metrics::{Readiness, Telemetry};
 use crate::parsers::ToolFormat;
 use crate::request::Defaults;
+use crate::response_store::{ResponseStore, StoreLimits};
 use crate::worker::Worker;
 
 /// Server settings; `Default` gives mlx_lm.server's defaults.
@@ -102,6 +114,12 @@ pub struct Settings {
     pub adapters_dir: Option<PathBuf>,
     /// Most adapters from `adapters_dir` kept loaded.
     pub adapter_cache_size: usize,
+    /// Limits of the Responses API's store (what `previous_response_id` and
+    /// `GET /v1/responses/{id}` find): responses, bytes of them as JSON, and how long one is
+    /// kept after it was last used. The least recently used go first.
+    pub response_store_size: usize,
+    pub response_store_bytes: usize,
+    pub response_store_ttl: Duration,
     /// `Info` and `Debug` print the startup, shutdown and per-request lines; higher levels do not.
     pub log_level: LogLevel,
     /// How long requests in progress may run on after a shutdown signal before being cancelled.
@@ -185,6 +203,9 @@ impl Default for Settings {
             adapter_path: None,
             adapters_dir: None,
             adapter_cache_size: 8,
+            response_store_size: 1000,
+            response_store_bytes: 256_000_000,
+            response_store_ttl: Duration::from_secs(3600),
             log_level: LogLevel::Info,
             shutdown_grace: Duration::from_secs(5),
             device: Device::Cpu,
@@ -207,13 +228,29 @@ struct AppState {
     default_adapter: Option<Arc<Adapter>>,
     /// Loaded on demand; one load at a time.
     adapters: Option<Mutex<AdapterStore>>,
+    /// Responses kept for `previous_response_id` and `GET /v1/responses/{id}`.
+    responses: ResponseStore,
     worker: Worker,
     telemetry: Arc<Telemetry>,
+    /// The grammar compiler for structured output, made when a request first needs it.
+    grammars: OnceLock<Grammars>,
+    /// How the model embeds (`/v1/embeddings`), or why it cannot.
+    embedder: Result<Embedder, EmbedError>,
 }
 
 impl AppState {
     fn readiness(&self) -> Readiness {
         self.telemetry.readiness(self.worker.is_alive())
+    }
+
+    /// The grammar compiler over the model's vocabulary (walking it takes a moment, so only
+    /// servers that get structured requests pay for it).
+    fn grammars(&self) -> Result<&Grammars, ApiError> {
+        if let Some(grammars) = self.grammars.get() {
+            return Ok(grammars);
+        }
+        let grammars = (self.model.grammars()).map_err(|e| ApiError::server(e.to_string()))?;
+        Ok(self.grammars.get_or_init(|| grammars))
     }
 }
 
@@ -244,20 +281,22 @@ impl Server {
         let model = Arc::new(model);
         let model_dir = model.dir.as_path();
         let recommended = SamplingDefaults::from_dir(model_dir)?;
+        let embedder = Embedder::from_dir(model_dir);
         let mut xtc_special_tokens = model
             .tokenizer
             .encode("\n", false)
             .map_err(RuntimeError::from)?;
         xtc_special_tokens.extend(&model.eos_ids);
+        let mlx = Defaults::default();
         let defaults = Defaults {
             max_tokens: settings.max_tokens,
             temperature: settings
                 .temperature
                 .or(recommended.temperature)
-                .unwrap_or(0.0),
-            top_p: settings.top_p.or(recommended.top_p).unwrap_or(1.0),
-            top_k: settings.top_k.or(recommended.top_k).unwrap_or(0),
-            min_p: settings.min_p.or(recommended.min_p).unwrap_or(0.0),
+                .unwrap_or(mlx.temperature),
+            top_p: settings.top_p.or(recommended.top_p).unwrap_or(mlx.top_p),
+            top_k: settings.top_k.or(recommended.top_k).unwrap_or(mlx.top_k),
+            min_p: settings.min_p.or(recommended.min_p).unwrap_or(mlx.min_p),
             repetition_penalty: recommended.repetition_penalty,
             xtc_special_tokens,
         };
@@ -285,6 +324,11 @@ impl Server {
             )?)),
             None => None,
         };
+        let responses = ResponseStore::new(StoreLimits {
+            entries: settings.response_store_size,
+            bytes: settings.response_store_bytes,
+            max_idle: settings.response_store_ttl,
+        });
         let worker = Worker::spawn(model.clone(), &settings, telemetry.clone())?;
         Ok(Server {
             state: Arc::new(AppState {
@@ -297,8 +341,11 @@ impl Server {
                 think,
                 default_adapter,
                 adapters,
+                responses,
                 worker,
                 telemetry,
+                grammars: OnceLock::new(),
+                embedder,
             }),
         })
     }

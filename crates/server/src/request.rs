@@ -23,6 +23,22 @@ pub struct Defaults {
     pub xtc_special_tokens: Vec<u32>,
 }
 
+impl Default for Defaults {
+    /// mlx-lm's: mlx_lm.server's 512 tokens, greedy sampling, no top-p, top-k or min-p filter, no
+    /// repetition penalty.
+    fn default() -> Self {
+        Defaults {
+            max_tokens: 512,
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: None,
+            xtc_special_tokens: Vec::new(),
+        }
+    }
+}
+
 /// The most alternatives a token's `top_logprobs` may list (OpenAI's limit).
 const MAX_TOP_LOGPROBS: u64 = 20;
 
@@ -65,6 +81,37 @@ pub struct ChatRequest {
     pub template_kwargs: Map<String, Value>,
     /// mlx_lm.server's prompt format for models without a chat template.
     pub role_mapping: Option<Map<String, Value>>,
+    /// Whether and which tools the reply must call.
+    pub tool_choice: ToolChoice,
+    /// The shape the reply's content must have.
+    pub response_format: ResponseFormat,
+}
+
+/// OpenAI's `tool_choice` (Anthropic's `auto`/`any`/`tool`/`none` map onto it): what calls
+/// the reply must make, enforced while it is generated.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub enum ToolChoice {
+    /// Text or calls, as the model chooses.
+    #[default]
+    Auto,
+    /// No calls: the tools are not shown to the model.
+    None,
+    /// At least one call, of any of the tools.
+    Required,
+    /// A call of this tool.
+    Function(String),
+}
+
+/// OpenAI's `response_format` (the Responses API's `text.format`): what the reply's content
+/// must be, enforced while it is generated.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub enum ResponseFormat {
+    #[default]
+    Text,
+    /// Any JSON object.
+    JsonObject,
+    /// JSON valid under `schema`.
+    JsonSchema { name: String, schema: Value },
 }
 
 #[derive(Debug, Clone)]
@@ -121,20 +168,141 @@ pub fn chat_request(
             ))
         }
     };
-    let tool_choice_none = fields.get("tool_choice") == Some(&Value::from("none"));
+    let tool_choice = tool_choice(fields.get("tool_choice"))?;
     let tools = match fields.get("tools") {
-        Some(Value::Array(list)) if list.is_empty() || tool_choice_none => None,
+        Some(Value::Array(list)) if list.is_empty() || tool_choice == ToolChoice::None => None,
         Some(tools @ Value::Array(_)) => Some(tools.clone()),
         Some(_) => return Err(ApiError::invalid_param("tools", "`tools` must be an array")),
         None => None,
     };
+    check_tool_choice(&tool_choice, tools.as_ref(), "tool_choice")?;
     Ok(ChatRequest {
         params,
         messages,
         tools,
         template_kwargs: fields.object("chat_template_kwargs")?.unwrap_or_default(),
         role_mapping: fields.object("role_mapping")?,
+        tool_choice,
+        response_format: response_format(fields.get("response_format"))?,
     })
+}
+
+/// Chat completions' `tool_choice`: `"auto"`, `"none"`, `"required"` or
+/// `{"type": "function", "function": {"name": ...}}`.
+fn tool_choice(value: Option<&Value>) -> Result<ToolChoice, ApiError> {
+    openai_tool_choice(
+        value,
+        "/function/name",
+        "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+    )
+}
+
+/// An OpenAI API's `tool_choice`: `"auto"`, `"none"`, `"required"` or `{"type": "function", ..}`
+/// with the function's name at `name_pointer`; `named_form` is that object as errors show it.
+pub(crate) fn openai_tool_choice(
+    value: Option<&Value>,
+    name_pointer: &str,
+    named_form: &str,
+) -> Result<ToolChoice, ApiError> {
+    let bad = || {
+        ApiError::invalid_param(
+            "tool_choice",
+            format!("`tool_choice` must be \"auto\", \"none\", \"required\" or {named_form}"),
+        )
+    };
+    match value {
+        None => Ok(ToolChoice::Auto),
+        Some(Value::String(choice)) => match choice.as_str() {
+            "auto" => Ok(ToolChoice::Auto),
+            "none" => Ok(ToolChoice::None),
+            "required" => Ok(ToolChoice::Required),
+            _ => Err(bad()),
+        },
+        Some(choice) if choice["type"] == "function" => choice
+            .pointer(name_pointer)
+            .and_then(Value::as_str)
+            .map(|name| ToolChoice::Function(name.to_owned()))
+            .ok_or_else(bad),
+        Some(_) => Err(bad()),
+    }
+}
+
+/// The name of an OpenAI-format tool (`{"type": "function", "function": {"name": ...}}`).
+pub fn tool_name(tool: &Value) -> Option<&str> {
+    tool.pointer("/function/name").and_then(Value::as_str)
+}
+
+/// A choice that needs a call needs tools to call, and a named one must be among them.
+pub fn check_tool_choice(
+    choice: &ToolChoice,
+    tools: Option<&Value>,
+    param: &str,
+) -> Result<(), ApiError> {
+    let names: Vec<&str> = tools
+        .and_then(Value::as_array)
+        .map(|tools| tools.iter().filter_map(tool_name).collect())
+        .unwrap_or_default();
+    match choice {
+        ToolChoice::Required if names.is_empty() => Err(ApiError::invalid_param(
+            param,
+            "a tool call is required but the request gives no tools",
+        )),
+        ToolChoice::Function(name) if !names.contains(&name.as_str()) => Err(
+            ApiError::invalid_param(param, format!("`{name}` is not one of the request's tools")),
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// OpenAI's `response_format`: `{"type": "text"}`, `{"type": "json_object"}` or
+/// `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`.
+fn response_format(value: Option<&Value>) -> Result<ResponseFormat, ApiError> {
+    let Some(value) = value else {
+        return Ok(ResponseFormat::Text);
+    };
+    match value.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(ResponseFormat::Text),
+        Some("json_object") => Ok(ResponseFormat::JsonObject),
+        Some("json_schema") => {
+            let spec = value.get("json_schema").ok_or_else(|| {
+                ApiError::invalid_param(
+                    "response_format.json_schema",
+                    "a `json_schema` response format needs its `json_schema` object",
+                )
+            })?;
+            json_schema_format(spec, "response_format.json_schema")
+        }
+        _ => Err(ApiError::invalid_param(
+            "response_format.type",
+            "`response_format.type` must be \"text\", \"json_object\" or \"json_schema\"",
+        )),
+    }
+}
+
+/// A named schema (`{"name": ..., "schema": {...}}`, as OpenAI's `json_schema` and the
+/// Responses API's `text.format` give it). A missing schema allows any JSON.
+pub fn json_schema_format(spec: &Value, param: &str) -> Result<ResponseFormat, ApiError> {
+    let name = match spec.get("name") {
+        None | Some(Value::Null) => "response".to_owned(),
+        Some(Value::String(name)) => name.clone(),
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                &format!("{param}.name"),
+                "the schema's `name` must be a string",
+            ))
+        }
+    };
+    let schema = match spec.get("schema") {
+        None | Some(Value::Null) => Value::Object(Map::new()),
+        Some(schema @ (Value::Object(_) | Value::Bool(_))) => schema.clone(),
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                &format!("{param}.schema"),
+                "the `schema` must be a JSON Schema object",
+            ))
+        }
+    };
+    Ok(ResponseFormat::JsonSchema { name, schema })
 }
 
 pub fn completion_request(
@@ -171,7 +339,11 @@ pub fn completion_request(
     Ok(CompletionRequest { params, prompt })
 }
 
-fn params(fields: &Fields, defaults: &Defaults, legacy_logprobs: bool) -> Result<Params, ApiError> {
+pub(crate) fn params(
+    fields: &Fields,
+    defaults: &Defaults,
+    legacy_logprobs: bool,
+) -> Result<Params, ApiError> {
     if let Some(n) = fields.get("n") {
         if n.as_u64() != Some(1) {
             return Err(ApiError::invalid_param("n", "Only n = 1 is supported"));
@@ -251,7 +423,7 @@ fn params(fields: &Fields, defaults: &Defaults, legacy_logprobs: bool) -> Result
         include_usage,
         max_tokens: max_tokens.try_into().unwrap_or(usize::MAX),
         sampler,
-        stop: fields.stop()?,
+        stop: fields.stop("stop")?,
         logprobs: logprobs || top_logprobs > 0,
         top_logprobs: top_logprobs as usize,
         adapter: fields.string("adapters")?,
@@ -260,7 +432,7 @@ fn params(fields: &Fields, defaults: &Defaults, legacy_logprobs: bool) -> Result
 
 /// mlx_lm.server's `process_message_content`: text parts joined, a null content made empty,
 /// and tool-call arguments given as JSON text parsed for the template.
-fn normalize_message(index: usize, message: &Value) -> Result<Value, ApiError> {
+pub fn normalize_message(index: usize, message: &Value) -> Result<Value, ApiError> {
     let param = format!("messages[{index}]");
     let Value::Object(message) = message else {
         return Err(ApiError::invalid_param(
@@ -319,14 +491,14 @@ fn normalize_message(index: usize, message: &Value) -> Result<Value, ApiError> {
 }
 
 /// Typed access to the fields of a request body; `null` counts as unset.
-struct Fields<'a>(&'a Map<String, Value>);
+pub(crate) struct Fields<'a>(pub(crate) &'a Map<String, Value>);
 
 impl Fields<'_> {
-    fn get(&self, name: &str) -> Option<&Value> {
+    pub(crate) fn get(&self, name: &str) -> Option<&Value> {
         self.0.get(name).filter(|v| !v.is_null())
     }
 
-    fn bool(&self, name: &str) -> Result<Option<bool>, ApiError> {
+    pub(crate) fn bool(&self, name: &str) -> Result<Option<bool>, ApiError> {
         self.get(name)
             .map(|v| {
                 v.as_bool().ok_or_else(|| {
@@ -336,7 +508,7 @@ impl Fields<'_> {
             .transpose()
     }
 
-    fn string(&self, name: &str) -> Result<Option<String>, ApiError> {
+    pub(crate) fn string(&self, name: &str) -> Result<Option<String>, ApiError> {
         self.get(name)
             .map(|v| {
                 v.as_str().map(str::to_owned).ok_or_else(|| {
@@ -346,7 +518,7 @@ impl Fields<'_> {
             .transpose()
     }
 
-    fn uint(&self, name: &str, min: u64) -> Result<Option<u64>, ApiError> {
+    pub(crate) fn uint(&self, name: &str, min: u64) -> Result<Option<u64>, ApiError> {
         let Some(v) = self.get(name) else {
             return Ok(None);
         };
@@ -371,12 +543,12 @@ impl Fields<'_> {
     }
 
     /// A number from `min` to `max`.
-    fn number(&self, name: &str, min: f32, max: f32) -> Result<Option<f32>, ApiError> {
+    pub(crate) fn number(&self, name: &str, min: f32, max: f32) -> Result<Option<f32>, ApiError> {
         self.bounded(name, None, min, max)
     }
 
     /// 0, which has a meaning of its own (`zero_means`), or a number from `min` to `max`.
-    fn number_or_zero(
+    pub(crate) fn number_or_zero(
         &self,
         name: &str,
         zero_means: &str,
@@ -413,7 +585,7 @@ impl Fields<'_> {
         ))
     }
 
-    fn object(&self, name: &str) -> Result<Option<Map<String, Value>>, ApiError> {
+    pub(crate) fn object(&self, name: &str) -> Result<Option<Map<String, Value>>, ApiError> {
         match self.get(name) {
             Some(Value::Object(map)) => Ok(Some(map.clone())),
             Some(_) => Err(ApiError::invalid_param(
@@ -424,15 +596,20 @@ impl Fields<'_> {
         }
     }
 
-    fn stop(&self) -> Result<Vec<String>, ApiError> {
-        let bad =
-            || ApiError::invalid_param("stop", "`stop` must be a string or a list of strings");
-        match self.get("stop") {
+    /// Stop strings (OpenAI's `stop`, Anthropic's `stop_sequences`).
+    pub(crate) fn stop(&self, name: &str) -> Result<Vec<String>, ApiError> {
+        let bad = || {
+            ApiError::invalid_param(
+                name,
+                format!("`{name}` must be a string or a list of strings"),
+            )
+        };
+        match self.get(name) {
             None => Ok(Vec::new()),
             Some(Value::String(s)) => Ok(vec![s.clone()]),
             // Every stop string is searched for at every token, so their number is bounded.
             Some(Value::Array(list)) if list.len() > MAX_STOP => Err(ApiError::invalid_param(
-                "stop",
+                name,
                 format!("At most {MAX_STOP} stop strings are supported"),
             )),
             Some(Value::Array(list)) => list
@@ -488,20 +665,8 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn defaults() -> Defaults {
-        Defaults {
-            max_tokens: 512,
-            temperature: 0.0,
-            top_p: 1.0,
-            top_k: 0,
-            min_p: 0.0,
-            repetition_penalty: None,
-            xtc_special_tokens: vec![],
-        }
-    }
-
     fn chat(body: Value) -> Result<ChatRequest, ApiError> {
-        chat_request(body.as_object().unwrap(), &defaults())
+        chat_request(body.as_object().unwrap(), &Defaults::default())
     }
 
     #[test]
@@ -627,7 +792,8 @@ mod tests {
 
     #[test]
     fn completion_prompts_and_legacy_logprobs() {
-        let parse = |body: Value| completion_request(body.as_object().unwrap(), &defaults());
+        let parse =
+            |body: Value| completion_request(body.as_object().unwrap(), &Defaults::default());
         let r = parse(json!({"prompt": "hi", "logprobs": 3})).unwrap();
         assert_eq!(r.prompt, Prompt::Text("hi".into()));
         assert!(r.params.logprobs && r.params.top_logprobs == 3);

@@ -9,8 +9,9 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use oxlm_models::LanguageModel;
 use oxlm_runtime::adapter_store::Adapter;
-use oxlm_runtime::batcher::{Batcher, BatcherSettings, Job, JobError, Requester, Update};
+use oxlm_runtime::batcher::{Batcher, BatcherSettings, Job, JobError, Requester, Update, Work};
 use oxlm_runtime::{GenerateOptions, LoadedModel, StreamOptions};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::watch;
@@ -84,7 +85,7 @@ impl Drop for Running {
 
 /// Handle to the generation thread.
 pub struct Worker {
-    jobs: mpsc::Sender<Job>,
+    jobs: mpsc::Sender<Work>,
     thread: JoinHandle<()>,
     /// Set when the server shuts down: every job, running or queued, ends with an error.
     shutdown: Arc<AtomicBool>,
@@ -112,7 +113,7 @@ impl Worker {
         serving: &Settings,
         telemetry: Arc<Telemetry>,
     ) -> std::io::Result<Self> {
-        let (jobs, queue) = mpsc::channel::<Job>();
+        let (jobs, queue) = mpsc::channel::<Work>();
         let shutdown = Arc::new(AtomicBool::new(false));
         let decode_concurrency = serving.decode_concurrency;
         let settings = BatcherSettings {
@@ -204,8 +205,32 @@ impl Worker {
             deadline,
         };
         self.jobs
-            .send(job)
+            .send(job.into())
             .map_err(|_| ApiError::unavailable("the generation thread has stopped"))?;
         Ok(running)
+    }
+
+    /// Runs `task` on the generation thread, between two decoding steps (a GPU's stream and its
+    /// step recordings are that thread's alone), unless its request has gone by then.
+    pub async fn run<T: Send + 'static>(
+        &self,
+        task: impl FnOnce(&dyn LanguageModel) -> T + Send + 'static,
+    ) -> Result<T, ApiError> {
+        if self.shutdown.load(Ordering::Relaxed) {
+            return Err(JobError::ShuttingDown.into());
+        }
+        let (reply, result) = tokio::sync::oneshot::channel();
+        let task = Box::new(move |model: &dyn LanguageModel| {
+            if !reply.is_closed() {
+                let _ = reply.send(task(model));
+            }
+        });
+        self.jobs
+            .send(Work::Run(task))
+            .map_err(|_| ApiError::unavailable("the generation thread has stopped"))?;
+        // The reply is dropped unsent where the task panicked.
+        result
+            .await
+            .map_err(|_| ApiError::server("the model failed on the generation thread"))
     }
 }

@@ -1,50 +1,26 @@
 """Drives a real `oxlm serve` on a tiny fixture model with the official `openai` Python SDK.
 usage: openai_sdk.py OXLM_BINARY   (scripts/test.sh runs it in a venv that has `openai`)
 Prints one line per check and a closing 'N passed, N failed' line; exits 1 on any failure."""
-import json, os, socket, subprocess, sys, time, urllib.request
+import json
 
 import openai
 
-ROOT = os.path.dirname(os.path.abspath(__file__)) + "/../../../.."
-MODEL = f"{ROOT}/tests/fixtures/tiny/llama-8bit-g32"
+import serving
+
+MODEL = serving.TINY_MODEL
 GOLDEN = json.load(open(f"{MODEL}/golden.json"))
 MESSAGES = GOLDEN["messages"]
 # The LoRA fixtures mlx-lm made for this tiny model (llama-4bit-g64-r4 among them).
-ADAPTER_MODEL = f"{ROOT}/tests/fixtures/tiny/llama-4bit-g64"
-ADAPTERS = f"{ROOT}/tests/fixtures/lora"
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+ADAPTER_MODEL = f"{serving.FIXTURES}/tiny/llama-4bit-g64"
+ADAPTERS = f"{serving.FIXTURES}/lora"
 
 def start(model, *flags):
     """An `oxlm serve` of `model` on a free port, once healthy, and a client for it."""
-    port = free_port()
-    process = subprocess.Popen([sys.argv[1], "serve", "--model", model, "--port", str(port), *flags],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(f"{base}/health", timeout=1)
-            break
-        except OSError:
-            time.sleep(0.1)
+    process, base = serving.serve(model, *flags)
     return process, openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
 
 server, client = start(MODEL)
 adapter_server, adapter_client = start(ADAPTER_MODEL, "--adapters-dir", ADAPTERS)
-passed, failed = 0, 0
-
-def check(name, fn):
-    global passed, failed
-    try:
-        fn()
-        passed += 1
-        print(f"ok   {name}")
-    except Exception as e:  # a failed check is reported, the others still run
-        failed += 1
-        print(f"FAIL {name}: {e!r}")
 
 def chat_plain_and_stream():
     r = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=16, temperature=0)
@@ -114,21 +90,11 @@ def adapters_per_request():
     listed = adapter_client.models.list().data[0]
     assert "llama-4bit-g64-r4" in listed.adapters, listed
 
-try:
-    for name, fn in [("chat, plain and streamed", chat_plain_and_stream),
-                     ("completions with logprobs", completions_and_logprobs),
-                     ("stop string across tokens", stop_string_across_tokens),
-                     ("prompt cache on a second turn", prompt_cache_second_turn),
-                     ("errors as OpenAI objects", errors_are_openai_objects),
-                     ("models list", models_list),
-                     ("adapters chosen per request", adapters_per_request)]:
-        check(name, fn)
-finally:
-    for process in (server, adapter_server):
-        process.terminate()
-        # SIGTERM is a graceful shutdown: exit status 0.
-        if process.wait(timeout=10) != 0:
-            failed += 1
-            print(f"FAIL exit status {process.returncode} after SIGTERM")
-print(f"{passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+with serving.Checks(server, adapter_server) as checks:
+    checks.run([("chat, plain and streamed", chat_plain_and_stream),
+                ("completions with logprobs", completions_and_logprobs),
+                ("stop string across tokens", stop_string_across_tokens),
+                ("prompt cache on a second turn", prompt_cache_second_turn),
+                ("errors as OpenAI objects", errors_are_openai_objects),
+                ("models list", models_list),
+                ("adapters chosen per request", adapters_per_request)])

@@ -3,12 +3,13 @@ parser (`prometheus_client.parser.text_string_to_metric_families`), as scrapers 
 /metrics read it, after a few requests whose counts the checks expect exactly.
 usage: prometheus_scrape.py OXLM_BINARY   (scripts/test.sh runs it in a venv that has prometheus_client)
 Prints one line per check and a closing 'N passed, N failed' line; exits 1 on any failure."""
-import json, os, socket, subprocess, sys, time, urllib.request
+import json, time, urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = os.path.dirname(os.path.abspath(__file__)) + "/../../../.."
-MODEL = f"{ROOT}/tests/fixtures/tiny/llama-8bit-g32"
+import serving
+
+MODEL = serving.TINY_MODEL
 GOLDEN = json.load(open(f"{MODEL}/golden.json"))
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 BUCKETS = {
@@ -34,11 +35,6 @@ FAMILIES = {
     **{name: "histogram" for name in BUCKETS},
 }
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 def fetch(path, body=None):
     """(status, content type, text) of a GET, or of a POST of `body` as JSON."""
     data = None if body is None else json.dumps(body).encode()
@@ -61,30 +57,9 @@ def chat(**fields):
     finish = next(c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"])
     return finish, chunks[-1]["usage"]
 
-port = free_port()
-BASE = f"http://127.0.0.1:{port}"
-server = subprocess.Popen([sys.argv[1], "serve", "--model", MODEL, "--port", str(port)],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-passed, failed = 0, 0
+server, BASE = serving.serve(MODEL, ready="/ready")
 
-def check(name, fn):
-    global passed, failed
-    try:
-        fn()
-        passed += 1
-        print(f"ok   {name}")
-    except Exception as e:  # a failed check is reported, the others still run
-        failed += 1
-        print(f"FAIL {name}: {e!r}")
-
-try:
-    for _ in range(300):
-        try:
-            if fetch("/ready")[0] == 200:
-                break
-        except OSError:
-            pass
-        time.sleep(0.1)
+with serving.Checks(server) as checks:
     model_id = json.loads(fetch("/v1/models")[2])["data"][0]["id"]
     stop = GOLDEN["greedy_text"][3:7]
     replies = [chat(max_tokens=8), chat(max_tokens=4, stream=True, stream_options={"include_usage": True}),
@@ -152,20 +127,11 @@ try:
         assert fetch("/ready")[::2] == (200, '{"status":"ready"}'), fetch("/ready")
         assert fetch("/health")[::2] == (200, '{"status":"ok"}'), fetch("/health")
 
-    for name, fn in [("/metrics served as Prometheus text", scraped),
-                     ("vLLM's families and types", families_and_types),
-                     ("every sample labelled with the model", labelled_with_the_model),
-                     ("counters", counters),
-                     ("histograms on vLLM's buckets", histograms),
-                     ("gauges at rest", gauges_at_rest),
-                     ("/stats agrees", stats_agree),
-                     ("readiness and liveness", probes)]:
-        check(name, fn)
-finally:
-    server.terminate()
-    # SIGTERM is a graceful shutdown: exit status 0.
-    if server.wait(timeout=10) != 0:
-        failed += 1
-        print(f"FAIL exit status {server.returncode} after SIGTERM")
-print(f"{passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+    checks.run([("/metrics served as Prometheus text", scraped),
+                ("vLLM's families and types", families_and_types),
+                ("every sample labelled with the model", labelled_with_the_model),
+                ("counters", counters),
+                ("histograms on vLLM's buckets", histograms),
+                ("gauges at rest", gauges_at_rest),
+                ("/stats agrees", stats_agree),
+                ("readiness and liveness", probes)])

@@ -1,0 +1,639 @@
+//! Structured output, enforced: a chat request's `response_format` and `tool_choice` become the
+//! grammar its reply is generated under ([`oxlm_runtime::constraint`]), so that the reply
+//! always parses: JSON valid under the schema, or calls of the request's tools in the model's
+//! own tool-call format, which the output parser then reads back. Reasoning may come first,
+//! unconstrained, as vLLM lets it. A schema the grammar engine cannot enforce is a 400 naming
+//! what it cannot, never a reply that ignores it.
+
+use oxlm_runtime::constraint::{compact_json_schema, Grammar, Grammars};
+use serde_json::{json, Value};
+
+use crate::error::ApiError;
+use crate::parsers::ToolFormat;
+use crate::request::{tool_name, ChatRequest, ResponseFormat, ToolChoice};
+
+/// What the reply looks like around what is enforced.
+pub(crate) struct Markup<'a> {
+    pub format: ToolFormat,
+    /// The model's reasoning markers.
+    pub think: Option<(&'a str, &'a str)>,
+    /// The prompt opened a reasoning block that the reply continues.
+    pub in_reasoning: bool,
+}
+
+/// Whether `req` asks for anything to be enforced.
+pub(crate) fn enforces(req: &ChatRequest) -> bool {
+    matches!(
+        req.tool_choice,
+        ToolChoice::Required | ToolChoice::Function(_)
+    ) || req.response_format != ResponseFormat::Text
+}
+
+/// The field a grammar that cannot be enforced came from.
+pub(crate) fn param(req: &ChatRequest) -> &'static str {
+    if req.response_format != ResponseFormat::Text {
+        "response_format"
+    } else {
+        "tool_choice"
+    }
+}
+
+/// Refuses a schema the engine cannot enforce, naming the field it came from: checked alone,
+/// so that the message speaks of the schema rather than the grammar around it.
+pub(crate) fn check_schemas(req: &ChatRequest, grammars: &Grammars) -> Result<(), ApiError> {
+    let check = |schema: &Value, param: &str| {
+        grammars
+            .constraint(&Grammar::JsonSchema(schema.clone()))
+            .map(drop)
+            .map_err(|e| ApiError::invalid_param(param, e.to_string()))
+    };
+    if let ResponseFormat::JsonSchema { schema, .. } = &req.response_format {
+        check(schema, "response_format")?;
+    }
+    if matches!(
+        req.tool_choice,
+        ToolChoice::Required | ToolChoice::Function(_)
+    ) {
+        let tools = req.tools.as_ref().and_then(Value::as_array);
+        for (i, tool) in tools.into_iter().flatten().enumerate() {
+            if let Some(parameters) = tool.pointer("/function/parameters") {
+                check(parameters, &format!("tools[{i}].function.parameters"))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The grammar the reply to `req` (one that [`enforces`] something) must follow.
+pub(crate) fn reply_grammar(req: &ChatRequest, markup: &Markup, grammars: &Grammars) -> Grammar {
+    let tools: Vec<&Value> = req
+        .tools
+        .as_ref()
+        .and_then(Value::as_array)
+        .map(|tools| tools.iter().collect())
+        .unwrap_or_default();
+    let lark = Lark { grammars };
+    let calls = match &req.tool_choice {
+        ToolChoice::Required => Some(lark.calls(markup.format, &tools, true)),
+        ToolChoice::Function(name) => {
+            let tool: Vec<&Value> = tools
+                .iter()
+                .copied()
+                .filter(|t| tool_name(t) == Some(name))
+                .collect();
+            Some(lark.calls(markup.format, &tool, false))
+        }
+        ToolChoice::Auto | ToolChoice::None => None,
+    };
+    let content = match &req.response_format {
+        ResponseFormat::Text => None,
+        ResponseFormat::JsonObject => Some(json_rule(&any_object())),
+        ResponseFormat::JsonSchema { schema, .. } => Some(json_rule(schema)),
+    };
+    let body = match (calls, content) {
+        (Some(calls), _) => calls,
+        // Free to call a tool instead of answering (`tool_choice: auto`), as OpenAI allows.
+        (None, Some(content)) if !tools.is_empty() && req.tool_choice == ToolChoice::Auto => {
+            format!("{content} | {}", lark.calls(markup.format, &tools, true))
+        }
+        (None, Some(content)) => content,
+        (None, None) => unreachable!("reply_grammar is only asked of requests that enforce"),
+    };
+    let (reasoning, reasoning_rules) = lark.reasoning(markup);
+    Grammar::Lark(format!(
+        "start: {reasoning} body\nbody: {body}\n{reasoning_rules}{}",
+        lark.call_rules(markup.format)
+    ))
+}
+
+/// Any JSON object, spelled out so that its numbers get [`compact_json_schema`]'s bounds (the
+/// engine's own "any value" has none).
+fn any_object() -> Value {
+    let value = json!({"$ref": "#/$defs/value"});
+    json!({
+        "type": "object",
+        "additionalProperties": value,
+        "$defs": {"value": {"anyOf": [
+            {"type": ["null", "boolean", "number", "string"]},
+            {"type": "array", "items": value},
+            {"type": "object", "additionalProperties": value},
+        ]}},
+    })
+}
+
+/// `%json {schema}`, written compactly (see [`compact_json_schema`]).
+fn json_rule(schema: &Value) -> String {
+    format!("%json {}", compact_json_schema(schema))
+}
+
+/// Builds Lark text for one vocabulary.
+struct Lark<'a> {
+    grammars: &'a Grammars,
+}
+
+impl Lark<'_> {
+    /// `text` as the grammar must spell it: a special token by name, else a string literal.
+    fn literal(&self, text: &str) -> String {
+        if self.grammars.is_special_token(text) {
+            text.to_owned()
+        } else {
+            Value::from(text).to_string()
+        }
+    }
+
+    /// Free text up to and including `end`.
+    fn text_until(&self, name: &str, end: &str) -> String {
+        format!("{name}[suffix={}]: /(.|\\n)*/\n", self.literal(end))
+    }
+
+    /// What may come before the body: the rest of a reasoning block the prompt opened, a whole
+    /// block if the model may open one, then the blank lines models write after one.
+    fn reasoning(&self, markup: &Markup) -> (String, String) {
+        let Some((open, close)) = markup.think else {
+            return (String::new(), String::new());
+        };
+        let rules = format!("{}gap: /\\n{{0,2}}/\n", self.text_until("thought", close));
+        let start = if markup.in_reasoning {
+            "thought gap".to_owned()
+        } else {
+            format!("({} thought gap)?", self.literal(open))
+        };
+        (start, rules)
+    }
+
+    /// One call of any of `tools` (a tool being its OpenAI-format object) or, with `several`,
+    /// any number from one, in the model's own format.
+    fn calls(&self, format: ToolFormat, tools: &[&Value], several: bool) -> String {
+        let call = match format {
+            ToolFormat::Hermes => {
+                let schema = call_schema(tools, "arguments");
+                format!(
+                    "{} \"\\n\" {} \"\\n\" {}",
+                    self.literal("<tool_call>"),
+                    json_rule(&schema),
+                    self.literal("</tool_call>")
+                )
+            }
+            // Its calls are bare JSON, one per reply.
+            ToolFormat::Llama3Json => return json_rule(&call_schema(tools, "parameters")),
+            ToolFormat::Qwen3Coder => format!(
+                "{} \"\\n\" ({}) \"</function>\\n\" {}",
+                self.literal("<tool_call>"),
+                alternatives(tools, |name, _| format!(
+                    "\"<function={name}>\\n\" qwen_parameter*"
+                )),
+                self.literal("</tool_call>")
+            ),
+            ToolFormat::Gemma4 => format!(
+                "{} ({}) gemma_arguments",
+                self.literal("<|tool_call>"),
+                alternatives(tools, |name, _| format!("\"call:{name}{{\""))
+            ),
+            ToolFormat::MiniCpm5 => alternatives(tools, |name, tool| {
+                let parameters = keyword_arguments(tool, "", |param, schema| {
+                    // Values of other types than strings as its template writes them, Python's
+                    // `str`; text runs to `</param>`.
+                    let value = match python_typed_rule(schema) {
+                        Some(rule) => format!("{rule} \"</param>\""),
+                        None => "minicpm_value".to_owned(),
+                    };
+                    Some(format!("\"<param name=\\\"{param}\\\">\" {value}"))
+                });
+                format!("\"<function name=\\\"{name}\\\">\" {parameters} \"</function>\"")
+            }),
+            // Mistral's markers are special tokens that Lark names only by id (`<[id]>`), which
+            // `Grammars` does not give: they are spelled out, which the parser reads the same.
+            ToolFormat::MistralJson => {
+                let mut list = json!({"type": "array", "items": call_schema(tools, "arguments"),
+                                      "minItems": 1});
+                if !several {
+                    list["maxItems"] = json!(1);
+                }
+                return format!("\"[TOOL_CALLS]\" {}", json_rule(&list));
+            }
+            ToolFormat::MistralArgs => format!(
+                "\"[TOOL_CALLS]\" ({})",
+                alternatives(tools, |name, tool| format!(
+                    "\"{name}[ARGS]\" {}",
+                    json_rule(&parameters(tool))
+                ))
+            ),
+            // One list holds every call.
+            ToolFormat::Pythonic => {
+                let call = alternatives(tools, |name, tool| {
+                    let arguments = keyword_arguments(tool, "\", \"", |param, schema| {
+                        let value = match schema.get("type").and_then(Value::as_str) {
+                            Some("string") => "py_string",
+                            _ => python_typed_rule(schema).unwrap_or("py_value"),
+                        };
+                        is_python_identifier(param).then(|| format!("\"{param}=\" {value}"))
+                    });
+                    format!("\"{name}(\" {arguments} \")\"")
+                });
+                let calls = if several {
+                    format!("({call}) (\", \" ({call}))*")
+                } else {
+                    call
+                };
+                return format!("\"[\" ({calls}) \"]\"");
+            }
+        };
+        let separator = match format {
+            ToolFormat::Gemma4 | ToolFormat::MistralArgs => "",
+            _ => "\"\\n\" ",
+        };
+        if several {
+            format!("({call}) ({separator}({call}))*")
+        } else {
+            call
+        }
+    }
+
+    /// The rules [`calls`](Self::calls) refers to.
+    fn call_rules(&self, format: ToolFormat) -> String {
+        match format {
+            ToolFormat::Qwen3Coder => format!(
+                "qwen_parameter: \"<parameter=\" /[A-Za-z0-9_.-]+/ \">\\n\" qwen_value\n{}",
+                self.text_until("qwen_value", "\n</parameter>\n")
+            ),
+            ToolFormat::Gemma4 => self.text_until("gemma_arguments", "<tool_call|>"),
+            ToolFormat::MiniCpm5 => format!(
+                "{}{PYTHON_LITERAL_RULES}",
+                self.text_until("minicpm_value", "</param>")
+            ),
+            ToolFormat::Pythonic => PYTHON_LITERAL_RULES.to_owned(),
+            ToolFormat::Hermes
+            | ToolFormat::Llama3Json
+            | ToolFormat::MistralJson
+            | ToolFormat::MistralArgs => String::new(),
+        }
+    }
+}
+
+/// Python literals, as the pythonic format's arguments and MiniCPM5's values other than
+/// strings, written as `repr` writes them (double quotes, `", "` and `": "`), numbers held as
+/// [`compact_json_schema`] holds JSON's.
+const PYTHON_LITERAL_RULES: &str = r#"py_value: py_string | py_number | py_bool | "None" | py_list | py_dict
+py_list: "[" (py_value (", " py_value)*)? "]"
+py_dict: "{" (py_string ": " py_value (", " py_string ": " py_value)*)? "}"
+py_bool: "True" | "False"
+py_string: /"([^"\\\n]|\\["\\nt])*"/
+py_int: /-?(0|[1-9][0-9]{0,15})/
+py_number: /-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,8})?/
+"#;
+
+/// The rule of [`PYTHON_LITERAL_RULES`] for a value of `schema`'s type, but for strings and
+/// types it does not name.
+fn python_typed_rule(schema: &Value) -> Option<&'static str> {
+    match schema.get("type").and_then(Value::as_str)? {
+        "integer" => Some("py_int"),
+        "number" => Some("py_number"),
+        "boolean" => Some("py_bool"),
+        "array" => Some("py_list"),
+        "object" => Some("py_dict"),
+        "null" => Some("\"None\""),
+        _ => None,
+    }
+}
+
+fn is_python_identifier(name: &str) -> bool {
+    name.starts_with(|c: char| c.is_alphabetic() || c == '_')
+        && name.chars().all(|c| c.is_alphanumeric() || c == '_')
+}
+
+/// `a | b | ...` over the tools, each as `rule(name, tool)` (the name escaped for Lark strings).
+fn alternatives(tools: &[&Value], rule: impl Fn(&str, &Value) -> String) -> String {
+    tools
+        .iter()
+        .filter_map(|tool| Some(rule(&lark_escaped(tool_name(tool)?), tool)))
+        .collect::<Vec<_>>()
+        .join(" | ")
+}
+
+/// `text` escaped for a Lark string literal, without the quotes.
+fn lark_escaped(text: &str) -> String {
+    let quoted = Value::from(text).to_string();
+    quoted[1..quoted.len() - 1].to_owned()
+}
+
+/// The arguments of a call of `tool`, each `argument(name, schema)` (the name escaped for Lark
+/// strings; none leaves it out), between `separator`s: in the order of the tool's schema, each
+/// at most once, the required ones always.
+fn keyword_arguments(
+    tool: &Value,
+    separator: &str,
+    argument: impl Fn(&str, &Value) -> Option<String>,
+) -> String {
+    let parameters = parameters(tool);
+    let required: Vec<&str> = parameters["required"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    let arguments: Vec<(String, bool)> = parameters["properties"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter_map(|(name, schema)| {
+            let rule = argument(&lark_escaped(name), schema)?;
+            Some((rule, required.contains(&name.as_str())))
+        })
+        .collect();
+    // Each alternative starts at one argument, those before it left out: up to the first
+    // required one, which cannot be.
+    let rest = |from: usize| -> String {
+        arguments[from..]
+            .iter()
+            .map(|(rule, required)| {
+                if *required {
+                    format!(" {separator} {rule}")
+                } else {
+                    format!(" ({separator} {rule})?")
+                }
+            })
+            .collect()
+    };
+    let mut firsts = Vec::new();
+    for (at, (rule, required)) in arguments.iter().enumerate() {
+        firsts.push(format!("{rule}{}", rest(at + 1)));
+        if *required {
+            break;
+        }
+    }
+    match (
+        firsts.is_empty(),
+        arguments.iter().any(|(_, required)| *required),
+    ) {
+        (true, _) => String::new(),
+        (false, true) => format!("({})", firsts.join(" | ")),
+        (false, false) => format!("({})?", firsts.join(" | ")),
+    }
+}
+
+/// A tool's parameter schema; an object's where it gives none.
+fn parameters(tool: &Value) -> Value {
+    tool.pointer("/function/parameters")
+        .cloned()
+        .unwrap_or_else(|| json!({"type": "object"}))
+}
+
+/// A JSON call of one of `tools`: `{"name": ..., "<arguments>": {...}}`, the arguments under
+/// the tool's parameter schema.
+fn call_schema(tools: &[&Value], arguments: &str) -> Value {
+    let calls: Vec<Value> = tools
+        .iter()
+        .filter_map(|tool| {
+            let name = tool_name(tool)?;
+            Some(json!({
+                "type": "object",
+                "properties": {"name": {"const": name}, arguments: parameters(tool)},
+                "required": ["name", arguments],
+                "additionalProperties": false,
+            }))
+        })
+        .collect();
+    match <[Value; 1]>::try_from(calls) {
+        Ok([call]) => call,
+        Err(calls) => json!({"anyOf": calls}),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use oxlm_runtime::tokenizer::Tokenizer;
+
+    use super::*;
+    use crate::request::{chat_request, Defaults};
+
+    fn tokenizer() -> Tokenizer {
+        let dir = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/fixtures/tiny/tokenizer"
+        );
+        Tokenizer::from_dir(dir).unwrap()
+    }
+
+    fn request(extra: Value) -> ChatRequest {
+        let mut body = json!({
+            "messages": [{"role": "user", "content": "Time in Paris?"}],
+            "tools": [{"type": "function", "function": {
+                "name": "get_time",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"zone": {"type": "integer"}},
+                    "required": ["zone"],
+                },
+            }}],
+        });
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let defaults = Defaults {
+            max_tokens: 100,
+            ..Defaults::default()
+        };
+        chat_request(body.as_object().unwrap(), &defaults).unwrap()
+    }
+
+    /// Whether the grammar for `req` takes `reply` token by token and may end after it.
+    fn takes(req: &ChatRequest, markup: &Markup, reply: &str) -> Result<(), String> {
+        let tokenizer = tokenizer();
+        let eos = tokenizer.eos_token_id().unwrap();
+        let vocab = tokenizer.vocab_size();
+        let grammars = Grammars::new(&tokenizer, &[eos], vocab).unwrap();
+        let grammar = reply_grammar(req, markup, &grammars);
+        let mut constraint = grammars
+            .constraint(&grammar)
+            .map_err(|e| format!("{e}\n{grammar:?}"))?;
+        for id in tokenizer.encode(reply, false).unwrap() {
+            let mut logits = vec![0.0; vocab];
+            constraint.mask(&mut logits).unwrap();
+            if logits[id as usize].is_infinite() {
+                let token = tokenizer.decode(&[id], false).unwrap();
+                return Err(format!("{token:?} refused in {reply:?}\n{grammar:?}"));
+            }
+            constraint.accept(id).unwrap();
+        }
+        let mut logits = vec![0.0; vocab];
+        constraint.mask(&mut logits).unwrap();
+        if logits[eos as usize].is_infinite() {
+            return Err(format!("no end allowed after {reply:?}"));
+        }
+        Ok(())
+    }
+
+    /// The calls the output parser reads from `reply`, as (name, arguments); the blanks
+    /// between them aside, there must be nothing else.
+    fn calls_read(req: &ChatRequest, format: ToolFormat, reply: &str) -> Vec<(String, Value)> {
+        let tools = req.tools.clone().map(|t| (format, t));
+        let mut parser = crate::parsers::OutputParser::new(None, false, tools);
+        let mut pieces = parser.push(reply);
+        pieces.extend(parser.finish());
+        pieces
+            .into_iter()
+            .filter_map(|piece| match piece {
+                crate::parsers::Piece::ToolCall(call) => {
+                    Some((call.name, serde_json::from_str(&call.arguments).unwrap()))
+                }
+                crate::parsers::Piece::Content(blank) if blank.trim().is_empty() => None,
+                other => panic!("{format:?}: {other:?} in {reply:?}"),
+            })
+            .collect()
+    }
+
+    /// Several calls in the layout of each format that has no JSON schema to hold them, their
+    /// arguments typed and in the order of their tool's schema, the required ones given.
+    #[test]
+    fn several_calls_and_their_arguments_in_the_new_formats() {
+        let tools = json!({"tools": [
+            {"type": "function", "function": {"name": "get_time", "parameters": {
+                "type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"]}}},
+            {"type": "function", "function": {"name": "search", "parameters": {
+                "type": "object", "properties": {"query": {"type": "string"},
+                    "limit": {"type": "integer"}, "exact": {"type": "boolean"}},
+                "required": ["query"]}}},
+        ]});
+        let mut required = tools.clone();
+        required["tool_choice"] = json!("required");
+        let required = request(required);
+        let mut named = tools;
+        named["tool_choice"] = json!({"type": "function", "function": {"name": "get_time"}});
+        let named = request(named);
+        let expected = [
+            ("get_time".to_owned(), json!({"zone": 3})),
+            (
+                "search".to_owned(),
+                json!({"query": "a < \"b\"", "exact": true}),
+            ),
+        ];
+        let cases = [
+            (
+                ToolFormat::Pythonic,
+                "[get_time(zone=3), search(query=\"a < \\\"b\\\"\", exact=True)]",
+                vec![
+                    "[search(limit=2, query=\"x\")]",
+                    "[search(limit=2)]",
+                    "[get_time(zone=\"3\")]",
+                ],
+            ),
+            (
+                ToolFormat::MiniCpm5,
+                "<function name=\"get_time\"><param name=\"zone\">3</param></function>\n\
+                 <function name=\"search\"><param name=\"query\">a < \"b\"</param>\
+                 <param name=\"exact\">True</param></function>",
+                vec![
+                    "<function name=\"search\"><param name=\"limit\">2</param></function>",
+                    "<function name=\"get_time\"><param name=\"zone\">three</param></function>",
+                ],
+            ),
+            (
+                ToolFormat::MistralArgs,
+                "[TOOL_CALLS]get_time[ARGS]{\"zone\": 3}\
+                 [TOOL_CALLS]search[ARGS]{\"query\": \"a < \\\"b\\\"\", \"exact\": true}",
+                vec!["[TOOL_CALLS]search[ARGS]{\"limit\": 2}"],
+            ),
+            (
+                ToolFormat::MistralJson,
+                "[TOOL_CALLS][{\"name\": \"get_time\", \"arguments\": {\"zone\": 3}}, \
+                 {\"name\": \"search\", \"arguments\": {\"query\": \"a < \\\"b\\\"\", \"exact\": true}}]",
+                vec!["[TOOL_CALLS][]"],
+            ),
+        ];
+        for (format, reply, refused) in cases {
+            let markup = Markup {
+                format,
+                think: None,
+                in_reasoning: false,
+            };
+            takes(&required, &markup, reply).unwrap();
+            assert_eq!(calls_read(&required, format, reply), expected, "{format:?}");
+            for reply in refused {
+                assert!(takes(&required, &markup, reply).is_err(), "{reply}");
+            }
+            // A named function is called once.
+            assert!(takes(&named, &markup, reply).is_err(), "{format:?}");
+        }
+    }
+
+    #[test]
+    fn each_tool_format_is_enforced_as_its_parser_reads_it() {
+        let required = request(json!({"tool_choice": "required"}));
+        let named =
+            request(json!({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}));
+        let cases = [
+            (
+                ToolFormat::Hermes,
+                "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": 3}}\n</tool_call>",
+            ),
+            (
+                ToolFormat::Llama3Json,
+                "{\"name\": \"get_time\", \"parameters\": {\"zone\": 3}}",
+            ),
+            (
+                ToolFormat::Qwen3Coder,
+                "<tool_call>\n<function=get_time>\n<parameter=zone>\n3\n</parameter>\n\
+                 </function>\n</tool_call>",
+            ),
+            (
+                ToolFormat::Gemma4,
+                "<|tool_call>call:get_time{zone:3}<tool_call|>",
+            ),
+            (
+                ToolFormat::MiniCpm5,
+                "<function name=\"get_time\"><param name=\"zone\">3</param></function>",
+            ),
+            (
+                ToolFormat::MistralJson,
+                "[TOOL_CALLS][{\"name\": \"get_time\", \"arguments\": {\"zone\": 3}}]",
+            ),
+            (
+                ToolFormat::MistralArgs,
+                "[TOOL_CALLS]get_time[ARGS]{\"zone\": 3}",
+            ),
+            (ToolFormat::Pythonic, "[get_time(zone=3)]"),
+        ];
+        for (format, reply) in cases {
+            let markup = Markup {
+                format,
+                think: None,
+                in_reasoning: false,
+            };
+            takes(&required, &markup, reply).unwrap();
+            takes(&named, &markup, reply).unwrap();
+            assert_eq!(
+                calls_read(&required, format, reply),
+                [("get_time".to_owned(), json!({"zone": 3}))],
+                "{format:?}"
+            );
+            // A call of a tool the request does not give is refused.
+            let other = reply.replace("get_time", "get_date");
+            assert!(takes(&required, &markup, &other).is_err(), "{format:?}");
+        }
+    }
+
+    #[test]
+    fn reasoning_comes_first_unconstrained() {
+        let schema = request(json!({"response_format": {"type": "json_object"}}));
+        let open = Markup {
+            format: ToolFormat::Hermes,
+            think: Some(("<think>", "</think>")),
+            in_reasoning: true,
+        };
+        takes(&schema, &open, "Any {thought}.\n</think>\n\n{\"a\": 1}").unwrap();
+        assert!(takes(&schema, &open, "{\"a\": 1}").is_err());
+        let closed = Markup {
+            in_reasoning: false,
+            ..open
+        };
+        takes(&schema, &closed, "<think>Hm.</think>\n{\"a\": 1}").unwrap();
+        takes(&schema, &closed, "{\"a\": 1}").unwrap();
+        // With tools offered and none required, a call is an answer too.
+        takes(
+            &schema,
+            &closed,
+            "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": 1}}\n</tool_call>",
+        )
+        .unwrap();
+    }
+}
