@@ -37,7 +37,9 @@ pub(crate) async fn create(
 ) -> Response {
     let result = async {
         let mut req = responses_request(&read_body(body)?, &state)?;
-        let (running, reply) = start_chat(&state, &mut req.chat, &tokens).await?;
+        let (running, reply) = start_chat(&state, &mut req.chat, &tokens)
+            .await
+            .map_err(in_responses_terms)?;
         let progress = Progress {
             reply,
             output: Output::default(),
@@ -50,6 +52,17 @@ pub(crate) async fn create(
         }
     };
     result.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// An error of the shared chat path, naming the field as this API calls it: the chat API's
+/// `messages` are `input` here, its `response_format` is `text.format`.
+fn in_responses_terms(mut error: ApiError) -> ApiError {
+    error.param = error.param.map(|param| match param.as_str() {
+        "messages" => "input".to_owned(),
+        "response_format" => "text.format".to_owned(),
+        _ => param,
+    });
+    error
 }
 
 /// `GET /v1/responses/{id}`: a stored response.

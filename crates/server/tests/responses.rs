@@ -526,6 +526,17 @@ async fn errors_are_openai_objects_and_the_server_serves_on() {
             ),
         ),
         (
+            // A schema the grammar engine cannot enforce, named as this API names the field.
+            json!({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "set",
+                   "schema": {"type": "array", "uniqueItems": true}}}}),
+            400,
+            error(
+                "Unimplemented keys: [\"uniqueItems\"]",
+                Some("text.format"),
+                None,
+            ),
+        ),
+        (
             json!({"input": "Hi", "max_output_tokens": 0}),
             400,
             error(
