@@ -24,7 +24,7 @@ use serde_json::{json, Map, Value};
 use crate::api::{blocking, chat_prompt, read_body, start_chat, uuid4, Json, Reply};
 use crate::error::ApiError;
 use crate::log::TokenCounts;
-use crate::parsers::{Piece, ToolCall};
+use crate::parsers::{Piece, ToolCall, ToolFormat};
 use crate::request::{check_tool_choice, ChatRequest, Defaults, Fields, Params, ToolChoice};
 use crate::sse::{self, EventSource, Events};
 use crate::worker::Running;
@@ -38,12 +38,16 @@ pub(crate) async fn messages(
     let result = async {
         let mut req = chat_request(&read_body(body)?, &state.defaults, Purpose::Generate)?;
         let (running, reply) = start_chat(&state, &mut req, &tokens).await?;
+        let blocks = Blocks {
+            format: state.tool_format,
+            ..Blocks::default()
+        };
         let generation = Generation {
             id: format!("msg_{}", uuid4().replace('-', "")),
             state,
             running,
             reply,
-            blocks: Blocks::default(),
+            blocks,
             ids: Vec::new(),
             stop_sequences: req.params.stop,
         };
@@ -583,6 +587,8 @@ struct Blocks {
     content: Vec<Value>,
     /// Whether the last block may still grow.
     open: bool,
+    /// The model's tool-call format, which its calls' ids must suit.
+    format: ToolFormat,
 }
 
 impl Blocks {
@@ -615,7 +621,7 @@ impl Blocks {
 
     /// A `tool_use` block, whole: its input is known once the call is.
     fn add_tool_use(&mut self, call: ToolCall, events: &mut Vec<Value>) {
-        let id = format!("toolu_{}", uuid4().replace('-', ""));
+        let id = self.format.call_id("toolu_");
         self.start(
             json!({"type": "tool_use", "id": id, "name": call.name, "input": {}}),
             events,

@@ -19,7 +19,7 @@ use serde_json::{json, Map, Value};
 
 use crate::error::ApiError;
 use crate::log::{log_requests, TokenCounts};
-use crate::parsers::{OutputParser, Piece, ToolCall};
+use crate::parsers::{OutputParser, Piece, ToolCall, ToolFormat};
 use crate::request::{self, Params, Prompt};
 use crate::sse::{self, EventSource, Events};
 use crate::structured::{self, Markup};
@@ -593,9 +593,9 @@ fn finish_reason(reason: FinishReason, tool_calls: bool) -> &'static str {
     }
 }
 
-fn tool_call_json(call: &ToolCall, index: Option<usize>) -> Value {
+fn tool_call_json(call: &ToolCall, format: ToolFormat, index: Option<usize>) -> Value {
     let mut value = json!({
-        "id": format!("call_{}", uuid4().replace('-', "")),
+        "id": format.call_id("call_"),
         "type": "function",
         "function": {"name": call.name, "arguments": call.arguments},
     });
@@ -607,7 +607,12 @@ fn tool_call_json(call: &ToolCall, index: Option<usize>) -> Value {
 
 /// A chat message (or stream delta) from reply pieces. Reasoning goes under both
 /// `reasoning_content` (the field most clients read) and `reasoning` (mlx_lm.server's name).
-fn message(pieces: &[Piece], first_tool_index: Option<usize>, full: bool) -> Value {
+fn message(
+    pieces: &[Piece],
+    format: ToolFormat,
+    first_tool_index: Option<usize>,
+    full: bool,
+) -> Value {
     let mut content = String::new();
     let mut reasoning = String::new();
     let mut calls = Vec::new();
@@ -617,7 +622,7 @@ fn message(pieces: &[Piece], first_tool_index: Option<usize>, full: bool) -> Val
             Piece::Reasoning(text) => reasoning.push_str(text),
             Piece::ToolCall(call) => {
                 let index = first_tool_index.map(|first| first + calls.len());
-                calls.push(tool_call_json(call, index));
+                calls.push(tool_call_json(call, format, index));
             }
         }
     }
@@ -715,7 +720,10 @@ async fn complete_response(
     let tool_calls = pieces.iter().any(|p| matches!(p, Piece::ToolCall(_)));
     let finish = finish_reason(reason, tool_calls);
     let body = match exchange.kind {
-        Kind::Chat => ("message", message(&pieces, None, true)),
+        Kind::Chat => {
+            let format = exchange.state.tool_format;
+            ("message", message(&pieces, format, None, true))
+        }
         Kind::Text => ("text", text_of(&pieces).into()),
     };
     let logprobs = reply.take_logprobs(exchange.kind);
@@ -800,7 +808,13 @@ impl ChunkStream {
             return;
         }
         let body = match self.exchange.kind {
-            Kind::Chat => ("delta", message(pieces, Some(self.tool_calls), false)),
+            Kind::Chat => {
+                let format = self.exchange.state.tool_format;
+                (
+                    "delta",
+                    message(pieces, format, Some(self.tool_calls), false),
+                )
+            }
             Kind::Text => ("text", text_of(pieces).into()),
         };
         self.tool_calls += pieces
@@ -857,7 +871,7 @@ mod tests {
             Piece::ToolCall(call.clone()),
             Piece::ToolCall(call),
         ];
-        let full = message(&pieces, None, true);
+        let full = message(&pieces, ToolFormat::Hermes, None, true);
         assert_eq!(full["content"], Value::Null);
         assert_eq!(full["reasoning_content"], "Weather needed.");
         assert_eq!(full["reasoning"], "Weather needed.");
@@ -872,7 +886,14 @@ mod tests {
         assert_ne!(calls[0]["id"], calls[1]["id"]);
         assert!(calls[0].get("index").is_none());
         // Stream deltas number calls across chunks and leave out empty content.
-        let delta = message(&pieces[1..], Some(3), false);
+        let delta = message(&pieces[1..], ToolFormat::Hermes, Some(3), false);
+        // Mistral's templates take nine letters and digits, nothing else.
+        let mistral = message(&pieces[1..], ToolFormat::MistralArgs, None, true);
+        let id = mistral["tool_calls"][0]["id"].as_str().unwrap();
+        assert!(
+            id.len() == 9 && id.chars().all(|c| c.is_ascii_alphanumeric()),
+            "{id}"
+        );
         assert!(delta.get("content").is_none());
         assert_eq!(delta["tool_calls"][0]["index"], 3);
         assert_eq!(delta["tool_calls"][1]["index"], 4);

@@ -23,11 +23,14 @@
 //! The last two have no markers: a reply that starts like their calls is held until it ends,
 //! then becomes tool calls if it parses as such, else content.
 
+use rand::Rng;
 use serde_json::{Map, Value};
 
 /// How a model writes tool calls.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ToolFormat {
+    /// Also what templates that name no format get.
+    #[default]
     Hermes,
     Qwen3Coder,
     Llama3Json,
@@ -58,6 +61,24 @@ const MISTRAL_CALL_ID: &str = "[CALL_ID]";
 const PYTHONIC_INSTRUCTION: &str = "[func_name1(params_name1=params_value1";
 
 impl ToolFormat {
+    /// A new id for a call, `prefix` and random hex (`call_…`, Anthropic's `toolu_…`); Mistral's
+    /// templates refuse any id but nine letters and digits, which the call's result must carry
+    /// back in the next turn.
+    pub fn call_id(self, prefix: &str) -> String {
+        let mut rng = rand::rng();
+        match self {
+            ToolFormat::MistralJson | ToolFormat::MistralArgs => (0..9)
+                .map(|_| char::from(rng.sample(rand::distr::Alphanumeric)))
+                .collect(),
+            _ => {
+                let hex: String = (0..16)
+                    .map(|_| format!("{:02x}", rng.random::<u8>()))
+                    .collect();
+                format!("{prefix}{hex}")
+            }
+        }
+    }
+
     /// The format a chat template asks for. Templates that name none get Hermes, the most
     /// common (a `<tool_call>` in the reply of a model that never saw one is still a call).
     pub fn from_template<'a>(sources: impl IntoIterator<Item = &'a str>) -> Self {

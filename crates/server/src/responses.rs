@@ -22,7 +22,7 @@ use serde_json::{json, Map, Value};
 use crate::api::{read_body, start_chat, uuid4, Json, Reply};
 use crate::error::ApiError;
 use crate::log::TokenCounts;
-use crate::parsers::Piece;
+use crate::parsers::{Piece, ToolFormat};
 use crate::request::{self, ChatRequest, Fields, ResponseFormat, ToolChoice};
 use crate::response_store::StoredResponse;
 use crate::sse::{self, EventSource, Events};
@@ -42,7 +42,10 @@ pub(crate) async fn create(
             .map_err(in_responses_terms)?;
         let progress = Progress {
             reply,
-            output: Output::default(),
+            output: Output {
+                format: state.tool_format,
+                ..Output::default()
+            },
         };
         let draft = Draft::new(state, req);
         if draft.stream {
@@ -602,6 +605,8 @@ struct Output {
     reasoning_tokens: usize,
     /// Changes not yet sent.
     changes: Vec<Change>,
+    /// The model's tool-call format, which its calls' ids must suit.
+    format: ToolFormat,
 }
 
 impl Output {
@@ -637,7 +642,7 @@ impl Output {
                 Piece::ToolCall(call) => {
                     self.space.clear();
                     self.start(ItemKind::FunctionCall {
-                        call_id: new_id("call"),
+                        call_id: self.format.call_id("call_"),
                         name: call.name,
                     });
                     self.grow(&call.arguments);

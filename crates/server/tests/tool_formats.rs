@@ -19,7 +19,14 @@ async fn random_model_behind(template: &str) -> String {
     let fixtures = common::fixtures();
     let mut loaded = LoadedModel::load(&fixtures.join("tiny/mistral-4bit-g32")).unwrap();
     let source = std::fs::read_to_string(fixtures.join("templates").join(template)).unwrap();
-    loaded.chat_template = Some(ChatTemplate::new(&source, Map::new()).unwrap());
+    // The tokenizer's special tokens, which templates name (Nemo ends a turn with eos_token).
+    let special: Map<String, Value> = loaded
+        .tokenizer
+        .special_tokens()
+        .iter()
+        .map(|(name, token)| (name.to_owned(), Value::from(token)))
+        .collect();
+    loaded.chat_template = Some(ChatTemplate::new(&source, special).unwrap());
     let settings = Settings {
         log_level: LogLevel::Warning,
         ..Settings::default()
@@ -102,6 +109,17 @@ async fn required_calls_come_in_each_templates_format() {
                     assert_eq!(calls.len(), 1, "{template}: {reply}");
                     assert_eq!(calls[0]["function"]["name"], "set_alarm");
                 }
+                // The calls and their results go back as the next turn's history, ids as
+                // given: the template takes them (Mistral's refuse any id but nine letters
+                // and digits).
+                let mut messages =
+                    vec![body["messages"][0].clone(), choice_made["message"].clone()];
+                messages.extend(calls.iter().map(
+                    |call| json!({"role": "tool", "tool_call_id": call["id"], "content": "done"}),
+                ));
+                let next = json!({"messages": messages, "tools": numeric_tools(), "max_tokens": 2});
+                let answer: Value = serde_json::from_str(&chat(&base, &next).await).unwrap();
+                assert_eq!(answer["object"], "chat.completion", "{template}: {answer}");
             }
         }
     }
