@@ -21,7 +21,7 @@ use oxlm_runtime::tokenizer::Tokenizer;
 use oxlm_runtime::FinishReason;
 use serde_json::{json, Map, Value};
 
-use crate::api::{blocking, chat_prompt, read_body, start_chat, uuid4, Json, Reply};
+use crate::api::{blocking, chat_prompt, prefixed_id, read_body, start_chat, Json, Reply};
 use crate::error::ApiError;
 use crate::log::TokenCounts;
 use crate::parsers::{Piece, ToolCall, ToolFormat};
@@ -43,7 +43,7 @@ pub(crate) async fn messages(
             ..Blocks::default()
         };
         let generation = Generation {
-            id: format!("msg_{}", uuid4().replace('-', "")),
+            id: prefixed_id("msg_"),
             state,
             running,
             reply,

@@ -840,6 +840,12 @@ fn data(value: &Value) -> SseEvent {
     SseEvent::default().data(value.to_string())
 }
 
+/// `prefix` and a random UUID's hex digits, as OpenAI's and Anthropic's ids look (`resp_…`,
+/// `msg_…`, `call_…`).
+pub(crate) fn prefixed_id(prefix: &str) -> String {
+    format!("{prefix}{}", uuid4().replace('-', ""))
+}
+
 /// A random (version 4) UUID, as mlx_lm.server's ids use.
 pub(crate) fn uuid4() -> String {
     let mut b: [u8; 16] = rand::rng().random();

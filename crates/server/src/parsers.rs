@@ -65,17 +65,11 @@ impl ToolFormat {
     /// templates refuse any id but nine letters and digits, which the call's result must carry
     /// back in the next turn.
     pub fn call_id(self, prefix: &str) -> String {
-        let mut rng = rand::rng();
         match self {
             ToolFormat::MistralJson | ToolFormat::MistralArgs => (0..9)
-                .map(|_| char::from(rng.sample(rand::distr::Alphanumeric)))
+                .map(|_| char::from(rand::rng().sample(rand::distr::Alphanumeric)))
                 .collect(),
-            _ => {
-                let hex: String = (0..16)
-                    .map(|_| format!("{:02x}", rng.random::<u8>()))
-                    .collect();
-                format!("{prefix}{hex}")
-            }
+            _ => crate::api::prefixed_id(prefix),
         }
     }
 

@@ -19,7 +19,7 @@ use oxlm_runtime::batcher::Update;
 use oxlm_runtime::FinishReason;
 use serde_json::{json, Map, Value};
 
-use crate::api::{read_body, start_chat, uuid4, Json, Reply};
+use crate::api::{prefixed_id, read_body, start_chat, Json, Reply};
 use crate::error::ApiError;
 use crate::log::TokenCounts;
 use crate::parsers::{Piece, ToolFormat};
@@ -513,10 +513,6 @@ impl Conversation {
 }
 
 /// An id of OpenAI's form: `prefix`, `_` and 32 random hex digits.
-fn new_id(prefix: &str) -> String {
-    format!("{prefix}_{}", uuid4().replace('-', ""))
-}
-
 /// An output item.
 #[derive(Debug)]
 struct Item {
@@ -538,12 +534,12 @@ enum ItemKind {
 impl Item {
     fn new(kind: ItemKind) -> Self {
         let prefix = match kind {
-            ItemKind::Reasoning => "rs",
-            ItemKind::Message => "msg",
-            ItemKind::FunctionCall { .. } => "fc",
+            ItemKind::Reasoning => "rs_",
+            ItemKind::Message => "msg_",
+            ItemKind::FunctionCall { .. } => "fc_",
         };
         Item {
-            id: new_id(prefix),
+            id: prefixed_id(prefix),
             kind,
             text: String::new(),
             complete: true,
@@ -880,7 +876,7 @@ impl Draft {
     fn new(state: Arc<AppState>, req: ResponsesRequest) -> Self {
         Draft {
             state,
-            id: new_id("resp"),
+            id: prefixed_id("resp_"),
             created_at: unix_time(),
             settings: req.settings,
             stream: req.chat.params.stream,
