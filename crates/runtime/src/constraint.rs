@@ -229,23 +229,24 @@ impl TokenConstraint {
     /// masks are computed on another thread while the model runs the step.
     pub fn prepare(&mut self) {
         if self.prepared.is_none() {
-            self.prepared = Some(
-                self.matcher
-                    .compute_mask_or_eos()
-                    .map_err(|e| e.to_string()),
-            );
+            self.prepared = Some(self.allowed());
         }
+    }
+
+    fn allowed(&mut self) -> Result<SimpleVob, String> {
+        self.matcher
+            .compute_mask_or_eos()
+            .map_err(|e| e.to_string())
     }
 
     /// Sets the logits of the tokens the grammar does not allow next to -inf. Once the grammar
     /// is complete only end-of-sequence tokens are allowed.
     pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), ConstraintError> {
-        self.prepare();
-        let allowed = self
-            .prepared
-            .take()
-            .expect("prepared above")
-            .map_err(ConstraintError::Matcher)?;
+        let allowed = match self.prepared.take() {
+            Some(prepared) => prepared,
+            None => self.allowed(),
+        }
+        .map_err(ConstraintError::Matcher)?;
         if allowed.is_zero() {
             return Err(ConstraintError::Matcher(
                 "the grammar allows no token from here".into(),

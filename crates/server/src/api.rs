@@ -283,13 +283,7 @@ pub(crate) async fn start_chat(
             in_reasoning: prompt.in_reasoning,
         };
         let constraint = if structured::enforces(&rendered) {
-            let grammars = st.grammars()?;
-            structured::check_schemas(&rendered, grammars)?;
-            let grammar = structured::reply_grammar(&rendered, &markup, grammars);
-            let constraint = grammars.constraint(&grammar).map_err(|e| {
-                ApiError::invalid_param(structured::param(&rendered), e.to_string())
-            })?;
-            Some(constraint)
+            Some(structured::constraint(&rendered, &markup, st.grammars()?)?)
         } else {
             None
         };

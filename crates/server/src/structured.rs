@@ -5,7 +5,7 @@
 //! unconstrained, as vLLM lets it. A schema the grammar engine cannot enforce is a 400 naming
 //! what it cannot, never a reply that ignores it.
 
-use oxlm_runtime::constraint::{compact_json_schema, Grammar, Grammars};
+use oxlm_runtime::constraint::{compact_json_schema, Grammar, Grammars, TokenConstraint};
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
@@ -30,7 +30,7 @@ pub(crate) fn enforces(req: &ChatRequest) -> bool {
 }
 
 /// The field a grammar that cannot be enforced came from.
-pub(crate) fn param(req: &ChatRequest) -> &'static str {
+fn param(req: &ChatRequest) -> &'static str {
     if req.response_format != ResponseFormat::Text {
         "response_format"
     } else {
@@ -38,9 +38,25 @@ pub(crate) fn param(req: &ChatRequest) -> &'static str {
     }
 }
 
-/// Refuses a schema the engine cannot enforce, naming the field it came from: checked alone,
-/// so that the message speaks of the schema rather than the grammar around it.
-pub(crate) fn check_schemas(req: &ChatRequest, grammars: &Grammars) -> Result<(), ApiError> {
+/// The constraint the reply to `req` (one that [`enforces`] something) is generated under, or
+/// a 400 naming what cannot be enforced.
+pub(crate) fn constraint(
+    req: &ChatRequest,
+    markup: &Markup,
+    grammars: &Grammars,
+) -> Result<TokenConstraint, ApiError> {
+    let grammar = reply_grammar(req, markup, grammars);
+    grammars.constraint(&grammar).map_err(|error| {
+        // A schema at fault is named alone, so that the message speaks of it rather than of
+        // the grammar around it; only a failing request pays for compiling it twice.
+        check_schemas(req, grammars)
+            .err()
+            .unwrap_or_else(|| ApiError::invalid_param(param(req), error.to_string()))
+    })
+}
+
+/// Refuses a schema the engine cannot enforce, naming the field it came from.
+fn check_schemas(req: &ChatRequest, grammars: &Grammars) -> Result<(), ApiError> {
     let check = |schema: &Value, param: &str| {
         grammars
             .constraint(&Grammar::JsonSchema(schema.clone()))
@@ -65,7 +81,7 @@ pub(crate) fn check_schemas(req: &ChatRequest, grammars: &Grammars) -> Result<()
 }
 
 /// The grammar the reply to `req` (one that [`enforces`] something) must follow.
-pub(crate) fn reply_grammar(req: &ChatRequest, markup: &Markup, grammars: &Grammars) -> Grammar {
+fn reply_grammar(req: &ChatRequest, markup: &Markup, grammars: &Grammars) -> Grammar {
     let tools: Vec<&Value> = req
         .tools
         .as_ref()
