@@ -4,7 +4,6 @@
 //! than 200, a hang, a dead server, or memory that grows past a bound after the warm-up.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -18,16 +17,12 @@ use serde_json::{json, Value};
 use crate::http::{self, Connection, Event, Events, Head, ReadError};
 use crate::openai::{self, Endpoint, StreamCheck, StreamEnd};
 use crate::report::Tally;
-use crate::server::{self, rss_kib, ServeCommand};
+use crate::server::{self, rss_kib, Served};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The `oxlm` binary.
-    #[arg(long)]
-    server_bin: PathBuf,
-    /// The model directory to serve (a tiny fixture).
-    #[arg(long)]
-    model: PathBuf,
+    #[command(flatten)]
+    served: Served,
     /// Concurrent clients.
     #[arg(long, default_value_t = 64)]
     clients: usize,
@@ -52,7 +47,7 @@ pub struct Args {
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(120);
 
 pub fn run(args: Args) -> Result<bool> {
-    let serve = ServeCommand::new(&args.server_bin, &args.model, &["--log-level", "warning"]);
+    let serve = args.served.command(&["--log-level", "warning"]);
     let server = serve.start()?;
     let address = server.address;
     let pid = server.pid();

@@ -5,7 +5,6 @@
 
 mod cases;
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -14,17 +13,13 @@ use crate::http::{self, Connection, ReadError, Response};
 use crate::model::ModelInfo;
 use crate::openai::{self, StreamEnd};
 use crate::report::Tally;
-use crate::server::{self, ServeCommand, Server};
+use crate::server::{self, Served, Server};
 use cases::{Case, Expected, Target};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The `oxlm` binary.
-    #[arg(long)]
-    server_bin: PathBuf,
-    /// The model directory to serve (a tiny fixture keeps it fast).
-    #[arg(long)]
-    model: PathBuf,
+    #[command(flatten)]
+    served: Served,
     /// Requests to send.
     #[arg(long, default_value_t = 2000)]
     count: u64,
@@ -45,7 +40,7 @@ const MAX_REQUEST_BYTES: usize = 4_000_000;
 pub fn run(args: Args) -> Result<bool> {
     let limit = MAX_REQUEST_BYTES.to_string();
     let flags = ["--max-tokens", "16", "--max-request-bytes", &limit];
-    let serve = ServeCommand::new(&args.server_bin, &args.model, &flags);
+    let serve = args.served.command(&flags);
     let mut server = serve.start()?;
     let target = target(&args, &server)?;
     let timeout = Duration::from_secs(args.timeout);
@@ -149,7 +144,7 @@ fn target(args: &Args, server: &Server) -> Result<Target> {
         .json()
         .and_then(|v| v["data"][0]["id"].as_str().map(str::to_owned))
         .context("GET /v1/models lists no model")?;
-    let info = ModelInfo::read(&args.model)?;
+    let info = ModelInfo::read(&args.served.model)?;
     Ok(Target {
         model_id,
         vocab_size: info.vocab_size,

@@ -28,6 +28,24 @@ struct Log {
 
 const TAIL_LINES: usize = 20;
 
+/// The flags of the parts that serve a model: which `oxlm` and which model.
+#[derive(clap::Args)]
+pub struct Served {
+    /// The `oxlm` binary.
+    #[arg(long)]
+    pub server_bin: PathBuf,
+    /// The model directory to serve (a tiny fixture keeps it fast).
+    #[arg(long)]
+    pub model: PathBuf,
+}
+
+impl Served {
+    /// How to start its servers, each with `flags`.
+    pub fn command(&self, flags: &[impl AsRef<str>]) -> ServeCommand {
+        ServeCommand::new(&self.server_bin, &self.model, flags)
+    }
+}
+
 /// How to start servers: the binary, the model and flags every server of a run gets.
 #[derive(Clone)]
 pub struct ServeCommand {

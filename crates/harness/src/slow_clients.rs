@@ -8,7 +8,7 @@
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -20,16 +20,12 @@ use serde_json::json;
 use crate::http::{self, Connection};
 use crate::model::ModelInfo;
 use crate::openai::{self, Endpoint};
-use crate::server::{self, ServeCommand};
+use crate::server::{self, Served};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The `oxlm` binary.
-    #[arg(long)]
-    server_bin: PathBuf,
-    /// The model directory to serve (a tiny fixture).
-    #[arg(long)]
-    model: PathBuf,
+    #[command(flatten)]
+    served: Served,
     /// How long each phase holds its slow connections, in seconds.
     #[arg(long, default_value_t = 10)]
     observe_seconds: u64,
@@ -88,11 +84,11 @@ const TIMEOUT_FLAGS: [&str; 4] = [
 ];
 
 pub fn run(args: Args) -> Result<bool> {
-    let help = serve_help(&args.server_bin)?;
+    let help = serve_help(&args.served.server_bin)?;
     let flags = slow_client_flags(&help);
-    let server = ServeCommand::new(&args.server_bin, &args.model, &flags).start()?;
+    let server = args.served.command(&flags).start()?;
     let address = server.address;
-    let model = ModelInfo::read(&args.model)?;
+    let model = ModelInfo::read(&args.served.model)?;
     let window = Duration::from_secs(args.observe_seconds);
     println!(
         "oxlm serve started with: {}",
