@@ -70,6 +70,15 @@ RUNS = {
     # every block: routed GeGLU experts beside the dense MLP, values that are keys
     "gemma4-moe-4bit-g64": dict(base="gemma4-moe-4bit-g64", seed=9, num_layers=4,
                                 lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
+    # every block: norms after attention and MLP only, q/k norms over all heads, a window of 8
+    "olmo3-8bit-g32": dict(base="olmo3-8bit-g32", seed=10, num_layers=2,
+                           lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
+    # every block: residual, embedding, attention and logit multipliers
+    "granite-4bit-g32": dict(base="granite-4bit-g32", seed=11, num_layers=2,
+                             lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
+    # every block: experts without a shared one, and a dense layer
+    "qwen3_moe-4bit-g32": dict(base="qwen3_moe-4bit-g32", seed=12, num_layers=2,
+                               lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
 }
 
 

@@ -94,6 +94,130 @@ MODELS = {
             "max_position_embeddings": 8192, "rope_theta": 100000.0, "rope_scaling": None,
             "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
             "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "torch_dtype": "bfloat16"}),
+    # --- the llama-like family's other members (crates/models/src/llama.rs `MEMBERS`) ---
+    # Qwen3-MoE: q/k norms, 8 experts top-2 renormalized, layer 1 dense through `mlp_only_layers`, 8-bit router.
+    "qwen3_moe-4bit-g32": dict(
+        seed=5, gain=4.0, embed_gain=3.0, group_size=32, bits=4, overrides={},
+        config={
+            "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1], "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+            "vocab_size": 512, "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rope_scaling": None,
+            "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # Mixtral: 4 experts top-2 under `block_sparse_moe`, GQA 4/2, untied.
+    "mixtral-4bit-g32": dict(
+        seed=6, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},
+        config={
+            "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 512,
+            "max_position_embeddings": 32768, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+            "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # SmolLM3: llama with no RoPE in every 2nd layer (`no_rope_layer_interval`), tied.
+    "smollm3-4bit-g64": dict(
+        seed=7, gain=4.0, embed_gain=3.0, group_size=64, bits=4, overrides={},
+        config={
+            "model_type": "smollm3", "architectures": ["SmolLM3ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-6, "vocab_size": 512, "max_position_embeddings": 65536, "rope_theta": 5000000.0,
+            "no_rope_layer_interval": 2, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 2,
+            "torch_dtype": "bfloat16"}),
+    # Phi-3: fused qkv_proj and gate_up_proj, partial rotary (half of each head), untied.
+    "phi3-4bit-g32": dict(
+        seed=9, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},
+        config={
+            "model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5, "vocab_size": 512,
+            "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
+            "rope_scaling": None, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+            "torch_dtype": "bfloat16"}),
+    # OLMo 2: norms after attention and MLP only, q/k norms over all heads, untied.
+    "olmo2-4bit-g64": dict(
+        seed=10, gain=4.0, embed_gain=1.0, group_size=64, bits=4, overrides={},
+        config={
+            "model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "rms_norm_eps": 1e-6, "vocab_size": 512, "max_position_embeddings": 4096, "rope_theta": 500000.0,
+            "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2,
+            "torch_dtype": "bfloat16"}),
+    # OLMo 3: OLMo 2 with a sliding-window layer (window 8, shorter than the prompt) before a global one.
+    "olmo3-8bit-g32": dict(
+        seed=11, gain=4.0, embed_gain=1.0, group_size=32, bits=8, overrides={},
+        config={
+            "model_type": "olmo3", "architectures": ["Olmo3ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-6, "vocab_size": 512, "max_position_embeddings": 65536, "rope_theta": 500000.0,
+            "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+            "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2,
+            "torch_dtype": "bfloat16"}),
+    # Granite: embedding, attention, residual and logit multipliers, tied.
+    "granite-4bit-g32": dict(
+        seed=13, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},
+        config={
+            "model_type": "granite", "architectures": ["GraniteForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5, "vocab_size": 512, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+            "embedding_multiplier": 6.0, "attention_multiplier": 0.125, "residual_multiplier": 0.5,
+            "logits_scaling": 2.0, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
+            "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # MiniCPM: scale_emb, scale_depth / sqrt(layers), untied head over hidden / dim_model_base.
+    "minicpm-4bit-g64": dict(
+        seed=14, gain=4.0, embed_gain=1.0, group_size=64, bits=4, overrides={},
+        config={
+            "model_type": "minicpm", "architectures": ["MiniCPMForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5, "vocab_size": 512, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+            "dim_model_base": 16, "scale_depth": 1.4, "scale_emb": 4.0, "tie_word_embeddings": False,
+            "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # GLM-4: norms before and after each branch, fused gate_up_proj, q/k/v biases, partial interleaved rotary.
+    "glm4-4bit-g32": dict(
+        seed=15, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},
+        config={
+            "model_type": "glm4", "architectures": ["Glm4ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "partial_rotary_factor": 0.5, "attention_bias": True, "rms_norm_eps": 1e-5,
+            "vocab_size": 512, "max_position_embeddings": 32768, "rope_theta": 10000.0,
+            "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # EXAONE 4: post-norm with per-head q/k norms; a windowed RoPE layer ("L") and a global NoPE one ("G").
+    "exaone4-4bit-g64": dict(
+        seed=16, gain=4.0, embed_gain=1.0, group_size=64, bits=4, overrides={},
+        config={
+            "model_type": "exaone4", "architectures": ["Exaone4ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "rms_norm_eps": 1e-5, "vocab_size": 512, "max_position_embeddings": 65536,
+            "rope_theta": 1000000.0, "rope_scaling": None, "sliding_window": 8, "sliding_window_pattern": "LG",
+            "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # ERNIE 4.5: biases on every projection (use_bias), interleaved RoPE pairs, tied.
+    "ernie4_5-8bit-g64": dict(
+        seed=18, gain=4.0, embed_gain=3.0, group_size=64, bits=8, overrides={},
+        config={
+            "model_type": "ernie4_5", "architectures": ["Ernie4_5ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "rms_norm_eps": 1e-5, "vocab_size": 512, "max_position_embeddings": 131072,
+            "rope_theta": 500000.0, "use_bias": True, "tie_word_embeddings": True,
+            "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # Seed-OSS: q/k/v biases without an output bias, head_dim 32 != hidden/heads, untied.
+    "seed_oss-4bit-g32": dict(
+        seed=19, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},
+        config={
+            "model_type": "seed_oss", "architectures": ["SeedOssForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 32, "rms_norm_eps": 1e-6, "vocab_size": 512, "max_position_embeddings": 65536,
+            "rope_theta": 10000000.0, "attention_bias": True, "attention_out_bias": False, "mlp_bias": False,
+            "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # Mistral Small 3.x's wrapper: a mistral text model under `language_model.`, settings under text_config.
+    "mistral3-4bit-g32": dict(
+        seed=21, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},
+        config={
+            "model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
+            "text_config": {
+                "model_type": "mistral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
+                "vocab_size": 512, "max_position_embeddings": 131072, "rope_theta": 1000000000.0,
+                "sliding_window": None, "tie_word_embeddings": False},
+            "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
 }
 
 

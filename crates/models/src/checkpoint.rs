@@ -550,6 +550,54 @@ impl Checkpoint {
         }
     }
 
+    /// Splits the fused layer `module` (`…self_attn.qkv_proj`) into the layers `parts` name, of
+    /// the given output rows each, in order: its `weight`, quantization `scales`/`biases` and
+    /// `bias` are cut along their first axis (a quantization group never spans two rows), and
+    /// a per-module quantization override follows the parts. Nothing happens where the
+    /// checkpoint has no such layer; a row count that does not add up is an error.
+    pub fn split_rows(&mut self, module: &str, parts: &[(String, usize)]) -> Result<(), LoadError> {
+        let total: usize = parts.iter().map(|(_, rows)| rows).sum();
+        for leaf in ["weight", "scales", "biases", "bias"] {
+            let name = format!("{module}.{leaf}");
+            let Some(t) = self.tensors.remove(&name) else {
+                continue;
+            };
+            if t.shape.first() != Some(&total) {
+                return Err(LoadError::TensorShape {
+                    found: t.shape.clone(),
+                    dtype: t.dtype.to_string(),
+                    expected: format!("{total} rows, split {parts:?}"),
+                    name,
+                });
+            }
+            let row_bytes = t.data.len() / total.max(1);
+            let mut start = 0;
+            for (part, rows) in parts {
+                let mut shape = t.shape.clone();
+                shape[0] = *rows;
+                let data = t
+                    .data
+                    .slice(start * row_bytes, rows * row_bytes)
+                    .ok_or_else(|| {
+                        LoadError::Config(format!("`{name}` is shorter than its shape"))
+                    })?;
+                let piece = RawTensor {
+                    dtype: t.dtype,
+                    shape,
+                    data,
+                };
+                self.tensors.insert(format!("{part}.{leaf}"), piece);
+                start += rows;
+            }
+        }
+        if let Some(spec) = self.quantization.overrides.get(module).copied() {
+            for (part, _) in parts {
+                self.quantization.overrides.insert(part.clone(), spec);
+            }
+        }
+        Ok(())
+    }
+
     /// Drops arrays the models never read (e.g. precomputed rotary frequencies).
     pub fn discard_where(&mut self, unused: impl Fn(&str) -> bool) {
         self.tensors.retain(|name, _| !unused(name));

@@ -22,11 +22,12 @@ use crate::lora_grad::{base_input_grad, linear_backward, AdapterGrads, Example, 
 use crate::pass::Architecture;
 use crate::{check_tokens, ForwardError};
 
-/// A decoder block as the backward pass sees it: `h + post_mix(mixer(input_norm(h)))`, then
-/// `h + post_mlp(mlp(mlp_norm(h)))`, then `h + tail(h)` where there is a tail, all scaled by
-/// `output_scale`.
+/// A decoder block as the backward pass sees it: `h + s · post_mix(mixer(input_norm(h)))`, then
+/// `h + s · post_mlp(mlp(mlp_norm(h)))` (`s` the `branch_scale`), then `h + tail(h)` where there
+/// is a tail, all scaled by `output_scale`.
 pub struct DecoderBlock<'a> {
-    pub input_norm: &'a RmsNorm,
+    /// `None` in post-norm blocks (OLMo 2's), whose mixer reads `h` itself.
+    pub input_norm: Option<&'a RmsNorm>,
     /// Attention, or another sequence mixer.
     pub mixer: Box<dyn MixerGrad + 'a>,
     /// Gemma's norm of the mixer's output, before the residual.
@@ -42,6 +43,8 @@ pub struct DecoderBlock<'a> {
     pub tail: Option<Box<dyn MlpGrad + 'a>>,
     /// Gemma 4's per-layer scalar; 1 elsewhere.
     pub output_scale: f32,
+    /// Granite's and MiniCPM's residual multiplier; 1 elsewhere.
+    pub branch_scale: f32,
 }
 
 /// A block's sequence mixer as the backward pass sees it.
@@ -479,9 +482,15 @@ fn forward_block<'a>(
     h_in: Tensor,
     lora: Lora,
 ) -> OpResult<(Saved<'a>, Tensor)> {
-    let x1 = block.input_norm.forward(&h_in)?;
+    let x1 = match block.input_norm {
+        Some(norm) => norm.forward(&h_in)?,
+        None => h_in.try_clone()?,
+    };
     let (mut out, mixer) = block.mixer.forward_saving(&x1, lora.0)?;
     let mixer_out = norm_keeping_input(block.mixer_out_norm, &mut out)?;
+    if block.branch_scale != 1.0 {
+        ops::scale_inplace(&mut out, block.branch_scale)?;
+    }
     let mut h_mid = h_in.try_clone()?;
     ops::add_inplace(&mut h_mid, &out)?;
     let x2 = match block.mlp_norm {
@@ -490,6 +499,9 @@ fn forward_block<'a>(
     };
     let (mut out, mlp) = block.mlp.forward_saving(&x2, lora.1)?;
     let mlp_out = norm_keeping_input(block.mlp_out_norm, &mut out)?;
+    if block.branch_scale != 1.0 {
+        ops::scale_inplace(&mut out, block.branch_scale)?;
+    }
     let mut h_out = h_mid.try_clone()?;
     ops::add_inplace(&mut h_out, &out)?;
     let tail = match &block.tail {
@@ -633,12 +645,16 @@ fn backward_block(
         let d_input = tail.backward(input.data(), &dh_out, &mut g);
         add_inplace(&mut dh_out, &d_input);
     }
-    let d_mlp = through_norm(block.mlp_out_norm, s.mlp_out.as_ref(), &dh_out);
+    let branch = |d: &[f32]| -> Vec<f32> {
+        let scale = block.branch_scale;
+        d.iter().map(|d| d * scale).collect()
+    };
+    let d_mlp = through_norm(block.mlp_out_norm, s.mlp_out.as_ref(), &branch(&dh_out));
     let dx2 = s.mlp.backward(s.x2.data(), &d_mlp, &mut g);
     let dh_mid = add(through_norm(block.mlp_norm, Some(&s.h_mid), &dx2), &dh_out);
-    let d_mixed = through_norm(block.mixer_out_norm, s.mixer_out.as_ref(), &dh_mid);
+    let d_mixed = through_norm(block.mixer_out_norm, s.mixer_out.as_ref(), &branch(&dh_mid));
     let dx1 = s.mixer.backward(s.x1.data(), &d_mixed, &mut g, !lowest)?;
-    let dh_in = through_norm(Some(block.input_norm), Some(&s.h_in), &dx1);
+    let dh_in = through_norm(block.input_norm, Some(&s.h_in), &dx1);
     Some(add(dh_in, &dh_mid))
 }
 

@@ -332,7 +332,7 @@ impl Decoder for Gemma3 {
         let blocks = self.layers.iter();
         Ok(blocks
             .map(|b| DecoderBlock {
-                input_norm: &b.input_layernorm,
+                input_norm: Some(&b.input_layernorm),
                 mixer: Box::new(AttentionGrad {
                     attn: &b.self_attn,
                     window: b.sliding.then_some(self.sliding_window),
@@ -346,6 +346,7 @@ impl Decoder for Gemma3 {
                 mlp_out_norm: Some(&b.post_feedforward_layernorm),
                 tail: None,
                 output_scale: 1.0,
+                branch_scale: 1.0,
             })
             .collect())
     }

@@ -439,6 +439,15 @@ impl Rope {
         })
     }
 
+    /// No rotation at all (a NoPE layer): every pair turns by angle 0, which leaves it exactly as
+    /// it was, so the layer still takes the paths every other one takes.
+    pub fn none(dims: usize, device: &Device) -> Result<Self, LoadError> {
+        Ok(Rope {
+            inv_freqs: place_vector(&vec![0.0; dims / 2], device, "rope frequencies")?,
+            traditional: false,
+        })
+    }
+
     /// Rotates `x` (`[tokens, heads · head_dim]`) in place for the given positions.
     pub fn apply(
         &self,

@@ -169,12 +169,9 @@ fn gemma4(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
     Ok(Box::new(gemma4::Gemma4::load(ckpt)?))
 }
 
-/// `model_type` → constructor; the first column is what `--help` and errors list as supported.
+/// `model_type` → constructor for the architectures outside the llama family; the first
+/// column is what `--help` and errors list as supported, after the family's members.
 const REGISTRY: &[(&str, Constructor)] = &[
-    ("llama", llama),
-    ("mistral", llama),
-    ("qwen2", llama),
-    ("qwen3", llama),
     ("gemma3_text", gemma3),
     ("gemma3", gemma3),
     ("gemma4_text", gemma4),
@@ -186,7 +183,8 @@ const REGISTRY: &[(&str, Constructor)] = &[
 
 /// The `model_type`s this build can load.
 pub fn supported_model_types() -> Vec<&'static str> {
-    REGISTRY.iter().map(|(name, _)| *name).collect()
+    let others = REGISTRY.iter().map(|(name, _)| *name);
+    llama::member_types().chain(others).collect()
 }
 
 /// Opens the MLX model directory `dir` and builds its architecture on the CPU.
@@ -200,10 +198,12 @@ pub fn load_on(dir: &Path, device: &Device) -> Result<Box<dyn LanguageModel>, Lo
     // The architecture is checked before any weight file is opened.
     let config = Config::from_value(checkpoint::read_json(&dir.join("config.json"))?)?;
     let model_type = config.model_type()?.to_string();
+    let family = llama::is_member(&model_type).then_some(llama as Constructor);
     let constructor = REGISTRY
         .iter()
         .find(|(name, _)| *name == model_type)
         .map(|(_, c)| *c)
+        .or(family)
         .ok_or_else(|| LoadError::UnsupportedModelType {
             found: model_type,
             supported: supported_model_types(),

@@ -1,27 +1,580 @@
-//! The llama family as mlx-lm's `llama.py`, `qwen2.py` and `qwen3.py` define it: Llama 2/3
-//! (with llama3 RoPE scaling), Mistral, SmolLM, Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm).
+//! The llama-like family: decoder-only models that differ from mlx-lm's `llama.py` by switches
+//! rather than by structure. Each member is one entry of [`MEMBERS`]: its `model_type` and a
+//! function that reads its config into [`Switches`] (norm placement, q/k norms, biases, fused
+//! projections, RoPE variant and partial rotary, NoPE layers, sliding-window layers, embedding,
+//! residual and logit multipliers, tied head, mixture-of-experts MLPs). One model, [`Llama`],
+//! runs them all.
+//!
+//! Members: `llama`, `mistral`, `mistral3` (its text model), `qwen2`, `qwen3`, `qwen3_moe`,
+//! `mixtral`, `smollm3`, `phi3`, `olmo2`, `olmo3`, `granite`, `minicpm`, `glm4`, `exaone4`,
+//! `ernie4_5`, `seed_oss`, each as the mlx-lm file of that name defines it.
 
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::cache::{Cache, KvCache, LayerCache};
+use crate::cache::{Cache, KvCache, LayerCache, RotatingKvCache};
 use crate::checkpoint::{Checkpoint, Scope};
-use crate::decoder_grad::{AttentionGrad, Decoder, DecoderBlock, GatedMlpGrad};
+use crate::decoder_grad::{AttentionGrad, Decoder, DecoderBlock};
 use crate::layers::{
     Attention, Embedding, Input, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope,
 };
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
-use crate::{LoadError, ModelInfo};
-use oxlm_engine::{ops, EngineError, Tensor};
+use crate::switch::{FeedForward, Routing, SparseMoe};
+use crate::{ForwardError, LoadError, ModelInfo};
+use oxlm_engine::{ops, EngineError, Positions, Tensor};
 
-use crate::ForwardError;
+/// `config.json`'s keys that any member reads, as mlx-lm's `ModelArgs` name them; which of
+/// them a member honours, and its defaults for the absent ones, are in its entry of
+/// [`MEMBERS`].
+#[derive(Deserialize)]
+struct Args {
+    /// The text model's own `model_type` (a multimodal wrapper's `text_config` sets it).
+    model_type: String,
+    hidden_size: usize,
+    num_hidden_layers: usize,
+    #[serde(default)]
+    intermediate_size: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    vocab_size: usize,
+    rms_norm_eps: f32,
+    tie_word_embeddings: Option<bool>,
+    max_position_embeddings: Option<usize>,
+    rope_theta: Option<f32>,
+    rope_scaling: Option<Value>,
+    /// transformers ≥ 5 nests `rope_theta` and the scaling here.
+    rope_parameters: Option<Value>,
+    rope_traditional: Option<bool>,
+    partial_rotary_factor: Option<f32>,
+    layer_types: Option<Vec<String>>,
+    sliding_window: Option<usize>,
+    /// EXAONE 4's `"LLLG"`: local (windowed) and global layers, repeating.
+    sliding_window_pattern: Option<String>,
+    attention_bias: Option<bool>,
+    attention_out_bias: Option<bool>,
+    #[serde(default)]
+    mlp_bias: bool,
+    /// ERNIE 4.5's one switch for every projection's bias.
+    #[serde(default)]
+    use_bias: bool,
+    /// SmolLM3: 0 where a layer has no RoPE.
+    no_rope_layers: Option<Vec<u8>>,
+    no_rope_layer_interval: Option<usize>,
+    attention_multiplier: Option<f32>,
+    embedding_multiplier: Option<f32>,
+    residual_multiplier: Option<f32>,
+    logits_scaling: Option<f32>,
+    scale_emb: Option<f32>,
+    scale_depth: Option<f32>,
+    dim_model_base: Option<f32>,
+    num_experts: Option<usize>,
+    num_local_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    decoder_sparse_step: Option<usize>,
+    #[serde(default)]
+    mlp_only_layers: Vec<usize>,
+}
+
+impl Args {
+    fn missing(key: &str) -> LoadError {
+        LoadError::Config(format!("`{key}` is missing"))
+    }
+
+    fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+}
+
+/// Where a block's RMS norms sit, by the names its checkpoint gives them: before and after
+/// attention, before and after the MLP.
+#[derive(Clone, Copy)]
+struct Norms {
+    attn_in: Option<&'static str>,
+    attn_out: Option<&'static str>,
+    mlp_in: Option<&'static str>,
+    mlp_out: Option<&'static str>,
+}
+
+/// llama's pre-norm blocks.
+const PRE_NORM: Norms = Norms {
+    attn_in: Some("input_layernorm"),
+    attn_out: None,
+    mlp_in: Some("post_attention_layernorm"),
+    mlp_out: None,
+};
+
+/// OLMo 2's and EXAONE 4's: each branch's output normed before the residual, its input not.
+const POST_NORM: Norms = Norms {
+    attn_in: None,
+    attn_out: Some("post_attention_layernorm"),
+    mlp_in: None,
+    mlp_out: Some("post_feedforward_layernorm"),
+};
+
+/// GLM-4's: both.
+const SANDWICH_NORM: Norms = Norms {
+    attn_in: Some("input_layernorm"),
+    attn_out: Some("post_self_attn_layernorm"),
+    mlp_in: Some("post_attention_layernorm"),
+    mlp_out: Some("post_mlp_layernorm"),
+};
+
+/// Norms of the queries and keys after their projections.
+#[derive(Clone, Copy, PartialEq)]
+enum QkNorm {
+    None,
+    /// Over each head (Qwen3).
+    PerHead,
+    /// Over all heads at once (OLMo 2).
+    Full,
+}
+
+/// What a layer's attention rotates by.
+#[derive(Clone, Copy, PartialEq)]
+enum Rotary {
+    /// The config's RoPE, with its scaling.
+    Scaled,
+    /// The base RoPE without the scaling (OLMo 3's sliding layers).
+    Plain,
+    /// None (SmolLM3's and EXAONE 4's NoPE layers).
+    None,
+}
+
+/// One layer's switches.
+#[derive(Clone, Copy)]
+struct LayerSwitches {
+    rotary: Rotary,
+    /// Attends through a window of this many positions (a ring cache), else globally.
+    window: Option<usize>,
+    /// A mixture of experts in place of the MLP.
+    moe: bool,
+}
+
+/// A mixture of experts' settings, where a member has one.
+struct MoeSwitches {
+    routing: Routing,
+    intermediate: usize,
+}
+
+/// How a member departs from llama.
+struct Switches {
+    qkv_bias: bool,
+    o_bias: bool,
+    mlp_bias: bool,
+    qk_norm: QkNorm,
+    norms: Norms,
+    /// One `qkv_proj` (Phi-3), split into the three on load.
+    fused_qkv: bool,
+    /// One `gate_up_proj` (Phi-3, GLM-4), split into the two on load.
+    fused_gate_up: bool,
+    tied: bool,
+    traditional: bool,
+    head_dim: usize,
+    /// The share of each head's features that turn (the rest pass through).
+    rotary_fraction: f32,
+    layers: Vec<LayerSwitches>,
+    /// Multiplies the embeddings (Granite, MiniCPM).
+    embed_scale: f32,
+    /// Multiplies each branch's output before the residual (Granite, MiniCPM).
+    residual_scale: f32,
+    /// Multiplies the logits (Granite's `1 / logits_scaling`, MiniCPM's).
+    logit_scale: f32,
+    /// The attention's softmax scale where it is not `head_dim^-0.5` (Granite).
+    attention_scale: Option<f32>,
+    moe: Option<MoeSwitches>,
+    /// Where the text model's weights are (`language_model.` in a multimodal wrapper).
+    prefix: &'static str,
+    /// Where its MoE blocks are, when not under `mlp` (Mixtral's `block_sparse_moe`).
+    moe_module: &'static str,
+}
+
+impl Switches {
+    /// llama's, as mlx-lm's `llama.py` reads its config (which `mistral` shares): biases on
+    /// every attention projection with `attention_bias`, on the MLP's with `mlp_bias`, and
+    /// `layer_types`' `sliding_attention` layers attending through `sliding_window`.
+    fn llama(c: &Args) -> Result<Self, LoadError> {
+        let window = c.sliding_window;
+        let layers = match &c.layer_types {
+            None => vec![LayerSwitches::GLOBAL; c.num_hidden_layers],
+            Some(types) => types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "full_attention" => Ok(LayerSwitches::GLOBAL),
+                    "sliding_attention" => Ok(LayerSwitches {
+                        window: Some(window.ok_or_else(|| Args::missing("sliding_window"))?),
+                        ..LayerSwitches::GLOBAL
+                    }),
+                    other => Err(LoadError::Config(format!(
+                        "layer type `{other}` (supported: full_attention, sliding_attention)"
+                    ))),
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        let bias = c.attention_bias.unwrap_or(false);
+        Ok(Switches {
+            qkv_bias: bias,
+            o_bias: bias,
+            mlp_bias: c.mlp_bias,
+            qk_norm: QkNorm::None,
+            norms: PRE_NORM,
+            fused_qkv: false,
+            fused_gate_up: false,
+            tied: c.tie_word_embeddings.unwrap_or(true),
+            traditional: c.rope_traditional.unwrap_or(false),
+            head_dim: c.head_dim(),
+            rotary_fraction: 1.0,
+            layers,
+            embed_scale: 1.0,
+            residual_scale: 1.0,
+            logit_scale: 1.0,
+            attention_scale: None,
+            moe: None,
+            prefix: "",
+            moe_module: "mlp",
+        })
+    }
+
+    /// Partial rotary: `partial_rotary_factor` of each head's features turn.
+    fn partial_rotary(mut self, c: &Args) -> Self {
+        self.rotary_fraction = c.partial_rotary_factor.unwrap_or(1.0);
+        self
+    }
+
+    /// Heads as wide as the model over the heads, whatever `head_dim` says.
+    fn head_dim_from_width(mut self, c: &Args) -> Self {
+        self.head_dim = c.hidden_size / c.num_attention_heads.max(1);
+        self
+    }
+
+    /// The MLPs of the layers `sparse` picks become mixtures of `num_experts` (or
+    /// `num_local_experts`) experts of `moe_intermediate_size` (or `intermediate_size`).
+    fn experts(mut self, c: &Args, sparse: impl Fn(usize) -> bool) -> Result<Self, LoadError> {
+        let experts = c
+            .num_experts
+            .or(c.num_local_experts)
+            .ok_or_else(|| Args::missing("num_experts"))?;
+        let top_k = c
+            .num_experts_per_tok
+            .ok_or_else(|| Args::missing("num_experts_per_tok"))?;
+        self.moe = Some(MoeSwitches {
+            routing: Routing::new(experts, top_k, c.norm_topk_prob.unwrap_or(true))?,
+            intermediate: c.moe_intermediate_size.unwrap_or(c.intermediate_size),
+        });
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            layer.moe = experts > 0 && sparse(i);
+        }
+        Ok(self)
+    }
+}
+
+impl LayerSwitches {
+    const GLOBAL: LayerSwitches = LayerSwitches {
+        rotary: Rotary::Scaled,
+        window: None,
+        moe: false,
+    };
+}
+
+type Member = fn(&Args) -> Result<Switches, LoadError>;
+
+/// The family's members: `model_type` and how its config sets the switches.
+const MEMBERS: &[(&str, Member)] = &[
+    ("llama", Switches::llama),
+    ("mistral", Switches::llama),
+    ("qwen2", qwen2),
+    ("qwen3", qwen3),
+    ("qwen3_moe", qwen3_moe),
+    ("mistral3", mistral3),
+    ("mixtral", mixtral),
+    ("smollm3", smollm3),
+    ("phi3", phi3),
+    ("olmo2", olmo2),
+    ("olmo3", olmo3),
+    ("granite", granite),
+    ("minicpm", minicpm),
+    ("glm4", glm4),
+    ("exaone4", exaone4),
+    ("ernie4_5", ernie4_5),
+    ("seed_oss", seed_oss),
+];
+
+/// Whether `model_type` is one of the family's.
+pub fn is_member(model_type: &str) -> bool {
+    member(model_type).is_some()
+}
+
+/// The family's `model_type`s.
+pub fn member_types() -> impl Iterator<Item = &'static str> {
+    MEMBERS.iter().map(|(name, _)| *name)
+}
+
+fn member(model_type: &str) -> Option<Member> {
+    MEMBERS
+        .iter()
+        .find(|(name, _)| *name == model_type)
+        .map(|(_, m)| *m)
+}
+
+/// Mistral Small 3.x's multimodal wrapper: its llama text model under `language_model.`.
+fn mistral3(c: &Args) -> Result<Switches, LoadError> {
+    match c.model_type.as_str() {
+        "llama" | "mistral" | "mistral3" => Ok(Switches {
+            tied: c.tie_word_embeddings.unwrap_or(false),
+            prefix: "language_model.",
+            ..Switches::llama(c)?
+        }),
+        other => Err(LoadError::Config(format!(
+            "mistral3 with a `{other}` text model is not supported (supported: llama, mistral)"
+        ))),
+    }
+}
+
+/// Qwen2: q/k/v biases, none on the output.
+fn qwen2(c: &Args) -> Result<Switches, LoadError> {
+    Ok(Switches {
+        qkv_bias: true,
+        o_bias: false,
+        mlp_bias: false,
+        ..Switches::llama(c)?
+    })
+}
+
+/// Qwen3: q/k norms per head, no biases, untied unless the config says so.
+fn qwen3(c: &Args) -> Result<Switches, LoadError> {
+    Ok(Switches {
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        qk_norm: QkNorm::PerHead,
+        tied: c.tie_word_embeddings.unwrap_or(false),
+        ..Switches::llama(c)?
+    })
+}
+
+/// Qwen3-MoE: Qwen3 with every `decoder_sparse_step`-th layer (but `mlp_only_layers`) a
+/// mixture of experts.
+fn qwen3_moe(c: &Args) -> Result<Switches, LoadError> {
+    let step = c.decoder_sparse_step.unwrap_or(1).max(1);
+    qwen3(c)?.experts(c, |i| {
+        !c.mlp_only_layers.contains(&i) && (i + 1).is_multiple_of(step)
+    })
+}
+
+/// Mixtral: Mistral with a mixture of experts in every layer, under `block_sparse_moe`.
+fn mixtral(c: &Args) -> Result<Switches, LoadError> {
+    Switches {
+        tied: c.tie_word_embeddings.unwrap_or(false),
+        moe_module: "block_sparse_moe",
+        ..Switches::llama(c)?
+    }
+    .experts(c, |_| true)
+}
+
+/// SmolLM3: llama with RoPE left out of every `no_rope_layer_interval`-th layer, or of the
+/// layers `no_rope_layers` marks 0.
+fn smollm3(c: &Args) -> Result<Switches, LoadError> {
+    let n = c.num_hidden_layers;
+    let interval = c.no_rope_layer_interval.unwrap_or(4).max(1);
+    let uses_rope: Vec<bool> = match &c.no_rope_layers {
+        Some(flags) if flags.len() != n => {
+            return Err(LoadError::Config(format!(
+                "`no_rope_layers` has {} entries for {n} layers",
+                flags.len()
+            )))
+        }
+        Some(flags) => flags.iter().map(|&f| f != 0).collect(),
+        None => (0..n).map(|i| !(i + 1).is_multiple_of(interval)).collect(),
+    };
+    let mut switches = Switches::llama(c)?;
+    for (layer, rope) in switches.layers.iter_mut().zip(uses_rope) {
+        if !rope {
+            layer.rotary = Rotary::None;
+        }
+    }
+    Ok(switches)
+}
+
+/// Phi-3 and Phi-4-mini: fused `qkv_proj` and `gate_up_proj`, partial rotary, no biases.
+fn phi3(c: &Args) -> Result<Switches, LoadError> {
+    Ok(Switches {
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        fused_qkv: true,
+        fused_gate_up: true,
+        tied: c.tie_word_embeddings.unwrap_or(false),
+        ..Switches::llama(c)?
+    }
+    .head_dim_from_width(c)
+    .partial_rotary(c))
+}
+
+/// OLMo 2: norms after each branch, not before; q/k norms over all heads at once.
+fn olmo2(c: &Args) -> Result<Switches, LoadError> {
+    Ok(Switches {
+        qk_norm: QkNorm::Full,
+        norms: POST_NORM,
+        ..Switches::llama(c)?
+    })
+}
+
+/// OLMo 3: OLMo 2 with three sliding-window layers (plain RoPE) to each global one (scaled
+/// RoPE) unless `layer_types` says otherwise, untied by default.
+fn olmo3(c: &Args) -> Result<Switches, LoadError> {
+    let window = c
+        .sliding_window
+        .ok_or_else(|| Args::missing("sliding_window"))?;
+    let types: Vec<String> = match &c.layer_types {
+        Some(types) => types.clone(),
+        None => (0..c.num_hidden_layers)
+            .map(|i| match (i + 1) % 4 {
+                0 => "full_attention".to_string(),
+                _ => "sliding_attention".to_string(),
+            })
+            .collect(),
+    };
+    let layers = types
+        .iter()
+        .map(|t| match t.as_str() {
+            "full_attention" => LayerSwitches::GLOBAL,
+            _ => LayerSwitches {
+                rotary: Rotary::Plain,
+                window: Some(window),
+                moe: false,
+            },
+        })
+        .collect();
+    Ok(Switches {
+        qk_norm: QkNorm::Full,
+        norms: POST_NORM,
+        tied: c.tie_word_embeddings.unwrap_or(false),
+        mlp_bias: false,
+        layers,
+        ..Switches::llama(c)?
+    })
+}
+
+/// Granite: embedding, attention, residual and logit multipliers; `head_dim` from the width.
+fn granite(c: &Args) -> Result<Switches, LoadError> {
+    let get = |value: Option<f32>, key: &str| value.ok_or_else(|| Args::missing(key));
+    Ok(Switches {
+        embed_scale: get(c.embedding_multiplier, "embedding_multiplier")?,
+        residual_scale: get(c.residual_multiplier, "residual_multiplier")?,
+        logit_scale: 1.0 / get(c.logits_scaling, "logits_scaling")?,
+        attention_scale: Some(get(c.attention_multiplier, "attention_multiplier")?),
+        traditional: false,
+        ..Switches::llama(c)?
+    }
+    .head_dim_from_width(c))
+}
+
+/// MiniCPM: embeddings times `scale_emb`, branches times `scale_depth / √layers`, and an untied
+/// head's input divided by `hidden_size / dim_model_base`.
+fn minicpm(c: &Args) -> Result<Switches, LoadError> {
+    let get = |value: Option<f32>, key: &str| value.ok_or_else(|| Args::missing(key));
+    let tied = c.tie_word_embeddings.unwrap_or(false);
+    let logit_scale = match tied {
+        true => 1.0,
+        false => get(c.dim_model_base, "dim_model_base")? / c.hidden_size as f32,
+    };
+    Ok(Switches {
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        tied,
+        embed_scale: get(c.scale_emb, "scale_emb")?,
+        residual_scale: get(c.scale_depth, "scale_depth")? / (c.num_hidden_layers as f32).sqrt(),
+        logit_scale,
+        ..Switches::llama(c)?
+    }
+    .head_dim_from_width(c))
+}
+
+/// GLM-4: norms before and after each branch, a fused `gate_up_proj`, q/k/v biases with
+/// `attention_bias`, partial rotary over interleaved pairs, an untied head.
+fn glm4(c: &Args) -> Result<Switches, LoadError> {
+    Ok(Switches {
+        o_bias: false,
+        mlp_bias: false,
+        norms: SANDWICH_NORM,
+        fused_gate_up: true,
+        tied: false,
+        traditional: c.rope_traditional.unwrap_or(true),
+        ..Switches::llama(c)?
+    }
+    .partial_rotary(c))
+}
+
+/// EXAONE 4: post-norm blocks with q/k norms per head; with a `sliding_window_pattern`, its
+/// `L` layers attend through the window with RoPE and its `G` layers globally without.
+fn exaone4(c: &Args) -> Result<Switches, LoadError> {
+    let layers = match c.sliding_window_pattern.as_deref() {
+        None | Some("") => vec![LayerSwitches::GLOBAL; c.num_hidden_layers],
+        Some(pattern) => {
+            let window = c
+                .sliding_window
+                .ok_or_else(|| Args::missing("sliding_window"))?;
+            let pattern: Vec<char> = pattern.chars().collect();
+            (0..c.num_hidden_layers)
+                .map(|i| match pattern[i % pattern.len()] {
+                    'L' => LayerSwitches {
+                        window: Some(window),
+                        ..LayerSwitches::GLOBAL
+                    },
+                    _ => LayerSwitches {
+                        rotary: Rotary::None,
+                        ..LayerSwitches::GLOBAL
+                    },
+                })
+                .collect()
+        }
+    };
+    Ok(Switches {
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        qk_norm: QkNorm::PerHead,
+        norms: POST_NORM,
+        tied: c.tie_word_embeddings.unwrap_or(false),
+        traditional: false,
+        layers,
+        ..Switches::llama(c)?
+    })
+}
+
+/// ERNIE 4.5: one `use_bias` for every projection, interleaved RoPE pairs, no scaling.
+fn ernie4_5(c: &Args) -> Result<Switches, LoadError> {
+    Ok(Switches {
+        qkv_bias: c.use_bias,
+        o_bias: c.use_bias,
+        mlp_bias: c.use_bias,
+        traditional: true,
+        ..Switches::llama(c)?
+    })
+}
+
+/// Seed-OSS: q/k/v biases with `attention_bias`, the output's with `attention_out_bias`.
+fn seed_oss(c: &Args) -> Result<Switches, LoadError> {
+    Ok(Switches {
+        qkv_bias: c.attention_bias.unwrap_or(false),
+        o_bias: c.attention_out_bias.unwrap_or(false),
+        ..Switches::llama(c)?
+    })
+}
 
 struct Block {
-    input_layernorm: RmsNorm,
+    attn_norm: Option<RmsNorm>,
     self_attn: Attention,
-    post_attention_layernorm: RmsNorm,
-    mlp: Mlp,
+    attn_out_norm: Option<RmsNorm>,
+    mlp_norm: Option<RmsNorm>,
+    mlp: FeedForward,
+    mlp_out_norm: Option<RmsNorm>,
+    window: Option<usize>,
 }
 
 pub struct Llama {
@@ -29,144 +582,181 @@ pub struct Llama {
     embed_tokens: Embedding,
     layers: Vec<Block>,
     head: OutputHead,
-}
-
-/// `config.json`'s keys for this family, as mlx-lm's `ModelArgs` reads them (absent or null
-/// keys take the defaults noted; [`Llama::load`] derives the rest).
-#[derive(Deserialize)]
-struct LlamaConfig {
-    hidden_size: usize,
-    num_hidden_layers: usize,
-    intermediate_size: usize,
-    num_attention_heads: usize,
-    /// `num_attention_heads` when absent.
-    num_key_value_heads: Option<usize>,
-    /// `hidden_size / num_attention_heads` when absent.
-    head_dim: Option<usize>,
-    vocab_size: usize,
-    rms_norm_eps: f32,
-    /// Tied when absent, but for qwen3.
-    tie_word_embeddings: Option<bool>,
-    max_position_embeddings: Option<usize>,
-    /// `rope_parameters.rope_theta`, else 10000, when absent.
-    rope_theta: Option<f32>,
-    rope_scaling: Option<Value>,
-    /// transformers ≥ 5 nests `rope_theta` and the scaling here.
-    rope_parameters: Option<Value>,
-    #[serde(default)]
-    rope_traditional: bool,
-    layer_types: Option<Vec<String>>,
-    /// Llama's and Mistral's switches; qwen2 always has q/k/v biases, and neither qwen has
-    /// MLP biases.
-    #[serde(default)]
-    attention_bias: bool,
-    #[serde(default)]
-    mlp_bias: bool,
+    embed_scale: f32,
+    residual_scale: f32,
+    prefix: &'static str,
 }
 
 impl Llama {
     pub fn load(mut ckpt: Checkpoint) -> Result<Self, LoadError> {
         let model_type = ckpt.config.model_type()?.to_string();
-        let c: LlamaConfig = ckpt.config.args()?;
-        let (qkv_bias, qk_norm, mlp_bias) = match model_type.as_str() {
-            "qwen2" => (true, false, false),
-            "qwen3" => (false, true, false),
-            _ => (c.attention_bias, false, c.mlp_bias),
-        };
-        let (hidden, layers, intermediate) =
+        let member = member(&model_type).ok_or_else(|| LoadError::UnsupportedModelType {
+            found: model_type.clone(),
+            supported: member_types().collect(),
+        })?;
+        let c: Args = ckpt.config.args()?;
+        let s = member(&c)?;
+        let (hidden, n_layers, intermediate) =
             (c.hidden_size, c.num_hidden_layers, c.intermediate_size);
         let heads = c.num_attention_heads;
         let kv_heads = c.num_key_value_heads.unwrap_or(heads);
-        let head_dim = c.head_dim.unwrap_or(hidden / heads.max(1));
+        let head_dim = s.head_dim;
+        let rotary_dims = (head_dim as f32 * s.rotary_fraction) as usize;
         let (vocab, eps) = (c.vocab_size, c.rms_norm_eps);
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(LoadError::Config(format!(
+                "{heads} attention heads cannot be grouped over {kv_heads} key/value heads"
+            )));
+        }
+        if s.layers.len() != n_layers {
+            return Err(LoadError::Config(format!(
+                "{} layer types for {n_layers} layers",
+                s.layers.len()
+            )));
+        }
+        if rotary_dims > head_dim || !rotary_dims.is_multiple_of(2) {
+            return Err(LoadError::Config(format!(
+                "{rotary_dims} rotary features of a {head_dim}-wide head"
+            )));
+        }
+        let prefix = s.prefix;
+        if !prefix.is_empty() {
+            ckpt.discard_where(|name| {
+                name.starts_with("vision_tower.") || name.starts_with("multi_modal_projector.")
+            });
+        }
         // Embedding checkpoints saved as a bare `Qwen3Model` (Qwen3-Embedding-8B, which is untied)
         // have no head: their hidden states are what they are for, so the embeddings stand in.
-        let tied = c.tie_word_embeddings.unwrap_or(model_type != "qwen3")
-            || !ckpt.contains("lm_head.weight");
-        let max_context = c.max_position_embeddings;
-        let rope_theta = c.rope_theta.unwrap_or_else(|| {
+        let tied = s.tied || !ckpt.contains(&format!("{prefix}lm_head.weight"));
+        let theta = c.rope_theta.unwrap_or_else(|| {
             c.rope_parameters
                 .as_ref()
                 .and_then(|p| p.get("rope_theta"))
                 .and_then(Value::as_f64)
                 .unwrap_or(10000.0) as f32
         });
-        let scaling = c.rope_scaling.or(c.rope_parameters);
-        let traditional = c.rope_traditional;
-        if let Some(types) = &c.layer_types {
-            if types.iter().any(|t| t != "full_attention") {
-                return Err(LoadError::Config(
-                    "sliding-window llama layers are not supported yet".into(),
-                ));
-            }
-        }
-        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-            return Err(LoadError::Config(format!(
-                "{heads} attention heads cannot be grouped over {kv_heads} key/value heads"
-            )));
-        }
-        let rope = Rope::new(
-            head_dim,
-            rope_theta,
-            traditional,
-            scaling.as_ref(),
-            &ckpt.device,
-        )?;
+        let scaling = c.rope_scaling.as_ref().or(c.rope_parameters.as_ref());
+        let device = ckpt.device.clone();
+        let rope = |rotary: Rotary| match rotary {
+            Rotary::Scaled => Rope::new(rotary_dims, theta, s.traditional, scaling, &device),
+            Rotary::Plain => Rope::new(rotary_dims, theta, s.traditional, None, &device),
+            Rotary::None => Rope::none(rotary_dims, &device),
+        };
+        let ropes = [Rotary::Scaled, Rotary::Plain, Rotary::None]
+            .into_iter()
+            .filter(|r| s.layers.iter().any(|l| l.rotary == *r))
+            .map(|r| Ok((r, rope(r)?)))
+            .collect::<Result<Vec<_>, LoadError>>()?;
         ckpt.discard_where(|name| name.contains("self_attn.rotary_emb.inv_freq"));
         if tied {
-            ckpt.discard_where(|name| name.starts_with("lm_head."));
+            ckpt.discard_where(|name| name.starts_with(&format!("{prefix}lm_head.")));
+        }
+        let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
+        for i in 0..n_layers {
+            let block = format!("{prefix}model.layers.{i}");
+            if s.fused_qkv {
+                let parts = [
+                    ("q_proj", q_width),
+                    ("k_proj", kv_width),
+                    ("v_proj", kv_width),
+                ]
+                .map(|(name, rows)| (format!("{block}.self_attn.{name}"), rows));
+                ckpt.split_rows(&format!("{block}.self_attn.qkv_proj"), &parts)?;
+            }
+            if s.fused_gate_up {
+                let parts = [("gate_proj", intermediate), ("up_proj", intermediate)]
+                    .map(|(name, rows)| (format!("{block}.mlp.{name}"), rows));
+                ckpt.split_rows(&format!("{block}.mlp.gate_up_proj"), &parts)?;
+            }
+        }
+        let moe_module = s.moe_module;
+        if moe_module != "mlp" {
+            ckpt.rename(|name| {
+                let at = format!(".{moe_module}.");
+                name.contains(&at).then(|| name.replace(&at, ".mlp."))
+            });
         }
 
-        let mut root = ckpt.scope("");
+        let mut root = ckpt.scope(prefix.trim_end_matches('.'));
         let mut model = root.pp("model");
         let embed_tokens = Embedding::load(&mut model.pp("embed_tokens"), vocab, hidden)?;
-        let mut blocks = Vec::new();
-        for i in 0..layers {
+        let norm = |vb: &mut Scope, name: Option<&str>, dim: usize| {
+            name.map(|name| RmsNorm::load(&mut vb.pp(name), dim, eps))
+                .transpose()
+        };
+        let mut blocks = Vec::with_capacity(n_layers);
+        for (i, layer) in s.layers.iter().enumerate() {
             let mut block = model.pp(format_args!("layers.{i}"));
             let mut a = block.pp("self_attn");
-            let q_k_norm = |a: &mut Scope, which: &str| {
-                qk_norm
-                    .then(|| RmsNorm::load(&mut a.pp(which), head_dim, eps))
-                    .transpose()
+            let qk_norm = |a: &mut Scope, which: &str, width: usize| match s.qk_norm {
+                QkNorm::None => Ok(None),
+                QkNorm::PerHead => RmsNorm::load(&mut a.pp(which), head_dim, eps).map(Some),
+                QkNorm::Full => RmsNorm::load(&mut a.pp(which), width, eps).map(Some),
             };
-            let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
+            let rope = ropes
+                .iter()
+                .find(|(r, _)| *r == layer.rotary)
+                .map(|(_, rope)| rope.clone())
+                .expect("a RoPE was made for each kind in use");
             let self_attn = Attention {
-                q_proj: Linear::load(&mut a.pp("q_proj"), hidden, q_width, qkv_bias)?,
-                k_proj: Linear::load(&mut a.pp("k_proj"), hidden, kv_width, qkv_bias)?,
-                v_proj: Linear::load(&mut a.pp("v_proj"), hidden, kv_width, qkv_bias)?,
-                o_proj: Linear::load(&mut a.pp("o_proj"), q_width, hidden, false)?,
-                q_norm: q_k_norm(&mut a, "q_norm")?,
-                k_norm: q_k_norm(&mut a, "k_norm")?,
-                rope: rope.clone(),
+                q_proj: Linear::load(&mut a.pp("q_proj"), hidden, q_width, s.qkv_bias)?,
+                k_proj: Linear::load(&mut a.pp("k_proj"), hidden, kv_width, s.qkv_bias)?,
+                v_proj: Linear::load(&mut a.pp("v_proj"), hidden, kv_width, s.qkv_bias)?,
+                o_proj: Linear::load(&mut a.pp("o_proj"), q_width, hidden, s.o_bias)?,
+                q_norm: qk_norm(&mut a, "q_norm", q_width)?,
+                k_norm: qk_norm(&mut a, "k_norm", kv_width)?,
+                rope,
                 heads,
                 kv_heads,
                 head_dim,
-                scale: (head_dim as f32).powf(-0.5),
+                scale: s.attention_scale.unwrap_or((head_dim as f32).powf(-0.5)),
+            };
+            let mlp = match (&s.moe, layer.moe) {
+                (Some(moe), true) => FeedForward::Moe(SparseMoe::load(
+                    &mut block.pp("mlp"),
+                    hidden,
+                    moe.routing,
+                    moe.intermediate,
+                    None,
+                )?),
+                _ => FeedForward::Dense(Mlp::load(
+                    &mut block.pp("mlp"),
+                    hidden,
+                    intermediate,
+                    s.mlp_bias,
+                )?),
             };
             blocks.push(Block {
-                input_layernorm: RmsNorm::load(&mut block.pp("input_layernorm"), hidden, eps)?,
+                attn_norm: norm(&mut block, s.norms.attn_in, hidden)?,
                 self_attn,
-                post_attention_layernorm: RmsNorm::load(
-                    &mut block.pp("post_attention_layernorm"),
-                    hidden,
-                    eps,
-                )?,
-                mlp: Mlp::load(&mut block.pp("mlp"), hidden, intermediate, mlp_bias)?,
+                attn_out_norm: norm(&mut block, s.norms.attn_out, hidden)?,
+                mlp_norm: norm(&mut block, s.norms.mlp_in, hidden)?,
+                mlp,
+                mlp_out_norm: norm(&mut block, s.norms.mlp_out, hidden)?,
+                window: layer.window,
             });
         }
-        let norm = RmsNorm::load(&mut model.pp("norm"), hidden, eps)?;
+        let mut norm = RmsNorm::load(&mut model.pp("norm"), hidden, eps)?;
+        if s.logit_scale != 1.0 {
+            // The head is linear and the norm's output feeds only it.
+            ops::scale_inplace(&mut norm.weight, s.logit_scale).map_err(|source| {
+                LoadError::Engine {
+                    name: "model.norm.weight".into(),
+                    source,
+                }
+            })?;
+        }
         let lm_head = (!tied)
             .then(|| Linear::load(&mut root.pp("lm_head"), hidden, vocab, false))
             .transpose()?;
-        let device = ckpt.device.clone();
         ckpt.finish()?;
         Ok(Llama {
             info: ModelInfo {
                 model_type,
                 vocab_size: vocab,
                 hidden_size: hidden,
-                num_layers: layers,
-                max_context,
+                num_layers: n_layers,
+                max_context: c.max_position_embeddings,
                 device,
             },
             embed_tokens,
@@ -176,7 +766,69 @@ impl Llama {
                 lm_head,
                 softcap: None,
             },
+            embed_scale: s.embed_scale,
+            residual_scale: s.residual_scale,
+            prefix,
         })
+    }
+
+    /// `h += residual_scale · out_norm(linear(x))`, in one op where there is no norm or scale.
+    fn add_branch(
+        &self,
+        linear: &Linear,
+        x: &Tensor,
+        lora: ModuleAdapters,
+        name: &str,
+        out_norm: Option<&RmsNorm>,
+        h: &mut Tensor,
+    ) -> OpResult<()> {
+        let adapter = lora.get(name);
+        if out_norm.is_none() && self.residual_scale == 1.0 {
+            return linear.add_forward(x, adapter, h);
+        }
+        let mut r = linear.forward_adapted(x, adapter)?;
+        if let Some(norm) = out_norm {
+            norm.forward_inplace(&mut r)?;
+        }
+        if self.residual_scale != 1.0 {
+            ops::scale_inplace(&mut r, self.residual_scale)?;
+        }
+        ops::add_inplace(h, &r)
+    }
+}
+
+impl Block {
+    /// The heads' outputs over this layer's caches: plain ones for a global layer, rings for a
+    /// windowed one.
+    fn attend(
+        &self,
+        input: Input,
+        positions: &Positions,
+        caches: LayerCaches,
+        lora: ModuleAdapters,
+    ) -> Result<Tensor, ForwardError> {
+        let a = &self.self_attn;
+        let fits = |s: (usize, usize)| s == (a.kv_heads, a.head_dim);
+        match caches {
+            LayerCaches::Kv(mut kvs)
+                if self.window.is_none() && kvs.iter().all(|c| fits(c.shape())) =>
+            {
+                Ok(a.attend(input, positions, &mut kvs, lora)?)
+            }
+            LayerCaches::Rotating(mut rings)
+                if self.window.is_some() && rings.iter().all(|c| fits(c.shape())) =>
+            {
+                Ok(a.attend(input, positions, &mut rings, lora)?)
+            }
+            _ => Err(ForwardError::CacheMismatch),
+        }
+    }
+}
+
+fn input<'a>(h: &'a Tensor, norm: &'a Option<RmsNorm>) -> Input<'a> {
+    match norm {
+        Some(norm) => Input::Normed(h, norm),
+        None => Input::Plain(h),
     }
 }
 
@@ -191,9 +843,12 @@ impl Architecture for Llama {
             .iter()
             .map(|b| {
                 let a = &b.self_attn;
-                Ok(LayerCache::Kv(KvCache::new(
-                    a.kv_heads, a.head_dim, device,
-                )?))
+                Ok(match b.window {
+                    Some(window) => LayerCache::Rotating(RotatingKvCache::new(
+                        a.kv_heads, a.head_dim, window, device,
+                    )?),
+                    None => LayerCache::Kv(KvCache::new(a.kv_heads, a.head_dim, device)?),
+                })
             })
             .collect()
     }
@@ -206,23 +861,45 @@ impl Architecture for Llama {
     ) -> Result<Tensor, ForwardError> {
         let (mut caches, positions) =
             PassCaches::new(&self.info, tokens, caches, self.layers.len())?;
-        let mut h = self.embed_tokens.forward(tokens)?;
+        let mut h = self.embed(tokens)?;
         for (i, block) in self.layers.iter().enumerate() {
-            let LayerCaches::Kv(mut kvs) = caches.layer(i)? else {
-                return Err(ForwardError::CacheMismatch);
-            };
             let lora = |module| adapters.map_or(ModuleAdapters::NONE, |a| a.module(i, module));
-            let (attn, mlp) = (&block.self_attn, &block.mlp);
-            // The norms are folded into the projections where the device can.
             let (attn_lora, mlp_lora) = (lora("self_attn"), lora("mlp"));
-            let normed = Input::Normed(&h, &block.input_layernorm);
-            let out = attn.attend(normed, &positions, &mut kvs, attn_lora)?;
-            attn.o_proj
-                .add_forward(&out, attn_lora.get("o_proj"), &mut h)?;
-            let normed = Input::Normed(&h, &block.post_attention_layernorm);
-            let act = mlp.gated(normed, mlp_lora, ops::Activation::Silu)?;
-            mlp.down_proj
-                .add_forward(&act, mlp_lora.get("down_proj"), &mut h)?;
+            // Norms are folded into the projections where the device can.
+            let normed = input(&h, &block.attn_norm);
+            let out = block.attend(normed, &positions, caches.layer(i)?, attn_lora)?;
+            let (o_proj, out_norm) = (&block.self_attn.o_proj, block.attn_out_norm.as_ref());
+            self.add_branch(o_proj, &out, attn_lora, "o_proj", out_norm, &mut h)?;
+            match &block.mlp {
+                FeedForward::Dense(mlp) => {
+                    let normed = input(&h, &block.mlp_norm);
+                    let act = mlp.gated(normed, mlp_lora, ops::Activation::Silu)?;
+                    let out_norm = block.mlp_out_norm.as_ref();
+                    self.add_branch(
+                        &mlp.down_proj,
+                        &act,
+                        mlp_lora,
+                        "down_proj",
+                        out_norm,
+                        &mut h,
+                    )?;
+                }
+                FeedForward::Moe(moe) => {
+                    let x = match &block.mlp_norm {
+                        Some(norm) => norm.forward(&h)?,
+                        None => h.try_clone()?,
+                    };
+                    let mut r =
+                        moe.forward(&x, mlp_lora, lora("mlp.switch_mlp"), ModuleAdapters::NONE)?;
+                    if let Some(norm) = &block.mlp_out_norm {
+                        norm.forward_inplace(&mut r)?;
+                    }
+                    if self.residual_scale != 1.0 {
+                        ops::scale_inplace(&mut r, self.residual_scale)?;
+                    }
+                    ops::add_inplace(&mut h, &r)?;
+                }
+            }
         }
         caches.finish();
         Ok(h)
@@ -234,6 +911,13 @@ impl Architecture for Llama {
 }
 
 impl Adaptable for Llama {
+    fn blocks_path(&self) -> &'static str {
+        match self.prefix {
+            "" => "model.layers",
+            _ => "language_model.model.layers",
+        }
+    }
+
     fn block_linears(&self) -> Vec<Vec<LinearShape>> {
         let blocks = self.layers.iter();
         blocks
@@ -248,27 +932,29 @@ impl Adaptable for Llama {
 
 impl Decoder for Llama {
     fn embed(&self, tokens: &[u32]) -> OpResult<Tensor> {
-        self.embed_tokens.forward(tokens)
+        let mut h = self.embed_tokens.forward(tokens)?;
+        if self.embed_scale != 1.0 {
+            ops::scale_inplace(&mut h, self.embed_scale)?;
+        }
+        Ok(h)
     }
 
     fn blocks(&self, _tokens: &[u32]) -> OpResult<Vec<DecoderBlock<'_>>> {
         let blocks = self.layers.iter();
         Ok(blocks
             .map(|b| DecoderBlock {
-                input_norm: &b.input_layernorm,
+                input_norm: b.attn_norm.as_ref(),
                 mixer: Box::new(AttentionGrad {
                     attn: &b.self_attn,
-                    window: None,
+                    window: b.window,
                 }),
-                mixer_out_norm: None,
-                mlp_norm: Some(&b.post_attention_layernorm),
-                mlp: Box::new(GatedMlpGrad {
-                    mlp: &b.mlp,
-                    activation: ops::Activation::Silu,
-                }),
-                mlp_out_norm: None,
+                mixer_out_norm: b.attn_out_norm.as_ref(),
+                mlp_norm: b.mlp_norm.as_ref(),
+                mlp: b.mlp.grad(),
+                mlp_out_norm: b.mlp_out_norm.as_ref(),
                 tail: None,
                 output_scale: 1.0,
+                branch_scale: self.residual_scale,
             })
             .collect())
     }

@@ -22,7 +22,7 @@ use crate::layers::{
 };
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
-use crate::switch::SparseMoe;
+use crate::switch::{FeedForward, Routing, SparseMoe};
 use crate::{ForwardError, LoadError, ModelInfo};
 
 mod grad;
@@ -182,13 +182,6 @@ enum Mixer {
     Attention(GatedAttention),
 }
 
-// One per layer, held in a Vec: the variants' sizes do not matter.
-#[allow(clippy::large_enum_variant)]
-enum FeedForward {
-    Dense(Mlp),
-    Moe(SparseMoe),
-}
-
 struct Block {
     input_layernorm: RmsNorm,
     mixer: Mixer,
@@ -225,11 +218,9 @@ struct Args {
 }
 
 struct MoeArgs {
-    experts: usize,
-    top_k: usize,
+    routing: Routing,
     intermediate: usize,
     shared_intermediate: usize,
-    norm_topk_prob: bool,
 }
 
 /// `config.json`'s keys for Qwen3.5's text model (dense and MoE), as mlx-lm's `ModelArgs` reads
@@ -385,21 +376,14 @@ impl Args {
             let top_k = c
                 .num_experts_per_tok
                 .ok_or_else(|| missing("num_experts_per_tok"))?;
-            if top_k == 0 || top_k > experts {
-                return Err(LoadError::Config(format!(
-                    "{top_k} experts per token of {experts}"
-                )));
-            }
             Some(MoeArgs {
-                experts,
-                top_k,
+                routing: Routing::new(experts, top_k, c.norm_topk_prob)?,
                 intermediate: c
                     .moe_intermediate_size
                     .ok_or_else(|| missing("moe_intermediate_size"))?,
                 shared_intermediate: c
                     .shared_expert_intermediate_size
                     .ok_or_else(|| missing("shared_expert_intermediate_size"))?,
-                norm_topk_prob: c.norm_topk_prob,
             })
         } else {
             None
@@ -612,11 +596,9 @@ impl Qwen3_5 {
                 Some(moe) => FeedForward::Moe(SparseMoe::load(
                     &mut block.pp("mlp"),
                     h,
-                    moe.experts,
-                    moe.top_k,
+                    moe.routing,
                     moe.intermediate,
-                    moe.shared_intermediate,
-                    moe.norm_topk_prob,
+                    Some(moe.shared_intermediate),
                 )?),
             };
             blocks.push(Block {
@@ -744,10 +726,7 @@ impl Adaptable for Qwen3_5 {
                     Mixer::Linear(m) => m.linears(),
                     Mixer::Attention(m) => m.linears(),
                 };
-                linears.extend(match &b.mlp {
-                    FeedForward::Dense(mlp) => mlp.linears(),
-                    FeedForward::Moe(moe) => moe.linears(),
-                });
+                linears.extend(b.mlp.linears());
                 linears
             })
             .collect()

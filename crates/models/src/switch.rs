@@ -1,5 +1,6 @@
 //! Sparse mixtures of experts: the stacked expert weights of mlx-lm's `switch_layers.py`
-//! (`SwitchGLU`) and the routed block of `qwen3_next.py` (`Qwen3NextSparseMoeBlock`).
+//! (`SwitchGLU`) and the routed blocks of `qwen3_moe.py` and `mixtral.py` (top-k over a softmax
+//! router) and of `qwen3_next.py` (the same plus a sigmoid-gated shared expert).
 
 pub(crate) mod grad;
 
@@ -7,6 +8,7 @@ use oxlm_engine::cpu::elementwise::softmax_inplace;
 use oxlm_engine::{ops, DType, FloatMatrix, QuantizedMatrix, Tensor};
 
 use crate::checkpoint::{RawTensor, Scope};
+use crate::decoder_grad::{GatedMlpGrad, MlpGrad};
 use crate::layers::{experts_shape, linear_shape, Linear, Mlp, OpResult, Weight};
 use crate::lora::{LinearShape, ModuleAdapters};
 use crate::LoadError;
@@ -159,7 +161,37 @@ fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
-/// Top-k routing over SwiGLU experts plus a sigmoid-gated shared expert.
+/// A block's feed-forward part: a SwiGLU MLP, or a mixture of experts in its place.
+// One per layer, held in a Vec: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum FeedForward {
+    Dense(Mlp),
+    Moe(SparseMoe),
+}
+
+impl FeedForward {
+    /// Its layers, as mlx-lm's default LoRA keys select them (under `mlp`).
+    pub(crate) fn linears(&self) -> Vec<LinearShape> {
+        match self {
+            FeedForward::Dense(mlp) => mlp.linears(),
+            FeedForward::Moe(moe) => moe.linears(),
+        }
+    }
+
+    /// As the backward pass sees it.
+    pub(crate) fn grad(&self) -> Box<dyn MlpGrad + '_> {
+        match self {
+            FeedForward::Dense(mlp) => Box::new(GatedMlpGrad {
+                mlp,
+                activation: ops::Activation::Silu,
+            }),
+            FeedForward::Moe(moe) => Box::new(moe),
+        }
+    }
+}
+
+/// Top-k routing over SwiGLU experts, with a sigmoid-gated shared expert where the
+/// architecture has one.
 pub struct SparseMoe {
     /// Router: `hidden → experts` logits.
     gate: Linear,
@@ -167,8 +199,35 @@ pub struct SparseMoe {
     experts: Vec<Mlp>,
     top_k: usize,
     norm_topk_prob: bool,
-    shared_expert: Mlp,
-    shared_expert_gate: Linear,
+    shared: Option<SharedExpert>,
+}
+
+/// An expert every token goes through, weighted by a sigmoid gate of its own.
+struct SharedExpert {
+    mlp: Mlp,
+    gate: Linear,
+}
+
+impl SharedExpert {
+    /// Adds its output `out` for the rows `x` into `y`, each row weighted by its gate (the
+    /// router's adapters in `lora`); returns the gates.
+    fn add_gated(
+        &self,
+        x: &Tensor,
+        out: &Tensor,
+        lora: ModuleAdapters,
+        y: &mut Tensor,
+    ) -> OpResult<Vec<f32>> {
+        let gates: Vec<f32> = (self.gate)
+            .forward_adapted(x, lora.get("shared_expert_gate"))?
+            .into_vec()?
+            .into_iter()
+            .map(sigmoid)
+            .collect();
+        let all: Vec<usize> = (0..x.rows()).collect();
+        ops::scatter_add_rows(y, out, &all, &gates)?;
+        Ok(gates)
+    }
 }
 
 impl SparseMoe {
@@ -181,37 +240,46 @@ impl SparseMoe {
             experts_shape("mlp.switch_mlp.up_proj", experts, |m| &m.up_proj),
             experts_shape("mlp.switch_mlp.down_proj", experts, |m| &m.down_proj),
         ];
-        let shared = &self.shared_expert;
-        out.extend([
-            linear_shape("mlp.shared_expert.gate_proj", &shared.gate_proj),
-            linear_shape("mlp.shared_expert.up_proj", &shared.up_proj),
-            linear_shape("mlp.shared_expert.down_proj", &shared.down_proj),
-        ]);
-        out.push(linear_shape(
-            "mlp.shared_expert_gate",
-            &self.shared_expert_gate,
-        ));
+        if let Some(shared) = &self.shared {
+            out.extend([
+                linear_shape("mlp.shared_expert.gate_proj", &shared.mlp.gate_proj),
+                linear_shape("mlp.shared_expert.up_proj", &shared.mlp.up_proj),
+                linear_shape("mlp.shared_expert.down_proj", &shared.mlp.down_proj),
+                linear_shape("mlp.shared_expert_gate", &shared.gate),
+            ]);
+        }
         out
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// The router `gate`, the experts `switch_mlp` and, with `shared_intermediate`, the
+    /// `shared_expert` and its `shared_expert_gate`.
     pub fn load(
         vb: &mut Scope,
         dim: usize,
-        experts: usize,
-        top_k: usize,
+        routing: Routing,
         intermediate: usize,
-        shared_intermediate: usize,
-        norm_topk_prob: bool,
+        shared_intermediate: Option<usize>,
     ) -> Result<Self, LoadError> {
+        let Routing {
+            experts,
+            top_k,
+            norm_topk_prob,
+        } = routing;
         let mlps = load_experts(&mut vb.pp("switch_mlp"), experts, dim, intermediate)?;
+        let shared = shared_intermediate
+            .map(|width| {
+                Ok::<_, LoadError>(SharedExpert {
+                    mlp: Mlp::load(&mut vb.pp("shared_expert"), dim, width, false)?,
+                    gate: Linear::load(&mut vb.pp("shared_expert_gate"), dim, 1, false)?,
+                })
+            })
+            .transpose()?;
         Ok(SparseMoe {
             gate: Linear::load(&mut vb.pp("gate"), dim, experts, false)?,
             experts: mlps,
             top_k,
             norm_topk_prob,
-            shared_expert: Mlp::load(&mut vb.pp("shared_expert"), dim, shared_intermediate, false)?,
-            shared_expert_gate: Linear::load(&mut vb.pp("shared_expert_gate"), dim, 1, false)?,
+            shared,
         })
     }
 
@@ -226,23 +294,17 @@ impl SparseMoe {
         experts: ModuleAdapters,
         shared: ModuleAdapters,
     ) -> OpResult<Tensor> {
-        let n = x.rows();
         let mut probs = self.gate.forward_adapted(x, lora.get("gate"))?.into_vec()?;
         let chosen = self.route(&mut probs);
         let routed = by_expert(&chosen, self.top_k, self.experts.len());
         let mut y = dispatch(x, &routed, |e, rows| {
             self.experts[e].forward_adapted(rows, experts.expert(e))
         })?;
-        let shared = self.shared_expert.forward_adapted(x, shared)?;
-        let gates: Vec<f32> = self
-            .shared_expert_gate
-            .forward_adapted(x, lora.get("shared_expert_gate"))?
-            .into_vec()?
-            .into_iter()
-            .map(sigmoid)
-            .collect();
-        let all: Vec<usize> = (0..n).collect();
-        ops::scatter_add_rows(&mut y, &shared, &all, &gates)?;
+        let Some(expert) = &self.shared else {
+            return Ok(y);
+        };
+        let out = expert.mlp.forward_adapted(x, shared)?;
+        expert.add_gated(x, &out, lora, &mut y)?;
         Ok(y)
     }
 
@@ -269,6 +331,31 @@ impl SparseMoe {
             }));
         }
         chosen
+    }
+}
+
+/// How a mixture picks experts: each token's `top_k` best of `experts` by the router's softmax,
+/// their weights renormalized to sum to 1 where `norm_topk_prob` (mixtral's softmax over the
+/// chosen logits is the same thing).
+#[derive(Debug, Clone, Copy)]
+pub struct Routing {
+    experts: usize,
+    top_k: usize,
+    norm_topk_prob: bool,
+}
+
+impl Routing {
+    pub fn new(experts: usize, top_k: usize, norm_topk_prob: bool) -> Result<Self, LoadError> {
+        if top_k == 0 || top_k > experts {
+            return Err(LoadError::Config(format!(
+                "{top_k} experts per token of {experts}"
+            )));
+        }
+        Ok(Routing {
+            experts,
+            top_k,
+            norm_topk_prob,
+        })
     }
 }
 

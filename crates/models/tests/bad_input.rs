@@ -138,8 +138,21 @@ fn unsupported_model_type_lists_the_supported_ones() {
         err,
         format!("unsupported model_type `mamba`; supported: {supported}")
     );
-    assert!(supported.starts_with("llama, mistral, qwen2, qwen3, "));
+    assert!(supported.starts_with("llama, mistral, qwen2, qwen3, qwen3_moe, "));
     assert!(supported.contains("qwen3_5, qwen3_5_text, qwen3_5_moe"));
+}
+
+#[test]
+fn an_unknown_layer_type_is_named() {
+    let dir = copy_of("llama-8bit-g32");
+    edit_config(dir.path(), |c| {
+        c["layer_types"] = serde_json::json!(["full_attention", "chunked_attention"])
+    });
+    let err = load_err(dir.path()).to_string();
+    assert_eq!(
+        err,
+        "config.json: layer type `chunked_attention` (supported: full_attention, sliding_attention)"
+    );
 }
 
 #[test]

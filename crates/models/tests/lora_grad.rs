@@ -59,7 +59,7 @@ fn read_step(run: &str) -> Step {
     }
 }
 
-const RUNS: [(&str, &str); 7] = [
+const RUNS: [(&str, &str); 10] = [
     ("train-llama-4bit-g64", "llama-4bit-g64"),
     ("train-qwen3-8bit-g128", "qwen3-8bit-g128"),
     ("train-gemma3-4bit-g64", "gemma3-4bit-g64"),
@@ -67,6 +67,9 @@ const RUNS: [(&str, &str); 7] = [
     ("train-qwen3_5_moe-4bit-g64", "qwen3_5_moe-4bit-g64"),
     ("train-gemma4-4bit-g32", "gemma4-4bit-g32"),
     ("train-gemma4-moe-4bit-g64", "gemma4-moe-4bit-g64"),
+    ("train-olmo3-8bit-g32", "olmo3-8bit-g32"),
+    ("train-granite-4bit-g32", "granite-4bit-g32"),
+    ("train-qwen3_moe-4bit-g32", "qwen3_moe-4bit-g32"),
 ];
 
 /// The gradient tolerance of one array of `run`. In the mixture-of-experts run, the first

@@ -553,6 +553,22 @@ fn gemma4_moe_batched_decode_matches_one_by_one() {
     check_batch("gemma4-moe-4bit-g64");
 }
 
+/// The llama family's members whose layers differ from llama's: windowed layers with plain
+/// RoPE (OLMo 3), windowed and NoPE layers (EXAONE 4), routed experts beside a dense layer
+/// (Qwen3-MoE), fused projections with partial rotary (Phi-3), residual multipliers (Granite).
+#[test]
+fn llama_family_batched_decode_matches_one_by_one() {
+    for name in [
+        "olmo3-8bit-g32",
+        "exaone4-4bit-g64",
+        "qwen3_moe-4bit-g32",
+        "phi3-4bit-g32",
+        "granite-4bit-g32",
+    ] {
+        check_batch(name);
+    }
+}
+
 #[test]
 fn a_batch_needs_one_token_per_cache() {
     let model = load_on(&fixtures().join("llama-4bit-g64"), &Device::Cpu).unwrap();
@@ -605,4 +621,17 @@ parity_tests! {
     qwen3_5_8bit_g32_hybrid_flat_config_4bit_head => "qwen3_5-8bit-g32",
     qwen3_5_moe_4bit_g64_hybrid_experts => "qwen3_5_moe-4bit-g64",
     qwen3_5_hf_layout_sanitized_on_load => "qwen3_5-hf-layout-8bit-g32",
+    qwen3_moe_4bit_g32_experts_and_a_dense_layer => "qwen3_moe-4bit-g32",
+    mixtral_4bit_g32_block_sparse_moe => "mixtral-4bit-g32",
+    smollm3_4bit_g64_nope_layers => "smollm3-4bit-g64",
+    phi3_4bit_g32_fused_projections_partial_rotary => "phi3-4bit-g32",
+    olmo2_4bit_g64_post_norm_full_qk_norm => "olmo2-4bit-g64",
+    olmo3_8bit_g32_sliding_window => "olmo3-8bit-g32",
+    granite_4bit_g32_multipliers => "granite-4bit-g32",
+    minicpm_4bit_g64_scaled_depth => "minicpm-4bit-g64",
+    glm4_4bit_g32_sandwich_norms_interleaved_partial_rotary => "glm4-4bit-g32",
+    exaone4_4bit_g64_windowed_and_nope_layers => "exaone4-4bit-g64",
+    ernie4_5_8bit_g64_biases_everywhere => "ernie4_5-8bit-g64",
+    seed_oss_4bit_g32_wide_heads => "seed_oss-4bit-g32",
+    mistral3_4bit_g32_text_model_in_a_wrapper => "mistral3-4bit-g32",
 }

@@ -81,7 +81,7 @@ impl Decoder for Gemma4 {
                 ),
             };
             blocks.push(DecoderBlock {
-                input_norm: &b.input_layernorm,
+                input_norm: Some(&b.input_layernorm),
                 mixer: Box::new(AttentionGrad {
                     attn,
                     window: attn.sliding.then_some(self.sliding_window),
@@ -95,6 +95,7 @@ impl Decoder for Gemma4 {
                 mlp_out_norm: Some(&b.post_feedforward_layernorm),
                 tail,
                 output_scale: b.layer_scalar,
+                branch_scale: 1.0,
             });
         }
         Ok(blocks)

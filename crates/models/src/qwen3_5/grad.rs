@@ -8,10 +8,10 @@ use oxlm_engine::ops::{self, recurrent};
 use oxlm_engine::params::Heads;
 use oxlm_engine::{Device, Tensor};
 
-use super::{FeedForward, GatedAttention, GatedDeltaNet, Mixer, Qwen3_5};
+use super::{GatedAttention, GatedDeltaNet, Mixer, Qwen3_5};
 use crate::decoder_grad::{
-    norm_keeping_input, through_norm, AttentionShape, BlockGrads, Decoder, DecoderBlock,
-    GatedMlpGrad, MixerGrad, MixerSaved, MlpGrad, SequenceAttention,
+    norm_keeping_input, through_norm, AttentionShape, BlockGrads, Decoder, DecoderBlock, MixerGrad,
+    MixerSaved, SequenceAttention,
 };
 use crate::layers::OpResult;
 use crate::lora::ModuleAdapters;
@@ -25,23 +25,18 @@ impl Decoder for Qwen3_5 {
         let blocks = self.layers.iter();
         Ok(blocks
             .map(|b| DecoderBlock {
-                input_norm: &b.input_layernorm,
+                input_norm: Some(&b.input_layernorm),
                 mixer: match &b.mixer {
                     Mixer::Linear(m) => Box::new(m) as Box<dyn MixerGrad>,
                     Mixer::Attention(m) => Box::new(m),
                 },
                 mixer_out_norm: None,
                 mlp_norm: Some(&b.post_attention_layernorm),
-                mlp: match &b.mlp {
-                    FeedForward::Dense(mlp) => Box::new(GatedMlpGrad {
-                        mlp,
-                        activation: ops::Activation::Silu,
-                    }) as Box<dyn MlpGrad>,
-                    FeedForward::Moe(moe) => Box::new(moe),
-                },
+                mlp: b.mlp.grad(),
                 mlp_out_norm: None,
                 tail: None,
                 output_scale: 1.0,
+                branch_scale: 1.0,
             })
             .collect())
     }

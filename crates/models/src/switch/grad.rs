@@ -1,14 +1,14 @@
 //! Mixtures of experts as the backward pass sees them (see [`crate::decoder_grad`]): the
 //! gradient reaches the chosen experts through their outputs and the router through the weights
 //! it gave them (the choice itself is not differentiated, as mlx-lm stops its gradient).
-//! [`RoutedSaved`] is the part every mixture shares; Qwen3.5's [`SparseMoe`] adds a shared
-//! expert and its sigmoid gate.
+//! [`RoutedSaved`] is the part every mixture shares; [`SparseMoe`] adds a shared expert and its
+//! sigmoid gate where it has one.
 
 use oxlm_engine::cpu::elementwise::add_inplace;
 use oxlm_engine::ops::{self, Activation};
 use oxlm_engine::Tensor;
 
-use super::{sigmoid, slots_by_expert, SparseMoe};
+use super::{slots_by_expert, SparseMoe};
 use crate::decoder_grad::{At, BlockAdapters, BlockGrads, GatedSaved, MlpGrad, MlpSaved};
 use crate::layers::{Mlp, OpResult};
 use crate::lora::ModuleAdapters;
@@ -112,17 +112,22 @@ impl RoutedSaved {
     }
 }
 
-/// What Qwen3.5's mixture's backward pass reads.
+/// What a [`SparseMoe`]'s backward pass reads.
 struct MoeSaved<'a> {
     moe: &'a SparseMoe,
     /// The router's probabilities `[n, experts]`; each token's chosen experts and weights.
     probs: Vec<f32>,
     chosen: Vec<(usize, f32)>,
     routed: RoutedSaved,
-    shared: GatedSaved,
-    shared_out: Tensor,
-    /// The shared expert's gate per token, after its sigmoid.
-    shared_gates: Vec<f32>,
+    shared: Option<SharedSaved>,
+}
+
+/// What the shared expert's backward pass reads.
+struct SharedSaved {
+    mlp: GatedSaved,
+    out: Tensor,
+    /// Its gate per token, after the sigmoid.
+    gates: Vec<f32>,
 }
 
 impl MlpGrad for &SparseMoe {
@@ -132,7 +137,6 @@ impl MlpGrad for &SparseMoe {
         lora: BlockAdapters,
     ) -> OpResult<(Tensor, Box<dyn MlpSaved + 's>)> {
         let moe: &SparseMoe = self;
-        let n = x.rows();
         let router = lora.module("mlp");
         let mut probs = moe
             .gate
@@ -143,24 +147,21 @@ impl MlpGrad for &SparseMoe {
         let silu = Activation::Silu;
         let (mut y, routed) =
             RoutedSaved::forward(&moe.experts, silu, x, &chosen, moe.top_k, switch)?;
-        let shared_lora = lora.module("mlp.shared_expert");
-        let (shared_out, shared) = GatedSaved::forward(&moe.shared_expert, silu, x, shared_lora)?;
-        let shared_gates: Vec<f32> = (moe.shared_expert_gate)
-            .forward_adapted(x, router.get("shared_expert_gate"))?
-            .into_vec()?
-            .into_iter()
-            .map(sigmoid)
-            .collect();
-        let all: Vec<usize> = (0..n).collect();
-        ops::scatter_add_rows(&mut y, &shared_out, &all, &shared_gates)?;
+        let shared = match &moe.shared {
+            Some(expert) => {
+                let shared_lora = lora.module("mlp.shared_expert");
+                let (out, mlp) = GatedSaved::forward(&expert.mlp, silu, x, shared_lora)?;
+                let gates = expert.add_gated(x, &out, router, &mut y)?;
+                Some(SharedSaved { mlp, out, gates })
+            }
+            None => None,
+        };
         let saved = MoeSaved {
             moe,
             probs,
             chosen,
             routed,
             shared,
-            shared_out,
-            shared_gates,
         };
         Ok((y, Box::new(saved)))
     }
@@ -200,26 +201,28 @@ impl MoeSaved<'_> {
 impl MlpSaved for MoeSaved<'_> {
     fn backward(&self, x: &[f32], dy: &[f32], g: &mut BlockGrads) -> Vec<f32> {
         let moe = self.moe;
-        let n = self.shared_gates.len();
-        let dim = dy.len() / n;
         let switch = "mlp.switch_mlp";
         let (mut dx, d_weights) = (self.routed).backward(&moe.experts, switch, &self.chosen, dy, g);
         let d_logits = self.router_grad(&d_weights);
         add_inplace(&mut dx, &g.through(&moe.gate, "mlp", "gate", x, &d_logits));
-        let shared_out = self.shared_out.data();
+        let (Some(saved), Some(expert)) = (&self.shared, &moe.shared) else {
+            return dx;
+        };
+        let n = saved.gates.len();
+        let dim = dy.len() / n;
+        let shared_out = saved.out.data();
         let mut d_shared = Vec::with_capacity(dy.len());
         let mut d_gate = Vec::with_capacity(n);
-        for (t, &gate) in self.shared_gates.iter().enumerate() {
+        for (t, &gate) in saved.gates.iter().enumerate() {
             let dy_t = &dy[t * dim..][..dim];
             d_shared.extend(dy_t.iter().map(|d| d * gate));
             d_gate.push(gate * (1.0 - gate) * dot(dy_t, &shared_out[t * dim..][..dim]));
         }
         let at = At::from("mlp.shared_expert");
-        let (shared, silu) = (&moe.shared_expert, Activation::Silu);
-        let dx_shared = (self.shared).backward(shared, silu, at, x, &d_shared, g);
+        let silu = Activation::Silu;
+        let dx_shared = (saved.mlp).backward(&expert.mlp, silu, at, x, &d_shared, g);
         add_inplace(&mut dx, &dx_shared);
-        let gate = &moe.shared_expert_gate;
-        let d_x_gate = g.through(gate, "mlp", "shared_expert_gate", x, &d_gate);
+        let d_x_gate = g.through(&expert.gate, "mlp", "shared_expert_gate", x, &d_gate);
         add_inplace(&mut dx, &d_x_gate);
         dx
     }
