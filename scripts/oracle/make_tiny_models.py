@@ -133,6 +133,27 @@ MODELS = {
             "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
             "rope_scaling": None, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
             "torch_dtype": "bfloat16"}),
+    # Phi-4-mini's RoPE: LongRoPE (long factors, amplitude from 131072 / 4096) over 3/4 of each head.
+    "phi3-longrope-4bit-g32": dict(
+        seed=22, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},
+        config={
+            "model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "partial_rotary_factor": 0.75, "rms_norm_eps": 1e-5, "vocab_size": 512,
+            "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
+            "rope_scaling": {"type": "longrope", "long_factor": [1.0, 1.5, 3.0, 7.5, 16.0, 40.0],
+                             "short_factor": [1.0, 1.0, 1.1, 1.2, 1.5, 2.0]},
+            "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # Qwen3 with YaRN (factor 4 over 32768): interpolated periods and an mscale the attention scale takes.
+    "qwen3-yarn-4bit-g64": dict(
+        seed=23, gain=4.0, embed_gain=3.0, group_size=64, bits=4, overrides={},
+        config={
+            "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "rms_norm_eps": 1e-6, "vocab_size": 512, "max_position_embeddings": 131072,
+            "rope_theta": 10000.0, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 32768},
+            "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
     # OLMo 2: norms after attention and MLP only, q/k norms over all heads, untied.
     "olmo2-4bit-g64": dict(
         seed=10, gain=4.0, embed_gain=1.0, group_size=64, bits=4, overrides={},

@@ -43,7 +43,7 @@ pub fn rms_norm_backward(x: &[f32], weight: &[f32], eps: f32, dy: &[f32], dx: &m
 }
 
 /// Backward of [`crate::ops::rope_inplace`], in place: a rotation's gradient is the gradient
-/// rotated back by the same angle.
+/// rotated back by the same angle (and scaled by the same amplitude).
 pub fn rope_backward_inplace(
     dx: &mut [f32],
     heads: usize,
@@ -51,11 +51,13 @@ pub fn rope_backward_inplace(
     positions: &[usize],
     inv_freqs: &[f32],
     traditional: bool,
+    amplitude: f32,
 ) {
     let half = inv_freqs.len();
     for (t, &pos) in positions.iter().enumerate() {
         for (i, &freq) in inv_freqs.iter().enumerate() {
             let (sin, cos) = (pos as f32 * freq).sin_cos();
+            let (sin, cos) = (sin * amplitude, cos * amplitude);
             let (a, b) = if traditional {
                 (2 * i, 2 * i + 1)
             } else {

@@ -453,8 +453,12 @@ fn fused_projection_rotation_and_cache_write() {
             });
             let at = Positions::new(vec![position], &Device::Cpu).unwrap();
             let f = Tensor::new(vec![d / 2], freqs.clone());
-            ops::rope_pair_inplace(&mut q, heads, &mut k, kv_heads, d, &at, &f, traditional)
-                .unwrap();
+            let host_rope = ops::Rotation {
+                inv_freqs: &f,
+                traditional,
+                amplitude: 1.0,
+            };
+            ops::rope_pair_inplace(&mut q, heads, &mut k, kv_heads, d, &at, host_rope).unwrap();
             let (mut keys, mut values) = (ring(&Device::Cpu), ring(&Device::Cpu));
             ops::kv_write((&mut keys, &mut values), &k, &v, kv_heads, d, capacity, &at).unwrap();
 
@@ -467,6 +471,7 @@ fn fused_projection_rotation_and_cache_write() {
             let rope = ops::Rotation {
                 inv_freqs: &f,
                 traditional,
+                amplitude: 1.0,
             };
             let (mut gk, mut gv) = (ring(&dev), ring(&dev));
             let gpu_biases = [0, 1, 2].map(|i| on(&dev, vec![rows[i]], &biases[i]));
@@ -688,16 +693,32 @@ fn rope() {
     let positions = vec![0, 5, 4095, 70000];
     let x = random_vec(&mut rng, positions.len() * heads * head_dim);
     let shape = vec![positions.len(), heads * head_dim];
-    for traditional in [false, true] {
+    // Plain RoPE both ways, and the turned features scaled as YaRN's and LongRoPE's are.
+    for (traditional, amplitude) in [(false, 1.0), (true, 1.0), (false, 1.3)] {
         let mut cpu = Tensor::new(shape.clone(), x.clone());
         let p = Positions::new(positions.clone(), &Device::Cpu).unwrap();
-        let f = Tensor::new(vec![half], freqs.clone());
-        ops::rope_inplace(&mut cpu, heads, head_dim, &p, &f, traditional).unwrap();
+        let fc = Tensor::new(vec![half], freqs.clone());
+        let host_rope = ops::Rotation {
+            inv_freqs: &fc,
+            traditional,
+            amplitude,
+        };
+        ops::rope_inplace(&mut cpu, heads, head_dim, &p, host_rope).unwrap();
         let mut y = on(&dev, shape.clone(), &x);
         let p = Positions::new(positions.clone(), &dev).unwrap();
         let f = on(&dev, vec![half], &freqs);
-        ops::rope_inplace(&mut y, heads, head_dim, &p, &f, traditional).unwrap();
-        assert_close(&format!("rope traditional={traditional}"), &y, &cpu, 1e-4);
+        let rope = ops::Rotation {
+            inv_freqs: &f,
+            traditional,
+            amplitude,
+        };
+        ops::rope_inplace(&mut y, heads, head_dim, &p, rope).unwrap();
+        assert_close(
+            &format!("rope traditional={traditional} amplitude={amplitude}"),
+            &y,
+            &cpu,
+            1e-4,
+        );
 
         // Queries and keys (another head count) in one launch.
         let kv_heads = 2;
@@ -705,28 +726,17 @@ fn rope() {
         let kshape = vec![positions.len(), kv_heads * head_dim];
         let mut kcpu = Tensor::new(kshape.clone(), kx.clone());
         let pc = Positions::new(positions.clone(), &Device::Cpu).unwrap();
-        let fc = Tensor::new(vec![half], freqs.clone());
-        ops::rope_inplace(&mut kcpu, kv_heads, head_dim, &pc, &fc, traditional).unwrap();
+        ops::rope_inplace(&mut kcpu, kv_heads, head_dim, &pc, host_rope).unwrap();
         let (mut q, mut k) = (on(&dev, shape.clone(), &x), on(&dev, kshape, &kx));
-        ops::rope_pair_inplace(
-            &mut q,
-            heads,
-            &mut k,
-            kv_heads,
-            head_dim,
-            &p,
-            &f,
-            traditional,
-        )
-        .unwrap();
+        ops::rope_pair_inplace(&mut q, heads, &mut k, kv_heads, head_dim, &p, rope).unwrap();
         assert_close(
-            &format!("rope pair q traditional={traditional}"),
+            &format!("rope pair q traditional={traditional} amplitude={amplitude}"),
             &q,
             &cpu,
             1e-4,
         );
         assert_close(
-            &format!("rope pair k traditional={traditional}"),
+            &format!("rope pair k traditional={traditional} amplitude={amplitude}"),
             &k,
             &kcpu,
             1e-4,

@@ -93,7 +93,15 @@ fn rope_matches_finite_differences() {
         let r = random(&mut rng, x.len(), 1.0);
         let f = |x: &[f32]| {
             let mut y = x.to_vec();
-            rope_inplace(&mut y, heads, head_dim, &positions, &inv_freqs, traditional);
+            rope_inplace(
+                &mut y,
+                heads,
+                head_dim,
+                &positions,
+                &inv_freqs,
+                traditional,
+                1.25,
+            );
             y
         };
         let mut dx = r.clone();
@@ -104,6 +112,7 @@ fn rope_matches_finite_differences() {
             &positions,
             &inv_freqs,
             traditional,
+            1.25,
         );
         assert_close(
             &format!("rope traditional={traditional}"),

@@ -469,7 +469,15 @@ impl MixerSaved for AttentionSaved<'_> {
 fn rope_backward(rope: &Rope, d: &mut [f32], heads: usize, head_dim: usize) {
     let positions: Vec<usize> = (0..d.len() / (heads * head_dim)).collect();
     let (inv, traditional) = (rope.inv_freqs.data(), rope.traditional);
-    rope_backward_inplace(d, heads, head_dim, &positions, inv, traditional);
+    rope_backward_inplace(
+        d,
+        heads,
+        head_dim,
+        &positions,
+        inv,
+        traditional,
+        rope.amplitude,
+    );
 }
 
 /// The adapters of a block's mixer and of the rest of it.

@@ -173,8 +173,16 @@ impl Gemma3 {
             ));
         }
         let device = ckpt.device.clone();
-        let local_rope = Rope::new(head_dim, rope_local_base, false, None, &device)?;
-        let global_rope = Rope::new(head_dim, rope_theta, false, scaling.as_ref(), &device)?;
+        let context = Some(max_context);
+        let local_rope = Rope::new(head_dim, rope_local_base, false, None, context, &device)?;
+        let global_rope = Rope::new(
+            head_dim,
+            rope_theta,
+            false,
+            scaling.as_ref(),
+            context,
+            &device,
+        )?;
 
         let mut root = ckpt.scope(prefix.trim_end_matches('.'));
         let mut model = root.pp("model");

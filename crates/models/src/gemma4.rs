@@ -457,7 +457,14 @@ fn rope_for(
         .get("rope_theta")
         .and_then(Value::as_f64)
         .unwrap_or(10000.0);
-    Rope::new(head_dim, theta as f32, traditional, Some(&params), device)
+    Rope::new(
+        head_dim,
+        theta as f32,
+        traditional,
+        Some(&params),
+        None,
+        device,
+    )
 }
 
 #[derive(Clone, Copy)]

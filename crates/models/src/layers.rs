@@ -356,16 +356,22 @@ pub struct Rope {
     /// Angle per position for each rotated pair, on the model's device.
     pub inv_freqs: Tensor,
     pub traditional: bool,
+    /// What the turned features are multiplied by (YaRN's and LongRoPE's mscale).
+    pub amplitude: f32,
 }
 
 impl Rope {
     /// Builds the RoPE that mlx-lm's `initialize_rope` builds for `dims` rotated features, with
-    /// `base` and the `rope_scaling` section (`None`, default, linear or llama3).
+    /// `base` and the `rope_scaling` section: default, linear, llama3, yarn, longrope (`su`),
+    /// dynamic and proportional. `max_positions` is the model's `max_position_embeddings`, which
+    /// LongRoPE's amplitude depends on. Dynamic NTK scaling changes nothing within that context
+    /// (the longest this model then serves), so it is the default RoPE here.
     pub fn new(
         dims: usize,
         base: f32,
         traditional: bool,
         scaling: Option<&Value>,
+        max_positions: Option<usize>,
         device: &Device,
     ) -> Result<Self, LoadError> {
         positive("rope_theta", base)?;
@@ -384,8 +390,9 @@ impl Rope {
         let periods: Vec<f64> = (0..dims / 2)
             .map(|i| (base as f64).powf((2 * i) as f64 / dims as f64))
             .collect();
+        let mut amplitude = 1.0;
         let periods = match rope_type {
-            "default" => periods,
+            "default" | "dynamic" | "mrope" => periods,
             "linear" => {
                 let factor = number("factor", None)?;
                 periods.into_iter().map(|p| p * factor).collect()
@@ -410,6 +417,67 @@ impl Rope {
                     })
                     .collect()
             }
+            "yarn" | "deepseek_yarn" => {
+                let factor = number("factor", None)?;
+                positive("rope_scaling.factor", factor as f32)?;
+                let old_context = number("original_max_position_embeddings", Some(4096.0))?;
+                let beta_fast = number("beta_fast", Some(32.0))?;
+                let beta_slow = number("beta_slow", Some(1.0))?;
+                let mscale = |m: f64| match factor <= 1.0 {
+                    true => 1.0,
+                    false => 0.1 * m * factor.ln() + 1.0,
+                };
+                amplitude = (mscale(number("mscale", Some(1.0))?)
+                    / mscale(number("mscale_all_dim", Some(0.0))?)) as f32;
+                // The pairs that turn fewer than `beta_slow` times over the old context are
+                // interpolated, those that turn more than `beta_fast` times kept, a ramp between.
+                let turns_at = |rotations: f64| {
+                    dims as f64 * (old_context / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                        / (2.0 * (base as f64).ln())
+                };
+                let low = turns_at(beta_fast).floor().max(0.0);
+                let high = turns_at(beta_slow).ceil().min(dims as f64 - 1.0);
+                let high = if low == high { high + 0.001 } else { high };
+                periods
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, p)| {
+                        let keep = 1.0 - ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                        let stretched = factor * p;
+                        stretched * p / (stretched * keep + p * (1.0 - keep))
+                    })
+                    .collect()
+            }
+            "longrope" | "su" => {
+                // mlx-lm always turns by the long factors, and scales the turned features by
+                // √(1 + ln(context growth) / ln(old context)) unless `long_mscale` says.
+                let old_context = number("original_max_position_embeddings", None)?;
+                let factors = scaling
+                    .and_then(|s| s.get("long_factor"))
+                    .and_then(Value::as_array)
+                    .filter(|f| f.len() == dims / 2)
+                    .ok_or_else(|| {
+                        LoadError::Config(format!(
+                            "`rope_scaling.long_factor` must hold {} numbers",
+                            dims / 2
+                        ))
+                    })?;
+                let growth = max_positions.map_or(1.0, |m| m as f64 / old_context);
+                amplitude = match scaling.and_then(|s| s.get("long_mscale")).and_then(Value::as_f64) {
+                    Some(m) => m as f32,
+                    None if growth <= 1.0 => 1.0,
+                    None => (1.0 + growth.ln() / old_context.ln()).sqrt() as f32,
+                };
+                periods
+                    .into_iter()
+                    .zip(factors)
+                    .map(|(p, f)| {
+                        f.as_f64().map(|f| p * f).ok_or_else(|| {
+                            LoadError::Config("`rope_scaling.long_factor` holds a non-number".into())
+                        })
+                    })
+                    .collect::<Result<_, _>>()?
+            }
             "proportional" => {
                 // Gemma 4's global layers: the first `rotated` features of each half turn, with
                 // periods still spaced over all `dims`; the other pairs never turn.
@@ -428,7 +496,7 @@ impl Rope {
             }
             other => {
                 return Err(LoadError::Config(format!(
-                "rope_scaling type `{other}` is not supported (supported: default, linear, llama3, proportional)"
+                "rope_scaling type `{other}` is not supported (supported: default, linear, llama3, yarn, longrope, su, dynamic, proportional)"
             )))
             }
         };
@@ -436,6 +504,7 @@ impl Rope {
         Ok(Rope {
             inv_freqs: place_vector(&inv_freqs, device, "rope frequencies")?,
             traditional,
+            amplitude,
         })
     }
 
@@ -445,6 +514,7 @@ impl Rope {
         Ok(Rope {
             inv_freqs: place_vector(&vec![0.0; dims / 2], device, "rope frequencies")?,
             traditional: false,
+            amplitude: 1.0,
         })
     }
 
@@ -456,14 +526,27 @@ impl Rope {
         head_dim: usize,
         positions: &Positions,
     ) -> OpResult<()> {
-        ops::rope_inplace(
-            x,
-            heads,
-            head_dim,
-            positions,
-            &self.inv_freqs,
-            self.traditional,
-        )
+        ops::rope_inplace(x, heads, head_dim, positions, self.rotation())
+    }
+
+    fn rotation(&self) -> ops::Rotation<'_> {
+        ops::Rotation {
+            inv_freqs: &self.inv_freqs,
+            traditional: self.traditional,
+            amplitude: self.amplitude,
+        }
+    }
+
+    /// Where it turns whole heads of `head_dim` features, its amplitude as a factor of the
+    /// attention scores (queries and keys each carry it once), which the softmax scale then
+    /// takes so that the rotation itself need not: 1 otherwise, the amplitude staying on the
+    /// rotation.
+    pub fn take_amplitude(&mut self, head_dim: usize) -> f32 {
+        if 2 * self.inv_freqs.len() != head_dim {
+            return 1.0;
+        }
+        let a = std::mem::replace(&mut self.amplitude, 1.0);
+        a * a
     }
 
     /// [`Rope::apply`] to a layer's queries and keys at the same positions, in one pass where
@@ -477,16 +560,7 @@ impl Rope {
         head_dim: usize,
         positions: &Positions,
     ) -> OpResult<()> {
-        ops::rope_pair_inplace(
-            q,
-            heads,
-            k,
-            kv_heads,
-            head_dim,
-            positions,
-            &self.inv_freqs,
-            self.traditional,
-        )
+        ops::rope_pair_inplace(q, heads, k, kv_heads, head_dim, positions, self.rotation())
     }
 }
 
@@ -579,10 +653,7 @@ impl Attention {
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
         };
-        let rope = ops::Rotation {
-            inv_freqs: &self.rope.inv_freqs,
-            traditional: self.rope.traditional,
-        };
+        let rope = self.rope.rotation();
         cache.append_with(positions, |target| {
             let ws = [
                 (wq, self.q_proj.bias.as_ref()),

@@ -48,6 +48,8 @@ struct Args {
     rope_parameters: Option<Value>,
     rope_traditional: Option<bool>,
     partial_rotary_factor: Option<f32>,
+    /// Phi-3's LongRoPE reads the old context here, not in `rope_scaling`.
+    original_max_position_embeddings: Option<usize>,
     layer_types: Option<Vec<String>>,
     sliding_window: Option<usize>,
     /// EXAONE 4's `"LLLG"`: local (windowed) and global layers, repeating.
@@ -191,6 +193,9 @@ struct Switches {
     prefix: &'static str,
     /// Where its MoE blocks are, when not under `mlp` (Mixtral's `block_sparse_moe`).
     moe_module: &'static str,
+    /// The context the RoPE scaling starts from where the member reads it outside
+    /// `rope_scaling` (Phi-3).
+    original_context: Option<usize>,
 }
 
 impl Switches {
@@ -236,6 +241,7 @@ impl Switches {
             moe: None,
             prefix: "",
             moe_module: "mlp",
+            original_context: None,
         })
     }
 
@@ -399,9 +405,11 @@ fn smollm3(c: &Args) -> Result<Switches, LoadError> {
     Ok(switches)
 }
 
-/// Phi-3 and Phi-4-mini: fused `qkv_proj` and `gate_up_proj`, partial rotary, no biases.
+/// Phi-3 and Phi-4-mini: fused `qkv_proj` and `gate_up_proj`, partial rotary, no biases,
+/// LongRoPE from the top-level `original_max_position_embeddings` (4096 where absent).
 fn phi3(c: &Args) -> Result<Switches, LoadError> {
     Ok(Switches {
+        original_context: Some(c.original_max_position_embeddings.unwrap_or(4096)),
         qkv_bias: false,
         o_bias: false,
         mlp_bias: false,
@@ -635,12 +643,21 @@ impl Llama {
                 .and_then(Value::as_f64)
                 .unwrap_or(10000.0) as f32
         });
-        let scaling = c.rope_scaling.as_ref().or(c.rope_parameters.as_ref());
+        let mut scaling = c.rope_scaling.clone().or(c.rope_parameters.clone());
+        if let (Some(Value::Object(section)), Some(context)) = (&mut scaling, s.original_context) {
+            let key = "original_max_position_embeddings".to_string();
+            section.entry(key).or_insert(context.into());
+        }
+        let scaling = scaling.as_ref();
         let device = ckpt.device.clone();
-        let rope = |rotary: Rotary| match rotary {
-            Rotary::Scaled => Rope::new(rotary_dims, theta, s.traditional, scaling, &device),
-            Rotary::Plain => Rope::new(rotary_dims, theta, s.traditional, None, &device),
-            Rotary::None => Rope::none(rotary_dims, &device),
+        let context = c.max_position_embeddings;
+        let rope = |rotary: Rotary| {
+            let dims = rotary_dims;
+            match rotary {
+                Rotary::Scaled => Rope::new(dims, theta, s.traditional, scaling, context, &device),
+                Rotary::Plain => Rope::new(dims, theta, s.traditional, None, context, &device),
+                Rotary::None => Rope::none(dims, &device),
+            }
         };
         let ropes = [Rotary::Scaled, Rotary::Plain, Rotary::None]
             .into_iter()
@@ -693,7 +710,7 @@ impl Llama {
                 QkNorm::PerHead => RmsNorm::load(&mut a.pp(which), head_dim, eps).map(Some),
                 QkNorm::Full => RmsNorm::load(&mut a.pp(which), width, eps).map(Some),
             };
-            let rope = ropes
+            let mut rope = ropes
                 .iter()
                 .find(|(r, _)| *r == layer.rotary)
                 .map(|(_, rope)| rope.clone())
@@ -705,11 +722,12 @@ impl Llama {
                 o_proj: Linear::load(&mut a.pp("o_proj"), q_width, hidden, s.o_bias)?,
                 q_norm: qk_norm(&mut a, "q_norm", q_width)?,
                 k_norm: qk_norm(&mut a, "k_norm", kv_width)?,
-                rope,
                 heads,
                 kv_heads,
                 head_dim,
-                scale: s.attention_scale.unwrap_or((head_dim as f32).powf(-0.5)),
+                scale: s.attention_scale.unwrap_or((head_dim as f32).powf(-0.5))
+                    * rope.take_amplitude(head_dim),
+                rope,
             };
             let mlp = match (&s.moe, layer.moe) {
                 (Some(moe), true) => FeedForward::Moe(SparseMoe::load(

@@ -367,6 +367,7 @@ impl Args {
             rope_theta as f32,
             false,
             params.as_ref(),
+            c.max_position_embeddings,
             &ckpt.device,
         )?;
 

@@ -634,4 +634,6 @@ parity_tests! {
     ernie4_5_8bit_g64_biases_everywhere => "ernie4_5-8bit-g64",
     seed_oss_4bit_g32_wide_heads => "seed_oss-4bit-g32",
     mistral3_4bit_g32_text_model_in_a_wrapper => "mistral3-4bit-g32",
+    phi3_4bit_g32_longrope_partial_rotary => "phi3-longrope-4bit-g32",
+    qwen3_4bit_g64_yarn => "qwen3-yarn-4bit-g64",
 }

@@ -29,8 +29,8 @@ pub fn rms_norm_inplace(x: &mut [f32], weight: &[f32], eps: f32) {
 /// Rotary position embedding, in place, on `x` laid out `[tokens, heads, head_dim]`.
 ///
 /// Token `t` sits at `positions[t]`; pair `i` of the first `2 * inv_freqs.len()` features turns by
-/// `positions[t] * inv_freqs[i]`. `traditional` pairs neighbours `(2i, 2i+1)`, otherwise the
-/// halves `(i, i + dims/2)` are paired, as `mx.fast.rope` does.
+/// `positions[t] * inv_freqs[i]` and is scaled by `amplitude`. `traditional` pairs neighbours
+/// `(2i, 2i+1)`, otherwise the halves `(i, i + dims/2)` are paired, as `mx.fast.rope` does.
 pub fn rope_inplace(
     x: &mut [f32],
     heads: usize,
@@ -38,6 +38,7 @@ pub fn rope_inplace(
     positions: &[usize],
     inv_freqs: &[f32],
     traditional: bool,
+    amplitude: f32,
 ) {
     let half = inv_freqs.len();
     let mut cos = vec![0.0f32; half];
@@ -45,8 +46,8 @@ pub fn rope_inplace(
     for (t, &pos) in positions.iter().enumerate() {
         for i in 0..half {
             let theta = pos as f32 * inv_freqs[i];
-            cos[i] = theta.cos();
-            sin[i] = theta.sin();
+            cos[i] = theta.cos() * amplitude;
+            sin[i] = theta.sin() * amplitude;
         }
         for h in 0..heads {
             let base = (t * heads + h) * head_dim;

@@ -30,8 +30,7 @@ pub fn rope(
     y: Option<(&mut Buffer, usize)>,
     head_dim: usize,
     positions: GpuPositions,
-    inv_freqs: &Buffer,
-    traditional: bool,
+    (inv_freqs, traditional, amplitude): (&Buffer, bool, f32),
 ) -> Result<()> {
     let g = x.gpu().clone();
     let half = inv_freqs.len();
@@ -39,6 +38,6 @@ pub fn rope(
     let pairs = positions.len() * (heads + heads_y) * half;
     launch!(&g, "rope", elements(&g, pairs);
         x.ptr(), y_ptr, positions.ptr(), inv_freqs.ptr(), int(positions.len())?, int(heads)?,
-        int(heads_y)?, int(head_dim)?, int(half)?, traditional as i32);
+        int(heads_y)?, int(head_dim)?, int(half)?, traditional as i32, amplitude);
     Ok(())
 }

@@ -269,11 +269,13 @@ pub fn matrix_rows(w: &impl WeightMatrix, ids: &[usize], device: &Device) -> Res
 }
 
 /// A rotation by position (RoPE), as [`rope_pair_inplace`] applies it: one frequency per pair
-/// of features; neighbours paired with `traditional`, else the halves of each head.
+/// of features; neighbours paired with `traditional`, else the halves of each head; the turned
+/// features multiplied by `amplitude` (YaRN's and LongRoPE's mscale; 1 for plain RoPE).
 #[derive(Clone, Copy)]
 pub struct Rotation<'a> {
     pub inv_freqs: &'a Tensor,
     pub traditional: bool,
+    pub amplitude: f32,
 }
 
 /// Where a token's keys and values go: a cache's two rings of `capacity` slots, as
@@ -290,7 +292,8 @@ pub struct KvTarget<'a> {
 /// and values written into `cache`. The same numbers as [`quantized_matmul_group`],
 /// [`add_row_inplace`], [`rope_pair_inplace`] and [`kv_write`] in turn. Returns the rotated
 /// queries, or `None` where the fused kernel does not apply (the host, more than one token,
-/// widths other than 4 and 8 bits, an exact GPU handle, a rotation of part of each head),
+/// widths other than 4 and 8 bits, an exact GPU handle, a rotation of part of each head or with
+/// an amplitude),
 /// having written nothing: the caller then takes those steps.
 pub fn qkv_rope_write(
     ws: [(&QuantizedMatrix, Option<&Tensor>); 3],
@@ -327,7 +330,8 @@ pub fn qkv_rope_write(
     else {
         return Ok(None);
     };
-    if x.rows() != 1 || positions.len() != 1 || 2 * freqs.len() != head_dim {
+    let whole_heads = 2 * freqs.len() == head_dim && rope.amplitude == 1.0;
+    if x.rows() != 1 || positions.len() != 1 || !whole_heads {
         return Ok(None);
     }
     let ring = cache.capacity * rows[1];

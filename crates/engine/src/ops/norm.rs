@@ -5,7 +5,7 @@ use crate::cuda::{self, Buffer};
 use crate::tensor::Storage;
 use crate::{Positions, Tensor};
 
-use super::{check, mismatch, pair, Pair, Result};
+use super::{check, mismatch, pair, Pair, Result, Rotation};
 
 fn check_norm(x: &Tensor, weight: &Tensor) -> Result<()> {
     check(
@@ -48,16 +48,20 @@ pub fn rms_norm_inplace(x: &mut Tensor, weight: &Tensor, eps: f32) -> Result<()>
 
 /// Rotary position embedding in place on `x` (`[tokens, heads · head_dim]`): token `t` sits at
 /// `positions[t]`; pair `i` of the first `2 · inv_freqs.len()` features of each head turns by
-/// `positions[t] · inv_freqs[i]`. `traditional` pairs neighbours `(2i, 2i+1)`, otherwise the
-/// halves `(i, i + dims/2)`, as `mx.fast.rope` does.
+/// `positions[t] · inv_freqs[i]` and is scaled by the amplitude. `traditional` pairs neighbours
+/// `(2i, 2i+1)`, otherwise the halves `(i, i + dims/2)`, as `mx.fast.rope` does.
 pub fn rope_inplace(
     x: &mut Tensor,
     heads: usize,
     head_dim: usize,
     positions: &Positions,
-    inv_freqs: &Tensor,
-    traditional: bool,
+    rope: Rotation,
 ) -> Result<()> {
+    let Rotation {
+        inv_freqs,
+        traditional,
+        amplitude,
+    } = rope;
     check(
         x.len() == positions.len() * heads * head_dim && 2 * inv_freqs.len() <= head_dim,
         || {
@@ -72,7 +76,7 @@ pub fn rope_inplace(
     match pair("rope", x, inv_freqs)? {
         Pair::Host(a, f) => {
             let p = positions.as_slice();
-            cpu::norm::rope_inplace(a, heads, head_dim, p, f, traditional);
+            cpu::norm::rope_inplace(a, heads, head_dim, p, f, traditional, amplitude);
             Ok(())
         }
         Pair::Cuda(a, f) => cuda::norm::rope(
@@ -81,8 +85,7 @@ pub fn rope_inplace(
             None,
             head_dim,
             positions.on_gpu()?,
-            f,
-            traditional,
+            (f, traditional, amplitude),
         ),
     }
 }
@@ -97,9 +100,13 @@ pub fn rope_pair_inplace(
     kv_heads: usize,
     head_dim: usize,
     positions: &Positions,
-    inv_freqs: &Tensor,
-    traditional: bool,
+    rope: Rotation,
 ) -> Result<()> {
+    let Rotation {
+        inv_freqs,
+        traditional,
+        amplitude,
+    } = rope;
     if let (Storage::Cuda(qb), Storage::Cuda(kb), Storage::Cuda(f)) =
         (&mut q.storage, &mut k.storage, &inv_freqs.storage)
     {
@@ -109,9 +116,10 @@ pub fn rope_pair_inplace(
                 return Err(mismatch("rope"));
             }
             let y = Some((kb, kv_heads));
-            return cuda::norm::rope(qb, heads, y, head_dim, positions.on_gpu()?, f, traditional);
+            let rotation = (f, traditional, amplitude);
+            return cuda::norm::rope(qb, heads, y, head_dim, positions.on_gpu()?, rotation);
         }
     }
-    rope_inplace(q, heads, head_dim, positions, inv_freqs, traditional)?;
-    rope_inplace(k, kv_heads, head_dim, positions, inv_freqs, traditional)
+    rope_inplace(q, heads, head_dim, positions, rope)?;
+    rope_inplace(k, kv_heads, head_dim, positions, rope)
 }

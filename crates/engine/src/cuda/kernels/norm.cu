@@ -24,11 +24,12 @@ extern "C" __global__ void rms_norm(const float *x, const float *weight, float *
 }
 
 // Rotates pairs of x ([tokens, heads, head_dim]) and of y ([tokens, heads_y, head_dim]: a
-// layer's keys beside its queries, or nothing with heads_y = 0) by positions[t] · inv_freqs[i];
-// `traditional` pairs neighbours (2i, 2i+1), otherwise the halves (i, i + half).
+// layer's keys beside its queries, or nothing with heads_y = 0) by positions[t] · inv_freqs[i],
+// scaled by `amplitude`; `traditional` pairs neighbours (2i, 2i+1), otherwise the halves
+// (i, i + half).
 extern "C" __global__ void rope(float *x, float *y, const int *positions, const float *inv_freqs,
                                 int tokens, int heads, int heads_y, int head_dim, int half,
-                                int traditional) {
+                                int traditional, float amplitude) {
     await_inputs();
     const int all = heads + heads_y;
     GRID_STRIDE(i, (i64)tokens * all * half) {
@@ -37,6 +38,8 @@ extern "C" __global__ void rope(float *x, float *y, const int *positions, const 
         const int t = (int)(th / all), h = (int)(th % all);
         float s, c;
         sincosf((float)positions[t] * inv_freqs[p], &s, &c);
+        s *= amplitude;
+        c *= amplitude;
         float *v = h < heads ? x + ((i64)t * heads + h) * head_dim
                              : y + ((i64)t * heads_y + h - heads) * head_dim;
         const int a = traditional ? 2 * p : p, b = traditional ? 2 * p + 1 : p + half;
