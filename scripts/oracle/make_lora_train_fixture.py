@@ -79,6 +79,9 @@ RUNS = {
     # every block: experts without a shared one, and a dense layer
     "qwen3_moe-4bit-g32": dict(base="qwen3_moe-4bit-g32", seed=12, num_layers=2,
                                lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
+    # every block: experts chosen by sigmoid scores within groups, an ungated shared expert
+    "glm4_moe-4bit-g32": dict(base="glm4_moe-4bit-g32", seed=13, num_layers=3,
+                              lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
 }
 
 

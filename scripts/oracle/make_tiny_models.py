@@ -228,6 +228,20 @@ MODELS = {
             "head_dim": 32, "rms_norm_eps": 1e-6, "vocab_size": 512, "max_position_embeddings": 65536,
             "rope_theta": 10000000.0, "attention_bias": True, "attention_out_bias": False, "mlp_bias": False,
             "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # GLM-4.5: a dense first layer, then 8 experts in 2 groups (1 kept) by sigmoid scores with a correction
+    # bias, x2.5, beside a shared expert; q/k norms, q/k/v biases, half of each head turning.
+    "glm4_moe-4bit-g32": dict(
+        seed=24, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},
+        shape_other=lambda path, v: 0.1 * mx.random.normal(v.shape) if "e_score_correction_bias" in path else v,
+        config={
+            "model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 96, "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
+            "n_group": 2, "topk_group": 1, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True, "first_k_dense_replace": 1, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "partial_rotary_factor": 0.5,
+            "use_qk_norm": True, "attention_bias": True, "rms_norm_eps": 1e-5, "vocab_size": 512,
+            "max_position_embeddings": 131072, "rope_theta": 1000000.0, "rope_scaling": None,
+            "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
     # Mistral Small 3.x's wrapper: a mistral text model under `language_model.`, settings under text_config.
     "mistral3-4bit-g32": dict(
         seed=21, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},

@@ -20,7 +20,7 @@ use crate::layers::{
 };
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
-use crate::switch::{FeedForward, Routing, SparseMoe};
+use crate::switch::{FeedForward, Routing, Shared, SparseMoe};
 use crate::{ForwardError, LoadError, ModelInfo};
 use oxlm_engine::{ops, EngineError, Positions, Tensor};
 
@@ -73,6 +73,15 @@ struct Args {
     dim_model_base: Option<f32>,
     num_experts: Option<usize>,
     num_local_experts: Option<usize>,
+    n_routed_experts: Option<usize>,
+    n_shared_experts: Option<usize>,
+    n_group: Option<usize>,
+    topk_group: Option<usize>,
+    routed_scaling_factor: Option<f32>,
+    scoring_func: Option<String>,
+    topk_method: Option<String>,
+    first_k_dense_replace: Option<usize>,
+    use_qk_norm: Option<bool>,
     num_experts_per_tok: Option<usize>,
     moe_intermediate_size: Option<usize>,
     norm_topk_prob: Option<bool>,
@@ -161,6 +170,7 @@ struct LayerSwitches {
 struct MoeSwitches {
     routing: Routing,
     intermediate: usize,
+    shared: Option<Shared>,
 }
 
 /// How a member departs from llama.
@@ -263,6 +273,7 @@ impl Switches {
         let experts = c
             .num_experts
             .or(c.num_local_experts)
+            .or(c.n_routed_experts)
             .ok_or_else(|| Args::missing("num_experts"))?;
         let top_k = c
             .num_experts_per_tok
@@ -270,6 +281,7 @@ impl Switches {
         self.moe = Some(MoeSwitches {
             routing: Routing::new(experts, top_k, c.norm_topk_prob.unwrap_or(true))?,
             intermediate: c.moe_intermediate_size.unwrap_or(c.intermediate_size),
+            shared: None,
         });
         for (i, layer) in self.layers.iter_mut().enumerate() {
             layer.moe = experts > 0 && sparse(i);
@@ -307,6 +319,7 @@ const MEMBERS: &[(&str, Member)] = &[
     ("exaone4", exaone4),
     ("ernie4_5", ernie4_5),
     ("seed_oss", seed_oss),
+    ("glm4_moe", glm4_moe),
 ];
 
 /// Whether `model_type` is one of the family's.
@@ -566,6 +579,56 @@ fn ernie4_5(c: &Args) -> Result<Switches, LoadError> {
     })
 }
 
+/// GLM-4.5: q/k norms per head with `use_qk_norm`, q/k/v biases with `attention_bias`, partial
+/// rotary without scaling, an untied head, and after `first_k_dense_replace` dense layers,
+/// mixtures of experts routed DeepSeek-V3's way (sigmoid scores with a correction bias, expert
+/// groups, `routed_scaling_factor`) beside `n_shared_experts` shared ones.
+fn glm4_moe(c: &Args) -> Result<Switches, LoadError> {
+    for (key, value, supported) in [
+        ("scoring_func", &c.scoring_func, "sigmoid"),
+        ("topk_method", &c.topk_method, "noaux_tc"),
+    ] {
+        if let Some(other) = value.as_deref().filter(|v| *v != supported) {
+            return Err(LoadError::Config(format!(
+                "`{key}` `{other}` is not supported (supported: {supported})"
+            )));
+        }
+    }
+    let dense = c.first_k_dense_replace.unwrap_or(0);
+    let layers = vec![
+        LayerSwitches {
+            rotary: Rotary::Plain,
+            ..LayerSwitches::GLOBAL
+        };
+        c.num_hidden_layers
+    ];
+    let mut switches = Switches {
+        o_bias: false,
+        mlp_bias: false,
+        qk_norm: match c.use_qk_norm.unwrap_or(false) {
+            true => QkNorm::PerHead,
+            false => QkNorm::None,
+        },
+        tied: false,
+        layers,
+        ..Switches::llama(c)?
+    }
+    .partial_rotary(c)
+    .experts(c, |i| i >= dense)?;
+    if let Some(moe) = &mut switches.moe {
+        moe.routing = moe.routing.sigmoid_grouped(
+            c.n_group.unwrap_or(1),
+            c.topk_group.unwrap_or(1),
+            c.routed_scaling_factor.unwrap_or(1.0),
+        )?;
+        moe.shared = c.n_shared_experts.map(|n| Shared {
+            intermediate: moe.intermediate * n,
+            gated: false,
+        });
+    }
+    Ok(switches)
+}
+
 /// Seed-OSS: q/k/v biases with `attention_bias`, the output's with `attention_out_bias`.
 fn seed_oss(c: &Args) -> Result<Switches, LoadError> {
     Ok(Switches {
@@ -735,7 +798,7 @@ impl Llama {
                     hidden,
                     moe.routing,
                     moe.intermediate,
-                    None,
+                    moe.shared,
                 )?),
                 _ => FeedForward::Dense(Mlp::load(
                     &mut block.pp("mlp"),
@@ -907,8 +970,8 @@ impl Architecture for Llama {
                         Some(norm) => norm.forward(&h)?,
                         None => h.try_clone()?,
                     };
-                    let mut r =
-                        moe.forward(&x, mlp_lora, lora("mlp.switch_mlp"), ModuleAdapters::NONE)?;
+                    let experts = lora("mlp.switch_mlp");
+                    let mut r = moe.forward(&x, mlp_lora, experts, lora(moe.shared_path()))?;
                     if let Some(norm) = &block.mlp_out_norm {
                         norm.forward_inplace(&mut r)?;
                     }

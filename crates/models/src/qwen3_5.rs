@@ -22,7 +22,7 @@ use crate::layers::{
 };
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
-use crate::switch::{FeedForward, Routing, SparseMoe};
+use crate::switch::{FeedForward, Routing, Shared, SparseMoe};
 use crate::{ForwardError, LoadError, ModelInfo};
 
 mod grad;
@@ -599,7 +599,10 @@ impl Qwen3_5 {
                     h,
                     moe.routing,
                     moe.intermediate,
-                    Some(moe.shared_intermediate),
+                    Some(Shared {
+                        intermediate: moe.shared_intermediate,
+                        gated: true,
+                    }),
                 )?),
             };
             blocks.push(Block {

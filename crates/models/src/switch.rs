@@ -9,7 +9,7 @@ use oxlm_engine::{ops, DType, FloatMatrix, QuantizedMatrix, Tensor};
 
 use crate::checkpoint::{RawTensor, Scope};
 use crate::decoder_grad::{GatedMlpGrad, MlpGrad};
-use crate::layers::{experts_shape, linear_shape, Linear, Mlp, OpResult, Weight};
+use crate::layers::{experts_shape, linear_shape, load_host_vector, Linear, Mlp, OpResult, Weight};
 use crate::lora::{LinearShape, ModuleAdapters};
 use crate::LoadError;
 
@@ -190,35 +190,52 @@ impl FeedForward {
     }
 }
 
-/// Top-k routing over SwiGLU experts, with a sigmoid-gated shared expert where the
-/// architecture has one.
+/// Top-k routing over SwiGLU experts, with a shared expert beside them where the architecture
+/// has one.
 pub struct SparseMoe {
     /// Router: `hidden → experts` logits.
     gate: Linear,
+    /// Added to the scores when choosing experts, not when weighting them (DeepSeek-V3's and
+    /// GLM-4.5's `e_score_correction_bias`).
+    correction_bias: Option<Vec<f32>>,
     /// One SwiGLU MLP per expert (`switch_mlp` holds them stacked).
     experts: Vec<Mlp>,
-    top_k: usize,
-    norm_topk_prob: bool,
+    routing: Routing,
     shared: Option<SharedExpert>,
 }
 
-/// An expert every token goes through, weighted by a sigmoid gate of its own.
+/// An expert every token goes through: Qwen's `shared_expert`, weighted by a sigmoid gate of its
+/// own (`shared_expert_gate`), or DeepSeek's and GLM's `shared_experts`, not weighted.
 struct SharedExpert {
     mlp: Mlp,
-    gate: Linear,
+    /// Its module in the block: `mlp.shared_expert` or `mlp.shared_experts`.
+    path: &'static str,
+    gate: Option<Linear>,
+}
+
+/// Where a mixture's shared expert is and how wide.
+#[derive(Debug, Clone, Copy)]
+pub struct Shared {
+    pub intermediate: usize,
+    /// Qwen's gated `shared_expert`, else DeepSeek's `shared_experts`.
+    pub gated: bool,
 }
 
 impl SharedExpert {
-    /// Adds its output `out` for the rows `x` into `y`, each row weighted by its gate (the
-    /// router's adapters in `lora`); returns the gates.
+    /// Adds its output `out` for the rows `x` into `y`, each row weighted by its gate where it
+    /// has one (the router's adapters in `lora`); returns the gates.
     fn add_gated(
         &self,
         x: &Tensor,
         out: &Tensor,
         lora: ModuleAdapters,
         y: &mut Tensor,
-    ) -> OpResult<Vec<f32>> {
-        let gates: Vec<f32> = (self.gate)
+    ) -> OpResult<Option<Vec<f32>>> {
+        let Some(gate) = &self.gate else {
+            ops::add_inplace(y, out)?;
+            return Ok(None);
+        };
+        let gates: Vec<f32> = gate
             .forward_adapted(x, lora.get("shared_expert_gate"))?
             .into_vec()?
             .into_iter()
@@ -226,7 +243,7 @@ impl SharedExpert {
             .collect();
         let all: Vec<usize> = (0..x.rows()).collect();
         ops::scatter_add_rows(y, out, &all, &gates)?;
-        Ok(gates)
+        Ok(Some(gates))
     }
 }
 
@@ -241,44 +258,72 @@ impl SparseMoe {
             experts_shape("mlp.switch_mlp.down_proj", experts, |m| &m.down_proj),
         ];
         if let Some(shared) = &self.shared {
+            let [gate, up, down] = match shared.gate {
+                Some(_) => [
+                    "mlp.shared_expert.gate_proj",
+                    "mlp.shared_expert.up_proj",
+                    "mlp.shared_expert.down_proj",
+                ],
+                None => [
+                    "mlp.shared_experts.gate_proj",
+                    "mlp.shared_experts.up_proj",
+                    "mlp.shared_experts.down_proj",
+                ],
+            };
             out.extend([
-                linear_shape("mlp.shared_expert.gate_proj", &shared.mlp.gate_proj),
-                linear_shape("mlp.shared_expert.up_proj", &shared.mlp.up_proj),
-                linear_shape("mlp.shared_expert.down_proj", &shared.mlp.down_proj),
-                linear_shape("mlp.shared_expert_gate", &shared.gate),
+                linear_shape(gate, &shared.mlp.gate_proj),
+                linear_shape(up, &shared.mlp.up_proj),
+                linear_shape(down, &shared.mlp.down_proj),
             ]);
+            if let Some(gate) = &shared.gate {
+                out.push(linear_shape("mlp.shared_expert_gate", gate));
+            }
         }
         out
     }
 
-    /// The router `gate`, the experts `switch_mlp` and, with `shared_intermediate`, the
-    /// `shared_expert` and its `shared_expert_gate`.
+    /// The router `gate` (with its `e_score_correction_bias` where the routing corrects its
+    /// choices), the experts `switch_mlp` and the shared expert `shared` describes.
     pub fn load(
         vb: &mut Scope,
         dim: usize,
         routing: Routing,
         intermediate: usize,
-        shared_intermediate: Option<usize>,
+        shared: Option<Shared>,
     ) -> Result<Self, LoadError> {
-        let Routing {
-            experts,
-            top_k,
-            norm_topk_prob,
-        } = routing;
+        let experts = routing.experts;
         let mlps = load_experts(&mut vb.pp("switch_mlp"), experts, dim, intermediate)?;
-        let shared = shared_intermediate
-            .map(|width| {
-                Ok::<_, LoadError>(SharedExpert {
-                    mlp: Mlp::load(&mut vb.pp("shared_expert"), dim, width, false)?,
-                    gate: Linear::load(&mut vb.pp("shared_expert_gate"), dim, 1, false)?,
-                })
-            })
+        let shared = shared
+            .map(
+                |Shared {
+                     intermediate,
+                     gated,
+                 }| {
+                    let path = if gated {
+                        "mlp.shared_expert"
+                    } else {
+                        "mlp.shared_experts"
+                    };
+                    let module = path.trim_start_matches("mlp.");
+                    Ok::<_, LoadError>(SharedExpert {
+                        mlp: Mlp::load(&mut vb.pp(module), dim, intermediate, false)?,
+                        path,
+                        gate: gated
+                            .then(|| Linear::load(&mut vb.pp("shared_expert_gate"), dim, 1, false))
+                            .transpose()?,
+                    })
+                },
+            )
+            .transpose()?;
+        let mut gate_scope = vb.pp("gate");
+        let correction_bias = (routing.scoring == Scoring::Sigmoid)
+            .then(|| load_host_vector(&mut gate_scope, "e_score_correction_bias", experts))
             .transpose()?;
         Ok(SparseMoe {
-            gate: Linear::load(&mut vb.pp("gate"), dim, experts, false)?,
+            gate: Linear::load(&mut gate_scope, dim, experts, false)?,
+            correction_bias,
             experts: mlps,
-            top_k,
-            norm_topk_prob,
+            routing,
             shared,
         })
     }
@@ -286,7 +331,7 @@ impl SparseMoe {
     /// `x` is `[n, dim]`. Each expert runs once on all the tokens routed to it; routing is
     /// decided on the host from the router's logits. `lora` holds the adapters of the block's
     /// `mlp` (the router `gate` and `shared_expert_gate`), and `experts` and `shared` those of its
-    /// `switch_mlp` and `shared_expert`.
+    /// `switch_mlp` and shared expert.
     pub fn forward(
         &self,
         x: &Tensor,
@@ -294,9 +339,9 @@ impl SparseMoe {
         experts: ModuleAdapters,
         shared: ModuleAdapters,
     ) -> OpResult<Tensor> {
-        let mut probs = self.gate.forward_adapted(x, lora.get("gate"))?.into_vec()?;
-        let chosen = self.route(&mut probs);
-        let routed = by_expert(&chosen, self.top_k, self.experts.len());
+        let mut scores = self.gate.forward_adapted(x, lora.get("gate"))?.into_vec()?;
+        let chosen = self.route(&mut scores);
+        let routed = by_expert(&chosen, self.routing.top_k, self.experts.len());
         let mut y = dispatch(x, &routed, |e, rows| {
             self.experts[e].forward_adapted(rows, experts.expert(e))
         })?;
@@ -308,43 +353,109 @@ impl SparseMoe {
         Ok(y)
     }
 
-    /// Turns each token's router logits (`[n, experts]`) into probabilities, in place, and
-    /// returns its `top_k` experts, best first, with their weights: `[n, top_k]`.
-    fn route(&self, probs: &mut [f32]) -> Vec<(usize, f32)> {
-        let count = self.experts.len();
-        let mut chosen = Vec::with_capacity(probs.len() / count * self.top_k);
+    /// Where its shared expert's adapters are (`mlp.shared_expert` where it has none).
+    pub(crate) fn shared_path(&self) -> &'static str {
+        self.shared.as_ref().map_or("mlp.shared_expert", |s| s.path)
+    }
+
+    /// Turns each token's router logits (`[n, experts]`) into scores (softmax or sigmoid), in
+    /// place, and returns its `top_k` experts, best first, with their weights: `[n, top_k]`.
+    fn route(&self, scores: &mut [f32]) -> Vec<(usize, f32)> {
+        let Routing {
+            experts: count,
+            top_k,
+            norm_topk_prob,
+            scoring,
+            groups,
+            scale,
+        } = self.routing;
+        let mut chosen = Vec::with_capacity(scores.len() / count * top_k);
         let mut order: Vec<usize> = Vec::with_capacity(count);
-        for p in probs.chunks_exact_mut(count) {
-            softmax_inplace(p);
+        let mut picking = vec![0.0f32; count];
+        for p in scores.chunks_exact_mut(count) {
+            match scoring {
+                Scoring::Softmax => softmax_inplace(p),
+                Scoring::Sigmoid => p.iter_mut().for_each(|v| *v = sigmoid(*v)),
+            }
+            picking.copy_from_slice(p);
+            if let Some(bias) = &self.correction_bias {
+                picking.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+            }
+            if let Some(groups) = groups {
+                groups.keep_best(&mut picking);
+            }
             order.clear();
             order.extend(0..count);
-            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
-            let top = &order[..self.top_k];
+            order.sort_by(|&a, &b| picking[b].total_cmp(&picking[a]).then(a.cmp(&b)));
+            let top = &order[..top_k];
             let total: f32 = top.iter().map(|&e| p[e]).sum();
+            let renorm = norm_topk_prob && (scoring == Scoring::Softmax || top_k > 1);
             chosen.extend(top.iter().map(|&e| {
-                let weight = if self.norm_topk_prob {
-                    p[e] / total
-                } else {
-                    p[e]
-                };
-                (e, weight)
+                let weight = if renorm { p[e] / total } else { p[e] };
+                (e, weight * scale)
             }));
         }
         chosen
     }
 }
 
-/// How a mixture picks experts: each token's `top_k` best of `experts` by the router's softmax,
-/// their weights renormalized to sum to 1 where `norm_topk_prob` (mixtral's softmax over the
-/// chosen logits is the same thing).
+/// What a router's logits become before the top-k choice.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Scoring {
+    Softmax,
+    /// Each expert's own sigmoid (DeepSeek-V3, GLM-4.5).
+    Sigmoid,
+}
+
+/// Group-limited routing: the experts fall into `count` groups, and only those of the `keep`
+/// groups whose two best scores sum highest can be chosen.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertGroups {
+    count: usize,
+    keep: usize,
+}
+
+impl ExpertGroups {
+    /// As mlx-lm does, the other groups' scores become 0 (not -∞: an expert of a dropped group
+    /// can still beat one whose corrected score is negative).
+    fn keep_best(&self, scores: &mut [f32]) {
+        let size = scores.len() / self.count;
+        let best_two = |g: &[f32]| {
+            let (mut first, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+            for &v in g {
+                if v > first {
+                    (first, second) = (v, first);
+                } else if v > second {
+                    second = v;
+                }
+            }
+            first + second
+        };
+        let group_scores: Vec<f32> = scores.chunks_exact(size).map(best_two).collect();
+        let mut order: Vec<usize> = (0..self.count).collect();
+        order.sort_by(|&a, &b| group_scores[a].total_cmp(&group_scores[b]).then(a.cmp(&b)));
+        for &g in &order[..self.count - self.keep] {
+            scores[g * size..][..size].fill(0.0);
+        }
+    }
+}
+
+/// How a mixture picks experts: each token's `top_k` best of `experts` by the router's scores
+/// (plus the correction bias, within the best groups, where those apply), weighted by their
+/// scores, renormalized to sum to 1 where `norm_topk_prob` (mixtral's softmax over the chosen
+/// logits is the same thing), times `scale`.
 #[derive(Debug, Clone, Copy)]
 pub struct Routing {
     experts: usize,
     top_k: usize,
     norm_topk_prob: bool,
+    scoring: Scoring,
+    groups: Option<ExpertGroups>,
+    scale: f32,
 }
 
 impl Routing {
+    /// Softmax routing.
     pub fn new(experts: usize, top_k: usize, norm_topk_prob: bool) -> Result<Self, LoadError> {
         if top_k == 0 || top_k > experts {
             return Err(LoadError::Config(format!(
@@ -355,6 +466,36 @@ impl Routing {
             experts,
             top_k,
             norm_topk_prob,
+            scoring: Scoring::Softmax,
+            groups: None,
+            scale: 1.0,
+        })
+    }
+
+    /// DeepSeek-V3's: sigmoid scores with a correction bias, `keep` of `groups` expert groups,
+    /// weights times `scale` (`routed_scaling_factor`).
+    pub fn sigmoid_grouped(
+        self,
+        groups: usize,
+        keep: usize,
+        scale: f32,
+    ) -> Result<Self, LoadError> {
+        let fits =
+            groups >= 1 && keep >= 1 && keep <= groups && self.experts.is_multiple_of(groups);
+        if !fits || keep * (self.experts / groups) < self.top_k {
+            return Err(LoadError::Config(format!(
+                "{keep} of {groups} expert groups for {} of {} experts",
+                self.top_k, self.experts
+            )));
+        }
+        Ok(Routing {
+            scoring: Scoring::Sigmoid,
+            groups: (groups > 1).then_some(ExpertGroups {
+                count: groups,
+                keep,
+            }),
+            scale,
+            ..self
         })
     }
 }

@@ -564,6 +564,7 @@ fn llama_family_batched_decode_matches_one_by_one() {
         "qwen3_moe-4bit-g32",
         "phi3-4bit-g32",
         "granite-4bit-g32",
+        "glm4_moe-4bit-g32",
     ] {
         check_batch(name);
     }
@@ -636,4 +637,5 @@ parity_tests! {
     mistral3_4bit_g32_text_model_in_a_wrapper => "mistral3-4bit-g32",
     phi3_4bit_g32_longrope_partial_rotary => "phi3-longrope-4bit-g32",
     qwen3_4bit_g64_yarn => "qwen3-yarn-4bit-g64",
+    glm4_moe_4bit_g32_grouped_sigmoid_routing_shared_experts => "glm4_moe-4bit-g32",
 }

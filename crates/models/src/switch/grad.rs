@@ -8,7 +8,7 @@ use oxlm_engine::cpu::elementwise::add_inplace;
 use oxlm_engine::ops::{self, Activation};
 use oxlm_engine::Tensor;
 
-use super::{slots_by_expert, SparseMoe};
+use super::{slots_by_expert, Scoring, SparseMoe};
 use crate::decoder_grad::{At, BlockAdapters, BlockGrads, GatedSaved, MlpGrad, MlpSaved};
 use crate::layers::{Mlp, OpResult};
 use crate::lora::ModuleAdapters;
@@ -115,7 +115,8 @@ impl RoutedSaved {
 /// What a [`SparseMoe`]'s backward pass reads.
 struct MoeSaved<'a> {
     moe: &'a SparseMoe,
-    /// The router's probabilities `[n, experts]`; each token's chosen experts and weights.
+    /// The router's scores `[n, experts]` (softmax or sigmoid); each token's chosen experts and
+    /// weights.
     probs: Vec<f32>,
     chosen: Vec<(usize, f32)>,
     routed: RoutedSaved,
@@ -126,8 +127,8 @@ struct MoeSaved<'a> {
 struct SharedSaved {
     mlp: GatedSaved,
     out: Tensor,
-    /// Its gate per token, after the sigmoid.
-    gates: Vec<f32>,
+    /// Its gate per token, after the sigmoid, where it has one.
+    gates: Option<Vec<f32>>,
 }
 
 impl MlpGrad for &SparseMoe {
@@ -146,10 +147,10 @@ impl MlpGrad for &SparseMoe {
         let switch = lora.module("mlp.switch_mlp");
         let silu = Activation::Silu;
         let (mut y, routed) =
-            RoutedSaved::forward(&moe.experts, silu, x, &chosen, moe.top_k, switch)?;
+            RoutedSaved::forward(&moe.experts, silu, x, &chosen, moe.routing.top_k, switch)?;
         let shared = match &moe.shared {
             Some(expert) => {
-                let shared_lora = lora.module("mlp.shared_expert");
+                let shared_lora = lora.module(expert.path);
                 let (out, mlp) = GatedSaved::forward(&expert.mlp, silu, x, shared_lora)?;
                 let gates = expert.add_gated(x, &out, router, &mut y)?;
                 Some(SharedSaved { mlp, out, gates })
@@ -169,29 +170,47 @@ impl MlpGrad for &SparseMoe {
 
 impl MoeSaved<'_> {
     /// The gradient of the router's logits `[n, experts]` for the gradient of each choice's
-    /// weight, through the top-k normalization (where there is one) and the softmax.
+    /// weight, through the scale, the top-k normalization (where there is one) and the softmax
+    /// or sigmoid (the correction bias and the groups only choose).
     fn router_grad(&self, d_weights: &[f32]) -> Vec<f32> {
-        let (count, k) = (self.moe.experts.len(), self.moe.top_k);
+        let routing = &self.moe.routing;
+        let (count, k, scale) = (routing.experts, routing.top_k, routing.scale);
+        let renorm = routing.norm_topk_prob && (routing.scoring == Scoring::Softmax || k > 1);
         let mut d_logits = vec![0.0; self.probs.len()];
         let mut dp = vec![0.0; count];
         for (t, p) in self.probs.chunks_exact(count).enumerate() {
             let (chosen, dw) = (&self.chosen[t * k..][..k], &d_weights[t * k..][..k]);
             dp.fill(0.0);
-            if self.moe.norm_topk_prob {
-                // weight_i = p_i / Σ p_top: dp_j = (dw_j - Σ_i dw_i · weight_i) / Σ p_top
+            if renorm {
+                // weight_i = c · p_i / Σ p_top:
+                // dp_j = c · (dw_j - Σ_i dw_i · weight_i / c) / Σ p_top
                 let total: f32 = chosen.iter().map(|&(e, _)| p[e]).sum();
-                let mean: f32 = chosen.iter().zip(dw).map(|(&(_, w), d)| w * d).sum();
+                let mean: f32 = chosen
+                    .iter()
+                    .zip(dw)
+                    .map(|(&(_, w), d)| w / scale * d)
+                    .sum();
                 for (&(e, _), d) in chosen.iter().zip(dw) {
-                    dp[e] = (d - mean) / total;
+                    dp[e] = scale * (d - mean) / total;
                 }
             } else {
                 for (&(e, _), &d) in chosen.iter().zip(dw) {
-                    dp[e] = d;
+                    dp[e] = scale * d;
                 }
             }
-            let through = dot(p, &dp);
-            for ((dl, &pj), &dpj) in d_logits[t * count..][..count].iter_mut().zip(p).zip(&dp) {
-                *dl = pj * (dpj - through);
+            let d_logits = &mut d_logits[t * count..][..count];
+            match routing.scoring {
+                Scoring::Softmax => {
+                    let through = dot(p, &dp);
+                    for ((dl, &pj), &dpj) in d_logits.iter_mut().zip(p).zip(&dp) {
+                        *dl = pj * (dpj - through);
+                    }
+                }
+                Scoring::Sigmoid => {
+                    for ((dl, &pj), &dpj) in d_logits.iter_mut().zip(p).zip(&dp) {
+                        *dl = pj * (1.0 - pj) * dpj;
+                    }
+                }
             }
         }
         d_logits
@@ -208,21 +227,25 @@ impl MlpSaved for MoeSaved<'_> {
         let (Some(saved), Some(expert)) = (&self.shared, &moe.shared) else {
             return dx;
         };
-        let n = saved.gates.len();
+        let (at, silu) = (At::from(expert.path), Activation::Silu);
+        let (Some(gates), Some(gate)) = (&saved.gates, &expert.gate) else {
+            let dx_shared = (saved.mlp).backward(&expert.mlp, silu, at, x, dy, g);
+            add_inplace(&mut dx, &dx_shared);
+            return dx;
+        };
+        let n = gates.len();
         let dim = dy.len() / n;
         let shared_out = saved.out.data();
         let mut d_shared = Vec::with_capacity(dy.len());
         let mut d_gate = Vec::with_capacity(n);
-        for (t, &gate) in saved.gates.iter().enumerate() {
+        for (t, &gate) in gates.iter().enumerate() {
             let dy_t = &dy[t * dim..][..dim];
             d_shared.extend(dy_t.iter().map(|d| d * gate));
             d_gate.push(gate * (1.0 - gate) * dot(dy_t, &shared_out[t * dim..][..dim]));
         }
-        let at = At::from("mlp.shared_expert");
-        let silu = Activation::Silu;
         let dx_shared = (saved.mlp).backward(&expert.mlp, silu, at, x, &d_shared, g);
         add_inplace(&mut dx, &dx_shared);
-        let d_x_gate = g.through(&expert.gate, "mlp", "shared_expert_gate", x, &d_gate);
+        let d_x_gate = g.through(gate, "mlp", "shared_expert_gate", x, &d_gate);
         add_inplace(&mut dx, &d_x_gate);
         dx
     }
