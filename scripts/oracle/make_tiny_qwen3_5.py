@@ -81,6 +81,22 @@ MODELS = {
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
                                     "partial_rotary_factor": 0.25},
                 "eos_token_id": 2}}),
+    # Qwen3-Next: mlx-lm's `qwen3_next` saves fused `in_proj_qkvz` / `in_proj_ba` (each key head's rows together)
+    # under `model.`; 4 layers, full attention every 2nd; 4 experts top-2 without renormalization (its default)
+    # and a gated shared expert, layer 2 dense through `mlp_only_layers`; linear layers with 2 key heads x 16 and
+    # 4 value heads x 8 (2 value heads a key head).
+    "qwen3_next-4bit-g32": dict(
+        seed=3, gain=4.0, embed_gain=3.0, group_size=32, bits=4, overrides={},
+        config={
+            "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 96, "num_hidden_layers": 4, "full_attention_interval": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "attention_bias": False,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1, "mlp_only_layers": [2], "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32, "partial_rotary_factor": 0.25, "rope_theta": 10000000.0,
+            "rms_norm_eps": 1e-6, "vocab_size": 512, "max_position_embeddings": 4096,
+            "tie_word_embeddings": False, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
 }
 
 NORM_SUFFIXES = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight", ".q_norm.weight",

@@ -2,6 +2,7 @@
 //! the quantization settings that say how each layer is stored.
 
 use std::collections::{BTreeSet, HashMap};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -536,7 +537,8 @@ impl Checkpoint {
     }
 
     /// Renames each array for which `rename` gives a new name (a model's `sanitize`: checkpoints
-    /// exported elsewhere name the same weights differently).
+    /// exported elsewhere name the same weights differently), and each module that a
+    /// quantization override names the same way.
     pub fn rename(&mut self, rename: impl Fn(&str) -> Option<String>) {
         let renamed: Vec<(String, String)> = self
             .tensors
@@ -548,46 +550,83 @@ impl Checkpoint {
                 self.tensors.insert(new, t);
             }
         }
+        let overrides = std::mem::take(&mut self.quantization.overrides);
+        self.quantization.overrides = overrides
+            .into_iter()
+            .map(|(module, spec)| (rename(&module).unwrap_or(module), spec))
+            .collect();
     }
 
     /// Splits the fused layer `module` (`…self_attn.qkv_proj`) into the layers `parts` name, of
-    /// the given output rows each, in order: its `weight`, quantization `scales`/`biases` and
-    /// `bias` are cut along their first axis (a quantization group never spans two rows), and
-    /// a per-module quantization override follows the parts. Nothing happens where the
-    /// checkpoint has no such layer; a row count that does not add up is an error.
+    /// the given output rows each, in order (see [`Checkpoint::regroup_rows`]).
     pub fn split_rows(&mut self, module: &str, parts: &[(String, usize)]) -> Result<(), LoadError> {
-        let total: usize = parts.iter().map(|(_, rows)| rows).sum();
+        let mut start = 0;
+        let parts: Vec<(String, Vec<Range<usize>>)> = parts
+            .iter()
+            .map(|(name, rows)| {
+                start += rows;
+                (name.clone(), std::iter::once(start - rows..start).collect())
+            })
+            .collect();
+        self.regroup_rows(module, start, &parts)
+    }
+
+    /// Builds the layers `parts` name from the fused layer `module` of `total` output rows, each
+    /// from its runs of the fused rows, in order: the `weight`, quantization `scales`/`biases`
+    /// and `bias` are cut along their first axis (a quantization group never spans two rows;
+    /// a part of one run stays a view of the file), and a per-module quantization override
+    /// follows the parts. Nothing happens where the checkpoint has no such layer; rows that do
+    /// not add up are an error.
+    pub fn regroup_rows(
+        &mut self,
+        module: &str,
+        total: usize,
+        parts: &[(String, Vec<Range<usize>>)],
+    ) -> Result<(), LoadError> {
         for leaf in ["weight", "scales", "biases", "bias"] {
             let name = format!("{module}.{leaf}");
             let Some(t) = self.tensors.remove(&name) else {
                 continue;
             };
-            if t.shape.first() != Some(&total) {
+            let inside = parts
+                .iter()
+                .flat_map(|(_, runs)| runs)
+                .all(|r| r.end <= total);
+            if t.shape.first() != Some(&total) || !inside {
                 return Err(LoadError::TensorShape {
                     found: t.shape.clone(),
                     dtype: t.dtype.to_string(),
-                    expected: format!("{total} rows, split {parts:?}"),
+                    expected: format!("{total} rows, regrouped into {parts:?}"),
                     name,
                 });
             }
             let row_bytes = t.data.len() / total.max(1);
-            let mut start = 0;
-            for (part, rows) in parts {
+            let rows = |r: &Range<usize>| {
+                t.data
+                    .slice(r.start * row_bytes, r.len() * row_bytes)
+                    .ok_or_else(|| LoadError::Config(format!("`{name}` is shorter than its shape")))
+            };
+            for (part, runs) in parts {
+                let data = match runs.as_slice() {
+                    [run] => rows(run)?,
+                    _ => {
+                        let mut joined = Vec::with_capacity(
+                            runs.iter().map(|r| r.len()).sum::<usize>() * row_bytes,
+                        );
+                        for run in runs {
+                            joined.extend_from_slice(rows(run)?.as_slice());
+                        }
+                        Bytes::copy_from(&joined)
+                    }
+                };
                 let mut shape = t.shape.clone();
-                shape[0] = *rows;
-                let data = t
-                    .data
-                    .slice(start * row_bytes, rows * row_bytes)
-                    .ok_or_else(|| {
-                        LoadError::Config(format!("`{name}` is shorter than its shape"))
-                    })?;
+                shape[0] = runs.iter().map(|r| r.len()).sum();
                 let piece = RawTensor {
                     dtype: t.dtype,
                     shape,
                     data,
                 };
                 self.tensors.insert(format!("{part}.{leaf}"), piece);
-                start += rows;
             }
         }
         if let Some(spec) = self.quantization.overrides.get(module).copied() {

@@ -179,6 +179,7 @@ const REGISTRY: &[(&str, Constructor)] = &[
     ("qwen3_5", qwen3_5),
     ("qwen3_5_text", qwen3_5),
     ("qwen3_5_moe", qwen3_5),
+    ("qwen3_next", qwen3_5),
 ];
 
 /// The `model_type`s this build can load.

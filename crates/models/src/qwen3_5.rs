@@ -1,12 +1,15 @@
 //! Qwen3.5 as mlx-lm's `qwen3_5.py` defines it, with the layers it takes from `qwen3_next.py`
 //! and `gated_delta.py`: gated-DeltaNet linear attention in most layers and gated full attention
 //! in every `full_attention_interval`-th one. `qwen3_5_moe` (mlx-lm's `qwen3_5_moe.py`) replaces
-//! each MLP with a sparse mixture of experts.
+//! each MLP with a sparse mixture of experts, and `qwen3_next` (Qwen3-Next, `qwen3_next.py`) is
+//! that model with fused linear-attention projections and some layers kept dense.
 //!
 //! Checkpoints: mlx-lm saves the text model under `language_model.` (`language_model.model.*`,
 //! `language_model.lm_head`), the config possibly nested under `text_config`. Hugging Face
 //! checkpoints (`model.language_model.*` or `model.*`) are read as mlx-lm's `sanitize` reads
 //! them: their conv1d weights are `[channels, 1, kernel]` and their RMSNorms scale by `1 + w`.
+
+use std::ops::Range;
 
 use oxlm_engine::ops::recurrent::{self, DeltaRuleDims};
 use oxlm_engine::{ops, DType, Device, EngineError, Positions, Tensor};
@@ -221,6 +224,9 @@ struct MoeArgs {
     routing: Routing,
     intermediate: usize,
     shared_intermediate: usize,
+    /// Which layers have experts (Qwen3-Next's `decoder_sparse_step` and `mlp_only_layers`); the
+    /// others a dense MLP of `intermediate_size`.
+    sparse: Vec<bool>,
 }
 
 /// `config.json`'s keys for Qwen3.5's text model (dense and MoE), as mlx-lm's `ModelArgs` reads
@@ -264,8 +270,12 @@ struct Qwen35Config {
     num_experts_per_tok: Option<usize>,
     moe_intermediate_size: Option<usize>,
     shared_expert_intermediate_size: Option<usize>,
-    #[serde(default = "default_true")]
-    norm_topk_prob: bool,
+    /// True for Qwen3.5, false for Qwen3-Next, where absent.
+    norm_topk_prob: Option<bool>,
+    #[serde(default = "default_sparse_step")]
+    decoder_sparse_step: usize,
+    #[serde(default)]
+    mlp_only_layers: Vec<usize>,
     max_position_embeddings: Option<usize>,
 }
 
@@ -284,8 +294,8 @@ fn default_partial_rotary_factor() -> f64 {
 fn default_rms_norm_eps() -> f32 {
     1e-6
 }
-fn default_true() -> bool {
-    true
+fn default_sparse_step() -> usize {
+    1
 }
 
 impl Args {
@@ -373,12 +383,19 @@ impl Args {
 
         let missing = |key: &str| LoadError::Config(format!("`{key}` is missing"));
         let experts = c.num_experts;
+        let next = ckpt.config.model_type()? == "qwen3_next";
         let moe = if experts > 0 {
             let top_k = c
                 .num_experts_per_tok
                 .ok_or_else(|| missing("num_experts_per_tok"))?;
+            let norm_topk_prob = c.norm_topk_prob.unwrap_or(!next);
+            let step = c.decoder_sparse_step.max(1);
+            let sparse = (0..layers)
+                .map(|i| !c.mlp_only_layers.contains(&i) && (i + 1).is_multiple_of(step))
+                .collect();
             Some(MoeArgs {
-                routing: Routing::new(experts, top_k, c.norm_topk_prob)?,
+                routing: Routing::new(experts, top_k, norm_topk_prob)?,
+                sparse,
                 intermediate: c
                     .moe_intermediate_size
                     .ok_or_else(|| missing("moe_intermediate_size"))?,
@@ -389,9 +406,10 @@ impl Args {
         } else {
             None
         };
-        let intermediate = match moe {
-            Some(_) => 0,
-            None => c
+        let all_sparse = moe.as_ref().is_some_and(|m| m.sparse.iter().all(|&s| s));
+        let intermediate = match all_sparse {
+            true => 0,
+            false => c
                 .intermediate_size
                 .ok_or_else(|| missing("intermediate_size"))?,
         };
@@ -473,6 +491,41 @@ impl Layout {
         }
         RmsNorm::new(&weight, eps, vb.device())
     }
+}
+
+/// Qwen3-Next's fused `in_proj_qkvz` and `in_proj_ba` hold each key head's rows together
+/// (its query, key, values and gates; its `b` and `a`): regrouped into Qwen3.5's `in_proj_qkv`
+/// (all queries, all keys, all values), `in_proj_z`, `in_proj_b` and `in_proj_a`.
+fn unfuse_linear_projections(ckpt: &mut Checkpoint, args: &Args) -> Result<(), LoadError> {
+    let d = args.linear;
+    let group = d.v_heads / d.k_heads;
+    let (q, v) = (d.k_dim, group * d.v_dim);
+    let per_head = 2 * q + 2 * v;
+    let runs = |offset: usize, len: usize, stride: usize| -> Vec<Range<usize>> {
+        (0..d.k_heads)
+            .map(|h| h * stride + offset..h * stride + offset + len)
+            .collect()
+    };
+    for i in (0..args.layers).filter(|&i| is_linear(i, args.full_attention_interval)) {
+        let at = |name: &str| format!("{MODEL}.layers.{i}.linear_attn.{name}");
+        let qkv = [
+            runs(0, q, per_head),
+            runs(q, q, per_head),
+            runs(2 * q, v, per_head),
+        ]
+        .concat();
+        let qkvz = [
+            (at("in_proj_qkv"), qkv),
+            (at("in_proj_z"), runs(2 * q + v, v, per_head)),
+        ];
+        ckpt.regroup_rows(&at("in_proj_qkvz"), d.k_heads * per_head, &qkvz)?;
+        let ba = [
+            (at("in_proj_b"), runs(0, group, 2 * group)),
+            (at("in_proj_a"), runs(group, group, 2 * group)),
+        ];
+        ckpt.regroup_rows(&at("in_proj_ba"), 2 * d.v_heads, &ba)?;
+    }
+    Ok(())
 }
 
 /// The `linear_attn` module of a block.
@@ -568,6 +621,9 @@ impl Qwen3_5 {
         let args = Args::from_config(&ckpt)?;
         let max_context = args.max_context;
         let layout = Layout::sanitize(&mut ckpt, &args);
+        if model_type == "qwen3_next" {
+            unfuse_linear_projections(&mut ckpt, &args)?;
+        }
         if args.tied {
             ckpt.discard_where(|name| name.starts_with(&format!("{LM_HEAD}.")));
         }
@@ -587,7 +643,8 @@ impl Qwen3_5 {
             } else {
                 Mixer::Attention(load_self_attn(&mut block.pp("self_attn"), &args, &layout)?)
             };
-            let mlp = match &args.moe {
+            let moe = args.moe.as_ref().filter(|m| m.sparse[i]);
+            let mlp = match moe {
                 None => FeedForward::Dense(Mlp::load(
                     &mut block.pp("mlp"),
                     h,

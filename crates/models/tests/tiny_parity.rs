@@ -532,6 +532,7 @@ fn qwen3_5_batched_decode_matches_one_by_one() {
 #[test]
 fn qwen3_5_moe_batched_decode_matches_one_by_one() {
     check_batch("qwen3_5_moe-4bit-g64");
+    check_batch("qwen3_next-4bit-g32");
 }
 
 /// Sliding-window layers (a window of 8: the sequences of 7 and 19 tokens are before and past
@@ -638,4 +639,5 @@ parity_tests! {
     phi3_4bit_g32_longrope_partial_rotary => "phi3-longrope-4bit-g32",
     qwen3_4bit_g64_yarn => "qwen3-yarn-4bit-g64",
     glm4_moe_4bit_g32_grouped_sigmoid_routing_shared_experts => "glm4_moe-4bit-g32",
+    qwen3_next_4bit_g32_fused_linear_projections => "qwen3_next-4bit-g32",
 }
