@@ -242,6 +242,25 @@ MODELS = {
             "use_qk_norm": True, "attention_bias": True, "rms_norm_eps": 1e-5, "vocab_size": 512,
             "max_position_embeddings": 131072, "rope_theta": 1000000.0, "rope_scaling": None,
             "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # DeepSeek-V3: multi-head latent attention (queries through a rank-32 bottleneck, a 64-wide latent and a
+    # 16-wide rotated key part shared by the heads, YaRN with DeepSeek's mscale_all_dim), a dense first layer,
+    # then 8 experts in 2 groups (1 kept) by corrected sigmoid scores x2.5 beside a shared expert.
+    "deepseek_v3-4bit-g32": dict(
+        seed=25, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},
+        shape_other=lambda path, v: 0.1 * mx.random.normal(v.shape) if "e_score_correction_bias" in path else v,
+        config={
+            "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 512,
+            "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 8,
+            "routed_scaling_factor": 2.5, "kv_lora_rank": 64, "q_lora_rank": 32, "qk_rope_head_dim": 16,
+            "v_head_dim": 32, "qk_nope_head_dim": 32, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+            "norm_topk_prob": True, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2, "moe_layer_freq": 1,
+            "first_k_dense_replace": 1, "max_position_embeddings": 16384, "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0, "rope_scaling": {"type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                                   "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                                   "beta_fast": 32, "beta_slow": 1},
+            "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2,
+            "torch_dtype": "bfloat16"}),
     # Mistral Small 3.x's wrapper: a mistral text model under `language_model.`, settings under text_config.
     "mistral3-4bit-g32": dict(
         seed=21, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},

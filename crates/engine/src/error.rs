@@ -18,6 +18,9 @@ pub enum EngineError {
     /// A device that cannot be opened, or operands on different devices.
     #[error("{0}")]
     Device(String),
+    /// Something this build does not do yet.
+    #[error("{0} is not supported")]
+    Unsupported(String),
     /// A CUDA driver, NVRTC or cuBLAS call failed (out of device memory, for one).
     #[error("CUDA: {0}")]
     Cuda(String),

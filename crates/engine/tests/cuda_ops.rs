@@ -654,6 +654,12 @@ fn element_wise_norms_and_copies() {
         &ops::columns(&cpu_x, 13, 500).unwrap(),
         0.0,
     );
+    let part = ops::columns(&cpu_x, 13, 500).unwrap();
+    let (mut cpu_dst, mut gpu_dst) = (cpu_x.try_clone().unwrap(), gpu_x.try_clone().unwrap());
+    ops::place_columns(&mut cpu_dst, &part, 400).unwrap();
+    let gpu_part = on(&dev, part.shape().to_vec(), part.data());
+    ops::place_columns(&mut gpu_dst, &gpu_part, 400).unwrap();
+    assert_close("place_columns", &gpu_dst, &cpu_dst, 0.0);
     assert_close(
         "rows",
         &ops::rows(&gpu_x, 2, 4).unwrap(),

@@ -4,6 +4,7 @@
 pub mod cache;
 pub mod checkpoint;
 mod decoder_grad;
+pub mod deepseek_v3;
 mod error;
 pub mod fuse;
 pub mod gemma3;
@@ -161,6 +162,10 @@ fn qwen3_5(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
     Ok(Box::new(qwen3_5::Qwen3_5::load(ckpt)?))
 }
 
+fn deepseek_v3(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
+    Ok(Box::new(deepseek_v3::DeepseekV3::load(ckpt)?))
+}
+
 fn gemma3(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
     Ok(Box::new(gemma3::Gemma3::load(ckpt)?))
 }
@@ -180,6 +185,9 @@ const REGISTRY: &[(&str, Constructor)] = &[
     ("qwen3_5_text", qwen3_5),
     ("qwen3_5_moe", qwen3_5),
     ("qwen3_next", qwen3_5),
+    ("deepseek_v3", deepseek_v3),
+    ("kimi_k2", deepseek_v3),
+    ("joyai_llm_flash", deepseek_v3),
 ];
 
 /// The `model_type`s this build can load.

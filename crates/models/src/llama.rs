@@ -308,6 +308,7 @@ const MEMBERS: &[(&str, Member)] = &[
     ("qwen3", qwen3),
     ("qwen3_moe", qwen3_moe),
     ("mistral3", mistral3),
+    ("llava", mistral3),
     ("mixtral", mixtral),
     ("smollm3", smollm3),
     ("phi3", phi3),
@@ -320,6 +321,9 @@ const MEMBERS: &[(&str, Member)] = &[
     ("ernie4_5", ernie4_5),
     ("seed_oss", seed_oss),
     ("glm4_moe", glm4_moe),
+    // mlx-lm reads these as llama.
+    ("iquestcoder", Switches::llama),
+    ("xverse", Switches::llama),
 ];
 
 /// Whether `model_type` is one of the family's.

@@ -758,15 +758,7 @@ impl Architecture for Qwen3_5 {
             };
             ops::add_inplace(&mut h, &r)?;
             let x = block.post_attention_layernorm.forward(&h)?;
-            let r = match &block.mlp {
-                FeedForward::Dense(mlp) => mlp.forward_adapted(&x, lora("mlp"))?,
-                FeedForward::Moe(moe) => moe.forward(
-                    &x,
-                    lora("mlp"),
-                    lora("mlp.switch_mlp"),
-                    lora("mlp.shared_expert"),
-                )?,
-            };
+            let r = block.mlp.forward(&x, lora)?;
             ops::add_inplace(&mut h, &r)?;
         }
         caches.finish();

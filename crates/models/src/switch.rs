@@ -178,6 +178,24 @@ impl FeedForward {
         }
     }
 
+    /// Its output for the rows `x`, with the adapters `lora` gives for each module of the
+    /// block (`mlp`, `mlp.switch_mlp`, the shared expert's).
+    pub(crate) fn forward<'a>(
+        &self,
+        x: &Tensor,
+        lora: impl Fn(&'static str) -> ModuleAdapters<'a>,
+    ) -> OpResult<Tensor> {
+        match self {
+            FeedForward::Dense(mlp) => mlp.forward_adapted(x, lora("mlp")),
+            FeedForward::Moe(moe) => moe.forward(
+                x,
+                lora("mlp"),
+                lora("mlp.switch_mlp"),
+                lora(moe.shared_path()),
+            ),
+        }
+    }
+
     /// As the backward pass sees it.
     pub(crate) fn grad(&self) -> Box<dyn MlpGrad + '_> {
         match self {

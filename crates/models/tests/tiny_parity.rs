@@ -554,11 +554,12 @@ fn gemma4_moe_batched_decode_matches_one_by_one() {
     check_batch("gemma4-moe-4bit-g64");
 }
 
-/// The llama family's members whose layers differ from llama's: windowed layers with plain
-/// RoPE (OLMo 3), windowed and NoPE layers (EXAONE 4), routed experts beside a dense layer
-/// (Qwen3-MoE), fused projections with partial rotary (Phi-3), residual multipliers (Granite).
+/// Layers that differ from llama's: windowed layers with plain RoPE (OLMo 3), windowed and
+/// NoPE layers (EXAONE 4), routed experts beside a dense layer (Qwen3-MoE), fused projections
+/// with partial rotary (Phi-3), residual multipliers (Granite), grouped sigmoid routing
+/// (GLM-4.5), latent attention (DeepSeek-V3).
 #[test]
-fn llama_family_batched_decode_matches_one_by_one() {
+fn more_architectures_batched_decode_matches_one_by_one() {
     for name in [
         "olmo3-8bit-g32",
         "exaone4-4bit-g64",
@@ -566,6 +567,7 @@ fn llama_family_batched_decode_matches_one_by_one() {
         "phi3-4bit-g32",
         "granite-4bit-g32",
         "glm4_moe-4bit-g32",
+        "deepseek_v3-4bit-g32",
     ] {
         check_batch(name);
     }
@@ -640,4 +642,5 @@ parity_tests! {
     qwen3_4bit_g64_yarn => "qwen3-yarn-4bit-g64",
     glm4_moe_4bit_g32_grouped_sigmoid_routing_shared_experts => "glm4_moe-4bit-g32",
     qwen3_next_4bit_g32_fused_linear_projections => "qwen3_next-4bit-g32",
+    deepseek_v3_4bit_g32_latent_attention_grouped_experts => "deepseek_v3-4bit-g32",
 }

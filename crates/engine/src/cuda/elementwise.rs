@@ -48,6 +48,21 @@ pub fn columns(x: &Buffer, cols: usize, start: usize, width: usize) -> Result<Bu
     Ok(out)
 }
 
+/// `src` (`[rows, width]`) into columns `start..start + width` of `dst` (`[rows, cols]`).
+pub fn place_columns(
+    dst: &mut Buffer,
+    cols: usize,
+    src: &Buffer,
+    start: usize,
+    width: usize,
+) -> Result<()> {
+    let g = dst.gpu().clone();
+    let rows = src.len() / width.max(1);
+    launch!(&g, "place_columns", elements(&g, rows * width);
+        src.ptr(), dst.ptr(), rows as i64, int(cols)?, int(start)?, int(width)?);
+    Ok(())
+}
+
 /// Elements `start..start + len`, copied.
 pub fn range(x: &Buffer, start: usize, len: usize) -> Result<Buffer> {
     let g = x.gpu().clone();

@@ -141,6 +141,29 @@ pub fn columns(x: &Tensor, start: usize, width: usize) -> Result<Tensor> {
     }
 }
 
+/// Writes `src` (`[rows, width]`) into columns `start..start + width` of every row of `dst`
+/// (`[rows, cols]`): [`columns`] the other way.
+pub fn place_columns(dst: &mut Tensor, src: &Tensor, start: usize) -> Result<()> {
+    let (cols, width) = (dst.cols(), src.cols());
+    check(start + width <= cols && src.rows() == dst.rows(), || {
+        format!(
+            "{:?} into columns {start}..{} of {:?}",
+            src.shape(),
+            start + width,
+            dst.shape()
+        )
+    })?;
+    match pair("place_columns", dst, src)? {
+        Pair::Host(d, s) => {
+            for (row, part) in d.chunks_exact_mut(cols).zip(s.chunks_exact(width)) {
+                row[start..start + width].copy_from_slice(part);
+            }
+            Ok(())
+        }
+        Pair::Cuda(d, s) => cuda::elementwise::place_columns(d, cols, s, start, width),
+    }
+}
+
 /// Rows `start..start + count` (of [`Tensor::cols`] elements), as a new tensor.
 pub fn rows(x: &Tensor, start: usize, count: usize) -> Result<Tensor> {
     let cols = x.cols();

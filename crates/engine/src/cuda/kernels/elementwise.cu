@@ -60,6 +60,16 @@ extern "C" __global__ void columns(const float *x, float *out, i64 rows, int col
     }
 }
 
+// src[rows, width] into columns start..start + width of out[rows, cols].
+extern "C" __global__ void place_columns(const float *src, float *out, i64 rows, int cols,
+                                         int start, int width) {
+    await_inputs();
+    GRID_STRIDE(i, rows * width) {
+        const i64 r = i / width;
+        out[r * cols + start + (i - r * width)] = src[i];
+    }
+}
+
 // Greedy decoding's pick from each row of x[rows, cols]: picks[2r] = the index of the row's
 // first maximum (NaNs passed over), as a float (exact below 2^24), and picks[2r + 1] = its
 // log-probability (the row's log-softmax there, computed as the host's sampler does). One block
