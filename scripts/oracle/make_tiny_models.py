@@ -242,6 +242,21 @@ MODELS = {
             "use_qk_norm": True, "attention_bias": True, "rms_norm_eps": 1e-5, "vocab_size": 512,
             "max_position_embeddings": 131072, "rope_theta": 1000000.0, "rope_scaling": None,
             "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # Ministral 3 in Mistral 3's wrapper: YaRN in rope_parameters, Llama 4's query scale past an original context
+    # of 16 positions (the prompt and the greedy steps cross 16, 32 and 64), a windowed layer (8) and a global one.
+    "ministral3-4bit-g32": dict(
+        seed=26, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},
+        config={
+            "model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
+            "text_config": {
+                "model_type": "ministral3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
+                "vocab_size": 512, "max_position_embeddings": 262144, "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention"],
+                "rope_parameters": {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+                                    "original_max_position_embeddings": 16, "llama_4_scaling_beta": 0.1,
+                                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}},
+            "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
     # DeepSeek-V3: multi-head latent attention (queries through a rank-32 bottleneck, a 64-wide latent and a
     # 16-wide rotated key part shared by the heads, YaRN with DeepSeek's mscale_all_dim), a dense first layer,
     # then 8 experts in 2 groups (1 kept) by corrected sigmoid scores x2.5 beside a shared expert.

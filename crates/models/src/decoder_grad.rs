@@ -423,6 +423,11 @@ impl MixerGrad for AttentionGrad<'_> {
         lora: ModuleAdapters,
     ) -> OpResult<(Tensor, Box<dyn MixerSaved + 's>)> {
         let a = self.attn;
+        if a.query_scale.is_some_and(|s| x.rows() > s.period) {
+            return Err(oxlm_engine::EngineError::Unsupported(
+                "LoRA training past the context where the queries' position scale starts".into(),
+            ));
+        }
         let q = a.q_proj.forward_adapted(x, lora.get("q_proj"))?;
         let k = a.k_proj.forward_adapted(x, lora.get("k_proj"))?;
         let v = a.v_proj.forward_adapted(x, lora.get("v_proj"))?;

@@ -578,6 +578,16 @@ pub struct Attention {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub scale: f32,
+    /// Scales the queries by position beyond an original context (Ministral 3's Llama 4
+    /// scaling), where the model does.
+    pub query_scale: Option<PositionScale>,
+}
+
+/// Llama 4's query scale: `1 + beta · ln(1 + ⌊position / period⌋)`.
+#[derive(Debug, Clone, Copy)]
+pub struct PositionScale {
+    pub beta: f32,
+    pub period: usize,
 }
 
 impl Attention {
@@ -611,7 +621,7 @@ impl Attention {
             [cache] => self.project_into(input, positions, *cache, lora)?,
             _ => None,
         };
-        let q = match fused {
+        let mut q = match fused {
             Some(q) => q,
             None => {
                 let (q, k, v) = self.project_input(input, positions, lora)?;
@@ -619,6 +629,9 @@ impl Attention {
                 q
             }
         };
+        if let Some(PositionScale { beta, period }) = self.query_scale {
+            ops::scale_by_position(&mut q, positions, beta, period)?;
+        }
         attend_kv(&q, self.heads, self.head_dim, positions, caches, self.scale)
     }
 

@@ -16,7 +16,7 @@ use crate::cache::{Cache, KvCache, LayerCache, RotatingKvCache};
 use crate::checkpoint::{Checkpoint, Scope};
 use crate::decoder_grad::{AttentionGrad, Decoder, DecoderBlock};
 use crate::layers::{
-    Attention, Embedding, Input, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope,
+    Attention, Embedding, Input, Linear, Mlp, OpResult, OutputHead, PositionScale, RmsNorm, Rope,
 };
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
@@ -206,6 +206,8 @@ struct Switches {
     /// The context the RoPE scaling starts from where the member reads it outside
     /// `rope_scaling` (Phi-3).
     original_context: Option<usize>,
+    /// Ministral 3's query scale beyond its original context.
+    query_scale: Option<PositionScale>,
 }
 
 impl Switches {
@@ -252,6 +254,7 @@ impl Switches {
             prefix: "",
             moe_module: "mlp",
             original_context: None,
+            query_scale: None,
         })
     }
 
@@ -308,6 +311,7 @@ const MEMBERS: &[(&str, Member)] = &[
     ("qwen3", qwen3),
     ("qwen3_moe", qwen3_moe),
     ("mistral3", mistral3),
+    ("ministral3", ministral3),
     ("llava", mistral3),
     ("mixtral", mixtral),
     ("smollm3", smollm3),
@@ -343,18 +347,52 @@ fn member(model_type: &str) -> Option<Member> {
         .map(|(_, m)| *m)
 }
 
-/// Mistral Small 3.x's multimodal wrapper: its llama text model under `language_model.`.
+/// Mistral 3's multimodal wrapper: its llama or Ministral 3 text model under
+/// `language_model.`, untied unless `text_config` says so.
 fn mistral3(c: &Args) -> Result<Switches, LoadError> {
-    match c.model_type.as_str() {
-        "llama" | "mistral" | "mistral3" => Ok(Switches {
-            tied: c.tie_word_embeddings.unwrap_or(false),
-            prefix: "language_model.",
-            ..Switches::llama(c)?
-        }),
-        other => Err(LoadError::Config(format!(
-            "mistral3 with a `{other}` text model is not supported (supported: llama, mistral)"
-        ))),
+    let text = match c.model_type.as_str() {
+        "llama" | "mistral" | "mistral3" | "llava" => Switches::llama(c)?,
+        "ministral3" => ministral3(c)?,
+        other => {
+            return Err(LoadError::Config(format!(
+                "mistral3 with a `{other}` text model is not supported \
+                 (supported: llama, mistral, ministral3)"
+            )))
+        }
+    };
+    Ok(Switches {
+        tied: c.tie_word_embeddings.unwrap_or(false),
+        prefix: "language_model.",
+        ..text
+    })
+}
+
+/// Ministral 3: llama without biases, its RoPE in `rope_parameters`, and the queries scaled
+/// by Llama 4's `llama_4_scaling_beta` beyond `original_max_position_embeddings`.
+fn ministral3(c: &Args) -> Result<Switches, LoadError> {
+    let params = c.rope_parameters.as_ref();
+    let number = |key: &str| {
+        params
+            .and_then(|p| p.get(key))
+            .and_then(Value::as_f64)
+            .ok_or_else(|| Args::missing(&format!("rope_parameters.{key}")))
+    };
+    let period = number("original_max_position_embeddings")? as usize;
+    if period == 0 {
+        return Err(LoadError::Config(
+            "`rope_parameters.original_max_position_embeddings` must be positive".into(),
+        ));
     }
+    Ok(Switches {
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        query_scale: Some(PositionScale {
+            beta: number("llama_4_scaling_beta")? as f32,
+            period,
+        }),
+        ..Switches::llama(c)?
+    })
 }
 
 /// Qwen2: q/k/v biases, none on the output.
@@ -795,6 +833,7 @@ impl Llama {
                 scale: s.attention_scale.unwrap_or((head_dim as f32).powf(-0.5))
                     * rope.take_amplitude(head_dim),
                 rope,
+                query_scale: s.query_scale,
             };
             let mlp = match (&s.moe, layer.moe) {
                 (Some(moe), true) => FeedForward::Moe(SparseMoe::load(

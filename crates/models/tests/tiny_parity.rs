@@ -568,6 +568,7 @@ fn more_architectures_batched_decode_matches_one_by_one() {
         "granite-4bit-g32",
         "glm4_moe-4bit-g32",
         "deepseek_v3-4bit-g32",
+        "ministral3-4bit-g32",
     ] {
         check_batch(name);
     }
@@ -643,4 +644,5 @@ parity_tests! {
     glm4_moe_4bit_g32_grouped_sigmoid_routing_shared_experts => "glm4_moe-4bit-g32",
     qwen3_next_4bit_g32_fused_linear_projections => "qwen3_next-4bit-g32",
     deepseek_v3_4bit_g32_latent_attention_grouped_experts => "deepseek_v3-4bit-g32",
+    ministral3_4bit_g32_llama4_query_scale_yarn_window => "ministral3-4bit-g32",
 }

@@ -21,6 +21,20 @@ pub fn rms_norm(
     Ok(())
 }
 
+/// Row `t` of `x` (`cols` wide) times `1 + beta · ln(1 + ⌊positions[t] / period⌋)`.
+pub fn scale_by_position(
+    x: &mut Buffer,
+    cols: usize,
+    positions: GpuPositions,
+    beta: f32,
+    period: usize,
+) -> Result<()> {
+    let g = x.gpu().clone();
+    launch!(&g, "scale_by_position", elements(&g, x.len());
+        x.ptr(), positions.ptr(), x.len() as i64, int(cols)?, beta, int(period)?);
+    Ok(())
+}
+
 /// Rotates `x` (`heads` heads a token) and, when given, `y` (a second tensor of the same
 /// tokens: a layer's keys beside its queries) in one launch.
 #[allow(clippy::too_many_arguments)]

@@ -90,6 +90,36 @@ pub fn rope_inplace(
     }
 }
 
+/// Llama 4's query scale by position, in place: row `t` of `x` times
+/// `1 + beta · ln(1 + ⌊positions[t] / period⌋)` (1 within the first `period` positions).
+pub fn scale_by_position(
+    x: &mut Tensor,
+    positions: &Positions,
+    beta: f32,
+    period: usize,
+) -> Result<()> {
+    check(x.rows() == positions.len() && period > 0, || {
+        format!(
+            "{} positions for {:?}, period {period}",
+            positions.len(),
+            x.shape()
+        )
+    })?;
+    let cols = x.cols();
+    match &mut x.storage {
+        Storage::Host(v) => {
+            for (row, &p) in v.chunks_exact_mut(cols).zip(positions.as_slice()) {
+                let factor = 1.0 + beta * ((1 + p / period) as f32).ln();
+                row.iter_mut().for_each(|x| *x *= factor);
+            }
+            Ok(())
+        }
+        Storage::Cuda(b) => {
+            cuda::norm::scale_by_position(b, cols, positions.on_gpu()?, beta, period)
+        }
+    }
+}
+
 /// [`rope_inplace`] of a layer's queries `q` (`heads` a token) and keys `k` (`kv_heads` a
 /// token) at the same positions; one launch on a GPU.
 #[allow(clippy::too_many_arguments)]

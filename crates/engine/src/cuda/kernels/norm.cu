@@ -23,6 +23,16 @@ extern "C" __global__ void rms_norm(const float *x, const float *weight, float *
     for (int c = threadIdx.x; c < cols; c += blockDim.x) orow[c] = xr[c] * inv * weight[c];
 }
 
+// Row t of x (cols wide) times 1 + beta · ln(1 + floor(positions[t] / period)): Llama 4's
+// query scale beyond the original context.
+extern "C" __global__ void scale_by_position(float *x, const int *positions, i64 n, int cols,
+                                             float beta, int period) {
+    await_inputs();
+    GRID_STRIDE(i, n) {
+        x[i] *= 1.f + beta * logf((float)(1 + positions[i / cols] / period));
+    }
+}
+
 // Rotates pairs of x ([tokens, heads, head_dim]) and of y ([tokens, heads_y, head_dim]: a
 // layer's keys beside its queries, or nothing with heads_y = 0) by positions[t] · inv_freqs[i],
 // scaled by `amplitude`; `traditional` pairs neighbours (2i, 2i+1), otherwise the halves
