@@ -242,6 +242,26 @@ MODELS = {
             "use_qk_norm": True, "attention_bias": True, "rms_norm_eps": 1e-5, "vocab_size": 512,
             "max_position_embeddings": 131072, "rope_theta": 1000000.0, "rope_scaling": None,
             "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # OLMoE: q/k norms over all heads, 8 experts top-2 without renormalization (its default).
+    "olmoe-4bit-g32": dict(
+        seed=27, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},
+        config={
+            "model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "rms_norm_eps": 1e-5, "vocab_size": 512,
+            "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": False,
+            "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # Granite-MoE: Granite's multipliers, 4 experts top-2 under block_sparse_moe with a `router.layer`.
+    "granitemoe-4bit-g32": dict(
+        seed=28, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},
+        config={
+            "model_type": "granitemoe", "architectures": ["GraniteMoeForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 512,
+            "max_position_embeddings": 4096, "rope_theta": 10000.0, "embedding_multiplier": 6.0,
+            "attention_multiplier": 0.125, "residual_multiplier": 0.5, "logits_scaling": 2.0,
+            "attention_bias": False, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 2,
+            "torch_dtype": "bfloat16"}),
     # Ministral 3 in Mistral 3's wrapper: YaRN in rope_parameters, Llama 4's query scale past an original context
     # of 16 positions (the prompt and the greedy steps cross 16, 32 and 64), a windowed layer (8) and a global one.
     "ministral3-4bit-g32": dict(

@@ -550,10 +550,15 @@ impl Checkpoint {
                 self.tensors.insert(new, t);
             }
         }
+        // A module is renamed as its weight would be.
+        let module_rename = |module: &str| {
+            let weight = rename(&format!("{module}.weight"))?;
+            weight.strip_suffix(".weight").map(str::to_string)
+        };
         let overrides = std::mem::take(&mut self.quantization.overrides);
         self.quantization.overrides = overrides
             .into_iter()
-            .map(|(module, spec)| (rename(&module).unwrap_or(module), spec))
+            .map(|(module, spec)| (module_rename(&module).unwrap_or(module), spec))
             .collect();
     }
 

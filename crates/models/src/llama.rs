@@ -201,8 +201,9 @@ struct Switches {
     moe: Option<MoeSwitches>,
     /// Where the text model's weights are (`language_model.` in a multimodal wrapper).
     prefix: &'static str,
-    /// Where its MoE blocks are, when not under `mlp` (Mixtral's `block_sparse_moe`).
-    moe_module: &'static str,
+    /// Renames of the checkpoint's modules into the names loaded (Mixtral's
+    /// `block_sparse_moe` → `mlp`), in order.
+    renames: &'static [(&'static str, &'static str)],
     /// The context the RoPE scaling starts from where the member reads it outside
     /// `rope_scaling` (Phi-3).
     original_context: Option<usize>,
@@ -252,7 +253,7 @@ impl Switches {
             attention_scale: None,
             moe: None,
             prefix: "",
-            moe_module: "mlp",
+            renames: &[],
             original_context: None,
             query_scale: None,
         })
@@ -271,8 +272,14 @@ impl Switches {
     }
 
     /// The MLPs of the layers `sparse` picks become mixtures of `num_experts` (or
-    /// `num_local_experts`) experts of `moe_intermediate_size` (or `intermediate_size`).
-    fn experts(mut self, c: &Args, sparse: impl Fn(usize) -> bool) -> Result<Self, LoadError> {
+    /// `num_local_experts`) experts of `moe_intermediate_size` (or `intermediate_size`), their
+    /// weights renormalized with `norm_topk_prob` (`renormalize` where absent).
+    fn experts(
+        mut self,
+        c: &Args,
+        renormalize: bool,
+        sparse: impl Fn(usize) -> bool,
+    ) -> Result<Self, LoadError> {
         let experts = c
             .num_experts
             .or(c.num_local_experts)
@@ -282,7 +289,7 @@ impl Switches {
             .num_experts_per_tok
             .ok_or_else(|| Args::missing("num_experts_per_tok"))?;
         self.moe = Some(MoeSwitches {
-            routing: Routing::new(experts, top_k, c.norm_topk_prob.unwrap_or(true))?,
+            routing: Routing::new(experts, top_k, c.norm_topk_prob.unwrap_or(renormalize))?,
             intermediate: c.moe_intermediate_size.unwrap_or(c.intermediate_size),
             shared: None,
         });
@@ -325,6 +332,8 @@ const MEMBERS: &[(&str, Member)] = &[
     ("ernie4_5", ernie4_5),
     ("seed_oss", seed_oss),
     ("glm4_moe", glm4_moe),
+    ("olmoe", olmoe),
+    ("granitemoe", granitemoe),
     // mlx-lm reads these as llama.
     ("iquestcoder", Switches::llama),
     ("xverse", Switches::llama),
@@ -421,7 +430,7 @@ fn qwen3(c: &Args) -> Result<Switches, LoadError> {
 /// mixture of experts.
 fn qwen3_moe(c: &Args) -> Result<Switches, LoadError> {
     let step = c.decoder_sparse_step.unwrap_or(1).max(1);
-    qwen3(c)?.experts(c, |i| {
+    qwen3(c)?.experts(c, true, |i| {
         !c.mlp_only_layers.contains(&i) && (i + 1).is_multiple_of(step)
     })
 }
@@ -430,10 +439,10 @@ fn qwen3_moe(c: &Args) -> Result<Switches, LoadError> {
 fn mixtral(c: &Args) -> Result<Switches, LoadError> {
     Switches {
         tied: c.tie_word_embeddings.unwrap_or(false),
-        moe_module: "block_sparse_moe",
+        renames: &[(".block_sparse_moe.", ".mlp.")],
         ..Switches::llama(c)?
     }
-    .experts(c, |_| true)
+    .experts(c, true, |_| true)
 }
 
 /// SmolLM3: llama with RoPE left out of every `no_rope_layer_interval`-th layer, or of the
@@ -520,6 +529,29 @@ fn olmo3(c: &Args) -> Result<Switches, LoadError> {
         layers,
         ..Switches::llama(c)?
     })
+}
+
+/// Granite-MoE: Granite with every MLP a mixture of `num_local_experts` (the router under
+/// `block_sparse_moe.router.layer`), top-k renormalized.
+fn granitemoe(c: &Args) -> Result<Switches, LoadError> {
+    Switches {
+        renames: &[
+            (".block_sparse_moe.router.layer.", ".mlp.gate."),
+            (".block_sparse_moe.", ".mlp."),
+        ],
+        ..granite(c)?
+    }
+    .experts(c, true, |_| true)
+}
+
+/// OLMoE: llama with q/k norms over all heads and a mixture of experts in every layer, not
+/// renormalized unless `norm_topk_prob` says.
+fn olmoe(c: &Args) -> Result<Switches, LoadError> {
+    Switches {
+        qk_norm: QkNorm::Full,
+        ..Switches::llama(c)?
+    }
+    .experts(c, false, |_| true)
 }
 
 /// Granite: embedding, attention, residual and logit multipliers; `head_dim` from the width.
@@ -656,7 +688,7 @@ fn glm4_moe(c: &Args) -> Result<Switches, LoadError> {
         ..Switches::llama(c)?
     }
     .partial_rotary(c)
-    .experts(c, |i| i >= dense)?;
+    .experts(c, true, |i| i >= dense)?;
     if let Some(moe) = &mut switches.moe {
         moe.routing = moe.routing.sigmoid_grouped(
             c.n_group.unwrap_or(1),
@@ -791,12 +823,8 @@ impl Llama {
                 ckpt.split_rows(&format!("{block}.mlp.gate_up_proj"), &parts)?;
             }
         }
-        let moe_module = s.moe_module;
-        if moe_module != "mlp" {
-            ckpt.rename(|name| {
-                let at = format!(".{moe_module}.");
-                name.contains(&at).then(|| name.replace(&at, ".mlp."))
-            });
+        for (from, to) in s.renames {
+            ckpt.rename(|name| name.contains(from).then(|| name.replace(from, to)));
         }
 
         let mut root = ckpt.scope(prefix.trim_end_matches('.'));

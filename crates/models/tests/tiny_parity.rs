@@ -645,4 +645,6 @@ parity_tests! {
     qwen3_next_4bit_g32_fused_linear_projections => "qwen3_next-4bit-g32",
     deepseek_v3_4bit_g32_latent_attention_grouped_experts => "deepseek_v3-4bit-g32",
     ministral3_4bit_g32_llama4_query_scale_yarn_window => "ministral3-4bit-g32",
+    olmoe_4bit_g32_experts_not_renormalized => "olmoe-4bit-g32",
+    granitemoe_4bit_g32_renamed_router_multipliers => "granitemoe-4bit-g32",
 }
