@@ -262,6 +262,16 @@ MODELS = {
             "attention_multiplier": 0.125, "residual_multiplier": 0.5, "logits_scaling": 2.0,
             "attention_bias": False, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 2,
             "torch_dtype": "bfloat16"}),
+    # Hunyuan (dense): q/k norms after the rotation, q/k/v/o biases, NTK-alpha RoPE (alpha 4).
+    "hunyuan_v1_dense-4bit-g32": dict(
+        seed=29, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},
+        config={
+            "model_type": "hunyuan_v1_dense", "architectures": ["HunYuanDenseV1ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "rms_norm_eps": 1e-5, "vocab_size": 512, "max_position_embeddings": 32768,
+            "rope_theta": 10000.0, "rope_scaling": {"type": "dynamic", "alpha": 4.0, "factor": 1.0},
+            "attention_bias": True, "use_qk_norm": True, "tie_word_embeddings": False,
+            "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
     # Ministral 3 in Mistral 3's wrapper: YaRN in rope_parameters, Llama 4's query scale past an original context
     # of 16 positions (the prompt and the greedy steps cross 16, 32 and 64), a windowed layer (8) and a global one.
     "ministral3-4bit-g32": dict(

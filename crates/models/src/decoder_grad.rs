@@ -428,6 +428,11 @@ impl MixerGrad for AttentionGrad<'_> {
                 "LoRA training past the context where the queries' position scale starts".into(),
             ));
         }
+        if a.norm_after_rope {
+            return Err(oxlm_engine::EngineError::Unsupported(
+                "LoRA training with q/k norms after the rotation".into(),
+            ));
+        }
         let q = a.q_proj.forward_adapted(x, lora.get("q_proj"))?;
         let k = a.k_proj.forward_adapted(x, lora.get("k_proj"))?;
         let v = a.v_proj.forward_adapted(x, lora.get("v_proj"))?;

@@ -581,6 +581,8 @@ pub struct Attention {
     /// Scales the queries by position beyond an original context (Ministral 3's Llama 4
     /// scaling), where the model does.
     pub query_scale: Option<PositionScale>,
+    /// The q/k norms come after the rotation (Hunyuan), not before.
+    pub norm_after_rope: bool,
 }
 
 /// Llama 4's query scale: `1 + beta · ln(1 + ⌊position / period⌋)`.
@@ -678,7 +680,7 @@ impl Attention {
     }
 
     /// Queries, keys and values of the input (`[tokens, hidden]`, possibly still to be normed),
-    /// normed and rotated.
+    /// normed and rotated (rotated and normed, with `norm_after_rope`).
     fn project_input(
         &self,
         input: Input,
@@ -686,15 +688,21 @@ impl Attention {
         lora: ModuleAdapters,
     ) -> OpResult<(Tensor, Tensor, Tensor)> {
         let (mut q, mut k, v) = self.qkv(input, lora)?;
+        let (heads, kv_heads, head_dim) = (self.heads, self.kv_heads, self.head_dim);
+        if self.norm_after_rope {
+            self.rope
+                .apply_pair(&mut q, heads, &mut k, kv_heads, head_dim, positions)?;
+        }
         if let Some(norm) = &self.q_norm {
             norm.forward_inplace(&mut q)?;
         }
         if let Some(norm) = &self.k_norm {
             norm.forward_inplace(&mut k)?;
         }
-        let (heads, kv_heads, head_dim) = (self.heads, self.kv_heads, self.head_dim);
-        self.rope
-            .apply_pair(&mut q, heads, &mut k, kv_heads, head_dim, positions)?;
+        if !self.norm_after_rope {
+            self.rope
+                .apply_pair(&mut q, heads, &mut k, kv_heads, head_dim, positions)?;
+        }
         Ok((q, k, v))
     }
 

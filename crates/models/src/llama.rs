@@ -143,6 +143,9 @@ enum QkNorm {
     PerHead,
     /// Over all heads at once (OLMo 2).
     Full,
+    /// Over each head after the rotation, named `query_layernorm` and `key_layernorm`
+    /// (Hunyuan).
+    PerHeadAfterRope,
 }
 
 /// What a layer's attention rotates by.
@@ -209,6 +212,8 @@ struct Switches {
     original_context: Option<usize>,
     /// Ministral 3's query scale beyond its original context.
     query_scale: Option<PositionScale>,
+    /// The RoPE base where the member derives it rather than reading `rope_theta` (Hunyuan).
+    rope_base: Option<f32>,
 }
 
 impl Switches {
@@ -256,6 +261,7 @@ impl Switches {
             renames: &[],
             original_context: None,
             query_scale: None,
+            rope_base: None,
         })
     }
 
@@ -333,6 +339,7 @@ const MEMBERS: &[(&str, Member)] = &[
     ("seed_oss", seed_oss),
     ("glm4_moe", glm4_moe),
     ("olmoe", olmoe),
+    ("hunyuan_v1_dense", hunyuan_v1_dense),
     ("granitemoe", granitemoe),
     // mlx-lm reads these as llama.
     ("iquestcoder", Switches::llama),
@@ -703,6 +710,38 @@ fn glm4_moe(c: &Args) -> Result<Switches, LoadError> {
     Ok(switches)
 }
 
+/// Hunyuan (dense): q/k norms per head after the rotation with `use_qk_norm`, biases on every
+/// attention projection with `attention_bias`, and NTK-alpha RoPE: the base raised by
+/// `alpha^(d / (d - 2))` with `rope_scaling.alpha`, no other scaling.
+fn hunyuan_v1_dense(c: &Args) -> Result<Switches, LoadError> {
+    let dims = c.head_dim() as f64;
+    let alpha = c
+        .rope_scaling
+        .as_ref()
+        .and_then(|s| s.get("alpha"))
+        .and_then(Value::as_f64)
+        .unwrap_or(1.0);
+    let base = c.rope_theta.unwrap_or(10000.0) as f64 * alpha.powf(dims / (dims - 2.0));
+    let layers = vec![
+        LayerSwitches {
+            rotary: Rotary::Plain,
+            ..LayerSwitches::GLOBAL
+        };
+        c.num_hidden_layers
+    ];
+    Ok(Switches {
+        mlp_bias: false,
+        qk_norm: match c.use_qk_norm.unwrap_or(true) {
+            true => QkNorm::PerHeadAfterRope,
+            false => QkNorm::None,
+        },
+        tied: c.tie_word_embeddings.unwrap_or(false),
+        rope_base: Some(base as f32),
+        layers,
+        ..Switches::llama(c)?
+    })
+}
+
 /// Seed-OSS: q/k/v biases with `attention_bias`, the output's with `attention_out_bias`.
 fn seed_oss(c: &Args) -> Result<Switches, LoadError> {
     Ok(Switches {
@@ -773,7 +812,7 @@ impl Llama {
         // Embedding checkpoints saved as a bare `Qwen3Model` (Qwen3-Embedding-8B, which is untied)
         // have no head: their hidden states are what they are for, so the embeddings stand in.
         let tied = s.tied || !ckpt.contains(&format!("{prefix}lm_head.weight"));
-        let theta = c.rope_theta.unwrap_or_else(|| {
+        let theta = s.rope_base.or(c.rope_theta).unwrap_or_else(|| {
             c.rope_parameters
                 .as_ref()
                 .and_then(|p| p.get("rope_theta"))
@@ -842,6 +881,14 @@ impl Llama {
                 QkNorm::None => Ok(None),
                 QkNorm::PerHead => RmsNorm::load(&mut a.pp(which), head_dim, eps).map(Some),
                 QkNorm::Full => RmsNorm::load(&mut a.pp(which), width, eps).map(Some),
+                QkNorm::PerHeadAfterRope => {
+                    let name = if which == "q_norm" {
+                        "query_layernorm"
+                    } else {
+                        "key_layernorm"
+                    };
+                    RmsNorm::load(&mut a.pp(name), head_dim, eps).map(Some)
+                }
             };
             let mut rope = ropes
                 .iter()
@@ -862,6 +909,7 @@ impl Llama {
                     * rope.take_amplitude(head_dim),
                 rope,
                 query_scale: s.query_scale,
+                norm_after_rope: s.qk_norm == QkNorm::PerHeadAfterRope,
             };
             let mlp = match (&s.moe, layer.moe) {
                 (Some(moe), true) => FeedForward::Moe(SparseMoe::load(

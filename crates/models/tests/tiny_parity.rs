@@ -647,4 +647,5 @@ parity_tests! {
     ministral3_4bit_g32_llama4_query_scale_yarn_window => "ministral3-4bit-g32",
     olmoe_4bit_g32_experts_not_renormalized => "olmoe-4bit-g32",
     granitemoe_4bit_g32_renamed_router_multipliers => "granitemoe-4bit-g32",
+    hunyuan_v1_dense_4bit_g32_qk_norm_after_rope_ntk_alpha => "hunyuan_v1_dense-4bit-g32",
 }
