@@ -89,6 +89,27 @@ pub fn silu_mul_backward(gate: &[f32], up: &[f32], dh: &[f32]) -> (Vec<f32>, Vec
 
 /// Backward of [`crate::ops::gelu_approx_mul_inplace`] (`h = gelu_approx(gate) · up`, GELU's
 /// tanh approximation): returns `(dgate, dup)` for the output gradient `dh`.
+/// Backward of [`crate::ops::swiglu_oai_mul_inplace`]: returns `(dgate, dup)`; no gradient
+/// flows through the clamps where they bite.
+pub fn swiglu_oai_mul_backward(gate: &[f32], up: &[f32], dh: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    use crate::params::{SWIGLU_OAI_ALPHA as ALPHA, SWIGLU_OAI_LIMIT as LIMIT};
+    let mut dgate = vec![0.0; gate.len()];
+    let mut dup = vec![0.0; gate.len()];
+    for i in 0..gate.len() {
+        let g = gate[i].min(LIMIT);
+        let u = up[i].clamp(-LIMIT, LIMIT);
+        let s = 1.0 / (1.0 + (-ALPHA * g).exp());
+        let glu = g * s;
+        if up[i].abs() < LIMIT {
+            dup[i] = dh[i] * glu;
+        }
+        if gate[i] < LIMIT {
+            dgate[i] = dh[i] * (u + 1.0) * (s + ALPHA * g * s * (1.0 - s));
+        }
+    }
+    (dgate, dup)
+}
+
 pub fn gelu_approx_mul_backward(gate: &[f32], up: &[f32], dh: &[f32]) -> (Vec<f32>, Vec<f32>) {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     const CUBIC: f32 = 0.044715;

@@ -56,6 +56,11 @@ impl FloatSlice<'_> {
     }
 }
 
+/// gpt-oss's clamped SwiGLU: the sigmoid's slope and where the gate and the linear part are
+/// clipped (the CUDA kernel spells them out too).
+pub const SWIGLU_OAI_ALPHA: f32 = 1.702;
+pub const SWIGLU_OAI_LIMIT: f32 = 7.0;
+
 /// A row-major `[rows, cols]` float matrix, borrowed, as the host kernels read it.
 #[derive(Clone, Copy)]
 pub struct DenseView<'a> {

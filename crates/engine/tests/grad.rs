@@ -6,7 +6,9 @@
 //! of the largest gradient.
 
 use oxlm_engine::cpu::attention::{attention, KvView};
-use oxlm_engine::cpu::elementwise::{gelu_approx_mul_inplace, silu_mul_inplace};
+use oxlm_engine::cpu::elementwise::{
+    gelu_approx_mul_inplace, silu_mul_inplace, swiglu_oai_mul_inplace,
+};
 use oxlm_engine::cpu::norm::{rms_norm, rope_inplace};
 use oxlm_engine::cpu::recurrent::{causal_conv1d, delta_gates, gated_delta_rule};
 use oxlm_engine::cpu::Isa;
@@ -14,7 +16,7 @@ use oxlm_engine::grad::{
     attention_backward, causal_conv1d_backward, cross_entropy, cross_entropy_backward_inplace,
     delta_gates_backward, dense_matmul_backward, gated_delta_rule_backward,
     gelu_approx_mul_backward, quantized_matmul_backward, rms_norm_backward, rope_backward_inplace,
-    silu_mul_backward,
+    silu_mul_backward, swiglu_oai_mul_backward,
 };
 use oxlm_engine::params::DeltaRuleDims;
 use oxlm_engine::quant::quantize;
@@ -131,9 +133,14 @@ type Gated = (
 
 #[test]
 fn gated_activations_match_finite_differences() {
-    let cases: [Gated; 2] = [
+    let cases: [Gated; 3] = [
         ("swiglu", silu_mul_inplace, silu_mul_backward),
         ("geglu", gelu_approx_mul_inplace, gelu_approx_mul_backward),
+        (
+            "swiglu_oai",
+            swiglu_oai_mul_inplace,
+            swiglu_oai_mul_backward,
+        ),
     ];
     for (name, forward, backward) in cases {
         let mut rng = StdRng::seed_from_u64(3);

@@ -10,7 +10,7 @@ use oxlm_engine::cpu::attention::KvView;
 use oxlm_engine::cpu::elementwise::add_inplace;
 use oxlm_engine::grad::{
     attention_backward, cross_entropy, cross_entropy_backward_inplace, gelu_approx_mul_backward,
-    rms_norm_backward, rope_backward_inplace, silu_mul_backward,
+    rms_norm_backward, rope_backward_inplace, silu_mul_backward, swiglu_oai_mul_backward,
 };
 use oxlm_engine::ops::Activation;
 use oxlm_engine::params::Heads;
@@ -139,10 +139,7 @@ impl GatedSaved {
         let gate = mlp.gate_proj.forward_adapted(x, lora.get("gate_proj"))?;
         let up = mlp.up_proj.forward_adapted(x, lora.get("up_proj"))?;
         let mut act = gate.try_clone()?;
-        match activation {
-            Activation::Silu => ops::silu_mul_inplace(&mut act, &up)?,
-            Activation::GeluApprox => ops::gelu_approx_mul_inplace(&mut act, &up)?,
-        }
+        ops::glu_inplace(&mut act, &up, activation)?;
         let out = mlp.down_proj.forward_adapted(&act, lora.get("down_proj"))?;
         Ok((out, GatedSaved { gate, up, act }))
     }
@@ -163,6 +160,7 @@ impl GatedSaved {
         let (dgate, dup) = match activation {
             Activation::Silu => silu_mul_backward(gate, up, &d_act),
             Activation::GeluApprox => gelu_approx_mul_backward(gate, up, &d_act),
+            Activation::SwigluOai => swiglu_oai_mul_backward(gate, up, &d_act),
         };
         add(
             g.through(&mlp.gate_proj, at, "gate_proj", x, &dgate),

@@ -23,7 +23,7 @@ use crate::decoder_grad::{Decoder, DecoderBlock};
 use crate::layers::{linear_shape, Embedding, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope};
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
-use crate::switch::{load_stacked, FeedForward, Routing, Shared, SparseMoe};
+use crate::switch::{load_stacked, ExpertMlps, FeedForward, Routing, Shared, SparseMoe};
 use crate::{ForwardError, LoadError, ModelInfo};
 
 /// `config.json`'s keys, as mlx-lm's `ModelArgs` reads them; absent ones take its defaults.
@@ -348,7 +348,7 @@ impl DeepseekV3 {
                     &mut block.pp("mlp"),
                     hidden,
                     routing,
-                    c.moe_intermediate_size,
+                    ExpertMlps::swiglu(c.moe_intermediate_size),
                     c.n_shared_experts.map(|n| Shared {
                         intermediate: c.moe_intermediate_size * n,
                         gated: false,

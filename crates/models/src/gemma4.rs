@@ -298,6 +298,7 @@ impl MoeBlock {
             experts,
             hidden,
             intermediate,
+            false,
         )?;
         let mut router = block.pp("router");
         let root = (hidden as f64).powf(-0.5) as f32;

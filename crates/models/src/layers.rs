@@ -777,7 +777,17 @@ impl Mlp {
 
     /// [`Mlp::forward`] with the projections `lora` names adapted.
     pub fn forward_adapted(&self, x: &Tensor, lora: ModuleAdapters) -> OpResult<Tensor> {
-        let h = self.gated(Input::Plain(x), lora, ops::Activation::Silu)?;
+        self.forward_with(x, lora, ops::Activation::Silu)
+    }
+
+    /// `down(act(gate(x)) · up(x))`, with the projections `lora` names adapted.
+    pub fn forward_with(
+        &self,
+        x: &Tensor,
+        lora: ModuleAdapters,
+        act: ops::Activation,
+    ) -> OpResult<Tensor> {
+        let h = self.gated(Input::Plain(x), lora, act)?;
         self.down_proj.forward_adapted(&h, lora.get("down_proj"))
     }
 
@@ -800,18 +810,14 @@ impl Mlp {
         let x = &*input.tensor()?;
         let mut h = g.forward_adapted(x, ga)?;
         let up = u.forward_adapted(x, ua)?;
-        match act {
-            ops::Activation::Silu => ops::silu_mul_inplace(&mut h, &up)?,
-            ops::Activation::GeluApprox => ops::gelu_approx_mul_inplace(&mut h, &up)?,
-        }
+        ops::glu_inplace(&mut h, &up, act)?;
         Ok(h)
     }
 
     /// The GeGLU feed-forward block of Gemma: `down(gelu_approx(gate(x)) * up(x))`, with the
     /// projections `lora` names adapted.
     pub fn forward_geglu(&self, x: &Tensor, lora: ModuleAdapters) -> OpResult<Tensor> {
-        let h = self.gated(Input::Plain(x), lora, ops::Activation::GeluApprox)?;
-        self.down_proj.forward_adapted(&h, lora.get("down_proj"))
+        self.forward_with(x, lora, ops::Activation::GeluApprox)
     }
 
     /// Its projections, as mlx-lm's default LoRA keys select them (under `mlp`).

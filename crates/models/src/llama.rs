@@ -20,7 +20,7 @@ use crate::layers::{
 };
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
-use crate::switch::{FeedForward, Routing, Shared, SparseMoe};
+use crate::switch::{ExpertMlps, FeedForward, Routing, Shared, SparseMoe};
 use crate::{ForwardError, LoadError, ModelInfo};
 use oxlm_engine::{ops, EngineError, Positions, Tensor};
 
@@ -172,7 +172,7 @@ struct LayerSwitches {
 /// A mixture of experts' settings, where a member has one.
 struct MoeSwitches {
     routing: Routing,
-    intermediate: usize,
+    experts: ExpertMlps,
     shared: Option<Shared>,
 }
 
@@ -296,7 +296,7 @@ impl Switches {
             .ok_or_else(|| Args::missing("num_experts_per_tok"))?;
         self.moe = Some(MoeSwitches {
             routing: Routing::new(experts, top_k, c.norm_topk_prob.unwrap_or(renormalize))?,
-            intermediate: c.moe_intermediate_size.unwrap_or(c.intermediate_size),
+            experts: ExpertMlps::swiglu(c.moe_intermediate_size.unwrap_or(c.intermediate_size)),
             shared: None,
         });
         for (i, layer) in self.layers.iter_mut().enumerate() {
@@ -703,7 +703,7 @@ fn glm4_moe(c: &Args) -> Result<Switches, LoadError> {
             c.routed_scaling_factor.unwrap_or(1.0),
         )?;
         moe.shared = c.n_shared_experts.map(|n| Shared {
-            intermediate: moe.intermediate * n,
+            intermediate: moe.experts.intermediate * n,
             gated: false,
         });
     }
@@ -916,7 +916,7 @@ impl Llama {
                     &mut block.pp("mlp"),
                     hidden,
                     moe.routing,
-                    moe.intermediate,
+                    moe.experts,
                     moe.shared,
                 )?),
                 _ => FeedForward::Dense(Mlp::load(

@@ -25,7 +25,7 @@ use crate::layers::{
 };
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
-use crate::switch::{FeedForward, Routing, Shared, SparseMoe};
+use crate::switch::{ExpertMlps, FeedForward, Routing, Shared, SparseMoe};
 use crate::{ForwardError, LoadError, ModelInfo};
 
 mod grad;
@@ -655,7 +655,7 @@ impl Qwen3_5 {
                     &mut block.pp("mlp"),
                     h,
                     moe.routing,
-                    moe.intermediate,
+                    ExpertMlps::swiglu(moe.intermediate),
                     Some(Shared {
                         intermediate: moe.shared_intermediate,
                         gated: true,

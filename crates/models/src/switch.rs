@@ -9,7 +9,9 @@ use oxlm_engine::{ops, DType, FloatMatrix, QuantizedMatrix, Tensor};
 
 use crate::checkpoint::{RawTensor, Scope};
 use crate::decoder_grad::{GatedMlpGrad, MlpGrad};
-use crate::layers::{experts_shape, linear_shape, load_host_vector, Linear, Mlp, OpResult, Weight};
+use crate::layers::{
+    experts_shape, linear_shape, load_host_vector, place_vector, Linear, Mlp, OpResult, Weight,
+};
 use crate::lora::{LinearShape, ModuleAdapters};
 use crate::LoadError;
 
@@ -114,27 +116,68 @@ pub fn load_stacked(
         .collect()
 }
 
-/// One GLU block per expert from the module's stacked `{gate,up,down}_proj` tensors.
+/// One GLU block per expert from the module's stacked `{gate,up,down}_proj` tensors, with
+/// their stacked `bias` (`[experts, rows]`) where `biased`.
 pub fn load_experts(
     vb: &mut Scope,
     experts: usize,
     dim: usize,
     intermediate: usize,
+    biased: bool,
 ) -> Result<Vec<Mlp>, LoadError> {
-    let gates = load_stacked(&mut vb.pp("gate_proj"), experts, intermediate, dim)?;
-    let ups = load_stacked(&mut vb.pp("up_proj"), experts, intermediate, dim)?;
-    let downs = load_stacked(&mut vb.pp("down_proj"), experts, dim, intermediate)?;
-    let linear = |weight| Linear { weight, bias: None };
+    let mut stack = |name: &str, rows: usize, cols: usize| -> Result<Vec<Linear>, LoadError> {
+        let mut vb = vb.pp(name);
+        let weights = load_stacked(&mut vb, experts, rows, cols)?;
+        let biases = match biased {
+            true => {
+                let all = load_host_vector(&mut vb, "bias", experts * rows)?;
+                let device = vb.device().clone();
+                let path = vb.path_of("bias");
+                all.chunks_exact(rows)
+                    .map(|b| place_vector(b, &device, &path).map(Some))
+                    .collect::<Result<Vec<_>, _>>()?
+            }
+            false => vec![None; experts],
+        };
+        Ok(weights
+            .into_iter()
+            .zip(biases)
+            .map(|(weight, bias)| Linear { weight, bias })
+            .collect())
+    };
+    let gates = stack("gate_proj", intermediate, dim)?;
+    let ups = stack("up_proj", intermediate, dim)?;
+    let downs = stack("down_proj", dim, intermediate)?;
     Ok(gates
         .into_iter()
         .zip(ups)
         .zip(downs)
-        .map(|((g, u), d)| Mlp {
-            gate_proj: linear(g),
-            up_proj: linear(u),
-            down_proj: linear(d),
+        .map(|((gate_proj, up_proj), down_proj)| Mlp {
+            gate_proj,
+            up_proj,
+            down_proj,
         })
         .collect())
+}
+
+/// A mixture's experts: the width of each, its activation and whether its projections have
+/// biases (gpt-oss's).
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertMlps {
+    pub intermediate: usize,
+    pub activation: ops::Activation,
+    pub biased: bool,
+}
+
+impl ExpertMlps {
+    /// SwiGLU experts without biases, as most mixtures have them.
+    pub fn swiglu(intermediate: usize) -> Self {
+        ExpertMlps {
+            intermediate,
+            activation: ops::Activation::Silu,
+            biased: false,
+        }
+    }
 }
 
 /// Runs expert `e` once on all the rows of `x` (`[n, dim]`) routed to it (`routed[e]` holds
@@ -216,8 +259,9 @@ pub struct SparseMoe {
     /// Added to the scores when choosing experts, not when weighting them (DeepSeek-V3's and
     /// GLM-4.5's `e_score_correction_bias`).
     correction_bias: Option<Vec<f32>>,
-    /// One SwiGLU MLP per expert (`switch_mlp` holds them stacked).
+    /// One gated MLP per expert (`switch_mlp` holds them stacked).
     experts: Vec<Mlp>,
+    activation: ops::Activation,
     routing: Routing,
     shared: Option<SharedExpert>,
 }
@@ -306,11 +350,16 @@ impl SparseMoe {
         vb: &mut Scope,
         dim: usize,
         routing: Routing,
-        intermediate: usize,
+        mlps: ExpertMlps,
         shared: Option<Shared>,
     ) -> Result<Self, LoadError> {
         let experts = routing.experts;
-        let mlps = load_experts(&mut vb.pp("switch_mlp"), experts, dim, intermediate)?;
+        let ExpertMlps {
+            intermediate,
+            activation,
+            biased,
+        } = mlps;
+        let mlps = load_experts(&mut vb.pp("switch_mlp"), experts, dim, intermediate, biased)?;
         let shared = shared
             .map(
                 |Shared {
@@ -338,9 +387,10 @@ impl SparseMoe {
             .then(|| load_host_vector(&mut gate_scope, "e_score_correction_bias", experts))
             .transpose()?;
         Ok(SparseMoe {
-            gate: Linear::load(&mut gate_scope, dim, experts, false)?,
+            gate: Linear::load(&mut gate_scope, dim, experts, routing.router_bias)?,
             correction_bias,
             experts: mlps,
+            activation,
             routing,
             shared,
         })
@@ -361,7 +411,7 @@ impl SparseMoe {
         let chosen = self.route(&mut scores);
         let routed = by_expert(&chosen, self.routing.top_k, self.experts.len());
         let mut y = dispatch(x, &routed, |e, rows| {
-            self.experts[e].forward_adapted(rows, experts.expert(e))
+            self.experts[e].forward_with(rows, experts.expert(e), self.activation)
         })?;
         let Some(expert) = &self.shared else {
             return Ok(y);
@@ -386,6 +436,7 @@ impl SparseMoe {
             scoring,
             groups,
             scale,
+            ..
         } = self.routing;
         let mut chosen = Vec::with_capacity(scores.len() / count * top_k);
         let mut order: Vec<usize> = Vec::with_capacity(count);
@@ -470,6 +521,8 @@ pub struct Routing {
     scoring: Scoring,
     groups: Option<ExpertGroups>,
     scale: f32,
+    /// The router has a bias (gpt-oss's).
+    router_bias: bool,
 }
 
 impl Routing {
@@ -487,7 +540,16 @@ impl Routing {
             scoring: Scoring::Softmax,
             groups: None,
             scale: 1.0,
+            router_bias: false,
         })
+    }
+
+    /// A router with a bias.
+    pub fn with_router_bias(self) -> Self {
+        Routing {
+            router_bias: true,
+            ..self
+        }
     }
 
     /// DeepSeek-V3's: sigmoid scores with a correction bias, `keep` of `groups` expert groups,

@@ -86,6 +86,16 @@ pub fn gelu_approx_mul_inplace(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// gpt-oss's clamped SwiGLU: `gate = (clip(up, ±limit) + 1) · g · sigmoid(alpha · g)` with
+/// `g = min(gate, limit)`.
+pub fn swiglu_oai_mul_inplace(gate: &mut [f32], up: &[f32]) {
+    use crate::params::{SWIGLU_OAI_ALPHA as ALPHA, SWIGLU_OAI_LIMIT as LIMIT};
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = g.min(LIMIT);
+        *g = (u.clamp(-LIMIT, LIMIT) + 1.0) * x / (1.0 + (-ALPHA * x).exp());
+    }
+}
+
 /// `x = tanh(x / cap) * cap`: squashes logits smoothly into `(-cap, cap)`.
 pub fn softcap_inplace(x: &mut [f32], cap: f32) {
     for v in x.iter_mut() {

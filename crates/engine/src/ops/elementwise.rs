@@ -108,6 +108,27 @@ pub fn gelu_approx_mul_inplace(gate: &mut Tensor, up: &Tensor) -> Result<()> {
     )
 }
 
+/// `gate = (clip(up, ±7) + 1) · g · sigmoid(1.702 · g)`, `g = min(gate, 7)`: gpt-oss's
+/// clamped SwiGLU.
+pub fn swiglu_oai_mul_inplace(gate: &mut Tensor, up: &Tensor) -> Result<()> {
+    binary(
+        "swiglu_oai_mul",
+        gate,
+        up,
+        cpu::elementwise::swiglu_oai_mul_inplace,
+        "swiglu_oai_mul",
+    )
+}
+
+/// `gate = act(gate) · up`: the gated MLP's activation.
+pub fn glu_inplace(gate: &mut Tensor, up: &Tensor, act: super::Activation) -> Result<()> {
+    match act {
+        super::Activation::Silu => silu_mul_inplace(gate, up),
+        super::Activation::GeluApprox => gelu_approx_mul_inplace(gate, up),
+        super::Activation::SwigluOai => swiglu_oai_mul_inplace(gate, up),
+    }
+}
+
 /// `x = x · sigmoid(gate)`.
 pub fn sigmoid_mul_inplace(x: &mut Tensor, gate: &Tensor) -> Result<()> {
     binary(

@@ -7,10 +7,7 @@ use crate::kv::{KvRing, RingStorage};
 use crate::tensor::Storage;
 use crate::{Device, FloatMatrix, Positions, QuantizedMatrix, Tensor};
 
-use super::{
-    add_inplace, check, gelu_approx_mul_inplace, mismatch, rms_norm, silu_mul_inplace, with_last,
-    Heads, Result,
-};
+use super::{add_inplace, check, glu_inplace, mismatch, rms_norm, with_last, Heads, Result};
 
 /// A weight matrix the matmul and row-lookup ops take: MLX-quantized or float.
 pub trait WeightMatrix {
@@ -208,6 +205,8 @@ pub enum Activation {
     Silu,
     /// GeGLU: `gelu_approx(gate) · up`.
     GeluApprox,
+    /// gpt-oss's clamped SwiGLU (see [`swiglu_oai_mul_inplace`]).
+    SwigluOai,
 }
 
 /// `act(norm(x) · Gᵀ) · (norm(x) · Uᵀ)`: one pass over both matrices on a GPU when they share
@@ -228,11 +227,12 @@ pub fn quantized_glu(
         }
         _ => None,
     };
-    if let Some((b, folded)) = gpu {
-        let kind = match act {
-            Activation::Silu => cuda::matmul::Glu::Silu,
-            Activation::GeluApprox => cuda::matmul::Glu::GeluApprox,
-        };
+    let kind = match act {
+        Activation::Silu => Some(cuda::matmul::Glu::Silu),
+        Activation::GeluApprox => Some(cuda::matmul::Glu::GeluApprox),
+        Activation::SwigluOai => None,
+    };
+    if let (Some((b, folded)), Some(kind)) = (gpu, kind) {
         let (g, u) = (gate.on_gpu(b.gpu())?, up.on_gpu(b.gpu())?);
         let (s, m) = (gate.shape(), x.rows());
         if let Some(out) = cuda::matmul::quantized_glu(g, u, s, b, m, kind, folded)? {
@@ -242,10 +242,7 @@ pub fn quantized_glu(
     let x = &*normed(x, norm)?;
     let mut pair = quantized_matmul_group(&[gate, up], x, None)?.into_iter();
     let (mut h, u) = (pair.next().unwrap(), pair.next().unwrap());
-    match act {
-        Activation::Silu => silu_mul_inplace(&mut h, &u)?,
-        Activation::GeluApprox => gelu_approx_mul_inplace(&mut h, &u)?,
-    }
+    glu_inplace(&mut h, &u, act)?;
     Ok(h)
 }
 

@@ -146,8 +146,14 @@ impl MlpGrad for &SparseMoe {
         let chosen = moe.route(&mut probs);
         let switch = lora.module("mlp.switch_mlp");
         let silu = Activation::Silu;
-        let (mut y, routed) =
-            RoutedSaved::forward(&moe.experts, silu, x, &chosen, moe.routing.top_k, switch)?;
+        let (mut y, routed) = RoutedSaved::forward(
+            &moe.experts,
+            moe.activation,
+            x,
+            &chosen,
+            moe.routing.top_k,
+            switch,
+        )?;
         let shared = match &moe.shared {
             Some(expert) => {
                 let shared_lora = lora.module(expert.path);

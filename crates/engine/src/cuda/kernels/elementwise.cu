@@ -44,6 +44,17 @@ extern "C" __global__ void gelu_mul(float *gate, const float *up, i64 n) {
     }
 }
 
+// gpt-oss's clamped SwiGLU: gate = (clip(up, ±limit) + 1) · g · sigmoid(alpha · g), with
+// g = min(gate, limit) (alpha 1.702, limit 7, as params.rs has them).
+extern "C" __global__ void swiglu_oai_mul(float *gate, const float *up, i64 n) {
+    await_inputs();
+    GRID_STRIDE(i, n) {
+        const float g = fminf(gate[i], 7.f);
+        const float u = fminf(fmaxf(up[i], -7.f), 7.f);
+        gate[i] = (u + 1.f) * g / (1.f + expf(-1.702f * g));
+    }
+}
+
 // x = x · sigmoid(gate)
 extern "C" __global__ void sigmoid_mul(float *x, const float *gate, i64 n) {
     await_inputs();
