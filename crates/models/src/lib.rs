@@ -9,6 +9,7 @@ pub mod fuse;
 pub mod gemma3;
 pub mod gemma4;
 pub mod layers;
+pub mod lfm2;
 pub mod llama;
 pub mod lora;
 pub mod lora_grad;
@@ -161,6 +162,10 @@ fn qwen3_5(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
     Ok(Box::new(qwen3_5::Qwen3_5::load(ckpt)?))
 }
 
+fn lfm2(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
+    Ok(Box::new(lfm2::Lfm2::load(ckpt)?))
+}
+
 fn gemma3(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
     Ok(Box::new(gemma3::Gemma3::load(ckpt)?))
 }
@@ -176,6 +181,9 @@ const REGISTRY: &[(&str, Constructor)] = &[
     ("gemma3", gemma3),
     ("gemma4_text", gemma4),
     ("gemma4", gemma4),
+    ("lfm2", lfm2),
+    ("lfm2-vl", lfm2),
+    ("lfm2_moe", lfm2),
     ("qwen3_5", qwen3_5),
     ("qwen3_5_text", qwen3_5),
     ("qwen3_5_moe", qwen3_5),

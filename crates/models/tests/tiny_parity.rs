@@ -569,6 +569,14 @@ fn llama_family_batched_decode_matches_one_by_one() {
     }
 }
 
+/// Short-convolution layers step each sequence's own last inputs.
+#[test]
+fn lfm2_batched_decode_matches_one_by_one() {
+    check_batch("lfm2-4bit-g64");
+    check_batch("lfm2-8bit-g32");
+    check_batch("lfm2_moe-4bit-g64");
+}
+
 #[test]
 fn a_batch_needs_one_token_per_cache() {
     let model = load_on(&fixtures().join("llama-4bit-g64"), &Device::Cpu).unwrap();
@@ -597,6 +605,12 @@ fn qwen2_decode_steps_replay_as_graphs() {
 #[test]
 fn qwen3_5_decode_steps_replay_as_graphs() {
     check_replay("qwen3_5-4bit-g64");
+}
+
+/// Short-convolution layers' steps (their state written in place) replay as well.
+#[test]
+fn lfm2_decode_steps_replay_as_graphs() {
+    check_replay("lfm2-4bit-g64");
 }
 
 macro_rules! parity_tests {
@@ -636,4 +650,7 @@ parity_tests! {
     mistral3_4bit_g32_text_model_in_a_wrapper => "mistral3-4bit-g32",
     phi3_4bit_g32_longrope_partial_rotary => "phi3-longrope-4bit-g32",
     qwen3_4bit_g64_yarn => "qwen3-yarn-4bit-g64",
+    lfm2_4bit_g64_short_conv_layer_types => "lfm2-4bit-g64",
+    lfm2_8bit_g32_full_attn_idxs_conv_biases => "lfm2-8bit-g32",
+    lfm2_moe_4bit_g64_sigmoid_routed_experts => "lfm2_moe-4bit-g64",
 }
