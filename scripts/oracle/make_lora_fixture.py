@@ -65,6 +65,13 @@ ADAPTERS = {
                                     lora_parameters={"rank": 4, "dropout": 0.0, "scale": 8.0}),
     "gemma4-moe-4bit-g64-r4": dict(base="gemma4-moe-4bit-g64", seed=9, num_layers=-1,
                                    lora_parameters={"rank": 4, "dropout": 0.0, "scale": 8.0}),
+    # LFM2: the short convolutions' in_proj / out_proj (biased), the attention's q/k/v/out_proj and the
+    # feed-forwards' w1 / w3 / w2 of every block.
+    "lfm2-8bit-g32-r4": dict(base="lfm2-8bit-g32", seed=10, num_layers=-1,
+                             lora_parameters={"rank": 4, "dropout": 0.0, "scale": 8.0}),
+    # LFM2-MoE: a dense feed-forward under gate_proj/up_proj/down_proj, then the routers and stacked experts.
+    "lfm2_moe-4bit-g64-r4": dict(base="lfm2_moe-4bit-g64", seed=11, num_layers=-1,
+                                 lora_parameters={"rank": 4, "dropout": 0.0, "scale": 8.0}),
 }
 
 

@@ -82,6 +82,17 @@ RUNS = {
     # every block: experts chosen by sigmoid scores within groups, an ungated shared expert
     "glm4_moe-4bit-g32": dict(base="glm4_moe-4bit-g32", seed=13, num_layers=3,
                               lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
+    # the last 5 of 6 blocks (the lowest adapted one a short convolution): gated short convolutions between
+    # attention layers with q/k norms, feed-forward w1/w3/w2, a dense w2
+    "lfm2-4bit-g64": dict(base="lfm2-4bit-g64", seed=13, num_layers=5,
+                          lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
+    # every block: attention first, biases on the convolution and its projections
+    "lfm2-8bit-g32": dict(base="lfm2-8bit-g32", seed=14, num_layers=4,
+                          lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
+    # every block: a dense first layer (gate_proj/up_proj/down_proj), then sigmoid-routed experts (router and
+    # stacked experts adapted) chosen with an expert bias
+    "lfm2_moe-4bit-g64": dict(base="lfm2_moe-4bit-g64", seed=15, num_layers=4,
+                              lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
 }
 
 

@@ -317,6 +317,51 @@ MODELS = {
                 "vocab_size": 512, "max_position_embeddings": 131072, "rope_theta": 1000000000.0,
                 "sliding_window": None, "tie_word_embeddings": False},
             "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # --- LFM2 (crates/models/src/lfm2.rs): gated short-convolution layers between GQA attention layers ---
+    # (seeds out of 0..11 for the largest minimum greedy margin)
+    # LFM2 as Liquid ships it: `layer_types` (conv conv attn conv attn conv), GQA 4/2 x 16 with q/k norms,
+    # conv_L_cache 3, no biases, feed-forward width auto-adjusted
+    # (int(1.5 * int(2 * 160 / 3)) = 159 -> a multiple of 32: 160, so w2 stays dense), always-tied head, 4-bit g64.
+    "lfm2-4bit-g64": dict(
+        seed=2, gain=4.0, embed_gain=3.0, group_size=64, bits=4, overrides={},
+        config={
+            "model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"], "hidden_size": 64, "vocab_size": 512,
+            "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "layer_types": ["conv", "conv", "full_attention", "conv", "full_attention", "conv"],
+            "max_position_embeddings": 128000, "norm_eps": 1e-5, "conv_bias": False, "conv_L_cache": 3,
+            "block_dim": 64, "block_ff_dim": 160, "block_multiple_of": 32, "block_ffn_dim_multiplier": 1.5,
+            "block_auto_adjust_ff_dim": True, "rope_theta": 1000000.0, "tie_embedding": True,
+            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "bfloat16"}),
+    # `full_attn_idxs` starting on an attention layer (attn conv attn conv), MQA 4/1, biases on the convolution
+    # and its projections (randomized conv bias: mlx inits it to zeros), `intermediate_size` used as is
+    # (no auto-adjust), transformers-5 `rope_parameters`, 8-bit g32.
+    "lfm2-8bit-g32": dict(
+        seed=3, gain=4.0, embed_gain=3.0, group_size=32, bits=8, overrides={},
+        shape_other=lambda path, v: 0.5 * mx.random.normal(v.shape) if path.endswith("conv.conv.bias") else v,
+        config={
+            "model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"], "hidden_size": 64, "vocab_size": 512,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 1, "full_attn_idxs": [0, 2],
+            "max_position_embeddings": 32768, "norm_eps": 1e-5, "conv_bias": True, "conv_L_cache": 3,
+            "block_dim": 64, "intermediate_size": 96, "block_multiple_of": 256, "block_ffn_dim_multiplier": 1.0,
+            "block_auto_adjust_ff_dim": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # LFM2-MoE: a dense first layer (`num_dense_layers`), then mixtures of 4 experts (top 2) routed by a sigmoid,
+    # chosen with a (randomized: mlx inits it to zeros) f32 `expert_bias`, weights renormalized and scaled by
+    # `routed_scaling_factor` 1.5; 8-bit router through the model's quant_predicate. conv conv attn conv. Seed
+    # out of 0..11 as for LFM2.
+    "lfm2_moe-4bit-g64": dict(
+        seed=9, gain=4.0, embed_gain=3.0, group_size=64, bits=4, overrides={},
+        shape_other=lambda path, v: 0.5 * mx.random.normal(v.shape) if path.endswith("expert_bias") else v,
+        config={
+            "model_type": "lfm2_moe", "architectures": ["Lfm2MoeForCausalLM"], "hidden_size": 64,
+            "vocab_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "layer_types": ["conv", "conv", "full_attention", "conv"], "max_position_embeddings": 128000,
+            "norm_eps": 1e-5, "conv_bias": False, "conv_L_cache": 3, "intermediate_size": 128,
+            "moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+            "use_expert_bias": True, "num_dense_layers": 1, "routed_scaling_factor": 1.5,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "bfloat16"}),
 }
 
 

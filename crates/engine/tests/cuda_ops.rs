@@ -586,6 +586,7 @@ fn element_wise_norms_and_copies() {
     type Binary = fn(&mut Tensor, &Tensor) -> Result<(), oxlm_engine::EngineError>;
     let binaries: [(&str, Binary); 5] = [
         ("add", ops::add_inplace),
+        ("mul", ops::mul_inplace),
         ("silu_mul", ops::silu_mul_inplace),
         ("gelu_mul", ops::gelu_approx_mul_inplace),
         ("sigmoid_mul", ops::sigmoid_mul_inplace),

@@ -399,6 +399,18 @@ fn transpose_heads(x: &[f32], a: usize, b: usize, d: usize) -> Vec<f32> {
     out
 }
 
+/// `[n, width]` rows of `parts` side by side.
+pub(crate) fn join_columns(parts: &[(&[f32], usize)], n: usize) -> Vec<f32> {
+    let width: usize = parts.iter().map(|p| p.1).sum();
+    let mut out = Vec::with_capacity(n * width);
+    for t in 0..n {
+        for &(part, w) in parts {
+            out.extend_from_slice(&part[t * w..(t + 1) * w]);
+        }
+    }
+    out
+}
+
 fn add(mut a: Vec<f32>, b: &[f32]) -> Vec<f32> {
     add_inplace(&mut a, b);
     a

@@ -10,6 +10,7 @@ pub mod fuse;
 pub mod gemma3;
 pub mod gemma4;
 pub mod layers;
+pub mod lfm2;
 pub mod llama;
 pub mod lora;
 pub mod lora_grad;
@@ -166,6 +167,10 @@ fn deepseek_v3(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
     Ok(Box::new(deepseek_v3::DeepseekV3::load(ckpt)?))
 }
 
+fn lfm2(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
+    Ok(Box::new(lfm2::Lfm2::load(ckpt)?))
+}
+
 fn gemma3(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
     Ok(Box::new(gemma3::Gemma3::load(ckpt)?))
 }
@@ -181,6 +186,9 @@ const REGISTRY: &[(&str, Constructor)] = &[
     ("gemma3", gemma3),
     ("gemma4_text", gemma4),
     ("gemma4", gemma4),
+    ("lfm2", lfm2),
+    ("lfm2-vl", lfm2),
+    ("lfm2_moe", lfm2),
     ("qwen3_5", qwen3_5),
     ("qwen3_5_text", qwen3_5),
     ("qwen3_5_moe", qwen3_5),

@@ -1,10 +1,12 @@
-//! The state of a recurrent layer (Qwen3.5's gated DeltaNet; mlx-lm's `ArraysCache(size=2)`).
+//! The state of a recurrent layer: Qwen3.5's gated DeltaNet (mlx-lm's `ArraysCache(size=2)`)
+//! and LFM2's gated short convolution (`ArraysCache(size=1)`).
 
 use oxlm_engine::ops::recurrent::DeltaRuleDims;
 use oxlm_engine::{Device, EngineError, Tensor};
 
-/// What one gated-DeltaNet layer carries from token to token: the last `kernel - 1` inputs of
-/// its causal convolution and the delta-rule state of each value head.
+/// What one recurrent layer carries from token to token: the last `kernel - 1` inputs of its
+/// causal convolution and, in a gated-DeltaNet layer, the delta-rule state of each value head
+/// (empty in a short-convolution layer, [`RecurrentCache::conv_only`]).
 ///
 /// Its size is fixed whatever the sequence length, and it keeps no per-token history, so it
 /// cannot be cut back to an earlier position ([`Cache::truncate`](crate::Cache::truncate) refuses).
@@ -14,7 +16,7 @@ use oxlm_engine::{Device, EngineError, Tensor};
 pub struct RecurrentCache {
     /// The convolution's last inputs, `[kernel - 1, channels]`, oldest first.
     pub conv: Tensor,
-    /// The delta-rule state, `[v_heads, v_dim, k_dim]`.
+    /// The delta-rule state, `[v_heads, v_dim, k_dim]`; `[0]` where there is none.
     pub state: Tensor,
 }
 
@@ -29,6 +31,19 @@ impl RecurrentCache {
         Ok(RecurrentCache {
             conv: Tensor::zeros(vec![conv_kernel.saturating_sub(1), conv_channels], device)?,
             state: Tensor::zeros(vec![dims.v_heads, dims.v_dim, dims.k_dim], device)?,
+        })
+    }
+
+    /// The zero state of a layer that has only a causal convolution (LFM2's short convolution),
+    /// on `device`.
+    pub fn conv_only(
+        conv_channels: usize,
+        conv_kernel: usize,
+        device: &Device,
+    ) -> Result<Self, EngineError> {
+        Ok(RecurrentCache {
+            conv: Tensor::zeros(vec![conv_kernel.saturating_sub(1), conv_channels], device)?,
+            state: Tensor::zeros(vec![0], device)?,
         })
     }
 

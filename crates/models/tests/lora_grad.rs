@@ -59,7 +59,7 @@ fn read_step(run: &str) -> Step {
     }
 }
 
-const RUNS: [(&str, &str); 11] = [
+const RUNS: [(&str, &str); 14] = [
     ("train-llama-4bit-g64", "llama-4bit-g64"),
     ("train-qwen3-8bit-g128", "qwen3-8bit-g128"),
     ("train-gemma3-4bit-g64", "gemma3-4bit-g64"),
@@ -71,6 +71,9 @@ const RUNS: [(&str, &str); 11] = [
     ("train-granite-4bit-g32", "granite-4bit-g32"),
     ("train-qwen3_moe-4bit-g32", "qwen3_moe-4bit-g32"),
     ("train-glm4_moe-4bit-g32", "glm4_moe-4bit-g32"),
+    ("train-lfm2-4bit-g64", "lfm2-4bit-g64"),
+    ("train-lfm2-8bit-g32", "lfm2-8bit-g32"),
+    ("train-lfm2_moe-4bit-g64", "lfm2_moe-4bit-g64"),
 ];
 
 /// The gradient tolerance of one array of `run`. In the mixture-of-experts run, the first

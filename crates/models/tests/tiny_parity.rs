@@ -574,6 +574,14 @@ fn more_architectures_batched_decode_matches_one_by_one() {
     }
 }
 
+/// Short-convolution layers step each sequence's own last inputs.
+#[test]
+fn lfm2_batched_decode_matches_one_by_one() {
+    check_batch("lfm2-4bit-g64");
+    check_batch("lfm2-8bit-g32");
+    check_batch("lfm2_moe-4bit-g64");
+}
+
 #[test]
 fn a_batch_needs_one_token_per_cache() {
     let model = load_on(&fixtures().join("llama-4bit-g64"), &Device::Cpu).unwrap();
@@ -602,6 +610,12 @@ fn qwen2_decode_steps_replay_as_graphs() {
 #[test]
 fn qwen3_5_decode_steps_replay_as_graphs() {
     check_replay("qwen3_5-4bit-g64");
+}
+
+/// Short-convolution layers' steps (their state written in place) replay as well.
+#[test]
+fn lfm2_decode_steps_replay_as_graphs() {
+    check_replay("lfm2-4bit-g64");
 }
 
 macro_rules! parity_tests {
@@ -648,4 +662,7 @@ parity_tests! {
     olmoe_4bit_g32_experts_not_renormalized => "olmoe-4bit-g32",
     granitemoe_4bit_g32_renamed_router_multipliers => "granitemoe-4bit-g32",
     hunyuan_v1_dense_4bit_g32_qk_norm_after_rope_ntk_alpha => "hunyuan_v1_dense-4bit-g32",
+    lfm2_4bit_g64_short_conv_layer_types => "lfm2-4bit-g64",
+    lfm2_8bit_g32_full_attn_idxs_conv_biases => "lfm2-8bit-g32",
+    lfm2_moe_4bit_g64_sigmoid_routed_experts => "lfm2_moe-4bit-g64",
 }

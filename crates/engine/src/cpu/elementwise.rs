@@ -16,6 +16,13 @@ pub fn add_inplace(x: &mut [f32], y: &[f32]) {
     }
 }
 
+/// `x *= y`.
+pub fn mul_inplace(x: &mut [f32], y: &[f32]) {
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a *= b;
+    }
+}
+
 /// `Σ exp(scale · x[i] − shift)`, summed in f64 from f32 exponentials (eight at a time where
 /// the processor has AVX2, within 2 ulp of libm's), −∞ entries adding exactly 0: a softmax's
 /// normaliser over a vocabulary, with `shift` the largest `scale · x`.

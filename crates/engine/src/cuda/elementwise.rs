@@ -31,7 +31,7 @@ pub fn silu(x: &mut Buffer) -> Result<()> {
     Ok(())
 }
 
-/// `x = op(x, y)` for the binary kernels `add`, `silu_mul`, `gelu_mul` and `sigmoid_mul`.
+/// `x = op(x, y)` for the binary kernels `add`, `mul`, `silu_mul`, `gelu_mul` and `sigmoid_mul`.
 pub fn binary(kernel: &str, x: &mut Buffer, y: &Buffer) -> Result<()> {
     let g = x.gpu().clone();
     launch!(&g, kernel, elements(&g, x.len()); x.ptr(), y.ptr(), x.len() as i64);

@@ -32,6 +32,11 @@ pub fn add_inplace(x: &mut Tensor, y: &Tensor) -> Result<()> {
     binary("add", x, y, cpu::elementwise::add_inplace, "add")
 }
 
+/// `x *= y`, element by element.
+pub fn mul_inplace(x: &mut Tensor, y: &Tensor) -> Result<()> {
+    binary("mul", x, y, cpu::elementwise::mul_inplace, "mul")
+}
+
 /// `x[r] += row` for every row of `x` (a bias).
 pub fn add_row_inplace(x: &mut Tensor, row: &Tensor) -> Result<()> {
     check(x.cols() == row.len(), || {

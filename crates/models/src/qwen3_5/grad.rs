@@ -10,8 +10,8 @@ use oxlm_engine::{Device, Tensor};
 
 use super::{GatedAttention, GatedDeltaNet, Mixer, Qwen3_5};
 use crate::decoder_grad::{
-    norm_keeping_input, through_norm, AttentionShape, BlockGrads, Decoder, DecoderBlock, MixerGrad,
-    MixerSaved, SequenceAttention,
+    join_columns, norm_keeping_input, through_norm, AttentionShape, BlockGrads, Decoder,
+    DecoderBlock, MixerGrad, MixerSaved, SequenceAttention,
 };
 use crate::layers::OpResult;
 use crate::lora::ModuleAdapters;
@@ -40,18 +40,6 @@ impl Decoder for Qwen3_5 {
             })
             .collect())
     }
-}
-
-/// `[n, width]` rows of `parts` side by side.
-fn join_columns(parts: &[(&[f32], usize)], n: usize) -> Vec<f32> {
-    let width: usize = parts.iter().map(|p| p.1).sum();
-    let mut out = Vec::with_capacity(n * width);
-    for t in 0..n {
-        for &(part, w) in parts {
-            out.extend_from_slice(&part[t * w..(t + 1) * w]);
-        }
-    }
-    out
 }
 
 /// `dy · silu'(x)`.

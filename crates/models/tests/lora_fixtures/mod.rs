@@ -14,7 +14,7 @@ pub const LOGIT_TOLERANCE: f32 = 2e-3;
 
 /// `(adapter fixture, base model)`: every architecture, the multimodal wrappers and the
 /// mixtures of experts.
-pub const CASES: [(&str, &str); 9] = [
+pub const CASES: [(&str, &str); 11] = [
     ("llama-4bit-g64-r4", "llama-4bit-g64"),
     ("qwen2-4bit-g64-keys", "qwen2-4bit-g64"),
     ("gemma3-4bit-g64-r4", "gemma3-4bit-g64"),
@@ -24,6 +24,8 @@ pub const CASES: [(&str, &str); 9] = [
     ("gemma4-vlm-8bit-g64-r4", "gemma4-vlm-8bit-g64"),
     ("qwen3_5_moe-4bit-g64-r4", "qwen3_5_moe-4bit-g64"),
     ("gemma4-moe-4bit-g64-r4", "gemma4-moe-4bit-g64"),
+    ("lfm2-8bit-g32-r4", "lfm2-8bit-g32"),
+    ("lfm2_moe-4bit-g64-r4", "lfm2_moe-4bit-g64"),
 ];
 
 pub fn fixtures() -> PathBuf {

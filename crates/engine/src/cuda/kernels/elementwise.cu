@@ -5,6 +5,11 @@ extern "C" __global__ void add(float *x, const float *y, i64 n) {
     GRID_STRIDE(i, n) x[i] += y[i];
 }
 
+extern "C" __global__ void mul(float *x, const float *y, i64 n) {
+    await_inputs();
+    GRID_STRIDE(i, n) x[i] *= y[i];
+}
+
 // x[r, c] += row[c]: a bias on every row.
 extern "C" __global__ void add_row(float *x, const float *row, i64 n, int cols) {
     await_inputs();
