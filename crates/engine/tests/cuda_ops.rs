@@ -584,7 +584,7 @@ fn element_wise_norms_and_copies() {
     let row = random_vec(&mut rng, cols);
     let shape = vec![rows, cols];
     type Binary = fn(&mut Tensor, &Tensor) -> Result<(), oxlm_engine::EngineError>;
-    let binaries: [(&str, Binary); 5] = [
+    let binaries: [(&str, Binary); 6] = [
         ("add", ops::add_inplace),
         ("mul", ops::mul_inplace),
         ("silu_mul", ops::silu_mul_inplace),
