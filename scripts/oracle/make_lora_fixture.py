@@ -72,6 +72,10 @@ ADAPTERS = {
     # LFM2-MoE: a dense feed-forward under gate_proj/up_proj/down_proj, then the routers and stacked experts.
     "lfm2_moe-4bit-g64-r4": dict(base="lfm2_moe-4bit-g64", seed=11, num_layers=-1,
                                  lora_parameters={"rank": 4, "dropout": 0.0, "scale": 8.0}),
+    # The float modes: every linear of every block of the mxfp4 llama, whose layer 0 has an nvfp4 o_proj and an
+    # mxfp8 down_proj (fusing dequantizes them to bf16 and quantizes the sums again in their own mode).
+    "llama-mxfp4-g32-r4": dict(base="llama-mxfp4-g32", seed=10, num_layers=-1,
+                               lora_parameters={"rank": 4, "dropout": 0.0, "scale": 8.0}),
 }
 
 

@@ -9,8 +9,9 @@ model.safetensors.index.json, tokenizer.json, tokenizer_config.json.
 Recipe (like assets.md make_tiny.py): mx.random.seed(seed) -> mlx-lm Model(ModelArgs) default init ->
 2-D non-embedding weights and stacked MoE experts * GAIN (embedding * EMBED_GAIN), RMSNorm weights
 1 + 0.2*N(0,1) (so that a runtime ignoring them fails) -> every float parameter cast to bf16 (except those the
-model's cast_predicate keeps) -> mlx_lm.utils.quantize_model (affine, optional per-module overrides through
-quant_predicate returning a dict, else the model's own quant_predicate) -> mlx_lm.utils.save_model + save_config.
+model's cast_predicate keeps) -> mlx_lm.utils.quantize_model (affine unless the spec names a float `mode`, optional
+per-module overrides through quant_predicate returning a dict (which may name another mode), else the model's own
+quant_predicate) -> mlx_lm.utils.save_model + save_config.
 """
 import json
 import shutil
@@ -94,6 +95,21 @@ MODELS = {
             "max_position_embeddings": 8192, "rope_theta": 100000.0, "rope_scaling": None,
             "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
             "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "torch_dtype": "bfloat16"}),
+    # mlx-lm's float modes mixed with affine: mxfp4 by default (E2M1 codes, E8M0 scales per 32), an nvfp4 o_proj
+    # (E4M3 scales per 16) and an mxfp8 down_proj in layer 0, and an 8-bit g32 affine embedding (= the tied head,
+    # run as a linear); per-module overrides carry their `mode`, as mlx-lm writes them.
+    "llama-mxfp4-g32": dict(
+        seed=8, gain=4.0, embed_gain=3.0, group_size=32, bits=4, mode="mxfp4",
+        overrides={"model.embed_tokens": {"group_size": 32, "bits": 8, "mode": "affine"},
+                   "model.layers.0.self_attn.o_proj": {"group_size": 16, "bits": 4, "mode": "nvfp4"},
+                   "model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 8, "mode": "mxfp8"}},
+        config={
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "hidden_act": "silu", "rms_norm_eps": 1e-5, "vocab_size": 512,
+            "max_position_embeddings": 8192, "rope_theta": 10000.0, "rope_scaling": None,
+            "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
+            "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
     # --- the llama-like family's other members (crates/models/src/llama.rs `MEMBERS`) ---
     # Qwen3-MoE: q/k norms, 8 experts top-2 renormalized, layer 1 dense through `mlp_only_layers`, 8-bit router.
     "qwen3_moe-4bit-g32": dict(
@@ -399,7 +415,7 @@ def build(name, spec, out_root, tokdir):
         return model_predicate(path, module) if model_predicate else True
 
     model, qcfg = quantize_model(model, cfg, group_size=spec["group_size"], bits=spec["bits"],
-                                 mode="affine", quant_predicate=predicate)
+                                 mode=spec.get("mode", "affine"), quant_predicate=predicate)
     out = Path(out_root) / name
     if out.exists():
         for f in out.iterdir():

@@ -20,16 +20,35 @@ def unpack(w, bits):
     return q.reshape(w.shape[0], -1)
 
 
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def e4m3(c):
+    """FP8 E4M3 codes (bias 7, no infinities, 0x7F NaN) -> f32."""
+    e, m = (c >> 3) & 15, (c & 7).astype(np.float32)
+    mag = np.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * 2.0 ** (e.astype(np.float32) - 7))
+    mag = np.where(c & 0x7F == 0x7F, np.nan, mag)
+    return np.where(c & 0x80, -mag, mag).astype(np.float32)
+
+
 def dequant(t, name, qcfg):
-    """Dense f32 [out, in] for `name` (a module path), affine: w = scale * q + bias per group along `in`."""
+    """Dense f32 [out, in] for `name` (a module path). affine: w = scale * q + bias per group along `in`;
+    mxfp4/nvfp4/mxfp8: w = scale * value(code), codes E2M1 (4 bits) or E4M3 (8 bits), scales E8M0 (2^(s-127)) or
+    E4M3 (nvfp4)."""
     w = t[name + ".weight"]
     if name + ".scales" not in t:
         return w.astype(np.float32)
     p = qcfg.get(name, qcfg)  # per-module override, else the top-level default
-    bits, gs = p["bits"], p["group_size"]
-    q = unpack(w, bits).astype(np.float32)
-    s, b = t[name + ".scales"], t[name + ".biases"]
-    return (q.reshape(q.shape[0], -1, gs) * s[:, :, None] + b[:, :, None]).reshape(q.shape[0], -1)
+    bits, gs, mode = p["bits"], p["group_size"], p.get("mode", "affine")
+    q = unpack(w, bits)
+    s = t[name + ".scales"]
+    if mode == "affine":
+        v, s, b = q.astype(np.float32), s, t[name + ".biases"]
+    else:
+        v = E2M1[q] if bits == 4 else e4m3(q)
+        s = e4m3(s) if mode == "nvfp4" else (2.0 ** (s.astype(np.float32) - 127)).astype(np.float32)
+        b = np.zeros_like(s)
+    return (v.reshape(q.shape[0], -1, gs) * s[:, :, None] + b[:, :, None]).reshape(q.shape[0], -1)
 
 
 def rms_norm(x, w, eps):

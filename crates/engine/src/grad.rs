@@ -10,11 +10,15 @@ use crate::cpu::elementwise::softmax_inplace;
 use crate::cpu::recurrent::delta_gates;
 use crate::cpu::{transposed, Isa};
 use crate::params::DeltaRuleDims;
+use crate::quant::QuantizedParts;
 use crate::{FloatMatrix, QuantizedMatrix};
 
 /// `dx[m, cols] = dy[m, rows] · W` for `y = x · Wᵀ`, on the packed weights.
 pub fn quantized_matmul_backward(w: &QuantizedMatrix, dy: &[f32], m: usize, dx: &mut [f32]) {
-    transposed::quantized(Isa::best(), &w.view(), dy, m, dx);
+    match w.parts() {
+        QuantizedParts::Affine(v) => transposed::quantized(Isa::best(), &v, dy, m, dx),
+        QuantizedParts::Float(v) => transposed::float_quantized(Isa::best(), &v, dy, m, dx),
+    }
 }
 
 /// `dx[m, cols] = dy[m, rows] · W` for `y = x · Wᵀ`, on float weights.

@@ -1,6 +1,7 @@
-//! The oxlm engine: byte buffers that may borrow a memory map, float and MLX affine-quantized
-//! weight matrices, f32 activation [`Tensor`]s on a [`Device`], and the kernels that run them:
-//! `cpu` (AVX2/FMA with portable fallbacks) and `cuda` (CUDA C compiled by NVRTC at run time).
+//! The oxlm engine: byte buffers that may borrow a memory map, float and MLX-quantized (affine,
+//! mxfp4, nvfp4, mxfp8) weight matrices, f32 activation [`Tensor`]s on a [`Device`], and the
+//! kernels that run them: `cpu` (AVX2/FMA with portable fallbacks) and `cuda` (CUDA C compiled
+//! by NVRTC at run time).
 //!
 //! It knows nothing about language models: the `models` crate composes these pieces through
 //! [`ops`] and [`recurrent`], which run on whichever device their operands live on, so a model

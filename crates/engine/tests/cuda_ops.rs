@@ -14,9 +14,9 @@ mod common;
 
 use std::sync::{Mutex, MutexGuard};
 
-use common::{random_quantized, random_vec};
+use common::{random_float_quantized, random_quantized, random_vec};
 use oxlm_engine::ops::recurrent::{self, DeltaRuleDims};
-use oxlm_engine::quant::{SUPPORTED_BITS, SUPPORTED_GROUP_SIZES};
+use oxlm_engine::quant::{QuantMode, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES};
 use oxlm_engine::{
     cuda, ops, DType, DecodeSteps, Device, FloatMatrix, KvPrecision, KvRing, Positions,
     QuantizedMatrix, Tensor,
@@ -141,6 +141,119 @@ fn quantized_matmul_and_rows() {
                 assert_close(&format!("{bits}-bit rows"), &y, &cpu, EXACT);
             }
         }
+    }
+}
+
+/// The float modes (mxfp4, nvfp4, mxfp8) on their own kernels: the GEMV up to 8 rows (exact
+/// on either handle), cuBLAS on dequantized weights beyond (TF32 on the default handle), added
+/// into an output, embedding rows, the gated MLP's one pass (and, with a norm or more than 8
+/// rows, the composed steps); the affine-only kernels (grouped projections, the fused
+/// projection-rotation-cache write) decline them, the latter writing nothing.
+#[test]
+fn float_modes_match_the_host() {
+    let Some((dev, _turn)) = gpu() else { return };
+    let Device::Cuda(g) = &dev else {
+        unreachable!()
+    };
+    let mut rng = StdRng::seed_from_u64(15);
+    let tolerance = |m: usize, exact: bool| if exact || m <= 8 { EXACT } else { TF32 };
+    for mode in [QuantMode::Mxfp4, QuantMode::Nvfp4, QuantMode::Mxfp8] {
+        let (rows, cols) = (4099, 384);
+        let host = random_float_quantized(&mut rng, rows, cols, mode);
+        let mut w = host.clone();
+        w.place(&dev).unwrap();
+        for m in [1, 3, 8, 17, 65] {
+            let x = random_vec(&mut rng, m * cols);
+            let cpu = ops::matmul(&host, &Tensor::new(vec![m, cols], x.clone())).unwrap();
+            for exact in [true, false] {
+                let dev = Device::Cuda(g.with_exact_math(exact));
+                let y = ops::matmul(&w, &on(&dev, vec![m, cols], &x)).unwrap();
+                let what = format!("{mode} m={m} exact={exact}");
+                assert_close(&what, &y, &cpu, tolerance(m, exact));
+            }
+        }
+        for m in [2, 12] {
+            let x = random_vec(&mut rng, m * cols);
+            let r0 = random_vec(&mut rng, m * rows);
+            let mut cpu = Tensor::new(vec![m, rows], r0.clone());
+            ops::matmul_add(&host, &Tensor::new(vec![m, cols], x.clone()), &mut cpu).unwrap();
+            let mut y = on(&dev, vec![m, rows], &r0);
+            ops::matmul_add(&w, &on(&dev, vec![m, cols], &x), &mut y).unwrap();
+            let what = format!("{mode} matmul_add m={m}");
+            assert_close(&what, &y, &cpu, tolerance(m, false));
+        }
+        let ids = [0, rows - 1, 17, 17, 1234];
+        let cpu = ops::matrix_rows(&host, &ids, &Device::Cpu).unwrap();
+        let y = ops::matrix_rows(&w, &ids, &dev).unwrap();
+        assert_close(&format!("{mode} rows"), &y, &cpu, EXACT);
+
+        let up_host = random_float_quantized(&mut rng, rows, cols, mode);
+        let mut up = up_host.clone();
+        up.place(&dev).unwrap();
+        let norm_weight = random_vec(&mut rng, cols);
+        let weight = on(&dev, vec![cols], &norm_weight);
+        for m in [1, 5, 8, 12] {
+            for with_norm in [false, true] {
+                let x = random_vec(&mut rng, m * cols);
+                let mut xc = Tensor::new(vec![m, cols], x.clone());
+                if with_norm {
+                    let w = Tensor::new(vec![cols], norm_weight.clone());
+                    ops::rms_norm_inplace(&mut xc, &w, 1e-5).unwrap();
+                }
+                let norm = with_norm.then_some(ops::InputNorm {
+                    weight: &weight,
+                    eps: 1e-5,
+                });
+                let xg = on(&dev, vec![m, cols], &x);
+                let act = ops::Activation::GeluApprox;
+                let cpu = ops::quantized_glu(&host, &up_host, &xc, None, act).unwrap();
+                let y = ops::quantized_glu(&w, &up, &xg, norm, act).unwrap();
+                let what = format!("{mode} glu m={m} norm={with_norm}");
+                assert_close(&what, &y, &cpu, tolerance(m, false));
+                let ys = ops::quantized_matmul_group(&[&w, &up], &xg, norm).unwrap();
+                for (y, h) in ys.iter().zip([&host, &up_host]) {
+                    let cpu = ops::matmul(h, &xc).unwrap();
+                    let what = format!("{mode} group m={m} norm={with_norm}");
+                    assert_close(&what, y, &cpu, tolerance(m, false));
+                }
+            }
+        }
+
+        // The fused projections of one token: not for these weights, and nothing written.
+        let (heads, kv_heads, d, capacity) = (2, 1, 64, 4);
+        let q = random_float_quantized(&mut rng, heads * d, cols, mode);
+        let kv = random_float_quantized(&mut rng, kv_heads * d, cols, mode);
+        let [mut q, mut kv] = [q, kv];
+        q.place(&dev).unwrap();
+        kv.place(&dev).unwrap();
+        let ring = || KvRing::zeros(kv_heads * capacity * d, KvPrecision::F32, &dev).unwrap();
+        let (mut keys, mut values) = (ring(), ring());
+        let freqs = on(&dev, vec![d / 2], &random_vec(&mut rng, d / 2));
+        let at = Positions::new(vec![1], &dev).unwrap();
+        let x = on(&dev, vec![1, cols], &random_vec(&mut rng, cols));
+        let fused = ops::qkv_rope_write(
+            [(&q, None), (&kv, None), (&kv, None)],
+            &x,
+            None,
+            ops::Heads {
+                heads,
+                kv_heads,
+                head_dim: d,
+            },
+            ops::Rotation {
+                inv_freqs: &freqs,
+                traditional: false,
+                amplitude: 1.0,
+            },
+            &at,
+            ops::KvTarget {
+                keys: &mut keys,
+                values: &mut values,
+                capacity,
+            },
+        );
+        assert!(fused.unwrap().is_none(), "{mode}: fused qkv_rope_write");
+        assert!(keys.to_vec().unwrap().iter().all(|&e| e == 0.0));
     }
 }
 

@@ -6,6 +6,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use oxlm_engine::quant::QuantMode;
 use oxlm_engine::{Bytes, DType, Device, WeightBuffer};
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
@@ -101,12 +102,15 @@ impl Config {
 /// How one layer's weights are quantized.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QuantSpec {
+    pub mode: QuantMode,
     pub bits: u32,
     pub group_size: usize,
 }
 
 /// The `quantization` (or `quantization_config`) section: a default and per-module overrides,
-/// e.g. `{"group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}}`.
+/// e.g. `{"group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}}`,
+/// each with an optional `mode` (`affine` when absent), which overrides may mix: `{"group_size":
+/// 32, "bits": 4, "mode": "mxfp4", "model.embed_tokens": {..., "mode": "affine"}}`.
 #[derive(Debug, Clone, Default)]
 pub struct Quantization {
     default: Option<QuantSpec>,
@@ -114,12 +118,24 @@ pub struct Quantization {
 }
 
 fn parse_spec(where_: &str, v: &Map<String, Value>) -> Result<QuantSpec, LoadError> {
-    if let Some(mode) = v.get("mode").and_then(Value::as_str) {
-        if mode != "affine" {
-            return Err(LoadError::UnsupportedQuantization(format!(
-                "mode `{mode}` in {where_} (supported: affine)"
-            )));
-        }
+    let mode = match v.get("mode").filter(|m| !m.is_null()) {
+        None => QuantMode::Affine,
+        Some(m) => m.as_str().and_then(QuantMode::from_name).ok_or_else(|| {
+            let supported: Vec<&str> = QuantMode::ALL.iter().map(|m| m.name()).collect();
+            LoadError::UnsupportedQuantization(format!(
+                "mode {m} in {where_} (supported: {})",
+                supported.join(", ")
+            ))
+        })?,
+    };
+    // An nvfp4 tensor scale (mlx-lm's `global_scale` on switch layers) is a further array that
+    // the layers do not read.
+    if v.get("global_scale")
+        .is_some_and(|g| g != &Value::Bool(false))
+    {
+        return Err(LoadError::UnsupportedQuantization(format!(
+            "`global_scale` in {where_}"
+        )));
     }
     // Even a spec no layer reads must be sane: `Checkpoint::parameter_count` divides by its bits.
     let bits = v
@@ -130,14 +146,26 @@ fn parse_spec(where_: &str, v: &Map<String, Value>) -> Result<QuantSpec, LoadErr
         .get("group_size")
         .and_then(Value::as_u64)
         .filter(|&g| g > 0);
-    match (bits, group_size) {
-        (Some(bits), Some(group_size)) => Ok(QuantSpec {
-            bits: bits as u32,
-            group_size: group_size as usize,
+    let (bits, group_size) = match (bits, group_size) {
+        (Some(bits), Some(group_size)) => (bits as u32, group_size as usize),
+        _ => {
+            return Err(LoadError::Config(format!(
+                "{where_} needs integer `bits` from 1 to 32 and a positive integer `group_size`"
+            )))
+        }
+    };
+    match mode.float_format() {
+        Some((b, g)) if (bits, group_size) != (b, g) => {
+            Err(LoadError::UnsupportedQuantization(format!(
+                "{mode} with {bits} bits and group size {group_size} in {where_} ({mode} takes \
+                 {b} bits and group size {g})"
+            )))
+        }
+        _ => Ok(QuantSpec {
+            mode,
+            bits,
+            group_size,
         }),
-        _ => Err(LoadError::Config(format!(
-            "{where_} needs integer `bits` from 1 to 32 and a positive integer `group_size`"
-        ))),
     }
 }
 
@@ -705,6 +733,73 @@ mod tests {
             let quantization = Quantization::from_config(&Config::from_value(config).unwrap());
             assert!(quantization.is_err(), "{spec}");
         }
+    }
+
+    #[test]
+    fn quantization_modes_mix_per_module_as_mlx_lm_writes_them() {
+        let config = serde_json::json!({"quantization": {
+            "group_size": 32, "bits": 4, "mode": "mxfp4",
+            "model.embed_tokens": {"group_size": 32, "bits": 8, "mode": "affine"},
+            "model.layers.0.self_attn.o_proj": {"group_size": 16, "bits": 4, "mode": "nvfp4"},
+            "model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 8, "mode": "mxfp8"},
+            "lm_head": {"group_size": 64, "bits": 6},
+        }});
+        let q = Quantization::from_config(&Config::from_value(config).unwrap()).unwrap();
+        let spec = |mode, bits, group_size| {
+            Some(QuantSpec {
+                mode,
+                bits,
+                group_size,
+            })
+        };
+        let mode_of = |path: &str| q.for_module(path);
+        assert_eq!(
+            mode_of("model.layers.1.mlp.up_proj"),
+            spec(QuantMode::Mxfp4, 4, 32)
+        );
+        assert_eq!(
+            mode_of("model.embed_tokens"),
+            spec(QuantMode::Affine, 8, 32)
+        );
+        assert_eq!(
+            mode_of("model.layers.0.self_attn.o_proj"),
+            spec(QuantMode::Nvfp4, 4, 16)
+        );
+        assert_eq!(
+            mode_of("model.layers.0.mlp.down_proj"),
+            spec(QuantMode::Mxfp8, 8, 32)
+        );
+        // No `mode`: affine, as mlx-lm reads it.
+        assert_eq!(mode_of("lm_head"), spec(QuantMode::Affine, 6, 64));
+    }
+
+    #[test]
+    fn unknown_or_misshapen_quantization_modes_are_refused_clearly() {
+        let err = |quantization: Value| {
+            let config = serde_json::json!({ "quantization": quantization });
+            Quantization::from_config(&Config::from_value(config).unwrap())
+                .unwrap_err()
+                .to_string()
+        };
+        let unknown = err(serde_json::json!({"group_size": 32, "bits": 4, "mode": "int4"}));
+        assert!(
+            unknown.contains("\"int4\"")
+                && unknown.contains("supported: affine, mxfp4, nvfp4, mxfp8"),
+            "{unknown}"
+        );
+        let override_ = err(serde_json::json!({"group_size": 64, "bits": 4,
+            "lm_head": {"group_size": 32, "bits": 4, "mode": "fp4"}}));
+        assert!(override_.contains("`quantization.lm_head`"), "{override_}");
+        let misshapen = err(serde_json::json!({"group_size": 32, "bits": 4, "mode": "nvfp4"}));
+        assert!(
+            misshapen.contains("nvfp4 takes 4 bits and group size 16"),
+            "{misshapen}"
+        );
+        let scaled = err(
+            serde_json::json!({"group_size": 16, "bits": 4, "mode": "nvfp4",
+            "switch_mlp": {"group_size": 16, "bits": 4, "mode": "nvfp4", "global_scale": true}}),
+        );
+        assert!(scaled.contains("global_scale"), "{scaled}");
     }
 
     /// A safetensors file of one u32 array whose data starts at file offset 8 + 18 (2 mod 8),

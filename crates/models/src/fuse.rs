@@ -1,7 +1,7 @@
 //! `mlx_lm.fuse`: merges LoRA adapters into a copy of the base checkpoint. Each adapted layer is
 //! dequantized, `scale · Bᵀ·Aᵀ` is added, and the sum is quantized again with the layer's own
-//! bits and group size; with `dequantize`, every quantized array of the model is written dense
-//! instead. Arithmetic follows MLX step by step (in the weights' dtype, rounding where MLX
+//! mode, bits and group size; with `dequantize`, every quantized array of the model is written
+//! dense instead. Arithmetic follows MLX step by step (in the weights' dtype, rounding where MLX
 //! rounds) so that the written arrays match what mlx-lm writes.
 
 use std::borrow::Cow;
@@ -9,7 +9,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
-use oxlm_engine::quant::quantize;
+use oxlm_engine::quant::QuantizedParts;
+use oxlm_engine::quant::{quantize, quantize_float, QuantMode};
 use oxlm_engine::{DType, EngineError, FloatMatrix, QuantizedMatrix};
 use serde_json::{json, Map, Value};
 use thiserror::Error;
@@ -88,6 +89,8 @@ fn float_bytes(dtype: DType, values: &[f32]) -> Vec<u8> {
 /// expert, seen as one matrix of all their rows (quantization groups never cross a row).
 struct Quantized {
     matrix: QuantizedMatrix,
+    /// What `mx.dequantize` gives: the scales' dtype (affine), else bf16 (its default where no
+    /// biases tell it).
     dtype: DType,
     /// The stored shape but its last axis: `[rows]`, or `[experts, rows]`.
     lead: Vec<usize>,
@@ -97,7 +100,10 @@ impl Quantized {
     fn take(ckpt: &mut Checkpoint, prefix: &str, spec: QuantSpec) -> Result<Self, FuseError> {
         let weight = ckpt.take(&format!("{prefix}.weight"))?;
         let scales = ckpt.take(&format!("{prefix}.scales"))?;
-        let biases = ckpt.take(&format!("{prefix}.biases"))?;
+        let biases = match spec.mode {
+            QuantMode::Affine => Some(ckpt.take(&format!("{prefix}.biases"))?),
+            _ => None,
+        };
         let bad = |e: EngineError| FuseError::Weight {
             name: format!("{prefix}.weight"),
             reason: e.to_string(),
@@ -109,28 +115,50 @@ impl Quantized {
             ))));
         };
         let (rows, cols) = (lead.iter().product(), words * 32 / spec.bits as usize);
-        let matrix = QuantizedMatrix::new(
-            rows,
-            cols,
-            spec.bits,
-            spec.group_size,
-            weight.data,
-            scales.dtype,
-            scales.data,
-            biases.data,
-        )
-        .map_err(bad)?;
+        let (matrix, dtype) = match biases {
+            Some(biases) => (
+                QuantizedMatrix::new(
+                    rows,
+                    cols,
+                    spec.bits,
+                    spec.group_size,
+                    weight.data,
+                    scales.dtype,
+                    scales.data,
+                    biases.data,
+                ),
+                scales.dtype,
+            ),
+            None => (
+                QuantizedMatrix::new_float(
+                    spec.mode,
+                    rows,
+                    cols,
+                    spec.bits,
+                    spec.group_size,
+                    weight.data,
+                    scales.data,
+                ),
+                DType::BF16,
+            ),
+        };
         Ok(Quantized {
-            matrix,
-            dtype: scales.dtype,
+            matrix: matrix.map_err(bad)?,
+            dtype,
             lead: lead.to_vec(),
         })
     }
 
-    /// The weights as `mx.dequantize` computes them: in the scales' dtype, rounded after the
-    /// multiply and again after the add.
+    /// The weights as `mx.dequantize` computes them, in [`Quantized::dtype`]: affine rounded
+    /// after the multiply and again after the add; a float mode's `value · scale` once.
     fn dequantize(&self) -> Vec<f32> {
-        let v = self.matrix.view();
+        let QuantizedParts::Affine(v) = self.matrix.parts() else {
+            let mut out = self.matrix.parts().dequantize();
+            for o in &mut out {
+                *o = round_to(self.dtype, *o);
+            }
+            return out;
+        };
         let (cols, g) = (v.cols, v.group_size);
         let mut out = vec![0.0; v.rows * cols];
         for (r, row) in out.chunks_exact_mut(cols).enumerate() {
@@ -185,7 +213,8 @@ fn shape_with(lead: &[usize], last: usize) -> Vec<usize> {
     shape
 }
 
-/// Quantizes `values` (`lead` rows of `cols`) as `mx.quantize` does for weights of `dtype`.
+/// Quantizes `values` (`lead` rows of `cols`) as `mx.quantize` does for weights of `dtype`: the
+/// weight, scales and (affine only) biases.
 fn requantize(
     prefix: &str,
     values: &[f32],
@@ -193,29 +222,30 @@ fn requantize(
     cols: usize,
     spec: QuantSpec,
     dtype: DType,
-) -> [(String, TensorBytes<'static>); 3] {
+) -> Vec<(String, TensorBytes<'static>)> {
     let rows = lead.iter().product();
-    let (packed, scales, biases) = quantize(values, rows, cols, spec.bits, spec.group_size);
     let words = cols * spec.bits as usize / 32;
     let groups = cols / spec.group_size;
-    [
-        (
-            format!("{prefix}.weight"),
-            owned(
-                DType::U32,
-                shape_with(lead, words),
-                packed.iter().flat_map(|w| w.to_le_bytes()).collect(),
-            ),
-        ),
-        (
-            format!("{prefix}.scales"),
-            owned(dtype, shape_with(lead, groups), float_bytes(dtype, &scales)),
-        ),
-        (
-            format!("{prefix}.biases"),
-            owned(dtype, shape_with(lead, groups), float_bytes(dtype, &biases)),
-        ),
-    ]
+    let weight = |packed: Vec<u32>| {
+        let bytes = packed.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let t = owned(DType::U32, shape_with(lead, words), bytes);
+        (format!("{prefix}.weight"), t)
+    };
+    let floats = |what: &str, v: &[f32]| {
+        let t = owned(dtype, shape_with(lead, groups), float_bytes(dtype, v));
+        (format!("{prefix}.{what}"), t)
+    };
+    if spec.mode == QuantMode::Affine {
+        let (packed, scales, biases) = quantize(values, rows, cols, spec.bits, spec.group_size);
+        return vec![
+            weight(packed),
+            floats("scales", &scales),
+            floats("biases", &biases),
+        ];
+    }
+    let (packed, scales) = quantize_float(spec.mode, values, rows, cols, dtype);
+    let scales = owned(DType::U8, shape_with(lead, groups), scales);
+    vec![weight(packed), (format!("{prefix}.scales"), scales)]
 }
 
 /// Each adapted layer's path and the adapters to merge into it: one, or one per expert of a

@@ -1,13 +1,14 @@
 //! Layers shared by every architecture, each loaded from its own [`Scope`] of the checkpoint.
 
+use oxlm_engine::quant::QuantMode;
 use oxlm_engine::{
-    ops, DType, Device, EngineError, FloatMatrix, Positions, QuantizedMatrix, Tensor,
+    ops, Bytes, DType, Device, EngineError, FloatMatrix, Positions, QuantizedMatrix, Tensor,
 };
 use serde_json::Value;
 use std::borrow::Cow;
 
 use crate::cache::{append_kv, attend_kv, AttentionCache};
-use crate::checkpoint::{RawTensor, Scope};
+use crate::checkpoint::{QuantSpec, RawTensor, Scope};
 use crate::lora::{LinearShape, LoraLinear, ModuleAdapters};
 use crate::{LoadError, Logits};
 
@@ -61,7 +62,8 @@ fn shape_error(name: &str, t: &RawTensor, expected: String) -> LoadError {
 }
 
 impl Weight {
-    /// Loads the module's `weight` (and `scales`/`biases` when quantized) as `[rows, cols]`.
+    /// Loads the module's `weight` (and `scales`, and `biases` in the affine mode, when
+    /// quantized) as `[rows, cols]`.
     pub fn load(vb: &mut Scope, rows: usize, cols: usize) -> Result<Self, LoadError> {
         let name = vb.path_of("weight");
         let weight = vb.take("weight")?;
@@ -82,46 +84,8 @@ impl Weight {
             dense.place(vb.device()).map_err(engine_err)?;
             return Ok(Weight::Dense(dense));
         }
-        let scales = vb.take("scales")?;
-        let biases = vb.take("biases")?;
-        let spec = vb.quantization().ok_or_else(|| {
-            LoadError::Config(format!(
-                "`{}` is quantized in the weights but config.json has no `quantization`",
-                vb.path()
-            ))
-        })?;
-        let words = cols * spec.bits as usize / 32;
-        if weight.dtype != DType::U32 || weight.shape != [rows, words] {
-            return Err(shape_error(
-                &name,
-                &weight,
-                format!(
-                    "[{rows}, {words}] uint32 ({}-bit, group size {})",
-                    spec.bits, spec.group_size
-                ),
-            ));
-        }
-        let groups = cols / spec.group_size.max(1);
-        for (t, what) in [(&scales, "scales"), (&biases, "biases")] {
-            if t.shape != [rows, groups] || t.dtype != scales.dtype {
-                return Err(shape_error(
-                    &vb.path_of(what),
-                    t,
-                    format!("[{rows}, {groups}] (group size {})", spec.group_size),
-                ));
-            }
-        }
-        let mut quantized = QuantizedMatrix::new(
-            rows,
-            cols,
-            spec.bits,
-            spec.group_size,
-            weight.data,
-            scales.dtype,
-            scales.data,
-            biases.data,
-        )
-        .map_err(engine_err)?;
+        let arrays = QuantizedArrays::take(vb, weight, &[], rows, cols)?;
+        let mut quantized = arrays.matrix(rows, cols, |t, _| Ok(t.data.clone()))?;
         quantized.place(vb.device()).map_err(engine_err)?;
         Ok(Weight::Quantized(quantized))
     }
@@ -170,6 +134,119 @@ impl Weight {
             Weight::Dense(w) => ops::matrix_rows(w, ids, device),
             Weight::Quantized(w) => ops::matrix_rows(w, ids, device),
         }
+    }
+}
+
+/// A quantized module's arrays: its `weight`, its `scales` and, in the affine mode only, its
+/// `biases`, checked against `[lead.., rows, cols]` (`lead` the experts of a stack) and the
+/// config's spec for the module.
+pub(crate) struct QuantizedArrays {
+    /// The weight's full name, for errors.
+    name: String,
+    spec: QuantSpec,
+    weight: RawTensor,
+    scales: RawTensor,
+    biases: Option<RawTensor>,
+}
+
+impl QuantizedArrays {
+    /// Takes the module's `scales` (and `biases`) beside its `weight`, taken already.
+    pub(crate) fn take(
+        vb: &mut Scope,
+        weight: RawTensor,
+        lead: &[usize],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, LoadError> {
+        let spec = vb.quantization().ok_or_else(|| {
+            LoadError::Config(format!(
+                "`{}` is quantized in the weights but config.json has no `quantization`",
+                vb.path()
+            ))
+        })?;
+        let scales = vb.take("scales")?;
+        let biases = match spec.mode {
+            QuantMode::Affine => Some(vb.take("biases")?),
+            _ => None,
+        };
+        let shape =
+            |last: usize| -> Vec<usize> { lead.iter().copied().chain([rows, last]).collect() };
+        let (bits, g) = (spec.bits, spec.group_size);
+        let words = cols * bits as usize / 32;
+        if weight.dtype != DType::U32 || weight.shape != shape(words) {
+            return Err(shape_error(
+                &vb.path_of("weight"),
+                &weight,
+                format!(
+                    "{:?} uint32 ({bits}-bit, group size {g}, {})",
+                    shape(words),
+                    spec.mode
+                ),
+            ));
+        }
+        // Affine scales and biases share the weights' float type; a float mode's scales are
+        // uint8 codes.
+        let (scale_dtype, dtype_name) = match spec.mode {
+            QuantMode::Affine => (scales.dtype, ""),
+            _ => (DType::U8, " uint8"),
+        };
+        let groups = cols / g.max(1);
+        for (t, what) in [(Some(&scales), "scales"), (biases.as_ref(), "biases")] {
+            match t {
+                Some(t) if t.shape != shape(groups) || t.dtype != scale_dtype => {
+                    return Err(shape_error(
+                        &vb.path_of(what),
+                        t,
+                        format!("{:?}{dtype_name} (group size {g})", shape(groups)),
+                    ));
+                }
+                _ => {}
+            }
+        }
+        Ok(QuantizedArrays {
+            name: vb.path_of("weight"),
+            spec,
+            weight,
+            scales,
+            biases,
+        })
+    }
+
+    /// The `[rows, cols]` matrix of the bytes `part` cuts out of each array (the whole array,
+    /// or an expert's slice of a stack; its second argument names the array).
+    pub(crate) fn matrix(
+        &self,
+        rows: usize,
+        cols: usize,
+        part: impl Fn(&RawTensor, &str) -> Result<Bytes, LoadError>,
+    ) -> Result<QuantizedMatrix, LoadError> {
+        let (spec, weight) = (self.spec, part(&self.weight, "weight")?);
+        let scales = part(&self.scales, "scales")?;
+        let matrix = match &self.biases {
+            Some(biases) => QuantizedMatrix::new(
+                rows,
+                cols,
+                spec.bits,
+                spec.group_size,
+                weight,
+                self.scales.dtype,
+                scales,
+                part(biases, "biases")?,
+            ),
+            None => QuantizedMatrix::new_float(
+                spec.mode,
+                rows,
+                cols,
+                spec.bits,
+                spec.group_size,
+                weight,
+                scales,
+            ),
+        };
+        matrix.map_err(|source| LoadError::Engine {
+            name: self.name.clone(),
+            source,
+        })
     }
 }
 

@@ -5,12 +5,13 @@
 pub(crate) mod grad;
 
 use oxlm_engine::cpu::elementwise::softmax_inplace;
-use oxlm_engine::{ops, DType, FloatMatrix, QuantizedMatrix, Tensor};
+use oxlm_engine::{ops, FloatMatrix, Tensor};
 
 use crate::checkpoint::{RawTensor, Scope};
 use crate::decoder_grad::{GatedMlpGrad, MlpGrad};
 use crate::layers::{
-    experts_shape, linear_shape, load_host_vector, place_vector, Linear, Mlp, OpResult, Weight,
+    experts_shape, linear_shape, load_host_vector, place_vector, Linear, Mlp, OpResult,
+    QuantizedArrays, Weight,
 };
 use crate::lora::{LinearShape, ModuleAdapters};
 use crate::LoadError;
@@ -64,54 +65,12 @@ pub fn load_stacked(
             })
             .collect();
     }
-    let scales = vb.take("scales")?;
-    let biases = vb.take("biases")?;
-    let spec = vb.quantization().ok_or_else(|| {
-        LoadError::Config(format!(
-            "`{}` is quantized in the weights but config.json has no `quantization`",
-            vb.path()
-        ))
-    })?;
-    let words = cols * spec.bits as usize / 32;
-    if weight.dtype != DType::U32 || weight.shape != [experts, rows, words] {
-        return Err(shape_error(
-            &name,
-            &weight,
-            format!(
-                "[{experts}, {rows}, {words}] uint32 ({}-bit, group size {})",
-                spec.bits, spec.group_size
-            ),
-        ));
-    }
-    let groups = cols / spec.group_size.max(1);
-    for (t, what) in [(&scales, "scales"), (&biases, "biases")] {
-        if t.shape != [experts, rows, groups] || t.dtype != scales.dtype {
-            return Err(shape_error(
-                &vb.path_of(what),
-                t,
-                format!(
-                    "[{experts}, {rows}, {groups}] (group size {})",
-                    spec.group_size
-                ),
-            ));
-        }
-    }
+    let arrays = QuantizedArrays::take(vb, weight, &[experts], rows, cols)?;
     (0..experts)
         .map(|e| {
-            let mut w = QuantizedMatrix::new(
-                rows,
-                cols,
-                spec.bits,
-                spec.group_size,
-                part(&weight, e, "weight")?,
-                scales.dtype,
-                part(&scales, e, "scales")?,
-                part(&biases, e, "biases")?,
-            )
-            .map(Weight::Quantized)
-            .map_err(engine_err)?;
+            let mut w = arrays.matrix(rows, cols, |t, what| part(t, e, what))?;
             w.place(vb.device()).map_err(engine_err)?;
-            Ok(w)
+            Ok(Weight::Quantized(w))
         })
         .collect()
 }

@@ -156,7 +156,30 @@ fn an_unknown_layer_type_is_named() {
 }
 
 #[test]
-fn unsupported_quantization_mode() {
+fn unsupported_quantization_mode_lists_the_supported_ones() {
+    let dir = copy_of("llama-8bit-g32");
+    edit_config(dir.path(), |c| c["quantization"]["mode"] = "int8".into());
+    let err = load_err(dir.path());
+    assert!(
+        matches!(err, LoadError::UnsupportedQuantization(_)),
+        "{err}"
+    );
+    let err = err.to_string();
+    assert!(
+        err.contains("mode \"int8\"") && err.contains("supported: affine, mxfp4, nvfp4, mxfp8"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_quantization_mode_the_arrays_do_not_have() {
+    // mxfp8's bits and group size, but affine arrays: float scales, and biases left over.
+    let dir = copy_of("llama-8bit-g32");
+    edit_config(dir.path(), |c| c["quantization"]["mode"] = "mxfp8".into());
+    let err = load_err(dir.path());
+    assert!(matches!(err, LoadError::TensorShape { .. }), "{err}");
+    assert!(err.to_string().contains(".scales"), "{err}");
+    // A float mode's bits and group size are its own.
     let dir = copy_of("llama-8bit-g32");
     edit_config(dir.path(), |c| c["quantization"]["mode"] = "mxfp4".into());
     let err = load_err(dir.path());
@@ -164,7 +187,7 @@ fn unsupported_quantization_mode() {
         matches!(err, LoadError::UnsupportedQuantization(_)),
         "{err}"
     );
-    assert!(err.to_string().contains("mode `mxfp4`"), "{err}");
+    assert!(err.to_string().contains("mxfp4 takes 4 bits"), "{err}");
 }
 
 #[test]

@@ -628,6 +628,7 @@ parity_tests! {
     llama_4bit_g64_llama3_rope_8bit_head_dense_down => "llama-4bit-g64",
     llama_8bit_g32_tied => "llama-8bit-g32",
     llama_4bit_g32_embed_8bit => "llama-embed8-g32",
+    llama_mxfp4_nvfp4_mxfp8_affine_8bit_tied_embed => "llama-mxfp4-g32",
     mistral_4bit_g32 => "mistral-4bit-g32",
     qwen2_4bit_g64_qkv_bias => "qwen2-4bit-g64",
     qwen3_8bit_g128_qk_norm => "qwen3-8bit-g128",

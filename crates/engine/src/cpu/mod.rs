@@ -6,10 +6,10 @@
 //! and attention split their outputs over [`pool`]. Each public entry point has an `Isa`-taking
 //! variant so that tests can run the AVX2 and the portable code side by side.
 //!
-//! By op family, as in [`crate::ops`]: [`matmul`] (quantized weights; float weights in [`dense`],
-//! the integer GEMVs in [`qint`], the blocked GEMM in `gemm` and `amx`, backward products in
-//! [`transposed`]), [`attention`] (with the caches' rings), [`norm`], [`elementwise`] and
-//! [`recurrent`]. `avx2`, `avx512` and `x86_int` hold each instruction set's primitives that
+//! By op family, as in [`crate::ops`]: [`matmul`] (affine-quantized weights; float-quantized
+//! ones in [`fp`], float weights in [`dense`], the integer GEMVs in [`qint`], the blocked GEMM in
+//! `gemm` and `amx`, backward products in [`transposed`]), [`attention`] (with the caches'
+//! rings), [`norm`], [`elementwise`] and [`recurrent`]. `avx2`, `avx512` and `x86_int` hold each instruction set's primitives that
 //! the families share.
 
 #[cfg(target_arch = "x86_64")]
@@ -34,6 +34,7 @@ mod avx2;
 mod avx512;
 pub mod dense;
 pub mod elementwise;
+pub mod fp;
 mod gemm;
 pub mod matmul;
 pub mod norm;

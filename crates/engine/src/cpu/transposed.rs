@@ -8,12 +8,18 @@
 use super::gemm::{self, Panels};
 use super::Isa;
 use crate::params::DenseView;
-use crate::params::QuantizedView;
+use crate::params::{FpQuantizedView, QuantizedView};
 
 /// `dx[m, w.cols] = dy[m, w.rows] · W` on packed weights.
 pub fn quantized(isa: Isa, w: &QuantizedView, dy: &[f32], m: usize, dx: &mut [f32]) {
     isa.check();
     gemm::gemm(isa, &QuantTransposed(w), dy, m, dx);
+}
+
+/// `dx[m, w.cols] = dy[m, w.rows] · W` on packed float-mode codes.
+pub fn float_quantized(isa: Isa, w: &FpQuantizedView, dy: &[f32], m: usize, dx: &mut [f32]) {
+    isa.check();
+    gemm::gemm(isa, &FpTransposed(w), dy, m, dx);
 }
 
 /// `dx[m, w.cols] = dy[m, w.rows] · W` on float weights.
@@ -58,6 +64,35 @@ impl Panels for QuantTransposed<'_, '_> {
                     tile[(c - n0) * kc + i] = s * q as f32 + b;
                 }
                 col = end;
+            }
+        }
+    }
+}
+
+/// `Wᵀ` of float-mode codes, as panels.
+struct FpTransposed<'v, 'a>(&'v FpQuantizedView<'a>);
+
+#[allow(clippy::misnamed_getters)]
+impl Panels for FpTransposed<'_, '_> {
+    fn rows(&self) -> usize {
+        self.0.cols
+    }
+
+    fn cols(&self) -> usize {
+        self.0.rows
+    }
+
+    /// Columns `n0..n0 + nc` of W rows `k0..k0 + kc`, each a code's value times its group's
+    /// scale.
+    fn panel(&self, _: Isa, n0: usize, nc: usize, k0: usize, kc: usize, tile: &mut [f32]) {
+        let w = self.0;
+        let (g, table) = (w.group_size, w.scale_table());
+        let groups = w.cols / g;
+        for i in 0..kc {
+            let row = k0 + i;
+            for c in n0..n0 + nc {
+                let s = table[usize::from(w.scales[row * groups + c / g])];
+                tile[(c - n0) * kc + i] = w.value(w.code(row, c)) * s;
             }
         }
     }

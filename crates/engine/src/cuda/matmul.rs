@@ -2,6 +2,11 @@
 //! products from packed weights, cuBLAS on dequantized ones, the fused projections and
 //! embedding rows.
 //!
+//! The float quantization modes (mxfp4, nvfp4, mxfp8) have a GEMV, a gated-MLP GEMV, embedding
+//! rows and the dequantization for cuBLAS of their own (`fgemv4`, `fglu`, `frows`, `fdequant`);
+//! the tensor-core products, the int16-activation GEMVs and the fused projections are for
+//! affine weights, and decline the others, whose callers then take the general path.
+//!
 //! Shapes are checked by the callers in [`crate::ops`]; these take buffers of the right lengths,
 //! and kernel arguments are raw device addresses, so that an op may read and write one buffer.
 
@@ -13,6 +18,7 @@ use super::launch::{addr, blocks, elements, int, sliced_warps, Result};
 use super::{
     err, Arg, Buffer, DenseWeights, DeviceRing, Gpu, GpuPositions, Memory, QuantizedWeights,
 };
+use crate::params::QuantMode;
 
 /// Up to this many activation rows a matmul may be a GEMV that streams each weight once; more
 /// go to the tensor cores: straight from 4- and 8-bit weights up to [`MMA_MAX_ROWS`] (batched
@@ -60,13 +66,20 @@ const DEQUANT_MAX_BYTES: usize = 128 << 20;
 /// The side of cuBLAS's output tiles, as far as filling the GPU goes.
 const GEMM_TILE: usize = 128;
 
-/// The shape of an MLX-quantized matrix.
+/// The shape and format of an MLX-quantized matrix.
 #[derive(Clone, Copy)]
 pub struct QuantShape {
     pub rows: usize,
     pub cols: usize,
+    pub mode: QuantMode,
     pub bits: u32,
     pub group_size: usize,
+}
+
+impl QuantShape {
+    fn affine(&self) -> bool {
+        self.mode == QuantMode::Affine
+    }
 }
 
 /// Threads per block of the quantized GEMVs: one run of 32 weights each across a row of `cols`,
@@ -78,11 +91,11 @@ fn row_threads(cols: usize) -> u32 {
 /// Shared memory of the int16-activation GEMVs (`qgemv_int`, `qglu_int`): the activations of
 /// `m` rows, rounded per run of 32, in tiles of 32 runs (`quantize_acts`). `None` where they
 /// do not apply: activations on an exact handle `g` (the activations' handle decides, as for
-/// the cuBLAS products), other bit widths, rows the tensor cores take ([`mma_applies`]), or
-/// activations over what is left of [`INT_MAX_SHARED_BYTES`] once the kernels' own arrays have
-/// theirs (then the f32-activation kernels run, for one row).
+/// the cuBLAS products), other bit widths, the float modes, rows the tensor cores take
+/// ([`mma_applies`]), or activations over what is left of [`INT_MAX_SHARED_BYTES`] once the
+/// kernels' own arrays have theirs (then the f32-activation kernels run, for one row).
 fn int_acts_bytes(g: &Gpu, s: QuantShape, m: usize) -> Option<u32> {
-    let applies = !g.exact_math() && matches!(s.bits, 4 | 8) && !mma_applies(g, s, m);
+    let applies = !g.exact_math() && s.affine() && matches!(s.bits, 4 | 8) && !mma_applies(g, s, m);
     int_acts_fit(s, m).filter(|_| applies)
 }
 
@@ -255,7 +268,9 @@ pub enum Output<'a> {
     AddTo(&'a mut Buffer),
 }
 
-/// `y[m, rows] = x[m, cols] · Wᵀ` (or `+=` into `out`).
+/// `y[m, rows] = x[m, cols] · Wᵀ` (or `+=` into `out`). The float modes take the plain GEMV
+/// (`fgemv4`) or cuBLAS on dequantized weights (`fdequant`), their own kernels of the same
+/// shapes as the affine ones; the tensor-core and int16-activation kernels are affine only.
 pub fn quantized_matmul(
     w: &QuantizedWeights,
     s: QuantShape,
@@ -297,10 +312,16 @@ pub fn quantized_matmul(
         } else {
             row_threads(s.cols)
         };
-        let name = format!("qgemv4_{}_{}", s.bits, w.scale_type);
-        launch!(&g, &name, blocks(s.rows.div_ceil(4), threads);
-            packed, scales, biases, x.ptr(), y_ptr, int(s.rows)?, int(s.cols)?,
-            int(s.group_size)?, int(m)?, accumulate as i32);
+        let cfg = blocks(s.rows.div_ceil(4), threads);
+        let (rows, cols, m, acc) = (int(s.rows)?, int(s.cols)?, int(m)?, accumulate as i32);
+        if s.affine() {
+            let name = format!("qgemv4_{}_{}", s.bits, w.scale_type);
+            launch!(&g, &name, cfg;
+                packed, scales, biases, x.ptr(), y_ptr, rows, cols, int(s.group_size)?, m, acc);
+        } else {
+            launch!(&g, &format!("fgemv4_{}", s.mode), cfg;
+                packed, scales, x.ptr(), y_ptr, rows, cols, m, acc);
+        }
         return Ok(y);
     }
     // Slices of rows dequantized into one scratch, each multiplied before the next overwrites
@@ -315,12 +336,18 @@ pub fn quantized_matmul(
         .max(DEQUANT_CHUNK_BYTES / row_bytes)
         .clamp(1, s.rows);
     let dense = g.scratch(4 * chunk * s.cols)?;
-    let name = format!("qdequant_{}_{}", s.bits, w.scale_type);
     for row0 in (0..s.rows).step_by(chunk) {
         let rows = chunk.min(s.rows - row0);
-        launch!(&g, &name, elements(&g, rows * s.cols / 4);
-            packed, scales, biases, dense.ptr(), int(row0)?, int(rows)?, int(s.cols)?,
-            int(s.group_size)?);
+        let cfg = elements(&g, rows * s.cols / 4);
+        let (first, count, cols) = (int(row0)?, int(rows)?, int(s.cols)?);
+        if s.affine() {
+            let name = format!("qdequant_{}_{}", s.bits, w.scale_type);
+            launch!(&g, &name, cfg;
+                packed, scales, biases, dense.ptr(), first, count, cols, int(s.group_size)?);
+        } else {
+            launch!(&g, &format!("fdequant_{}", s.mode), cfg;
+                packed, scales, dense.ptr(), first, count, cols);
+        }
         let y_rows = y_ptr + 4 * row0 as u64;
         gemm(
             &g,
@@ -336,12 +363,12 @@ pub fn quantized_matmul(
     Ok(y)
 }
 
-/// Whether [`quantized_mma`] takes a product of `m` rows of 4- or 8-bit weights on a handle
-/// that allows f16 operands: from [`MMA_MIN_ROWS`] up to [`MMA_MAX_ROWS`], or from two rows
-/// where the int16 activations do not fit a block.
+/// Whether [`quantized_mma`] takes a product of `m` rows of 4- or 8-bit affine weights on a
+/// handle that allows f16 operands: from [`MMA_MIN_ROWS`] up to [`MMA_MAX_ROWS`], or from two
+/// rows where the int16 activations do not fit a block.
 fn mma_applies(g: &Gpu, s: QuantShape, m: usize) -> bool {
     let rows = m >= MMA_MIN_ROWS || (m > 1 && int_acts_fit(s, m).is_none());
-    !g.exact_math() && matches!(s.bits, 4 | 8) && rows && m <= MMA_MAX_ROWS
+    !g.exact_math() && s.affine() && matches!(s.bits, 4 | 8) && rows && m <= MMA_MAX_ROWS
 }
 
 /// The activations of tensor-core products from packed weights (`mma_acts` in the kernels):
@@ -442,11 +469,12 @@ fn norm_args(norm: InputNorm) -> [Arg; 2] {
     [Arg::from(ptr), Arg::from(eps)]
 }
 
-/// Whether the matrices share input width, bits, group size and scale type, as one launch of
-/// the int16-activation kernels over all of them needs.
+/// Whether the matrices share input width, mode, bits, group size and scale type, as one launch
+/// of the int16-activation kernels over all of them needs.
 fn same_format(ws: &[(&QuantizedWeights, QuantShape)]) -> bool {
-    let format =
-        |(w, s): &(&QuantizedWeights, QuantShape)| (s.cols, s.bits, s.group_size, w.scale_type);
+    let format = |(w, s): &(&QuantizedWeights, QuantShape)| {
+        (s.cols, s.mode, s.bits, s.group_size, w.scale_type)
+    };
     ws.iter().all(|m| format(m) == format(&ws[0]))
 }
 
@@ -605,9 +633,9 @@ pub enum Glu {
 
 /// `act(x·Gᵀ) · (x·Uᵀ)` in one pass for up to [`GEMV_MAX_ROWS`] rows, or in two tensor-core
 /// products from one set of activations where those apply, when the gate and up projections
-/// share their shape and quantization; `None` otherwise (the caller composes). A `norm` is
-/// folded in where the int16-activation kernel or the tensor cores run; elsewhere it is `None`
-/// too (the caller norms first).
+/// share their shape and quantization (`s` is both's); `None` otherwise (the caller composes).
+/// A `norm` is folded in where the int16-activation kernel or the tensor cores run; elsewhere
+/// it is `None` too (the caller norms first). The float modes take the one-pass `fglu`.
 #[allow(clippy::too_many_arguments)]
 pub fn quantized_glu(
     gate: &QuantizedWeights,
@@ -668,8 +696,15 @@ pub fn quantized_glu(
             virtual_blocks);
         return Ok(Some(out));
     }
-    launch!(&g, &format!("qglu_{}_{}", s.bits, gate.scale_type), blocks(s.rows.div_ceil(2), row_threads(s.cols));
-        gw, gs, gb, uw, us, ub, x.ptr(), out.ptr(), int(s.rows)?, int(s.cols)?, int(s.group_size)?, int(m)?, act as i32);
+    let cfg = blocks(s.rows.div_ceil(2), row_threads(s.cols));
+    let (rows, cols, m, act) = (int(s.rows)?, int(s.cols)?, int(m)?, act as i32);
+    if s.affine() {
+        launch!(&g, &format!("qglu_{}_{}", s.bits, gate.scale_type), cfg;
+            gw, gs, gb, uw, us, ub, x.ptr(), out.ptr(), rows, cols, int(s.group_size)?, m, act);
+    } else {
+        launch!(&g, &format!("fglu_{}", s.mode), cfg;
+            gw, gs, uw, us, x.ptr(), out.ptr(), rows, cols, m, act);
+    }
     Ok(Some(out))
 }
 
@@ -766,10 +801,21 @@ pub fn quantized_rows(w: &QuantizedWeights, s: QuantShape, ids: &[usize]) -> Res
     let g = w.gpu.clone();
     let idx = g.indices(ids.iter().copied())?;
     let out = g.output(ids.len() * s.cols)?;
-    if !ids.is_empty() {
-        launch!(&g, &format!("qrows_{}_{}", s.bits, w.scale_type), blocks(ids.len(), 128);
-            addr(&g, &w.packed), addr(&g, &w.scales), addr(&g, &w.biases), idx.ptr(),
-            out.ptr(), int(s.cols)?, int(s.group_size)?);
+    if ids.is_empty() {
+        return Ok(out);
+    }
+    let (packed, scales, cfg) = (
+        addr(&g, &w.packed),
+        addr(&g, &w.scales),
+        blocks(ids.len(), 128),
+    );
+    if s.affine() {
+        launch!(&g, &format!("qrows_{}_{}", s.bits, w.scale_type), cfg;
+            packed, scales, addr(&g, &w.biases), idx.ptr(), out.ptr(), int(s.cols)?,
+            int(s.group_size)?);
+    } else {
+        launch!(&g, &format!("frows_{}", s.mode), cfg;
+            packed, scales, idx.ptr(), out.ptr(), int(s.cols)?);
     }
     Ok(out)
 }

@@ -830,11 +830,14 @@ pub(crate) fn not_placed(rows: usize, cols: usize, gpu: &Gpu) -> EngineError {
     ))
 }
 
-/// An MLX affine-quantized matrix in device memory, in its packed form.
+/// An MLX-quantized matrix in device memory, in its packed form.
 pub struct QuantizedWeights {
     pub(crate) packed: CudaSlice<u32>,
     pub(crate) scales: CudaSlice<u8>,
+    /// One zero byte, never read, in the float modes, which have no biases.
     pub(crate) biases: CudaSlice<u8>,
+    /// The scales' type as kernel names spell it: `f32`, `f16` or `bf16`; `u8` (codes) in the
+    /// float modes.
     pub(crate) scale_type: &'static str,
     pub(crate) gpu: Gpu,
 }

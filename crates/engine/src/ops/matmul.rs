@@ -4,6 +4,7 @@
 use crate::cpu;
 use crate::cuda::{self, Buffer};
 use crate::kv::{KvRing, RingStorage};
+use crate::quant::QuantizedParts;
 use crate::tensor::Storage;
 use crate::{Device, FloatMatrix, Positions, QuantizedMatrix, Tensor};
 
@@ -130,8 +131,9 @@ fn foldable<'a>(
 }
 
 /// `norm(x) · Wⱼᵀ` for each of `ws` (a layer's q/k/v projections, say): on the CPU one job
-/// over all their rows, with the activations quantized once; on a GPU one launch where the
-/// int16-activation GEMV applies (the norm folded in), else one matmul each.
+/// over all their rows, with the activations quantized once, where all are affine; on a GPU
+/// one launch where the int16-activation GEMV applies (the norm folded in); else one matmul
+/// each.
 pub fn quantized_matmul_group(
     ws: &[&QuantizedMatrix],
     x: &Tensor,
@@ -165,10 +167,26 @@ pub fn quantized_matmul_group(
     };
     let m = x.rows();
     let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0.0; m * w.rows]).collect();
-    let views: Vec<_> = ws.iter().map(|w| w.view()).collect();
-    let view_refs: Vec<_> = views.iter().collect();
-    let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
-    cpu::matmul::matmul_group(&view_refs, v, m, &mut outs);
+    let views: Option<Vec<_>> = ws
+        .iter()
+        .map(|w| match w.parts() {
+            QuantizedParts::Affine(v) => Some(v),
+            QuantizedParts::Float(_) => None,
+        })
+        .collect();
+    match views {
+        // The affine kernels share one job (and one quantization of the activations).
+        Some(views) => {
+            let view_refs: Vec<_> = views.iter().collect();
+            let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
+            cpu::matmul::matmul_group(&view_refs, v, m, &mut outs);
+        }
+        None => {
+            for (w, y) in ws.iter().zip(ys.iter_mut()) {
+                w.matmul(v, m, y);
+            }
+        }
+    }
     Ok(ws
         .iter()
         .zip(ys)
@@ -219,8 +237,8 @@ pub fn quantized_glu(
     norm: Option<InputNorm>,
     act: Activation,
 ) -> Result<Tensor> {
-    let same_format = (gate.rows, gate.cols, gate.bits, gate.group_size)
-        == (up.rows, up.cols, up.bits, up.group_size);
+    let format = |w: &QuantizedMatrix| (w.rows, w.cols, w.mode, w.bits, w.group_size);
+    let same_format = format(gate) == format(up);
     let gpu = match &x.storage {
         Storage::Cuda(b) if same_format && x.cols() == gate.cols => {
             foldable(b, x.cols(), norm).map(|folded| (b, folded))
@@ -289,9 +307,9 @@ pub struct KvTarget<'a> {
 /// and values written into `cache`. The same numbers as [`quantized_matmul_group`],
 /// [`add_row_inplace`], [`rope_pair_inplace`] and [`kv_write`] in turn. Returns the rotated
 /// queries, or `None` where the fused kernel does not apply (the host, more than one token,
-/// widths other than 4 and 8 bits, an exact GPU handle, a rotation of part of each head or with
-/// an amplitude),
-/// having written nothing: the caller then takes those steps.
+/// widths other than 4 and 8 bits or modes other than affine, an exact GPU handle, a rotation
+/// of part of each head or with an amplitude), having written nothing: the caller then takes
+/// those steps.
 pub fn qkv_rope_write(
     ws: [(&QuantizedMatrix, Option<&Tensor>); 3],
     x: &Tensor,

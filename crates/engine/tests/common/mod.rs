@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each test binary uses its own part
 
 use half::{bf16, f16};
+use oxlm_engine::quant::QuantMode;
 use oxlm_engine::{Bytes, DType, QuantizedMatrix};
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -46,6 +47,43 @@ pub fn random_quantized(
         dtype,
         floats_as(dtype, &scales),
         floats_as(dtype, &biases),
+    )
+    .unwrap()
+}
+
+/// A random matrix in the float mode `mode`: every code but E4M3's NaN (0x7F, 0xFF), and
+/// scales of a moderate range (E8M0 2^-8..2^0; E4M3 2^-8..2^-1, subnormal ones included).
+pub fn random_float_quantized(
+    rng: &mut StdRng,
+    rows: usize,
+    cols: usize,
+    mode: QuantMode,
+) -> QuantizedMatrix {
+    let (bits, g) = mode.float_format().expect("a float mode");
+    let bytes: Vec<u8> = (0..rows * cols * bits as usize / 8)
+        .map(|_| {
+            let b: u8 = rng.random();
+            if bits == 8 && b & 0x7F == 0x7F {
+                b ^ 1
+            } else {
+                b
+            }
+        })
+        .collect();
+    let scales: Vec<u8> = (0..rows * cols / g)
+        .map(|_| match mode {
+            QuantMode::Nvfp4 => rng.random_range(0x04..0x38),
+            _ => rng.random_range(119..=127),
+        })
+        .collect();
+    QuantizedMatrix::new_float(
+        mode,
+        rows,
+        cols,
+        bits,
+        g,
+        Bytes::copy_from(&bytes),
+        Bytes::copy_from(&scales),
     )
     .unwrap()
 }

@@ -12,9 +12,9 @@ use oxlm_models::{LanguageModel, Logits};
 /// As the tiny-model parity tests: both sides compute in f32.
 pub const LOGIT_TOLERANCE: f32 = 2e-3;
 
-/// `(adapter fixture, base model)`: every architecture, the multimodal wrappers and the
-/// mixtures of experts.
-pub const CASES: [(&str, &str); 11] = [
+/// `(adapter fixture, base model)`: every architecture, the multimodal wrappers, the mixtures
+/// of experts and the float quantization modes.
+pub const CASES: [(&str, &str); 12] = [
     ("llama-4bit-g64-r4", "llama-4bit-g64"),
     ("qwen2-4bit-g64-keys", "qwen2-4bit-g64"),
     ("gemma3-4bit-g64-r4", "gemma3-4bit-g64"),
@@ -26,6 +26,7 @@ pub const CASES: [(&str, &str); 11] = [
     ("gemma4-moe-4bit-g64-r4", "gemma4-moe-4bit-g64"),
     ("lfm2-8bit-g32-r4", "lfm2-8bit-g32"),
     ("lfm2_moe-4bit-g64-r4", "lfm2_moe-4bit-g64"),
+    ("llama-mxfp4-g32-r4", "llama-mxfp4-g32"),
 ];
 
 pub fn fixtures() -> PathBuf {

@@ -128,6 +128,24 @@ __device__ __forceinline__ void block_sum(float (&acc)[ROWS][8], int m) {
     }
 }
 
+// Thread 0's block sums of rows row0.. (block_sum) into y[r, row0 + i], or added to it with
+// `accumulate`.
+template <int ROWS>
+__device__ __forceinline__ void store_rows(const float (&acc)[ROWS][8], float *__restrict__ y,
+                                           int row0, int n, int m, int accumulate) {
+    if (threadIdx.x != 0) return;
+#pragma unroll
+    for (int i = 0; i < ROWS; i++) {
+        if (row0 + i >= n) break;
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            if (r >= m) break;
+            float *o = y + (i64)r * n + row0 + i;
+            *o = accumulate ? *o + acc[i][r] : acc[i][r];
+        }
+    }
+}
+
 // y[r, n] (+)= Σ_k x[r, k] · W[n, k] for r < m (m ≤ 8): one block per ROWS weight rows, its
 // threads splitting the row's runs. `accumulate` adds into y (a residual connection) instead of
 // overwriting it.
@@ -140,17 +158,14 @@ __device__ void qgemv(const u32 *__restrict__ w, const typename S::T *__restrict
     zero(acc);
     qdot_rows<BITS, S, ROWS>(w, scales, biases, x, row0, n, k, group, m, acc);
     block_sum(acc, m);
-    if (threadIdx.x != 0) return;
-#pragma unroll
-    for (int i = 0; i < ROWS; i++) {
-        if (row0 + i >= n) break;
-#pragma unroll
-        for (int r = 0; r < 8; r++) {
-            if (r >= m) break;
-            float *o = y + (i64)r * n + row0 + i;
-            *o = accumulate ? *o + acc[i][r] : acc[i][r];
-        }
-    }
+    store_rows(acc, y, row0, n, m, accumulate);
+}
+
+// act(a) · b for the gated MLP's activation `act`: SiLU (0) or tanh-GELU (1).
+__device__ __forceinline__ float gated(float a, float b, int act) {
+    const float h = act == 0 ? a / (1.f + expf(-a))
+                             : 0.5f * a * (1.f + tanhf(0.7978846f * (a + 0.044715f * a * a * a)));
+    return h * b;
 }
 
 // out[r, n] = act(x·Gᵀ) · (x·Uᵀ), the gated MLP's first half in one pass: G and U (the gate
@@ -178,10 +193,7 @@ __device__ void qglu(const u32 *__restrict__ gw, const typename S::T *__restrict
 #pragma unroll
         for (int r = 0; r < 8; r++) {
             if (r >= m) break;
-            const float a = g[i][r], b = u[i][r];
-            const float h = act == 0 ? a / (1.f + expf(-a))
-                                     : 0.5f * a * (1.f + tanhf(0.7978846f * (a + 0.044715f * a * a * a)));
-            out[(i64)r * n + row0 + i] = h * b;
+            out[(i64)r * n + row0 + i] = gated(g[i][r], u[i][r], act);
         }
     }
 }
@@ -273,6 +285,224 @@ QUANTIZED_BITS(4)
 QUANTIZED_BITS(5)
 QUANTIZED_BITS(6)
 QUANTIZED_BITS(8)
+
+// ---- MLX float-quantized weights (mxfp4, nvfp4, mxfp8) ------------------------------------------
+//
+// Codes packed as the affine integers are (element j of a row in bits j·BITS of its words), E2M1
+// for 4 bits and E4M3 for 8, times one uint8-coded scale per group: E8M0 (2^(code - 127)) per 32
+// weights for mxfp4 and mxfp8, E4M3 per 16 for nvfp4; no biases. Codes are decoded with integer
+// operations into f32 bits (a table indexed at run time would live in local memory), to exactly
+// the values of params.rs's tables. Each group's dot is scaled once, as MLX sums them.
+
+// The E2M1 value of a 4-bit code (bit 3 the sign): magnitude 1 is 0.5, and from 2 on the two
+// exponent bits and the mantissa bit go under f32's, the exponent rebased from 1 to 127.
+__device__ __forceinline__ float e2m1_float(u32 c) {
+    const u32 mag = c & 7u;
+    const u32 bits = mag < 2u ? (mag ? 0x3F000000u : 0u) : (mag << 22) + (126u << 23);
+    return __uint_as_float(bits | ((c & 8u) << 28));
+}
+
+// The E4M3 value of an 8-bit code (bit 7 the sign; bias 7, no infinities, 0x7F NaN): exponent 0
+// holds the subnormals m · 2^-9, the rest go under f32's bits, the exponent rebased to 127.
+__device__ __forceinline__ float e4m3_float(u32 c) {
+    const u32 mag = c & 0x7Fu;
+    float v = mag < 8u ? small_int_float(mag) * 0.001953125f
+                       : __uint_as_float((mag << 20) + (120u << 23));
+    if (mag == 0x7Fu) v = __uint_as_float(0x7FC00000u);
+    return (c & 0x80u) ? -v : v;
+}
+
+// The E8M0 scale of a code: 2^(code - 127); code 0 is 2^-127, an f32 subnormal, and 255 infinite.
+__device__ __forceinline__ float e8m0_float(u32 c) {
+    return __uint_as_float(c ? c << 23 : 0x00400000u);
+}
+
+// The float modes as the kernels take them: BITS per code, GROUP codes per scale, and the
+// decoding of each.
+struct Mxfp4 {
+    static constexpr int BITS = 4, GROUP = 32;
+    static __device__ __forceinline__ float value(u32 c) { return e2m1_float(c); }
+    static __device__ __forceinline__ float scale(u32 c) { return e8m0_float(c); }
+};
+
+struct Nvfp4 {
+    static constexpr int BITS = 4, GROUP = 16;
+    static __device__ __forceinline__ float value(u32 c) { return e2m1_float(c); }
+    static __device__ __forceinline__ float scale(u32 c) { return e4m3_float(c); }
+};
+
+struct Mxfp8 {
+    static constexpr int BITS = 8, GROUP = 32;
+    static __device__ __forceinline__ float value(u32 c) { return e4m3_float(c); }
+    static __device__ __forceinline__ float scale(u32 c) { return e8m0_float(c); }
+};
+
+// acc[i][r] += Σ_k x[r, k] · W[row0 + i, k] for the float mode F, as qdot_rows does for affine
+// weights (threads of the block take every blockDim-th run of 32 codes; rows past n repeat the
+// last; r < m ≤ 8): a run holds one group, or two of nvfp4's, whose dots are scaled apart.
+template <class F, int ROWS>
+__device__ __forceinline__ void fdot_rows(const u32 *__restrict__ w,
+                                          const unsigned char *__restrict__ scales,
+                                          const float *__restrict__ x, int row0, int n, int k,
+                                          int m, float (&acc)[ROWS][8]) {
+    constexpr int BITS = F::BITS, PER_RUN = 32 / F::GROUP, QUADS = F::GROUP / 4;
+    const int runs = k >> 5, groups = k / F::GROUP;
+    for (int c = threadIdx.x; c < runs; c += blockDim.x) {
+        u32 words[ROWS][BITS];
+        float s[ROWS][PER_RUN];
+#pragma unroll
+        for (int i = 0; i < ROWS; i++) {
+            const int row = min(row0 + i, n - 1);
+            load_run<BITS>(w + ((i64)row * runs + c) * BITS, words[i]);
+#pragma unroll
+            for (int p = 0; p < PER_RUN; p++)
+                s[i][p] = F::scale(scales[(i64)row * groups + c * PER_RUN + p]);
+        }
+#pragma unroll
+        for (int p = 0; p < PER_RUN; p++) {
+            float dot[ROWS][8];
+            zero(dot);
+#pragma unroll
+            for (int qq = 0; qq < QUADS; qq++) {
+                const int q = p * QUADS + qq;
+                float wq[ROWS][4];
+#pragma unroll
+                for (int i = 0; i < ROWS; i++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+                        wq[i][j] = F::value(run_value<BITS>(words[i], 4 * q + j));
+#pragma unroll
+                for (int r = 0; r < 8; r++) {
+                    if (r >= m) break;
+                    const float4 v =
+                        reinterpret_cast<const float4 *>(x + (i64)r * k + (c << 5))[q];
+#pragma unroll
+                    for (int i = 0; i < ROWS; i++) {
+                        dot[i][r] = fmaf(wq[i][0], v.x, dot[i][r]);
+                        dot[i][r] = fmaf(wq[i][1], v.y, dot[i][r]);
+                        dot[i][r] = fmaf(wq[i][2], v.z, dot[i][r]);
+                        dot[i][r] = fmaf(wq[i][3], v.w, dot[i][r]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 8; r++) {
+                if (r >= m) break;
+#pragma unroll
+                for (int i = 0; i < ROWS; i++) acc[i][r] = fmaf(s[i][p], dot[i][r], acc[i][r]);
+            }
+        }
+    }
+}
+
+// qgemv for the float mode F.
+template <class F, int ROWS>
+__device__ void fgemv(const u32 *__restrict__ w, const unsigned char *__restrict__ scales,
+                      const float *__restrict__ x, float *__restrict__ y, int n, int k, int m,
+                      int accumulate) {
+    const int row0 = blockIdx.x * ROWS;
+    float acc[ROWS][8];
+    zero(acc);
+    fdot_rows<F, ROWS>(w, scales, x, row0, n, k, m, acc);
+    block_sum(acc, m);
+    store_rows(acc, y, row0, n, m, accumulate);
+}
+
+// qglu for the float mode F: out = act(x·Gᵀ) · (x·Uᵀ), one block per 2 rows of each.
+template <class F>
+__device__ void fglu(const u32 *__restrict__ gw, const unsigned char *__restrict__ gs,
+                     const u32 *__restrict__ uw, const unsigned char *__restrict__ us,
+                     const float *__restrict__ x, float *__restrict__ out, int n, int k, int m,
+                     int act) {
+    const int row0 = blockIdx.x * 2;
+    float g[2][8], u[2][8];
+    zero(g);
+    zero(u);
+    fdot_rows<F, 2>(gw, gs, x, row0, n, k, m, g);
+    fdot_rows<F, 2>(uw, us, x, row0, n, k, m, u);
+    block_sum(g, m);
+    __syncthreads();
+    block_sum(u, m);
+    if (threadIdx.x != 0) return;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        if (row0 + i >= n) break;
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            if (r >= m) break;
+            out[(i64)r * n + row0 + i] = gated(g[i][r], u[i][r], act);
+        }
+    }
+}
+
+// qrows for the float mode F: out[t, :] = W[ids[t], :] dequantized, one block per token.
+template <class F>
+__device__ void frows(const u32 *__restrict__ w, const unsigned char *__restrict__ scales,
+                      const int *__restrict__ ids, float *__restrict__ out, int k) {
+    constexpr int BITS = F::BITS, PER_RUN = 32 / F::GROUP;
+    const int runs = k >> 5, groups = k / F::GROUP;
+    const i64 row = ids[blockIdx.x];
+    for (int c = threadIdx.x; c < runs; c += blockDim.x) {
+        u32 words[BITS];
+        load_run<BITS>(w + (row * runs + c) * BITS, words);
+        float s[PER_RUN];
+#pragma unroll
+        for (int p = 0; p < PER_RUN; p++) s[p] = F::scale(scales[row * groups + c * PER_RUN + p]);
+        float *o = out + (i64)blockIdx.x * k + (c << 5);
+#pragma unroll
+        for (int j = 0; j < 32; j++) o[j] = F::value(run_value<BITS>(words, j)) * s[j / F::GROUP];
+    }
+}
+
+// qdequant for the float mode F: rows row0..row0 + rows to f32, one thread per 4 consecutive
+// weights, which lie in one word (16 bits of it for 4-bit codes) and one group.
+template <class F>
+__device__ void fdequant(const u32 *__restrict__ w, const unsigned char *__restrict__ scales,
+                         float *__restrict__ out, int row0, int rows, int k) {
+    constexpr int BITS = F::BITS;
+    constexpr u32 mask = (1u << BITS) - 1u;
+    const i64 quads = (i64)rows * (k >> 2), first = (i64)row0 * k;
+    GRID_STRIDE(i, quads) {
+        const i64 e = first + 4 * i;
+        const i64 bit = e * BITS;
+        const u32 v = w[bit >> 5] >> (bit & 31);
+        const float s = F::scale(scales[e / F::GROUP]);
+        float4 o;
+        o.x = F::value(v & mask) * s;
+        o.y = F::value((v >> BITS) & mask) * s;
+        o.z = F::value((v >> (2 * BITS)) & mask) * s;
+        o.w = F::value((v >> (3 * BITS)) & mask) * s;
+        reinterpret_cast<float4 *>(out)[i] = o;
+    }
+}
+
+#define FLOAT_QUANTIZED(F, NAME)                                                                   \
+    extern "C" __global__ void fgemv4_##NAME(const u32 *w, const unsigned char *s,                 \
+                                             const float *x, float *y, int n, int k, int m,        \
+                                             int acc) {                                            \
+        await_inputs();                                                                            \
+        fgemv<F, 4>(w, s, x, y, n, k, m, acc);                                                     \
+    }                                                                                              \
+    extern "C" __global__ void fglu_##NAME(const u32 *gw, const unsigned char *gs, const u32 *uw,  \
+                                           const unsigned char *us, const float *x, float *out,    \
+                                           int n, int k, int m, int act) {                         \
+        await_inputs();                                                                            \
+        fglu<F>(gw, gs, uw, us, x, out, n, k, m, act);                                             \
+    }                                                                                              \
+    extern "C" __global__ void frows_##NAME(const u32 *w, const unsigned char *s, const int *ids,  \
+                                            float *out, int k) {                                   \
+        await_inputs();                                                                            \
+        frows<F>(w, s, ids, out, k);                                                               \
+    }                                                                                              \
+    extern "C" __global__ void fdequant_##NAME(const u32 *w, const unsigned char *s, float *out,   \
+                                               int row0, int rows, int k) {                        \
+        await_inputs();                                                                            \
+        fdequant<F>(w, s, out, row0, rows, k);                                                     \
+    }
+
+FLOAT_QUANTIZED(Mxfp4, mxfp4)
+FLOAT_QUANTIZED(Nvfp4, nvfp4)
+FLOAT_QUANTIZED(Mxfp8, mxfp8)
 
 // The formats of the integer kernels (int16 GEMVs, tensor-core products): 4- and 8-bit weights
 // with f32, f16 or bf16 scales and biases; `X(BITS, S, NAME)` instantiated for each.

@@ -1,8 +1,9 @@
 // The kernels of oxlm's CUDA backend, compiled at start-up by NVRTC for the device at hand.
 //
-// Activations are f32. Weights stay in the MLX affine layout: per row, uint32 words holding a
-// little-endian bit stream of `bits`-bit integers, and one scale and bias per group of columns
-// (f32, f16 or bf16). No header is included, so that NVRTC needs no CUDA toolkit beside it:
+// Activations are f32. Weights stay in MLX's quantized layouts: per row, uint32 words holding a
+// little-endian bit stream of `bits`-bit codes, with one scale and bias per group of columns
+// (f32, f16 or bf16) for affine integers, or one uint8-coded scale per group for the float
+// modes' E2M1 and E4M3 codes (matmul.cu). No header is included, so that NVRTC needs no CUDA toolkit beside it:
 // half-precision values are converted with PTX or bit shifts.
 //
 // Entry points are `extern "C"`, one per template instance, named `<kernel>_<variant>`.
