@@ -334,7 +334,8 @@ impl<'a> SequenceAttention<'a> {
         let mut out = vec![0.0; q.len()];
         let p: Vec<usize> = (0..n).collect();
         let attention = oxlm_engine::cpu::attention::attention;
-        attention(q.data(), h.heads, h.head_dim, &p, &kv, scale, &mut out);
+        let options = oxlm_engine::cpu::attention::Options::scaled(scale);
+        attention(q.data(), h.heads, h.head_dim, &p, &kv, options, &mut out);
         let core = SequenceAttention {
             heads: h,
             scale,
@@ -369,7 +370,8 @@ impl<'a> SequenceAttention<'a> {
         let h = self.heads;
         let n = self.q.rows();
         let kv = KvView::sequence(&self.k[..], &self.v[..], h.kv_heads, n).within(self.window);
-        let grads = attention_backward(self.q.data(), h.heads, h.head_dim, &kv, self.scale, d_out);
+        let options = oxlm_engine::cpu::attention::Options::scaled(self.scale);
+        let grads = attention_backward(self.q.data(), h.heads, h.head_dim, &kv, options, d_out);
         let mut dq = grads.dq;
         rope_backward(self.rope, &mut dq, h.heads, h.head_dim);
         let dq = through_norm(self.q_norm, self.q_raw.as_ref(), &dq);

@@ -619,7 +619,8 @@ impl Attention {
                 q
             }
         };
-        attend_kv(&q, self.heads, self.head_dim, positions, caches, self.scale)
+        let options = ops::AttentionOptions::scaled(self.scale);
+        attend_kv(&q, self.heads, self.head_dim, positions, caches, options)
     }
 
     /// The rotated queries of one token whose keys and values went straight into `cache`, by

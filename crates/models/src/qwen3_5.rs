@@ -159,7 +159,14 @@ impl GatedAttention {
         self.rope
             .apply_pair(&mut q, self.heads, &mut k, self.kv_heads, hd, positions)?;
         append_kv(caches, &k, &v, positions)?;
-        let mut out = attend_kv(&q, self.heads, hd, positions, caches, self.scale)?;
+        let mut out = attend_kv(
+            &q,
+            self.heads,
+            hd,
+            positions,
+            caches,
+            ops::AttentionOptions::scaled(self.scale),
+        )?;
         ops::sigmoid_mul_inplace(&mut out, &gate)?;
         self.o_proj.forward_adapted(&out, lora.get("o_proj"))
     }
