@@ -93,6 +93,12 @@ RUNS = {
     # stacked experts adapted) chosen with an expert bias
     "lfm2_moe-4bit-g64": dict(base="lfm2_moe-4bit-g64", seed=15, num_layers=4,
                               lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
+    # every block: soft-capped attention scores, Gemma's norms around both branches, GeGLU
+    "gemma2-4bit-g32": dict(base="gemma2-4bit-g32", seed=16, num_layers=2,
+                            lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
+    # every block: attention sinks, biased projections, the clamped SwiGLU's biased experts
+    "gpt_oss-4bit-g32": dict(base="gpt_oss-4bit-g32", seed=17, num_layers=2,
+                             lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
 }
 
 

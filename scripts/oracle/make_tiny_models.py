@@ -28,6 +28,16 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "h
 # Seeds were picked (out of 0..23) for the largest minimum top1-top2 logit margin over the 32 greedy steps of
 # make_goldens.py, so that greedy comparisons are robust to float reordering in other runtimes.
 # Tokenizer ids: 0 <|endoftext|>, 1 <|im_start|>, 2 <|im_end|>.
+GPT_OSS = {
+            "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
+            "vocab_size": 512, "sliding_window": 8, "rope_theta": 150000.0,
+            "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "original_max_position_embeddings": 4096},
+            "layer_types": ["sliding_attention", "full_attention"], "max_position_embeddings": 131072,
+            "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}
+
 MODELS = {
     # Llama-3.x style: GQA 4/2, untied 8-bit lm_head, llama3 rope scaling (theta 5e5, head_dim 16: of the 8
     # frequency pairs, pair 4 is smoothed and pairs 5..7 are divided by 32), intermediate 96 -> down_proj dense.
@@ -288,6 +298,31 @@ MODELS = {
             "rope_theta": 10000.0, "rope_scaling": {"type": "dynamic", "alpha": 4.0, "factor": 1.0},
             "attention_bias": True, "use_qk_norm": True, "tie_word_embeddings": False,
             "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # Gemma 2: Gemma's norms around both branches, GeGLU, soft caps on the attention scores (20, low enough to
+    # bite) and on the logits, query_pre_attn_scalar, tied.
+    "gemma2-4bit-g32": dict(
+        seed=30, gain=2.0, embed_gain=1.0, group_size=32, bits=4, overrides={},
+        config={
+            "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "rms_norm_eps": 1e-6, "vocab_size": 512, "rope_theta": 10000.0,
+            "attn_logit_softcapping": 20.0, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 32,
+            "max_position_embeddings": 8192, "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # gpt-oss: attention sinks, q/k/v/o biases, a windowed layer (8) then a global one, YaRN x32, 4 biased experts
+    # top-2 with the clamped SwiGLU behind an 8-bit biased router; sinks and biases drawn so they matter.
+    "gpt_oss-4bit-g32": dict(
+        seed=31, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},
+        shape_other=lambda path, v: (mx.random.normal(v.shape) if "sinks" in path
+                                     else 0.5 * mx.random.normal(v.shape) if path.endswith("bias") else v),
+        config=GPT_OSS),
+    # gpt-oss as mlx-community ships it: MXFP4 experts, 8-bit affine elsewhere.
+    "gpt_oss-mxfp4-q8": dict(
+        seed=31, gain=4.0, embed_gain=1.0, group_size=64, bits=8,
+        overrides={f"model.layers.{i}.mlp.experts.{p}": {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+                   for i in range(2) for p in ("gate_proj", "up_proj", "down_proj")},
+        shape_other=lambda path, v: (mx.random.normal(v.shape) if "sinks" in path
+                                     else 0.5 * mx.random.normal(v.shape) if path.endswith("bias") else v),
+        config=GPT_OSS),
     # Ministral 3 in Mistral 3's wrapper: YaRN in rope_parameters, Llama 4's query scale past an original context
     # of 16 positions (the prompt and the greedy steps cross 16, 32 and 64), a windowed layer (8) and a global one.
     "ministral3-4bit-g32": dict(

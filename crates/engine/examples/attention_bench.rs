@@ -104,7 +104,8 @@ fn report<R: KvRows>(
         let t = Instant::now();
         for &(keys, values) in caches {
             let view = attention::KvView::sequence(keys, values, s.kv_heads, s.context);
-            attention::attention(q, s.heads, s.d, &[s.context - 1], &view, 0.125, &mut out);
+            let options = attention::Options::scaled(0.125);
+            attention::attention(q, s.heads, s.d, &[s.context - 1], &view, options, &mut out);
         }
         best = best.min(t.elapsed().as_secs_f64());
     }

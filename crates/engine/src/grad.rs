@@ -4,7 +4,7 @@
 //! to the forward's output, and returns the gradient with respect to its input. Weights of the
 //! frozen model get no gradient.
 
-use crate::cpu::attention::KvView;
+use crate::cpu::attention::{KvView, Options};
 use crate::cpu::dense::dot;
 use crate::cpu::elementwise::softmax_inplace;
 use crate::cpu::recurrent::delta_gates;
@@ -142,13 +142,15 @@ pub struct AttentionGrads {
 
 /// Backward of [`crate::ops::attention`] over `kv` holding exactly the `n` positions of `q`
 /// (`kv.capacity == kv.end == n`, from 0; through its window, if any), for the output gradient
-/// `dout` (`[n, heads, head_dim]`).
+/// `dout` (`[n, heads, head_dim]`). With `options`' soft cap, the gradient goes through the
+/// `tanh`; with its sinks, they take their share of each softmax (they get no gradient: they
+/// are the frozen model's).
 pub fn attention_backward(
     q: &[f32],
     heads: usize,
     head_dim: usize,
     kv: &KvView<&[f32]>,
-    scale: f32,
+    options: Options,
     dout: &[f32],
 ) -> AttentionGrads {
     let n = kv.end;
@@ -156,11 +158,18 @@ pub fn attention_backward(
         kv.capacity == n && kv.start == 0,
         "attention_backward takes one whole sequence"
     );
+    assert!(
+        options.sinks.is_none_or(|s| s.len() == heads),
+        "attention sinks for other than {heads} heads"
+    );
+    let scale = options.scale;
     let group = heads / kv.kv_heads;
     let mut dq = vec![0.0; q.len()];
     let mut dk = vec![0.0; kv.keys.len()];
     let mut dv = vec![0.0; kv.values.len()];
     let mut p = vec![0.0f32; n];
+    // The derivative of each capped score by the scaled one, `1 - tanh²`.
+    let mut slope = vec![1.0f32; n];
     for t in 0..n {
         // Query `t` sees positions `first..=t`.
         let first = kv.window.map_or(0, |w| (t + 1).saturating_sub(w));
@@ -172,12 +181,20 @@ pub fn attention_backward(
             let seen = (kvh * n + first) * head_dim..(kvh * n + t + 1) * head_dim;
             let keys = &kv.keys[seen.clone()];
             let values = &kv.values[seen.clone()];
-            let p = &mut p[..visible];
-            for (pj, kj) in p.iter_mut().zip(keys.chunks_exact(head_dim)) {
+            let (p, slope) = (&mut p[..visible], &mut slope[..visible]);
+            for ((pj, sj), kj) in p
+                .iter_mut()
+                .zip(&mut *slope)
+                .zip(keys.chunks_exact(head_dim))
+            {
                 *pj = dot(qv, kj) * scale;
+                if let Some(cap) = options.softcap {
+                    let th = (*pj / cap).tanh();
+                    (*pj, *sj) = (cap * th, 1.0 - th * th);
+                }
             }
-            softmax_inplace(p);
-            // dp_j = dout·v_j; ds_j = p_j (dp_j - Σ p·dp)
+            softmax_with_sink(p, options.sinks.map(|s| s[h]));
+            // dp_j = dout·v_j; ds_j = p_j (dp_j - Σ p·dp) (a sink weighs no value: its dp is 0)
             let dp: Vec<f32> = values
                 .chunks_exact(head_dim)
                 .map(|vj| dot(dov, vj))
@@ -187,7 +204,7 @@ pub fn attention_backward(
             let dvh = &mut dv[seen];
             let dqv = &mut dq[at..at + head_dim];
             for j in 0..visible {
-                let ds = p[j] * (dp[j] - mean) * scale;
+                let ds = p[j] * (dp[j] - mean) * slope[j] * scale;
                 let (kj, dkj) = (
                     &keys[j * head_dim..][..head_dim],
                     &mut dkh[j * head_dim..][..head_dim],
@@ -202,6 +219,22 @@ pub fn attention_backward(
         }
     }
     AttentionGrads { dq, dk, dv }
+}
+
+/// Softmax in place, with a `sink` logit in the denominator (its weight left out).
+fn softmax_with_sink(x: &mut [f32], sink: Option<f32>) {
+    let Some(sink) = sink else {
+        return softmax_inplace(x);
+    };
+    let max = x.iter().fold(sink, |m, &v| m.max(v));
+    let mut sum = (sink - max).exp();
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    for v in x.iter_mut() {
+        *v /= sum;
+    }
 }
 
 /// `logsumexp(logits) - logits[target]`, in f64 for the sum.

@@ -290,7 +290,7 @@ mod tests {
                     end: tokens,
                     window,
                 };
-                ops::attention(&q, heads, d, &at, &kv, 0.25)
+                ops::attention(&q, heads, d, &at, &kv, ops::AttentionOptions::scaled(0.25))
                     .unwrap()
                     .into_data()
             };
@@ -396,9 +396,16 @@ mod tests {
                     end: tokens,
                     window,
                 };
-                ops::attention(&q, heads, d, &last, &kv, 0.25)
-                    .unwrap()
-                    .into_data()
+                ops::attention(
+                    &q,
+                    heads,
+                    d,
+                    &last,
+                    &kv,
+                    ops::AttentionOptions::scaled(0.25),
+                )
+                .unwrap()
+                .into_data()
             };
             let (got, want) = (attend((&kq, &vq)), attend((&exact.0, &exact.1)));
             let top = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
@@ -505,11 +512,27 @@ mod tests {
                 let q = Tensor::new(vec![n, heads * d], awkward(n * heads * d, 7.5));
                 let last: Vec<usize> = sequences.iter().map(|&(_, len)| len - 1).collect();
                 let at = Positions::new(last.clone(), &Device::Cpu).unwrap();
-                let batch = ops::attention_batch(&q, heads, d, &at, &views, 0.125).unwrap();
+                let batch = ops::attention_batch(
+                    &q,
+                    heads,
+                    d,
+                    &at,
+                    &views,
+                    ops::AttentionOptions::scaled(0.125),
+                )
+                .unwrap();
                 for (i, kv) in views.iter().enumerate() {
                     let one = Positions::new(vec![last[i]], &Device::Cpu).unwrap();
                     let q = ops::rows(&q, i, 1).unwrap();
-                    let alone = ops::attention(&q, heads, d, &one, kv, 0.125).unwrap();
+                    let alone = ops::attention(
+                        &q,
+                        heads,
+                        d,
+                        &one,
+                        kv,
+                        ops::AttentionOptions::scaled(0.125),
+                    )
+                    .unwrap();
                     assert_eq!(
                         ops::rows(&batch, i, 1).unwrap().data(),
                         alone.data(),

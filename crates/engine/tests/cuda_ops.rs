@@ -907,6 +907,46 @@ fn cache(
     [pairs.pop().unwrap(), gpu]
 }
 
+/// Attention's options beside the scale that the attention tests try on every case: none,
+/// Gemma 2's soft cap (at a size the scores of random queries and keys reach), gpt-oss's sinks,
+/// and both.
+const EXTRAS: [(Option<f32>, bool); 4] = [
+    (None, false),
+    (Some(0.4), false),
+    (None, true),
+    (Some(0.4), true),
+];
+
+/// Sinks for `heads` around the scores' size, the first far above any score (most of its
+/// heads' probability goes to it, and the merge of splits takes it as the largest logit) and the
+/// second far below.
+fn random_sinks(rng: &mut StdRng, heads: usize) -> Vec<f32> {
+    let mut s: Vec<f32> = (0..heads).map(|_| rng.random_range(-1.0f32..2.0)).collect();
+    s[0] = 6.0;
+    if heads > 1 {
+        s[1] = -30.0;
+    }
+    s
+}
+
+/// The options of `EXTRAS`' `(softcap, sinks)` at `scale`, the sinks from `sinks`.
+fn extras(
+    scale: f32,
+    (softcap, with_sinks): (Option<f32>, bool),
+    sinks: &Tensor,
+) -> ops::AttentionOptions<'_> {
+    ops::AttentionOptions {
+        scale,
+        softcap,
+        sinks: with_sinks.then_some(sinks),
+    }
+}
+
+/// Every attention path of one sequence against the CPU: decode's one warp per (token, head)
+/// with and without splits of the keys and their merge, and from 16 queries the products with
+/// the masked softmax between them, in slices of queries where their scores would pass
+/// `SCORE_BYTES` (the last case: 600 queries of 32 heads over 4096 slots); each with every
+/// option of `EXTRAS`.
 #[test]
 fn attention_full_sliding_and_split() {
     let Some((dev, _turn)) = gpu() else { return };
@@ -939,6 +979,7 @@ fn attention_full_sliding_and_split() {
         case(8, 2, 64, 256, 100, None, (60..100).collect()),
         case(4, 2, 32, 48, 70, Some(16), (50..70).collect()),
         case(2, 2, 128, 512, 300, None, (0..300).collect()),
+        case(32, 8, 64, 4096, 4096, None, (3496..4096).collect()),
     ];
     let precisions = [KvPrecision::F32, KvPrecision::F16];
     for (precision, case) in precisions
@@ -957,34 +998,38 @@ fn attention_full_sliding_and_split() {
         let [(kc, vc), (kg, vg)] = cache(&mut rng, &dev, precision, kv_heads, d, capacity, end);
         let start = end.saturating_sub(capacity);
         let q = random_vec(&mut rng, positions.len() * heads * d);
+        let sinks = random_sinks(&mut rng, heads);
         let shape = vec![positions.len(), heads * d];
-        let run = |device: &Device, keys: &KvRing, values: &KvRing| {
-            let kv = ops::KvView {
-                keys,
-                values,
-                kv_heads,
-                capacity,
-                start,
-                end,
-                window,
+        for options in EXTRAS {
+            let run = |device: &Device, keys: &KvRing, values: &KvRing| {
+                let kv = ops::KvView {
+                    keys,
+                    values,
+                    kv_heads,
+                    capacity,
+                    start,
+                    end,
+                    window,
+                };
+                let p = Positions::new(positions.clone(), device).unwrap();
+                let q = on(device, shape.clone(), &q);
+                let sinks = on(device, vec![heads], &sinks);
+                ops::attention(&q, heads, d, &p, &kv, extras(0.125, options, &sinks)).unwrap()
             };
-            let p = Positions::new(positions.clone(), device).unwrap();
-            let q = on(device, shape.clone(), &q);
-            ops::attention(&q, heads, d, &p, &kv, 0.125).unwrap()
-        };
-        let cpu = run(&Device::Cpu, &kc, &vc);
-        let what = format!(
-            "attention {heads}/{kv_heads} heads of {d}, {} queries, {end} positions, window \
-             {window:?}, {precision:?} cache",
-            positions.len()
-        );
-        // From 16 queries the products run on TF32 tensor cores unless the handle is exact.
-        let Device::Cuda(g) = &dev else {
-            unreachable!()
-        };
-        for (exact, tolerance) in [(true, EXACT), (false, TF32)] {
-            let gpu = run(&Device::Cuda(g.with_exact_math(exact)), &kg, &vg);
-            assert_close(&format!("{what} exact={exact}"), &gpu, &cpu, tolerance);
+            let cpu = run(&Device::Cpu, &kc, &vc);
+            let what = format!(
+                "attention {heads}/{kv_heads} heads of {d}, {} queries, {end} positions, window \
+                 {window:?}, {precision:?} cache, (softcap, sinks) {options:?}",
+                positions.len()
+            );
+            // From 16 queries the products run on TF32 tensor cores unless the handle is exact.
+            let Device::Cuda(g) = &dev else {
+                unreachable!()
+            };
+            for (exact, tolerance) in [(true, EXACT), (false, TF32)] {
+                let gpu = run(&Device::Cuda(g.with_exact_math(exact)), &kg, &vg);
+                assert_close(&format!("{what} exact={exact}"), &gpu, &cpu, tolerance);
+            }
         }
     }
 }
@@ -997,7 +1042,7 @@ fn attention_full_sliding_and_split() {
 /// a few sequences, 2 of groups of 2 and 4 for some more, 4, and 4 then 3 of a group of 7, for
 /// many), head dims of 64 to 256 and 36 (whose f16 rows are not whole 16-byte units, staged
 /// through registers), and enough sequences (70 × 8 warps) that the keys are not split; f32
-/// and f16 caches.
+/// and f16 caches; each with every option of `EXTRAS` (the writes once, with the first).
 #[test]
 fn batched_kv_write_and_attention() {
     let Some((dev, _turn)) = gpu() else { return };
@@ -1038,63 +1083,85 @@ fn batched_kv_write_and_attention() {
         let new_k = random_vec(&mut rng, n * row);
         let new_v = random_vec(&mut rng, n * row);
         let q = random_vec(&mut rng, n * heads * d);
-        let mut outs = Vec::new();
-        for side in 0..2 {
-            let device = if side == 0 { &Device::Cpu } else { &dev };
-            let p = Positions::new(at.clone(), device).unwrap();
-            let (k, v) = (
-                on(device, vec![n, row], &new_k),
-                on(device, vec![n, row], &new_v),
-            );
-            let (mut keys, mut values): (Vec<&mut KvRing>, Vec<&mut KvRing>) = caches
-                .iter_mut()
-                .map(|c| (&mut c[side].0, &mut c[side].1))
-                .unzip();
-            ops::kv_write_batch(&mut keys, &mut values, &capacities, &k, &v, kv_heads, d, &p)
-                .unwrap();
-            let views: Vec<ops::KvView> = caches
-                .iter()
-                .zip(sequences)
-                .map(|(c, &(capacity, len))| ops::KvView {
-                    keys: &c[side].0,
-                    values: &c[side].1,
-                    kv_heads,
-                    capacity,
-                    start: (len + 1).saturating_sub(capacity),
-                    end: len + 1,
-                    window,
-                })
-                .collect();
-            let q = on(device, vec![n, heads * d], &q);
-            outs.push(ops::attention_batch(&q, heads, d, &p, &views, 0.125).unwrap());
-            if side == 1 {
-                for (i, kv) in views.iter().enumerate() {
-                    let one = Positions::new(vec![at[i]], device).unwrap();
-                    let alone =
-                        ops::attention(&ops::rows(&q, i, 1).unwrap(), heads, d, &one, kv, 0.125);
-                    let batched = ops::rows(&outs[1], i, 1).unwrap();
-                    assert_close("batched vs one sequence", &batched, &alone.unwrap(), EXACT);
+        let sinks = random_sinks(&mut rng, heads);
+        for (written, options) in EXTRAS.into_iter().enumerate() {
+            let mut outs = Vec::new();
+            for side in 0..2 {
+                let device = if side == 0 { &Device::Cpu } else { &dev };
+                let p = Positions::new(at.clone(), device).unwrap();
+                if written == 0 {
+                    let (k, v) = (
+                        on(device, vec![n, row], &new_k),
+                        on(device, vec![n, row], &new_v),
+                    );
+                    let (mut keys, mut values): (Vec<&mut KvRing>, Vec<&mut KvRing>) = caches
+                        .iter_mut()
+                        .map(|c| (&mut c[side].0, &mut c[side].1))
+                        .unzip();
+                    ops::kv_write_batch(
+                        &mut keys,
+                        &mut values,
+                        &capacities,
+                        &k,
+                        &v,
+                        kv_heads,
+                        d,
+                        &p,
+                    )
+                    .unwrap();
+                }
+                let views: Vec<ops::KvView> = caches
+                    .iter()
+                    .zip(sequences)
+                    .map(|(c, &(capacity, len))| ops::KvView {
+                        keys: &c[side].0,
+                        values: &c[side].1,
+                        kv_heads,
+                        capacity,
+                        start: (len + 1).saturating_sub(capacity),
+                        end: len + 1,
+                        window,
+                    })
+                    .collect();
+                let q = on(device, vec![n, heads * d], &q);
+                let sinks = on(device, vec![heads], &sinks);
+                let options = extras(0.125, options, &sinks);
+                outs.push(ops::attention_batch(&q, heads, d, &p, &views, options).unwrap());
+                if side == 1 {
+                    for (i, kv) in views.iter().enumerate() {
+                        let one = Positions::new(vec![at[i]], device).unwrap();
+                        let alone = ops::attention(
+                            &ops::rows(&q, i, 1).unwrap(),
+                            heads,
+                            d,
+                            &one,
+                            kv,
+                            options,
+                        );
+                        let batched = ops::rows(&outs[1], i, 1).unwrap();
+                        assert_close("batched vs one sequence", &batched, &alone.unwrap(), EXACT);
+                    }
                 }
             }
-        }
-        for (i, c) in caches.iter().enumerate() {
-            let (gpu, cpu) = (&c[1], &c[0]);
-            assert_eq!(gpu.0.to_vec().unwrap(), cpu.0.to_vec().unwrap(), "keys {i}");
-            assert_eq!(
-                gpu.1.to_vec().unwrap(),
-                cpu.1.to_vec().unwrap(),
-                "values {i}"
+            for (i, c) in caches.iter().enumerate() {
+                let (gpu, cpu) = (&c[1], &c[0]);
+                assert_eq!(gpu.0.to_vec().unwrap(), cpu.0.to_vec().unwrap(), "keys {i}");
+                assert_eq!(
+                    gpu.1.to_vec().unwrap(),
+                    cpu.1.to_vec().unwrap(),
+                    "values {i}"
+                );
+            }
+            assert_close(
+                &format!(
+                    "attention_batch {heads}/{kv_heads} heads of {d}, window {window:?}, \
+                 {precision:?} cache, (softcap, sinks) {options:?}"
+                ),
+                &outs[1],
+                &outs[0],
+                EXACT,
             );
         }
-        assert_close(
-            &format!(
-                "attention_batch {heads}/{kv_heads} heads of {d}, window {window:?}, \
-                 {precision:?} cache"
-            ),
-            &outs[1],
-            &outs[0],
-            EXACT,
-        );
     }
 }
 

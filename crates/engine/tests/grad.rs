@@ -5,7 +5,7 @@
 //! Step 1e-2 in f32 leaves about 1e-4 of truncation and rounding error; the tolerance is 1e-3
 //! of the largest gradient.
 
-use oxlm_engine::cpu::attention::{attention, KvView};
+use oxlm_engine::cpu::attention::{attention, KvView, Options};
 use oxlm_engine::cpu::elementwise::{
     gelu_approx_mul_inplace, silu_mul_inplace, swiglu_oai_mul_inplace,
 };
@@ -169,16 +169,29 @@ fn gated_activations_match_finite_differences() {
 
 #[test]
 fn attention_matches_finite_differences() {
-    // Causal, and through a sliding window shorter than the sequence.
+    // Causal, and through a sliding window shorter than the sequence; plain, with Gemma 2's
+    // soft-capped scores, with gpt-oss's sinks, and with both.
+    let sinks = [0.5, -1.0, 2.5, 0.0];
     for window in [None, Some(3)] {
-        check_attention(window);
+        for (softcap, sinks) in [
+            (None, None),
+            (Some(1.0), None),
+            (None, Some(&sinks[..])),
+            (Some(1.0), Some(&sinks[..])),
+        ] {
+            check_attention(window, softcap, sinks);
+        }
     }
 }
 
-fn check_attention(window: Option<usize>) {
+fn check_attention(window: Option<usize>, softcap: Option<f32>, sinks: Option<&[f32]>) {
     let mut rng = StdRng::seed_from_u64(4);
     let (n, heads, kv_heads, d) = (7, 4, 2, 8);
-    let scale = (d as f32).powf(-0.5);
+    let options = Options {
+        scale: (d as f32).powf(-0.5),
+        softcap,
+        sinks,
+    };
     let positions: Vec<usize> = (0..n).collect();
     let q = random(&mut rng, n * heads * d, 1.5);
     let k = random(&mut rng, kv_heads * n * d, 1.5);
@@ -192,25 +205,26 @@ fn check_attention(window: Option<usize>) {
             d,
             &positions,
             &KvView::sequence(k, v, kv_heads, n).within(window),
-            scale,
+            options,
             &mut out,
         );
         out
     };
     let kv = KvView::sequence(&k[..], &v[..], kv_heads, n).within(window);
-    let g = attention_backward(&q, heads, d, &kv, scale, &r);
+    let g = attention_backward(&q, heads, d, &kv, options, &r);
+    let what = format!("window {window:?}, soft cap {softcap:?}, sinks {sinks:?}");
     assert_close(
-        "attention dq",
+        &format!("attention dq, {what}"),
         &g.dq,
         &numeric_grad(&q, &r, |q| run(q, &k, &v)),
     );
     assert_close(
-        "attention dk",
+        &format!("attention dk, {what}"),
         &g.dk,
         &numeric_grad(&k, &r, |k| run(&q, k, &v)),
     );
     assert_close(
-        "attention dv",
+        &format!("attention dv, {what}"),
         &g.dv,
         &numeric_grad(&v, &r, |v| run(&q, &k, v)),
     );

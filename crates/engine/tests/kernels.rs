@@ -556,6 +556,8 @@ fn group_attention_matches_the_reference() {
                 head_dim: d,
                 runs: runs.clone(),
                 scale,
+                softcap: None,
+                sinks: None,
             };
             for isa in Isa::available() {
                 let mut out = vec![f32::NAN; group * d];

@@ -359,13 +359,13 @@ pub fn attend_kv<C: AttentionCache>(
     head_dim: usize,
     positions: &Positions,
     caches: &[&mut C],
-    scale: f32,
+    options: ops::AttentionOptions,
 ) -> Result<Tensor, EngineError> {
     match caches {
-        [one] => ops::attention(q, heads, head_dim, positions, &one.view(), scale),
+        [one] => ops::attention(q, heads, head_dim, positions, &one.view(), options),
         many => {
             let views: Vec<_> = many.iter().map(|c| c.view()).collect();
-            ops::attention_batch(q, heads, head_dim, positions, &views, scale)
+            ops::attention_batch(q, heads, head_dim, positions, &views, options)
         }
     }
 }

@@ -6,7 +6,7 @@
 //! lowest adapted block. With `checkpoint`, only each block's input is kept and the block is run
 //! again on the way back.
 
-use oxlm_engine::cpu::attention::KvView;
+use oxlm_engine::cpu::attention::{KvView, Options};
 use oxlm_engine::cpu::elementwise::add_inplace;
 use oxlm_engine::grad::{
     attention_backward, cross_entropy, cross_entropy_backward_inplace, gelu_approx_mul_backward,
@@ -260,7 +260,7 @@ struct AttentionSaved<'a> {
 /// window; with what its backward pass reads.
 pub(crate) struct SequenceAttention<'a> {
     heads: Heads,
-    scale: f32,
+    options: Options<'a>,
     window: Option<usize>,
     rope: &'a Rope,
     q_norm: Option<&'a RmsNorm>,
@@ -277,7 +277,8 @@ pub(crate) struct SequenceAttention<'a> {
 /// What [`SequenceAttention`] computes with, besides its inputs.
 pub(crate) struct AttentionShape<'a> {
     pub heads: Heads,
-    pub scale: f32,
+    /// The scale, and the soft cap and sinks where the layer has them.
+    pub options: Options<'a>,
     pub window: Option<usize>,
     pub rope: &'a Rope,
     pub q_norm: Option<&'a RmsNorm>,
@@ -318,7 +319,7 @@ impl<'a> SequenceAttention<'a> {
     ) -> OpResult<(Tensor, Self)> {
         let AttentionShape {
             heads: h,
-            scale,
+            options,
             window,
             rope,
             q_norm,
@@ -332,10 +333,10 @@ impl<'a> SequenceAttention<'a> {
         let mut out = vec![0.0; q.len()];
         let p: Vec<usize> = (0..n).collect();
         let attention = oxlm_engine::cpu::attention::attention;
-        attention(q.data(), h.heads, h.head_dim, &p, &kv, scale, &mut out);
+        attention(q.data(), h.heads, h.head_dim, &p, &kv, options, &mut out);
         let core = SequenceAttention {
             heads: h,
-            scale,
+            options,
             window,
             rope,
             q_norm,
@@ -367,7 +368,8 @@ impl<'a> SequenceAttention<'a> {
         let h = self.heads;
         let n = self.q.rows();
         let kv = KvView::sequence(&self.k[..], &self.v[..], h.kv_heads, n).within(self.window);
-        let grads = attention_backward(self.q.data(), h.heads, h.head_dim, &kv, self.scale, d_out);
+        let options = self.options;
+        let grads = attention_backward(self.q.data(), h.heads, h.head_dim, &kv, options, d_out);
         let mut dq = grads.dq;
         rope_backward(self.rope, &mut dq, h.heads, h.head_dim);
         let dq = through_norm(self.q_norm, self.q_raw.as_ref(), &dq);
@@ -452,7 +454,11 @@ impl MixerGrad for AttentionGrad<'_> {
                 kv_heads: a.kv_heads,
                 head_dim: a.head_dim,
             },
-            scale: a.scale,
+            options: Options {
+                scale: a.scale,
+                softcap: a.softcap,
+                sinks: a.sinks.as_ref().map(Tensor::data),
+            },
             window: self.window,
             rope: &a.rope,
             q_norm: a.q_norm.as_ref(),

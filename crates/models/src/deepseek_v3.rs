@@ -23,7 +23,7 @@ use crate::decoder_grad::{Decoder, DecoderBlock};
 use crate::layers::{linear_shape, Embedding, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope};
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
-use crate::switch::{load_stacked, ExpertMlps, FeedForward, Routing, Shared, SparseMoe};
+use crate::switch::{load_stacked, ExpertMlps, FeedForward, MoeNames, Routing, Shared, SparseMoe};
 use crate::{ForwardError, LoadError, ModelInfo};
 
 /// `config.json`'s keys, as mlx-lm's `ModelArgs` reads them; absent ones take its defaults.
@@ -227,7 +227,8 @@ impl LatentAttention {
             self.latent,
         )?;
         let queries = queries.reshape(vec![n, heads * width]);
-        let out = attend_kv(&queries, heads, width, positions, caches, self.scale)?;
+        let options = ops::AttentionOptions::scaled(self.scale);
+        let out = attend_kv(&queries, heads, width, positions, caches, options)?;
         let out = ops::columns(&out.reshape(vec![n * heads, width]), 0, self.latent)?;
         let out = per_head(&self.unembed_out, &out, heads)?.reshape(vec![n, heads * self.v_dim]);
         self.o_proj.forward_adapted(&out, lora.get("o_proj"))
@@ -345,7 +346,8 @@ impl DeepseekV3 {
             let self_attn = LatentAttention::load(&mut block.pp("self_attn"), &c, &rope, scale)?;
             let mlp = match moe {
                 Some(routing) if sparse(i) => FeedForward::Moe(SparseMoe::load(
-                    &mut block.pp("mlp"),
+                    &mut block,
+                    MoeNames::MLP,
                     hidden,
                     routing,
                     ExpertMlps::swiglu(c.moe_intermediate_size),

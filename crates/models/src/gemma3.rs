@@ -211,6 +211,8 @@ impl Gemma3 {
                 scale: query_pre_attn_scalar.powf(-0.5) as f32,
                 query_scale: None,
                 norm_after_rope: false,
+                softcap: None,
+                sinks: None,
             };
             let mut norm = |name: &str| RmsNorm::load_plus_one(&mut block.pp(name), hidden, eps);
             let input_layernorm = norm("input_layernorm")?;

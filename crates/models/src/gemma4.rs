@@ -183,9 +183,11 @@ impl Attention {
             .apply(&mut q, self.heads, self.head_dim, positions)?;
         let (h, d) = (self.heads, self.head_dim);
         let out = match caches {
-            LayerCaches::Kv(c) if self.fits(false, &c) => attend_kv(&q, h, d, positions, &c, 1.0)?,
+            LayerCaches::Kv(c) if self.fits(false, &c) => {
+                attend_kv(&q, h, d, positions, &c, ops::AttentionOptions::scaled(1.0))?
+            }
             LayerCaches::Rotating(c) if self.fits(true, &c) => {
-                attend_kv(&q, h, d, positions, &c, 1.0)?
+                attend_kv(&q, h, d, positions, &c, ops::AttentionOptions::scaled(1.0))?
             }
             _ => return Err(ForwardError::CacheMismatch),
         };

@@ -252,12 +252,17 @@ impl QuantizedArrays {
 
 /// Loads a 1-D float array of `len` values as f32, in host memory.
 pub fn load_host_vector(vb: &mut Scope, name: &str, len: usize) -> Result<Vec<f32>, LoadError> {
+    load_host_array(vb, name, &[len])
+}
+
+/// Loads a float array of `shape` as f32, flat, in host memory.
+pub fn load_host_array(vb: &mut Scope, name: &str, shape: &[usize]) -> Result<Vec<f32>, LoadError> {
     let t = vb.take(name)?;
     let name = vb.path_of(name);
-    if t.shape != [len] || !t.dtype.is_float() {
-        return Err(shape_error(&name, &t, format!("[{len}] floats")));
+    if t.shape != shape || !t.dtype.is_float() {
+        return Err(shape_error(&name, &t, format!("{shape:?} floats")));
     }
-    FloatMatrix::new(1, len, t.dtype, t.data)
+    FloatMatrix::new(1, shape.iter().product(), t.dtype, t.data)
         .map(|m| m.to_f32_vec())
         .map_err(|source| LoadError::Engine { name, source })
 }
@@ -660,6 +665,10 @@ pub struct Attention {
     pub query_scale: Option<PositionScale>,
     /// The q/k norms come after the rotation (Hunyuan), not before.
     pub norm_after_rope: bool,
+    /// Gemma 2's soft cap on the scaled scores.
+    pub softcap: Option<f32>,
+    /// gpt-oss's sink logit of each query head (`[heads]`).
+    pub sinks: Option<Tensor>,
 }
 
 /// Llama 4's query scale: `1 + beta · ln(1 + ⌊position / period⌋)`.
@@ -670,6 +679,18 @@ pub struct PositionScale {
 }
 
 impl Attention {
+    /// What its attention does besides the softmax: the scale, the soft cap and the sinks.
+    pub fn options(&self) -> ops::AttentionOptions<'_> {
+        let mut options = ops::AttentionOptions::scaled(self.scale);
+        if let Some(cap) = self.softcap {
+            options = options.with_softcap(cap);
+        }
+        if let Some(sinks) = &self.sinks {
+            options = options.with_sinks(sinks);
+        }
+        options
+    }
+
     /// `x` is `[tokens, hidden]`: one sequence's tokens over the one cache of `caches`, or the
     /// next token of each sequence over its own (see [`Attention::attend`]), with the
     /// projections `lora` names adapted.
@@ -711,7 +732,14 @@ impl Attention {
         if let Some(PositionScale { beta, period }) = self.query_scale {
             ops::scale_by_position(&mut q, positions, beta, period)?;
         }
-        attend_kv(&q, self.heads, self.head_dim, positions, caches, self.scale)
+        attend_kv(
+            &q,
+            self.heads,
+            self.head_dim,
+            positions,
+            caches,
+            self.options(),
+        )
     }
 
     /// The rotated queries of one token whose keys and values went straight into `cache`, by

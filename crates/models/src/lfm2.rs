@@ -630,6 +630,8 @@ fn load_attention(vb: &mut Scope, args: &Args) -> Result<Attention, LoadError> {
         scale: (hd as f32).powf(-0.5),
         query_scale: None,
         norm_after_rope: false,
+        softcap: None,
+        sinks: None,
     })
 }
 

@@ -14,13 +14,14 @@ use serde_json::Value;
 
 use crate::cache::{Cache, KvCache, LayerCache, RotatingKvCache};
 use crate::checkpoint::{Checkpoint, Scope};
-use crate::decoder_grad::{AttentionGrad, Decoder, DecoderBlock};
+use crate::decoder_grad::{AttentionGrad, Decoder, DecoderBlock, GatedMlpGrad};
 use crate::layers::{
-    Attention, Embedding, Input, Linear, Mlp, OpResult, OutputHead, PositionScale, RmsNorm, Rope,
+    load_vector, Attention, Embedding, Input, Linear, Mlp, OpResult, OutputHead, PositionScale,
+    RmsNorm, Rope,
 };
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
-use crate::switch::{ExpertMlps, FeedForward, Routing, Shared, SparseMoe};
+use crate::switch::{ExpertMlps, FeedForward, MoeNames, Routing, Shared, SparseMoe};
 use crate::{ForwardError, LoadError, ModelInfo};
 use oxlm_engine::{ops, EngineError, Positions, Tensor};
 
@@ -65,6 +66,9 @@ struct Args {
     no_rope_layers: Option<Vec<u8>>,
     no_rope_layer_interval: Option<usize>,
     attention_multiplier: Option<f32>,
+    attn_logit_softcapping: Option<f32>,
+    final_logit_softcapping: Option<f32>,
+    query_pre_attn_scalar: Option<f32>,
     embedding_multiplier: Option<f32>,
     residual_multiplier: Option<f32>,
     logits_scaling: Option<f32>,
@@ -124,6 +128,14 @@ const POST_NORM: Norms = Norms {
     attn_in: None,
     attn_out: Some("post_attention_layernorm"),
     mlp_in: None,
+    mlp_out: Some("post_feedforward_layernorm"),
+};
+
+/// Gemma's: both, under its own names.
+const GEMMA_NORMS: Norms = Norms {
+    attn_in: Some("input_layernorm"),
+    attn_out: Some("post_attention_layernorm"),
+    mlp_in: Some("pre_feedforward_layernorm"),
     mlp_out: Some("post_feedforward_layernorm"),
 };
 
@@ -204,9 +216,8 @@ struct Switches {
     moe: Option<MoeSwitches>,
     /// Where the text model's weights are (`language_model.` in a multimodal wrapper).
     prefix: &'static str,
-    /// Renames of the checkpoint's modules into the names loaded (Mixtral's
-    /// `block_sparse_moe` → `mlp`), in order.
-    renames: &'static [(&'static str, &'static str)],
+    /// Where its mixtures' layers are.
+    moe_names: MoeNames,
     /// The context the RoPE scaling starts from where the member reads it outside
     /// `rope_scaling` (Phi-3).
     original_context: Option<usize>,
@@ -214,6 +225,15 @@ struct Switches {
     query_scale: Option<PositionScale>,
     /// The RoPE base where the member derives it rather than reading `rope_theta` (Hunyuan).
     rope_base: Option<f32>,
+    /// Norms scale by `1 + weight` (Gemma's).
+    norm_plus_one: bool,
+    /// The gated MLPs' activation.
+    activation: ops::Activation,
+    /// Gemma 2's soft caps on the attention scores and on the logits.
+    attention_softcap: Option<f32>,
+    final_softcap: Option<f32>,
+    /// gpt-oss's per-head attention sinks (`self_attn.sinks`).
+    sinks: bool,
 }
 
 impl Switches {
@@ -258,10 +278,15 @@ impl Switches {
             attention_scale: None,
             moe: None,
             prefix: "",
-            renames: &[],
+            moe_names: MoeNames::MLP,
             original_context: None,
             query_scale: None,
             rope_base: None,
+            norm_plus_one: false,
+            activation: ops::Activation::Silu,
+            attention_softcap: None,
+            final_softcap: None,
+            sinks: false,
         })
     }
 
@@ -340,6 +365,8 @@ const MEMBERS: &[(&str, Member)] = &[
     ("glm4_moe", glm4_moe),
     ("olmoe", olmoe),
     ("hunyuan_v1_dense", hunyuan_v1_dense),
+    ("gemma2", gemma2),
+    ("gpt_oss", gpt_oss),
     ("granitemoe", granitemoe),
     // mlx-lm reads these as llama.
     ("iquestcoder", Switches::llama),
@@ -446,7 +473,7 @@ fn qwen3_moe(c: &Args) -> Result<Switches, LoadError> {
 fn mixtral(c: &Args) -> Result<Switches, LoadError> {
     Switches {
         tied: c.tie_word_embeddings.unwrap_or(false),
-        renames: &[(".block_sparse_moe.", ".mlp.")],
+        moe_names: MoeNames::BLOCK_SPARSE,
         ..Switches::llama(c)?
     }
     .experts(c, true, |_| true)
@@ -542,10 +569,7 @@ fn olmo3(c: &Args) -> Result<Switches, LoadError> {
 /// `block_sparse_moe.router.layer`), top-k renormalized.
 fn granitemoe(c: &Args) -> Result<Switches, LoadError> {
     Switches {
-        renames: &[
-            (".block_sparse_moe.router.layer.", ".mlp.gate."),
-            (".block_sparse_moe.", ".mlp."),
-        ],
+        moe_names: MoeNames::GRANITE,
         ..granite(c)?
     }
     .experts(c, true, |_| true)
@@ -742,6 +766,80 @@ fn hunyuan_v1_dense(c: &Args) -> Result<Switches, LoadError> {
     })
 }
 
+/// Gemma 2: Gemma's norms (`1 + weight`) before and after each branch, GeGLU, embeddings times
+/// √hidden, `query_pre_attn_scalar` for the attention scale, soft caps on the attention scores
+/// and the logits, a tied head. (mlx-lm's `gemma2.py` attends globally in every layer.)
+fn gemma2(c: &Args) -> Result<Switches, LoadError> {
+    let hidden = c.hidden_size as f32;
+    let pre_attn = c.query_pre_attn_scalar.unwrap_or(144.0);
+    positive_setting("query_pre_attn_scalar", pre_attn)?;
+    let attention_softcap = c.attn_logit_softcapping.unwrap_or(50.0);
+    let final_softcap = c.final_logit_softcapping.unwrap_or(30.0);
+    positive_setting("attn_logit_softcapping", attention_softcap)?;
+    positive_setting("final_logit_softcapping", final_softcap)?;
+    Ok(Switches {
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        norms: GEMMA_NORMS,
+        tied: true,
+        layers: vec![LayerSwitches::GLOBAL; c.num_hidden_layers],
+        embed_scale: hidden.sqrt(),
+        attention_scale: Some(pre_attn.powf(-0.5)),
+        norm_plus_one: true,
+        activation: ops::Activation::GeluApprox,
+        attention_softcap: Some(attention_softcap),
+        final_softcap: Some(final_softcap),
+        ..Switches::llama(c)?
+    })
+}
+
+fn positive_setting(key: &str, value: f32) -> Result<(), LoadError> {
+    match value > 0.0 && value.is_finite() {
+        true => Ok(()),
+        false => Err(LoadError::Config(format!(
+            "`{key}` must be a positive number, not {value}"
+        ))),
+    }
+}
+
+/// gpt-oss: biases on every attention projection, attention sinks, sliding-window and global
+/// layers in turn (unless `layer_types` says), an untied head, and in every layer a mixture of
+/// `num_local_experts` experts with biases and the clamped SwiGLU, chosen by a biased `router`.
+fn gpt_oss(c: &Args) -> Result<Switches, LoadError> {
+    let window = c.sliding_window.unwrap_or(128);
+    let base = Switches::llama(c)?;
+    let layers = match c.layer_types {
+        Some(_) => base.layers.clone(),
+        None => (0..c.num_hidden_layers)
+            .map(|i| LayerSwitches {
+                window: i.is_multiple_of(2).then_some(window),
+                ..LayerSwitches::GLOBAL
+            })
+            .collect(),
+    };
+    let mut switches = Switches {
+        qkv_bias: true,
+        o_bias: true,
+        mlp_bias: false,
+        tied: false,
+        layers,
+        sinks: true,
+        moe_names: MoeNames::GPT_OSS,
+        ..base
+    }
+    .experts(c, true, |_| true)?;
+    if let Some(moe) = &mut switches.moe {
+        moe.routing = moe.routing.with_router_bias();
+        moe.experts = ExpertMlps {
+            intermediate: c.intermediate_size,
+            activation: ops::Activation::SwigluOai,
+            biased: true,
+        };
+    }
+    Ok(switches)
+}
+
 /// Seed-OSS: q/k/v biases with `attention_bias`, the output's with `attention_out_bias`.
 fn seed_oss(c: &Args) -> Result<Switches, LoadError> {
     Ok(Switches {
@@ -768,6 +866,7 @@ pub struct Llama {
     head: OutputHead,
     embed_scale: f32,
     residual_scale: f32,
+    activation: ops::Activation,
     prefix: &'static str,
 }
 
@@ -862,15 +961,16 @@ impl Llama {
                 ckpt.split_rows(&format!("{block}.mlp.gate_up_proj"), &parts)?;
             }
         }
-        for (from, to) in s.renames {
-            ckpt.rename(|name| name.contains(from).then(|| name.replace(from, to)));
-        }
 
         let mut root = ckpt.scope(prefix.trim_end_matches('.'));
         let mut model = root.pp("model");
         let embed_tokens = Embedding::load(&mut model.pp("embed_tokens"), vocab, hidden)?;
+        let load_norm = |vb: &mut Scope, dim: usize| match s.norm_plus_one {
+            true => RmsNorm::load_plus_one(vb, dim, eps),
+            false => RmsNorm::load(vb, dim, eps),
+        };
         let norm = |vb: &mut Scope, name: Option<&str>, dim: usize| {
-            name.map(|name| RmsNorm::load(&mut vb.pp(name), dim, eps))
+            name.map(|name| load_norm(&mut vb.pp(name), dim))
                 .transpose()
         };
         let mut blocks = Vec::with_capacity(n_layers);
@@ -910,10 +1010,16 @@ impl Llama {
                 rope,
                 query_scale: s.query_scale,
                 norm_after_rope: s.qk_norm == QkNorm::PerHeadAfterRope,
+                softcap: s.attention_softcap,
+                sinks: s
+                    .sinks
+                    .then(|| load_vector(&mut a, "sinks", heads))
+                    .transpose()?,
             };
             let mlp = match (&s.moe, layer.moe) {
                 (Some(moe), true) => FeedForward::Moe(SparseMoe::load(
-                    &mut block.pp("mlp"),
+                    &mut block,
+                    s.moe_names,
                     hidden,
                     moe.routing,
                     moe.experts,
@@ -936,7 +1042,7 @@ impl Llama {
                 window: layer.window,
             });
         }
-        let mut norm = RmsNorm::load(&mut model.pp("norm"), hidden, eps)?;
+        let mut norm = load_norm(&mut model.pp("norm"), hidden)?;
         if s.logit_scale != 1.0 {
             // The head is linear and the norm's output feeds only it.
             ops::scale_inplace(&mut norm.weight, s.logit_scale).map_err(|source| {
@@ -964,9 +1070,10 @@ impl Llama {
             head: OutputHead {
                 norm,
                 lm_head,
-                softcap: None,
+                softcap: s.final_softcap,
             },
             embed_scale: s.embed_scale,
+            activation: s.activation,
             residual_scale: s.residual_scale,
             prefix,
         })
@@ -1073,7 +1180,7 @@ impl Architecture for Llama {
             match &block.mlp {
                 FeedForward::Dense(mlp) => {
                     let normed = input(&h, &block.mlp_norm);
-                    let act = mlp.gated(normed, mlp_lora, ops::Activation::Silu)?;
+                    let act = mlp.gated(normed, mlp_lora, self.activation)?;
                     let out_norm = block.mlp_out_norm.as_ref();
                     self.add_branch(
                         &mlp.down_proj,
@@ -1089,8 +1196,7 @@ impl Architecture for Llama {
                         Some(norm) => norm.forward(&h)?,
                         None => h.try_clone()?,
                     };
-                    let experts = lora("mlp.switch_mlp");
-                    let mut r = moe.forward(&x, mlp_lora, experts, lora(moe.shared_path()))?;
+                    let mut r = moe.forward(&x, lora)?;
                     if let Some(norm) = &block.mlp_out_norm {
                         norm.forward_inplace(&mut r)?;
                     }
@@ -1150,7 +1256,13 @@ impl Decoder for Llama {
                 }),
                 mixer_out_norm: b.attn_out_norm.as_ref(),
                 mlp_norm: b.mlp_norm.as_ref(),
-                mlp: b.mlp.grad(),
+                mlp: match &b.mlp {
+                    FeedForward::Dense(mlp) => Box::new(GatedMlpGrad {
+                        mlp,
+                        activation: self.activation,
+                    }),
+                    moe => moe.grad(),
+                },
                 mlp_out_norm: b.mlp_out_norm.as_ref(),
                 tail: None,
                 output_scale: 1.0,

@@ -25,7 +25,7 @@ use crate::layers::{
 };
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
-use crate::switch::{ExpertMlps, FeedForward, Routing, Shared, SparseMoe};
+use crate::switch::{ExpertMlps, FeedForward, MoeNames, Routing, Shared, SparseMoe};
 use crate::{ForwardError, LoadError, ModelInfo};
 
 mod grad;
@@ -162,7 +162,14 @@ impl GatedAttention {
         self.rope
             .apply_pair(&mut q, self.heads, &mut k, self.kv_heads, hd, positions)?;
         append_kv(caches, &k, &v, positions)?;
-        let mut out = attend_kv(&q, self.heads, hd, positions, caches, self.scale)?;
+        let mut out = attend_kv(
+            &q,
+            self.heads,
+            hd,
+            positions,
+            caches,
+            ops::AttentionOptions::scaled(self.scale),
+        )?;
         ops::sigmoid_mul_inplace(&mut out, &gate)?;
         self.o_proj.forward_adapted(&out, lora.get("o_proj"))
     }
@@ -652,7 +659,8 @@ impl Qwen3_5 {
                     false,
                 )?),
                 Some(moe) => FeedForward::Moe(SparseMoe::load(
-                    &mut block.pp("mlp"),
+                    &mut block,
+                    MoeNames::MLP,
                     h,
                     moe.routing,
                     ExpertMlps::swiglu(moe.intermediate),

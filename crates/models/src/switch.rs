@@ -10,8 +10,8 @@ use oxlm_engine::{ops, FloatMatrix, Tensor};
 use crate::checkpoint::{RawTensor, Scope};
 use crate::decoder_grad::{GatedMlpGrad, MlpGrad};
 use crate::layers::{
-    experts_shape, linear_shape, load_host_vector, place_vector, Linear, Mlp, OpResult,
-    QuantizedArrays, Weight,
+    experts_shape, linear_shape, load_host_array, load_host_vector, place_vector, Linear, Mlp,
+    OpResult, QuantizedArrays, Weight,
 };
 use crate::lora::{LinearShape, ModuleAdapters};
 use crate::LoadError;
@@ -89,7 +89,7 @@ pub fn load_experts(
         let weights = load_stacked(&mut vb, experts, rows, cols)?;
         let biases = match biased {
             true => {
-                let all = load_host_vector(&mut vb, "bias", experts * rows)?;
+                let all = load_host_array(&mut vb, "bias", &[experts, rows])?;
                 let device = vb.device().clone();
                 let path = vb.path_of("bias");
                 all.chunks_exact(rows)
@@ -189,12 +189,7 @@ impl FeedForward {
     ) -> OpResult<Tensor> {
         match self {
             FeedForward::Dense(mlp) => mlp.forward_adapted(x, lora("mlp")),
-            FeedForward::Moe(moe) => moe.forward(
-                x,
-                lora("mlp"),
-                lora("mlp.switch_mlp"),
-                lora(moe.shared_path()),
-            ),
+            FeedForward::Moe(moe) => moe.forward(x, lora),
         }
     }
 
@@ -210,6 +205,68 @@ impl FeedForward {
     }
 }
 
+/// Where a mixture's layers sit in its block, as its checkpoint names them (and so mlx-lm's
+/// adapters): the module, the router and the stacked experts within it, and their keys.
+#[derive(Debug, Clone, Copy)]
+pub struct MoeNames {
+    pub module: &'static str,
+    pub router: &'static str,
+    pub experts: &'static str,
+    /// `module.router`, split where an adapter's module ends.
+    pub router_key: (&'static str, &'static str),
+    /// `module.experts`, and its three stacked layers.
+    pub experts_key: &'static str,
+    pub expert_keys: [&'static str; 3],
+}
+
+impl MoeNames {
+    /// Qwen's and most others': `mlp.gate`, `mlp.switch_mlp`.
+    pub const MLP: MoeNames = MoeNames {
+        module: "mlp",
+        router: "gate",
+        experts: "switch_mlp",
+        router_key: ("mlp", "gate"),
+        experts_key: "mlp.switch_mlp",
+        expert_keys: [
+            "mlp.switch_mlp.gate_proj",
+            "mlp.switch_mlp.up_proj",
+            "mlp.switch_mlp.down_proj",
+        ],
+    };
+    /// Mixtral's: `block_sparse_moe.gate`, `block_sparse_moe.switch_mlp`.
+    pub const BLOCK_SPARSE: MoeNames = MoeNames {
+        module: "block_sparse_moe",
+        router: "gate",
+        experts: "switch_mlp",
+        router_key: ("block_sparse_moe", "gate"),
+        experts_key: "block_sparse_moe.switch_mlp",
+        expert_keys: [
+            "block_sparse_moe.switch_mlp.gate_proj",
+            "block_sparse_moe.switch_mlp.up_proj",
+            "block_sparse_moe.switch_mlp.down_proj",
+        ],
+    };
+    /// Granite-MoE's: its router at `block_sparse_moe.router.layer`.
+    pub const GRANITE: MoeNames = MoeNames {
+        router: "router.layer",
+        router_key: ("block_sparse_moe.router", "layer"),
+        ..MoeNames::BLOCK_SPARSE
+    };
+    /// gpt-oss's: `mlp.router`, `mlp.experts`.
+    pub const GPT_OSS: MoeNames = MoeNames {
+        module: "mlp",
+        router: "router",
+        experts: "experts",
+        router_key: ("mlp", "router"),
+        experts_key: "mlp.experts",
+        expert_keys: [
+            "mlp.experts.gate_proj",
+            "mlp.experts.up_proj",
+            "mlp.experts.down_proj",
+        ],
+    };
+}
+
 /// Top-k routing over SwiGLU experts, with a shared expert beside them where the architecture
 /// has one.
 pub struct SparseMoe {
@@ -223,6 +280,7 @@ pub struct SparseMoe {
     activation: ops::Activation,
     routing: Routing,
     shared: Option<SharedExpert>,
+    names: MoeNames,
 }
 
 /// An expert every token goes through: Qwen's `shared_expert`, weighted by a sigmoid gate of its
@@ -272,11 +330,18 @@ impl SparseMoe {
     /// Its layers, as mlx-lm's default LoRA keys select them (under `mlp`).
     pub(crate) fn linears(&self) -> Vec<LinearShape> {
         let experts = &self.experts;
+        let [gate_proj, up_proj, down_proj] = self.names.expert_keys;
+        let router = match self.names.router_key {
+            ("mlp", "gate") => "mlp.gate",
+            ("mlp", "router") => "mlp.router",
+            ("block_sparse_moe", "gate") => "block_sparse_moe.gate",
+            _ => "block_sparse_moe.router.layer",
+        };
         let mut out = vec![
-            linear_shape("mlp.gate", &self.gate),
-            experts_shape("mlp.switch_mlp.gate_proj", experts, |m| &m.gate_proj),
-            experts_shape("mlp.switch_mlp.up_proj", experts, |m| &m.up_proj),
-            experts_shape("mlp.switch_mlp.down_proj", experts, |m| &m.down_proj),
+            linear_shape(router, &self.gate),
+            experts_shape(gate_proj, experts, |m| &m.gate_proj),
+            experts_shape(up_proj, experts, |m| &m.up_proj),
+            experts_shape(down_proj, experts, |m| &m.down_proj),
         ];
         if let Some(shared) = &self.shared {
             let [gate, up, down] = match shared.gate {
@@ -303,22 +368,31 @@ impl SparseMoe {
         out
     }
 
-    /// The router `gate` (with its `e_score_correction_bias` where the routing corrects its
-    /// choices), the experts `switch_mlp` and the shared expert `shared` describes.
+    /// From the block's scope: the router (with its `e_score_correction_bias` where the
+    /// routing corrects its choices), the stacked experts and the shared expert `shared`
+    /// describes, where `names` say.
     pub fn load(
-        vb: &mut Scope,
+        block: &mut Scope,
+        names: MoeNames,
         dim: usize,
         routing: Routing,
         mlps: ExpertMlps,
         shared: Option<Shared>,
     ) -> Result<Self, LoadError> {
+        let vb = &mut block.pp(names.module);
         let experts = routing.experts;
         let ExpertMlps {
             intermediate,
             activation,
             biased,
         } = mlps;
-        let mlps = load_experts(&mut vb.pp("switch_mlp"), experts, dim, intermediate, biased)?;
+        let mlps = load_experts(
+            &mut vb.pp(names.experts),
+            experts,
+            dim,
+            intermediate,
+            biased,
+        )?;
         let shared = shared
             .map(
                 |Shared {
@@ -341,7 +415,7 @@ impl SparseMoe {
                 },
             )
             .transpose()?;
-        let mut gate_scope = vb.pp("gate");
+        let mut gate_scope = vb.pp(names.router);
         let correction_bias = (routing.scoring == Scoring::Sigmoid)
             .then(|| load_host_vector(&mut gate_scope, "e_score_correction_bias", experts))
             .transpose()?;
@@ -352,21 +426,22 @@ impl SparseMoe {
             activation,
             routing,
             shared,
+            names,
         })
     }
 
     /// `x` is `[n, dim]`. Each expert runs once on all the tokens routed to it; routing is
-    /// decided on the host from the router's logits. `lora` holds the adapters of the block's
-    /// `mlp` (the router `gate` and `shared_expert_gate`), and `experts` and `shared` those of its
-    /// `switch_mlp` and shared expert.
-    pub fn forward(
+    /// decided on the host from the router's logits. `lora` gives the adapters of each module
+    /// of the block.
+    pub fn forward<'a>(
         &self,
         x: &Tensor,
-        lora: ModuleAdapters,
-        experts: ModuleAdapters,
-        shared: ModuleAdapters,
+        lora: impl Fn(&'static str) -> ModuleAdapters<'a>,
     ) -> OpResult<Tensor> {
-        let mut scores = self.gate.forward_adapted(x, lora.get("gate"))?.into_vec()?;
+        let (router_module, router) = self.names.router_key;
+        let router = lora(router_module).get(router);
+        let experts = lora(self.names.experts_key);
+        let mut scores = self.gate.forward_adapted(x, router)?.into_vec()?;
         let chosen = self.route(&mut scores);
         let routed = by_expert(&chosen, self.routing.top_k, self.experts.len());
         let mut y = dispatch(x, &routed, |e, rows| {
@@ -375,14 +450,9 @@ impl SparseMoe {
         let Some(expert) = &self.shared else {
             return Ok(y);
         };
-        let out = expert.mlp.forward_adapted(x, shared)?;
-        expert.add_gated(x, &out, lora, &mut y)?;
+        let out = expert.mlp.forward_adapted(x, lora(expert.path))?;
+        expert.add_gated(x, &out, lora("mlp"), &mut y)?;
         Ok(y)
-    }
-
-    /// Where its shared expert's adapters are (`mlp.shared_expert` where it has none).
-    pub(crate) fn shared_path(&self) -> &'static str {
-        self.shared.as_ref().map_or("mlp.shared_expert", |s| s.path)
     }
 
     /// Turns each token's router logits (`[n, experts]`) into scores (softmax or sigmoid), in

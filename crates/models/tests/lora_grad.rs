@@ -59,7 +59,7 @@ fn read_step(run: &str) -> Step {
     }
 }
 
-const RUNS: [(&str, &str); 14] = [
+const RUNS: [(&str, &str); 16] = [
     ("train-llama-4bit-g64", "llama-4bit-g64"),
     ("train-qwen3-8bit-g128", "qwen3-8bit-g128"),
     ("train-gemma3-4bit-g64", "gemma3-4bit-g64"),
@@ -74,6 +74,8 @@ const RUNS: [(&str, &str); 14] = [
     ("train-lfm2-4bit-g64", "lfm2-4bit-g64"),
     ("train-lfm2-8bit-g32", "lfm2-8bit-g32"),
     ("train-lfm2_moe-4bit-g64", "lfm2_moe-4bit-g64"),
+    ("train-gemma2-4bit-g32", "gemma2-4bit-g32"),
+    ("train-gpt_oss-4bit-g32", "gpt_oss-4bit-g32"),
 ];
 
 /// The gradient tolerance of one array of `run`. In the mixture-of-experts run, the first

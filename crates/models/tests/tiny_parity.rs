@@ -569,6 +569,8 @@ fn more_architectures_batched_decode_matches_one_by_one() {
         "glm4_moe-4bit-g32",
         "deepseek_v3-4bit-g32",
         "ministral3-4bit-g32",
+        "gemma2-4bit-g32",
+        "gpt_oss-mxfp4-q8",
     ] {
         check_batch(name);
     }
@@ -663,6 +665,9 @@ parity_tests! {
     olmoe_4bit_g32_experts_not_renormalized => "olmoe-4bit-g32",
     granitemoe_4bit_g32_renamed_router_multipliers => "granitemoe-4bit-g32",
     hunyuan_v1_dense_4bit_g32_qk_norm_after_rope_ntk_alpha => "hunyuan_v1_dense-4bit-g32",
+    gemma2_4bit_g32_soft_capped_scores_and_logits => "gemma2-4bit-g32",
+    gpt_oss_4bit_g32_sinks_biased_clamped_experts => "gpt_oss-4bit-g32",
+    gpt_oss_mxfp4_q8_as_mlx_community_ships_it => "gpt_oss-mxfp4-q8",
     lfm2_4bit_g64_short_conv_layer_types => "lfm2-4bit-g64",
     lfm2_8bit_g32_full_attn_idxs_conv_biases => "lfm2-8bit-g32",
     lfm2_moe_4bit_g64_sigmoid_routed_experts => "lfm2_moe-4bit-g64",

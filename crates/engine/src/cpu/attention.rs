@@ -166,6 +166,55 @@ pub fn quantize_q8(src: &[f32], codes: &mut [u8], scales: &mut [f32], biases: &m
     }
 }
 
+/// What attention does to its scores besides the softmax: the scale of each query·key dot
+/// product, and optionally Gemma 2's soft cap and gpt-oss's sinks.
+#[derive(Clone, Copy, Debug)]
+pub struct Options<'a> {
+    /// What each query·key dot product is multiplied by.
+    pub scale: f32,
+    /// `Some(cap)`: each scaled score `s` becomes `cap · tanh(s / cap)` before the mask and the
+    /// softmax (Gemma 2's `attn_logit_softcapping`).
+    pub softcap: Option<f32>,
+    /// `Some(sinks)` (one per query head): head `h`'s softmax has `sinks[h]` among its logits
+    /// (not scaled), a key that weighs no value, so its weights sum to less than 1 (gpt-oss's
+    /// attention sinks, `mx.fast.scaled_dot_product_attention(..., sinks=)`).
+    pub sinks: Option<&'a [f32]>,
+}
+
+impl<'a> Options<'a> {
+    /// Plain scaled dot-product attention.
+    pub fn scaled(scale: f32) -> Self {
+        Options {
+            scale,
+            softcap: None,
+            sinks: None,
+        }
+    }
+
+    /// These with scores soft-capped at `cap`.
+    pub fn with_softcap(self, cap: f32) -> Self {
+        Options {
+            softcap: Some(cap),
+            ..self
+        }
+    }
+
+    /// These with one sink logit per query head.
+    pub fn with_sinks(self, sinks: &'a [f32]) -> Self {
+        Options {
+            sinks: Some(sinks),
+            ..self
+        }
+    }
+}
+
+/// `cap · tanh(s / cap)` of each score in place.
+pub fn softcap_inplace(scores: &mut [f32], cap: f32) {
+    for s in scores {
+        *s = cap * (*s / cap).tanh();
+    }
+}
+
 /// One key/value head's rows (`[slots, head_dim]`) and the group's queries (`[group,
 /// head_dim]`).
 pub struct GroupAttention<'a, R> {
@@ -177,6 +226,10 @@ pub struct GroupAttention<'a, R> {
     /// from its first slot (empty if it did not wrap).
     pub runs: [Range<usize>; 2],
     pub scale: f32,
+    /// Scores soft-capped at this (see [`Options::softcap`]).
+    pub softcap: Option<f32>,
+    /// The group's query heads' sink logits (see [`Options::sinks`]), one per head.
+    pub sinks: Option<&'a [f32]>,
 }
 
 /// Keys per block: a block's scores and values stay in L1 while every query head of the group
@@ -242,7 +295,8 @@ impl<R: KvRows> GroupAttention<'_, R> {
         let n = self.len();
         let group = self.queries.len() / d;
         assert!(
-            self.runs.iter().all(|r| r.end * d <= self.keys.elements())
+            self.sinks.is_none_or(|s| s.len() == group)
+                && self.runs.iter().all(|r| r.end * d <= self.keys.elements())
                 && self.keys.elements() == self.values.elements()
                 && scores.len() >= group * n
                 && block.len() >= BLOCK * d
@@ -262,8 +316,11 @@ impl<R: KvRows> GroupAttention<'_, R> {
                 (block, widened),
             );
         }
-        for s in scores[..group * n].chunks_exact_mut(n) {
-            softmax(isa, s);
+        if let Some(cap) = self.softcap {
+            softcap_inplace(&mut scores[..group * n], cap);
+        }
+        for (h, s) in scores[..group * n].chunks_exact_mut(n).enumerate() {
+            softmax(isa, s, self.sinks.map(|sinks| sinks[h]));
         }
         out[..group * d].fill(0.0);
         for (j0, rows) in self.blocks() {
@@ -558,9 +615,10 @@ fn widen<'a>(rows: FloatSlice<'a>, scratch: &'a mut [f32]) -> &'a [f32] {
 }
 
 /// Numerically stable softmax in place; the AVX2 version computes `exp` in vectors (within a
-/// few ulp of libm's).
-pub fn softmax(isa: Isa, x: &mut [f32]) {
+/// few ulp of libm's). A `sink` logit joins the denominator (its weight is left out of `x`).
+pub fn softmax(isa: Isa, x: &mut [f32], sink: Option<f32>) {
     let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let max = sink.map_or(max, |s| max.max(s));
     let sum = match isa {
         // SAFETY: the caller checked the processor.
         #[cfg(target_arch = "x86_64")]
@@ -574,6 +632,7 @@ pub fn softmax(isa: Isa, x: &mut [f32]) {
             sum
         }
     };
+    let sum = sink.map_or(sum, |s| sum + (s - max).exp());
     let inv = 1.0 / sum;
     for v in x.iter_mut() {
         *v *= inv;
@@ -627,14 +686,14 @@ impl<R> KvView<R> {
 /// Scaled dot-product attention of `q` (`[tokens, heads, head_dim]`) over `kv`, writing
 /// `[tokens, heads, head_dim]` into `out`. Query `t` sees the positions up to `positions[t]`
 /// (causal) within the window, and query head `h` reads key head `h / (heads / kv_heads)`
-/// (grouped-query attention).
+/// (grouped-query attention); `options` scale (and may soft-cap) the scores and may add sinks.
 pub fn attention<R: KvRows>(
     q: &[f32],
     heads: usize,
     head_dim: usize,
     positions: &[usize],
     kv: &KvView<R>,
-    scale: f32,
+    options: Options,
     out: &mut [f32],
 ) {
     attend_tokens(
@@ -644,7 +703,7 @@ pub fn attention<R: KvRows>(
         positions,
         kv.kv_heads,
         |_| kv,
-        scale,
+        options,
         out,
     );
 }
@@ -658,7 +717,7 @@ pub fn attention_batch<R: KvRows>(
     head_dim: usize,
     positions: &[usize],
     kvs: &[KvView<R>],
-    scale: f32,
+    options: Options,
     out: &mut [f32],
 ) {
     let Some(first) = kvs.first() else { return };
@@ -674,7 +733,7 @@ pub fn attention_batch<R: KvRows>(
         positions,
         kv_heads,
         |t| &kvs[t],
-        scale,
+        options,
         out,
     );
 }
@@ -688,9 +747,13 @@ fn attend_tokens<'k, R: KvRows + 'k>(
     positions: &[usize],
     kv_heads: usize,
     kv_of: impl Fn(usize) -> &'k KvView<R> + Sync,
-    scale: f32,
+    options: Options,
     out: &mut [f32],
 ) {
+    assert!(
+        options.sinks.is_none_or(|s| s.len() == heads),
+        "attention sinks for other than {heads} heads"
+    );
     let group = heads / kv_heads;
     let d = head_dim;
     let isa = Isa::best();
@@ -707,7 +770,9 @@ fn attend_tokens<'k, R: KvRows + 'k>(
             values: kv.values.rows(head, d),
             head_dim: d,
             runs: kv.runs(positions[t]),
-            scale,
+            scale: options.scale,
+            softcap: options.softcap,
+            sinks: options.sinks.map(|s| &s[kvh * group..(kvh + 1) * group]),
         };
         // SAFETY: each task writes its own token's group of heads.
         job.run(isa, unsafe { out.range(first, group * d) });

@@ -87,6 +87,27 @@ pub struct KvView<'a> {
     pub window: usize,
 }
 
+/// What attention does to its scores besides the softmax (see `ops::AttentionOptions`).
+pub struct Options<'a> {
+    pub scale: f32,
+    /// `Some(cap)`: scores become `cap · tanh(s / cap)`.
+    pub softcap: Option<f32>,
+    /// `Some([heads])`: a logit per query head in each softmax's denominator.
+    pub sinks: Option<&'a Buffer>,
+}
+
+impl Options<'_> {
+    /// The cap as the kernels take it: 0 for none.
+    fn softcap(&self) -> f32 {
+        self.softcap.unwrap_or(0.0)
+    }
+
+    /// The sinks' address as the kernels take it: null for none.
+    fn sinks(&self) -> u64 {
+        self.sinks.map_or(0, |s| s.ptr())
+    }
+}
+
 /// Queries from which attention runs as matrix products on cuBLAS (scores in memory) rather
 /// than one warp per query: prefill, where the products keep the GPU busy.
 const GEMM_ATTENTION_MIN_TOKENS: usize = 16;
@@ -104,12 +125,12 @@ pub fn attention(
     d: usize,
     positions: GpuPositions,
     kv: &KvView,
-    scale: f32,
+    options: &Options,
 ) -> Result<Buffer> {
     let g = q.gpu().clone();
     let tokens = positions.len();
     if tokens >= GEMM_ATTENTION_MIN_TOKENS {
-        return attention_gemm(q, heads, d, positions, kv, scale);
+        return attention_gemm(q, heads, d, positions, kv, options);
     }
     let per_lane = lanes_per_feature(d)?;
     let span = kv.capacity.min(kv.window).max(1);
@@ -121,7 +142,8 @@ pub fn attention(
     launch!(&g, &kernel, sliced_warps(tokens * heads, splits);
         q.ptr(), kv.keys.ptr(), kv.values.ptr(), positions.ptr(), out.ptr(), part.ptr(),
         g.split_counters(), int(heads)?, int(kv.kv_heads)?, int(d)?, int(kv.capacity)?,
-        kv.start as i64, window, scale, int(splits)?, int(per_split)?);
+        kv.start as i64, window, options.scale, options.softcap(), options.sinks(), int(splits)?,
+        int(per_split)?);
     Ok(out)
 }
 
@@ -145,7 +167,7 @@ pub fn attention_batch(
     d: usize,
     positions: GpuPositions,
     kvs: &[KvView],
-    scale: f32,
+    options: &Options,
 ) -> Result<Buffer> {
     let g = q.gpu().clone();
     let seqs = kvs.len();
@@ -200,7 +222,8 @@ pub fn attention_batch(
     launch!(&g, &kernel, cfg;
         q.ptr(), keys, values, positions.ptr(), out.ptr(), part.ptr(),
         g.split_counters(), int(heads)?, int(first.kv_heads)?, int(d)?, capacities.ptr(),
-        starts.ptr(), window, scale, int(splits)?, int(per_split)?, int(stages)?, int(units)?);
+        starts.ptr(), window, options.scale, options.softcap(), options.sinks(), int(splits)?,
+        int(per_split)?, int(stages)?, int(units)?);
     Ok(out)
 }
 
@@ -282,14 +305,15 @@ fn decode_splits(g: &Gpu, query_heads: usize, span: usize) -> usize {
 
 /// [`attention`] for many queries: per KV head, scores = Q·Kᵀ over the cache's slots (a strided
 /// batched product, the group's query heads stacked), masked softmax, then P·V; f32 operands,
-/// through TF32 tensor cores unless the GPU handle is exact.
+/// through TF32 tensor cores unless the GPU handle is exact. The scores are soft-capped and
+/// the sinks join the denominators in the softmax.
 fn attention_gemm(
     q: &Buffer,
     heads: usize,
     d: usize,
     positions: GpuPositions,
     kv: &KvView,
-    scale: f32,
+    options: &Options,
 ) -> Result<Buffer> {
     let g = q.gpu().clone();
     let tokens = positions.len();
@@ -331,7 +355,7 @@ fn attention_gemm(
                 m: slots,
                 n: rows,
                 k: d,
-                alpha: scale,
+                alpha: options.scale,
                 a: keys,
                 lda: d,
                 stride_a: ring_stride,
@@ -347,7 +371,8 @@ fn attention_gemm(
         )?;
         launch!(&g, "masked_softmax", blocks(heads * count, 256);
             scores.ptr(), positions.ptr(), int(t0)?, int(count)?, int(slots)?,
-            int(kv.capacity)?, kv.start as i64, kv.end as i64, window);
+            int(kv.capacity)?, kv.start as i64, kv.end as i64, window, options.softcap(),
+            options.sinks());
         // out[h, t] = Σ_j scores[h, t, j] · values[h / group, j]
         batched_gemm(
             &g,

@@ -225,31 +225,125 @@ pub fn kv_move(
     }
 }
 
+/// What attention does to its scores besides the softmax: the scale of each query·key dot
+/// product, and optionally Gemma 2's soft cap and gpt-oss's sinks. Both options off is plain
+/// scaled dot-product attention, at no extra cost.
+#[derive(Clone, Copy)]
+pub struct AttentionOptions<'a> {
+    /// What each query·key dot product is multiplied by.
+    pub scale: f32,
+    /// `Some(cap)` (positive): each scaled score `s` becomes `cap · tanh(s / cap)` before the
+    /// mask and the softmax (Gemma 2's `attn_logit_softcapping`; mlx-lm scales the queries,
+    /// then caps the scores).
+    pub softcap: Option<f32>,
+    /// `Some(sinks)` (`[heads]`, on the queries' device): query head `h`'s softmax has
+    /// `sinks[h]` among its logits, unscaled, a key that weighs no value, so that its weights
+    /// sum to less than 1: `p_j = exp(s_j - m) / (exp(sinks[h] - m) + Σ_k exp(s_k - m))`
+    /// (gpt-oss's attention sinks, as `mx.fast.scaled_dot_product_attention(..., sinks=)`).
+    pub sinks: Option<&'a Tensor>,
+}
+
+impl<'a> AttentionOptions<'a> {
+    /// Plain scaled dot-product attention.
+    pub fn scaled(scale: f32) -> Self {
+        AttentionOptions {
+            scale,
+            softcap: None,
+            sinks: None,
+        }
+    }
+
+    /// These with scores soft-capped at `cap`.
+    pub fn with_softcap(self, cap: f32) -> Self {
+        AttentionOptions {
+            softcap: Some(cap),
+            ..self
+        }
+    }
+
+    /// These with one sink logit per query head (`[heads]`).
+    pub fn with_sinks(self, sinks: &'a Tensor) -> Self {
+        AttentionOptions {
+            sinks: Some(sinks),
+            ..self
+        }
+    }
+
+    /// Refuses a cap that is not positive and finite, and sinks that are not one per head.
+    fn check(&self, heads: usize) -> Result<()> {
+        check(
+            self.softcap.is_none_or(|c| c > 0.0 && c.is_finite()),
+            || format!("attention soft cap {:?}", self.softcap),
+        )?;
+        check(self.sinks.is_none_or(|s| s.len() == heads), || {
+            format!(
+                "attention sinks {:?} for {heads} heads",
+                self.sinks.map(|s| s.shape().to_vec())
+            )
+        })
+    }
+
+    /// These as the CPU kernels take them: an error if the sinks are not on the host.
+    fn on_host(&self, op: &str) -> Result<cpu::attention::Options<'a>> {
+        Ok(cpu::attention::Options {
+            scale: self.scale,
+            softcap: self.softcap,
+            sinks: match self.sinks.map(|s| &s.storage) {
+                None => None,
+                Some(Storage::Host(s)) => Some(&s[..]),
+                Some(Storage::Cuda(_)) => return Err(mismatch(op)),
+            },
+        })
+    }
+
+    /// These as the CUDA kernels take them: an error if the sinks are not on `q`'s GPU.
+    fn on_gpu(&self, q: &Buffer, op: &str) -> Result<cuda::attention::Options<'a>> {
+        Ok(cuda::attention::Options {
+            scale: self.scale,
+            softcap: self.softcap,
+            sinks: match self.sinks.map(|s| &s.storage) {
+                None => None,
+                Some(Storage::Cuda(s)) if s.gpu().same(q.gpu()) => Some(s),
+                Some(_) => return Err(mismatch(op)),
+            },
+        })
+    }
+}
+
 /// Scaled dot-product attention of `q` (`[tokens, heads · head_dim]`) over `kv`: query `t`
 /// sees positions up to `positions[t]` (causal) within the window, and query head `h` reads
-/// key head `h / (heads / kv_heads)` (grouped-query attention). Returns `[tokens, heads ·
-/// head_dim]`.
+/// key head `h / (heads / kv_heads)` (grouped-query attention). `options` give the scale, and
+/// may soft-cap the scores and add sinks. Returns `[tokens, heads · head_dim]`.
 pub fn attention(
     q: &Tensor,
     heads: usize,
     head_dim: usize,
     positions: &Positions,
     kv: &KvView,
-    scale: f32,
+    options: AttentionOptions,
 ) -> Result<Tensor> {
     check_kv(q, positions.len(), heads, head_dim, kv)?;
+    options.check(heads)?;
     let shape = vec![positions.len(), heads * head_dim];
     let p = positions.as_slice();
     match &q.storage {
         Storage::Host(q) => {
+            let options = options.on_host("attention")?;
             let mut out = vec![0.0; q.len()];
-            host_attention(q, heads, head_dim, p, kv, scale, &mut out)?;
+            host_attention(q, heads, head_dim, p, kv, options, &mut out)?;
             Ok(Tensor::new(shape, out))
         }
         Storage::Cuda(qb) => {
             let ring = kv_ring(qb, kv)?;
-            let out =
-                cuda::attention::attention(qb, heads, head_dim, positions.on_gpu()?, &ring, scale)?;
+            let options = options.on_gpu(qb, "attention")?;
+            let out = cuda::attention::attention(
+                qb,
+                heads,
+                head_dim,
+                positions.on_gpu()?,
+                &ring,
+                &options,
+            )?;
             Ok(Tensor::on_gpu(shape, out))
         }
     }
@@ -309,14 +403,14 @@ fn host_attention(
     head_dim: usize,
     positions: &[usize],
     kv: &KvView,
-    scale: f32,
+    options: cpu::attention::Options,
     out: &mut [f32],
 ) -> Result<()> {
-    let (h, d, p) = (heads, head_dim, positions);
+    let (h, d, p, o) = (heads, head_dim, positions, options);
     match HostViews::of(std::slice::from_ref(kv), "attention")? {
-        HostViews::F32(v) => cpu::attention::attention(q, h, d, p, &v[0], scale, out),
-        HostViews::F16(v) => cpu::attention::attention(q, h, d, p, &v[0], scale, out),
-        HostViews::Q8(v) => cpu::attention::attention(q, h, d, p, &v[0], scale, out),
+        HostViews::F32(v) => cpu::attention::attention(q, h, d, p, &v[0], o, out),
+        HostViews::F16(v) => cpu::attention::attention(q, h, d, p, &v[0], o, out),
+        HostViews::Q8(v) => cpu::attention::attention(q, h, d, p, &v[0], o, out),
     }
     Ok(())
 }
@@ -328,7 +422,7 @@ fn host_attention_batch(
     head_dim: usize,
     positions: &[usize],
     kvs: &[KvView],
-    scale: f32,
+    options: cpu::attention::Options,
     out: &mut [f32],
 ) -> Result<()> {
     let Some(first) = kvs.first() else {
@@ -337,11 +431,11 @@ fn host_attention_batch(
     check(kvs.iter().all(|kv| kv.kv_heads == first.kv_heads), || {
         "a batch's caches differ in heads".into()
     })?;
-    let (h, d, p) = (heads, head_dim, positions);
+    let (h, d, p, o) = (heads, head_dim, positions, options);
     match HostViews::of(kvs, "attention_batch")? {
-        HostViews::F32(v) => cpu::attention::attention_batch(q, h, d, p, &v, scale, out),
-        HostViews::F16(v) => cpu::attention::attention_batch(q, h, d, p, &v, scale, out),
-        HostViews::Q8(v) => cpu::attention::attention_batch(q, h, d, p, &v, scale, out),
+        HostViews::F32(v) => cpu::attention::attention_batch(q, h, d, p, &v, o, out),
+        HostViews::F16(v) => cpu::attention::attention_batch(q, h, d, p, &v, o, out),
+        HostViews::Q8(v) => cpu::attention::attention_batch(q, h, d, p, &v, o, out),
     }
     Ok(())
 }
@@ -397,7 +491,7 @@ pub fn attention_batch(
     head_dim: usize,
     positions: &Positions,
     kvs: &[KvView],
-    scale: f32,
+    options: AttentionOptions,
 ) -> Result<Tensor> {
     let n = kvs.len();
     check(positions.len() == n, || {
@@ -406,8 +500,10 @@ pub fn attention_batch(
     for kv in kvs {
         check_kv(q, n, heads, head_dim, kv)?;
     }
+    options.check(heads)?;
     match &q.storage {
         Storage::Host(q) => {
+            let options = options.on_host("attention_batch")?;
             let mut out = vec![0.0; q.len()];
             host_attention_batch(
                 q,
@@ -415,7 +511,7 @@ pub fn attention_batch(
                 head_dim,
                 positions.as_slice(),
                 kvs,
-                scale,
+                options,
                 &mut out,
             )?;
             Ok(Tensor::new(vec![n, heads * head_dim], out))
@@ -425,13 +521,14 @@ pub fn attention_batch(
                 .iter()
                 .map(|kv| kv_ring(qb, kv))
                 .collect::<Result<Vec<_>>>()?;
+            let options = options.on_gpu(qb, "attention_batch")?;
             let out = cuda::attention::attention_batch(
                 qb,
                 heads,
                 head_dim,
                 positions.on_gpu()?,
                 &rings,
-                scale,
+                &options,
             )?;
             Ok(Tensor::on_gpu(vec![n, heads * head_dim], out))
         }

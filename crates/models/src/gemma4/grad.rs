@@ -3,6 +3,7 @@
 //! mixture of experts beside the dense MLP; the per-layer input gate as the block's tail, and the
 //! layer scalar.
 
+use oxlm_engine::cpu::attention::Options;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::rc::Rc;
@@ -141,7 +142,7 @@ impl<'a> MixerGrad for AttentionGrad<'a> {
                 kv_heads: a.kv_heads,
                 head_dim: a.head_dim,
             },
-            scale: 1.0,
+            options: Options::scaled(1.0),
             window: self.window,
             rope: &a.rope,
             q_norm: Some(&a.q_norm),

@@ -2,6 +2,7 @@
 //! convolution, the attention with its `out_proj`, the dense feed-forward under its own names
 //! and LFM2-MoE's sigmoid-routed mixture, each over one whole sequence from an empty cache.
 
+use oxlm_engine::cpu::attention::Options;
 use oxlm_engine::cpu::elementwise::add_inplace;
 use oxlm_engine::grad::{causal_conv1d_backward, silu_mul_backward};
 use oxlm_engine::ops::{self, recurrent, Activation};
@@ -155,7 +156,7 @@ impl MixerGrad for AttentionGrad<'_> {
                 kv_heads: a.kv_heads,
                 head_dim: a.head_dim,
             },
-            scale: a.scale,
+            options: Options::scaled(a.scale),
             window: None,
             rope: &a.rope,
             q_norm: a.q_norm.as_ref(),

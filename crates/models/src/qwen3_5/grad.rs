@@ -1,6 +1,7 @@
 //! Qwen3.5's mixers as the backward pass sees them (see [`crate::decoder_grad`]): the gated
 //! DeltaNet and the gated full attention, each over one whole sequence from an empty cache.
 
+use oxlm_engine::cpu::attention::Options;
 use oxlm_engine::grad::{
     causal_conv1d_backward, delta_gates_backward, gated_delta_rule_backward, silu_mul_backward,
 };
@@ -231,7 +232,7 @@ impl MixerGrad for &GatedAttention {
         let v = a.v_proj.forward_adapted(x, lora.get("v_proj"))?;
         let shape = AttentionShape {
             heads: a.heads(),
-            scale: a.scale,
+            options: Options::scaled(a.scale),
             window: None,
             rope: &a.rope,
             q_norm: Some(&a.q_norm),

@@ -138,13 +138,13 @@ impl MlpGrad for &SparseMoe {
         lora: BlockAdapters,
     ) -> OpResult<(Tensor, Box<dyn MlpSaved + 's>)> {
         let moe: &SparseMoe = self;
-        let router = lora.module("mlp");
+        let (router_module, router_name) = moe.names.router_key;
         let mut probs = moe
             .gate
-            .forward_adapted(x, router.get("gate"))?
+            .forward_adapted(x, lora.module(router_module).get(router_name))?
             .into_vec()?;
         let chosen = moe.route(&mut probs);
-        let switch = lora.module("mlp.switch_mlp");
+        let switch = lora.module(moe.names.experts_key);
         let silu = Activation::Silu;
         let (mut y, routed) = RoutedSaved::forward(
             &moe.experts,
@@ -158,7 +158,7 @@ impl MlpGrad for &SparseMoe {
             Some(expert) => {
                 let shared_lora = lora.module(expert.path);
                 let (out, mlp) = GatedSaved::forward(&expert.mlp, silu, x, shared_lora)?;
-                let gates = expert.add_gated(x, &out, router, &mut y)?;
+                let gates = expert.add_gated(x, &out, lora.module("mlp"), &mut y)?;
                 Some(SharedSaved { mlp, out, gates })
             }
             None => None,
@@ -226,10 +226,12 @@ impl MoeSaved<'_> {
 impl MlpSaved for MoeSaved<'_> {
     fn backward(&self, x: &[f32], dy: &[f32], g: &mut BlockGrads) -> Vec<f32> {
         let moe = self.moe;
-        let switch = "mlp.switch_mlp";
+        let switch = moe.names.experts_key;
         let (mut dx, d_weights) = (self.routed).backward(&moe.experts, switch, &self.chosen, dy, g);
         let d_logits = self.router_grad(&d_weights);
-        add_inplace(&mut dx, &g.through(&moe.gate, "mlp", "gate", x, &d_logits));
+        let (router_module, router_name) = moe.names.router_key;
+        let d_x_router = g.through(&moe.gate, router_module, router_name, x, &d_logits);
+        add_inplace(&mut dx, &d_x_router);
         let (Some(saved), Some(expert)) = (&self.shared, &moe.shared) else {
             return dx;
         };

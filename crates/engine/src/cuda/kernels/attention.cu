@@ -89,6 +89,28 @@ struct SplitKeys {
     int used;
 };
 
+// A scaled score soft-capped at `cap` (Gemma 2's `cap · tanh(s / cap)`); as it is for cap 0.
+__device__ __forceinline__ float soft_cap(float s, float cap) {
+    return cap > 0.f ? cap * tanhf(s / cap) : s;
+}
+
+// The sink logit of query head h: -inf (none) where `sinks` is null.
+__device__ __forceinline__ float sink_of(const float *sinks, int h) {
+    return sinks ? sinks[h] : -INFINITY;
+}
+
+// What turns an online softmax's unnormalised output (the weights exp(s - m), summing to l)
+// into the weighted sum of the values: 1 / l, or with a sink (gpt-oss's: a logit in the
+// denominator that weighs no value) exp(m - top) / (l · exp(m - top) + exp(sink - top)),
+// top = max(m, sink). 0 where no key was attended.
+__device__ __forceinline__ float softmax_norm(float m, float l, float sink) {
+    if (sink > -INFINITY) {
+        const float top = fmaxf(m, sink), c = expf(m - top);
+        return c / (l * c + expf(sink - top));
+    }
+    return l > 0.f ? 1.f / l : 0.f;
+}
+
 __device__ __forceinline__ bool split_keys(i64 pos, i64 start, i64 window, int splits,
                                            int per_split, int split, SplitKeys &k) {
     const i64 hi = pos + 1, lo = min(hi, max(start, pos + 1 - window));
@@ -102,9 +124,11 @@ __device__ __forceinline__ bool split_keys(i64 pos, i64 start, i64 window, int s
 // of one (token, head) into `out_row`. Lane s takes splits s and s + 32 (at most 64), so that
 // the maxima and sums come in one round of loads; then each lane's features (lane + 32e) of
 // 64 / E splits at a time, all loaded before any is summed (one round for up to 32 splits of d =
-// 64). Loads go through L2, where other blocks' writes are.
+// 64). Loads go through L2, where other blocks' writes are. A `sink` (-inf for none) joins as
+// one more split, of sum 1 and no output.
 template <int E>
-__device__ void combine_splits(const float *pp, float *out_row, int d, int used, int lane) {
+__device__ void combine_splits(const float *pp, float *out_row, int d, int used, int lane,
+                               float sink) {
     const int stride = d + 2;
     float ms[2], ws[2];
 #pragma unroll
@@ -114,7 +138,7 @@ __device__ void combine_splits(const float *pp, float *out_row, int d, int used,
         ms[h] = s < used ? mv : -INFINITY;
         ws[h] = s < used ? wv : 0.f;
     }
-    const float m = warp_max(fmaxf(ms[0], ms[1]));
+    const float m = fmaxf(warp_max(fmaxf(ms[0], ms[1])), sink);
     // Each split's weight exp(m_s - m); the softmax's denominator is Σ weight · sum.
     float l = 0.f;
 #pragma unroll
@@ -124,6 +148,7 @@ __device__ void combine_splits(const float *pp, float *out_row, int d, int used,
         ws[h] = w;
     }
     l = warp_sum(l);
+    if (sink > -INFINITY) l += expf(sink - m);
     TRACE_WARP(TRACE_MERGE_MAXIMA);
     const float inv = l > 0.f ? 1.f / l : 0.f;
     constexpr int ROUND = 64 / E < 32 ? 64 / E : 32;
@@ -161,8 +186,8 @@ __device__ void combine_splits(const float *pp, float *out_row, int d, int used,
 // flight spill that kernel's registers (bounded at 128).
 template <int E>
 __device__ __noinline__ void combine_splits_call(const float *pp, float *out_row, int d, int used,
-                                                 int lane) {
-    combine_splits<E>(pp, out_row, d, used, lane);
+                                                 int lane, float sink) {
+    combine_splits<E>(pp, out_row, d, used, lane, sink);
 }
 
 template <int E, class K>
@@ -171,8 +196,9 @@ __device__ void attention_split(const float *__restrict__ q, const typename K::T
                                 const int *__restrict__ positions,
                                 float *__restrict__ out, float *__restrict__ part,
                                 unsigned *__restrict__ counters, int heads, int kv_heads, int d,
-                                int capacity, i64 start, i64 window, float scale, int splits,
-                                int per_split, int th, int split) {
+                                int capacity, i64 start, i64 window, float scale, float softcap,
+                                const float *__restrict__ sinks, int splits, int per_split,
+                                int th, int split) {
     const int lane = threadIdx.x;
     const int t = th / heads, h = th % heads;
     const int kvh = h / (heads / kv_heads);
@@ -271,7 +297,9 @@ __device__ void attention_split(const float *__restrict__ q, const typename K::T
             }
         }
         const float dot = transpose_sum(dots, lane);
-        const float s = lane < count ? dot * scale : -INFINITY;
+        float s = dot * scale;
+        if (softcap > 0.f) s = softcap * tanhf(s / softcap);
+        s = lane < count ? s : -INFINITY;
         TRACE_WARP(TRACE_SCORES);
         const float m_new = fmaxf(m, warp_max(s));
         const float correction = expf(m - m_new);
@@ -301,7 +329,7 @@ __device__ void attention_split(const float *__restrict__ q, const typename K::T
     }
     TRACE_WARP(TRACE_KEYS);
     if (used == 1) {
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const float inv = softmax_norm(m, l, sink_of(sinks, h));
 #pragma unroll
         for (int e = 0; e < E; e++) {
             const int f = lane + 32 * e;
@@ -326,7 +354,8 @@ __device__ void attention_split(const float *__restrict__ q, const typename K::T
         done = __shfl_sync(0xffffffffu, done, 0);
         TRACE_WARP(TRACE_COUNTED);
         if (done == (unsigned)used - 1) {
-            combine_splits<E>(part + (i64)th * splits * (d + 2), out + (i64)th * d, d, used, lane);
+            combine_splits<E>(part + (i64)th * splits * (d + 2), out + (i64)th * d, d, used, lane,
+                              sink_of(sinks, h));
             if (lane == 0) counters[th] = 0;
         }
     }
@@ -338,10 +367,11 @@ __device__ void attention_split(const float *__restrict__ q, const typename K::T
     extern "C" __global__ void attention_##E##_##NAME(                                          \
         const float *q, const K::T *keys, const K::T *values, const int *positions, float *out, \
         float *part, unsigned *counters, int heads, int kv_heads, int d, int capacity,          \
-        i64 start, i64 window, float scale, int splits, int per_split) {                        \
+        i64 start, i64 window, float scale, float softcap, const float *sinks, int splits,      \
+        int per_split) {                                                                        \
         attention_split<E, K>(q, keys, values, positions, out, part, counters, heads, kv_heads, \
-                              d, capacity, start, window, scale, splits, per_split,             \
-                              blockIdx.x, blockIdx.y);                                          \
+                              d, capacity, start, window, scale, softcap, sinks, splits,        \
+                              per_split, blockIdx.x, blockIdx.y);                               \
     }
 #define ATTENTION_RINGS(E) ATTENTION(E, F32, f32) ATTENTION(E, F16, f16)
 
@@ -413,12 +443,15 @@ __device__ void attention_group(const float *__restrict__ q,
                                 const typename K::T *__restrict__ values, i64 pos,
                                 float *__restrict__ out, float *__restrict__ part,
                                 unsigned *__restrict__ counter, int heads, int d, int capacity,
-                                i64 start, i64 window, float scale, int splits, int per_split,
+                                i64 start, i64 window, float scale, float softcap,
+                                const float *__restrict__ sinks, int splits, int per_split,
                                 int split, int stages, int units) {
     typedef typename K::T T;
     extern __shared__ __align__(16) unsigned char kv_tiles[];
     __shared__ __align__(16) float qs[G][E * 32];
     __shared__ __align__(16) float ps[32][G];
+    // The heads' sinks wait here for the end, rather than hold registers through the loop.
+    __shared__ float sink_s[G];
     const int lane = threadIdx.x;
     const int stage_bytes = 2 * 32 * units * 16;
     SplitKeys sk;
@@ -437,6 +470,7 @@ __device__ void attention_group(const float *__restrict__ q,
         const int g = i / (E * 32), f = i % (E * 32);
         qs[g][f] = g < heads && f < d ? q[(i64)g * d + f] : 0.f;
     }
+    if (lane < G) sink_s[lane] = lane < heads ? sink_of(sinks, lane) : -INFINITY;
     const int used = sk.used;
     float m[G], l[G], acc[G][E];
 #pragma unroll
@@ -486,7 +520,7 @@ __device__ void attention_group(const float *__restrict__ q,
                         dot[g] += qs[g][u * K::PER_UNIT + i] * k[i];
             }
 #pragma unroll
-            for (int g = 0; g < G; g++) s[g] = dot[g] * scale;
+            for (int g = 0; g < G; g++) s[g] = soft_cap(dot[g] * scale, softcap);
         }
 #pragma unroll
         for (int g = 0; g < G; g++) {
@@ -519,11 +553,13 @@ __device__ void attention_group(const float *__restrict__ q,
     }
 #pragma unroll
     for (int g = 0; g < G; g++) l[g] = warp_sum(l[g]);
+    // The sinks visible to every lane (a split without keys has had no tile's __syncwarp).
+    __syncwarp();
     if (used == 1) {
 #pragma unroll
         for (int g = 0; g < G; g++) {
             if (g >= heads) break;
-            const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+            const float inv = softmax_norm(m[g], l[g], sink_s[g]);
 #pragma unroll
             for (int e = 0; e < E; e++) {
                 const int f = lane + 32 * e;
@@ -554,7 +590,7 @@ __device__ void attention_group(const float *__restrict__ q,
     if (__shfl_sync(0xffffffffu, done, 0) == (unsigned)used - 1) {
         for (int g = 0; g < heads; g++)
             combine_splits_call<E>(part + (i64)g * splits * (d + 2), out + (i64)g * d, d, used,
-                                   lane);
+                                   lane, sink_s[g]);
         if (lane == 0) *counter = 0;
     }
 }
@@ -571,18 +607,20 @@ __device__ void attention_group(const float *__restrict__ q,
         const float *q, const unsigned long long *keys, const unsigned long long *values,       \
         const int *positions, float *out, float *part, unsigned *counters, int heads,           \
         int kv_heads, int d, const int *capacities, const int *starts, i64 window, float scale, \
-        int splits, int per_split, int stages, int units) {                                     \
+        float softcap, const float *sinks, int splits, int per_split, int stages, int units) {  \
         const int group = heads / kv_heads, chunks = (group + G - 1) / G;                       \
         const int s = blockIdx.x / (kv_heads * chunks), kvh = blockIdx.x / chunks % kv_heads;   \
         const int chunk = blockIdx.x % chunks;                                                  \
-        const i64 first = (i64)s * heads + kvh * group + chunk * G;                             \
+        const int head = kvh * group + chunk * G;                                               \
+        const i64 first = (i64)s * heads + head;                                                \
         const i64 ring = (i64)kvh * capacities[s] * d;                                          \
         attention_group<E, G, K>(q + first * d, reinterpret_cast<const K::T *>(keys[s]) + ring, \
                                  reinterpret_cast<const K::T *>(values[s]) + ring,              \
                                  positions[s], out + first * d,                                 \
                                  part + first * splits * (d + 2), counters + blockIdx.x,        \
                                  min(G, group - chunk * G), d, capacities[s], starts[s],        \
-                                 window, scale, splits, per_split, blockIdx.y, stages, units);  \
+                                 window, scale, softcap, sinks ? sinks + head : nullptr,        \
+                                 splits, per_split, blockIdx.y, stages, units);                 \
     }
 #define ATTENTION_BATCH_RINGS(E, G) ATTENTION_BATCH(E, G, F32, f32) ATTENTION_BATCH(E, G, F16, f16)
 // G · E <= 16: at most sixteen accumulators a lane.
@@ -630,14 +668,16 @@ extern "C" __global__ void heads_last(const float *x, float *out, int t0, int co
 // Softmax in place of each row of scores ([heads · count, slots], row (h, t) for query
 // t0 + t), over the slots query t may see: slot j holds position p(j), the one position in
 // [end - slots, end) that is j modulo capacity; visible when start <= p <= positions[t0 + t] and
-// p > positions[t0 + t] - window. One block per row.
+// p > positions[t0 + t] - window. Visible scores are soft-capped first where `softcap` > 0, and
+// head h's sink (where `sinks` is not null) joins the denominator. One block per row.
 extern "C" __global__ void masked_softmax(float *scores, const int *positions, int t0, int count,
                                           int slots, int capacity, i64 start, i64 end,
-                                          i64 window) {
+                                          i64 window, float softcap, const float *sinks) {
     await_inputs();
     __shared__ float partial[32];
     float *row = scores + (i64)blockIdx.x * slots;
     const i64 pos = positions[t0 + blockIdx.x % count];
+    const float sink = sink_of(sinks, blockIdx.x / count);
     const i64 first = end - slots;
     const int shift = (int)(first % capacity);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
@@ -645,13 +685,18 @@ extern "C" __global__ void masked_softmax(float *scores, const int *positions, i
         const i64 p = first + (j - shift + capacity) % capacity;
         return p >= start && p <= pos && p > pos - window;
     };
+    // Each thread caps the scores it reads again below.
     float m = -INFINITY;
     for (int j = threadIdx.x; j < slots; j += blockDim.x)
-        if (visible(j)) m = fmaxf(m, row[j]);
+        if (visible(j)) {
+            float s = row[j];
+            if (softcap > 0.f) row[j] = s = soft_cap(s, softcap);
+            m = fmaxf(m, s);
+        }
     m = warp_max(m);
     if (lane == 0) partial[warp] = m;
     __syncthreads();
-    m = warp_max(lane < warps ? partial[lane] : -INFINITY);
+    m = fmaxf(warp_max(lane < warps ? partial[lane] : -INFINITY), sink);
     __syncthreads();
     float sum = 0.f;
     for (int j = threadIdx.x; j < slots; j += blockDim.x) {
@@ -663,6 +708,7 @@ extern "C" __global__ void masked_softmax(float *scores, const int *positions, i
     if (lane == 0) partial[warp] = sum;
     __syncthreads();
     sum = warp_sum(lane < warps ? partial[lane] : 0.f);
+    if (sink > -INFINITY) sum += expf(sink - m);
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     for (int j = threadIdx.x; j < slots; j += blockDim.x) row[j] *= inv;
 }
