@@ -9,12 +9,13 @@ use libfuzzer_sys::fuzz_target;
 use oxlm_server::parsers::{OutputParser, Piece, ToolFormat};
 use serde_json::{json, Value};
 
-const FORMATS: [Option<ToolFormat>; 5] = [
+const FORMATS: [Option<ToolFormat>; 6] = [
     None,
     Some(ToolFormat::Hermes),
     Some(ToolFormat::Qwen3Coder),
     Some(ToolFormat::Llama3Json),
     Some(ToolFormat::Gemma4),
+    Some(ToolFormat::Harmony),
 ];
 
 /// The reasoning markers `Tokenizer::think_markers` can give.
@@ -79,7 +80,10 @@ fuzz_target!(|data: &[u8]| {
     let whole = parse(&mut parser.clone(), &[&text]);
     let streamed = parse(&mut parser.clone(), &cut(&text, *seed));
     assert_eq!(whole, streamed, "the reply depends on how it was cut");
-    if matches!(format, Some(ToolFormat::Qwen3Coder | ToolFormat::Gemma4)) {
+    if matches!(
+        format,
+        Some(ToolFormat::Qwen3Coder | ToolFormat::Gemma4 | ToolFormat::Harmony)
+    ) {
         for piece in &whole {
             if let Piece::ToolCall(call) = piece {
                 let arguments: Value = serde_json::from_str(&call.arguments).expect("JSON");

@@ -290,8 +290,12 @@ pub(crate) async fn start_chat(
         Ok((prompt, constraint))
     })
     .await?;
-    let tools = req.tools.clone().map(|t| (state.tool_format, t));
-    let parser = OutputParser::new(state.think, prompt.in_reasoning, tools);
+    let parser = OutputParser::for_model(
+        state.tool_format,
+        state.think,
+        prompt.in_reasoning,
+        req.tools.clone(),
+    );
     let running = submit(
         state,
         &mut req.params,
@@ -339,9 +343,16 @@ pub(crate) fn chat_prompt(
     if state.think.is_some() {
         kwargs.entry("enable_thinking").or_insert(Value::Bool(true));
     }
-    let messages = Value::Array(req.messages.clone());
+    let (messages, tools) = if state.tool_format == ToolFormat::Harmony {
+        crate::harmony::prepare_template_kwargs(&mut kwargs);
+        let tools = req.tools.as_ref().map(crate::harmony::prepare_tools);
+        (crate::harmony::prepare_history(&req.messages), tools)
+    } else {
+        (req.messages.clone(), req.tools.clone())
+    };
+    let messages = Value::Array(messages);
     let text = template
-        .render(&messages, req.tools.as_ref(), true, &kwargs)
+        .render(&messages, tools.as_ref(), true, &kwargs)
         .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
     let ids = tokenizer.encode(&text, false).map_err(internal)?;
     let in_reasoning = state

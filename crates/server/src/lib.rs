@@ -18,6 +18,7 @@ mod body;
 mod connections;
 mod embeddings;
 pub mod error;
+mod harmony;
 mod loading;
 mod log;
 mod metrics;
@@ -274,10 +275,25 @@ impl Server {
     /// [`new`](Self::new), reporting through `telemetry`, which has answered since before the
     /// model loaded.
     fn with_telemetry(
-        model: LoadedModel,
+        mut model: LoadedModel,
         settings: Settings,
         telemetry: Arc<Telemetry>,
     ) -> Result<Self, ServeError> {
+        let tool_format = ToolFormat::from_template(
+            model
+                .chat_template
+                .iter()
+                .flat_map(|template| template.sources()),
+        );
+        if tool_format == ToolFormat::Harmony {
+            // Harmony's replies end at `<|return|>` and `<|call|>` (after them comes the
+            // tool's answer, which the model would make up), whatever generation_config.json
+            // says.
+            let ends = [harmony::RETURN, harmony::CALL].into_iter();
+            model
+                .eos_ids
+                .extend(ends.filter_map(|end| model.tokenizer.token_to_id(end)));
+        }
         let model = Arc::new(model);
         let model_dir = model.dir.as_path();
         let recommended = SamplingDefaults::from_dir(model_dir)?;
@@ -300,12 +316,6 @@ impl Server {
             repetition_penalty: recommended.repetition_penalty,
             xtc_special_tokens,
         };
-        let tool_format = ToolFormat::from_template(
-            model
-                .chat_template
-                .iter()
-                .flat_map(|template| template.sources()),
-        );
         let think = model.tokenizer.think_markers();
         let model_id = telemetry.model_id().to_owned();
         let base = model.model.as_ref();

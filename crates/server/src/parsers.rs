@@ -18,13 +18,17 @@
 //! - Llama 3.x: the whole reply is `{"name": …, "parameters": {…}}` (or several, `;`-separated),
 //!   optionally after `<|python_tag|>`;
 //! - pythonic (vLLM's pythonic templates for Llama 3.2, Llama 4 and Gemma 3): the whole reply
-//!   is `[NAME(key=value, …), …]`, values Python literals.
+//!   is `[NAME(key=value, …), …]`, values Python literals;
+//! - harmony (gpt-oss): messages on channels, reasoning, answer and calls alike (see
+//!   [`crate::harmony`]); its parser reads every reply, tools or not.
 //!
 //! The last two have no markers: a reply that starts like their calls is held until it ends,
 //! then becomes tool calls if it parses as such, else content.
 
 use rand::Rng;
 use serde_json::{Map, Value};
+
+use crate::harmony::HarmonyParser;
 
 /// How a model writes tool calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -41,6 +45,9 @@ pub enum ToolFormat {
     /// `[TOOL_CALLS]NAME[ARGS]{…}` (Mistral Small 3.2, Magistral, Devstral, Ministral 3).
     MistralArgs,
     Pythonic,
+    /// OpenAI's harmony (gpt-oss):
+    /// `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{…}`.
+    Harmony,
 }
 
 const TOOL_START: &str = "<tool_call>";
@@ -78,7 +85,9 @@ impl ToolFormat {
     pub fn from_template<'a>(sources: impl IntoIterator<Item = &'a str>) -> Self {
         let sources: Vec<&str> = sources.into_iter().collect();
         let any = |needle: &str| sources.iter().any(|s| s.contains(needle));
-        if any(GEMMA4_TOOL_START) && any(GEMMA4_TOOL_END) {
+        if any(crate::harmony::CHANNEL) && any(crate::harmony::MESSAGE) {
+            ToolFormat::Harmony
+        } else if any(GEMMA4_TOOL_START) && any(GEMMA4_TOOL_END) {
             ToolFormat::Gemma4
         } else if any("<tool_call>\n<function=") || any("<tool_call>\\n<function=") {
             ToolFormat::Qwen3Coder
@@ -109,7 +118,7 @@ impl ToolFormat {
             ToolFormat::Gemma4 => Some((GEMMA4_TOOL_START, GEMMA4_TOOL_END)),
             ToolFormat::MiniCpm5 => Some((MINICPM5_TOOL_START, MINICPM5_TOOL_END)),
             ToolFormat::MistralJson | ToolFormat::MistralArgs => Some((MISTRAL_TOOL_CALLS, "")),
-            ToolFormat::Llama3Json | ToolFormat::Pythonic => None,
+            ToolFormat::Llama3Json | ToolFormat::Pythonic | ToolFormat::Harmony => None,
         }
     }
 
@@ -150,6 +159,8 @@ enum State {
 /// Splits streamed model output into [`Piece`]s; see the module docs.
 #[derive(Debug, Clone)]
 pub struct OutputParser {
+    /// Harmony replies have a parser of their own.
+    harmony: Option<HarmonyParser>,
     think: Option<(String, String)>,
     tools: Option<(ToolFormat, Value)>,
     state: State,
@@ -170,7 +181,12 @@ impl OutputParser {
         in_reasoning: bool,
         tools: Option<(ToolFormat, Value)>,
     ) -> Self {
+        let harmony = match &tools {
+            Some((ToolFormat::Harmony, tools)) => Some(HarmonyParser::new(Some(tools))),
+            _ => None,
+        };
         OutputParser {
+            harmony,
             state: if in_reasoning && think.is_some() {
                 State::Reasoning
             } else {
@@ -184,8 +200,25 @@ impl OutputParser {
         }
     }
 
+    /// The parser of a model whose tool format is `format`, for a request with `tools` (see
+    /// [`new`](Self::new)); a harmony model's replies are read as harmony, tools or not.
+    pub fn for_model(
+        format: ToolFormat,
+        think: Option<(&str, &str)>,
+        in_reasoning: bool,
+        tools: Option<Value>,
+    ) -> Self {
+        let harmony = (format == ToolFormat::Harmony).then(|| HarmonyParser::new(tools.as_ref()));
+        let mut parser = Self::new(think, in_reasoning, tools.map(|t| (format, t)));
+        parser.harmony = harmony;
+        parser
+    }
+
     /// Adds decoded text; returns what is known so far.
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
+        if let Some(harmony) = &mut self.harmony {
+            return harmony.push(text);
+        }
         self.pending.push_str(text);
         let mut out = Vec::new();
         loop {
@@ -224,6 +257,9 @@ impl OutputParser {
 
     /// Ends the reply: held-back text is given out, an unfinished call parsed if it can be.
     pub fn finish(&mut self) -> Vec<Piece> {
+        if let Some(harmony) = &mut self.harmony {
+            return harmony.finish();
+        }
         let mut out = Vec::new();
         let rest = std::mem::take(&mut self.pending);
         match self.state {
@@ -358,9 +394,10 @@ impl OutputParser {
 }
 
 /// The longest end of `text` that is a proper start of one of `markers`.
-fn partial_suffix<'a>(text: &str, markers: impl Iterator<Item = &'a String>) -> usize {
+pub(crate) fn partial_suffix<S: AsRef<str>>(text: &str, markers: impl Iterator<Item = S>) -> usize {
     markers
         .map(|m| {
+            let m = m.as_ref();
             (1..m.len().min(text.len() + 1))
                 .rev()
                 .filter(|&n| m.is_char_boundary(n))
@@ -1074,10 +1111,43 @@ mod tests {
                 include_str!("../../../tests/fixtures/templates/llama-3.2-pythonic.jinja"),
                 ToolFormat::Pythonic,
             ),
+            (
+                include_str!("../../../tests/fixtures/templates/gpt-oss.jinja"),
+                ToolFormat::Harmony,
+            ),
+            // Gemma 4's channel markers are not harmony's.
+            (
+                include_str!("../../../tests/fixtures/templates/gemma4.jinja"),
+                ToolFormat::Gemma4,
+            ),
         ];
         for (template, format) in cases {
             assert_eq!(ToolFormat::from_template([template]), format);
         }
+    }
+
+    /// A harmony model's replies are harmony, tools or not; other models' are not.
+    #[test]
+    fn harmony_replies_with_and_without_tools() {
+        let reply = "<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant\
+                     <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>\
+                     {\"city\":\"Paris\"}";
+        let mut p = OutputParser::for_model(ToolFormat::Harmony, None, false, Some(tools()));
+        assert_eq!(
+            run(&mut p, &[reply]),
+            [
+                Piece::Reasoning("Hm.".into()),
+                call("get_weather", json!({"city": "Paris"}))
+            ]
+        );
+        let mut p = OutputParser::for_model(ToolFormat::Harmony, None, false, None);
+        let answer = "<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>final<|message|>Hi.";
+        assert_eq!(
+            run(&mut p, &[answer]),
+            [Piece::Reasoning("Hm.".into()), Piece::Content("Hi.".into())]
+        );
+        let mut p = OutputParser::for_model(ToolFormat::Hermes, None, false, None);
+        assert_eq!(run(&mut p, &[answer]), [Piece::Content(answer.into())]);
     }
 
     #[test]

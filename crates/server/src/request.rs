@@ -176,15 +176,34 @@ pub fn chat_request(
         None => None,
     };
     check_tool_choice(&tool_choice, tools.as_ref(), "tool_choice")?;
+    let mut template_kwargs = fields.object("chat_template_kwargs")?.unwrap_or_default();
+    if let Some(effort) = fields.string("reasoning_effort")? {
+        reasoning_effort_kwargs(&mut template_kwargs, effort);
+    }
     Ok(ChatRequest {
         params,
         messages,
         tools,
-        template_kwargs: fields.object("chat_template_kwargs")?.unwrap_or_default(),
+        template_kwargs,
         role_mapping: fields.object("role_mapping")?,
         tool_choice,
         response_format: response_format(fields.get("response_format"))?,
     })
+}
+
+/// OpenAI's reasoning effort (chat completions' `reasoning_effort`, the Responses API's
+/// `reasoning.effort`) as chat template variables: `reasoning_effort` (gpt-oss's template reads
+/// it), and `enable_thinking: false` for `none`, to the templates that can turn thinking off.
+/// The request's own template variables win.
+pub(crate) fn reasoning_effort_kwargs(kwargs: &mut Map<String, Value>, effort: String) {
+    if effort == "none" {
+        kwargs
+            .entry("enable_thinking")
+            .or_insert(Value::Bool(false));
+    }
+    kwargs
+        .entry("reasoning_effort")
+        .or_insert(Value::String(effort));
 }
 
 /// Chat completions' `tool_choice`: `"auto"`, `"none"`, `"required"` or

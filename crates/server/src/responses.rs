@@ -192,16 +192,7 @@ fn responses_request(
     text.insert("format".into(), format);
     let mut template_kwargs = fields.object("chat_template_kwargs")?.unwrap_or_default();
     if let Some(effort) = reasoning_effort(fields.object("reasoning")?)? {
-        // Turning thinking off is `enable_thinking: false` to the templates that can; the
-        // request's own template variables win.
-        if effort == "none" {
-            template_kwargs
-                .entry("enable_thinking")
-                .or_insert(Value::Bool(false));
-        }
-        template_kwargs
-            .entry("reasoning_effort")
-            .or_insert(Value::String(effort));
+        request::reasoning_effort_kwargs(&mut template_kwargs, effort);
     }
     let store = fields.bool("store")?.unwrap_or(true);
     let metadata = fields.object("metadata")?.unwrap_or_default();

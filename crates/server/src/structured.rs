@@ -9,6 +9,7 @@ use oxlm_runtime::constraint::{compact_json_schema, Grammar, Grammars, TokenCons
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
+use crate::harmony;
 use crate::parsers::ToolFormat;
 use crate::request::{tool_name, ChatRequest, ResponseFormat, ToolChoice};
 
@@ -106,6 +107,15 @@ fn reply_grammar(req: &ChatRequest, markup: &Markup, grammars: &Grammars) -> Gra
         ResponseFormat::JsonObject => Some(json_rule(&any_object())),
         ResponseFormat::JsonSchema { schema, .. } => Some(json_rule(schema)),
     };
+    // Harmony's answer is a message of its own, on the final channel.
+    let content = content.map(|json| match markup.format {
+        ToolFormat::Harmony => format!(
+            "{} \"final\" {} {json}",
+            lark.literal(harmony::CHANNEL),
+            lark.literal(harmony::MESSAGE)
+        ),
+        _ => json,
+    });
     let body = match (calls, content) {
         (Some(calls), _) => calls,
         // Free to call a tool instead of answering (`tool_choice: auto`), as OpenAI allows.
@@ -115,7 +125,10 @@ fn reply_grammar(req: &ChatRequest, markup: &Markup, grammars: &Grammars) -> Gra
         (None, Some(content)) => content,
         (None, None) => unreachable!("reply_grammar is only asked of requests that enforce"),
     };
-    let (reasoning, reasoning_rules) = lark.reasoning(markup);
+    let (reasoning, reasoning_rules) = match markup.format {
+        ToolFormat::Harmony => lark.harmony_analysis(),
+        _ => lark.reasoning(markup),
+    };
     Grammar::Lark(format!(
         "start: {reasoning} body\nbody: {body}\n{reasoning_rules}{}",
         lark.call_rules(markup.format)
@@ -157,9 +170,27 @@ impl Lark<'_> {
         }
     }
 
-    /// Free text up to and including `end`.
+    /// Free text up to and including `end`. A special token cannot end a lexeme (`suffix=`);
+    /// it needs none, as no text matches it.
     fn text_until(&self, name: &str, end: &str) -> String {
-        format!("{name}[suffix={}]: /(.|\\n)*/\n", self.literal(end))
+        if self.grammars.is_special_token(end) {
+            format!("{name}: /(.|\\n)*/ {end}\n")
+        } else {
+            format!("{name}[suffix={}]: /(.|\\n)*/\n", Value::from(end))
+        }
+    }
+
+    /// Harmony's reasoning: an analysis message may come first, the reply then going on with
+    /// the next message's header, up to its channel.
+    fn harmony_analysis(&self) -> (String, String) {
+        let rules = format!(
+            "harmony_analysis: {} \"analysis\" {} thought {} \"assistant\"\n{}",
+            self.literal(harmony::CHANNEL),
+            self.literal(harmony::MESSAGE),
+            self.literal(harmony::START),
+            self.text_until("thought", harmony::END)
+        );
+        ("harmony_analysis?".to_owned(), rules)
     }
 
     /// What may come before the body: the rest of a reasoning block the prompt opened, a whole
@@ -234,6 +265,22 @@ impl Lark<'_> {
                     json_rule(&parameters(tool))
                 ))
             ),
+            // One call, ended by `<|call|>`, which ends generation: a call is all there can be.
+            // The recipient is where gpt-oss puts it, after the channel, or where its template
+            // does, before.
+            ToolFormat::Harmony => {
+                let (channel, message) = (
+                    self.literal(harmony::CHANNEL),
+                    self.literal(harmony::MESSAGE),
+                );
+                return alternatives(tools, |name, tool| {
+                    format!(
+                        "({channel} \"commentary to=functions.{name}\" | \" to=functions.{name}\" \
+                         {channel} \"commentary\") harmony_type? {message} {}",
+                        json_rule(&parameters(tool))
+                    )
+                });
+            }
             // One list holds every call.
             ToolFormat::Pythonic => {
                 let call = alternatives(tools, |name, tool| {
@@ -278,6 +325,10 @@ impl Lark<'_> {
                 self.text_until("minicpm_value", "</param>")
             ),
             ToolFormat::Pythonic => PYTHON_LITERAL_RULES.to_owned(),
+            ToolFormat::Harmony => format!(
+                "harmony_type: (\" \" | \" \" {constrain} | {constrain}) \"json\"\n",
+                constrain = self.literal(harmony::CONSTRAIN)
+            ),
             ToolFormat::Hermes
             | ToolFormat::Llama3Json
             | ToolFormat::MistralJson
@@ -454,10 +505,19 @@ mod tests {
 
     /// Whether the grammar for `req` takes `reply` token by token and may end after it.
     fn takes(req: &ChatRequest, markup: &Markup, reply: &str) -> Result<(), String> {
-        let tokenizer = tokenizer();
+        takes_with(&tokenizer(), req, markup, reply)
+    }
+
+    /// [`takes`], over the vocabulary of `tokenizer`.
+    fn takes_with(
+        tokenizer: &Tokenizer,
+        req: &ChatRequest,
+        markup: &Markup,
+        reply: &str,
+    ) -> Result<(), String> {
         let eos = tokenizer.eos_token_id().unwrap();
         let vocab = tokenizer.vocab_size();
-        let grammars = Grammars::new(&tokenizer, &[eos], vocab).unwrap();
+        let grammars = Grammars::new(tokenizer, &[eos], vocab).unwrap();
         let grammar = reply_grammar(req, markup, &grammars);
         let mut constraint = grammars
             .constraint(&grammar)
@@ -608,6 +668,10 @@ mod tests {
                 "[TOOL_CALLS]get_time[ARGS]{\"zone\": 3}",
             ),
             (ToolFormat::Pythonic, "[get_time(zone=3)]"),
+            (
+                ToolFormat::Harmony,
+                "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{\"zone\": 3}",
+            ),
         ];
         for (format, reply) in cases {
             let markup = Markup {
@@ -651,5 +715,138 @@ mod tests {
             "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": 1}}\n</tool_call>",
         )
         .unwrap();
+    }
+
+    /// The tiny tokenizer with harmony's markers as special tokens, as gpt-oss's vocabulary
+    /// has them (a grammar names them rather than spelling them out).
+    fn harmony_tokenizer(dir: &std::path::Path) -> Tokenizer {
+        let source = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/tiny/tokenizer");
+        std::fs::copy(
+            source.join("tokenizer_config.json"),
+            dir.join("tokenizer_config.json"),
+        )
+        .unwrap();
+        let text = std::fs::read_to_string(source.join("tokenizer.json")).unwrap();
+        let mut json: Value = serde_json::from_str(&text).unwrap();
+        let markers = [
+            harmony::START,
+            harmony::END,
+            harmony::MESSAGE,
+            harmony::CHANNEL,
+            harmony::CONSTRAIN,
+            harmony::RETURN,
+            harmony::CALL,
+        ];
+        let added = json["added_tokens"].as_array_mut().unwrap();
+        for (id, content) in (512..).zip(markers) {
+            added.push(json!({"id": id, "content": content, "single_word": false,
+                "lstrip": false, "rstrip": false, "normalized": false, "special": true}));
+        }
+        std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
+        Tokenizer::from_dir(dir).unwrap()
+    }
+
+    /// The pieces the harmony parser reads from `reply`.
+    fn harmony_pieces(req: &ChatRequest, reply: &str) -> Vec<crate::parsers::Piece> {
+        let mut parser = crate::parsers::OutputParser::for_model(
+            ToolFormat::Harmony,
+            None,
+            false,
+            req.tools.clone(),
+        );
+        let mut pieces = parser.push(reply);
+        pieces.extend(parser.finish());
+        pieces
+    }
+
+    /// Harmony: an analysis message may come first, then the call (on the commentary channel,
+    /// the recipient after the channel or before it) or the answer (on the final channel),
+    /// whether the vocabulary has the markers as special tokens (as gpt-oss's) or not.
+    #[test]
+    fn harmony_calls_and_answers_after_an_analysis() {
+        use crate::parsers::{Piece, ToolCall};
+        let dir = tempfile::tempdir().unwrap();
+        let special = harmony_tokenizer(dir.path());
+        let plain = tokenizer();
+        let markup = Markup {
+            format: ToolFormat::Harmony,
+            think: None,
+            in_reasoning: false,
+        };
+        let required = request(json!({"tool_choice": "required"}));
+        let named =
+            request(json!({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}));
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}},
+                            "required": ["a"], "additionalProperties": false});
+        let answer = request(json!({"tool_choice": "none", "response_format": {
+            "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}));
+        let answer_or_call = request(json!({"response_format": {"type": "json_object"}}));
+        let analysis = "<|channel|>analysis<|message|>The user wants the time.\nZone 3.<|end|>\
+                        <|start|>assistant";
+        let call = Piece::ToolCall(ToolCall {
+            name: "get_time".into(),
+            arguments: "{\"zone\":3}".into(),
+        });
+        let thought = Piece::Reasoning("The user wants the time.\nZone 3.".into());
+        let eos = plain.eos_token_id().unwrap();
+        let grammars = Grammars::new(&special, &[eos], special.vocab_size()).unwrap();
+        assert!(grammars.is_special_token(harmony::CHANNEL));
+        let grammar = reply_grammar(&required, &markup, &grammars);
+        let Grammar::Lark(lark) = &grammar else {
+            panic!("{grammar:?}")
+        };
+        assert!(lark.contains("thought: /(.|\\n)*/ <|end|>\n"), "{lark}");
+        for tokenizer in [&special, &plain] {
+            for reply in [
+                "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{\"zone\": 3}",
+                "<|channel|>commentary to=functions.get_time<|constrain|>json<|message|>{\"zone\": 3}",
+                " to=functions.get_time<|channel|>commentary json<|message|>{\"zone\": 3}",
+                "<|channel|>commentary to=functions.get_time<|message|>{\"zone\": 3}",
+            ] {
+                for req in [&required, &named, &answer_or_call] {
+                    takes_with(tokenizer, req, &markup, reply).unwrap();
+                    let reasoned = format!("{analysis}{reply}");
+                    takes_with(tokenizer, req, &markup, &reasoned).unwrap();
+                    assert_eq!(harmony_pieces(req, reply), std::slice::from_ref(&call));
+                    assert_eq!(
+                        harmony_pieces(req, &reasoned),
+                        [thought.clone(), call.clone()]
+                    );
+                }
+                assert!(takes_with(tokenizer, &answer, &markup, reply).is_err());
+            }
+            let json_answer = "<|channel|>final<|message|>{\"a\": 1}";
+            for reply in [json_answer.to_owned(), format!("{analysis}{json_answer}")] {
+                takes_with(tokenizer, &answer, &markup, &reply).unwrap();
+                takes_with(tokenizer, &answer_or_call, &markup, &reply).unwrap();
+                assert!(takes_with(tokenizer, &required, &markup, &reply).is_err());
+                assert_eq!(
+                    harmony_pieces(&answer, &reply).last(),
+                    Some(&Piece::Content("{\"a\": 1}".into()))
+                );
+            }
+            for refused in [
+                // No header, another channel, a tool the request does not give, another
+                // schema, arguments that are not the tool's.
+                "{\"a\": 1}",
+                "<|channel|>commentary<|message|>{\"a\": 1}",
+                "<|channel|>analysis<|message|>{\"a\": 1}",
+                "<|channel|>final<|message|>{\"a\": \"1\"}",
+            ] {
+                assert!(
+                    takes_with(tokenizer, &answer, &markup, refused).is_err(),
+                    "{refused}"
+                );
+            }
+            for refused in [
+                "<|channel|>commentary to=functions.get_date <|constrain|>json<|message|>{\"zone\": 3}",
+                "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{\"zone\": \"3\"}",
+                "<|channel|>final<|message|>It is noon.",
+                "<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>final<|message|>Noon.",
+            ] {
+                assert!(takes_with(tokenizer, &required, &markup, refused).is_err(), "{refused}");
+            }
+        }
     }
 }
