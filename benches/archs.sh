@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The architectures benchmark, one command: builds oxlm, the bandwidth probe and the models
-# (synthetic llama and Qwen3.5 of 0.85B, a synthetic Gemma 4 MoE, the real Gemma-3-270M), then runs
-# benches/archs.py and writes its table into BENCHMARKS.md.
+# (benches/make_archs.py: a synthetic 0.85B llama and, at its budget, Qwen3.5, Phi-3, OLMo 3, LFM2,
+# Qwen3-MoE, DeepSeek-V3, GLM-4.5 MoE and Qwen3-Next; a synthetic Gemma 4 MoE; the real
+# Gemma-3-270M), then runs benches/archs.py and writes its table into BENCHMARKS.md.
 #
-# usage: benches/archs.sh [archs.py options, e.g. --threads 1 --repeats 5]
-# Cold: a few minutes of model building (mlx-lm on the CPU), then about 15 minutes of runs on 2 CPUs.
+# usage: benches/archs.sh [archs.py options, e.g. --threads 1 --repeats 5, --models llama-0.85b,...]
+# Cold: about 10 minutes of model building (mlx-lm on the CPU, under a minute a model, 5 GB on
+# disk), then about half an hour of runs on 2 CPUs.
+# The GPU's figures: benches/gpu/device.sh's `archs` stage (the same models, written there).
 set -Eeuo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

@@ -53,6 +53,15 @@
 #   arrivals        that server under requests arriving at random (serve_bench.py --arrivals):
 #                   4 seconds of them at 150 a second, then at 50 (RATES="150 50"), each asking for
 #                   32 to 128 tokens
+#   archs           the other architectures beside the 0.85B llama (benches/make_archs.py's
+#                   models, written here at 4 bits by synthetic_mlx.py --arch-model into
+#                   /tmp/models/archs/NAME: Qwen3.5, Phi-3, OLMo 3, LFM2, Qwen3-MoE, DeepSeek-V3,
+#                   GLM-4.5 MoE, Qwen3-Next; ARCHS="NAME..." for some of them): one sequence
+#                   decoding 128 tokens after a 512-token prompt, and that prefill, median of 3;
+#                   each JSON line (archs.jsonl) carries the model's parameters, active
+#                   parameters and active bytes (benches/archs.py --annotate), a "failed" line
+#                   where oxlm gave none (archs.err). `python3 benches/archs.py --gpu
+#                   out/archs.jsonl out/membw.jsonl` makes the table
 # Logs and one JSON line per measurement go to $OUT (or ./out). ONLY=name (for example
 # ONLY=qwen2.5-0.5b) keeps every stage to one of the models below (batch, stagger, trace, profile,
 # kernels, serve and arrivals then take that model instead of the 0.85B llama).
@@ -90,6 +99,9 @@ if [ -n "${ONLY:-}" ]; then
   for m in "${MODELS[@]}"; do [ "${m%% *}" = "$ONLY" ] && MODELS=("$m") && break; done
   [ "${MODELS[0]%% *}" = "$ONLY" ] || { echo "no model $ONLY" >&2; exit 2; }
 fi
+# benches/make_archs.py's models that the archs stage runs (Gemma 4's layout is not written here).
+ARCHS=(${ARCHS:-llama-0.85b qwen3_5-0.85b phi3-0.85b olmo3-0.85b lfm2-0.85b qwen3_moe-0.85b
+  deepseek_v3-0.85b glm4_moe-0.85b qwen3_next-0.85b})
 shape_args() {
   echo "--hidden $2 --intermediate $3 --layers $4 --heads $5 --kv-heads $6 --vocab $7 ${8:+--arch $8}"
 }
@@ -224,6 +236,19 @@ run_arrivals() {
     builds python3 benches/serve_bench.py --oxlm .device/oxlm --model "$dir" \
       --arrivals $((rate * 4)) --rate "$rate" --max-tokens 128 --serve-args="--device cuda" \
       2>> "$OUT/arrivals.err" | tee -a "$OUT/arrivals.jsonl"
+  done
+}
+
+run_archs() {
+  local name dir
+  for name in "${ARCHS[@]}"; do
+    dir=/tmp/models/archs/$name
+    [ -f "$dir/config.json" ] || python3 benches/gpu/synthetic_mlx.py "$dir" --arch-model "$name" >&2 \
+      || continue
+    echo "== $name" >> "$OUT/archs.err"
+    builds .device/oxlm bench --device cuda --model "$dir" --prompt-tokens 512 --gen-tokens 128 \
+      --repeats 3 2>> "$OUT/archs.err" | python3 benches/archs.py --annotate "$dir" \
+      | tee -a "$OUT/archs.jsonl"
   done
 }
 
@@ -365,6 +390,7 @@ for stage in "$@"; do
     serve) run_serve ;;
     structured) run_structured ;;
     arrivals) run_arrivals ;;
+    archs) run_archs ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done

@@ -6,7 +6,8 @@ usage: PY=$(scripts/oracle/venv.sh); $PY scripts/oracle/make_tiny_models.py [OUT
 
 Each OUT_ROOT/<name>/ gets config.json (with `quantization` and `quantization_config`), model.safetensors,
 model.safetensors.index.json, tokenizer.json, tokenizer_config.json.
-Recipe (like assets.md make_tiny.py): mx.random.seed(seed) -> mlx-lm Model(ModelArgs) default init ->
+Recipe (like assets.md make_tiny.py): mx.random.seed(seed) -> mlx-lm Model(ModelArgs) default init (then the
+spec's `init(path, value)`, if it has one) ->
 2-D non-embedding weights and stacked MoE experts * GAIN (embedding * EMBED_GAIN), RMSNorm weights
 1 + 0.2*N(0,1) (so that a runtime ignoring them fails) -> every float parameter cast to bf16 (except those the
 model's cast_predicate keeps) -> mlx_lm.utils.quantize_model (affine unless the spec names a float `mode`, optional
@@ -421,6 +422,8 @@ def build(name, spec, out_root, tokdir):
     mx.random.seed(spec["seed"])
     Model, Args = _get_classes(cfg)
     model = Model(Args.from_dict(cfg))
+    if "init" in spec:  # the spec's own start for parameters, e.g. what mlx-lm initializes to zeros
+        model.update(tree_map_with_path(spec["init"], model.parameters()))
     gain, egain = spec["gain"], spec["embed_gain"]
 
     def shape_weights(path, v):
