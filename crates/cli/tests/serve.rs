@@ -4,7 +4,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
@@ -34,6 +34,11 @@ struct Serve {
 
 impl Serve {
     fn start(extra: &[&str]) -> Serve {
+        Serve::start_on(&model(), extra)
+    }
+
+    /// `oxlm serve` of the model at `model`.
+    fn start_on(model: &Path, extra: &[&str]) -> Serve {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -42,7 +47,7 @@ impl Serve {
         let mut child = Command::new(OXLM)
             .arg("serve")
             .arg("--model")
-            .arg(model())
+            .arg(model)
             .args(["--port", &port.to_string()])
             .args(extra)
             .stdout(Stdio::null())
@@ -160,10 +165,15 @@ fn chat_request(extra: Value) -> Value {
 
 /// What `oxlm generate` prints between its `==========` lines.
 fn generated(extra: &[&str]) -> String {
+    generated_by(&model(), extra)
+}
+
+/// [`generated`] by the model at `model`.
+fn generated_by(model: &Path, extra: &[&str]) -> String {
     let output = Command::new(OXLM)
         .arg("generate")
         .arg("--model")
-        .arg(model())
+        .arg(model)
         .args(["--prompt", PROMPT, "--max-tokens", "24"])
         .args(extra)
         .output()
@@ -172,6 +182,28 @@ fn generated(extra: &[&str]) -> String {
     let stdout = String::from_utf8(output.stdout).unwrap();
     let text = stdout.strip_prefix("==========\n").unwrap();
     text[..text.find("\n==========").unwrap()].to_owned()
+}
+
+/// Every kind of architecture serves: a greedy chat reply is what `generate` writes, for
+/// latent attention, grouped experts, sinks with MXFP4 experts, soft caps, short convolutions
+/// and fused linear attention.
+#[test]
+fn each_kind_of_architecture_serves_what_generate_writes() {
+    for name in [
+        "deepseek_v3-4bit-g32",
+        "glm4_moe-4bit-g32",
+        "gpt_oss-mxfp4-q8",
+        "gemma2-4bit-g32",
+        "lfm2-4bit-g64",
+        "qwen3_next-4bit-g32",
+    ] {
+        let model = fixtures().join("tiny").join(name);
+        let serve = Serve::start_on(&model, &[]);
+        let (status, r) = serve.chat(&chat_request(json!({"max_tokens": 24})));
+        assert_eq!(status, 200, "{name}: {r}");
+        let expected = generated_by(&model, &[]);
+        assert_eq!(r["choices"][0]["message"]["content"], expected, "{name}");
+    }
 }
 
 #[test]
