@@ -324,6 +324,18 @@ MODELS = {
         shape_other=lambda path, v: (mx.random.normal(v.shape) if "sinks" in path
                                      else 0.5 * mx.random.normal(v.shape) if path.endswith("bias") else v),
         config=GPT_OSS),
+    # ERNIE 4.5-MoE: the first layer dense (moe_layer_start_index 1), then 4 experts top-2 by a softmax beside a
+    # shared expert; interleaved RoPE pairs.
+    "ernie4_5_moe-4bit-g32": dict(
+        seed=36, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},
+        config={
+            "model_type": "ernie4_5_moe", "architectures": ["Ernie4_5_MoeForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 96, "moe_intermediate_size": 32, "moe_num_experts": 4, "moe_k": 2,
+            "moe_num_shared_experts": 1, "moe_layer_start_index": 1, "moe_layer_interval": 1,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "rms_norm_eps": 1e-5, "vocab_size": 512, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+            "use_bias": False, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+            "torch_dtype": "bfloat16"}),
     # Ministral 3 in Mistral 3's wrapper: YaRN in rope_parameters, Llama 4's query scale past an original context
     # of 16 positions (the prompt and the greedy steps cross 16, 32 and 64), a windowed layer (8) and a global one.
     "ministral3-4bit-g32": dict(

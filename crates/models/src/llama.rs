@@ -86,6 +86,14 @@ struct Args {
     topk_method: Option<String>,
     first_k_dense_replace: Option<usize>,
     use_qk_norm: Option<bool>,
+    /// ERNIE 4.5-MoE's names for the mixture's settings.
+    moe_num_experts: Option<usize>,
+    moe_k: Option<usize>,
+    moe_num_shared_experts: Option<usize>,
+    moe_layer_start_index: Option<Value>,
+    moe_layer_end_index: Option<Value>,
+    moe_layer_interval: Option<usize>,
+    moe_gate_act: Option<String>,
     num_experts_per_tok: Option<usize>,
     moe_intermediate_size: Option<usize>,
     norm_topk_prob: Option<bool>,
@@ -366,6 +374,7 @@ const MEMBERS: &[(&str, Member)] = &[
     ("olmoe", olmoe),
     ("hunyuan_v1_dense", hunyuan_v1_dense),
     ("gemma2", gemma2),
+    ("ernie4_5_moe", ernie4_5_moe),
     ("gpt_oss", gpt_oss),
     ("granitemoe", granitemoe),
     // mlx-lm reads these as llama.
@@ -836,6 +845,52 @@ fn gpt_oss(c: &Args) -> Result<Switches, LoadError> {
             activation: ops::Activation::SwigluOai,
             biased: true,
         };
+    }
+    Ok(switches)
+}
+
+/// ERNIE 4.5-MoE: ERNIE 4.5 with mixtures of `moe_num_experts` experts (top `moe_k` by a
+/// softmax, renormalized) in every `moe_layer_interval`-th layer from `moe_layer_start_index` to
+/// `moe_layer_end_index`, beside `moe_num_shared_experts` ungated shared experts; the experts'
+/// projections biased with `use_bias`.
+fn ernie4_5_moe(c: &Args) -> Result<Switches, LoadError> {
+    if let Some(act) = c.moe_gate_act.as_deref().filter(|a| *a != "softmax") {
+        return Err(LoadError::Config(format!(
+            "`moe_gate_act` `{act}` is not supported (supported: softmax)"
+        )));
+    }
+    // Each index may be one number or a list (a range per modality): the text model's span.
+    let index = |value: &Option<Value>, pick: fn(u64, u64) -> u64| -> Option<usize> {
+        match value.as_ref()? {
+            Value::Array(items) => items.iter().filter_map(Value::as_u64).reduce(pick),
+            other => other.as_u64(),
+        }
+        .map(|i| i as usize)
+    };
+    let start = index(&c.moe_layer_start_index, u64::min).unwrap_or(0);
+    let end = index(&c.moe_layer_end_index, u64::max).unwrap_or(c.num_hidden_layers.max(1) - 1);
+    let interval = c.moe_layer_interval.unwrap_or(1).max(1);
+    let experts = c
+        .moe_num_experts
+        .ok_or_else(|| Args::missing("moe_num_experts"))?;
+    let width = c
+        .moe_intermediate_size
+        .filter(|&w| w > 0)
+        .unwrap_or(c.intermediate_size);
+    let mut switches = ernie4_5(c)?;
+    switches.moe = Some(MoeSwitches {
+        routing: Routing::new(experts, c.moe_k.unwrap_or(1), true)?,
+        experts: ExpertMlps {
+            biased: c.use_bias,
+            ..ExpertMlps::swiglu(width)
+        },
+        shared: c.moe_num_shared_experts.filter(|&n| n > 0).map(|n| Shared {
+            intermediate: width * n,
+            gated: false,
+        }),
+    });
+    for (i, layer) in switches.layers.iter_mut().enumerate() {
+        layer.moe = (i + 1).is_multiple_of(interval) && (start..=end).contains(&i);
     }
     Ok(switches)
 }

@@ -668,6 +668,7 @@ parity_tests! {
     gemma2_4bit_g32_soft_capped_scores_and_logits => "gemma2-4bit-g32",
     gpt_oss_4bit_g32_sinks_biased_clamped_experts => "gpt_oss-4bit-g32",
     gpt_oss_mxfp4_q8_as_mlx_community_ships_it => "gpt_oss-mxfp4-q8",
+    ernie4_5_moe_4bit_g32_dense_first_layer_shared_expert => "ernie4_5_moe-4bit-g32",
     lfm2_4bit_g64_short_conv_layer_types => "lfm2-4bit-g64",
     lfm2_8bit_g32_full_attn_idxs_conv_biases => "lfm2-8bit-g32",
     lfm2_moe_4bit_g64_sigmoid_routed_experts => "lfm2_moe-4bit-g64",
