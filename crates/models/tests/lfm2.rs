@@ -4,48 +4,17 @@
 //! layouts and mlx-lm's `lfm2-vl` wrapper load the same models; configs that would not build are
 //! refused with a reason.
 
-use std::path::{Path, PathBuf};
+mod recurrent_fixtures;
+
+use std::path::Path;
 
 use oxlm_engine::{Device, KvPrecision};
 use oxlm_models::cache::{Cache, LayerCache, RecurrentCache};
 use oxlm_models::{load, ForwardError, LanguageModel, LoadError, Logits, TruncateError};
+use recurrent_fixtures::{max_abs_diff, sequence, tiny, TOLERANCE};
 use serde_json::{json, Map, Value};
 
 const MODELS: [&str; 3] = ["lfm2-4bit-g64", "lfm2-8bit-g32", "lfm2_moe-4bit-g64"];
-
-/// Prefill and step-by-step runs differ only in summation order (GEMM against GEMV).
-const TOLERANCE: f32 = 1e-3;
-
-fn tiny(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/tiny")
-        .join(name)
-}
-
-/// The golden prompt followed by the greedy tokens: 75 tokens of realistic input.
-fn sequence(name: &str) -> Vec<u32> {
-    let bytes = std::fs::read(tiny(name).join("golden.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let ints = |n: &str| -> Vec<u32> {
-        st.tensor(n)
-            .unwrap()
-            .data()
-            .chunks_exact(4)
-            .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as u32)
-            .collect()
-    };
-    let mut ids = ints("prompt_ids");
-    ids.extend(ints("greedy_ids"));
-    ids
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
 
 /// Largest difference between the convolutions' states of two caches of one model.
 fn conv_state_diff(a: &Cache, b: &Cache) -> f32 {

@@ -2,11 +2,14 @@
 //! a prefill and the same tokens one at a time reach the same state, chunking does not matter,
 //! the cache refuses to go back and snapshots (clones) are the way to resume from a prefix.
 
-use std::path::{Path, PathBuf};
+mod recurrent_fixtures;
+
+use std::path::Path;
 
 use oxlm_engine::KvPrecision;
 use oxlm_models::cache::{Cache, LayerCache};
 use oxlm_models::{load, ForwardError, LanguageModel, LoadError, Logits, TruncateError};
+use recurrent_fixtures::{max_abs_diff, sequence, tiny, TOLERANCE};
 use serde_json::Value;
 
 const MODELS: [&str; 3] = [
@@ -14,40 +17,6 @@ const MODELS: [&str; 3] = [
     "qwen3_5-8bit-g32",
     "qwen3_5_moe-4bit-g64",
 ];
-
-/// Prefill and step-by-step runs differ only in summation order (GEMM against GEMV).
-const TOLERANCE: f32 = 1e-3;
-
-fn tiny(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/tiny")
-        .join(name)
-}
-
-/// The golden prompt followed by the greedy tokens: 74 tokens of realistic input.
-fn sequence(name: &str) -> Vec<u32> {
-    let bytes = std::fs::read(tiny(name).join("golden.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let ints = |n: &str| -> Vec<u32> {
-        st.tensor(n)
-            .unwrap()
-            .data()
-            .chunks_exact(4)
-            .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as u32)
-            .collect()
-    };
-    let mut ids = ints("prompt_ids");
-    ids.extend(ints("greedy_ids"));
-    ids
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
 
 /// Largest difference between two caches of the same model, layer by layer.
 fn cache_diff(a: &Cache, b: &Cache) -> f32 {
