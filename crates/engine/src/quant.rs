@@ -281,6 +281,34 @@ impl QuantizedMatrix {
         }
     }
 
+    /// The whole matrix as `mx.dequantize` computes it with `dtype` output (`dtype` rounding,
+    /// values returned as f32): affine rounded after the multiply and again after the add; a
+    /// float mode's `value · scale` once.
+    pub fn dequantize_as(&self, dtype: DType) -> Vec<f32> {
+        let round = |v: f32| match dtype {
+            DType::F16 => f16::from_f32(v).to_f32(),
+            DType::BF16 => bf16::from_f32(v).to_f32(),
+            _ => v,
+        };
+        let QuantizedParts::Affine(v) = self.parts() else {
+            let mut out = self.parts().dequantize();
+            for o in &mut out {
+                *o = round(*o);
+            }
+            return out;
+        };
+        let (cols, g) = (v.cols, v.group_size);
+        let mut out = vec![0.0; v.rows * cols];
+        for (r, row) in out.chunks_exact_mut(cols).enumerate() {
+            for (c, o) in row.iter_mut().enumerate() {
+                let group = (r * cols + c) / g;
+                let scaled = round(v.scales.get(group) * v.q(r, c) as f32);
+                *o = round(scaled + v.biases.get(group));
+            }
+        }
+        out
+    }
+
     /// Row `row` dequantized to f32 (an embedding lookup).
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         let isa = cpu::Isa::best();

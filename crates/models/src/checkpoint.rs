@@ -138,14 +138,15 @@ fn parse_spec(where_: &str, v: &Map<String, Value>) -> Result<QuantSpec, LoadErr
         )));
     }
     // Even a spec no layer reads must be sane: `Checkpoint::parameter_count` divides by its bits.
-    let bits = v
-        .get("bits")
-        .and_then(Value::as_u64)
-        .filter(|b| (1..=32).contains(b));
-    let group_size = v
-        .get("group_size")
-        .and_then(Value::as_u64)
-        .filter(|&g| g > 0);
+    // Absent or null, as `mlx_lm convert --quant-predicate` writes it, is the mode's default, as
+    // `to_quantized` takes it.
+    let (default_bits, default_group_size) = mode.float_format().unwrap_or((4, 64));
+    let field = |key: &str, default: u64| match v.get(key) {
+        None | Some(Value::Null) => Some(default),
+        Some(value) => value.as_u64(),
+    };
+    let bits = field("bits", default_bits.into()).filter(|b| (1..=32).contains(b));
+    let group_size = field("group_size", default_group_size as u64).filter(|&g| g > 0);
     let (bits, group_size) = match (bits, group_size) {
         (Some(bits), Some(group_size)) => (bits as u32, group_size as usize),
         _ => {

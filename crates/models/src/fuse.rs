@@ -8,8 +8,6 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use half::{bf16, f16};
-use oxlm_engine::quant::QuantizedParts;
 use oxlm_engine::quant::{quantize, quantize_float, QuantMode};
 use oxlm_engine::{DType, EngineError, FloatMatrix, QuantizedMatrix};
 use serde_json::{json, Map, Value};
@@ -17,25 +15,11 @@ use thiserror::Error;
 
 use crate::checkpoint::{read_json, Checkpoint, QuantSpec, RawTensor};
 use crate::lora::{AdapterError, Adapters, LoraLinear};
-use crate::save::{copy_file, write_json, write_safetensors, SaveError, StagedDir, TensorBytes};
+use crate::save::{
+    copy_file, float_bytes, round_to, sorted_keys, write_json, write_safetensors, SaveError,
+    StagedDir, TensorBytes, COMPANION_FILES, MAX_SHARD_BYTES,
+};
 use crate::LoadError;
-
-/// mlx-lm starts a new weight file past this many bytes (`MAX_FILE_SIZE_GB`).
-const MAX_SHARD_BYTES: usize = 5 << 30;
-
-/// Files besides the weights that a model directory carries over (tokenizer, templates, …).
-const CARRIED_FILES: &[&str] = &[
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-];
 
 #[derive(Debug, Error)]
 pub enum FuseError {
@@ -60,29 +44,6 @@ pub struct FuseReport {
     pub fused_layers: usize,
     pub dequantized_layers: usize,
     pub weight_files: Vec<PathBuf>,
-}
-
-/// Rounds `v` to the nearest value of `dtype` (floats only), as MLX stores it.
-fn round_to(dtype: DType, v: f32) -> f32 {
-    match dtype {
-        DType::F16 => f16::from_f32(v).to_f32(),
-        DType::BF16 => bf16::from_f32(v).to_f32(),
-        _ => v,
-    }
-}
-
-fn float_bytes(dtype: DType, values: &[f32]) -> Vec<u8> {
-    match dtype {
-        DType::F16 => values
-            .iter()
-            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
-            .collect(),
-        DType::BF16 => values
-            .iter()
-            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
-            .collect(),
-        _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-    }
 }
 
 /// A quantized layer as read from the checkpoint: a matrix, or a mixture's stack of one per
@@ -149,26 +110,8 @@ impl Quantized {
         })
     }
 
-    /// The weights as `mx.dequantize` computes them, in [`Quantized::dtype`]: affine rounded
-    /// after the multiply and again after the add; a float mode's `value · scale` once.
     fn dequantize(&self) -> Vec<f32> {
-        let QuantizedParts::Affine(v) = self.matrix.parts() else {
-            let mut out = self.matrix.parts().dequantize();
-            for o in &mut out {
-                *o = round_to(self.dtype, *o);
-            }
-            return out;
-        };
-        let (cols, g) = (v.cols, v.group_size);
-        let mut out = vec![0.0; v.rows * cols];
-        for (r, row) in out.chunks_exact_mut(cols).enumerate() {
-            for (c, o) in row.iter_mut().enumerate() {
-                let group = (r * cols + c) / g;
-                let scaled = round_to(self.dtype, v.scales.get(group) * v.q(r, c) as f32);
-                *o = round_to(self.dtype, scaled + v.biases.get(group));
-            }
-        }
-        out
+        self.matrix.dequantize_as(self.dtype)
     }
 }
 
@@ -362,7 +305,7 @@ pub fn fuse(
     let dir = staged.path();
     let written = write_weights(dir, out, total_parameters)?;
     write_config(model_dir, dir, dequantize)?;
-    for file in CARRIED_FILES {
+    for file in COMPANION_FILES {
         let from = model_dir.join(file);
         if from.exists() {
             copy_file(&from, &dir.join(file))?;
@@ -413,22 +356,10 @@ fn write_weights(
     }
     let index = json!({
         "metadata": {"total_size": total_size, "total_parameters": total_parameters},
-        "weight_map": sorted(Value::Object(weight_map)),
+        "weight_map": sorted_keys(Value::Object(weight_map)),
     });
     write_json(&dir.join("model.safetensors.index.json"), &index)?;
     Ok(files)
-}
-
-/// The object's keys in sorted order (the workspace's serde_json keeps insertion order).
-fn sorted(value: Value) -> Value {
-    match value {
-        Value::Object(map) => {
-            let mut entries: Vec<(String, Value)> = map.into_iter().collect();
-            entries.sort_by(|a, b| a.0.cmp(&b.0));
-            Value::Object(entries.into_iter().collect())
-        }
-        other => other,
-    }
 }
 
 /// config.json as `save_config` writes it: keys sorted, `quantization_config` mirroring
@@ -445,6 +376,6 @@ fn write_config(model_dir: &Path, save_path: &Path, dequantize: bool) -> Result<
             map.insert("quantization_config".into(), q);
         }
     }
-    write_json(&save_path.join("config.json"), &sorted(config))?;
+    write_json(&save_path.join("config.json"), &sorted_keys(config))?;
     Ok(())
 }

@@ -12,6 +12,7 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
+use half::{bf16, f16};
 use oxlm_engine::DType;
 use safetensors::tensor::{Metadata, TensorInfo, TensorView};
 use safetensors::View;
@@ -45,6 +46,61 @@ impl TensorBytes<'_> {
             shape,
             data: Cow::Owned(values.iter().flat_map(|v| v.to_le_bytes()).collect()),
         }
+    }
+}
+
+/// mlx-lm's largest weight file (`MAX_FILE_SIZE_GB`): a checkpoint larger is written in shards.
+pub const MAX_SHARD_BYTES: usize = 5 << 30;
+
+/// Files besides the weights that a model directory carries over: the tokenizer's, the chat
+/// template and the generation defaults.
+pub const COMPANION_FILES: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+];
+
+/// Rounds `v` to the nearest value of `dtype` (floats only), as MLX stores it.
+pub fn round_to(dtype: DType, v: f32) -> f32 {
+    match dtype {
+        DType::F16 => f16::from_f32(v).to_f32(),
+        DType::BF16 => bf16::from_f32(v).to_f32(),
+        _ => v,
+    }
+}
+
+/// `values` stored as `dtype` (f16, bf16, else f32), each rounded to nearest.
+pub fn float_bytes(dtype: DType, values: &[f32]) -> Vec<u8> {
+    match dtype {
+        DType::F16 => values
+            .iter()
+            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+            .collect(),
+        DType::BF16 => values
+            .iter()
+            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
+}
+
+/// The object's keys in sorted order, as mlx-lm's `save_config` and index writer sort them (the
+/// workspace's serde_json keeps insertion order).
+pub fn sorted_keys(value: Value) -> Value {
+    match value {
+        Value::Object(map) => {
+            let mut entries: Vec<(String, Value)> = map.into_iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            Value::Object(entries.into_iter().collect())
+        }
+        other => other,
     }
 }
 
