@@ -1,0 +1,426 @@
+"""Golden fixtures for `oxlm convert`: tiny Hugging Face-layout checkpoints and what `mlx_lm convert` makes of them.
+
+usage: PY=$(scripts/oracle/venv.sh); $PY scripts/oracle/make_convert_fixtures.py [--keep DIR] [OUT_ROOT] [CASE...]
+  OUT_ROOT default tests/fixtures/convert; CASE default: every case in CASES
+  --keep DIR  also keep the converted checkpoints, as DIR/<case>/<flagset>/ (for debugging; never committed)
+
+For each case, OUT_ROOT/<case>/source/ gets a seeded random checkpoint as a user downloads it from the hub, i.e.
+in transformers' layout, before mlx-lm's `sanitize`: config.json (`torch_dtype`), generation_config.json,
+model.safetensors (metadata {"format": "pt"}; `llama`: two shards and model.safetensors.index.json),
+tokenizer.json and tokenizer_config.json (the tiny BPE of tests/fixtures/tiny/llama-4bit-g64).
+Tensor names are mlx-lm's own parameter names (the same as transformers' for these architectures) run backwards
+through each model's sanitize: MoE experts unstacked (`mlp.experts.N.gate_proj`, mixtral's
+`block_sparse_moe.experts.N.w1/w2/w3`), llama's `self_attn.rotary_emb.inv_freq` buffers added, an `lm_head.weight`
+(= the embedding) added to the tied llama, LFM2's conv weights as `[channels, 1, kernel]`, mistral3's legacy
+`language_model.model.*` / `language_model.lm_head` prefix plus `vision_tower.*` / `multi_modal_projector.*` tensors
+and a `vision_config`. Values: numpy `default_rng(seed)`, weights and biases 0.02*N(0,1), norm weights 1 + 0.1*N
+(Gemma's, stored as offsets from 1: 0.1*N), rounded to bfloat16 (float32 for `float32-source`).
+
+Then, per flag set, the real converter runs in-process exactly as `mlx_lm convert --hf-path SRC --mlx-path TMP ARGS`
+does (`configure_parser().parse_args` -> `convert(**vars(args))`) and OUT_ROOT/<case>/expected/<flagset>.json records
+  args       the `mlx_lm convert` flags (oxlm convert takes the same)
+  source     only where the input was not source/: the flag set whose output was converted (dequantize-q4: "q4")
+  config     the written config.json, parsed
+  index      the written model.safetensors.index.json, parsed
+  files      sorted names of every file written
+  text_files sha256 of every written file that is not a safetensors shard (README.md, tokenizer files, ...)
+  tensors    per tensor of every written shard: dtype (safetensors spelling), shape, sha256 of the stored bytes
+The converted checkpoints are reloaded with mlx_lm.load as a check. Deterministic: rerunning gives identical files.
+"""
+import hashlib
+import json
+import shutil
+import struct
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.convert import configure_parser, convert
+from mlx_lm.utils import _get_classes, load
+from safetensors import TensorSpec, serialize_file
+
+TOKENIZER_DIR = Path("tests/fixtures/tiny/llama-4bit-g64")
+TRANSFORMERS_VERSION = "4.51.3"  # what the source configs claim to come from (copied through by convert)
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
+def llama(**kw):
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+           "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "hidden_act": "silu", "rms_norm_eps": 1e-5, "vocab_size": 512,
+           "max_position_embeddings": 8192, "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False,
+           "mlp_bias": False, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+           "torch_dtype": "bfloat16"}
+    cfg.update(kw)
+    return cfg
+
+
+Q4 = ["-q"]
+DEQ = {"args": ["-d"], "source": "q4"}
+
+# case -> seed, config (as transformers writes it), flag sets (name -> mlx_lm convert flags, or a dict with the
+# flags and the flag set whose output is the input), and optional: shards, generation eos, extra source tensors.
+CASES = {
+    # Llama 3 style: untied head, llama3 rope scaling, inv_freq buffers to drop, two source shards, intermediate 128
+    # (so with group 128 only down_proj can be quantized), generation_config eos [0, 2] (convert copies it into
+    # config.json's eos_token_id).
+    "llama": dict(
+        seed=1, shards=2, generation_eos=[0, 2],
+        config=llama(intermediate_size=128, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, bos_token_id=0,
+                     max_position_embeddings=131072),
+        flagsets={"bf16": [], "q4": Q4, "q8-g32": ["-q", "--q-bits", "8", "--q-group-size", "32"],
+                  "q3-g128": ["-q", "--q-bits", "3", "--q-group-size", "128"],
+                  "mixed_3_6": ["-q", "--quant-predicate", "mixed_3_6"],
+                  "mxfp4": ["-q", "--q-mode", "mxfp4"], "nvfp4": ["-q", "--q-mode", "nvfp4"],
+                  "mxfp8": ["-q", "--q-mode", "mxfp8"], "f16": ["--dtype", "float16"],
+                  "f32": ["--dtype", "float32"], "dequantize-q4": DEQ}),
+    # Tied llama whose checkpoint still holds an lm_head.weight (= the embedding): sanitize drops it.
+    "llama-tied": dict(
+        seed=2, redundant_head=True, config=llama(tie_word_embeddings=True), flagsets={"bf16": [], "q4": Q4}),
+    # Qwen2: q/k/v biases, tied.
+    "qwen2": dict(
+        seed=3, config={
+            "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "hidden_act": "silu", "rms_norm_eps": 1e-6, "vocab_size": 512, "max_position_embeddings": 32768,
+            "max_window_layers": 2, "rope_theta": 1000000.0, "rope_scaling": None, "sliding_window": 32768,
+            "use_sliding_window": False, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 2,
+            "attention_dropout": 0.0, "torch_dtype": "bfloat16", "use_cache": True},
+        flagsets={"q4": Q4}),
+    # Qwen3: q/k RMSNorms, tied.
+    "qwen3": dict(
+        seed=4, config={
+            "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "hidden_act": "silu", "rms_norm_eps": 1e-6, "vocab_size": 512,
+            "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rope_scaling": None,
+            "attention_bias": False, "attention_dropout": 0.0, "sliding_window": None, "use_sliding_window": False,
+            "max_window_layers": 2, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 2,
+            "torch_dtype": "bfloat16", "use_cache": True},
+        flagsets={"q4": Q4, "mixed_4_6": ["-q", "--quant-predicate", "mixed_4_6"]}),
+    # Qwen3-MoE: layer 0 a mixture of 4 unstacked experts (moe_intermediate 64) behind the `mlp.gate` router (the
+    # model's quant_predicate: 8 bits), layer 1 dense through `mlp_only_layers`; tied to stay small.
+    "qwen3_moe": dict(
+        seed=5, config={
+            "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 64, "moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1], "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+            "vocab_size": 512, "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rope_scaling": None,
+            "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"},
+        flagsets={"bf16": [], "q4": Q4}),
+    # Mixtral: 4 experts per layer under block_sparse_moe (w1/w2/w3), intermediate 32: with the default group 64
+    # the experts' w2 (in 32) stays bf16, with group 32 every expert is quantized; no quant_predicate, so the router
+    # gets the default bits. Tied (no head in the checkpoint) to stay small.
+    "mixtral": dict(
+        seed=6, config={
+            "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 512,
+            "max_position_embeddings": 32768, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+            "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"},
+        flagsets={"q4": Q4, "q4-g32": ["-q", "--q-group-size", "32"]}),
+    # Gemma 3 (text): tied, no lm_head in the checkpoint (sanitize then drops mlx-lm's lm_head module).
+    "gemma3_text": dict(
+        seed=7, config={
+            "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "rms_norm_eps": 1e-6, "vocab_size": 512, "max_position_embeddings": 32768,
+            "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": None,
+            "query_pre_attn_scalar": 16, "sliding_window": 512, "sliding_window_pattern": 6,
+            "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False, "final_logit_softcapping": None,
+            "attn_logit_softcapping": None, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+            "torch_dtype": "bfloat16"},
+        flagsets={"q4": Q4}),
+    # Phi-3 (Phi-4-mini style, tied): fused qkv_proj and gate_up_proj.
+    "phi3": dict(
+        seed=8, config={
+            "model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5, "vocab_size": 512,
+            "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
+            "rope_scaling": None, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+            "pad_token_id": 0, "torch_dtype": "bfloat16"},
+        flagsets={"q4": Q4}),
+    # Mistral 3 (Mistral Small 3.1 layout): a mistral text model under `language_model.`, a vision tower and a
+    # projector (dropped by sanitize, vision_config dropped by save_config), top-level torch_dtype only.
+    "mistral3": dict(
+        seed=9, config={
+            "model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
+            "text_config": {
+                "model_type": "mistral", "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
+                "vocab_size": 512, "max_position_embeddings": 131072, "rope_theta": 1000000000.0,
+                "sliding_window": None, "tie_word_embeddings": False},
+            "vision_config": {
+                "model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                "num_attention_heads": 2, "head_dim": 8, "image_size": 16, "patch_size": 4, "num_channels": 3,
+                "rope_theta": 10000.0},
+            "image_token_index": 10, "multimodal_projector_bias": False, "projector_hidden_act": "gelu",
+            "spatial_merge_size": 2, "vision_feature_layer": -1, "bos_token_id": 1, "eos_token_id": 2,
+            "torch_dtype": "bfloat16"},
+        extra={  # vision tower and projector tensors (a subset of pixtral's), all dropped by sanitize
+            "vision_tower.patch_conv.weight": (16, 3, 4, 4),
+            "vision_tower.ln_pre.weight": (16,),
+            "vision_tower.transformer.layers.0.attention.q_proj.weight": (16, 16),
+            "vision_tower.transformer.layers.0.attention_norm.weight": (16,),
+            "multi_modal_projector.norm.weight": (16,),
+            "multi_modal_projector.patch_merger.merging_layer.weight": (16, 64),
+            "multi_modal_projector.linear_1.weight": (64, 16),
+            "multi_modal_projector.linear_2.weight": (64, 64)},
+        flagsets={"q4": Q4}),
+    # LFM2: a short-conv layer then an attention layer (layer_types), auto-adjusted feed-forward width
+    # (int(1.0 * int(2 * 96 / 3)) = 64, a multiple of 64), conv weights in HF's [64, 1, 3], always tied.
+    "lfm2": dict(
+        seed=10, config={
+            "model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"], "hidden_size": 64, "vocab_size": 512,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "layer_types": ["conv", "full_attention"], "max_position_embeddings": 128000, "norm_eps": 1e-5,
+            "conv_bias": False, "conv_L_cache": 3, "block_dim": 64, "block_ff_dim": 96, "block_multiple_of": 64,
+            "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": True, "rope_theta": 1000000.0,
+            "tie_embedding": True, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+            "torch_dtype": "bfloat16"},
+        flagsets={"bf16": [], "q4": Q4}),
+    # A float32 checkpoint (torch_dtype float32; one layer, tied, MQA to stay small): no flags keep float32, -q
+    # quantizes with float32 scales and biases.
+    "float32-source": dict(
+        seed=11, dtype="float32", config=llama(tie_word_embeddings=True, num_key_value_heads=1, num_hidden_layers=1,
+                                               torch_dtype="float32"),
+        flagsets={"bf16": [], "q4": Q4}),
+}
+
+
+# ---- the source checkpoint ----
+
+def mlx_shapes(cfg):
+    """mlx-lm's parameter names and shapes for this config (mlx-lm's names after sanitize)."""
+    cfg = json.loads(json.dumps(cfg))
+    Model, Args = _get_classes(cfg)
+    model = Model(Args.from_dict(cfg))
+    return {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+
+
+def hf_shapes(case, spec):
+    """The transformers-layout names and shapes: mlx-lm's run backwards through the model's sanitize."""
+    cfg = spec["config"]
+    shapes = mlx_shapes(cfg)
+    mt = cfg["model_type"]
+    out = {}
+    for k, s in shapes.items():
+        if mt == "qwen3_moe" and ".mlp.switch_mlp." in k:  # [E, out, in] -> E x [out, in]
+            pre, proj = k.split(".mlp.switch_mlp.")
+            for e in range(s[0]):
+                out[f"{pre}.mlp.experts.{e}.{proj}"] = s[1:]
+        elif mt == "mixtral" and ".block_sparse_moe.switch_mlp." in k:
+            pre, proj = k.split(".block_sparse_moe.switch_mlp.")
+            w = {"gate_proj.weight": "w1", "down_proj.weight": "w2", "up_proj.weight": "w3"}[proj]
+            for e in range(s[0]):
+                out[f"{pre}.block_sparse_moe.experts.{e}.{w}.weight"] = s[1:]
+        elif mt == "lfm2" and k.endswith("conv.conv.weight"):  # mlx [C, K, 1] -> HF [C, 1, K]
+            out[k] = (s[0], s[2], s[1])
+        elif mt == "gemma3_text" and k.startswith("lm_head."):  # Gemma 3 checkpoints hold no head
+            continue
+        else:
+            out[k] = s
+    if mt == "llama":
+        n_layers, hd = cfg["num_hidden_layers"], cfg["head_dim"]
+        for i in range(n_layers):
+            out[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = (hd // 2,)
+        if spec.get("redundant_head"):  # a tied checkpoint that still holds the head
+            out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    out.update(spec.get("extra", {}))
+    return out
+
+
+def to_bf16_bits(x):
+    """float32 -> bfloat16 bit patterns (round to nearest even), as torch's .to(torch.bfloat16)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def source_values(case, spec):
+    cfg = spec["config"]
+    rng = np.random.default_rng(spec["seed"])
+    gemma = cfg["model_type"].startswith("gemma")
+    vals = {}
+    for name, shape in sorted(hf_shapes(case, spec).items()):
+        if name == "lm_head.weight" and spec.get("redundant_head"):
+            continue  # set below
+        if name.endswith("rotary_emb.inv_freq"):
+            d = 2 * shape[0]
+            vals[name] = 1.0 / (cfg["rope_theta"] ** (np.arange(0, d, 2, dtype=np.float32) / d))
+        elif len(shape) == 1 and "norm" in name:
+            vals[name] = (0.0 if gemma else 1.0) + 0.1 * rng.standard_normal(shape, dtype=np.float32)
+        else:
+            vals[name] = 0.02 * rng.standard_normal(shape, dtype=np.float32)
+    if spec.get("redundant_head"):
+        vals["lm_head.weight"] = vals["model.embed_tokens.weight"]  # tied: the same tensor, saved twice
+    return vals
+
+
+def write_safetensors(path, tensors, dtype):
+    keep, specs = [], {}
+    for name, v in tensors.items():
+        a = to_bf16_bits(v) if dtype == "bfloat16" else np.ascontiguousarray(v, dtype=np.float32)
+        keep.append(a)
+        specs[name] = TensorSpec(dtype=dtype, shape=a.shape, data_ptr=a.ctypes.data, data_len=a.nbytes)
+    serialize_file(specs, str(path), metadata={"format": "pt"})
+    path.chmod(0o644)  # serialize_file creates 0600
+    return sum(a.nbytes for a in keep)
+
+
+def make_source(case, spec, src):
+    if src.exists():
+        shutil.rmtree(src)
+    src.mkdir(parents=True)
+    cfg = dict(spec["config"], transformers_version=TRANSFORMERS_VERSION)
+    (src / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    gen = {"_from_model_config": True, "bos_token_id": cfg["bos_token_id"],
+           "eos_token_id": spec.get("generation_eos", cfg["eos_token_id"]), "transformers_version": TRANSFORMERS_VERSION}
+    (src / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER_DIR / f, src / f)
+    vals = source_values(case, spec)
+    dtype = spec.get("dtype", "bfloat16")
+    if spec.get("shards", 1) == 1:
+        write_safetensors(src / "model.safetensors", vals, dtype)
+        return
+    # two shards, transformers style: embedding and layer 0 first, the rest second
+    second = lambda k: k.startswith(("model.norm", "lm_head")) or ".layers.1." in k
+    parts = [{k: v for k, v in vals.items() if not second(k)}, {k: v for k, v in vals.items() if second(k)}]
+    total, weight_map = 0, {}
+    for i, part in enumerate(parts):
+        fname = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        total += write_safetensors(src / fname, part, dtype)
+        weight_map.update({k: fname for k in part})
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+# ---- what the converter wrote ----
+
+def safetensors_entries(path):
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    header.pop("__metadata__", None)
+    body = data[8 + n:]
+    return {k: {"dtype": h["dtype"], "shape": h["shape"],
+                "sha256": hashlib.sha256(body[h["data_offsets"][0]:h["data_offsets"][1]]).hexdigest()}
+            for k, h in header.items()}
+
+
+def record(out, args, source=None):
+    files = sorted(p.name for p in out.iterdir())
+    tensors, text_files = {}, {}
+    for f in files:
+        if f.endswith(".safetensors"):
+            tensors.update(safetensors_entries(out / f))
+        else:
+            text_files[f] = hashlib.sha256((out / f).read_bytes()).hexdigest()
+    rec = {"args": args}
+    if source is not None:
+        rec["source"] = source
+    rec.update(config=json.loads((out / "config.json").read_text()),
+               index=json.loads((out / "model.safetensors.index.json").read_text()),
+               files=files, text_files=text_files, tensors=dict(sorted(tensors.items())))
+    return rec
+
+
+def dump(obj, indent=0):
+    """Indented json, but a short (<= 16) dict or list holding no dict or list on one line (one line per tensor)."""
+    flat = lambda v: not isinstance(v, (dict, list)) or len(v) <= 16 and not any(
+        isinstance(x, (dict, list)) for x in (v.values() if isinstance(v, dict) else v))
+    if flat(obj):
+        return json.dumps(obj)
+    pad = "  " * (indent + 1)
+    if isinstance(obj, dict):
+        items = [f"{pad}{json.dumps(k)}: {dump(v, indent + 1)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + "  " * indent + "}"
+    return "[\n" + ",\n".join(pad + dump(v, indent + 1) for v in obj) + "\n" + "  " * indent + "]"
+
+
+def run_convert(src, dst, args):
+    parsed = configure_parser().parse_args(["--hf-path", str(src), "--mlx-path", str(dst)] + args)
+    convert(**vars(parsed))
+
+
+def describe(rec):
+    q = rec["config"].get("quantization")
+    dtypes = sorted({t["dtype"] for t in rec["tensors"].values()})
+    if q is None:
+        return f"{len(rec['tensors'])} tensors {dtypes}"
+    top = {k: v for k, v in q.items() if not isinstance(v, dict)}
+    per = {k: v for k, v in q.items() if isinstance(v, dict)}
+    return f"{len(rec['tensors'])} tensors {dtypes} quantization {top} + {len(per)} per-module entries"
+
+
+def main():
+    argv = sys.argv[1:]
+    keep = None
+    if "--keep" in argv:
+        i = argv.index("--keep")
+        keep = Path(argv[i + 1])
+        del argv[i:i + 2]
+    out_root = Path(argv[0] if argv else "tests/fixtures/convert")
+    names = argv[1:] or list(CASES)
+    for name in names:
+        spec = CASES[name]
+        src = out_root / name / "source"
+        make_source(name, spec, src)
+        load(str(src))  # the source must load as it is (sanitize accepts it, strict)
+        exp = out_root / name / "expected"
+        if exp.exists():
+            shutil.rmtree(exp)
+        exp.mkdir(parents=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            outs = {}
+            for fs, entry in spec["flagsets"].items():
+                args, source = (entry["args"], entry["source"]) if isinstance(entry, dict) else (entry, None)
+                dst = Path(tmp) / fs
+                run_convert(outs[source] if source else src, dst, args)
+                outs[fs] = dst
+                load(str(dst))  # and what mlx-lm wrote loads back
+                rec = record(dst, args, source)
+                (exp / f"{fs}.json").write_text(dump(rec) + "\n")
+                print(f"{name}/{fs}: {describe(rec)}", flush=True)
+            if keep is not None:
+                for fs, dst in outs.items():
+                    k = keep / name / fs
+                    if k.exists():
+                        shutil.rmtree(k)
+                    shutil.copytree(dst, k)
+    readme = out_root / "README.md"
+    readme.write_text(README)
+
+
+README = """# `oxlm convert` goldens
+
+Each `<case>/source/` is a tiny seeded random checkpoint in the Hugging Face (transformers) layout, as downloaded
+from the hub before mlx-lm's `sanitize` (unstacked MoE experts, rotary `inv_freq` buffers, a redundant tied
+`lm_head`, LFM2's `[C, 1, K]` conv weights, Mistral 3's `language_model.` prefix and vision tensors, bf16 with
+`torch_dtype`; `llama` in two shards, `float32-source` in f32). Each `<case>/expected/<flagset>.json` records what
+`mlx_lm convert --hf-path <case>/source --mlx-path OUT <args>` (mlx-lm 0.32.2, mlx 0.32.4) wrote: the args, the
+config.json and model.safetensors.index.json (parsed), the file names, the sha256 of the non-weight files, and per
+tensor its dtype, shape and the sha256 of its bytes. `dequantize-q4` converted the `q4` output with `-d`
+(`"source": "q4"`). The converted checkpoints themselves are not kept.
+
+What mlx-lm does that is easy to miss: `generation_config.json`'s `eos_token_id` replaces config.json's (`llama`);
+`torch_dtype` is left as it was after `--dtype`; `--quant-predicate mixed_*` without `--q-group-size` writes
+per-module entries with `"group_size": null` (top level: 64 / 4 bits) and replaces the model's own predicate;
+Qwen3-MoE's router entry is `{"group_size": 64, "bits": 8}` (no `mode`); modules whose input width is not a
+multiple of the group size stay unquantized (`llama/q3-g128`, `mixtral/q4`); the index's `total_parameters`
+counts quantized weights unpacked; the tokenizer is re-saved (tokenizer.json re-serialized, tokenizer_config.json
+rewritten, chat_template.jinja split out); README.md is a bare model card.
+
+Regenerate (a few seconds, deterministic):
+
+    PY=$(scripts/oracle/venv.sh); $PY scripts/oracle/make_convert_fixtures.py [--keep DIR] [tests/fixtures/convert] [CASE...]
+"""
+
+if __name__ == "__main__":
+    main()
