@@ -4,11 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use oxlm_models::fuse::fuse;
-use oxlm_models::save::remove_partial_files_before_exit;
 use oxlm_runtime::hub::resolve_model;
-use signal_hook::consts::{SIGINT, SIGTERM};
-use signal_hook::iterator::Signals;
-use signal_hook::low_level::{emulate_default_handler, exit};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -27,25 +23,8 @@ pub struct Args {
     de_quantize: bool,
 }
 
-/// On SIGINT or SIGTERM, removes the weight files still being written, then ends the process as
-/// the signal would have. Left to the signal alone, the process would end at once and leave a
-/// temporary file as large as the model behind.
-fn remove_partial_files_on_signal() -> Result<()> {
-    let mut signals =
-        Signals::new([SIGINT, SIGTERM]).context("installing the SIGINT/SIGTERM handler")?;
-    std::thread::spawn(move || {
-        if let Some(signal) = signals.forever().next() {
-            remove_partial_files_before_exit();
-            let _ = emulate_default_handler(signal);
-            // Reached only where the signal's default action could not be restored.
-            exit(128 + signal);
-        }
-    });
-    Ok(())
-}
-
 pub fn run(args: Args) -> Result<()> {
-    remove_partial_files_on_signal()?;
+    crate::remove_partial_files_on_signal()?;
     say!("Loading pretrained model");
     let report = fuse(
         &resolve_model(&args.model)?,

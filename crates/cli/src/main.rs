@@ -7,6 +7,7 @@ macro_rules! say {
 }
 
 mod bench;
+mod convert;
 mod embed;
 mod fuse;
 mod generate;
@@ -32,6 +33,9 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt, as `mlx_lm.generate` does.
     Generate(generate::Args),
+    /// Convert a Hugging Face model to MLX format (optionally quantized), as `mlx_lm.convert`
+    /// does.
+    Convert(convert::Args),
     /// Merge LoRA adapters into a new MLX checkpoint, as `mlx_lm.fuse` does.
     Fuse(fuse::Args),
     /// Fine-tune LoRA adapters, as `mlx_lm.lora` does.
@@ -98,6 +102,27 @@ fn parse_probability(spec: &str) -> Result<f32, String> {
     }
 }
 
+/// On SIGINT or SIGTERM, removes the weight files still being written, then ends the process as
+/// the signal would have. Left to the signal alone, the process would end at once and leave a
+/// temporary file as large as the model behind.
+fn remove_partial_files_on_signal() -> anyhow::Result<()> {
+    use anyhow::Context;
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    use signal_hook::iterator::Signals;
+    use signal_hook::low_level::{emulate_default_handler, exit};
+    let mut signals =
+        Signals::new([SIGINT, SIGTERM]).context("installing the SIGINT/SIGTERM handler")?;
+    std::thread::spawn(move || {
+        if let Some(signal) = signals.forever().next() {
+            oxlm_models::save::remove_partial_files_before_exit();
+            let _ = emulate_default_handler(signal);
+            // Reached only where the signal's default action could not be restored.
+            exit(128 + signal);
+        }
+    });
+    Ok(())
+}
+
 fn say(line: std::fmt::Arguments) {
     use std::io::Write;
     if let Err(err) = writeln!(std::io::stdout().lock(), "{line}") {
@@ -140,6 +165,7 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
+        Command::Convert(args) => convert::run(args),
         Command::Fuse(args) => fuse::run(args),
         Command::Lora(args) => lora::run(args),
         Command::Serve(args) => serve::run(args),

@@ -1,5 +1,383 @@
 //! `oxlm convert`: checkpoints in other layouts to MLX format, as `mlx_lm.convert` writes it.
 //!
-//! - [`gguf`] reads llama.cpp's GGUF files: metadata, tensors and their block quantizations.
+//! - [`source`] reads a safetensors checkpoint's headers, then its arrays a block of rows at a
+//!   time;
+//! - [`sanitize`] renames a Hugging Face checkpoint's arrays as mlx-lm's models do on load;
+//! - [`quantize`] decides which arrays `-q` quantizes, and how;
+//! - [`write`] writes the shards as the arrays are computed;
+//! - [`gguf`] reads llama.cpp's GGUF files.
+//!
+//! The output is staged in a temporary directory beside the destination and renamed into place
+//! when complete, so that an interrupted conversion never leaves a directory that loads.
 
+pub mod arrays;
 pub mod gguf;
+pub mod quantize;
+pub mod sanitize;
+pub mod source;
+pub mod write;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use oxlm_engine::DType;
+use oxlm_models::checkpoint::{Config, QuantSpec, Quantization};
+use oxlm_models::save::{
+    copy_file, sorted_keys, write_json, SaveError, StagedDir, COMPANION_FILES, MAX_SHARD_BYTES,
+};
+use oxlm_models::LoadError;
+use serde_json::Value;
+use thiserror::Error;
+
+use crate::arrays::{Job, Progress};
+use crate::quantize::{QuantPlan, QuantRequest};
+use crate::sanitize::Origin;
+use crate::source::{read_json, SafetensorsDir};
+use crate::write::{PlannedTensor, Shards};
+
+#[derive(Debug, Error)]
+pub enum ConvertError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {reason}")]
+    Source { path: PathBuf, reason: String },
+    #[error("oxlm convert does not know model_type `{found}`; it converts: {}", .supported.join(", "))]
+    UnsupportedModelType {
+        found: String,
+        supported: &'static [&'static str],
+    },
+    #[error("{0}")]
+    Weights(String),
+    #[error("{0}")]
+    Options(String),
+    #[error("{0} already exists: choose another --mlx-path, or pass --force to replace it")]
+    Exists(PathBuf),
+    #[error(transparent)]
+    Gguf(#[from] gguf::GgufError),
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    #[error(transparent)]
+    Save(#[from] SaveError),
+}
+
+/// `mlx_lm.convert`'s options.
+#[derive(Debug, Clone)]
+pub struct ConvertOptions {
+    /// `-q`: quantize as asked.
+    pub quantize: Option<QuantRequest>,
+    /// `--dtype`: the float type of what is not quantized; by default the config's
+    /// `torch_dtype`, else each array's own.
+    pub dtype: Option<DType>,
+    /// `-d`: write a quantized checkpoint's weights dense.
+    pub dequantize: bool,
+    /// Replace an existing destination.
+    pub force: bool,
+    /// The largest weight file (mlx-lm's 5 GiB unless a test asks for less).
+    pub max_shard_bytes: usize,
+}
+
+impl Default for ConvertOptions {
+    fn default() -> Self {
+        ConvertOptions {
+            quantize: None,
+            dtype: None,
+            dequantize: false,
+            force: false,
+            max_shard_bytes: MAX_SHARD_BYTES,
+        }
+    }
+}
+
+/// What a conversion wrote.
+#[derive(Debug)]
+pub struct Report {
+    pub weight_files: Vec<PathBuf>,
+    pub arrays: usize,
+    pub quantized: usize,
+    pub bytes: usize,
+    /// Bits per weight over the quantized and dense weights, as mlx-lm prints it.
+    pub bits_per_weight: f64,
+}
+
+/// The model card mlx-lm writes beside a converted model.
+const MODEL_CARD: &str =
+    "---\nlanguage: en\nlibrary_name: mlx\npipeline_tag: text-generation\ntags:\n- mlx\n---\n";
+
+/// Converts the safetensors checkpoint in `src` (Hugging Face or MLX layout) into an MLX
+/// checkpoint at `dst`, reporting progress in bytes of weights written.
+pub fn convert(
+    src: &Path,
+    dst: &Path,
+    options: &ConvertOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<Report, ConvertError> {
+    if options.quantize.is_some() && options.dequantize {
+        return Err(ConvertError::Options(
+            "choose either quantize (-q) or dequantize (-d), not both".into(),
+        ));
+    }
+    if dst.exists() && !options.force {
+        return Err(ConvertError::Exists(dst.to_path_buf()));
+    }
+    let source = SafetensorsDir::open(src)?;
+    let mut config = source.config.clone();
+    merge_generation_eos(src, &mut config)?;
+    let source_quantization = Quantization::from_config(&Config::from_value(config.clone())?)?;
+    let origins = sanitize::sanitize(&config, source.tensors.keys().cloned())?;
+    let quantized_source = |prefix: &str| origins.contains_key(&format!("{prefix}.scales"));
+    if options.quantize.is_some() && origins.keys().any(|n| n.ends_with(".scales")) {
+        return Err(ConvertError::Options(format!(
+            "{} is already quantized: convert it with -d first, or start from the unquantized model",
+            src.display()
+        )));
+    }
+    let dtype = options.dtype.or_else(|| config_dtype(&config));
+    let model_type = config["model_type"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let text_config = config.get("text_config").unwrap_or(&config);
+    let layers = text_config["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
+    let module_paths: Vec<&str> = origins
+        .keys()
+        .filter_map(|n| n.strip_suffix(".weight"))
+        .collect();
+    let plan = options
+        .quantize
+        .map(|request| QuantPlan::new(request, &model_type, &module_paths, layers))
+        .transpose()?;
+
+    // Every output array, planned before any is computed.
+    let mut jobs = Vec::new();
+    let mut section = plan.as_ref().map(QuantPlan::default_section);
+    for (name, origin) in &origins {
+        let shape = arrays::shape_of(origin, &source)?;
+        let prefix = name.strip_suffix(".weight");
+        if let Some(prefix) = prefix.filter(|p| quantized_source(p)) {
+            let spec = source_quantization.for_module(prefix).ok_or_else(|| {
+                ConvertError::Weights(format!(
+                    "`{prefix}` is quantized but the config has no quantization for it"
+                ))
+            })?;
+            if options.dequantize {
+                jobs.push(Job::Dequantize {
+                    prefix: prefix.to_string(),
+                    origins: quantized_origins(&origins, prefix),
+                    spec,
+                    dtype,
+                });
+                continue;
+            }
+        }
+        let dequantized_part = name
+            .rsplit_once('.')
+            .is_some_and(|(p, leaf)| matches!(leaf, "scales" | "biases") && quantized_source(p));
+        if dequantized_part && options.dequantize {
+            continue;
+        }
+        let choice = plan.as_ref().and_then(|p| p.choose(name, &shape));
+        match choice {
+            Some(choice) => {
+                let prefix = prefix.expect("only weights are quantized");
+                if let (Some(section), Some(entry)) = (section.as_mut(), choice.config_entry) {
+                    section.insert(prefix.to_string(), entry);
+                }
+                jobs.push(Job::Quantize {
+                    prefix: prefix.to_string(),
+                    origin: origin.clone(),
+                    spec: choice.spec,
+                    dtype,
+                });
+            }
+            None => jobs.push(Job::Dense {
+                name: name.clone(),
+                origin: origin.clone(),
+                dtype: dtype.filter(|_| keeps_cast(name)),
+            }),
+        }
+    }
+
+    let mut planned = BTreeMap::new();
+    for job in &jobs {
+        planned.extend(job.outputs(&source)?);
+    }
+    let total_parameters = parameter_count(&planned, &jobs, &source_quantization);
+    let staged = StagedDir::create(dst)?;
+    let shards = Shards::create(staged.path(), &planned, options.max_shard_bytes)?;
+    let total_bytes: usize = planned.values().map(PlannedTensor::len_bytes).sum();
+    let mut done = 0;
+    for job in &jobs {
+        done += job.run(&source, &shards)?;
+        progress(Progress {
+            done_bytes: done,
+            total_bytes,
+        });
+    }
+    let index = shards.index(total_parameters);
+    let weight_files = shards.finish()?;
+    write_json(&staged.path().join("model.safetensors.index.json"), &index)?;
+
+    if let Some(map) = config.as_object_mut() {
+        map.remove("_name_or_path");
+        map.remove("vision_config");
+        if options.dequantize {
+            map.remove("quantization");
+            map.remove("quantization_config");
+        }
+        if let Some(section) = section {
+            map.insert("quantization".into(), Value::Object(section.clone()));
+            map.insert("quantization_config".into(), Value::Object(section));
+        }
+    }
+    write_json(&staged.path().join("config.json"), &sorted_keys(config))?;
+    copy_companion_files(src, staged.path())?;
+    staged.commit()?;
+
+    let quantized = jobs
+        .iter()
+        .filter(|j| matches!(j, Job::Quantize { .. }))
+        .count();
+    Ok(Report {
+        weight_files: weight_files
+            .iter()
+            .filter_map(|f| f.file_name().map(|n| dst.join(n)))
+            .collect(),
+        arrays: planned.len(),
+        quantized,
+        bytes: total_bytes,
+        bits_per_weight: bits_per_weight(&planned, total_parameters),
+    })
+}
+
+/// mlx-lm reads `eos_token_id` from `generation_config.json` over config.json's.
+fn merge_generation_eos(src: &Path, config: &mut Value) -> Result<(), ConvertError> {
+    let path = src.join("generation_config.json");
+    if !path.exists() {
+        return Ok(());
+    }
+    // A malformed generation_config.json is skipped, as mlx-lm skips it.
+    let Ok(generation) = read_json(&path) else {
+        return Ok(());
+    };
+    let eos = generation.get("eos_token_id").cloned();
+    // Python's truthiness: no id, 0 and an empty list leave config.json's.
+    let set = eos.filter(|e| match e {
+        Value::Array(ids) => !ids.is_empty(),
+        Value::Number(n) => n.as_f64() != Some(0.0),
+        Value::Null | Value::Bool(false) => false,
+        _ => true,
+    });
+    if let (Some(eos), Some(map)) = (set, config.as_object_mut()) {
+        map.insert("eos_token_id".into(), eos);
+    }
+    Ok(())
+}
+
+/// The dtype mlx-lm casts to when `--dtype` is not given: the config's `torch_dtype`, else its
+/// `text_config.dtype`, when it is one of the three float types.
+fn config_dtype(config: &Value) -> Option<DType> {
+    let named = config["torch_dtype"]
+        .as_str()
+        .or_else(|| config["text_config"]["dtype"].as_str());
+    match named? {
+        "float16" => Some(DType::F16),
+        "bfloat16" => Some(DType::BF16),
+        "float32" => Some(DType::F32),
+        _ => None,
+    }
+}
+
+/// Whether the cast to `--dtype` applies: a mixture's routing bias stays as the checkpoint has
+/// it (the models' `cast_predicate`).
+fn keeps_cast(name: &str) -> bool {
+    !name.contains("e_score_correction_bias") && !name.contains("expert_bias")
+}
+
+fn quantized_origins(origins: &BTreeMap<String, Origin>, prefix: &str) -> [Option<Origin>; 3] {
+    ["weight", "scales", "biases"].map(|leaf| origins.get(&format!("{prefix}.{leaf}")).cloned())
+}
+
+/// mlx-lm's `get_total_parameters`: a quantized weight counts as its unpacked elements, its
+/// scales and biases not at all.
+fn parameter_count(
+    planned: &BTreeMap<String, PlannedTensor>,
+    jobs: &[Job],
+    source_quantization: &Quantization,
+) -> usize {
+    let mut specs: BTreeMap<&str, QuantSpec> = BTreeMap::new();
+    for job in jobs {
+        if let Job::Quantize { prefix, spec, .. } = job {
+            specs.insert(prefix, *spec);
+        }
+    }
+    planned
+        .iter()
+        .map(|(name, t)| {
+            let elements: usize = t.shape.iter().product();
+            let (prefix, leaf) = name.rsplit_once('.').unwrap_or(("", name));
+            let quantized = planned.contains_key(&format!("{prefix}.scales"));
+            let spec = specs
+                .get(prefix)
+                .copied()
+                .or_else(|| source_quantization.for_module(prefix));
+            match (leaf, spec) {
+                ("scales" | "biases", Some(_)) if quantized => 0,
+                ("weight", Some(spec)) if quantized => elements * 32 / spec.bits as usize,
+                _ => elements,
+            }
+        })
+        .sum()
+}
+
+fn bits_per_weight(planned: &BTreeMap<String, PlannedTensor>, parameters: usize) -> f64 {
+    let bytes: usize = planned.values().map(PlannedTensor::len_bytes).sum();
+    bytes as f64 * 8.0 / parameters.max(1) as f64
+}
+
+/// The tokenizer, generation and code files, and a model card; the chat template also as
+/// `chat_template.jinja`, where transformers' `save_pretrained` puts it.
+fn copy_companion_files(src: &Path, dst: &Path) -> Result<(), ConvertError> {
+    for name in COMPANION_FILES {
+        let from = src.join(name);
+        if from.is_file() {
+            copy_file(&from, &dst.join(name))?;
+        }
+    }
+    let entries = std::fs::read_dir(src).map_err(|source| ConvertError::Io {
+        path: src.to_path_buf(),
+        source,
+    })?;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.extension().is_some_and(|e| e == "py") {
+            copy_file(&path, &dst.join(entry.file_name()))?;
+        }
+    }
+    let template_file = dst.join("chat_template.jinja");
+    if !template_file.exists() {
+        let tokenizer_config = src.join("tokenizer_config.json");
+        let template = tokenizer_config
+            .is_file()
+            .then(|| read_json(&tokenizer_config).ok())
+            .flatten()
+            .and_then(|c| {
+                c.get("chat_template")
+                    .and_then(Value::as_str)
+                    .map(str::to_owned)
+            });
+        if let Some(template) = template {
+            write_text(&template_file, &template)?;
+        }
+    }
+    write_text(&dst.join("README.md"), MODEL_CARD)
+}
+
+fn write_text(path: &Path, text: &str) -> Result<(), ConvertError> {
+    std::fs::write(path, text).map_err(|source| ConvertError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
