@@ -13,6 +13,9 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 use thiserror::Error;
 
+pub mod dequantize;
+pub mod tensors;
+
 #[derive(Debug, Error)]
 pub enum GgufError {
     #[error("{path}: {source}")]
@@ -34,6 +37,9 @@ pub enum GgufError {
         key: String,
         reason: String,
     },
+    /// Bytes handed to [`dequantize`](dequantize::dequantize) that do not fit the tensor.
+    #[error("tensor `{name}`: {reason}")]
+    TensorData { name: String, reason: String },
 }
 
 /// One metadata value, as the file types it.
