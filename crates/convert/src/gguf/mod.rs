@@ -13,8 +13,10 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 use thiserror::Error;
 
+pub mod config;
 pub mod dequantize;
 pub mod tensors;
+pub mod tokenizer;
 
 #[derive(Debug, Error)]
 pub enum GgufError {
