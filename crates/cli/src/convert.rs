@@ -1,10 +1,13 @@
 //! `oxlm convert`: a drop-in for `mlx_lm.convert`, writing an MLX checkpoint from a Hugging Face
-//! one (optionally quantized), or a quantized MLX checkpoint back to dense weights.
+//! one (optionally quantized) or a llama.cpp GGUF file, or a quantized MLX checkpoint back to
+//! dense weights.
 
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
+use oxlm_convert::arrays::Progress;
+use oxlm_convert::from_gguf::convert_gguf;
 use oxlm_convert::quantize::{QuantRequest, Recipe};
 use oxlm_convert::{convert, ConvertOptions};
 use oxlm_engine::quant::QuantMode;
@@ -15,8 +18,19 @@ use oxlm_runtime::hub::resolve_model;
 pub struct Args {
     /// The model to convert: a local directory, or a Hugging Face repo id (org/name or
     /// org/name@revision) fetched into the Hugging Face cache.
-    #[arg(long, visible_alias = "model", required = true)]
-    hf_path: PathBuf,
+    #[arg(
+        long,
+        visible_alias = "model",
+        required_unless_present = "gguf",
+        conflicts_with = "gguf"
+    )]
+    hf_path: Option<PathBuf>,
+    /// A llama.cpp GGUF file to convert instead (llama, qwen2, qwen3, gemma3): its config,
+    /// tokenizer and chat template come from its metadata. Q4_0, Q4_1 and Q8_0 weights are kept
+    /// without loss (affine, groups of 32); other block types are quantized again at --q-bits
+    /// and --q-group-size (4 and 64 by default) and the error that adds is reported.
+    #[arg(long)]
+    gguf: Option<PathBuf>,
     /// Where to write the MLX model. It must not exist, unless --force is given.
     #[arg(long, default_value = "mlx_model")]
     mlx_path: PathBuf,
@@ -95,16 +109,37 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     say!("[INFO] Loading");
-    let src = resolve_model(&args.hf_path)?;
     let bar = ProgressBar::new(0).with_style(
         ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} ({eta})")
             .expect("a valid template"),
     );
-    let report = convert(&src, &args.mlx_path, &options, &mut |p| {
+    let mut progress = |p: Progress| {
         bar.set_length(p.total_bytes as u64);
         bar.set_position(p.done_bytes as u64);
-    })
-    .with_context(|| format!("converting {}", args.hf_path.display()))?;
+    };
+    let report = match (&args.gguf, &args.hf_path) {
+        (Some(gguf), _) => {
+            let (report, requantized) = convert_gguf(gguf, &args.mlx_path, &options, &mut progress)
+                .with_context(|| format!("converting {}", gguf.display()))?;
+            if requantized.tensors > 0 {
+                bar.suspend(|| {
+                    say!(
+                        "[INFO] Quantized {} {} tensors again: relative RMS error {:.4}",
+                        requantized.tensors,
+                        requantized.types.join("/"),
+                        requantized.relative_rms_error
+                    )
+                });
+            }
+            report
+        }
+        (None, Some(hf_path)) => {
+            let src = resolve_model(hf_path)?;
+            convert(&src, &args.mlx_path, &options, &mut progress)
+                .with_context(|| format!("converting {}", hf_path.display()))?
+        }
+        (None, None) => unreachable!("clap requires one of them"),
+    };
     bar.finish_and_clear();
     if report.quantized > 0 {
         say!(

@@ -6,7 +6,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use oxlm_engine::quant::{quantize, quantize_float, QuantMode};
-use oxlm_engine::{Bytes, DType, QuantizedMatrix};
+use oxlm_engine::{Bytes, DType, EngineError, QuantizedMatrix};
 use oxlm_models::checkpoint::QuantSpec;
 use oxlm_models::save::{float_bytes, round_to};
 
@@ -322,22 +322,7 @@ impl Job {
                         // mlx-lm casts to the dtype first, then quantizes.
                         values.iter_mut().for_each(|v| *v = round_to(dtype, *v));
                     }
-                    let (packed, scales, biases) = match spec.mode {
-                        QuantMode::Affine => {
-                            let (packed, scales, biases) =
-                                quantize(&values, n, cols, spec.bits, spec.group_size);
-                            (
-                                packed,
-                                float_bytes(dtype, &scales),
-                                float_bytes(dtype, &biases),
-                            )
-                        }
-                        mode => {
-                            let (packed, scales) = quantize_float(mode, &values, n, cols, dtype);
-                            (packed, scales, Vec::new())
-                        }
-                    };
-                    let packed: Vec<u8> = packed.iter().flat_map(|w| w.to_le_bytes()).collect();
+                    let (packed, scales, biases) = quantize_rows(&values, n, cols, *spec, dtype);
                     shards.write(&weight, row * words * 4, &packed)?;
                     let scale_bytes = scales.len() / n;
                     shards.write(&scales_name, row * scale_bytes, &scales)?;
@@ -371,44 +356,95 @@ impl Job {
                 let cols = shape.last().copied().unwrap_or(0) * 32 / spec.bits as usize;
                 let rows = shape.iter().product::<usize>() * 32 / spec.bits as usize / cols.max(1);
                 let to = dequantized_dtype(*spec, scales_dtype, *dtype);
-                let bytes = |b: Vec<u8>| Bytes::from_owner(Arc::new(b));
-                let bad =
-                    |e: oxlm_engine::EngineError| ConvertError::Weights(format!("`{prefix}`: {e}"));
-                let matrix = match spec.mode {
-                    QuantMode::Affine => {
-                        let (biases, _) = read(&origins[2])?;
-                        // mlx-lm casts scales and biases to the dtype before dequantizing.
-                        let cast = |b: Vec<u8>| match to == scales_dtype {
-                            true => b,
-                            false => float_bytes(to, &to_f32(scales_dtype, &b)),
-                        };
-                        QuantizedMatrix::new(
-                            rows,
-                            cols,
-                            spec.bits,
-                            spec.group_size,
-                            bytes(packed),
-                            to,
-                            bytes(cast(scales)),
-                            bytes(cast(biases)),
-                        )
-                    }
-                    mode => QuantizedMatrix::new_float(
-                        mode,
-                        rows,
-                        cols,
-                        spec.bits,
-                        spec.group_size,
-                        bytes(packed),
-                        bytes(scales),
-                    ),
-                }
-                .map_err(bad)?;
+                let biases = match spec.mode {
+                    QuantMode::Affine => read(&origins[2])?.0,
+                    _ => Vec::new(),
+                };
+                // mlx-lm casts scales and biases to the dtype before dequantizing.
+                let cast = |b: Vec<u8>| match spec.mode == QuantMode::Affine && to != scales_dtype {
+                    true => float_bytes(to, &to_f32(scales_dtype, &b)),
+                    false => b,
+                };
+                let scales_dtype = match spec.mode {
+                    QuantMode::Affine => to,
+                    _ => scales_dtype,
+                };
+                let matrix = stored_matrix(
+                    *spec,
+                    rows,
+                    cols,
+                    packed,
+                    scales_dtype,
+                    cast(scales),
+                    cast(biases),
+                )
+                .map_err(|e| ConvertError::Weights(format!("`{prefix}`: {e}")))?;
                 let out = float_bytes(to, &matrix.dequantize_as(to));
                 shards.write(&format!("{prefix}.weight"), 0, &out)?;
                 Ok(out.len())
             }
         }
+    }
+}
+
+/// `rows` rows of `cols` values (exactly `dtype` values) quantized as `mx.quantize` quantizes
+/// weights of `dtype`: the packed words, the scales and (affine only) the biases, as stored.
+pub(crate) fn quantize_rows(
+    values: &[f32],
+    rows: usize,
+    cols: usize,
+    spec: QuantSpec,
+    dtype: DType,
+) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
+    let (packed, scales, biases) = match spec.mode {
+        QuantMode::Affine => {
+            let (packed, scales, biases) = quantize(values, rows, cols, spec.bits, spec.group_size);
+            (
+                packed,
+                float_bytes(dtype, &scales),
+                float_bytes(dtype, &biases),
+            )
+        }
+        mode => {
+            let (packed, scales) = quantize_float(mode, values, rows, cols, dtype);
+            (packed, scales, Vec::new())
+        }
+    };
+    let packed = packed.iter().flat_map(|w| w.to_le_bytes()).collect();
+    (packed, scales, biases)
+}
+
+/// A quantized matrix from its stored parts (`biases` empty in the float modes).
+pub(crate) fn stored_matrix(
+    spec: QuantSpec,
+    rows: usize,
+    cols: usize,
+    packed: Vec<u8>,
+    scales_dtype: DType,
+    scales: Vec<u8>,
+    biases: Vec<u8>,
+) -> Result<QuantizedMatrix, EngineError> {
+    let bytes = |b: Vec<u8>| Bytes::from_owner(Arc::new(b));
+    match spec.mode {
+        QuantMode::Affine => QuantizedMatrix::new(
+            rows,
+            cols,
+            spec.bits,
+            spec.group_size,
+            bytes(packed),
+            scales_dtype,
+            bytes(scales),
+            bytes(biases),
+        ),
+        mode => QuantizedMatrix::new_float(
+            mode,
+            rows,
+            cols,
+            spec.bits,
+            spec.group_size,
+            bytes(packed),
+            bytes(scales),
+        ),
     }
 }
 

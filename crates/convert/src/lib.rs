@@ -5,12 +5,13 @@
 //! - [`sanitize`] renames a Hugging Face checkpoint's arrays as mlx-lm's models do on load;
 //! - [`quantize`] decides which arrays `-q` quantizes, and how;
 //! - [`write`] writes the shards as the arrays are computed;
-//! - [`gguf`] reads llama.cpp's GGUF files.
+//! - [`gguf`] reads llama.cpp's GGUF files, and [`from_gguf`] converts one.
 //!
 //! The output is staged in a temporary directory beside the destination and renamed into place
 //! when complete, so that an interrupted conversion never leaves a directory that loads.
 
 pub mod arrays;
+pub mod from_gguf;
 pub mod gguf;
 pub mod quantize;
 pub mod sanitize;
@@ -103,7 +104,7 @@ pub struct Report {
 }
 
 /// The model card mlx-lm writes beside a converted model.
-const MODEL_CARD: &str =
+pub(crate) const MODEL_CARD: &str =
     "---\nlanguage: en\nlibrary_name: mlx\npipeline_tag: text-generation\ntags:\n- mlx\n---\n";
 
 /// Converts the safetensors checkpoint in `src` (Hugging Face or MLX layout) into an MLX
@@ -375,7 +376,7 @@ fn copy_companion_files(src: &Path, dst: &Path) -> Result<(), ConvertError> {
     write_text(&dst.join("README.md"), MODEL_CARD)
 }
 
-fn write_text(path: &Path, text: &str) -> Result<(), ConvertError> {
+pub(crate) fn write_text(path: &Path, text: &str) -> Result<(), ConvertError> {
     std::fs::write(path, text).map_err(|source| ConvertError::Io {
         path: path.to_path_buf(),
         source,

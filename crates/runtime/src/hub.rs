@@ -47,6 +47,8 @@ pub enum HubError {
          org/name@revision)"
     )]
     NotAModel { spec: String },
+    #[error("{file}: cannot convert the GGUF file: {reason}")]
+    Gguf { file: PathBuf, reason: String },
     #[error(
         "`{repo}` is not a local directory, and {endpoint} has no such repository (if it is \
          private, set HF_TOKEN to a token that can read it)"
@@ -191,14 +193,64 @@ pub struct HubConfig {
     pub progress: bool,
 }
 
-/// Resolves `--model`: a directory is used as it is; a repo id is found in the hub cache or
-/// downloaded into it, with the settings of the environment.
+/// Resolves `--model`: a directory is used as it is; a GGUF file is converted once into the
+/// cache ([`gguf_model`]); a repo id is found in the hub cache or downloaded into it, with the
+/// settings of the environment.
 pub fn resolve_model(spec: impl AsRef<Path>) -> Result<PathBuf, HubError> {
     let spec = spec.as_ref();
     if spec.is_dir() {
         return Ok(spec.to_path_buf());
     }
+    if spec.is_file()
+        && spec
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
+        return gguf_model(spec);
+    }
     HubConfig::from_env()?.resolve(spec)
+}
+
+/// The MLX model of a GGUF file, converted on first use into
+/// `${OXLM_CACHE:-~/.cache/oxlm}/gguf-mlx/NAME-KEY` (KEY from the file's path, size and
+/// modification time, so that a changed file converts again) as `oxlm convert --gguf` converts it.
+pub fn gguf_model(file: &Path) -> Result<PathBuf, HubError> {
+    use std::hash::{Hash, Hasher};
+    let fail = |reason: String| HubError::Gguf {
+        file: file.to_path_buf(),
+        reason,
+    };
+    let meta = std::fs::metadata(file).map_err(|e| fail(e.to_string()))?;
+    let mut key = std::collections::hash_map::DefaultHasher::new();
+    std::fs::canonicalize(file)
+        .map_err(|e| fail(e.to_string()))?
+        .hash(&mut key);
+    meta.len().hash(&mut key);
+    meta.modified().ok().hash(&mut key);
+    let cache = match std::env::var_os("OXLM_CACHE").filter(|v| !v.is_empty()) {
+        Some(dir) => PathBuf::from(dir),
+        None => std::env::home_dir()
+            .ok_or_else(|| fail("no home directory for the cache; set OXLM_CACHE".into()))?
+            .join(".cache/oxlm"),
+    };
+    let stem = file.file_stem().unwrap_or_default().to_string_lossy();
+    let dir = cache
+        .join("gguf-mlx")
+        .join(format!("{stem}-{:016x}", key.finish()));
+    if !dir.join("config.json").is_file() {
+        eprintln!(
+            "Converting {} into {} (once)",
+            file.display(),
+            dir.display()
+        );
+        let options = oxlm_convert::ConvertOptions {
+            force: true,
+            ..Default::default()
+        };
+        oxlm_convert::from_gguf::convert_gguf(file, &dir, &options, &mut |_| {})
+            .map_err(|e| fail(e.to_string()))?;
+    }
+    Ok(dir)
 }
 
 impl HubConfig {
