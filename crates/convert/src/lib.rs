@@ -210,13 +210,17 @@ pub fn convert(
     let shards = Shards::create(staged.path(), &planned, options.max_shard_bytes)?;
     let total_bytes: usize = planned.values().map(PlannedTensor::len_bytes).sum();
     let mut done = 0;
-    for job in &jobs {
-        done += job.run(&source, &shards)?;
-        progress(Progress {
-            done_bytes: done,
-            total_bytes,
-        });
-    }
+    run_in_parallel(
+        &jobs,
+        |job| job.run(&source, &shards),
+        |bytes| {
+            done += bytes;
+            progress(Progress {
+                done_bytes: done,
+                total_bytes,
+            })
+        },
+    )?;
     let index = shards.index(total_parameters);
     let weight_files = shards.finish()?;
     write_json(&staged.path().join("model.safetensors.index.json"), &index)?;
@@ -250,6 +254,49 @@ pub fn convert(
         quantized,
         bytes: total_bytes,
         bits_per_weight: bits_per_weight(&planned, total_parameters),
+    })
+}
+
+/// Runs `work` on every item on one thread per core (each item writes its own arrays), calling
+/// `progress` on this thread with the sum of what they returned so far; the first error stops
+/// the items not yet started and is returned.
+pub(crate) fn run_in_parallel<T: Sync, R: Send>(
+    items: &[T],
+    work: impl Fn(&T) -> Result<R, ConvertError> + Sync,
+    mut progress: impl FnMut(&R),
+) -> Result<(), ConvertError> {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let (next, failed) = (AtomicUsize::new(0), AtomicBool::new(false));
+    let (sender, results) = std::sync::mpsc::channel();
+    std::thread::scope(|scope| {
+        for _ in 0..threads.min(items.len()) {
+            let sender = sender.clone();
+            let (next, failed, work) = (&next, &failed, &work);
+            scope.spawn(move || {
+                while !failed.load(Ordering::Relaxed) {
+                    let Some(item) = items.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                        break;
+                    };
+                    let result = work(item);
+                    failed.fetch_or(result.is_err(), Ordering::Relaxed);
+                    if sender.send(result).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        drop(sender);
+        let mut first_error = None;
+        for result in results {
+            match result {
+                Ok(r) => progress(&r),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        first_error.map_or(Ok(()), Err)
     })
 }
 
