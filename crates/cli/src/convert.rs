@@ -28,7 +28,8 @@ pub struct Args {
     /// A llama.cpp GGUF file to convert instead (llama, qwen2, qwen3, gemma3): its config,
     /// tokenizer and chat template come from its metadata. Q4_0, Q4_1 and Q8_0 weights are kept
     /// without loss (affine, groups of 32); other block types are quantized again at --q-bits
-    /// and --q-group-size (4 and 64 by default) and the error that adds is reported.
+    /// and --q-group-size (4 and 64 by default) and the error that adds is reported; with -q or
+    /// those flags, float weights are quantized too.
     #[arg(long)]
     gguf: Option<PathBuf>,
     /// Where to write the MLX model. It must not exist, unless --force is given.
@@ -81,11 +82,12 @@ pub fn run(args: Args) -> Result<()> {
         || args.q_group_size.is_some()
         || args.quant_predicate.is_some()
         || mode != QuantMode::Affine;
-    if quantize_flags && !args.quantize {
+    // A GGUF's K-quant weights are always quantized again, so the flags alone say how.
+    if quantize_flags && !args.quantize && args.gguf.is_none() {
         bail!("--q-bits, --q-group-size, --q-mode and --quant-predicate need -q (--quantize)");
     }
     let options = ConvertOptions {
-        quantize: args.quantize.then(|| QuantRequest {
+        quantize: (args.quantize || quantize_flags).then(|| QuantRequest {
             bits: args.q_bits,
             group_size: args.q_group_size,
             mode,

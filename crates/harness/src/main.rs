@@ -40,7 +40,8 @@ enum Command {
     Load(load::Args),
     /// Half-sent heads, stalled bodies, idle and unread connections, hundreds held at once.
     SlowClients(slow_clients::Args),
-    /// SIGTERM to the server in every phase of a request, restarts, and kill -9 during fuse.
+    /// SIGTERM to the server in every phase of a request, restarts, and kill -9 during fuse and
+    /// convert.
     Restart(restart::Args),
 }
 

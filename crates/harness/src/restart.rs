@@ -3,8 +3,8 @@
 //! one too short. Every accepted request must end with a complete answer, or, when cancelled,
 //! with an error in the API's shape (a stream: an error event, then `data: [DONE]`); the server
 //! must exit 0, and a new one must start on the same port and serve. Then `kill -9` during
-//! `oxlm fuse`, at moments spread over its run: the save path must hold the earlier output
-//! intact or the new one complete, and nothing half-written.
+//! `oxlm fuse` and during `oxlm convert`, at moments spread over each run: the save path must
+//! hold the earlier output intact or the new one complete, and nothing half-written.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -38,15 +38,16 @@ pub struct Args {
     /// A LoRA adapter of the model, for `oxlm fuse`.
     #[arg(long)]
     adapter: PathBuf,
-    /// How many times `oxlm fuse` is killed at moments spread over its run, beside the two
-    /// kills as it starts writing and as it replaces its first file.
+    /// How many times `oxlm fuse`, and then `oxlm convert`, is killed at moments spread over
+    /// its run, beside the two kills as it starts writing and as it replaces its first file.
     #[arg(long, default_value_t = 8)]
     fuse_kills: u32,
     /// How many times the SIGTERM phases run (each with a restart): more rounds, more chances
     /// to catch a race.
     #[arg(long, default_value_t = 1)]
     rounds: u32,
-    /// Seed of the moments `oxlm fuse` is killed at, within their share of its run.
+    /// Seed of the moments `oxlm fuse` and `oxlm convert` are killed at, within their share of
+    /// their run.
     #[arg(long, default_value_t = 1)]
     seed: u64,
 }
@@ -99,14 +100,15 @@ pub fn run(args: Args) -> Result<bool> {
         }
         Err(e) => tally.fail("final restart", "no-restart", format!("{e:#}")),
     }
-    kill_fuse(&args, &mut tally)?;
+    kill_writer(&args, Writer::Fuse, &mut tally)?;
+    kill_writer(&args, Writer::Convert, &mut tally)?;
 
     tally.print();
     let failures = tally.failures();
     println!(
         "restart: SIGTERM in 4 phases × 2 grace periods × {} rounds: {} requests answered in \
          full, {} ended with an error in the API's shape, {} lost; {} restarts on the same port; \
-         fuse killed {} times: {} left the earlier output intact, {} the new one complete, {} \
+         fuse and convert killed {} times each: {} left the earlier output intact, {} the new one complete, {} \
          torn or mixed, {} with temporary files left; {}",
         args.rounds,
         tally.total("complete"),
@@ -464,9 +466,9 @@ fn late_request(address: SocketAddr) -> &'static str {
     }
 }
 
-/// Rows of the embedding and head of the model `oxlm fuse` is killed on: large enough that
-/// writing it takes a while.
-const FUSE_VOCAB: u64 = 1 << 18;
+/// Rows of the embedding and head of the model `oxlm fuse` and `oxlm convert` are killed on:
+/// large enough that writing it takes a while.
+const LARGE_VOCAB: u64 = 1 << 18;
 
 /// When `oxlm fuse` gets its SIGKILL.
 #[derive(Clone, Copy)]
@@ -479,37 +481,72 @@ enum KillAt {
     After(Duration),
 }
 
-/// Kills `oxlm fuse --de-quantize` with SIGKILL over a save path that holds an earlier
-/// (quantized) output: as it starts writing, as it replaces the first file, and at moments
-/// spread over its run. Each time, the save path must hold the earlier output intact or the
-/// new one complete, with no other file beside it.
-fn kill_fuse(args: &Args, tally: &mut Tally) -> Result<()> {
+/// The commands that write a model directory, killed by [`kill_writer`].
+#[derive(Clone, Copy)]
+enum Writer {
+    /// `oxlm fuse`: the earlier output quantized, the new one `--de-quantize`d.
+    Fuse,
+    /// `oxlm convert -d`: the earlier output in f32, the new one in the model's dtype.
+    Convert,
+}
+
+impl Writer {
+    fn name(self) -> &'static str {
+        match self {
+            Writer::Fuse => "fuse",
+            Writer::Convert => "convert",
+        }
+    }
+
+    /// The command writing into `save`: the earlier output's, or the new one's.
+    fn command(self, args: &Args, model: &Path, save: &Path, new: bool) -> Command {
+        let mut command = Command::new(&args.oxlm_bin);
+        command.env("HF_HUB_OFFLINE", "1");
+        match self {
+            Writer::Fuse => {
+                command
+                    .args(["fuse", "--model"])
+                    .arg(model)
+                    .arg("--adapter-path")
+                    .arg(&args.adapter)
+                    .arg("--save-path")
+                    .arg(save);
+                if new {
+                    command.arg("--de-quantize");
+                }
+            }
+            Writer::Convert => {
+                command
+                    .args(["convert", "-d", "--force", "--hf-path"])
+                    .arg(model)
+                    .arg("--mlx-path")
+                    .arg(save);
+                if !new {
+                    command.args(["--dtype", "float32"]);
+                }
+            }
+        }
+        command
+    }
+}
+
+/// Kills `writer` with SIGKILL over a save path that holds an earlier output: as it starts
+/// writing, as it replaces the first file, and at moments spread over its run. Each time, the
+/// save path must hold the earlier output intact or the new one complete, with no other file
+/// beside it.
+fn kill_writer(args: &Args, writer: Writer, tally: &mut Tally) -> Result<()> {
     let work = tempfile::tempdir()?;
     let model = work.path().join("model");
     large_model(&args.model, &model)?;
     let earlier = work.path().join("earlier");
     let complete = work.path().join("complete");
-    let fuse = |save: &Path, dequantize: bool| {
-        let mut command = Command::new(&args.oxlm_bin);
-        command
-            .arg("fuse")
-            .arg("--model")
-            .arg(&model)
-            .arg("--adapter-path")
-            .arg(&args.adapter)
-            .arg("--save-path")
-            .arg(save)
-            .env("HF_HUB_OFFLINE", "1");
-        if dequantize {
-            command.arg("--de-quantize");
-        }
-        command
-    };
-    for (save, dequantize) in [(&earlier, false), (&complete, true)] {
-        let finished = run_with_timeout(&mut fuse(save, dequantize), Duration::from_secs(300))?;
+    let run = |save: &Path, new: bool| writer.command(args, &model, save, new);
+    for (save, new) in [(&earlier, false), (&complete, true)] {
+        let finished = run_with_timeout(&mut run(save, new), Duration::from_secs(300))?;
         if !finished.status.is_some_and(|s| s.success()) {
             bail!(
-                "oxlm fuse into {} failed: {}",
+                "oxlm {} into {} failed: {}",
+                writer.name(),
                 save.display(),
                 finished.stderr
             );
@@ -520,7 +557,7 @@ fn kill_fuse(args: &Args, tally: &mut Tally) -> Result<()> {
     let save = work.path().join("save");
     // How long a whole run takes, to spread the kills over it.
     copy_dir(&earlier, &save)?;
-    let run_time = run_with_timeout(&mut fuse(&save, true), Duration::from_secs(300))?.elapsed;
+    let run_time = run_with_timeout(&mut run(&save, true), Duration::from_secs(300))?.elapsed;
 
     let mut rng = StdRng::seed_from_u64(args.seed);
     let mut moments = vec![KillAt::FirstNewFile, KillAt::FirstReplacement];
@@ -528,16 +565,16 @@ fn kill_fuse(args: &Args, tally: &mut Tally) -> Result<()> {
         let share = (f64::from(kill) + rng.random::<f64>()) / f64::from(args.fuse_kills);
         KillAt::After(run_time.mul_f64(share))
     }));
-    let row = "fuse, kill -9";
+    let row = &format!("{}, kill -9", writer.name());
     for moment in moments {
         std::fs::remove_dir_all(&save)?;
         copy_dir(&earlier, &save)?;
         let earlier_inodes = inodes(&save)?;
-        let mut child = fuse(&save, true)
+        let mut child = run(&save, true)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .context("starting oxlm fuse")?;
+            .with_context(|| format!("starting oxlm {}", writer.name()))?;
         let started = Instant::now();
         let deadline = started + run_time * 10;
         let finished_first = loop {
@@ -638,13 +675,13 @@ fn inodes(dir: &Path) -> Result<BTreeMap<String, u64>> {
     Ok(inodes)
 }
 
-/// The fixture with its embedding and head repeated to [`FUSE_VOCAB`] rows (its blocks, and so
+/// The fixture with its embedding and head repeated to [`LARGE_VOCAB`] rows (its blocks, and so
 /// its adapters, unchanged).
 fn large_model(fixture: &Path, dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     let mut config: Value = serde_json::from_slice(&std::fs::read(fixture.join("config.json"))?)?;
     let vocab = config["vocab_size"].as_u64().context("vocab_size")?;
-    config["vocab_size"] = FUSE_VOCAB.into();
+    config["vocab_size"] = LARGE_VOCAB.into();
     std::fs::write(dir.join("config.json"), config.to_string())?;
     for name in ["tokenizer.json", "tokenizer_config.json"] {
         if fixture.join(name).exists() {
@@ -656,8 +693,8 @@ fn large_model(fixture: &Path, dir: &Path) -> Result<()> {
     for name in weights.tensor_names() {
         let mut tensor: Tensor = weights.tensor(&name)?;
         if name.starts_with("model.embed_tokens.") || name.starts_with("lm_head.") {
-            tensor.shape[0] = FUSE_VOCAB;
-            tensor.data = tensor.data.repeat((FUSE_VOCAB / vocab) as usize);
+            tensor.shape[0] = LARGE_VOCAB;
+            tensor.data = tensor.data.repeat((LARGE_VOCAB / vocab) as usize);
         }
         tensors.push((name, tensor));
     }
