@@ -9,12 +9,17 @@ in transformers' layout, before mlx-lm's `sanitize`: config.json (`torch_dtype`)
 model.safetensors (metadata {"format": "pt"}; `llama`: two shards and model.safetensors.index.json),
 tokenizer.json and tokenizer_config.json (the tiny BPE of tests/fixtures/tiny/llama-4bit-g64).
 Tensor names are mlx-lm's own parameter names (the same as transformers' for these architectures) run backwards
-through each model's sanitize: MoE experts unstacked (`mlp.experts.N.gate_proj`, mixtral's
-`block_sparse_moe.experts.N.w1/w2/w3`), llama's `self_attn.rotary_emb.inv_freq` buffers added, an `lm_head.weight`
-(= the embedding) added to the tied llama, LFM2's conv weights as `[channels, 1, kernel]`, mistral3's legacy
-`language_model.model.*` / `language_model.lm_head` prefix plus `vision_tower.*` / `multi_modal_projector.*` tensors
-and a `vision_config`. Values: numpy `default_rng(seed)`, weights and biases 0.02*N(0,1), norm weights 1 + 0.1*N
-(Gemma's, stored as offsets from 1: 0.1*N), rounded to bfloat16 (float32 for `float32-source`).
+through each model's sanitize (`hf_shapes`): MoE experts unstacked (`mlp.experts.N.gate_proj`, mixtral's
+`block_sparse_moe.experts.N.w1/w2/w3`, LFM2-MoE's `feed_forward.experts.N.w1/w2/w3`) or fused (Qwen3.5-MoE's and
+Gemma 4's `experts.gate_up_proj` [E, 2I, H], Granite-MoE's `input_linear`, gpt-oss's MXFP4 `gate_up_proj_blocks`
+with gate and up rows interleaved), DeepSeek's `kv_b_proj` rebuilt from `embed_q` / `unembed_out`, rotary
+`inv_freq` buffers added (llama, smollm3), an `lm_head.weight` (= the embedding) added to the tied llama, conv
+weights as `[channels, 1, kernel]` (LFM2, Qwen3-Next, Qwen3.5), the multimodal wrappers' hub names (Qwen3.5's and
+Gemma 4's `model.language_model.*`, mistral3's and Gemma 3's legacy `language_model.model.*`) plus vision / audio /
+multi-token-prediction tensors that sanitize drops (`extra`), Gemma 4's KV-shared layers' own K/V. Values: numpy
+`default_rng(seed)`, weights and biases 0.02*N(0,1), norm weights 1 + 0.1*N (Gemma's, and `norm_base=0.0` cases'
+stored as offsets from 1: 0.1*N), rounded to bfloat16 (float32 for `float32-source` and the `f32` suffixes: A_log,
+routing biases), MXFP4 blocks and E8M0 scales as random bytes.
 
 Then, per flag set, the real converter runs in-process exactly as `mlx_lm convert --hf-path SRC --mlx-path TMP ARGS`
 does (`configure_parser().parse_args` -> `convert(**vars(args))`) and OUT_ROOT/<case>/expected/<flagset>.json records
@@ -191,6 +196,262 @@ CASES = {
         seed=11, dtype="float32", config=llama(tie_word_embeddings=True, num_key_value_heads=1, num_hidden_layers=1,
                                                torch_dtype="float32"),
         flagsets={"bf16": [], "q4": Q4}),
+
+    # ---- the hybrid and mixture architectures ----
+    # Qwen3-Next: a gated-DeltaNet layer (HF conv1d [96, 1, 4], which sanitize turns into [96, 4, 1]) then a
+    # gated-attention layer; layer 0 a mixture of 4 unstacked experts behind the `mlp.gate` router and a shared
+    # expert with its `shared_expert_gate` (both 8 bits: the model's quant_predicate), layer 1 dense
+    # (`mlp_only_layers`). The RMSNorm weights are stored as offsets from 1 and sanitize adds 1.0 (in bf16);
+    # `mtp.*` (multi-token prediction) is dropped. Tied to stay small.
+    "qwen3_next": dict(
+        seed=12, norm_base=0.0, f32=("A_log",), extra={"mtp.fc.weight": (16, 32), "mtp.norm.weight": (16,)},
+        config={
+            "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 64, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+            "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
+            "mlp_only_layers": [1], "num_hidden_layers": 2, "full_attention_interval": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
+            "linear_conv_kernel_dim": 4, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-6, "vocab_size": 512,
+            "max_position_embeddings": 4096, "rope_theta": 10000000.0, "rope_scaling": None, "attention_bias": False,
+            "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"},
+        flagsets={"bf16": [], "q4": Q4}),
+    # Qwen3.5 as the hub has it (Qwen3_5ForConditionalGeneration): the text model under `model.language_model.`,
+    # the head as `lm_head`, a vision tower under `model.visual.` and `mtp.*` (both dropped), the dtype only in
+    # text_config.dtype; conv1d [C, 1, K] -> [C, K, 1] and the norm offsets + 1.0 as Qwen3-Next; A_log float32
+    # (kept so by the model's cast_predicate). Dense: no quant_predicate.
+    "qwen3_5": dict(
+        seed=13, norm_base=0.0, f32=("A_log",),
+        extra={"model.visual.patch_embed.proj.weight": (16, 3, 2, 4, 4),
+               "model.visual.blocks.0.attn.qkv.weight": (48, 16), "model.visual.merger.mlp.0.weight": (16, 16),
+               "mtp.fc.weight": (16, 32), "mtp.layers.0.input_layernorm.weight": (16,)},
+        config={
+            "model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "text_config": {
+                "model_type": "qwen3_5_text", "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+                "full_attention_interval": 2, "layer_types": ["linear_attention", "full_attention"],
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "attention_bias": False,
+                "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6, "vocab_size": 512,
+                "max_position_embeddings": 4096, "tie_word_embeddings": False, "dtype": "bfloat16",
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                    "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+                "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 2},
+            "vision_config": {"model_type": "qwen3_5", "depth": 1, "hidden_size": 16, "num_heads": 2,
+                              "out_hidden_size": 64, "patch_size": 4, "temporal_patch_size": 2},
+            "image_token_id": 500, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2},
+        flagsets={"bf16": [], "q4": Q4}),
+    # Qwen3.5-MoE as the hub has it: experts stored fused, `experts.gate_up_proj` [E, 2I, H] (gate rows, then up)
+    # and `experts.down_proj` [E, H, I], which sanitize splits into switch_mlp; 8-bit router and shared-expert
+    # gate; tied.
+    "qwen3_5_moe": dict(
+        seed=14, norm_base=0.0, f32=("A_log",),
+        extra={"model.visual.blocks.0.attn.qkv.weight": (48, 16), "mtp.fc.weight": (16, 32)},
+        config={
+            "model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+            "text_config": {
+                "model_type": "qwen3_5_moe_text", "hidden_size": 64, "num_hidden_layers": 2,
+                "full_attention_interval": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "num_experts": 4,
+                "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                "norm_topk_prob": True, "rms_norm_eps": 1e-6, "vocab_size": 512, "max_position_embeddings": 4096,
+                "tie_word_embeddings": True,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+                "bos_token_id": 0, "eos_token_id": 2},
+            "vision_config": {"model_type": "qwen3_5_moe", "depth": 1, "hidden_size": 16},
+            "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"},
+        flagsets={"bf16": [], "q4": Q4}),
+    # LFM2-MoE: a dense first layer, then 4 experts (`feed_forward.experts.N.w1/w2/w3`, renamed and stacked) behind
+    # the 8-bit `feed_forward.gate` router, with a float32 `expert_bias` that the cast leaves alone; conv weights
+    # [64, 1, 3] -> [64, 3, 1].
+    "lfm2_moe": dict(
+        seed=15, f32=("expert_bias",),
+        config={
+            "model_type": "lfm2_moe", "architectures": ["Lfm2MoeForCausalLM"], "hidden_size": 64,
+            "vocab_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "layer_types": ["conv", "full_attention"], "max_position_embeddings": 128000, "norm_eps": 1e-5,
+            "conv_bias": False, "conv_L_cache": 3, "intermediate_size": 64, "moe_intermediate_size": 32,
+            "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "use_expert_bias": True,
+            "num_dense_layers": 1, "routed_scaling_factor": 1.0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "tie_embedding": True,
+            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "bfloat16"},
+        flagsets={"bf16": [], "q4": Q4}),
+    # Gemma 3 (multimodal, transformers' legacy names as google/gemma-3-4b-it has them): the text model under
+    # `language_model.model.`, a SigLIP tower under `vision_tower.` and the projector (dropped), vocab_size at the
+    # top level, tied (no head in the checkpoint).
+    "gemma3": dict(
+        seed=16,
+        extra={"vision_tower.vision_model.embeddings.patch_embedding.weight": (16, 3, 4, 4),
+               "vision_tower.vision_model.post_layernorm.weight": (16,),
+               "multi_modal_projector.mm_input_projection_weight": (16, 64),
+               "multi_modal_projector.mm_soft_emb_norm.weight": (16,)},
+        config={
+            "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "vocab_size": 512,
+            "text_config": {
+                "model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+                "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "query_pre_attn_scalar": 16,
+                "sliding_window": 512, "sliding_window_pattern": 2, "hidden_activation": "gelu_pytorch_tanh"},
+            "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 16, "image_size": 16,
+                              "patch_size": 4, "num_hidden_layers": 1},
+            "mm_tokens_per_image": 4, "image_token_index": 500, "bos_token_id": 1, "eos_token_id": 2,
+            "torch_dtype": "bfloat16"},
+        flagsets={"q4": Q4}),
+    # Gemma 4 E-series style text model: per-layer input embeddings, the last layer KV-shared (reading layer 0's
+    # cache; its k_proj, v_proj and k_norm, which the checkpoint holds, are dropped), a double-wide MLP there, tied.
+    "gemma4_text": dict(
+        seed=17,
+        config={
+            "model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "global_head_dim": 32, "rms_norm_eps": 1e-6, "vocab_size": 512,
+            "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 8, "num_kv_shared_layers": 1,
+            "sliding_window": 8, "max_position_embeddings": 4096, "final_logit_softcapping": 30.0,
+            "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "bfloat16"},
+        flagsets={"q4": Q4}),
+    # Gemma 4 (multimodal, 26B-A4B style): `model.language_model.` -> `language_model.model.`, vision and audio
+    # towers and their embedders dropped; a dense MLP beside 4 experts stored fused (`experts.gate_up_proj`
+    # [E, 2I, H], `experts.down_proj`), split by sanitize into switch_glu; the 8-bit `router.proj`; K = V on the
+    # global layer; tied.
+    "gemma4": dict(
+        seed=18,
+        extra={"model.vision_tower.patch_embedder.input_proj.weight": (16, 48),
+               "model.embed_vision.embedding_projection.weight": (64, 16),
+               "model.audio_tower.conformer.0.norm.weight": (16,),
+               "model.embed_audio.embedding_projection.weight": (64, 16)},
+        config={
+            "model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "vocab_size": 512,
+            "text_config": {
+                "model_type": "gemma4_text", "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
+                "rms_norm_eps": 1e-6, "vocab_size": 512, "vocab_size_per_layer_input": 512,
+                "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0, "attention_k_eq_v": True,
+                "num_global_key_value_heads": 1, "sliding_window": 8, "max_position_embeddings": 4096,
+                "final_logit_softcapping": 30.0, "layer_types": ["sliding_attention", "full_attention"],
+                "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32,
+                "tie_word_embeddings": True, "dtype": "bfloat16"},
+            "vision_config": {"model_type": "gemma4_vision", "hidden_size": 16},
+            "audio_config": {"model_type": "gemma4_audio", "hidden_size": 16},
+            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "bfloat16"},
+        flagsets={"q4": Q4}),
+    # gpt-oss as OpenAI ships it: each layer's experts stacked and MXFP4-quantized (`quantization_config`
+    # {"quant_method": "mxfp4"}): `experts.gate_up_proj_blocks` [E, 2I, H / 32, 16] uint8 (two 4-bit codes a
+    # byte), `_scales` [E, 2I, H / 32] uint8 (E8M0), gate and up rows interleaved (even rows gate, odd rows up),
+    # `gate_up_proj_bias` [E, 2I] likewise, `down_proj_blocks` / `_scales` / `_bias`; mlx-lm views the blocks as
+    # uint32 words and splits the rows. The rest bf16: attention with sinks, the router (8 bits under -q), an
+    # untied head. No flags keep the experts MXFP4; -q quantizes the rest (per-module entries, the MXFP4 default
+    # kept); -d dequantizes the experts. 2 experts to stay small.
+    "gpt_oss": dict(
+        seed=19, mxfp4_experts=True,
+        config={
+            "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 32, "num_local_experts": 2, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
+            "vocab_size": 512, "sliding_window": 8, "rope_theta": 150000.0,
+            "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "original_max_position_embeddings": 4096},
+            "layer_types": ["sliding_attention", "full_attention"], "max_position_embeddings": 131072,
+            "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+                "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+            "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"},
+        flagsets={"bf16": [], "q4": Q4, "dequantize": ["-d"]}),
+    # DeepSeek-V3: multi-head latent attention whose `kv_b_proj` [H * (nope + v), rank] sanitize turns into
+    # `embed_q` [H, rank, nope] (transposed) and `unembed_out` [H, v, rank] (quantized as MultiLinear); a dense
+    # first layer, then 4 unstacked experts, a shared expert and the `mlp.gate` router (not a Linear: never
+    # quantized) with its float32 `e_score_correction_bias` (never cast).
+    "deepseek_v3": dict(
+        seed=20, f32=("e_score_correction_bias",),
+        config={
+            "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 512,
+            "hidden_size": 64, "intermediate_size": 32, "moe_intermediate_size": 16, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 2, "n_shared_experts": 1, "n_routed_experts": 4,
+            "routed_scaling_factor": 2.5, "kv_lora_rank": 64, "q_lora_rank": 32, "qk_rope_head_dim": 16,
+            "v_head_dim": 16, "qk_nope_head_dim": 64, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+            "norm_topk_prob": True, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2, "moe_layer_freq": 1,
+            "first_k_dense_replace": 1, "max_position_embeddings": 16384, "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False, "tie_word_embeddings": False,
+            "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"},
+        flagsets={"bf16": [], "q4": Q4}),
+    # ---- mixtures and variants whose sanitize only renames ----
+    # Granite-MoE: each layer's experts fused as `input_linear` [E, 2I, H] (gate, then up) and `output_linear`;
+    # the model's quant_predicate keeps the router and o_proj at 8 bits. Tied; one layer to stay small.
+    "granitemoe": dict(
+        seed=21,
+        config={
+            "model_type": "granitemoe", "architectures": ["GraniteMoeForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 512,
+            "max_position_embeddings": 4096, "rope_theta": 10000.0, "embedding_multiplier": 6.0,
+            "attention_multiplier": 0.125, "residual_multiplier": 0.5, "logits_scaling": 2.0,
+            "attention_bias": False, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 2,
+            "torch_dtype": "bfloat16"},
+        flagsets={"q4": Q4}),
+    # OLMoE: 4 unstacked experts, tied; one layer to stay small.
+    "olmoe": dict(
+        seed=22,
+        config={
+            "model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "rms_norm_eps": 1e-5, "vocab_size": 512,
+            "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": True,
+            "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"},
+        flagsets={"q4": Q4}),
+    # GLM-4.5 (glm4_moe): a dense first layer, then 4 unstacked experts behind the `mlp.gate` router (not a Linear)
+    # with its float32 e_score_correction_bias; the multi-token-prediction layer (layer 2 of 2) dropped.
+    "glm4_moe": dict(
+        seed=23, f32=("e_score_correction_bias",),
+        extra={"model.layers.2.eh_proj.weight": (16, 32), "model.layers.2.enorm.weight": (64,),
+               "model.layers.2.shared_head.norm.weight": (64,)},
+        config={
+            "model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 32, "moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "n_group": 1, "topk_group": 1, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True, "first_k_dense_replace": 1, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "partial_rotary_factor": 0.5,
+            "use_qk_norm": True, "attention_bias": True, "rms_norm_eps": 1e-5, "vocab_size": 512,
+            "max_position_embeddings": 131072, "rope_theta": 1000000.0, "rope_scaling": None,
+            "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"},
+        flagsets={"bf16": [], "q4": Q4}),
+    # ERNIE 4.5-MoE: a dense first layer then 4 unstacked experts; the multi-token-prediction block and the
+    # routing-bias statistics (`moe_statics.e_score_correction_bias`) dropped. Tied.
+    "ernie4_5_moe": dict(
+        seed=24,
+        extra={"model.layers.1.mlp.moe_statics.e_score_correction_bias": (1, 4),
+               "model.mtp_block.0.input_layernorm.weight": (64,), "model.mtp_linear_proj.0.weight": (16, 32),
+               "model.mtp_hidden_norm.0.weight": (64,), "model.mtp_emb_norm.0.weight": (64,)},
+        config={
+            "model_type": "ernie4_5_moe", "architectures": ["Ernie4_5_MoeForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 64, "moe_intermediate_size": 32, "moe_num_experts": 4, "moe_k": 2,
+            "moe_num_shared_experts": 1, "moe_layer_start_index": 1, "moe_layer_interval": 1,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "rms_norm_eps": 1e-5, "vocab_size": 512, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+            "use_bias": False, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+            "torch_dtype": "bfloat16"},
+        flagsets={"q4": Q4}),
+    # MiniCPM: no head in the checkpoint and tie_word_embeddings false: sanitize copies the embedding as lm_head
+    # (quantized as a Linear of its own).
+    "minicpm": dict(
+        seed=25, no_head=True,
+        config={
+            "model_type": "minicpm", "architectures": ["MiniCPMForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5, "vocab_size": 512, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+            "dim_model_base": 16, "scale_depth": 1.4, "scale_emb": 4.0, "tie_word_embeddings": False,
+            "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"},
+        flagsets={"q4": Q4}),
+    # SmolLM3: llama without RoPE in every 2nd layer, rotary inv_freq buffers to drop, tied.
+    "smollm3": dict(
+        seed=26, inv_freq=True,
+        config={
+            "model_type": "smollm3", "architectures": ["SmolLM3ForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-6, "vocab_size": 512, "max_position_embeddings": 65536, "rope_theta": 5000000.0,
+            "no_rope_layer_interval": 2, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 2,
+            "torch_dtype": "bfloat16"},
+        flagsets={"q4": Q4}),
 }
 
 
@@ -204,30 +465,91 @@ def mlx_shapes(cfg):
     return {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
 
 
+# Mixtures whose hub checkpoints hold one array per expert: `PRE.experts.N.PROJ` for mlx-lm's `PRE.switch_mlp.PROJ`.
+UNSTACKED = ("qwen3_moe", "qwen3_next", "olmoe", "glm4_moe", "ernie4_5_moe", "deepseek_v3")
+
+
+def hf_expert_names(mt, k, s):
+    """A stacked expert array's name(s) and shape(s) in the hub checkpoint, or None where it is not one."""
+    if mt in UNSTACKED + ("lfm2_moe",) and ".switch_mlp." in k:  # [E, out, in] -> E x [out, in]
+        pre, proj = k.split(".switch_mlp.")
+        if mt == "lfm2_moe":
+            proj = {"gate_proj.weight": "w1.weight", "down_proj.weight": "w2.weight",
+                    "up_proj.weight": "w3.weight"}[proj]
+        return {f"{pre}.experts.{e}.{proj}": s[1:] for e in range(s[0])}
+    if mt == "mixtral" and ".block_sparse_moe.switch_mlp." in k:
+        pre, proj = k.split(".block_sparse_moe.switch_mlp.")
+        w = {"gate_proj.weight": "w1", "down_proj.weight": "w2", "up_proj.weight": "w3"}[proj]
+        return {f"{pre}.block_sparse_moe.experts.{e}.{w}.weight": s[1:] for e in range(s[0])}
+    fused = {"qwen3_5_moe": (".switch_mlp.", ".experts.{}"), "gemma4": (".switch_glu.", ".{}"),
+             "gemma4_text": (".switch_glu.", ".{}"), "granitemoe": (".switch_mlp.", ".{}.weight")}
+    if mt in fused and fused[mt][0] in k:  # gate and up fused as [E, 2I, H] (gate rows first)
+        marker, leaf = fused[mt]
+        pre, proj = k.split(marker)
+        names = {"granitemoe": ("input_linear", "output_linear")}.get(mt, ("gate_up_proj", "down_proj"))
+        if proj == "up_proj.weight":
+            return {}
+        if proj == "gate_proj.weight":
+            return {pre + leaf.format(names[0]): (s[0], 2 * s[1], s[2])}
+        return {pre + leaf.format(names[1]): s}
+    if mt == "gpt_oss" and ".mlp.experts." in k:  # MXFP4 blocks and scales, gate and up rows interleaved
+        pre, proj = k.split(".mlp.experts.")
+        p, leaf = proj.split(".")
+        if p == "up_proj":
+            return {}
+        name = f"{pre}.mlp.experts.{'gate_up_proj' if p == 'gate_proj' else p}"
+        rows = 2 * s[1] if p == "gate_proj" else s[1]
+        if leaf == "bias":
+            return {f"{name}_bias": (s[0], rows)}
+        return {f"{name}_blocks": (s[0], rows, s[2] // 32, 16), f"{name}_scales": (s[0], rows, s[2] // 32)}
+    return None
+
+
 def hf_shapes(case, spec):
     """The transformers-layout names and shapes: mlx-lm's run backwards through the model's sanitize."""
     cfg = spec["config"]
     shapes = mlx_shapes(cfg)
     mt = cfg["model_type"]
+    text = cfg.get("text_config", cfg)
     out = {}
     for k, s in shapes.items():
-        if mt == "qwen3_moe" and ".mlp.switch_mlp." in k:  # [E, out, in] -> E x [out, in]
-            pre, proj = k.split(".mlp.switch_mlp.")
-            for e in range(s[0]):
-                out[f"{pre}.mlp.experts.{e}.{proj}"] = s[1:]
-        elif mt == "mixtral" and ".block_sparse_moe.switch_mlp." in k:
-            pre, proj = k.split(".block_sparse_moe.switch_mlp.")
-            w = {"gate_proj.weight": "w1", "down_proj.weight": "w2", "up_proj.weight": "w3"}[proj]
-            for e in range(s[0]):
-                out[f"{pre}.block_sparse_moe.experts.{e}.{w}.weight"] = s[1:]
-        elif mt == "lfm2" and k.endswith("conv.conv.weight"):  # mlx [C, K, 1] -> HF [C, 1, K]
+        # the multimodal wrappers' text model under the hub's `model.language_model.` (gemma3, mistral3: legacy
+        # `language_model.model.`, mlx-lm's own names)
+        if mt in ("qwen3_5", "qwen3_5_moe") and "text_config" in cfg or mt == "gemma4":
+            if k.startswith("language_model.model."):
+                k = "model.language_model." + k[len("language_model.model."):]
+            elif k.startswith("language_model."):
+                k = k[len("language_model."):]
+        experts = hf_expert_names(mt, k, s)
+        if experts is not None:
+            out.update(experts)
+        elif mt in ("lfm2", "lfm2_moe") and k.endswith("conv.conv.weight"):  # mlx [C, K, 1] -> HF [C, 1, K]
             out[k] = (s[0], s[2], s[1])
-        elif mt == "gemma3_text" and k.startswith("lm_head."):  # Gemma 3 checkpoints hold no head
+        elif mt in ("qwen3_next", "qwen3_5", "qwen3_5_moe") and k.endswith("conv1d.weight"):
+            out[k] = (s[0], s[2], s[1])
+        elif mt == "lfm2_moe" and ".feed_forward." in k and k.endswith("_proj.weight"):  # the dense layers' w1/w2/w3
+            w = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}[k.split(".")[-2]]
+            out[k.rsplit(".", 2)[0] + f".{w}.weight"] = s
+        elif mt == "deepseek_v3" and k.endswith(("embed_q.weight", "unembed_out.weight")):
+            if k.endswith("unembed_out.weight"):  # [H, v, rank] + embed_q [H, rank, nope] -> [H * (nope + v), rank]
+                h, v, rank = s
+                out[k.replace("unembed_out", "kv_b_proj")] = (h * (text["qk_nope_head_dim"] + v), rank)
+        elif mt in ("gemma3_text", "gemma3") and k.endswith("lm_head.weight"):  # Gemma 3 checkpoints hold no head
+            continue
+        elif spec.get("no_head") and k == "lm_head.weight":
             continue
         else:
             out[k] = s
-    if mt == "llama":
-        n_layers, hd = cfg["num_hidden_layers"], cfg["head_dim"]
+    if mt == "gemma4_text" and cfg.get("num_kv_shared_layers"):  # the KV-shared layers' own K/V, unused
+        first = cfg["num_hidden_layers"] - cfg["num_kv_shared_layers"]
+        full = mlx_shapes(dict(cfg, num_kv_shared_layers=0))
+        for k, s in full.items():
+            if any(p in k for p in (".self_attn.k_proj", ".self_attn.v_proj", ".self_attn.k_norm")):
+                if int(k.split("layers.")[1].split(".")[0]) >= first:
+                    out[k] = s
+    if mt == "llama" or spec.get("inv_freq"):
+        n_layers = cfg["num_hidden_layers"]
+        hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         for i in range(n_layers):
             out[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = (hd // 2,)
         if spec.get("redundant_head"):  # a tied checkpoint that still holds the head
@@ -250,11 +572,16 @@ def source_values(case, spec):
     for name, shape in sorted(hf_shapes(case, spec).items()):
         if name == "lm_head.weight" and spec.get("redundant_head"):
             continue  # set below
-        if name.endswith("rotary_emb.inv_freq"):
+        if name.endswith("_blocks"):  # MXFP4 codes, two a byte
+            vals[name] = rng.integers(0, 256, shape, dtype=np.uint8)
+        elif name.endswith("_scales"):  # E8M0 exponents around 2^-6
+            vals[name] = rng.integers(119, 124, shape, dtype=np.uint8)
+        elif name.endswith("rotary_emb.inv_freq"):
             d = 2 * shape[0]
             vals[name] = 1.0 / (cfg["rope_theta"] ** (np.arange(0, d, 2, dtype=np.float32) / d))
         elif len(shape) == 1 and "norm" in name:
-            vals[name] = (0.0 if gemma else 1.0) + 0.1 * rng.standard_normal(shape, dtype=np.float32)
+            base = 0.0 if gemma else spec.get("norm_base", 1.0)
+            vals[name] = base + 0.1 * rng.standard_normal(shape, dtype=np.float32)
         else:
             vals[name] = 0.02 * rng.standard_normal(shape, dtype=np.float32)
     if spec.get("redundant_head"):
@@ -262,12 +589,17 @@ def source_values(case, spec):
     return vals
 
 
-def write_safetensors(path, tensors, dtype):
+def write_safetensors(path, tensors, dtype, f32=()):
+    """`f32`: name suffixes stored float32 whatever `dtype` is (A_log, routing biases)."""
     keep, specs = [], {}
     for name, v in tensors.items():
-        a = to_bf16_bits(v) if dtype == "bfloat16" else np.ascontiguousarray(v, dtype=np.float32)
+        dt = "float32" if name.endswith(tuple(f32)) else dtype
+        if v.dtype == np.uint8:
+            dt, a = "uint8", np.ascontiguousarray(v)
+        else:
+            a = to_bf16_bits(v) if dt == "bfloat16" else np.ascontiguousarray(v, dtype=np.float32)
         keep.append(a)
-        specs[name] = TensorSpec(dtype=dtype, shape=a.shape, data_ptr=a.ctypes.data, data_len=a.nbytes)
+        specs[name] = TensorSpec(dtype=dt, shape=a.shape, data_ptr=a.ctypes.data, data_len=a.nbytes)
     serialize_file(specs, str(path), metadata={"format": "pt"})
     path.chmod(0o644)  # serialize_file creates 0600
     return sum(a.nbytes for a in keep)
@@ -287,7 +619,7 @@ def make_source(case, spec, src):
     vals = source_values(case, spec)
     dtype = spec.get("dtype", "bfloat16")
     if spec.get("shards", 1) == 1:
-        write_safetensors(src / "model.safetensors", vals, dtype)
+        write_safetensors(src / "model.safetensors", vals, dtype, spec.get("f32", ()))
         return
     # two shards, transformers style: embedding and layer 0 first, the rest second
     second = lambda k: k.startswith(("model.norm", "lm_head")) or ".layers.1." in k
@@ -401,20 +733,24 @@ def main():
 README = """# `oxlm convert` goldens
 
 Each `<case>/source/` is a tiny seeded random checkpoint in the Hugging Face (transformers) layout, as downloaded
-from the hub before mlx-lm's `sanitize` (unstacked MoE experts, rotary `inv_freq` buffers, a redundant tied
-`lm_head`, LFM2's `[C, 1, K]` conv weights, Mistral 3's `language_model.` prefix and vision tensors, bf16 with
-`torch_dtype`; `llama` in two shards, `float32-source` in f32). Each `<case>/expected/<flagset>.json` records what
-`mlx_lm convert --hf-path <case>/source --mlx-path OUT <args>` (mlx-lm 0.32.2, mlx 0.32.4) wrote: the args, the
-config.json and model.safetensors.index.json (parsed), the file names, the sha256 of the non-weight files, and per
-tensor its dtype, shape and the sha256 of its bytes. `dequantize-q4` converted the `q4` output with `-d`
-(`"source": "q4"`). The converted checkpoints themselves are not kept.
+from the hub before mlx-lm's `sanitize` (unstacked or fused MoE experts, rotary `inv_freq` buffers, a redundant tied
+`lm_head`, `[C, 1, K]` conv weights, Qwen3-Next's and Qwen3.5's norms as offsets from 1, DeepSeek's `kv_b_proj`,
+gpt-oss's MXFP4 expert blocks, the multimodal wrappers' prefixes and vision / audio / multi-token-prediction
+tensors, bf16 with `torch_dtype`; `llama` in two shards, `float32-source` in f32). Each
+`<case>/expected/<flagset>.json` records what `mlx_lm convert --hf-path <case>/source --mlx-path OUT <args>` (mlx-lm
+0.32.2, mlx 0.32.4) wrote: the args, the config.json and model.safetensors.index.json (parsed), the file names, the
+sha256 of the non-weight files, and per tensor its dtype, shape and the sha256 of its bytes. `dequantize-q4`
+converted the `q4` output with `-d` (`"source": "q4"`). The converted checkpoints themselves are not kept.
 
 What mlx-lm does that is easy to miss: `generation_config.json`'s `eos_token_id` replaces config.json's (`llama`);
 `torch_dtype` is left as it was after `--dtype`; `--quant-predicate mixed_*` without `--q-group-size` writes
 per-module entries with `"group_size": null` (top level: 64 / 4 bits) and replaces the model's own predicate;
-Qwen3-MoE's router entry is `{"group_size": 64, "bits": 8}` (no `mode`); modules whose input width is not a
-multiple of the group size stay unquantized (`llama/q3-g128`, `mixtral/q4`); the index's `total_parameters`
-counts quantized weights unpacked; the tokenizer is re-saved (tokenizer.json re-serialized, tokenizer_config.json
+Qwen3-MoE's router entry is `{"group_size": 64, "bits": 8}` (no `mode`); modules whose input width is not a multiple
+of the group size stay unquantized (`llama/q3-g128`, `mixtral/q4`); the index's `total_parameters` counts quantized
+weights unpacked and leaves out arrays held by modules with submodules (`A_log`, `layer_scalar`); model arguments
+edit the saved config (Gemma 3/4's text_config gets `vocab_size`, Qwen3.5's `rope_parameters.rope_type` becomes
+`type`); gpt-oss's `quantization_config` becomes an mxfp4 `quantization` section, and `-q` on it adds per-module
+entries beside that default; the tokenizer is re-saved (tokenizer.json re-serialized, tokenizer_config.json
 rewritten, chat_template.jinja split out); README.md is a bare model card.
 
 Regenerate (a few seconds, deterministic):

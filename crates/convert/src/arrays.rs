@@ -55,11 +55,7 @@ fn sources<'a>(
     origin: &Origin,
     source: &'a SafetensorsDir,
 ) -> Result<Vec<&'a SourceTensor>, ConvertError> {
-    let names: Vec<&String> = match origin {
-        Origin::Tensor(n) | Origin::SwapLastAxes(n) => vec![n],
-        Origin::RowSlice { name, .. } => vec![name],
-        Origin::Stack(names) => names.iter().collect(),
-    };
+    let names = origin.sources();
     let found: Vec<&SourceTensor> = names
         .iter()
         .map(|n| {
@@ -83,6 +79,14 @@ fn sources<'a>(
     Ok(found)
 }
 
+/// The dtype of the values an origin gives.
+fn dtype_of(origin: &Origin, source: &SafetensorsDir) -> Result<DType, ConvertError> {
+    Ok(match origin {
+        Origin::Words { .. } => DType::U32,
+        _ => sources(origin, source)?[0].dtype,
+    })
+}
+
 /// The shape an origin gives.
 pub fn shape_of(origin: &Origin, source: &SafetensorsDir) -> Result<Vec<usize>, ConvertError> {
     let found = sources(origin, source)?;
@@ -90,7 +94,7 @@ pub fn shape_of(origin: &Origin, source: &SafetensorsDir) -> Result<Vec<usize>, 
     let bad =
         |what: &str| ConvertError::Weights(format!("cannot {what} an array of shape {first:?}"));
     Ok(match origin {
-        Origin::Tensor(_) => first.clone(),
+        Origin::Tensor(_) | Origin::Shifted { .. } => first.clone(),
         Origin::Stack(_) => [vec![found.len()], first.clone()].concat(),
         Origin::SwapLastAxes(_) => match first.as_slice() {
             [lead @ .., a, b] => [lead, &[*b, *a]].concat(),
@@ -100,20 +104,83 @@ pub fn shape_of(origin: &Origin, source: &SafetensorsDir) -> Result<Vec<usize>, 
             [lead @ .., rows, cols] if rows % parts == 0 => [lead, &[rows / parts, *cols]].concat(),
             _ => return Err(bad(&format!("split in {parts}"))),
         },
+        Origin::Strided {
+            axis, start, step, ..
+        } => {
+            let mut shape = first.clone();
+            let at = shape
+                .len()
+                .checked_sub(axis + 1)
+                .ok_or_else(|| bad("stride"))?;
+            shape[at] = shape[at].saturating_sub(*start).div_ceil(*step);
+            shape
+        }
+        Origin::Words { start, step, name } => {
+            match (first.as_slice(), sources(origin, source)?[0].dtype) {
+                ([lead @ .., rows, groups, bytes], DType::U8) if groups * bytes % 4 == 0 => {
+                    let rows = rows.saturating_sub(*start).div_ceil(*step);
+                    [lead, &[rows, groups * bytes / 4]].concat()
+                }
+                _ => {
+                    return Err(ConvertError::Weights(format!(
+                        "`{name}` is not packed blocks of bytes [.., rows, groups, bytes]"
+                    )))
+                }
+            }
+        }
+        Origin::HeadRows {
+            heads,
+            start,
+            rows,
+            transposed,
+            ..
+        } => match first.as_slice() {
+            [all, cols] if all % heads == 0 && start + rows <= all / heads => match transposed {
+                true => vec![*heads, *cols, *rows],
+                false => vec![*heads, *rows, *cols],
+            },
+            _ => return Err(bad(&format!("take {rows} rows per head of {heads} from"))),
+        },
     })
 }
 
-/// An origin's rows (over the last axis), in order: spans of source rows, or rows computed in
-/// memory.
+/// A computation on a block of source rows, giving the same number of output rows.
+type RowMap<'a> = Box<dyn Fn(Vec<u8>) -> Vec<u8> + Sync + 'a>;
+
+/// An origin's rows (over the last axis), in order: spans of source rows (each block of them
+/// passed through `map` when there is one), or rows computed in memory.
 struct Rows<'a> {
     dtype: DType,
     cols: usize,
     spans: Vec<Span<'a>>,
+    map: Option<RowMap<'a>>,
 }
 
 enum Span<'a> {
     File(&'a SourceTensor, Range<usize>),
+    /// Every `step`-th row of the range, in rows of the given bytes.
+    Every {
+        tensor: &'a SourceTensor,
+        rows: Range<usize>,
+        step: usize,
+        row_bytes: usize,
+    },
     Memory(Vec<u8>),
+}
+
+/// `[.., a, b]` element `(j, i)` becomes `[.., b, a]` element `(i, j)`, for each leading index.
+fn swap_last_axes(bytes: &[u8], a: usize, b: usize, size: usize) -> Vec<u8> {
+    let mut swapped = vec![0; bytes.len()];
+    for (m, block) in bytes.chunks_exact(a * b * size).enumerate() {
+        for i in 0..b {
+            for j in 0..a {
+                let from = (j * b + i) * size;
+                let to = m * a * b * size + (i * a + j) * size;
+                swapped[to..to + size].copy_from_slice(&block[from..from + size]);
+            }
+        }
+    }
+    swapped
 }
 
 impl<'a> Rows<'a> {
@@ -122,26 +189,15 @@ impl<'a> Rows<'a> {
         let first = found[0];
         let shape = shape_of(origin, source)?;
         let cols = shape.last().copied().unwrap_or(1);
+        let size = first.dtype.size_in_bytes();
+        let mut map: Option<RowMap> = None;
         let spans = match origin {
             Origin::Tensor(_) | Origin::Stack(_) => {
                 found.iter().map(|t| Span::File(t, 0..t.rows())).collect()
             }
             Origin::SwapLastAxes(_) => {
-                let bytes = first.read()?;
-                let size = first.dtype.size_in_bytes();
                 let (a, b) = (shape[shape.len() - 1], shape[shape.len() - 2]);
-                let mut swapped = vec![0; bytes.len()];
-                for (m, block) in bytes.chunks_exact(a * b * size).enumerate() {
-                    for i in 0..b {
-                        for j in 0..a {
-                            // Source [.., a, b] element (j, i) becomes [.., b, a] element (i, j).
-                            let from = (j * b + i) * size;
-                            let to = m * a * b * size + (i * a + j) * size;
-                            swapped[to..to + size].copy_from_slice(&block[from..from + size]);
-                        }
-                    }
-                }
-                vec![Span::Memory(swapped)]
+                vec![Span::Memory(swap_last_axes(&first.read()?, a, b, size))]
             }
             Origin::RowSlice { part, parts, .. } => {
                 let rows = first.shape[first.shape.len() - 2];
@@ -153,11 +209,104 @@ impl<'a> Rows<'a> {
                     })
                     .collect()
             }
+            Origin::Strided {
+                axis: 1,
+                start,
+                step,
+                ..
+            } => {
+                let rows = first.shape[first.shape.len() - 2];
+                let row_bytes = first.shape[first.shape.len() - 1] * size;
+                (0..first.rows() / rows)
+                    .map(|lead| Span::Every {
+                        tensor: first,
+                        rows: lead * rows + start..(lead + 1) * rows,
+                        step: *step,
+                        row_bytes,
+                    })
+                    .collect()
+            }
+            Origin::Words { start, step, .. } => {
+                let n = first.shape.len();
+                let (rows, row_bytes) =
+                    (first.shape[n - 3], first.shape[n - 2] * first.shape[n - 1]);
+                (0..first.elements() / (rows * row_bytes))
+                    .map(|lead| Span::Every {
+                        tensor: first,
+                        rows: lead * rows + start..(lead + 1) * rows,
+                        step: *step,
+                        row_bytes,
+                    })
+                    .collect()
+            }
+            Origin::Strided {
+                axis: 0,
+                start,
+                step,
+                ..
+            } => {
+                let (start, step, from_cols) =
+                    (*start, *step, first.shape.last().copied().unwrap_or(1));
+                map = Some(Box::new(move |bytes: Vec<u8>| {
+                    let mut out = Vec::with_capacity(bytes.len() / step);
+                    for row in bytes.chunks_exact(from_cols * size) {
+                        for c in (start..from_cols).step_by(step) {
+                            out.extend_from_slice(&row[c * size..(c + 1) * size]);
+                        }
+                    }
+                    out
+                }));
+                vec![Span::File(first, 0..first.rows())]
+            }
+            Origin::Strided { axis, .. } => {
+                return Err(ConvertError::Weights(format!(
+                    "striding axis {axis} from the end is not implemented"
+                )))
+            }
+            Origin::Shifted { name, by } => {
+                let (dtype, by) = (first.dtype, *by);
+                if !float(dtype) {
+                    return Err(ConvertError::Weights(format!(
+                        "`{name}` is {dtype}, not floats: it cannot be shifted"
+                    )));
+                }
+                // mlx-lm adds in the array's own dtype: each sum rounded to it.
+                map = Some(Box::new(move |bytes: Vec<u8>| {
+                    let values: Vec<f32> = to_f32(dtype, &bytes)
+                        .into_iter()
+                        .map(|v| round_to(dtype, v + by))
+                        .collect();
+                    float_bytes(dtype, &values)
+                }));
+                vec![Span::File(first, 0..first.rows())]
+            }
+            Origin::HeadRows {
+                heads,
+                start,
+                rows,
+                transposed,
+                ..
+            } => {
+                let per_head = first.shape[0] / heads;
+                let head_rows = |h: usize| h * per_head + start..h * per_head + start + rows;
+                match transposed {
+                    false => (0..*heads)
+                        .map(|h| Span::File(first, head_rows(h)))
+                        .collect(),
+                    true => (0..*heads)
+                        .map(|h| {
+                            let bytes = first.read_rows(head_rows(h))?;
+                            Ok(Span::Memory(swap_last_axes(&bytes, cols, *rows, size)))
+                        })
+                        .collect::<Result<_, ConvertError>>()?,
+                }
+            }
         };
         Ok(Rows {
-            dtype: first.dtype,
+            dtype: dtype_of(origin, source)?,
             cols,
             spans,
+            map,
         })
     }
 
@@ -168,6 +317,10 @@ impl<'a> Rows<'a> {
     ) -> Result<(), ConvertError> {
         let row_bytes = self.cols * self.dtype.size_in_bytes();
         let block_rows = (BLOCK_BYTES / row_bytes.max(1)).max(1);
+        let mapped = |bytes: Vec<u8>| match &self.map {
+            Some(map) => map(bytes),
+            None => bytes,
+        };
         let mut row = 0;
         for span in &self.spans {
             match span {
@@ -180,9 +333,30 @@ impl<'a> Rows<'a> {
                     let mut start = range.start;
                     while start < range.end {
                         let end = (start + block_rows).min(range.end);
-                        f(row, &tensor.read_rows(start..end)?, end - start)?;
+                        f(row, &mapped(tensor.read_rows(start..end)?), end - start)?;
                         row += end - start;
                         start = end;
+                    }
+                }
+                Span::Every {
+                    tensor,
+                    rows,
+                    step,
+                    row_bytes: source_row,
+                } => {
+                    let source_row = *source_row;
+                    let picked: Vec<usize> = rows.clone().step_by(*step).collect();
+                    for block in picked.chunks(block_rows) {
+                        let (first, last) = (block[0], block[block.len() - 1]);
+                        let read =
+                            tensor.read_bytes(first * source_row..(last + 1) * source_row)?;
+                        let mut bytes = Vec::with_capacity(block.len() * source_row);
+                        for r in block {
+                            let at = (r - first) * source_row;
+                            bytes.extend_from_slice(&read[at..at + source_row]);
+                        }
+                        f(row, &mapped(bytes), block.len())?;
+                        row += block.len();
                     }
                 }
             }
@@ -215,7 +389,7 @@ impl Job {
                 origin,
                 dtype,
             } => {
-                let from = sources(origin, source)?[0].dtype;
+                let from = dtype_of(origin, source)?;
                 let dtype = dtype.filter(|_| float(from)).unwrap_or(from);
                 let shape = shape_of(origin, source)?;
                 out.insert(name.clone(), PlannedTensor { dtype, shape });
@@ -226,7 +400,7 @@ impl Job {
                 spec,
                 dtype,
             } => {
-                let from = sources(origin, source)?[0].dtype;
+                let from = dtype_of(origin, source)?;
                 if !float(from) {
                     return Err(ConvertError::Weights(format!(
                         "`{prefix}.weight` is {from}, not floats: it cannot be quantized"

@@ -27,7 +27,7 @@ use oxlm_models::save::{
     copy_file, sorted_keys, write_json, SaveError, StagedDir, COMPANION_FILES, MAX_SHARD_BYTES,
 };
 use oxlm_models::LoadError;
-use serde_json::Value;
+use serde_json::{json, Value};
 use thiserror::Error;
 
 use crate::arrays::{Job, Progress};
@@ -126,15 +126,16 @@ pub fn convert(
     let source = SafetensorsDir::open(src)?;
     let mut config = source.config.clone();
     merge_generation_eos(src, &mut config)?;
+    model_args_edits(&mut config);
+    legacy_quantization(&mut config);
     let source_quantization = Quantization::from_config(&Config::from_value(config.clone())?)?;
-    let origins = sanitize::sanitize(&config, source.tensors.keys().cloned())?;
+    let shapes = source
+        .tensors
+        .iter()
+        .map(|(name, t)| (name.clone(), t.shape.clone()))
+        .collect();
+    let origins = sanitize::sanitize(&config, &shapes)?;
     let quantized_source = |prefix: &str| origins.contains_key(&format!("{prefix}.scales"));
-    if options.quantize.is_some() && origins.keys().any(|n| n.ends_with(".scales")) {
-        return Err(ConvertError::Options(format!(
-            "{} is already quantized: convert it with -d first, or start from the unquantized model",
-            src.display()
-        )));
-    }
     let dtype = options.dtype.or_else(|| config_dtype(&config));
     let model_type = config["model_type"]
         .as_str()
@@ -146,14 +147,26 @@ pub fn convert(
         .keys()
         .filter_map(|n| n.strip_suffix(".weight"))
         .collect();
+    // Qwen3.5's quant_predicate is its MoE variant's when it has experts, else none.
+    let predicate_type = match model_type.as_str() {
+        "qwen3_5" if text_config["num_experts"].as_u64().unwrap_or(0) > 0 => "qwen3_5_moe",
+        other => other,
+    };
     let plan = options
         .quantize
-        .map(|request| QuantPlan::new(request, &model_type, &module_paths, layers))
+        .map(|request| QuantPlan::new(request, predicate_type, &module_paths, layers))
         .transpose()?;
 
     // Every output array, planned before any is computed.
     let mut jobs = Vec::new();
-    let mut section = plan.as_ref().map(QuantPlan::default_section);
+    // A model quantized already keeps its section; each module -q quantizes now gets its own
+    // entry (mlx-lm's "fine-grained" config).
+    let already_quantized = config.get("quantization").and_then(Value::as_object);
+    let fine_grained = already_quantized.is_some();
+    let mut section = plan.as_ref().map(|plan| match already_quantized {
+        Some(section) => section.clone(),
+        None => plan.default_section(),
+    });
     for (name, origin) in &origins {
         let shape = arrays::shape_of(origin, &source)?;
         let prefix = name.strip_suffix(".weight");
@@ -179,11 +192,24 @@ pub fn convert(
         if dequantized_part && options.dequantize {
             continue;
         }
-        let choice = plan.as_ref().and_then(|p| p.choose(name, &shape));
+        let float_weight = !prefix.is_some_and(quantized_source);
+        let choice = plan
+            .as_ref()
+            .filter(|_| float_weight)
+            .and_then(|p| p.choose(name, &shape));
         match choice {
             Some(choice) => {
                 let prefix = prefix.expect("only weights are quantized");
-                if let (Some(section), Some(entry)) = (section.as_mut(), choice.config_entry) {
+                let entry = match (choice.config_entry, fine_grained) {
+                    (Some(entry), _) => Some(entry),
+                    (None, true) => Some(json!({
+                        "group_size": choice.spec.group_size,
+                        "bits": choice.spec.bits,
+                        "mode": choice.spec.mode.name(),
+                    })),
+                    (None, false) => None,
+                };
+                if let (Some(section), Some(entry)) = (section.as_mut(), entry) {
                     section.insert(prefix.to_string(), entry);
                 }
                 jobs.push(Job::Quantize {
@@ -196,11 +222,18 @@ pub fn convert(
             None => jobs.push(Job::Dense {
                 name: name.clone(),
                 origin: origin.clone(),
-                dtype: dtype.filter(|_| keeps_cast(name)),
+                dtype: dtype.filter(|_| casts(&model_type, name)),
             }),
         }
     }
 
+    let quantizes = jobs.iter().any(|j| matches!(j, Job::Quantize { .. }));
+    if options.quantize.is_some() && fine_grained && !quantizes {
+        return Err(ConvertError::Options(format!(
+            "{} is already quantized: convert it with -d first, or start from the unquantized model",
+            src.display()
+        )));
+    }
     let mut planned = BTreeMap::new();
     for job in &jobs {
         planned.extend(job.outputs(&source)?);
@@ -324,6 +357,64 @@ fn merge_generation_eos(src: &Path, config: &mut Value) -> Result<(), ConvertErr
     Ok(())
 }
 
+/// What mlx-lm's model arguments change in the config dict they are built from (and that
+/// convert then saves): the multimodal Gemmas' text_config gets the top-level vocabulary size
+/// and head-count defaults, Qwen3.5's `rope_parameters.rope_type` becomes `type`.
+fn model_args_edits(config: &mut Value) {
+    let model_type = config["model_type"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    match model_type.as_str() {
+        "gemma3" | "gemma4" => {
+            let (vocab, kv_heads) = match model_type.as_str() {
+                "gemma3" => (262208, 4),
+                _ => (262144, 1),
+            };
+            let vocab = config.get("vocab_size").cloned().unwrap_or(vocab.into());
+            let Some(text) = config.get_mut("text_config").and_then(Value::as_object_mut) else {
+                return;
+            };
+            text.insert("vocab_size".into(), vocab);
+            text.entry("num_attention_heads").or_insert(8.into());
+            text.entry("num_key_value_heads").or_insert(kv_heads.into());
+        }
+        "qwen3_5" | "qwen3_5_moe" => {
+            let text = match config.get("text_config").is_some() {
+                true => &mut config["text_config"],
+                false => config,
+            };
+            let Some(rope) = text
+                .get_mut("rope_parameters")
+                .and_then(Value::as_object_mut)
+            else {
+                return;
+            };
+            if !rope.is_empty() && !rope.contains_key("type") {
+                if let Some(kind) = rope.remove("rope_type") {
+                    rope.insert("type".into(), kind);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// mlx-lm's reading of a Hugging Face `quantization_config` it knows: OpenAI's MXFP4 (gpt-oss's
+/// experts) becomes a `quantization` section, which replaces `quantization_config` too.
+fn legacy_quantization(config: &mut Value) {
+    if config.get("quantization").is_some() {
+        return;
+    }
+    if config["quantization_config"]["quant_method"].as_str() == Some("mxfp4") {
+        let section = json!({"group_size": 32, "bits": 4, "mode": "mxfp4"});
+        if let Some(map) = config.as_object_mut() {
+            map.insert("quantization".into(), section.clone());
+            map.insert("quantization_config".into(), section);
+        }
+    }
+}
+
 /// The dtype mlx-lm casts to when `--dtype` is not given: the config's `torch_dtype`, else its
 /// `text_config.dtype`, when it is one of the three float types.
 fn config_dtype(config: &Value) -> Option<DType> {
@@ -338,18 +429,24 @@ fn config_dtype(config: &Value) -> Option<DType> {
     }
 }
 
-/// Whether the cast to `--dtype` applies: a mixture's routing bias stays as the checkpoint has
-/// it (the models' `cast_predicate`).
-fn keeps_cast(name: &str) -> bool {
-    !name.contains("e_score_correction_bias") && !name.contains("expert_bias")
+/// Whether the cast to `--dtype` applies to `name` (the models' `cast_predicate`): a mixture's
+/// routing bias and Qwen3.5's `A_log` stay as the checkpoint has them.
+fn casts(model_type: &str, name: &str) -> bool {
+    match model_type {
+        "deepseek_v3" | "kimi_k2" | "glm4_moe" => !name.contains("e_score_correction_bias"),
+        "lfm2_moe" => !name.contains("expert_bias"),
+        "qwen3_5" | "qwen3_5_moe" => !name.ends_with("A_log"),
+        _ => true,
+    }
 }
 
 fn quantized_origins(origins: &BTreeMap<String, Origin>, prefix: &str) -> [Option<Origin>; 3] {
     ["weight", "scales", "biases"].map(|leaf| origins.get(&format!("{prefix}.{leaf}")).cloned())
 }
 
-/// mlx-lm's `get_total_parameters`: a quantized weight counts as its unpacked elements, its
-/// scales and biases not at all.
+/// mlx-lm's `get_total_parameters`: the arrays of leaf modules only (not those a module with
+/// submodules holds itself, such as Qwen3-Next's `A_log` or Gemma 4's `layer_scalar`); a
+/// quantized weight counts as its unpacked elements, its scales and biases not at all.
 fn parameter_count(
     planned: &BTreeMap<String, PlannedTensor>,
     jobs: &[Job],
@@ -361,8 +458,19 @@ fn parameter_count(
             specs.insert(prefix, *spec);
         }
     }
+    // Every module that has a submodule holding arrays.
+    let mut parents = std::collections::BTreeSet::new();
+    for name in planned.keys() {
+        let module = name.rsplit_once('.').map_or("", |(m, _)| m);
+        let mut ancestor = module;
+        while let Some((up, _)) = ancestor.rsplit_once('.') {
+            parents.insert(up);
+            ancestor = up;
+        }
+    }
     planned
         .iter()
+        .filter(|(name, _)| !parents.contains(name.rsplit_once('.').map_or("", |(m, _)| m)))
         .map(|(name, t)| {
             let elements: usize = t.shape.iter().product();
             let (prefix, leaf) = name.rsplit_once('.').unwrap_or(("", name));

@@ -76,6 +76,7 @@ pub struct QuantPlan {
     requested_group_size: Option<usize>,
     recipe: Option<(Recipe, MixedLayers)>,
     model_predicate: fn(&str) -> bool,
+    not_linear: fn(&str) -> bool,
 }
 
 /// Where the layer index sits in a module path, and how many layers there are.
@@ -157,6 +158,7 @@ impl QuantPlan {
             requested_group_size: request.group_size,
             recipe,
             model_predicate: model_predicate(model_type),
+            not_linear: not_linear(model_type),
         })
     }
 
@@ -170,11 +172,11 @@ impl QuantPlan {
     /// How the weight `name` of `shape` is quantized, or `None` where it stays as it is.
     pub fn choose(&self, name: &str, shape: &[usize]) -> Option<Choice> {
         let path = name.strip_suffix(".weight")?;
-        let switch = path.contains("switch_mlp");
-        // Linear and embedding weights are matrices; a mixture's experts are stacks of them.
+        // Linear and embedding weights are matrices (but for a few modules of other kinds); a
+        // mixture's experts and DeepSeek's per-head `MultiLinear`s are stacks of them.
         let quantizable = match shape.len() {
-            2 => true,
-            3 => switch,
+            2 => !(self.not_linear)(path),
+            3 => STACKED_LINEARS.iter().any(|s| path.contains(s)),
             _ => false,
         };
         let cols = *shape.last()?;
@@ -232,10 +234,35 @@ impl QuantPlan {
     }
 }
 
-/// The modules an architecture's own `quant_predicate` keeps at 8 bits.
+/// Where the 3-D weights that `to_quantized` takes live: `SwitchLinear` (a mixture's experts:
+/// `switch_mlp`, Gemma 4's `switch_glu`, gpt-oss's `mlp.experts`) and `MultiLinear`.
+const STACKED_LINEARS: [&str; 5] = [
+    "switch_mlp",
+    "switch_glu",
+    "mlp.experts.",
+    "embed_q",
+    "unembed_out",
+];
+
+/// The matrices of modules without `to_quantized`: DeepSeek's and GLM's `MoEGate` router.
+fn not_linear(model_type: &str) -> fn(&str) -> bool {
+    match model_type {
+        "deepseek_v3" | "kimi_k2" | "glm4_moe" => |p| p.ends_with("mlp.gate"),
+        _ => |_| false,
+    }
+}
+
+/// The modules an architecture's own `quant_predicate` keeps at 8 bits (for `qwen3_5`, only
+/// when it has experts: the caller passes `qwen3_5_moe` then).
 fn model_predicate(model_type: &str) -> fn(&str) -> bool {
     match model_type {
         "qwen3_moe" => |p| p.ends_with("mlp.gate"),
+        "qwen3_next" | "qwen3_5_moe" => {
+            |p| p.ends_with("mlp.gate") || p.ends_with("shared_expert_gate")
+        }
+        "lfm2_moe" => |p| p.ends_with("feed_forward.gate"),
+        "gemma4" | "gemma4_text" => |p| p.ends_with("router.proj"),
+        "gpt_oss" => |p| p.ends_with("router"),
         "granite" => {
             |p| p.ends_with("self_attn.o_proj") || p.ends_with("mlp.down_proj") || p == "lm_head"
         }

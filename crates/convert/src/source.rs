@@ -37,8 +37,13 @@ impl SourceTensor {
     /// The tensor's rows `rows` (over its last axis), as stored.
     pub fn read_rows(&self, rows: std::ops::Range<usize>) -> Result<Vec<u8>, ConvertError> {
         let row_bytes = self.shape.last().copied().unwrap_or(1) * self.dtype.size_in_bytes();
-        let mut out = vec![0; rows.len() * row_bytes];
-        let at = self.offset + (rows.start * row_bytes) as u64;
+        self.read_bytes(rows.start * row_bytes..rows.end * row_bytes)
+    }
+
+    /// The bytes `bytes` of the tensor's data, as stored.
+    pub fn read_bytes(&self, bytes: std::ops::Range<usize>) -> Result<Vec<u8>, ConvertError> {
+        let mut out = vec![0; bytes.len()];
+        let at = self.offset + bytes.start as u64;
         self.file
             .read_exact_at(&mut out, at)
             .map_err(|source| ConvertError::Io {

@@ -684,19 +684,23 @@ impl Block {
     }
 }
 
+/// The modules of a `gemma4` checkpoint besides its language model (vision and audio towers and
+/// their embedders), which mlx-lm's text model drops.
+pub const NON_TEXT_MODULES: [&str; 6] = [
+    "vision_tower",
+    "multi_modal_projector",
+    "audio_tower",
+    "embed_audio",
+    "embed_vision",
+    "vision_embedder",
+];
+
 impl Gemma4 {
     pub fn load(mut ckpt: Checkpoint) -> Result<Self, LoadError> {
         let model_type = ckpt.config.model_type()?.to_string();
         let (args, prefix) = if model_type == "gemma4" {
             // As `gemma4.py`'s `sanitize`: only the language model is kept.
-            let towers = [
-                "vision_tower",
-                "multi_modal_projector",
-                "audio_tower",
-                "embed_audio",
-                "embed_vision",
-                "vision_embedder",
-            ];
+            let towers = NON_TEXT_MODULES;
             ckpt.discard_where(|name| {
                 let name = name.strip_prefix("model.").unwrap_or(name);
                 towers.iter().any(|t| name.starts_with(t))
