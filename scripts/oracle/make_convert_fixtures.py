@@ -80,6 +80,7 @@ CASES = {
         flagsets={"bf16": [], "q4": Q4, "q8-g32": ["-q", "--q-bits", "8", "--q-group-size", "32"],
                   "q3-g128": ["-q", "--q-bits", "3", "--q-group-size", "128"],
                   "mixed_3_6": ["-q", "--quant-predicate", "mixed_3_6"],
+                  "mixed_2_6-g32": ["-q", "--quant-predicate", "mixed_2_6", "--q-group-size", "32"],
                   "mxfp4": ["-q", "--q-mode", "mxfp4"], "nvfp4": ["-q", "--q-mode", "nvfp4"],
                   "mxfp8": ["-q", "--q-mode", "mxfp8"], "f16": ["--dtype", "float16"],
                   "f32": ["--dtype", "float32"], "dequantize-q4": DEQ}),
@@ -106,7 +107,8 @@ CASES = {
             "attention_bias": False, "attention_dropout": 0.0, "sliding_window": None, "use_sliding_window": False,
             "max_window_layers": 2, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 2,
             "torch_dtype": "bfloat16", "use_cache": True},
-        flagsets={"q4": Q4, "mixed_4_6": ["-q", "--quant-predicate", "mixed_4_6"]}),
+        flagsets={"q4": Q4, "mixed_4_6": ["-q", "--quant-predicate", "mixed_4_6"],
+                  "mixed_3_4": ["-q", "--quant-predicate", "mixed_3_4"]}),
     # Qwen3-MoE: layer 0 a mixture of 4 unstacked experts (moe_intermediate 64) behind the `mlp.gate` router (the
     # model's quant_predicate: 8 bits), layer 1 dense through `mlp_only_layers`; tied to stay small.
     "qwen3_moe": dict(
