@@ -2,16 +2,18 @@
 
 use std::io::{Read, Write};
 use std::ops::ControlFlow;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
-use oxlm_models::lora::{AdaptedModel, Adapters};
+use anyhow::{bail, Context, Result};
+use oxlm_models::lora::AdaptedModel;
 use oxlm_models::LanguageModel;
 use oxlm_runtime::constraint::Grammar;
 use oxlm_runtime::generate::{
-    generate_stream, peak_memory_bytes, Event, StreamOptions, DEFAULT_PREFILL_STEP,
+    generate_stream, generate_stream_after_cache, peak_memory_bytes, Event, StreamOptions,
+    DEFAULT_PREFILL_STEP,
 };
 use oxlm_runtime::hub::resolve_model;
+use oxlm_runtime::prompt_cache_file::{prompt_after_cache, PromptCacheFile};
 use oxlm_runtime::sampler::SamplerConfig;
 use oxlm_runtime::{GenerateOptions, LoadedModel};
 use serde_json::{json, Map, Value};
@@ -20,8 +22,9 @@ use serde_json::{json, Map, Value};
 pub struct Args {
     /// The MLX model (config.json, *.safetensors, tokenizer files): a local directory, or a
     /// Hugging Face repo id (org/name or org/name@revision) fetched into the Hugging Face cache.
-    #[arg(long)]
-    model: PathBuf,
+    /// With --prompt-cache-file, the model the file names unless given (and then the same).
+    #[arg(long, required_unless_present = "prompt_cache_file")]
+    model: Option<PathBuf>,
     /// The message to send; `-` reads it from standard input.
     #[arg(long, short = 'p', default_value = "hello")]
     prompt: String,
@@ -77,6 +80,10 @@ pub struct Args {
     /// Constrain the whole output to match this regular expression.
     #[arg(long, group = "structure")]
     regex: Option<String>,
+    /// A prompt cache (from `oxlm cache-prompt` or `mlx_lm.cache_prompt`) to continue from:
+    /// the prompt follows the cached one (with a chat template, as more of its message).
+    #[arg(long)]
+    prompt_cache_file: Option<PathBuf>,
 }
 
 impl Args {
@@ -97,20 +104,58 @@ impl Args {
     }
 }
 
+/// The model a prompt cache was made with, as `mlx_lm generate` takes it: the file's unless
+/// `--model` is given, and then it must be the same (the same text, or the same directory).
+fn cached_model(given: Option<&Path>, file: &PromptCacheFile) -> Result<PathBuf> {
+    let cached = file.model().map(PathBuf::from);
+    match (given, cached) {
+        (Some(given), Some(cached)) => {
+            let same_dir = given
+                .canonicalize()
+                .ok()
+                .is_some_and(|g| cached.canonicalize().ok() == Some(g));
+            if given != cached && !same_dir {
+                bail!(
+                    "Providing a different model ({}) than that used to create the prompt \
+                     cache ({}) is an error.",
+                    given.display(),
+                    cached.display()
+                );
+            }
+            Ok(given.to_path_buf())
+        }
+        (Some(given), None) => Ok(given.to_path_buf()),
+        (None, Some(cached)) => Ok(cached),
+        (None, None) => bail!("{} names no model: pass --model", file.path().display()),
+    }
+}
+
 pub fn run(args: Args) -> Result<()> {
     if let Some(threads) = args.threads {
         oxlm_engine::cpu::pool::set_threads(threads);
     }
-    let loaded = LoadedModel::load_on(&resolve_model(&args.model)?, &args.device)
-        .with_context(|| format!("loading {}", args.model.display()))?;
-    let adapters = args
-        .adapter_path
+    // Read first, as mlx-lm reads it: it names the model.
+    let cache_file = args
+        .prompt_cache_file
         .as_deref()
-        .map(|dir| {
-            Adapters::load(dir, loaded.model.as_ref())
-                .with_context(|| format!("loading adapters from {}", dir.display()))
-        })
+        .map(PromptCacheFile::load)
         .transpose()?;
+    let model_path = match &cache_file {
+        Some(file) => cached_model(args.model.as_deref(), file)?,
+        None => args.model.clone().context("--model is required")?,
+    };
+    let mut loaded = LoadedModel::load_on(&resolve_model(&model_path)?, &args.device)
+        .with_context(|| format!("loading {}", model_path.display()))?;
+    if let Some(file) = &cache_file {
+        // The cache's `--eos-token` ends generation too, as mlx-lm's tokenizer takes it.
+        if let Some(Value::String(eos)) = file.tokenizer_config()?.get("eos_token") {
+            let id = loaded.tokenizer.token_to_id(eos).with_context(|| {
+                format!("the prompt cache's eos_token `{eos}` is not a token of this tokenizer")
+            })?;
+            loaded.eos_ids.insert(id);
+        }
+    }
+    let adapters = crate::load_adapters(args.adapter_path.as_deref(), loaded.model.as_ref())?;
     let adapted = adapters
         .as_ref()
         .map(|a| AdaptedModel::new(loaded.model.as_ref(), a))
@@ -139,7 +184,11 @@ pub fn run(args: Args) -> Result<()> {
                 messages.push(json!({"role": "system", "content": system}));
             }
             messages.push(json!({"role": "user", "content": prompt}));
-            let text = template.render(&Value::Array(messages), None, true, &extra)?;
+            let text = match &cache_file {
+                // The cached prompt holds the message's start; this is the rest of it on.
+                Some(_) => prompt_after_cache(template, &messages, &extra)?,
+                None => template.render(&Value::Array(messages), None, true, &extra)?,
+            };
             loaded.tokenizer.encode(&text, false)?
         }
         None => loaded.tokenizer.encode(&prompt, true)?,
@@ -165,30 +214,45 @@ pub fn run(args: Args) -> Result<()> {
         prefill_step: args.prefill_step_size,
         kv_cache: args.kv_cache,
     };
+    let mut cache = options.new_cache(model)?;
+    if let Some(file) = &cache_file {
+        // Before the report starts: a file that does not fit the model is refused here.
+        file.restore(&mut cache)?;
+    }
     let mut out = std::io::stdout().lock();
     writeln!(out, "==========")?;
     // A failed write (a closed pipe) stops the generation and is reported after it.
     let mut written = Ok(());
-    let mut cache = options.new_cache(model)?;
-    let generation = generate_stream(
-        model,
-        &loaded.tokenizer,
-        &ids,
-        &mut cache,
-        &loaded.eos_ids,
-        &options,
-        &stream,
-        &mut |event| {
-            let (Event::Token { text, .. } | Event::Text(text)) = event else {
-                return ControlFlow::Continue(());
-            };
-            written = out.write_all(text.as_bytes()).and_then(|()| out.flush());
-            match written {
-                Ok(()) => ControlFlow::Continue(()),
-                Err(_) => ControlFlow::Break(()),
-            }
-        },
-    )?;
+    let mut on_event = |event: Event| {
+        let (Event::Token { text, .. } | Event::Text(text)) = event else {
+            return ControlFlow::Continue(());
+        };
+        written = out.write_all(text.as_bytes()).and_then(|()| out.flush());
+        match written {
+            Ok(()) => ControlFlow::Continue(()),
+            Err(_) => ControlFlow::Break(()),
+        }
+    };
+    let (tokenizer, eos_ids) = (&loaded.tokenizer, &loaded.eos_ids);
+    let generation = match &cache_file {
+        Some(_) => {
+            let (prompt, cache) = (&ids, &mut cache);
+            let event = &mut on_event;
+            generate_stream_after_cache(
+                model, tokenizer, prompt, cache, eos_ids, &options, &stream, event,
+            )?
+        }
+        None => generate_stream(
+            model,
+            tokenizer,
+            &ids,
+            &mut cache,
+            eos_ids,
+            &options,
+            &stream,
+            &mut on_event,
+        )?,
+    };
     written?;
     writeln!(out)?;
     writeln!(out, "==========")?;

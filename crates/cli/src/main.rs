@@ -7,6 +7,7 @@ macro_rules! say {
 }
 
 mod bench;
+mod cache_prompt;
 mod convert;
 mod embed;
 mod fuse;
@@ -33,6 +34,9 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt, as `mlx_lm.generate` does.
     Generate(generate::Args),
+    /// Save the model's state after a prompt to a file, as `mlx_lm.cache_prompt` does, for
+    /// `generate --prompt-cache-file` to continue from.
+    CachePrompt(cache_prompt::Args),
     /// Convert a Hugging Face model to MLX format (optionally quantized), as `mlx_lm.convert`
     /// does.
     Convert(convert::Args),
@@ -102,6 +106,19 @@ fn parse_probability(spec: &str) -> Result<f32, String> {
     }
 }
 
+/// The LoRA adapters of `dir` for `model`, when given.
+fn load_adapters(
+    dir: Option<&std::path::Path>,
+    model: &dyn oxlm_models::LanguageModel,
+) -> anyhow::Result<Option<oxlm_models::lora::Adapters>> {
+    use anyhow::Context;
+    dir.map(|dir| {
+        oxlm_models::lora::Adapters::load(dir, model)
+            .with_context(|| format!("loading adapters from {}", dir.display()))
+    })
+    .transpose()
+}
+
 /// On SIGINT or SIGTERM, removes the weight files still being written, then ends the process as
 /// the signal would have. Left to the signal alone, the process would end at once and leave a
 /// temporary file as large as the model behind.
@@ -165,6 +182,7 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
+        Command::CachePrompt(args) => cache_prompt::run(args),
         Command::Convert(args) => convert::run(args),
         Command::Fuse(args) => fuse::run(args),
         Command::Lora(args) => lora::run(args),

@@ -97,6 +97,69 @@ impl KvRings {
         self.keys.size_in_bytes() + self.values.size_in_bytes()
     }
 
+    pub(crate) fn precision(&self) -> KvPrecision {
+        self.keys.precision()
+    }
+
+    /// `[kv_heads, slots, head_dim]` keys and values read from rings of `capacity` slots: for
+    /// each slot the position it names (in ring slot `p % capacity`), zeros where it names none.
+    pub(crate) fn gather(
+        &self,
+        (kv_heads, head_dim): (usize, usize),
+        capacity: usize,
+        slots: &[Option<usize>],
+    ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+        let (h, d, n) = (kv_heads, head_dim, slots.len());
+        let pick = |ring: &KvRing| -> Result<Vec<f32>, EngineError> {
+            let ring = ring.to_vec()?;
+            let mut out = vec![0.0; h * n * d];
+            for head in 0..h {
+                for (s, p) in slots.iter().enumerate() {
+                    if let Some(p) = p {
+                        let from = (head * capacity + p % capacity) * d;
+                        let to = (head * n + s) * d;
+                        out[to..to + d].copy_from_slice(&ring[from..from + d]);
+                    }
+                }
+            }
+            Ok(out)
+        };
+        Ok((pick(&self.keys)?, pick(&self.values)?))
+    }
+
+    /// New rings of `capacity` slots, in this precision on this device, holding `keys` and
+    /// `values` (`[kv_heads, n, head_dim]`) as positions `first..first + n`.
+    pub(crate) fn restore(
+        &mut self,
+        (kv_heads, head_dim): (usize, usize),
+        capacity: usize,
+        first: usize,
+        keys: &[f32],
+        values: &[f32],
+    ) -> Result<(), EngineError> {
+        let (precision, device) = (self.keys.precision(), self.keys.device());
+        let (h, d) = (kv_heads, head_dim);
+        self.keys = KvRing::zeros(h * capacity * d, precision, &device)?;
+        self.values = KvRing::zeros(h * capacity * d, precision, &device)?;
+        let n = keys.len() / (h * d).max(1);
+        if n == 0 {
+            return Ok(());
+        }
+        // The writes take `[tokens, kv_heads · head_dim]` rows.
+        let rows = |x: &[f32]| -> Result<Tensor, EngineError> {
+            let mut out = Vec::with_capacity(x.len());
+            for t in 0..n {
+                for head in 0..h {
+                    let at = (head * n + t) * d;
+                    out.extend_from_slice(&x[at..at + d]);
+                }
+            }
+            Tensor::new(vec![n, h * d], out).to_device(&device)
+        };
+        let positions = Positions::following(first, n, &device)?;
+        self.write(&rows(keys)?, &rows(values)?, (h, d), capacity, &positions)
+    }
+
     /// The same elements kept in `precision` (see [`KvRing::into_precision`]).
     /// The rings in `precision`, for heads of `head_dim` elements (refused where the precision
     /// cannot hold them).
@@ -121,6 +184,29 @@ impl KvRings {
     }
 }
 
+/// How mlx-lm's cache of a layer holds its keys and values, where that differs from how the
+/// layer's cache here holds them: for prompt cache files, which hold mlx-lm's (see
+/// [`crate::cache_state`]). A layer that computes the same scores otherwise says so here.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MlxForm {
+    /// mlx-lm's keys are these times this: a RoPE amplitude (YaRN's and LongRoPE's mscale) that
+    /// mlx-lm leaves on the rotated keys and queries and this layer puts on the softmax scale.
+    pub key_scale: f32,
+    /// Rows held here as both keys and values (multi-head latent attention's
+    /// `[latent, rotated key]`) that mlx-lm keeps as keys (the first `split` columns) and values
+    /// (the rest).
+    pub split: Option<usize>,
+}
+
+impl Default for MlxForm {
+    fn default() -> Self {
+        MlxForm {
+            key_scale: 1.0,
+            split: None,
+        }
+    }
+}
+
 /// The keys and values of one attention layer, `[kv_heads, capacity, head_dim]` each, on the
 /// model's device.
 #[derive(Debug, Clone)]
@@ -130,6 +216,7 @@ pub struct KvCache {
     capacity: usize,
     len: usize,
     rings: KvRings,
+    mlx: MlxForm,
 }
 
 impl KvCache {
@@ -140,7 +227,37 @@ impl KvCache {
             capacity: 0,
             len: 0,
             rings: KvRings::new(device)?,
+            mlx: MlxForm::default(),
         })
+    }
+
+    /// This cache, whose keys and values mlx-lm holds in `form`.
+    pub fn with_mlx_form(self, form: MlxForm) -> Self {
+        KvCache { mlx: form, ..self }
+    }
+
+    /// How mlx-lm holds this cache's keys and values.
+    pub fn mlx_form(&self) -> MlxForm {
+        self.mlx
+    }
+
+    pub(crate) fn rings(&self) -> &KvRings {
+        &self.rings
+    }
+
+    /// Holds `keys` and `values` (`[kv_heads, len, head_dim]`) as positions `0..len`, in place
+    /// of what it held (a prompt cache read from a file).
+    pub(crate) fn restore(
+        &mut self,
+        len: usize,
+        keys: &[f32],
+        values: &[f32],
+    ) -> Result<(), EngineError> {
+        let capacity = len.div_ceil(GROWTH_STEP) * GROWTH_STEP;
+        self.rings
+            .restore(self.shape(), capacity, 0, keys, values)?;
+        (self.capacity, self.len) = (capacity, len);
+        Ok(())
     }
 
     /// Positions stored so far.

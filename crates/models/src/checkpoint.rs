@@ -225,7 +225,8 @@ impl AsRef<[u8]> for MappedFile {
     }
 }
 
-fn engine_dtype(dtype: safetensors::Dtype) -> Option<DType> {
+/// The engine's name of a safetensors element type; `None` for types no MLX file holds.
+pub fn engine_dtype(dtype: safetensors::Dtype) -> Option<DType> {
     use safetensors::Dtype as S;
     Some(match dtype {
         S::F32 => DType::F32,

@@ -17,7 +17,7 @@ use oxlm_engine::{ops, EngineError, Positions, Tensor};
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::cache::{append_kv, attend_kv, Cache, KvCache, LayerCache};
+use crate::cache::{append_kv, attend_kv, Cache, KvCache, LayerCache, MlxForm};
 use crate::checkpoint::{Checkpoint, Scope};
 use crate::decoder_grad::{Decoder, DecoderBlock};
 use crate::layers::{linear_shape, Embedding, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope};
@@ -421,11 +421,14 @@ impl Architecture for DeepseekV3 {
         self.layers
             .iter()
             .map(|b| {
-                Ok(LayerCache::Kv(KvCache::new(
-                    1,
-                    b.self_attn.row_width(),
-                    device,
-                )?))
+                // mlx-lm caches the latent as keys and the rotated key part as values.
+                let a = &b.self_attn;
+                let form = MlxForm {
+                    split: Some(a.latent),
+                    ..MlxForm::default()
+                };
+                let kv = KvCache::new(1, a.row_width(), device)?.with_mlx_form(form);
+                Ok(LayerCache::Kv(kv))
             })
             .collect()
     }

@@ -2,6 +2,7 @@
 //! per architecture, as mlx-lm arranges them. Nothing here knows about HTTP or tokenizers.
 
 pub mod cache;
+pub mod cache_state;
 pub mod checkpoint;
 mod decoder_grad;
 pub mod deepseek_v3;

@@ -12,7 +12,7 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::cache::{Cache, KvCache, LayerCache, RotatingKvCache};
+use crate::cache::{Cache, KvCache, LayerCache, MlxForm, RotatingKvCache};
 use crate::checkpoint::{Checkpoint, Scope};
 use crate::decoder_grad::{AttentionGrad, Decoder, DecoderBlock, GatedMlpGrad};
 use crate::layers::{
@@ -912,6 +912,8 @@ struct Block {
     mlp: FeedForward,
     mlp_out_norm: Option<RmsNorm>,
     window: Option<usize>,
+    /// How mlx-lm holds this layer's cached keys (see [`MlxForm`]).
+    mlx: MlxForm,
 }
 
 pub struct Llama {
@@ -1050,6 +1052,12 @@ impl Llama {
                 .find(|(r, _)| *r == layer.rotary)
                 .map(|(_, rope)| rope.clone())
                 .expect("a RoPE was made for each kind in use");
+            // The rotation's amplitude moves onto the softmax scale; mlx-lm's cached keys keep it.
+            let gain = rope.take_amplitude(head_dim);
+            let mlx = MlxForm {
+                key_scale: gain.sqrt(),
+                ..MlxForm::default()
+            };
             let self_attn = Attention {
                 q_proj: Linear::load(&mut a.pp("q_proj"), hidden, q_width, s.qkv_bias)?,
                 k_proj: Linear::load(&mut a.pp("k_proj"), hidden, kv_width, s.qkv_bias)?,
@@ -1060,8 +1068,7 @@ impl Llama {
                 heads,
                 kv_heads,
                 head_dim,
-                scale: s.attention_scale.unwrap_or((head_dim as f32).powf(-0.5))
-                    * rope.take_amplitude(head_dim),
+                scale: s.attention_scale.unwrap_or((head_dim as f32).powf(-0.5)) * gain,
                 rope,
                 query_scale: s.query_scale,
                 norm_after_rope: s.qk_norm == QkNorm::PerHeadAfterRope,
@@ -1095,6 +1102,7 @@ impl Llama {
                 mlp,
                 mlp_out_norm: norm(&mut block, s.norms.mlp_out, hidden)?,
                 window: layer.window,
+                mlx,
             });
         }
         let mut norm = load_norm(&mut model.pp("norm"), hidden)?;
@@ -1206,10 +1214,13 @@ impl Architecture for Llama {
             .map(|b| {
                 let a = &b.self_attn;
                 Ok(match b.window {
-                    Some(window) => LayerCache::Rotating(RotatingKvCache::new(
-                        a.kv_heads, a.head_dim, window, device,
-                    )?),
-                    None => LayerCache::Kv(KvCache::new(a.kv_heads, a.head_dim, device)?),
+                    Some(window) => LayerCache::Rotating(
+                        RotatingKvCache::new(a.kv_heads, a.head_dim, window, device)?
+                            .with_mlx_form(b.mlx),
+                    ),
+                    None => LayerCache::Kv(
+                        KvCache::new(a.kv_heads, a.head_dim, device)?.with_mlx_form(b.mlx),
+                    ),
                 })
             })
             .collect()

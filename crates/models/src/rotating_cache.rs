@@ -4,7 +4,7 @@
 use oxlm_engine::ops::{KvTarget, KvView};
 use oxlm_engine::{Device, EngineError, KvPrecision, Positions, Tensor};
 
-use crate::cache::{AttentionCache, KvRings};
+use crate::cache::{AttentionCache, KvRings, MlxForm};
 
 /// Until the window fills, the ring grows in blocks of this many positions (as mlx-lm's
 /// `RotatingKVCache.step`), so that a short sequence does not reserve a whole window.
@@ -28,6 +28,7 @@ pub struct RotatingKvCache {
     start: usize,
     end: usize,
     rings: KvRings,
+    mlx: MlxForm,
 }
 
 impl RotatingKvCache {
@@ -46,7 +47,18 @@ impl RotatingKvCache {
             start: 0,
             end: 0,
             rings: KvRings::new(device)?,
+            mlx: MlxForm::default(),
         })
+    }
+
+    /// This cache, whose keys and values mlx-lm holds in `form`.
+    pub fn with_mlx_form(self, form: MlxForm) -> Self {
+        RotatingKvCache { mlx: form, ..self }
+    }
+
+    /// How mlx-lm holds this cache's keys and values.
+    pub fn mlx_form(&self) -> MlxForm {
+        self.mlx
     }
 
     /// Positions seen so far (not all of them are still held).
@@ -129,6 +141,26 @@ impl RotatingKvCache {
         let held = self.start..self.end;
         self.rings
             .view(self.kv_heads, self.capacity, held, Some(self.window))
+    }
+
+    pub(crate) fn rings(&self) -> &KvRings {
+        &self.rings
+    }
+
+    /// Holds `keys` and `values` (`[kv_heads, n, head_dim]`) as positions `first..first + n`,
+    /// the last ones seen, in place of what it held (a prompt cache read from a file). The ring
+    /// is as wide as what it holds; the next append sizes it as usual.
+    pub(crate) fn restore(
+        &mut self,
+        first: usize,
+        keys: &[f32],
+        values: &[f32],
+    ) -> Result<(), EngineError> {
+        let n = keys.len() / (self.kv_heads * self.head_dim).max(1);
+        let shape = self.shape();
+        self.rings.restore(shape, n, first, keys, values)?;
+        (self.capacity, self.start, self.end) = (n, first, first + n);
+        Ok(())
     }
 
     /// Bytes of device memory held.

@@ -316,6 +316,17 @@ pub fn write_safetensors(
     path: &Path,
     tensors: &BTreeMap<String, TensorBytes>,
 ) -> Result<(), SaveError> {
+    let format = HashMap::from([("format".to_string(), "mlx".to_string())]);
+    write_safetensors_with_metadata(path, tensors, format)
+}
+
+/// [`write_safetensors`] with `metadata` in place of MLX's `{"format": "mlx"}`: mlx-lm's prompt
+/// caches keep their own there, and nothing else.
+pub fn write_safetensors_with_metadata(
+    path: &Path,
+    tensors: &BTreeMap<String, TensorBytes>,
+    metadata: HashMap<String, String>,
+) -> Result<(), SaveError> {
     let bad = |reason: String| SaveError::Safetensors {
         path: path.to_path_buf(),
         reason,
@@ -345,8 +356,7 @@ pub fn write_safetensors(
             (name.to_string(), info)
         })
         .collect();
-    let format = HashMap::from([("format".to_string(), "mlx".to_string())]);
-    let metadata = Metadata::new(Some(format), infos).map_err(|e| bad(e.to_string()))?;
+    let metadata = Metadata::new(Some(metadata), infos).map_err(|e| bad(e.to_string()))?;
     let mut header = serde_json::to_vec(&metadata).map_err(|e| bad(e.to_string()))?;
     // The data starts on a multiple of 8 bytes, padded with spaces.
     header.resize(header.len().next_multiple_of(8), b' ');

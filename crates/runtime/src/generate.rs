@@ -153,7 +153,7 @@ pub fn generate_stream(
     // Refused before prefill, which would otherwise run up to the limit before failing.
     model.info().check_context(0, prompt.len())?;
     let uncached = prompt.get(cache.offset..).unwrap_or_default();
-    let mut sequence = Sequence::new(
+    let sequence = Sequence::new(
         Some(tokenizer),
         prompt,
         uncached.len(),
@@ -161,6 +161,46 @@ pub fn generate_stream(
         options,
         stream,
     )?;
+    run_stream(model, sequence, uncached, cache, options, on_event)
+}
+
+/// As [`generate_stream`], continuing from `cache`, which holds the state of tokens not known
+/// here (a prompt cache read from a file, `cache.offset` of them): all of `prompt` goes
+/// through the model after them, as mlx-lm's `generate_step` continues a prompt cache. Only
+/// `prompt` counts as the prompt: in the report, and in the history the sampler's repetition
+/// penalties look back on (mlx-lm's logits processors see the same).
+#[allow(clippy::too_many_arguments)]
+pub fn generate_stream_after_cache(
+    model: &dyn LanguageModel,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    cache: &mut Cache,
+    eos_ids: &HashSet<u32>,
+    options: &GenerateOptions,
+    stream: &StreamOptions,
+    on_event: &mut dyn FnMut(Event<'_>) -> ControlFlow<()>,
+) -> Result<Generation, RuntimeError> {
+    model.info().check_context(cache.offset, prompt.len())?;
+    let sequence = Sequence::new(
+        Some(tokenizer),
+        prompt,
+        prompt.len(),
+        eos_ids,
+        options,
+        stream,
+    )?;
+    run_stream(model, sequence, prompt, cache, options, on_event)
+}
+
+/// Prefills `uncached` after what `cache` holds, then decodes `sequence` to its end.
+fn run_stream(
+    model: &dyn LanguageModel,
+    mut sequence: Sequence,
+    uncached: &[u32],
+    cache: &mut Cache,
+    options: &GenerateOptions,
+    on_event: &mut dyn FnMut(Event<'_>) -> ControlFlow<()>,
+) -> Result<Generation, RuntimeError> {
     let Some(logits) = prefill_reporting(model, uncached, cache, options.prefill_step, on_event)?
     else {
         return Ok(sequence.cancel());
@@ -437,7 +477,7 @@ impl Sequence {
 }
 
 /// [`prefill`], reporting progress after each chunk; `None` when `on_event` stopped it.
-fn prefill_reporting(
+pub fn prefill_reporting(
     model: &dyn LanguageModel,
     prompt: &[u32],
     cache: &mut Cache,

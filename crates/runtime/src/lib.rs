@@ -12,6 +12,7 @@ pub mod hub;
 pub mod loaded;
 pub mod lora;
 pub mod prompt_cache;
+pub mod prompt_cache_file;
 pub mod sampler;
 pub mod stop;
 pub mod tokenizer;

@@ -1,0 +1,812 @@
+//! A cache's state as mlx-lm holds it: per layer, the arrays and numbers of `c.state` under the
+//! name of the cache's class (`KVCache`, `RotatingKVCache`, `ArraysCache`), which mlx-lm's
+//! `save_prompt_cache` writes and `load_prompt_cache` reads back. The file format itself (the
+//! flattened names, the metadata) is the runtime's; this module maps each [`LayerCache`] to the
+//! state of the mlx-lm class that plays its part, and back.
+//!
+//! mlx-lm's arrays are laid out as its caches grow: a `KVCache` reserves blocks of 256 positions,
+//! a `RotatingKVCache` keeps a ring whose slots depend on the chunks it was given. A file written
+//! here has the layout mlx-lm's own `cache_prompt` gives a prompt of the same length (chunks of
+//! 2048 tokens, then the last token alone), so that the two files hold the same arrays.
+
+use std::borrow::Cow;
+
+use half::{bf16, f16};
+use oxlm_engine::{DType, EngineError};
+use thiserror::Error;
+
+use crate::cache::{Cache, KvCache, LayerCache, MlxForm, RecurrentCache, RotatingKvCache};
+
+/// mlx-lm's `KVCache.step` and `RotatingKVCache.step`: caches grow by blocks of this many
+/// positions.
+const MLX_STEP: usize = 256;
+
+/// `generate_step`'s `prefill_step_size`, which `mlx_lm.cache_prompt` leaves at its default.
+const MLX_PREFILL_STEP: usize = 2048;
+
+/// One array of a layer's state: its element type, shape and little-endian bytes, as a file
+/// holds them (borrowed from a file read whole; converted a layer at a time on restoring).
+#[derive(Clone, PartialEq)]
+pub struct StateArray<'a> {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub data: Cow<'a, [u8]>,
+}
+
+impl std::fmt::Debug for StateArray<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(f, "{} array of shape {:?}", self.dtype, self.shape)
+    }
+}
+
+impl StateArray<'_> {
+    /// `values` stored as `dtype` (f32 or f16, which hold a cache's elements exactly).
+    fn from_f32(dtype: DType, shape: Vec<usize>, values: &[f32]) -> StateArray<'static> {
+        let data = match dtype {
+            DType::F16 => values
+                .iter()
+                .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+                .collect(),
+            _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        };
+        StateArray {
+            dtype,
+            shape,
+            data: Cow::Owned(data),
+        }
+    }
+
+    /// The elements as f32 (f16 and bf16 widen exactly); `None` for other element types.
+    pub fn to_f32(&self) -> Option<Vec<f32>> {
+        let pairs = self.data.chunks_exact(2).map(|b| [b[0], b[1]]);
+        Some(match self.dtype {
+            DType::F32 => self
+                .data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            DType::F16 => pairs.map(|b| f16::from_le_bytes(b).to_f32()).collect(),
+            DType::BF16 => pairs.map(|b| bf16::from_le_bytes(b).to_f32()).collect(),
+            _ => return None,
+        })
+    }
+
+    /// The elements as f32, each array of the state one whole.
+    fn values(&self, layer: usize) -> Result<Vec<f32>, CacheStateError> {
+        let values = self
+            .to_f32()
+            .ok_or_else(|| invalid(layer, format!("a {} array where floats belong", self.dtype)))?;
+        if values.len() != self.shape.iter().product::<usize>() {
+            return Err(invalid(
+                layer,
+                format!("{self:?} of {} elements", values.len()),
+            ));
+        }
+        Ok(values)
+    }
+}
+
+/// One leaf of a layer's state: an array, an integer (an offset, a window), or `None` (an
+/// `ArraysCache`'s unused padding fields).
+#[derive(Debug, Clone, PartialEq)]
+pub enum StateItem<'a> {
+    Array(StateArray<'a>),
+    Int(i64),
+    None,
+}
+
+/// The state of one layer: mlx-lm's class name and the leaves of `c.state`, each under its path
+/// in the state's tree (`"0"`, `"0.1"`), in the order mlx-lm flattens them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerState<'a> {
+    pub class: String,
+    pub items: Vec<(String, StateItem<'a>)>,
+}
+
+/// Why a state could not be taken from a cache or put into one.
+#[derive(Debug, Error)]
+pub enum CacheStateError {
+    #[error(
+        "the prompt cache has {found} layer caches but this model keeps {expected} (is it from \
+         another model?)"
+    )]
+    LayerCount { found: usize, expected: usize },
+    #[error(
+        "layer {layer}: the prompt cache holds an mlx-lm {found} where this model keeps \
+         {expected} (is it from another model?)"
+    )]
+    Class {
+        layer: usize,
+        found: String,
+        expected: &'static str,
+    },
+    #[error("layer {layer}: mlx-lm's {class} is not supported{hint}")]
+    Unsupported {
+        layer: usize,
+        class: String,
+        hint: &'static str,
+    },
+    #[error("layer {layer}: {reason}")]
+    Invalid { layer: usize, reason: String },
+    #[error("the layers hold different numbers of tokens ({0} and {1})")]
+    Offsets(usize, usize),
+    #[error("no layer of this model's cache records how many tokens it holds")]
+    NoTokenCount,
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+impl<'a> LayerState<'a> {
+    fn new(class: &str) -> Self {
+        LayerState {
+            class: class.to_string(),
+            items: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, path: &str, item: StateItem<'a>) {
+        self.items.push((path.to_string(), item));
+    }
+
+    fn get(&self, layer: usize, path: &str) -> Result<&StateItem<'a>, CacheStateError> {
+        self.items
+            .iter()
+            .find(|(p, _)| p == path)
+            .map(|(_, item)| item)
+            .ok_or_else(|| {
+                invalid(
+                    layer,
+                    format!("its {} has no state entry `{path}`", self.class),
+                )
+            })
+    }
+
+    fn array(&self, layer: usize, path: &str) -> Result<&StateArray<'a>, CacheStateError> {
+        match self.get(layer, path)? {
+            StateItem::Array(a) if a.dtype.is_float() => Ok(a),
+            other => Err(invalid(
+                layer,
+                format!("state entry `{path}` should be a float array, not {other:?}"),
+            )),
+        }
+    }
+
+    fn int(&self, layer: usize, path: &str) -> Result<usize, CacheStateError> {
+        match self.get(layer, path)? {
+            StateItem::Int(n) => usize::try_from(*n)
+                .map_err(|_| invalid(layer, format!("state entry `{path}` is negative ({n})"))),
+            other => Err(invalid(
+                layer,
+                format!("state entry `{path}` should be an integer, not {other:?}"),
+            )),
+        }
+    }
+
+    /// Refuses entries other than `paths`: a state of another shape than the class has.
+    fn expect_paths(&self, layer: usize, paths: &[&str]) -> Result<(), CacheStateError> {
+        match self
+            .items
+            .iter()
+            .find(|(p, _)| !paths.contains(&p.as_str()))
+        {
+            Some((p, _)) => Err(invalid(
+                layer,
+                format!("unexpected state entry `{p}` in an mlx-lm {}", self.class),
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
+fn invalid(layer: usize, reason: String) -> CacheStateError {
+    CacheStateError::Invalid { layer, reason }
+}
+
+/// The element type a ring of `precision` is written in: f16 as it is held; f32 and 8-bit
+/// codes (dequantized, exact in f32) as f32.
+fn ring_dtype(precision: oxlm_engine::KvPrecision) -> DType {
+    match precision {
+        oxlm_engine::KvPrecision::F16 => DType::F16,
+        _ => DType::F32,
+    }
+}
+
+impl Cache {
+    /// Each layer's state as mlx-lm's cache of the same part holds it (for
+    /// `save_prompt_cache`), laid out as `mlx_lm.cache_prompt` lays out a prompt of
+    /// `self.offset` tokens.
+    pub fn mlx_state(&self) -> Result<Vec<LayerState<'static>>, CacheStateError> {
+        self.layers
+            .iter()
+            .enumerate()
+            .map(|(i, layer)| match layer {
+                LayerCache::Kv(kv) => kv_state(kv),
+                LayerCache::Rotating(ring) => rotating_state(i, ring),
+                LayerCache::Recurrent(r) => Ok(arrays_state(r)?),
+            })
+            .collect()
+    }
+
+    /// Puts `states` (one per layer, as mlx-lm's `load_prompt_cache` reads them) into this
+    /// fresh cache of the model they are for, in its precision and on its device. Refuses a
+    /// state of another model (layer count, kinds, shapes) or one that is not whole; the cache
+    /// is then left unusable and should be dropped.
+    pub fn restore_mlx_state(&mut self, states: &[LayerState<'_>]) -> Result<(), CacheStateError> {
+        if states.len() != self.layers.len() {
+            return Err(CacheStateError::LayerCount {
+                found: states.len(),
+                expected: self.layers.len(),
+            });
+        }
+        let mut offset: Option<usize> = None;
+        for (i, (layer, state)) in self.layers.iter_mut().zip(states).enumerate() {
+            refuse_unknown(i, &state.class)?;
+            let tokens = match layer {
+                LayerCache::Kv(kv) => Some(restore_kv(i, kv, state)?),
+                LayerCache::Rotating(ring) => Some(restore_rotating(i, ring, state)?),
+                LayerCache::Recurrent(r) => {
+                    restore_arrays(i, r, state)?;
+                    None
+                }
+            };
+            match (offset, tokens) {
+                (Some(a), Some(b)) if a != b => return Err(CacheStateError::Offsets(a, b)),
+                (None, Some(b)) => offset = Some(b),
+                _ => {}
+            }
+        }
+        // Recurrent layers do not count tokens; every model here has an attention layer that
+        // does, and one without would have to be told the position some other way.
+        self.offset = offset.ok_or(CacheStateError::NoTokenCount)?;
+        Ok(())
+    }
+}
+
+/// mlx-lm classes that name no cache kind here, refused with what they are.
+fn refuse_unknown(layer: usize, class: &str) -> Result<(), CacheStateError> {
+    let hint = match class {
+        // `MambaCache`: earlier mlx-lm's name of a two-array `ArraysCache`.
+        "KVCache" | "RotatingKVCache" | "ArraysCache" | "MambaCache" => return Ok(()),
+        "QuantizedKVCache" => " (a --kv-bits cache; make the prompt cache without --kv-bits)",
+        "ChunkedKVCache" | "CacheList" | "ConcatenateKVCache" => {
+            " (no model here keeps one; is the prompt cache from another model?)"
+        }
+        _ => " (unknown class)",
+    };
+    Err(CacheStateError::Unsupported {
+        layer,
+        class: class.to_string(),
+        hint,
+    })
+}
+
+/// The updates mlx-lm's `generate_step` gives a cache for a prompt of `tokens` tokens: chunks of
+/// [`MLX_PREFILL_STEP`] while more than one token is left, then the last token alone.
+fn mlx_prompt_updates(tokens: usize) -> Vec<usize> {
+    let mut updates = Vec::new();
+    let mut left = tokens;
+    while left > 1 {
+        let chunk = MLX_PREFILL_STEP.min(left - 1);
+        updates.push(chunk);
+        left -= chunk;
+    }
+    if left == 1 {
+        updates.push(1);
+    }
+    updates
+}
+
+/// The positions a `KVCache` has room for after a prompt of `tokens` tokens: it grows by whole
+/// steps for each update that does not fit, first cutting its unused tail where the positions
+/// held are not a whole number of steps (`KVCache.update_and_fetch`).
+fn mlx_kv_capacity(tokens: usize) -> usize {
+    let (mut capacity, mut held) = (0, 0);
+    for n in mlx_prompt_updates(tokens) {
+        if capacity == 0 || held + n > capacity {
+            let kept = if capacity == 0 {
+                0
+            } else if !held.is_multiple_of(MLX_STEP) {
+                held
+            } else {
+                capacity
+            };
+            capacity = kept + n.div_ceil(MLX_STEP) * MLX_STEP;
+        }
+        held += n;
+    }
+    capacity
+}
+
+/// A `RotatingKVCache` (`keep` 0) followed slot by slot: the position each slot holds (`None`:
+/// never written), the tokens seen and the next slot to write (`_idx`).
+struct MlxRing {
+    slots: Vec<Option<usize>>,
+    offset: usize,
+    idx: usize,
+    max_size: usize,
+}
+
+impl MlxRing {
+    /// The ring after a prompt of `tokens` tokens, given as `generate_step` gives them.
+    fn after_prompt(tokens: usize, max_size: usize) -> Self {
+        let mut ring = MlxRing {
+            slots: Vec::new(),
+            offset: 0,
+            idx: 0,
+            max_size,
+        };
+        for n in mlx_prompt_updates(tokens) {
+            if n == 1 {
+                ring.update_in_place();
+            } else {
+                ring.update_concat(n);
+            }
+        }
+        ring
+    }
+
+    /// `_temporal_order`: the slots oldest first, the unused tail cut.
+    fn temporal_order(&self) -> Vec<usize> {
+        let len = self.slots.len();
+        if self.idx == len {
+            (0..len).collect()
+        } else if self.idx < self.offset {
+            (self.idx..len).chain(0..self.idx).collect()
+        } else {
+            (0..self.idx).collect()
+        }
+    }
+
+    /// `_update_concat`: the held positions in order, all but the last `max_size - 1` dropped,
+    /// then `n` new ones.
+    fn update_concat(&mut self, n: usize) {
+        let mut slots: Vec<Option<usize>> = self
+            .temporal_order()
+            .into_iter()
+            .map(|s| self.slots[s])
+            .collect();
+        let trim = (slots.len() + 1).saturating_sub(self.max_size);
+        slots.drain(..trim.min(slots.len()));
+        slots.extend((self.offset..self.offset + n).map(Some));
+        self.slots = slots;
+        self.offset += n;
+        self.idx = self.slots.len();
+    }
+
+    /// `_update_in_place` of one token: grows by up to a step while under `max_size`, cuts
+    /// down to `max_size`, wraps, and writes at `_idx`.
+    fn update_in_place(&mut self) {
+        let prev = self.offset;
+        if self.slots.is_empty() || (prev >= self.slots.len() && self.slots.len() < self.max_size) {
+            let grow = MLX_STEP.min(self.max_size.saturating_sub(prev));
+            self.slots.extend(std::iter::repeat_n(None, grow));
+            self.idx = prev;
+        }
+        let trim = self.slots.len().saturating_sub(self.max_size);
+        if trim > 0 {
+            self.slots.drain(..trim);
+            self.idx = self.max_size;
+        }
+        if self.idx == self.max_size {
+            self.idx = 0;
+        }
+        self.slots[self.idx] = Some(prev);
+        self.offset += 1;
+        self.idx += 1;
+    }
+}
+
+/// `[kv_heads, slots, head_dim]` keys and values of `rings` (of `capacity` slots, position `p`
+/// in slot `p % capacity`) as f32: each slot's position, zeros where it has none; and the
+/// element type they are written in.
+fn kv_values(
+    rings: &crate::cache::KvRings,
+    shape: (usize, usize),
+    capacity: usize,
+    slots: &[Option<usize>],
+) -> Result<(Vec<f32>, Vec<f32>, DType), EngineError> {
+    let (keys, values) = rings.gather(shape, capacity, slots)?;
+    Ok((keys, values, ring_dtype(rings.precision())))
+}
+
+/// `[heads, n, width]` rows as their first `split` columns and the rest.
+fn split_columns(rows: &[f32], width: usize, split: usize) -> (Vec<f32>, Vec<f32>) {
+    let rows = rows.chunks(width.max(1));
+    let first = rows
+        .clone()
+        .flat_map(|r| r[..split].iter().copied())
+        .collect();
+    let rest = rows.flat_map(|r| r[split..].iter().copied()).collect();
+    (first, rest)
+}
+
+/// `[heads, n, dk]` keys and `[heads, n, dv]` values as the `[heads, n, dk + dv]` rows a split
+/// layer holds as both its keys and its values.
+fn join_columns(keys: &[f32], values: &[f32], dk: usize, dv: usize) -> Vec<f32> {
+    keys.chunks(dk.max(1))
+        .zip(values.chunks(dv.max(1)))
+        .flat_map(|(k, v)| k.iter().chain(v).copied())
+        .collect()
+}
+
+/// The `"0"` (keys) and `"1"` (values) entries of a `KVCache` or `RotatingKVCache` state:
+/// `[1, kv_heads, slots, head_dim]` each, or `dk` and `dv` wide where mlx-lm splits the rows;
+/// the keys as mlx-lm holds them (`form`).
+fn push_kv(
+    state: &mut LayerState<'static>,
+    (kv_heads, head_dim): (usize, usize),
+    slots: usize,
+    (keys, values, dtype): (Vec<f32>, Vec<f32>, DType),
+    form: MlxForm,
+) {
+    let (mut keys, values, dk, dv) = match form.split {
+        Some(s) => {
+            // Rows of `[latent, rotated key]` held as both keys and values: mlx-lm keeps the
+            // latent as its keys and the rotated key as its values.
+            let (latent, rotated) = split_columns(&keys, head_dim, s);
+            (latent, rotated, s, head_dim - s)
+        }
+        None => (keys, values, head_dim, head_dim),
+    };
+    if form.key_scale != 1.0 {
+        keys.iter_mut().for_each(|k| *k *= form.key_scale);
+    }
+    let keys = StateArray::from_f32(dtype, vec![1, kv_heads, slots, dk], &keys);
+    let values = StateArray::from_f32(dtype, vec![1, kv_heads, slots, dv], &values);
+    state.push("0", StateItem::Array(keys));
+    state.push("1", StateItem::Array(values));
+}
+
+fn kv_state(kv: &KvCache) -> Result<LayerState<'static>, CacheStateError> {
+    let (len, capacity) = (kv.len(), kv.view().capacity);
+    let slots: Vec<Option<usize>> = (0..mlx_kv_capacity(len))
+        .map(|s| (s < len).then_some(s))
+        .collect();
+    let arrays = kv_values(kv.rings(), kv.shape(), capacity, &slots)?;
+    let mut state = LayerState::new("KVCache");
+    push_kv(&mut state, kv.shape(), slots.len(), arrays, kv.mlx_form());
+    state.push("2", StateItem::Int(len as i64));
+    Ok(state)
+}
+
+fn rotating_state(
+    layer: usize,
+    ring: &RotatingKvCache,
+) -> Result<LayerState<'static>, CacheStateError> {
+    let view = ring.view();
+    let (held, capacity) = (view.start..view.end, view.capacity);
+    let mlx = MlxRing::after_prompt(ring.len(), ring.window());
+    if let Some(p) = mlx.slots.iter().flatten().find(|p| !held.contains(p)) {
+        return Err(invalid(
+            layer,
+            format!(
+                "position {p} is no longer held (positions {held:?} are): a sliding window cut \
+                 back by a prompt cache cannot be saved"
+            ),
+        ));
+    }
+    let arrays = kv_values(ring.rings(), ring.shape(), capacity, &mlx.slots)?;
+    let mut state = LayerState::new("RotatingKVCache");
+    push_kv(
+        &mut state,
+        ring.shape(),
+        mlx.slots.len(),
+        arrays,
+        ring.mlx_form(),
+    );
+    state.push("2", StateItem::Int(mlx.offset as i64));
+    state.push("3", StateItem::Int(0)); // keep
+    state.push("4", StateItem::Int(mlx.max_size as i64));
+    state.push("5", StateItem::Int(mlx.idx as i64));
+    Ok(state)
+}
+
+/// An `ArraysCache`: `[conv state, delta-rule state]` (`[conv state]` for a short
+/// convolution), each with a leading batch axis, and no padding or lengths.
+fn arrays_state(r: &RecurrentCache) -> Result<LayerState<'static>, EngineError> {
+    let array = |t: &oxlm_engine::Tensor| -> Result<StateItem<'static>, EngineError> {
+        let shape = [1].iter().chain(t.shape()).copied().collect();
+        Ok(StateItem::Array(StateArray::from_f32(
+            DType::F32,
+            shape,
+            &t.to_vec()?,
+        )))
+    };
+    let mut state = LayerState::new("ArraysCache");
+    state.push("0.0", array(&r.conv)?);
+    if !r.state.is_empty() {
+        state.push("0.1", array(&r.state)?);
+    }
+    state.push("1", StateItem::None);
+    state.push("2", StateItem::None);
+    Ok(state)
+}
+
+/// Elements `[1, heads, slots, dim]` (`shape`) of `values` at the slots `order`, as
+/// `[heads, order, dim]`.
+fn pick_slots(values: &[f32], shape: &[usize], order: &[usize]) -> Vec<f32> {
+    let (heads, slots, dim) = (shape[1], shape[2], shape[3]);
+    let mut out = Vec::with_capacity(heads * order.len() * dim);
+    for h in 0..heads {
+        for &s in order {
+            let at = (h * slots + s) * dim;
+            out.extend_from_slice(&values[at..at + dim]);
+        }
+    }
+    out
+}
+
+/// The keys and values of an mlx-lm `KVCache` or `RotatingKVCache` state, checked against a
+/// layer of `(kv_heads, head_dim)`: `[1, kv_heads, slots, head_dim]` each, or, for rows that
+/// mlx-lm splits (`split`), keys of the first `split` columns and values of the rest.
+fn checked_kv<'s, 'a>(
+    layer: usize,
+    state: &'s LayerState<'a>,
+    (kv_heads, head_dim): (usize, usize),
+    split: Option<usize>,
+) -> Result<(&'s StateArray<'a>, &'s StateArray<'a>), CacheStateError> {
+    let (keys, values) = (state.array(layer, "0")?, state.array(layer, "1")?);
+    let (kd, vd) = match split {
+        Some(s) => (s, head_dim - s),
+        None => (head_dim, head_dim),
+    };
+    for (name, a, d) in [("keys", keys, kd), ("values", values, vd)] {
+        let fits = a.shape.len() == 4 && a.shape[0] == 1 && a.shape[1] == kv_heads;
+        if !fits || a.shape[3] != d || a.shape[2] != keys.shape[2] {
+            return Err(invalid(
+                layer,
+                format!(
+                    "{name} of shape {:?} where this model's layer keeps [1, {kv_heads}, _, {d}] \
+                     (is the prompt cache from another model?)",
+                    a.shape
+                ),
+            ));
+        }
+    }
+    Ok((keys, values))
+}
+
+/// The `(keys, values)` a layer holds, `[kv_heads, order, head_dim]`, for mlx-lm's keys and
+/// values (held in `form`) at slots `order`.
+fn layer_rows(
+    layer: usize,
+    keys: &StateArray,
+    values: &StateArray,
+    order: &[usize],
+    form: MlxForm,
+) -> Result<(Vec<f32>, Vec<f32>), CacheStateError> {
+    let mut k = pick_slots(&keys.values(layer)?, &keys.shape, order);
+    let v = pick_slots(&values.values(layer)?, &values.shape, order);
+    if form.key_scale != 1.0 {
+        k.iter_mut().for_each(|x| *x /= form.key_scale);
+    }
+    Ok(match form.split {
+        Some(_) => {
+            let rows = join_columns(&k, &v, keys.shape[3], values.shape[3]);
+            (rows.clone(), rows)
+        }
+        None => (k, v),
+    })
+}
+
+fn restore_kv(
+    layer: usize,
+    kv: &mut KvCache,
+    state: &LayerState,
+) -> Result<usize, CacheStateError> {
+    if state.class != "KVCache" {
+        return Err(CacheStateError::Class {
+            layer,
+            found: state.class.clone(),
+            expected: "a KVCache",
+        });
+    }
+    state.expect_paths(layer, &["0", "1", "2"])?;
+    let (keys, values) = checked_kv(layer, state, kv.shape(), kv.mlx_form().split)?;
+    let offset = state.int(layer, "2")?;
+    if offset > keys.shape[2] {
+        return Err(invalid(
+            layer,
+            format!("offset {offset} past the {} positions held", keys.shape[2]),
+        ));
+    }
+    let order: Vec<usize> = (0..offset).collect();
+    let (k, v) = layer_rows(layer, keys, values, &order, kv.mlx_form())?;
+    kv.restore(offset, &k, &v)?;
+    Ok(offset)
+}
+
+fn restore_rotating(
+    layer: usize,
+    ring: &mut RotatingKvCache,
+    state: &LayerState,
+) -> Result<usize, CacheStateError> {
+    if state.class == "KVCache" {
+        return restore_rotating_from_kv(layer, ring, state);
+    }
+    if state.class != "RotatingKVCache" {
+        return Err(CacheStateError::Class {
+            layer,
+            found: state.class.clone(),
+            expected: "a RotatingKVCache",
+        });
+    }
+    state.expect_paths(layer, &["0", "1", "2", "3", "4", "5"])?;
+    let (keys, values) = checked_kv(layer, state, ring.shape(), None)?;
+    let (offset, keep) = (state.int(layer, "2")?, state.int(layer, "3")?);
+    let (max_size, idx) = (state.int(layer, "4")?, state.int(layer, "5")?);
+    if keep != 0 {
+        return Err(CacheStateError::Unsupported {
+            layer,
+            class: format!("RotatingKVCache with keep={keep}"),
+            hint: " (a --max-kv-size cache)",
+        });
+    }
+    if max_size != ring.window() {
+        return Err(invalid(
+            layer,
+            format!(
+                "a sliding window of {max_size} where this model's is {} (is the prompt cache \
+                 from another model, or made with --max-kv-size?)",
+                ring.window()
+            ),
+        ));
+    }
+    let slots = keys.shape[2];
+    if idx > slots {
+        return Err(invalid(layer, format!("_idx {idx} past its {slots} slots")));
+    }
+    let mlx = MlxRing {
+        slots: vec![None; slots],
+        offset,
+        idx,
+        max_size,
+    };
+    let order = mlx.temporal_order();
+    // The positions held end at the offset; the next token attends to `window - 1` of them.
+    let needed = offset.min(max_size.saturating_sub(1));
+    if order.len() > offset || order.len() < needed {
+        return Err(invalid(
+            layer,
+            format!(
+                "{} positions held after {offset} tokens in a window of {max_size}",
+                order.len()
+            ),
+        ));
+    }
+    let (k, v) = layer_rows(layer, keys, values, &order, ring.mlx_form())?;
+    ring.restore(offset - order.len(), &k, &v)?;
+    Ok(offset)
+}
+
+/// A sliding-window layer from a whole `KVCache`, which mlx-lm keeps where a model does not make
+/// its own caches (Ministral 3 in the `mistral3` wrapper attends through a window over one): the
+/// last `window` positions of it, all the ring needs.
+fn restore_rotating_from_kv(
+    layer: usize,
+    ring: &mut RotatingKvCache,
+    state: &LayerState,
+) -> Result<usize, CacheStateError> {
+    state.expect_paths(layer, &["0", "1", "2"])?;
+    let (keys, values) = checked_kv(layer, state, ring.shape(), None)?;
+    let offset = state.int(layer, "2")?;
+    if offset > keys.shape[2] {
+        return Err(invalid(
+            layer,
+            format!("offset {offset} past the {} positions held", keys.shape[2]),
+        ));
+    }
+    let first = offset.saturating_sub(ring.window());
+    let order: Vec<usize> = (first..offset).collect();
+    let (k, v) = layer_rows(layer, keys, values, &order, ring.mlx_form())?;
+    ring.restore(first, &k, &v)?;
+    Ok(offset)
+}
+
+fn restore_arrays(
+    layer: usize,
+    r: &mut RecurrentCache,
+    state: &LayerState,
+) -> Result<(), CacheStateError> {
+    if state.class != "ArraysCache" && state.class != "MambaCache" {
+        return Err(CacheStateError::Class {
+            layer,
+            found: state.class.clone(),
+            expected: "an ArraysCache",
+        });
+    }
+    let delta = !r.state.is_empty();
+    let paths: &[&str] = if delta {
+        &["0.0", "0.1", "1", "2"]
+    } else {
+        &["0.0", "1", "2"]
+    };
+    state.expect_paths(layer, paths)?;
+    for padding in ["1", "2"] {
+        if !matches!(state.get(layer, padding)?, StateItem::None) {
+            return Err(invalid(
+                layer,
+                "an ArraysCache of a batch (left_padding or lengths set)".into(),
+            ));
+        }
+    }
+    let restore = |path: &str, tensor: &mut oxlm_engine::Tensor| {
+        let array = match state.get(layer, path)? {
+            // Never written: mlx-lm starts it from zeros, as the fresh cache holds.
+            StateItem::None => return Ok(()),
+            _ => state.array(layer, path)?,
+        };
+        let want: Vec<usize> = [1].iter().chain(tensor.shape()).copied().collect();
+        if array.shape != want {
+            return Err(invalid(
+                layer,
+                format!(
+                    "recurrent state `{path}` of shape {:?} where this model's layer keeps \
+                     {want:?} (is the prompt cache from another model?)",
+                    array.shape
+                ),
+            ));
+        }
+        let host = oxlm_engine::Tensor::new(tensor.shape().to_vec(), array.values(layer)?);
+        *tensor = host.to_device(&tensor.device())?;
+        Ok::<(), CacheStateError>(())
+    };
+    restore("0.0", &mut r.conv)?;
+    if delta {
+        restore("0.1", &mut r.state)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Slots of a ring after a prompt, as mlx-lm's `RotatingKVCache` leaves them (worked out by
+    /// hand from `_update_concat` and `_update_in_place`).
+    #[test]
+    fn rings_are_laid_out_as_mlx_lm_lays_them_out() {
+        // 27 tokens, window 8: 26 at once (all kept), then the last cuts to 8 and wraps.
+        let ring = MlxRing::after_prompt(27, 8);
+        let want: Vec<Option<usize>> = [26, 19, 20, 21, 22, 23, 24, 25].map(Some).to_vec();
+        assert_eq!((ring.slots, ring.offset, ring.idx), (want, 27, 1));
+        // 5 tokens, window 8: 4 at once, then the last grows the ring to the window.
+        let ring = MlxRing::after_prompt(5, 8);
+        let want = [0, 1, 2, 3, 4]
+            .map(Some)
+            .into_iter()
+            .chain([None; 3])
+            .collect::<Vec<_>>();
+        assert_eq!((ring.slots, ring.idx), (want, 5));
+        assert_eq!(
+            MlxRing::after_prompt(5, 8).temporal_order(),
+            [0, 1, 2, 3, 4]
+        );
+        // One token: a step of slots (the window here), the first written.
+        let ring = MlxRing::after_prompt(1, 600);
+        assert_eq!((ring.slots.len(), ring.idx), (256, 1));
+        // Past one prefill step: the second chunk keeps the window - 1 positions before it.
+        let ring = MlxRing::after_prompt(3000, 8);
+        assert_eq!(ring.slots.len(), 8);
+        assert_eq!(ring.temporal_order().len(), 8);
+        let order: Vec<_> = ring
+            .temporal_order()
+            .iter()
+            .map(|&s| ring.slots[s])
+            .collect();
+        assert_eq!(order, (2992..3000).map(Some).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn kv_capacities_follow_mlx_lm_growth() {
+        assert_eq!(mlx_kv_capacity(1), 256);
+        assert_eq!(mlx_kv_capacity(44), 256);
+        assert_eq!(mlx_kv_capacity(257), 512);
+        // 2048 at once, then 951 (past 2048: 4 more steps), then 1.
+        assert_eq!(mlx_kv_capacity(3000), 3072);
+        // 2048, then 1 (2049 > 2048: one more step).
+        assert_eq!(mlx_kv_capacity(2049), 2304);
+        // 2048, 2048, then 1: 4096 + 256.
+        assert_eq!(mlx_kv_capacity(4097), 4352);
+    }
+}
