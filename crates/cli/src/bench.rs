@@ -287,6 +287,7 @@ fn decode_batch(
             },
             requester: Box::new(requester),
             deadline: None,
+            memory: 0,
         })
         .map_err(|_| anyhow::anyhow!("the batcher's queue closed"))?;
     }
@@ -299,6 +300,7 @@ fn decode_batch(
         stats: Arc::default(),
         // Whole steps: the figures are the model's, not a schedule's.
         prefill_pause: None,
+        memory_budget: None,
     };
     // No end-of-sequence stop: every sequence decodes `n` tokens.
     let eos_ids = HashSet::new();

@@ -132,6 +132,13 @@ pub struct Args {
     device: oxlm_engine::Device,
     #[arg(long, value_parser = crate::parse_kv_cache, help = crate::KV_CACHE_HELP)]
     kv_cache: Option<oxlm_engine::KvPrecision>,
+    /// Bytes the server may take on its device (e.g. 6G): weights, the running requests'
+    /// caches, the prompt cache and a prompt chunk's activations. A request waits until its
+    /// cache at its longest (prompt and max_tokens) fits what the running ones leave; one that
+    /// never could is refused with a 400 (`memory_admission`). Default: the weights and 90% of
+    /// the memory free once they are loaded (host RAM within any cgroup limit, or the GPU's).
+    #[arg(long, value_parser = parse_size)]
+    memory_budget: Option<usize>,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -165,6 +172,7 @@ pub fn run(args: Args) -> Result<()> {
         max_queued_requests: args.max_queued_requests,
         request_timeout: args.request_timeout.map(Duration::from_secs_f64),
         kv_cache: args.kv_cache,
+        memory_budget: args.memory_budget,
         adapter_path: args.adapter_path,
         adapters_dir: args.adapters_dir,
         adapter_cache_size: args.adapter_cache_size,

@@ -33,6 +33,17 @@ impl Device {
         matches!(self, Device::Cpu)
     }
 
+    /// Bytes this process could still take on the device: a GPU's free memory; on the host,
+    /// the kernel's estimate of what can be allocated without swapping (`MemAvailable`), or
+    /// less where a memory cgroup limits this process.
+    pub fn available_memory(&self) -> Result<usize, EngineError> {
+        match self {
+            Device::Cpu => host_available_memory()
+                .ok_or_else(|| EngineError::Device("cannot read /proc/meminfo".into())),
+            Device::Cuda(gpu) => Ok(gpu.memory()?.0),
+        }
+    }
+
     /// Waits until the device has finished the work queued on it (a no-op on the CPU), so that
     /// a timer read afterwards covers it.
     pub fn synchronize(&self) -> Result<(), EngineError> {
@@ -41,6 +52,27 @@ impl Device {
             Device::Cuda(gpu) => gpu.synchronize(),
         }
     }
+}
+
+/// `MemAvailable`, less where a cgroup (v2, else v1) caps this process's memory nearer.
+fn host_available_memory() -> Option<usize> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    let available = kib * 1024;
+    let read =
+        |path: &str| -> Option<usize> { std::fs::read_to_string(path).ok()?.trim().parse().ok() };
+    let capped = [
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ]
+    .iter()
+    .find_map(|(limit, usage)| Some(read(limit)?.saturating_sub(read(usage)?)));
+    // An unlimited cgroup reads "max" (v2) or a huge number (v1).
+    Some(capped.map_or(available, |left| left.min(available)))
 }
 
 /// Runs one sequence's decode steps (forward passes of one token each) as cheaply as the

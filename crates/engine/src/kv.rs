@@ -147,6 +147,19 @@ impl KvRing {
         }
     }
 
+    /// Bytes a ring of `len` elements of this one's precision, on its device, holds: what
+    /// [`size_in_bytes`](Self::size_in_bytes) will say once it has grown to `len`.
+    pub fn bytes_for(&self, len: usize) -> usize {
+        match &self.storage {
+            RingStorage::HostF32(_) => len * 4,
+            RingStorage::HostF16(_) => len * 2,
+            RingStorage::HostQ8(_) => len + len.div_ceil(Q8_GROUP) * 8,
+            // f16 elements are packed two to a 32-bit word.
+            RingStorage::Cuda(r) if r.is_half() => len.div_ceil(2) * 4,
+            RingStorage::Cuda(_) => len * 4,
+        }
+    }
+
     /// Bytes of host or device memory held.
     pub fn size_in_bytes(&self) -> usize {
         match &self.storage {

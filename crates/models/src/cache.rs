@@ -5,6 +5,7 @@ use std::ops::Range;
 use oxlm_engine::ops::{self, KvView};
 use oxlm_engine::{Device, EngineError, KvPrecision, KvRing, Positions, Tensor};
 
+pub use crate::footprint::{CacheFootprint, LayerFootprint};
 pub use crate::recurrent_cache::RecurrentCache;
 pub use crate::rotating_cache::RotatingKvCache;
 use crate::TruncateError;
@@ -30,6 +31,12 @@ impl KvRings {
             keys: ring()?,
             values: ring()?,
         })
+    }
+
+    /// Bytes of keys and values of one slot: `kv_heads · head_dim` elements in each ring.
+    pub(crate) fn slot_bytes(&self, (kv_heads, head_dim): (usize, usize)) -> usize {
+        let row = kv_heads * head_dim;
+        self.keys.bytes_for(row) + self.values.bytes_for(row)
     }
 
     /// Moves `positions` from rings of `from` slots into new ones of `capacity`, one ring at a
@@ -272,6 +279,14 @@ impl KvCache {
     /// `(kv_heads, head_dim)`, to check that a cache fits the layer it is handed to.
     pub fn shape(&self) -> (usize, usize) {
         (self.kv_heads, self.head_dim)
+    }
+
+    /// What this cache will hold as it grows.
+    pub fn footprint(&self) -> LayerFootprint {
+        LayerFootprint::Full {
+            slot: self.rings.slot_bytes(self.shape()),
+            step: GROWTH_STEP,
+        }
     }
 
     fn grow_to(&mut self, needed: usize) -> Result<(), EngineError> {
@@ -582,6 +597,20 @@ impl Cache {
             })
             .collect::<Result<_, EngineError>>()?;
         Ok(Cache { layers, ..self })
+    }
+
+    /// What each layer will hold as the sequence grows.
+    pub fn footprint(&self) -> CacheFootprint {
+        let layers = self.layers.iter().map(|layer| match layer {
+            LayerCache::Kv(kv) => kv.footprint(),
+            LayerCache::Rotating(ring) => ring.footprint(),
+            LayerCache::Recurrent(r) => LayerFootprint::Fixed {
+                bytes: r.size_in_bytes(),
+            },
+        });
+        CacheFootprint {
+            layers: layers.collect(),
+        }
     }
 
     /// Bytes of device memory held by all layers.

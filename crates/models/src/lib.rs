@@ -7,6 +7,7 @@ pub mod checkpoint;
 mod decoder_grad;
 pub mod deepseek_v3;
 mod error;
+mod footprint;
 pub mod fuse;
 pub mod gemma3;
 pub mod gemma4;

@@ -4,7 +4,7 @@
 use oxlm_engine::ops::{KvTarget, KvView};
 use oxlm_engine::{Device, EngineError, KvPrecision, Positions, Tensor};
 
-use crate::cache::{AttentionCache, KvRings, MlxForm};
+use crate::cache::{AttentionCache, KvRings, LayerFootprint, MlxForm};
 
 /// Until the window fills, the ring grows in blocks of this many positions (as mlx-lm's
 /// `RotatingKVCache.step`), so that a short sequence does not reserve a whole window.
@@ -77,6 +77,15 @@ impl RotatingKvCache {
     /// `(kv_heads, head_dim)`, to check that a cache fits the layer it is handed to.
     pub fn shape(&self) -> (usize, usize) {
         (self.kv_heads, self.head_dim)
+    }
+
+    /// What this cache will hold as it grows.
+    pub fn footprint(&self) -> LayerFootprint {
+        LayerFootprint::Window {
+            slot: self.rings.slot_bytes(self.shape()),
+            window: self.window,
+            step: GROWTH_STEP,
+        }
     }
 
     /// Moves the positions still needed into a ring of `capacity` slots.

@@ -68,6 +68,12 @@ pub enum JobError {
     /// The job ran past its [`Job::deadline`].
     #[error("The request did not finish within the server's time limit")]
     DeadlineExceeded,
+    /// The job's cache would need more than the whole memory budget (see [`Job::memory`]).
+    #[error(
+        "This request needs {needed} bytes of cache memory (its prompt and max_tokens) but the \
+         server's memory budget for caches is {budget} bytes"
+    )]
+    Memory { needed: usize, budget: usize },
 }
 
 /// Who waits for a job's updates.
@@ -90,6 +96,10 @@ pub struct Job {
     /// Past it, the job ends with [`JobError::DeadlineExceeded`], between two steps or before
     /// its prompt goes through the model.
     pub deadline: Option<Instant>,
+    /// Bytes its cache may grow to (its prompt and `max_tokens`: see
+    /// [`MemoryPlan`](crate::memory::MemoryPlan)), charged against
+    /// [`BatcherSettings::memory_budget`] while it runs.
+    pub memory: usize,
 }
 
 /// Work on the model other than generation (an embedding), run on the batcher's thread between
@@ -125,6 +135,11 @@ pub struct BatcherSettings {
     /// decoding and those arriving: fewer prompt tokens than a prefill step go through where
     /// the model's measured prompt speed says a step would take longer. `None`: a whole step.
     pub prefill_pause: Option<Duration>,
+    /// Bytes the running jobs' caches may take together ([`Job::memory`] each): a job that
+    /// would take the running ones past it waits until enough of them have ended, and one that
+    /// needs more than all of it ends with [`JobError::Memory`]. So no running job fails for
+    /// memory. `None`: no limit.
+    pub memory_budget: Option<usize>,
 }
 
 /// What a batcher is doing, for whoever reports on it (a server's metrics): written by the
@@ -139,6 +154,8 @@ pub struct BatcherStats {
     prompt_cache_bytes: AtomicUsize,
     prefix_cache_queries: AtomicU64,
     prefix_cache_hits: AtomicU64,
+    memory_charged: AtomicUsize,
+    memory_budget: AtomicUsize,
 }
 
 /// [`BatcherStats`] at one moment.
@@ -161,6 +178,10 @@ pub struct BatcherSnapshot {
     /// vLLM counts its prefix cache's queries and hits.
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
+    /// Bytes of the memory budget that the running jobs hold ([`Job::memory`] each).
+    pub memory_charged: usize,
+    /// [`BatcherSettings::memory_budget`] (0: none).
+    pub memory_budget: usize,
 }
 
 impl BatcherStats {
@@ -175,6 +196,8 @@ impl BatcherStats {
             prompt_cache_bytes: load(&self.prompt_cache_bytes),
             prefix_cache_queries: self.prefix_cache_queries.load(Ordering::Relaxed),
             prefix_cache_hits: self.prefix_cache_hits.load(Ordering::Relaxed),
+            memory_charged: load(&self.memory_charged),
+            memory_budget: load(&self.memory_budget),
         }
     }
 
@@ -287,6 +310,9 @@ pub struct Batcher<'a> {
     stats: Arc<BatcherStats>,
     steps: StepTotals,
     prefill_pause: Option<Duration>,
+    memory_budget: Option<usize>,
+    /// Bytes of the budget the jobs in the batch hold, as last counted.
+    charged: usize,
     /// Prompt tokens per second of the last chunk that went through the model.
     prefill_rate: Option<f64>,
 }
@@ -309,6 +335,14 @@ impl StepTotals {
         self.host += steps.host_time().unwrap_or_default();
         self.gpu += steps.gpu_time().unwrap_or_default();
     }
+}
+
+/// Bytes of the memory budget that the jobs in the batch hold.
+fn charged(prompting: &VecDeque<Prompting>, active: &[Active]) -> usize {
+    let prompting = prompting.iter().map(|p| p.held.job.memory);
+    prompting
+        .chain(active.iter().map(|a| a.held.job.memory))
+        .sum()
 }
 
 /// Tokens of the prompt a GPU batcher runs once before its first job: enough for the paths a
@@ -360,6 +394,8 @@ impl<'a> Batcher<'a> {
             .stats
             .kv_capacity_tokens
             .store(capacity.saturating_mul(context), Ordering::Relaxed);
+        (settings.stats.memory_budget)
+            .store(settings.memory_budget.unwrap_or(0), Ordering::Relaxed);
         Batcher {
             model,
             tokenizer,
@@ -370,6 +406,8 @@ impl<'a> Batcher<'a> {
             stats: settings.stats,
             steps: StepTotals::default(),
             prefill_pause: settings.prefill_pause,
+            memory_budget: settings.memory_budget,
+            charged: 0,
             prefill_rate: None,
         }
     }
@@ -467,10 +505,25 @@ impl<'a> Batcher<'a> {
                     draining = true;
                     break;
                 }
+                if let Some(budget) = self.memory_budget {
+                    let needed = held.job.memory;
+                    if needed > budget {
+                        let held = waiting.pop_front().expect("a waiting job");
+                        held.end(Err(JobError::Memory { needed, budget }));
+                        continue;
+                    }
+                    // In its turn: the jobs behind it wait too, so that it is not starved.
+                    if charged(&prompting, &active) + needed > budget {
+                        break;
+                    }
+                }
                 let held = waiting.pop_front().expect("a waiting job");
                 if let Some(p) = self.begin(model, held) {
                     prompting.push_back(p);
                 }
+                // The prompt cache gives way (once the job has taken what it reuses of it).
+                self.charged = charged(&prompting, &active);
+                self.fit_prompt_cache();
             }
             self.publish(waiting.len(), &prompting, &active);
             // Between steps, at most one prefill step's worth of prompt tokens: many short
@@ -508,6 +561,15 @@ impl<'a> Batcher<'a> {
         self.publish(waiting.len(), &prompting, &active);
     }
 
+    /// Drops the least recently used prompt cache entries that the running jobs' share of the
+    /// memory budget leaves no room for: the budget covers both.
+    fn fit_prompt_cache(&mut self) {
+        if let Some(budget) = self.memory_budget {
+            self.prompt_cache
+                .shrink_to(budget.saturating_sub(self.charged));
+        }
+    }
+
     /// Prompt tokens to put through between two steps: a prefill step, or fewer where the
     /// measured prompt speed says it would take longer than the prefill pause.
     fn prefill_budget(&self, step: usize) -> usize {
@@ -524,7 +586,8 @@ impl<'a> Batcher<'a> {
 
     /// Tells [`BatcherStats`] where the batch stands: the jobs in it and behind it, the
     /// context their caches hold, and the prompt cache's size.
-    fn publish(&self, waiting: usize, prompting: &VecDeque<Prompting>, active: &[Active]) {
+    fn publish(&mut self, waiting: usize, prompting: &VecDeque<Prompting>, active: &[Active]) {
+        self.charged = charged(prompting, active);
         let stats = &self.stats;
         let kv_tokens = prompting.iter().map(|p| p.cache.offset);
         let kv_tokens: usize = kv_tokens.chain(active.iter().map(|a| a.cache.offset)).sum();
@@ -534,6 +597,7 @@ impl<'a> Batcher<'a> {
         store(&stats.kv_tokens, kv_tokens);
         store(&stats.prompt_cache_entries, self.prompt_cache.len());
         store(&stats.prompt_cache_bytes, self.prompt_cache.bytes());
+        store(&stats.memory_charged, self.charged);
     }
 
     /// Takes `held` into the batch: its cache (from the prompt cache where a prefix is there)
@@ -628,6 +692,8 @@ impl<'a> Batcher<'a> {
                 // What went through is kept, as for a generation cut short.
                 let tokens = p.held.job.prompt[..p.cache.offset].to_vec();
                 self.prompt_cache.insert(p.held.key(), tokens, p.cache);
+                self.charged = self.charged.saturating_sub(p.held.job.memory);
+                self.fit_prompt_cache();
                 p.held.end(Ok(FinishReason::Cancelled));
                 return Prompted::Ended;
             }
@@ -693,6 +759,7 @@ impl<'a> Batcher<'a> {
                 if let Ok(snapshot) = p.cache.try_clone() {
                     let tokens = prompt[..end].to_vec();
                     self.prompt_cache.insert(p.held.key(), tokens, snapshot);
+                    self.fit_prompt_cache();
                 }
             }
         }
@@ -805,6 +872,9 @@ impl<'a> Batcher<'a> {
             .collect();
         if tokens.len() == cache.offset {
             self.prompt_cache.insert(held.key(), tokens, cache);
+            // The job has ended: its share of the budget is the prompt cache's now.
+            self.charged = self.charged.saturating_sub(held.job.memory);
+            self.fit_prompt_cache();
         }
     }
 }

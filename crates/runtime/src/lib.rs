@@ -11,6 +11,7 @@ pub mod generation_config;
 pub mod hub;
 pub mod loaded;
 pub mod lora;
+pub mod memory;
 pub mod prompt_cache;
 pub mod prompt_cache_file;
 pub mod sampler;

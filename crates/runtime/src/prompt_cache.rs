@@ -89,6 +89,13 @@ impl<K: PartialEq> PromptCache<K> {
         Some(Reused { cache, tokens })
     }
 
+    /// Drops the least recently used entries until they hold `max_bytes` at most.
+    pub fn shrink_to(&mut self, max_bytes: usize) {
+        while self.bytes > max_bytes && !self.entries.is_empty() {
+            self.bytes -= self.entries.remove(0).bytes;
+        }
+    }
+
     /// Keeps `cache`, the state `model` computed after `tokens`, as the most recently used entry.
     pub fn insert(&mut self, model: K, tokens: Vec<u32>, cache: Cache) {
         debug_assert_eq!(cache.offset, tokens.len());

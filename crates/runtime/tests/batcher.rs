@@ -160,6 +160,8 @@ struct Ask {
     prefill_step: usize,
     cancel_after: Option<usize>,
     deadline: Option<Instant>,
+    /// Bytes charged against the run's memory budget.
+    memory: usize,
 }
 
 fn ask(prompt: &str, max_tokens: usize) -> Ask {
@@ -172,6 +174,7 @@ fn ask(prompt: &str, max_tokens: usize) -> Ask {
         prefill_step: 2048,
         cancel_after: None,
         deadline: None,
+        memory: 0,
     }
 }
 
@@ -219,6 +222,7 @@ struct Run {
     cache_entries: usize,
     shutdown: bool,
     prefill_pause: Option<Duration>,
+    memory_budget: Option<usize>,
 }
 
 const TOGETHER: Run = Run {
@@ -226,6 +230,7 @@ const TOGETHER: Run = Run {
     cache_entries: 0,
     shutdown: false,
     prefill_pause: None,
+    memory_budget: None,
 };
 
 const ALONE: Run = Run {
@@ -256,6 +261,7 @@ fn job(tokenizer: &Tokenizer, a: &Ask) -> (Job, Log) {
             tokens: AtomicUsize::new(0),
         }),
         deadline: a.deadline,
+        memory: a.memory,
     };
     (job, log)
 }
@@ -282,6 +288,7 @@ fn run_batcher(tokenizer: &Tokenizer, model: &Recording, queue: &mpsc::Receiver<
         shutdown: Arc::new(AtomicBool::new(run.shutdown)),
         stats: model.stats.clone(),
         prefill_pause: run.prefill_pause,
+        memory_budget: run.memory_budget,
     };
     // No end-of-sequence ids: every job runs for as many tokens as it asks.
     let eos_ids = HashSet::new();
@@ -715,6 +722,8 @@ fn the_batcher_reports_its_queue_and_prompt_cache() {
         prompt_cache_bytes: kept,
         prefix_cache_queries: (3 * n + m) as u64,
         prefix_cache_hits: (n - 1) as u64,
+        memory_charged: 0,
+        memory_budget: 0,
     };
     assert_eq!(end, expected_end);
     assert_eq!(end.kv_usage(), 0.0);
@@ -723,4 +732,64 @@ fn the_batcher_reports_its_queue_and_prompt_cache() {
         ..expected_end
     };
     assert_eq!(half.kv_usage(), 0.5);
+}
+
+/// Under a memory budget, a job waits until the jobs running leave it room, in its turn (those
+/// behind it wait too), and one that needs more than the whole budget ends at once with the
+/// figures; the budget is never passed, and every job admitted gets what it gets alone.
+#[test]
+fn jobs_wait_for_memory_and_one_that_never_fits_is_refused() {
+    let (tokenizer, model) = load("llama-4bit-g64");
+    let alone: Vec<Served> = serve(&tokenizer, &model, &four(), ALONE)
+        .iter()
+        .map(served)
+        .collect();
+    model.calls();
+    let charges = [40, 30, 50, 20];
+    let mut asks: Vec<Ask> = four()
+        .into_iter()
+        .zip(charges)
+        .map(|(a, memory)| Ask { memory, ..a })
+        .collect();
+    asks.insert(
+        2,
+        Ask {
+            memory: 101,
+            ..ask("Far too long", 8)
+        },
+    );
+    let budget = Run {
+        memory_budget: Some(100),
+        cache_entries: 4,
+        ..TOGETHER
+    };
+    let mut logs: Vec<Served> = serve(&tokenizer, &model, &asks, budget)
+        .iter()
+        .map(served)
+        .collect();
+    let refused = logs.remove(2);
+    assert_eq!(refused.cached_tokens, None);
+    assert_eq!(
+        refused.end,
+        Err(
+            "This request needs 101 bytes of cache memory (its prompt and max_tokens) but the \
+             server's memory budget for caches is 100 bytes"
+                .into()
+        )
+    );
+    // The prompt cache's entries differ (jobs that ran apart reuse each other's state).
+    let tokens = |s: &[Served]| -> Vec<(Vec<u32>, String)> {
+        s.iter()
+            .map(|s| (s.tokens.clone(), s.text.clone()))
+            .collect()
+    };
+    assert_eq!(tokens(&logs), tokens(&alone));
+    let seen = model.calls_with_stats();
+    assert!(seen.iter().all(|(_, s)| s.memory_charged <= 100));
+    // 40 + 30 run together; 50 waits for the second to end (90), and 20 behind it, though it
+    // fits, until the first ends too.
+    let most = seen.iter().map(|(_, s)| s.memory_charged).max();
+    assert_eq!(most, Some(90));
+    assert!(seen.iter().all(|(_, s)| s.running <= 2));
+    assert_eq!(model.stats.snapshot().memory_charged, 0);
 }

@@ -117,6 +117,15 @@ impl ApiError {
         }
     }
 
+    /// 400: a request whose cache at its longest (prompt and `max_tokens`) would need more
+    /// than the server's whole memory budget for caches.
+    pub fn memory_admission(needed: usize, budget: usize) -> Self {
+        ApiError {
+            code: Some("memory_admission"),
+            ..Self::invalid(JobError::Memory { needed, budget }.to_string())
+        }
+    }
+
     pub fn server(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
     }
@@ -266,6 +275,7 @@ impl From<JobError> for ApiError {
         match error {
             JobError::ShuttingDown => ApiError::unavailable(error.to_string()),
             JobError::DeadlineExceeded => ApiError::timed_out(error.to_string()),
+            JobError::Memory { needed, budget } => ApiError::memory_admission(needed, budget),
             error => ApiError::server(error.to_string()),
         }
     }
@@ -286,6 +296,8 @@ pub enum ServeError {
     /// groups): refused at start rather than failing every request.
     #[error("--kv-cache: {0}")]
     KvCache(#[source] oxlm_models::ForwardError),
+    #[error(transparent)]
+    Budget(#[from] oxlm_runtime::memory::BudgetError),
     #[error("cannot listen on {address}: {source}")]
     Bind {
         address: String,

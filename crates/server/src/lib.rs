@@ -43,7 +43,8 @@ use oxlm_runtime::constraint::Grammars;
 use oxlm_runtime::embed::{EmbedError, Embedder};
 use oxlm_runtime::generate::DEFAULT_PREFILL_STEP;
 use oxlm_runtime::generation_config::SamplingDefaults;
-use oxlm_runtime::{LoadedModel, RuntimeError};
+use oxlm_runtime::memory::{weights_bytes, CacheBudget, MemoryPlan};
+use oxlm_runtime::{GenerateOptions, LoadedModel, RuntimeError};
 use serde_json::{Map, Value};
 
 pub use error::{ApiError, ServeError};
@@ -54,7 +55,7 @@ use crate::metrics::{Readiness, Telemetry};
 use crate::parsers::ToolFormat;
 use crate::request::Defaults;
 use crate::response_store::{ResponseStore, StoreLimits};
-use crate::worker::Worker;
+use crate::worker::{Admission, Worker};
 
 /// Server settings; `Default` gives mlx_lm.server's defaults.
 #[derive(Debug, Clone)]
@@ -109,6 +110,12 @@ pub struct Settings {
     pub request_timeout: Option<Duration>,
     /// The KV cache's precision; `None`: the device's default.
     pub kv_cache: Option<KvPrecision>,
+    /// Bytes the server may take on its device: weights, the running requests' caches, the
+    /// prompt cache and a prompt chunk's activations. A request is admitted when its cache at
+    /// its longest (prompt and `max_tokens`) fits what the running ones leave, waits while it
+    /// does not, and is refused with a 400 if it never could (`None`: the weights and nine
+    /// tenths of what the device has free once they are loaded).
+    pub memory_budget: Option<usize>,
     /// The adapter of requests that name none (mlx_lm.server's `--adapter-path`).
     pub adapter_path: Option<PathBuf>,
     /// Where the adapters that requests name live; names resolve inside it only.
@@ -201,6 +208,7 @@ impl Default for Settings {
             max_queued_requests: None,
             request_timeout: None,
             kv_cache: None,
+            memory_budget: None,
             adapter_path: None,
             adapters_dir: None,
             adapter_cache_size: 8,
@@ -319,9 +327,33 @@ impl Server {
         let think = model.tokenizer.think_markers();
         let model_id = telemetry.model_id().to_owned();
         let base = model.model.as_ref();
-        if let Some(precision) = settings.kv_cache {
-            base.new_cache_in(precision).map_err(ServeError::KvCache)?;
-        }
+        let plan_options = GenerateOptions {
+            max_tokens: settings.max_tokens,
+            sampler: Default::default(),
+            prefill_step: settings.prefill_step,
+            kv_cache: settings.kv_cache,
+        };
+        // Also refuses caches of a precision this model's heads cannot take, at start rather
+        // than in every request.
+        let plan = MemoryPlan::new(base, &plan_options).map_err(|e| match e {
+            RuntimeError::Forward(e) => ServeError::KvCache(e),
+            e => ServeError::Runtime(e),
+        })?;
+        let weights = weights_bytes(model_dir)?;
+        let budget = CacheBudget::new(
+            settings.memory_budget,
+            &settings.device,
+            weights,
+            plan.prefill_reserve,
+        )?;
+        settings.info(format_args!(
+            "Memory budget: {} MB ({} MB of weights, {} MB for a prompt chunk, {} MB for the \
+             caches)",
+            budget.total >> 20,
+            budget.weights >> 20,
+            budget.reserved >> 20,
+            budget.caches >> 20
+        ));
         let default_adapter = match &settings.adapter_path {
             Some(dir) => Some(Arc::new(Adapter::load(dir, base)?)),
             None => None,
@@ -339,7 +371,15 @@ impl Server {
             bytes: settings.response_store_bytes,
             max_idle: settings.response_store_ttl,
         });
-        let worker = Worker::spawn(model.clone(), &settings, telemetry.clone())?;
+        let worker = Worker::spawn(
+            model.clone(),
+            &settings,
+            Admission {
+                plan,
+                budget: budget.caches,
+            },
+            telemetry.clone(),
+        )?;
         Ok(Server {
             state: Arc::new(AppState {
                 model,

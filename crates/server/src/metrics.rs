@@ -182,6 +182,17 @@ impl Collector for BatcherMetrics {
             "vllm:prefix_cache_hits",
             "Prompt tokens whose model state came from the prompt cache.",
             &ConstCounter::new(now.prefix_cache_hits),
+        )?;
+        put(
+            "oxlm:memory_budget_bytes",
+            "Bytes the running requests' caches and the prompt cache may take together.",
+            &ConstGauge::new(now.memory_budget as i64),
+        )?;
+        put(
+            "oxlm:memory_charged_bytes",
+            "Bytes of the memory budget the running requests hold: each its cache at its \
+             longest (prompt and max_tokens).",
+            &ConstGauge::new(now.memory_charged as i64),
         )
     }
 }
@@ -322,6 +333,10 @@ impl Telemetry {
                 "usage": batcher.kv_usage(),
                 "tokens": batcher.kv_tokens,
                 "capacity_tokens": batcher.kv_capacity_tokens,
+            },
+            "memory": {
+                "budget_bytes": batcher.memory_budget,
+                "charged_bytes": batcher.memory_charged,
             },
             "prefix_cache": {
                 "queries": batcher.prefix_cache_queries,

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use oxlm_models::LanguageModel;
 use oxlm_runtime::adapter_store::Adapter;
 use oxlm_runtime::batcher::{Batcher, BatcherSettings, Job, JobError, Requester, Update, Work};
+use oxlm_runtime::memory::MemoryPlan;
 use oxlm_runtime::{GenerateOptions, LoadedModel, StreamOptions};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::watch;
@@ -19,6 +20,13 @@ use tokio::sync::watch;
 use crate::error::ApiError;
 use crate::metrics::{RequestTimer, Telemetry};
 use crate::Settings;
+
+/// What requests are admitted by: how their caches grow, and the bytes all of them running may
+/// take (see [`BatcherSettings::memory_budget`]).
+pub struct Admission {
+    pub plan: MemoryPlan,
+    pub budget: usize,
+}
 
 /// A request waiting for its job's updates.
 struct Request {
@@ -99,6 +107,7 @@ pub struct Worker {
     request_timeout: Option<Duration>,
     /// Where the batcher and the requests' timers report.
     telemetry: Arc<Telemetry>,
+    admission: Admission,
 }
 
 /// What a refused request is told to wait before it tries again.
@@ -111,6 +120,7 @@ impl Worker {
     pub fn spawn(
         model: Arc<LoadedModel>,
         serving: &Settings,
+        admission: Admission,
         telemetry: Arc<Telemetry>,
     ) -> std::io::Result<Self> {
         let (jobs, queue) = mpsc::channel::<Work>();
@@ -123,6 +133,7 @@ impl Worker {
             shutdown: shutdown.clone(),
             stats: telemetry.batcher_stats(),
             prefill_pause: serving.prefill_pause,
+            memory_budget: Some(admission.budget),
         };
         let thread = std::thread::Builder::new()
             .name("oxlm-generate".into())
@@ -147,6 +158,7 @@ impl Worker {
                 .map(|queued| decode_concurrency + queued),
             request_timeout: serving.request_timeout,
             telemetry,
+            admission,
         })
     }
 
@@ -172,6 +184,11 @@ impl Worker {
         if self.shutdown.load(Ordering::Relaxed) {
             return Err(JobError::ShuttingDown.into());
         }
+        // One that could never fit is refused here; one that fits later waits in the queue.
+        let memory = (self.admission.plan).sequence_bytes(prompt.len(), options.max_tokens);
+        if memory > self.admission.budget {
+            return Err(ApiError::memory_admission(memory, self.admission.budget));
+        }
         let taken = self.outstanding.fetch_add(1, Ordering::Relaxed);
         if self.max_outstanding.is_some_and(|max| taken >= max) {
             self.outstanding.fetch_sub(1, Ordering::Relaxed);
@@ -196,6 +213,7 @@ impl Worker {
                 timer,
             }),
             deadline,
+            memory,
         };
         let running = Running {
             updates: receiver,

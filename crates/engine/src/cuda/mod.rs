@@ -288,6 +288,11 @@ impl Gpu {
         self.inner.stream.synchronize().map_err(err)
     }
 
+    /// Bytes of device memory free now, and in all.
+    pub fn memory(&self) -> Result<(usize, usize), EngineError> {
+        self.inner.stream.context().mem_get_info().map_err(err)
+    }
+
     pub(crate) fn stream(&self) -> &Arc<CudaStream> {
         &self.inner.stream
     }

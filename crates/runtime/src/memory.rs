@@ -1,0 +1,135 @@
+//! Memory: what a model's weights and each sequence's cache take, what the device has, and the
+//! budget a server admits requests by (see [`crate::batcher::BatcherSettings::memory_budget`]).
+//! The cache's growth is exact ([`CacheFootprint`]); a prompt chunk's activations are bounded
+//! by an estimate, reserved once since one chunk goes through at a time.
+
+use std::path::Path;
+
+use oxlm_engine::Device;
+use oxlm_models::cache::CacheFootprint;
+use oxlm_models::{LanguageModel, ModelInfo};
+
+use crate::{GenerateOptions, RuntimeError};
+
+/// Of what the device has free after loading, the share a default budget takes: the rest is
+/// left for what is not counted (the tokenizer, the allocator's slack, other processes).
+const DEFAULT_SHARE: f64 = 0.9;
+
+/// f32 rows of the model's width that one prompt token's activations take at most, across a
+/// layer's norms, projections and its MLP's expansion (about 3-4 widths each for gate, up and
+/// their product), and the quantized copies of the inputs: a bound that held with room to spare
+/// on every architecture measured.
+const ACTIVATION_ROWS_PER_TOKEN: usize = 16;
+
+/// What one model's sequences need, as they grow.
+#[derive(Debug, Clone)]
+pub struct MemoryPlan {
+    /// How each cache layer grows (in the precision the server keeps caches in).
+    pub footprint: CacheFootprint,
+    /// Prompt tokens that go through the model at once at most (the prefill step).
+    pub chunk: usize,
+    pub max_context: Option<usize>,
+    /// Bytes of a prompt chunk's activations at most (see [`prefill_reserve`]).
+    pub prefill_reserve: usize,
+}
+
+impl MemoryPlan {
+    /// The plan for `model`'s caches as `options` makes them. Makes one empty cache (on the
+    /// model's device: call it where the model's device may be used).
+    pub fn new(model: &dyn LanguageModel, options: &GenerateOptions) -> Result<Self, RuntimeError> {
+        let info = model.info();
+        Ok(MemoryPlan {
+            footprint: options.new_cache(model)?.footprint(),
+            chunk: options.prefill_step.max(1),
+            max_context: info.max_context,
+            prefill_reserve: prefill_reserve(info, options.prefill_step),
+        })
+    }
+
+    /// The most bytes the cache of a sequence of `prompt` tokens and up to `max_tokens` more
+    /// holds (never past the model's context).
+    pub fn sequence_bytes(&self, prompt: usize, max_tokens: usize) -> usize {
+        let tokens = prompt.saturating_add(max_tokens);
+        let tokens = self.max_context.map_or(tokens, |limit| tokens.min(limit));
+        self.footprint.bytes_at(tokens, self.chunk)
+    }
+}
+
+/// Bytes that a prompt chunk of `chunk` tokens takes while it goes through `info`'s model, at
+/// most ([`ACTIVATION_ROWS_PER_TOKEN`] f32 rows of its width a token).
+pub fn prefill_reserve(info: &ModelInfo, chunk: usize) -> usize {
+    chunk.max(1) * info.hidden_size * ACTIVATION_ROWS_PER_TOKEN * 4
+}
+
+/// Bytes of the checkpoint's weights as stored (its safetensors files), which the model holds
+/// once loaded, on the host or on a GPU.
+pub fn weights_bytes(dir: &Path) -> std::io::Result<usize> {
+    let mut total = 0;
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            total += std::fs::metadata(&path)?.len() as usize;
+        }
+    }
+    Ok(total)
+}
+
+/// How a server's memory is divided: what its caches may take together, and what it was
+/// worked out from (for the log and for a refusal's message).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheBudget {
+    /// Bytes the running sequences' caches may take together.
+    pub caches: usize,
+    /// The whole budget: `--memory-budget`, or the default worked out from the device.
+    pub total: usize,
+    pub weights: usize,
+    /// Set aside for a prompt chunk's activations.
+    pub reserved: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BudgetError {
+    #[error(
+        "--memory-budget {total} bytes leaves nothing for caches: the weights take {weights} bytes \
+         and {reserved} more are set aside for a prompt chunk's activations"
+    )]
+    TooSmall {
+        total: usize,
+        weights: usize,
+        reserved: usize,
+    },
+    #[error("cannot tell how much memory the device has: {0}")]
+    Device(#[from] oxlm_engine::EngineError),
+}
+
+impl CacheBudget {
+    /// The caches' share of `total` bytes (`None`: the weights, loaded, and what is free on
+    /// `device`, less a margin), once `weights` and `reserved` bytes are set aside. Refuses a
+    /// budget that leaves nothing for caches.
+    pub fn new(
+        total: Option<usize>,
+        device: &Device,
+        weights: usize,
+        reserved: usize,
+    ) -> Result<Self, BudgetError> {
+        let total = match total {
+            Some(total) => total,
+            // Loaded weights are no longer free: the default counts them back in.
+            None => weights + (device.available_memory()? as f64 * DEFAULT_SHARE) as usize,
+        };
+        let caches = total.saturating_sub(weights + reserved);
+        if caches == 0 {
+            return Err(BudgetError::TooSmall {
+                total,
+                weights,
+                reserved,
+            });
+        }
+        Ok(CacheBudget {
+            caches,
+            total,
+            weights,
+            reserved,
+        })
+    }
+}
