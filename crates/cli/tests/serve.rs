@@ -267,10 +267,12 @@ fn the_kv_cache_flag_reaches_generate_and_serve() {
 fn lines_after_shutdown(serve: Serve, signal: &str, grace: &str) -> Vec<String> {
     let (status, lines) = serve.wait();
     assert!(status.success(), "{status}");
-    assert!(lines[0].starts_with("Serving "), "{lines:?}");
+    // The startup lines: the memory budget, then where it serves.
+    assert!(lines[0].starts_with("Memory budget: "), "{lines:?}");
+    assert!(lines[1].starts_with("Serving "), "{lines:?}");
     let lines: Vec<String> = lines
         .into_iter()
-        .skip(1)
+        .skip(2)
         .filter(|line| !line.starts_with("GET /health 200 "))
         .collect();
     let announced =

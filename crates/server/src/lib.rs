@@ -347,12 +347,12 @@ impl Server {
             plan.prefill_reserve,
         )?;
         settings.info(format_args!(
-            "Memory budget: {} MB ({} MB of weights, {} MB for a prompt chunk, {} MB for the \
-             caches)",
-            budget.total >> 20,
-            budget.weights >> 20,
-            budget.reserved >> 20,
-            budget.caches >> 20
+            "Memory budget: {:.1} MB ({:.1} MB of weights, {:.1} MB for a prompt chunk, {:.1} MB \
+             for the caches)",
+            budget.total as f64 / 1e6,
+            budget.weights as f64 / 1e6,
+            budget.reserved as f64 / 1e6,
+            budget.caches as f64 / 1e6
         ));
         let default_adapter = match &settings.adapter_path {
             Some(dir) => Some(Arc::new(Adapter::load(dir, base)?)),
