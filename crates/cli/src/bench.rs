@@ -17,8 +17,9 @@ use oxlm_engine::{ops, DecodeSteps, KvPrecision};
 use oxlm_models::{Cache, LanguageModel, Logits};
 use oxlm_runtime::batcher::{Batcher, BatcherSettings, Job, Requester, Update};
 use oxlm_runtime::constraint::{Grammar, Grammars};
-use oxlm_runtime::generate::{decode_step, peak_memory_bytes, Stepped, DEFAULT_PREFILL_STEP};
+use oxlm_runtime::generate::{decode_step, Stepped, DEFAULT_PREFILL_STEP};
 use oxlm_runtime::hub::resolve_model;
+use oxlm_runtime::memory::peak_resident_bytes;
 use oxlm_runtime::sampler::SamplerConfig;
 use oxlm_runtime::tokenizer::Tokenizer;
 use oxlm_runtime::{GenerateOptions, StreamOptions};
@@ -589,7 +590,7 @@ pub fn run(args: Args) -> Result<()> {
         "decode_gpu_us_per_step": (!gpu_us.is_empty()).then(|| median(gpu_us)),
         "depths": depths,
         "batches": batches,
-        "peak_rss_bytes": peak_memory_bytes(),
+        "peak_rss_bytes": peak_resident_bytes(),
         "trace": trace,
     });
     say!("{report}");

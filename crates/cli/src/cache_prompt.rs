@@ -11,8 +11,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use oxlm_models::lora::AdaptedModel;
 use oxlm_models::LanguageModel;
-use oxlm_runtime::generate::{peak_memory_bytes, prefill_reporting, Event, DEFAULT_PREFILL_STEP};
+use oxlm_runtime::generate::{prefill_reporting, Event, DEFAULT_PREFILL_STEP};
 use oxlm_runtime::hub::resolve_model;
+use oxlm_runtime::memory::peak_resident_bytes;
 use oxlm_runtime::prompt_cache_file::{
     self, cached_prompt_ids, tokenizer_config_json, MODEL_KEY, TOKENIZER_CONFIG_KEY,
 };
@@ -135,7 +136,7 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(err) = failed {
         return Err(err.into());
     }
-    let peak = peak_memory_bytes().unwrap_or(0) as f64 / 1e9;
+    let peak = peak_resident_bytes().unwrap_or(0) as f64 / 1e9;
     say!("");
     say!("Peak memory: {peak:.3} GB");
     say!("Saving...");

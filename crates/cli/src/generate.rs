@@ -9,10 +9,10 @@ use oxlm_models::lora::AdaptedModel;
 use oxlm_models::LanguageModel;
 use oxlm_runtime::constraint::Grammar;
 use oxlm_runtime::generate::{
-    generate_stream, generate_stream_after_cache, peak_memory_bytes, Event, StreamOptions,
-    DEFAULT_PREFILL_STEP,
+    generate_stream, generate_stream_after_cache, Event, StreamOptions, DEFAULT_PREFILL_STEP,
 };
 use oxlm_runtime::hub::resolve_model;
+use oxlm_runtime::memory::peak_resident_bytes;
 use oxlm_runtime::prompt_cache_file::{prompt_after_cache, PromptCacheFile};
 use oxlm_runtime::sampler::SamplerConfig;
 use oxlm_runtime::{GenerateOptions, LoadedModel};
@@ -271,7 +271,7 @@ pub fn run(args: Args) -> Result<()> {
         generation.tokens.len(),
         generation.generation_tps
     )?;
-    let peak = peak_memory_bytes().unwrap_or(0) as f64 / 1e9;
+    let peak = peak_resident_bytes().unwrap_or(0) as f64 / 1e9;
     writeln!(out, "Peak memory: {peak:.3} GB")?;
     Ok(())
 }

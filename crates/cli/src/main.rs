@@ -10,6 +10,7 @@ mod bench;
 mod cache_prompt;
 mod convert;
 mod embed;
+mod fit;
 mod fuse;
 mod generate;
 mod lora;
@@ -40,6 +41,9 @@ enum Command {
     /// Convert a Hugging Face model to MLX format (optionally quantized), as `mlx_lm.convert`
     /// does.
     Convert(convert::Args),
+    /// What a model needs in memory on a device, and the context, sequences and decode speed
+    /// that fit there.
+    Fit(fit::Args),
     /// Merge LoRA adapters into a new MLX checkpoint, as `mlx_lm.fuse` does.
     Fuse(fuse::Args),
     /// Fine-tune LoRA adapters, as `mlx_lm.lora` does.
@@ -188,6 +192,7 @@ fn main() {
         Command::Lora(args) => lora::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Embed(args) => embed::run(args),
+        Command::Fit(args) => fit::run(args),
         Command::Bench(args) => bench::run(args),
     };
     if let Err(err) = result {

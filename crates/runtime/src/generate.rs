@@ -519,11 +519,3 @@ pub fn prefill(
     }
     Ok(logits)
 }
-
-/// The process's peak resident memory in bytes (Linux), for the report mlx-lm prints.
-pub fn peak_memory_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}

@@ -133,3 +133,116 @@ impl CacheBudget {
         })
     }
 }
+
+/// Bytes of this process's memory resident now (`VmRSS`); `None` where /proc cannot tell.
+pub fn resident_bytes() -> Option<usize> {
+    proc_status_kib("VmRSS:").map(|kib| kib * 1024)
+}
+
+/// The most bytes this process has had resident (`VmHWM`): the peak memory mlx-lm reports.
+pub fn peak_resident_bytes() -> Option<usize> {
+    proc_status_kib("VmHWM:").map(|kib| kib * 1024)
+}
+
+/// Starts [`peak_resident_bytes`] over from what is resident now (Linux's `clear_refs` 5);
+/// false where the kernel does not allow it.
+pub fn reset_peak_resident() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+fn proc_status_kib(field: &str) -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Memory the device holds for this process, as a measure around a piece of work: resident
+/// bytes on the host, bytes taken from the GPU's free memory on a GPU.
+#[derive(Debug, Clone)]
+pub struct Meter {
+    device: Device,
+    /// The GPU's free bytes when the meter started.
+    gpu_free: usize,
+}
+
+impl Meter {
+    pub fn start(device: &Device) -> Result<Self, oxlm_engine::EngineError> {
+        let gpu_free = match device {
+            Device::Cpu => 0,
+            Device::Cuda(_) => device.available_memory()?,
+        };
+        Ok(Meter {
+            device: device.clone(),
+            gpu_free,
+        })
+    }
+
+    /// Bytes held now: resident on the host; taken since the start on a GPU.
+    pub fn used(&self) -> Result<usize, oxlm_engine::EngineError> {
+        match &self.device {
+            Device::Cpu => Ok(resident_bytes().unwrap_or(0)),
+            Device::Cuda(_) => {
+                self.device.synchronize()?;
+                Ok(self
+                    .gpu_free
+                    .saturating_sub(self.device.available_memory()?))
+            }
+        }
+    }
+
+    /// The most bytes held since [`reset_peak`](Self::reset_peak) on the host; on a GPU, what
+    /// is held now (a pool keeps what a pass took until it is asked back).
+    pub fn peak(&self) -> Result<usize, oxlm_engine::EngineError> {
+        match &self.device {
+            Device::Cpu => Ok(peak_resident_bytes().unwrap_or(0)),
+            Device::Cuda(_) => self.used(),
+        }
+    }
+
+    pub fn reset_peak(&self) {
+        if self.device.is_cpu() {
+            reset_peak_resident();
+        }
+    }
+}
+
+/// Bytes a second the device's memory streams, measured: on the host, every thread summing its
+/// share of a buffer larger than any cache; on a GPU, a device-to-device copy (which reads and
+/// writes each byte). The best of a few passes.
+pub fn measure_bandwidth(device: &Device) -> Result<f64, oxlm_engine::EngineError> {
+    const BYTES: usize = 512 << 20;
+    const PASSES: usize = 4;
+    let mut best = f64::MAX;
+    match device {
+        Device::Cpu => {
+            let words: Vec<u64> = (0..BYTES / 8).map(|i| i as u64).collect();
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let share = words.len().div_ceil(threads);
+            for _ in 0..PASSES {
+                let start = std::time::Instant::now();
+                let sum: u64 = std::thread::scope(|scope| {
+                    let parts: Vec<_> = words
+                        .chunks(share)
+                        .map(|part| scope.spawn(move || part.iter().fold(0u64, |a, &w| a ^ w)))
+                        .collect();
+                    parts.into_iter().map(|p| p.join().unwrap_or(0)).sum()
+                });
+                std::hint::black_box(sum);
+                best = best.min(start.elapsed().as_secs_f64());
+            }
+            Ok(BYTES as f64 / best)
+        }
+        Device::Cuda(_) => {
+            let buffer = oxlm_engine::Tensor::zeros(vec![BYTES / 4], device)?;
+            for _ in 0..PASSES {
+                device.synchronize()?;
+                let start = std::time::Instant::now();
+                let copy = buffer.try_clone()?;
+                device.synchronize()?;
+                best = best.min(start.elapsed().as_secs_f64());
+                drop(copy);
+            }
+            Ok(2.0 * BYTES as f64 / best)
+        }
+    }
+}

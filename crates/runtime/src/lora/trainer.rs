@@ -18,7 +18,7 @@ use super::adam::Adam;
 use super::batches::{Batches, TooSmall};
 use super::data::Dataset;
 use super::np_random::NumpyRandom;
-use crate::generate::peak_memory_bytes;
+use crate::memory::peak_resident_bytes;
 
 #[derive(Debug, Error)]
 pub enum TrainError {
@@ -239,7 +239,7 @@ pub fn train(
                 iterations_per_second: args.steps_per_report as f64 / train_time,
                 tokens_per_second: tokens as f64 / train_time,
                 trained_tokens,
-                peak_memory_gb: peak_memory_bytes().unwrap_or(0) as f64 / 1e9,
+                peak_memory_gb: peak_resident_bytes().unwrap_or(0) as f64 / 1e9,
             };
             on_event(Event::Report(&report));
             (losses, tokens, steps, train_time) = (0.0, 0, 0, 0.0);
