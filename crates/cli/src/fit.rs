@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use oxlm_models::cache::LayerFootprint;
+use oxlm_models::cache::{CacheFootprint, LayerFootprint};
 use oxlm_models::Logits;
 use oxlm_runtime::generate::DEFAULT_PREFILL_STEP;
 use oxlm_runtime::hub::resolve_model;
@@ -82,7 +82,13 @@ pub fn run(args: Args) -> Result<()> {
         .map_or(args.ctx, |limit| args.ctx.min(limit));
     let cache_at_ctx = plan.footprint.bytes_at(ctx, plan.chunk);
     // The process's peak for one sequence of the context, as `generate` reports it.
-    let peak = load_peak.max(before + loaded_bytes + cache_at_ctx + activations);
+    // The host commits a cache's zeroed pages as positions are written, a GPU all it reserves.
+    let cache_resident = if device.is_cpu() {
+        written(&plan.footprint).bytes_at(ctx, plan.chunk)
+    } else {
+        cache_at_ctx
+    };
+    let peak = load_peak.max(before + loaded_bytes + cache_resident + activations);
     let room = free.saturating_sub(activations);
     let longest = plan.footprint.max_tokens_within(room, plan.chunk);
     let longest = info.max_context.map_or(longest, |limit| longest.min(limit));
@@ -192,6 +198,22 @@ pub fn run(args: Args) -> Result<()> {
         tokens_per_second
     );
     Ok(())
+}
+
+/// The cache as far as positions are written: each layer grown one position at a time.
+fn written(footprint: &CacheFootprint) -> CacheFootprint {
+    let layers = footprint.layers.iter().map(|layer| match *layer {
+        LayerFootprint::Full { slot, .. } => LayerFootprint::Full { slot, step: 1 },
+        LayerFootprint::Window { slot, window, .. } => LayerFootprint::Window {
+            slot,
+            window,
+            step: 1,
+        },
+        fixed => fixed,
+    });
+    CacheFootprint {
+        layers: layers.collect(),
+    }
 }
 
 /// Layers of one kind, summed.

@@ -90,6 +90,8 @@ fn the_predicted_peak_is_within_a_tenth_of_generates() {
     let names = [
         "smollm2-135m-instruct-4bit",
         "qwen2.5-coder-0.5b-instruct-4bit",
+        // Its load passes through more than it keeps, and that is its peak.
+        "gemma-3-270m-4bit",
     ];
     for dir in names.iter().filter_map(|name| real_model(name)) {
         for words in [500, 4000] {
