@@ -155,17 +155,17 @@ pub fn run(args: Args) -> Result<()> {
     for k in &layers {
         match (k.kind, k.window) {
             ("recurrent", _) => say!(
-                "  {} recurrent layers: {:.1} MB, at any length",
+                "  {} recurrent layer(s): {} bytes, at any length",
                 k.count,
-                k.fixed as f64 / MB
+                k.fixed
             ),
             (_, Some(window)) => say!(
-                "  {} sliding-window layers: {} bytes a token, up to {window} tokens",
+                "  {} sliding-window layer(s): {} bytes a token, up to {window} tokens",
                 k.count,
                 k.per_token
             ),
             _ => say!(
-                "  {} full-attention layers: {} bytes a token",
+                "  {} full-attention layer(s): {} bytes a token",
                 k.count,
                 k.per_token
             ),
