@@ -33,6 +33,9 @@ FAMILIES = {
     "vllm:prefix_cache_hits": "counter",
     "vllm:request_success": "counter",
     **{name: "histogram" for name in BUCKETS},
+    # oxlm's own: the memory budget requests are admitted by.
+    "oxlm:memory_budget_bytes": "gauge",
+    "oxlm:memory_charged_bytes": "gauge",
 }
 
 def fetch(path, body=None):
@@ -116,12 +119,16 @@ with serving.Checks(server) as checks:
         got = [value(name, name) for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                                               "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")]
         assert got == [0, 0, 0, 0], got
+        budget = value("oxlm:memory_budget_bytes", "oxlm:memory_budget_bytes")
+        assert budget > 0 and value("oxlm:memory_charged_bytes", "oxlm:memory_charged_bytes") == 0, budget
 
     def stats_agree():
         assert stats["status"] == "ready" and stats["model"] == model_id, stats
         assert stats["tokens"] == {"prompt": prompt, "generation": completion}, stats["tokens"]
         assert stats["prefix_cache"]["hits"] == cached, stats["prefix_cache"]
         assert stats["requests"]["finished"] == {"stop": 1, "length": 2, "abort": 0, "error": 0}, stats["requests"]
+        budget = value("oxlm:memory_budget_bytes", "oxlm:memory_budget_bytes")
+        assert stats["memory"] == {"budget_bytes": budget, "charged_bytes": 0}, stats["memory"]
 
     def probes():
         assert fetch("/ready")[::2] == (200, '{"status":"ready"}'), fetch("/ready")
