@@ -9,6 +9,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use oxlm_engine::DType;
+use oxlm_models::save::safetensors_dtype;
 use safetensors::tensor::{Metadata, TensorInfo};
 use serde_json::{json, Map, Value};
 
@@ -24,25 +25,6 @@ pub struct PlannedTensor {
 impl PlannedTensor {
     pub fn len_bytes(&self) -> usize {
         self.shape.iter().product::<usize>() * self.dtype.size_in_bytes()
-    }
-}
-
-fn safetensors_dtype(dtype: DType) -> safetensors::Dtype {
-    use safetensors::Dtype as S;
-    match dtype {
-        DType::F32 => S::F32,
-        DType::F16 => S::F16,
-        DType::BF16 => S::BF16,
-        DType::U32 => S::U32,
-        DType::I32 => S::I32,
-        DType::U8 => S::U8,
-        DType::I8 => S::I8,
-        DType::Bool => S::BOOL,
-        DType::I64 => S::I64,
-        DType::U64 => S::U64,
-        DType::F64 => S::F64,
-        DType::U16 => S::U16,
-        DType::I16 => S::I16,
     }
 }
 

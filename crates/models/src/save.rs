@@ -104,7 +104,9 @@ pub fn sorted_keys(value: Value) -> Value {
     }
 }
 
-fn safetensors_dtype(dtype: DType) -> safetensors::Dtype {
+/// The safetensors name of an engine element type (the inverse of
+/// [`crate::checkpoint::engine_dtype`]).
+pub fn safetensors_dtype(dtype: DType) -> safetensors::Dtype {
     use safetensors::Dtype as S;
     match dtype {
         DType::F32 => S::F32,
