@@ -4,14 +4,15 @@
 //!
 //! The shape is the synthetic 0.85B llama's (32 query heads over 8 key/value heads of 64): one
 //! query token over `context` cached positions of sixteen layers (so that the reads come from
-//! memory, as in decoding), with the cache in f32, in f16 and in 8-bit codes, reported as
+//! memory, as in decoding), with the cache in f32, in f16 and in 8- and 4-bit codes, reported as
 //! milliseconds per token and GB/s of keys and values read (codes, scales and biases).
 
 use std::time::Instant;
 
 use half::f16;
-use oxlm_engine::cpu::attention::{self, KvRows, Q8Rows, Q8_GROUP};
+use oxlm_engine::cpu::attention::{self, KvRows, QuantRows};
 use oxlm_engine::cpu::pool;
+use oxlm_engine::KvQuant;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -49,34 +50,43 @@ fn main() {
     let halves = as_elems(&caches);
     let f16_rows: Vec<(&[f16], &[f16])> = halves.iter().map(|(k, v)| (&k[..], &v[..])).collect();
     report("f16", 2.0, &f16_rows, &q, &shape, threads);
-    let codes: Vec<(Q8, Q8)> = caches.iter().map(|(k, v)| (Q8::of(k), Q8::of(v))).collect();
-    let q8_rows: Vec<(Q8Rows, Q8Rows)> = codes.iter().map(|(k, v)| (k.rows(), v.rows())).collect();
-    report(
-        "8-bit",
-        1.0 + 8.0 / Q8_GROUP as f64,
-        &q8_rows,
-        &q,
-        &shape,
-        threads,
-    );
+    for quant in [KvQuant::Q8, KvQuant::new(4, 64).unwrap()] {
+        let codes: Vec<(Codes, Codes)> = caches
+            .iter()
+            .map(|(k, v)| (Codes::of(k, quant), Codes::of(v, quant)))
+            .collect();
+        let rows: Vec<(QuantRows, QuantRows)> =
+            codes.iter().map(|(k, v)| (k.rows(), v.rows())).collect();
+        let bytes = quant.bytes_for(quant.group) as f64 / quant.group as f64;
+        report(
+            &format!("{}-bit", quant.bits),
+            bytes,
+            &rows,
+            &q,
+            &shape,
+            threads,
+        );
+    }
 }
 
-/// An 8-bit ring's codes, scales and biases.
-struct Q8(Vec<u8>, Vec<f32>, Vec<f32>);
+/// A quantized ring's codes, scales and biases.
+struct Codes(KvQuant, Vec<u8>, Vec<f32>, Vec<f32>);
 
-impl Q8 {
-    fn of(x: &[f32]) -> Q8 {
-        let groups = x.len() / Q8_GROUP;
-        let mut q = Q8(vec![0; x.len()], vec![0.0; groups], vec![0.0; groups]);
-        attention::quantize_q8(x, &mut q.0, &mut q.1, &mut q.2);
+impl Codes {
+    fn of(x: &[f32], quant: KvQuant) -> Codes {
+        let groups = x.len() / quant.group;
+        let codes = vec![0; quant.row_bytes(x.len())];
+        let mut q = Codes(quant, codes, vec![0.0; groups], vec![0.0; groups]);
+        attention::quantize(quant, x, &mut q.1, &mut q.2, &mut q.3);
         q
     }
 
-    fn rows(&self) -> Q8Rows<'_> {
-        Q8Rows {
-            codes: &self.0,
-            scales: &self.1,
-            biases: &self.2,
+    fn rows(&self) -> QuantRows<'_> {
+        QuantRows {
+            quant: self.0,
+            codes: &self.1,
+            scales: &self.2,
+            biases: &self.3,
         }
     }
 }

@@ -1,14 +1,56 @@
 //! Storage for cached keys and values. Activations are f32 everywhere, but a long context's
 //! cache is what decoding reads most of after the weights, so it is kept in f16 by default:
 //! half the bytes per position, as llama.cpp's cache and mlx-lm's (in an f16 model's dtype)
-//! keep it; or, asked, in f32, or on the host as 8-bit codes (mlx-lm's `--kv-bits 8`), a
-//! quarter of f32's.
+//! keep it; or, asked, in f32, or on the host as 4- or 8-bit affine codes (mlx-lm's
+//! `--kv-bits`), an eighth or a quarter of f32's.
 
 use half::f16;
 
-use crate::cpu::attention::{self, KvElem, Q8Rows, Q8_GROUP};
+use crate::cpu::attention::{self, KvElem, QuantRows};
 use crate::cuda::DeviceRing;
 use crate::{Device, EngineError};
+
+/// Bits and group size of a quantized cache, as mlx-lm's `kv_bits` and `kv_group_size`: each
+/// group of a head's features keeps an f32 scale and bias.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KvQuant {
+    /// 4 or 8.
+    pub bits: u8,
+    /// 32, 64 or 128 features.
+    pub group: usize,
+}
+
+impl KvQuant {
+    /// mlx-lm's `--kv-bits 8` at its default group size, which the AVX-512 kernels read as
+    /// integers.
+    pub const Q8: KvQuant = KvQuant { bits: 8, group: 64 };
+
+    /// The bits and group sizes `mx.quantize` takes that a cache is kept in.
+    pub fn new(bits: u8, group: usize) -> Result<KvQuant, EngineError> {
+        if !matches!(bits, 4 | 8) || !matches!(group, 32 | 64 | 128) {
+            return Err(EngineError::UnsupportedQuantization(format!(
+                "a KV cache of {bits} bits in groups of {group}: the cache takes 4 or 8 bits in \
+                 groups of 32, 64 or 128"
+            )));
+        }
+        Ok(KvQuant { bits, group })
+    }
+
+    /// Bytes of codes of `elements` (whole bytes: an even count at 4 bits).
+    pub fn row_bytes(&self, elements: usize) -> usize {
+        elements * usize::from(self.bits) / 8
+    }
+
+    /// The largest code.
+    pub(crate) fn levels(&self) -> f32 {
+        ((1u32 << self.bits) - 1) as f32
+    }
+
+    /// Bytes `elements` take: codes, and a scale and bias per group.
+    pub fn bytes_for(&self, elements: usize) -> usize {
+        self.row_bytes(elements) + elements.div_ceil(self.group) * 8
+    }
+}
 
 /// The element type of a cache's rings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -19,58 +61,76 @@ pub enum KvPrecision {
     /// a GPU: attention streams the cache from memory.
     #[default]
     F16,
-    /// 8-bit affine codes with an f32 scale and bias per group of 64 of a head's features, as
-    /// mlx-lm's quantized cache keeps them (`kv_bits` 8, `kv_group_size` 64): 1.125 bytes an
-    /// element. Head dims must be multiples of 64. On the host only: a GPU keeps f16 instead.
-    Q8,
+    /// Affine codes as mlx-lm's quantized cache keeps them (`mx.quantize` of each group of a
+    /// head's features). Head dims must be multiples of the group size. On the host only: a
+    /// GPU keeps f16 instead.
+    Quantized(KvQuant),
+}
+
+impl KvPrecision {
+    /// 8-bit codes in groups of 64 (mlx-lm's `--kv-bits 8`).
+    pub const Q8: KvPrecision = KvPrecision::Quantized(KvQuant::Q8);
 }
 
 pub(crate) enum RingStorage {
     HostF32(Vec<f32>),
     HostF16(Vec<f16>),
-    HostQ8(Q8Ring),
+    HostQuant(QuantRing),
     Cuda(DeviceRing),
 }
 
-/// Codes and the per-group scales and biases of an 8-bit ring (see [`Q8Rows`]).
+/// Codes and the per-group scales and biases of a quantized ring (see [`QuantRows`]).
 #[derive(Clone)]
-pub(crate) struct Q8Ring {
+pub(crate) struct QuantRing {
+    pub quant: KvQuant,
     pub codes: Vec<u8>,
     pub scales: Vec<f32>,
     pub biases: Vec<f32>,
 }
 
-impl Q8Ring {
-    fn zeros(len: usize) -> Q8Ring {
-        let groups = len.div_ceil(Q8_GROUP);
-        Q8Ring {
-            codes: vec![0; len],
+impl QuantRing {
+    fn zeros(len: usize, quant: KvQuant) -> QuantRing {
+        let groups = len.div_ceil(quant.group);
+        QuantRing {
+            quant,
+            codes: vec![0; quant.row_bytes(len)],
             scales: vec![0.0; groups],
             biases: vec![0.0; groups],
         }
     }
 
     /// `values` quantized, whole groups of them; `None` if they are not.
-    fn quantized(values: &[f32]) -> Option<Q8Ring> {
-        if !values.len().is_multiple_of(Q8_GROUP) {
+    fn quantized(values: &[f32], quant: KvQuant) -> Option<QuantRing> {
+        if !values.len().is_multiple_of(quant.group) {
             return None;
         }
-        let mut ring = Q8Ring::zeros(values.len());
-        attention::quantize_q8(values, &mut ring.codes, &mut ring.scales, &mut ring.biases);
+        let mut ring = QuantRing::zeros(values.len(), quant);
+        attention::quantize(
+            quant,
+            values,
+            &mut ring.codes,
+            &mut ring.scales,
+            &mut ring.biases,
+        );
         Some(ring)
     }
 
-    pub fn rows(&self) -> Q8Rows<'_> {
-        Q8Rows {
+    pub fn rows(&self) -> QuantRows<'_> {
+        QuantRows {
+            quant: self.quant,
             codes: &self.codes,
             scales: &self.scales,
             biases: &self.biases,
         }
     }
 
+    fn len(&self) -> usize {
+        self.scales.len() * self.quant.group
+    }
+
     fn to_vec(&self) -> Vec<f32> {
-        let mut out = vec![0.0; self.codes.len()];
-        attention::dequantize_q8(crate::cpu::Isa::best(), self.rows(), &mut out);
+        let mut out = vec![0.0; self.len()];
+        attention::dequantize(crate::cpu::Isa::best(), self.rows(), &mut out);
         out
     }
 }
@@ -82,23 +142,18 @@ pub struct KvRing {
 }
 
 impl KvRing {
-    /// Whether the ring can hold heads of `head_dim` elements: an 8-bit ring's groups of 64
+    /// Whether the ring can hold heads of `head_dim` elements: a quantized ring's groups
     /// must not straddle two heads.
     pub fn check_head_dim(&self, head_dim: usize) -> Result<(), EngineError> {
         match &self.storage {
-            RingStorage::HostQ8(_) if !head_dim.is_multiple_of(Q8_GROUP) => {
-                Err(EngineError::UnsupportedQuantization(format!(
-                    "an 8-bit KV cache needs head dims that are multiples of {Q8_GROUP}; this \
-                     model's are {head_dim} (use --kv-cache f16)"
-                )))
-            }
+            RingStorage::HostQuant(q) => check_quantized_head_dim(q.quant, head_dim),
             _ => Ok(()),
         }
     }
 
-    /// `len` zeros on `device`. A GPU ring asked for 8 bits keeps f16, the narrowest its
-    /// kernels read. An 8-bit ring holds whole groups of 64 elements (rows of heads of a
-    /// multiple of 64).
+    /// `len` zeros on `device`. A GPU ring asked for codes keeps f16, the narrowest its
+    /// kernels read. A quantized ring holds whole groups (rows of heads of a multiple of the
+    /// group size).
     pub fn zeros(
         len: usize,
         precision: KvPrecision,
@@ -107,7 +162,9 @@ impl KvRing {
         let storage = match (device, precision) {
             (Device::Cpu, KvPrecision::F32) => RingStorage::HostF32(vec![0.0; len]),
             (Device::Cpu, KvPrecision::F16) => RingStorage::HostF16(vec![f16::ZERO; len]),
-            (Device::Cpu, KvPrecision::Q8) => RingStorage::HostQ8(Q8Ring::zeros(len)),
+            (Device::Cpu, KvPrecision::Quantized(quant)) => {
+                RingStorage::HostQuant(QuantRing::zeros(len, quant))
+            }
             (Device::Cuda(gpu), precision) => {
                 RingStorage::Cuda(DeviceRing::zeros(gpu, len, precision != KvPrecision::F32)?)
             }
@@ -120,7 +177,7 @@ impl KvRing {
         match &self.storage {
             RingStorage::HostF32(v) => v.len(),
             RingStorage::HostF16(v) => v.len(),
-            RingStorage::HostQ8(q) => q.codes.len(),
+            RingStorage::HostQuant(q) => q.len(),
             RingStorage::Cuda(b) => b.len(),
         }
     }
@@ -132,7 +189,7 @@ impl KvRing {
     pub fn precision(&self) -> KvPrecision {
         match &self.storage {
             RingStorage::HostF16(_) => KvPrecision::F16,
-            RingStorage::HostQ8(_) => KvPrecision::Q8,
+            RingStorage::HostQuant(q) => KvPrecision::Quantized(q.quant),
             RingStorage::Cuda(r) if r.is_half() => KvPrecision::F16,
             RingStorage::HostF32(_) | RingStorage::Cuda(_) => KvPrecision::F32,
         }
@@ -140,7 +197,7 @@ impl KvRing {
 
     pub fn device(&self) -> Device {
         match &self.storage {
-            RingStorage::HostF32(_) | RingStorage::HostF16(_) | RingStorage::HostQ8(_) => {
+            RingStorage::HostF32(_) | RingStorage::HostF16(_) | RingStorage::HostQuant(_) => {
                 Device::Cpu
             }
             RingStorage::Cuda(b) => Device::Cuda(b.gpu().clone()),
@@ -153,7 +210,7 @@ impl KvRing {
         match &self.storage {
             RingStorage::HostF32(_) => len * 4,
             RingStorage::HostF16(_) => len * 2,
-            RingStorage::HostQ8(_) => len + len.div_ceil(Q8_GROUP) * 8,
+            RingStorage::HostQuant(q) => q.quant.bytes_for(len),
             // f16 elements are packed two to a 32-bit word.
             RingStorage::Cuda(r) if r.is_half() => len.div_ceil(2) * 4,
             RingStorage::Cuda(_) => len * 4,
@@ -165,7 +222,7 @@ impl KvRing {
         match &self.storage {
             RingStorage::HostF32(v) => v.len() * 4,
             RingStorage::HostF16(v) => v.len() * 2,
-            RingStorage::HostQ8(q) => q.codes.len() + (q.scales.len() + q.biases.len()) * 4,
+            RingStorage::HostQuant(q) => q.codes.len() + (q.scales.len() + q.biases.len()) * 4,
             RingStorage::Cuda(r) => r.size_in_bytes(),
         }
     }
@@ -175,14 +232,14 @@ impl KvRing {
         match &self.storage {
             RingStorage::HostF32(v) => Ok(v.clone()),
             RingStorage::HostF16(v) => Ok(v.iter().map(|x| x.to_f32()).collect()),
-            RingStorage::HostQ8(q) => Ok(q.to_vec()),
+            RingStorage::HostQuant(q) => Ok(q.to_vec()),
             RingStorage::Cuda(b) => b.download(),
         }
     }
 
-    /// These elements in `precision`: rounded to f16, quantized to 8 bits or widened to f32
-    /// (through f32 where both ends are narrower). A GPU ring asked for 8 bits keeps f16, and a
-    /// host ring of elements that are not whole groups of 64 stays f32. Fails only when a GPU
+    /// These elements in `precision`: rounded to f16, quantized or widened to f32 (through f32
+    /// where both ends are narrower). A GPU ring asked for codes keeps f16, and a host ring of
+    /// elements that are not whole groups stays f32. Fails only when a GPU
     /// runs out of memory for the new ring.
     pub fn into_precision(self, precision: KvPrecision) -> Result<KvRing, EngineError> {
         if self.precision() == precision {
@@ -191,7 +248,7 @@ impl KvRing {
         let values = match self.storage {
             RingStorage::HostF32(v) => v,
             RingStorage::HostF16(v) => v.into_iter().map(f16::to_f32).collect(),
-            RingStorage::HostQ8(q) => q.to_vec(),
+            RingStorage::HostQuant(q) => q.to_vec(),
             RingStorage::Cuda(ring) => {
                 let half = precision != KvPrecision::F32;
                 if ring.is_half() == half {
@@ -210,8 +267,8 @@ impl KvRing {
             KvPrecision::F16 => {
                 RingStorage::HostF16(values.into_iter().map(KvElem::from_f32).collect())
             }
-            KvPrecision::Q8 => match Q8Ring::quantized(&values) {
-                Some(q) => RingStorage::HostQ8(q),
+            KvPrecision::Quantized(quant) => match QuantRing::quantized(&values, quant) {
+                Some(q) => RingStorage::HostQuant(q),
                 None => RingStorage::HostF32(values),
             },
             KvPrecision::F32 => RingStorage::HostF32(values),
@@ -224,11 +281,23 @@ impl KvRing {
         let storage = match &self.storage {
             RingStorage::HostF32(v) => RingStorage::HostF32(v.clone()),
             RingStorage::HostF16(v) => RingStorage::HostF16(v.clone()),
-            RingStorage::HostQ8(q) => RingStorage::HostQ8(q.clone()),
+            RingStorage::HostQuant(q) => RingStorage::HostQuant(q.clone()),
             RingStorage::Cuda(b) => RingStorage::Cuda(b.try_clone()?),
         };
         Ok(KvRing { storage })
     }
+}
+
+/// Refuses heads of `head_dim` that `quant`'s groups would straddle.
+pub fn check_quantized_head_dim(quant: KvQuant, head_dim: usize) -> Result<(), EngineError> {
+    if head_dim.is_multiple_of(quant.group) {
+        return Ok(());
+    }
+    Err(EngineError::UnsupportedQuantization(format!(
+        "a KV cache of {} bits in groups of {} needs head dims that are multiples of {}; this \
+         model's are {head_dim} (use another --kv-group-size, or no --kv-bits)",
+        quant.bits, quant.group, quant.group
+    )))
 }
 
 /// Clones on a GPU copy device memory; use [`KvRing::try_clone`] where running out of it
@@ -334,15 +403,42 @@ mod tests {
         );
         assert!(err.is_err(), "rings of two precisions");
     }
-    /// An 8-bit ring reads back as `mx.quantize`'s codes of what was written, within one and a
-    /// half steps of each group (half a step of rounding, and at the far end from the edge up to
-    /// one more where MLX's nudge of the scale shrinks the range); attention over it is attention
-    /// over an f32 ring of those values (within 1e-4 of the largest output, where the integer
-    /// kernels round queries and weights to int16); it moves into a larger ring
-    /// whole, quantizes a ring of whole groups handed to it, and refuses heads of other than
-    /// whole groups.
+    /// A quantized ring (8 and 4 bits, groups of 32 to 128) reads back as `mx.quantize`'s codes
+    /// of what was written, within one and a half steps of each group (half a step of rounding,
+    /// and at the far end from the edge up to one more where MLX's nudge of the scale shrinks
+    /// the range); attention over it is attention over an f32 ring of those values (within 1e-4
+    /// of the largest output, where the integer kernels round queries and weights to int16); it
+    /// moves into a larger ring whole, quantizes a ring of whole groups handed to it, and
+    /// refuses heads of other than whole groups.
     #[test]
-    fn an_8_bit_ring_is_an_f32_ring_of_dequantized_values() {
+    fn a_quantized_ring_is_an_f32_ring_of_dequantized_values() {
+        let quants = [(8, 64), (4, 64), (4, 32), (8, 128), (4, 128)];
+        for quant in quants.map(|(bits, group)| KvQuant::new(bits, group).unwrap()) {
+            a_ring_of_codes_is_an_f32_ring_of_dequantized_values(quant);
+        }
+        let (kv_heads, capacity, small) = (2, 8, 16);
+        let ring = || KvRing::zeros(capacity * kv_heads * small, KvPrecision::Q8, &Device::Cpu);
+        let (mut kr, mut vr) = (ring().unwrap(), ring().unwrap());
+        let one = Tensor::new(vec![1, kv_heads * small], vec![0.5; kv_heads * small]);
+        let first = Positions::new(vec![0], &Device::Cpu).unwrap();
+        let err = ops::kv_write(
+            (&mut kr, &mut vr),
+            &one,
+            &one,
+            kv_heads,
+            small,
+            capacity,
+            &first,
+        );
+        assert!(
+            matches!(&err, Err(EngineError::UnsupportedQuantization(m)) if m.contains("multiples of 64")),
+            "{err:?}"
+        );
+        assert!(KvQuant::new(3, 64).is_err() && KvQuant::new(4, 16).is_err());
+    }
+
+    fn a_ring_of_codes_is_an_f32_ring_of_dequantized_values(quant: KvQuant) {
+        let precision = KvPrecision::Quantized(quant);
         let (kv_heads, d, capacity, heads) = (2, 128, 8, 4);
         let row = kv_heads * d;
         let tokens = 11; // wraps the ring of 8
@@ -357,24 +453,24 @@ mod tests {
             ops::kv_write((&mut kr, &mut vr), &kt, &vt, kv_heads, d, capacity, &at).unwrap();
             (kr, vr)
         };
-        let (kq, vq) = fill(KvPrecision::Q8, &keys, &values);
+        let (kq, vq) = fill(precision, &keys, &values);
         let held = (kq.to_vec().unwrap(), vq.to_vec().unwrap());
         let written = fill(KvPrecision::F32, &keys, &values);
         let written = (written.0.to_vec().unwrap(), written.1.to_vec().unwrap());
         // Within `steps` of each group's step of what was written.
         let near = |q: &[f32], x: &[f32], steps: f32| {
-            for (group, (a, b)) in q.chunks(Q8_GROUP).zip(x.chunks(Q8_GROUP)).enumerate() {
+            for (group, (a, b)) in q.chunks(quant.group).zip(x.chunks(quant.group)).enumerate() {
                 let (lo, hi) = b
                     .iter()
                     .fold((f32::MAX, f32::MIN), |(l, h), &v| (l.min(v), h.max(v)));
-                let step = (hi - lo) / 255.0;
+                let step = (hi - lo) / quant.levels();
                 let worst = a
                     .iter()
                     .zip(b)
                     .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
                 assert!(
                     worst <= steps * step,
-                    "group {group}: {worst} of a step of {step}"
+                    "{quant:?} group {group}: {worst} of a step of {step}"
                 );
             }
         };
@@ -390,8 +486,9 @@ mod tests {
         );
         assert_eq!(
             kq.size_in_bytes(),
-            capacity * row + 2 * 4 * capacity * row / Q8_GROUP
+            capacity * row * usize::from(quant.bits) / 8 + 2 * 4 * capacity * row / quant.group
         );
+        assert_eq!(kq.size_in_bytes(), kq.bytes_for(capacity * row));
         // Every held position's query, as a prompt attends.
         let q = Tensor::new(
             vec![capacity, heads * d],
@@ -425,11 +522,11 @@ mod tests {
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert!(
                     (g - w).abs() <= 1e-4 * top,
-                    "window {window:?} output {i}: {g} vs {w}"
+                    "{quant:?} window {window:?} output {i}: {g} vs {w}"
                 );
             }
         }
-        let mut moved = KvRing::zeros(2 * capacity * row, KvPrecision::Q8, &Device::Cpu).unwrap();
+        let mut moved = KvRing::zeros(2 * capacity * row, precision, &Device::Cpu).unwrap();
         ops::kv_move(
             &kq,
             capacity,
@@ -453,28 +550,9 @@ mod tests {
         )
         .unwrap();
         assert_eq!(moved.to_vec().unwrap(), expected.to_vec().unwrap());
-        let requantized = exact.0.clone().into_precision(KvPrecision::Q8).unwrap();
-        assert_eq!(requantized.precision(), KvPrecision::Q8);
+        let requantized = exact.0.clone().into_precision(precision).unwrap();
+        assert_eq!(requantized.precision(), precision);
         near(&requantized.to_vec().unwrap(), &held.0, 1.5);
-
-        let small = 16;
-        let ring = || KvRing::zeros(capacity * kv_heads * small, KvPrecision::Q8, &Device::Cpu);
-        let (mut kr, mut vr) = (ring().unwrap(), ring().unwrap());
-        let one = Tensor::new(vec![1, kv_heads * small], vec![0.5; kv_heads * small]);
-        let first = Positions::new(vec![0], &Device::Cpu).unwrap();
-        let err = ops::kv_write(
-            (&mut kr, &mut vr),
-            &one,
-            &one,
-            kv_heads,
-            small,
-            capacity,
-            &first,
-        );
-        assert!(
-            matches!(&err, Err(EngineError::UnsupportedQuantization(m)) if m.contains("multiples of 64")),
-            "{err:?}"
-        );
     }
 
     /// A batch's attention (one query token for each sequence, over its own ring) gives each
@@ -488,7 +566,12 @@ mod tests {
             (None, [(256, 200), (64, 1), (512, 300)]),
             (Some(16), [(16, 40), (32, 5), (16, 16)]),
         ];
-        for precision in [KvPrecision::F32, KvPrecision::F16, KvPrecision::Q8] {
+        let quantized =
+            [(8, 64), (4, 32)].map(|(b, g)| KvPrecision::Quantized(KvQuant::new(b, g).unwrap()));
+        for precision in [KvPrecision::F32, KvPrecision::F16]
+            .into_iter()
+            .chain(quantized)
+        {
             for (b, (window, sequences)) in batches.iter().enumerate() {
                 let rings: Vec<(KvRing, KvRing)> = sequences
                     .iter()

@@ -505,14 +505,16 @@ fn grouped_gemv_equals_one_gemv_per_matrix() {
 }
 
 /// Grouped attention of one position against the f64 softmax-weighted sum of the values the
-/// cache holds, on every instruction set and over f32, f16 and 8-bit rows: key counts around
+/// cache holds, on every instruction set and over f32, f16, 8-bit and 4-bit rows (groups of 32,
+/// 64 and 128): key counts around
 /// the kernels' blocks of 8 and 64, head sizes with and without a partial vector (AVX-512 takes
 /// whole 64s, AVX2 whole 8s), groups that four-head chunks do not divide, and the rows split in
 /// two runs as a wrapped ring's are.
 #[test]
 fn group_attention_matches_the_reference() {
     use half::f16;
-    use oxlm_engine::cpu::attention::{self, GroupAttention, KvElem, KvRows, Q8Rows, Q8_GROUP};
+    use oxlm_engine::cpu::attention::{self, GroupAttention, KvElem, KvRows, QuantRows};
+    use oxlm_engine::KvQuant;
 
     /// The rows as they are read: `(keys, values)` stored whole and stored as a ring that
     /// wrapped (the last third first), with the runs that read each in order; each output
@@ -600,25 +602,27 @@ fn group_attention_matches_the_reference() {
         );
     }
 
-    /// 8-bit codes: scores and values of the values the codes stand for.
-    fn check_q8(keys: &[f32], values: &[f32], queries: &[f32], d: usize) {
-        struct Ring(Vec<u8>, Vec<f32>, Vec<f32>);
+    /// Codes of `quant`: scores and values of the values the codes stand for.
+    fn check_codes(quant: KvQuant, keys: &[f32], values: &[f32], queries: &[f32], d: usize) {
+        struct Ring(KvQuant, Vec<u8>, Vec<f32>, Vec<f32>);
         let quantize = |x: &[f32]| {
-            let groups = x.len() / Q8_GROUP;
-            let mut r = Ring(vec![0; x.len()], vec![0.0; groups], vec![0.0; groups]);
-            attention::quantize_q8(x, &mut r.0, &mut r.1, &mut r.2);
+            let groups = x.len() / quant.group;
+            let codes = vec![0; quant.row_bytes(x.len())];
+            let mut r = Ring(quant, codes, vec![0.0; groups], vec![0.0; groups]);
+            attention::quantize(quant, x, &mut r.1, &mut r.2, &mut r.3);
             r
         };
-        fn rows(r: &Ring) -> Q8Rows<'_> {
-            Q8Rows {
-                codes: &r.0,
-                scales: &r.1,
-                biases: &r.2,
+        fn rows(r: &Ring) -> QuantRows<'_> {
+            QuantRows {
+                quant: r.0,
+                codes: &r.1,
+                scales: &r.2,
+                biases: &r.3,
             }
         }
         let held = |r: &Ring| {
-            let mut out = vec![0.0; r.0.len()];
-            attention::dequantize_q8(Isa::Portable, rows(r), &mut out);
+            let mut out = vec![0.0; r.2.len() * quant.group];
+            attention::dequantize(Isa::Portable, rows(r), &mut out);
             out
         };
         let len = keys.len() / d;
@@ -629,13 +633,14 @@ fn group_attention_matches_the_reference() {
             quantize(&wrap(values, cut, d)),
         );
         let (kh, vh) = (held(&kq), held(&vq));
-        // One step of a code: what quantizing moved each value by, at most.
+        // One step of a code: what quantizing moved each value by, at most (values in -1..1).
         let step = |x: &[f32], h: &[f32]| {
             x.iter()
                 .zip(h)
                 .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
         };
-        assert!(step(keys, &kh) <= 2.0 / 255.0 && step(values, &vh) <= 2.0 / 255.0);
+        let levels = ((1 << quant.bits) - 1) as f32;
+        assert!(step(keys, &kh) <= 2.0 / levels && step(values, &vh) <= 2.0 / levels);
         compare(
             [
                 (rows(&kq), rows(&vq), [0..len, 0..0]),
@@ -644,10 +649,11 @@ fn group_attention_matches_the_reference() {
             (&kh, &vh),
             queries,
             d,
-            // The integer kernels round queries and softmax weights to int16 against the
-            // largest of each group: within about 3e-5 of the largest weight times a code
-            // (up to 255 steps), a fortieth of what 8-bit codes themselves move a value.
-            ("8-bit", 1e-4),
+            // The integer kernels on 8-bit codes round queries and softmax weights to int16
+            // against the largest of each group: within about 3e-5 of the largest weight times
+            // a code (up to 255 steps), a fortieth of what 8-bit codes themselves move a value.
+            // Other codes are dequantized for the f32 kernels.
+            (&format!("{quant:?}"), 1e-4),
         );
     }
 
@@ -659,8 +665,11 @@ fn group_attention_matches_the_reference() {
             let values = random_vec(&mut rng, len * d);
             check::<f32>(&keys, &values, &queries, d);
             check::<f16>(&keys, &values, &queries, d);
-            if d % Q8_GROUP == 0 {
-                check_q8(&keys, &values, &queries, d);
+            let quants = [(8, 64), (4, 64), (4, 32), (8, 32), (4, 128)];
+            for quant in quants.map(|(bits, group)| KvQuant::new(bits, group).unwrap()) {
+                if d % quant.group == 0 {
+                    check_codes(quant, &keys, &values, &queries, d);
+                }
             }
         }
     }

@@ -3,9 +3,10 @@
 //! the whole group, which at long contexts is what decoding spends its memory traffic on. The
 //! cache may be kept in f32 or f16 ([`KvElem`]), whose vectors the AVX2 and AVX-512 kernels widen
 //! as they load them, once for up to four heads (the portable code widens a block at a time), or
-//! as 8-bit codes ([`Q8Rows`]), which AVX512-VNNI multiplies as integers (see
-//! `RoundedQueries`), other AVX-512 processors dequantize as they load them, and the rest a
-//! block of rows at a time into scratch that stays in L1 for the f32 kernels.
+//! as affine codes ([`QuantRows`]): 8-bit codes in groups of 64, AVX512-VNNI multiplies as
+//! integers (see `RoundedQueries`) and other AVX-512 processors dequantize as they load them;
+//! other codes, and the rest of the processors, are dequantized a block of rows at a time into
+//! scratch that stays in L1 for the f32 kernels.
 
 use std::ops::Range;
 
@@ -13,6 +14,7 @@ use half::f16;
 
 use super::pool::{self, SharedMut};
 use super::{with_task_scratch, Isa};
+use crate::kv::KvQuant;
 use crate::params::FloatSlice;
 
 /// The element types a cache ring is kept in (see `crate::kv`).
@@ -49,10 +51,13 @@ impl KvElem for f16 {
 }
 
 /// A run of cached rows of `d` elements (a ring, or one key/value head's part of it) as the
-/// attention kernels read it: f32 or f16 elements (`&[T]`), or 8-bit codes ([`Q8Rows`]).
+/// attention kernels read it: f32 or f16 elements (`&[T]`), or affine codes ([`QuantRows`]).
 pub trait KvRows: Copy + Send + Sync {
-    /// Whether the rows are 8-bit codes.
-    const CODES: bool = false;
+    /// Whether the rows are the codes the integer kernels read (8 bits, groups of
+    /// [`Q8_GROUP`]).
+    fn kernel_codes(&self) -> bool {
+        false
+    }
     /// Elements held.
     fn elements(self) -> usize;
     /// Rows `rows` of these.
@@ -65,7 +70,7 @@ pub trait KvRows: Copy + Send + Sync {
 #[derive(Clone, Copy)]
 pub enum Block<'a> {
     Floats(FloatSlice<'a>),
-    Q8(Q8Rows<'a>),
+    Codes(QuantRows<'a>),
 }
 
 impl Block<'_> {
@@ -73,8 +78,18 @@ impl Block<'_> {
     fn rows(&self, d: usize) -> usize {
         match self {
             Block::Floats(f) => f.len() / d,
-            Block::Q8(q) => q.codes.len() / d,
+            Block::Codes(q) => q.elements() / d,
         }
+    }
+
+    /// Whether these are codes the AVX-512 kernels read as they are.
+    fn kernel_codes(&self) -> bool {
+        matches!(self, Block::Codes(q) if q.kernel_codes())
+    }
+
+    /// Whether these are codes the kernels take only dequantized.
+    fn dequantized(&self) -> bool {
+        matches!(self, Block::Codes(q) if !q.kernel_codes())
     }
 }
 
@@ -90,78 +105,114 @@ impl<T: KvElem> KvRows for &[T] {
     }
 }
 
-/// Features per group of an 8-bit cache's codes: each group of a head's features keeps its own
-/// scale and bias, as mlx-lm's quantized cache does at its default group size.
-pub const Q8_GROUP: usize = 64;
-
-/// Elements kept as 8-bit affine codes, as `mx.quantize` makes them (bits 8, groups of
-/// [`Q8_GROUP`] consecutive elements): element `i` is `codes[i] · scales[g] + biases[g]`, `g =
-/// i / Q8_GROUP`. Rows are whole groups (the head dim a multiple of [`Q8_GROUP`]).
+/// Elements kept as affine codes, as `mx.quantize` makes them (see [`KvQuant`]): element `i`
+/// is `code(i) · scales[g] + biases[g]`, `g = i / group`, where 4-bit codes are packed two to a
+/// byte, the even element in the low half (MLX's little-endian words). Rows are whole groups
+/// (the head dim a multiple of the group size).
 #[derive(Clone, Copy)]
-pub struct Q8Rows<'a> {
+pub struct QuantRows<'a> {
+    pub quant: KvQuant,
     pub codes: &'a [u8],
     pub scales: &'a [f32],
     pub biases: &'a [f32],
 }
 
-impl KvRows for Q8Rows<'_> {
-    const CODES: bool = true;
-    fn elements(self) -> usize {
-        self.codes.len()
-    }
-    fn rows(self, rows: Range<usize>, d: usize) -> Self {
-        let groups = d / Q8_GROUP;
-        Q8Rows {
-            codes: &self.codes[rows.start * d..rows.end * d],
-            scales: &self.scales[rows.start * groups..rows.end * groups],
-            biases: &self.biases[rows.start * groups..rows.end * groups],
-        }
-    }
-    fn block(&self, rows: Range<usize>, d: usize) -> Block<'_> {
-        Block::Q8(self.rows(rows, d))
+impl QuantRows<'_> {
+    /// Whether these are the codes the AVX-512 kernels read as they are: 8 bits in groups of
+    /// [`Q8_GROUP`]. Other formats are dequantized a block of rows at a time.
+    fn kernel_codes(&self) -> bool {
+        self.quant == KvQuant::Q8
     }
 }
 
-/// `out[i] = codes[i] · scale + bias` of each group of `q`.
-pub fn dequantize_q8(isa: Isa, q: Q8Rows, out: &mut [f32]) {
+impl KvRows for QuantRows<'_> {
+    fn elements(self) -> usize {
+        self.codes.len() * 8 / usize::from(self.quant.bits)
+    }
+    fn rows(self, rows: Range<usize>, d: usize) -> Self {
+        let (bytes, groups) = (self.quant.row_bytes(d), d / self.quant.group);
+        QuantRows {
+            codes: &self.codes[rows.start * bytes..rows.end * bytes],
+            scales: &self.scales[rows.start * groups..rows.end * groups],
+            biases: &self.biases[rows.start * groups..rows.end * groups],
+            ..self
+        }
+    }
+    fn block(&self, rows: Range<usize>, d: usize) -> Block<'_> {
+        Block::Codes(self.rows(rows, d))
+    }
+    fn kernel_codes(&self) -> bool {
+        QuantRows::kernel_codes(self)
+    }
+}
+
+/// Features per group of the codes the AVX-512 kernels read: mlx-lm's default group size.
+pub const Q8_GROUP: usize = 64;
+
+/// `out[i] = code(i) · scale + bias` of each group of `q`.
+pub fn dequantize(isa: Isa, q: QuantRows, out: &mut [f32]) {
+    let group = q.quant.group;
     assert!(
-        out.len() == q.codes.len() && q.scales.len() * Q8_GROUP == q.codes.len(),
+        out.len() == q.elements() && q.scales.len() * group == out.len(),
         "dequantizing {} codes in {} groups into {}",
-        q.codes.len(),
+        q.elements(),
         q.scales.len(),
         out.len()
     );
     let groups = out
-        .chunks_exact_mut(Q8_GROUP)
-        .zip(q.codes.chunks_exact(Q8_GROUP));
+        .chunks_exact_mut(group)
+        .zip(q.codes.chunks_exact(q.quant.row_bytes(group)));
     for ((o, c), (&scale, &bias)) in groups.zip(q.scales.iter().zip(q.biases)) {
-        match isa {
-            // SAFETY: the caller checked the processor (AVX-512 ones have AVX2); a group is 64
-            // of each. Off the decode path (the AVX-512 attention reads the codes themselves),
-            // eight lanes are enough.
+        match (q.quant.bits, isa) {
+            // SAFETY: the caller checked the processor (AVX-512 ones have AVX2); a group is
+            // `group` of each. Off the decode path of 8-bit codes (the AVX-512 attention reads
+            // them itself), eight lanes are enough.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe {
-                super::avx2::dequantize_u8(c.as_ptr(), Q8_GROUP, scale, bias, o.as_mut_ptr())
+            (8, Isa::Avx2 | Isa::Avx512 | Isa::Amx) => unsafe {
+                super::avx2::dequantize_u8(c.as_ptr(), group, scale, bias, o.as_mut_ptr())
             },
-            _ => {
+            (8, _) => {
                 for (o, &c) in o.iter_mut().zip(c) {
                     *o = f32::from(c).mul_add(scale, bias);
+                }
+            }
+            // Plain products and sums, which the compiler vectorizes (`mul_add` without FMA in
+            // the baseline is a call per element).
+            _ => {
+                for (o, &c) in o.chunks_exact_mut(2).zip(c) {
+                    o[0] = f32::from(c & 15) * scale + bias;
+                    o[1] = f32::from(c >> 4) * scale + bias;
                 }
             }
         }
     }
 }
 
-/// Quantizes `src` (whole groups of [`Q8_GROUP`]) into `codes`, `scales` and `biases` as
-/// `mx.quantize` does at 8 bits.
-pub fn quantize_q8(src: &[f32], codes: &mut [u8], scales: &mut [f32], biases: &mut [f32]) {
+/// Quantizes `src` (whole groups) into `codes`, `scales` and `biases` as `mx.quantize` does at
+/// `quant`'s bits and group size.
+pub fn quantize(
+    quant: KvQuant,
+    src: &[f32],
+    codes: &mut [u8],
+    scales: &mut [f32],
+    biases: &mut [f32],
+) {
+    let (group, levels) = (quant.group, quant.levels());
     let groups = src
-        .chunks_exact(Q8_GROUP)
-        .zip(codes.chunks_exact_mut(Q8_GROUP));
+        .chunks_exact(group)
+        .zip(codes.chunks_exact_mut(quant.row_bytes(group)));
     for ((group, codes), (scale, bias)) in groups.zip(scales.iter_mut().zip(biases.iter_mut())) {
-        (*scale, *bias) = crate::params::affine_group(group, 255.0);
-        for (c, &v) in codes.iter_mut().zip(group) {
-            *c = crate::params::affine_code(v, *scale, *bias, 255.0) as u8;
+        let (s, b) = crate::params::affine_group(group, levels);
+        (*scale, *bias) = (s, b);
+        let code = |v: f32| crate::params::affine_code(v, s, b, levels) as u8;
+        if quant.bits == 8 {
+            for (c, &v) in codes.iter_mut().zip(group) {
+                *c = code(v);
+            }
+        } else {
+            for (c, pair) in codes.iter_mut().zip(group.chunks_exact(2)) {
+                *c = code(pair[0]) | (code(pair[1]) << 4);
+            }
         }
     }
 }
@@ -246,7 +297,7 @@ impl<R: KvRows> GroupAttention<'_, R> {
             return;
         }
         let d = self.head_dim;
-        let rounded = if R::CODES && int_codes(isa, d) {
+        let rounded = if self.keys.kernel_codes() && int_codes(isa, d) {
             group * (d / 2 + 2 * d / Q8_GROUP)
         } else {
             0
@@ -363,7 +414,7 @@ macro_rules! with_wide_rows {
                 $body
             }
             Block::Floats(FloatSlice::BF16(_)) => unreachable!("caches are f32, f16 or 8-bit"),
-            Block::Q8(q) => {
+            Block::Codes(q) => {
                 let $rows = codes(q, $d);
                 $body
             }
@@ -390,7 +441,7 @@ fn block_scores(
     let (heads, rows) = (queries.len() / d, keys.rows(d));
     assert!(rows == 0 || scores.len() >= (heads - 1) * stride + rows);
     #[cfg(target_arch = "x86_64")]
-    if let (Block::Q8(k), Some(rounded)) = (keys, rounded) {
+    if let (Block::Codes(k), Some(rounded)) = (keys, rounded) {
         for h0 in (0..heads).step_by(KERNEL_HEADS) {
             let chunk = KERNEL_HEADS.min(heads - h0);
             // SAFETY: `rounded` exists where `int_codes` found the processor and head dim; the
@@ -412,7 +463,7 @@ fn block_scores(
     }
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 && d.is_multiple_of(8) {
-        let narrow = (!wide(isa, d)).then(|| floats(isa, keys, scratch.0));
+        let narrow = (!wide(isa, d) || keys.dequantized()).then(|| floats(isa, keys, scratch.0));
         for h0 in (0..heads).step_by(KERNEL_HEADS) {
             let chunk = KERNEL_HEADS.min(heads - h0);
             let (q, out) = (
@@ -464,7 +515,7 @@ fn block_values(
     let (heads, rows) = (out.len() / d, values.rows(d));
     assert!(rows == 0 || p.len() >= (heads - 1) * stride + rows);
     #[cfg(target_arch = "x86_64")]
-    if let (Block::Q8(v), true) = (values, int_codes(isa, d)) {
+    if let (Block::Codes(v), true) = (values, values.kernel_codes() && int_codes(isa, d)) {
         assert!(rows <= super::avx512::Q8_VALUE_ROWS);
         for h0 in (0..heads).step_by(KERNEL_HEADS) {
             let chunk = KERNEL_HEADS.min(heads - h0);
@@ -477,7 +528,8 @@ fn block_values(
     }
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 && d.is_multiple_of(8) {
-        let narrow = (!wide(isa, d)).then(|| floats(isa, values, scratch.0));
+        let narrow =
+            (!wide(isa, d) || values.dequantized()).then(|| floats(isa, values, scratch.0));
         for h0 in (0..heads).step_by(KERNEL_HEADS) {
             let chunk = KERNEL_HEADS.min(heads - h0);
             let (p, o) = (p[h0 * stride..].as_ptr(), out[h0 * d..].as_mut_ptr());
@@ -581,7 +633,8 @@ fn round_queries<'a>(queries: &[f32], d: usize, scratch: &'a mut [f32]) -> Round
 
 /// The AVX-512 kernels' view of 8-bit rows of `d`.
 #[cfg(target_arch = "x86_64")]
-fn codes(q: Q8Rows, d: usize) -> super::avx512::Codes {
+fn codes(q: QuantRows, d: usize) -> super::avx512::Codes {
+    debug_assert!(q.kernel_codes());
     super::avx512::Codes {
         codes: q.codes.as_ptr(),
         scales: q.scales.as_ptr(),
@@ -594,9 +647,9 @@ fn codes(q: Q8Rows, d: usize) -> super::avx512::Codes {
 fn floats<'a>(isa: Isa, rows: Block<'a>, scratch: &'a mut [f32]) -> FloatSlice<'a> {
     match rows {
         Block::Floats(f) => f,
-        Block::Q8(q) => {
-            let out = &mut scratch[..q.codes.len()];
-            dequantize_q8(isa, q, out);
+        Block::Codes(q) => {
+            let out = &mut scratch[..q.elements()];
+            dequantize(isa, q, out);
             FloatSlice::F32(out)
         }
     }
@@ -801,24 +854,34 @@ pub fn kv_write<T: KvElem>(
     }
 }
 
-/// [`kv_write`] into a ring of 8-bit codes (`head_dim` a multiple of [`Q8_GROUP`]): each
+/// [`kv_write`] into a ring of `quant`'s codes (`head_dim` a multiple of its group size): each
 /// group of a head's features quantized as `mx.quantize` does.
-pub fn kv_write_q8(
+pub fn kv_write_quant(
     cache: (&mut [u8], &mut [f32], &mut [f32]),
+    quant: KvQuant,
     src: &[f32],
     kv_heads: usize,
     head_dim: usize,
     capacity: usize,
     first: usize,
 ) {
-    let (d, groups) = (head_dim, head_dim / Q8_GROUP);
+    let (d, bytes, groups) = (head_dim, quant.row_bytes(head_dim), head_dim / quant.group);
     let (codes, scales, biases) = cache;
     for (t, token) in src.chunks_exact(kv_heads * d).enumerate() {
         let slot = (first + t) % capacity;
         for (h, head) in token.chunks_exact(d).enumerate() {
             let row = h * capacity + slot;
-            let (c, g) = (row * d..(row + 1) * d, row * groups..(row + 1) * groups);
-            quantize_q8(head, &mut codes[c], &mut scales[g.clone()], &mut biases[g]);
+            let (c, g) = (
+                row * bytes..(row + 1) * bytes,
+                row * groups..(row + 1) * groups,
+            );
+            quantize(
+                quant,
+                head,
+                &mut codes[c],
+                &mut scales[g.clone()],
+                &mut biases[g],
+            );
         }
     }
 }

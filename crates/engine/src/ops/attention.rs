@@ -38,9 +38,10 @@ fn write_host_ring(
         RingStorage::HostF16(c) => {
             cpu::attention::kv_write(c, src, kv_heads, head_dim, capacity, first)
         }
-        RingStorage::HostQ8(q) => {
+        RingStorage::HostQuant(q) => {
             let cache = (&mut q.codes[..], &mut q.scales[..], &mut q.biases[..]);
-            cpu::attention::kv_write_q8(cache, src, kv_heads, head_dim, capacity, first)
+            let quant = q.quant;
+            cpu::attention::kv_write_quant(cache, quant, src, kv_heads, head_dim, capacity, first)
         }
         RingStorage::Cuda(_) => return Err(mismatch("kv_write")),
     }
@@ -207,10 +208,10 @@ pub fn kv_move(
             cpu::attention::kv_move(s, src_capacity, t, dst_capacity, h, d, p);
             Ok(())
         }
-        (RingStorage::HostQ8(s), RingStorage::HostQ8(t)) => {
-            let groups = d / cpu::attention::Q8_GROUP;
+        (RingStorage::HostQuant(s), RingStorage::HostQuant(t)) if s.quant == t.quant => {
+            let (bytes, groups) = (s.quant.row_bytes(d), d / s.quant.group);
             let (sc, dc) = (src_capacity, dst_capacity);
-            cpu::attention::kv_move(&s.codes, sc, &mut t.codes, dc, h, d, p.clone());
+            cpu::attention::kv_move(&s.codes, sc, &mut t.codes, dc, h, bytes, p.clone());
             cpu::attention::kv_move(&s.scales, sc, &mut t.scales, dc, h, groups, p.clone());
             cpu::attention::kv_move(&s.biases, sc, &mut t.biases, dc, h, groups, p);
             Ok(())
@@ -353,7 +354,7 @@ pub fn attention(
 enum HostViews<'a> {
     F32(Vec<cpu::attention::KvView<&'a [f32]>>),
     F16(Vec<cpu::attention::KvView<&'a [half::f16]>>),
-    Q8(Vec<cpu::attention::KvView<cpu::attention::Q8Rows<'a>>>),
+    Quant(Vec<cpu::attention::KvView<cpu::attention::QuantRows<'a>>>),
 }
 
 impl<'a> HostViews<'a> {
@@ -387,8 +388,8 @@ impl<'a> HostViews<'a> {
                 RingStorage::HostF16(v) => Some(&v[..]),
                 _ => None,
             })?),
-            Some(RingStorage::HostQ8(_)) => HostViews::Q8(views(kvs, op, |s| match s {
-                RingStorage::HostQ8(v) => Some(v.rows()),
+            Some(RingStorage::HostQuant(first)) => HostViews::Quant(views(kvs, op, |s| match s {
+                RingStorage::HostQuant(v) if v.quant == first.quant => Some(v.rows()),
                 _ => None,
             })?),
             _ => return Err(mismatch(op)),
@@ -410,7 +411,7 @@ fn host_attention(
     match HostViews::of(std::slice::from_ref(kv), "attention")? {
         HostViews::F32(v) => cpu::attention::attention(q, h, d, p, &v[0], o, out),
         HostViews::F16(v) => cpu::attention::attention(q, h, d, p, &v[0], o, out),
-        HostViews::Q8(v) => cpu::attention::attention(q, h, d, p, &v[0], o, out),
+        HostViews::Quant(v) => cpu::attention::attention(q, h, d, p, &v[0], o, out),
     }
     Ok(())
 }
@@ -435,7 +436,7 @@ fn host_attention_batch(
     match HostViews::of(kvs, "attention_batch")? {
         HostViews::F32(v) => cpu::attention::attention_batch(q, h, d, p, &v, o, out),
         HostViews::F16(v) => cpu::attention::attention_batch(q, h, d, p, &v, o, out),
-        HostViews::Q8(v) => cpu::attention::attention_batch(q, h, d, p, &v, o, out),
+        HostViews::Quant(v) => cpu::attention::attention_batch(q, h, d, p, &v, o, out),
     }
     Ok(())
 }
