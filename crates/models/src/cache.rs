@@ -6,6 +6,7 @@ use oxlm_engine::ops::{self, KvView};
 use oxlm_engine::{Device, EngineError, KvPrecision, KvRing, Positions, Tensor};
 
 pub use crate::footprint::{CacheFootprint, LayerFootprint};
+use crate::kv_quantization::KvQuantization;
 pub use crate::recurrent_cache::RecurrentCache;
 pub use crate::rotating_cache::RotatingKvCache;
 use crate::TruncateError;
@@ -167,7 +168,6 @@ impl KvRings {
         self.write(&rows(keys)?, &rows(values)?, (h, d), capacity, &positions)
     }
 
-    /// The same elements kept in `precision` (see [`KvRing::into_precision`]).
     /// The rings in `precision`, for heads of `head_dim` elements (refused where the precision
     /// cannot hold them).
     pub(crate) fn into_precision(
@@ -175,8 +175,10 @@ impl KvRings {
         precision: KvPrecision,
         head_dim: usize,
     ) -> Result<Self, EngineError> {
+        if let KvPrecision::Quantized(quant) = precision {
+            oxlm_engine::check_quantized_head_dim(quant, head_dim)?;
+        }
         let keys = self.keys.into_precision(precision)?;
-        keys.check_head_dim(head_dim)?;
         Ok(KvRings {
             keys,
             values: self.values.into_precision(precision)?,
@@ -331,6 +333,11 @@ impl KvCache {
     /// Bytes of device memory held.
     pub fn size_in_bytes(&self) -> usize {
         self.rings.size_in_bytes()
+    }
+
+    /// How the keys and values are kept.
+    pub fn precision(&self) -> KvPrecision {
+        self.rings.precision()
     }
 
     /// The same positions with their keys and values kept in `precision` (see
@@ -583,10 +590,30 @@ impl Cache {
     /// numbers of an f32 oracle, f16 (the default) for half the memory and bandwidth.
     /// Recurrent layers' states stay f32. Fails only when a GPU runs out of memory.
     pub fn with_kv_precision(self, precision: KvPrecision) -> Result<Cache, EngineError> {
+        self.with_layer_precisions(|_| Some(precision))
+    }
+
+    /// This cache with the attention layers `quantization` names kept in their codes (see
+    /// [`KvQuantization`]; layers already in them, and recurrent ones, as they are). Fails
+    /// where a layer's heads are no whole number of groups, or a GPU runs out of memory.
+    pub fn with_quantization(self, quantization: &KvQuantization) -> Result<Cache, EngineError> {
+        self.with_layer_precisions(|i| quantization.layer(i).map(KvPrecision::Quantized))
+    }
+
+    /// This cache with attention layer `i`'s keys and values kept in `precision_of(i)`, where
+    /// that says one.
+    fn with_layer_precisions(
+        self,
+        precision_of: impl Fn(usize) -> Option<KvPrecision>,
+    ) -> Result<Cache, EngineError> {
         let layers = self
             .layers
             .into_iter()
-            .map(|l| {
+            .enumerate()
+            .map(|(i, l)| {
+                let Some(precision) = precision_of(i) else {
+                    return Ok(l);
+                };
                 Ok(match l {
                     LayerCache::Kv(kv) => LayerCache::Kv(kv.with_precision(precision)?),
                     LayerCache::Rotating(ring) => {
@@ -597,6 +624,29 @@ impl Cache {
             })
             .collect::<Result<_, EngineError>>()?;
         Ok(Cache { layers, ..self })
+    }
+
+    /// mlx-lm's `maybe_quantize_kv_cache`, called after each forward pass: once this cache
+    /// holds `quantization.start` tokens, the layers it names go to their codes (see
+    /// [`with_quantization`](Self::with_quantization)); until then, and once they are there,
+    /// nothing changes.
+    pub fn quantize_when_due(&mut self, quantization: &KvQuantization) -> Result<(), EngineError> {
+        let due = |(i, l): (usize, &LayerCache)| {
+            let precision = match l {
+                LayerCache::Kv(kv) => kv.precision(),
+                LayerCache::Rotating(ring) => ring.precision(),
+                LayerCache::Recurrent(_) => return false,
+            };
+            quantization
+                .layer(i)
+                .is_some_and(|quant| precision != KvPrecision::Quantized(quant))
+        };
+        if self.offset < quantization.start || !self.layers.iter().enumerate().any(due) {
+            return Ok(());
+        }
+        let cache = std::mem::replace(self, Cache::new(Vec::new()));
+        *self = cache.with_quantization(quantization)?;
+        Ok(())
     }
 
     /// What each layer will hold as the sequence grows.

@@ -42,6 +42,9 @@ pub enum LoadError {
     UnsupportedQuantization(String),
     #[error("config.json: {0}")]
     Config(String),
+    /// A file beside the weights that says something the model cannot take.
+    #[error("{path}: {reason}")]
+    Invalid { path: PathBuf, reason: String },
     #[error("weight `{name}`: {source}")]
     Engine { name: String, source: EngineError },
 }

@@ -11,6 +11,7 @@ mod footprint;
 pub mod fuse;
 pub mod gemma3;
 pub mod gemma4;
+pub mod kv_quantization;
 pub mod layers;
 pub mod lfm2;
 pub mod llama;
@@ -28,6 +29,7 @@ use std::path::Path;
 pub use cache::Cache;
 pub use checkpoint::{Checkpoint, Config, Scope};
 pub use error::{ForwardError, LoadError, TruncateError};
+pub use kv_quantization::{KvQuantization, QuantizedLayers};
 use oxlm_engine::{Device, KvPrecision, Tensor};
 
 /// What callers need to know about a loaded model.

@@ -177,6 +177,11 @@ impl RotatingKvCache {
         self.rings.size_in_bytes()
     }
 
+    /// How the keys and values are kept.
+    pub fn precision(&self) -> KvPrecision {
+        self.rings.precision()
+    }
+
     /// The same positions with their keys and values kept in `precision` (see
     /// [`oxlm_engine::KvRing::into_precision`]).
     pub fn with_precision(self, precision: KvPrecision) -> Result<Self, EngineError> {

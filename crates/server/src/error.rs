@@ -258,6 +258,10 @@ fn adapter_error_within(error: AdapterError, dir: &Path) -> AdapterError {
                 path: within(path),
                 reason,
             },
+            LoadError::Invalid { path, reason } => LoadError::Invalid {
+                path: within(path),
+                reason,
+            },
             error @ (LoadError::MissingTensor(_)
             | LoadError::TensorShape { .. }
             | LoadError::UnusedTensors(_)
