@@ -1,7 +1,8 @@
 """Greedy-decoding goldens for a real MLX model, from Python mlx-lm (the parity oracle).
 
 usage: PY=$(scripts/oracle/venv.sh)
-       $PY scripts/oracle/real_goldens.py MODEL_DIR OUT.safetensors [--steps 32] [--completion] [--kv-bits 8]
+       $PY scripts/oracle/real_goldens.py MODEL_DIR OUT.safetensors [--steps 32] [--completion]
+           [--kv-bits 8 [--kv-group-size 64] [--quantized-kv-start N]]
   e.g. $PY scripts/oracle/real_goldens.py "$(scripts/models/fetch_models.sh smollm2)" \
            tests/fixtures/real/smollm2-135m-instruct-4bit.safetensors
 Writes OUT.safetensors and a sidecar OUT.json (same stem).
@@ -16,8 +17,9 @@ about 700 tokens), longer than Gemma 3's 512-token sliding window; the sidecar k
 then, with fp32 activations (model.set_dtype(mx.float32): quantized weights unchanged, scales/biases/norms
 upcast) and the mlx-lm KV cache (make_prompt_cache): one forward over the whole prompt, then one token per
 step, greedy (argmax), for --steps steps, without stopping at eos. With --kv-bits, the cache is mlx-lm's
-quantized one from the first token (to_quantized(group_size=64, bits), what generate_step's kv_bits with
-quantized_kv_start=0 makes). Stored:
+quantized one from the first token (to_quantized(group_size, bits)); with --quantized-kv-start too, it is
+quantized where generate_step quantizes it (maybe_quantize_kv_cache): all but the last prompt token go
+through first, then the last alone, then one token per step, the cache checked after each. Stored:
   p{i}.prompt_ids   int32 [n_prompt]
   p{i}.greedy_ids   int32 [steps]
   p{i}.first_logits f32   [vocab]    logits at the last prompt position (those that pick greedy_ids[0])
@@ -36,7 +38,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 from mlx_lm import load
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, maybe_quantize_kv_cache
 from mlx_lm.models.cache import make_prompt_cache
 
 PROMPTS = [
@@ -58,8 +60,16 @@ ap.add_argument("out")
 ap.add_argument("--steps", type=int, default=32)
 ap.add_argument("--completion", action="store_true", help="plain-text prompts (base models), no chat template")
 ap.add_argument("--no-check", action="store_true", help="skip the generate_step cross-check")
-ap.add_argument("--kv-bits", type=int, default=None, help="quantized KV cache of these bits (group size 64)")
+ap.add_argument("--kv-bits", type=int, default=None, help="quantized KV cache of these bits")
+ap.add_argument("--kv-group-size", type=int, default=64)
+ap.add_argument("--quantized-kv-start", type=int, default=None,
+                help="quantize as generate_step does, from this many tokens (default: from the first token)")
 args = ap.parse_args()
+
+
+def maybe_quantize(cache):
+    if args.quantized_kv_start is not None:
+        maybe_quantize_kv_cache(cache, args.quantized_kv_start, args.kv_group_size, args.kv_bits)
 
 t_all = time.time()
 model, tok = load(args.model_dir)
@@ -77,9 +87,16 @@ for i, prompt in enumerate(COMPLETION_PROMPTS if args.completion else PROMPTS):
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tok.encode(text, add_special_tokens=False)
     cache = make_prompt_cache(model)
-    if args.kv_bits:
-        cache = [c.to_quantized(group_size=64, bits=args.kv_bits) for c in cache]
-    logits = model(mx.array([ids]), cache=cache)[0, -1].astype(mx.float32)
+    if args.kv_bits and args.quantized_kv_start is None:
+        cache = [c.to_quantized(group_size=args.kv_group_size, bits=args.kv_bits) for c in cache]
+        logits = model(mx.array([ids]), cache=cache)[0, -1].astype(mx.float32)
+    elif args.kv_bits:
+        model(mx.array([ids[:-1]]), cache=cache)
+        maybe_quantize(cache)
+        logits = model(mx.array([ids[-1:]]), cache=cache)[0, -1].astype(mx.float32)
+        maybe_quantize(cache)
+    else:
+        logits = model(mx.array([ids]), cache=cache)[0, -1].astype(mx.float32)
     first_logits, out_ids, top2 = None, [], []
     for step in range(args.steps):
         mx.eval(logits)
@@ -91,11 +108,13 @@ for i, prompt in enumerate(COMPLETION_PROMPTS if args.completion else PROMPTS):
         out_ids.append(nxt)
         if step + 1 < args.steps:
             logits = model(mx.array([[nxt]]), cache=cache)[0, -1].astype(mx.float32)
+            maybe_quantize(cache)
     t_ref = time.time() - t0
     check = None
     if not args.no_check:
         gen = []
-        quantized = dict(kv_bits=args.kv_bits, kv_group_size=64, quantized_kv_start=0) if args.kv_bits else {}
+        quantized = dict(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                         quantized_kv_start=args.quantized_kv_start or 0) if args.kv_bits else {}
         for (tok_id, _), _n in zip(generate_step(mx.array(ids), model, max_tokens=args.steps,
                                                  sampler=lambda x: mx.argmax(x, axis=-1), **quantized),
                                    range(args.steps)):
@@ -141,10 +160,17 @@ side = {
     "model_files_sha256": {f: sha256(os.path.join(args.model_dir, f)) for f in weights},
     "quantization": cfg.get("quantization"),
     "activations": "float32 (model.set_dtype(mx.float32) after mlx_lm.load)",
-    "kv_cache": f"quantized, {args.kv_bits} bits, group size 64" if args.kv_bits else "mlx-lm's default",
+    "kv_cache": (f"quantized, {args.kv_bits} bits, group size {args.kv_group_size}, "
+                 + (f"from {args.quantized_kv_start} tokens as generate_step quantizes it"
+                    if args.quantized_kv_start is not None else "from the first token"))
+                if args.kv_bits else "mlx-lm's default",
+    "kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size, "quantized_kv_start": args.quantized_kv_start,
     "procedure": ("encode(text) (plain completion)" if args.completion else
                   "apply_chat_template(tokenize=False, add_generation_prompt=True) -> encode(add_special_tokens=False)")
-                 + "; one forward over the whole prompt with make_prompt_cache, then 1 token/step; greedy argmax;"
+                 + ("; all but the last prompt token, then the last, with make_prompt_cache"
+                    if args.kv_bits and args.quantized_kv_start is not None
+                    else "; one forward over the whole prompt with make_prompt_cache")
+                 + ", then 1 token/step; greedy argmax;"
                  f" {args.steps} steps, no eos stop",
     "steps": args.steps, "eos_token_ids": sorted(tok.eos_token_ids), "vocab_logits": int(first_logits.shape[0]),
     "arrays": {"p{i}.prompt_ids": "int32 [n]", "p{i}.greedy_ids": f"int32 [{args.steps}]",

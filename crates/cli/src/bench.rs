@@ -13,7 +13,7 @@ use oxlm_engine::cpu::{pool, qint};
 use oxlm_engine::cuda::{
     TracedLaunch, TRACE_DONE, TRACE_FIRST_READY, TRACE_STAGES, TRACE_STAGE_NAMES,
 };
-use oxlm_engine::{ops, DecodeSteps, KvPrecision};
+use oxlm_engine::{ops, DecodeSteps, KvPrecision, KvQuant};
 use oxlm_models::{Cache, LanguageModel, Logits};
 use oxlm_runtime::batcher::{Batcher, BatcherSettings, Job, Requester, Update};
 use oxlm_runtime::constraint::{Grammar, Grammars};
@@ -67,7 +67,9 @@ pub struct Args {
     /// Where the model runs: cpu, cuda (GPU 0) or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
     device: oxlm_engine::Device,
-    #[arg(long, value_parser = crate::parse_kv_cache, help = crate::KV_CACHE_HELP)]
+    /// f16 (the default), f32, or q8 and q4 (mlx-lm's quantized cache in groups of 64, from the
+    /// first token).
+    #[arg(long, value_parser = parse_kv_cache)]
     kv_cache: Option<KvPrecision>,
     /// Also time each `--batch` with every sequence constrained to JSON valid under the JSON
     /// Schema in this file (one that no `--gen-tokens` output completes, such as
@@ -271,6 +273,7 @@ fn decode_batch(
             // All prompts in the first prefill turn, each in one pass.
             prefill_step: lengths.iter().sum::<usize>().max(1),
             kv_cache: Some(kv_cache),
+            kv_quantization: None,
         };
         let requester = Timed {
             times: times.clone(),
@@ -595,4 +598,13 @@ pub fn run(args: Args) -> Result<()> {
     });
     say!("{report}");
     Ok(())
+}
+
+fn parse_kv_cache(spec: &str) -> Result<KvPrecision, String> {
+    let quantized = |bits| KvPrecision::Quantized(KvQuant { bits, group: 64 });
+    match spec {
+        "q8" => Ok(quantized(8)),
+        "q4" => Ok(quantized(4)),
+        _ => crate::kv_cache::parse_kv_cache(spec),
+    }
 }

@@ -62,7 +62,7 @@ pub struct Args {
     device: oxlm_engine::Device,
     /// How the keys and values are kept while the prompt runs, and so written: f16 (the
     /// default) or f32; q8 codes are written as the f32 values they stand for.
-    #[arg(long, value_parser = crate::parse_kv_cache)]
+    #[arg(long, value_parser = crate::kv_cache::parse_kv_cache)]
     kv_cache: Option<oxlm_engine::KvPrecision>,
 }
 
@@ -105,6 +105,7 @@ pub fn run(args: Args) -> Result<()> {
         sampler: Default::default(),
         prefill_step: DEFAULT_PREFILL_STEP,
         kv_cache: args.kv_cache,
+        kv_quantization: None,
     };
     let mut cache = options.new_cache(model)?;
     let start = Instant::now();

@@ -26,8 +26,8 @@ pub struct Args {
     /// Where the model would run: cpu, cuda (GPU 0) or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
     device: oxlm_engine::Device,
-    #[arg(long, value_parser = crate::parse_kv_cache, help = crate::KV_CACHE_HELP)]
-    kv_cache: Option<oxlm_engine::KvPrecision>,
+    #[command(flatten)]
+    kv: crate::kv_cache::KvCacheArgs,
     /// Prompt tokens that go through the model at once (as `generate` and `serve` take it).
     #[arg(long, default_value_t = DEFAULT_PREFILL_STEP)]
     prefill_step_size: usize,
@@ -54,7 +54,8 @@ pub fn run(args: Args) -> Result<()> {
         max_tokens: 0,
         sampler: Default::default(),
         prefill_step: args.prefill_step_size.max(1),
-        kv_cache: args.kv_cache,
+        kv_cache: args.kv.kv_cache,
+        kv_quantization: args.kv.quantization(&dir, info.num_layers, 0, device)?,
     };
     let plan = MemoryPlan::new(model, &options)?;
 

@@ -67,8 +67,13 @@ pub struct Args {
     /// Where the model runs: cpu, cuda (GPU 0) or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
     device: oxlm_engine::Device,
-    #[arg(long, value_parser = crate::parse_kv_cache, help = crate::KV_CACHE_HELP)]
-    kv_cache: Option<oxlm_engine::KvPrecision>,
+    #[command(flatten)]
+    kv: crate::kv_cache::KvCacheArgs,
+    /// With --kv-bits, how many tokens the cache holds before it is quantized (mlx-lm's
+    /// --quantized-kv-start: checked after each prompt chunk and each generated token; a
+    /// checkpoint's kv_config.json applies from the first chunk on).
+    #[arg(long)]
+    quantized_kv_start: Option<usize>,
     /// Constrain the output to JSON valid under the JSON Schema in this file (each token is
     /// picked among those that keep the output valid).
     #[arg(long, group = "structure")]
@@ -129,6 +134,9 @@ fn cached_model(given: Option<&Path>, file: &PromptCacheFile) -> Result<PathBuf>
         (None, None) => bail!("{} names no model: pass --model", file.path().display()),
     }
 }
+
+/// mlx-lm's `--quantized-kv-start` default.
+const DEFAULT_QUANTIZED_KV_START: usize = 5000;
 
 pub fn run(args: Args) -> Result<()> {
     if let Some(threads) = args.threads {
@@ -201,6 +209,11 @@ pub fn run(args: Args) -> Result<()> {
         constraint,
         ..StreamOptions::default()
     };
+    // mlx-lm's default start for --kv-bits; a kv_config.json's layers from the first chunk on.
+    let quantized_kv_start = args.quantized_kv_start.unwrap_or(match args.kv.kv_bits {
+        Some(_) => DEFAULT_QUANTIZED_KV_START,
+        None => 0,
+    });
     let options = GenerateOptions {
         max_tokens: args.max_tokens,
         sampler: SamplerConfig {
@@ -212,8 +225,18 @@ pub fn run(args: Args) -> Result<()> {
             ..SamplerConfig::default()
         },
         prefill_step: args.prefill_step_size,
-        kv_cache: args.kv_cache,
+        kv_cache: args.kv.kv_cache,
+        kv_quantization: args.kv.quantization(
+            &loaded.dir,
+            model.info().num_layers,
+            quantized_kv_start,
+            &args.device,
+        )?,
     };
+    if let Some(quantization) = &options.kv_quantization {
+        // Heads the codes cannot group are refused before the prompt goes through.
+        options.new_cache(model)?.with_quantization(quantization)?;
+    }
     let mut cache = options.new_cache(model)?;
     if let Some(file) = &cache_file {
         // Before the report starts: a file that does not fit the model is refused here.

@@ -13,11 +13,12 @@ mod embed;
 mod fit;
 mod fuse;
 mod generate;
+mod kv_cache;
 mod lora;
 mod serve;
 
 use clap::{Parser, Subcommand};
-use oxlm_engine::{Device, KvPrecision};
+use oxlm_engine::Device;
 use oxlm_runtime::sampler::MIN_TEMPERATURE;
 
 #[derive(Parser)]
@@ -61,21 +62,6 @@ enum Command {
 /// missing driver is reported before any weights are read.
 fn parse_device(spec: &str) -> Result<Device, String> {
     Device::open(spec).map_err(|e| e.to_string())
-}
-
-const KV_CACHE_HELP: &str = "How the cache keeps keys and values: f16 (the default: half the \
-    memory, and long contexts decode faster), f32 (exactly what the layers computed, as \
-    mlx-lm's f32 run keeps them) or q8 (8-bit codes per group of 64, as mlx-lm's --kv-bits 8 \
-    from the first token: under a third of f32's memory; head dims must be multiples of 64; \
-    on the CPU only, a GPU keeps f16)";
-
-fn parse_kv_cache(spec: &str) -> Result<KvPrecision, String> {
-    match spec {
-        "f16" => Ok(KvPrecision::F16),
-        "f32" => Ok(KvPrecision::F32),
-        "q8" => Ok(KvPrecision::Q8),
-        _ => Err(format!("`{spec}`: expected f16, f32 or q8")),
-    }
 }
 
 /// The most `--threads` a kernel pool takes: more is a typo, which would exhaust the process's

@@ -130,8 +130,8 @@ pub struct Args {
     /// Where the model runs: cpu, cuda (GPU 0) or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
     device: oxlm_engine::Device,
-    #[arg(long, value_parser = crate::parse_kv_cache, help = crate::KV_CACHE_HELP)]
-    kv_cache: Option<oxlm_engine::KvPrecision>,
+    #[command(flatten)]
+    kv: crate::kv_cache::KvCacheArgs,
     /// Bytes the server may take on its device (e.g. 6G): weights, the running requests'
     /// caches, the prompt cache and a prompt chunk's activations. A request waits until its
     /// cache at its longest (prompt and max_tokens) fits what the running ones leave; one that
@@ -171,7 +171,9 @@ pub fn run(args: Args) -> Result<()> {
         decode_concurrency: args.decode_concurrency as usize,
         max_queued_requests: args.max_queued_requests,
         request_timeout: args.request_timeout.map(Duration::from_secs_f64),
-        kv_cache: args.kv_cache,
+        kv_cache: args.kv.kv_cache,
+        kv_quantization: None,
+        kv_config: !args.kv.no_kv_config,
         memory_budget: args.memory_budget,
         adapter_path: args.adapter_path,
         adapters_dir: args.adapters_dir,

@@ -74,6 +74,7 @@ fn options(max_tokens: usize) -> GenerateOptions {
         sampler: SamplerConfig::default(),
         prefill_step: 2048,
         kv_cache: Some(KvPrecision::F32),
+        kv_quantization: None,
     }
 }
 

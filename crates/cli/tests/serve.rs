@@ -222,9 +222,6 @@ fn an_adapter_per_request_matches_generate_with_adapter_path() {
     assert_ne!(base_text, expected);
 }
 
-/// `--kv-cache` reaches the server's caches as it does `generate`'s; a precision it does not
-/// know is refused before anything loads, and an 8-bit cache for heads it cannot group with a
-/// clear error.
 /// The stderr of `oxlm generate` with `args` on the tiny model, which must fail.
 fn refused(args: &[&str]) -> String {
     let output = Command::new(OXLM)
@@ -238,6 +235,9 @@ fn refused(args: &[&str]) -> String {
     String::from_utf8(output.stderr).unwrap()
 }
 
+/// `--kv-cache` reaches the server's caches as it does `generate`'s; a precision it does not
+/// know is refused before anything loads, and a quantized cache for heads it cannot group with
+/// a clear error, before the prompt goes through.
 #[test]
 fn the_kv_cache_flag_reaches_generate_and_serve() {
     let serve = Serve::start(&["--kv-cache", "f32"]);
@@ -248,14 +248,100 @@ fn the_kv_cache_flag_reaches_generate_and_serve() {
         generated(&["--kv-cache", "f32"])
     );
     let stderr = refused(&["--kv-cache", "f64"]);
+    assert!(stderr.contains("`f64`: expected f16 or f32"), "{stderr}");
+    let stderr = refused(&["--kv-bits", "3"]);
     assert!(
-        stderr.contains("`f64`: expected f16, f32 or q8"),
+        stderr.contains("`3`: the cache takes 4 or 8 bits"),
         "{stderr}"
     );
-    // This model's heads of 16 are no whole group of an 8-bit cache: an error, no panic.
-    let stderr = refused(&["--kv-cache", "q8", "--prompt", "hi"]);
+    // This model's heads of 16 are no whole group of a quantized cache: an error, no panic.
+    let stderr = refused(&[
+        "--kv-bits",
+        "8",
+        "--quantized-kv-start",
+        "0",
+        "--prompt",
+        "hi",
+    ]);
     assert!(
-        stderr.contains("an 8-bit KV cache needs head dims that are multiples of 64")
+        stderr.contains(
+            "a KV cache of 8 bits in groups of 64 needs head dims that are multiples of 64"
+        ) && !stderr.contains("panicked")
+            && !stderr.contains("=========="),
+        "{stderr}"
+    );
+}
+
+/// A checkpoint's `kv_config.json` quantizes the layers it lists, in `generate` as in `serve`:
+/// listing every layer at 4 bits in groups of 32 (the tiny Gemma 3's heads of 32, sliding-window
+/// layers and full ones) gives what `--kv-bits 4 --kv-group-size 32 --quantized-kv-start 0`
+/// gives, and not what the unquantized cache gives; `--no-kv-config` leaves it unused; a
+/// file that names a layer the model does not have is refused with what is wrong.
+#[test]
+fn a_checkpoints_kv_config_quantizes_its_layers() {
+    let dir = tempfile::tempdir().unwrap();
+    let tiny = fixtures().join("tiny/gemma3-4bit-g64");
+    for entry in std::fs::read_dir(&tiny).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+    }
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(tiny.join("config.json")).unwrap()).unwrap();
+    let layers = config["num_hidden_layers"].as_u64().unwrap();
+    let entries: Vec<Value> = (0..layers)
+        .map(|l| json!({"layer_idx": l, "bits": 4, "group_size": 32}))
+        .collect();
+    let kv_config = dir.path().join("kv_config.json");
+    std::fs::write(&kv_config, Value::from(entries).to_string()).unwrap();
+
+    let f32_cache = ["--kv-cache", "f32"];
+    let plain = generated_by(&tiny, &f32_cache);
+    let by_flags = generated_by(
+        &tiny,
+        &[&f32_cache[..], &["--kv-bits", "4", "--kv-group-size", "32"]].concat(),
+    );
+    let by_flags_from_0 = generated_by(
+        &tiny,
+        &[
+            &f32_cache[..],
+            &[
+                "--kv-bits",
+                "4",
+                "--kv-group-size",
+                "32",
+                "--quantized-kv-start",
+                "0",
+            ],
+        ]
+        .concat(),
+    );
+    // mlx-lm's default start (5000 tokens) is past this short run.
+    assert_eq!(by_flags, plain);
+    assert_ne!(by_flags_from_0, plain);
+    assert_eq!(generated_by(dir.path(), &f32_cache), by_flags_from_0);
+    let unused = [&f32_cache[..], &["--no-kv-config"]].concat();
+    assert_eq!(generated_by(dir.path(), &unused), plain);
+
+    let serve = Serve::start_on(dir.path(), &f32_cache);
+    let (status, r) = serve.chat(&chat_request(json!({"max_tokens": 24})));
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["choices"][0]["message"]["content"], by_flags_from_0);
+
+    std::fs::write(
+        &kv_config,
+        r#"[{"layer_idx": 99, "bits": 4, "group_size": 32}]"#,
+    )
+    .unwrap();
+    let output = Command::new(OXLM)
+        .arg("generate")
+        .arg("--model")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    assert!(
+        !output.status.success()
+            && stderr.contains("kv_config.json: entry 0: layer_idx 99 of a model of")
             && !stderr.contains("panicked"),
         "{stderr}"
     );

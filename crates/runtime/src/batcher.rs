@@ -744,6 +744,11 @@ impl<'a> Batcher<'a> {
                 .forward(chunk, &mut p.cache, Logits::Last)
                 .map_err(RuntimeError::from)?
                 .into_data();
+            // Quantized (where the options ask) before the cache joins a batch or a snapshot.
+            let options = &p.held.job.options;
+            options
+                .quantize_when_due(&mut p.cache)
+                .map_err(RuntimeError::from)?;
             let seconds = started.elapsed().as_secs_f64();
             if seconds > 0.0 {
                 self.prefill_rate = Some(chunk.len() as f64 / seconds);

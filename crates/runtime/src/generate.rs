@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use oxlm_engine::ops::{self, Pick};
 use oxlm_engine::{DecodeSteps, KvPrecision};
-use oxlm_models::{Cache, ForwardError, LanguageModel, Logits};
+use oxlm_models::{Cache, ForwardError, KvQuantization, LanguageModel, Logits};
 
 use crate::constraint::TokenConstraint;
 use crate::detokenizer::StreamingDetokenizer;
@@ -28,15 +28,29 @@ pub struct GenerateOptions {
     /// How the cache keeps keys and values; `None`: the device's default (f16 on the host, f32
     /// on a GPU).
     pub kv_cache: Option<KvPrecision>,
+    /// Which layers' caches go to affine codes, and from which token (mlx-lm's `--kv-bits`,
+    /// `--kv-group-size` and `--quantized-kv-start`, or a checkpoint's `kv_config.json`):
+    /// checked after each forward pass, as mlx-lm does.
+    pub kv_quantization: Option<KvQuantization>,
 }
 
 impl GenerateOptions {
-    /// A fresh cache for `model` in the precision these options ask for.
+    /// A fresh cache for `model` in the precision these options ask for (not yet quantized:
+    /// see [`quantize_when_due`](Self::quantize_when_due)).
     pub fn new_cache(&self, model: &dyn LanguageModel) -> Result<Cache, RuntimeError> {
         Ok(match self.kv_cache {
             Some(precision) => model.new_cache_in(precision)?,
             None => model.new_cache()?,
         })
+    }
+
+    /// After a forward pass: `cache`'s quantized layers go to their codes once it holds the
+    /// tokens these options quantize from.
+    pub fn quantize_when_due(&self, cache: &mut Cache) -> Result<(), ForwardError> {
+        if let Some(quantization) = &self.kv_quantization {
+            cache.quantize_when_due(quantization)?;
+        }
+        Ok(())
     }
 }
 
@@ -201,8 +215,7 @@ fn run_stream(
     options: &GenerateOptions,
     on_event: &mut dyn FnMut(Event<'_>) -> ControlFlow<()>,
 ) -> Result<Generation, RuntimeError> {
-    let Some(logits) = prefill_reporting(model, uncached, cache, options.prefill_step, on_event)?
-    else {
+    let Some(logits) = prefill_quantizing(model, uncached, cache, options, on_event)? else {
         return Ok(sequence.cancel());
     };
     let mut steps = DecodeSteps::new(&model.info().device);
@@ -210,8 +223,41 @@ fn run_stream(
     let mut stepped = Stepped::Logits(logits);
     while let Some(token) = sequence.advance(stepped.next(0, vocab), on_event)? {
         stepped = decode_step(model, &mut steps, &[token], &mut [&mut *cache], greedy)?;
+        options.quantize_when_due(cache)?;
     }
     sequence.finish(on_event)
+}
+
+/// [`prefill_reporting`], quantizing the cache where `options` ask, at the points where
+/// mlx-lm's `generate_step` does: after each chunk of all but the last prompt token, and after
+/// that token, which goes through alone (so it attends a cache quantized from a start the
+/// prompt reached before it).
+fn prefill_quantizing(
+    model: &dyn LanguageModel,
+    prompt: &[u32],
+    cache: &mut Cache,
+    options: &GenerateOptions,
+    on_event: &mut dyn FnMut(Event<'_>) -> ControlFlow<()>,
+) -> Result<Option<Vec<f32>>, ForwardError> {
+    let step = options.prefill_step;
+    let after = |cache: &mut Cache| options.quantize_when_due(cache);
+    let total = prompt.len();
+    if options.kv_quantization.is_none() || total < 2 {
+        return prefill_chunks(model, prompt, cache, step, (0, total), &after, on_event);
+    }
+    let (head, last) = prompt.split_at(total - 1);
+    if prefill_chunks(model, head, cache, step, (0, total), &after, on_event)?.is_none() {
+        return Ok(None);
+    }
+    prefill_chunks(
+        model,
+        last,
+        cache,
+        step,
+        (total - 1, total),
+        &after,
+        on_event,
+    )
 }
 
 /// What one decoding step gave its sequences, in their order.
@@ -484,19 +530,38 @@ pub fn prefill_reporting(
     step: usize,
     on_event: &mut dyn FnMut(Event<'_>) -> ControlFlow<()>,
 ) -> Result<Option<Vec<f32>>, ForwardError> {
+    let total = prompt.len();
+    prefill_chunks(
+        model,
+        prompt,
+        cache,
+        step,
+        (0, total),
+        &|_| Ok(()),
+        on_event,
+    )
+}
+
+/// [`prefill_reporting`] of `prompt`, the tokens after the first `progress.0` of `progress.1`,
+/// calling `after` on the cache after each chunk.
+fn prefill_chunks(
+    model: &dyn LanguageModel,
+    prompt: &[u32],
+    cache: &mut Cache,
+    step: usize,
+    (mut done, total): (usize, usize),
+    after: &dyn Fn(&mut Cache) -> Result<(), ForwardError>,
+    on_event: &mut dyn FnMut(Event<'_>) -> ControlFlow<()>,
+) -> Result<Option<Vec<f32>>, ForwardError> {
     if prompt.is_empty() {
         return Err(ForwardError::EmptyInput);
     }
     let mut logits = Vec::new();
-    let mut done = 0;
     for chunk in prompt.chunks(step.max(1)) {
         logits = model.forward(chunk, cache, Logits::Last)?.into_data();
+        after(cache)?;
         done += chunk.len();
-        let event = Event::Prefill {
-            done,
-            total: prompt.len(),
-        };
-        if on_event(event).is_break() {
+        if on_event(Event::Prefill { done, total }).is_break() {
             return Ok(None);
         }
     }

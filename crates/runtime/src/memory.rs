@@ -7,7 +7,7 @@ use std::path::Path;
 
 use oxlm_engine::Device;
 use oxlm_models::cache::CacheFootprint;
-use oxlm_models::{LanguageModel, ModelInfo};
+use oxlm_models::{Cache, ForwardError, LanguageModel, ModelInfo};
 
 use crate::{GenerateOptions, RuntimeError};
 
@@ -39,7 +39,7 @@ impl MemoryPlan {
     pub fn new(model: &dyn LanguageModel, options: &GenerateOptions) -> Result<Self, RuntimeError> {
         let info = model.info();
         Ok(MemoryPlan {
-            footprint: options.new_cache(model)?.footprint(),
+            footprint: quantized_from_the_start(options.new_cache(model)?, options)?.footprint(),
             chunk: options.prefill_step.max(1),
             max_context: info.max_context,
             prefill_reserve: prefill_reserve(info, options.prefill_step),
@@ -53,6 +53,21 @@ impl MemoryPlan {
         let tokens = self.max_context.map_or(tokens, |limit| tokens.min(limit));
         self.footprint.bytes_at(tokens, self.chunk)
     }
+}
+
+/// `cache` as a sequence is charged for it: in its codes where `options` quantize it once its
+/// first chunk has gone through (a server's `--kv-bits`), otherwise as it is made (a quantization
+/// from a later token leaves the sequence the larger cache until then).
+fn quantized_from_the_start(
+    cache: Cache,
+    options: &GenerateOptions,
+) -> Result<Cache, RuntimeError> {
+    Ok(match &options.kv_quantization {
+        Some(quantization) if quantization.start == 0 => cache
+            .with_quantization(quantization)
+            .map_err(ForwardError::from)?,
+        _ => cache,
+    })
 }
 
 /// Bytes that a prompt chunk of `chunk` tokens takes while it goes through `info`'s model, at

@@ -249,6 +249,7 @@ fn job(tokenizer: &Tokenizer, a: &Ask) -> (Job, Log) {
             sampler: a.sampler.clone(),
             prefill_step: a.prefill_step,
             kv_cache: None,
+            kv_quantization: None,
         },
         stream: StreamOptions {
             stop: Vec::new(),

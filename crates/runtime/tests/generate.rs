@@ -48,6 +48,7 @@ fn options(max_tokens: usize) -> GenerateOptions {
         sampler: SamplerConfig::default(),
         prefill_step: 16,
         kv_cache: None,
+        kv_quantization: None,
     }
 }
 
@@ -122,6 +123,7 @@ fn the_kv_cache_option_sets_the_cache_precision() {
     ] {
         let opts = GenerateOptions {
             kv_cache: asked,
+            kv_quantization: None,
             ..options(32)
         };
         let mut cache = opts.new_cache(model).unwrap();

@@ -293,6 +293,7 @@ fn greedy(dir: &Path) -> Vec<u32> {
         sampler: SamplerConfig::default(),
         prefill_step: 16,
         kv_cache: None,
+        kv_quantization: None,
     };
     let model = loaded.model.as_ref();
     let generation = generate(

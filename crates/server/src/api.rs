@@ -468,6 +468,7 @@ pub(crate) async fn submit(
         sampler: params.sampler.clone(),
         prefill_step: state.settings.prefill_step,
         kv_cache: state.settings.kv_cache,
+        kv_quantization: state.settings.kv_quantization(),
     };
     let stream = StreamOptions {
         stop: params.stop.clone(),

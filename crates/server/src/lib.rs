@@ -38,6 +38,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use oxlm_engine::{Device, KvPrecision};
+use oxlm_models::{KvQuantization, QuantizedLayers};
 use oxlm_runtime::adapter_store::{Adapter, AdapterStore};
 use oxlm_runtime::constraint::Grammars;
 use oxlm_runtime::embed::{EmbedError, Embedder};
@@ -110,6 +111,14 @@ pub struct Settings {
     pub request_timeout: Option<Duration>,
     /// The KV cache's precision; `None`: the device's default.
     pub kv_cache: Option<KvPrecision>,
+    /// Which layers' caches go to affine codes once a prompt's first chunk has gone through
+    /// (`--kv-bits`, or the checkpoint's `kv_config.json`); `None`: none. A server quantizes
+    /// from the first chunk on, not from a later token: the caches decoding in one batch
+    /// share their precision.
+    pub kv_quantization: Option<QuantizedLayers>,
+    /// Whether, without `kv_quantization`, the checkpoint's `kv_config.json` (where it has one)
+    /// sets it when the model loads.
+    pub kv_config: bool,
     /// Bytes the server may take on its device: weights, the running requests' caches, the
     /// prompt cache and a prompt chunk's activations. A request is admitted when its cache at
     /// its longest (prompt and `max_tokens`) fits what the running ones leave, waits while it
@@ -175,6 +184,12 @@ impl Settings {
             eprintln!("{line}");
         }
     }
+
+    /// The caches' quantization, from the first chunk of each prompt on.
+    fn kv_quantization(&self) -> Option<KvQuantization> {
+        let layers = self.kv_quantization.clone()?;
+        Some(KvQuantization { layers, start: 0 })
+    }
 }
 
 impl Default for Settings {
@@ -208,6 +223,8 @@ impl Default for Settings {
             max_queued_requests: None,
             request_timeout: None,
             kv_cache: None,
+            kv_quantization: None,
+            kv_config: true,
             memory_budget: None,
             adapter_path: None,
             adapters_dir: None,
@@ -284,9 +301,14 @@ impl Server {
     /// model loaded.
     fn with_telemetry(
         mut model: LoadedModel,
-        settings: Settings,
+        mut settings: Settings,
         telemetry: Arc<Telemetry>,
     ) -> Result<Self, ServeError> {
+        if settings.kv_quantization.is_none() && settings.kv_config {
+            let layers = model.model.info().num_layers;
+            settings.kv_quantization =
+                KvQuantization::from_kv_config(&model.dir, layers, 0)?.map(|q| q.layers);
+        }
         let tool_format = ToolFormat::from_template(
             model
                 .chat_template
@@ -332,6 +354,7 @@ impl Server {
             sampler: Default::default(),
             prefill_step: settings.prefill_step,
             kv_cache: settings.kv_cache,
+            kv_quantization: settings.kv_quantization(),
         };
         // Also refuses caches of a precision this model's heads cannot take, at start rather
         // than in every request.

@@ -860,6 +860,7 @@ fn adapted_reference(golden: &Golden, dir: &Path, max_tokens: usize) -> String {
         sampler: SamplerConfig::default(),
         prefill_step: 2048,
         kv_cache: None,
+        kv_quantization: None,
     };
     let generation = generate(
         &model,

@@ -1,0 +1,79 @@
+//! The flags that say how a command keeps its KV cache: `--kv-cache`, mlx-lm's `--kv-bits` and
+//! `--kv-group-size`, and whether a checkpoint's `kv_config.json` applies.
+
+use std::path::Path;
+
+use anyhow::Result;
+use oxlm_engine::{Device, KvPrecision, KvQuant};
+use oxlm_models::{KvQuantization, QuantizedLayers};
+
+const KV_CACHE_HELP: &str = "How the cache keeps keys and values before (or without) \
+    quantization: f16 (the default: half the memory, and long contexts decode faster) or f32 \
+    (exactly what the layers computed, as mlx-lm's f32 run keeps them)";
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct KvCacheArgs {
+    #[arg(long, value_parser = parse_kv_cache, help = KV_CACHE_HELP)]
+    pub kv_cache: Option<KvPrecision>,
+    /// Keep every attention layer's keys and values as 4- or 8-bit affine codes, as mlx-lm's
+    /// quantized cache does (a quarter or under a third of f16's memory, at a small cost in
+    /// accuracy); head dims must be multiples of --kv-group-size. Overrides the checkpoint's
+    /// kv_config.json. On the CPU only: a GPU keeps f16.
+    #[arg(long, value_parser = parse_kv_bits)]
+    pub kv_bits: Option<u8>,
+    /// Features per scale and bias of a quantized cache: 32, 64 or 128.
+    #[arg(long, default_value_t = 64, requires = "kv_bits")]
+    pub kv_group_size: usize,
+    /// Leave the checkpoint's kv_config.json (per-layer cache bits, as OptiQ's checkpoints carry
+    /// them) unused: without --kv-bits, the cache is then not quantized.
+    #[arg(long, conflicts_with = "kv_bits")]
+    pub no_kv_config: bool,
+}
+
+impl KvCacheArgs {
+    /// The layers these flags quantize, for a model of `layers` layers in `dir`: every
+    /// attention layer with --kv-bits, else those the checkpoint's kv_config.json lists.
+    pub fn quantized_layers(&self, dir: &Path, layers: usize) -> Result<Option<QuantizedLayers>> {
+        if let Some(bits) = self.kv_bits {
+            let quant = KvQuant::new(bits, self.kv_group_size)?;
+            return Ok(Some(QuantizedLayers::All(quant)));
+        }
+        if self.no_kv_config {
+            return Ok(None);
+        }
+        Ok(KvQuantization::from_kv_config(dir, layers, 0)?.map(|q| q.layers))
+    }
+
+    /// [`quantized_layers`](Self::quantized_layers) from `start` tokens on; a note on stderr
+    /// where the device keeps f16 instead.
+    pub fn quantization(
+        &self,
+        dir: &Path,
+        layers: usize,
+        start: usize,
+        device: &Device,
+    ) -> Result<Option<KvQuantization>> {
+        let quantized = self.quantized_layers(dir, layers)?;
+        if quantized.is_some() && !device.is_cpu() {
+            eprintln!("note: a GPU keeps its KV cache in f16; the cache is not quantized");
+        }
+        Ok(quantized.map(|layers| KvQuantization { layers, start }))
+    }
+}
+
+pub(crate) fn parse_kv_cache(spec: &str) -> Result<KvPrecision, String> {
+    match spec {
+        "f16" => Ok(KvPrecision::F16),
+        "f32" => Ok(KvPrecision::F32),
+        "q8" => Err("`q8`: use --kv-bits 8 (from the first token: --quantized-kv-start 0)".into()),
+        _ => Err(format!("`{spec}`: expected f16 or f32")),
+    }
+}
+
+fn parse_kv_bits(spec: &str) -> Result<u8, String> {
+    match spec {
+        "4" => Ok(4),
+        "8" => Ok(8),
+        _ => Err(format!("`{spec}`: the cache takes 4 or 8 bits")),
+    }
+}
