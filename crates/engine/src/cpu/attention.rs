@@ -3,10 +3,10 @@
 //! the whole group, which at long contexts is what decoding spends its memory traffic on. The
 //! cache may be kept in f32 or f16 ([`KvElem`]), whose vectors the AVX2 and AVX-512 kernels widen
 //! as they load them, once for up to four heads (the portable code widens a block at a time), or
-//! as affine codes ([`QuantRows`]): 8-bit codes in groups of 64, AVX512-VNNI multiplies as
-//! integers (see `RoundedQueries`) and other AVX-512 processors dequantize as they load them;
-//! other codes, and the rest of the processors, are dequantized a block of rows at a time into
-//! scratch that stays in L1 for the f32 kernels.
+//! as 4- or 8-bit affine codes ([`QuantRows`]), which the AVX-512 kernels dequantize as they
+//! load them (AVX512-VNNI multiplies 8-bit codes in groups of 64 as integers: see
+//! `RoundedQueries`), and the rest a block of rows at a time into scratch that stays in L1 for
+//! the f32 kernels.
 
 use std::ops::Range;
 
@@ -82,14 +82,9 @@ impl Block<'_> {
         }
     }
 
-    /// Whether these are codes the AVX-512 kernels read as they are.
+    /// Whether these are codes the integer kernels read.
     fn kernel_codes(&self) -> bool {
         matches!(self, Block::Codes(q) if q.kernel_codes())
-    }
-
-    /// Whether these are codes the kernels take only dequantized.
-    fn dequantized(&self) -> bool {
-        matches!(self, Block::Codes(q) if !q.kernel_codes())
     }
 }
 
@@ -118,8 +113,8 @@ pub struct QuantRows<'a> {
 }
 
 impl QuantRows<'_> {
-    /// Whether these are the codes the AVX-512 kernels read as they are: 8 bits in groups of
-    /// [`Q8_GROUP`]. Other formats are dequantized a block of rows at a time.
+    /// Whether these are the codes the integer kernels read: 8 bits in groups of
+    /// [`Q8_GROUP`]. The other AVX-512 kernels dequantize every format as they load it.
     fn kernel_codes(&self) -> bool {
         self.quant == KvQuant::Q8
     }
@@ -146,7 +141,7 @@ impl KvRows for QuantRows<'_> {
     }
 }
 
-/// Features per group of the codes the AVX-512 kernels read: mlx-lm's default group size.
+/// Features per group of the codes the integer kernels read: mlx-lm's default group size.
 pub const Q8_GROUP: usize = 64;
 
 /// `out[i] = code(i) · scale + bias` of each group of `q`.
@@ -165,8 +160,8 @@ pub fn dequantize(isa: Isa, q: QuantRows, out: &mut [f32]) {
     for ((o, c), (&scale, &bias)) in groups.zip(q.scales.iter().zip(q.biases)) {
         match (q.quant.bits, isa) {
             // SAFETY: the caller checked the processor (AVX-512 ones have AVX2); a group is
-            // `group` of each. Off the decode path of 8-bit codes (the AVX-512 attention reads
-            // them itself), eight lanes are enough.
+            // `group` of each. Off the AVX-512 decode path (whose kernels read codes
+            // themselves), eight lanes are enough.
             #[cfg(target_arch = "x86_64")]
             (8, Isa::Avx2 | Isa::Avx512 | Isa::Amx) => unsafe {
                 super::avx2::dequantize_u8(c.as_ptr(), group, scale, bias, o.as_mut_ptr())
@@ -331,7 +326,7 @@ impl<R: KvRows> GroupAttention<'_, R> {
         })
     }
 
-    /// `scratch.0` holds a block's rows where 8-bit codes are dequantized ahead of the
+    /// `scratch.0` holds a block's rows where codes are dequantized ahead of the
     /// kernels, `scratch.1` where the portable code widens f16 (`BLOCK · head_dim` each);
     /// `rounded` are the queries for the integer kernels on 8-bit keys, where they run.
     fn run_with(
@@ -393,7 +388,7 @@ impl<R: KvRows> GroupAttention<'_, R> {
 const KERNEL_HEADS: usize = 4;
 
 /// Runs `$body` with `$rows` bound to `$block` as the AVX-512 kernels read it: f32 or f16 rows
-/// as they are, 8-bit codes to be dequantized as they are loaded (`$d` elements a row).
+/// as they are, 8- or 4-bit codes to be dequantized as they are loaded (`$d` elements a row).
 #[cfg(target_arch = "x86_64")]
 macro_rules! with_wide_rows {
     ($block:expr, $d:expr, $rows:ident => $body:expr) => {{
@@ -413,9 +408,13 @@ macro_rules! with_wide_rows {
                 };
                 $body
             }
-            Block::Floats(FloatSlice::BF16(_)) => unreachable!("caches are f32, f16 or 8-bit"),
-            Block::Codes(q) => {
+            Block::Floats(FloatSlice::BF16(_)) => unreachable!("caches are f32, f16 or codes"),
+            Block::Codes(q) if q.quant.bits == 8 => {
                 let $rows = codes(q, $d);
+                $body
+            }
+            Block::Codes(q) => {
+                let $rows = super::avx512::Nibbles(codes(q, $d));
                 $body
             }
         }
@@ -424,7 +423,7 @@ macro_rules! with_wide_rows {
 
 /// `scores[h · stride + j] = scale · q_h · k_j` for the query heads `queries` (`[heads, d]`) and
 /// the rows `k_j` of `keys` (`[rows, d]`). With the queries `rounded`, the integer kernels take
-/// 8-bit keys; the AVX-512 kernels take heads of whole 64s in any format; elsewhere 8-bit codes
+/// 8-bit keys; the AVX-512 kernels take heads of whole 64s in any format; elsewhere codes
 /// are dequantized into `scratch.0`, and the portable code widens f16 into `scratch.1` (a block
 /// of rows as f32 each).
 #[allow(clippy::too_many_arguments)]
@@ -463,7 +462,7 @@ fn block_scores(
     }
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 && d.is_multiple_of(8) {
-        let narrow = (!wide(isa, d) || keys.dequantized()).then(|| floats(isa, keys, scratch.0));
+        let narrow = (!wide(isa, d)).then(|| floats(isa, keys, scratch.0));
         for h0 in (0..heads).step_by(KERNEL_HEADS) {
             let chunk = KERNEL_HEADS.min(heads - h0);
             let (q, out) = (
@@ -483,7 +482,7 @@ fn block_scores(
                     Some(FloatSlice::F16(k)) => {
                         super::avx2::group_scores(q, chunk, k.as_ptr(), rows, d, scale, out, stride)
                     }
-                    Some(FloatSlice::BF16(_)) => unreachable!("caches are f32, f16 or 8-bit"),
+                    Some(FloatSlice::BF16(_)) => unreachable!("caches are f32, f16 or codes"),
                 }
             }
         }
@@ -528,8 +527,7 @@ fn block_values(
     }
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 && d.is_multiple_of(8) {
-        let narrow =
-            (!wide(isa, d) || values.dequantized()).then(|| floats(isa, values, scratch.0));
+        let narrow = (!wide(isa, d)).then(|| floats(isa, values, scratch.0));
         for h0 in (0..heads).step_by(KERNEL_HEADS) {
             let chunk = KERNEL_HEADS.min(heads - h0);
             let (p, o) = (p[h0 * stride..].as_ptr(), out[h0 * d..].as_mut_ptr());
@@ -546,7 +544,7 @@ fn block_values(
                     Some(FloatSlice::F16(v)) => {
                         super::avx2::group_values(p, stride, chunk, v.as_ptr(), rows, d, o)
                     }
-                    Some(FloatSlice::BF16(_)) => unreachable!("caches are f32, f16 or 8-bit"),
+                    Some(FloatSlice::BF16(_)) => unreachable!("caches are f32, f16 or codes"),
                 }
             }
         }
@@ -563,8 +561,8 @@ fn block_values(
     }
 }
 
-/// Whether the AVX-512 kernels take heads of `d`: whole 64s, in any format (8-bit codes are
-/// always whole 64s); the AVX2 kernels take whole 8s of f32 or f16.
+/// Whether the AVX-512 kernels take heads of `d`: whole 64s, in any format; the AVX2 kernels
+/// take whole 8s of f32 or f16 (codes dequantized a block of rows at a time).
 #[cfg(target_arch = "x86_64")]
 fn wide(isa: Isa, d: usize) -> bool {
     isa >= Isa::Avx512 && d.is_multiple_of(64)
@@ -631,19 +629,22 @@ fn round_queries<'a>(queries: &[f32], d: usize, scratch: &'a mut [f32]) -> Round
     }
 }
 
-/// The AVX-512 kernels' view of 8-bit rows of `d`.
+/// The AVX-512 kernels' view of rows of `d` codes (of 4 bits: their bytes, as [`Nibbles`]
+/// reads them).
+///
+/// [`Nibbles`]: super::avx512::Nibbles
 #[cfg(target_arch = "x86_64")]
 fn codes(q: QuantRows, d: usize) -> super::avx512::Codes {
-    debug_assert!(q.kernel_codes());
     super::avx512::Codes {
         codes: q.codes.as_ptr(),
         scales: q.scales.as_ptr(),
         biases: q.biases.as_ptr(),
         d,
+        group: q.quant.group,
     }
 }
 
-/// `rows` as floats: themselves, or 8-bit codes dequantized into `scratch`.
+/// `rows` as floats: themselves, or codes dequantized into `scratch`.
 fn floats<'a>(isa: Isa, rows: Block<'a>, scratch: &'a mut [f32]) -> FloatSlice<'a> {
     match rows {
         Block::Floats(f) => f,

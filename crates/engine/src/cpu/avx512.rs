@@ -154,36 +154,69 @@ impl<T: Elem> Rows for Plain<T> {
     }
 }
 
-/// Rows of 8-bit codes in groups of 64 with a scale and a bias each (`d` a multiple of 64),
-/// dequantized as they are loaded: the values a cache of them holds, read at about a quarter
-/// of f32's bytes.
+/// Rows of 8-bit codes in groups of `group` (32, 64 or 128) with a scale and a bias each (`d`
+/// a multiple of the group), dequantized as they are loaded: the values a cache of them holds,
+/// read at about a quarter of f32's bytes.
 #[derive(Clone, Copy)]
 pub(super) struct Codes {
     pub codes: *const u8,
     pub scales: *const f32,
     pub biases: *const f32,
     pub d: usize,
+    pub group: usize,
+}
+
+impl Codes {
+    /// Sixteen codes (as i32 lanes) at element `at`, and the lanes' scale and bias.
+    #[inline(always)]
+    unsafe fn dequantize(self, codes: __m512i, at: usize) -> __m512 {
+        let g = at / self.group;
+        _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(codes),
+            _mm512_set1_ps(*self.scales.add(g)),
+            _mm512_set1_ps(*self.biases.add(g)),
+        )
+    }
 }
 
 impl Rows for Codes {
     #[inline(always)]
     unsafe fn load16(self, row: usize, col: usize) -> __m512 {
         let at = row * self.d + col;
-        let c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-            self.codes.add(at).cast(),
-        )));
-        let g = at / 64;
-        _mm512_fmadd_ps(
-            c,
-            _mm512_set1_ps(*self.scales.add(g)),
-            _mm512_set1_ps(*self.biases.add(g)),
-        )
+        let codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(self.codes.add(at).cast()));
+        self.dequantize(codes, at)
     }
     #[inline(always)]
     unsafe fn prefetch(self, row: usize, count: usize) {
+        let groups = self.d / self.group;
         prefetch_ahead(self.codes.add(row * self.d), count * self.d);
-        prefetch_ahead(self.scales.add(row * self.d / 64), count * self.d / 64);
-        prefetch_ahead(self.biases.add(row * self.d / 64), count * self.d / 64);
+        prefetch_ahead(self.scales.add(row * groups), count * groups);
+        prefetch_ahead(self.biases.add(row * groups), count * groups);
+    }
+}
+
+/// [`Codes`] of 4 bits, two to a byte (the even element in the low half): an eighth of f32's
+/// bytes.
+#[derive(Clone, Copy)]
+pub(super) struct Nibbles(pub Codes);
+
+impl Rows for Nibbles {
+    #[inline(always)]
+    unsafe fn load16(self, row: usize, col: usize) -> __m512 {
+        let at = row * self.0.d + col;
+        let packed = _mm_loadl_epi64(self.0.codes.add(at / 2).cast());
+        let low = _mm_set1_epi8(15);
+        let even = _mm_and_si128(packed, low);
+        let odd = _mm_and_si128(_mm_srli_epi16::<4>(packed), low);
+        let codes = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(even, odd));
+        self.0.dequantize(codes, at)
+    }
+    #[inline(always)]
+    unsafe fn prefetch(self, row: usize, count: usize) {
+        let (d, groups) = (self.0.d, self.0.d / self.0.group);
+        prefetch_ahead(self.0.codes.add(row * d / 2), count * d / 2);
+        prefetch_ahead(self.0.scales.add(row * groups), count * groups);
+        prefetch_ahead(self.0.biases.add(row * groups), count * groups);
     }
 }
 
