@@ -113,10 +113,10 @@ pub struct QuantRows<'a> {
 }
 
 impl QuantRows<'_> {
-    /// Whether these are the codes the integer kernels read: 8 bits in groups of
-    /// [`Q8_GROUP`]. The other AVX-512 kernels dequantize every format as they load it.
+    /// Whether these are the codes the integer kernels read: groups of [`Q8_GROUP`]. The other
+    /// AVX-512 kernels dequantize every format as they load it.
     fn kernel_codes(&self) -> bool {
-        self.quant == KvQuant::Q8
+        self.quant.group == Q8_GROUP
     }
 }
 
@@ -449,7 +449,7 @@ fn block_scores(
                 super::avx512::q8_group_scores(
                     rounded.heads(h0, d),
                     chunk,
-                    codes(k, d),
+                    int_rows(k, d),
                     rows,
                     d,
                     scale,
@@ -521,7 +521,7 @@ fn block_values(
             let (p, o) = (p[h0 * stride..].as_ptr(), out[h0 * d..].as_mut_ptr());
             // SAFETY: `int_codes` checked the processor and the head dim; the lengths were
             // checked above.
-            unsafe { super::avx512::q8_group_values(p, stride, chunk, codes(v, d), rows, d, o) }
+            unsafe { super::avx512::q8_group_values(p, stride, chunk, int_rows(v, d), rows, d, o) }
         }
         return;
     }
@@ -641,6 +641,16 @@ fn codes(q: QuantRows, d: usize) -> super::avx512::Codes {
         biases: q.biases.as_ptr(),
         d,
         group: q.quant.group,
+    }
+}
+
+/// The integer kernels' view of rows of `d` codes in groups of [`Q8_GROUP`].
+#[cfg(target_arch = "x86_64")]
+fn int_rows(q: QuantRows, d: usize) -> super::avx512::IntCodes {
+    debug_assert!(q.kernel_codes());
+    super::avx512::IntCodes {
+        codes: codes(q, d),
+        nibbles: q.quant.bits == 4,
     }
 }
 

@@ -416,7 +416,7 @@ unsafe fn reduce16(a: &[[__m512i; 4]; 4]) -> __m512i {
 pub(super) unsafe fn q8_group_scores(
     queries: QueryCodes,
     heads: usize,
-    keys: Codes,
+    keys: IntCodes,
     n: usize,
     d: usize,
     scale: f32,
@@ -427,6 +427,50 @@ pub(super) unsafe fn q8_group_scores(
         heads,
         q8_scores_for(queries, keys, n, d, scale, scores, stride)
     )
+}
+
+/// Rows of codes in groups of 64 as the integer kernels read them: 8-bit codes, or 4-bit ones
+/// (`nibbles`) widened to bytes in registers.
+#[derive(Clone, Copy)]
+pub(super) struct IntCodes {
+    pub codes: Codes,
+    pub nibbles: bool,
+}
+
+impl IntCodes {
+    /// Group `g` of row `row` (rows of `d`) as int16: features 0..32 and 32..64.
+    #[inline(always)]
+    unsafe fn group(self, row: usize, d: usize, g: usize) -> (__m512i, __m512i) {
+        if !self.nibbles {
+            let c = self.codes.codes.add(row * d + g * 64);
+            let lo = _mm512_cvtepu8_epi16(_mm256_loadu_si256(c.cast()));
+            let hi = _mm512_cvtepu8_epi16(_mm256_loadu_si256(c.add(32).cast()));
+            return (lo, hi);
+        }
+        // Byte j holds features 2j (low half) and 2j + 1; interleaving the halves works within
+        // 128-bit lanes, so the lanes are put back in order after.
+        let x = _mm256_loadu_si256(self.codes.codes.add((row * d + g * 64) / 2).cast());
+        let low = _mm256_set1_epi8(15);
+        let even = _mm256_and_si256(x, low);
+        let odd = _mm256_and_si256(_mm256_srli_epi16::<4>(x), low);
+        let (a, b) = (
+            _mm256_unpacklo_epi8(even, odd),
+            _mm256_unpackhi_epi8(even, odd),
+        );
+        (
+            _mm512_cvtepu8_epi16(_mm256_permute2x128_si256::<0x20>(a, b)),
+            _mm512_cvtepu8_epi16(_mm256_permute2x128_si256::<0x31>(a, b)),
+        )
+    }
+
+    #[inline(always)]
+    unsafe fn prefetch(self, row: usize, count: usize) {
+        if self.nibbles {
+            Nibbles(self.codes).prefetch(row, count)
+        } else {
+            self.codes.prefetch(row, count)
+        }
+    }
 }
 
 /// Quarter `h` of `v`.
@@ -445,7 +489,7 @@ unsafe fn quarter(v: __m512, h: usize) -> __m128 {
 #[inline]
 unsafe fn q8_scores_for<const H: usize>(
     queries: QueryCodes,
-    keys: Codes,
+    keys: IntCodes,
     n: usize,
     d: usize,
     scale: f32,
@@ -474,17 +518,15 @@ unsafe fn q8_scores_for<const H: usize>(
             }
             let mut acc = [[_mm512_setzero_si512(); 4]; 4];
             for (r, &row) in rows.iter().enumerate() {
-                let c = keys.codes.add(row * d + g * 64);
-                let lo = _mm512_cvtepu8_epi16(_mm256_loadu_si256(c.cast()));
-                let hi = _mm512_cvtepu8_epi16(_mm256_loadu_si256(c.add(32).cast()));
+                let (lo, hi) = keys.group(row, d, g);
                 for h in 0..H {
                     let s = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, q[h][0]);
                     acc[h][r] = _mm512_dpwssd_epi32(s, hi, q[h][1]);
                 }
             }
             let sums = _mm512_cvtepi32_ps(reduce16(&acc));
-            let ks = _mm512_broadcast_f32x4(gather4(keys.scales.add(g), groups, rows));
-            let kb = _mm512_broadcast_f32x4(gather4(keys.biases.add(g), groups, rows));
+            let ks = _mm512_broadcast_f32x4(gather4(keys.codes.scales.add(g), groups, rows));
+            let kb = _mm512_broadcast_f32x4(gather4(keys.codes.biases.add(g), groups, rows));
             let v = _mm512_fmadd_ps(sums, _mm512_mul_ps(ks, qs), _mm512_mul_ps(kb, qsum));
             let mask: __mmask8 = (1 << (n - j).min(4)) - 1;
             for h in 0..H {
@@ -516,7 +558,7 @@ pub(super) unsafe fn q8_group_values(
     p: *const f32,
     stride: usize,
     heads: usize,
-    values: Codes,
+    values: IntCodes,
     n: usize,
     d: usize,
     out: *mut f32,
@@ -546,7 +588,7 @@ unsafe fn rows16(p: *const f32, stride: usize, j: usize, mask: __mmask16) -> __m
 unsafe fn q8_values_for<const H: usize>(
     p: *const f32,
     stride: usize,
-    values: Codes,
+    values: IntCodes,
     n: usize,
     d: usize,
     out: *mut f32,
@@ -563,8 +605,8 @@ unsafe fn q8_values_for<const H: usize>(
             for (i, j) in (0..n).step_by(16).enumerate() {
                 let mask = first_lanes((n - j).min(16));
                 let pj = _mm512_maskz_loadu_ps(mask, p.add(h * stride + j));
-                let s = rows16(values.scales.add(g), groups, j, mask);
-                let b = rows16(values.biases.add(g), groups, j, mask);
+                let s = rows16(values.codes.scales.add(g), groups, j, mask);
+                let b = rows16(values.codes.biases.add(g), groups, j, mask);
                 weighted[i] = _mm512_mul_ps(pj, s);
                 top = _mm512_max_ps(top, _mm512_abs_ps(weighted[i]));
                 bsum = _mm512_fmadd_ps(pj, b, bsum);
@@ -586,10 +628,8 @@ unsafe fn q8_values_for<const H: usize>(
             if g == 0 {
                 values.prefetch(j, 2);
             }
-            let a = values.codes.add(j * d + g * 64);
-            let b = values.codes.add((j + 1).min(n - 1) * d + g * 64);
-            let widen = |c: *const u8| _mm512_cvtepu8_epi16(_mm256_loadu_si256(c.cast()));
-            let (a_lo, a_hi, b_lo, b_hi) = (widen(a), widen(a.add(32)), widen(b), widen(b.add(32)));
+            let (a_lo, a_hi) = values.group(j, d, g);
+            let (b_lo, b_hi) = values.group((j + 1).min(n - 1), d, g);
             let pairs = [
                 _mm512_unpacklo_epi16(a_lo, b_lo),
                 _mm512_unpackhi_epi16(a_lo, b_lo),
