@@ -4,7 +4,8 @@ of it, on tiny models with fp32 activations (as make_goldens.py runs them).
 usage: PY=$(scripts/oracle/venv.sh); $PY scripts/oracle/make_prompt_cache_fixture.py   (from the repository root)
 
 Writes tests/fixtures/prompt_cache/
-  <name>.safetensors  for each model of GOLDEN but those of NO_FILE: mlx_lm.cache_prompt's file for PROMPT (the procedure of
+  <name>.safetensors  for each model of GOLDEN but those of NO_FILE, and each of QUANTIZED (with mlx_lm.cache_prompt's
+                      --kv-bits): mlx_lm.cache_prompt's file for PROMPT (the procedure of
                       cache_prompt.main: chat template with continue_final_message=True, make_prompt_cache,
                       generate_step(max_tokens=0), save_prompt_cache with its metadata), the model loaded by
                       its repository-relative path, which the file's `model` metadata names
@@ -41,6 +42,10 @@ GOLDEN = ["llama-4bit-g64", "gemma3-4bit-g64", "lfm2-4bit-g64", "qwen3_5-4bit-g6
 # Files over 200 KB (two f32 KVCache layers of 32-wide heads, 256 positions each) are not kept: their
 # tokens are, for oxlm's own files to reproduce.
 NO_FILE = ["qwen3_5-4bit-g64"]
+# mlx-lm's QuantizedKVCache: cache_prompt.main with --kv-bits, --kv-group-size and --quantized-kv-start (0: the
+# cache is quantized after all but the last prompt token), on a model whose heads (32) take groups of 32; the
+# file is named <model>-kv<bits>-g<group>.
+QUANTIZED = [("qwen3-8bit-g128", 4, 32, 0)]
 PROMPT = "Tell me about the sea. It is big and blue, and its waves are loud at night."
 SECOND = "Now write one sentence about it, please."
 STEPS = 24
@@ -73,9 +78,9 @@ def cached_prompt(tok, prompt):
     return tok.encode(prompt)
 
 
-def run_prompt(model, ids):
+def run_prompt(model, ids, **quantized):
     cache = make_prompt_cache(model)
-    for _ in generate_step(mx.array(ids), model, max_tokens=0, prompt_cache=cache):
+    for _ in generate_step(mx.array(ids), model, max_tokens=0, prompt_cache=cache, **quantized):
         pass
     return cache
 
@@ -122,23 +127,27 @@ def main():
     scratch = tempfile.TemporaryDirectory()
     golden = {"prompt": PROMPT, "second": SECOND, "steps": STEPS, "models": {}, "layouts": {},
               "versions": {p: version(p) for p in ("mlx", "mlx-lm", "transformers", "tokenizers")}}
-    for name in GOLDEN:
+    runs = [(name, name, {}) for name in GOLDEN] + [
+        (f"{name}-kv{bits}-g{group}", name, dict(kv_bits=bits, kv_group_size=group, quantized_kv_start=start))
+        for name, bits, group, start in QUANTIZED]
+    for stem, name, quantized in runs:
         path = ROOT / name
         model, tok = load_fp32(path)
         ids = cached_prompt(tok, PROMPT)
-        cache = run_prompt(model, ids)
-        file = OUT / f"{name}.safetensors"
+        cache = run_prompt(model, ids, **quantized)
+        file = OUT / f"{stem}.safetensors"
         if name in NO_FILE:
             file = Path(scratch.name) / file.name
         # cache_prompt.main's metadata: the --model argument as given, and its tokenizer_config
         save_prompt_cache(str(file), cache, {"model": str(path), "tokenizer_config": json.dumps({"trust_remote_code": False})})
         text, second = suffix(tok, SECOND)
         out, margins = greedy_after(model, tok, file, second)
-        golden["models"][name] = {
+        golden["models"][stem] = {
             "file": name not in NO_FILE, "cached_ids": list(ids), "suffix_text": text, "suffix_ids": second,
             "greedy_ids": out, "greedy_text": tok.decode(out), "margins": margins, "min_margin": min(margins),
+            **quantized,
         }
-        print(f"{name}: {len(ids)} cached + {len(second)} tokens -> {out} {tok.decode(out)!r}"
+        print(f"{stem}: {len(ids)} cached + {len(second)} tokens -> {out} {tok.decode(out)!r}"
               f" (min margin {min(margins):.4f}, {file.stat().st_size} bytes)", flush=True)
     for path in sorted(p for p in ROOT.iterdir() if (p / "config.json").exists()):
         model, tok = load_fp32(path)

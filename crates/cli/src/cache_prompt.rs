@@ -9,9 +9,10 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use oxlm_engine::KvQuant;
 use oxlm_models::lora::AdaptedModel;
-use oxlm_models::LanguageModel;
-use oxlm_runtime::generate::{prefill_reporting, Event, DEFAULT_PREFILL_STEP};
+use oxlm_models::{KvQuantization, LanguageModel};
+use oxlm_runtime::generate::{prefill_quantizing, Event, DEFAULT_PREFILL_STEP};
 use oxlm_runtime::hub::resolve_model;
 use oxlm_runtime::memory::peak_resident_bytes;
 use oxlm_runtime::prompt_cache_file::{
@@ -44,14 +45,16 @@ pub struct Args {
     /// The message to process; `-` reads it from standard input.
     #[arg(long, short = 'p')]
     prompt: String,
-    /// Bits of a quantized cache: mlx-lm quantizes only from --quantized-kv-start tokens on,
-    /// and a longer prompt is refused.
-    #[arg(long)]
-    kv_bits: Option<u32>,
-    /// Group size of a quantized cache (with --kv-bits).
-    #[arg(long, default_value_t = 64)]
+    /// Keep the attention layers' keys and values as 4- or 8-bit codes once the cache holds
+    /// --quantized-kv-start tokens, as mlx-lm does; such layers are written as mlx-lm's
+    /// QuantizedKVCache.
+    #[arg(long, value_parser = crate::kv_cache::parse_kv_bits)]
+    kv_bits: Option<u8>,
+    /// Features per scale and bias of a quantized cache: 32, 64 or 128.
+    #[arg(long, default_value_t = 64, requires = "kv_bits")]
     kv_group_size: usize,
-    /// With --kv-bits, the token count from which mlx-lm would quantize the cache.
+    /// With --kv-bits, how many tokens the cache holds before it is quantized (checked after
+    /// each prompt chunk and after the last token, which goes through alone).
     #[arg(long, default_value_t = 5000)]
     quantized_kv_start: usize,
     /// Kernel threads (default: one per physical core).
@@ -60,8 +63,8 @@ pub struct Args {
     /// Where the model runs: cpu, cuda (GPU 0) or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
     device: oxlm_engine::Device,
-    /// How the keys and values are kept while the prompt runs, and so written: f16 (the
-    /// default) or f32; q8 codes are written as the f32 values they stand for.
+    /// How the keys and values are kept while the prompt runs (before any quantization), and
+    /// so written: f16 (the default) or f32.
     #[arg(long, value_parser = crate::kv_cache::parse_kv_cache)]
     kv_cache: Option<oxlm_engine::KvPrecision>,
 }
@@ -90,24 +93,31 @@ pub fn run(args: Args) -> Result<()> {
         std::io::stdin().read_to_string(&mut prompt)?;
     }
     let ids = cached_prompt_ids(&loaded.tokenizer, loaded.chat_template.as_ref(), &prompt)?;
-    if args.kv_bits.is_some() && ids.len() >= args.quantized_kv_start {
-        // mlx-lm would save a QuantizedKVCache, which oxlm does not keep.
-        bail!(
-            "--kv-bits: the prompt's {} tokens reach --quantized-kv-start ({}), from which \
-             mlx-lm quantizes the cache; quantized prompt caches are not supported",
-            ids.len(),
-            args.quantized_kv_start
-        );
-    }
     model.info().check_context(0, ids.len())?;
+    let kv_quantization = match args.kv_bits {
+        Some(bits) => Some(KvQuantization::all(
+            KvQuant::new(bits, args.kv_group_size)?,
+            args.quantized_kv_start,
+        )),
+        None => None,
+    };
     let options = GenerateOptions {
         max_tokens: 0,
         sampler: Default::default(),
         prefill_step: DEFAULT_PREFILL_STEP,
         kv_cache: args.kv_cache,
-        kv_quantization: None,
+        kv_quantization,
     };
     let mut cache = options.new_cache(model)?;
+    if let Some(quantization) = options
+        .kv_quantization
+        .as_ref()
+        .filter(|q| ids.len() >= q.start)
+    {
+        // Heads the codes cannot group are refused before the prompt goes through (where it
+        // reaches the start).
+        cache.try_clone()?.with_quantization(quantization)?;
+    }
     let start = Instant::now();
     let mut out = std::io::stdout().lock();
     // mlx-lm's progress line, rewritten after each chunk.
@@ -119,21 +129,15 @@ pub fn run(args: Args) -> Result<()> {
     progress(0)?;
     // A failed write (a closed pipe) stops the prompt and is reported after it.
     let mut failed = None;
-    prefill_reporting(
-        model,
-        &ids,
-        &mut cache,
-        DEFAULT_PREFILL_STEP,
-        &mut |event| {
-            if let Event::Prefill { done, .. } = event {
-                if let Err(err) = progress(done) {
-                    failed = Some(err);
-                    return ControlFlow::Break(());
-                }
+    prefill_quantizing(model, &ids, &mut cache, &options, &mut |event| {
+        if let Event::Prefill { done, .. } = event {
+            if let Err(err) = progress(done) {
+                failed = Some(err);
+                return ControlFlow::Break(());
             }
-            ControlFlow::Continue(())
-        },
-    )?;
+        }
+        ControlFlow::Continue(())
+    })?;
     if let Some(err) = failed {
         return Err(err.into());
     }

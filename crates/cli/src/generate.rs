@@ -233,14 +233,20 @@ pub fn run(args: Args) -> Result<()> {
             &args.device,
         )?,
     };
-    if let Some(quantization) = &options.kv_quantization {
-        // Heads the codes cannot group are refused before the prompt goes through.
-        options.new_cache(model)?.with_quantization(quantization)?;
-    }
     let mut cache = options.new_cache(model)?;
     if let Some(file) = &cache_file {
         // Before the report starts: a file that does not fit the model is refused here.
         file.restore(&mut cache)?;
+    }
+    let reach = cache.offset + ids.len() + args.max_tokens;
+    if let Some(quantization) = options
+        .kv_quantization
+        .as_ref()
+        .filter(|q| reach >= q.start)
+    {
+        // Heads the codes cannot group are refused before the prompt goes through (where the
+        // sequence can reach the start).
+        options.new_cache(model)?.with_quantization(quantization)?;
     }
     let mut out = std::io::stdout().lock();
     writeln!(out, "==========")?;

@@ -70,7 +70,7 @@ pub(crate) fn parse_kv_cache(spec: &str) -> Result<KvPrecision, String> {
     }
 }
 
-fn parse_kv_bits(spec: &str) -> Result<u8, String> {
+pub(crate) fn parse_kv_bits(spec: &str) -> Result<u8, String> {
     match spec {
         "4" => Ok(4),
         "8" => Ok(8),

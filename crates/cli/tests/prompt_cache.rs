@@ -125,6 +125,30 @@ fn oxlm(args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// `oxlm cache-prompt` of the golden's first prompt through model `name` into `out`.
+fn cache_prompt(name: &str, golden: &Value, out: &Path, flags: &[&str]) -> Output {
+    let model = model_arg(name);
+    let prompt = golden["prompt"].as_str().unwrap();
+    let out = out.to_str().unwrap();
+    let args = ["cache-prompt", "--model", &model, "--prompt", prompt];
+    oxlm(&[&args[..], &["--prompt-cache-file", out], flags].concat())
+}
+
+/// `oxlm generate` of the golden's second prompt after the prompt cache `file`, in f32.
+fn generate_after(file: &Path, golden: &Value, steps: usize) -> Output {
+    oxlm(&[
+        "generate",
+        "--prompt-cache-file",
+        file.to_str().unwrap(),
+        "--prompt",
+        golden["second"].as_str().unwrap(),
+        "--max-tokens",
+        &steps.to_string(),
+        "--kv-cache",
+        "f32",
+    ])
+}
+
 fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
@@ -185,17 +209,7 @@ fn cache_prompt_writes_mlx_lms_file() {
         let (want, want_meta) = read_file(&fixture(name));
         for (precision, dtype, tolerance) in [("f32", "F32", 5e-5), ("f16", "F16", 5e-3)] {
             let out = dir.path().join(format!("{name}-{precision}.safetensors"));
-            let output = oxlm(&[
-                "cache-prompt",
-                "--model",
-                &model_arg(name),
-                "--prompt",
-                golden["prompt"].as_str().unwrap(),
-                "--prompt-cache-file",
-                out.to_str().unwrap(),
-                "--kv-cache",
-                precision,
-            ]);
+            let output = cache_prompt(name, &golden, &out, &["--kv-cache", precision]);
             assert!(output.status.success(), "{name}: {}", stderr(&output));
             assert!(String::from_utf8_lossy(&output.stdout).contains("Saving..."));
             let (got, got_meta) = read_file(&out);
@@ -249,17 +263,7 @@ fn mlx_lms_files_continue_with_mlx_lms_tokens() {
         let tokens = continue_greedy(&loaded, &mut cache, &suffix, steps);
         assert_eq!(tokens, ids(&want["greedy_ids"]), "{name}");
 
-        let output = oxlm(&[
-            "generate",
-            "--prompt-cache-file",
-            fixture(name).to_str().unwrap(),
-            "--prompt",
-            golden["second"].as_str().unwrap(),
-            "--max-tokens",
-            &steps.to_string(),
-            "--kv-cache",
-            "f32",
-        ]);
+        let output = generate_after(&fixture(name), &golden, steps);
         assert!(output.status.success(), "{name}: {}", stderr(&output));
         let text = loaded.tokenizer.decode(&tokens, false).unwrap();
         // mlx-lm's streaming detokenizer drops the first token's leading space; so does oxlm's.
@@ -270,6 +274,122 @@ fn mlx_lms_files_continue_with_mlx_lms_tokens() {
         let prompt_tokens = format!("Prompt: {} tokens", suffix.len());
         assert!(report.contains(&prompt_tokens), "{name}: {report}");
     }
+}
+
+/// mlx-lm's file of a quantized cache (`cache_prompt --kv-bits 4 --kv-group-size 32
+/// --quantized-kv-start 0`: QuantizedKVCache layers) both ways: (a) `oxlm generate` continues
+/// it with mlx-lm's greedy tokens, its codes kept as they are; (b) `oxlm cache-prompt` with the
+/// same flags writes the same file: metadata, array names, types and shapes, the scales and
+/// biases within 1e-5 of the largest, and the codes' words equal but where keys that differ in
+/// their last digits round to a neighbouring code (at most 1 in 100); (c) read back, its file
+/// continues as the cache it was saved from.
+#[test]
+fn quantized_caches_go_both_ways() {
+    let golden = golden();
+    let (name, stem) = ("qwen3-8bit-g128", "qwen3-8bit-g128-kv4-g32");
+    let want = &golden["models"][stem];
+    let steps = golden["steps"].as_u64().unwrap() as usize;
+    let loaded = load(name);
+    let suffix = suffix_ids(&loaded, &golden);
+    let output = generate_after(&fixture(stem), &golden, steps);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let text = loaded
+        .tokenizer
+        .decode(&ids(&want["greedy_ids"]), false)
+        .unwrap();
+    assert_eq!(generated(&output), text.strip_prefix(' ').unwrap_or(&text));
+
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("kv4.safetensors");
+    let flags = [
+        "--kv-cache",
+        "f32",
+        "--kv-bits",
+        "4",
+        "--kv-group-size",
+        "32",
+    ];
+    let flags = [&flags[..], &["--quantized-kv-start", "0"]].concat();
+    let output = cache_prompt(name, &golden, &out, &flags);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let (mine, theirs) = (
+        std::fs::read(&out).unwrap(),
+        std::fs::read(fixture(stem)).unwrap(),
+    );
+    let (mine, theirs) = (
+        SafeTensors::deserialize(&mine).unwrap(),
+        SafeTensors::deserialize(&theirs).unwrap(),
+    );
+    let metadata = |path: &Path| {
+        let bytes = std::fs::read(path).unwrap();
+        let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
+        header.metadata().clone().unwrap()
+    };
+    let meta = metadata(&out);
+    assert_eq!(meta, metadata(&fixture(stem)));
+    assert!(meta.values().filter(|c| *c == "QuantizedKVCache").count() == 2);
+    let mut names = mine.names();
+    names.sort();
+    let mut their_names = theirs.names();
+    their_names.sort();
+    assert_eq!(names, their_names);
+    let (mut words, mut differing) = (0, 0);
+    for name in names {
+        let (a, b) = (mine.tensor(name).unwrap(), theirs.tensor(name).unwrap());
+        assert_eq!((a.dtype(), a.shape()), (b.dtype(), b.shape()), "{name}");
+        match a.dtype() {
+            safetensors::Dtype::U32 => {
+                let pairs = a.data().chunks(4).zip(b.data().chunks(4));
+                words += a.data().len() / 4;
+                differing += pairs.filter(|(x, y)| x != y).count();
+            }
+            safetensors::Dtype::F32 if !a.shape().is_empty() => {
+                let floats = |d: &[u8]| -> Vec<f32> {
+                    d.chunks(4)
+                        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                        .collect()
+                };
+                let (x, y) = (floats(a.data()), floats(b.data()));
+                let top = y.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                for (i, (g, w)) in x.iter().zip(&y).enumerate() {
+                    assert!(
+                        (g - w).abs() <= 1e-5 * top,
+                        "{name}[{i}]: {g} vs mlx-lm's {w}"
+                    );
+                }
+            }
+            _ => assert_eq!(a.data(), b.data(), "{name}"),
+        }
+    }
+    assert!(
+        words > 0 && differing * 100 <= words,
+        "{differing} of {words} code words differ"
+    );
+
+    let mut restored = options(0).new_cache(loaded.model.as_ref()).unwrap();
+    PromptCacheFile::load(&out)
+        .unwrap()
+        .restore(&mut restored)
+        .unwrap();
+    let mut original = options(0).new_cache(loaded.model.as_ref()).unwrap();
+    PromptCacheFile::load(&fixture(stem))
+        .unwrap()
+        .restore(&mut original)
+        .unwrap();
+    let mine = continue_greedy(&loaded, &mut restored, &suffix, steps);
+    let file = dir.path().join("again.safetensors");
+    let metadata = BTreeMap::from([("model".to_string(), model_arg(name))]);
+    prompt_cache_file::save(&file, &original, &metadata).unwrap();
+    let mut again = options(0).new_cache(loaded.model.as_ref()).unwrap();
+    PromptCacheFile::load(&file)
+        .unwrap()
+        .restore(&mut again)
+        .unwrap();
+    assert_eq!(
+        continue_greedy(&loaded, &mut again, &suffix, steps),
+        continue_greedy(&loaded, &mut original, &suffix, steps)
+    );
+    assert_eq!(mine.len(), steps);
 }
 
 /// (c) For every tiny model: oxlm's file, read back, continues as the cache it was saved from
@@ -454,7 +574,7 @@ fn mismatched_and_corrupt_files_are_refused() {
     });
     let err = message(restore_into("llama-4bit-g64", &quantized));
     assert!(
-        err.contains("layer 1: mlx-lm's QuantizedKVCache is not supported (a --kv-bits cache"),
+        err.contains("layer 1: unexpected state entry `0` in an mlx-lm QuantizedKVCache"),
         "{err}"
     );
     let unscalar = edited("s.safetensors", &|m| _ = m.remove("2.1.1"));
@@ -548,9 +668,9 @@ fn mismatched_and_corrupt_files_are_refused() {
     );
 }
 
-/// What `oxlm cache-prompt` does not support is refused before anything is written:
-/// `--max-kv-size`, and `--kv-bits` where mlx-lm would quantize (a prompt reaching
-/// `--quantized-kv-start`); below that mlx-lm writes a plain cache, and so does oxlm.
+/// What `oxlm cache-prompt` cannot do is refused before anything is written: `--max-kv-size`,
+/// and `--kv-bits` for heads its groups do not divide; a prompt short of `--quantized-kv-start`
+/// is written as a plain cache, as mlx-lm writes it.
 #[test]
 fn unsupported_options_are_refused() {
     let dir = tempfile::tempdir().unwrap();
@@ -575,10 +695,11 @@ fn unsupported_options_are_refused() {
         "{}",
         stderr(&output)
     );
+    // This model's heads of 16 take no groups of 64.
     let output = run(&["--kv-bits", "8", "--quantized-kv-start", "4"]);
     assert_eq!(output.status.code(), Some(1));
     assert!(
-        stderr(&output).contains("quantized prompt caches are not supported"),
+        stderr(&output).contains("needs head dims that are multiples of 64"),
         "{}",
         stderr(&output)
     );

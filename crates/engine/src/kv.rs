@@ -204,6 +204,44 @@ impl KvRing {
         }
     }
 
+    /// A quantized host ring's codes, scales and biases; `None` for any other ring.
+    pub fn codes(&self) -> Option<QuantRows<'_>> {
+        match &self.storage {
+            RingStorage::HostQuant(q) => Some(q.rows()),
+            _ => None,
+        }
+    }
+
+    /// A host ring of these codes (`scales` and `biases` one per group of `codes`), as
+    /// [`codes`](Self::codes) gives them.
+    pub fn from_codes(
+        quant: KvQuant,
+        codes: Vec<u8>,
+        scales: Vec<f32>,
+        biases: Vec<f32>,
+    ) -> Result<KvRing, EngineError> {
+        let len = scales.len() * quant.group;
+        if codes.len() != quant.row_bytes(len) || biases.len() != scales.len() {
+            return Err(EngineError::Shape(format!(
+                "{} bytes of {}-bit codes with {} scales and {} biases in groups of {}",
+                codes.len(),
+                quant.bits,
+                scales.len(),
+                biases.len(),
+                quant.group
+            )));
+        }
+        let ring = QuantRing {
+            quant,
+            codes,
+            scales,
+            biases,
+        };
+        Ok(KvRing {
+            storage: RingStorage::HostQuant(ring),
+        })
+    }
+
     /// Bytes a ring of `len` elements of this one's precision, on its device, holds: what
     /// [`size_in_bytes`](Self::size_in_bytes) will say once it has grown to `len`.
     pub fn bytes_for(&self, len: usize) -> usize {

@@ -2,8 +2,10 @@
 
 use std::ops::Range;
 
+use oxlm_engine::cpu::attention::QuantRows;
+use oxlm_engine::cpu::Isa;
 use oxlm_engine::ops::{self, KvView};
-use oxlm_engine::{Device, EngineError, KvPrecision, KvRing, Positions, Tensor};
+use oxlm_engine::{Device, EngineError, KvPrecision, KvQuant, KvRing, Positions, Tensor};
 
 pub use crate::footprint::{CacheFootprint, LayerFootprint};
 use crate::kv_quantization::KvQuantization;
@@ -109,6 +111,10 @@ impl KvRings {
         self.keys.precision()
     }
 
+    pub(crate) fn device(&self) -> Device {
+        self.keys.device()
+    }
+
     /// `[kv_heads, slots, head_dim]` keys and values read from rings of `capacity` slots: for
     /// each slot the position it names (in ring slot `p % capacity`), zeros where it names none.
     pub(crate) fn gather(
@@ -133,6 +139,43 @@ impl KvRings {
             Ok(out)
         };
         Ok((pick(&self.keys)?, pick(&self.values)?))
+    }
+
+    /// The codes of quantized host rings: keys', then values'.
+    pub(crate) fn codes(&self) -> Option<(QuantRows<'_>, QuantRows<'_>)> {
+        Some((self.keys.codes()?, self.values.codes()?))
+    }
+
+    /// New host rings of `capacity` slots holding `keys` and `values` (codes of `[kv_heads,
+    /// n, head_dim]` elements, in `quant`) as positions `0..n`; rows past them are zeros.
+    pub(crate) fn restore_codes(
+        &mut self,
+        (kv_heads, head_dim): (usize, usize),
+        capacity: usize,
+        quant: KvQuant,
+        keys: QuantRows,
+        values: QuantRows,
+    ) -> Result<(), EngineError> {
+        let (bytes, groups) = (quant.row_bytes(head_dim), head_dim / quant.group);
+        let n = keys.scales.len() / (kv_heads * groups).max(1);
+        let ring = |rows: QuantRows| {
+            let mut codes = vec![0; kv_heads * capacity * bytes];
+            let (mut scales, mut biases) = (vec![0.0; kv_heads * capacity * groups], Vec::new());
+            biases.resize(scales.len(), 0.0);
+            for h in 0..kv_heads {
+                let (from, to) = (h * n, h * capacity);
+                codes[to * bytes..(to + n) * bytes]
+                    .copy_from_slice(&rows.codes[from * bytes..(from + n) * bytes]);
+                scales[to * groups..(to + n) * groups]
+                    .copy_from_slice(&rows.scales[from * groups..(from + n) * groups]);
+                biases[to * groups..(to + n) * groups]
+                    .copy_from_slice(&rows.biases[from * groups..(from + n) * groups]);
+            }
+            KvRing::from_codes(quant, codes, scales, biases)
+        };
+        self.keys = ring(keys)?;
+        self.values = ring(values)?;
+        Ok(())
     }
 
     /// New rings of `capacity` slots, in this precision on this device, holding `keys` and
@@ -265,6 +308,32 @@ impl KvCache {
         let capacity = len.div_ceil(GROWTH_STEP) * GROWTH_STEP;
         self.rings
             .restore(self.shape(), capacity, 0, keys, values)?;
+        (self.capacity, self.len) = (capacity, len);
+        Ok(())
+    }
+
+    /// [`restore`](Self::restore) from codes (`[kv_heads, len, head_dim]` elements in
+    /// `quant`), kept as they are: the cache's keys and values are then quantized. On a GPU,
+    /// which keeps f16, the values the codes stand for.
+    pub(crate) fn restore_codes(
+        &mut self,
+        len: usize,
+        quant: KvQuant,
+        keys: QuantRows,
+        values: QuantRows,
+    ) -> Result<(), EngineError> {
+        if !self.rings.device().is_cpu() {
+            let widen = |rows: QuantRows| {
+                let mut out = vec![0.0; rows.scales.len() * quant.group];
+                oxlm_engine::cpu::attention::dequantize(Isa::best(), rows, &mut out);
+                out
+            };
+            return self.restore(len, &widen(keys), &widen(values));
+        }
+        oxlm_engine::check_quantized_head_dim(quant, self.head_dim)?;
+        let capacity = len.div_ceil(GROWTH_STEP) * GROWTH_STEP;
+        self.rings
+            .restore_codes(self.shape(), capacity, quant, keys, values)?;
         (self.capacity, self.len) = (capacity, len);
         Ok(())
     }

@@ -12,7 +12,8 @@
 use std::borrow::Cow;
 
 use half::{bf16, f16};
-use oxlm_engine::{DType, EngineError};
+use oxlm_engine::cpu::attention::{quantize, QuantRows};
+use oxlm_engine::{DType, EngineError, KvQuant};
 use thiserror::Error;
 
 use crate::cache::{Cache, KvCache, LayerCache, MlxForm, RecurrentCache, RotatingKvCache};
@@ -266,8 +267,9 @@ impl Cache {
 fn refuse_unknown(layer: usize, class: &str) -> Result<(), CacheStateError> {
     let hint = match class {
         // `MambaCache`: earlier mlx-lm's name of a two-array `ArraysCache`.
-        "KVCache" | "RotatingKVCache" | "ArraysCache" | "MambaCache" => return Ok(()),
-        "QuantizedKVCache" => " (a --kv-bits cache; make the prompt cache without --kv-bits)",
+        "KVCache" | "QuantizedKVCache" | "RotatingKVCache" | "ArraysCache" | "MambaCache" => {
+            return Ok(())
+        }
         "ChunkedKVCache" | "CacheList" | "ConcatenateKVCache" => {
             " (no model here keeps one; is the prompt cache from another model?)"
         }
@@ -458,6 +460,9 @@ fn push_kv(
 }
 
 fn kv_state(kv: &KvCache) -> Result<LayerState<'static>, CacheStateError> {
+    if let Some((keys, values)) = kv.rings().codes() {
+        return quantized_kv_state(kv, keys, values);
+    }
     let (len, capacity) = (kv.len(), kv.view().capacity);
     let slots: Vec<Option<usize>> = (0..mlx_kv_capacity(len))
         .map(|s| (s < len).then_some(s))
@@ -466,6 +471,66 @@ fn kv_state(kv: &KvCache) -> Result<LayerState<'static>, CacheStateError> {
     let mut state = LayerState::new("KVCache");
     push_kv(&mut state, kv.shape(), slots.len(), arrays, kv.mlx_form());
     state.push("2", StateItem::Int(len as i64));
+    Ok(state)
+}
+
+/// A quantized layer as mlx-lm's `QuantizedKVCache` holds it: keys and values each as
+/// `mx.quantize` gives them (codes packed in uint32 words `[1, kv_heads, slots, head_dim · bits
+/// / 32]`, scales and biases `[1, kv_heads, slots, head_dim / group]`, in f32 as held here), laid
+/// out as the `KVCache` it was made from (rows past the positions are the codes of zeros, as
+/// `to_quantized` gives them); then the offset, the group size and the bits.
+fn quantized_kv_state(
+    kv: &KvCache,
+    keys: QuantRows,
+    values: QuantRows,
+) -> Result<LayerState<'static>, CacheStateError> {
+    let ((kv_heads, d), len, capacity) = (kv.shape(), kv.len(), kv.view().capacity);
+    let form = kv.mlx_form();
+    if form.split.is_some() {
+        return Err(CacheStateError::Engine(EngineError::UnsupportedQuantization(
+            "a quantized cache of split rows has no mlx-lm form (make the prompt cache without \
+             --kv-bits)"
+                .into(),
+        )));
+    }
+    let quant = keys.quant;
+    let (bytes, groups, slots) = (quant.row_bytes(d), d / quant.group, mlx_kv_capacity(len));
+    let mut zero = (vec![0; bytes], vec![0.0; groups], vec![0.0; groups]);
+    quantize(quant, &vec![0.0; d], &mut zero.0, &mut zero.1, &mut zero.2);
+    let mut state = LayerState::new("QuantizedKVCache");
+    for (path, rows, scale) in [("0", keys, form.key_scale), ("1", values, 1.0)] {
+        let (mut codes, mut scales, mut biases) = (Vec::new(), Vec::new(), Vec::new());
+        for h in 0..kv_heads {
+            for s in 0..slots {
+                let row = h * capacity + s;
+                if s < len {
+                    codes.extend_from_slice(&rows.codes[row * bytes..(row + 1) * bytes]);
+                    let g = row * groups..(row + 1) * groups;
+                    scales.extend(rows.scales[g.clone()].iter().map(|x| x * scale));
+                    biases.extend(rows.biases[g].iter().map(|x| x * scale));
+                } else {
+                    codes.extend_from_slice(&zero.0);
+                    scales.extend_from_slice(&zero.1);
+                    biases.extend_from_slice(&zero.2);
+                }
+            }
+        }
+        let words = vec![1, kv_heads, slots, bytes / 4];
+        let codes = StateArray {
+            dtype: DType::U32,
+            shape: words,
+            data: Cow::Owned(codes),
+        };
+        let shape = vec![1, kv_heads, slots, groups];
+        state.push(&format!("{path}.0"), StateItem::Array(codes));
+        for (i, x) in [(1, scales), (2, biases)] {
+            let array = StateArray::from_f32(DType::F32, shape.clone(), &x);
+            state.push(&format!("{path}.{i}"), StateItem::Array(array));
+        }
+    }
+    state.push("2", StateItem::Int(len as i64));
+    state.push("3", StateItem::Int(quant.group as i64));
+    state.push("4", StateItem::Int(quant.bits.into()));
     Ok(state)
 }
 
@@ -594,6 +659,9 @@ fn restore_kv(
     kv: &mut KvCache,
     state: &LayerState,
 ) -> Result<usize, CacheStateError> {
+    if state.class == "QuantizedKVCache" {
+        return restore_quantized_kv(layer, kv, state);
+    }
     if state.class != "KVCache" {
         return Err(CacheStateError::Class {
             layer,
@@ -613,6 +681,88 @@ fn restore_kv(
     let order: Vec<usize> = (0..offset).collect();
     let (k, v) = layer_rows(layer, keys, values, &order, kv.mlx_form())?;
     kv.restore(offset, &k, &v)?;
+    Ok(offset)
+}
+
+/// A `QuantizedKVCache` state (see [`quantized_kv_state`]) into `kv`, its codes kept.
+fn restore_quantized_kv(
+    layer: usize,
+    kv: &mut KvCache,
+    state: &LayerState,
+) -> Result<usize, CacheStateError> {
+    let paths = ["0.0", "0.1", "0.2", "1.0", "1.1", "1.2", "2", "3", "4"];
+    state.expect_paths(layer, &paths)?;
+    let (offset, group, bits) = (
+        state.int(layer, "2")?,
+        state.int(layer, "3")?,
+        state.int(layer, "4")?,
+    );
+    let quant = KvQuant::new(u8::try_from(bits).unwrap_or(u8::MAX), group)
+        .map_err(|e| invalid(layer, e.to_string()))?;
+    let form = kv.mlx_form();
+    if form.split.is_some() {
+        return Err(invalid(
+            layer,
+            "a QuantizedKVCache where this model's layer keeps split rows".into(),
+        ));
+    }
+    let (kv_heads, d) = kv.shape();
+    let (bytes, groups) = (quant.row_bytes(d), d / quant.group);
+    // Each of keys and values: its codes' bytes and its scales and biases as f32, rows
+    // `0..offset` of each head.
+    let mut parts = Vec::new();
+    for (path, scale) in [("0", form.key_scale), ("1", 1.0)] {
+        let codes = match state.get(layer, &format!("{path}.0"))? {
+            StateItem::Array(a) if a.dtype == DType::U32 => a,
+            other => {
+                let why = format!("state entry `{path}.0` should be uint32 codes, not {other:?}");
+                return Err(invalid(layer, why));
+            }
+        };
+        let (scales, biases) = (
+            state.array(layer, &format!("{path}.1"))?,
+            state.array(layer, &format!("{path}.2"))?,
+        );
+        let slots = codes.shape.get(2).copied().unwrap_or(0);
+        let fits = |a: &StateArray, width: usize| a.shape == [1, kv_heads, slots, width];
+        if !fits(codes, bytes / 4) || !fits(scales, groups) || !fits(biases, groups) {
+            return Err(invalid(
+                layer,
+                format!(
+                    "{bits}-bit codes of shapes {:?}, {:?} and {:?} where this model's layer \
+                     keeps [1, {kv_heads}, _, {}] and [1, {kv_heads}, _, {groups}] (is the \
+                     prompt cache from another model?)",
+                    codes.shape,
+                    scales.shape,
+                    biases.shape,
+                    bytes / 4
+                ),
+            ));
+        }
+        if offset > slots {
+            let why = format!("offset {offset} past the {slots} positions held");
+            return Err(invalid(layer, why));
+        }
+        let order: Vec<usize> = (0..offset).collect();
+        let pick = |a: &StateArray| -> Result<Vec<f32>, CacheStateError> {
+            let mut x = pick_slots(&a.values(layer)?, &a.shape, &order);
+            x.iter_mut().for_each(|v| *v /= scale);
+            Ok(x)
+        };
+        let mut rows = Vec::with_capacity(kv_heads * offset * bytes);
+        for h in 0..kv_heads {
+            let from = h * slots * bytes;
+            rows.extend_from_slice(&codes.data[from..from + offset * bytes]);
+        }
+        parts.push((rows, pick(scales)?, pick(biases)?));
+    }
+    let [keys, values] = [&parts[0], &parts[1]].map(|(codes, scales, biases)| QuantRows {
+        quant,
+        codes,
+        scales,
+        biases,
+    });
+    kv.restore_codes(offset, quant, keys, values)?;
     Ok(offset)
 }
 

@@ -232,7 +232,7 @@ fn run_stream(
 /// mlx-lm's `generate_step` does: after each chunk of all but the last prompt token, and after
 /// that token, which goes through alone (so it attends a cache quantized from a start the
 /// prompt reached before it).
-fn prefill_quantizing(
+pub fn prefill_quantizing(
     model: &dyn LanguageModel,
     prompt: &[u32],
     cache: &mut Cache,
