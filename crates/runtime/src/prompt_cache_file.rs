@@ -23,7 +23,7 @@ use oxlm_models::Cache;
 use serde_json::{Map, Value};
 use thiserror::Error;
 
-use crate::chat_template::{ChatTemplate, ChatTemplateError};
+use crate::chat_template::{write_json_string, ChatTemplate, ChatTemplateError};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
 /// The metadata key naming the model the cache was made with (as `cache_prompt` was given it).
@@ -406,7 +406,7 @@ fn write_python_json(value: &Value, out: &mut String) {
         Value::Null => out.push_str("null"),
         Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
         Value::Number(n) => out.push_str(&n.to_string()),
-        Value::String(s) => write_python_string(s, out),
+        Value::String(s) => write_json_string(s, true, out),
         Value::Array(items) => {
             out.push('[');
             for (i, item) in items.iter().enumerate() {
@@ -423,36 +423,13 @@ fn write_python_json(value: &Value, out: &mut String) {
                 if i > 0 {
                     out.push_str(", ");
                 }
-                write_python_string(k, out);
+                write_json_string(k, true, out);
                 out.push_str(": ");
                 write_python_json(v, out);
             }
             out.push('}');
         }
     }
-}
-
-fn write_python_string(s: &str, out: &mut String) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{8}' => out.push_str("\\b"),
-            '\u{c}' => out.push_str("\\f"),
-            ' '..='~' => out.push(c),
-            _ => {
-                let mut units = [0u16; 2];
-                for unit in c.encode_utf16(&mut units) {
-                    out.push_str(&format!("\\u{unit:04x}"));
-                }
-            }
-        }
-    }
-    out.push('"');
 }
 
 #[cfg(test)]
