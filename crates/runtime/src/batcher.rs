@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use oxlm_engine::DecodeSteps;
 use oxlm_models::lora::{AdaptedModel, AdapterError};
-use oxlm_models::{Cache, ForwardError, LanguageModel, Logits};
+use oxlm_models::{Cache, ForwardError, LanguageModel, Logits, ModelInfo};
 
 use crate::adapter_store::{Adapter, AdapterId};
 use crate::generate::{decode_step, NextToken, Sequence};
@@ -140,6 +140,20 @@ pub struct BatcherSettings {
     /// needs more than all of it ends with [`JobError::Memory`]. So no running job fails for
     /// memory. `None`: no limit.
     pub memory_budget: Option<usize>,
+}
+
+impl BatcherSettings {
+    /// Puts the limits a batcher of these settings works within into [`stats`](Self::stats):
+    /// done by [`Batcher::new`], and before it by whoever starts its thread, so that the
+    /// figures are there from the first request for them.
+    pub fn publish_limits(&self, info: &ModelInfo) {
+        let context = info.max_context.unwrap_or(0);
+        let tokens = self.capacity.max(1).saturating_mul(context);
+        self.stats
+            .kv_capacity_tokens
+            .store(tokens, Ordering::Relaxed);
+        (self.stats.memory_budget).store(self.memory_budget.unwrap_or(0), Ordering::Relaxed);
+    }
 }
 
 /// What a batcher is doing, for whoever reports on it (a server's metrics): written by the
@@ -388,20 +402,13 @@ impl<'a> Batcher<'a> {
         eos_ids: &'a HashSet<u32>,
         settings: BatcherSettings,
     ) -> Self {
-        let capacity = settings.capacity.max(1);
-        let context = model.info().max_context.unwrap_or(0);
-        settings
-            .stats
-            .kv_capacity_tokens
-            .store(capacity.saturating_mul(context), Ordering::Relaxed);
-        (settings.stats.memory_budget)
-            .store(settings.memory_budget.unwrap_or(0), Ordering::Relaxed);
+        settings.publish_limits(model.info());
         Batcher {
             model,
             tokenizer,
             eos_ids,
             prompt_cache: StateCache::new(settings.cache_entries, settings.cache_bytes),
-            capacity,
+            capacity: settings.capacity.max(1),
             shutdown: settings.shutdown,
             stats: settings.stats,
             steps: StepTotals::default(),

@@ -135,6 +135,7 @@ impl Worker {
             prefill_pause: serving.prefill_pause,
             memory_budget: Some(admission.budget),
         };
+        settings.publish_limits(model.model.info());
         let thread = std::thread::Builder::new()
             .name("oxlm-generate".into())
             .spawn(move || {
