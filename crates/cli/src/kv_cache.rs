@@ -44,8 +44,8 @@ impl KvCacheArgs {
         Ok(KvQuantization::from_kv_config(dir, layers, 0)?.map(|q| q.layers))
     }
 
-    /// [`quantized_layers`](Self::quantized_layers) from `start` tokens on; a note on stderr
-    /// where the device keeps f16 instead.
+    /// [`quantized_layers`](Self::quantized_layers) from `start` tokens on; none, with a note on
+    /// stderr, where the device keeps f16 instead.
     pub fn quantization(
         &self,
         dir: &Path,
@@ -56,6 +56,7 @@ impl KvCacheArgs {
         let quantized = self.quantized_layers(dir, layers)?;
         if quantized.is_some() && !device.is_cpu() {
             eprintln!("note: a GPU keeps its KV cache in f16; the cache is not quantized");
+            return Ok(None);
         }
         Ok(quantized.map(|layers| KvQuantization { layers, start }))
     }
