@@ -522,12 +522,14 @@ fn mismatched_and_corrupt_files_are_refused() {
     // Another model's layers: as many, of other head shapes; fewer; other kinds.
     let llama = fixture("llama-4bit-g64");
     let (gemma, lfm2) = (fixture("gemma3-4bit-g64"), fixture("lfm2-4bit-g64"));
+    let quantized = fixture("qwen3-8bit-g128-kv4-g32");
     let cases = [
         ("qwen3-8bit-g128", &llama, "layer 0: keys of shape [1, 2, 256, 16] where this model's layer keeps [1, 2, _, 32]"),
         ("gemma3-4bit-g64", &llama, "the prompt cache has 2 layer caches but this model keeps 4"),
         ("gemma3-vlm-8bit-g32", &gemma, "layer 1: the prompt cache holds an mlx-lm RotatingKVCache where this model keeps a KVCache"),
         ("qwen3_5-4bit-g64", &lfm2, "layer 0: recurrent state `0.0` of shape [1, 2, 64] where this model's layer keeps [1, 3, 192]"),
         ("lfm2-8bit-g32", &gemma, "layer 0: the prompt cache holds an mlx-lm RotatingKVCache where this model keeps a KVCache"),
+        ("llama-4bit-g64", &quantized, "layer 0: unsupported quantization: a KV cache of 4 bits in groups of 32 needs head dims that are multiples of 32; this model's are 16"),
     ];
     for (model, file, want) in cases {
         let err = message(restore_into(model, file));

@@ -707,6 +707,12 @@ fn restore_quantized_kv(
         ));
     }
     let (kv_heads, d) = kv.shape();
+    if let Err(e) = oxlm_engine::check_quantized_head_dim(quant, d) {
+        return Err(invalid(
+            layer,
+            format!("{e} (is the prompt cache from another model?)"),
+        ));
+    }
     let (bytes, groups) = (quant.row_bytes(d), d / quant.group);
     // Each of keys and values: its codes' bytes and its scales and biases as f32, rows
     // `0..offset` of each head.
