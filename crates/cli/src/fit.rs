@@ -81,11 +81,13 @@ pub fn run(args: Args) -> Result<()> {
     let ctx = info
         .max_context
         .map_or(args.ctx, |limit| args.ctx.min(limit));
-    let cache_at_ctx = plan.footprint.bytes_at(ctx, plan.chunk);
+    let first_chunk = plan.first_chunk.as_ref();
+    let cache_at_ctx = plan.cache_bytes(&plan.footprint, first_chunk, ctx);
     // The process's peak for one sequence of the context, as `generate` reports it.
     // The host commits a cache's zeroed pages as positions are written, a GPU all it reserves.
     let cache_resident = if device.is_cpu() {
-        written(&plan.footprint).bytes_at(ctx, plan.chunk)
+        let first_chunk = first_chunk.map(written);
+        plan.cache_bytes(&written(&plan.footprint), first_chunk.as_ref(), ctx)
     } else {
         cache_at_ctx
     };

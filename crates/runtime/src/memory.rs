@@ -26,6 +26,9 @@ const ACTIVATION_ROWS_PER_TOKEN: usize = 16;
 pub struct MemoryPlan {
     /// How each cache layer grows (in the precision the server keeps caches in).
     pub footprint: CacheFootprint,
+    /// Where caches are quantized once their first chunk has gone through: how they grow
+    /// until then, unquantized.
+    pub first_chunk: Option<CacheFootprint>,
     /// Prompt tokens that go through the model at once at most (the prefill step).
     pub chunk: usize,
     pub max_context: Option<usize>,
@@ -38,8 +41,14 @@ impl MemoryPlan {
     /// model's device: call it where the model's device may be used).
     pub fn new(model: &dyn LanguageModel, options: &GenerateOptions) -> Result<Self, RuntimeError> {
         let info = model.info();
+        let cache = options.new_cache(model)?;
+        let first_chunk = match &options.kv_quantization {
+            Some(quantization) if quantization.start == 0 => Some(cache.footprint()),
+            _ => None,
+        };
         Ok(MemoryPlan {
-            footprint: quantized_from_the_start(options.new_cache(model)?, options)?.footprint(),
+            footprint: quantized_from_the_start(cache, options)?.footprint(),
+            first_chunk,
             chunk: options.prefill_step.max(1),
             max_context: info.max_context,
             prefill_reserve: prefill_reserve(info, options.prefill_step),
@@ -51,13 +60,26 @@ impl MemoryPlan {
     pub fn sequence_bytes(&self, prompt: usize, max_tokens: usize) -> usize {
         let tokens = prompt.saturating_add(max_tokens);
         let tokens = self.max_context.map_or(tokens, |limit| tokens.min(limit));
-        self.footprint.bytes_at(tokens, self.chunk)
+        self.cache_bytes(&self.footprint, self.first_chunk.as_ref(), tokens)
+    }
+
+    /// The most bytes a cache growing as `footprint` holds by `tokens` tokens, or (quantized
+    /// after its first chunk) as `first_chunk` holds that chunk, whichever is more.
+    pub fn cache_bytes(
+        &self,
+        footprint: &CacheFootprint,
+        first_chunk: Option<&CacheFootprint>,
+        tokens: usize,
+    ) -> usize {
+        let unquantized = first_chunk.map_or(0, |f| f.bytes_at(tokens.min(self.chunk), self.chunk));
+        footprint.bytes_at(tokens, self.chunk).max(unquantized)
     }
 }
 
 /// `cache` as a sequence is charged for it: in its codes where `options` quantize it once its
-/// first chunk has gone through (a server's `--kv-bits`), otherwise as it is made (a quantization
-/// from a later token leaves the sequence the larger cache until then).
+/// first chunk has gone through (a server's `--kv-bits`; the first chunk is charged unquantized
+/// too, see [`MemoryPlan::first_chunk`]), otherwise as it is made (a quantization from a later
+/// token leaves the sequence the larger cache until then).
 fn quantized_from_the_start(
     cache: Cache,
     options: &GenerateOptions,
