@@ -12,7 +12,7 @@ use std::time::Instant;
 use half::f16;
 use oxlm_engine::cpu::attention::{self, KvRows, QuantRows};
 use oxlm_engine::cpu::pool;
-use oxlm_engine::KvQuant;
+use oxlm_engine::{KvQuant, QuantRing};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -51,10 +51,9 @@ fn main() {
     let f16_rows: Vec<(&[f16], &[f16])> = halves.iter().map(|(k, v)| (&k[..], &v[..])).collect();
     report("f16", 2.0, &f16_rows, &q, &shape, threads);
     for quant in [KvQuant::Q8, KvQuant::new(4, 64).unwrap()] {
-        let codes: Vec<(Codes, Codes)> = caches
-            .iter()
-            .map(|(k, v)| (Codes::of(k, quant), Codes::of(v, quant)))
-            .collect();
+        let codes = |x: &[f32]| QuantRing::quantized(x, quant).expect("whole groups");
+        let codes: Vec<(QuantRing, QuantRing)> =
+            caches.iter().map(|(k, v)| (codes(k), codes(v))).collect();
         let rows: Vec<(QuantRows, QuantRows)> =
             codes.iter().map(|(k, v)| (k.rows(), v.rows())).collect();
         let bytes = quant.bytes_for(quant.group) as f64 / quant.group as f64;
@@ -66,28 +65,6 @@ fn main() {
             &shape,
             threads,
         );
-    }
-}
-
-/// A quantized ring's codes, scales and biases.
-struct Codes(KvQuant, Vec<u8>, Vec<f32>, Vec<f32>);
-
-impl Codes {
-    fn of(x: &[f32], quant: KvQuant) -> Codes {
-        let groups = x.len() / quant.group;
-        let codes = vec![0; quant.row_bytes(x.len())];
-        let mut q = Codes(quant, codes, vec![0.0; groups], vec![0.0; groups]);
-        attention::quantize(quant, x, &mut q.1, &mut q.2, &mut q.3);
-        q
-    }
-
-    fn rows(&self) -> QuantRows<'_> {
-        QuantRows {
-            quant: self.0,
-            codes: &self.1,
-            scales: &self.2,
-            biases: &self.3,
-        }
     }
 }
 

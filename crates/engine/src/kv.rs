@@ -6,7 +6,7 @@
 
 use half::f16;
 
-use crate::cpu::attention::{self, KvElem, QuantRows};
+use crate::cpu::attention::{self, KvElem, KvRows, QuantRows};
 use crate::cuda::DeviceRing;
 use crate::{Device, EngineError};
 
@@ -42,7 +42,7 @@ impl KvQuant {
     }
 
     /// The largest code.
-    pub(crate) fn levels(&self) -> f32 {
+    pub fn levels(&self) -> f32 {
         ((1u32 << self.bits) - 1) as f32
     }
 
@@ -81,11 +81,11 @@ pub(crate) enum RingStorage {
 
 /// Codes and the per-group scales and biases of a quantized ring (see [`QuantRows`]).
 #[derive(Clone)]
-pub(crate) struct QuantRing {
-    pub quant: KvQuant,
-    pub codes: Vec<u8>,
-    pub scales: Vec<f32>,
-    pub biases: Vec<f32>,
+pub struct QuantRing {
+    pub(crate) quant: KvQuant,
+    pub(crate) codes: Vec<u8>,
+    pub(crate) scales: Vec<f32>,
+    pub(crate) biases: Vec<f32>,
 }
 
 impl QuantRing {
@@ -100,7 +100,7 @@ impl QuantRing {
     }
 
     /// `values` quantized, whole groups of them; `None` if they are not.
-    fn quantized(values: &[f32], quant: KvQuant) -> Option<QuantRing> {
+    pub fn quantized(values: &[f32], quant: KvQuant) -> Option<QuantRing> {
         if !values.len().is_multiple_of(quant.group) {
             return None;
         }
@@ -125,7 +125,7 @@ impl QuantRing {
     }
 
     fn len(&self) -> usize {
-        self.scales.len() * self.quant.group
+        self.rows().elements()
     }
 
     fn to_vec(&self) -> Vec<f32> {

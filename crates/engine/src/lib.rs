@@ -27,7 +27,7 @@ pub use device::{DecodeSteps, Device};
 pub use dtype::DType;
 pub use error::EngineError;
 pub use float::FloatMatrix;
-pub use kv::{check_quantized_head_dim, KvPrecision, KvQuant, KvRing};
+pub use kv::{check_quantized_head_dim, KvPrecision, KvQuant, KvRing, QuantRing};
 pub use positions::Positions;
 pub use quant::QuantizedMatrix;
 pub use tensor::Tensor;

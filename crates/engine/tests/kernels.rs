@@ -513,8 +513,8 @@ fn grouped_gemv_equals_one_gemv_per_matrix() {
 #[test]
 fn group_attention_matches_the_reference() {
     use half::f16;
-    use oxlm_engine::cpu::attention::{self, GroupAttention, KvElem, KvRows, QuantRows};
-    use oxlm_engine::KvQuant;
+    use oxlm_engine::cpu::attention::{self, GroupAttention, KvElem, KvRows};
+    use oxlm_engine::{KvQuant, QuantRing};
 
     /// The rows as they are read: `(keys, values)` stored whole and stored as a ring that
     /// wrapped (the last third first), with the runs that read each in order; each output
@@ -604,25 +604,11 @@ fn group_attention_matches_the_reference() {
 
     /// Codes of `quant`: scores and values of the values the codes stand for.
     fn check_codes(quant: KvQuant, keys: &[f32], values: &[f32], queries: &[f32], d: usize) {
-        struct Ring(KvQuant, Vec<u8>, Vec<f32>, Vec<f32>);
-        let quantize = |x: &[f32]| {
-            let groups = x.len() / quant.group;
-            let codes = vec![0; quant.row_bytes(x.len())];
-            let mut r = Ring(quant, codes, vec![0.0; groups], vec![0.0; groups]);
-            attention::quantize(quant, x, &mut r.1, &mut r.2, &mut r.3);
-            r
-        };
-        fn rows(r: &Ring) -> QuantRows<'_> {
-            QuantRows {
-                quant: r.0,
-                codes: &r.1,
-                scales: &r.2,
-                biases: &r.3,
-            }
-        }
-        let held = |r: &Ring| {
-            let mut out = vec![0.0; r.2.len() * quant.group];
-            attention::dequantize(Isa::Portable, rows(r), &mut out);
+        let quantize = |x: &[f32]| QuantRing::quantized(x, quant).unwrap();
+        let rows = QuantRing::rows;
+        let held = |r: &QuantRing| {
+            let mut out = vec![0.0; r.rows().elements()];
+            attention::dequantize(Isa::Portable, r.rows(), &mut out);
             out
         };
         let len = keys.len() / d;
@@ -639,7 +625,7 @@ fn group_attention_matches_the_reference() {
                 .zip(h)
                 .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
         };
-        let levels = ((1 << quant.bits) - 1) as f32;
+        let levels = quant.levels();
         assert!(step(keys, &kh) <= 2.0 / levels && step(values, &vh) <= 2.0 / levels);
         compare(
             [

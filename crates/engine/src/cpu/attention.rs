@@ -4,9 +4,8 @@
 //! cache may be kept in f32 or f16 ([`KvElem`]), whose vectors the AVX2 and AVX-512 kernels widen
 //! as they load them, once for up to four heads (the portable code widens a block at a time), or
 //! as 4- or 8-bit affine codes ([`QuantRows`]), which the AVX-512 kernels dequantize as they
-//! load them (AVX512-VNNI multiplies 8-bit codes in groups of 64 as integers: see
-//! `RoundedQueries`), and the rest a block of rows at a time into scratch that stays in L1 for
-//! the f32 kernels.
+//! load them (AVX512-VNNI multiplies codes in groups of 64 as integers: see `RoundedQueries`),
+//! and the rest a block of rows at a time into scratch that stays in L1 for the f32 kernels.
 
 use std::ops::Range;
 
@@ -53,8 +52,8 @@ impl KvElem for f16 {
 /// A run of cached rows of `d` elements (a ring, or one key/value head's part of it) as the
 /// attention kernels read it: f32 or f16 elements (`&[T]`), or affine codes ([`QuantRows`]).
 pub trait KvRows: Copy + Send + Sync {
-    /// Whether the rows are the codes the integer kernels read (8 bits, groups of
-    /// [`Q8_GROUP`]).
+    /// Whether the rows are the codes the integer kernels read (groups of [`Q8_GROUP`]; the
+    /// other AVX-512 kernels dequantize every format as they load it).
     fn kernel_codes(&self) -> bool {
         false
     }
@@ -112,14 +111,6 @@ pub struct QuantRows<'a> {
     pub biases: &'a [f32],
 }
 
-impl QuantRows<'_> {
-    /// Whether these are the codes the integer kernels read: groups of [`Q8_GROUP`]. The other
-    /// AVX-512 kernels dequantize every format as they load it.
-    fn kernel_codes(&self) -> bool {
-        self.quant.group == Q8_GROUP
-    }
-}
-
 impl KvRows for QuantRows<'_> {
     fn elements(self) -> usize {
         self.codes.len() * 8 / usize::from(self.quant.bits)
@@ -137,7 +128,7 @@ impl KvRows for QuantRows<'_> {
         Block::Codes(self.rows(rows, d))
     }
     fn kernel_codes(&self) -> bool {
-        QuantRows::kernel_codes(self)
+        self.quant.group == Q8_GROUP
     }
 }
 
