@@ -2,7 +2,7 @@
 
 use std::ops::Range;
 
-use oxlm_engine::cpu::attention::QuantRows;
+use oxlm_engine::cpu::attention::{kv_move, QuantRows};
 use oxlm_engine::cpu::Isa;
 use oxlm_engine::ops::{self, KvView};
 use oxlm_engine::{Device, EngineError, KvPrecision, KvQuant, KvRing, Positions, Tensor};
@@ -158,20 +158,17 @@ impl KvRings {
     ) -> Result<(), EngineError> {
         let (bytes, groups) = (quant.row_bytes(head_dim), head_dim / quant.group);
         let n = keys.scales.len() / (kv_heads * groups).max(1);
+        // An array's `[kv_heads, n, width]` rows moved into a ring of `capacity` slots.
+        fn slots<T: Copy + Default>(x: &[T], (h, n, capacity): Rows, width: usize) -> Vec<T> {
+            let mut out = vec![T::default(); h * capacity * width];
+            kv_move(x, n, &mut out, capacity, h, width, 0..n);
+            out
+        }
+        type Rows = (usize, usize, usize);
+        let at = (kv_heads, n, capacity);
         let ring = |rows: QuantRows| {
-            let mut codes = vec![0; kv_heads * capacity * bytes];
-            let (mut scales, mut biases) = (vec![0.0; kv_heads * capacity * groups], Vec::new());
-            biases.resize(scales.len(), 0.0);
-            for h in 0..kv_heads {
-                let (from, to) = (h * n, h * capacity);
-                codes[to * bytes..(to + n) * bytes]
-                    .copy_from_slice(&rows.codes[from * bytes..(from + n) * bytes]);
-                scales[to * groups..(to + n) * groups]
-                    .copy_from_slice(&rows.scales[from * groups..(from + n) * groups]);
-                biases[to * groups..(to + n) * groups]
-                    .copy_from_slice(&rows.biases[from * groups..(from + n) * groups]);
-            }
-            KvRing::from_codes(quant, codes, scales, biases)
+            let (codes, scales) = (slots(rows.codes, at, bytes), slots(rows.scales, at, groups));
+            KvRing::from_codes(quant, codes, scales, slots(rows.biases, at, groups))
         };
         self.keys = ring(keys)?;
         self.values = ring(values)?;
