@@ -57,10 +57,7 @@ fn a_missing_model_is_a_clear_error() {
 }
 
 fn real_model(name: &str) -> Option<PathBuf> {
-    let cache = std::env::var_os("OXLM_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/oxlm")))?;
-    let dir = cache.join("models").join(name);
+    let dir = oxlm_runtime::hub::cache_root()?.join("models").join(name);
     dir.join("config.json").exists().then_some(dir)
 }
 

@@ -211,6 +211,14 @@ pub fn resolve_model(spec: impl AsRef<Path>) -> Result<PathBuf, HubError> {
     HubConfig::from_env()?.resolve(spec)
 }
 
+/// oxlm's cache directory: `$OXLM_CACHE`, or `~/.cache/oxlm` (`None` without a home).
+pub fn cache_root() -> Option<PathBuf> {
+    match std::env::var_os("OXLM_CACHE").filter(|v| !v.is_empty()) {
+        Some(dir) => Some(PathBuf::from(dir)),
+        None => Some(std::env::home_dir()?.join(".cache/oxlm")),
+    }
+}
+
 /// The MLX model of a GGUF file, converted on first use into
 /// `${OXLM_CACHE:-~/.cache/oxlm}/gguf-mlx/NAME-KEY` (KEY from the file's path, size and
 /// modification time, so that a changed file converts again) as `oxlm convert --gguf` converts it.
@@ -227,12 +235,8 @@ pub fn gguf_model(file: &Path) -> Result<PathBuf, HubError> {
         .hash(&mut key);
     meta.len().hash(&mut key);
     meta.modified().ok().hash(&mut key);
-    let cache = match std::env::var_os("OXLM_CACHE").filter(|v| !v.is_empty()) {
-        Some(dir) => PathBuf::from(dir),
-        None => std::env::home_dir()
-            .ok_or_else(|| fail("no home directory for the cache; set OXLM_CACHE".into()))?
-            .join(".cache/oxlm"),
-    };
+    let cache = cache_root()
+        .ok_or_else(|| fail("no home directory for the cache; set OXLM_CACHE".into()))?;
     let stem = file.file_stem().unwrap_or_default().to_string_lossy();
     let dir = cache
         .join("gguf-mlx")

@@ -37,10 +37,7 @@ const Q8_CACHE_TOLERANCE: f32 = 0.8;
 const Q4_CACHE_TOLERANCE: f32 = 8.0;
 
 fn model_dir(name: &str) -> Option<PathBuf> {
-    let cache = std::env::var_os("OXLM_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/oxlm")))?;
-    let dir = cache.join("models").join(name);
+    let dir = oxlm_runtime::hub::cache_root()?.join("models").join(name);
     dir.join("config.json").exists().then_some(dir)
 }
 
