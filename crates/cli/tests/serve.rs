@@ -249,6 +249,8 @@ fn the_kv_cache_flag_reaches_generate_and_serve() {
     );
     let stderr = refused(&["--kv-cache", "f64"]);
     assert!(stderr.contains("`f64`: expected f16 or f32"), "{stderr}");
+    let stderr = refused(&["--kv-cache", "q8"]);
+    assert!(stderr.contains("`q8`: use --kv-bits 8"), "{stderr}");
     let stderr = refused(&["--kv-bits", "3"]);
     assert!(
         stderr.contains("`3`: the cache takes 4 or 8 bits"),
