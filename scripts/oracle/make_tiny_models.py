@@ -370,6 +370,28 @@ MODELS = {
                                                    "beta_fast": 32, "beta_slow": 1},
             "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2,
             "torch_dtype": "bfloat16"}),
+    # Llama 4 (text): RoPE layers (interleaved, llama3 scaling) with weightless q/k norms after the rotation and
+    # chunked attention over chunks of 8 (the prompt and the greedy steps cross several), every 4th layer global
+    # without RoPE and with its queries temperature-tuned past multiples of floor_scale 8; a top-1 sigmoid-routed
+    # mixture (each token's input weighted) beside a shared expert in every 2nd layer, dense MLPs of
+    # intermediate_size_mlp between, under `language_model.` with `feed_forward` names.
+    "llama4-4bit-g32": dict(
+        seed=4, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},
+        shape_other=lambda path, v: v * 4.0 if v.ndim == 3 else v,
+        config={
+            "model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"],
+            "text_config": {
+                "model_type": "llama4_text", "hidden_size": 64, "intermediate_size": 64,
+                "intermediate_size_mlp": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5, "vocab_size": 512,
+                "max_position_embeddings": 10485760, "rope_theta": 500000.0,
+                "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 1.0, "original_max_position_embeddings": 8192},
+                "attention_bias": False, "attention_chunk_size": 8, "interleave_moe_layer_step": 2,
+                "num_local_experts": 4, "num_experts_per_tok": 1, "use_qk_norm": True,
+                "attn_temperature_tuning": True, "floor_scale": 8, "attn_scale": 0.1,
+                "tie_word_embeddings": False},
+            "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
     # Mistral Small 3.x's wrapper: a mistral text model under `language_model.`, settings under text_config.
     "mistral3-4bit-g32": dict(
         seed=21, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},

@@ -716,5 +716,22 @@ fn unsupported_options_are_refused() {
             .as_object()
             .unwrap()
             .clone()
+    ); // Llama 4's chunked caches have no mlx-lm file form.
+    let chunked = dir.path().join("llama4.safetensors");
+    let output = oxlm(&[
+        "cache-prompt",
+        "--model",
+        "tests/fixtures/tiny/llama4-4bit-g32",
+        "--prompt",
+        "Tell me about the sea.",
+        "--prompt-cache-file",
+        chunked.to_str().unwrap(),
+    ]);
+    assert_eq!(output.status.code(), Some(1));
+    assert!(
+        stderr(&output).contains("layer 0: mlx-lm's ChunkedKVCache is not supported"),
+        "{}",
+        stderr(&output)
     );
+    assert!(!chunked.exists());
 }

@@ -772,9 +772,9 @@ fn element_wise_norms_and_copies() {
     let positions: Vec<usize> = (0..rows).map(|r| r * 9).collect();
     let (mut cpu_scaled, mut gpu_scaled) = (cpu_x.try_clone().unwrap(), gpu_x.try_clone().unwrap());
     let at = Positions::new(positions.clone(), &Device::Cpu).unwrap();
-    ops::scale_by_position(&mut cpu_scaled, &at, 0.1, 16).unwrap();
+    ops::scale_by_position(&mut cpu_scaled, &at, 0.1, 16, 1).unwrap();
     let at = Positions::new(positions, &dev).unwrap();
-    ops::scale_by_position(&mut gpu_scaled, &at, 0.1, 16).unwrap();
+    ops::scale_by_position(&mut gpu_scaled, &at, 0.1, 16, 1).unwrap();
     assert_close("scale_by_position", &gpu_scaled, &cpu_scaled, 1e-6);
     let part = ops::columns(&cpu_x, 13, 500).unwrap();
     let (mut cpu_dst, mut gpu_dst) = (cpu_x.try_clone().unwrap(), gpu_x.try_clone().unwrap());

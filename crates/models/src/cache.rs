@@ -245,6 +245,9 @@ pub struct MlxForm {
     /// `[latent, rotated key]`) that mlx-lm keeps as keys (the first `split` columns) and values
     /// (the rest).
     pub split: Option<usize>,
+    /// mlx-lm keeps this ring as a `ChunkedKVCache` (Llama 4's chunked attention), which its
+    /// prompt-cache files cannot hold.
+    pub chunked: bool,
 }
 
 impl Default for MlxForm {
@@ -252,6 +255,7 @@ impl Default for MlxForm {
         MlxForm {
             key_scale: 1.0,
             split: None,
+            chunked: false,
         }
     }
 }
@@ -558,6 +562,9 @@ pub fn append_kv<C: AttentionCache>(
 
 /// Attention of a forward pass's queries (`[tokens, heads · head_dim]`) at `positions` over
 /// `caches`: all of them over the one cache, or (several caches) query `i` over `caches[i]`.
+/// With a `chunk` (Llama 4's chunked attention) a query at `p` sees only the positions from
+/// `p - p % chunk` to its own: a view that starts there needs no mask of the engine's, and a
+/// prompt that spans chunks attends one chunk's queries at a time.
 pub fn attend_kv<C: AttentionCache>(
     q: &Tensor,
     heads: usize,
@@ -565,14 +572,42 @@ pub fn attend_kv<C: AttentionCache>(
     positions: &Positions,
     caches: &[&mut C],
     options: ops::AttentionOptions,
+    chunk: Option<usize>,
 ) -> Result<Tensor, EngineError> {
-    match caches {
-        [one] => ops::attention(q, heads, head_dim, positions, &one.view(), options),
-        many => {
-            let views: Vec<_> = many.iter().map(|c| c.view()).collect();
-            ops::attention_batch(q, heads, head_dim, positions, &views, options)
+    let chunk = chunk.unwrap_or(usize::MAX);
+    fn within(view: KvView<'_>, p: usize, chunk: usize) -> KvView<'_> {
+        KvView {
+            start: view.start.max(p - p % chunk),
+            ..view
         }
     }
+    let at = positions.as_slice();
+    let [one] = caches else {
+        let views: Vec<_> = caches
+            .iter()
+            .zip(at)
+            .map(|(c, &p)| within(c.view(), p, chunk))
+            .collect();
+        return ops::attention_batch(q, heads, head_dim, positions, &views, options);
+    };
+    let runs: Vec<&[usize]> = at.chunk_by(|a, b| a / chunk == b / chunk).collect();
+    if let [_] | [] = runs[..] {
+        let view = within(one.view(), at.first().copied().unwrap_or(0), chunk);
+        return ops::attention(q, heads, head_dim, positions, &view, options);
+    }
+    let device = q.device();
+    let mut out = Tensor::zeros(q.shape().to_vec(), &device)?;
+    let mut first = 0;
+    for run in runs {
+        let rows: Vec<usize> = (first..first + run.len()).collect();
+        let queries = ops::rows(q, first, run.len())?;
+        let run_positions = Positions::new(run.to_vec(), &device)?;
+        let view = within(one.view(), run[0], chunk);
+        let part = ops::attention(&queries, heads, head_dim, &run_positions, &view, options)?;
+        ops::scatter_add_rows(&mut out, &part, &rows, &vec![1.0; rows.len()])?;
+        first += run.len();
+    }
+    Ok(out)
 }
 
 /// Refuses keys for `positions` that do not start at `next`, the position a cache expects.

@@ -538,6 +538,13 @@ fn rotating_state(
     layer: usize,
     ring: &RotatingKvCache,
 ) -> Result<LayerState<'static>, CacheStateError> {
+    if ring.mlx_form().chunked {
+        return Err(CacheStateError::Unsupported {
+            layer,
+            class: "ChunkedKVCache".into(),
+            hint: " (mlx-lm cannot write Llama 4's chunked caches to a prompt-cache file either)",
+        });
+    }
     let view = ring.view();
     let (held, capacity) = (view.start..view.end, view.capacity);
     let mlx = MlxRing::after_prompt(ring.len(), ring.window());

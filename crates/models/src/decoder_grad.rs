@@ -440,6 +440,11 @@ impl MixerGrad for AttentionGrad<'_> {
                 "LoRA training past the context where the queries' position scale starts".into(),
             ));
         }
+        if a.chunk.is_some_and(|chunk| x.rows() > chunk) {
+            return Err(oxlm_engine::EngineError::Unsupported(
+                "LoRA training over sequences longer than the attention's chunks".into(),
+            ));
+        }
         if a.norm_after_rope {
             return Err(oxlm_engine::EngineError::Unsupported(
                 "LoRA training with q/k norms after the rotation".into(),

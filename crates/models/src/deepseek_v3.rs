@@ -23,7 +23,9 @@ use crate::decoder_grad::{Decoder, DecoderBlock};
 use crate::layers::{linear_shape, Embedding, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope};
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
-use crate::switch::{load_stacked, ExpertMlps, FeedForward, MoeNames, Routing, Shared, SparseMoe};
+use crate::switch::{
+    load_stacked, ExpertMlps, FeedForward, MoeNames, Routing, Shared, SharedNames, SparseMoe,
+};
 use crate::{ForwardError, LoadError, ModelInfo};
 
 /// `config.json`'s keys, as mlx-lm's `ModelArgs` reads them; absent ones take its defaults.
@@ -228,7 +230,7 @@ impl LatentAttention {
         )?;
         let queries = queries.reshape(vec![n, heads * width]);
         let options = ops::AttentionOptions::scaled(self.scale);
-        let out = attend_kv(&queries, heads, width, positions, caches, options)?;
+        let out = attend_kv(&queries, heads, width, positions, caches, options, None)?;
         let out = ops::columns(&out.reshape(vec![n * heads, width]), 0, self.latent)?;
         let out = per_head(&self.unembed_out, &out, heads)?.reshape(vec![n, heads * self.v_dim]);
         self.o_proj.forward_adapted(&out, lora.get("o_proj"))
@@ -354,6 +356,7 @@ impl DeepseekV3 {
                     c.n_shared_experts.map(|n| Shared {
                         intermediate: c.moe_intermediate_size * n,
                         gated: false,
+                        names: SharedNames::SHARED_EXPERTS,
                     }),
                 )?),
                 _ => FeedForward::Dense(Mlp::load(

@@ -213,6 +213,7 @@ impl Gemma3 {
                 norm_after_rope: false,
                 softcap: None,
                 sinks: None,
+                chunk: None,
             };
             let mut norm = |name: &str| RmsNorm::load_plus_one(&mut block.pp(name), hidden, eps);
             let input_layernorm = norm("input_layernorm")?;

@@ -181,13 +181,17 @@ impl Attention {
         self.q_norm.forward_inplace(&mut q)?;
         self.rope
             .apply(&mut q, self.heads, self.head_dim, positions)?;
-        let (h, d) = (self.heads, self.head_dim);
+        let (h, d, options) = (
+            self.heads,
+            self.head_dim,
+            ops::AttentionOptions::scaled(1.0),
+        );
         let out = match caches {
             LayerCaches::Kv(c) if self.fits(false, &c) => {
-                attend_kv(&q, h, d, positions, &c, ops::AttentionOptions::scaled(1.0))?
+                attend_kv(&q, h, d, positions, &c, options, None)?
             }
             LayerCaches::Rotating(c) if self.fits(true, &c) => {
-                attend_kv(&q, h, d, positions, &c, ops::AttentionOptions::scaled(1.0))?
+                attend_kv(&q, h, d, positions, &c, options, None)?
             }
             _ => return Err(ForwardError::CacheMismatch),
         };

@@ -390,6 +390,14 @@ fn positive(key: &str, value: f32) -> Result<f32, LoadError> {
 }
 
 impl RmsNorm {
+    /// A norm without weights (all ones), as `mx.fast.rms_norm(x, None, eps)`.
+    pub fn unweighted(dim: usize, eps: f32, device: &Device) -> Result<Self, LoadError> {
+        Ok(RmsNorm {
+            weight: place_vector(&vec![1.0; dim], device, "an unweighted norm")?,
+            eps,
+        })
+    }
+
     pub fn load(vb: &mut Scope, dim: usize, eps: f32) -> Result<Self, LoadError> {
         Ok(RmsNorm {
             weight: load_vector(vb, "weight", dim)?,
@@ -669,13 +677,18 @@ pub struct Attention {
     pub softcap: Option<f32>,
     /// gpt-oss's sink logit of each query head (`[heads]`).
     pub sinks: Option<Tensor>,
+    /// Llama 4's chunked attention: a query sees only the positions of its own chunk of this
+    /// many (from the last multiple of it up to its own).
+    pub chunk: Option<usize>,
 }
 
-/// Llama 4's query scale: `1 + beta · ln(1 + ⌊position / period⌋)`.
+/// Llama 4's query scale: `1 + beta · ln(1 + ⌊(position + shift) / period⌋)`.
 #[derive(Debug, Clone, Copy)]
 pub struct PositionScale {
     pub beta: f32,
     pub period: usize,
+    /// 1 where the positions count from 1 (Llama 4's own layers), 0 where from 0 (Ministral 3).
+    pub shift: usize,
 }
 
 impl Attention {
@@ -729,17 +742,16 @@ impl Attention {
                 q
             }
         };
-        if let Some(PositionScale { beta, period }) = self.query_scale {
-            ops::scale_by_position(&mut q, positions, beta, period)?;
+        if let Some(PositionScale {
+            beta,
+            period,
+            shift,
+        }) = self.query_scale
+        {
+            ops::scale_by_position(&mut q, positions, beta, period, shift)?;
         }
-        attend_kv(
-            &q,
-            self.heads,
-            self.head_dim,
-            positions,
-            caches,
-            self.options(),
-        )
+        let (heads, head_dim, options) = (self.heads, self.head_dim, self.options());
+        attend_kv(&q, heads, head_dim, positions, caches, options, self.chunk)
     }
 
     /// The rotated queries of one token whose keys and values went straight into `cache`, by
@@ -927,10 +939,15 @@ impl Mlp {
 
     /// Its projections, as mlx-lm's default LoRA keys select them (under `mlp`).
     pub(crate) fn linears(&self) -> Vec<LinearShape> {
+        self.linears_named(["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"])
+    }
+
+    /// Its layers under the keys `[gate, up, down]`.
+    pub(crate) fn linears_named(&self, [gate, up, down]: [&'static str; 3]) -> Vec<LinearShape> {
         vec![
-            linear_shape("mlp.gate_proj", &self.gate_proj),
-            linear_shape("mlp.up_proj", &self.up_proj),
-            linear_shape("mlp.down_proj", &self.down_proj),
+            linear_shape(gate, &self.gate_proj),
+            linear_shape(up, &self.up_proj),
+            linear_shape(down, &self.down_proj),
         ]
     }
 }

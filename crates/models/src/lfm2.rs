@@ -632,6 +632,7 @@ fn load_attention(vb: &mut Scope, args: &Args) -> Result<Attention, LoadError> {
         norm_after_rope: false,
         softcap: None,
         sinks: None,
+        chunk: None,
     })
 }
 

@@ -7,7 +7,8 @@
 //!
 //! Members: `llama`, `mistral`, `mistral3` (its text model), `qwen2`, `qwen3`, `qwen3_moe`,
 //! `mixtral`, `smollm3`, `phi3`, `olmo2`, `olmo3`, `granite`, `minicpm`, `glm4`, `exaone4`,
-//! `ernie4_5`, `seed_oss`, each as the mlx-lm file of that name defines it.
+//! `ernie4_5`, `seed_oss`, `llama4` (its text model), each as the mlx-lm file of that name
+//! defines it.
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -21,7 +22,7 @@ use crate::layers::{
 };
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
-use crate::switch::{ExpertMlps, FeedForward, MoeNames, Routing, Shared, SparseMoe};
+use crate::switch::{ExpertMlps, FeedForward, MoeNames, Routing, Shared, SharedNames, SparseMoe};
 use crate::{ForwardError, LoadError, ModelInfo};
 use oxlm_engine::{ops, EngineError, Positions, Tensor};
 
@@ -100,6 +101,14 @@ struct Args {
     decoder_sparse_step: Option<usize>,
     #[serde(default)]
     mlp_only_layers: Vec<usize>,
+    /// Llama 4's: the dense MLPs' width, the mixtures' spacing, the attention's chunks and the
+    /// queries' temperature tuning on its layers without RoPE.
+    intermediate_size_mlp: Option<usize>,
+    interleave_moe_layer_step: Option<usize>,
+    attention_chunk_size: Option<usize>,
+    attn_temperature_tuning: Option<Value>,
+    floor_scale: Option<usize>,
+    attn_scale: Option<f32>,
 }
 
 impl Args {
@@ -166,6 +175,9 @@ enum QkNorm {
     /// Over each head after the rotation, named `query_layernorm` and `key_layernorm`
     /// (Hunyuan).
     PerHeadAfterRope,
+    /// Over each head after the rotation, without weights, ε 1e-6, on the rotary layers only
+    /// (Llama 4).
+    UnweightedAfterRope,
 }
 
 /// What a layer's attention rotates by.
@@ -187,6 +199,11 @@ struct LayerSwitches {
     window: Option<usize>,
     /// A mixture of experts in place of the MLP.
     moe: bool,
+    /// Attends within chunks of this many positions (a ring cache; Llama 4's), else per
+    /// `window`.
+    chunk: Option<usize>,
+    /// Scales the queries by their positions.
+    query_scale: Option<PositionScale>,
 }
 
 /// A mixture of experts' settings, where a member has one.
@@ -226,11 +243,13 @@ struct Switches {
     prefix: &'static str,
     /// Where its mixtures' layers are.
     moe_names: MoeNames,
+    /// The module of a block's MLP (`mlp`, Llama 4's `feed_forward`), and its width where it is
+    /// not `intermediate_size`.
+    mlp_module: MlpModule,
+    mlp_width: Option<usize>,
     /// The context the RoPE scaling starts from where the member reads it outside
     /// `rope_scaling` (Phi-3).
     original_context: Option<usize>,
-    /// Ministral 3's query scale beyond its original context.
-    query_scale: Option<PositionScale>,
     /// The RoPE base where the member derives it rather than reading `rope_theta` (Hunyuan).
     rope_base: Option<f32>,
     /// Norms scale by `1 + weight` (Gemma's).
@@ -287,8 +306,9 @@ impl Switches {
             moe: None,
             prefix: "",
             moe_names: MoeNames::MLP,
+            mlp_module: MlpModule::MLP,
+            mlp_width: None,
             original_context: None,
-            query_scale: None,
             rope_base: None,
             norm_plus_one: false,
             activation: ops::Activation::Silu,
@@ -344,6 +364,32 @@ impl LayerSwitches {
         rotary: Rotary::Scaled,
         window: None,
         moe: false,
+        chunk: None,
+        query_scale: None,
+    };
+}
+
+/// A block's dense MLP as its checkpoint and mlx-lm's adapters name it: the module, and its
+/// three layers' keys.
+#[derive(Clone, Copy)]
+struct MlpModule {
+    name: &'static str,
+    keys: [&'static str; 3],
+}
+
+impl MlpModule {
+    const MLP: MlpModule = MlpModule {
+        name: "mlp",
+        keys: ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"],
+    };
+    /// Llama 4's.
+    const FEED_FORWARD: MlpModule = MlpModule {
+        name: "feed_forward",
+        keys: [
+            "feed_forward.gate_proj",
+            "feed_forward.up_proj",
+            "feed_forward.down_proj",
+        ],
     };
 }
 
@@ -377,6 +423,7 @@ const MEMBERS: &[(&str, Member)] = &[
     ("ernie4_5_moe", ernie4_5_moe),
     ("gpt_oss", gpt_oss),
     ("granitemoe", granitemoe),
+    ("llama4", llama4),
     // mlx-lm reads these as llama.
     ("iquestcoder", Switches::llama),
     ("xverse", Switches::llama),
@@ -435,16 +482,98 @@ fn ministral3(c: &Args) -> Result<Switches, LoadError> {
             "`rope_parameters.original_max_position_embeddings` must be positive".into(),
         ));
     }
-    Ok(Switches {
+    let query_scale = Some(PositionScale {
+        beta: number("llama_4_scaling_beta")? as f32,
+        period,
+        shift: 0,
+    });
+    let mut switches = Switches {
         qkv_bias: false,
         o_bias: false,
         mlp_bias: false,
-        query_scale: Some(PositionScale {
-            beta: number("llama_4_scaling_beta")? as f32,
-            period,
-        }),
         ..Switches::llama(c)?
-    })
+    };
+    for layer in &mut switches.layers {
+        layer.query_scale = query_scale;
+    }
+    Ok(switches)
+}
+
+/// Llama 4's text model (under `language_model.`): three layers of four rotate (interleaved,
+/// with weightless q/k norms after the rotation) and attend within chunks of
+/// `attention_chunk_size`; the fourth attends globally without RoPE, its queries
+/// temperature-tuned by position (`attn_temperature_tuning`, `floor_scale`, `attn_scale`).
+/// Every `interleave_moe_layer_step`-th layer holds a mixture (`num_local_experts`, one a
+/// token by the sigmoid of its router logit, which weighs the token's input) beside an
+/// ungated shared expert; the others dense MLPs of `intermediate_size_mlp`.
+fn llama4(c: &Args) -> Result<Switches, LoadError> {
+    let chunk = c
+        .attention_chunk_size
+        .filter(|&n| n > 0)
+        .ok_or_else(|| Args::missing("attention_chunk_size"))?;
+    let tuned = match &c.attn_temperature_tuning {
+        None => true,
+        Some(Value::Bool(on)) => *on,
+        Some(Value::Number(n)) => n.as_f64() != Some(0.0),
+        Some(other) => {
+            return Err(LoadError::Config(format!(
+                "`attn_temperature_tuning` must be a boolean or a number, not {other}"
+            )))
+        }
+    };
+    let period = c.floor_scale.unwrap_or(8192);
+    if period == 0 {
+        return Err(LoadError::Config("`floor_scale` must be positive".into()));
+    }
+    let temperature = tuned.then_some(PositionScale {
+        beta: c.attn_scale.unwrap_or(0.1),
+        period,
+        shift: 1,
+    });
+    let layers = (0..c.num_hidden_layers)
+        .map(|i| match (i + 1).is_multiple_of(4) {
+            true => LayerSwitches {
+                rotary: Rotary::None,
+                query_scale: temperature,
+                ..LayerSwitches::GLOBAL
+            },
+            false => LayerSwitches {
+                chunk: Some(chunk),
+                ..LayerSwitches::GLOBAL
+            },
+        })
+        .collect();
+    let step = c.interleave_moe_layer_step.unwrap_or(1).max(1);
+    let mut switches = Switches {
+        qk_norm: match c.use_qk_norm.unwrap_or(false) {
+            true => QkNorm::UnweightedAfterRope,
+            false => QkNorm::None,
+        },
+        tied: false,
+        traditional: true,
+        layers,
+        prefix: "language_model.",
+        moe_names: MoeNames::FEED_FORWARD,
+        mlp_module: MlpModule::FEED_FORWARD,
+        mlp_width: c.intermediate_size_mlp,
+        ..Switches::llama(c)?
+    }
+    .experts(c, false, |i| i % step == step - 1)?;
+    if let Some(moe) = &mut switches.moe {
+        if c.num_experts_per_tok != Some(1) {
+            return Err(LoadError::Config(format!(
+                "Llama 4 routes each token to one expert, not {:?}",
+                c.num_experts_per_tok
+            )));
+        }
+        moe.routing = moe.routing.weighing_inputs();
+        moe.shared = Some(Shared {
+            intermediate: c.intermediate_size,
+            gated: false,
+            names: SharedNames::FEED_FORWARD,
+        });
+    }
+    Ok(switches)
 }
 
 /// Qwen2: q/k/v biases, none on the output.
@@ -560,7 +689,7 @@ fn olmo3(c: &Args) -> Result<Switches, LoadError> {
             _ => LayerSwitches {
                 rotary: Rotary::Plain,
                 window: Some(window),
-                moe: false,
+                ..LayerSwitches::GLOBAL
             },
         })
         .collect();
@@ -738,6 +867,7 @@ fn glm4_moe(c: &Args) -> Result<Switches, LoadError> {
         moe.shared = c.n_shared_experts.map(|n| Shared {
             intermediate: moe.experts.intermediate * n,
             gated: false,
+            names: SharedNames::SHARED_EXPERTS,
         });
     }
     Ok(switches)
@@ -887,6 +1017,7 @@ fn ernie4_5_moe(c: &Args) -> Result<Switches, LoadError> {
         shared: c.moe_num_shared_experts.filter(|&n| n > 0).map(|n| Shared {
             intermediate: width * n,
             gated: false,
+            names: SharedNames::SHARED_EXPERTS,
         }),
     });
     for (i, layer) in switches.layers.iter_mut().enumerate() {
@@ -912,8 +1043,17 @@ struct Block {
     mlp: FeedForward,
     mlp_out_norm: Option<RmsNorm>,
     window: Option<usize>,
+    /// Attends within chunks of this many positions (over a ring of as many).
+    chunk: Option<usize>,
     /// How mlx-lm holds this layer's cached keys (see [`MlxForm`]).
     mlx: MlxForm,
+}
+
+impl Block {
+    /// The positions a ring cache of this layer keeps: its window's, or its chunk's.
+    fn ring(&self) -> Option<usize> {
+        self.window.or(self.chunk)
+    }
 }
 
 pub struct Llama {
@@ -925,7 +1065,11 @@ pub struct Llama {
     residual_scale: f32,
     activation: ops::Activation,
     prefix: &'static str,
+    mlp_module: MlpModule,
 }
+
+/// Llama 4's q/k norms' ε, which its config does not set.
+const UNWEIGHTED_QK_NORM_EPS: f32 = 1e-6;
 
 impl Llama {
     pub fn load(mut ckpt: Checkpoint) -> Result<Self, LoadError> {
@@ -962,7 +1106,9 @@ impl Llama {
         let prefix = s.prefix;
         if !prefix.is_empty() {
             ckpt.discard_where(|name| {
-                name.starts_with("vision_tower.") || name.starts_with("multi_modal_projector.")
+                ["vision_tower.", "vision_model.", "multi_modal_projector."]
+                    .iter()
+                    .any(|tower| name.starts_with(tower))
             });
         }
         // Embedding checkpoints saved as a bare `Qwen3Model` (Qwen3-Embedding-8B, which is untied)
@@ -1036,6 +1182,9 @@ impl Llama {
             let mut a = block.pp("self_attn");
             let qk_norm = |a: &mut Scope, which: &str, width: usize| match s.qk_norm {
                 QkNorm::None => Ok(None),
+                QkNorm::UnweightedAfterRope => Ok((layer.rotary != Rotary::None)
+                    .then(|| RmsNorm::unweighted(head_dim, UNWEIGHTED_QK_NORM_EPS, &device))
+                    .transpose()?),
                 QkNorm::PerHead => RmsNorm::load(&mut a.pp(which), head_dim, eps).map(Some),
                 QkNorm::Full => RmsNorm::load(&mut a.pp(which), width, eps).map(Some),
                 QkNorm::PerHeadAfterRope => {
@@ -1056,6 +1205,7 @@ impl Llama {
             let gain = rope.take_amplitude(head_dim);
             let mlx = MlxForm {
                 key_scale: gain.sqrt(),
+                chunked: layer.chunk.is_some(),
                 ..MlxForm::default()
             };
             let self_attn = Attention {
@@ -1070,13 +1220,17 @@ impl Llama {
                 head_dim,
                 scale: s.attention_scale.unwrap_or((head_dim as f32).powf(-0.5)) * gain,
                 rope,
-                query_scale: s.query_scale,
-                norm_after_rope: s.qk_norm == QkNorm::PerHeadAfterRope,
+                query_scale: layer.query_scale,
+                norm_after_rope: matches!(
+                    s.qk_norm,
+                    QkNorm::PerHeadAfterRope | QkNorm::UnweightedAfterRope
+                ),
                 softcap: s.attention_softcap,
                 sinks: s
                     .sinks
                     .then(|| load_vector(&mut a, "sinks", heads))
                     .transpose()?,
+                chunk: layer.chunk,
             };
             let mlp = match (&s.moe, layer.moe) {
                 (Some(moe), true) => FeedForward::Moe(SparseMoe::load(
@@ -1088,9 +1242,9 @@ impl Llama {
                     moe.shared,
                 )?),
                 _ => FeedForward::Dense(Mlp::load(
-                    &mut block.pp("mlp"),
+                    &mut block.pp(s.mlp_module.name),
                     hidden,
-                    intermediate,
+                    s.mlp_width.unwrap_or(intermediate),
                     s.mlp_bias,
                 )?),
             };
@@ -1102,6 +1256,7 @@ impl Llama {
                 mlp,
                 mlp_out_norm: norm(&mut block, s.norms.mlp_out, hidden)?,
                 window: layer.window,
+                chunk: layer.chunk,
                 mlx,
             });
         }
@@ -1139,6 +1294,7 @@ impl Llama {
             activation: s.activation,
             residual_scale: s.residual_scale,
             prefix,
+            mlp_module: s.mlp_module,
         })
     }
 
@@ -1181,12 +1337,12 @@ impl Block {
         let fits = |s: (usize, usize)| s == (a.kv_heads, a.head_dim);
         match caches {
             LayerCaches::Kv(mut kvs)
-                if self.window.is_none() && kvs.iter().all(|c| fits(c.shape())) =>
+                if self.ring().is_none() && kvs.iter().all(|c| fits(c.shape())) =>
             {
                 Ok(a.attend(input, positions, &mut kvs, lora)?)
             }
             LayerCaches::Rotating(mut rings)
-                if self.window.is_some() && rings.iter().all(|c| fits(c.shape())) =>
+                if self.ring().is_some() && rings.iter().all(|c| fits(c.shape())) =>
             {
                 Ok(a.attend(input, positions, &mut rings, lora)?)
             }
@@ -1213,7 +1369,7 @@ impl Architecture for Llama {
             .iter()
             .map(|b| {
                 let a = &b.self_attn;
-                Ok(match b.window {
+                Ok(match b.ring() {
                     Some(window) => LayerCache::Rotating(
                         RotatingKvCache::new(a.kv_heads, a.head_dim, window, device)?
                             .with_mlx_form(b.mlx),
@@ -1237,7 +1393,7 @@ impl Architecture for Llama {
         let mut h = self.embed(tokens)?;
         for (i, block) in self.layers.iter().enumerate() {
             let lora = |module| adapters.map_or(ModuleAdapters::NONE, |a| a.module(i, module));
-            let (attn_lora, mlp_lora) = (lora("self_attn"), lora("mlp"));
+            let (attn_lora, mlp_lora) = (lora("self_attn"), lora(self.mlp_module.name));
             // Norms are folded into the projections where the device can.
             let normed = input(&h, &block.attn_norm);
             let out = block.attend(normed, &positions, caches.layer(i)?, attn_lora)?;
@@ -1293,7 +1449,13 @@ impl Adaptable for Llama {
     fn block_linears(&self) -> Vec<Vec<LinearShape>> {
         let blocks = self.layers.iter();
         blocks
-            .map(|b| [b.self_attn.linears(), b.mlp.linears()].concat())
+            .map(|b| {
+                let mlp = match &b.mlp {
+                    FeedForward::Dense(mlp) => mlp.linears_named(self.mlp_module.keys),
+                    moe => moe.linears(),
+                };
+                [b.self_attn.linears(), mlp].concat()
+            })
             .collect()
     }
 

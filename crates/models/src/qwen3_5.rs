@@ -25,7 +25,7 @@ use crate::layers::{
 };
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
-use crate::switch::{ExpertMlps, FeedForward, MoeNames, Routing, Shared, SparseMoe};
+use crate::switch::{ExpertMlps, FeedForward, MoeNames, Routing, Shared, SharedNames, SparseMoe};
 use crate::{ForwardError, LoadError, ModelInfo};
 
 mod grad;
@@ -169,6 +169,7 @@ impl GatedAttention {
             positions,
             caches,
             ops::AttentionOptions::scaled(self.scale),
+            None,
         )?;
         ops::sigmoid_mul_inplace(&mut out, &gate)?;
         self.o_proj.forward_adapted(&out, lora.get("o_proj"))
@@ -667,6 +668,7 @@ impl Qwen3_5 {
                     Some(Shared {
                         intermediate: moe.shared_intermediate,
                         gated: true,
+                        names: SharedNames::SHARED_EXPERT,
                     }),
                 )?),
             };

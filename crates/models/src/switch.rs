@@ -147,13 +147,33 @@ pub fn dispatch(
     routed: &[Vec<(usize, f32)>],
     run_expert: impl Fn(usize, &Tensor) -> OpResult<Tensor>,
 ) -> OpResult<Tensor> {
-    let mut y = Tensor::zeros(x.shape().to_vec(), &x.device())?;
+    dispatch_weighing(x, routed, false, run_expert)
+}
+
+/// [`dispatch`], or with `weigh_inputs` each row weighted on its way into its expert and the
+/// outputs summed as they are (Llama 4's routing).
+fn dispatch_weighing(
+    x: &Tensor,
+    routed: &[Vec<(usize, f32)>],
+    weigh_inputs: bool,
+    run_expert: impl Fn(usize, &Tensor) -> OpResult<Tensor>,
+) -> OpResult<Tensor> {
+    let device = x.device();
+    let mut y = Tensor::zeros(x.shape().to_vec(), &device)?;
     for (e, tokens) in routed.iter().enumerate() {
         if tokens.is_empty() {
             continue;
         }
-        let (rows, weights): (Vec<usize>, Vec<f32>) = tokens.iter().copied().unzip();
-        let out = run_expert(e, &ops::gather_rows(x, &rows)?)?;
+        let (rows, mut weights): (Vec<usize>, Vec<f32>) = tokens.iter().copied().unzip();
+        let mut input = ops::gather_rows(x, &rows)?;
+        if weigh_inputs {
+            let order: Vec<usize> = (0..rows.len()).collect();
+            let mut weighted = Tensor::zeros(input.shape().to_vec(), &device)?;
+            ops::scatter_add_rows(&mut weighted, &input, &order, &weights)?;
+            input = weighted;
+            weights.fill(1.0);
+        }
+        let out = run_expert(e, &input)?;
         ops::scatter_add_rows(&mut y, &out, &rows, &weights)?;
     }
     Ok(y)
@@ -252,6 +272,19 @@ impl MoeNames {
         router_key: ("block_sparse_moe.router", "layer"),
         ..MoeNames::BLOCK_SPARSE
     };
+    /// Llama 4's: `feed_forward.router`, `feed_forward.experts`.
+    pub const FEED_FORWARD: MoeNames = MoeNames {
+        module: "feed_forward",
+        router: "router",
+        experts: "experts",
+        router_key: ("feed_forward", "router"),
+        experts_key: "feed_forward.experts",
+        expert_keys: [
+            "feed_forward.experts.gate_proj",
+            "feed_forward.experts.up_proj",
+            "feed_forward.experts.down_proj",
+        ],
+    };
     /// gpt-oss's: `mlp.router`, `mlp.experts`.
     pub const GPT_OSS: MoeNames = MoeNames {
         module: "mlp",
@@ -284,11 +317,11 @@ pub struct SparseMoe {
 }
 
 /// An expert every token goes through: Qwen's `shared_expert`, weighted by a sigmoid gate of its
-/// own (`shared_expert_gate`), or DeepSeek's and GLM's `shared_experts`, not weighted.
+/// own (`shared_expert_gate`), or DeepSeek's and GLM's `shared_experts` and Llama 4's
+/// `shared_expert`, not weighted.
 struct SharedExpert {
     mlp: Mlp,
-    /// Its module in the block: `mlp.shared_expert` or `mlp.shared_experts`.
-    path: &'static str,
+    names: SharedNames,
     gate: Option<Linear>,
 }
 
@@ -296,8 +329,52 @@ struct SharedExpert {
 #[derive(Debug, Clone, Copy)]
 pub struct Shared {
     pub intermediate: usize,
-    /// Qwen's gated `shared_expert`, else DeepSeek's `shared_experts`.
+    /// Weighted by its own sigmoid gate, `shared_expert_gate` beside it (Qwen's).
     pub gated: bool,
+    pub names: SharedNames,
+}
+
+/// A shared expert's module in its block and its three layers' keys, as its checkpoint and
+/// mlx-lm's adapters name them.
+#[derive(Debug, Clone, Copy)]
+pub struct SharedNames {
+    pub path: &'static str,
+    pub keys: [&'static str; 3],
+}
+
+impl SharedNames {
+    /// The length of the mixture's own module, with its dot, at the start of `path`.
+    fn module_len(&self) -> usize {
+        self.path.find('.').map_or(0, |dot| dot + 1)
+    }
+
+    /// Qwen's.
+    pub const SHARED_EXPERT: SharedNames = SharedNames {
+        path: "mlp.shared_expert",
+        keys: [
+            "mlp.shared_expert.gate_proj",
+            "mlp.shared_expert.up_proj",
+            "mlp.shared_expert.down_proj",
+        ],
+    };
+    /// DeepSeek's, GLM's and ERNIE's.
+    pub const SHARED_EXPERTS: SharedNames = SharedNames {
+        path: "mlp.shared_experts",
+        keys: [
+            "mlp.shared_experts.gate_proj",
+            "mlp.shared_experts.up_proj",
+            "mlp.shared_experts.down_proj",
+        ],
+    };
+    /// Llama 4's.
+    pub const FEED_FORWARD: SharedNames = SharedNames {
+        path: "feed_forward.shared_expert",
+        keys: [
+            "feed_forward.shared_expert.gate_proj",
+            "feed_forward.shared_expert.up_proj",
+            "feed_forward.shared_expert.down_proj",
+        ],
+    };
 }
 
 impl SharedExpert {
@@ -334,6 +411,7 @@ impl SparseMoe {
         let router = match self.names.router_key {
             ("mlp", "gate") => "mlp.gate",
             ("mlp", "router") => "mlp.router",
+            ("feed_forward", "router") => "feed_forward.router",
             ("block_sparse_moe", "gate") => "block_sparse_moe.gate",
             _ => "block_sparse_moe.router.layer",
         };
@@ -344,18 +422,7 @@ impl SparseMoe {
             experts_shape(down_proj, experts, |m| &m.down_proj),
         ];
         if let Some(shared) = &self.shared {
-            let [gate, up, down] = match shared.gate {
-                Some(_) => [
-                    "mlp.shared_expert.gate_proj",
-                    "mlp.shared_expert.up_proj",
-                    "mlp.shared_expert.down_proj",
-                ],
-                None => [
-                    "mlp.shared_experts.gate_proj",
-                    "mlp.shared_experts.up_proj",
-                    "mlp.shared_experts.down_proj",
-                ],
-            };
+            let [gate, up, down] = shared.names.keys;
             out.extend([
                 linear_shape(gate, &shared.mlp.gate_proj),
                 linear_shape(up, &shared.mlp.up_proj),
@@ -398,16 +465,12 @@ impl SparseMoe {
                 |Shared {
                      intermediate,
                      gated,
+                     names,
                  }| {
-                    let path = if gated {
-                        "mlp.shared_expert"
-                    } else {
-                        "mlp.shared_experts"
-                    };
-                    let module = path.trim_start_matches("mlp.");
+                    let module = &names.path[names.module_len()..];
                     Ok::<_, LoadError>(SharedExpert {
                         mlp: Mlp::load(&mut vb.pp(module), dim, intermediate, false)?,
-                        path,
+                        names,
                         gate: gated
                             .then(|| Linear::load(&mut vb.pp("shared_expert_gate"), dim, 1, false))
                             .transpose()?,
@@ -416,7 +479,8 @@ impl SparseMoe {
             )
             .transpose()?;
         let mut gate_scope = vb.pp(names.router);
-        let correction_bias = (routing.scoring == Scoring::Sigmoid)
+        let correction_bias = routing
+            .corrected
             .then(|| load_host_vector(&mut gate_scope, "e_score_correction_bias", experts))
             .transpose()?;
         Ok(SparseMoe {
@@ -444,14 +508,15 @@ impl SparseMoe {
         let mut scores = self.gate.forward_adapted(x, router)?.into_vec()?;
         let chosen = self.route(&mut scores);
         let routed = by_expert(&chosen, self.routing.top_k, self.experts.len());
-        let mut y = dispatch(x, &routed, |e, rows| {
+        let run_expert = |e: usize, rows: &Tensor| {
             self.experts[e].forward_with(rows, experts.expert(e), self.activation)
-        })?;
+        };
+        let mut y = dispatch_weighing(x, &routed, self.routing.weigh_inputs, run_expert)?;
         let Some(expert) = &self.shared else {
             return Ok(y);
         };
-        let out = expert.mlp.forward_adapted(x, lora(expert.path))?;
-        expert.add_gated(x, &out, lora("mlp"), &mut y)?;
+        let out = expert.mlp.forward_adapted(x, lora(expert.names.path))?;
+        expert.add_gated(x, &out, lora(self.names.module), &mut y)?;
         Ok(y)
     }
 
@@ -552,6 +617,10 @@ pub struct Routing {
     scale: f32,
     /// The router has a bias (gpt-oss's).
     router_bias: bool,
+    /// The router's `e_score_correction_bias` joins the scores that choose.
+    corrected: bool,
+    /// The weights scale each token's input to its experts, not their outputs (Llama 4's).
+    weigh_inputs: bool,
 }
 
 impl Routing {
@@ -570,7 +639,19 @@ impl Routing {
             groups: None,
             scale: 1.0,
             router_bias: false,
+            corrected: false,
+            weigh_inputs: false,
         })
+    }
+
+    /// Llama 4's: the sigmoid of each chosen expert's logit weighs the token's input to it.
+    pub fn weighing_inputs(self) -> Self {
+        Routing {
+            scoring: Scoring::Sigmoid,
+            norm_topk_prob: false,
+            weigh_inputs: true,
+            ..self
+        }
     }
 
     /// A router with a bias.
@@ -599,6 +680,7 @@ impl Routing {
         }
         Ok(Routing {
             scoring: Scoring::Sigmoid,
+            corrected: true,
             groups: (groups > 1).then_some(ExpertGroups {
                 count: groups,
                 keep,

@@ -557,10 +557,11 @@ fn gemma4_moe_batched_decode_matches_one_by_one() {
 /// Layers that differ from llama's: windowed layers with plain RoPE (OLMo 3), windowed and
 /// NoPE layers (EXAONE 4), routed experts beside a dense layer (Qwen3-MoE), fused projections
 /// with partial rotary (Phi-3), residual multipliers (Granite), grouped sigmoid routing
-/// (GLM-4.5), latent attention (DeepSeek-V3).
+/// (GLM-4.5), latent attention (DeepSeek-V3), chunked attention (Llama 4).
 #[test]
 fn more_architectures_batched_decode_matches_one_by_one() {
     for name in [
+        "llama4-4bit-g32",
         "olmo3-8bit-g32",
         "exaone4-4bit-g64",
         "qwen3_moe-4bit-g32",
@@ -672,4 +673,5 @@ parity_tests! {
     lfm2_4bit_g64_short_conv_layer_types => "lfm2-4bit-g64",
     lfm2_8bit_g32_full_attn_idxs_conv_biases => "lfm2-8bit-g32",
     lfm2_moe_4bit_g64_sigmoid_routed_experts => "lfm2_moe-4bit-g64",
+    llama4_4bit_g32_chunked_attention_tuned_nope_layers_input_weighted_experts => "llama4-4bit-g32",
 }

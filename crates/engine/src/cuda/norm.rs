@@ -21,17 +21,18 @@ pub fn rms_norm(
     Ok(())
 }
 
-/// Row `t` of `x` (`cols` wide) times `1 + beta · ln(1 + ⌊positions[t] / period⌋)`.
+/// Row `t` of `x` (`cols` wide) times `1 + beta · ln(1 + ⌊(positions[t] + shift) / period⌋)`.
 pub fn scale_by_position(
     x: &mut Buffer,
     cols: usize,
     positions: GpuPositions,
     beta: f32,
     period: usize,
+    shift: usize,
 ) -> Result<()> {
     let g = x.gpu().clone();
     launch!(&g, "scale_by_position", elements(&g, x.len());
-        x.ptr(), positions.ptr(), x.len() as i64, int(cols)?, beta, int(period)?);
+        x.ptr(), positions.ptr(), x.len() as i64, int(cols)?, beta, int(period)?, int(shift)?);
     Ok(())
 }
 

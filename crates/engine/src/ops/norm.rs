@@ -91,12 +91,14 @@ pub fn rope_inplace(
 }
 
 /// Llama 4's query scale by position, in place: row `t` of `x` times
-/// `1 + beta · ln(1 + ⌊positions[t] / period⌋)` (1 within the first `period` positions).
+/// `1 + beta · ln(1 + ⌊(positions[t] + shift) / period⌋)` (1 until `positions[t] + shift`
+/// reaches `period`).
 pub fn scale_by_position(
     x: &mut Tensor,
     positions: &Positions,
     beta: f32,
     period: usize,
+    shift: usize,
 ) -> Result<()> {
     check(x.rows() == positions.len() && period > 0, || {
         format!(
@@ -109,13 +111,13 @@ pub fn scale_by_position(
     match &mut x.storage {
         Storage::Host(v) => {
             for (row, &p) in v.chunks_exact_mut(cols).zip(positions.as_slice()) {
-                let factor = 1.0 + beta * ((1 + p / period) as f32).ln();
+                let factor = 1.0 + beta * ((1 + (p + shift) / period) as f32).ln();
                 row.iter_mut().for_each(|x| *x *= factor);
             }
             Ok(())
         }
         Storage::Cuda(b) => {
-            cuda::norm::scale_by_position(b, cols, positions.on_gpu()?, beta, period)
+            cuda::norm::scale_by_position(b, cols, positions.on_gpu()?, beta, period, shift)
         }
     }
 }

@@ -138,6 +138,11 @@ impl MlpGrad for &SparseMoe {
         lora: BlockAdapters,
     ) -> OpResult<(Tensor, Box<dyn MlpSaved + 's>)> {
         let moe: &SparseMoe = self;
+        if moe.routing.weigh_inputs {
+            return Err(oxlm_engine::EngineError::Unsupported(
+                "LoRA training through a mixture that weighs its experts' inputs".into(),
+            ));
+        }
         let (router_module, router_name) = moe.names.router_key;
         let mut probs = moe
             .gate
@@ -156,9 +161,9 @@ impl MlpGrad for &SparseMoe {
         )?;
         let shared = match &moe.shared {
             Some(expert) => {
-                let shared_lora = lora.module(expert.path);
+                let shared_lora = lora.module(expert.names.path);
                 let (out, mlp) = GatedSaved::forward(&expert.mlp, silu, x, shared_lora)?;
-                let gates = expert.add_gated(x, &out, lora.module("mlp"), &mut y)?;
+                let gates = expert.add_gated(x, &out, lora.module(moe.names.module), &mut y)?;
                 Some(SharedSaved { mlp, out, gates })
             }
             None => None,
@@ -235,7 +240,7 @@ impl MlpSaved for MoeSaved<'_> {
         let (Some(saved), Some(expert)) = (&self.shared, &moe.shared) else {
             return dx;
         };
-        let (at, silu) = (At::from(expert.path), Activation::Silu);
+        let (at, silu) = (At::from(expert.names.path), Activation::Silu);
         let (Some(gates), Some(gate)) = (&saved.gates, &expert.gate) else {
             let dx_shared = (saved.mlp).backward(&expert.mlp, silu, at, x, dy, g);
             add_inplace(&mut dx, &dx_shared);

@@ -23,13 +23,13 @@ extern "C" __global__ void rms_norm(const float *x, const float *weight, float *
     for (int c = threadIdx.x; c < cols; c += blockDim.x) orow[c] = xr[c] * inv * weight[c];
 }
 
-// Row t of x (cols wide) times 1 + beta · ln(1 + floor(positions[t] / period)): Llama 4's
-// query scale beyond the original context.
+// Row t of x (cols wide) times 1 + beta · ln(1 + floor((positions[t] + shift) / period)):
+// Llama 4's query scale beyond the original context.
 extern "C" __global__ void scale_by_position(float *x, const int *positions, i64 n, int cols,
-                                             float beta, int period) {
+                                             float beta, int period, int shift) {
     await_inputs();
     GRID_STRIDE(i, n) {
-        x[i] *= 1.f + beta * logf((float)(1 + positions[i / cols] / period));
+        x[i] *= 1.f + beta * logf((float)(1 + (positions[i / cols] + shift) / period));
     }
 }
 
