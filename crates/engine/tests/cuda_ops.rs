@@ -1235,70 +1235,74 @@ fn recurrent_ops() {
         let b = random_vec(&mut rng, tokens * v_heads);
         let dt: Vec<f32> = (0..v_heads).map(|_| rng.random_range(-1.0..1.0)).collect();
         let neg_a: Vec<f32> = (0..v_heads).map(|_| -rng.random_range(0.1..2.0)).collect();
+        let skip: Vec<f32> = (0..v_heads).map(|_| rng.random_range(-1.0..1.0)).collect();
         let state0 = random_vec(&mut rng, dims.state_len());
-        let run = |device: &Device| {
-            let (g, beta) = recurrent::delta_gates(
-                &on(device, vec![tokens, v_heads], &a),
-                &on(device, vec![tokens, v_heads], &b),
-                &on(device, vec![v_heads], &dt),
-                &on(device, vec![v_heads], &neg_a),
-            )
-            .unwrap();
-            let mut state = on(device, vec![v_heads, v_dim, k_dim], &state0);
-            let y = recurrent::gated_delta_rule(
-                &on(device, vec![tokens, k_heads * k_dim], &q),
-                &on(device, vec![tokens, k_heads * k_dim], &k),
-                &on(device, vec![tokens, v_heads * v_dim], &v),
-                &g,
-                &beta,
-                dims,
-                &mut [&mut state],
-            )
-            .unwrap();
-            (g, beta, y, state)
-        };
-        let (gc, bc, yc, sc) = run(&Device::Cpu);
-        let (gg, bg, yg, sg) = run(&dev);
-        let what = format!("delta rule {dims:?}");
-        assert_close(&format!("{what} g"), &gg, &gc, 1e-5);
-        assert_close(&format!("{what} beta"), &bg, &bc, 1e-6);
-        assert_close(&format!("{what} y"), &yg, &yc, 1e-4);
-        assert_close(&format!("{what} state"), &sg, &sc, 1e-4);
-
-        // A batched decoding step: token `s` of the chunk is the next of sequence `s`, each
-        // with its own state (the same tensors' rows, read as one sequence each).
         let states0: Vec<Vec<f32>> = (0..tokens)
             .map(|_| random_vec(&mut rng, dims.state_len()))
             .collect();
-        let step = |device: &Device| {
-            let (g, beta) = recurrent::delta_gates(
+        // The delta rule's gates and scan, or (`ssm`) Mamba-2's.
+        let gates = |device: &Device, ssm: bool| {
+            let (a, dt, neg_a) = (
                 &on(device, vec![tokens, v_heads], &a),
-                &on(device, vec![tokens, v_heads], &b),
                 &on(device, vec![v_heads], &dt),
                 &on(device, vec![v_heads], &neg_a),
-            )
-            .unwrap();
-            let mut states: Vec<Tensor> = states0
-                .iter()
-                .map(|s| on(device, vec![v_heads, v_dim, k_dim], s))
-                .collect();
-            let mut refs: Vec<&mut Tensor> = states.iter_mut().collect();
-            let y = recurrent::gated_delta_rule(
-                &on(device, vec![tokens, k_heads * k_dim], &q),
-                &on(device, vec![tokens, k_heads * k_dim], &k),
-                &on(device, vec![tokens, v_heads * v_dim], &v),
-                &g,
-                &beta,
-                dims,
-                &mut refs,
-            )
-            .unwrap();
-            (y, states)
+            );
+            match ssm {
+                true => recurrent::ssm_gates(a, dt, neg_a, (0.001, 1.5)),
+                false => {
+                    recurrent::delta_gates(a, &on(device, vec![tokens, v_heads], &b), dt, neg_a)
+                }
+            }
+            .unwrap()
         };
-        let ((yc, sc), (yg, sg)) = (step(&Device::Cpu), step(&dev));
-        assert_close(&format!("{what} batched y"), &yg, &yc, 1e-4);
-        for (s, (g, c)) in sg.iter().zip(&sc).enumerate() {
-            assert_close(&format!("{what} batched state {s}"), g, c, 1e-4);
+        let scan =
+            |device: &Device, ssm: bool, g: &Tensor, w: &Tensor, states: &mut [&mut Tensor]| {
+                let (q, k, v) = (
+                    &on(device, vec![tokens, k_heads * k_dim], &q),
+                    &on(device, vec![tokens, k_heads * k_dim], &k),
+                    &on(device, vec![tokens, v_heads * v_dim], &v),
+                );
+                match ssm {
+                    true => {
+                        let d = on(device, vec![v_heads], &skip);
+                        recurrent::ssm_scan(q, k, v, g, w, &d, dims, states)
+                    }
+                    false => recurrent::gated_delta_rule(q, k, v, g, w, dims, states),
+                }
+                .unwrap()
+            };
+        for ssm in [false, true] {
+            let run = |device: &Device| {
+                let (g, w) = gates(device, ssm);
+                let mut state = on(device, vec![v_heads, v_dim, k_dim], &state0);
+                let y = scan(device, ssm, &g, &w, &mut [&mut state]);
+                (g, w, y, state)
+            };
+            let (gc, wc, yc, sc) = run(&Device::Cpu);
+            let (gg, wg, yg, sg) = run(&dev);
+            let what = format!("{} {dims:?}", if ssm { "ssm scan" } else { "delta rule" });
+            assert_close(&format!("{what} g"), &gg, &gc, 1e-5);
+            assert_close(&format!("{what} beta or dt"), &wg, &wc, 1e-6);
+            assert_close(&format!("{what} y"), &yg, &yc, 1e-4);
+            assert_close(&format!("{what} state"), &sg, &sc, 1e-4);
+
+            // A batched decoding step: token `s` of the chunk is the next of sequence `s`,
+            // each with its own state (the same tensors' rows, read as one sequence each).
+            let step = |device: &Device| {
+                let (g, w) = gates(device, ssm);
+                let mut states: Vec<Tensor> = states0
+                    .iter()
+                    .map(|s| on(device, vec![v_heads, v_dim, k_dim], s))
+                    .collect();
+                let mut refs: Vec<&mut Tensor> = states.iter_mut().collect();
+                let y = scan(device, ssm, &g, &w, &mut refs);
+                (y, states)
+            };
+            let ((yc, sc), (yg, sg)) = (step(&Device::Cpu), step(&dev));
+            assert_close(&format!("{what} batched y"), &yg, &yc, 1e-4);
+            for (s, (g, c)) in sg.iter().zip(&sc).enumerate() {
+                assert_close(&format!("{what} batched state {s}"), g, c, 1e-4);
+            }
         }
     }
 

@@ -1,5 +1,6 @@
 //! CPU kernels of recurrent sequence mixers (linear attention, state-space layers): a causal
-//! depthwise convolution that carries its last inputs between calls, and the gated delta rule.
+//! depthwise convolution that carries its last inputs between calls, the gated delta rule and
+//! Mamba-2's selective state-space scan.
 //!
 //! Both run a whole chunk of tokens in one call, looping over the tokens inside, so a prompt is
 //! prefilled without a per-token pass through the model; a decode step is the same call with one
@@ -66,6 +67,91 @@ pub fn delta_gates(
         let softplus = z.max(0.0) + (-z.abs()).exp().ln_1p();
         *g = (neg_a[i % heads] * softplus).exp();
         *beta = 1.0 / (1.0 + (-b).exp());
+    }
+}
+
+/// Per token and head, Mamba-2's step `Δ = clip(softplus(a + dt_bias), limits)` and decay
+/// `g = exp(neg_a · Δ)`, in f32 as mlx-lm's `compute_dt`.
+pub fn ssm_gates(
+    a: &[f32],
+    dt_bias: &[f32],
+    neg_a: &[f32],
+    (lo, hi): (f32, f32),
+    g: &mut [f32],
+    dt: &mut [f32],
+) {
+    let heads = dt_bias.len();
+    for (i, ((&a, g), dt)) in a.iter().zip(g.iter_mut()).zip(dt).enumerate() {
+        let z = a + dt_bias[i % heads];
+        let softplus = z.max(0.0) + (-z.abs()).exp().ln_1p();
+        *dt = softplus.clamp(lo, hi);
+        *g = (neg_a[i % heads] * *dt).exp();
+    }
+}
+
+/// Mamba-2's selective state-space scan (mlx-lm's `ssm_update`) over every token of the chunk,
+/// in the delta rule's terms: `q` the output mixing `C` and `k` the input mixing `B`
+/// (`[tokens, k_heads, k_dim]`: groups of the state dim), `v` the inputs `x`
+/// (`[tokens, v_heads, v_dim]`: heads of the head dim), per token and head the decay `g` and
+/// the step `dt`, and per head the skip `d`. For each head, with `S` its `[v_dim, k_dim]` state:
+///
+/// ```text
+/// S ← g_t · S + Δ_t · v_t k_tᵀ;   y_t = S q_t + d · v_t
+/// ```
+///
+/// `state` (`[v_heads, v_dim, k_dim]`) is updated in place; `y` is `[tokens, v_heads, v_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub fn ssm_scan(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    dt: &[f32],
+    d: &[f32],
+    dims: DeltaRuleDims,
+    state: &mut [f32],
+    y: &mut [f32],
+) {
+    let DeltaRuleDims {
+        k_heads,
+        v_heads,
+        k_dim,
+        v_dim,
+    } = dims;
+    assert!(
+        k_heads > 0 && v_heads.is_multiple_of(k_heads),
+        "{v_heads} heads over {k_heads} groups"
+    );
+    let tokens = g.len() / v_heads;
+    assert_eq!(g.len(), tokens * v_heads, "g");
+    assert_eq!(dt.len(), g.len(), "dt");
+    assert_eq!(d.len(), v_heads, "d");
+    assert_eq!(q.len(), tokens * k_heads * k_dim, "q");
+    assert_eq!(k.len(), q.len(), "k");
+    assert_eq!(v.len(), tokens * v_heads * v_dim, "v");
+    assert_eq!(y.len(), v.len(), "y");
+    assert_eq!(state.len(), dims.state_len(), "state");
+    let group = v_heads / k_heads;
+    for t in 0..tokens {
+        for h in 0..v_heads {
+            let kh = (t * k_heads + h / group) * k_dim;
+            let (qt, kt) = (&q[kh..kh + k_dim], &k[kh..kh + k_dim]);
+            let vt = &v[(t * v_heads + h) * v_dim..][..v_dim];
+            let yt = &mut y[(t * v_heads + h) * v_dim..][..v_dim];
+            let (decay, step) = (g[t * v_heads + h], dt[t * v_heads + h]);
+            let head_state = &mut state[h * v_dim * k_dim..(h + 1) * v_dim * k_dim];
+            for ((row, &vd), yd) in head_state
+                .chunks_exact_mut(k_dim)
+                .zip(vt)
+                .zip(yt.iter_mut())
+            {
+                let write = step * vd;
+                for (s, &kj) in row.iter_mut().zip(kt) {
+                    *s = decay * *s + write * kj;
+                }
+                *yd = dot(row, qt) + d[h] * vd;
+            }
+        }
     }
 }
 
@@ -314,5 +400,89 @@ mod tests {
         }
         assert!(close(&y, &expected));
         assert!(close(&state, &expected_state));
+    }
+
+    #[test]
+    fn ssm_gates_clip_the_softplus_step() {
+        let (a, bias, neg_a) = ([-20.0, 0.0, 30.0], [0.5], [-2.0]);
+        let (mut g, mut dt) = ([0.0; 3], [0.0; 3]);
+        ssm_gates(&a, &bias, &neg_a, (0.001, 10.0), &mut g, &mut dt);
+        let softplus = |z: f32| (1.0 + z.exp()).ln();
+        let want = [0.001, softplus(0.5), 10.0];
+        assert!(close(&dt, &want), "{dt:?}");
+        let decay: Vec<f32> = want.iter().map(|d| (-2.0 * d).exp()).collect();
+        assert!(close(&g, &decay), "{g:?}");
+    }
+
+    /// Mamba-2's scan in closed form, as its chunked (SSD) formulation reads it: each output sums
+    /// the inputs so far, each decayed by the gates since, plus the decayed initial state.
+    #[test]
+    fn ssm_scan_matches_its_closed_form_in_any_chunking() {
+        let dims = DeltaRuleDims {
+            k_heads: 2,
+            v_heads: 4,
+            k_dim: 8,
+            v_dim: 3,
+        };
+        let tokens = 6;
+        let (c, b) = (values(tokens * 2 * 8, 11), values(tokens * 2 * 8, 12));
+        let x = values(tokens * 4 * 3, 13);
+        let g: Vec<f32> = values(tokens * 4, 14)
+            .iter()
+            .map(|x| 0.5 + 0.4 * x)
+            .collect();
+        let dt: Vec<f32> = values(tokens * 4, 15)
+            .iter()
+            .map(|x| 0.6 + 0.5 * x)
+            .collect();
+        let d = [0.5, -1.0, 2.0, 0.0];
+        let initial = values(dims.state_len(), 16);
+
+        let (heads, group) = (4, 2);
+        let mut expected = vec![0.0; x.len()];
+        for t in 0..tokens {
+            for h in 0..heads {
+                let kh = h / group;
+                let bc = |m: &[f32], s: usize, n: usize| m[(s * 2 + kh) * 8 + n];
+                let decay = |from: usize| -> f32 { (from..=t).map(|r| g[r * heads + h]).product() };
+                for i in 0..3 {
+                    let xi = |s: usize| x[(s * heads + h) * 3 + i];
+                    let mut y: f32 = (0..=t)
+                        .map(|s| {
+                            let cb: f32 = (0..8).map(|n| bc(&c, t, n) * bc(&b, s, n)).sum();
+                            decay(s + 1) * dt[s * heads + h] * cb * xi(s)
+                        })
+                        .sum();
+                    let row = &initial[(h * 3 + i) * 8..][..8];
+                    y += decay(0) * (0..8).map(|n| row[n] * bc(&c, t, n)).sum::<f32>();
+                    expected[(t * heads + h) * 3 + i] = y + d[h] * xi(t);
+                }
+            }
+        }
+
+        let mut whole_state = initial.clone();
+        let mut y = vec![0.0; x.len()];
+        ssm_scan(&c, &b, &x, &g, &dt, &d, dims, &mut whole_state, &mut y);
+        assert!(close(&y, &expected), "{y:?} vs {expected:?}");
+
+        // one token at a time, as decoding runs it
+        let mut state = initial;
+        let mut y = vec![0.0; x.len()];
+        let (bc, xs, hs) = (2 * 8, 4 * 3, 4);
+        for t in 0..tokens {
+            ssm_scan(
+                &c[t * bc..][..bc],
+                &b[t * bc..][..bc],
+                &x[t * xs..][..xs],
+                &g[t * hs..][..hs],
+                &dt[t * hs..][..hs],
+                &d,
+                dims,
+                &mut state,
+                &mut y[t * xs..][..xs],
+            );
+        }
+        assert!(close(&y, &expected));
+        assert!(close(&state, &whole_state));
     }
 }

@@ -1,5 +1,5 @@
-//! Launchers of the recurrent layers' kernels (`kernels/recurrent.cu`): the causal convolution
-//! and the gated delta rule.
+//! Launchers of the recurrent layers' kernels (`kernels/recurrent.cu`): the causal convolution,
+//! the gated delta rule and Mamba-2's selective scan.
 //!
 //! Shapes are checked by the callers in [`crate::ops`]; these take buffers of the right lengths,
 //! and kernel arguments are raw device addresses, so that an op may read and write one buffer.
@@ -66,13 +66,40 @@ pub fn delta_gates(
     Ok((decay, beta))
 }
 
+/// Mamba-2's step and decay per token and head (`ssm_gates` in the kernels).
+pub fn ssm_gates(
+    a: &Buffer,
+    dt_bias: &Buffer,
+    neg_a: &Buffer,
+    (lo, hi): (f32, f32),
+) -> Result<(Buffer, Buffer)> {
+    let g = a.gpu().clone();
+    let (decay, dt) = (g.output(a.len())?, g.output(a.len())?);
+    launch!(&g, "ssm_gates", elements(&g, a.len());
+        a.ptr(), dt_bias.ptr(), neg_a.ptr(), decay.ptr(), dt.ptr(), a.len() as i64,
+        int(dt_bias.len())?, lo, hi);
+    Ok((decay, dt))
+}
+
+/// The kernels of a recurrent scan: the gated delta rule, or with Mamba-2's `skip` (its heads'
+/// D) the selective state-space scan.
+fn scan_kernel(skip: Option<&Buffer>) -> (&'static str, u64) {
+    match skip {
+        None => ("gated_delta", 0),
+        Some(d) => ("ssm_scan", d.ptr()),
+    }
+}
+
+/// One sequence's tokens through a recurrent scan (see [`scan_kernel`]): `w` is the delta
+/// rule's write strength β or Mamba-2's step Δ.
 #[allow(clippy::too_many_arguments)]
-pub fn gated_delta(
+pub fn recurrent_scan(
     q: &Buffer,
     k: &Buffer,
     v: &Buffer,
     decay: &Buffer,
-    beta: &Buffer,
+    w: &Buffer,
+    skip: Option<&Buffer>,
     state: &mut Buffer,
     dims: crate::params::DeltaRuleDims,
 ) -> Result<Buffer> {
@@ -81,21 +108,24 @@ pub fn gated_delta(
     let per_lane = delta_lanes(dims)?;
     let y = g.output(v.len())?;
     let rows = dims.v_heads * dims.v_dim;
-    launch!(&g, &format!("gated_delta_{per_lane}"), blocks(rows.div_ceil(4), 128);
-        q.ptr(), k.ptr(), v.ptr(), decay.ptr(), beta.ptr(), state.ptr(), y.ptr(), int(tokens)?,
-        int(dims.k_heads)?, int(dims.v_heads)?, int(dims.k_dim)?, int(dims.v_dim)?);
+    let (name, skip) = scan_kernel(skip);
+    launch!(&g, &format!("{name}_{per_lane}"), blocks(rows.div_ceil(4), 128);
+        q.ptr(), k.ptr(), v.ptr(), decay.ptr(), w.ptr(), skip, state.ptr(), y.ptr(),
+        int(tokens)?, int(dims.k_heads)?, int(dims.v_heads)?, int(dims.k_dim)?,
+        int(dims.v_dim)?);
     Ok(y)
 }
 
-/// [`gated_delta`] of one token of each sequence: row `s` of the inputs updates the state at
-/// `states[s]`.
+/// [`recurrent_scan`] of one token of each sequence: row `s` of the inputs updates the state
+/// at `states[s]`.
 #[allow(clippy::too_many_arguments)]
-pub fn gated_delta_batch(
+pub fn recurrent_scan_batch(
     q: &Buffer,
     k: &Buffer,
     v: &Buffer,
     decay: &Buffer,
-    beta: &Buffer,
+    w: &Buffer,
+    skip: Option<&Buffer>,
     states: &[u64],
     dims: crate::params::DeltaRuleDims,
 ) -> Result<Buffer> {
@@ -104,9 +134,10 @@ pub fn gated_delta_batch(
     let table = g.addresses(states)?;
     let y = g.output(v.len())?;
     let rows = dims.v_heads * dims.v_dim;
-    launch!(&g, &format!("gated_delta_batch_{per_lane}"),
+    let (name, skip) = scan_kernel(skip);
+    launch!(&g, &format!("{name}_batch_{per_lane}"),
         sliced_blocks(rows.div_ceil(4), states.len(), 128);
-        q.ptr(), k.ptr(), v.ptr(), decay.ptr(), beta.ptr(), table.ptr(), y.ptr(),
+        q.ptr(), k.ptr(), v.ptr(), decay.ptr(), w.ptr(), skip, table.ptr(), y.ptr(),
         int(dims.k_heads)?, int(dims.v_heads)?, int(dims.k_dim)?, int(dims.v_dim)?);
     Ok(y)
 }

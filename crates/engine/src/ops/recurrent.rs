@@ -1,6 +1,6 @@
-//! The ops of recurrent sequence mixers (Qwen3.5's gated DeltaNet) on [`Tensor`]s: a causal
-//! depthwise convolution that carries its last inputs between calls, the delta rule's gates and
-//! the gated delta rule. Each runs a whole chunk of tokens in one call, so a prompt is prefilled
+//! The ops of recurrent sequence mixers (Qwen3.5's gated DeltaNet, Mamba-2) on [`Tensor`]s: a
+//! causal depthwise convolution that carries its last inputs between calls, the delta rule's
+//! gates and the gated delta rule, and Mamba-2's gates and selective scan. Each runs a whole chunk of tokens in one call, so a prompt is prefilled
 //! without a per-token pass through the model; a decode step is the same call with one token.
 
 use super::{check, mismatch, Result};
@@ -142,18 +142,92 @@ pub fn gated_delta_rule(
     dims: DeltaRuleDims,
     states: &mut [&mut Tensor],
 ) -> Result<Tensor> {
+    recurrent_scan(q, k, v, g, beta, None, dims, states)
+}
+
+/// Mamba-2's step `Δ = clip(softplus(a + dt_bias), limits)` and decay `g = exp(neg_a · Δ)` per
+/// token and head, from `a` (`[tokens, heads]`): `(g, Δ)`.
+pub fn ssm_gates(
+    a: &Tensor,
+    dt_bias: &Tensor,
+    neg_a: &Tensor,
+    limits: (f32, f32),
+) -> Result<(Tensor, Tensor)> {
+    check(
+        dt_bias.len() == neg_a.len() && a.cols() == dt_bias.len(),
+        || format!("ssm gates of {:?} over {} heads", a.shape(), dt_bias.len()),
+    )?;
+    let s = a.shape().to_vec();
+    match (&a.storage, &dt_bias.storage, &neg_a.storage) {
+        (Storage::Host(a_), Storage::Host(bias), Storage::Host(na)) => {
+            let (mut g, mut dt) = (vec![0.0; a_.len()], vec![0.0; a_.len()]);
+            cpu::recurrent::ssm_gates(a_, bias, na, limits, &mut g, &mut dt);
+            Ok((Tensor::new(s.clone(), g), Tensor::new(s, dt)))
+        }
+        (Storage::Cuda(a_), Storage::Cuda(bias), Storage::Cuda(na)) => {
+            let (g, dt) = cuda::recurrent::ssm_gates(a_, bias, na, limits)?;
+            Ok((Tensor::on_gpu(s.clone(), g), Tensor::on_gpu(s, dt)))
+        }
+        _ => Err(mismatch("ssm_gates")),
+    }
+}
+
+/// Mamba-2's selective state-space scan (mlx-lm's `ssm_update`) over every token of the chunk,
+/// in [`gated_delta_rule`]'s terms: `q` the output mixing `C` and `k` the input mixing `B`
+/// (`[tokens, k_heads · k_dim]`: groups of the state dim), `v` the inputs `x` (`[tokens,
+/// v_heads · v_dim]`: heads of the head dim), `g` and `dt` from [`ssm_gates`] and `d` the
+/// heads' skip. For each head, with `S` its `[v_dim, k_dim]` slice of a state:
+///
+/// ```text
+/// S ← g_t · S + Δ_t · v_t k_tᵀ;   y_t = S q_t + d · v_t
+/// ```
+///
+/// States and batching as in [`gated_delta_rule`].
+#[allow(clippy::too_many_arguments)]
+pub fn ssm_scan(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    dt: &Tensor,
+    d: &Tensor,
+    dims: DeltaRuleDims,
+    states: &mut [&mut Tensor],
+) -> Result<Tensor> {
+    check(d.len() == dims.v_heads, || {
+        format!("a skip of {} over {} heads", d.len(), dims.v_heads)
+    })?;
+    recurrent_scan(q, k, v, g, dt, Some(d), dims, states)
+}
+
+/// [`gated_delta_rule`], or with Mamba-2's skip `d` [`ssm_scan`] (`w` then its step Δ).
+#[allow(clippy::too_many_arguments)]
+fn recurrent_scan(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    w: &Tensor,
+    d: Option<&Tensor>,
+    dims: DeltaRuleDims,
+    states: &mut [&mut Tensor],
+) -> Result<Tensor> {
+    let op = match d {
+        None => "gated_delta_rule",
+        Some(_) => "ssm_scan",
+    };
     let tokens = g.len() / dims.v_heads.max(1);
-    let per_state = tokens_per_state(tokens, states.len(), "gated delta rule")?;
+    let per_state = tokens_per_state(tokens, states.len(), op)?;
     check(
         dims.k_heads > 0
             && dims.v_heads.is_multiple_of(dims.k_heads)
             && g.len() == tokens * dims.v_heads
-            && beta.len() == g.len()
+            && w.len() == g.len()
             && q.len() == tokens * dims.k_heads * dims.k_dim
             && k.len() == q.len()
             && v.len() == tokens * dims.v_heads * dims.v_dim
             && states.iter().all(|s| s.len() == dims.state_len()),
-        || format!("gated delta rule of {:?} with {dims:?}", v.shape()),
+        || format!("{op} of {:?} with {dims:?}", v.shape()),
     )?;
     let s = v.shape().to_vec();
     match (
@@ -161,18 +235,24 @@ pub fn gated_delta_rule(
         &k.storage,
         &v.storage,
         &g.storage,
-        &beta.storage,
+        &w.storage,
+        d.map(|d| &d.storage),
     ) {
         (
             Storage::Host(q),
             Storage::Host(k),
             Storage::Host(v),
             Storage::Host(g),
-            Storage::Host(b),
+            Storage::Host(w),
+            None | Some(Storage::Host(_)),
         ) => {
-            let states = host_states(states).ok_or_else(|| mismatch("gated_delta_rule"))?;
+            let states = host_states(states).ok_or_else(|| mismatch(op))?;
+            let skip = match d.map(|d| &d.storage) {
+                Some(Storage::Host(d)) => Some(&d[..]),
+                _ => None,
+            };
             let mut y = vec![0.0; v.len()];
-            let (qk, vy, gb) = (
+            let (qk, vy, gw) = (
                 per_state * dims.k_heads * dims.k_dim,
                 per_state * dims.v_heads * dims.v_dim,
                 per_state * dims.v_heads,
@@ -181,10 +261,13 @@ pub fn gated_delta_rule(
                 .chunks(qk)
                 .zip(k.chunks(qk))
                 .zip(v.chunks(vy).zip(y.chunks_mut(vy)))
-                .zip(g.chunks(gb).zip(b.chunks(gb)))
+                .zip(g.chunks(gw).zip(w.chunks(gw)))
                 .zip(states);
-            for ((((q, k), (v, y)), (g, b)), state) in chunks {
-                cpu::recurrent::gated_delta_rule(q, k, v, g, b, dims, state, y);
+            for ((((q, k), (v, y)), (g, w)), state) in chunks {
+                match skip {
+                    None => cpu::recurrent::gated_delta_rule(q, k, v, g, w, dims, state, y),
+                    Some(d) => cpu::recurrent::ssm_scan(q, k, v, g, w, d, dims, state, y),
+                }
             }
             Ok(Tensor::new(s, y))
         }
@@ -193,20 +276,27 @@ pub fn gated_delta_rule(
             Storage::Cuda(k),
             Storage::Cuda(v),
             Storage::Cuda(g),
-            Storage::Cuda(b),
+            Storage::Cuda(w),
+            None | Some(Storage::Cuda(_)),
         ) => {
+            let skip = match d.map(|d| &d.storage) {
+                Some(Storage::Cuda(d)) => Some(d),
+                _ => None,
+            };
             let y = match &mut states[..] {
                 [one] => match &mut one.storage {
-                    Storage::Cuda(st) => cuda::recurrent::gated_delta(q, k, v, g, b, st, dims)?,
-                    Storage::Host(_) => return Err(mismatch("gated_delta_rule")),
+                    Storage::Cuda(st) => {
+                        cuda::recurrent::recurrent_scan(q, k, v, g, w, skip, st, dims)?
+                    }
+                    Storage::Host(_) => return Err(mismatch(op)),
                 },
                 many => {
-                    let table = gpu_states(many, q).ok_or_else(|| mismatch("gated_delta_rule"))?;
-                    cuda::recurrent::gated_delta_batch(q, k, v, g, b, &table, dims)?
+                    let table = gpu_states(many, q).ok_or_else(|| mismatch(op))?;
+                    cuda::recurrent::recurrent_scan_batch(q, k, v, g, w, skip, &table, dims)?
                 }
             };
             Ok(Tensor::on_gpu(s, y))
         }
-        _ => Err(mismatch("gated_delta_rule")),
+        _ => Err(mismatch(op)),
     }
 }

@@ -53,15 +53,31 @@ extern "C" __global__ void delta_gates(const float *a, const float *b, const flo
     }
 }
 
+// Per token and head: Mamba-2's step dt = clip(softplus(a + dt_bias), lo, hi) and decay
+// g = exp(neg_a · dt), as mlx-lm's `compute_dt` (in f32).
+extern "C" __global__ void ssm_gates(const float *a, const float *dt_bias, const float *neg_a,
+                                     float *g, float *dt, i64 n, int heads, float lo, float hi) {
+    await_inputs();
+    GRID_STRIDE(i, n) {
+        const int h = (int)(i % heads);
+        const float z = a[i] + dt_bias[h];
+        const float step = fminf(fmaxf(fmaxf(z, 0.f) + log1pf(expf(-fabsf(z))), lo), hi);
+        dt[i] = step;
+        g[i] = expf(neg_a[h] * step);
+    }
+}
+
 // The gated delta rule over every token of a chunk: one warp per (value head, row i of the
 // [v_dim, k_dim] state), the row held in registers (E = ceil(k_dim / 32) per lane):
 //   S ← g·S;  δ = β·(v − S k);  S ← S + δ kᵀ;  y = S q
-template <int E>
-__device__ void gated_delta(const float *__restrict__ q, const float *__restrict__ k,
-                            const float *__restrict__ v, const float *__restrict__ g,
-                            const float *__restrict__ beta, float *__restrict__ state,
-                            float *__restrict__ y, int tokens, int k_heads, int v_heads,
-                            int k_dim, int v_dim) {
+// With SSM, Mamba-2's selective scan instead (w the step Δ, not β; `skip` the heads' D):
+//   S ← g·S + Δ·v kᵀ;  y = S q + D·v
+template <int E, bool SSM>
+__device__ void recurrent_scan(const float *__restrict__ q, const float *__restrict__ k,
+                               const float *__restrict__ v, const float *__restrict__ g,
+                               const float *__restrict__ w, const float *__restrict__ skip,
+                               float *__restrict__ state, float *__restrict__ y, int tokens,
+                               int k_heads, int v_heads, int k_dim, int v_dim) {
     const int lane = threadIdx.x & 31;
     const i64 hr = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (hr >= (i64)v_heads * v_dim) return;
@@ -77,17 +93,18 @@ __device__ void gated_delta(const float *__restrict__ q, const float *__restrict
     for (int t = 0; t < tokens; t++) {
         const float *kt = k + ((i64)t * k_heads + kh) * k_dim;
         const float *qt = q + ((i64)t * k_heads + kh) * k_dim;
-        const float decay = g[(i64)t * v_heads + h], b = beta[(i64)t * v_heads + h];
+        const float decay = g[(i64)t * v_heads + h], b = w[(i64)t * v_heads + h];
+        const float vi = v[((i64)t * v_heads + h) * v_dim + i];
         float kk[E], kv = 0.f;
 #pragma unroll
         for (int e = 0; e < E; e++) {
             const int j = lane + 32 * e;
             kk[e] = j < k_dim ? kt[j] : 0.f;
             s[e] *= decay;
-            kv += s[e] * kk[e];
+            if (!SSM) kv += s[e] * kk[e];
         }
-        kv = warp_sum(kv);
-        const float delta = (v[((i64)t * v_heads + h) * v_dim + i] - kv) * b;
+        float delta = b * vi;
+        if (!SSM) delta = (vi - warp_sum(kv)) * b;
         float out = 0.f;
 #pragma unroll
         for (int e = 0; e < E; e++) {
@@ -96,6 +113,7 @@ __device__ void gated_delta(const float *__restrict__ q, const float *__restrict
             out += s[e] * (j < k_dim ? qt[j] : 0.f);
         }
         out = warp_sum(out);
+        if (SSM) out += skip[h] * vi;
         if (lane == 0) y[((i64)t * v_heads + h) * v_dim + i] = out;
     }
 #pragma unroll
@@ -105,32 +123,30 @@ __device__ void gated_delta(const float *__restrict__ q, const float *__restrict
     }
 }
 
-#define GATED_DELTA(E)                                                                        \
-    extern "C" __global__ void gated_delta_##E(                                               \
-        const float *q, const float *k, const float *v, const float *g, const float *beta,    \
-        float *state, float *y, int tokens, int k_heads, int v_heads, int k_dim, int v_dim) { \
+// `NAME_E`: one sequence's tokens; `NAME_batch_E`: one token of each sequence (blockIdx.y), row
+// s of the inputs updating the state at states[s]. `skip` is null for the delta rule.
+#define RECURRENT_SCAN(E, SSM, NAME)                                                          \
+    extern "C" __global__ void NAME##_##E(                                                    \
+        const float *q, const float *k, const float *v, const float *g, const float *w,       \
+        const float *skip, float *state, float *y, int tokens, int k_heads, int v_heads,      \
+        int k_dim, int v_dim) {                                                               \
         await_inputs();                                                                       \
-        gated_delta<E>(q, k, v, g, beta, state, y, tokens, k_heads, v_heads, k_dim, v_dim);   \
-    }
-
-// One token of each sequence (blockIdx.y): row s of the inputs updates the state at states[s].
-#define GATED_DELTA_BATCH(E)                                                                  \
-    extern "C" __global__ void gated_delta_batch_##E(                                         \
-        const float *q, const float *k, const float *v, const float *g, const float *beta,    \
-        const unsigned long long *states, float *y, int k_heads, int v_heads, int k_dim,      \
-        int v_dim) {                                                                          \
+        recurrent_scan<E, SSM>(q, k, v, g, w, skip, state, y, tokens, k_heads, v_heads,       \
+                               k_dim, v_dim);                                                 \
+    }                                                                                         \
+    extern "C" __global__ void NAME##_batch_##E(                                              \
+        const float *q, const float *k, const float *v, const float *g, const float *w,       \
+        const float *skip, const unsigned long long *states, float *y, int k_heads,           \
+        int v_heads, int k_dim, int v_dim) {                                                  \
         await_inputs();                                                                       \
         const i64 s = blockIdx.y, qk = s * k_heads * k_dim, vy = s * v_heads * v_dim;         \
         float *state = reinterpret_cast<float *>(states[s]);                                  \
-        gated_delta<E>(q + qk, k + qk, v + vy, g + s * v_heads, beta + s * v_heads, state,    \
-                       y + vy, 1, k_heads, v_heads, k_dim, v_dim);                            \
+        recurrent_scan<E, SSM>(q + qk, k + qk, v + vy, g + s * v_heads, w + s * v_heads,      \
+                               skip, state, y + vy, 1, k_heads, v_heads, k_dim, v_dim);       \
     }
+#define RECURRENT_SCANS(E) RECURRENT_SCAN(E, false, gated_delta) RECURRENT_SCAN(E, true, ssm_scan)
 
-GATED_DELTA(1)
-GATED_DELTA(2)
-GATED_DELTA(4)
-GATED_DELTA(8)
-GATED_DELTA_BATCH(1)
-GATED_DELTA_BATCH(2)
-GATED_DELTA_BATCH(4)
-GATED_DELTA_BATCH(8)
+RECURRENT_SCANS(1)
+RECURRENT_SCANS(2)
+RECURRENT_SCANS(4)
+RECURRENT_SCANS(8)
