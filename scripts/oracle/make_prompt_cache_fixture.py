@@ -151,7 +151,10 @@ def main():
               f" (min margin {min(margins):.4f}, {file.stat().st_size} bytes)", flush=True)
     for path in sorted(p for p in ROOT.iterdir() if (p / "config.json").exists()):
         model, tok = load_fp32(path)
-        golden["layouts"][path.name] = layout(run_prompt(model, cached_prompt(tok, PROMPT)))
+        cache = run_prompt(model, cached_prompt(tok, PROMPT))
+        # Llama 4's chunked caches have no file form: save_prompt_cache fails on them (oxlm refuses them too).
+        if not any(type(c).__name__ == "ChunkedKVCache" for c in cache):
+            golden["layouts"][path.name] = layout(cache)
     dump_json(golden, OUT / "golden.json")
     scratch.cleanup()
 

@@ -392,6 +392,42 @@ MODELS = {
                 "attn_temperature_tuning": True, "floor_scale": 8, "attn_scale": 0.1,
                 "tie_word_embeddings": False},
             "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # Granite 4.0-H (granitemoehybrid): Mamba-2 layers (8 heads of 16 in 2 groups, state 32, conv 4 with a bias)
+    # around a NoPE attention layer, each followed by top-2 of 4 experts (8-bit router) beside a shared MLP; Granite's
+    # multipliers; tied. The heads' A_log, dt_bias and D drawn at random.
+    "granitemoehybrid-4bit-g32": dict(
+        seed=1, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},
+        shape_other=lambda path, v: (v * 4.0 if v.ndim == 3 and "switch_mlp" in path
+                                     else mx.random.uniform(-2.0, 1.5, v.shape) if path.endswith("A_log")
+                                     else mx.random.normal(v.shape) if path.endswith(("dt_bias", ".D"))
+                                     else v),
+        config={
+            "model_type": "granitemoehybrid", "architectures": ["GraniteMoeHybridForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 32, "shared_intermediate_size": 64, "num_hidden_layers": 4,
+            "layer_types": ["mamba", "attention", "mamba", "mamba"], "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+            "attention_bias": False, "embedding_multiplier": 3.0, "attention_multiplier": 0.2,
+            "logits_scaling": 2.0, "residual_multiplier": 0.5, "num_local_experts": 4, "num_experts_per_tok": 2,
+            "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_proj_bias": False, "mamba_d_state": 32,
+            "mamba_d_conv": 4, "mamba_n_groups": 2, "mamba_conv_bias": True, "position_embedding_type": "nope",
+            "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # Its dense form (Granite 4.0-H Micro's shape): SwiGLU MLPs, RoPE on the attention layers, biased projections,
+    # an untied head, the step clipped to [0.5, 2].
+    "granitemoehybrid-dense-8bit-g64": dict(
+        seed=9, gain=4.0, embed_gain=1.0, group_size=64, bits=8, overrides={},
+        shape_other=lambda path, v: (mx.random.uniform(-2.0, 1.5, v.shape) if path.endswith("A_log")
+                                     else mx.random.normal(v.shape) if path.endswith(("dt_bias", ".D"))
+                                     else 0.5 * mx.random.normal(v.shape) if path.endswith("bias") else v),
+        config={
+            "model_type": "granitemoehybrid", "architectures": ["GraniteMoeHybridForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 3, "layer_types": ["mamba", "mamba", "attention"],
+            "num_attention_heads": 4, "num_key_value_heads": 1, "vocab_size": 512, "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5, "attention_bias": False, "embedding_multiplier": 2.0, "attention_multiplier": 0.25,
+            "logits_scaling": 1.5, "residual_multiplier": 0.7, "mamba_n_heads": 4, "mamba_d_head": 32,
+            "mamba_proj_bias": True, "mamba_d_state": 64, "mamba_d_conv": 3, "mamba_n_groups": 1,
+            "mamba_conv_bias": False, "position_embedding_type": "rope", "rope_theta": 10000.0,
+            "time_step_limit": [0.5, 2.0], "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2,
+            "torch_dtype": "bfloat16"}),
     # Mistral Small 3.x's wrapper: a mistral text model under `language_model.`, settings under text_config.
     "mistral3-4bit-g32": dict(
         seed=21, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},

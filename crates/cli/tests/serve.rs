@@ -186,11 +186,12 @@ fn generated_by(model: &Path, extra: &[&str]) -> String {
 
 /// Every kind of architecture serves: a greedy chat reply is what `generate` writes, for
 /// latent attention, grouped experts, sinks with MXFP4 experts, soft caps, short convolutions,
-/// fused linear attention and chunked attention.
+/// fused linear attention, chunked attention and Mamba-2 layers.
 #[test]
 fn each_kind_of_architecture_serves_what_generate_writes() {
     for name in [
         "llama4-4bit-g32",
+        "granitemoehybrid-4bit-g32",
         "deepseek_v3-4bit-g32",
         "glm4_moe-4bit-g32",
         "gpt_oss-mxfp4-q8",

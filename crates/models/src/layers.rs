@@ -282,6 +282,40 @@ pub fn place_vector(values: &[f32], device: &Device, name: &str) -> Result<Tenso
     })
 }
 
+/// The module's depthwise convolution weights `name`, as `[channels, kernel]` on its device:
+/// mlx-lm's `[channels, kernel, 1]` or Hugging Face's `[channels, 1, kernel]`, the same values
+/// in the same order.
+pub fn load_conv1d(
+    vb: &mut Scope,
+    name: &str,
+    channels: usize,
+    kernel: usize,
+) -> Result<Tensor, LoadError> {
+    let path = vb.path_of(name);
+    let raw = vb
+        .peek(name)
+        .ok_or_else(|| LoadError::MissingTensor(path.clone()))?;
+    if (raw.shape != [channels, kernel, 1] && raw.shape != [channels, 1, kernel])
+        || !raw.dtype.is_float()
+    {
+        return Err(LoadError::TensorShape {
+            name: path,
+            found: raw.shape.clone(),
+            dtype: raw.dtype.to_string(),
+            expected: format!("[{channels}, {kernel}, 1] or [{channels}, 1, {kernel}] floats"),
+        });
+    }
+    let t = vb.take(name)?;
+    let engine = |source| LoadError::Engine {
+        name: path.clone(),
+        source,
+    };
+    let values = FloatMatrix::new(1, channels * kernel, t.dtype, t.data)
+        .map(|m| m.to_f32_vec())
+        .map_err(engine)?;
+    Ok(place_vector(&values, vb.device(), &path)?.reshape(vec![channels, kernel]))
+}
+
 /// `y = x Wᵀ (+ b)`.
 #[derive(Debug, Clone)]
 pub struct Linear {
@@ -390,14 +424,6 @@ fn positive(key: &str, value: f32) -> Result<f32, LoadError> {
 }
 
 impl RmsNorm {
-    /// A norm without weights (all ones), as `mx.fast.rms_norm(x, None, eps)`.
-    pub fn unweighted(dim: usize, eps: f32, device: &Device) -> Result<Self, LoadError> {
-        Ok(RmsNorm {
-            weight: place_vector(&vec![1.0; dim], device, "an unweighted norm")?,
-            eps,
-        })
-    }
-
     pub fn load(vb: &mut Scope, dim: usize, eps: f32) -> Result<Self, LoadError> {
         Ok(RmsNorm {
             weight: load_vector(vb, "weight", dim)?,

@@ -38,7 +38,7 @@ use crate::cache::{Cache, KvCache, LayerCache, RecurrentCache};
 use crate::checkpoint::{Checkpoint, Scope};
 use crate::decoder_grad::Decoder;
 use crate::layers::{
-    experts_shape, linear_shape, load_host_vector, load_vector, place_vector, Attention, Embedding,
+    experts_shape, linear_shape, load_conv1d, load_host_vector, load_vector, Attention, Embedding,
     Input, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope,
 };
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
@@ -578,28 +578,7 @@ fn moe_args(c: &Lfm2Config) -> Result<MoeArgs, LoadError> {
 /// The `conv` module of a block; its convolution weights in either layout.
 fn load_conv(vb: &mut Scope, args: &Args) -> Result<ShortConv, LoadError> {
     let (h, kernel, bias) = (args.hidden, args.kernel, args.conv_bias);
-    let name = vb.path_of("conv.weight");
-    let raw = vb
-        .peek("conv.weight")
-        .ok_or_else(|| LoadError::MissingTensor(name.clone()))?;
-    // mlx-lm's `[hidden, kernel, 1]` or Hugging Face's `[hidden, 1, kernel]`: the same values
-    // in the same order.
-    if (raw.shape != [h, kernel, 1] && raw.shape != [h, 1, kernel]) || !raw.dtype.is_float() {
-        return Err(LoadError::TensorShape {
-            name,
-            found: raw.shape.clone(),
-            dtype: raw.dtype.to_string(),
-            expected: format!("[{h}, {kernel}, 1] or [{h}, 1, {kernel}] floats"),
-        });
-    }
-    let t = vb.take("conv.weight")?;
-    let weights = oxlm_engine::FloatMatrix::new(1, h * kernel, t.dtype, t.data)
-        .map(|m| m.to_f32_vec())
-        .map_err(|source| LoadError::Engine {
-            name: name.clone(),
-            source,
-        })?;
-    let conv = place_vector(&weights, vb.device(), &name)?.reshape(vec![h, kernel]);
+    let conv = load_conv1d(vb, "conv.weight", h, kernel)?;
     Ok(ShortConv {
         in_proj: Linear::load(&mut vb.pp("in_proj"), h, 3 * h, bias)?,
         conv,

@@ -11,12 +11,14 @@ mod footprint;
 pub mod fuse;
 pub mod gemma3;
 pub mod gemma4;
+pub mod granitemoehybrid;
 pub mod kv_quantization;
 pub mod layers;
 pub mod lfm2;
 pub mod llama;
 pub mod lora;
 pub mod lora_grad;
+mod mamba2;
 mod pass;
 pub mod qwen3_5;
 mod recurrent_cache;
@@ -183,6 +185,10 @@ fn gemma4(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
     Ok(Box::new(gemma4::Gemma4::load(ckpt)?))
 }
 
+fn granitemoehybrid(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
+    Ok(Box::new(granitemoehybrid::GraniteMoeHybrid::load(ckpt)?))
+}
+
 /// `model_type` → constructor for the architectures outside the llama family; the first
 /// column is what `--help` and errors list as supported, after the family's members.
 const REGISTRY: &[(&str, Constructor)] = &[
@@ -197,6 +203,7 @@ const REGISTRY: &[(&str, Constructor)] = &[
     ("qwen3_5_text", qwen3_5),
     ("qwen3_5_moe", qwen3_5),
     ("qwen3_next", qwen3_5),
+    ("granitemoehybrid", granitemoehybrid),
     ("deepseek_v3", deepseek_v3),
     ("kimi_k2", deepseek_v3),
     ("joyai_llm_flash", deepseek_v3),

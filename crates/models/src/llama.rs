@@ -1183,7 +1183,7 @@ impl Llama {
             let qk_norm = |a: &mut Scope, which: &str, width: usize| match s.qk_norm {
                 QkNorm::None => Ok(None),
                 QkNorm::UnweightedAfterRope => Ok((layer.rotary != Rotary::None)
-                    .then(|| RmsNorm::unweighted(head_dim, UNWEIGHTED_QK_NORM_EPS, &device))
+                    .then(|| RmsNorm::unscaled(head_dim, UNWEIGHTED_QK_NORM_EPS, &device))
                     .transpose()?),
                 QkNorm::PerHead => RmsNorm::load(&mut a.pp(which), head_dim, eps).map(Some),
                 QkNorm::Full => RmsNorm::load(&mut a.pp(which), width, eps).map(Some),

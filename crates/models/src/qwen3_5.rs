@@ -20,8 +20,8 @@ use crate::cache::{append_kv, attend_kv, Cache, KvCache, LayerCache, RecurrentCa
 use crate::checkpoint::{Checkpoint, Scope};
 use crate::decoder_grad::Decoder;
 use crate::layers::{
-    linear_shape, load_host_vector, load_vector, place_vector, Embedding, Linear, Mlp, OpResult,
-    OutputHead, RmsNorm, Rope,
+    linear_shape, load_conv1d, load_host_vector, load_vector, place_vector, Embedding, Linear, Mlp,
+    OpResult, OutputHead, RmsNorm, Rope,
 };
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
@@ -537,37 +537,15 @@ fn unfuse_linear_projections(ckpt: &mut Checkpoint, args: &Args) -> Result<(), L
 }
 
 /// The `linear_attn` module of a block.
-fn load_linear_attn(
-    vb: &mut Scope,
-    args: &Args,
-    layout: &Layout,
-) -> Result<GatedDeltaNet, LoadError> {
+fn load_linear_attn(vb: &mut Scope, args: &Args) -> Result<GatedDeltaNet, LoadError> {
     let d = args.linear;
     let key_dim = d.k_heads * d.k_dim;
     let value_dim = d.v_heads * d.v_dim;
     let conv_dim = 2 * key_dim + value_dim;
     let h = args.hidden;
 
-    let name = vb.path_of("conv1d.weight");
     let kernel = args.conv_kernel;
-    let expected = if layout.hugging_face {
-        [conv_dim, 1, kernel]
-    } else {
-        [conv_dim, kernel, 1]
-    };
-    let raw = vb
-        .peek("conv1d.weight")
-        .ok_or_else(|| LoadError::MissingTensor(name.clone()))?;
-    if raw.shape != expected {
-        return Err(LoadError::TensorShape {
-            name,
-            found: raw.shape.clone(),
-            dtype: raw.dtype.to_string(),
-            expected: format!("{expected:?}"),
-        });
-    }
-    // Both layouts hold `[conv_dim, kernel]` in memory.
-    let conv1d = load_flat(vb, "conv1d.weight", conv_dim * kernel)?;
+    let conv1d = load_conv1d(vb, "conv1d.weight", conv_dim, kernel)?;
     let device = vb.device().clone();
     let a_log = load_host_vector(vb, "A_log", d.v_heads)?;
     let neg_a: Vec<f32> = a_log.iter().map(|&x| -x.exp()).collect();
@@ -578,7 +556,7 @@ fn load_linear_attn(
         in_proj_z: Linear::load(&mut vb.pp("in_proj_z"), h, value_dim, false)?,
         in_proj_b: Linear::load(&mut vb.pp("in_proj_b"), h, d.v_heads, false)?,
         in_proj_a: Linear::load(&mut vb.pp("in_proj_a"), h, d.v_heads, false)?,
-        conv1d: place_vector(&conv1d, &device, &name)?.reshape(vec![conv_dim, kernel]),
+        conv1d,
         kernel,
         dt_bias: load_vector(vb, "dt_bias", d.v_heads)?,
         neg_a: place_vector(&neg_a, &device, &vb.path_of("A_log"))?,
@@ -587,17 +565,6 @@ fn load_linear_attn(
         out_proj: Linear::load(&mut vb.pp("out_proj"), value_dim, h, false)?,
         dims: d,
     })
-}
-
-/// The module's float array `name` of any shape holding `len` values, as f32.
-fn load_flat(vb: &mut Scope, name: &str, len: usize) -> Result<Vec<f32>, LoadError> {
-    let t = vb.take(name)?;
-    oxlm_engine::FloatMatrix::new(1, len, t.dtype, t.data)
-        .map(|m| m.to_f32_vec())
-        .map_err(|source| LoadError::Engine {
-            name: vb.path_of(name),
-            source,
-        })
 }
 
 /// The `self_attn` module of a block.
@@ -643,11 +610,7 @@ impl Qwen3_5 {
         for i in 0..args.layers {
             let mut block = model.pp(format_args!("layers.{i}"));
             let mixer = if is_linear(i, args.full_attention_interval) {
-                Mixer::Linear(load_linear_attn(
-                    &mut block.pp("linear_attn"),
-                    &args,
-                    &layout,
-                )?)
+                Mixer::Linear(load_linear_attn(&mut block.pp("linear_attn"), &args)?)
             } else {
                 Mixer::Attention(load_self_attn(&mut block.pp("self_attn"), &args, &layout)?)
             };

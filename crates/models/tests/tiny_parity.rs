@@ -577,6 +577,13 @@ fn more_architectures_batched_decode_matches_one_by_one() {
     }
 }
 
+/// Mamba-2 layers step each sequence's own convolution inputs and states.
+#[test]
+fn granitemoehybrid_batched_decode_matches_one_by_one() {
+    check_batch("granitemoehybrid-4bit-g32");
+    check_batch("granitemoehybrid-dense-8bit-g64");
+}
+
 /// Short-convolution layers step each sequence's own last inputs.
 #[test]
 fn lfm2_batched_decode_matches_one_by_one() {
@@ -674,4 +681,6 @@ parity_tests! {
     lfm2_8bit_g32_full_attn_idxs_conv_biases => "lfm2-8bit-g32",
     lfm2_moe_4bit_g64_sigmoid_routed_experts => "lfm2_moe-4bit-g64",
     llama4_4bit_g32_chunked_attention_tuned_nope_layers_input_weighted_experts => "llama4-4bit-g32",
+    granitemoehybrid_4bit_g32_mamba2_nope_attention_experts_shared_mlp => "granitemoehybrid-4bit-g32",
+    granitemoehybrid_dense_8bit_g64_mamba2_rope_clipped_steps => "granitemoehybrid-dense-8bit-g64",
 }
