@@ -973,6 +973,9 @@ fn attention_full_sliding_and_split() {
         case(8, 2, 64, 256, 7, None, (0..7).collect()),
         case(4, 4, 128, 4096, 3000, None, vec![2999]),
         case(2, 1, 256, 512, 512, None, vec![100, 511]),
+        // Gemma 4's global heads, and multi-head latent attention's rows of 576.
+        case(4, 2, 512, 256, 200, None, vec![150, 199]),
+        case(8, 1, 576, 512, 300, None, vec![299]),
         case(4, 2, 80, 16, 40, Some(10), vec![39]),
         case(6, 3, 16, 24, 30, Some(8), (20..30).collect()),
         // From 16 queries on attention runs as matrix products.
@@ -1040,7 +1043,7 @@ fn attention_full_sliding_and_split() {
 /// heads a warp of the batched kernel handles, which the count of (sequence, key/value head)
 /// pairs picks against the GPU's multiprocessors (on the H200's 132: 1 of groups of 4 and 7 for
 /// a few sequences, 2 of groups of 2 and 4 for some more, 4, and 4 then 3 of a group of 7, for
-/// many), head dims of 64 to 256 and 36 (whose f16 rows are not whole 16-byte units, staged
+/// many), head dims of 64 to 576 and 36 (whose f16 rows are not whole 16-byte units, staged
 /// through registers), and enough sequences (70 × 8 warps) that the keys are not split; f32
 /// and f16 caches; each with every option of `EXTRAS` (the writes once, with the first).
 #[test]
@@ -1063,6 +1066,8 @@ fn batched_kv_write_and_attention() {
         (14, 2, 64, None, many.clone()),
         (4, 4, 128, None, vec![(256, 200), (64, 90)]),
         (4, 2, 256, None, vec![(128, 127), (96, 50)]),
+        (8, 2, 512, None, some(3)),
+        (16, 1, 576, None, some(4)),
         (4, 2, 36, None, some(12)),
         (32, 8, 64, None, many),
     ];

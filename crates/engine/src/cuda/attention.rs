@@ -192,7 +192,8 @@ pub fn attention_batch(
         .max()
         .unwrap_or(1);
     let group = heads / first.kv_heads;
-    let per_warp = query_heads_per_warp(group, seqs * first.kv_heads, g.multiprocessors());
+    let per_warp = query_heads_per_warp(group, seqs * first.kv_heads, g.multiprocessors())
+        .min((16 / per_lane).max(1));
     let warps = seqs * first.kv_heads * group.div_ceil(per_warp);
     let kernel = format!(
         "attention_batch_{per_lane}_{per_warp}_{}",
@@ -281,13 +282,14 @@ fn batch_splits(g: &Gpu, resident: usize, warps: usize, span: usize) -> usize {
         .clamp(1, span.div_ceil(32).clamp(1, 64))
 }
 
-/// Output features per lane of the one-warp attention kernels (`attention_E`): a power of two.
+/// Output features per lane of the one-warp attention kernels (`attention_E`): a power of two,
+/// or 20 for multi-head latent attention's rows of 576.
 fn lanes_per_feature(d: usize) -> Result<usize> {
     let lanes = d.div_ceil(32);
-    [1, 2, 4, 8, 16]
+    [1, 2, 4, 8, 16, 20]
         .into_iter()
         .find(|&e| e >= lanes)
-        .ok_or_else(|| EngineError::Shape(format!("head dim {d} over the GPU attention's 512")))
+        .ok_or_else(|| EngineError::Shape(format!("head dim {d} over the GPU attention's 640")))
 }
 
 /// Few queries (decoding) split each one's keys over several warps, one tile of 32 keys each

@@ -120,6 +120,10 @@ __device__ __forceinline__ bool split_keys(i64 pos, i64 start, i64 window, int s
     return split < k.used;
 }
 
+// The largest power of two no more than n (n ≥ 1): a count of rows a loop takes at a time that
+// divides the 32 keys of a tile and the 64 splits.
+__host__ __device__ constexpr int pow2_floor(int n) { return n >= 2 ? 2 * pow2_floor(n / 2) : 1; }
+
 // Merges the first `used` split partials `pp` ([splits, d + 2]: max, sum, unnormalised output)
 // of one (token, head) into `out_row`. Lane s takes splits s and s + 32 (at most 64), so that
 // the maxima and sums come in one round of loads; then each lane's features (lane + 32e) of
@@ -151,7 +155,7 @@ __device__ void combine_splits(const float *pp, float *out_row, int d, int used,
     if (sink > -INFINITY) l += expf(sink - m);
     TRACE_WARP(TRACE_MERGE_MAXIMA);
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    constexpr int ROUND = 64 / E < 32 ? 64 / E : 32;
+    constexpr int ROUND = pow2_floor(64 / E) < 32 ? pow2_floor(64 / E) : 32;
     float v[E];
 #pragma unroll
     for (int e = 0; e < E; e++) v[e] = 0.f;
@@ -281,7 +285,7 @@ __device__ void attention_split(const float *__restrict__ q, const typename K::T
         // than a row a lane, which takes a cache line per lane and load; the lanes' dot products
         // are then summed so that lane j holds key j's. Keys past `count` read the tile's first
         // slot and score -inf.
-        constexpr int KB = E <= 4 ? 32 : 128 / E;
+        constexpr int KB = E <= 4 ? 32 : pow2_floor(128 / E);
         float dots[32];
 #pragma unroll
         for (int j0 = 0; j0 < 32; j0 += KB) {
@@ -380,6 +384,8 @@ ATTENTION_RINGS(2)
 ATTENTION_RINGS(4)
 ATTENTION_RINGS(8)
 ATTENTION_RINGS(16)
+// Multi-head latent attention's rows of 576 (a latent of 512 and a rotated part of 64).
+ATTENTION_RINGS(20)
 
 // The batched attention stages tiles of 32 keys' rows (their keys, then their values) in shared
 // memory with cp.async, so that a tile's loads are in flight while the tile before is summed and
@@ -623,7 +629,7 @@ __device__ void attention_group(const float *__restrict__ q,
                                  splits, per_split, blockIdx.y, stages, units);                 \
     }
 #define ATTENTION_BATCH_RINGS(E, G) ATTENTION_BATCH(E, G, F32, f32) ATTENTION_BATCH(E, G, F16, f16)
-// G · E <= 16: at most sixteen accumulators a lane.
+// G · E <= 16: at most sixteen accumulators a lane (but for latent attention's rows of 576).
 ATTENTION_BATCH_RINGS(1, 1)
 ATTENTION_BATCH_RINGS(1, 2)
 ATTENTION_BATCH_RINGS(1, 4)
@@ -636,6 +642,7 @@ ATTENTION_BATCH_RINGS(4, 4)
 ATTENTION_BATCH_RINGS(8, 1)
 ATTENTION_BATCH_RINGS(8, 2)
 ATTENTION_BATCH_RINGS(16, 1)
+ATTENTION_BATCH_RINGS(20, 1)
 
 // Attention of many queries (prefill) as two batched matrix products with the scores between
 // them: heads_first lays queries out per head, masked_softmax turns each head's scores into
