@@ -715,7 +715,8 @@ fn element_wise_norms_and_copies() {
     type Unary = Box<dyn Fn(&mut Tensor) -> Result<(), oxlm_engine::EngineError>>;
     let row_cpu = Tensor::new(vec![cols], row.clone());
     let row_gpu = on(&dev, vec![cols], &row);
-    let unaries: [(&str, Unary, Unary); 5] = [
+    let (scale_cpu, scale_gpu) = (row_cpu.try_clone().unwrap(), row_gpu.try_clone().unwrap());
+    let unaries: [(&str, Unary, Unary); 7] = [
         (
             "scale",
             Box::new(|x| ops::scale_inplace(x, 0.3)),
@@ -735,6 +736,16 @@ fn element_wise_norms_and_copies() {
             "add_row",
             Box::new(move |x| ops::add_row_inplace(x, &row_cpu)),
             Box::new(move |x| ops::add_row_inplace(x, &row_gpu)),
+        ),
+        (
+            "mul_row",
+            Box::new(move |x| ops::mul_row_inplace(x, &scale_cpu)),
+            Box::new(move |x| ops::mul_row_inplace(x, &scale_gpu)),
+        ),
+        (
+            "relu_squared",
+            Box::new(ops::relu_squared_inplace),
+            Box::new(ops::relu_squared_inplace),
         ),
         (
             "rms_norm",

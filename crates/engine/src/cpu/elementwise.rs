@@ -118,6 +118,13 @@ pub fn scale_inplace(x: &mut [f32], s: f32) {
 }
 
 /// `x = silu(x) = x · sigmoid(x)`.
+/// `x = relu(x)²`.
+pub fn relu_squared_inplace(x: &mut [f32]) {
+    for v in x {
+        *v = v.max(0.0).powi(2);
+    }
+}
+
 pub fn silu_inplace(x: &mut [f32]) {
     for v in x {
         *v /= 1.0 + (-*v).exp();

@@ -7,9 +7,10 @@
 use super::launch::{blocks, elements, int, Result};
 use super::{Arg, Buffer, Gpu};
 
-pub fn add_row(x: &mut Buffer, row: &Buffer) -> Result<()> {
+/// `x[r] = op(x[r], row)` for every row, by the kernels `add_row` and `mul_row`.
+pub fn row_op(kernel: &str, x: &mut Buffer, row: &Buffer) -> Result<()> {
     let g = x.gpu().clone();
-    launch!(&g, "add_row", elements(&g, x.len()); x.ptr(), row.ptr(), x.len() as i64, int(row.len())?);
+    launch!(&g, kernel, elements(&g, x.len()); x.ptr(), row.ptr(), x.len() as i64, int(row.len())?);
     Ok(())
 }
 
@@ -25,9 +26,10 @@ pub fn softcap(x: &mut Buffer, cap: f32) -> Result<()> {
     Ok(())
 }
 
-pub fn silu(x: &mut Buffer) -> Result<()> {
+/// `x = f(x)` for the unary kernels `silu` and `relu_squared`.
+pub fn unary(kernel: &str, x: &mut Buffer) -> Result<()> {
     let g = x.gpu().clone();
-    launch!(&g, "silu", elements(&g, x.len()); x.ptr(), x.len() as i64);
+    launch!(&g, kernel, elements(&g, x.len()); x.ptr(), x.len() as i64);
     Ok(())
 }
 

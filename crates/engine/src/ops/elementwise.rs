@@ -39,17 +39,27 @@ pub fn mul_inplace(x: &mut Tensor, y: &Tensor) -> Result<()> {
 
 /// `x[r] += row` for every row of `x` (a bias).
 pub fn add_row_inplace(x: &mut Tensor, row: &Tensor) -> Result<()> {
+    row_op("add_row", x, row, cpu::elementwise::add_inplace)
+}
+
+/// `x[r] *= row` for every row of `x` (a per-feature scale).
+pub fn mul_row_inplace(x: &mut Tensor, row: &Tensor) -> Result<()> {
+    row_op("mul_row", x, row, cpu::elementwise::mul_inplace)
+}
+
+/// Every row of `x` combined with `row` by `host`, or on a GPU by the kernel `name`.
+fn row_op(name: &str, x: &mut Tensor, row: &Tensor, host: fn(&mut [f32], &[f32])) -> Result<()> {
     check(x.cols() == row.len(), || {
-        format!("bias of {} on rows of {}", row.len(), x.cols())
+        format!("{name} of {} on rows of {}", row.len(), x.cols())
     })?;
-    match pair("add_row", x, row)? {
+    match pair(name, x, row)? {
         Pair::Host(a, b) => {
             for r in a.chunks_exact_mut(b.len()) {
-                cpu::elementwise::add_inplace(r, b);
+                host(r, b);
             }
             Ok(())
         }
-        Pair::Cuda(a, b) => cuda::elementwise::add_row(a, b),
+        Pair::Cuda(a, b) => cuda::elementwise::row_op(name, a, b),
     }
 }
 
@@ -88,7 +98,16 @@ pub fn softcap_inplace(x: &mut Tensor, cap: f32) -> Result<()> {
 
 /// `x = silu(x)`.
 pub fn silu_inplace(x: &mut Tensor) -> Result<()> {
-    unary(x, cpu::elementwise::silu_inplace, cuda::elementwise::silu)
+    unary(x, cpu::elementwise::silu_inplace, |b| {
+        cuda::elementwise::unary("silu", b)
+    })
+}
+
+/// `x = relu(x)²` (Nemotron-H's activation).
+pub fn relu_squared_inplace(x: &mut Tensor) -> Result<()> {
+    unary(x, cpu::elementwise::relu_squared_inplace, |b| {
+        cuda::elementwise::unary("relu_squared", b)
+    })
 }
 
 /// `gate = silu(gate) · up`, the SwiGLU activation.

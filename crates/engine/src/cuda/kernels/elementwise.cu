@@ -16,6 +16,12 @@ extern "C" __global__ void add_row(float *x, const float *row, i64 n, int cols) 
     GRID_STRIDE(i, n) x[i] += row[i % cols];
 }
 
+// x[r, c] *= row[c]: a per-feature scale on every row.
+extern "C" __global__ void mul_row(float *x, const float *row, i64 n, int cols) {
+    await_inputs();
+    GRID_STRIDE(i, n) x[i] *= row[i % cols];
+}
+
 extern "C" __global__ void scale(float *x, float s, i64 n) {
     await_inputs();
     GRID_STRIDE(i, n) x[i] *= s;
@@ -29,6 +35,15 @@ extern "C" __global__ void softcap(float *x, float cap, i64 n) {
 extern "C" __global__ void silu(float *x, i64 n) {
     await_inputs();
     GRID_STRIDE(i, n) x[i] = x[i] / (1.f + expf(-x[i]));
+}
+
+// x = relu(x)²
+extern "C" __global__ void relu_squared(float *x, i64 n) {
+    await_inputs();
+    GRID_STRIDE(i, n) {
+        const float r = fmaxf(x[i], 0.f);
+        x[i] = r * r;
+    }
 }
 
 // gate = silu(gate) · up
