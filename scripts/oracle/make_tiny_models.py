@@ -428,6 +428,23 @@ MODELS = {
             "mamba_conv_bias": False, "position_embedding_type": "rope", "rope_theta": 10000.0,
             "time_step_limit": [0.5, 2.0], "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2,
             "torch_dtype": "bfloat16"}),
+    # Nemotron-H (nemotron_h, dense: Nemotron Nano 9B v2's kind): Mamba-2 layers (8 heads of 16 in 2 groups, so the
+    # gated norm works per group of 64; state 32, conv 4 with a bias), a NoPE attention layer and relu^2 MLPs, one
+    # block each as hybrid_override_pattern spells it; the step unclipped (time_step_limit [0, Infinity], as
+    # transformers writes it).
+    "nemotron_h-4bit-g32": dict(
+        seed=2, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},
+        shape_other=lambda path, v: (mx.random.uniform(-2.0, 1.5, v.shape) if path.endswith("A_log")
+                                     else mx.random.normal(v.shape) if path.endswith(("dt_bias", ".D"))
+                                     else v),
+        config={
+            "model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "hybrid_override_pattern": "M-M*-M", "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 4096,
+            "layer_norm_epsilon": 1e-5, "attention_bias": False, "mlp_bias": False, "use_bias": False,
+            "mamba_num_heads": 8, "mamba_head_dim": 16, "mamba_proj_bias": False, "ssm_state_size": 32,
+            "conv_kernel": 4, "n_groups": 2, "use_conv_bias": True, "time_step_limit": [0.0, float("inf")],
+            "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
     # Mistral Small 3.x's wrapper: a mistral text model under `language_model.`, settings under text_config.
     "mistral3-4bit-g32": dict(
         seed=21, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},

@@ -45,9 +45,34 @@ pub struct Config {
     text: Map<String, Value>,
 }
 
+/// `value` with transformers' tags of non-finite floats (`{"__float__": "Infinity"}`, which
+/// keep a config valid JSON) undone as mlx-lm's `load_config` undoes them: infinities become the
+/// largest finite numbers (infinite again as f32), NaN becomes null.
+fn untag_floats(value: Value) -> Value {
+    match value {
+        Value::Object(map) => {
+            let tag = match map.get("__float__").and_then(Value::as_str) {
+                Some(tag) if map.len() == 1 => tag,
+                _ => {
+                    let map = map.into_iter().map(|(k, v)| (k, untag_floats(v)));
+                    return Value::Object(map.collect());
+                }
+            };
+            match tag {
+                "Infinity" => Value::from(f64::MAX),
+                "-Infinity" => Value::from(f64::MIN),
+                "NaN" => Value::Null,
+                _ => Value::Object(map),
+            }
+        }
+        Value::Array(items) => Value::Array(items.into_iter().map(untag_floats).collect()),
+        other => other,
+    }
+}
+
 impl Config {
     pub fn from_value(value: Value) -> Result<Self, LoadError> {
-        let Value::Object(top) = value else {
+        let Value::Object(top) = untag_floats(value) else {
             return Err(LoadError::Config(
                 "the top level is not a JSON object".into(),
             ));
@@ -720,6 +745,27 @@ mod tests {
         );
         let err = args(serde_json::json!({"rope_theta": 1.0})).unwrap_err();
         assert_eq!(err.to_string(), "config.json: missing field `hidden_size`");
+    }
+
+    #[test]
+    fn tagged_non_finite_floats_read_as_mlx_lm_reads_them() {
+        #[derive(serde::Deserialize)]
+        struct Limits {
+            time_step_limit: (f32, f32),
+            floor: Option<f32>,
+        }
+        let tagged = |tag: &str| serde_json::json!({ "__float__": tag });
+        let config = serde_json::json!({
+            "time_step_limit": [tagged("-Infinity"), tagged("Infinity")],
+            "floor": tagged("NaN"),
+            "text_config": {"other": {"__float__": "Infinity", "note": 1}},
+        });
+        let config = Config::from_value(config).unwrap();
+        let limits: Limits = config.args().unwrap();
+        assert_eq!(limits.time_step_limit, (f32::NEG_INFINITY, f32::INFINITY));
+        assert_eq!(limits.floor, None);
+        // Only a lone tag is one.
+        assert_eq!(config.top_level("text_config").unwrap()["other"]["note"], 1);
     }
 
     #[test]

@@ -78,6 +78,7 @@ impl Args {
             conv_kernel: need(self.mamba_d_conv, "mamba_d_conv")?,
             conv_bias: self.mamba_conv_bias,
             proj_bias: self.mamba_proj_bias,
+            norm_groups: 1,
             eps: self.rms_norm_eps,
             time_step_limit: self.time_step_limit.unwrap_or((0.001, 100.0)),
         })

@@ -888,11 +888,21 @@ impl Attention {
 
     /// Its projections, as mlx-lm's default LoRA keys select them (under `self_attn`).
     pub(crate) fn linears(&self) -> Vec<LinearShape> {
+        self.linears_named([
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+        ])
+    }
+
+    /// Its projections under the keys `[q, k, v, o]`.
+    pub(crate) fn linears_named(&self, [q, k, v, o]: [&'static str; 4]) -> Vec<LinearShape> {
         vec![
-            linear_shape("self_attn.q_proj", &self.q_proj),
-            linear_shape("self_attn.k_proj", &self.k_proj),
-            linear_shape("self_attn.v_proj", &self.v_proj),
-            linear_shape("self_attn.o_proj", &self.o_proj),
+            linear_shape(q, &self.q_proj),
+            linear_shape(k, &self.k_proj),
+            linear_shape(v, &self.v_proj),
+            linear_shape(o, &self.o_proj),
         ]
     }
 }

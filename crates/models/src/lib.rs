@@ -19,6 +19,7 @@ pub mod llama;
 pub mod lora;
 pub mod lora_grad;
 mod mamba2;
+pub mod nemotron_h;
 mod pass;
 pub mod qwen3_5;
 mod recurrent_cache;
@@ -189,6 +190,10 @@ fn granitemoehybrid(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadErro
     Ok(Box::new(granitemoehybrid::GraniteMoeHybrid::load(ckpt)?))
 }
 
+fn nemotron_h(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
+    Ok(Box::new(nemotron_h::NemotronH::load(ckpt)?))
+}
+
 /// `model_type` → constructor for the architectures outside the llama family; the first
 /// column is what `--help` and errors list as supported, after the family's members.
 const REGISTRY: &[(&str, Constructor)] = &[
@@ -204,6 +209,7 @@ const REGISTRY: &[(&str, Constructor)] = &[
     ("qwen3_5_moe", qwen3_5),
     ("qwen3_next", qwen3_5),
     ("granitemoehybrid", granitemoehybrid),
+    ("nemotron_h", nemotron_h),
     ("deepseek_v3", deepseek_v3),
     ("kimi_k2", deepseek_v3),
     ("joyai_llm_flash", deepseek_v3),

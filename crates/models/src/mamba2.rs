@@ -9,8 +9,8 @@
 //! y = S C + D·x
 //! ```
 //!
-//! (heads share `B` and `C` in `n_groups` groups); then `y · silu(z)` is RMS-normed and
-//! projected out. Its cache holds the last
+//! (heads share `B` and `C` in `n_groups` groups); then `y · silu(z)` is RMS-normed (as a
+//! whole, or group by group) and projected out. Its cache holds the last
 //! `conv_kernel - 1` convolution inputs and the states, as mlx-lm's `ArraysCache(size=2)`.
 
 use oxlm_engine::ops::recurrent::{self, DeltaRuleDims};
@@ -36,6 +36,9 @@ pub struct Mamba2Args {
     pub conv_kernel: usize,
     pub conv_bias: bool,
     pub proj_bias: bool,
+    /// Groups the gated norm works over: 1 (Granite's, over all the features) or `groups`
+    /// (Nemotron-H's).
+    pub norm_groups: usize,
     pub eps: f32,
     /// The step's bounds.
     pub time_step_limit: (f32, f32),
@@ -72,6 +75,13 @@ pub struct Mamba2Names {
     pub keys: [&'static str; 2],
 }
 
+/// The norm of `y · silu(z)`: over all the features, or over each group of them with the
+/// weight applied after (Nemotron-H's `MambaRMSNormGated`).
+enum GatedNorm {
+    Whole(RmsNorm),
+    Grouped { unit: RmsNorm, weight: Tensor },
+}
+
 pub struct Mamba2Mixer {
     in_proj: Linear,
     /// `[channels, kernel]`.
@@ -82,7 +92,7 @@ pub struct Mamba2Mixer {
     neg_a: Tensor,
     /// `D`.
     skip: Tensor,
-    norm: RmsNorm,
+    norm: GatedNorm,
     out_proj: Linear,
     args: Mamba2Args,
     names: Mamba2Names,
@@ -103,6 +113,19 @@ impl Mamba2Mixer {
                 args.groups
             )));
         }
+        let groups = args.norm_groups;
+        if groups == 0 || !inner.is_multiple_of(groups) {
+            return Err(LoadError::Config(format!(
+                "a gated norm over {groups} groups of {inner} features"
+            )));
+        }
+        let norm = match groups {
+            1 => GatedNorm::Whole(RmsNorm::load(&mut vb.pp("norm"), inner, args.eps)?),
+            _ => GatedNorm::Grouped {
+                unit: RmsNorm::unscaled(inner / groups, args.eps, vb.device())?,
+                weight: load_vector(&mut vb.pp("norm"), "weight", inner)?,
+            },
+        };
         let a_log = load_host_vector(vb, "A_log", heads)?;
         let neg_a: Vec<f32> = a_log.iter().map(|&a| -a.exp()).collect();
         let device = vb.device().clone();
@@ -117,7 +140,7 @@ impl Mamba2Mixer {
             dt_bias: load_vector(vb, "dt_bias", heads)?,
             neg_a: place_vector(&neg_a, &device, &vb.path_of("A_log"))?,
             skip: load_vector(vb, "D", heads)?,
-            norm: RmsNorm::load(&mut vb.pp("norm"), inner, args.eps)?,
+            norm,
             out_proj: Linear::load(&mut vb.pp("out_proj"), inner, args.hidden, args.proj_bias)?,
             args,
             names,
@@ -177,7 +200,16 @@ impl Mamba2Mixer {
         // `swiglu(z, y)`: the gate's SiLU times the scan's output, then normed.
         let mut gated = gate;
         ops::silu_mul_inplace(&mut gated, &y)?;
-        self.norm.forward_inplace(&mut gated)?;
+        match &self.norm {
+            GatedNorm::Whole(norm) => norm.forward_inplace(&mut gated)?,
+            GatedNorm::Grouped { unit, weight } => {
+                let (rows, groups) = (gated.rows(), a.norm_groups);
+                let mut by_group = gated.reshape(vec![rows * groups, inner / groups]);
+                unit.forward_inplace(&mut by_group)?;
+                gated = by_group.reshape(vec![rows, inner]);
+                ops::mul_row_inplace(&mut gated, weight)?;
+            }
+        }
         self.out_proj.forward_adapted(&gated, lora.get("out_proj"))
     }
 

@@ -155,6 +155,45 @@ fn an_unknown_layer_type_is_named() {
     );
 }
 
+/// Hybrids' block kinds: unknown ones are named, Nemotron 3's mixtures refused by name, and a
+/// Mamba-2 mixer whose heads its groups do not divide refused before its weights are read.
+#[test]
+fn hybrid_block_kinds_and_shapes_are_checked() {
+    let dir = copy_of("nemotron_h-4bit-g32");
+    let cases = [
+        (
+            "hybrid_override_pattern",
+            serde_json::json!("M-E*-M"),
+            "config.json: Nemotron-H's mixture-of-experts blocks (`E`) are not supported \
+             (supported: M, *, -)",
+        ),
+        (
+            "hybrid_override_pattern",
+            serde_json::json!("M-M?-M"),
+            "config.json: block `?` in `hybrid_override_pattern` (supported: M, *, -)",
+        ),
+        (
+            "n_groups",
+            serde_json::json!(3),
+            "config.json: 8 Mamba heads cannot be grouped in 3 groups",
+        ),
+    ];
+    for (key, value, want) in cases {
+        let original = std::fs::read(dir.path().join("config.json")).unwrap();
+        edit_config(dir.path(), |c| c[key] = value);
+        assert_eq!(load_err(dir.path()).to_string(), want);
+        std::fs::write(dir.path().join("config.json"), original).unwrap();
+    }
+    let dir = copy_of("granitemoehybrid-4bit-g32");
+    edit_config(dir.path(), |c| {
+        c["layer_types"] = serde_json::json!(["mamba", "attention", "mamba", "conv"])
+    });
+    assert_eq!(
+        load_err(dir.path()).to_string(),
+        "config.json: layer type `conv` (supported: mamba, attention)"
+    );
+}
+
 #[test]
 fn unsupported_quantization_mode_lists_the_supported_ones() {
     let dir = copy_of("llama-8bit-g32");

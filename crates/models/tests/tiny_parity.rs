@@ -577,11 +577,13 @@ fn more_architectures_batched_decode_matches_one_by_one() {
     }
 }
 
-/// Mamba-2 layers step each sequence's own convolution inputs and states.
+/// Mamba-2 layers step each sequence's own convolution inputs and states (Granite 4.0-H's, and
+/// Nemotron-H's between blocks that keep no cache).
 #[test]
-fn granitemoehybrid_batched_decode_matches_one_by_one() {
+fn mamba2_hybrids_batched_decode_matches_one_by_one() {
     check_batch("granitemoehybrid-4bit-g32");
     check_batch("granitemoehybrid-dense-8bit-g64");
+    check_batch("nemotron_h-4bit-g32");
 }
 
 /// Short-convolution layers step each sequence's own last inputs.
@@ -683,4 +685,5 @@ parity_tests! {
     llama4_4bit_g32_chunked_attention_tuned_nope_layers_input_weighted_experts => "llama4-4bit-g32",
     granitemoehybrid_4bit_g32_mamba2_nope_attention_experts_shared_mlp => "granitemoehybrid-4bit-g32",
     granitemoehybrid_dense_8bit_g64_mamba2_rope_clipped_steps => "granitemoehybrid-dense-8bit-g64",
+    nemotron_h_4bit_g32_mamba2_grouped_norm_nope_relu2_mlp_blocks => "nemotron_h-4bit-g32",
 }
