@@ -445,6 +445,25 @@ MODELS = {
             "mamba_num_heads": 8, "mamba_head_dim": 16, "mamba_proj_bias": False, "ssm_state_size": 32,
             "conv_kernel": 4, "n_groups": 2, "use_conv_bias": True, "time_step_limit": [0.0, float("inf")],
             "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # Nemotron 3 (nemotron_h with mixtures): M E * E blocks; each E routes to 2 of 8 relu^2 experts (2 groups, 1 kept,
+    # sigmoid scores with a correction bias, renormalized, x2.5) in a latent space of 32, beside a shared expert.
+    "nemotron_h-moe-4bit-g32": dict(
+        seed=4, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},
+        shape_other=lambda path, v: (mx.random.uniform(-2.0, 1.5, v.shape) if path.endswith("A_log")
+                                     else mx.random.normal(v.shape) if path.endswith(("dt_bias", ".D"))
+                                     else 0.1 * mx.random.normal(v.shape) if "e_score_correction_bias" in path
+                                     else v),
+        config={
+            "model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "hybrid_override_pattern": "ME*E", "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 4096,
+            "layer_norm_epsilon": 1e-5, "attention_bias": False, "mlp_bias": False, "use_bias": False,
+            "mamba_num_heads": 8, "mamba_head_dim": 16, "mamba_proj_bias": False, "ssm_state_size": 32,
+            "conv_kernel": 4, "n_groups": 1, "use_conv_bias": True, "n_routed_experts": 8, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 64, "n_shared_experts": 1,
+            "moe_latent_size": 32, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2,
+            "torch_dtype": "bfloat16"}),
     # Mistral Small 3.x's wrapper: a mistral text model under `language_model.`, settings under text_config.
     "mistral3-4bit-g32": dict(
         seed=21, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},

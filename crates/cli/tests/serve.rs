@@ -192,7 +192,7 @@ fn each_kind_of_architecture_serves_what_generate_writes() {
     for name in [
         "llama4-4bit-g32",
         "granitemoehybrid-4bit-g32",
-        "nemotron_h-4bit-g32",
+        "nemotron_h-moe-4bit-g32",
         "deepseek_v3-4bit-g32",
         "glm4_moe-4bit-g32",
         "gpt_oss-mxfp4-q8",

@@ -3,24 +3,29 @@
 //! them), each block `x + mixer(norm(x))`:
 //! - `M`: a Mamba-2 mixer ([`Mamba2Mixer`]) whose gated norm works group by group;
 //! - `*`: grouped-query attention without RoPE, scaled by `head_dim^-0.5`;
-//! - `-`: an MLP `down(relu(up(x))²)`.
+//! - `-`: an MLP `down(relu(up(x))²)`;
+//! - `E` (Nemotron 3): a mixture of such MLPs, chosen by DeepSeek-V3's routing (sigmoid scores
+//!   with a correction bias, groups, renormalized, scaled), working in a narrower latent space
+//!   (`moe_latent_size`) where the config has one, beside a shared MLP.
 //!
 //! Only `M` and `*` blocks keep caches, as mlx-lm's `make_cache` makes them (so prompt-cache
-//! files hold one state a mixer). Nemotron-3's mixture-of-experts blocks (`E`) are refused.
+//! files hold one state a mixer).
 
 use oxlm_engine::{ops, EngineError, Tensor};
 use serde::Deserialize;
 use serde_json::Value;
 
 use crate::cache::{Cache, KvCache, LayerCache};
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, Scope};
 use crate::decoder_grad::{Decoder, DecoderBlock};
 use crate::layers::{
-    linear_shape, Attention, Embedding, Linear, OpResult, OutputHead, RmsNorm, Rope,
+    linear_shape, load_host_vector, Attention, Embedding, Linear, OpResult, OutputHead, RmsNorm,
+    Rope,
 };
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
 use crate::mamba2::{Mamba2Args, Mamba2Mixer, Mamba2Names};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
+use crate::switch::{by_expert, dispatch, load_stacked, route, Routing};
 use crate::{ForwardError, LoadError, ModelInfo};
 
 /// `config.json`'s keys, with mlx-lm's defaults.
@@ -52,6 +57,17 @@ struct Args {
     layer_types: Option<Vec<String>>,
     head_dim: Option<usize>,
     time_step_limit: Option<(f64, f64)>,
+    moe_intermediate_size: Option<usize>,
+    moe_shared_expert_intermediate_size: Option<usize>,
+    moe_latent_size: Option<usize>,
+    n_group: Option<usize>,
+    n_routed_experts: Option<usize>,
+    n_shared_experts: Option<usize>,
+    topk_group: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    #[serde(default)]
+    norm_topk_prob: bool,
+    routed_scaling_factor: Option<f32>,
 }
 
 impl Args {
@@ -105,17 +121,149 @@ const MIXER: Mamba2Names = Mamba2Names {
     keys: ["mixer.in_proj", "mixer.out_proj"],
 };
 
-/// The MLP of a `-` block.
+/// The MLP of a `-` block, and each expert of an `E` block.
 struct ReluSquaredMlp {
     up_proj: Linear,
     down_proj: Linear,
 }
 
 impl ReluSquaredMlp {
+    fn load(vb: &mut Scope, dim: usize, width: usize, bias: bool) -> Result<Self, LoadError> {
+        Ok(ReluSquaredMlp {
+            up_proj: Linear::load(&mut vb.pp("up_proj"), dim, width, bias)?,
+            down_proj: Linear::load(&mut vb.pp("down_proj"), width, dim, bias)?,
+        })
+    }
+
     fn forward(&self, x: &Tensor, lora: ModuleAdapters) -> OpResult<Tensor> {
         let mut h = self.up_proj.forward_adapted(x, lora.get("up_proj"))?;
         ops::relu_squared_inplace(&mut h)?;
         self.down_proj.forward_adapted(&h, lora.get("down_proj"))
+    }
+}
+
+/// An `E` block's mixture (mlx-lm's `NemotronHMoE`).
+struct Moe {
+    /// `gate.weight`, `[experts, hidden]`, as a layer.
+    router: Linear,
+    correction_bias: Vec<f32>,
+    routing: Routing,
+    /// `switch_mlp`'s `fc1` and `fc2` per expert.
+    experts: Vec<ReluSquaredMlp>,
+    /// `fc1_latent_proj` and `fc2_latent_proj`: into the experts' latent space and out of it.
+    latent: Option<(Linear, Linear)>,
+    shared: Option<ReluSquaredMlp>,
+}
+
+impl Moe {
+    fn load(vb: &mut Scope, c: &Args) -> Result<Self, LoadError> {
+        let need = |v: Option<usize>, key: &str| {
+            v.ok_or_else(|| LoadError::Config(format!("`{key}` is missing")))
+        };
+        let (h, bias) = (c.hidden_size, c.mlp_bias);
+        let experts = need(c.n_routed_experts, "n_routed_experts")?;
+        let width = need(c.moe_intermediate_size, "moe_intermediate_size")?;
+        let routing = Routing::new(
+            experts,
+            need(c.num_experts_per_tok, "num_experts_per_tok")?,
+            c.norm_topk_prob,
+        )?
+        .sigmoid_grouped(
+            c.n_group.unwrap_or(1),
+            c.topk_group.unwrap_or(1),
+            c.routed_scaling_factor.unwrap_or(1.0),
+        )?;
+        let inner = c.moe_latent_size.unwrap_or(h);
+        let latent = c
+            .moe_latent_size
+            .map(|l| {
+                Ok::<_, LoadError>((
+                    Linear::load(&mut vb.pp("fc1_latent_proj"), h, l, bias)?,
+                    Linear::load(&mut vb.pp("fc2_latent_proj"), l, h, bias)?,
+                ))
+            })
+            .transpose()?;
+        let fc1 = load_stacked(&mut vb.pp("switch_mlp.fc1"), experts, width, inner)?;
+        let fc2 = load_stacked(&mut vb.pp("switch_mlp.fc2"), experts, inner, width)?;
+        let unbiased = |weight| Linear { weight, bias: None };
+        let shared = match c.n_shared_experts {
+            Some(n) if n > 0 => {
+                let key = "moe_shared_expert_intermediate_size";
+                let width = need(c.moe_shared_expert_intermediate_size, key)?;
+                Some(ReluSquaredMlp::load(
+                    &mut vb.pp("shared_experts"),
+                    h,
+                    width,
+                    bias,
+                )?)
+            }
+            _ => None,
+        };
+        let mut gate = vb.pp("gate");
+        Ok(Moe {
+            correction_bias: load_host_vector(&mut gate, "e_score_correction_bias", experts)?,
+            router: Linear::load(&mut gate, h, experts, false)?,
+            routing,
+            experts: fc1
+                .into_iter()
+                .zip(fc2)
+                .map(|(up, down)| ReluSquaredMlp {
+                    up_proj: unbiased(up),
+                    down_proj: unbiased(down),
+                })
+                .collect(),
+            latent,
+            shared,
+        })
+    }
+
+    /// Its output for the rows `x`, with the adapters `lora` gives for each module of the block
+    /// (`mixer`, `mixer.shared_experts`). The routing is decided on the host from the router's
+    /// logits; each expert runs once on its tokens.
+    fn forward<'a>(
+        &self,
+        x: &Tensor,
+        lora: impl Fn(&'static str) -> ModuleAdapters<'a>,
+    ) -> OpResult<Tensor> {
+        let mixer = lora("mixer");
+        let mut scores = self.router.forward(x)?.into_vec()?;
+        let chosen = route(&self.routing, Some(&self.correction_bias), &mut scores);
+        let routed = by_expert(&chosen, self.routing.top_k(), self.experts.len());
+        let inner = match &self.latent {
+            Some((into, _)) => into.forward_adapted(x, mixer.get("fc1_latent_proj"))?,
+            None => x.try_clone()?,
+        };
+        // The experts take no adapters (their layers are not among the block's linears).
+        let mut y = dispatch(&inner, &routed, |e, rows| {
+            self.experts[e].forward(rows, ModuleAdapters::NONE)
+        })?;
+        if let Some((_, out_of)) = &self.latent {
+            y = out_of.forward_adapted(&y, mixer.get("fc2_latent_proj"))?;
+        }
+        if let Some(shared) = &self.shared {
+            let out = shared.forward(x, lora("mixer.shared_experts"))?;
+            ops::add_inplace(&mut y, &out)?;
+        }
+        Ok(y)
+    }
+
+    fn linears(&self) -> Vec<LinearShape> {
+        let mut out = vec![];
+        if let Some((into, out_of)) = &self.latent {
+            out.push(linear_shape("mixer.fc1_latent_proj", into));
+            out.push(linear_shape("mixer.fc2_latent_proj", out_of));
+        }
+        if let Some(shared) = &self.shared {
+            out.push(linear_shape(
+                "mixer.shared_experts.up_proj",
+                &shared.up_proj,
+            ));
+            out.push(linear_shape(
+                "mixer.shared_experts.down_proj",
+                &shared.down_proj,
+            ));
+        }
+        out
     }
 }
 
@@ -125,6 +273,7 @@ enum Mixer {
     Mamba(Mamba2Mixer),
     Attention(Attention),
     Mlp(ReluSquaredMlp),
+    Moe(Moe),
 }
 
 struct Block {
@@ -146,6 +295,7 @@ impl Block {
                 linear_shape("mixer.up_proj", &mlp.up_proj),
                 linear_shape("mixer.down_proj", &mlp.down_proj),
             ],
+            Mixer::Moe(moe) => moe.linears(),
         }
     }
 }
@@ -218,24 +368,16 @@ impl NemotronH {
                         chunk: None,
                     })
                 }
-                '-' => {
-                    let vb = &mut block.pp("mixer");
-                    let (width, bias) = (c.intermediate_size, c.mlp_bias);
-                    Mixer::Mlp(ReluSquaredMlp {
-                        up_proj: Linear::load(&mut vb.pp("up_proj"), h, width, bias)?,
-                        down_proj: Linear::load(&mut vb.pp("down_proj"), width, h, bias)?,
-                    })
-                }
-                'E' => {
-                    return Err(LoadError::Config(
-                        "Nemotron-H's mixture-of-experts blocks (`E`) are not supported \
-                         (supported: M, *, -)"
-                            .into(),
-                    ))
-                }
+                '-' => Mixer::Mlp(ReluSquaredMlp::load(
+                    &mut block.pp("mixer"),
+                    h,
+                    c.intermediate_size,
+                    c.mlp_bias,
+                )?),
+                'E' => Mixer::Moe(Moe::load(&mut block.pp("mixer"), &c)?),
                 other => {
                     return Err(LoadError::Config(format!(
-                        "block `{other}` in `hybrid_override_pattern` (supported: M, *, -)"
+                        "block `{other}` in `hybrid_override_pattern` (supported: M, *, -, E)"
                     )))
                 }
             };
@@ -271,7 +413,7 @@ impl NemotronH {
         self.layers
             .iter()
             .map(|b| &b.mixer)
-            .filter(|m| !matches!(m, Mixer::Mlp(_)))
+            .filter(|m| matches!(m, Mixer::Mamba(_) | Mixer::Attention(_)))
     }
 
     /// Whether `cache` holds a state of the right kind and shape for each mixer that keeps one.
@@ -304,7 +446,7 @@ impl Architecture for NemotronH {
                     Mixer::Attention(a) => {
                         LayerCache::Kv(KvCache::new(a.kv_heads, a.head_dim, device)?)
                     }
-                    Mixer::Mlp(_) => unreachable!("MLP blocks keep no cache"),
+                    Mixer::Mlp(_) | Mixer::Moe(_) => unreachable!("MLP blocks keep no cache"),
                 })
             })
             .collect()
@@ -325,10 +467,12 @@ impl Architecture for NemotronH {
         let mut h = self.embeddings.forward(tokens)?;
         let mut cache_layer = 0;
         for (i, block) in self.layers.iter().enumerate() {
-            let lora = adapters.map_or(ModuleAdapters::NONE, |a| a.module(i, "mixer"));
+            let modules = |module| adapters.map_or(ModuleAdapters::NONE, |a| a.module(i, module));
+            let lora = modules("mixer");
             let x = block.norm.forward(&h)?;
             let r = match &block.mixer {
                 Mixer::Mlp(mlp) => mlp.forward(&x, lora)?,
+                Mixer::Moe(moe) => moe.forward(&x, modules)?,
                 mixer => {
                     let layer = caches.layer(cache_layer)?;
                     cache_layer += 1;

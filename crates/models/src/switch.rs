@@ -520,46 +520,56 @@ impl SparseMoe {
         Ok(y)
     }
 
-    /// Turns each token's router logits (`[n, experts]`) into scores (softmax or sigmoid), in
-    /// place, and returns its `top_k` experts, best first, with their weights: `[n, top_k]`.
+    /// [`route`] with this mixture's routing and correction bias.
     fn route(&self, scores: &mut [f32]) -> Vec<(usize, f32)> {
-        let Routing {
-            experts: count,
-            top_k,
-            norm_topk_prob,
-            scoring,
-            groups,
-            scale,
-            ..
-        } = self.routing;
-        let mut chosen = Vec::with_capacity(scores.len() / count * top_k);
-        let mut order: Vec<usize> = Vec::with_capacity(count);
-        let mut picking = vec![0.0f32; count];
-        for p in scores.chunks_exact_mut(count) {
-            match scoring {
-                Scoring::Softmax => softmax_inplace(p),
-                Scoring::Sigmoid => p.iter_mut().for_each(|v| *v = sigmoid(*v)),
-            }
-            picking.copy_from_slice(p);
-            if let Some(bias) = &self.correction_bias {
-                picking.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
-            }
-            if let Some(groups) = groups {
-                groups.keep_best(&mut picking);
-            }
-            order.clear();
-            order.extend(0..count);
-            order.sort_by(|&a, &b| picking[b].total_cmp(&picking[a]).then(a.cmp(&b)));
-            let top = &order[..top_k];
-            let total: f32 = top.iter().map(|&e| p[e]).sum();
-            let renorm = norm_topk_prob && (scoring == Scoring::Softmax || top_k > 1);
-            chosen.extend(top.iter().map(|&e| {
-                let weight = if renorm { p[e] / total } else { p[e] };
-                (e, weight * scale)
-            }));
-        }
-        chosen
+        route(&self.routing, self.correction_bias.as_deref(), scores)
     }
+}
+
+/// Turns each token's router logits (`[n, experts]`) into scores (softmax or sigmoid), in place,
+/// and returns its `top_k` experts, best first, with their weights: `[n, top_k]`. The
+/// `correction_bias` joins the scores that choose, not the weights.
+pub(crate) fn route(
+    routing: &Routing,
+    correction_bias: Option<&[f32]>,
+    scores: &mut [f32],
+) -> Vec<(usize, f32)> {
+    let Routing {
+        experts: count,
+        top_k,
+        norm_topk_prob,
+        scoring,
+        groups,
+        scale,
+        ..
+    } = *routing;
+    let mut chosen = Vec::with_capacity(scores.len() / count * top_k);
+    let mut order: Vec<usize> = Vec::with_capacity(count);
+    let mut picking = vec![0.0f32; count];
+    for p in scores.chunks_exact_mut(count) {
+        match scoring {
+            Scoring::Softmax => softmax_inplace(p),
+            Scoring::Sigmoid => p.iter_mut().for_each(|v| *v = sigmoid(*v)),
+        }
+        picking.copy_from_slice(p);
+        if let Some(bias) = correction_bias {
+            picking.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+        }
+        if let Some(groups) = groups {
+            groups.keep_best(&mut picking);
+        }
+        order.clear();
+        order.extend(0..count);
+        order.sort_by(|&a, &b| picking[b].total_cmp(&picking[a]).then(a.cmp(&b)));
+        let top = &order[..top_k];
+        let total: f32 = top.iter().map(|&e| p[e]).sum();
+        let renorm = norm_topk_prob && (scoring == Scoring::Softmax || top_k > 1);
+        chosen.extend(top.iter().map(|&e| {
+            let weight = if renorm { p[e] / total } else { p[e] };
+            (e, weight * scale)
+        }));
+    }
+    chosen
 }
 
 /// What a router's logits become before the top-k choice.
@@ -652,6 +662,11 @@ impl Routing {
             weigh_inputs: true,
             ..self
         }
+    }
+
+    /// The experts each token goes to.
+    pub fn top_k(&self) -> usize {
+        self.top_k
     }
 
     /// A router with a bias.

@@ -155,8 +155,8 @@ fn an_unknown_layer_type_is_named() {
     );
 }
 
-/// Hybrids' block kinds: unknown ones are named, Nemotron 3's mixtures refused by name, and a
-/// Mamba-2 mixer whose heads its groups do not divide refused before its weights are read.
+/// Hybrids' block kinds: unknown ones are named, a mixture block needs its settings, and a
+/// Mamba-2 mixer whose heads its groups do not divide is refused before its weights are read.
 #[test]
 fn hybrid_block_kinds_and_shapes_are_checked() {
     let dir = copy_of("nemotron_h-4bit-g32");
@@ -164,13 +164,12 @@ fn hybrid_block_kinds_and_shapes_are_checked() {
         (
             "hybrid_override_pattern",
             serde_json::json!("M-E*-M"),
-            "config.json: Nemotron-H's mixture-of-experts blocks (`E`) are not supported \
-             (supported: M, *, -)",
+            "config.json: `n_routed_experts` is missing",
         ),
         (
             "hybrid_override_pattern",
             serde_json::json!("M-M?-M"),
-            "config.json: block `?` in `hybrid_override_pattern` (supported: M, *, -)",
+            "config.json: block `?` in `hybrid_override_pattern` (supported: M, *, -, E)",
         ),
         (
             "n_groups",

@@ -584,6 +584,7 @@ fn mamba2_hybrids_batched_decode_matches_one_by_one() {
     check_batch("granitemoehybrid-4bit-g32");
     check_batch("granitemoehybrid-dense-8bit-g64");
     check_batch("nemotron_h-4bit-g32");
+    check_batch("nemotron_h-moe-4bit-g32");
 }
 
 /// Short-convolution layers step each sequence's own last inputs.
@@ -686,4 +687,5 @@ parity_tests! {
     granitemoehybrid_4bit_g32_mamba2_nope_attention_experts_shared_mlp => "granitemoehybrid-4bit-g32",
     granitemoehybrid_dense_8bit_g64_mamba2_rope_clipped_steps => "granitemoehybrid-dense-8bit-g64",
     nemotron_h_4bit_g32_mamba2_grouped_norm_nope_relu2_mlp_blocks => "nemotron_h-4bit-g32",
+    nemotron_h_moe_4bit_g32_latent_relu2_experts_grouped_sigmoid_routing => "nemotron_h-moe-4bit-g32",
 }
