@@ -391,6 +391,52 @@ CASES = {
             "attention_bias": False, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 2,
             "torch_dtype": "bfloat16"},
         flagsets={"q4": Q4}),
+    # Granite 4.0-H with experts: a Mamba-2 layer then an attention layer, conv weights in HF's [C, 1, K], the experts'
+    # fused input_linear [E, 2I, H] beside the shared MLP's, tied.
+    "granitemoehybrid": dict(
+        seed=30, f32=("A_log",),
+        config={
+            "model_type": "granitemoehybrid", "architectures": ["GraniteMoeHybridForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 32, "shared_intermediate_size": 64, "num_hidden_layers": 2,
+            "layer_types": ["mamba", "attention"], "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 512, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "attention_bias": False,
+            "embedding_multiplier": 12.0, "attention_multiplier": 0.0078125, "logits_scaling": 4.0,
+            "residual_multiplier": 0.22, "num_local_experts": 4, "num_experts_per_tok": 2, "mamba_n_heads": 8,
+            "mamba_d_head": 16, "mamba_proj_bias": False, "mamba_d_state": 16, "mamba_d_conv": 4,
+            "mamba_n_groups": 1, "mamba_conv_bias": True, "position_embedding_type": "nope",
+            "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"},
+        flagsets={"q4": Q4}),
+    # Its dense form: the MLP as the hub has it, shared_mlp's fused input_linear [2I, H] (mlx-lm's `mlp` after sanitize).
+    "granitemoehybrid-dense": dict(
+        seed=31, f32=("A_log",),
+        config={
+            "model_type": "granitemoehybrid", "architectures": ["GraniteMoeHybridForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 64, "num_hidden_layers": 2, "layer_types": ["mamba", "attention"],
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5, "attention_bias": False, "embedding_multiplier": 12.0,
+            "attention_multiplier": 0.0078125, "logits_scaling": 4.0, "residual_multiplier": 0.22,
+            "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_proj_bias": False, "mamba_d_state": 16,
+            "mamba_d_conv": 4, "mamba_n_groups": 1, "mamba_conv_bias": True, "position_embedding_type": "rope",
+            "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 2,
+            "torch_dtype": "bfloat16"},
+        flagsets={"q4": Q4}),
+    # Nemotron 3: M E * blocks, 4 unstacked relu^2 experts (up_proj/down_proj) in a latent space of 32, conv weights
+    # in HF's [C, 1, K], the multi-token-prediction layer (dropped), an untied head; f32 routing bias and A_log.
+    "nemotron_h": dict(
+        seed=32, f32=("A_log", "e_score_correction_bias"),
+        extra={"mtp.layers.0.norm.weight": (64,), "mtp.layers.0.mixer.up_proj.weight": (32, 64)},
+        config={
+            "model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 64, "hybrid_override_pattern": "ME*", "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 4096,
+            "layer_norm_epsilon": 1e-5, "attention_bias": False, "mlp_bias": False, "use_bias": False,
+            "mamba_num_heads": 8, "mamba_head_dim": 16, "mamba_proj_bias": False, "ssm_state_size": 16,
+            "conv_kernel": 4, "n_groups": 2, "use_conv_bias": True, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32, "n_shared_experts": 1,
+            "moe_latent_size": 32, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2,
+            "torch_dtype": "bfloat16"},
+        flagsets={"q4": Q4}),
     # OLMoE: 4 unstacked experts, tied; one layer to stay small.
     "olmoe": dict(
         seed=22,
@@ -479,16 +525,22 @@ def hf_expert_names(mt, k, s):
             proj = {"gate_proj.weight": "w1.weight", "down_proj.weight": "w2.weight",
                     "up_proj.weight": "w3.weight"}[proj]
         return {f"{pre}.experts.{e}.{proj}": s[1:] for e in range(s[0])}
+    if mt == "nemotron_h" and ".switch_mlp." in k:  # fc1/fc2 [E, out, in] -> E x up_proj/down_proj [out, in]
+        pre, proj = k.split(".switch_mlp.")
+        proj = {"fc1.weight": "up_proj.weight", "fc2.weight": "down_proj.weight"}[proj]
+        return {f"{pre}.experts.{e}.{proj}": s[1:] for e in range(s[0])}
     if mt == "mixtral" and ".block_sparse_moe.switch_mlp." in k:
         pre, proj = k.split(".block_sparse_moe.switch_mlp.")
         w = {"gate_proj.weight": "w1", "down_proj.weight": "w2", "up_proj.weight": "w3"}[proj]
         return {f"{pre}.block_sparse_moe.experts.{e}.{w}.weight": s[1:] for e in range(s[0])}
     fused = {"qwen3_5_moe": (".switch_mlp.", ".experts.{}"), "gemma4": (".switch_glu.", ".{}"),
-             "gemma4_text": (".switch_glu.", ".{}"), "granitemoe": (".switch_mlp.", ".{}.weight")}
+             "gemma4_text": (".switch_glu.", ".{}"), "granitemoe": (".switch_mlp.", ".{}.weight"),
+             "granitemoehybrid": (".switch_mlp.", ".{}.weight")}
     if mt in fused and fused[mt][0] in k:  # gate and up fused as [E, 2I, H] (gate rows first)
         marker, leaf = fused[mt]
         pre, proj = k.split(marker)
-        names = {"granitemoe": ("input_linear", "output_linear")}.get(mt, ("gate_up_proj", "down_proj"))
+        granite = ("input_linear", "output_linear")
+        names = {"granitemoe": granite, "granitemoehybrid": granite}.get(mt, ("gate_up_proj", "down_proj"))
         if proj == "up_proj.weight":
             return {}
         if proj == "gate_proj.weight":
@@ -527,8 +579,15 @@ def hf_shapes(case, spec):
             out.update(experts)
         elif mt in ("lfm2", "lfm2_moe") and k.endswith("conv.conv.weight"):  # mlx [C, K, 1] -> HF [C, 1, K]
             out[k] = (s[0], s[2], s[1])
-        elif mt in ("qwen3_next", "qwen3_5", "qwen3_5_moe") and k.endswith("conv1d.weight"):
+        elif mt in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "granitemoehybrid", "nemotron_h") \
+                and k.endswith("conv1d.weight"):
             out[k] = (s[0], s[2], s[1])
+        elif mt == "granitemoehybrid" and ".mlp." in k:  # the dense MLP as the hub's shared_mlp, gate and up fused
+            pre, proj = k.split(".mlp.")
+            if proj == "gate_proj.weight":
+                out[f"{pre}.shared_mlp.input_linear.weight"] = (2 * s[0], s[1])
+            elif proj == "down_proj.weight":
+                out[f"{pre}.shared_mlp.output_linear.weight"] = s
         elif mt == "lfm2_moe" and ".feed_forward." in k and k.endswith("_proj.weight"):  # the dense layers' w1/w2/w3
             w = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}[k.split(".")[-2]]
             out[k.rsplit(".", 2)[0] + f".{w}.weight"] = s

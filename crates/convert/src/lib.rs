@@ -430,12 +430,13 @@ fn config_dtype(config: &Value) -> Option<DType> {
 }
 
 /// Whether the cast to `--dtype` applies to `name` (the models' `cast_predicate`): a mixture's
-/// routing bias and Qwen3.5's `A_log` stay as the checkpoint has them.
+/// routing bias and Qwen3.5's and Nemotron-H's `A_log` stay as the checkpoint has them.
 fn casts(model_type: &str, name: &str) -> bool {
     match model_type {
         "deepseek_v3" | "kimi_k2" | "glm4_moe" => !name.contains("e_score_correction_bias"),
         "lfm2_moe" => !name.contains("expert_bias"),
         "qwen3_5" | "qwen3_5_moe" => !name.ends_with("A_log"),
+        "nemotron_h" => !name.ends_with("A_log") && !name.contains("e_score_correction_bias"),
         _ => true,
     }
 }

@@ -244,10 +244,12 @@ const STACKED_LINEARS: [&str; 5] = [
     "unembed_out",
 ];
 
-/// The matrices of modules without `to_quantized`: DeepSeek's and GLM's `MoEGate` router.
+/// The matrices of modules without `to_quantized`: DeepSeek's, GLM's and Nemotron-H's
+/// `MoEGate` router.
 fn not_linear(model_type: &str) -> fn(&str) -> bool {
     match model_type {
         "deepseek_v3" | "kimi_k2" | "glm4_moe" => |p| p.ends_with("mlp.gate"),
+        "nemotron_h" => |p| p.ends_with("mixer.gate"),
         _ => |_| false,
     }
 }
@@ -266,6 +268,7 @@ fn model_predicate(model_type: &str) -> fn(&str) -> bool {
         "granite" => {
             |p| p.ends_with("self_attn.o_proj") || p.ends_with("mlp.down_proj") || p == "lm_head"
         }
+        "granitemoehybrid" => |p| p.ends_with("block_sparse_moe.router.layer"),
         "granitemoe" => |p| {
             p.ends_with("block_sparse_moe.router.layer")
                 || p.ends_with("self_attn.o_proj")

@@ -96,6 +96,8 @@ pub const SUPPORTED: &[&str] = &[
     "olmoe",
     "granite",
     "granitemoe",
+    "granitemoehybrid",
+    "nemotron_h",
     "minicpm",
     "glm4",
     "glm4_moe",
@@ -249,7 +251,7 @@ fn sanitize_text(
     arrays.retain(|name, _| !name.contains("rotary_emb.inv_freq"));
     // MiniCPM never drops its head (it copies the embedding when there is none); Gemma 3 keeps
     // one the checkpoint holds and drops its module otherwise.
-    let drops_tied_head = !matches!(model_type, "minicpm" | "gemma3_text");
+    let drops_tied_head = !matches!(model_type, "minicpm" | "gemma3_text" | "nemotron_h");
     if drops_tied_head && config["tie_word_embeddings"].as_bool().unwrap_or(true) {
         arrays.remove("lm_head.weight");
     }
@@ -278,7 +280,29 @@ fn sanitize_text(
             arrays.retain(|name, _| !name.starts_with(&prediction));
         }
         "deepseek_v3" | "kimi_k2" => sanitize_deepseek_v3(config, &mut arrays)?,
-        "granitemoe" => split_granite_experts(&mut arrays),
+        "granitemoe" => split_granite(
+            &mut arrays,
+            "block_sparse_moe",
+            "block_sparse_moe.switch_mlp",
+        ),
+        "granitemoehybrid" => {
+            qwen_linear_attention_layout(&mut arrays, shapes, false);
+            if config["num_local_experts"].as_u64().unwrap_or(0) > 0 {
+                split_granite(
+                    &mut arrays,
+                    "block_sparse_moe",
+                    "block_sparse_moe.switch_mlp",
+                );
+            } else {
+                split_granite(&mut arrays, "shared_mlp", "mlp");
+            }
+        }
+        "nemotron_h" => {
+            // The multi-token prediction layers.
+            arrays.retain(|name, _| !name.starts_with("mtp."));
+            qwen_linear_attention_layout(&mut arrays, shapes, false);
+            stack_experts(&mut arrays, &[("up_proj", "fc1"), ("down_proj", "fc2")])?;
+        }
         "lfm2" | "lfm2_moe" => {
             for (name, origin) in arrays.iter_mut() {
                 // `[C, 1, K]` to `[C, K, 1]`, where the kernel axis is the last (mlx-lm's
@@ -646,28 +670,33 @@ fn stack_experts(
     Ok(())
 }
 
-/// Granite-MoE keeps each layer's experts fused: `input_linear` `[E, 2I, H]` (gate, then up)
-/// and `output_linear` `[E, H, I]`.
-fn split_granite_experts(arrays: &mut BTreeMap<String, Origin>) {
-    let fused: Vec<String> = arrays
+/// Granite's fused layers: `FUSED.input_linear` (gate, then up, on the second-to-last axis) and
+/// `FUSED.output_linear` as mlx-lm's `INTO.gate_proj`, `up_proj` and `down_proj`. Granite-MoE's
+/// and Granite 4.0-H's experts (`[E, 2I, H]`) go from `block_sparse_moe` into its `switch_mlp`;
+/// Granite 4.0-H's dense MLP, which the hub keeps as `shared_mlp` (`[2I, H]`), into `mlp` (a
+/// model with experts keeps its `shared_mlp`).
+fn split_granite(arrays: &mut BTreeMap<String, Origin>, fused: &str, into: &str) {
+    let input = format!("{fused}.input_linear.weight");
+    let names: Vec<String> = arrays
         .keys()
-        .filter(|n| n.ends_with("block_sparse_moe.input_linear.weight"))
+        .filter(|n| n.ends_with(&input))
         .cloned()
         .collect();
-    for name in fused {
+    for name in names {
         arrays.remove(&name);
+        let target =
+            |projection: &str| name.replace(&input, &format!("{into}.{projection}.weight"));
         for (part, projection) in ["gate_proj", "up_proj"].into_iter().enumerate() {
-            let split = name.replace("input_linear", &format!("switch_mlp.{projection}"));
             let origin = Origin::RowSlice {
                 name: name.clone(),
                 part,
                 parts: 2,
             };
-            arrays.insert(split, origin);
+            arrays.insert(target(projection), origin);
         }
         let output = name.replace("input_linear", "output_linear");
         if let Some(origin) = arrays.remove(&output) {
-            arrays.insert(name.replace("input_linear", "switch_mlp.down_proj"), origin);
+            arrays.insert(target("down_proj"), origin);
         }
     }
 }
