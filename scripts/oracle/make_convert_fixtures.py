@@ -391,6 +391,25 @@ CASES = {
             "attention_bias": False, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 2,
             "torch_dtype": "bfloat16"},
         flagsets={"q4": Q4}),
+    # Llama 4 (text and a vision tower, dropped): a chunked RoPE layer then a MoE layer, the experts fused as the hub has
+    # them (gate_up_proj [E, H, 2I], down_proj [E, I, H], transposed by sanitize).
+    "llama4": dict(
+        seed=33,
+        extra={"vision_model.patch_embedding.linear.weight": (16, 48),
+               "multi_modal_projector.linear_1.weight": (64, 16)},
+        config={
+            "model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"],
+            "text_config": {
+                "model_type": "llama4_text", "hidden_size": 64, "intermediate_size": 64,
+                "intermediate_size_mlp": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5, "vocab_size": 512,
+                "max_position_embeddings": 4096, "rope_theta": 500000.0, "rope_scaling": None,
+                "attention_bias": False, "attention_chunk_size": 8, "interleave_moe_layer_step": 2,
+                "num_local_experts": 4, "num_experts_per_tok": 1, "use_qk_norm": True,
+                "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+                "tie_word_embeddings": False},
+            "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"},
+        flagsets={"bf16": [], "q4": Q4}),
     # Granite 4.0-H with experts: a Mamba-2 layer then an attention layer, conv weights in HF's [C, 1, K], the experts'
     # fused input_linear [E, 2I, H] beside the shared MLP's, tied.
     "granitemoehybrid": dict(
@@ -525,6 +544,14 @@ def hf_expert_names(mt, k, s):
             proj = {"gate_proj.weight": "w1.weight", "down_proj.weight": "w2.weight",
                     "up_proj.weight": "w3.weight"}[proj]
         return {f"{pre}.experts.{e}.{proj}": s[1:] for e in range(s[0])}
+    if mt == "llama4" and ".feed_forward.experts." in k:  # [E, I, H] x2 and [E, H, I] -> fused, transposed
+        pre, proj = k.split(".feed_forward.experts.")
+        base = f"{pre}.feed_forward.experts."
+        if proj == "up_proj.weight":
+            return {}
+        if proj == "gate_proj.weight":
+            return {base + "gate_up_proj": (s[0], s[2], 2 * s[1])}
+        return {base + "down_proj": (s[0], s[2], s[1])}
     if mt == "nemotron_h" and ".switch_mlp." in k:  # fc1/fc2 [E, out, in] -> E x up_proj/down_proj [out, in]
         pre, proj = k.split(".switch_mlp.")
         proj = {"fc1.weight": "up_proj.weight", "fc2.weight": "down_proj.weight"}[proj]

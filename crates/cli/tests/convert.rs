@@ -168,7 +168,7 @@ fn every_architecture_and_flag_set_converts_as_mlx_lm_does() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     // Every golden the fixture script writes; fewer means some went unread.
-    assert_eq!(checked, 55);
+    assert_eq!(checked, 57);
 }
 
 #[test]

@@ -96,8 +96,8 @@ pub fn shape_of(origin: &Origin, source: &SafetensorsDir) -> Result<Vec<usize>, 
     Ok(match origin {
         Origin::Tensor(_) | Origin::Shifted { .. } => first.clone(),
         Origin::Stack(_) => [vec![found.len()], first.clone()].concat(),
-        Origin::SwapLastAxes(_) => match first.as_slice() {
-            [lead @ .., a, b] => [lead, &[*b, *a]].concat(),
+        Origin::SwapLastAxes { parts, .. } => match first.as_slice() {
+            [lead @ .., a, b] if b % parts == 0 => [lead, &[*b / parts, *a]].concat(),
             _ => return Err(bad("swap the last axes of")),
         },
         Origin::RowSlice { parts, .. } => match first.as_slice() {
@@ -168,14 +168,21 @@ enum Span<'a> {
     Memory(Vec<u8>),
 }
 
-/// `[.., a, b]` element `(j, i)` becomes `[.., b, a]` element `(i, j)`, for each leading index.
-fn swap_last_axes(bytes: &[u8], a: usize, b: usize, size: usize) -> Vec<u8> {
-    let mut swapped = vec![0; bytes.len()];
-    for (m, block) in bytes.chunks_exact(a * b * size).enumerate() {
-        for i in 0..b {
-            for j in 0..a {
-                let from = (j * b + i) * size;
-                let to = m * a * b * size + (i * a + j) * size;
+/// Columns `start..start + width` of each `[rows, cols]` block of `bytes` (elements of `size`
+/// bytes) transposed: element `(j, start + i)` becomes `(i, j)` of a `[width, rows]` block.
+fn swap_last_axes(
+    bytes: &[u8],
+    (rows, cols): (usize, usize),
+    (start, width): (usize, usize),
+    size: usize,
+) -> Vec<u8> {
+    let blocks = bytes.len() / (rows * cols * size);
+    let mut swapped = vec![0; blocks * width * rows * size];
+    for (m, block) in bytes.chunks_exact(rows * cols * size).enumerate() {
+        for i in 0..width {
+            for j in 0..rows {
+                let from = (j * cols + start + i) * size;
+                let to = (m * width * rows + i * rows + j) * size;
                 swapped[to..to + size].copy_from_slice(&block[from..from + size]);
             }
         }
@@ -195,9 +202,14 @@ impl<'a> Rows<'a> {
             Origin::Tensor(_) | Origin::Stack(_) => {
                 found.iter().map(|t| Span::File(t, 0..t.rows())).collect()
             }
-            Origin::SwapLastAxes(_) => {
-                let (a, b) = (shape[shape.len() - 1], shape[shape.len() - 2]);
-                vec![Span::Memory(swap_last_axes(&first.read()?, a, b, size))]
+            Origin::SwapLastAxes { part, parts, .. } => {
+                let [.., rows, cols] = first.shape[..] else {
+                    unreachable!("shape_of took two axes")
+                };
+                let width = cols / parts;
+                let columns = (part * width, width);
+                let bytes = swap_last_axes(&first.read()?, (rows, cols), columns, size);
+                vec![Span::Memory(bytes)]
             }
             Origin::RowSlice { part, parts, .. } => {
                 let rows = first.shape[first.shape.len() - 2];
@@ -296,7 +308,12 @@ impl<'a> Rows<'a> {
                     true => (0..*heads)
                         .map(|h| {
                             let bytes = first.read_rows(head_rows(h))?;
-                            Ok(Span::Memory(swap_last_axes(&bytes, cols, *rows, size)))
+                            Ok(Span::Memory(swap_last_axes(
+                                &bytes,
+                                (cols, *rows),
+                                (0, *rows),
+                                size,
+                            )))
                         })
                         .collect::<Result<_, ConvertError>>()?,
                 }

@@ -235,11 +235,13 @@ impl QuantPlan {
 }
 
 /// Where the 3-D weights that `to_quantized` takes live: `SwitchLinear` (a mixture's experts:
-/// `switch_mlp`, Gemma 4's `switch_glu`, gpt-oss's `mlp.experts`) and `MultiLinear`.
-const STACKED_LINEARS: [&str; 5] = [
+/// `switch_mlp`, Gemma 4's `switch_glu`, gpt-oss's `mlp.experts`, Llama 4's
+/// `feed_forward.experts`) and `MultiLinear`.
+const STACKED_LINEARS: [&str; 6] = [
     "switch_mlp",
     "switch_glu",
     "mlp.experts.",
+    "feed_forward.experts.",
     "embed_q",
     "unembed_out",
 ];

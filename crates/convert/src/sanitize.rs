@@ -18,8 +18,14 @@ pub enum Origin {
     Tensor(String),
     /// Arrays of one shape stacked on a new leading axis (a mixture's experts, in order).
     Stack(Vec<String>),
-    /// A `[C, 1, K]` convolution weight as `[C, K, 1]`.
-    SwapLastAxes(String),
+    /// Part `part` of `parts` equal slices of the last axis, with the last two axes swapped: a
+    /// `[C, 1, K]` convolution weight as `[C, K, 1]` (one part), Llama 4's fused experts
+    /// `[E, H, 2I]` as gate and up `[E, I, H]` (two).
+    SwapLastAxes {
+        name: String,
+        part: usize,
+        parts: usize,
+    },
     /// Part `part` of `parts` equal slices of the second-to-last axis, per leading index:
     /// a fused `[E, 2I, H]` expert input projection split into gate and up.
     RowSlice {
@@ -59,11 +65,21 @@ pub enum Origin {
 }
 
 impl Origin {
+    /// `name` with its last two axes swapped.
+    pub fn swapped(name: &str) -> Origin {
+        Origin::SwapLastAxes {
+            name: name.to_string(),
+            part: 0,
+            parts: 1,
+        }
+    }
+
     /// The source arrays it reads.
     pub fn sources(&self) -> Vec<&String> {
         match self {
-            Origin::Tensor(n) | Origin::SwapLastAxes(n) => vec![n],
-            Origin::RowSlice { name, .. }
+            Origin::Tensor(n) => vec![n],
+            Origin::SwapLastAxes { name, .. }
+            | Origin::RowSlice { name, .. }
             | Origin::Strided { name, .. }
             | Origin::Words { name, .. }
             | Origin::Shifted { name, .. }
@@ -99,6 +115,7 @@ pub const SUPPORTED: &[&str] = &[
     "granitemoehybrid",
     "nemotron_h",
     "minicpm",
+    "llama4",
     "glm4",
     "glm4_moe",
     "exaone4",
@@ -135,6 +152,8 @@ pub fn sanitize(
         .map(|n| (n.clone(), Origin::Tensor(n.clone())));
     let text = config.get("text_config").unwrap_or(config);
     match model_type {
+        // Llama 4: the text model's arrays as they are but the experts, vision dropped.
+        "llama4" => Ok(sanitize_llama4(arrays.collect())),
         // Mistral 3 (llava): the text model's arrays under `language_model.`, vision dropped.
         "mistral3" => {
             let text_arrays = arrays.filter_map(|(name, origin)| {
@@ -217,6 +236,37 @@ pub fn sanitize(
         }
         _ => sanitize_text(config, arrays.collect(), shapes),
     }
+}
+
+/// Llama 4's `sanitize`: the vision model and projector dropped; each layer's fused experts
+/// (`experts.gate_up_proj` `[E, H, 2I]`, `experts.down_proj` `[E, I, H]`) as mlx-lm's
+/// `SwitchGLU` layers, transposed, gate the first half of the fused columns.
+fn sanitize_llama4(mut arrays: BTreeMap<String, Origin>) -> BTreeMap<String, Origin> {
+    arrays.retain(|name, _| {
+        !name.contains("vision_model") && !name.contains("multi_modal_projector")
+    });
+    let fused: Vec<String> = arrays
+        .keys()
+        .filter(|n| n.ends_with("feed_forward.experts.gate_up_proj"))
+        .cloned()
+        .collect();
+    for name in fused {
+        arrays.remove(&name);
+        let experts = name.trim_end_matches("gate_up_proj");
+        for (part, projection) in ["gate_proj", "up_proj"].into_iter().enumerate() {
+            let origin = Origin::SwapLastAxes {
+                name: name.clone(),
+                part,
+                parts: 2,
+            };
+            arrays.insert(format!("{experts}{projection}.weight"), origin);
+        }
+        let down = format!("{experts}down_proj");
+        if arrays.remove(&down).is_some() {
+            arrays.insert(format!("{down}.weight"), Origin::swapped(&down));
+        }
+    }
+    arrays
 }
 
 fn prefixed(prefix: &str, arrays: BTreeMap<String, Origin>) -> BTreeMap<String, Origin> {
@@ -311,7 +361,7 @@ fn sanitize_text(
                 if let (Origin::Tensor(source), true) =
                     (&*origin, name.contains("conv.weight") && swap)
                 {
-                    *origin = Origin::SwapLastAxes(source.clone());
+                    *origin = Origin::swapped(source);
                 }
             }
             if model_type == "lfm2_moe" {
@@ -364,7 +414,7 @@ fn qwen_linear_attention_layout(
         };
         let shape = shapes.get(source).map_or(&[][..], Vec::as_slice);
         if name.contains("conv1d.weight") && shape.last().is_some_and(|&k| k != 1) {
-            *origin = Origin::SwapLastAxes(source.clone());
+            *origin = Origin::swapped(source);
         } else if shift_norms
             && shape.len() == 1
             && QWEN_OFFSET_NORMS.iter().any(|n| name.ends_with(n))
@@ -872,7 +922,7 @@ mod tests {
         let config = json!({"model_type": "lfm2"});
         let conv = "model.layers.0.conv.conv.weight";
         let hf = sanitize(&config, &shaped(&[(conv, &[8, 1, 3])])).unwrap();
-        assert_eq!(hf[conv], Origin::SwapLastAxes(conv.into()));
+        assert_eq!(hf[conv], Origin::swapped(conv));
         let mlx = sanitize(&config, &shaped(&[(conv, &[8, 3, 1])])).unwrap();
         assert_eq!(mlx[conv], Origin::Tensor(conv.into()));
     }
