@@ -631,6 +631,14 @@ fn lfm2_decode_steps_replay_as_graphs() {
     check_replay("lfm2-4bit-g64");
 }
 
+/// Mamba-2 layers' steps (the scan's states written in place) replay as well, beside attention
+/// and relu² MLP blocks.
+#[test]
+fn mamba2_hybrids_decode_steps_replay_as_graphs() {
+    check_replay("granitemoehybrid-dense-8bit-g64");
+    check_replay("nemotron_h-4bit-g32");
+}
+
 macro_rules! parity_tests {
     ($($test:ident => $dir:literal),* $(,)?) => {
         $(#[test] fn $test() { check_model($dir); })*
