@@ -76,6 +76,12 @@ ADAPTERS = {
     # mxfp8 down_proj (fusing dequantizes them to bf16 and quantizes the sums again in their own mode).
     "llama-mxfp4-g32-r4": dict(base="llama-mxfp4-g32", seed=10, num_layers=-1,
                                lora_parameters={"rank": 4, "dropout": 0.0, "scale": 8.0}),
+    # Fused layers, which oxlm splits on load: Phi-3's qkv_proj and gate_up_proj, GLM-4's gate_up_proj; every
+    # linear of every block.
+    "phi3-4bit-g32-r4": dict(base="phi3-4bit-g32", seed=13, num_layers=-1,
+                             lora_parameters={"rank": 4, "dropout": 0.0, "scale": 8.0}),
+    "glm4-4bit-g32-r4": dict(base="glm4-4bit-g32", seed=14, num_layers=-1,
+                             lora_parameters={"rank": 4, "dropout": 0.0, "scale": 8.0}),
 }
 
 

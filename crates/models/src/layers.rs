@@ -1060,6 +1060,7 @@ pub(crate) fn linear_shape(key: &'static str, l: &Linear) -> LinearShape {
         in_features: l.weight.cols(),
         out_features: l.weight.rows(),
         experts: 0,
+        parts: Vec::new(),
     }
 }
 

@@ -1066,6 +1066,10 @@ pub struct Llama {
     activation: ops::Activation,
     prefix: &'static str,
     mlp_module: MlpModule,
+    /// The checkpoint's fused `qkv_proj` and `gate_up_proj`, split on load: adapters name them
+    /// whole.
+    fused_qkv: bool,
+    fused_gate_up: bool,
 }
 
 /// Llama 4's q/k norms' ε, which its config does not set.
@@ -1295,6 +1299,8 @@ impl Llama {
             residual_scale: s.residual_scale,
             prefix,
             mlp_module: s.mlp_module,
+            fused_qkv: s.fused_qkv,
+            fused_gate_up: s.fused_gate_up,
         })
     }
 
@@ -1450,11 +1456,20 @@ impl Adaptable for Llama {
         let blocks = self.layers.iter();
         blocks
             .map(|b| {
-                let mlp = match &b.mlp {
+                let mut attn = b.self_attn.linears();
+                if self.fused_qkv {
+                    let qkv = LinearShape::fused("self_attn.qkv_proj", &attn[..3]);
+                    attn.splice(..3, [qkv]);
+                }
+                let mut mlp = match &b.mlp {
                     FeedForward::Dense(mlp) => mlp.linears_named(self.mlp_module.keys),
                     moe => moe.linears(),
                 };
-                [b.self_attn.linears(), mlp].concat()
+                if self.fused_gate_up && matches!(b.mlp, FeedForward::Dense(_)) {
+                    let gate_up = LinearShape::fused("mlp.gate_up_proj", &mlp[..2]);
+                    mlp.splice(..2, [gate_up]);
+                }
+                [attn, mlp].concat()
             })
             .collect()
     }

@@ -40,6 +40,11 @@ pub enum AdapterError {
     UnsupportedType(String),
     #[error("this `{0}` model takes no LoRA adapters (adapters do not stack)")]
     UnsupportedModel(String),
+    #[error(
+        "LoRA training of `{0}`, which this model keeps split, is not supported (leave it out of \
+         lora_parameters.keys)"
+    )]
+    FusedTraining(String),
     #[error("adapter at {} does not fit the model:\n  {}", .path.display(), .problems.join("\n  "))]
     Mismatch {
         path: PathBuf,
@@ -59,6 +64,23 @@ pub struct LinearShape {
     /// The experts of a mixture's stacked layer (`switch_mlp.gate_proj`), each `[out, in]`;
     /// 0 for a plain layer.
     pub experts: usize,
+    /// A layer the checkpoint keeps fused and the model split (Phi-3's `qkv_proj`): the keys of
+    /// the model's layers and their output rows, in order; empty for a layer kept whole.
+    pub parts: Vec<(&'static str, usize)>,
+}
+
+impl LinearShape {
+    /// `shapes` (the layers of one input, in output order) as the one fused layer `key` whose
+    /// rows they split.
+    pub fn fused(key: &'static str, shapes: &[LinearShape]) -> LinearShape {
+        LinearShape {
+            key,
+            in_features: shapes.first().map_or(0, |s| s.in_features),
+            out_features: shapes.iter().map(|s| s.out_features).sum(),
+            experts: 0,
+            parts: shapes.iter().map(|s| (s.key, s.out_features)).collect(),
+        }
+    }
 }
 
 /// A model whose blocks LoRA adapters attach to.
@@ -312,6 +334,9 @@ pub struct Adapters {
     pub experts: BTreeMap<String, Vec<LoraLinear>>,
     /// The model's [`Adaptable::blocks_path`].
     pub blocks_path: &'static str,
+    /// The layers of `layers` the model keeps split (Phi-3's `qkv_proj`), by the paths of its
+    /// own layers: each shares the fused layer's `a` and takes its columns of `b`.
+    pub parts: BTreeMap<String, LoraLinear>,
 }
 
 /// The adapters of one module's linear layers (e.g. block 3's `self_attn`), by layer name.
@@ -352,7 +377,7 @@ impl<'a> ModuleAdapters<'a> {
         };
         match self.expert {
             Some(e) => set.experts.get(&path)?.get(e),
-            None => set.layers.get(&path),
+            None => set.layers.get(&path).or_else(|| set.parts.get(&path)),
         }
     }
 }
@@ -438,6 +463,40 @@ fn read_arrays(
     Ok(out)
 }
 
+/// The model's own layers of each adapted layer of `layers` that its `shapes` say the model keeps
+/// split, by path (under the block's path, the part's key for the fused layer's): `a` shared,
+/// `b`'s columns of each part's rows.
+fn split_parts(
+    layers: &BTreeMap<String, LoraLinear>,
+    shapes: &BTreeMap<String, LinearShape>,
+    blocks_path: &str,
+) -> BTreeMap<String, LoraLinear> {
+    let mut out = BTreeMap::new();
+    for (path, layer) in layers {
+        let Some(shape) = shapes.get(path).filter(|s| !s.parts.is_empty()) else {
+            continue;
+        };
+        let block = path.strip_suffix(shape.key).unwrap_or(blocks_path);
+        let mut first = 0;
+        for &(key, rows) in &shape.parts {
+            let b = layer
+                .b
+                .chunks_exact(layer.out_features)
+                .flat_map(|row| &row[first..first + rows])
+                .copied()
+                .collect();
+            let part = LoraLinear {
+                out_features: rows,
+                b,
+                ..layer.clone()
+            };
+            out.insert(format!("{block}{key}"), part);
+            first += rows;
+        }
+    }
+    out
+}
+
 fn model_blocks(model: &dyn LanguageModel) -> Result<Blocks, AdapterError> {
     model
         .adaptable()
@@ -488,11 +547,13 @@ impl Adapters {
             });
             experts.insert(path, each.collect());
         }
+        let parts = split_parts(&layers, &shapes, blocks.path);
         Ok(Adapters {
             config,
             layers,
             experts,
             blocks_path: blocks.path,
+            parts,
         })
     }
 
@@ -501,6 +562,9 @@ impl Adapters {
         let blocks = model_blocks(model)?;
         let (mut layers, mut experts) = (BTreeMap::new(), BTreeMap::new());
         for (path, s) in config.targets(&blocks) {
+            if !s.parts.is_empty() {
+                return Err(AdapterError::FusedTraining(s.key.to_string()));
+            }
             let zero = LoraLinear {
                 in_features: s.in_features,
                 out_features: s.out_features,
@@ -520,6 +584,7 @@ impl Adapters {
             layers,
             experts,
             blocks_path: blocks.path,
+            parts: BTreeMap::new(),
         })
     }
 
@@ -534,6 +599,7 @@ impl Adapters {
             in_features: l.in_features,
             out_features: l.out_features,
             experts,
+            parts: Vec::new(),
         };
         let plain = (self.layers.iter()).map(|(path, l)| (path.clone(), shape(l, 0)));
         let stacked = (self.experts.iter())
@@ -696,6 +762,7 @@ mod tests {
             in_features: 8,
             out_features: 4,
             experts: 0,
+            parts: Vec::new(),
         };
         Blocks {
             path: "model.layers",

@@ -11,7 +11,7 @@ use lora_fixtures::{
     all_logits, devices, fixtures, golden, max_abs_diff, prompt, CASES, LOGIT_TOLERANCE,
 };
 use oxlm_engine::KvPrecision;
-use oxlm_models::lora::{AdaptedModel, AdapterError, Adapters};
+use oxlm_models::lora::{AdaptedModel, AdapterError, Adapters, LoraConfig};
 use oxlm_models::{load, load_on, LanguageModel, Logits};
 use serde_json::Value;
 
@@ -285,4 +285,24 @@ fn adapters_loaded_for_one_model_are_checked_against_another() {
     assert!(AdaptedModel::new(qwen.as_ref(), &adapters).is_ok());
     let err = AdaptedModel::new(llama.as_ref(), &adapters).err().unwrap();
     assert!(matches!(err, AdapterError::Mismatch { .. }), "{err}");
+}
+
+/// Adapters of a layer the checkpoint keeps fused (Phi-3's `qkv_proj`) serve as the split
+/// layers' (above), but training one is refused by name; leaving it out of the keys trains the
+/// rest.
+#[test]
+fn fused_layers_are_served_but_not_trained() {
+    let model = load(&fixtures().join("tiny/phi3-4bit-g32")).unwrap();
+    let err = Adapters::zeros(LoraConfig::new(1), model.as_ref()).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "LoRA training of `mlp.gate_up_proj`, which this model keeps split, is not supported \
+         (leave it out of lora_parameters.keys)"
+    );
+    let config = LoraConfig {
+        keys: Some(vec!["self_attn.o_proj".into(), "mlp.down_proj".into()]),
+        ..LoraConfig::new(1)
+    };
+    let zeros = Adapters::zeros(config, model.as_ref()).unwrap();
+    assert_eq!(zeros.layers.len(), 2);
 }

@@ -270,7 +270,9 @@ fn adapter_error_within(error: AdapterError, dir: &Path) -> AdapterError {
             | LoadError::Config(_)
             | LoadError::Engine { .. }) => error,
         }),
-        error @ (AdapterError::UnsupportedType(_) | AdapterError::UnsupportedModel(_)) => error,
+        error @ (AdapterError::UnsupportedType(_)
+        | AdapterError::UnsupportedModel(_)
+        | AdapterError::FusedTraining(_)) => error,
     }
 }
 
