@@ -222,7 +222,7 @@ impl LatentAttention {
         append_kv(caches, &rows, &rows, positions)?;
 
         let mut queries = Tensor::zeros(vec![n * heads, width], &device)?;
-        ops::place_columns(&mut queries, &per_head(&self.embed_q, &q_nope, heads)?, 0)?;
+        ops::place_columns(&mut queries, &per_head(&self.embed_q, q_nope, heads)?, 0)?;
         ops::place_columns(
             &mut queries,
             &q_pe.reshape(vec![n * heads, rope_dim]),
@@ -232,7 +232,7 @@ impl LatentAttention {
         let options = ops::AttentionOptions::scaled(self.scale);
         let out = attend_kv(&queries, heads, width, positions, caches, options, None)?;
         let out = ops::columns(&out.reshape(vec![n * heads, width]), 0, self.latent)?;
-        let out = per_head(&self.unembed_out, &out, heads)?.reshape(vec![n, heads * self.v_dim]);
+        let out = per_head(&self.unembed_out, out, heads)?.reshape(vec![n, heads * self.v_dim]);
         self.o_proj.forward_adapted(&out, lora.get("o_proj"))
     }
 
@@ -252,18 +252,19 @@ impl LatentAttention {
     }
 }
 
-/// Row `t · heads + j` of `x` through matrix `j` of `per_head`.
-fn per_head(per_head: &[Linear], x: &Tensor, heads: usize) -> OpResult<Tensor> {
-    let tokens = x.rows() / heads;
+/// Row `t · heads + j` of `x` through matrix `j` of `per_head`. Seen as `[tokens, heads · in]`,
+/// head `j`'s rows of `x` are a run of columns, and so are its rows of the output: each head is
+/// a column slice in and out, with no row indices to upload.
+fn per_head(per_head: &[Linear], x: Tensor, heads: usize) -> OpResult<Tensor> {
+    let (tokens, inputs) = (x.rows() / heads, x.cols());
     let width = per_head.first().map_or(0, |m| m.weight.rows());
-    let mut y = Tensor::zeros(vec![x.rows(), width], &x.device())?;
-    let ones = vec![1.0; tokens];
+    let x = x.reshape(vec![tokens, heads * inputs]);
+    let mut y = Tensor::zeros(vec![tokens, heads * width], &x.device())?;
     for (j, matrix) in per_head.iter().enumerate() {
-        let rows: Vec<usize> = (0..tokens).map(|t| t * heads + j).collect();
-        let out = matrix.forward(&ops::gather_rows(x, &rows)?)?;
-        ops::scatter_add_rows(&mut y, &out, &rows, &ones)?;
+        let out = matrix.forward(&ops::columns(&x, j * inputs, inputs)?)?;
+        ops::place_columns(&mut y, &out, j * width)?;
     }
-    Ok(y)
+    Ok(y.reshape(vec![tokens * heads, width]))
 }
 
 struct Block {
