@@ -162,6 +162,11 @@ pub fn run(args: Args) -> Result<()> {
                 k.count,
                 k.fixed
             ),
+            ("chunked_attention", Some(window)) => say!(
+                "  {} chunked-attention layer(s): {} bytes a token, up to {window} tokens (a chunk)",
+                k.count,
+                k.per_token
+            ),
             (_, Some(window)) => say!(
                 "  {} sliding-window layer(s): {} bytes a token, up to {window} tokens",
                 k.count,
@@ -207,10 +212,16 @@ pub fn run(args: Args) -> Result<()> {
 fn written(footprint: &CacheFootprint) -> CacheFootprint {
     let layers = footprint.layers.iter().map(|layer| match *layer {
         LayerFootprint::Full { slot, .. } => LayerFootprint::Full { slot, step: 1 },
-        LayerFootprint::Window { slot, window, .. } => LayerFootprint::Window {
+        LayerFootprint::Window {
+            slot,
+            window,
+            chunked,
+            ..
+        } => LayerFootprint::Window {
             slot,
             window,
             step: 1,
+            chunked,
         },
         fixed => fixed,
     });
@@ -233,9 +244,15 @@ fn layer_kinds(layers: &[LayerFootprint]) -> Vec<LayerKind> {
     for layer in layers {
         let (kind, per_token, window, fixed) = match *layer {
             LayerFootprint::Full { slot, .. } => ("full_attention", slot, None, 0),
-            LayerFootprint::Window { slot, window, .. } => {
-                ("sliding_window", slot, Some(window), 0)
-            }
+            LayerFootprint::Window {
+                slot,
+                window,
+                chunked,
+                ..
+            } => match chunked {
+                true => ("chunked_attention", slot, Some(window), 0),
+                false => ("sliding_window", slot, Some(window), 0),
+            },
             LayerFootprint::Fixed { bytes } => ("recurrent", 0, None, bytes),
         };
         match kinds

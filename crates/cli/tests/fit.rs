@@ -42,6 +42,33 @@ fn the_cache_grows_as_the_model_keeps_it() {
     assert!(report["sequences_at_ctx"].as_u64().unwrap() > 1);
 }
 
+/// Llama 4's chunked layers (a ring of a chunk, 8 in the fixture) beside its global one, and a
+/// Mamba-2 hybrid's recurrent layers, whose state does not grow.
+#[test]
+fn chunked_and_recurrent_layers_are_named_as_they_keep_their_caches() {
+    let per_token = 2 * 2 * 16 * 2;
+    let report = fit(&fixtures().join("tiny/llama4-4bit-g32"), 1000, &[]);
+    let layers = serde_json::json!([
+        {"kind": "chunked_attention", "count": 3, "bytes_per_token": 3 * per_token,
+         "window": 8, "fixed_bytes": 0},
+        {"kind": "full_attention", "count": 1, "bytes_per_token": per_token, "window": null,
+         "fixed_bytes": 0}]);
+    assert_eq!(report["layers"], layers);
+    let report = fit(
+        &fixtures().join("tiny/granitemoehybrid-4bit-g32"),
+        1000,
+        &[],
+    );
+    // Conv inputs [3, 256] and states [8, 16, 32], f32.
+    let state = 4 * (3 * 256 + 8 * 16 * 32);
+    let layers = serde_json::json!([
+        {"kind": "recurrent", "count": 3, "bytes_per_token": 0, "window": null,
+         "fixed_bytes": 3 * state},
+        {"kind": "full_attention", "count": 1, "bytes_per_token": per_token, "window": null,
+         "fixed_bytes": 0}]);
+    assert_eq!(report["layers"], layers);
+}
+
 #[test]
 fn a_missing_model_is_a_clear_error() {
     let output = Command::new(OXLM)

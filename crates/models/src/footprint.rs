@@ -13,6 +13,8 @@ pub enum LayerFootprint {
         slot: usize,
         window: usize,
         step: usize,
+        /// Llama 4's chunked attention, whose ring holds a chunk of `window` positions.
+        chunked: bool,
     },
     /// A recurrent state: the same bytes at any length.
     Fixed { bytes: usize },
@@ -24,7 +26,9 @@ impl LayerFootprint {
     pub fn bytes_at(&self, tokens: usize, chunk: usize) -> usize {
         match *self {
             LayerFootprint::Full { slot, step } => tokens.div_ceil(step) * step * slot,
-            LayerFootprint::Window { slot, window, step } => {
+            LayerFootprint::Window {
+                slot, window, step, ..
+            } => {
                 let reserved = tokens.div_ceil(step) * step;
                 reserved.min(window - 1 + chunk.max(1)) * slot
             }
@@ -92,6 +96,7 @@ mod tests {
             slot: 10,
             window: 300,
             step: 256,
+            chunked: false,
         };
         // Below the window, as a full layer; past it, the window and a chunk at most.
         assert_eq!(window.bytes_at(100, 512), 2560);
@@ -121,6 +126,7 @@ mod tests {
                 slot: 10,
                 window: 4,
                 step: 256,
+                chunked: false,
             }],
         };
         assert_eq!(windowed.max_tokens_within(40, 1), usize::MAX);

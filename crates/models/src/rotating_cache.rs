@@ -85,6 +85,7 @@ impl RotatingKvCache {
             slot: self.rings.slot_bytes(self.shape()),
             window: self.window,
             step: GROWTH_STEP,
+            chunked: self.mlx.chunked,
         }
     }
 
