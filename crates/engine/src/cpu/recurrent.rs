@@ -112,47 +112,7 @@ pub fn ssm_scan(
     state: &mut [f32],
     y: &mut [f32],
 ) {
-    let DeltaRuleDims {
-        k_heads,
-        v_heads,
-        k_dim,
-        v_dim,
-    } = dims;
-    assert!(
-        k_heads > 0 && v_heads.is_multiple_of(k_heads),
-        "{v_heads} heads over {k_heads} groups"
-    );
-    let tokens = g.len() / v_heads;
-    assert_eq!(g.len(), tokens * v_heads, "g");
-    assert_eq!(dt.len(), g.len(), "dt");
-    assert_eq!(d.len(), v_heads, "d");
-    assert_eq!(q.len(), tokens * k_heads * k_dim, "q");
-    assert_eq!(k.len(), q.len(), "k");
-    assert_eq!(v.len(), tokens * v_heads * v_dim, "v");
-    assert_eq!(y.len(), v.len(), "y");
-    assert_eq!(state.len(), dims.state_len(), "state");
-    let group = v_heads / k_heads;
-    for t in 0..tokens {
-        for h in 0..v_heads {
-            let kh = (t * k_heads + h / group) * k_dim;
-            let (qt, kt) = (&q[kh..kh + k_dim], &k[kh..kh + k_dim]);
-            let vt = &v[(t * v_heads + h) * v_dim..][..v_dim];
-            let yt = &mut y[(t * v_heads + h) * v_dim..][..v_dim];
-            let (decay, step) = (g[t * v_heads + h], dt[t * v_heads + h]);
-            let head_state = &mut state[h * v_dim * k_dim..(h + 1) * v_dim * k_dim];
-            for ((row, &vd), yd) in head_state
-                .chunks_exact_mut(k_dim)
-                .zip(vt)
-                .zip(yt.iter_mut())
-            {
-                let write = step * vd;
-                for (s, &kj) in row.iter_mut().zip(kt) {
-                    *s = decay * *s + write * kj;
-                }
-                *yd = dot(row, qt) + d[h] * vd;
-            }
-        }
-    }
+    recurrent_scan(q, k, v, g, dt, Some(d), dims, state, y);
 }
 
 /// The gated delta rule (Yang, Kautz & Hatamizadeh, "Gated Delta Networks"), as mlx-lm's
@@ -178,6 +138,24 @@ pub fn gated_delta_rule(
     state: &mut [f32],
     y: &mut [f32],
 ) {
+    recurrent_scan(q, k, v, g, beta, None, dims, state, y);
+}
+
+/// [`gated_delta_rule`], or with Mamba-2's skip `d` [`ssm_scan`] (`w` then its step Δ): the
+/// shapes, the heads' slices and the rows of their states are the same, only a row's write and
+/// output differ.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn recurrent_scan(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    w: &[f32],
+    d: Option<&[f32]>,
+    dims: DeltaRuleDims,
+    state: &mut [f32],
+    y: &mut [f32],
+) {
     let DeltaRuleDims {
         k_heads,
         v_heads,
@@ -190,7 +168,8 @@ pub fn gated_delta_rule(
     );
     let tokens = g.len() / v_heads;
     assert_eq!(g.len(), tokens * v_heads, "g");
-    assert_eq!(beta.len(), g.len(), "beta");
+    assert_eq!(w.len(), g.len(), "beta or dt");
+    assert!(d.is_none_or(|d| d.len() == v_heads), "d");
     assert_eq!(q.len(), tokens * k_heads * k_dim, "q");
     assert_eq!(k.len(), q.len(), "k");
     assert_eq!(v.len(), tokens * v_heads * v_dim, "v");
@@ -203,7 +182,7 @@ pub fn gated_delta_rule(
             let (qt, kt) = (&q[kh..kh + k_dim], &k[kh..kh + k_dim]);
             let vt = &v[(t * v_heads + h) * v_dim..][..v_dim];
             let yt = &mut y[(t * v_heads + h) * v_dim..][..v_dim];
-            let (decay, b) = (g[t * v_heads + h], beta[t * v_heads + h]);
+            let (decay, strength) = (g[t * v_heads + h], w[t * v_heads + h]);
             let head_state = &mut state[h * v_dim * k_dim..(h + 1) * v_dim * k_dim];
             // Each row of S (one value feature) evolves independently of the others.
             for ((row, &vd), yd) in head_state
@@ -214,11 +193,17 @@ pub fn gated_delta_rule(
                 for s in row.iter_mut() {
                     *s *= decay;
                 }
-                let delta = (vd - dot(row, kt)) * b;
+                let write = match d {
+                    None => (vd - dot(row, kt)) * strength,
+                    Some(_) => strength * vd,
+                };
                 for (s, &kj) in row.iter_mut().zip(kt) {
-                    *s += kj * delta;
+                    *s += kj * write;
                 }
-                *yd = dot(row, qt);
+                *yd = match d {
+                    None => dot(row, qt),
+                    Some(d) => dot(row, qt) + d[h] * vd,
+                };
             }
         }
     }

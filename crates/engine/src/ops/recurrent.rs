@@ -264,10 +264,7 @@ fn recurrent_scan(
                 .zip(g.chunks(gw).zip(w.chunks(gw)))
                 .zip(states);
             for ((((q, k), (v, y)), (g, w)), state) in chunks {
-                match skip {
-                    None => cpu::recurrent::gated_delta_rule(q, k, v, g, w, dims, state, y),
-                    Some(d) => cpu::recurrent::ssm_scan(q, k, v, g, w, d, dims, state, y),
-                }
+                cpu::recurrent::recurrent_scan(q, k, v, g, w, skip, dims, state, y);
             }
             Ok(Tensor::new(s, y))
         }
