@@ -11,14 +11,14 @@ use oxlm_engine::{ops, EngineError, Tensor};
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::cache::{Cache, KvCache, LayerCache};
+use crate::cache::{Cache, LayerCache};
 use crate::checkpoint::{Checkpoint, Scope};
 use crate::decoder_grad::{Decoder, DecoderBlock};
 use crate::layers::{
     linear_shape, Attention, Embedding, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope,
 };
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
-use crate::mamba2::{Mamba2Args, Mamba2Mixer, Mamba2Names};
+use crate::mamba2::{caches_fit, CachedMixer, Mamba2Args, Mamba2Mixer, Mamba2Names};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
 use crate::switch::{ExpertMlps, MoeNames, Routing, SparseMoe};
 use crate::{ForwardError, LoadError, ModelInfo};
@@ -318,20 +318,12 @@ impl GraniteMoeHybrid {
         })
     }
 
-    /// Whether `cache` has this model's layers, each of the kind and shape its mixer keeps.
-    fn fits(&self, cache: &Cache) -> bool {
-        cache.layers.len() == self.layers.len()
-            && self
-                .layers
-                .iter()
-                .zip(&cache.layers)
-                .all(|(b, c)| match (&b.mixer, c) {
-                    (Mixer::Mamba(m), LayerCache::Recurrent(r)) => m.fits(r),
-                    (Mixer::Attention(a), LayerCache::Kv(kv)) => {
-                        kv.shape() == (a.kv_heads, a.head_dim)
-                    }
-                    _ => false,
-                })
+    /// Each block's mixer, as its cache is made and checked.
+    fn cached(&self) -> impl Iterator<Item = CachedMixer<'_>> + Clone {
+        self.layers.iter().map(|b| match &b.mixer {
+            Mixer::Mamba(m) => CachedMixer::Mamba(m),
+            Mixer::Attention(a) => CachedMixer::Attention(a),
+        })
     }
 
     /// `h += residual_multiplier · r`.
@@ -374,17 +366,7 @@ impl Architecture for GraniteMoeHybrid {
 
     fn layer_caches(&self) -> Result<Vec<LayerCache>, EngineError> {
         let device = &self.info.device;
-        self.layers
-            .iter()
-            .map(|b| {
-                Ok(match &b.mixer {
-                    Mixer::Mamba(m) => LayerCache::Recurrent(m.new_cache(device)?),
-                    Mixer::Attention(a) => {
-                        LayerCache::Kv(KvCache::new(a.kv_heads, a.head_dim, device)?)
-                    }
-                })
-            })
-            .collect()
+        self.cached().map(|m| m.new_cache(device)).collect()
     }
 
     fn hidden_states(
@@ -396,11 +378,10 @@ impl Architecture for GraniteMoeHybrid {
         let (mut caches, positions) =
             PassCaches::new(&self.info, tokens, caches, self.layers.len())?;
         // Checked before any layer runs, so that a wrong cache is left untouched.
-        if !caches.iter().all(|c| self.fits(c)) {
+        if !caches.iter().all(|c| caches_fit(self.cached(), c)) {
             return Err(ForwardError::CacheMismatch);
         }
-        let mut h = self.embed_tokens.forward(tokens)?;
-        ops::scale_inplace(&mut h, self.embedding_multiplier)?;
+        let mut h = self.embed(tokens)?;
         for (i, block) in self.layers.iter().enumerate() {
             let lora = |module| adapters.map_or(ModuleAdapters::NONE, |a| a.module(i, module));
             let x = block.input_layernorm.forward(&h)?;

@@ -16,11 +16,11 @@
 use oxlm_engine::ops::recurrent::{self, DeltaRuleDims};
 use oxlm_engine::{ops, Device, EngineError, Tensor};
 
-use crate::cache::RecurrentCache;
+use crate::cache::{Cache, KvCache, LayerCache, RecurrentCache};
 use crate::checkpoint::Scope;
 use crate::layers::{
-    linear_shape, load_conv1d, load_host_vector, load_vector, place_vector, Linear, OpResult,
-    RmsNorm,
+    linear_shape, load_conv1d, load_host_vector, load_vector, place_vector, Attention, Linear,
+    OpResult, RmsNorm,
 };
 use crate::lora::{LinearShape, ModuleAdapters};
 use crate::LoadError;
@@ -221,4 +221,44 @@ impl Mamba2Mixer {
             linear_shape(out_proj, &self.out_proj),
         ]
     }
+}
+
+/// A Mamba-2 hybrid's block that keeps a cache: a Mamba-2 mixer's state, or attention's keys
+/// and values (the hybrids' other blocks keep none).
+#[derive(Clone, Copy)]
+pub enum CachedMixer<'a> {
+    Mamba(&'a Mamba2Mixer),
+    Attention(&'a Attention),
+}
+
+impl CachedMixer<'_> {
+    /// A sequence's empty cache of this block, on `device`.
+    pub fn new_cache(self, device: &Device) -> Result<LayerCache, EngineError> {
+        Ok(match self {
+            CachedMixer::Mamba(m) => LayerCache::Recurrent(m.new_cache(device)?),
+            CachedMixer::Attention(a) => {
+                LayerCache::Kv(KvCache::new(a.kv_heads, a.head_dim, device)?)
+            }
+        })
+    }
+
+    /// Whether `cache` is of this block's kind and shape.
+    fn fits(self, cache: &LayerCache) -> bool {
+        match (self, cache) {
+            (CachedMixer::Mamba(m), LayerCache::Recurrent(r)) => m.fits(r),
+            (CachedMixer::Attention(a), LayerCache::Kv(kv)) => {
+                kv.shape() == (a.kv_heads, a.head_dim)
+            }
+            _ => false,
+        }
+    }
+}
+
+/// Whether `cache` holds, for each of `mixers` in order, a cache of its kind and shape.
+pub fn caches_fit<'a>(
+    mixers: impl Iterator<Item = CachedMixer<'a>> + Clone,
+    cache: &Cache,
+) -> bool {
+    mixers.clone().count() == cache.layers.len()
+        && mixers.zip(&cache.layers).all(|(m, c)| m.fits(c))
 }

@@ -15,7 +15,7 @@ use oxlm_engine::{ops, EngineError, Tensor};
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::cache::{Cache, KvCache, LayerCache};
+use crate::cache::{Cache, LayerCache};
 use crate::checkpoint::{Checkpoint, Scope};
 use crate::decoder_grad::{Decoder, DecoderBlock};
 use crate::layers::{
@@ -23,7 +23,7 @@ use crate::layers::{
     Rope,
 };
 use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
-use crate::mamba2::{Mamba2Args, Mamba2Mixer, Mamba2Names};
+use crate::mamba2::{caches_fit, CachedMixer, Mamba2Args, Mamba2Mixer, Mamba2Names};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
 use crate::switch::{by_expert, dispatch, load_stacked, route, Routing};
 use crate::{ForwardError, LoadError, ModelInfo};
@@ -408,27 +408,13 @@ impl NemotronH {
         })
     }
 
-    /// The blocks that keep caches, in order.
-    fn cached(&self) -> impl Iterator<Item = &Mixer> {
-        self.layers
-            .iter()
-            .map(|b| &b.mixer)
-            .filter(|m| matches!(m, Mixer::Mamba(_) | Mixer::Attention(_)))
-    }
-
-    /// Whether `cache` holds a state of the right kind and shape for each mixer that keeps one.
-    fn fits(&self, cache: &Cache) -> bool {
-        cache.layers.len() == self.cached().count()
-            && self
-                .cached()
-                .zip(&cache.layers)
-                .all(|(mixer, c)| match (mixer, c) {
-                    (Mixer::Mamba(m), LayerCache::Recurrent(r)) => m.fits(r),
-                    (Mixer::Attention(a), LayerCache::Kv(kv)) => {
-                        kv.shape() == (a.kv_heads, a.head_dim)
-                    }
-                    _ => false,
-                })
+    /// The blocks that keep caches, in order, as their caches are made and checked.
+    fn cached(&self) -> impl Iterator<Item = CachedMixer<'_>> + Clone {
+        self.layers.iter().filter_map(|b| match &b.mixer {
+            Mixer::Mamba(m) => Some(CachedMixer::Mamba(m)),
+            Mixer::Attention(a) => Some(CachedMixer::Attention(a)),
+            Mixer::Mlp(_) | Mixer::Moe(_) => None,
+        })
     }
 }
 
@@ -439,17 +425,7 @@ impl Architecture for NemotronH {
 
     fn layer_caches(&self) -> Result<Vec<LayerCache>, EngineError> {
         let device = &self.info.device;
-        self.cached()
-            .map(|mixer| {
-                Ok(match mixer {
-                    Mixer::Mamba(m) => LayerCache::Recurrent(m.new_cache(device)?),
-                    Mixer::Attention(a) => {
-                        LayerCache::Kv(KvCache::new(a.kv_heads, a.head_dim, device)?)
-                    }
-                    Mixer::Mlp(_) | Mixer::Moe(_) => unreachable!("MLP blocks keep no cache"),
-                })
-            })
-            .collect()
+        self.cached().map(|m| m.new_cache(device)).collect()
     }
 
     fn hidden_states(
@@ -461,7 +437,7 @@ impl Architecture for NemotronH {
         let (mut caches, positions) =
             PassCaches::new(&self.info, tokens, caches, self.cached().count())?;
         // Checked before any layer runs, so that a wrong cache is left untouched.
-        if !caches.iter().all(|c| self.fits(c)) {
+        if !caches.iter().all(|c| caches_fit(self.cached(), c)) {
             return Err(ForwardError::CacheMismatch);
         }
         let mut h = self.embeddings.forward(tokens)?;
