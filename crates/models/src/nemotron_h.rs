@@ -11,6 +11,8 @@
 //! Only `M` and `*` blocks keep caches, as mlx-lm's `make_cache` makes them (so prompt-cache
 //! files hold one state a mixer).
 
+use std::borrow::Cow;
+
 use oxlm_engine::{ops, EngineError, Tensor};
 use serde::Deserialize;
 use serde_json::Value;
@@ -230,8 +232,8 @@ impl Moe {
         let chosen = route(&self.routing, Some(&self.correction_bias), &mut scores);
         let routed = by_expert(&chosen, self.routing.top_k(), self.experts.len());
         let inner = match &self.latent {
-            Some((into, _)) => into.forward_adapted(x, mixer.get("fc1_latent_proj"))?,
-            None => x.try_clone()?,
+            Some((into, _)) => Cow::Owned(into.forward_adapted(x, mixer.get("fc1_latent_proj"))?),
+            None => Cow::Borrowed(x),
         };
         // The experts take no adapters (their layers are not among the block's linears).
         let mut y = dispatch(&inner, &routed, |e, rows| {
