@@ -370,6 +370,58 @@ fn greedy_rows_match_the_host() {
     }
 }
 
+/// Greedy picks held to masks on the GPU, against the host's: rows with and without a mask,
+/// masks that allow a scattered third of the columns, a single column, or a column beside a
+/// NaN, on rows read in 16-byte loads and rows that are not.
+#[test]
+fn masked_greedy_rows_match_the_host() {
+    let Some((dev, _turn)) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(15);
+    for (rows, cols) in [(6, 32000), (5, 1001)] {
+        let x = random_vec(&mut rng, rows * cols);
+        let words = cols.div_ceil(32);
+        let mut third = vec![0u32; words];
+        let mut single = vec![0u32; words];
+        for c in (0..cols).filter(|c| c % 3 == 1) {
+            third[c / 32] |= 1 << (c % 32);
+        }
+        single[(cols - 1) / 32] |= 1 << ((cols - 1) % 32);
+        let mut x_nan = x.clone();
+        x_nan[2 * cols] = f32::NAN;
+        let first = [1u32];
+        let mut beside_nan = vec![0u32; words];
+        beside_nan[0] = 0b11;
+        let masks: Vec<Option<&[u32]>> = vec![
+            Some(&third),
+            None,
+            Some(&beside_nan),
+            Some(&single),
+            Some(&third),
+        ];
+        let masks = &masks[..rows.min(masks.len())];
+        let mut allowed: Vec<Option<&[u32]>> = masks.to_vec();
+        allowed.resize(rows, None);
+        let host =
+            ops::greedy_rows_allowed(&Tensor::new(vec![rows, cols], x_nan.clone()), &allowed)
+                .unwrap();
+        let picked =
+            ops::greedy_rows_allowed(&on(&dev, vec![rows, cols], &x_nan), &allowed).unwrap();
+        assert_eq!(host[3].id as usize, cols - 1);
+        assert_eq!(host[3].logprob, 0.0);
+        assert_eq!(host[2].id, 1, "the NaN at column 0 is passed over");
+        assert_eq!(host[0].id % 3, 1);
+        for (r, (gpu, host)) in picked.iter().zip(&host).enumerate() {
+            assert_eq!(gpu.id, host.id, "{rows}x{cols} row {r}");
+            let close = (gpu.logprob - host.logprob).abs() < 1e-5;
+            let neither = gpu.logprob.is_nan() && host.logprob.is_nan();
+            assert!(close || neither, "{rows}x{cols} row {r}: {gpu:?} {host:?}");
+        }
+        // A mask of one word is short of the row.
+        let short: Vec<Option<&[u32]>> = vec![Some(&first); rows];
+        assert!(ops::greedy_rows_allowed(&on(&dev, vec![rows, cols], &x), &short).is_err());
+    }
+}
+
 /// The shapes where the int16-activation GEMVs change their launch: short rows (8 warps a
 /// block) and long ones (16 warps), each with a last block partly past the matrix's end, and
 /// rows long enough that several activation rows no longer fit a block's shared memory (the

@@ -361,28 +361,48 @@ fn check_replay(name: &str) {
     );
     println!("{name}: {count} of {steps} decode steps replayed");
     // Greedy picks taken on the GPU, as `generate` decodes: the host's picks of the same logits,
-    // replayed as well.
-    let mut cache = prefilled();
-    let mut picking = oxlm_engine::DecodeSteps::new(&device);
-    for (&id, logits) in golden.greedy_ids.iter().zip(&plain) {
-        let pick = picking
-            .run(|| {
-                let logits = model.forward(&[id], &mut cache, Logits::LastOnDevice)?;
-                Ok::<_, oxlm_models::ForwardError>(ops::greedy_rows(&logits)?[0])
-            })
-            .unwrap();
-        let host = Tensor::new(vec![1, logits.len()], logits.clone());
-        let host = ops::greedy_rows(&host).unwrap()[0];
-        assert_eq!(pick.id, host.id, "{name}: a greedy pick differs");
+    // replayed as well; then picks held to masks that change every step (a third of the
+    // vocabulary, shifted by one each step), as a grammar holds them: a replayed step carries
+    // its own step's mask.
+    let vocab = plain[0].len();
+    for masked in [false, true] {
+        let mask_at = |step: usize| {
+            let mut words = vec![0u32; vocab.div_ceil(32)];
+            for id in (0..vocab).filter(|id| (id + step).is_multiple_of(3)) {
+                words[id / 32] |= 1 << (id % 32);
+            }
+            words
+        };
+        let mut cache = prefilled();
+        let mut picking = oxlm_engine::DecodeSteps::new(&device);
+        for (step, (&id, logits)) in golden.greedy_ids.iter().zip(&plain).enumerate() {
+            let mask = mask_at(step);
+            let allowed: Vec<Option<&[u32]>> = if masked { vec![Some(&mask)] } else { vec![] };
+            let pick = picking
+                .run(|| {
+                    let logits = model.forward(&[id], &mut cache, Logits::LastOnDevice)?;
+                    Ok::<_, oxlm_models::ForwardError>(
+                        ops::greedy_rows_allowed(&logits, &allowed)?[0],
+                    )
+                })
+                .unwrap();
+            let host = Tensor::new(vec![1, logits.len()], logits.clone());
+            let host = ops::greedy_rows_allowed(&host, &allowed).unwrap()[0];
+            assert_eq!(
+                pick.id, host.id,
+                "{name}: a greedy pick differs (masked: {masked})"
+            );
+            assert!(
+                (pick.logprob - host.logprob).abs() < 1e-5,
+                "{name}: {pick:?} against the host's {host:?} (masked: {masked})"
+            );
+            assert!(!masked || (host.id as usize + step).is_multiple_of(3));
+        }
         assert!(
-            (pick.logprob - host.logprob).abs() < 1e-5,
-            "{name}: {pick:?} against the host's {host:?}"
+            picking.replayed() >= steps - 3,
+            "{name}: picks not replayed (masked: {masked})"
         );
     }
-    assert!(
-        picking.replayed() >= steps - 3,
-        "{name}: picks not replayed"
-    );
 }
 
 /// On a GPU, a batch's decode steps go on replaying while its sequences outgrow their caches

@@ -73,23 +73,54 @@ pub fn range(x: &Buffer, start: usize, len: usize) -> Result<Buffer> {
     Ok(out)
 }
 
-/// Each row's greedy pick (`greedy_rows` in the kernels): only the picks, two numbers a row,
-/// are copied back.
-pub fn greedy_rows(x: &Buffer, cols: usize) -> Result<Vec<crate::params::Pick>> {
+/// Each row's greedy pick (`greedy_rows` in the kernels), row `r` among the columns
+/// `allowed[r]` allows where it is given (bit `c % 32` of word `c / 32`; an empty `allowed`
+/// leaves every row free): only the picks, two numbers a row, are copied back. The masks go up
+/// with the step's other uploads, so a replayed step carries this step's.
+pub fn greedy_rows(
+    x: &Buffer,
+    cols: usize,
+    allowed: &[Option<&[u32]>],
+) -> Result<Vec<crate::params::Pick>> {
     let g = x.gpu().clone();
     let rows = x.len() / cols;
     if rows == 0 {
         return Ok(Vec::new());
     }
+    let words = cols.div_ceil(32);
+    let masked = allowed.iter().flatten().count();
+    // Held until the launch is queued: outside a step they are allocations of their own.
+    let masks = if masked == 0 {
+        None
+    } else {
+        let mut packed = Vec::with_capacity(masked * words);
+        let mut mask_of = Vec::with_capacity(rows);
+        for mask in allowed {
+            match mask {
+                Some(mask) => {
+                    mask_of.push((packed.len() / words) as i32);
+                    packed.extend_from_slice(&mask[..words]);
+                }
+                None => mask_of.push(-1),
+            }
+        }
+        Some((g.words(&packed)?, g.words(bytemuck::cast_slice(&mask_of))?))
+    };
+    let (mask_ptr, mask_of_ptr) = masks.as_ref().map_or((0, 0), |(m, o)| (m.ptr(), o.ptr()));
+    let launch = |picks: u64| -> Result<()> {
+        launch!(&g, "greedy_rows", blocks(rows, 1024);
+            x.ptr(), picks, int(cols)?, mask_ptr, mask_of_ptr, int(words)?);
+        Ok(())
+    };
     if 8 * rows > super::PINNED_DOWNLOAD_BYTES {
         let picks = g.output(2 * rows)?;
-        launch!(&g, "greedy_rows", blocks(rows, 1024); x.ptr(), picks.ptr(), int(cols)?);
+        launch(picks.ptr())?;
         return Ok(picks_of(&picks.download()?));
     }
     // Written by the kernel straight into pinned host memory: a decode step's end waits for no
     // copy after its last kernel.
     g.with_pinned(|host, device| {
-        launch!(&g, "greedy_rows", blocks(rows, 1024); x.ptr(), device, int(cols)?);
+        launch(device)?;
         g.finish_queued()?;
         // SAFETY: the kernel wrote 2 · rows floats there, and has finished.
         let landed = unsafe { std::slice::from_raw_parts(host.cast::<f32>(), 2 * rows) };

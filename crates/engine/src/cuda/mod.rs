@@ -543,6 +543,11 @@ impl Gpu {
         self.staged(bytemuck::cast_slice(&v))
     }
 
+    /// Words (bit masks, tables) for a kernel, as [`Gpu::indices`] places indices.
+    pub(crate) fn words(&self, values: &[u32]) -> Result<Memory, EngineError> {
+        self.staged(bytemuck::cast_slice(values))
+    }
+
     /// Device addresses (one buffer per sequence of a batch) for a kernel, as [`Gpu::indices`]
     /// places indices.
     pub(crate) fn addresses(&self, values: &[u64]) -> Result<Memory, EngineError> {
@@ -564,12 +569,16 @@ impl Gpu {
         let staged = self.step_state().stage(mem.ptr, bytes);
         match staged {
             Some(op) => self.step_state().submit(&self.inner.stream, op)?,
-            // SAFETY: `mem` holds `bytes.len()` bytes; a pageable copy is staged by the driver
-            // before this returns.
-            None => unsafe {
-                result::memcpy_htod_async(mem.ptr, bytes, self.inner.stream.cu_stream())
-                    .map_err(err)?
-            },
+            // A pageable copy cannot be in a graph: the step's replayable part ends here.
+            None => {
+                self.leave_graph()?;
+                // SAFETY: `mem` holds `bytes.len()` bytes; a pageable copy is staged by the
+                // driver before this returns.
+                unsafe {
+                    result::memcpy_htod_async(mem.ptr, bytes, self.inner.stream.cu_stream())
+                        .map_err(err)?
+                }
+            }
         }
         Ok(mem)
     }

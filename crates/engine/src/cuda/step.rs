@@ -34,8 +34,13 @@ use crate::EngineError;
 /// fit 256 MiB, and the doubling gives larger ones the few percent that a step outgrowing its
 /// arena costs them on an H200, without reserving gigabytes up front.
 const ARENA_BYTES: usize = 256 << 20;
-/// Pinned host memory for one step's uploads (token ids, positions).
-const STAGING_BYTES: usize = 1 << 20;
+/// Pinned host memory for one step's uploads: token ids, positions, cache tables, and the
+/// grammars' masks of constrained sequences (a bit per token: 64 sequences of a
+/// 262,144-token vocabulary take 2 MiB).
+const STAGING_BYTES: usize = 8 << 20;
+/// Uploads up to this size are remembered for [`StepState::staged_before`] (tables that every
+/// layer uploads alike); larger ones (masks) are not worth a copy.
+const DEDUPLICATED_BYTES: usize = 64 << 10;
 /// Calls per graph segment: enough that a launch (a few microseconds of host time) is small
 /// beside the calls it stands for, few enough that the GPU starts early in the step.
 const SEGMENT_OPS: usize = 32;
@@ -374,7 +379,9 @@ impl StepState {
             std::ptr::copy_nonoverlapping(data.as_ptr(), self.staging.add(offset), data.len())
         };
         self.staging_used = offset + data.len();
-        self.staged.push((data.to_vec(), dst));
+        if data.len() <= DEDUPLICATED_BYTES {
+            self.staged.push((data.to_vec(), dst));
+        }
         Some(Op::Upload {
             dst,
             offset,

@@ -254,23 +254,67 @@ pub fn log_sum_exp(x: &[f32]) -> f32 {
 /// The [`Pick`] of every row of `x`. On a GPU only the picks are copied back (a batch's rows,
 /// or one row of a large vocabulary, are megabytes).
 pub fn greedy_rows(x: &Tensor) -> Result<Vec<Pick>> {
-    let cols = x.cols();
+    greedy_rows_allowed(x, &[])
+}
+
+/// [`greedy_rows`], row `r` held to the columns `allowed[r]` allows where it is given (a
+/// grammar's mask: bit `c % 32` of word `c / 32` allows column `c`), as if the others were −∞:
+/// the pick and its log-probability are those of the masked row. An empty `allowed` leaves every
+/// row free.
+pub fn greedy_rows_allowed(x: &Tensor, allowed: &[Option<&[u32]>]) -> Result<Vec<Pick>> {
+    let (rows, cols) = (x.rows(), x.cols());
     check(cols > 0, || {
         format!("greedy picks of rows of {:?}", x.shape())
     })?;
+    check(allowed.is_empty() || allowed.len() == rows, || {
+        format!("{} masks for {rows} rows", allowed.len())
+    })?;
+    for mask in allowed.iter().flatten() {
+        check(mask.len() >= cols.div_ceil(32), || {
+            format!("a mask of {} words for rows of {cols} columns", mask.len())
+        })?;
+        check(allows_any(mask, cols), || {
+            format!("a mask that allows none of the row's {cols} columns")
+        })?;
+    }
+    let pick = |row: &[f32]| {
+        let id = argmax(row);
+        Pick {
+            id,
+            logprob: row[id as usize] - log_sum_exp(row),
+        }
+    };
     match &x.storage {
         Storage::Host(v) => Ok(v
             .chunks_exact(cols)
-            .map(|row| {
-                let id = argmax(row);
-                Pick {
-                    id,
-                    logprob: row[id as usize] - log_sum_exp(row),
+            .enumerate()
+            .map(|(r, row)| match allowed.get(r).copied().flatten() {
+                None => pick(row),
+                Some(mask) => {
+                    let masked: Vec<f32> = (0..cols)
+                        .map(|c| {
+                            if is_allowed(mask, c) {
+                                row[c]
+                            } else {
+                                f32::NEG_INFINITY
+                            }
+                        })
+                        .collect();
+                    pick(&masked)
                 }
             })
             .collect()),
-        Storage::Cuda(b) => cuda::elementwise::greedy_rows(b, cols),
+        Storage::Cuda(b) => cuda::elementwise::greedy_rows(b, cols, allowed),
     }
+}
+
+fn is_allowed(mask: &[u32], column: usize) -> bool {
+    mask[column / 32] >> (column % 32) & 1 == 1
+}
+
+fn allows_any(mask: &[u32], cols: usize) -> bool {
+    let (whole, rest) = (cols / 32, cols % 32);
+    mask[..whole].iter().any(|&w| w != 0) || (rest > 0 && mask[whole] & ((1 << rest) - 1) != 0)
 }
 
 /// The rows `indices` of `x`, in that order.
@@ -341,5 +385,30 @@ mod tests {
         assert!((picks[0].logprob - expected).abs() < 1e-6, "{picks:?}");
         let empty_rows = Tensor::new(vec![2, 0], vec![]);
         assert!(greedy_rows(&empty_rows).is_err());
+    }
+
+    /// A masked row picks among the columns its mask allows, with the log-probability of the
+    /// row whose other columns are -inf; a row without a mask is free.
+    #[test]
+    fn masked_picks_keep_to_the_allowed_columns() {
+        let x = Tensor::new(vec![2, 34], (0..68).map(|i| (i % 34) as f32).collect());
+        // Columns 1, 2 and 33 allowed in the first row.
+        let mask = [0b110, 0b10];
+        let picks = greedy_rows_allowed(&x, &[Some(&mask), None]).unwrap();
+        assert_eq!(picks.iter().map(|p| p.id).collect::<Vec<_>>(), [33, 33]);
+        let expected = 33.0 - (1f64.exp() + 2f64.exp() + 33f64.exp()).ln() as f32;
+        assert!((picks[0].logprob - expected).abs() < 1e-6, "{picks:?}");
+        assert!(picks[1].logprob < picks[0].logprob);
+        let only_two = [0b100, 0];
+        let picks = greedy_rows_allowed(&x, &[Some(&only_two), Some(&only_two)]).unwrap();
+        assert!(
+            picks.iter().all(|p| p.id == 2 && p.logprob == 0.0),
+            "{picks:?}"
+        );
+        // A mask of too few words, one that allows only columns past the row (bit 2 of the
+        // second word is column 34), and masks that do not match the rows are refused.
+        assert!(greedy_rows_allowed(&x, &[Some(&[u32::MAX]), None]).is_err());
+        assert!(greedy_rows_allowed(&x, &[Some(&[0, 0b100]), None]).is_err());
+        assert!(greedy_rows_allowed(&x, &[None]).is_err());
     }
 }

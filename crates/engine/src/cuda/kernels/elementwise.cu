@@ -103,22 +103,31 @@ extern "C" __global__ void place_columns(const float *src, float *out, i64 rows,
 
 // Greedy decoding's pick from each row of x[rows, cols]: picks[2r] = the index of the row's
 // first maximum (NaNs passed over), as a float (exact below 2^24), and picks[2r + 1] = its
-// log-probability (the row's log-softmax there, computed as the host's sampler does). One block
-// per row, each thread striding the row, in 16-byte loads where the row allows, eight of them
-// issued before any is compared (a vocabulary's row in a round or two of loads); the second
-// pass, for the sum of exponentials, reads the row again from L2.
+// log-probability (the row's log-softmax there, computed as the host's sampler does). With
+// mask_of non-null, a row r whose mask_of[r] is m >= 0 is held to the columns its mask allows
+// (bit c % 32 of masks[m * words + c / 32]), the others read as -inf, as the host masks a
+// grammar's logits. One block per row, each thread striding the row, in 16-byte loads where the
+// row allows, eight of them issued before any is compared (a vocabulary's row in a round or two
+// of loads); the second pass, for the sum of exponentials, reads the row again from L2.
 extern "C" __global__ void greedy_rows(const float *__restrict__ x, float *__restrict__ picks,
-                                       int cols) {
+                                       int cols, const unsigned *__restrict__ masks,
+                                       const int *__restrict__ mask_of, int words) {
     await_inputs();
     __shared__ float best_of[32], sum_of[32];
     __shared__ int index_of[32];
     const float *row = x + (i64)blockIdx.x * cols;
+    const int m = mask_of ? mask_of[blockIdx.x] : -1;
+    const unsigned *mask = m >= 0 ? masks + (i64)m * words : nullptr;
+    auto value = [&](float v, int c) {
+        return mask && !((mask[c >> 5] >> (c & 31)) & 1u) ? -INFINITY : v;
+    };
     const bool by_four = (cols & 3) == 0;
     const float4 *row4 = reinterpret_cast<const float4 *>(row);
     float best = -INFINITY;
     int index = 0x7fffffff;
     // Each thread meets its indices in increasing order, so a strict > keeps the first maximum.
     auto consider = [&](float v, int c) {
+        v = value(v, c);
         if (v > best) {
             best = v;
             index = c;
@@ -161,11 +170,13 @@ extern "C" __global__ void greedy_rows(const float *__restrict__ x, float *__res
 #pragma unroll 8
         for (int c = threadIdx.x; c < cols >> 2; c += blockDim.x) {
             const float4 v = row4[c];
-            sum += expf(v.x - best) + expf(v.y - best) + expf(v.z - best) + expf(v.w - best);
+            const int i = 4 * c;
+            sum += expf(value(v.x, i) - best) + expf(value(v.y, i + 1) - best) +
+                   expf(value(v.z, i + 2) - best) + expf(value(v.w, i + 3) - best);
         }
     } else {
 #pragma unroll 8
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) sum += expf(row[c] - best);
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) sum += expf(value(row[c], c) - best);
     }
     sum = warp_sum(sum);
     if (lane == 0) sum_of[warp] = sum;
