@@ -17,7 +17,7 @@ use oxlm_engine::{ops, DecodeSteps, KvPrecision, KvQuant};
 use oxlm_models::{Cache, LanguageModel, Logits};
 use oxlm_runtime::batcher::{Batcher, BatcherSettings, Job, Requester, Update};
 use oxlm_runtime::constraint::{Grammar, Grammars};
-use oxlm_runtime::generate::{decode_step, Stepped, DEFAULT_PREFILL_STEP};
+use oxlm_runtime::generate::{decode_step, Picking, Stepped, DEFAULT_PREFILL_STEP};
 use oxlm_runtime::hub::resolve_model;
 use oxlm_runtime::memory::peak_resident_bytes;
 use oxlm_runtime::sampler::SamplerConfig;
@@ -135,7 +135,8 @@ fn greedy_step(
     caches: &mut [Cache],
 ) -> Result<Vec<u32>> {
     let mut caches: Vec<&mut Cache> = caches.iter_mut().collect();
-    let Stepped::Picks(picks) = decode_step(model, steps, tokens, &mut caches, true)? else {
+    let Stepped::Picks(picks) = decode_step(model, steps, tokens, &mut caches, Picking::Greedy)?
+    else {
         anyhow::bail!("a greedy step gave logits rather than picks");
     };
     Ok(picks.iter().map(|p| p.id).collect())

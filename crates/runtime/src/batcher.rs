@@ -19,12 +19,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use oxlm_engine::cpu::pool;
 use oxlm_engine::DecodeSteps;
 use oxlm_models::lora::{AdaptedModel, AdapterError};
 use oxlm_models::{Cache, ForwardError, LanguageModel, Logits, ModelInfo};
 
 use crate::adapter_store::{Adapter, AdapterId};
-use crate::generate::{decode_step, NextToken, Sequence};
+use crate::constraint::{AllowedTokens, TokenConstraint};
+use crate::generate::{decode_step, NextToken, Picking, Sequence, Stepped};
 use crate::prompt_cache::{is_truncatable, PromptCache};
 use crate::tokenizer::Tokenizer;
 use crate::{Event, FinishReason, GenerateOptions, Generation, RuntimeError, StreamOptions};
@@ -810,24 +812,51 @@ impl<'a> Batcher<'a> {
         self.steps.steps += 1;
         let stepped = catch_unwind(AssertUnwindSafe(|| {
             let tokens: Vec<u32> = active.iter().map(|a| a.token).collect();
-            let mut caches = Vec::with_capacity(active.len());
+            let rows = active.len();
+            let mut caches = Vec::with_capacity(rows);
             let mut constraints = Vec::new();
-            for a in active.iter_mut() {
+            for (row, a) in active.iter_mut().enumerate() {
                 caches.push(&mut a.cache);
-                constraints.extend(a.sequence.constraint_mut());
+                constraints.extend(a.sequence.constraint_mut().map(|c| (row, c)));
             }
             if constraints.is_empty() {
-                return decode_step(model, steps, &tokens, &mut caches, greedy);
+                let picking = if greedy {
+                    Picking::Greedy
+                } else {
+                    Picking::Logits
+                };
+                return decode_step(model, steps, &tokens, &mut caches, picking);
             }
             // Grammars' masks need only the tokens already taken: they are computed while the
-            // model runs the step, not after it.
+            // model runs the step, not after it. A GPU runs it once the host has queued it, so
+            // the masks are computed then, side by side on the host's cores, and go up for the
+            // picks made there; a CPU runs it before `forward` returns, beside a thread that
+            // computes them.
+            if greedy && !model.info().device.is_cpu() {
+                let allowed = move || {
+                    each_side_by_side(&mut constraints, |(_, c)| c.prepare());
+                    allowed_by_row(rows, constraints)
+                };
+                let picking = Picking::GreedyAllowed(Box::new(allowed));
+                return decode_step(model, steps, &tokens, &mut caches, picking);
+            }
             std::thread::scope(|scope| {
-                let masks = scope.spawn(|| constraints.into_iter().for_each(|c| c.prepare()));
-                let stepped = decode_step(model, steps, &tokens, &mut caches, greedy);
-                if let Err(panic) = masks.join() {
-                    std::panic::resume_unwind(panic);
+                let masks = scope.spawn(move || {
+                    constraints.iter_mut().for_each(|(_, c)| c.prepare());
+                    constraints
+                });
+                let prepared = move || match masks.join() {
+                    Ok(constraints) => constraints,
+                    Err(panic) => std::panic::resume_unwind(panic),
+                };
+                if !greedy {
+                    let stepped = decode_step(model, steps, &tokens, &mut caches, Picking::Logits);
+                    prepared();
+                    return stepped;
                 }
-                stepped
+                let allowed = move || allowed_by_row(rows, prepared());
+                let picking = Picking::GreedyAllowed(Box::new(allowed));
+                decode_step(model, steps, &tokens, &mut caches, picking)
             })
         }));
         let mut stepped = match stepped {
@@ -838,6 +867,21 @@ impl<'a> Batcher<'a> {
                 return end_all(active, || JobError::Panic(message.clone()));
             }
         };
+        if let Stepped::Picks(picks) = &stepped {
+            let mut ahead: Vec<(&mut TokenConstraint, u32)> = active
+                .iter_mut()
+                .zip(picks)
+                .filter_map(|(a, pick)| Some((a.sequence.grammar_advanced_by(pick.id)?, pick.id)))
+                .collect();
+            if ahead.len() > 1 {
+                // The device waits for the next step while the host takes this one's tokens. A
+                // grammar that panics here has not advanced: its sequence's own `advance` takes
+                // the token again, and ends alone if it panics there too.
+                let _ = catch_unwind(AssertUnwindSafe(|| {
+                    each_side_by_side(&mut ahead, |(c, token)| c.accept_ahead(*token))
+                }));
+            }
+        }
         let vocab = model.info().vocab_size;
         let mut decoding = Vec::with_capacity(active.len());
         for (i, mut a) in active.into_iter().enumerate() {
@@ -905,4 +949,27 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .map(|s| s.to_string())
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// The tokens each of a step's `rows` sequences may take: those its grammar allows (from
+/// `constraints`, a sequence's row beside its grammar), any token where it has none.
+fn allowed_by_row(
+    rows: usize,
+    constraints: Vec<(usize, &mut TokenConstraint)>,
+) -> Vec<Option<AllowedTokens>> {
+    let mut allowed: Vec<Option<AllowedTokens>> = (0..rows).map(|_| None).collect();
+    for (row, constraint) in constraints {
+        allowed[row] = constraint.take_allowed();
+    }
+    allowed
+}
+
+/// Runs `f` on each of `items` on the engine's threads, the caller's among them (on the caller
+/// alone while the pool runs a model's kernels).
+fn each_side_by_side<T: Send>(items: &mut [T], f: impl Fn(&mut T) + Sync) {
+    let items: Vec<std::sync::Mutex<&mut T>> =
+        items.iter_mut().map(std::sync::Mutex::new).collect();
+    pool::parallel_for(items.len(), &|i| {
+        f(&mut items[i].lock().unwrap_or_else(|e| e.into_inner()))
+    });
 }

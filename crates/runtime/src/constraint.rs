@@ -14,7 +14,7 @@ use toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 
 use crate::tokenizer::Tokenizer;
 
-#[derive(Debug, Error)]
+#[derive(Debug, Clone, Error)]
 pub enum ConstraintError {
     #[error("the tokenizer's vocabulary cannot be read for constrained decoding: {0}")]
     Vocabulary(String),
@@ -103,6 +103,8 @@ impl Grammars {
         Ok(TokenConstraint {
             matcher,
             prepared: None,
+            failed: None,
+            accepted: None,
         })
     }
 
@@ -214,6 +216,20 @@ pub struct TokenConstraint {
     matcher: Matcher,
     /// The next step's allowed tokens, when [`prepare`](Self::prepare) computed them ahead.
     prepared: Option<Result<SimpleVob, String>>,
+    /// Why [`take_allowed`](Self::take_allowed) had no tokens to give.
+    failed: Option<ConstraintError>,
+    /// A token [`accept_ahead`](Self::accept_ahead) advanced past, and what that gave.
+    accepted: Option<(u32, Result<bool, ConstraintError>)>,
+}
+
+/// The tokens a step may take, a bit each: bit `id % 32` of word `id / 32` allows token `id`
+/// (what `oxlm_engine::ops::greedy_rows_allowed` masks a pick with, where the logits are).
+pub struct AllowedTokens(SimpleVob);
+
+impl AllowedTokens {
+    pub fn words(&self) -> &[u32] {
+        self.0.as_slice()
+    }
 }
 
 impl fmt::Debug for TokenConstraint {
@@ -239,9 +255,9 @@ impl TokenConstraint {
             .map_err(|e| e.to_string())
     }
 
-    /// Sets the logits of the tokens the grammar does not allow next to -inf. Once the grammar
-    /// is complete only end-of-sequence tokens are allowed.
-    pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), ConstraintError> {
+    /// The tokens the grammar allows next (at least one), computed ahead or now. Once the
+    /// grammar is complete only end-of-sequence tokens are allowed.
+    fn next_allowed(&mut self) -> Result<SimpleVob, ConstraintError> {
         let allowed = match self.prepared.take() {
             Some(prepared) => prepared,
             None => self.allowed(),
@@ -252,6 +268,30 @@ impl TokenConstraint {
                 "the grammar allows no token from here".into(),
             ));
         }
+        Ok(allowed)
+    }
+
+    /// The tokens the grammar allows next, for a pick made where the logits are; `None` when
+    /// they cannot be had, which [`check_pick`](Self::check_pick) then reports.
+    pub fn take_allowed(&mut self) -> Option<AllowedTokens> {
+        match self.next_allowed() {
+            Ok(allowed) => Some(AllowedTokens(allowed)),
+            Err(e) => {
+                self.failed = Some(e);
+                None
+            }
+        }
+    }
+
+    /// Whether the pick made with [`take_allowed`](Self::take_allowed)'s tokens kept to the
+    /// grammar: the error that left it without them, if one did.
+    pub fn check_pick(&mut self) -> Result<(), ConstraintError> {
+        self.failed.take().map_or(Ok(()), Err)
+    }
+
+    /// Sets the logits of the tokens the grammar does not allow next to -inf.
+    pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), ConstraintError> {
+        let allowed = self.next_allowed()?;
         for (id, logit) in logits.iter_mut().enumerate() {
             if !allowed.is_allowed(id as TokenId) {
                 *logit = f32::NEG_INFINITY;
@@ -263,6 +303,23 @@ impl TokenConstraint {
     /// Advances past `token` (not an end-of-sequence token); true once the grammar is complete
     /// and nothing but the end can follow.
     pub fn accept(&mut self, token: u32) -> Result<bool, ConstraintError> {
+        match self.accepted.take() {
+            Some((ahead, accepted)) if ahead == token => accepted,
+            Some((ahead, _)) => Err(ConstraintError::Matcher(format!(
+                "token {token} taken after the grammar advanced past {ahead}"
+            ))),
+            None => self.advance(token),
+        }
+    }
+
+    /// [`accept`](Self::accept)'s work for `token`, done ahead of it, so that a batch's grammars
+    /// advance side by side rather than one after another as their sequences take their tokens.
+    pub fn accept_ahead(&mut self, token: u32) {
+        let accepted = self.advance(token);
+        self.accepted = Some((token, accepted));
+    }
+
+    fn advance(&mut self, token: u32) -> Result<bool, ConstraintError> {
         self.matcher
             .consume_token(token)
             .map_err(|e| ConstraintError::Matcher(e.to_string()))?;

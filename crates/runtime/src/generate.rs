@@ -9,7 +9,7 @@ use oxlm_engine::ops::{self, Pick};
 use oxlm_engine::{DecodeSteps, KvPrecision};
 use oxlm_models::{Cache, ForwardError, KvQuantization, LanguageModel, Logits};
 
-use crate::constraint::TokenConstraint;
+use crate::constraint::{AllowedTokens, TokenConstraint};
 use crate::detokenizer::StreamingDetokenizer;
 use crate::sampler::{top_logprobs, Sampler, SamplerConfig};
 use crate::stop::StopMatcher;
@@ -219,10 +219,11 @@ fn run_stream(
         return Ok(sequence.cancel());
     };
     let mut steps = DecodeSteps::new(&model.info().device);
-    let (vocab, greedy) = (model.info().vocab_size, sequence.picks_greedily());
+    let vocab = model.info().vocab_size;
     let mut stepped = Stepped::Logits(logits);
     while let Some(token) = sequence.advance(stepped.next(0, vocab), on_event)? {
-        stepped = decode_step(model, &mut steps, &[token], &mut [&mut *cache], greedy)?;
+        let picking = Picking::of(&mut sequence);
+        stepped = decode_step(model, &mut steps, &[token], &mut [&mut *cache], picking)?;
         options.quantize_when_due(cache)?;
     }
     sequence.finish(on_event)
@@ -278,9 +279,35 @@ impl Stepped {
     }
 }
 
+/// What a decoding step hands back to its sequences.
+pub enum Picking<'a> {
+    /// Every sequence's logits, on the host.
+    Logits,
+    /// Each sequence's greedy pick, made where the logits are.
+    Greedy,
+    /// Greedy picks held to the tokens each sequence's grammar allows: `allowed` gives them, a
+    /// sequence each (`None`: any token). It is called once the model has the step's work (on
+    /// a GPU, while it runs), and waits for the masks if they are still being computed.
+    GreedyAllowed(Box<dyn FnOnce() -> Vec<Option<AllowedTokens>> + 'a>),
+}
+
+impl Picking<'_> {
+    /// Greedy picks, held to `sequence`'s grammar if it has one ([`Sequence::allowed_next`]),
+    /// or its logits.
+    fn of(sequence: &mut Sequence) -> Picking<'_> {
+        if !sequence.greedy {
+            Picking::Logits
+        } else if sequence.constraint_mut().is_none() {
+            Picking::Greedy
+        } else {
+            Picking::GreedyAllowed(Box::new(|| vec![sequence.allowed_next()]))
+        }
+    }
+}
+
 /// One decoding step, replayed by `steps`: `tokens[i]` through `model` after what `caches[i]`
 /// holds. One sequence goes alone; several go as one batch (`forward_batch`, which reads each
-/// weight once for all of them). With `greedy`, only their picks come back (see
+/// weight once for all of them). With greedy `picking`, only their picks come back (see
 /// [`NextToken`]); otherwise every sequence's logits, on the host. Caches grow before the
 /// step, not in it ([`Cache::make_room_for_next`]).
 pub fn decode_step(
@@ -288,7 +315,7 @@ pub fn decode_step(
     steps: &mut DecodeSteps,
     tokens: &[u32],
     caches: &mut [&mut Cache],
-    greedy: bool,
+    picking: Picking<'_>,
 ) -> Result<Stepped, ForwardError> {
     for cache in caches.iter_mut() {
         cache.make_room_for_next()?;
@@ -296,19 +323,25 @@ pub fn decode_step(
     steps.run(|| {
         let logits = match caches {
             [cache] => {
-                let kind = if greedy {
-                    Logits::LastOnDevice
-                } else {
-                    Logits::Last
+                let kind = match picking {
+                    Picking::Logits => Logits::Last,
+                    Picking::Greedy | Picking::GreedyAllowed(_) => Logits::LastOnDevice,
                 };
                 model.forward(tokens, cache, kind)?
             }
             _ => model.forward_batch(tokens, caches)?,
         };
-        Ok(if greedy {
-            Stepped::Picks(ops::greedy_rows(&logits)?)
-        } else {
-            Stepped::Logits(logits.into_host()?.into_data())
+        Ok(match picking {
+            Picking::Logits => Stepped::Logits(logits.into_host()?.into_data()),
+            Picking::Greedy => Stepped::Picks(ops::greedy_rows(&logits)?),
+            Picking::GreedyAllowed(allowed) => {
+                let allowed = allowed();
+                let words: Vec<Option<&[u32]>> = allowed
+                    .iter()
+                    .map(|a| a.as_ref().map(AllowedTokens::words))
+                    .collect();
+                Stepped::Picks(ops::greedy_rows_allowed(&logits, &words)?)
+            }
         })
     })
 }
@@ -362,9 +395,8 @@ impl Sequence {
         stream: &StreamOptions,
     ) -> Result<Sequence, RuntimeError> {
         let sampler = Sampler::new(options.sampler.clone())?;
-        // Plain greedy decoding needs only each step's pick; a grammar needs the logits to mask.
-        let greedy =
-            sampler.picks_greedily() && stream.top_logprobs == 0 && stream.constraint.is_none();
+        // Greedy decoding needs only each step's pick, held to a grammar's mask where it has one.
+        let greedy = sampler.picks_greedily() && stream.top_logprobs == 0;
         let start = Instant::now();
         Ok(Sequence {
             sampler,
@@ -396,9 +428,26 @@ impl Sequence {
             .filter(|_| self.finish_reason.is_none())
     }
 
-    /// Whether its steps may give it [`NextToken::Pick`] rather than logits.
+    /// Whether its steps may give it [`NextToken::Pick`] rather than logits (held to the
+    /// tokens [`allowed_next`](Self::allowed_next) gives, where it has a grammar).
     pub fn picks_greedily(&self) -> bool {
         self.greedy
+    }
+
+    /// The grammar that taking `token` next advances: `None` without one, once generation has
+    /// ended, or for a token that ends it. A batch advances its sequences' grammars side by
+    /// side through it ([`TokenConstraint::accept_ahead`]) before each takes its token.
+    pub fn grammar_advanced_by(&mut self, token: u32) -> Option<&mut TokenConstraint> {
+        if self.eos_ids.contains(&token) {
+            return None;
+        }
+        self.constraint_mut()
+    }
+
+    /// The tokens its grammar allows next, for a greedy pick; `None` without a grammar, or
+    /// when they cannot be had (then [`advance`](Self::advance) ends the generation with why).
+    pub fn allowed_next(&mut self) -> Option<AllowedTokens> {
+        self.constraint_mut()?.take_allowed()
     }
 
     /// Takes the next token from `next` and reports it; returns the token for the model to
@@ -413,7 +462,12 @@ impl Sequence {
             return Ok(None);
         }
         let (token, logprob) = match next {
-            NextToken::Pick(pick) => (pick.id, pick.logprob),
+            NextToken::Pick(pick) => {
+                if let Some(constraint) = &mut self.constraint {
+                    constraint.check_pick()?;
+                }
+                (pick.id, pick.logprob)
+            }
             NextToken::Logits(logits) => {
                 if let Some(constraint) = &mut self.constraint {
                     constraint.mask(logits)?;

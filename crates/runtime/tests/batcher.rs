@@ -15,6 +15,7 @@ use oxlm_runtime::adapter_store::Adapter;
 use oxlm_runtime::batcher::{
     Batcher, BatcherSettings, BatcherSnapshot, BatcherStats, Job, JobError, Requester, Update,
 };
+use oxlm_runtime::constraint::{Grammar, Grammars, TokenConstraint};
 use oxlm_runtime::sampler::SamplerConfig;
 use oxlm_runtime::tokenizer::Tokenizer;
 use oxlm_runtime::{FinishReason, GenerateOptions, RuntimeError, StreamOptions};
@@ -162,6 +163,7 @@ struct Ask {
     deadline: Option<Instant>,
     /// Bytes charged against the run's memory budget.
     memory: usize,
+    constraint: Option<TokenConstraint>,
 }
 
 fn ask(prompt: &str, max_tokens: usize) -> Ask {
@@ -175,6 +177,7 @@ fn ask(prompt: &str, max_tokens: usize) -> Ask {
         cancel_after: None,
         deadline: None,
         memory: 0,
+        constraint: None,
     }
 }
 
@@ -254,7 +257,7 @@ fn job(tokenizer: &Tokenizer, a: &Ask) -> (Job, Log) {
         stream: StreamOptions {
             stop: Vec::new(),
             top_logprobs: a.top_logprobs,
-            ..StreamOptions::default()
+            constraint: a.constraint.clone(),
         },
         requester: Box::new(Logging {
             log: log.clone(),
@@ -376,6 +379,90 @@ fn jobs_queued_together_decode_together_as_they_decode_alone() {
             .collect();
         assert_eq!(capped, alone, "{name}");
         assert_eq!(batches(&model.calls()).iter().max(), Some(&2), "{name}");
+    }
+}
+
+/// Greedy jobs held to a grammar take their picks where the logits are, masked by the
+/// grammar (alone through `Logits::LastOnDevice`, together in the batch's picks, beside a free
+/// greedy job and a sampled one held to a grammar), and get what the host's masking gives: the
+/// tokens and log-probabilities of the same jobs asking for top logprobs, whose steps bring the
+/// logits to the host.
+#[test]
+fn greedy_jobs_held_to_a_grammar_pick_as_the_host_masks() {
+    let (tokenizer, model) = load("llama-4bit-g64");
+    let eos = tokenizer.eos_token_id().unwrap();
+    let grammars = Grammars::new(&tokenizer, &[eos], model.info().vocab_size).unwrap();
+    let held = |grammar: Grammar| Some(grammars.constraint(&grammar).unwrap());
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "kind": {"enum": ["town", "city"]},
+            "size": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["kind", "size"],
+        "additionalProperties": false,
+    });
+    let asks = |top_logprobs: usize| {
+        vec![
+            Ask {
+                constraint: held(Grammar::JsonSchema(schema.clone())),
+                top_logprobs,
+                ..ask("The history of the city begins", 40)
+            },
+            Ask {
+                constraint: held(Grammar::Regex("(ab|cd|e)+ [0-9]{2,5}".into())),
+                top_logprobs,
+                ..ask("Once upon a time", 12)
+            },
+            Ask {
+                top_logprobs,
+                ..ask("The capital of", 16)
+            },
+            Ask {
+                constraint: held(Grammar::Regex("[a-z]{3,8}".into())),
+                sampler: SamplerConfig {
+                    temperature: 0.9,
+                    seed: Some(5),
+                    ..SamplerConfig::default()
+                },
+                ..ask("Numbers: one, two,", 12)
+            },
+        ]
+    };
+    let on_host: Vec<Served> = serve(&tokenizer, &model, &asks(1), ALONE)
+        .iter()
+        .map(served)
+        .collect();
+    assert!(!model.calls().contains(&Call::Step));
+    let city: serde_json::Value = serde_json::from_str(&on_host[0].text).unwrap();
+    assert!(
+        ["town", "city"].contains(&city["kind"].as_str().unwrap()),
+        "{city}"
+    );
+    assert_eq!(on_host[0].end, Ok(FinishReason::Stop));
+    for run in [ALONE, TOGETHER] {
+        let alone = run.capacity == 1;
+        let picked: Vec<Served> = serve(&tokenizer, &model, &asks(0), run)
+            .iter()
+            .map(served)
+            .collect();
+        let calls = model.calls();
+        if alone {
+            // The two held greedy jobs and the free one: a step per token after the first.
+            let steps = calls.iter().filter(|&&c| c == Call::Step).count();
+            let tokens: usize = picked[..3].iter().map(|s| s.tokens.len() - 1).sum();
+            assert_eq!(steps, tokens);
+        } else {
+            assert!(batches(&calls).contains(&4));
+        }
+        for (i, (picked, host)) in picked.iter().zip(&on_host).enumerate() {
+            assert_eq!(picked.tokens, host.tokens, "job {i}");
+            assert_eq!(picked.text, host.text, "job {i}");
+            assert_eq!(picked.end, host.end, "job {i}");
+            for (p, h) in picked.logprobs.iter().zip(&host.logprobs) {
+                assert!((p.0 - h.0).abs() < 1e-5, "job {i}: {} against {}", p.0, h.0);
+            }
+        }
     }
 }
 
