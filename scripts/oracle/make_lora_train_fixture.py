@@ -17,6 +17,13 @@ Writes
   OUT_ROOT/train-<name>/curve.json             `train` for ITERS iterations from init (Adam, lr LR, report every
                                                step, validation at 1, every STEPS_PER_EVAL and the end): train and
                                                val losses; final/ holds the adapter mlx-lm saved at the end
+  OUT_ROOT/options/<name>.json                 `train` from train-llama-4bit-g64's init with mlx_lm.lora's training
+                                               options (OPTION_RUNS: optimizer and optimizer_config, lr_schedule,
+                                               grad_accumulation_steps), optimizers and schedules built as
+                                               mlx_lm.lora builds them: train losses and learning rates per
+                                               iteration, val losses
+  OUT_ROOT/schedules.json                      lr(step) for steps 0..SCHEDULE_STEPS of each of SCHEDULES, through
+                                               mlx-lm's build_schedule
 """
 import json
 import re
@@ -34,7 +41,7 @@ from mlx_lm import load
 from mlx_lm.tuner.datasets import CacheDataset, create_dataset
 from mlx_lm.tuner.trainer import TrainingArgs, default_loss, evaluate, iterate_batches, train
 from mlx_lm.tuner.callbacks import TrainingCallback
-from mlx_lm.tuner.utils import linear_to_lora_layers
+from mlx_lm.tuner.utils import build_schedule, linear_to_lora_layers
 from mlx_lm.utils import save_config
 
 SEED = 0
@@ -100,6 +107,36 @@ RUNS = {
     "gpt_oss-4bit-g32": dict(base="gpt_oss-4bit-g32", seed=17, num_layers=2,
                              lora_parameters={"rank": 4, "dropout": 0.0, "scale": 10.0}),
 }
+
+# mlx_lm.lora's training options, each on the llama run's model and starting adapter for OPTION_ITERS iterations.
+OPTION_ITERS = 12
+OPTION_RUNS = {
+    # decoupled weight decay strong enough to move the curve, other betas and eps, bias correction
+    "adamw": dict(optimizer="adamw", learning_rate=1e-3,
+                  optimizer_config={"betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 5.0,
+                                    "bias_correction": True}),
+    "sgd-nesterov": dict(optimizer="sgd", learning_rate=0.005,
+                         optimizer_config={"momentum": 0.9, "weight_decay": 0.01, "nesterov": True}),
+    "sgd-dampening": dict(optimizer="sgd", learning_rate=0.005,
+                          optimizer_config={"momentum": 0.8, "dampening": 0.5}),
+    "cosine-warmup": dict(optimizer="adam", learning_rate=1e-3,
+                          lr_schedule={"name": "cosine_decay", "arguments": [2e-3, 6, 1e-4], "warmup": 3,
+                                       "warmup_init": 1e-4}),
+    "grad-accumulation": dict(optimizer="adam", learning_rate=1e-3, grad_accumulation_steps=3),
+}
+
+# lr_schedule configs as mlx_lm.lora's YAML gives them, tabulated by build_schedule.
+SCHEDULE_STEPS = 40
+SCHEDULES = [
+    {"name": "cosine_decay", "arguments": [1e-5, 20]},
+    {"name": "cosine_decay", "arguments": [3e-4, 25, 1e-6], "warmup": 5},
+    {"name": "cosine_decay", "arguments": [2e-3, 6, 1e-4], "warmup": 3, "warmup_init": 1e-4},
+    {"name": "linear_schedule", "arguments": [1e-3, 1e-5, 30]},
+    {"name": "linear_schedule", "arguments": [0.0, 0.1, 7], "warmup": 2, "warmup_init": 0.05},
+    {"name": "exponential_decay", "arguments": [1e-3, 0.9]},
+    {"name": "exponential_decay", "arguments": [5e-4, 0.95], "warmup": 10},
+    {"name": "step_decay", "arguments": [1e-3, 0.5, 4]},
+]
 
 
 def sentences():
@@ -193,7 +230,7 @@ class Record(TrainingCallback):
         self.train, self.val = [], []
 
     def on_train_loss_report(self, info):
-        self.train.append([info["iteration"], info["train_loss"], info["trained_tokens"]])
+        self.train.append([info["iteration"], info["train_loss"], info["trained_tokens"], info["learning_rate"]])
 
     def on_val_loss_report(self, info):
         self.val.append([info["iteration"] + 1, info["val_loss"]])
@@ -224,6 +261,43 @@ def curve(root, base, spec, init, out):
     return info
 
 
+def option_run(root, tiny, name, spec):
+    base_spec = RUNS["llama-4bit-g64"]
+    base = tiny / base_spec["base"]
+    init = dict(mx.load(str(root / "train-llama-4bit-g64" / "init" / "adapters.safetensors")))
+    model, tok = fp32_model(base, base_spec, init)
+    train_set, valid_set = datasets(root, tok)
+    scratch = root / "options" / f"{name}.scratch"
+    scratch.mkdir(parents=True, exist_ok=True)
+    accumulation = spec.get("grad_accumulation_steps", 1)
+    args = TrainingArgs(batch_size=BATCH, iters=OPTION_ITERS, val_batches=VAL_BATCHES, steps_per_report=1,
+                        steps_per_eval=5, steps_per_save=10 ** 9, max_seq_length=MAX_SEQ,
+                        adapter_file=str(scratch / "adapters.safetensors"), grad_accumulation_steps=accumulation)
+    # as mlx_lm.lora's train_model builds them
+    lr = build_schedule(spec["lr_schedule"]) if spec.get("lr_schedule") else spec["learning_rate"]
+    classes = {"adam": optim.Adam, "adamw": optim.AdamW, "sgd": optim.SGD}
+    optimizer = classes[spec["optimizer"]](learning_rate=lr, **spec.get("optimizer_config", {}))
+    rec = Record()
+    np.random.seed(SEED)
+    train(model=model, optimizer=optimizer, train_dataset=train_set, val_dataset=valid_set, args=args,
+          training_callback=rec)
+    shutil.rmtree(scratch)
+    info = {"options": spec, "base_run": "train-llama-4bit-g64", "iters": OPTION_ITERS, "steps_per_eval": 5,
+            "val_batches": VAL_BATCHES, "train": rec.train, "val": rec.val}
+    out = root / "options" / f"{name}.json"
+    out.write_text(json.dumps(info, indent=1) + "\n")
+    return info
+
+
+def schedule_tables(root):
+    steps = mx.arange(SCHEDULE_STEPS + 1, dtype=mx.uint64)
+    tables = []
+    for config in SCHEDULES:
+        schedule = build_schedule(config)
+        tables.append({"lr_schedule": config, "values": [schedule(s).item() for s in steps]})
+    (root / "schedules.json").write_text(json.dumps(tables) + "\n")
+
+
 def main():
     tiny = Path(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/tiny")
     root = Path(sys.argv[2] if len(sys.argv) > 2 else "tests/fixtures/lora")
@@ -234,7 +308,14 @@ def main():
                        ("data-completions/train", True), ("data-text/train", False)):
         sets[f"{name}.jsonl mask_prompt={mask}"] = processed(root / f"{name}.jsonl", tok, mask)
     (root / "datasets.json").write_text(json.dumps(sets) + "\n")
-    for name in sys.argv[3:] or RUNS:
+    schedule_tables(root)
+    for name in sys.argv[3:] or [*RUNS, *OPTION_RUNS]:
+        if name in OPTION_RUNS:
+            info = option_run(root, tiny, name, OPTION_RUNS[name])
+            print(f"{name}: train {[round(l, 4) for _, l, *_ in info['train']]}; "
+                  f"lr {[f'{r[3]:.3g}' for r in info['train']]}; val {[round(v, 4) for _, v in info['val']]}",
+                  flush=True)
+            continue
         spec = RUNS[name]
         base, out = tiny / spec["base"], root / f"train-{name}"
         if out.exists():

@@ -12,6 +12,8 @@ use oxlm_models::save::write_json;
 use oxlm_runtime::hub::resolve_model;
 use oxlm_runtime::lora::data::{Dataset, Encoder};
 use oxlm_runtime::lora::np_random::NumpyRandom;
+use oxlm_runtime::lora::optimizer::OptimizerConfig;
+use oxlm_runtime::lora::schedule::Schedule;
 use oxlm_runtime::lora::trainer::{self, init_adapters, Event, TrainArgs};
 use oxlm_runtime::LoadedModel;
 use serde_json::{json, Map, Value};
@@ -31,7 +33,7 @@ pub struct Args {
     /// Only `lora` is supported.
     #[arg(long, default_value = "lora")]
     fine_tune_type: String,
-    /// Only `adam` is supported.
+    /// adam, adamw or sgd, with mlx.optimizers' defaults.
     #[arg(long, default_value = "adam")]
     optimizer: String,
     /// Leave the prompt (everything before the last message) out of the loss.
@@ -51,6 +53,10 @@ pub struct Args {
     /// Adam learning rate.
     #[arg(long, default_value_t = 1e-5, value_parser = learning_rate)]
     learning_rate: f64,
+    /// Batches whose gradients are averaged into each optimizer update; iterations, reports
+    /// and saves count batches.
+    #[arg(long, default_value_t = 1, value_parser = positive)]
+    grad_accumulation_steps: usize,
     /// Steps between training-loss reports.
     #[arg(long, default_value_t = 10, value_parser = positive)]
     steps_per_report: usize,
@@ -215,7 +221,7 @@ fn run_config(args: &Args, lora: &LoraConfig) -> Value {
         "train": args.train,
         "data": path(&args.data),
         "optimizer": args.optimizer,
-        "optimizer_config": {"adam": {}},
+        "optimizer_config": {"adam": {}, "adamw": {}, "muon": {}, "sgd": {}, "adafactor": {}},
         "mask_prompt": args.mask_prompt,
         "batch_size": args.batch_size,
         "iters": args.iters,
@@ -230,7 +236,7 @@ fn run_config(args: &Args, lora: &LoraConfig) -> Value {
         "test_batches": args.test_batches,
         "max_seq_length": args.max_seq_length,
         "grad_checkpoint": args.grad_checkpoint,
-        "grad_accumulation_steps": 1,
+        "grad_accumulation_steps": args.grad_accumulation_steps,
         "lr_schedule": null,
         "seed": args.seed,
     });
@@ -275,12 +281,7 @@ pub fn run(args: Args) -> Result<()> {
             args.fine_tune_type
         );
     }
-    if args.optimizer.to_lowercase() != "adam" {
-        bail!(
-            "--optimizer {} is not supported (supported: adam)",
-            args.optimizer
-        );
-    }
+    let optimizer = OptimizerConfig::from_config(&args.optimizer, &json!({}))?;
     if !args.train && !args.test {
         bail!("Must provide at least one of --train or --test");
     }
@@ -332,6 +333,7 @@ pub fn run(args: Args) -> Result<()> {
         }
         train(
             &args,
+            optimizer,
             &loaded,
             &mut adapters,
             &config,
@@ -354,6 +356,7 @@ pub fn run(args: Args) -> Result<()> {
 #[allow(clippy::too_many_arguments)]
 fn train(
     args: &Args,
+    optimizer: OptimizerConfig,
     loaded: &LoadedModel,
     adapters: &mut Adapters,
     config: &LoraConfig,
@@ -408,7 +411,9 @@ fn train(
         steps_per_eval: args.steps_per_eval,
         save_every: args.save_every,
         max_seq_length: args.max_seq_length,
-        learning_rate: args.learning_rate as f32,
+        optimizer,
+        learning_rate: Schedule::Constant(args.learning_rate as f32),
+        grad_accumulation_steps: args.grad_accumulation_steps,
         grad_checkpoint: args.grad_checkpoint,
         adapter_file: args.adapter_path.join(WEIGHTS_FILE),
     };

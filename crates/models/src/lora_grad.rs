@@ -79,6 +79,34 @@ impl AdapterGrads {
         AdapterGrads { layers, experts }
     }
 
+    /// Adds `other`'s gradients, layer by layer, to these (of the same adapters).
+    pub fn add(&mut self, other: &AdapterGrads) {
+        for (sum, g) in self.values_mut().zip(other.values()) {
+            for (s, v) in sum.a.iter_mut().zip(&g.a).chain(sum.b.iter_mut().zip(&g.b)) {
+                *s += v;
+            }
+        }
+    }
+
+    /// Divides every gradient by `n`.
+    pub fn divide(&mut self, n: f32) {
+        for g in self.values_mut() {
+            for v in g.a.iter_mut().chain(g.b.iter_mut()) {
+                *v /= n;
+            }
+        }
+    }
+
+    fn values(&self) -> impl Iterator<Item = &LoraGrad> {
+        self.layers.values().chain(self.experts.values().flatten())
+    }
+
+    fn values_mut(&mut self) -> impl Iterator<Item = &mut LoraGrad> {
+        self.layers
+            .values_mut()
+            .chain(self.experts.values_mut().flatten())
+    }
+
     /// Every gradient with the name of its layer (`path` or, for an expert, `path[e]`).
     pub fn named(&self) -> impl Iterator<Item = (String, &LoraGrad)> {
         let layers = self.layers.iter().map(|(path, g)| (path.clone(), g));

@@ -1,23 +1,25 @@
 //! The training loop of `mlx_lm.tuner.trainer.train`: batches, validation at the first step,
-//! every `steps_per_eval` steps and the last, Adam updates, reports every `steps_per_report`
-//! steps, and adapter checkpoints every `save_every` steps. Checkpoints are written atomically.
+//! every `steps_per_eval` steps and the last, optimizer updates (after every
+//! `grad_accumulation_steps` batches), reports every `steps_per_report` steps, and adapter
+//! checkpoints every `save_every` steps. Checkpoints are written atomically.
 //! What happens is told through [`Event`]s, so the caller decides what to print.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use oxlm_models::lora::{AdaptedModel, AdapterError, Adapters, LoraConfig};
-use oxlm_models::lora_grad::{loss_sum, LoraGrad};
+use oxlm_models::lora_grad::{loss_sum, AdapterGrads, LoraGrad};
 use oxlm_models::save::SaveError;
 use oxlm_models::{ForwardError, LanguageModel};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use thiserror::Error;
 
-use super::adam::Adam;
 use super::batches::{Batches, TooSmall};
 use super::data::Dataset;
 use super::np_random::NumpyRandom;
+use super::optimizer::{Optimizer, OptimizerConfig};
+use super::schedule::Schedule;
 use crate::memory::peak_resident_bytes;
 
 #[derive(Debug, Error)]
@@ -32,6 +34,8 @@ pub enum TrainError {
     Save(#[from] SaveError),
     #[error("the learning rate must be a finite number above 0, not {0}")]
     LearningRate(f32),
+    #[error("grad_accumulation_steps must be at least 1")]
+    GradAccumulationSteps,
     /// The step is not applied, so that no adapters of NaN are saved.
     #[error(
         "training diverged at iteration {iteration}: the loss is {loss}; the adapters are not \
@@ -46,7 +50,7 @@ pub enum TrainError {
     NonFiniteGradient { iteration: usize, layer: String },
 }
 
-/// mlx-lm's `TrainingArgs` (and the learning rate).
+/// mlx-lm's `TrainingArgs`, and the optimizer with its learning rate.
 #[derive(Debug, Clone)]
 pub struct TrainArgs {
     pub batch_size: usize,
@@ -57,7 +61,10 @@ pub struct TrainArgs {
     pub steps_per_eval: usize,
     pub save_every: usize,
     pub max_seq_length: usize,
-    pub learning_rate: f32,
+    pub optimizer: OptimizerConfig,
+    pub learning_rate: Schedule,
+    /// Batches whose gradients are averaged into each optimizer update.
+    pub grad_accumulation_steps: usize,
     pub grad_checkpoint: bool,
     /// Where the adapter weights are saved (`adapters.safetensors` in the adapter directory).
     pub adapter_file: PathBuf,
@@ -68,6 +75,7 @@ pub struct TrainArgs {
 pub struct Report {
     pub iteration: usize,
     pub train_loss: f32,
+    /// The rate of the last optimizer update (the schedule's first before any).
     pub learning_rate: f32,
     pub iterations_per_second: f64,
     pub tokens_per_second: f64,
@@ -152,6 +160,11 @@ pub fn evaluate(
 /// Trains `adapters` on `train` (validating on `valid` when it is not empty), saving them to
 /// `args.adapter_file` every `save_every` steps (beside a numbered copy) and at the end. A step
 /// whose loss or gradients are not finite ends training with an error before it changes them.
+///
+/// As mlx-lm's loop, an iteration is one batch: with `grad_accumulation_steps` N, the gradients
+/// of N batches are summed and divided by N, and the optimizer steps at every N-th iteration
+/// (the gradients of a last incomplete group are not applied); reports and saves count
+/// iterations.
 pub fn train(
     model: &dyn LanguageModel,
     adapters: &mut Adapters,
@@ -164,11 +177,17 @@ pub fn train(
     let adaptable = model
         .adaptable()
         .ok_or_else(|| AdapterError::UnsupportedModel(model.info().model_type.clone()))?;
-    if !(args.learning_rate.is_finite() && args.learning_rate > 0.0) {
-        return Err(TrainError::LearningRate(args.learning_rate));
+    if let Schedule::Constant(rate) = args.learning_rate {
+        if !(rate.is_finite() && rate > 0.0) {
+            return Err(TrainError::LearningRate(rate));
+        }
+    }
+    if args.grad_accumulation_steps == 0 {
+        return Err(TrainError::GradAccumulationSteps);
     }
     let mut batches = Batches::new(train, args.batch_size, args.max_seq_length, true)?;
-    let mut adam = Adam::new(args.learning_rate);
+    let mut optimizer = Optimizer::new(args.optimizer.clone(), args.learning_rate.clone());
+    let mut accumulated: Option<AdapterGrads> = None;
     let (mut losses, mut tokens, mut steps, mut trained_tokens) = (0.0f64, 0usize, 0usize, 0usize);
     let mut train_time = 0.0f64;
     for it in 1..=args.iters {
@@ -223,7 +242,21 @@ pub fn train(
                 layer,
             });
         }
-        adam.update(adapters, &step.grads);
+        let mut grads = match accumulated.take() {
+            Some(mut sum) => {
+                sum.add(&step.grads);
+                sum
+            }
+            None => step.grads,
+        };
+        if it % args.grad_accumulation_steps == 0 {
+            if args.grad_accumulation_steps > 1 {
+                grads.divide(args.grad_accumulation_steps as f32);
+            }
+            optimizer.update(adapters, &grads);
+        } else {
+            accumulated = Some(grads);
+        }
         losses += step.loss as f64;
         tokens += step.tokens;
         steps += 1;
@@ -235,7 +268,7 @@ pub fn train(
             let report = Report {
                 iteration: it,
                 train_loss: (losses / steps as f64) as f32,
-                learning_rate: adam.learning_rate,
+                learning_rate: optimizer.learning_rate(),
                 iterations_per_second: args.steps_per_report as f64 / train_time,
                 tokens_per_second: tokens as f64 / train_time,
                 trained_tokens,
