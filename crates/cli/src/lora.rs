@@ -1,6 +1,8 @@
 //! `oxlm lora`: a drop-in for `mlx_lm.lora`, fine-tuning LoRA adapters on a frozen model with
 //! its flags, defaults, data formats and report lines, plus a progress bar.
 
+use std::fs::File;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -12,80 +14,151 @@ use oxlm_models::save::write_json;
 use oxlm_runtime::hub::resolve_model;
 use oxlm_runtime::lora::data::{Dataset, Encoder};
 use oxlm_runtime::lora::np_random::NumpyRandom;
-use oxlm_runtime::lora::optimizer::OptimizerConfig;
-use oxlm_runtime::lora::schedule::Schedule;
 use oxlm_runtime::lora::trainer::{self, init_adapters, Event, TrainArgs};
 use oxlm_runtime::LoadedModel;
 use serde_json::{json, Map, Value};
 
+mod settings;
+
+use settings::{check_learning_rate, Settings};
+
+/// mlx_lm.lora's flags. Each may also be given in the `--config` file under its name with
+/// underscores (`batch_size: 8`); a flag given here wins over the file, and the defaults below
+/// apply to what neither gives.
 #[derive(clap::Args)]
 pub struct Args {
     /// The MLX model to fine-tune: a local directory, or a Hugging Face repo id (org/name or
     /// org/name@revision) fetched into the Hugging Face cache.
     #[arg(long)]
-    model: PathBuf,
+    model: Option<PathBuf>,
     /// Train adapters.
     #[arg(long)]
     train: bool,
-    /// A directory with train.jsonl, valid.jsonl and test.jsonl (chat, completions or text).
-    #[arg(long, default_value = "data")]
-    data: PathBuf,
-    /// Only `lora` is supported.
-    #[arg(long, default_value = "lora")]
-    fine_tune_type: String,
-    /// adam, adamw or sgd, with mlx.optimizers' defaults.
-    #[arg(long, default_value = "adam")]
-    optimizer: String,
+    /// A directory with train.jsonl, valid.jsonl and test.jsonl (chat, completions or text)
+    /// [default: data].
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Only `lora` is supported [default: lora].
+    #[arg(long)]
+    fine_tune_type: Option<String>,
+    /// adam, adamw or sgd, with mlx.optimizers' defaults; the config file's
+    /// `optimizer_config.<name>` sets their parameters (betas, eps, weight_decay,
+    /// bias_correction; momentum, weight_decay, dampening, nesterov) [default: adam].
+    #[arg(long)]
+    optimizer: Option<String>,
     /// Leave the prompt (everything before the last message) out of the loss.
     #[arg(long)]
     mask_prompt: bool,
-    /// Blocks to adapt, counted from the last; -1 adapts all of them.
-    #[arg(long, default_value_t = 16, allow_negative_numbers = true)]
-    num_layers: i64,
-    #[arg(long, default_value_t = 4, value_parser = positive)]
-    batch_size: usize,
-    /// Optimizer steps.
-    #[arg(long, default_value_t = 1000)]
-    iters: usize,
-    /// Validation batches; -1 uses the whole validation set.
-    #[arg(long, default_value_t = 25, allow_negative_numbers = true)]
-    val_batches: i64,
-    /// Adam learning rate.
-    #[arg(long, default_value_t = 1e-5, value_parser = learning_rate)]
-    learning_rate: f64,
+    /// Blocks to adapt, counted from the last; -1 adapts all of them [default: 16].
+    #[arg(long, allow_negative_numbers = true)]
+    num_layers: Option<i64>,
+    /// [default: 4]
+    #[arg(long, value_parser = positive)]
+    batch_size: Option<usize>,
+    /// Iterations: batches trained on [default: 1000].
+    #[arg(long, value_parser = positive)]
+    iters: Option<usize>,
+    /// Validation batches; -1 uses the whole validation set [default: 25].
+    #[arg(long, allow_negative_numbers = true)]
+    val_batches: Option<i64>,
+    /// The learning rate; the config file's `lr_schedule` replaces it with a schedule
+    /// (`name`: cosine_decay, linear_schedule, exponential_decay or step_decay, with its
+    /// `arguments`, and an optional linear `warmup` of N steps from `warmup_init`)
+    /// [default: 1e-5].
+    #[arg(long, value_parser = learning_rate)]
+    learning_rate: Option<f64>,
     /// Batches whose gradients are averaged into each optimizer update; iterations, reports
-    /// and saves count batches.
-    #[arg(long, default_value_t = 1, value_parser = positive)]
-    grad_accumulation_steps: usize,
-    /// Steps between training-loss reports.
-    #[arg(long, default_value_t = 10, value_parser = positive)]
-    steps_per_report: usize,
-    /// Steps between validations.
-    #[arg(long, default_value_t = 200, value_parser = positive)]
-    steps_per_eval: usize,
+    /// and saves count batches [default: 1].
+    #[arg(long, value_parser = positive)]
+    grad_accumulation_steps: Option<usize>,
+    /// Iterations between training-loss reports [default: 10].
+    #[arg(long, value_parser = positive)]
+    steps_per_report: Option<usize>,
+    /// Iterations between validations [default: 200].
+    #[arg(long, value_parser = positive)]
+    steps_per_eval: Option<usize>,
     /// Start from these adapter weights (a safetensors file).
     #[arg(long)]
     resume_adapter_file: Option<PathBuf>,
-    /// Where the adapters are saved (and, with --test alone, loaded from).
-    #[arg(long, default_value = "adapters")]
-    adapter_path: PathBuf,
-    /// Save the adapters every N steps.
-    #[arg(long, default_value_t = 100, value_parser = positive)]
-    save_every: usize,
+    /// Where the adapters are saved (and, with --test alone, loaded from) [default: adapters].
+    #[arg(long)]
+    adapter_path: Option<PathBuf>,
+    /// Save the adapters every N iterations [default: 100].
+    #[arg(long, value_parser = positive)]
+    save_every: Option<usize>,
     /// Evaluate on the test set (after training, if training).
     #[arg(long)]
     test: bool,
-    /// Test batches; -1 uses the whole test set.
-    #[arg(long, default_value_t = 500, allow_negative_numbers = true)]
-    test_batches: i64,
-    #[arg(long, default_value_t = 2048, value_parser = positive)]
-    max_seq_length: usize,
+    /// Test batches; -1 uses the whole test set [default: 500].
+    #[arg(long, allow_negative_numbers = true)]
+    test_batches: Option<i64>,
+    /// [default: 2048]
+    #[arg(long, value_parser = positive)]
+    max_seq_length: Option<usize>,
+    /// A YAML file of mlx_lm.lora's options, as `mlx_lm.lora --config` reads it: any flag's
+    /// name with underscores, and `lora_parameters` (`rank`, `scale`, `dropout`, 0 only for
+    /// now, and `keys`: the adapters' shape and the layers of a block they adapt),
+    /// `optimizer_config` and `lr_schedule`, which have no flags. Keys oxlm does not use are
+    /// kept in adapter_config.json, as mlx-lm keeps them.
+    #[arg(short = 'c', long)]
+    config: Option<PathBuf>,
     /// Keep only each block's input and recompute the block in the backward pass.
     #[arg(long)]
     grad_checkpoint: bool,
-    /// Seed of the batch order (numpy's, as mlx-lm) and of the adapters' initial values.
-    #[arg(long, default_value_t = 0)]
-    seed: u32,
+    /// Seed of the batch order (numpy's, as mlx-lm) and of the adapters' initial values
+    /// [default: 0].
+    #[arg(long)]
+    seed: Option<u32>,
+    /// Write each training report and validation to this file as a JSON line (`event`
+    /// `train`: iteration, train_loss, learning_rate, iterations_per_second,
+    /// tokens_per_second, trained_tokens, peak_memory in GB; `event` `val`: iteration,
+    /// val_loss, val_time in seconds), flushed as it is written.
+    #[arg(long)]
+    metrics_file: Option<PathBuf>,
+}
+
+impl Args {
+    /// The flags given, by mlx-lm's option names; a switch left off is not given, so that the
+    /// config file may turn it on.
+    fn given(&self) -> Map<String, Value> {
+        let path = |p: &Option<PathBuf>| p.as_ref().map(|p| json!(p.display().to_string()));
+        let switch = |on: bool| on.then_some(json!(true));
+        [
+            ("model", path(&self.model)),
+            ("train", switch(self.train)),
+            ("data", path(&self.data)),
+            (
+                "fine_tune_type",
+                self.fine_tune_type.as_ref().map(|v| json!(v)),
+            ),
+            ("optimizer", self.optimizer.as_ref().map(|v| json!(v))),
+            ("mask_prompt", switch(self.mask_prompt)),
+            ("num_layers", self.num_layers.map(|v| json!(v))),
+            ("batch_size", self.batch_size.map(|v| json!(v))),
+            ("iters", self.iters.map(|v| json!(v))),
+            ("val_batches", self.val_batches.map(|v| json!(v))),
+            ("learning_rate", self.learning_rate.map(|v| json!(v))),
+            (
+                "grad_accumulation_steps",
+                self.grad_accumulation_steps.map(|v| json!(v)),
+            ),
+            ("steps_per_report", self.steps_per_report.map(|v| json!(v))),
+            ("steps_per_eval", self.steps_per_eval.map(|v| json!(v))),
+            ("resume_adapter_file", path(&self.resume_adapter_file)),
+            ("adapter_path", path(&self.adapter_path)),
+            ("save_every", self.save_every.map(|v| json!(v))),
+            ("test", switch(self.test)),
+            ("test_batches", self.test_batches.map(|v| json!(v))),
+            ("max_seq_length", self.max_seq_length.map(|v| json!(v))),
+            ("config", path(&self.config)),
+            ("grad_checkpoint", switch(self.grad_checkpoint)),
+            ("seed", self.seed.map(|v| json!(v))),
+            ("metrics_file", path(&self.metrics_file)),
+        ]
+        .into_iter()
+        .filter_map(|(key, value)| Some((key.to_string(), value?)))
+        .collect()
+    }
 }
 
 /// Counts and periods of zero would divide by zero or never step.
@@ -97,26 +170,57 @@ fn positive(text: &str) -> Result<usize, String> {
     }
 }
 
-/// A rate Adam can step with: training computes in f32, where the rate must be finite and above
-/// 0 (a NaN, infinite or negative rate, or one that f32 rounds to 0 or infinity, is refused).
+/// See [`check_learning_rate`].
 fn learning_rate(text: &str) -> Result<f64, String> {
     let rate: f64 = text
         .parse()
         .map_err(|e: std::num::ParseFloatError| e.to_string())?;
-    let in_f32 = rate as f32;
-    if in_f32.is_finite() && in_f32 > 0.0 {
-        Ok(rate)
-    } else {
-        Err("expected a finite number above 0".into())
+    check_learning_rate(rate)
+}
+
+/// `--metrics-file`: one JSON object a line, each flushed as it is written.
+struct MetricsLog {
+    path: PathBuf,
+    file: File,
+    /// The first write that failed; no more are tried, and the run ends with it.
+    failed: Option<std::io::Error>,
+}
+
+impl MetricsLog {
+    fn create(path: &Path) -> Result<Self> {
+        let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
+        Ok(MetricsLog {
+            path: path.to_path_buf(),
+            file,
+            failed: None,
+        })
+    }
+
+    fn write(&mut self, record: Value) {
+        if self.failed.is_some() {
+            return;
+        }
+        let line = format!("{record}\n");
+        let written = (self.file.write_all(line.as_bytes())).and_then(|()| self.file.flush());
+        self.failed = written.err();
+    }
+
+    fn finish(self) -> Result<()> {
+        match self.failed {
+            Some(e) => Err(e).with_context(|| format!("writing {}", self.path.display())),
+            None => Ok(()),
+        }
     }
 }
 
-/// Prints report lines above the progress bars (or plainly when the bars are hidden).
+/// Prints report lines above the progress bars (or plainly when the bars are hidden), and
+/// logs them to the metrics file when there is one.
 struct Ui {
     bars: MultiProgress,
     train: ProgressBar,
     val: Option<ProgressBar>,
     prev_loss: Option<f32>,
+    metrics: Option<MetricsLog>,
 }
 
 fn bar_style() -> ProgressStyle {
@@ -126,7 +230,7 @@ fn bar_style() -> ProgressStyle {
 }
 
 impl Ui {
-    fn new(iters: usize) -> Self {
+    fn new(iters: usize, metrics: Option<MetricsLog>) -> Self {
         let bars = MultiProgress::new();
         let train = bars.add(ProgressBar::new(iters as u64));
         train.set_style(bar_style());
@@ -137,6 +241,7 @@ impl Ui {
             train,
             val: None,
             prev_loss: None,
+            metrics,
         }
     }
 
@@ -171,6 +276,14 @@ impl Ui {
                     self.bars.remove(&bar);
                 }
                 self.line(format!("  {iteration:>4}    val {loss:>5.3}    {seconds:.2}s"));
+                if let Some(log) = &mut self.metrics {
+                    log.write(json!({
+                        "event": "val",
+                        "iteration": iteration,
+                        "val_loss": loss,
+                        "val_time": seconds,
+                    }));
+                }
             }
             Event::Step { .. } => self.train.inc(1),
             Event::Report(r) => {
@@ -189,6 +302,18 @@ impl Ui {
                     r.iterations_per_second,
                     r.peak_memory_gb
                 ));
+                if let Some(log) = &mut self.metrics {
+                    log.write(json!({
+                        "event": "train",
+                        "iteration": r.iteration,
+                        "train_loss": r.train_loss,
+                        "learning_rate": r.learning_rate,
+                        "iterations_per_second": r.iterations_per_second,
+                        "tokens_per_second": r.tokens_per_second,
+                        "trained_tokens": r.trained_tokens,
+                        "peak_memory": r.peak_memory_gb,
+                    }));
+                }
             }
             Event::Saved(path) => self.line(format!(
                 "  save  {}",
@@ -211,49 +336,11 @@ fn thousands(n: u64) -> String {
     out
 }
 
-/// adapter_config.json as mlx_lm.lora writes it: every setting of the run, so that mlx-lm (and
-/// `oxlm generate --adapter-path`) can rebuild the adapted layers.
-fn run_config(args: &Args, lora: &LoraConfig) -> Value {
-    let path = |p: &Path| Value::String(p.display().to_string());
-    let mut config = lora.to_json();
-    let extra = json!({
-        "model": path(&args.model),
-        "train": args.train,
-        "data": path(&args.data),
-        "optimizer": args.optimizer,
-        "optimizer_config": {"adam": {}, "adamw": {}, "muon": {}, "sgd": {}, "adafactor": {}},
-        "mask_prompt": args.mask_prompt,
-        "batch_size": args.batch_size,
-        "iters": args.iters,
-        "val_batches": args.val_batches,
-        "learning_rate": args.learning_rate,
-        "steps_per_report": args.steps_per_report,
-        "steps_per_eval": args.steps_per_eval,
-        "resume_adapter_file": args.resume_adapter_file.as_deref().map(path),
-        "adapter_path": path(&args.adapter_path),
-        "save_every": args.save_every,
-        "test": args.test,
-        "test_batches": args.test_batches,
-        "max_seq_length": args.max_seq_length,
-        "grad_checkpoint": args.grad_checkpoint,
-        "grad_accumulation_steps": args.grad_accumulation_steps,
-        "lr_schedule": null,
-        "seed": args.seed,
-    });
-    let (Value::Object(map), Value::Object(more)) = (&mut config, extra) else {
-        unreachable!("both are objects")
-    };
-    map.extend(more);
-    let mut entries: Vec<(String, Value)> = std::mem::take(map).into_iter().collect();
-    entries.sort_by(|a, b| a.0.cmp(&b.0));
-    Value::Object(entries.into_iter().collect::<Map<_, _>>())
-}
-
 fn evaluate_test(
     loaded: &LoadedModel,
     adapters: &Adapters,
     test: &Dataset,
-    args: &Args,
+    args: &Settings,
     rng: &mut NumpyRandom,
 ) -> Result<()> {
     let whole = test.len() / args.batch_size;
@@ -275,13 +362,10 @@ fn evaluate_test(
 }
 
 pub fn run(args: Args) -> Result<()> {
-    if args.fine_tune_type != "lora" {
-        bail!(
-            "--fine-tune-type {} is not supported (supported: lora)",
-            args.fine_tune_type
-        );
+    if let Some(path) = &args.config {
+        say!("Loading configuration file {}", path.display());
     }
-    let optimizer = OptimizerConfig::from_config(&args.optimizer, &json!({}))?;
+    let args = Settings::gather(args.given(), args.config.as_deref())?;
     if !args.train && !args.test {
         bail!("Must provide at least one of --train or --test");
     }
@@ -319,13 +403,13 @@ pub fn run(args: Args) -> Result<()> {
     let adapters = if args.train {
         say!("Training");
         let layers = model.info().num_layers;
-        if args.num_layers > layers as i64 {
+        if args.lora.num_layers > layers as i64 {
             bail!(
                 "Requested to train {} layers but the model only has {layers} layers.",
-                args.num_layers
+                args.lora.num_layers
             );
         }
-        let config = LoraConfig::new(args.num_layers);
+        let config = args.lora.clone();
         let mut adapters = init_adapters(model, config.clone(), args.seed as u64)?;
         if let Some(file) = &args.resume_adapter_file {
             say!("Loading fine-tuned weights from {}", file.display());
@@ -333,7 +417,6 @@ pub fn run(args: Args) -> Result<()> {
         }
         train(
             &args,
-            optimizer,
             &loaded,
             &mut adapters,
             &config,
@@ -355,8 +438,7 @@ pub fn run(args: Args) -> Result<()> {
 
 #[allow(clippy::too_many_arguments)]
 fn train(
-    args: &Args,
-    optimizer: OptimizerConfig,
+    args: &Settings,
     loaded: &LoadedModel,
     adapters: &mut Adapters,
     config: &LoraConfig,
@@ -368,12 +450,19 @@ fn train(
         ("model", args.model.display().to_string()),
         (
             "type",
-            format!("lora · {} layers · rank {}", args.num_layers, config.rank),
+            format!(
+                "lora · {} layers · rank {} · scale {}",
+                args.lora.num_layers, config.rank, config.scale
+            ),
         ),
         ("dataset", args.data.display().to_string()),
         (
             "optimizer",
-            format!("{} · lr {:.1e}", args.optimizer, args.learning_rate),
+            format!(
+                "{} · lr {}",
+                args.optimizer.name(),
+                args.learning_rate_label
+            ),
         ),
         (
             "batch · iters",
@@ -399,10 +488,7 @@ fn train(
     );
     std::fs::create_dir_all(&args.adapter_path)
         .with_context(|| format!("creating {}", args.adapter_path.display()))?;
-    write_json(
-        &args.adapter_path.join(CONFIG_FILE),
-        &run_config(args, config),
-    )?;
+    write_json(&args.adapter_path.join(CONFIG_FILE), &args.adapter_config())?;
     let train_args = TrainArgs {
         batch_size: args.batch_size,
         iters: args.iters,
@@ -411,13 +497,16 @@ fn train(
         steps_per_eval: args.steps_per_eval,
         save_every: args.save_every,
         max_seq_length: args.max_seq_length,
-        optimizer,
-        learning_rate: Schedule::Constant(args.learning_rate as f32),
+        optimizer: args.optimizer.clone(),
+        learning_rate: args.learning_rate.clone(),
         grad_accumulation_steps: args.grad_accumulation_steps,
         grad_checkpoint: args.grad_checkpoint,
         adapter_file: args.adapter_path.join(WEIGHTS_FILE),
     };
-    let mut ui = Ui::new(args.iters);
+    let metrics = (args.metrics_file.as_deref())
+        .map(MetricsLog::create)
+        .transpose()?;
+    let mut ui = Ui::new(args.iters, metrics);
     ui.line("  iter   train_loss     tok/s     tokens      it/s    peak mem".into());
     trainer::train(
         loaded.model.as_ref(),
@@ -429,5 +518,5 @@ fn train(
         &mut |e| ui.event(e),
     )?;
     ui.train.finish();
-    Ok(())
+    ui.metrics.map_or(Ok(()), MetricsLog::finish)
 }

@@ -79,3 +79,210 @@ fn a_diverging_run_fails_and_saves_no_adapters() {
     assert!(!stderr(&output).contains("panicked"), "{}", stderr(&output));
     assert!(!adapters.join("adapters.safetensors").exists());
 }
+
+/// `oxlm lora --config FILE` with `extra` flags, on the tiny llama and the fixture data.
+fn lora_with_config(config: &str, dir: &Path, extra: &[&str]) -> Output {
+    let file = dir.join("config.yaml");
+    std::fs::write(&file, config).unwrap();
+    Command::new(OXLM)
+        .arg("lora")
+        .arg("-c")
+        .arg(&file)
+        .arg("--model")
+        .arg(fixtures().join("tiny/llama-4bit-g64"))
+        .arg("--data")
+        .arg(fixtures().join("lora/data"))
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+fn read_lines(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// A config file as mlx_lm.lora reads it: its values drive the adapters' shape and keys, the
+/// optimizer and the learning-rate schedule, flags given on the command line win over it, and
+/// adapter_config.json records the run as mlx-lm does (unknown keys included). The metrics log
+/// has a line per report and validation, with the schedule's rates.
+#[test]
+fn a_config_file_drives_the_run() {
+    let out = tempfile::tempdir().unwrap();
+    let adapters = out.path().join("adapters");
+    let metrics = out.path().join("metrics.jsonl");
+    let config = format!(
+        "train: true\n\
+         adapter_path: {}\n\
+         num_layers: 1\n\
+         iters: 50\n\
+         batch_size: 2\n\
+         val_batches: 1\n\
+         steps_per_report: 1\n\
+         steps_per_eval: 3\n\
+         optimizer: adamw\n\
+         optimizer_config:\n  adamw:\n    weight_decay: 0.1\n    betas: [0.8, 0.99]\n\
+         lr_schedule:\n  name: linear_schedule\n  arguments: [1e-3, 1e-4, 2]\n  warmup: 2\n\
+         lora_parameters:\n  rank: 3\n  scale: 7.5\n  dropout: 0.0\n  keys: [self_attn.q_proj, mlp.down_proj]\n\
+         report_to: none\n",
+        adapters.display()
+    );
+    let output = lora_with_config(
+        &config,
+        out.path(),
+        &["--iters", "6", "--metrics-file", metrics.to_str().unwrap()],
+    );
+    assert!(output.status.success(), "{}", stderr(&output));
+    let saved: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(adapters.join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(saved["lora_parameters"]["rank"], 3);
+    assert_eq!(saved["lora_parameters"]["scale"], 7.5);
+    assert_eq!(saved["num_layers"], 1);
+    assert_eq!(saved["iters"], 6, "the flag wins over the file");
+    assert_eq!(saved["optimizer"], "adamw");
+    assert_eq!(saved["optimizer_config"]["adamw"]["weight_decay"], 0.1);
+    assert_eq!(saved["report_to"], "none");
+    assert_eq!(saved["learning_rate"], 1e-5, "mlx-lm's default, unused");
+    // The adapters have the config's shape: one block, two layers of rank 3.
+    let bytes = std::fs::read(adapters.join("adapters.safetensors")).unwrap();
+    let weights = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut names = weights.names();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "model.layers.1.mlp.down_proj.lora_a",
+            "model.layers.1.mlp.down_proj.lora_b",
+            "model.layers.1.self_attn.q_proj.lora_a",
+            "model.layers.1.self_attn.q_proj.lora_b",
+        ]
+    );
+    assert_eq!(
+        weights
+            .tensor("model.layers.1.self_attn.q_proj.lora_a")
+            .unwrap()
+            .shape()[1],
+        3
+    );
+
+    // A warmup of 2 steps from 0 to 1e-3, then 1e-3 again (the schedule's step 0), then down to
+    // 1e-4 over 2 steps: the rate of each iteration's update.
+    let lines = read_lines(&metrics);
+    let train: Vec<_> = lines.iter().filter(|l| l["event"] == "train").collect();
+    let rates: Vec<f64> = train
+        .iter()
+        .map(|l| l["learning_rate"].as_f64().unwrap())
+        .collect();
+    let want = [0.0, 5e-4, 1e-3, 1e-3, 5.5e-4, 1e-4];
+    assert_eq!(rates.len(), want.len());
+    for (got, want) in rates.iter().zip(want) {
+        assert!((got - want).abs() <= 1e-6 * want, "{rates:?}");
+    }
+    assert_eq!(
+        train
+            .iter()
+            .map(|l| l["iteration"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        [1, 2, 3, 4, 5, 6]
+    );
+    for line in &train {
+        for key in [
+            "train_loss",
+            "iterations_per_second",
+            "tokens_per_second",
+            "trained_tokens",
+            "peak_memory",
+        ] {
+            assert!(line[key].as_f64().unwrap() > 0.0, "{key}: {line}");
+        }
+    }
+    let val: Vec<u64> = (lines.iter().filter(|l| l["event"] == "val"))
+        .map(|l| l["iteration"].as_u64().unwrap())
+        .collect();
+    assert_eq!(val, [1, 3, 6]);
+
+    // The adapter_config.json written loads back: --test alone reads the adapters through it.
+    let data = out.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    std::fs::copy(
+        fixtures().join("lora/data/valid.jsonl"),
+        data.join("test.jsonl"),
+    )
+    .unwrap();
+    let test = Command::new(OXLM)
+        .arg("lora")
+        .arg("--model")
+        .arg(fixtures().join("tiny/llama-4bit-g64"))
+        .arg("--data")
+        .arg(&data)
+        .arg("--adapter-path")
+        .arg(&adapters)
+        .args(["--test", "--test-batches", "1"])
+        .output()
+        .unwrap();
+    assert!(test.status.success(), "{}", stderr(&test));
+    assert!(String::from_utf8_lossy(&test.stdout).contains("Test loss"));
+}
+
+/// Configs mlx-lm would refuse, and values oxlm does not support, end the run before the model
+/// loads, naming the key, with status 1 and no panic.
+#[test]
+fn bad_configs_are_refused_naming_the_key() {
+    let out = tempfile::tempdir().unwrap();
+    for (config, message) in [
+        (
+            "batch_size: four\n",
+            "`batch_size`: invalid type: string \"four\", expected usize",
+        ),
+        (
+            "optimizer: rmsprop\n",
+            "`optimizer`: unknown optimizer `rmsprop` (supported: adam, adamw, sgd)",
+        ),
+        (
+            "lr_schedule: {name: cosine_warmup, arguments: [1e-3, 10]}\n",
+            "`lr_schedule.name`: unknown schedule `cosine_warmup`",
+        ),
+        (
+            "lr_schedule: {name: linear_schedule, arguments: [1e-3, 0, 0]}\n",
+            "`lr_schedule.arguments[2]`: steps must be a whole number of steps, at least 1",
+        ),
+        (
+            "optimizer: sgd\noptimizer_config: {sgd: {momentum: high}}\n",
+            "`optimizer_config.sgd.momentum`: invalid type: string \"high\", expected f64",
+        ),
+        (
+            "optimizer_config: {adam: {learning_rate: 0.1}}\n",
+            "`optimizer_config.adam.learning_rate`: unknown field `learning_rate`",
+        ),
+        (
+            "lora_parameters: {rank: 8, alpha: 16, dropout: 0.0}\n",
+            "`lora_parameters.scale` is missing (mlx-lm uses `scale`, not `alpha`)",
+        ),
+        (
+            "lora_parameters: {rank: 0, scale: 10, dropout: 0.0}\n",
+            "`lora_parameters.rank` must be at least 1",
+        ),
+        ("save_every: 0\n", "`save_every` must be at least 1"),
+        (
+            "- a list\n",
+            "a config must be a mapping of option names to values",
+        ),
+    ] {
+        let output = lora_with_config(config, out.path(), &["--train"]);
+        let err = stderr(&output);
+        assert_eq!(output.status.code(), Some(1), "{config}: {err}");
+        assert!(err.contains(message), "{config}: {err}");
+        assert!(err.contains("config.yaml"), "{config}: {err}");
+        assert!(!err.contains("panicked"), "{config}: {err}");
+        let said = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            !said.contains("Loading pretrained model"),
+            "{config}: {said}"
+        );
+    }
+}
