@@ -122,7 +122,9 @@ OPTION_RUNS = {
     "cosine-warmup": dict(optimizer="adam", learning_rate=1e-3,
                           lr_schedule={"name": "cosine_decay", "arguments": [2e-3, 6, 1e-4], "warmup": 3,
                                        "warmup_init": 1e-4}),
-    "grad-accumulation": dict(optimizer="adam", learning_rate=1e-3, grad_accumulation_steps=3),
+    # SGD, whose step scales with the gradient (Adam's would not show a missing average)
+    "grad-accumulation": dict(optimizer="sgd", learning_rate=0.01, optimizer_config={"momentum": 0.5},
+                              grad_accumulation_steps=3),
 }
 
 # lr_schedule configs as mlx_lm.lora's YAML gives them, tabulated by build_schedule.
