@@ -1,6 +1,6 @@
-//! The real `oxlm lora` binary with learning rates that cannot train: refused before the model
-//! loads when they are not finite numbers above 0, and a run that diverges ends with an error
-//! and no adapters of NaN.
+//! The real `oxlm lora` binary: learning rates that cannot train are refused before the model
+//! loads, a run that diverges ends with an error and no adapters of NaN, a `--config` file
+//! drives a run as mlx_lm.lora's does, and bad configs are refused naming the key.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

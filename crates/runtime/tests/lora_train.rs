@@ -1,7 +1,8 @@
 //! `oxlm lora`'s pieces against mlx-lm's (tests/fixtures/lora, from
 //! scripts/oracle/make_lora_train_fixture.py): the tokenized data sets, the first batch drawn
 //! after `np.random.seed(0)`, and a 30-step run from the same starting adapter, whose losses,
-//! final adapter and validation losses must follow mlx-lm's.
+//! final adapter and validation losses must follow mlx-lm's; shorter runs with mlx_lm.lora's
+//! training options (optimizers, a schedule, gradient accumulation), and its schedules' rates.
 
 use std::path::{Path, PathBuf};
 
