@@ -170,6 +170,13 @@ impl StreamingDetokenizer {
         })
     }
 
+    /// This detokenizer for output that continues text already written (a prefilled reply):
+    /// its first space is kept, as a space inside the text is.
+    pub fn continuing(mut self) -> Self {
+        self.emitted = true;
+        self
+    }
+
     /// All ids pushed so far.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens

@@ -126,6 +126,9 @@ pub struct StreamOptions {
     pub top_logprobs: usize,
     /// The grammar the output must follow; generation ends once it is complete.
     pub constraint: Option<TokenConstraint>,
+    /// The output continues text that ends the prompt (a prefilled reply), so a space it
+    /// starts with is its own, not the detokenizer's to drop.
+    pub continues_text: bool,
 }
 
 /// Progress reported by [`generate_stream`]; the callback answers whether to go on.
@@ -401,7 +404,16 @@ impl Sequence {
         Ok(Sequence {
             sampler,
             constraint: stream.constraint.clone(),
-            detokenizer: tokenizer.map(Tokenizer::detokenizer).transpose()?,
+            detokenizer: tokenizer
+                .map(|t| {
+                    let detokenizer = t.detokenizer()?;
+                    Ok::<_, TokenizerError>(if stream.continues_text {
+                        detokenizer.continuing()
+                    } else {
+                        detokenizer
+                    })
+                })
+                .transpose()?,
             stop: StopMatcher::new(&stream.stop),
             eos_ids: eos_ids.clone(),
             max_tokens: options.max_tokens,

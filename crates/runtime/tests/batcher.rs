@@ -258,6 +258,7 @@ fn job(tokenizer: &Tokenizer, a: &Ask) -> (Job, Log) {
             stop: Vec::new(),
             top_logprobs: a.top_logprobs,
             constraint: a.constraint.clone(),
+            continues_text: false,
         },
         requester: Box::new(Logging {
             log: log.clone(),

@@ -145,19 +145,65 @@ fn chat_request(
         .map(Value::Array);
     check_tool_choice(&tool_choice, tools.as_ref(), "tool_choice")
         .map_err(|e| invalid("tool_choice", e.message))?;
+    let thinking = enable_thinking(fields.get("thinking"))?;
+    let mut messages = template_messages(fields.get("system"), fields.get("messages"))?;
+    let reply_prefix = reply_prefix(&mut messages, thinking, &tool_choice)?;
     let mut template_kwargs = Map::new();
-    if let Some(enabled) = enable_thinking(fields.get("thinking"))? {
+    // A prefilled reply is the answer itself, not reasoning the template would open.
+    if let Some(enabled) = thinking.or(reply_prefix.as_ref().map(|_| false)) {
         template_kwargs.insert("enable_thinking".into(), enabled.into());
     }
     Ok(ChatRequest {
         params,
-        messages: template_messages(fields.get("system"), fields.get("messages"))?,
+        messages,
         tools,
         template_kwargs,
         role_mapping: None,
         tool_choice,
         response_format: Default::default(),
+        reply_prefix,
     })
+}
+
+/// Anthropic's prefill: a last assistant message of text alone is the start of the reply,
+/// which the model continues (taken out of `messages`); empty, it is no start at all. As
+/// Anthropic, it may not end in whitespace, and it cannot go with thinking or a forced tool
+/// call, which would each have to come before it.
+fn reply_prefix(
+    messages: &mut Vec<Value>,
+    thinking: Option<bool>,
+    tool_choice: &ToolChoice,
+) -> Result<Option<String>, ApiError> {
+    let Some(last) = messages.last() else {
+        return Ok(None);
+    };
+    let plain_text = last.get("tool_calls").is_none() && last.get("reasoning_content").is_none();
+    if last["role"] != "assistant" || !plain_text {
+        return Ok(None);
+    }
+    let path = format!("messages.{}.content", messages.len() - 1);
+    let text = last["content"].as_str().unwrap_or_default().to_owned();
+    if text.trim_end() != text {
+        return Err(invalid(
+            &path,
+            "final assistant content cannot end with trailing whitespace",
+        ));
+    }
+    if thinking == Some(true) {
+        return Err(invalid(
+            &path,
+            "a prefilled reply (a final assistant message) cannot be used with thinking",
+        ));
+    }
+    if matches!(tool_choice, ToolChoice::Required | ToolChoice::Function(_)) {
+        return Err(invalid(
+            &path,
+            "a prefilled reply (a final assistant message) cannot be used with a tool_choice \
+             that forces a tool call",
+        ));
+    }
+    messages.pop();
+    Ok((!text.is_empty()).then_some(text))
 }
 
 /// `system` and `messages` as the chat templates take them: OpenAI's messages, content as text.

@@ -255,7 +255,7 @@ async fn completions(
         let st = state.clone();
         let prompt = req.prompt;
         let ids = blocking(move || text_prompt(&st, &prompt)).await?;
-        let running = submit(&state, &mut req.params, ids, "prompt", None, &tokens).await?;
+        let running = submit(&state, &mut req.params, ids, "prompt", None, false, &tokens).await?;
         let reply = Reply::new(&state, &req.params, &tokens, None);
         let id = format!("cmpl-{}", uuid4());
         let exchange = Exchange::new(state, Kind::Text, id, req.params);
@@ -302,6 +302,7 @@ pub(crate) async fn start_chat(
         prompt.ids,
         "messages",
         constraint,
+        req.reply_prefix.is_some(),
         tokens,
     )
     .await?;
@@ -329,8 +330,9 @@ pub(crate) fn chat_prompt(
     req: &request::ChatRequest,
 ) -> Result<ChatPrompt, ApiError> {
     let tokenizer = &state.model.tokenizer;
+    let prefix = req.reply_prefix.as_deref().unwrap_or_default();
     let Some(template) = &state.model.chat_template else {
-        let text = plain_chat(&req.messages, req.role_mapping.as_ref());
+        let text = plain_chat(&req.messages, req.role_mapping.as_ref()) + prefix;
         let ids = tokenizer.encode(&text, true).map_err(internal)?;
         return Ok(ChatPrompt {
             ids,
@@ -353,7 +355,8 @@ pub(crate) fn chat_prompt(
     let messages = Value::Array(messages);
     let text = template
         .render(&messages, tools.as_ref(), true, &kwargs)
-        .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+        .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?
+        + prefix;
     let ids = tokenizer.encode(&text, false).map_err(internal)?;
     let in_reasoning = state
         .think
@@ -450,6 +453,7 @@ pub(crate) async fn submit(
     prompt: Vec<u32>,
     prompt_param: &str,
     constraint: Option<TokenConstraint>,
+    continues_text: bool,
     tokens: &TokenCounts,
 ) -> Result<Running, ApiError> {
     if prompt.is_empty() {
@@ -474,6 +478,7 @@ pub(crate) async fn submit(
         stop: params.stop.clone(),
         top_logprobs: params.top_logprobs,
         constraint,
+        continues_text,
     };
     tokens.start(prompt.len());
     state.worker.submit(prompt, adapter, options, stream)

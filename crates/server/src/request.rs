@@ -85,6 +85,9 @@ pub struct ChatRequest {
     pub tool_choice: ToolChoice,
     /// The shape the reply's content must have.
     pub response_format: ResponseFormat,
+    /// The start of the reply, which the model continues (Anthropic's prefill: a last
+    /// assistant message); the reply holds only what follows it.
+    pub reply_prefix: Option<String>,
 }
 
 /// OpenAI's `tool_choice` (Anthropic's `auto`/`any`/`tool`/`none` map onto it): what calls
@@ -188,6 +191,7 @@ pub fn chat_request(
         role_mapping: fields.object("role_mapping")?,
         tool_choice,
         response_format: response_format(fields.get("response_format"))?,
+        reply_prefix: None,
     })
 }
 

@@ -221,6 +221,7 @@ fn responses_request(
         role_mapping: None,
         tool_choice,
         response_format,
+        reply_prefix: None,
     };
     Ok(ResponsesRequest {
         chat,

@@ -393,6 +393,73 @@ async fn errors_in_anthropic_shape() {
     message(base, &request(json!({}))).await;
 }
 
+/// A last assistant message is the start of the reply (Anthropic's prefill): the prompt ends
+/// with it, after the template's generation prompt with thinking off, and the reply holds what
+/// follows it. It may not end in whitespace, nor come with thinking or a forced tool call; an
+/// empty one starts nothing.
+#[tokio::test]
+async fn a_last_assistant_message_starts_the_reply() {
+    let served = start(" sunny. Bye.").await;
+    let base = &served.base;
+    let prefilled = |text: &str, extra: Value| {
+        let mut body = request(json!({"messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": [{"type": "text", "text": text}]},
+        ]}));
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let reply = message(base, &prefilled("It is", json!({}))).await;
+    let prompt = served.last_prompt();
+    assert!(
+        prompt.ends_with("<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nIt is"),
+        "{prompt}"
+    );
+    assert_eq!(
+        reply["content"],
+        json!([{"type": "text", "text": " sunny. Bye."}])
+    );
+    assert_eq!(reply["stop_reason"], "end_turn");
+    assert_eq!(
+        count_tokens(base, prefilled("It is", json!({}))).await,
+        served.last_prompt_ids().len()
+    );
+    message(base, &prefilled("", json!({}))).await;
+    assert!(
+        served
+            .last_prompt()
+            .ends_with("<|im_start|>assistant\n<think>\n"),
+        "{}",
+        served.last_prompt()
+    );
+    let error = |message: &str| json!({"type": "error", "error": {"type": "invalid_request_error", "message": message}});
+    let cases = [
+        (
+            prefilled("It is ", json!({})),
+            "messages.1.content: final assistant content cannot end with trailing whitespace",
+        ),
+        (
+            prefilled(
+                "It is",
+                json!({"thinking": {"type": "enabled", "budget_tokens": 1024}}),
+            ),
+            "messages.1.content: a prefilled reply (a final assistant message) cannot be used \
+             with thinking",
+        ),
+        (
+            prefilled("It is", json!({"tool_choice": {"type": "any"}})),
+            "messages.1.content: a prefilled reply (a final assistant message) cannot be used \
+             with a tool_choice that forces a tool call",
+        ),
+    ];
+    for (body, expected) in cases {
+        let (status, reply) = post(base, "/v1/messages", &body).await;
+        assert_eq!((status, reply), (StatusCode::BAD_REQUEST, error(expected)));
+    }
+}
+
 /// With `--api-key`, Anthropic's `x-api-key` is accepted as `Authorization: Bearer` is, and
 /// the Anthropic routes refuse others in Anthropic's shape.
 #[tokio::test]
