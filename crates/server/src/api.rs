@@ -76,7 +76,7 @@ async fn authorize(State(state): Shared, request: Request, next: Next) -> Respon
         let api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok());
         let mut given = [bearer, api_key].into_iter().flatten();
         if !given.any(|given| same_secret(given.trim(), key)) {
-            return if request.uri().path().starts_with("/v1/messages") {
+            return if crate::error::is_anthropic_route(request.uri().path()) {
                 crate::anthropic::unauthorized()
             } else {
                 ApiError::unauthorized().into_response()
@@ -128,8 +128,9 @@ async fn not_found(method: Method, uri: Uri) -> ApiError {
     ApiError::not_found(format!("Invalid URL ({method} {})", uri.path()))
 }
 
-async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
     ApiError::method_not_allowed(format!("Method {method} is not allowed for {}", uri.path()))
+        .into_response_for(uri.path())
 }
 
 /// Liveness, as mlx_lm.server answers it.

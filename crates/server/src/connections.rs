@@ -26,7 +26,6 @@ use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::http::{header, HeaderValue, Request, Response};
-use axum::response::IntoResponse;
 use axum::Router;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
@@ -424,8 +423,9 @@ impl hyper::service::Service<Request<Incoming>> for LimitedService {
         let in_progress = self.clock.request_started();
         // hyper gives a body of declared length that length as its exact size.
         let declared = request.body().size_hint().exact();
+        let path = request.uri().path().to_owned();
         if declared.is_some_and(|length| length > self.limits.max_request_bytes as u64) {
-            let response = closing(ApiError::too_large(TOO_LARGE_MESSAGE));
+            let response = closing(ApiError::too_large(TOO_LARGE_MESSAGE), &path);
             return Box::pin(ready(Ok(tracked(response, in_progress))));
         }
         let timeout = self.limits.body_timeout;
@@ -442,20 +442,21 @@ impl hyper::service::Service<Request<Incoming>> for LimitedService {
         Box::pin(async move {
             let mut response = router.oneshot(request).await?;
             if timed_out.load(Ordering::Relaxed) {
-                response = closing(ApiError::request_timeout(format!(
+                let error = ApiError::request_timeout(format!(
                     "The request body did not arrive within {} seconds",
                     timeout.as_secs_f64()
-                )));
+                ));
+                response = closing(error, &path);
             }
             Ok(tracked(response, in_progress))
         })
     }
 }
 
-/// `error`'s response, telling the client that the connection closes after it (the request's
-/// body is left unread).
-fn closing(error: ApiError) -> Response<Body> {
-    let mut response = error.into_response();
+/// `error`'s response to a request for `path`, telling the client that the connection closes
+/// after it (the request's body is left unread).
+fn closing(error: ApiError, path: &str) -> Response<Body> {
+    let mut response = error.into_response_for(path);
     let close = HeaderValue::from_static("close");
     response.headers_mut().insert(header::CONNECTION, close);
     response

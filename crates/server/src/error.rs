@@ -173,6 +173,17 @@ impl ApiError {
         self.response(&self.anthropic_body())
     }
 
+    /// The response in the shape of the API whose route `path` is: Anthropic's for its
+    /// Messages routes, OpenAI's elsewhere (errors raised before a route's handler runs:
+    /// methods, sizes, timeouts, keys).
+    pub fn into_response_for(self, path: &str) -> Response {
+        if is_anthropic_route(path) {
+            self.into_anthropic_response()
+        } else {
+            self.into_response()
+        }
+    }
+
     fn response(&self, body: &Value) -> Response {
         let mut response = (
             self.status,
@@ -312,4 +323,9 @@ pub enum ServeError {
     },
     #[error(transparent)]
     Io(#[from] std::io::Error),
+}
+
+/// Whether `path` is one of the Anthropic Messages API's routes.
+pub(crate) fn is_anthropic_route(path: &str) -> bool {
+    path == "/v1/messages" || path.starts_with("/v1/messages/")
 }

@@ -390,6 +390,20 @@ async fn errors_in_anthropic_shape() {
             )
         )
     );
+    // Refused before the handler: still Anthropic's shape.
+    let put = reqwest::Client::new()
+        .put(format!("{base}/v1/messages"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(
+        serde_json::from_str::<Value>(&put.text().await.unwrap()).unwrap(),
+        error(
+            "invalid_request_error",
+            "Method PUT is not allowed for /v1/messages"
+        )
+    );
     message(base, &request(json!({}))).await;
 }
 
