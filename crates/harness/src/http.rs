@@ -396,8 +396,20 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
 }
 
 fn parse_event(raw: &[u8]) -> Result<Event, ReadError> {
+    let event = parse_named_event(raw)?;
+    Ok(event.data.map_or(Event::Comment, Event::Data))
+}
+
+/// An event's `event:` name and its `data:` lines, joined.
+struct NamedEvent {
+    name: Option<String>,
+    data: Option<String>,
+}
+
+fn parse_named_event(raw: &[u8]) -> Result<NamedEvent, ReadError> {
     let text = std::str::from_utf8(raw)
         .map_err(|_| ReadError::Malformed("an event that is not UTF-8".into()))?;
+    let mut name: Option<String> = None;
     let mut data: Option<String> = None;
     for line in text.split('\n') {
         if line.starts_with(':') {
@@ -413,11 +425,32 @@ fn parse_event(raw: &[u8]) -> Result<Event, ReadError> {
                 }
                 None => data = Some(value.to_owned()),
             },
-            "event" | "id" | "retry" => {}
+            "event" => name = Some(value.to_owned()),
+            "id" | "retry" => {}
             _ => return Err(ReadError::Malformed(format!("event line {line:?}"))),
         }
     }
-    Ok(data.map_or(Event::Comment, Event::Data))
+    Ok(NamedEvent { name, data })
+}
+
+/// The data events of a whole event-stream body, each with its `event:` name when it has one;
+/// comments are left out.
+pub fn data_events(body: &[u8]) -> Result<Vec<(Option<String>, String)>, ReadError> {
+    if !body.is_empty() && !body.ends_with(b"\n\n") {
+        return Err(ReadError::Malformed(
+            "the stream ended in the middle of an event".into(),
+        ));
+    }
+    let mut events = Vec::new();
+    let mut rest = body;
+    while let Some(end) = find(rest, b"\n\n") {
+        let event = parse_named_event(&rest[..end])?;
+        if let Some(data) = event.data {
+            events.push((event.name, data));
+        }
+        rest = &rest[end + 2..];
+    }
+    Ok(events)
 }
 
 /// A request's bytes: the request line, `Host`, the given headers, `Content-Length` when there

@@ -3,6 +3,7 @@
 //! prints a table of what it saw, then one summary line, and exits 1 on any failure (2 when the
 //! harness itself could not run).
 
+mod anthropic;
 mod checkpoints;
 mod http;
 mod load;
@@ -11,6 +12,7 @@ mod openai;
 mod process;
 mod report;
 mod requests;
+mod responses_api;
 mod restart;
 mod safetensors;
 mod server;
@@ -32,7 +34,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Fuzz every endpoint of `oxlm serve` with malformed, hostile and boundary requests.
+    /// Fuzz every endpoint of `oxlm serve` (its OpenAI, Anthropic and Responses APIs) with
+    /// malformed, hostile and boundary requests.
     Requests(requests::Args),
     /// Run `oxlm generate` on corrupted copies of a fixture model.
     Checkpoints(checkpoints::Args),

@@ -11,6 +11,9 @@ pub struct ModelInfo {
     pub vocab_size: u64,
     /// The longest context (`max_position_embeddings`).
     pub max_context: u64,
+    /// Whether the server embeds with it: a sentence-transformers export (`modules.json`), or
+    /// a bare `*Model` with no language-model head, as the server decides.
+    pub embeds: bool,
 }
 
 impl ModelInfo {
@@ -30,6 +33,12 @@ impl ModelInfo {
                 .as_u64()
                 .context("config.json: vocab_size")?,
             max_context: text["max_position_embeddings"].as_u64().unwrap_or(32_768),
+            embeds: dir.join("modules.json").exists()
+                || config["architectures"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|name| name.as_str().is_some_and(|name| name.ends_with("Model"))),
         })
     }
 

@@ -1,17 +1,29 @@
 //! What a well-formed answer of the OpenAI API looks like: error objects, completions, model
-//! lists and event streams. Each check returns what is wrong, for the report.
+//! lists, embeddings and event streams; answers of the other APIs the server speaks go to their
+//! own checks ([`crate::anthropic`], [`crate::responses_api`]). Each check returns what is
+//! wrong, for the report.
 
 use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::http::{Connection, Event, Events, Response};
+use crate::http::{self, Connection, Event, Events, Response};
+use crate::{anthropic, responses_api};
 
-/// The API's endpoints, by what their answers hold.
+/// The server's endpoints, by what their answers hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
     Chat,
     Completions,
+    /// Anthropic's `/v1/messages`.
+    Messages,
+    /// Anthropic's `/v1/messages/count_tokens`.
+    CountTokens,
+    /// `POST /v1/responses`.
+    Responses,
+    /// `GET` or `DELETE /v1/responses/{id}`.
+    StoredResponse,
+    Embeddings,
     Models,
     Model,
     Health,
@@ -32,14 +44,31 @@ impl Endpoint {
         match path {
             "/v1/chat/completions" | "/chat/completions" => Endpoint::Chat,
             "/v1/completions" => Endpoint::Completions,
+            "/v1/messages" => Endpoint::Messages,
+            "/v1/messages/count_tokens" => Endpoint::CountTokens,
+            "/v1/responses" => Endpoint::Responses,
+            "/v1/embeddings" => Endpoint::Embeddings,
             "/v1/models" => Endpoint::Models,
             "/health" => Endpoint::Health,
             "/ready" => Endpoint::Ready,
             "/metrics" => Endpoint::Metrics,
             "/stats" => Endpoint::Stats,
             _ if path.starts_with("/v1/models/") => Endpoint::Model,
+            _ if path.starts_with("/v1/responses/") => Endpoint::StoredResponse,
             _ => Endpoint::Other,
         }
+    }
+
+    /// Whether its answers are the Anthropic Messages API's.
+    pub fn is_anthropic(self) -> bool {
+        matches!(self, Endpoint::Messages | Endpoint::CountTokens)
+    }
+
+    fn streams(self) -> bool {
+        matches!(
+            self,
+            Endpoint::Chat | Endpoint::Completions | Endpoint::Messages | Endpoint::Responses
+        )
     }
 }
 
@@ -73,13 +102,16 @@ pub fn check_response(
         };
     }
     if status >= 400 {
+        if endpoint.is_anthropic() {
+            return anthropic::check_error(&json_body(response)?, status);
+        }
         return check_error_response(response);
     }
     if status != 200 {
         return Err(format!("unexpected status {status}"));
     }
     if response.head.is_event_stream() {
-        if !matches!(endpoint, Endpoint::Chat | Endpoint::Completions) {
+        if !endpoint.streams() {
             return Err("an event stream from an endpoint that does not stream".into());
         }
         return check_stream_body(endpoint, &response.body).map(|_| ());
@@ -90,6 +122,11 @@ pub fn check_response(
     let value = json_body(response)?;
     match endpoint {
         Endpoint::Chat | Endpoint::Completions => check_completion(endpoint, &value),
+        Endpoint::Messages => anthropic::check_message(&value),
+        Endpoint::CountTokens => anthropic::check_token_count(&value),
+        Endpoint::Responses => responses_api::check_response_object(&value),
+        Endpoint::StoredResponse => responses_api::check_stored_answer(&value),
+        Endpoint::Embeddings => check_embeddings(&value).map(|_| ()),
         Endpoint::Models => {
             if value["object"] != "list" {
                 return Err("`object` is not \"list\"".into());
@@ -148,7 +185,7 @@ pub fn check_error_response(response: &Response) -> Result<(), String> {
     check_error(&json_body(response)?)
 }
 
-fn json_body(response: &Response) -> Result<Value, String> {
+pub fn json_body(response: &Response) -> Result<Value, String> {
     let content_type = response.head.header("content-type").unwrap_or("none");
     if !content_type.starts_with("application/json") {
         return Err(format!(
@@ -216,6 +253,76 @@ fn check_envelope(value: &Value, object: &str) -> Result<(), String> {
         return Err("`choices` is not a list".into());
     }
     Ok(())
+}
+
+/// The vectors of an embeddings list: how many, and whether as base64.
+pub struct Embeddings {
+    pub count: usize,
+    pub base64: bool,
+}
+
+/// `{"object": "list", "data": [{"object": "embedding", "index": i, "embedding": ...}], ...}`,
+/// every vector of one length, all float lists or all base64 (little-endian f32s).
+pub fn check_embeddings(value: &Value) -> Result<Embeddings, String> {
+    if value["object"] != "list" || !value["model"].is_string() {
+        return Err(format!(
+            "`object` or `model` of an embeddings list: {value}"
+        ));
+    }
+    let data = value["data"].as_array().ok_or("`data` is not a list")?;
+    let mut lengths = Vec::new();
+    let mut base64 = None;
+    for (i, item) in data.iter().enumerate() {
+        if item["object"] != "embedding" || item["index"] != i {
+            return Err(format!("embedding {i}: `object` or `index` {item}"));
+        }
+        let (length, encoded) = match &item["embedding"] {
+            Value::Array(values) if values.iter().all(Value::is_number) => (values.len(), false),
+            Value::String(text) => (
+                base64_f32s(text).ok_or("a vector that is not base64")?,
+                true,
+            ),
+            other => return Err(format!("embedding {i}: {other}")),
+        };
+        if *base64.get_or_insert(encoded) != encoded {
+            return Err("vectors of both encodings in one list".into());
+        }
+        lengths.push(length);
+    }
+    if lengths.windows(2).any(|pair| pair[0] != pair[1]) || lengths.contains(&0) {
+        return Err(format!("vectors of lengths {lengths:?}"));
+    }
+    for field in ["prompt_tokens", "total_tokens"] {
+        if !value["usage"][field].is_u64() {
+            return Err(format!("`usage.{field}` {}", value["usage"][field]));
+        }
+    }
+    Ok(Embeddings {
+        count: data.len(),
+        base64: base64.unwrap_or(false),
+    })
+}
+
+/// The number of f32s that standard base64 `text` holds, if it is that.
+fn base64_f32s(text: &str) -> Option<usize> {
+    let digits = text.trim_end_matches('=');
+    let valid = text.len().is_multiple_of(4)
+        && text.len() - digits.len() <= 2
+        && digits
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'/');
+    let bytes = digits.len() * 3 / 4;
+    (valid && bytes.is_multiple_of(4)).then_some(bytes / 4)
+}
+
+/// Whether an error a stream of `endpoint` ended with is the server's own failure, which a
+/// 5xx would have been before the stream started.
+pub fn is_server_failure(endpoint: Endpoint, error: &Value) -> bool {
+    match endpoint {
+        Endpoint::Messages => anthropic::is_server_failure(error),
+        Endpoint::Responses => responses_api::is_server_failure(error),
+        _ => error["error"]["type"] == "server_error",
+    }
 }
 
 /// How a well-formed stream ended.
@@ -286,21 +393,22 @@ impl StreamCheck {
     }
 }
 
-/// A whole event stream's body.
+/// A whole event stream's body, of any API.
 pub fn check_stream_body(endpoint: Endpoint, body: &[u8]) -> Result<StreamEnd, String> {
-    let text = std::str::from_utf8(body).map_err(|_| "a stream that is not UTF-8")?;
-    if !text.is_empty() && !text.ends_with("\n\n") {
-        return Err("the stream ended in the middle of an event".into());
+    let events = http::data_events(body).map_err(|e| e.to_string())?;
+    match endpoint {
+        Endpoint::Messages => return anthropic::check_stream(&events),
+        Endpoint::Responses => return responses_api::check_stream(&events),
+        _ => {}
     }
     let mut check = StreamCheck::new(endpoint);
-    for block in text.split_terminator("\n\n") {
-        for line in block.split('\n') {
-            if let Some(data) = line.strip_prefix("data:") {
-                check.event(data.strip_prefix(' ').unwrap_or(data))?;
-            } else if !line.starts_with(':') {
-                return Err(format!("event line {line:?}"));
-            }
+    for (name, data) in &events {
+        if let Some(name) = name {
+            return Err(format!(
+                "an event named {name:?}: OpenAI's streams name none"
+            ));
         }
+        check.event(data)?;
     }
     check.finish()
 }

@@ -1,7 +1,8 @@
-//! `requests`: a seeded fuzzer over every endpoint of `oxlm serve`. Passes when no request gets
-//! a 5xx, every error is an OpenAI error object, every 200 is well-formed (JSON, or an event
-//! stream ending in `data: [DONE]`), nothing hangs, the server never dies or panics, and a valid
-//! request still succeeds at the end.
+//! `requests`: a seeded fuzzer over every endpoint of `oxlm serve`: the OpenAI API, Anthropic's
+//! Messages API, the Responses API and embeddings. Passes when no request gets a 5xx, every
+//! error is its API's error object, every 200 is well-formed in its API's shapes (JSON, or an
+//! event stream in its API's grammar), requests that promise more get it (a status, vectors),
+//! nothing hangs, the server never dies or panics, and valid requests still succeed at the end.
 
 mod cases;
 
@@ -14,7 +15,7 @@ use crate::model::ModelInfo;
 use crate::openai::{self, StreamEnd};
 use crate::report::Tally;
 use crate::server::{self, Served, Server};
-use cases::{Case, Expected, Target};
+use cases::{Case, Expected, Promise, Target};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -150,6 +151,7 @@ fn target(args: &Args, server: &Server) -> Result<Target> {
         vocab_size: info.vocab_size,
         max_context: info.max_context,
         ends_at_once: info.eos_bias(100),
+        embeds: info.embeds,
         max_request_bytes: MAX_REQUEST_BYTES,
     })
 }
@@ -204,12 +206,43 @@ fn judge(case: &Case, expected: &Expected, answer: Result<Response, ReadError>) 
         if let Ok(StreamEnd::Error(error)) =
             openai::check_stream_body(expected.endpoint, &response.body)
         {
-            if error["error"]["type"] == "server_error" {
+            if openai::is_server_failure(expected.endpoint, &error) {
                 return Err(("stream-error", error.to_string()));
             }
         }
     }
+    if let Err(why) = keeps(expected.promise, &response) {
+        return Err(("broken-promise", format!("{why}: {}", shown())));
+    }
     Ok(if status < 300 { "2xx" } else { "4xx" })
+}
+
+/// Whether a well-formed answer is also what the request promised.
+fn keeps(promise: Promise, response: &Response) -> Result<(), String> {
+    let status = response.status();
+    match promise {
+        Promise::WellFormed => Ok(()),
+        Promise::Status(wanted) if status == wanted => Ok(()),
+        Promise::Status(wanted) => Err(format!("status {status}, not {wanted}")),
+        Promise::Embeddings { count, base64 } => {
+            let value = openai::json_body(response)?;
+            let vectors = openai::check_embeddings(&value)?;
+            if (vectors.count, vectors.base64) != (count, base64) {
+                return Err(format!(
+                    "{} vectors (base64: {}), not {count} (base64: {base64})",
+                    vectors.count, vectors.base64
+                ));
+            }
+            Ok(())
+        }
+        Promise::CannotEmbed => {
+            let param = response.json().map(|v| v["error"]["param"].clone());
+            if status != 400 || param != Some("model".into()) {
+                return Err("not a 400 naming `model` from a model that does not embed".into());
+            }
+            Ok(())
+        }
+    }
 }
 
 fn probe_stream(server: &Server, timeout: Duration) -> Result<(), String> {

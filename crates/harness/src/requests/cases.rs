@@ -1,5 +1,10 @@
 //! The fuzzer's cases: each is drawn from its own seeded generator, so that case N of a seed is
-//! the same request on every run and can be replayed alone.
+//! the same request on every run and can be replayed alone. The OpenAI API's are here; the
+//! other APIs' are in the modules below, built from the same pieces.
+
+mod anthropic;
+mod embeddings;
+mod responses;
 
 use rand::rngs::StdRng;
 use rand::seq::IndexedRandom;
@@ -17,6 +22,8 @@ pub struct Target {
     pub ends_at_once: Value,
     pub vocab_size: u64,
     pub max_context: u64,
+    /// Whether the model embeds: else every embeddings request gets a 400.
+    pub embeds: bool,
     /// The server's `--max-request-bytes`.
     pub max_request_bytes: usize,
 }
@@ -37,6 +44,22 @@ pub struct Expected {
     pub endpoint: Endpoint,
     /// A HEAD request, whose answer has no body.
     pub head: bool,
+    pub promise: Promise,
+}
+
+/// What an answer must be beyond well-formed in its API's shapes.
+#[derive(Clone, Copy, Debug)]
+pub enum Promise {
+    WellFormed,
+    /// This status: a valid request's 200, a 404 for an id the server cannot have.
+    Status(u16),
+    /// `count` vectors, as base64 or as floats.
+    Embeddings {
+        count: usize,
+        base64: bool,
+    },
+    /// A 400 naming `model`: the served model does not embed.
+    CannotEmbed,
 }
 
 impl Case {
@@ -47,6 +70,13 @@ impl Case {
             bytes,
             http_valid: true,
         }
+    }
+
+    /// A request whose answer must keep `promise`.
+    fn promising(kind: &'static str, bytes: Vec<u8>, promise: Promise) -> Case {
+        let mut case = Case::api(kind, bytes);
+        case.answers[0].promise = promise;
+        case
     }
 
     fn protocol(kind: &'static str, bytes: Vec<u8>) -> Case {
@@ -72,6 +102,7 @@ impl Expected {
         Expected {
             endpoint: Endpoint::of_path(&path),
             head: method == b"HEAD",
+            promise: Promise::WellFormed,
         }
     }
 }
@@ -83,7 +114,7 @@ type Generate = fn(&mut StdRng, &Target) -> Case;
 pub fn case(seed: u64, index: u64, target: &Target) -> Case {
     let mut rng =
         StdRng::seed_from_u64(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(index));
-    let generators: [(u32, Generate); 16] = [
+    let generators: [(u32, Generate); 21] = [
         (25, chat_field),
         (12, completion_field),
         (5, several_fields),
@@ -100,6 +131,11 @@ pub fn case(seed: u64, index: u64, target: &Target) -> Case {
         (4, malformed_http),
         (2, pipelined),
         (4, boundaries),
+        (8, anthropic::field),
+        (7, anthropic::conversation),
+        (8, responses::field),
+        (7, responses::input),
+        (5, embeddings::request),
     ];
     let total: u32 = generators.iter().map(|(weight, _)| weight).sum();
     let mut draw = rng.random_range(0..total);
@@ -435,9 +471,12 @@ fn post(path: &str, body: &[u8]) -> Vec<u8> {
 /// A huge `max_tokens` that the server accepts would decode for minutes: such requests favour
 /// the end of sequence, so that they end at once.
 fn ending_soon(target: &Target, fields: &mut Vec<(&str, String)>) {
-    let limits_tokens = fields
-        .iter()
-        .any(|(name, _)| matches!(*name, "max_tokens" | "max_completion_tokens"));
+    let limits_tokens = fields.iter().any(|(name, _)| {
+        matches!(
+            *name,
+            "max_tokens" | "max_completion_tokens" | "max_output_tokens"
+        )
+    });
     if limits_tokens && !fields.iter().any(|(name, _)| *name == "logit_bias") {
         fields.push(("logit_bias", target.ends_at_once.to_string()));
     }
@@ -635,11 +674,17 @@ fn json_syntax(rng: &mut StdRng, target: &Target) -> Case {
         .as_bytes()
         .to_vec(),
     };
-    let path = if rng.random_bool(0.7) {
-        CHAT
-    } else {
-        COMPLETIONS
-    };
+    let path = *[
+        CHAT,
+        CHAT,
+        COMPLETIONS,
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/responses",
+        "/v1/embeddings",
+    ]
+    .choose(rng)
+    .expect("not empty");
     Case::api("json-syntax", post(path, &body))
 }
 
@@ -875,6 +920,10 @@ fn methods(rng: &mut StdRng, target: &Target) -> Case {
         "/ready",
         "/metrics",
         "/stats",
+        "/v1/messages",
+        "/v1/responses",
+        "/v1/responses/resp_1",
+        "/v1/embeddings",
     ]
     .choose(rng)
     .expect("not empty");
@@ -978,6 +1027,7 @@ fn pipelined(rng: &mut StdRng, _target: &Target) -> Case {
         answers.push(Expected {
             endpoint: Endpoint::of_path(path),
             head: false,
+            promise: Promise::WellFormed,
         });
     }
     Case {
