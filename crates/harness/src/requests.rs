@@ -115,7 +115,7 @@ pub fn run(args: Args) -> Result<bool> {
     );
     let failures = tally.failures();
     println!(
-        "requests: {} cases (seed {}) in {:.1} s, answered: {} 2xx, {} 4xx with an OpenAI error, \
+        "requests: {} cases (seed {}) in {:.1} s, answered: {} 2xx, {} 4xx with their API's error, \
          {} refused by the HTTP layer; {} 5xx, {} malformed, {} hangs, {} dropped, {} panics, {} \
          server deaths; valid request at the end: {}; {}",
         args.count,
