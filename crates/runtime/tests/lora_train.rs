@@ -105,22 +105,12 @@ fn read_curve(run: &str) -> Curve {
         &std::fs::read_to_string(fixtures().join("lora").join(run).join("curve.json")).unwrap(),
     )
     .unwrap();
-    let pairs = |key: &str| -> Vec<(usize, f32)> {
-        v[key]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| {
-                (
-                    r[0].as_u64().unwrap() as usize,
-                    r[1].as_f64().unwrap() as f32,
-                )
-            })
-            .collect()
-    };
     Curve {
-        train: pairs("train").into_iter().map(|(_, l)| l).collect(),
-        val: pairs("val"),
+        train: loss_pairs(&v["train"])
+            .into_iter()
+            .map(|(_, l)| l)
+            .collect(),
+        val: loss_pairs(&v["val"]),
         final_full_val_loss: v["final_full_val_loss"].as_f64().unwrap() as f32,
     }
 }
@@ -564,7 +554,7 @@ fn training_options_follow_mlx_lm() {
         .unwrap();
         let rows = golden["train"].as_array().unwrap();
         let want: Vec<f32> = rows.iter().map(|r| r[1].as_f64().unwrap() as f32).collect();
-        let want_vals = read_curve_vals(&golden);
+        let want_vals = loss_pairs(&golden["val"]);
         let train_diff = max_rel(&losses, &want);
         let val_diff = max_rel(
             &vals.iter().map(|v| v.1).collect::<Vec<_>>(),
@@ -606,8 +596,9 @@ fn training_options_follow_mlx_lm() {
     }
 }
 
-fn read_curve_vals(golden: &Value) -> Vec<(usize, f32)> {
-    golden["val"]
+/// A golden curve's `[iteration, loss]` pairs.
+fn loss_pairs(pairs: &Value) -> Vec<(usize, f32)> {
+    pairs
         .as_array()
         .unwrap()
         .iter()

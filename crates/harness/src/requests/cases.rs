@@ -482,6 +482,22 @@ fn ending_soon(target: &Target, fields: &mut Vec<(&str, String)>) {
     }
 }
 
+/// One of `fields`, half the time at the edge of what it accepts (`boundary`), otherwise of
+/// any type.
+fn drawn_field(
+    rng: &mut StdRng,
+    fields: &[&'static str],
+    boundary: impl FnOnce(&mut StdRng, &str) -> String,
+) -> (&'static str, String) {
+    let field = *fields.choose(rng).expect("not empty");
+    let value = if rng.random_bool(0.5) {
+        boundary(rng, field)
+    } else {
+        hostile_value(rng)
+    };
+    (field, value)
+}
+
 fn field_value(rng: &mut StdRng, field: &str, target: &Target) -> String {
     if field == "prompt" {
         return prompt_value(rng, target);

@@ -6,8 +6,8 @@ use rand::Rng;
 use serde_json::{json, Map, Value};
 
 use super::{
-    hostile_value, into_map, nested, post, prompt_text, random_text, short_text, with_raw_fields,
-    Case, Promise, Target,
+    drawn_field, hostile_value, into_map, nested, post, prompt_text, random_text, short_text,
+    with_raw_fields, Case, Promise, Target,
 };
 
 const MESSAGES: &str = "/v1/messages";
@@ -118,12 +118,9 @@ fn tools() -> [Value; 8] {
 
 /// A request with one field set to a value of any type, or at the edge of what it accepts.
 pub fn field(rng: &mut StdRng, target: &Target) -> Case {
-    let field = *FIELDS.choose(rng).expect("not empty");
-    let value = if rng.random_bool(0.5) {
+    let (field, value) = drawn_field(rng, &FIELDS, |rng, field| {
         boundary_value(rng, field, target)
-    } else {
-        hostile_value(rng)
-    };
+    });
     let mut fields = vec![(field, value)];
     if field == "max_tokens" {
         fields.push(("temperature", "1".into()));

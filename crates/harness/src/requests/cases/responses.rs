@@ -6,7 +6,7 @@ use rand::Rng;
 use serde_json::{json, Map, Value};
 
 use super::{
-    ending_soon, field_value, hostile_value, into_map, model_paths, post, prompt_text, random_text,
+    drawn_field, ending_soon, field_value, into_map, model_paths, post, prompt_text, random_text,
     request, short_text, with_raw_fields, Case, Promise, Target,
 };
 
@@ -121,12 +121,9 @@ fn boundary_value(rng: &mut StdRng, field: &str, target: &Target) -> String {
 
 /// A request with one field set to a value of any type, or at the edge of what it accepts.
 pub fn field(rng: &mut StdRng, target: &Target) -> Case {
-    let field = *FIELDS.choose(rng).expect("not empty");
-    let value = if rng.random_bool(0.5) {
+    let (field, value) = drawn_field(rng, &FIELDS, |rng, field| {
         boundary_value(rng, field, target)
-    } else {
-        hostile_value(rng)
-    };
+    });
     let mut fields = vec![(field, value)];
     ending_soon(target, &mut fields);
     Case::api(
