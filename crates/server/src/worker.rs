@@ -53,10 +53,19 @@ pub struct Running {
     updates: UnboundedReceiver<Update>,
     cancel: Arc<AtomicBool>,
     shutdown: watch::Receiver<bool>,
-    /// The worker's count of requests not yet answered, this one among them.
-    outstanding: Arc<AtomicUsize>,
+    /// This request among those not yet answered.
+    _counted: Counted,
     /// When the request gives up, under `--request-timeout`.
     deadline: Option<Instant>,
+}
+
+/// A request counted among the worker's outstanding ones until it is dropped.
+struct Counted(Arc<AtomicUsize>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Running {
@@ -87,7 +96,6 @@ impl Running {
 impl Drop for Running {
     fn drop(&mut self) {
         self.cancel.store(true, Ordering::Relaxed);
-        self.outstanding.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -190,15 +198,7 @@ impl Worker {
         if memory > self.admission.budget {
             return Err(ApiError::memory_admission(memory, self.admission.budget));
         }
-        let taken = self.outstanding.fetch_add(1, Ordering::Relaxed);
-        if self.max_outstanding.is_some_and(|max| taken >= max) {
-            self.outstanding.fetch_sub(1, Ordering::Relaxed);
-            return Err(ApiError::too_many_requests(
-                "Too many requests are waiting: try again shortly",
-                RETRY_AFTER_SECONDS,
-            ));
-        }
-        let outstanding = self.outstanding.clone();
+        let counted = self.count()?;
         let (updates, receiver) = unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let timer = self.telemetry.timer(prompt.len());
@@ -220,7 +220,7 @@ impl Worker {
             updates: receiver,
             cancel,
             shutdown: self.shutdown_watch.subscribe(),
-            outstanding,
+            _counted: counted,
             deadline,
         };
         self.jobs
@@ -229,8 +229,23 @@ impl Worker {
         Ok(running)
     }
 
+    /// Counts a request among the outstanding ones, or refuses it past
+    /// `--max-queued-requests`.
+    fn count(&self) -> Result<Counted, ApiError> {
+        let taken = self.outstanding.fetch_add(1, Ordering::Relaxed);
+        let counted = Counted(self.outstanding.clone());
+        if self.max_outstanding.is_some_and(|max| taken >= max) {
+            return Err(ApiError::too_many_requests(
+                "Too many requests are waiting: try again shortly",
+                RETRY_AFTER_SECONDS,
+            ));
+        }
+        Ok(counted)
+    }
+
     /// Runs `task` on the generation thread, between two decoding steps (a GPU's stream and its
-    /// step recordings are that thread's alone), unless its request has gone by then.
+    /// step recordings are that thread's alone), unless its request has gone by then. It counts
+    /// among the outstanding requests and has `--request-timeout`, as a generation does.
     pub async fn run<T: Send + 'static>(
         &self,
         task: impl FnOnce(&dyn LanguageModel) -> T + Send + 'static,
@@ -238,6 +253,7 @@ impl Worker {
         if self.shutdown.load(Ordering::Relaxed) {
             return Err(JobError::ShuttingDown.into());
         }
+        let _counted = self.count()?;
         let (reply, result) = tokio::sync::oneshot::channel();
         let task = Box::new(move |model: &dyn LanguageModel| {
             if !reply.is_closed() {
@@ -248,8 +264,17 @@ impl Worker {
             .send(Work::Run(task))
             .map_err(|_| ApiError::unavailable("the generation thread has stopped"))?;
         // The reply is dropped unsent where the task panicked.
-        result
-            .await
-            .map_err(|_| ApiError::server("the model failed on the generation thread"))
+        let answered = async {
+            result
+                .await
+                .map_err(|_| ApiError::server("the model failed on the generation thread"))
+        };
+        match self.request_timeout {
+            // Past it the reply is dropped, and a task not yet begun is skipped.
+            Some(timeout) => tokio::time::timeout(timeout, answered)
+                .await
+                .unwrap_or_else(|_| Err(JobError::DeadlineExceeded.into())),
+            None => answered.await,
+        }
     }
 }

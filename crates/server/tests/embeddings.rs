@@ -295,3 +295,54 @@ async fn a_model_that_cannot_embed_says_so() {
                    language-model head)";
     assert_eq!(response, error(message, "model", None));
 }
+
+/// Embeddings count against `--max-queued-requests` and have `--request-timeout`, as
+/// generations do: past the queue a request is answered 429 at once, and one whose forward pass
+/// outlasts the timeout is answered 504 when it passes.
+#[tokio::test]
+async fn embeddings_keep_to_the_queue_and_the_timeout() {
+    let serve = |settings: Settings| async move {
+        let mut loaded = oxlm_runtime::LoadedModel::load(&fixture()).unwrap();
+        loaded.model = Box::new(common::SlowPrompts {
+            inner: loaded.model,
+            prompt_time: std::time::Duration::from_millis(1500),
+        });
+        common::listen(Server::new(loaded, settings).unwrap()).await
+    };
+    let client = reqwest::Client::new();
+    let embed = |base: String| {
+        let body = json!({"input": "A city by the sea", "model": "m"});
+        client
+            .post(format!("{base}/v1/embeddings"))
+            .body(body.to_string())
+            .send()
+    };
+    let queued = Settings {
+        decode_concurrency: 1,
+        max_queued_requests: Some(0),
+        log_level: LogLevel::Warning,
+        ..Settings::default()
+    };
+    let base = serve(queued).await;
+    let running = tokio::spawn(embed(base.clone()));
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let refused = embed(base.clone()).await.unwrap();
+    assert_eq!(refused.status(), 429);
+    let body: Value = serde_json::from_str(&refused.text().await.unwrap()).unwrap();
+    assert_eq!(body["error"]["code"], "too_many_requests", "{body}");
+    assert_eq!(running.await.unwrap().unwrap().status(), 200);
+    assert_eq!(embed(base).await.unwrap().status(), 200);
+
+    let timed = Settings {
+        request_timeout: Some(std::time::Duration::from_millis(400)),
+        log_level: LogLevel::Warning,
+        ..Settings::default()
+    };
+    let base = serve(timed).await;
+    let start = std::time::Instant::now();
+    let late = embed(base).await.unwrap();
+    assert!(start.elapsed() < std::time::Duration::from_millis(1400));
+    assert_eq!(late.status(), 504);
+    let body: Value = serde_json::from_str(&late.text().await.unwrap()).unwrap();
+    assert_eq!(body["error"]["code"], "timeout", "{body}");
+}
