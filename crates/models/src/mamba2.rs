@@ -113,6 +113,12 @@ impl Mamba2Mixer {
                 args.groups
             )));
         }
+        let (lo, hi) = args.time_step_limit;
+        if lo.is_nan() || hi.is_nan() || lo > hi {
+            return Err(LoadError::Config(format!(
+                "`time_step_limit` [{lo}, {hi}] is no range: its low bound must not exceed its high"
+            )));
+        }
         let groups = args.norm_groups;
         if groups == 0 || !inner.is_multiple_of(groups) {
             return Err(LoadError::Config(format!(

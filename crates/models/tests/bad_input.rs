@@ -176,6 +176,12 @@ fn hybrid_block_kinds_and_shapes_are_checked() {
             serde_json::json!(3),
             "config.json: 8 Mamba heads cannot be grouped in 3 groups",
         ),
+        (
+            "time_step_limit",
+            serde_json::json!([5.5, 2.0]),
+            "config.json: `time_step_limit` [5.5, 2] is no range: its low bound must not exceed \
+             its high",
+        ),
     ];
     for (key, value, want) in cases {
         let original = std::fs::read(dir.path().join("config.json")).unwrap();
@@ -184,7 +190,17 @@ fn hybrid_block_kinds_and_shapes_are_checked() {
         std::fs::write(dir.path().join("config.json"), original).unwrap();
     }
     let dir = copy_of("granitemoehybrid-4bit-g32");
+    // What the fuzzer found: the clip's bounds swapped panicked in the first forward pass.
     edit_config(dir.path(), |c| {
+        c["time_step_limit"] = serde_json::json!([5.5, 2.0])
+    });
+    assert_eq!(
+        load_err(dir.path()).to_string(),
+        "config.json: `time_step_limit` [5.5, 2] is no range: its low bound must not exceed its \
+         high"
+    );
+    edit_config(dir.path(), |c| {
+        c["time_step_limit"] = serde_json::json!([0.001, 100.0]);
         c["layer_types"] = serde_json::json!(["mamba", "attention", "mamba", "conv"])
     });
     assert_eq!(

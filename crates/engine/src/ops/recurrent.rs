@@ -157,6 +157,9 @@ pub fn ssm_gates(
         dt_bias.len() == neg_a.len() && a.cols() == dt_bias.len(),
         || format!("ssm gates of {:?} over {} heads", a.shape(), dt_bias.len()),
     )?;
+    check(limits.0 <= limits.1, || {
+        format!("ssm gates clipped to [{}, {}]", limits.0, limits.1)
+    })?;
     let s = a.shape().to_vec();
     match (&a.storage, &dt_bias.storage, &neg_a.storage) {
         (Storage::Host(a_), Storage::Host(bias), Storage::Host(na)) => {
