@@ -121,44 +121,47 @@ impl Args {
     /// The flags given, by mlx-lm's option names; a switch left off is not given, so that the
     /// config file may turn it on.
     fn given(&self) -> Map<String, Value> {
+        // Paths as text, as mlx-lm's config holds them (one that is not UTF-8 included).
         let path = |p: &Option<PathBuf>| p.as_ref().map(|p| json!(p.display().to_string()));
         let switch = |on: bool| on.then_some(json!(true));
         [
             ("model", path(&self.model)),
             ("train", switch(self.train)),
             ("data", path(&self.data)),
-            (
-                "fine_tune_type",
-                self.fine_tune_type.as_ref().map(|v| json!(v)),
-            ),
-            ("optimizer", self.optimizer.as_ref().map(|v| json!(v))),
+            ("fine_tune_type", value(&self.fine_tune_type)),
+            ("optimizer", value(&self.optimizer)),
             ("mask_prompt", switch(self.mask_prompt)),
-            ("num_layers", self.num_layers.map(|v| json!(v))),
-            ("batch_size", self.batch_size.map(|v| json!(v))),
-            ("iters", self.iters.map(|v| json!(v))),
-            ("val_batches", self.val_batches.map(|v| json!(v))),
-            ("learning_rate", self.learning_rate.map(|v| json!(v))),
+            ("num_layers", value(&self.num_layers)),
+            ("batch_size", value(&self.batch_size)),
+            ("iters", value(&self.iters)),
+            ("val_batches", value(&self.val_batches)),
+            ("learning_rate", value(&self.learning_rate)),
             (
                 "grad_accumulation_steps",
-                self.grad_accumulation_steps.map(|v| json!(v)),
+                value(&self.grad_accumulation_steps),
             ),
-            ("steps_per_report", self.steps_per_report.map(|v| json!(v))),
-            ("steps_per_eval", self.steps_per_eval.map(|v| json!(v))),
+            ("steps_per_report", value(&self.steps_per_report)),
+            ("steps_per_eval", value(&self.steps_per_eval)),
             ("resume_adapter_file", path(&self.resume_adapter_file)),
             ("adapter_path", path(&self.adapter_path)),
-            ("save_every", self.save_every.map(|v| json!(v))),
+            ("save_every", value(&self.save_every)),
             ("test", switch(self.test)),
-            ("test_batches", self.test_batches.map(|v| json!(v))),
-            ("max_seq_length", self.max_seq_length.map(|v| json!(v))),
+            ("test_batches", value(&self.test_batches)),
+            ("max_seq_length", value(&self.max_seq_length)),
             ("config", path(&self.config)),
             ("grad_checkpoint", switch(self.grad_checkpoint)),
-            ("seed", self.seed.map(|v| json!(v))),
+            ("seed", value(&self.seed)),
             ("metrics_file", path(&self.metrics_file)),
         ]
         .into_iter()
         .filter_map(|(key, value)| Some((key.to_string(), value?)))
         .collect()
     }
+}
+
+/// A flag's value, if it was given.
+fn value<T: serde::Serialize>(flag: &Option<T>) -> Option<Value> {
+    flag.as_ref().map(|v| json!(v))
 }
 
 /// Counts and periods of zero would divide by zero or never step.

@@ -404,16 +404,13 @@ impl Sequence {
         Ok(Sequence {
             sampler,
             constraint: stream.constraint.clone(),
-            detokenizer: tokenizer
-                .map(|t| {
-                    let detokenizer = t.detokenizer()?;
-                    Ok::<_, TokenizerError>(if stream.continues_text {
-                        detokenizer.continuing()
-                    } else {
-                        detokenizer
-                    })
-                })
-                .transpose()?,
+            detokenizer: tokenizer.map(Tokenizer::detokenizer).transpose()?.map(|d| {
+                if stream.continues_text {
+                    d.continuing()
+                } else {
+                    d
+                }
+            }),
             stop: StopMatcher::new(&stream.stop),
             eos_ids: eos_ids.clone(),
             max_tokens: options.max_tokens,

@@ -155,18 +155,17 @@ impl Settings {
     /// the defaults; a key whose value is null counts as not given, as in mlx-lm.
     pub fn gather(given: Map<String, Value>, config: Option<&Path>) -> Result<Settings> {
         let mut all = given;
-        if let Some(path) = config {
-            for (key, value) in read_config(path)? {
+        let mut fill = |from: Map<String, Value>| {
+            for (key, value) in from {
                 if all.get(&key).is_none_or(Value::is_null) {
                     all.insert(key, value);
                 }
             }
+        };
+        if let Some(path) = config {
+            fill(read_config(path)?);
         }
-        for (key, value) in defaults() {
-            if all.get(&key).is_none_or(Value::is_null) {
-                all.insert(key, value);
-            }
-        }
+        fill(defaults());
         let origin = config.map_or(String::new(), |p| format!("{}: ", p.display()));
         // mlx-lm's own hint: other frameworks call the scale `alpha` and divide it by the rank.
         if let Some(params) = all.get("lora_parameters").and_then(Value::as_object) {
