@@ -2,7 +2,8 @@
 Adam, train) with fp32 activations on the tiny small-vocabulary models.
 
 usage: PY=$(scripts/oracle/venv.sh); $PY scripts/oracle/make_lora_train_fixture.py [TINY_ROOT] [OUT_ROOT] [RUN...]
-  TINY_ROOT default tests/fixtures/tiny, OUT_ROOT default tests/fixtures/lora; RUNs (names in RUNS) default all
+  TINY_ROOT default tests/fixtures/tiny, OUT_ROOT default tests/fixtures/lora; RUNs (names in RUNS or OPTION_RUNS)
+  default all
 
 Writes
   OUT_ROOT/data/{train,valid}.jsonl            chat data: sentences of GPL-3 as user/assistant turns (some with a
@@ -19,9 +20,12 @@ Writes
                                                val losses; final/ holds the adapter mlx-lm saved at the end
   OUT_ROOT/options/<name>.json                 `train` from train-llama-4bit-g64's init with mlx_lm.lora's training
                                                options (OPTION_RUNS: optimizer and optimizer_config, lr_schedule,
-                                               grad_accumulation_steps), optimizers and schedules built as
-                                               mlx_lm.lora builds them: train losses and learning rates per
-                                               iteration, val losses
+                                               grad_accumulation_steps, lora_parameters.dropout with the run's seed),
+                                               optimizers and schedules built as mlx_lm.lora builds them: train
+                                               losses and learning rates per iteration, val losses
+  OUT_ROOT/optimizer-steps.json                OPTIMIZER_STEPS: mlx.optimizers' updates of a plain layer's and an
+                                               expert stack's lora_a / lora_b (mlx-lm's layouts) from seeded values
+                                               and gradients, step by step
   OUT_ROOT/schedules.json                      lr(step) for steps 0..SCHEDULE_STEPS of each of SCHEDULES, through
                                                mlx-lm's build_schedule
 """
@@ -125,7 +129,34 @@ OPTION_RUNS = {
     # SGD, whose step scales with the gradient (Adam's would not show a missing average)
     "grad-accumulation": dict(optimizer="sgd", learning_rate=0.01, optimizer_config={"momentum": 0.5},
                               grad_accumulation_steps=3),
+    # relative steps scaled by each array's RMS: the learning rate is reported but not used
+    "adafactor": dict(optimizer="adafactor", learning_rate=1e-3),
+    "adafactor-config": dict(optimizer="adafactor", learning_rate=2e-3,
+                             optimizer_config={"relative_step": False, "scale_parameter": False, "beta_1": 0.8,
+                                               "weight_decay": 0.5, "clip_threshold": 0.5, "decay_rate": -0.6,
+                                               "eps": [1e-20, 1e-3]}),
+    "muon": dict(optimizer="muon", learning_rate=0.05),
+    # dropout on the low-rank path's input: masks from MLX's generator, seeded as mlx_lm.lora seeds it
+    "dropout": dict(optimizer="adam", learning_rate=1e-3, seed=7,
+                    lora_parameters={"rank": 8, "dropout": 0.3, "scale": 20.0}),
 }
+
+# Optimizer configs applied by mlx.optimizers to the arrays of OPTIMIZER_SHAPES for OPTIMIZER_STEP_COUNT updates.
+OPTIMIZER_STEP_COUNT = 3
+OPTIMIZER_SHAPES = {"layer.lora_a": [8, 3], "layer.lora_b": [3, 5], "stack.lora_a": [2, 3, 8],
+                    "stack.lora_b": [2, 5, 3]}
+OPTIMIZER_STEPS = [
+    {"optimizer": "adafactor", "learning_rate": 0.05, "optimizer_config": {}},
+    {"optimizer": "adafactor", "learning_rate": 0.05, "optimizer_config": {"warmup_init": True}},
+    {"optimizer": "adafactor", "learning_rate": 0.05,
+     "optimizer_config": {"relative_step": False, "scale_parameter": False, "beta_1": 0.8, "weight_decay": 0.5,
+                          "clip_threshold": 0.5, "decay_rate": -0.6, "eps": [1e-20, 1e-3]}},
+    {"optimizer": "muon", "learning_rate": 0.05, "optimizer_config": {}},
+    {"optimizer": "muon", "learning_rate": 0.05,
+     "optimizer_config": {"momentum": 0.8, "weight_decay": 0.0, "nesterov": False, "ns_steps": 3}},
+]
+OPTIMIZERS = {"adam": optim.Adam, "adamw": optim.AdamW, "sgd": optim.SGD, "adafactor": optim.Adafactor,
+              "muon": optim.Muon}
 
 # lr_schedule configs as mlx_lm.lora's YAML gives them, tabulated by build_schedule.
 SCHEDULE_STEPS = 40
@@ -199,9 +230,12 @@ def make_init(base, out, spec):
     return lora
 
 
-def fp32_model(base, spec, init):
+def fp32_model(base, spec, init, seed=None):
     model, tok = load(str(base))
     model.set_dtype(mx.float32)
+    if seed is not None:
+        # as mlx_lm.lora's train_model seeds MLX's generator, before linear_to_lora_layers draws from it
+        mx.random.seed(seed)
     add_lora(model, spec, init)
     return model, tok
 
@@ -267,7 +301,8 @@ def option_run(root, tiny, name, spec):
     base_spec = RUNS["llama-4bit-g64"]
     base = tiny / base_spec["base"]
     init = dict(mx.load(str(root / "train-llama-4bit-g64" / "init" / "adapters.safetensors")))
-    model, tok = fp32_model(base, base_spec, init)
+    lora_spec = dict(base_spec, lora_parameters=spec.get("lora_parameters", base_spec["lora_parameters"]))
+    model, tok = fp32_model(base, lora_spec, init, spec.get("seed"))
     train_set, valid_set = datasets(root, tok)
     scratch = root / "options" / f"{name}.scratch"
     scratch.mkdir(parents=True, exist_ok=True)
@@ -277,8 +312,7 @@ def option_run(root, tiny, name, spec):
                         adapter_file=str(scratch / "adapters.safetensors"), grad_accumulation_steps=accumulation)
     # as mlx_lm.lora's train_model builds them
     lr = build_schedule(spec["lr_schedule"]) if spec.get("lr_schedule") else spec["learning_rate"]
-    classes = {"adam": optim.Adam, "adamw": optim.AdamW, "sgd": optim.SGD}
-    optimizer = classes[spec["optimizer"]](learning_rate=lr, **spec.get("optimizer_config", {}))
+    optimizer = OPTIMIZERS[spec["optimizer"]](learning_rate=lr, **spec.get("optimizer_config", {}))
     rec = Record()
     np.random.seed(SEED)
     train(model=model, optimizer=optimizer, train_dataset=train_set, val_dataset=valid_set, args=args,
@@ -289,6 +323,26 @@ def option_run(root, tiny, name, spec):
     out = root / "options" / f"{name}.json"
     out.write_text(json.dumps(info, indent=1) + "\n")
     return info
+
+
+def optimizer_steps(root):
+    rng = np.random.default_rng(SEED)
+    draw = lambda shape: rng.standard_normal(shape).astype(np.float32)
+    start = {k: draw(shape) * 0.1 for k, shape in OPTIMIZER_SHAPES.items()}
+    grads = [{k: draw(shape) for k, shape in OPTIMIZER_SHAPES.items()} for _ in range(OPTIMIZER_STEP_COUNT)]
+    runs = []
+    for config in OPTIMIZER_STEPS:
+        optimizer = OPTIMIZERS[config["optimizer"]](learning_rate=config["learning_rate"],
+                                                    **config["optimizer_config"])
+        params = tree_unflatten([(k, mx.array(v)) for k, v in start.items()])
+        after = []
+        for g in grads:
+            params = optimizer.apply_gradients(tree_unflatten([(k, mx.array(v)) for k, v in g.items()]), params)
+            after.append({k: np.array(v).reshape(-1).tolist() for k, v in tree_flatten(params)})
+        runs.append({**config, "after": after})
+    table = {"shapes": OPTIMIZER_SHAPES, "start": {k: v.reshape(-1).tolist() for k, v in start.items()},
+             "grads": [{k: v.reshape(-1).tolist() for k, v in g.items()} for g in grads], "runs": runs}
+    (root / "optimizer-steps.json").write_text(json.dumps(table) + "\n")
 
 
 def schedule_tables(root):
@@ -311,6 +365,7 @@ def main():
         sets[f"{name}.jsonl mask_prompt={mask}"] = processed(root / f"{name}.jsonl", tok, mask)
     (root / "datasets.json").write_text(json.dumps(sets) + "\n")
     schedule_tables(root)
+    optimizer_steps(root)
     for name in sys.argv[3:] or [*RUNS, *OPTION_RUNS]:
         if name in OPTION_RUNS:
             info = option_run(root, tiny, name, OPTION_RUNS[name])

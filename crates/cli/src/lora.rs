@@ -41,9 +41,11 @@ pub struct Args {
     /// Only `lora` is supported [default: lora].
     #[arg(long)]
     fine_tune_type: Option<String>,
-    /// adam, adamw or sgd, with mlx.optimizers' defaults; the config file's
+    /// adam, adamw, sgd, adafactor or muon, with mlx.optimizers' defaults; the config file's
     /// `optimizer_config.<name>` sets their parameters (betas, eps, weight_decay,
-    /// bias_correction; momentum, weight_decay, dampening, nesterov) [default: adam].
+    /// bias_correction; momentum, weight_decay, dampening, nesterov; eps, clip_threshold,
+    /// decay_rate, beta_1, weight_decay, scale_parameter, relative_step, warmup_init; momentum,
+    /// weight_decay, nesterov, ns_steps) [default: adam].
     #[arg(long)]
     optimizer: Option<String>,
     /// Leave the prompt (everything before the last message) out of the loss.
@@ -96,8 +98,8 @@ pub struct Args {
     #[arg(long, value_parser = positive)]
     max_seq_length: Option<usize>,
     /// A YAML file of mlx_lm.lora's options, as `mlx_lm.lora --config` reads it: any flag's
-    /// name with underscores, and `lora_parameters` (`rank`, `scale`, `dropout`, 0 only for
-    /// now, and `keys`: the adapters' shape and the layers of a block they adapt),
+    /// name with underscores, and `lora_parameters` (`rank`, `scale`, `dropout` and `keys`: the
+    /// adapters' shape, training's dropout on their input, and the layers of a block they adapt),
     /// `optimizer_config` and `lr_schedule`, which have no flags. Keys oxlm does not use are
     /// kept in adapter_config.json, as mlx-lm keeps them.
     #[arg(short = 'c', long)]
@@ -105,8 +107,8 @@ pub struct Args {
     /// Keep only each block's input and recompute the block in the backward pass.
     #[arg(long)]
     grad_checkpoint: bool,
-    /// Seed of the batch order (numpy's, as mlx-lm) and of the adapters' initial values
-    /// [default: 0].
+    /// Seed of the batch order (numpy's, as mlx-lm), of the dropout masks (MLX's generator, as
+    /// mlx-lm) and of the adapters' initial values [default: 0].
     #[arg(long)]
     seed: Option<u32>,
     /// Write each training report and validation to this file as a JSON line (`event`
@@ -505,6 +507,7 @@ fn train(
         grad_accumulation_steps: args.grad_accumulation_steps,
         grad_checkpoint: args.grad_checkpoint,
         adapter_file: args.adapter_path.join(WEIGHTS_FILE),
+        seed: args.seed.into(),
     };
     let metrics = (args.metrics_file.as_deref())
         .map(MetricsLog::create)

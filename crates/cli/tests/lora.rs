@@ -105,8 +105,8 @@ fn read_lines(path: &Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
-/// A config file as mlx_lm.lora reads it: its values drive the adapters' shape and keys, the
-/// optimizer and the learning-rate schedule, flags given on the command line win over it, and
+/// A config file as mlx_lm.lora reads it: its values drive the adapters' shape, dropout and keys,
+/// the optimizer and the learning-rate schedule, flags given on the command line win over it, and
 /// adapter_config.json records the run as mlx-lm does (unknown keys included). The metrics log
 /// has a line per report and validation, with the schedule's rates.
 #[test]
@@ -126,7 +126,7 @@ fn a_config_file_drives_the_run() {
          optimizer: adamw\n\
          optimizer_config:\n  adamw:\n    weight_decay: 0.1\n    betas: [0.8, 0.99]\n\
          lr_schedule:\n  name: linear_schedule\n  arguments: [1e-3, 1e-4, 2]\n  warmup: 2\n\
-         lora_parameters:\n  rank: 3\n  scale: 7.5\n  dropout: 0.0\n  keys: [self_attn.q_proj, mlp.down_proj]\n\
+         lora_parameters:\n  rank: 3\n  scale: 7.5\n  dropout: 0.1\n  keys: [self_attn.q_proj, mlp.down_proj]\n\
          report_to: none\n",
         adapters.display()
     );
@@ -142,6 +142,7 @@ fn a_config_file_drives_the_run() {
     .unwrap();
     assert_eq!(saved["lora_parameters"]["rank"], 3);
     assert_eq!(saved["lora_parameters"]["scale"], 7.5);
+    assert_eq!(saved["lora_parameters"]["dropout"], 0.1);
     assert_eq!(saved["num_layers"], 1);
     assert_eq!(saved["iters"], 6, "the flag wins over the file");
     assert_eq!(saved["optimizer"], "adamw");
@@ -241,7 +242,7 @@ fn bad_configs_are_refused_naming_the_key() {
         ),
         (
             "optimizer: rmsprop\n",
-            "`optimizer`: unknown optimizer `rmsprop` (supported: adam, adamw, sgd)",
+            "`optimizer`: unknown optimizer `rmsprop` (supported: adam, adamw, sgd, adafactor, muon)",
         ),
         (
             "lr_schedule: {name: cosine_warmup, arguments: [1e-3, 10]}\n",
@@ -258,6 +259,26 @@ fn bad_configs_are_refused_naming_the_key() {
         (
             "optimizer_config: {adam: {learning_rate: 0.1}}\n",
             "`optimizer_config.adam.learning_rate`: unknown field `learning_rate`",
+        ),
+        (
+            "optimizer: adafactor\noptimizer_config: {adafactor: {clip_threshold: 0}}\n",
+            "`optimizer_config.adafactor.clip_threshold`: must be a finite number above 0, not 0",
+        ),
+        (
+            "optimizer: adafactor\noptimizer_config: {adafactor: {eps: [1e-30]}}\n",
+            "`optimizer_config.adafactor.eps`: invalid length 1, expected an array of length 2",
+        ),
+        (
+            "optimizer: Muon\noptimizer_config: {muon: {ns_steps: -1}}\n",
+            "`optimizer_config.muon.ns_steps`: invalid value: integer `-1`, expected usize",
+        ),
+        (
+            "optimizer: muon\noptimizer_config: {muon: {momentum: 1.0}}\n",
+            "`optimizer_config.muon.momentum`: must be in [0, 1), not 1",
+        ),
+        (
+            "lora_parameters: {rank: 8, scale: 10, dropout: 1.0}\n",
+            "`lora_parameters.dropout` is 1: expected a probability in [0, 1)",
         ),
         (
             "lora_parameters: {rank: 8, alpha: 16, dropout: 0.0}\n",

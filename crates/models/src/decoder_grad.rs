@@ -18,6 +18,7 @@ use oxlm_engine::{ops, Positions, Tensor};
 
 use crate::layers::{Attention, Linear, Mlp, OpResult, RmsNorm, Rope};
 use crate::lora::{Adapters, ModuleAdapters};
+use crate::lora_dropout::BatchDropout;
 use crate::lora_grad::{base_input_grad, linear_backward, AdapterGrads, Example, LossAndGrads};
 use crate::pass::Architecture;
 use crate::{check_tokens, ForwardError};
@@ -765,6 +766,7 @@ pub(crate) fn loss_and_grads(
     model: &dyn Decoder,
     examples: &[Example],
     adapters: &Adapters,
+    dropout: Option<&BatchDropout>,
     checkpoint: bool,
 ) -> Result<LossAndGrads, ForwardError> {
     if !model.info().device.is_cpu() {
@@ -787,7 +789,9 @@ pub(crate) fn loss_and_grads(
         .unwrap_or(layers);
     let dloss = 1.0 / tokens.max(1) as f32;
     let mut sum = 0.0f64;
-    for ex in examples {
+    for (n, ex) in examples.iter().enumerate() {
+        let dropped = dropout.map(|d| d.for_example(adapters, n));
+        let adapters = dropped.as_ref().unwrap_or(adapters);
         let blocks = model.blocks(&ex.inputs)?;
         let mut h = model.embed(&ex.inputs)?;
         let lora = |i: usize| -> Lora {

@@ -17,6 +17,7 @@ pub mod layers;
 pub mod lfm2;
 pub mod llama;
 pub mod lora;
+pub mod lora_dropout;
 pub mod lora_grad;
 mod mamba2;
 pub mod nemotron_h;

@@ -3,6 +3,7 @@
 //! [`Adapters`] set is a separate object handed to a forward pass, so one loaded model can serve
 //! several adapters (or none) side by side.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
@@ -13,6 +14,7 @@ use thiserror::Error;
 use crate::cache::Cache;
 use crate::checkpoint::{open_safetensors, read_json, Residency};
 use crate::decoder_grad::{self, Decoder};
+use crate::lora_dropout::{BatchDropout, InputDropout};
 use crate::lora_grad::{Example, LossAndGrads};
 use crate::pass::{forward_one, forward_rows, Architecture};
 use crate::save::{write_safetensors, SaveError, TensorBytes};
@@ -123,15 +125,29 @@ pub trait Adaptable: Architecture {
     fn decoder(&self) -> &dyn Decoder;
 
     /// mlx-lm's training loss over `examples` (the mean cross-entropy of their scored positions)
-    /// and its gradient with respect to every matrix of `adapters`. With `checkpoint`, blocks
-    /// keep only their inputs and run again during the backward pass (less memory, more time).
+    /// and its gradient with respect to every matrix of `adapters`, without dropout. With
+    /// `checkpoint`, blocks keep only their inputs and run again during the backward pass (less
+    /// memory, more time).
     fn loss_and_grads(
         &self,
         examples: &[Example],
         adapters: &Adapters,
         checkpoint: bool,
     ) -> Result<LossAndGrads, ForwardError> {
-        decoder_grad::loss_and_grads(self.decoder(), examples, adapters, checkpoint)
+        decoder_grad::loss_and_grads(self.decoder(), examples, adapters, None, checkpoint)
+    }
+
+    /// [`Adaptable::loss_and_grads`] with LoRA dropout: each adapted layer's low-rank path reads
+    /// its input through the masks `dropout` drew for `examples` (`adapters.config.dropout` > 0).
+    fn loss_and_grads_with_dropout(
+        &self,
+        examples: &[Example],
+        adapters: &Adapters,
+        dropout: &BatchDropout,
+        checkpoint: bool,
+    ) -> Result<LossAndGrads, ForwardError> {
+        let model = self.decoder();
+        decoder_grad::loss_and_grads(model, examples, adapters, Some(dropout), checkpoint)
     }
 }
 
@@ -142,7 +158,9 @@ pub struct LoraConfig {
     pub num_layers: i64,
     pub rank: usize,
     pub scale: f32,
-    pub dropout: f32,
+    /// The probability that training's dropout zeroes an element of an adapted layer's input to
+    /// its low-rank path.
+    pub dropout: f64,
     /// Block-relative module paths; `None` is every linear layer of a block.
     pub keys: Option<Vec<String>>,
 }
@@ -210,7 +228,7 @@ impl LoraConfig {
             num_layers,
             rank: rank as usize,
             scale: scale as f32,
-            dropout: number("dropout").unwrap_or(0.0) as f32,
+            dropout: number("dropout").unwrap_or(0.0),
             keys,
         })
     }
@@ -267,6 +285,9 @@ pub struct LoraLinear {
     pub a: Vec<f32>,
     /// `[rank, out_features]`, row-major.
     pub b: Vec<f32>,
+    /// Training's dropout of the low-rank path's input, for the example being run; `None` at
+    /// inference and in evaluation, which never drop.
+    pub dropout: Option<InputDropout>,
 }
 
 impl LoraLinear {
@@ -303,9 +324,21 @@ impl LoraLinear {
         }
     }
 
-    /// `y[m, out] += scale · (x·A)·B`, the adapter's share of the layer's output.
+    /// `y[m, out] += scale · (dropout(x)·A)·B`, the adapter's share of the layer's output.
     pub fn add_to(&self, x: &[f32], m: usize, y: &mut [f32]) {
-        self.up_into(&self.down(x, m), y);
+        self.up_into(&self.down(&self.dropped(x), m), y);
+    }
+
+    /// `x` as the low-rank path reads it: through the dropout, where there is one.
+    pub fn dropped<'x>(&self, x: &'x [f32]) -> Cow<'x, [f32]> {
+        match &self.dropout {
+            Some(dropout) => {
+                let mut x = x.to_vec();
+                dropout.apply(&mut x);
+                Cow::Owned(x)
+            }
+            None => Cow::Borrowed(x),
+        }
     }
 
     /// [`LoraLinear::add_to`] on tensors. The update is computed on the host (a rank-r product
@@ -389,10 +422,28 @@ pub struct Blocks {
 }
 
 /// `m` (`[rows, cols]`, row-major) transposed.
-fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+pub fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     (0..cols)
         .flat_map(|c| (0..rows).map(move |r| m[r * cols + c]))
         .collect()
+}
+
+/// The experts' matrices (each `[rows, cols]`, as a plain layer keeps its `a` or `b`) as one
+/// array of mlx-lm's expert stack: each transposed, `[experts, cols, rows]`.
+pub fn stack_transposed<'m>(
+    matrices: impl IntoIterator<Item = &'m [f32]>,
+    rows: usize,
+    cols: usize,
+) -> Vec<f32> {
+    (matrices.into_iter())
+        .flat_map(|m| transpose(m, rows, cols))
+        .collect()
+}
+
+/// Expert `e`'s matrix `[rows, cols]` out of an array of mlx-lm's expert stack,
+/// `[experts, cols, rows]`.
+pub fn unstack_transposed(stack: &[f32], e: usize, rows: usize, cols: usize) -> Vec<f32> {
+    transpose(&stack[e * rows * cols..][..rows * cols], cols, rows)
 }
 
 /// A layer's `lora_a` and `lora_b` as far as a file holds them.
@@ -532,6 +583,7 @@ impl Adapters {
                 scale: config.scale,
                 a,
                 b,
+                dropout: None,
             };
             if shape.experts == 0 {
                 layers.insert(path, layer(a, b));
@@ -541,8 +593,8 @@ impl Adapters {
             // they are a plain layer's `[in, rank]` and `[rank, out]`.
             let (r, inputs, outputs) = (config.rank, shape.in_features, shape.out_features);
             let each = (0..shape.experts).map(|e| {
-                let a_e = transpose(&a[e * r * inputs..][..r * inputs], r, inputs);
-                let b_e = transpose(&b[e * outputs * r..][..outputs * r], outputs, r);
+                let a_e = unstack_transposed(&a, e, inputs, r);
+                let b_e = unstack_transposed(&b, e, r, outputs);
                 layer(a_e, b_e)
             });
             experts.insert(path, each.collect());
@@ -572,6 +624,7 @@ impl Adapters {
                 scale: config.scale,
                 a: vec![0.0; s.in_features * config.rank],
                 b: vec![0.0; config.rank * s.out_features],
+                dropout: None,
             };
             if s.experts == 0 {
                 layers.insert(path, zero);
@@ -620,10 +673,10 @@ impl Adapters {
             for (e, layer) in each.iter_mut().enumerate() {
                 let (inputs, outputs) = (layer.in_features, layer.out_features);
                 if let Some(a) = &a {
-                    layer.a = transpose(&a[e * r * inputs..][..r * inputs], r, inputs);
+                    layer.a = unstack_transposed(a, e, inputs, r);
                 }
                 if let Some(b) = &b {
-                    layer.b = transpose(&b[e * outputs * r..][..outputs * r], outputs, r);
+                    layer.b = unstack_transposed(b, e, r, outputs);
                 }
             }
         }
@@ -643,12 +696,8 @@ impl Adapters {
         for (path, each) in &self.experts {
             let Some(first) = each.first() else { continue };
             let (r, inputs, outputs) = (first.rank, first.in_features, first.out_features);
-            let a: Vec<f32> = (each.iter())
-                .flat_map(|l| transpose(&l.a, inputs, r))
-                .collect();
-            let b: Vec<f32> = (each.iter())
-                .flat_map(|l| transpose(&l.b, r, outputs))
-                .collect();
+            let a = stack_transposed(each.iter().map(|l| &l.a[..]), inputs, r);
+            let b = stack_transposed(each.iter().map(|l| &l.b[..]), r, outputs);
             let experts = each.len();
             let a = TensorBytes::f32(vec![experts, r, inputs], &a);
             let b = TensorBytes::f32(vec![experts, outputs, r], &b);
@@ -814,6 +863,7 @@ mod tests {
             scale: 2.0,
             a: vec![1.0, -1.0],
             b: vec![1.0, 2.0, 3.0],
+            dropout: None,
         };
         let mut y = vec![1.0; 3];
         l.add_to(&[3.0, 1.0], 1, &mut y);

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use oxlm_engine::cpu::elementwise::add_inplace;
 use oxlm_engine::grad::{cross_entropy, dense_matmul_backward, quantized_matmul_backward};
 use oxlm_engine::KvPrecision;
 
@@ -137,8 +138,8 @@ pub(crate) fn base_input_grad(weight: &Weight, dy: &[f32], m: usize) -> Vec<f32>
     dx
 }
 
-/// Backward of `y = x·Wᵀ (+ b) + s·(x·A)·B` for `m` rows: adds the adapter's gradients into
-/// `grad` and returns `dx` when `need_dx` (the lowest adapted layers need none).
+/// Backward of `y = x·Wᵀ (+ b) + s·(dropout(x)·A)·B` for `m` rows: adds the adapter's gradients
+/// into `grad` and returns `dx` when `need_dx` (the lowest adapted layers need none).
 pub(crate) fn linear_backward(
     linear: &Linear,
     adapter: Option<(&LoraLinear, &mut LoraGrad)>,
@@ -152,7 +153,8 @@ pub(crate) fn linear_backward(
         return dx;
     };
     let (r, din, dout) = (lora.rank, lora.in_features, lora.out_features);
-    let u = lora.down(x, m);
+    let x = lora.dropped(x);
+    let u = lora.down(&x, m);
     // g = s·dy·Bᵀ is the gradient of u = x·A.
     let mut g = vec![0.0f32; m * r];
     for ((dyr, gr), ur) in dy
@@ -178,11 +180,17 @@ pub(crate) fn linear_backward(
         }
     }
     if let Some(dx) = dx.as_mut() {
-        for (dxr, gr) in dx.chunks_exact_mut(din).zip(g.chunks_exact(r)) {
-            for (d, ar) in dxr.iter_mut().zip(lora.a.chunks_exact(r)) {
-                *d += ar.iter().zip(gr).map(|(a, g)| a * g).sum::<f32>();
+        let mut through = vec![0.0f32; m * din];
+        for (tr, gr) in through.chunks_exact_mut(din).zip(g.chunks_exact(r)) {
+            for (t, ar) in tr.iter_mut().zip(lora.a.chunks_exact(r)) {
+                *t = ar.iter().zip(gr).map(|(a, g)| a * g).sum::<f32>();
             }
         }
+        // The dropout's mask and scale are its own derivative.
+        if let Some(dropout) = &lora.dropout {
+            dropout.apply(&mut through);
+        }
+        add_inplace(dx, &through);
     }
     dx
 }

@@ -2,18 +2,22 @@
 //! scripts/oracle/make_lora_train_fixture.py): the tokenized data sets, the first batch drawn
 //! after `np.random.seed(0)`, and a 30-step run from the same starting adapter, whose losses,
 //! final adapter and validation losses must follow mlx-lm's; shorter runs with mlx_lm.lora's
-//! training options (optimizers, a schedule, gradient accumulation), and its schedules' rates.
+//! training options (optimizers, a schedule, gradient accumulation, dropout), its schedules'
+//! rates, and mlx.optimizers' updates one by one.
 
 use std::path::{Path, PathBuf};
 
-use oxlm_models::lora::{AdaptedModel, Adapters, LoraConfig, LoraLinear};
-use oxlm_models::lora_grad::{loss_sum, Example};
+use oxlm_models::lora::{
+    stack_transposed, unstack_transposed, AdaptedModel, Adapters, LoraConfig, LoraLinear,
+};
+use oxlm_models::lora_dropout::{BatchDropout, KeySequence};
+use oxlm_models::lora_grad::{loss_sum, AdapterGrads, Example, LoraGrad, LossAndGrads};
 use oxlm_models::{load, LanguageModel};
 use oxlm_runtime::chat_template::ChatTemplate;
-use oxlm_runtime::lora::batches::Batches;
+use oxlm_runtime::lora::batches::{Batch, Batches};
 use oxlm_runtime::lora::data::{Dataset, Encoder};
 use oxlm_runtime::lora::np_random::NumpyRandom;
-use oxlm_runtime::lora::optimizer::OptimizerConfig;
+use oxlm_runtime::lora::optimizer::{Optimizer, OptimizerConfig};
 use oxlm_runtime::lora::schedule::Schedule;
 use oxlm_runtime::lora::trainer::{evaluate, init_adapters, train, Event, TrainArgs, TrainError};
 use oxlm_runtime::tokenizer::Tokenizer;
@@ -181,6 +185,7 @@ fn thirty_steps_follow_mlx_lm() {
             grad_accumulation_steps: 1,
             grad_checkpoint: false,
             adapter_file: out.path().join("adapters.safetensors"),
+            seed: 0,
         };
         let (mut losses, mut vals, mut saved) = (Vec::new(), Vec::new(), Vec::new());
         let mut rng = NumpyRandom::new(0);
@@ -313,6 +318,7 @@ fn resuming_loads_the_saved_checkpoint() {
         grad_accumulation_steps: 1,
         grad_checkpoint: true,
         adapter_file: out.path().join("adapters.safetensors"),
+        seed: 0,
     };
     let mut truncated = false;
     train(
@@ -362,28 +368,139 @@ fn short_run(learning_rate: f32, out: &Path) -> TrainArgs {
         grad_accumulation_steps: 1,
         grad_checkpoint: false,
         adapter_file: out.join("adapters.safetensors"),
+        seed: 0,
     }
+}
+
+/// Dropout is training's alone: validation (and serving, on the same forward pass) reads the
+/// adapters whole, whatever `lora_parameters.dropout` says.
+#[test]
+fn evaluation_never_drops() {
+    let model = load(&tokenizer_dir()).unwrap();
+    let init = fixtures().join("lora/train-llama-4bit-g64/init");
+    let mut adapters = Adapters::load(&init, model.as_ref()).unwrap();
+    let valid_set = load_set("data/valid.jsonl", false);
+    let score = |a: &Adapters| {
+        let mut rng = NumpyRandom::new(0);
+        evaluate(
+            model.as_ref(),
+            a,
+            &valid_set,
+            4,
+            2,
+            2048,
+            &mut rng,
+            &mut || {},
+        )
+        .unwrap()
+    };
+    let whole = score(&adapters);
+    adapters.config.dropout = 0.5;
+    assert_eq!(score(&adapters), whole);
+}
+
+/// `tiny/<base>` with the starting adapter of its training run, at dropout 0.3, and the first
+/// training batch after `np.random.seed(0)`.
+fn dropout_setup(base: &str) -> (Box<dyn LanguageModel>, Adapters, Batch) {
+    let model = load(&fixtures().join("tiny").join(base)).unwrap();
+    let init = fixtures().join(format!("lora/train-{base}/init"));
+    let mut adapters = Adapters::load(&init, model.as_ref()).unwrap();
+    adapters.config.dropout = 0.3;
+    let train_set = load_set("data/train.jsonl", false);
+    let mut batches = Batches::new(&train_set, 4, 2048, true).unwrap();
+    let batch = batches.next_batch(&mut NumpyRandom::new(0)).unwrap();
+    (model, adapters, batch)
+}
+
+/// One step's loss and gradients, the masks drawn after `mx.random.seed(seed)`.
+fn dropout_step(
+    model: &dyn LanguageModel,
+    adapters: &Adapters,
+    batch: &Batch,
+    seed: u64,
+    checkpoint: bool,
+) -> LossAndGrads {
+    let adaptable = model.adaptable().unwrap();
+    let mut keys = KeySequence::new(seed);
+    let dropout = BatchDropout::draw(adaptable, adapters, batch.layout.clone(), &mut keys);
+    let examples = &batch.examples;
+    (adaptable.loss_and_grads_with_dropout(examples, adapters, &dropout, checkpoint)).unwrap()
+}
+
+/// The blocks that gradient checkpointing runs again read their inputs through the same masks:
+/// a step with dropout has the same loss and gradients either way, and not those of the step
+/// without dropout.
+#[test]
+fn dropout_masks_hold_through_gradient_checkpointing() {
+    let (model, adapters, batch) = dropout_setup("llama-4bit-g64");
+    let step = |checkpoint| dropout_step(model.as_ref(), &adapters, &batch, 7, checkpoint);
+    let (kept, recomputed) = (step(false), step(true));
+    assert_eq!(kept.loss, recomputed.loss);
+    assert_eq!(kept.grads, recomputed.grads);
+    let adaptable = model.adaptable().unwrap();
+    let whole = adaptable.loss_and_grads(&batch.examples, &adapters, false);
+    assert_ne!(whole.unwrap().loss, kept.loss);
+}
+
+/// Under dropout the gradient is that of the loss through the same masks, experts' included:
+/// central differences of the loss of a step, drawn with the same keys, agree with it for the
+/// experts of a mixture whose only block above is dense (so their outputs change no routing).
+#[test]
+fn dropout_gradients_of_experts_match_finite_differences() {
+    let (model, adapters, batch) = dropout_setup("qwen3_moe-4bit-g32");
+    let step = |a: &Adapters| dropout_step(model.as_ref(), a, &batch, 3, false);
+    let grads = step(&adapters).grads;
+    let dense = format!("{}.", adapters.block_path(1));
+    assert!(grads.experts.keys().all(|p| !p.starts_with(&dense)));
+    let mut checked = 0;
+    for (path, each) in &grads.experts {
+        // The expert with the largest gradient: one that tokens chose.
+        let norm = |e: usize| each[e].b.iter().map(|v| v.abs()).sum::<f32>();
+        let e = (0..each.len())
+            .max_by(|&x, &y| norm(x).total_cmp(&norm(y)))
+            .unwrap();
+        // Each matrix's largest element of the gradient: the difference stands out of the noise.
+        let largest = |m: &[f32]| (0..m.len()).max_by(|&x, &y| m[x].abs().total_cmp(&m[y].abs()));
+        for (half, index) in [("a", largest(&each[e].a)), ("b", largest(&each[e].b))] {
+            let index = index.unwrap();
+            let loss = |delta: f32| {
+                let mut nudged = adapters.clone();
+                let layer = &mut nudged.experts.get_mut(path).unwrap()[e];
+                let m = if half == "a" {
+                    &mut layer.a
+                } else {
+                    &mut layer.b
+                };
+                m[index] += delta;
+                step(&nudged).loss as f64
+            };
+            let delta = 1e-2f32;
+            let numeric = ((loss(delta) - loss(-delta)) / (2.0 * delta as f64)) as f32;
+            let analytic = if half == "a" {
+                each[e].a[index]
+            } else {
+                each[e].b[index]
+            };
+            println!(
+                "{path}[{e}].lora_{half}[{index}]: analytic {analytic:.6} numeric {numeric:.6}"
+            );
+            // As the plain layers' finite-difference test: f32 losses, a difference over ±1e-2.
+            assert!(
+                (analytic - numeric).abs() <= 2e-3 * analytic.abs() + 3e-5,
+                "{path}[{e}].lora_{half}[{index}]: analytic {analytic} vs numeric {numeric}"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 4, "{checked}");
 }
 
 /// A rate Adam cannot step with is refused before any step, validation or save.
 #[test]
 fn learning_rates_that_cannot_train_are_refused_up_front() {
-    let model = load(&tokenizer_dir()).unwrap();
-    let train_set = load_set("data/train.jsonl", false);
     let out = tempfile::tempdir().unwrap();
     for rate in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -1e-5] {
-        let mut adapters = init_adapters(model.as_ref(), LoraConfig::new(1), 7).unwrap();
-        let mut events = 0;
-        let err = train(
-            model.as_ref(),
-            &mut adapters,
-            &train_set,
-            &train_set,
-            &short_run(rate, out.path()),
-            &mut NumpyRandom::new(0),
-            &mut |_| events += 1,
-        )
-        .unwrap_err();
+        let (err, events) = refused_run(rate, 0.0, out.path());
         assert!(
             matches!(err, TrainError::LearningRate(r) if r.to_bits() == rate.to_bits()),
             "{err}"
@@ -395,6 +512,42 @@ fn learning_rates_that_cannot_train_are_refused_up_front() {
         assert_eq!(events, 0);
     }
     assert!(std::fs::read_dir(out.path()).unwrap().next().is_none());
+}
+
+/// A dropout probability `nn.Dropout` refuses is refused before any step, validation or save.
+#[test]
+fn dropout_outside_zero_to_one_is_refused_up_front() {
+    let out = tempfile::tempdir().unwrap();
+    for p in [1.0, -0.1, f64::NAN] {
+        let (err, events) = refused_run(1e-3, p, out.path());
+        assert!(
+            matches!(err, TrainError::Dropout(d) if d.to_bits() == p.to_bits()),
+            "{err}"
+        );
+        assert_eq!(events, 0);
+    }
+    assert!(std::fs::read_dir(out.path()).unwrap().next().is_none());
+}
+
+/// A short run at `learning_rate` with `dropout`, saving into `out`, that must fail: its error,
+/// and the events it told before.
+fn refused_run(learning_rate: f32, dropout: f64, out: &Path) -> (TrainError, usize) {
+    let model = load(&tokenizer_dir()).unwrap();
+    let train_set = load_set("data/train.jsonl", false);
+    let mut adapters = init_adapters(model.as_ref(), LoraConfig::new(1), 7).unwrap();
+    adapters.config.dropout = dropout;
+    let mut events = 0;
+    let err = train(
+        model.as_ref(),
+        &mut adapters,
+        &train_set,
+        &train_set,
+        &short_run(learning_rate, out),
+        &mut NumpyRandom::new(0),
+        &mut |_| events += 1,
+    )
+    .unwrap_err();
+    (err, events)
 }
 
 /// At a rate of 1e30 the first step sends the adapters to ±1e30 and the second one's loss is
@@ -481,8 +634,11 @@ fn schedules_give_mlx_lms_rates() {
 }
 
 /// Losses, learning rates and validation losses of a run with mlx_lm.lora's training options
-/// (tests/fixtures/lora/options: optimizers with their settings, a schedule with a warmup,
-/// gradient accumulation) from the llama run's starting adapter, against mlx-lm's own run.
+/// (tests/fixtures/lora/options: optimizers with their settings, Adafactor's and Muon's
+/// included, a schedule with a warmup, gradient accumulation, LoRA dropout with its seed) from
+/// the llama run's starting adapter, against mlx-lm's own run. The dropout run holds only with
+/// mlx-lm's own masks: those of the next key move its first loss by about 1e-2, and no dropout
+/// by 2.7e-3.
 #[test]
 fn training_options_follow_mlx_lm() {
     let model = load(&tokenizer_dir()).unwrap();
@@ -497,7 +653,7 @@ fn training_options_follow_mlx_lm() {
         .map(|e| e.unwrap().path())
         .collect();
     runs.sort();
-    assert_eq!(runs.len(), 5);
+    assert_eq!(runs.len(), 9);
     for path in runs {
         let golden = read_json(&path);
         let options = &golden["options"];
@@ -526,12 +682,16 @@ fn training_options_follow_mlx_lm() {
             grad_accumulation_steps: accumulation,
             grad_checkpoint: false,
             adapter_file: out.path().join("adapters.safetensors"),
+            seed: options.get("seed").map_or(0, |s| s.as_u64().unwrap()),
         };
         let mut adapters = Adapters::load(
             &fixtures().join("lora/train-llama-4bit-g64/init"),
             model.as_ref(),
         )
         .unwrap();
+        if let Some(dropout) = options.pointer("/lora_parameters/dropout") {
+            adapters.config.dropout = dropout.as_f64().unwrap();
+        }
         let (mut losses, mut rates, mut vals) = (Vec::new(), Vec::new(), Vec::new());
         train(
             model.as_ref(),
@@ -566,9 +726,15 @@ fn training_options_follow_mlx_lm() {
             losses[0], losses[iters - 1], want[0], want[iters - 1]
         );
         assert_eq!(losses.len(), iters, "{name}");
-        // Nesterov's momentum makes that run chaotic sooner: mlx-lm itself, started from the
-        // adapter scaled by 1 + 1e-6·N(0, 1), strays by 2e-4 at step 8 and 1.5e-3 at step 11.
-        let early = if name == "sgd-nesterov" { 7 } else { 10 };
+        // Nesterov's momentum and Muon's orthogonalization make those runs chaotic sooner:
+        // mlx-lm itself, started from the adapter scaled by 1 + 1e-6·N(0, 1), strays by 2e-4 at
+        // step 8 and 1.5e-3 at step 11 with Nesterov's, by 9e-4 at step 6, 7e-3 at step 7 and
+        // 1.5e-2 at step 11 with Muon.
+        let early = match name.as_ref() {
+            "sgd-nesterov" => 7,
+            "muon" => 6,
+            _ => 10,
+        };
         assert!(
             max_rel(&losses[..early], &want[..early]) < EARLY_BAND,
             "{name}"
@@ -593,6 +759,115 @@ fn training_options_follow_mlx_lm() {
             max_rel(&want[..10], &plain.train[..10]) > 10.0 * EARLY_BAND,
             "{name}"
         );
+    }
+}
+
+/// An array of optimizer-steps.json.
+fn floats(v: &Value) -> Vec<f32> {
+    let values = v.as_array().unwrap().iter();
+    values.map(|x| x.as_f64().unwrap() as f32).collect()
+}
+
+/// The shape of optimizer-steps.json's plain layer and of each of its stack's 2 experts.
+const STEP_LAYER: (usize, usize, usize) = (8, 3, 5);
+
+/// optimizer-steps.json's plain layer and expert stack from `arrays` in mlx-lm's layouts (the
+/// parameters, or their gradients), as `(a, b)` matrices of each.
+fn step_matrices(arrays: &Value) -> (LoraGrad, Vec<LoraGrad>) {
+    let (inputs, rank, outputs) = STEP_LAYER;
+    let (a, b) = (
+        floats(&arrays["stack.lora_a"]),
+        floats(&arrays["stack.lora_b"]),
+    );
+    let experts = (0..2)
+        .map(|e| LoraGrad {
+            a: unstack_transposed(&a, e, inputs, rank),
+            b: unstack_transposed(&b, e, rank, outputs),
+        })
+        .collect();
+    let plain = LoraGrad {
+        a: floats(&arrays["layer.lora_a"]),
+        b: floats(&arrays["layer.lora_b"]),
+    };
+    (plain, experts)
+}
+
+/// mlx.optimizers' Adafactor and Muon, update by update (tests/fixtures/lora/optimizer-steps.json:
+/// several settings, three updates each), on a plain layer's arrays and on an expert stack's,
+/// whose RMS (Adafactor) and orthogonalization (Muon) span all of its experts. Each array's
+/// largest difference from MLX's is measured against the largest change the updates made to it.
+/// Adafactor repeats MLX's f32 operations in MLX's order: the same bits. Muon's Newton–Schulz
+/// products sum in another order than MLX's matrix product, and the iterations of a quintic
+/// carry the rounding on: within 2e-5 of the change (measured: 2.5e-6).
+#[test]
+fn optimizers_update_as_mlx_does() {
+    let table = read_json(&fixtures().join("lora/optimizer-steps.json"));
+    let (inputs, rank, outputs) = STEP_LAYER;
+    let layer = |m: LoraGrad| LoraLinear {
+        in_features: inputs,
+        out_features: outputs,
+        rank,
+        scale: 1.0,
+        a: m.a,
+        b: m.b,
+        dropout: None,
+    };
+    let start = &table["start"];
+    for run in table["runs"].as_array().unwrap() {
+        let (name, settings) = (run["optimizer"].as_str().unwrap(), &run["optimizer_config"]);
+        let tolerance = if name == "muon" { 2e-5 } else { 0.0 };
+        let rate = run["learning_rate"].as_f64().unwrap() as f32;
+        let config = OptimizerConfig::from_config(name, settings).unwrap();
+        let mut optimizer = Optimizer::new(config, Schedule::Constant(rate));
+        let (plain, experts) = step_matrices(start);
+        let mut adapters = Adapters {
+            config: LoraConfig::new(1),
+            layers: [("layer".to_string(), layer(plain))].into(),
+            experts: [(
+                "stack".to_string(),
+                experts.into_iter().map(layer).collect(),
+            )]
+            .into(),
+            blocks_path: "model.layers",
+            parts: Default::default(),
+        };
+        let mut worst = 0.0f32;
+        let updates = table["grads"].as_array().unwrap();
+        for (grads, want) in updates.iter().zip(run["after"].as_array().unwrap()) {
+            let (plain, experts) = step_matrices(grads);
+            let grads = AdapterGrads {
+                layers: [("layer".to_string(), plain)].into(),
+                experts: [("stack".to_string(), experts)].into(),
+            };
+            optimizer.update(&mut adapters, &grads);
+            let (layer, stack) = (&adapters.layers["layer"], &adapters.experts["stack"]);
+            let got = [
+                ("layer.lora_a", layer.a.clone()),
+                ("layer.lora_b", layer.b.clone()),
+                (
+                    "stack.lora_a",
+                    stack_transposed(stack.iter().map(|l| &l.a[..]), inputs, rank),
+                ),
+                (
+                    "stack.lora_b",
+                    stack_transposed(stack.iter().map(|l| &l.b[..]), rank, outputs),
+                ),
+            ];
+            for (array, got) in got {
+                let (want, before) = (floats(&want[array]), floats(&start[array]));
+                let largest = |pairs: &[(f32, f32)]| {
+                    pairs.iter().fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+                };
+                let change = largest(&want.iter().copied().zip(before).collect::<Vec<_>>());
+                let diff = largest(&got.into_iter().zip(want).collect::<Vec<_>>());
+                worst = worst.max(diff / change);
+                assert!(
+                    diff <= tolerance * change,
+                    "{name} {settings}: {array}: {diff} vs a change of {change}"
+                );
+            }
+        }
+        println!("{name} {settings}: largest difference {worst:.1e} of the change");
     }
 }
 

@@ -229,9 +229,10 @@ impl Settings {
                 params.scale
             );
         }
-        if params.dropout != 0.0 {
+        // nn.Dropout's own check.
+        if !(0.0..1.0).contains(&params.dropout) {
             bail!(
-                "`lora_parameters.dropout` is {}: dropout is not supported yet (use 0.0)",
+                "`lora_parameters.dropout` is {}: expected a probability in [0, 1)",
                 params.dropout
             );
         }
@@ -239,7 +240,7 @@ impl Settings {
             num_layers: typed.num_layers,
             rank: params.rank,
             scale: params.scale as f32,
-            dropout: params.dropout as f32,
+            dropout: params.dropout,
             keys: params.keys.clone(),
         };
         Ok(Settings {

@@ -2,6 +2,7 @@
 //! visited in a fresh random order each epoch (numpy's global generator), each padded with zeros
 //! to one more than a multiple of 32 tokens and cut at `max_seq_length`.
 
+use oxlm_models::lora_dropout::BatchLayout;
 use oxlm_models::lora_grad::Example;
 use thiserror::Error;
 
@@ -25,6 +26,8 @@ pub struct Batch {
     pub examples: Vec<Example>,
     /// The longest item before cutting, when it was longer than `max_seq_length`.
     pub truncated_from: Option<usize>,
+    /// Where the examples sit in the padded batch (what dropout masks are drawn over).
+    pub layout: BatchLayout,
 }
 
 impl Batch {
@@ -102,18 +105,25 @@ impl<'a> Batches<'a> {
         let items: Vec<_> = group.iter().map(|&i| &self.data.items[i]).collect();
         let longest = items.iter().map(|it| it.tokens.len()).max().unwrap_or(0);
         let width = (1 + PAD_TO * longest.div_ceil(PAD_TO)).min(self.max_seq_length);
-        let examples = items
+        let (examples, example_rows) = items
             .iter()
-            .filter_map(|it| {
+            .enumerate()
+            .filter_map(|(i, it)| {
                 let length = it.tokens.len().min(self.max_seq_length);
                 let mut row = vec![0u32; width];
                 row[..length].copy_from_slice(&it.tokens[..length]);
-                Example::from_padded(&row, it.offset, length)
+                Some((Example::from_padded(&row, it.offset, length)?, i))
             })
-            .collect();
+            .unzip();
         Batch {
             examples,
             truncated_from: (longest > self.max_seq_length).then_some(longest),
+            layout: BatchLayout {
+                rows: items.len(),
+                // The model reads every position but the last.
+                width: width - 1,
+                example_rows,
+            },
         }
     }
 }

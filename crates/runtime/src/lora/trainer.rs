@@ -1,13 +1,15 @@
 //! The training loop of `mlx_lm.tuner.trainer.train`: batches, validation at the first step,
 //! every `steps_per_eval` steps and the last, optimizer updates (after every
 //! `grad_accumulation_steps` batches), reports every `steps_per_report` steps, and adapter
-//! checkpoints every `save_every` steps. Checkpoints are written atomically.
+//! checkpoints every `save_every` steps. Checkpoints are written atomically. With LoRA dropout,
+//! each step draws its masks from MLX's generator as mlx_lm.lora seeds it.
 //! What happens is told through [`Event`]s, so the caller decides what to print.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use oxlm_models::lora::{AdaptedModel, AdapterError, Adapters, LoraConfig};
+use oxlm_models::lora_dropout::{BatchDropout, KeySequence};
 use oxlm_models::lora_grad::{loss_sum, AdapterGrads, LoraGrad};
 use oxlm_models::save::SaveError;
 use oxlm_models::{ForwardError, LanguageModel};
@@ -36,6 +38,8 @@ pub enum TrainError {
     LearningRate(f32),
     #[error("grad_accumulation_steps must be at least 1")]
     GradAccumulationSteps,
+    #[error("lora_parameters.dropout must be a probability in [0, 1), not {0}")]
+    Dropout(f64),
     /// The step is not applied, so that no adapters of NaN are saved.
     #[error(
         "training diverged at iteration {iteration}: the loss is {loss}; the adapters are not \
@@ -68,6 +72,8 @@ pub struct TrainArgs {
     pub grad_checkpoint: bool,
     /// Where the adapter weights are saved (`adapters.safetensors` in the adapter directory).
     pub adapter_file: PathBuf,
+    /// mlx_lm.lora's `seed`, which seeds MLX's generator: the dropout masks' source.
+    pub seed: u64,
 }
 
 /// A training-loss report.
@@ -128,6 +134,17 @@ pub fn init_adapters(
     Ok(adapters)
 }
 
+/// MLX's generator as training finds it in mlx_lm.lora: seeded with `seed`, then drawn from twice
+/// for each adapted layer as `linear_to_lora_layers` builds it (the weight of a placeholder
+/// `Linear`, then `lora_a`), whether or not the adapters are then loaded from a file.
+fn keys_at_training_start(adapters: &Adapters, seed: u64) -> KeySequence {
+    let mut keys = KeySequence::new(seed);
+    for _ in 0..2 * (adapters.layers.len() + adapters.experts.len()) {
+        keys.next_key();
+    }
+    keys
+}
+
 /// mlx-lm's `evaluate`: the mean loss over `num_batches` batches of one epoch (-1: all of it);
 /// `on_batch` is called after each.
 #[allow(clippy::too_many_arguments)]
@@ -185,8 +202,13 @@ pub fn train(
     if args.grad_accumulation_steps == 0 {
         return Err(TrainError::GradAccumulationSteps);
     }
+    if !(0.0..1.0).contains(&adapters.config.dropout) {
+        return Err(TrainError::Dropout(adapters.config.dropout));
+    }
     let mut batches = Batches::new(train, args.batch_size, args.max_seq_length, true)?;
     let mut optimizer = Optimizer::new(args.optimizer.clone(), args.learning_rate.clone());
+    let mut dropout_keys =
+        (adapters.config.dropout > 0.0).then(|| keys_at_training_start(adapters, args.seed));
     let mut accumulated: Option<AdapterGrads> = None;
     let (mut losses, mut tokens, mut steps, mut trained_tokens) = (0.0f64, 0usize, 0usize, 0usize);
     let mut train_time = 0.0f64;
@@ -228,7 +250,14 @@ pub fn train(
             });
             tic = Instant::now();
         }
-        let step = adaptable.loss_and_grads(&batch.examples, adapters, args.grad_checkpoint)?;
+        let step = match &mut dropout_keys {
+            Some(keys) => {
+                let dropout = BatchDropout::draw(adaptable, adapters, batch.layout, keys);
+                let (examples, checkpoint) = (&batch.examples, args.grad_checkpoint);
+                adaptable.loss_and_grads_with_dropout(examples, adapters, &dropout, checkpoint)?
+            }
+            None => adaptable.loss_and_grads(&batch.examples, adapters, args.grad_checkpoint)?,
+        };
         if !step.loss.is_finite() {
             return Err(TrainError::NonFiniteLoss {
                 iteration: it,
