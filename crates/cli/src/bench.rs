@@ -282,7 +282,7 @@ fn decode_batch(
         };
         jobs.send(Job {
             prompt: prompt(len, vocab, seed),
-            adapter: None,
+            adapters: Vec::new(),
             options,
             stream: StreamOptions {
                 constraint: constrained

@@ -633,7 +633,7 @@ impl BlockGrads<'_> {
             None => self.grads.layers.get_mut(&path),
         };
         let rows = x.len() / linear.weight.cols();
-        linear_backward(linear, lora.get(name).zip(slot), x, dy, rows, need_dx)
+        linear_backward(linear, lora.get_one(name).zip(slot), x, dy, rows, need_dx)
     }
 
     /// The gradient of the input `x` that the layers of `projections` (under `module`) share,

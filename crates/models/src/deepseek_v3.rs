@@ -21,7 +21,7 @@ use crate::cache::{append_kv, attend_kv, Cache, KvCache, LayerCache, MlxForm};
 use crate::checkpoint::{Checkpoint, Scope};
 use crate::decoder_grad::{Decoder, DecoderBlock};
 use crate::layers::{linear_shape, Embedding, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope};
-use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
+use crate::lora::{Adaptable, LinearShape, ModuleAdapters, PassAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
 use crate::switch::{
     load_stacked, ExpertMlps, FeedForward, MoeNames, Routing, Shared, SharedNames, SparseMoe,
@@ -441,7 +441,7 @@ impl Architecture for DeepseekV3 {
         &self,
         tokens: &[u32],
         caches: &mut [&mut Cache],
-        adapters: Option<&Adapters>,
+        adapters: Option<PassAdapters>,
     ) -> Result<Tensor, ForwardError> {
         let (mut caches, positions) =
             PassCaches::new(&self.info, tokens, caches, self.layers.len())?;

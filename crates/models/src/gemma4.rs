@@ -23,7 +23,7 @@ use crate::layers::{
     experts_shape, linear_shape, load_host_vector, Embedding, Linear, Mlp, OpResult, OutputHead,
     RmsNorm, Rope,
 };
-use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
+use crate::lora::{Adaptable, LinearShape, ModuleAdapters, PassAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
 use crate::switch::{by_expert, dispatch, load_experts};
 use crate::{ForwardError, LoadError, ModelInfo};
@@ -790,7 +790,7 @@ impl Architecture for Gemma4 {
         &self,
         tokens: &[u32],
         caches: &mut [&mut Cache],
-        adapters: Option<&Adapters>,
+        adapters: Option<PassAdapters>,
     ) -> Result<Tensor, ForwardError> {
         let (mut caches, positions) =
             PassCaches::new(&self.info, tokens, caches, self.cached_layers)?;

@@ -17,7 +17,7 @@ use crate::decoder_grad::{Decoder, DecoderBlock};
 use crate::layers::{
     linear_shape, Attention, Embedding, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope,
 };
-use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
+use crate::lora::{Adaptable, LinearShape, ModuleAdapters, PassAdapters};
 use crate::mamba2::{caches_fit, CachedMixer, Mamba2Args, Mamba2Mixer, Mamba2Names};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
 use crate::switch::{ExpertMlps, MoeNames, Routing, SparseMoe};
@@ -373,7 +373,7 @@ impl Architecture for GraniteMoeHybrid {
         &self,
         tokens: &[u32],
         caches: &mut [&mut Cache],
-        adapters: Option<&Adapters>,
+        adapters: Option<PassAdapters>,
     ) -> Result<Tensor, ForwardError> {
         let (mut caches, positions) =
             PassCaches::new(&self.info, tokens, caches, self.layers.len())?;

@@ -9,7 +9,7 @@ use std::borrow::Cow;
 
 use crate::cache::{append_kv, attend_kv, AttentionCache};
 use crate::checkpoint::{QuantSpec, RawTensor, Scope};
-use crate::lora::{LinearShape, LoraLinear, ModuleAdapters};
+use crate::lora::{LayerAdapter, LinearShape, ModuleAdapters};
 use crate::{LoadError, Logits};
 
 /// What the ops of a forward pass may fail with (device errors, shapes).
@@ -346,7 +346,7 @@ impl Linear {
     pub fn add_forward(
         &self,
         x: &Tensor,
-        adapter: Option<&LoraLinear>,
+        adapter: Option<LayerAdapter>,
         residual: &mut Tensor,
     ) -> OpResult<()> {
         if self.bias.is_none() && adapter.is_none() {
@@ -356,7 +356,7 @@ impl Linear {
     }
 
     /// [`Linear::forward`] plus a LoRA adapter's low-rank update, when one is given.
-    pub fn forward_adapted(&self, x: &Tensor, adapter: Option<&LoraLinear>) -> OpResult<Tensor> {
+    pub fn forward_adapted(&self, x: &Tensor, adapter: Option<LayerAdapter>) -> OpResult<Tensor> {
         let mut y = self.weight.matmul(x)?;
         if let Some(b) = &self.bias {
             ops::add_row_inplace(&mut y, b)?;

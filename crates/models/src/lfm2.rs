@@ -41,7 +41,7 @@ use crate::layers::{
     experts_shape, linear_shape, load_conv1d, load_host_vector, load_vector, Attention, Embedding,
     Input, Linear, Mlp, OpResult, OutputHead, RmsNorm, Rope,
 };
-use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
+use crate::lora::{Adaptable, LinearShape, ModuleAdapters, PassAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
 use crate::switch::{by_expert, dispatch, load_experts};
 use crate::{ForwardError, LoadError, ModelInfo};
@@ -762,7 +762,7 @@ impl Architecture for Lfm2 {
         &self,
         tokens: &[u32],
         caches: &mut [&mut Cache],
-        adapters: Option<&Adapters>,
+        adapters: Option<PassAdapters>,
     ) -> Result<Tensor, ForwardError> {
         let (mut caches, positions) =
             PassCaches::new(&self.info, tokens, caches, self.layers.len())?;

@@ -19,6 +19,7 @@ pub mod llama;
 pub mod lora;
 pub mod lora_dropout;
 pub mod lora_grad;
+mod lora_rows;
 mod mamba2;
 pub mod nemotron_h;
 mod pass;

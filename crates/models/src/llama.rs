@@ -20,7 +20,7 @@ use crate::layers::{
     load_vector, Attention, Embedding, Input, Linear, Mlp, OpResult, OutputHead, PositionScale,
     RmsNorm, Rope,
 };
-use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
+use crate::lora::{Adaptable, LinearShape, ModuleAdapters, PassAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
 use crate::switch::{ExpertMlps, FeedForward, MoeNames, Routing, Shared, SharedNames, SparseMoe};
 use crate::{ForwardError, LoadError, ModelInfo};
@@ -1392,7 +1392,7 @@ impl Architecture for Llama {
         &self,
         tokens: &[u32],
         caches: &mut [&mut Cache],
-        adapters: Option<&Adapters>,
+        adapters: Option<PassAdapters>,
     ) -> Result<Tensor, ForwardError> {
         let (mut caches, positions) =
             PassCaches::new(&self.info, tokens, caches, self.layers.len())?;

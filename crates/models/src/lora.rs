@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-use oxlm_engine::{EngineError, FloatMatrix, Tensor};
+use oxlm_engine::{FloatMatrix, Tensor};
 use serde_json::{json, Value};
 use thiserror::Error;
 
@@ -16,9 +16,10 @@ use crate::checkpoint::{open_safetensors, read_json, Residency};
 use crate::decoder_grad::{self, Decoder};
 use crate::lora_dropout::{BatchDropout, InputDropout};
 use crate::lora_grad::{Example, LossAndGrads};
+pub use crate::lora_rows::{AdaptedModel, LayerAdapter, PassAdapters, RowAdapters};
 use crate::pass::{forward_one, forward_rows, Architecture};
 use crate::save::{write_safetensors, SaveError, TensorBytes};
-use crate::{ForwardError, LanguageModel, LoadError, Logits, ModelInfo};
+use crate::{ForwardError, LanguageModel, LoadError, Logits};
 
 pub const CONFIG_FILE: &str = "adapter_config.json";
 pub const WEIGHTS_FILE: &str = "adapters.safetensors";
@@ -102,19 +103,20 @@ pub trait Adaptable: Architecture {
         tokens: &[u32],
         cache: &mut Cache,
         logits: Logits,
-        adapters: &Adapters,
+        adapters: PassAdapters,
     ) -> Result<Tensor, ForwardError> {
         forward_one(cache, logits, self.output(), |c| {
             self.hidden_states(tokens, c, Some(adapters))
         })
     }
 
-    /// [`LanguageModel::forward_batch`] with each layer that `adapters` names adapted.
+    /// [`LanguageModel::forward_batch`] with each layer that `adapters` names adapted (each
+    /// sequence's own, as [`RowAdapters::by_row`] gives them).
     fn forward_batch_adapted(
         &self,
         tokens: &[u32],
         caches: &mut [&mut Cache],
-        adapters: &Adapters,
+        adapters: PassAdapters,
     ) -> Result<Tensor, ForwardError> {
         forward_rows(tokens, caches, self.output(), |c| {
             self.hidden_states(tokens, c, Some(adapters))
@@ -340,19 +342,24 @@ impl LoraLinear {
             None => Cow::Borrowed(x),
         }
     }
+}
 
-    /// [`LoraLinear::add_to`] on tensors. The update is computed on the host (a rank-r product
-    /// is small); on a GPU the input comes down and the update goes up.
-    pub fn add_to_tensor(&self, x: &Tensor, y: &mut Tensor) -> Result<(), EngineError> {
-        let m = x.rows();
-        if x.is_host() && y.is_host() {
-            self.add_to(x.data(), m, y.data_mut());
-            return Ok(());
+impl<'a> PassAdapters<'a> {
+    /// The adapters of module `module` (e.g. `mlp`; `""` for the block's own layers) of block
+    /// `block`.
+    pub fn module(self, block: usize, module: &'a str) -> ModuleAdapters<'a> {
+        ModuleAdapters {
+            set: Some(self),
+            block,
+            module,
+            expert: None,
         }
-        let mut update = vec![0.0; m * self.out_features];
-        self.add_to(&x.to_vec()?, m, &mut update);
-        let update = Tensor::from_slice(y.shape().to_vec(), &update, &y.device())?;
-        oxlm_engine::ops::add_inplace(y, &update)
+    }
+}
+
+impl<'a> From<&'a Adapters> for PassAdapters<'a> {
+    fn from(set: &'a Adapters) -> Self {
+        PassAdapters::All(set)
     }
 }
 
@@ -375,7 +382,7 @@ pub struct Adapters {
 /// The adapters of one module's linear layers (e.g. block 3's `self_attn`), by layer name.
 #[derive(Clone, Copy)]
 pub struct ModuleAdapters<'a> {
-    set: Option<&'a Adapters>,
+    set: Option<PassAdapters<'a>>,
     block: usize,
     module: &'a str,
     /// For a mixture's stacked experts: the expert whose adapters [`ModuleAdapters::get`] gives.
@@ -399,9 +406,27 @@ impl<'a> ModuleAdapters<'a> {
         }
     }
 
-    /// The adapter of layer `name` within the module.
-    pub fn get(&self, name: &str) -> Option<&'a LoraLinear> {
-        let set = self.set?;
+    /// The adapters of layer `name` within the module.
+    pub fn get(&self, name: &str) -> Option<LayerAdapter<'a>> {
+        let parts = match self.set? {
+            PassAdapters::All(set) => vec![(self.lookup(set, name)?, None)],
+            PassAdapters::Rows(rows) => (rows.groups.iter())
+                .filter_map(|(set, rows)| Some((self.lookup(set, name)?, rows.as_deref())))
+                .collect(),
+        };
+        (!parts.is_empty()).then_some(LayerAdapter { parts })
+    }
+
+    /// The one adapter of layer `name` within the module, where the pass has one set for every
+    /// row (a training pass).
+    pub fn get_one(&self, name: &str) -> Option<&'a LoraLinear> {
+        match self.set? {
+            PassAdapters::All(set) => self.lookup(set, name),
+            PassAdapters::Rows(_) => None,
+        }
+    }
+
+    fn lookup(&self, set: &'a Adapters, name: &str) -> Option<&'a LoraLinear> {
         let block = set.block_path(self.block);
         let path = match self.module {
             // The block's own layers (Gemma 4's per-layer input gate).
@@ -742,62 +767,7 @@ impl Adapters {
     /// The adapters of module `module` (e.g. `mlp`; `""` for the block's own layers) of block
     /// `block`.
     pub fn module<'a>(&'a self, block: usize, module: &'a str) -> ModuleAdapters<'a> {
-        ModuleAdapters {
-            set: Some(self),
-            block,
-            module,
-            expert: None,
-        }
-    }
-}
-
-/// A shared base model seen through one adapter set: what a request with an adapter runs on.
-pub struct AdaptedModel<'a> {
-    base: &'a dyn LanguageModel,
-    adaptable: &'a dyn Adaptable,
-    adapters: &'a Adapters,
-}
-
-impl<'a> AdaptedModel<'a> {
-    pub fn new(base: &'a dyn LanguageModel, adapters: &'a Adapters) -> Result<Self, AdapterError> {
-        adapters.check(base)?;
-        let adaptable = base
-            .adaptable()
-            .ok_or_else(|| AdapterError::UnsupportedModel(base.info().model_type.clone()))?;
-        Ok(AdaptedModel {
-            base,
-            adaptable,
-            adapters,
-        })
-    }
-}
-
-impl LanguageModel for AdaptedModel<'_> {
-    fn info(&self) -> &ModelInfo {
-        self.base.info()
-    }
-
-    fn new_cache(&self) -> Result<Cache, ForwardError> {
-        self.base.new_cache()
-    }
-
-    fn forward(
-        &self,
-        tokens: &[u32],
-        cache: &mut Cache,
-        logits: Logits,
-    ) -> Result<Tensor, ForwardError> {
-        self.adaptable
-            .forward_adapted(tokens, cache, logits, self.adapters)
-    }
-
-    fn forward_batch(
-        &self,
-        tokens: &[u32],
-        caches: &mut [&mut Cache],
-    ) -> Result<Tensor, ForwardError> {
-        self.adaptable
-            .forward_batch_adapted(tokens, caches, self.adapters)
+        PassAdapters::All(self).module(block, module)
     }
 }
 

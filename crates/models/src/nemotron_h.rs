@@ -24,7 +24,7 @@ use crate::layers::{
     linear_shape, load_host_vector, Attention, Embedding, Linear, OpResult, OutputHead, RmsNorm,
     Rope,
 };
-use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
+use crate::lora::{Adaptable, LinearShape, ModuleAdapters, PassAdapters};
 use crate::mamba2::{caches_fit, CachedMixer, Mamba2Args, Mamba2Mixer, Mamba2Names};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
 use crate::switch::{by_expert, dispatch, load_stacked, route, Routing};
@@ -434,7 +434,7 @@ impl Architecture for NemotronH {
         &self,
         tokens: &[u32],
         caches: &mut [&mut Cache],
-        adapters: Option<&Adapters>,
+        adapters: Option<PassAdapters>,
     ) -> Result<Tensor, ForwardError> {
         let (mut caches, positions) =
             PassCaches::new(&self.info, tokens, caches, self.cached().count())?;

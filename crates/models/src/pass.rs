@@ -12,7 +12,7 @@ use oxlm_engine::{EngineError, Positions, Tensor};
 
 use crate::cache::{Cache, KvCache, LayerCache, RecurrentCache, RotatingKvCache};
 use crate::layers::{Embedding, OutputHead};
-use crate::lora::{Adaptable, Adapters};
+use crate::lora::{Adaptable, PassAdapters};
 use crate::{check_batch, check_tokens, ForwardError, LanguageModel, Logits, ModelInfo};
 
 /// What one architecture provides: its settings, the cache each layer keeps, its pass and its
@@ -32,7 +32,7 @@ pub trait Architecture: Send + Sync {
         &self,
         tokens: &[u32],
         caches: &mut [&mut Cache],
-        adapters: Option<&Adapters>,
+        adapters: Option<PassAdapters>,
     ) -> Result<Tensor, ForwardError>;
 
     /// The output head, and the embeddings it may be tied to.

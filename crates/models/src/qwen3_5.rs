@@ -23,7 +23,7 @@ use crate::layers::{
     linear_shape, load_conv1d, load_host_vector, load_vector, place_vector, Embedding, Linear, Mlp,
     OpResult, OutputHead, RmsNorm, Rope,
 };
-use crate::lora::{Adaptable, Adapters, LinearShape, ModuleAdapters};
+use crate::lora::{Adaptable, LinearShape, ModuleAdapters, PassAdapters};
 use crate::pass::{Architecture, LayerCaches, PassCaches};
 use crate::switch::{ExpertMlps, FeedForward, MoeNames, Routing, Shared, SharedNames, SparseMoe};
 use crate::{ForwardError, LoadError, ModelInfo};
@@ -708,7 +708,7 @@ impl Architecture for Qwen3_5 {
         &self,
         tokens: &[u32],
         caches: &mut [&mut Cache],
-        adapters: Option<&Adapters>,
+        adapters: Option<PassAdapters>,
     ) -> Result<Tensor, ForwardError> {
         let (mut caches, positions) =
             PassCaches::new(&self.info, tokens, caches, self.layers.len())?;

@@ -11,7 +11,7 @@ use lora_fixtures::{
     all_logits, devices, fixtures, golden, max_abs_diff, prompt, CASES, LOGIT_TOLERANCE,
 };
 use oxlm_engine::KvPrecision;
-use oxlm_models::lora::{AdaptedModel, AdapterError, Adapters, LoraConfig};
+use oxlm_models::lora::{AdaptedModel, AdapterError, Adapters, LoraConfig, RowAdapters};
 use oxlm_models::{load, load_on, LanguageModel, Logits};
 use serde_json::Value;
 
@@ -108,6 +108,69 @@ fn the_base_model_is_shared_and_unchanged() {
     let plain = all_logits(model.as_ref(), &ids);
     assert!(max_abs_diff(&plain, &golden(adapter, "base_logits")) < LOGIT_TOLERANCE);
     assert!(max_abs_diff(&adapted, &plain) > 0.1);
+}
+
+/// A stack of adapters adds their updates: the fixture's adapter at scales 7 and 13 stacked
+/// gives its logits at scale 20 (the update is linear in the scale). And a batch whose rows run
+/// through adapters of their own (one, none, a stack) gives each row what its adapters give
+/// that sequence alone.
+#[test]
+fn stacked_and_per_row_adapters() {
+    let (devices, _turn) = devices();
+    let (adapter, base) = CASES[0];
+    let copies: Vec<_> = [7.0, 13.0, 20.0]
+        .into_iter()
+        .map(|scale| {
+            let dir = adapter_copy(adapter);
+            edit_config(dir.path(), |c| c["lora_parameters"]["scale"] = scale.into());
+            dir
+        })
+        .collect();
+    for device in &devices {
+        let model = load_on(&fixtures().join("tiny").join(base), device).unwrap();
+        let [a7, a13, a20] =
+            [0, 1, 2].map(|i| Adapters::load(copies[i].path(), model.as_ref()).unwrap());
+        let ids = prompt(adapter);
+        let stacked = AdaptedModel::by_rows(model.as_ref(), RowAdapters::stack(&[&a7, &a13]));
+        let stacked = all_logits(&stacked.unwrap(), &ids);
+        let single = all_logits(&AdaptedModel::new(model.as_ref(), &a20).unwrap(), &ids);
+        let d = max_abs_diff(&stacked, &single);
+        println!("{adapter} on {device}: stacked 7 + 13 within {d:.2e} of 20");
+        assert!(d < 1e-3, "{device}: {d}");
+
+        let rows = [vec![&a7], vec![], vec![&a7, &a13]];
+        let lengths = [1, ids.len() / 2, ids.len() - 1];
+        let alone: Vec<AdaptedModel> = rows
+            .iter()
+            .map(|stack| AdaptedModel::by_rows(model.as_ref(), RowAdapters::stack(stack)).unwrap())
+            .collect();
+        let mut caches: Vec<_> = (alone.iter().zip(lengths))
+            .map(|(m, n)| {
+                let mut cache = m.new_cache_in(KvPrecision::F32).unwrap();
+                m.forward(&ids[..n], &mut cache, Logits::Last).unwrap();
+                cache
+            })
+            .collect();
+        let want: Vec<Vec<f32>> = (alone.iter().zip(&caches).zip(lengths))
+            .map(|((m, cache), n)| {
+                let mut cache = cache.try_clone().unwrap();
+                let logits = m.forward(&[ids[n]], &mut cache, Logits::Last).unwrap();
+                logits.into_host().unwrap().into_data()
+            })
+            .collect();
+        let mixed = RowAdapters::by_row(&rows).unwrap();
+        let mixed = AdaptedModel::by_rows(model.as_ref(), mixed).unwrap();
+        let next: Vec<u32> = lengths.iter().map(|&n| ids[n]).collect();
+        let mut refs: Vec<_> = caches.iter_mut().collect();
+        let batch = mixed.forward_batch(&next, &mut refs).unwrap();
+        let batch = batch.into_host().unwrap();
+        let vocab = model.info().vocab_size;
+        for (i, want) in want.iter().enumerate() {
+            let d = max_abs_diff(&batch.data()[i * vocab..][..vocab], want);
+            println!("{adapter} on {device}: row {i} of the mixed batch within {d:.2e}");
+            assert!(d < LOGIT_TOLERANCE, "{device} row {i}: {d}");
+        }
+    }
 }
 
 /// A writable copy of an adapter fixture.

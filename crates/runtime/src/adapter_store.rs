@@ -58,6 +58,17 @@ pub struct Adapter {
 }
 
 impl Adapter {
+    /// `adapters`, made in memory rather than read from a directory, known as `name`.
+    pub fn unsaved(name: &str, adapters: Adapters) -> Self {
+        Adapter {
+            id: AdapterId {
+                dir: PathBuf::from(name),
+                modified: None,
+            },
+            adapters,
+        }
+    }
+
     /// Loads the adapter directory `dir` for `model`.
     pub fn load(dir: &Path, model: &dyn LanguageModel) -> Result<Self, AdapterError> {
         let dir = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());

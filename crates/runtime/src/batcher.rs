@@ -1,13 +1,15 @@
-//! The continuous batcher: it serves generation jobs in arrival order, decoding the sequences of
-//! one adapter together, as mlx_lm.server's batch generator does. Each step runs every
-//! sequence's next token through one forward pass (`forward_batch`), which reads each weight
-//! once for all of them, up to a capacity. Between steps, prompts go through the model alone,
-//! at most one prefill step's worth of tokens, those with the fewest tokens left first: many
-//! short ones at once, a long one a chunk at a time while the others go on decoding; each
-//! streams its first token as soon as its prompt is through. A job that needs another adapter waits until the batch has drained, and the batch
-//! takes no more jobs meanwhile, so that it is served in its turn.
+//! The continuous batcher: it serves generation jobs in arrival order, decoding their sequences
+//! together, as mlx_lm.server's batch generator does. Each step runs every sequence's next
+//! token through one forward pass (`forward_batch`), which reads each weight once for all of
+//! them, up to a capacity; each sequence's adapters (none, one, or a stack) adapt its own row.
+//! Between steps, prompts go through the model alone, at most one prefill step's worth of
+//! tokens, those with the fewest tokens left first: many short ones at once, a long one a chunk
+//! at a time while the others go on decoding; each streams its first token as soon as its
+//! prompt is through. Adapters of a mixture's experts regroup a layer's rows by expert, so a
+//! job whose adapters do that, or that meets a batch whose adapters do, waits until the batch
+//! has drained, and the batch takes no more jobs meanwhile, so that it is served in its turn.
 //!
-//! The batcher owns the prompt cache, keyed by the adapter a job runs with, and the GPU's
+//! The batcher owns the prompt cache, keyed by the adapters a job runs with, and the GPU's
 //! recordings of a decoding step for each batch size. It runs on the caller's thread and
 //! blocks there ([`Batcher::run`]); a server gives it a thread of its own and a channel, and
 //! reads what it is doing from [`BatcherStats`].
@@ -21,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use oxlm_engine::cpu::pool;
 use oxlm_engine::DecodeSteps;
-use oxlm_models::lora::{AdaptedModel, AdapterError};
+use oxlm_models::lora::{AdaptedModel, AdapterError, Adapters, RowAdapters};
 use oxlm_models::{Cache, ForwardError, LanguageModel, Logits, ModelInfo};
 
 use crate::adapter_store::{Adapter, AdapterId};
@@ -90,8 +92,8 @@ pub trait Requester: Send {
 /// One generation to serve.
 pub struct Job {
     pub prompt: Vec<u32>,
-    /// Through this adapter when given.
-    pub adapter: Option<Arc<Adapter>>,
+    /// Through these adapters (their updates added in this order); none: the base model.
+    pub adapters: Vec<Arc<Adapter>>,
     pub options: GenerateOptions,
     pub stream: StreamOptions,
     pub requester: Box<dyn Requester>,
@@ -113,6 +115,26 @@ pub enum Work {
     /// Boxed: a job is over a kilobyte, a task a pointer.
     Generate(Box<Job>),
     Run(Task),
+}
+
+impl Job {
+    /// Its adapters, as the prompt cache keys model state.
+    fn key(&self) -> Vec<AdapterId> {
+        self.adapters.iter().map(|a| a.id.clone()).collect()
+    }
+
+    /// Its adapters' sets, in the order their updates add up.
+    fn stack(&self) -> Vec<&Adapters> {
+        self.adapters.iter().map(|a| &a.adapters).collect()
+    }
+
+    /// Whether its sequence and `other`'s can decode in one step: through the same adapters,
+    /// or through adapters none of which adapts a mixture's experts (see
+    /// [`RowAdapters::by_row`]).
+    fn shares_steps_with(&self, other: &Job) -> bool {
+        let plain = |job: &Job| job.adapters.iter().all(|a| a.adapters.experts.is_empty());
+        (plain(self) && plain(other)) || self.key() == other.key()
+    }
 }
 
 impl From<Job> for Work {
@@ -179,8 +201,8 @@ pub struct BatcherStats {
 pub struct BatcherSnapshot {
     /// Jobs in the batch: their prompts going through the model, or decoding.
     pub running: usize,
-    /// Jobs taken from the queue and not yet in the batch: behind a full batch, or behind the
-    /// batch of another adapter.
+    /// Jobs taken from the queue and not yet in the batch: behind a full batch, or behind a
+    /// batch whose adapters cannot share its steps.
     pub waiting: usize,
     /// Context tokens that the running jobs' caches hold.
     pub kv_tokens: usize,
@@ -241,8 +263,8 @@ impl BatcherSnapshot {
 const FIRST_PREFILL_BUDGET: usize = 256;
 const MIN_PREFILL_BUDGET: usize = 16;
 
-/// The prompt cache: model state by the adapter that computed it (`None`: the base model).
-type StateCache = PromptCache<Option<AdapterId>>;
+/// The prompt cache: model state by the adapters that computed it (none: the base model).
+type StateCache = PromptCache<Vec<AdapterId>>;
 
 /// A job as the batcher holds it: the job, and the flag that ends it at shutdown.
 struct Held {
@@ -280,9 +302,9 @@ impl Held {
         self.job.requester.deliver(Update::Done(result));
     }
 
-    /// The adapter the job runs with, as the prompt cache keys model state.
-    fn key(&self) -> Option<AdapterId> {
-        self.job.adapter.as_ref().map(|adapter| adapter.id.clone())
+    /// The adapters the job runs with, as the prompt cache keys model state.
+    fn key(&self) -> Vec<AdapterId> {
+        self.job.key()
     }
 
     /// `on_event` for its generation: tokens and text become updates, and a requester gone
@@ -480,23 +502,7 @@ impl<'a> Batcher<'a> {
         queue: &mpsc::Receiver<W>,
         waiting: &mut VecDeque<Held>,
     ) {
-        let adapter = first.job.adapter.clone();
-        let adapted = adapter
-            .as_ref()
-            .map(|adapter| AdaptedModel::new(self.model, &adapter.adapters))
-            .transpose();
-        let adapted = match adapted {
-            Ok(adapted) => adapted,
-            Err(e) => {
-                first.end(Err(e.into()));
-                return self.publish(waiting.len(), &VecDeque::new(), &[]);
-            }
-        };
-        let model: &dyn LanguageModel = match &adapted {
-            Some(adapted) => adapted,
-            None => self.model,
-        };
-        let key = first.key();
+        let model = self.model;
         waiting.push_front(first);
         let mut prompting: VecDeque<Prompting> = VecDeque::new();
         let mut active: Vec<Active> = Vec::new();
@@ -504,13 +510,21 @@ impl<'a> Batcher<'a> {
         // the same calls whichever they are (their cache tables are uploaded each step), and a
         // replay checks each call before it skips it.
         let mut steps_by_size: HashMap<usize, DecodeSteps> = HashMap::new();
-        // Set once a job of another adapter waits: this batch then takes no more.
+        // Set once a job whose adapters cannot share the batch's steps waits: this batch then
+        // takes no more.
         let mut draining = false;
         loop {
             waiting.extend(queue.try_iter().filter_map(|work| self.take(work.into())));
             while !draining && prompting.len() + active.len() < self.capacity {
                 let Some(held) = waiting.front() else { break };
-                if held.key() != key {
+                let in_batch = prompting
+                    .iter()
+                    .map(|p| &p.held)
+                    .chain(active.iter().map(|a| &a.held));
+                if !in_batch
+                    .into_iter()
+                    .all(|h| h.job.shares_steps_with(&held.job))
+                {
                     draining = true;
                     break;
                 }
@@ -660,8 +674,7 @@ impl<'a> Batcher<'a> {
             .info()
             .check_context(0, job.prompt.len())
             .map_err(RuntimeError::from)?;
-        let key = job.adapter.as_ref().map(|adapter| adapter.id.clone());
-        let (cache, cached_tokens) = match self.prompt_cache.fetch(&key, &job.prompt) {
+        let (cache, cached_tokens) = match self.prompt_cache.fetch(&job.key(), &job.prompt) {
             Some(hit) => (hit.cache, hit.tokens),
             None => (job.options.new_cache(model)?, 0),
         };
@@ -734,6 +747,7 @@ impl<'a> Batcher<'a> {
         p: &mut Prompting,
         budget: &mut usize,
     ) -> Result<bool, JobError> {
+        let model = AdaptedModel::by_rows(model, RowAdapters::stack(&p.held.job.stack()))?;
         let prompt = &p.held.job.prompt;
         // Progress counts every uncached prompt token.
         let total = prompt.len() - p.cached_tokens;
@@ -803,6 +817,22 @@ impl<'a> Batcher<'a> {
         if active.is_empty() {
             return active;
         }
+        // Each sequence's row through its own adapters (the batch admits only sets that can
+        // share a step: see `Job::shares_steps_with`).
+        let adapters: Vec<Vec<Arc<Adapter>>> =
+            active.iter().map(|a| a.held.job.adapters.clone()).collect();
+        let stacks: Vec<Vec<&Adapters>> = adapters
+            .iter()
+            .map(|stack| stack.iter().map(|a| &a.adapters).collect())
+            .collect();
+        let adapted = RowAdapters::by_row(&stacks)
+            .ok_or_else(|| "adapters of a mixture's experts cannot share a step".to_string())
+            .and_then(|rows| AdaptedModel::by_rows(model, rows).map_err(|e| e.to_string()));
+        let adapted = match adapted {
+            Ok(adapted) => adapted,
+            Err(message) => return end_all(active, || JobError::Step(message.clone())),
+        };
+        let model: &dyn LanguageModel = &adapted;
         // Sized after the sequences at their limit have left, so that a size's recording only
         // ever sees steps of that size.
         let steps = steps_by_size

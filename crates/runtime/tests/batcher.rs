@@ -3,7 +3,7 @@
 //! what the prompt cache gives, and that each job gets what it gets served alone.
 
 use std::collections::HashSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -157,7 +157,7 @@ struct Ask {
     max_tokens: usize,
     sampler: SamplerConfig,
     top_logprobs: usize,
-    adapter: Option<Arc<Adapter>>,
+    adapters: Vec<Arc<Adapter>>,
     prefill_step: usize,
     cancel_after: Option<usize>,
     deadline: Option<Instant>,
@@ -172,7 +172,7 @@ fn ask(prompt: &str, max_tokens: usize) -> Ask {
         max_tokens,
         sampler: SamplerConfig::default(),
         top_logprobs: 0,
-        adapter: None,
+        adapters: Vec::new(),
         prefill_step: 2048,
         cancel_after: None,
         deadline: None,
@@ -246,7 +246,7 @@ fn job(tokenizer: &Tokenizer, a: &Ask) -> (Job, Log) {
     let log = Log::default();
     let job = Job {
         prompt: tokenizer.encode(&a.prompt, false).unwrap(),
-        adapter: a.adapter.clone(),
+        adapters: a.adapters.clone(),
         options: GenerateOptions {
             max_tokens: a.max_tokens,
             sampler: a.sampler.clone(),
@@ -273,6 +273,16 @@ fn job(tokenizer: &Tokenizer, a: &Ask) -> (Job, Log) {
 
 /// Queues a job for each of `asks`, then runs the batcher over them until all are served.
 fn serve(tokenizer: &Tokenizer, model: &Recording, asks: &[Ask], run: Run) -> Vec<Log> {
+    serve_counting_steps(tokenizer, model, asks, run).0
+}
+
+/// [`serve`], and the number of decoding steps the batcher took.
+fn serve_counting_steps(
+    tokenizer: &Tokenizer,
+    model: &Recording,
+    asks: &[Ask],
+    run: Run,
+) -> (Vec<Log>, u64) {
     let (jobs, queue) = mpsc::channel();
     let mut logs = Vec::new();
     for a in asks {
@@ -281,11 +291,17 @@ fn serve(tokenizer: &Tokenizer, model: &Recording, asks: &[Ask], run: Run) -> Ve
         logs.push(log);
     }
     drop(jobs);
-    run_batcher(tokenizer, model, &queue, run);
-    logs
+    let steps = run_batcher(tokenizer, model, &queue, run);
+    (logs, steps)
 }
 
-fn run_batcher(tokenizer: &Tokenizer, model: &Recording, queue: &mpsc::Receiver<Job>, run: Run) {
+/// Runs a batcher over `queue` until it is closed and empty; returns its decoding steps.
+fn run_batcher(
+    tokenizer: &Tokenizer,
+    model: &Recording,
+    queue: &mpsc::Receiver<Job>,
+    run: Run,
+) -> u64 {
     let settings = BatcherSettings {
         capacity: run.capacity,
         cache_entries: run.cache_entries,
@@ -297,7 +313,9 @@ fn run_batcher(tokenizer: &Tokenizer, model: &Recording, queue: &mpsc::Receiver<
     };
     // No end-of-sequence ids: every job runs for as many tokens as it asks.
     let eos_ids = HashSet::new();
-    Batcher::new(model, Some(tokenizer), &eos_ids, settings).run(queue);
+    let mut batcher = Batcher::new(model, Some(tokenizer), &eos_ids, settings);
+    batcher.run(queue);
+    batcher.step_totals().steps
 }
 
 /// Four jobs of different lengths and samplers: greedy ones, a seeded sampled one and one with
@@ -467,51 +485,99 @@ fn greedy_jobs_held_to_a_grammar_pick_as_the_host_masks() {
     }
 }
 
-/// A job through another adapter waits until the batch before it has drained, and the batch
-/// takes no more meanwhile: the jobs after it wait their turn too.
+/// The tiny llama's fixture adapter, its `lora_parameters.scale` replaced by `scale` where
+/// given (another adapter of the same shape), loaded from a copy in `dir`.
+fn llama_adapter(model: &Recording, dir: &Path, scale: Option<f64>) -> Arc<Adapter> {
+    let fixture = fixtures().join("lora/llama-4bit-g64-r4");
+    for file in ["adapter_config.json", "adapters.safetensors"] {
+        std::fs::copy(fixture.join(file), dir.join(file)).unwrap();
+    }
+    if let Some(scale) = scale {
+        let path = dir.join("adapter_config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        config["lora_parameters"]["scale"] = scale.into();
+        std::fs::write(&path, config.to_string()).unwrap();
+    }
+    Arc::new(Adapter::load(dir, model).unwrap())
+}
+
+/// Jobs through different adapters, none, and a stack of two decode in one batch, each
+/// sequence's row through its own: each is served what it is served alone, in as many steps
+/// as the longest of them takes.
 #[test]
-fn a_job_of_another_adapter_waits_for_the_batch() {
+fn jobs_of_different_adapters_decode_together() {
     let (tokenizer, model) = load("llama-4bit-g64");
-    let lora = fixtures().join("lora/llama-4bit-g64-r4");
-    let sea = Some(Arc::new(Adapter::load(&lora, &model).unwrap()));
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let sea = llama_adapter(&model, dirs[0].path(), None);
+    let other = llama_adapter(&model, dirs[1].path(), Some(-30.0));
+    let prompt = "The history of the city begins";
+    let through = |adapters: &[&Arc<Adapter>], max_tokens| Ask {
+        adapters: adapters.iter().map(|a| Arc::clone(a)).collect(),
+        ..ask(prompt, max_tokens)
+    };
+    let asks = [
+        through(&[], 12),
+        through(&[&sea], 12),
+        through(&[&other], 12),
+        through(&[&sea, &other], 12),
+        Ask {
+            adapters: vec![sea.clone()],
+            ..ask("Once upon a time", 8)
+        },
+    ];
+    let (alone, alone_steps) = serve_counting_steps(&tokenizer, &model, &asks, ALONE);
+    let alone: Vec<Served> = alone.iter().map(served).collect();
+    let (together, together_steps) = serve_counting_steps(&tokenizer, &model, &asks, TOGETHER);
+    let together: Vec<Served> = together.iter().map(served).collect();
+    // The same tokens; a batch of five multiplies its rows in another order than one row
+    // alone, so the log-probabilities differ in their last bits.
+    for (i, (together, alone)) in together.iter().zip(&alone).enumerate() {
+        assert_eq!(together.tokens, alone.tokens, "job {i}");
+        assert_eq!(together.end, alone.end, "job {i}");
+        for (t, a) in together.logprobs.iter().zip(&alone.logprobs) {
+            assert!((t.0 - a.0).abs() < 1e-4, "job {i}: {} against {}", t.0, a.0);
+        }
+    }
+    // Each adapter, and the stack, changed what the prompt gives.
+    for i in 0..4 {
+        for j in i + 1..4 {
+            assert_ne!(together[i].tokens, together[j].tokens, "jobs {i} and {j}");
+        }
+    }
+    assert_eq!(alone_steps, 4 * 11 + 7);
+    assert_eq!(together_steps, 11);
+}
+
+/// A job whose adapters adapt a mixture's experts (which a layer regroups by expert) waits
+/// until a batch of other adapters has drained, and the batch takes no more meanwhile: the
+/// jobs after it wait their turn too.
+#[test]
+fn adapters_of_experts_wait_for_a_batch_of_others() {
+    let (tokenizer, model) = load("qwen3_5_moe-4bit-g64");
+    let lora = fixtures().join("lora/qwen3_5_moe-4bit-g64-r4");
+    let experts = Arc::new(Adapter::load(&lora, &model).unwrap());
+    assert!(!experts.adapters.experts.is_empty());
     let prompt = "The history of the city begins";
     let asks = [
-        ask(prompt, 20),
-        ask(prompt, 12),
+        ask(prompt, 6),
+        ask(prompt, 4),
         Ask {
-            adapter: sea.clone(),
-            ..ask(prompt, 12)
+            adapters: vec![experts.clone()],
+            ..ask(prompt, 4)
         },
-        ask("Once upon a time", 8),
-        ask("Once upon a time", 8),
+        ask("Once upon a time", 3),
     ];
     let alone: Vec<Served> = serve(&tokenizer, &model, &asks, ALONE)
         .iter()
         .map(served)
         .collect();
-    model.calls();
-    let together: Vec<Served> = serve(&tokenizer, &model, &asks, TOGETHER)
-        .iter()
-        .map(served)
-        .collect();
+    let (together, steps) = serve_counting_steps(&tokenizer, &model, &asks, TOGETHER);
+    let together: Vec<Served> = together.iter().map(served).collect();
     assert_eq!(together, alone);
-    // The adapter changed what it applies to.
     assert_ne!(together[2].tokens, together[1].tokens);
-    // The first two decode together (11 steps, then the first alone); then the adapter's job
-    // alone; then the last two together.
-    let calls = model.calls();
-    let p = |n| Call::Prompt(n);
-    let n = |i: usize| tokenizer.encode(&asks[i].prompt, false).unwrap().len();
-    // The adapter's passes go past the recording, straight to the architecture.
-    let expected: Vec<Call> = [
-        vec![p(n(0)), p(n(1))],
-        vec![Call::Batch(2); 11],
-        vec![Call::Step; 8],
-        vec![p(n(3)), p(n(4))],
-        vec![Call::Batch(2); 7],
-    ]
-    .concat();
-    assert_eq!(calls, expected);
+    // The first two together (5 steps), then the adapted job alone (3), then the last (2).
+    assert_eq!(steps, 5 + 3 + 2);
 }
 
 /// A long prompt goes through a prefill step at a time between decoding steps, so that the

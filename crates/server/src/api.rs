@@ -422,26 +422,41 @@ fn adapters(state: &AppState) -> Result<std::sync::MutexGuard<'_, AdapterStore>,
     Ok(store.lock().unwrap_or_else(PoisonError::into_inner))
 }
 
-/// The adapter a request runs with: the one it names, else the server's default.
-pub(crate) async fn adapter_for(
+/// The `adapters` value that runs a request on the base model alone.
+const NO_ADAPTER: &str = "none";
+
+/// The adapters a request runs with: those it names (`a+b` stacks them, their updates added
+/// in that order; `none` is the base model alone), else the server's default.
+pub(crate) async fn adapters_for(
     state: &Arc<AppState>,
     name: Option<String>,
-) -> Result<Option<Arc<Adapter>>, ApiError> {
+) -> Result<Vec<Arc<Adapter>>, ApiError> {
     let Some(name) = name else {
-        return Ok(state.default_adapter.clone());
+        return Ok(state.default_adapter.iter().cloned().collect());
     };
+    if name == NO_ADAPTER {
+        return Ok(Vec::new());
+    }
     let state = state.clone();
     blocking(move || {
-        let adapter = adapters(&state)?
-            .get(&name, state.model.model.as_ref())
-            .inspect_err(|error| {
+        let mut store = adapters(&state)?;
+        let model = state.model.model.as_ref();
+        (name.split('+'))
+            .map(|part| {
+                if part == NO_ADAPTER {
+                    let why = "`none` stands alone: it cannot be stacked with other adapters";
+                    return Err(ApiError::invalid_param("adapters", why));
+                }
                 // The client is told of the adapter's files by its name; the log says where
                 // they are, for whoever has to mend them.
-                if matches!(error, AdapterStoreError::Unusable { .. }) {
-                    state.settings.info(error);
-                }
-            })?;
-        Ok(Some(adapter))
+                let adapter = store.get(part, model).inspect_err(|error| {
+                    if matches!(error, AdapterStoreError::Unusable { .. }) {
+                        state.settings.info(error);
+                    }
+                })?;
+                Ok(adapter)
+            })
+            .collect()
     })
     .await
 }
@@ -467,7 +482,7 @@ pub(crate) async fn submit(
         // The last token never goes through the model, so the context holds one more.
         params.max_tokens = params.max_tokens.min(limit + 1 - prompt.len());
     }
-    let adapter = adapter_for(state, params.adapter.clone()).await?;
+    let adapters = adapters_for(state, params.adapter.clone()).await?;
     let options = GenerateOptions {
         max_tokens: params.max_tokens,
         sampler: params.sampler.clone(),
@@ -482,7 +497,7 @@ pub(crate) async fn submit(
         continues_text,
     };
     tokens.start(prompt.len());
-    state.worker.submit(prompt, adapter, options, stream)
+    state.worker.submit(prompt, adapters, options, stream)
 }
 
 /// Answers as JSON or as a stream, as the request asked.

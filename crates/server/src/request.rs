@@ -66,7 +66,8 @@ pub struct Params {
     pub stop: Vec<String>,
     pub logprobs: bool,
     pub top_logprobs: usize,
-    /// mlx_lm.server's `adapters`: the LoRA adapter to run with, by name.
+    /// mlx_lm.server's `adapters`: the LoRA adapter to run with, by name (`a+b`: stacked;
+    /// `none`: the base model, past the server's default).
     pub adapter: Option<String>,
 }
 

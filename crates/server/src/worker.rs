@@ -182,11 +182,11 @@ impl Worker {
         !self.thread.is_finished()
     }
 
-    /// Queues a generation of `prompt`, through `adapter` when given.
+    /// Queues a generation of `prompt`, through `adapters` (none: the base model).
     pub fn submit(
         &self,
         prompt: Vec<u32>,
-        adapter: Option<Arc<Adapter>>,
+        adapters: Vec<Arc<Adapter>>,
         options: GenerateOptions,
         stream: StreamOptions,
     ) -> Result<Running, ApiError> {
@@ -205,7 +205,7 @@ impl Worker {
         let deadline = self.request_timeout.map(|timeout| Instant::now() + timeout);
         let job = Job {
             prompt,
-            adapter,
+            adapters,
             options,
             stream,
             requester: Box::new(Request {

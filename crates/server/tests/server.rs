@@ -8,7 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use oxlm_models::lora::{AdaptedModel, Adapters};
+use oxlm_models::lora::{AdaptedModel, Adapters, RowAdapters};
 use oxlm_runtime::sampler::SamplerConfig;
 use oxlm_runtime::tokenizer::Tokenizer;
 use oxlm_runtime::{generate, GenerateOptions, LoadedModel};
@@ -851,9 +851,18 @@ async fn adapter_server() -> (Golden, AdapterRoot, TestServer) {
 
 /// Greedy output of the runtime itself for `golden`'s prompt through the adapter in `dir`.
 fn adapted_reference(golden: &Golden, dir: &Path, max_tokens: usize) -> String {
+    stacked_reference(golden, &[dir], max_tokens)
+}
+
+/// Greedy output of the runtime itself for `golden`'s prompt through the adapters in `dirs`,
+/// stacked in that order.
+fn stacked_reference(golden: &Golden, dirs: &[&Path], max_tokens: usize) -> String {
     let loaded = LoadedModel::load(&fixture("llama-4bit-g64")).unwrap();
-    let adapters = Adapters::load(dir, loaded.model.as_ref()).unwrap();
-    let model = AdaptedModel::new(loaded.model.as_ref(), &adapters).unwrap();
+    let sets: Vec<Adapters> = (dirs.iter())
+        .map(|dir| Adapters::load(dir, loaded.model.as_ref()).unwrap())
+        .collect();
+    let stack: Vec<&Adapters> = sets.iter().collect();
+    let model = AdaptedModel::by_rows(loaded.model.as_ref(), RowAdapters::stack(&stack)).unwrap();
     let prompt = golden.tokenizer.encode(&golden.prompt_text, false).unwrap();
     let options = GenerateOptions {
         max_tokens,
@@ -949,6 +958,54 @@ async fn the_default_adapter_applies_to_requests_that_name_none() {
         16,
     );
     assert_eq!(content(&r), trained);
+    // `none` is the base model.
+    let body = chat_body(&golden, json!({"max_tokens": 16, "adapters": "none"}));
+    let (status, r) = server.post(chat, &body).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(content(&r), golden.text(16));
+}
+
+/// Requests through different adapters, none, and a stack (`a+b`, the updates added in that
+/// order) sent together are each answered as the runtime answers them alone.
+#[tokio::test]
+async fn requests_through_different_adapters_are_served_together() {
+    let (golden, _root, server) = adapter_server().await;
+    let sea = fixtures().join("lora/llama-4bit-g64-r4");
+    let trained = fixtures().join("lora/train-llama-4bit-g64/final");
+    let asks = [
+        ("none", golden.text(24)),
+        ("sea", stacked_reference(&golden, &[&sea], 24)),
+        ("trained/final", stacked_reference(&golden, &[&trained], 24)),
+        (
+            "sea+trained/final",
+            stacked_reference(&golden, &[&sea, &trained], 24),
+        ),
+        (
+            "trained/final+sea",
+            stacked_reference(&golden, &[&trained, &sea], 24),
+        ),
+    ];
+    let replies = futures_util::future::join_all(asks.iter().map(|(name, _)| {
+        let body = chat_body(&golden, json!({"max_tokens": 24, "adapters": name}));
+        let server = &server;
+        async move { server.post("/v1/chat/completions", &body).await }
+    }))
+    .await;
+    for ((name, expected), (status, r)) in asks.iter().zip(&replies) {
+        assert_eq!(*status, 200, "{name}: {r}");
+        assert_eq!(content(r), expected, "{name}");
+    }
+    // The trained adapter outweighs the fixture's, whose share shows beside the fixture alone.
+    assert_ne!(content(&replies[3].1), content(&replies[1].1));
+    // `none` stands alone.
+    let body = chat_body(&golden, json!({"max_tokens": 4, "adapters": "sea+none"}));
+    let (status, r) = server.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 400, "{r}");
+    assert_eq!(r["error"]["param"], "adapters");
+    assert_eq!(
+        r["error"]["message"],
+        "`none` stands alone: it cannot be stacked with other adapters"
+    );
 }
 
 #[tokio::test]
