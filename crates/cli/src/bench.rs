@@ -14,7 +14,9 @@ use oxlm_engine::cuda::{
     TracedLaunch, TRACE_DONE, TRACE_FIRST_READY, TRACE_STAGES, TRACE_STAGE_NAMES,
 };
 use oxlm_engine::{ops, DecodeSteps, KvPrecision, KvQuant};
+use oxlm_models::lora::{Adapters, LoraConfig};
 use oxlm_models::{Cache, LanguageModel, Logits};
+use oxlm_runtime::adapter_store::Adapter;
 use oxlm_runtime::batcher::{Batcher, BatcherSettings, Job, Requester, Update};
 use oxlm_runtime::constraint::{Grammar, Grammars};
 use oxlm_runtime::generate::{decode_step, Picking, Stepped, DEFAULT_PREFILL_STEP};
@@ -77,6 +79,12 @@ pub struct Args {
     /// model's tokenizer.
     #[arg(long)]
     json_schema: Option<PathBuf>,
+    /// Also time each `--batch` through this many LoRA adapters of mlx_lm.lora's default shape
+    /// (rank 8 on every linear layer of the last 16 blocks; made here, with zero weights: the
+    /// work does not depend on them): every sequence through the first, then the sequences
+    /// spread over all of them, in turn, and report the cost of the mix against one adapter.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(2..))]
+    adapters: Option<u64>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -259,6 +267,7 @@ fn decode_batch(
     lengths: &[usize],
     n: usize,
     constrained: Option<&Constrained>,
+    adapters: &[Arc<Adapter>],
 ) -> Result<Decoded> {
     let vocab = model.info().vocab_size;
     let times = Arc::new(Mutex::new(BatchTimes {
@@ -282,7 +291,12 @@ fn decode_batch(
         };
         jobs.send(Job {
             prompt: prompt(len, vocab, seed),
-            adapters: Vec::new(),
+            // The sequences in turn through each adapter.
+            adapters: adapters
+                .get(job % adapters.len().max(1))
+                .cloned()
+                .into_iter()
+                .collect(),
             options,
             stream: StreamOptions {
                 constraint: constrained
@@ -501,6 +515,12 @@ pub fn run(args: Args) -> Result<()> {
         .as_deref()
         .map(|schema| Constrained::load(&model_dir, model.info().vocab_size, schema))
         .transpose()?;
+    let adapters: Vec<Arc<Adapter>> = (0..args.adapters.unwrap_or(0))
+        .map(|i| {
+            let zeros = Adapters::zeros(LoraConfig::new(16), model.as_ref())?;
+            Ok(Arc::new(Adapter::unsaved(&format!("bench-{i}"), zeros)))
+        })
+        .collect::<Result<_>>()?;
     let (mut prefill_tps, mut decode_tps) = (Vec::new(), Vec::new());
     let mut replayed_steps = 0;
     let (mut host_us, mut gpu_us) = (Vec::new(), Vec::new());
@@ -537,15 +557,17 @@ pub fn run(args: Args) -> Result<()> {
         let lengths = batch_lengths(sequences, args.prompt_tokens, args.stagger);
         // As for one sequence, an untimed run first: the batch's kernels are loaded, its
         // graphs captured and its temporaries allocated on their first step.
-        let run = |constrained| {
+        let run_with = |constrained, adapters: &[Arc<Adapter>]| {
             decode_batch(
                 model.as_ref(),
                 kv_cache,
                 &lengths,
                 args.gen_tokens,
                 constrained,
+                adapters,
             )
         };
+        let run = |constrained| run_with(constrained, &[]);
         run(None)?;
         let decoded = run(None)?;
         let tps = |decoded: &Decoded| (sequences * args.gen_tokens) as f64 / decoded.seconds;
@@ -561,6 +583,21 @@ pub fn run(args: Args) -> Result<()> {
             }
             None => None,
         };
+        // One adapter and the mix in turn, likewise.
+        let adapter_tps = match adapters.first() {
+            Some(first) => {
+                let one = std::slice::from_ref(first);
+                run_with(None, one)?;
+                run_with(None, &adapters)?;
+                let mut runs = Vec::new();
+                for _ in 0..args.repeats.max(1) {
+                    let single = tps(&run_with(None, one)?);
+                    runs.push((single, tps(&run_with(None, &adapters)?)));
+                }
+                Some(runs)
+            }
+            None => None,
+        };
         let trace = traced_decode(model.as_ref(), kv_cache, &lengths, args.gen_tokens)?;
         batches.push(json!({
             "sequences": sequences,
@@ -569,6 +606,11 @@ pub fn run(args: Args) -> Result<()> {
             "constrained_runs": constrained_tps,
             "constraint_overhead": constrained_tps.as_ref().map(|runs| {
                 median(runs.iter().map(|(free, constrained)| 1.0 - constrained / free).collect())
+            }),
+            // Pairs of (one adapter, the mix) tokens/s, and the median cost of the mix.
+            "adapter_runs": adapter_tps,
+            "mixed_adapter_overhead": adapter_tps.as_ref().map(|runs| {
+                median(runs.iter().map(|(one, mixed)| 1.0 - mixed / one).collect())
             }),
             "replayed_steps": decoded.replayed,
             "host_us_per_step": decoded.host_us,
