@@ -6,8 +6,9 @@
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use oxlm_engine::{FloatMatrix, Tensor};
+use oxlm_engine::{ops, Device, EngineError, FloatMatrix, Tensor};
 use serde_json::{json, Value};
 use thiserror::Error;
 
@@ -53,6 +54,8 @@ pub enum AdapterError {
         path: PathBuf,
         problems: Vec<String>,
     },
+    #[error("cannot copy the adapter to the model's device: {0}")]
+    Device(String),
     #[error("{}: NaN or infinite values in {}", .path.display(), .tensors.join(", "))]
     NonFiniteWeights { path: PathBuf, tensors: Vec<String> },
 }
@@ -290,6 +293,24 @@ pub struct LoraLinear {
     /// Training's dropout of the low-rank path's input, for the example being run; `None` at
     /// inference and in evaluation, which never drop.
     pub dropout: Option<InputDropout>,
+    /// The matrices in the memory of the GPU the model runs on (see [`Adapters::place`]).
+    pub placed: Option<Arc<PlacedLora>>,
+}
+
+/// A layer's matrices on a GPU, as products by a transposed weight take them.
+#[derive(Debug)]
+pub struct PlacedLora {
+    /// `Aᵀ`, `[rank, in]`.
+    down: FloatMatrix,
+    /// `Bᵀ`, `[out, rank]`.
+    up: FloatMatrix,
+}
+
+/// The same placed copy (the copies hold what the host's matrices hold).
+impl PartialEq for PlacedLora {
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::eq(self, other)
+    }
 }
 
 impl LoraLinear {
@@ -329,6 +350,52 @@ impl LoraLinear {
     /// `y[m, out] += scale · (dropout(x)·A)·B`, the adapter's share of the layer's output.
     pub fn add_to(&self, x: &[f32], m: usize, y: &mut [f32]) {
         self.up_into(&self.down(&self.dropped(x), m), y);
+    }
+
+    /// Copies the matrices, transposed, to `device`'s memory for
+    /// [`add_on_device`](Self::add_on_device).
+    fn place(&mut self, device: &Device) -> Result<(), EngineError> {
+        let (r, inputs, outputs) = (self.rank, self.in_features, self.out_features);
+        let mut down = FloatMatrix::from_f32(r, inputs, &transpose(&self.a, inputs, r))?;
+        let mut up = FloatMatrix::from_f32(outputs, r, &transpose(&self.b, r, outputs))?;
+        down.place(device)?;
+        up.place(device)?;
+        self.placed = Some(Arc::new(PlacedLora { down, up }));
+        Ok(())
+    }
+
+    /// Whether [`add_on_device`](Self::add_on_device) can apply it: placed on a GPU, and no
+    /// training dropout (which the host draws).
+    pub fn runs_on_device(&self) -> bool {
+        self.placed.is_some() && self.dropout.is_none()
+    }
+
+    /// `y += scale · (x·A)·B` on the rows `rows` of `x` and `y` (`None`: all of them), where
+    /// they are, through the copies [`place`](Self::place) made (see
+    /// [`runs_on_device`](Self::runs_on_device)).
+    pub fn add_on_device(
+        &self,
+        x: &Tensor,
+        rows: Option<&[usize]>,
+        y: &mut Tensor,
+    ) -> Result<(), EngineError> {
+        let (Some(placed), None) = (&self.placed, &self.dropout) else {
+            let what = "a LoRA update off the host for a layer not placed there, or with dropout";
+            return Err(EngineError::Unsupported(what.into()));
+        };
+        let low_rank = |x: &Tensor| -> Result<Tensor, EngineError> {
+            let mut u = ops::matmul(&placed.down, x)?;
+            ops::scale_inplace(&mut u, self.scale)?;
+            Ok(u)
+        };
+        match rows {
+            None => ops::matmul_add(&placed.up, &low_rank(x)?, y)?,
+            Some(rows) => {
+                let update = ops::matmul(&placed.up, &low_rank(&ops::gather_rows(x, rows)?)?)?;
+                ops::scatter_add_rows(y, &update, rows, &vec![1.0; rows.len()])?;
+            }
+        }
+        Ok(())
     }
 
     /// `x` as the low-rank path reads it: through the dropout, where there is one.
@@ -609,6 +676,7 @@ impl Adapters {
                 a,
                 b,
                 dropout: None,
+                placed: None,
             };
             if shape.experts == 0 {
                 layers.insert(path, layer(a, b));
@@ -625,13 +693,34 @@ impl Adapters {
             experts.insert(path, each.collect());
         }
         let parts = split_parts(&layers, &shapes, blocks.path);
-        Ok(Adapters {
+        let mut adapters = Adapters {
             config,
             layers,
             experts,
             blocks_path: blocks.path,
             parts,
-        })
+        };
+        adapters.place(&model.info().device)?;
+        Ok(adapters)
+    }
+
+    /// Copies every layer's matrices to `device`'s memory (nothing for the CPU), so that a
+    /// model there applies them without taking its activations to the host. Training changes
+    /// the host's matrices only: an adapter being trained is not placed.
+    pub fn place(&mut self, device: &Device) -> Result<(), AdapterError> {
+        if device.is_cpu() {
+            return Ok(());
+        }
+        let experts = self.experts.values_mut().flatten();
+        for layer in (self.layers.values_mut())
+            .chain(experts)
+            .chain(self.parts.values_mut())
+        {
+            layer
+                .place(device)
+                .map_err(|e| AdapterError::Device(e.to_string()))?;
+        }
+        Ok(())
     }
 
     /// Every layer `config` adapts in `model`, with both matrices zero (training fills `a`).
@@ -650,6 +739,7 @@ impl Adapters {
                 a: vec![0.0; s.in_features * config.rank],
                 b: vec![0.0; config.rank * s.out_features],
                 dropout: None,
+                placed: None,
             };
             if s.experts == 0 {
                 layers.insert(path, zero);
@@ -775,6 +865,48 @@ impl Adapters {
 mod tests {
     use super::*;
 
+    /// The update as a GPU computes it (products by the transposed matrices, the rows of a
+    /// batch gathered and scattered back) is the host's, here on host tensors.
+    #[test]
+    fn the_update_through_placed_matrices_is_the_hosts() {
+        let values = |n: usize, k: f32| (0..n).map(|i| (i as f32 * k).sin()).collect();
+        let mut layer = LoraLinear {
+            in_features: 6,
+            out_features: 5,
+            rank: 3,
+            scale: 1.5,
+            a: values(18, 0.7),
+            b: values(15, 1.3),
+            dropout: None,
+            placed: None,
+        };
+        layer.place(&Device::Cpu).unwrap();
+        let x = Tensor::new(vec![4, 6], values(24, 0.3));
+        let base = Tensor::new(vec![4, 5], values(20, 2.1));
+        let near = |got: &Tensor, want: &[f32]| {
+            let d = (got.data().iter().zip(want)).map(|(g, w)| (g - w).abs());
+            assert!(
+                d.fold(0.0, f32::max) < 1e-5,
+                "{:?} against {want:?}",
+                got.data()
+            );
+        };
+        let mut want = base.data().to_vec();
+        layer.add_to(x.data(), 4, &mut want);
+        let mut y = base.clone();
+        layer.add_on_device(&x, None, &mut y).unwrap();
+        near(&y, &want);
+        // Rows 3 and 1 only.
+        let mut want = base.data().to_vec();
+        for r in [3, 1] {
+            layer.add_to(&x.data()[r * 6..][..6], 1, &mut want[r * 5..][..5]);
+        }
+        let mut y = base.clone();
+        layer.add_on_device(&x, Some(&[3, 1]), &mut y).unwrap();
+        near(&y, &want);
+        assert_ne!(y.data(), base.data());
+    }
+
     fn blocks(n: usize) -> Blocks {
         let shape = |key| LinearShape {
             key,
@@ -834,6 +966,7 @@ mod tests {
             a: vec![1.0, -1.0],
             b: vec![1.0, 2.0, 3.0],
             dropout: None,
+            placed: None,
         };
         let mut y = vec![1.0; 3];
         l.add_to(&[3.0, 1.0], 1, &mut y);

@@ -16,9 +16,16 @@ pub struct LayerAdapter<'a> {
 }
 
 impl LayerAdapter<'_> {
-    /// `y += ` the low-rank updates of the rows of `x`. They are computed on the host (a
-    /// rank-r product is small); on a GPU the input comes down and the update goes up.
+    /// `y += ` the low-rank updates of the rows of `x`: where `x` is, for adapters placed on
+    /// its GPU (see [`Adapters::place`]); otherwise on the host (a rank-r product is small), the
+    /// input coming down from a GPU and the update going up.
     pub fn add_to_tensor(&self, x: &Tensor, y: &mut Tensor) -> Result<(), EngineError> {
+        if !x.is_host() && self.parts.iter().all(|(a, _)| a.runs_on_device()) {
+            for (adapter, rows) in &self.parts {
+                adapter.add_on_device(x, *rows, y)?;
+            }
+            return Ok(());
+        }
         let m = x.rows();
         let add = |x: &[f32], y: &mut [f32]| {
             for (adapter, rows) in &self.parts {

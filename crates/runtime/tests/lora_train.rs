@@ -811,6 +811,7 @@ fn optimizers_update_as_mlx_does() {
         a: m.a,
         b: m.b,
         dropout: None,
+        placed: None,
     };
     let start = &table["start"];
     for run in table["runs"].as_array().unwrap() {

@@ -283,7 +283,8 @@ fn adapter_error_within(error: AdapterError, dir: &Path) -> AdapterError {
         }),
         error @ (AdapterError::UnsupportedType(_)
         | AdapterError::UnsupportedModel(_)
-        | AdapterError::FusedTraining(_)) => error,
+        | AdapterError::FusedTraining(_)
+        | AdapterError::Device(_)) => error,
     }
 }
 
