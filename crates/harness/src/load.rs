@@ -1,5 +1,7 @@
-//! `load`: many concurrent clients against one `oxlm serve` for a while, streaming and not,
-//! some leaving mid-stream or before their answer, with every completed answer checked and the
+//! `load`: many concurrent clients against one `oxlm serve` for a while, over the OpenAI,
+//! Anthropic and Responses APIs (a Responses client going on from its last stored answer, or
+//! reading it back), streaming and not, some leaving mid-stream or before their answer, with
+//! every completed answer checked and the
 //! server's resident memory sampled each second. Fails on any malformed answer, any status other
 //! than 200, a hang, a dead server, or memory that grows past a bound after the warm-up.
 
@@ -47,7 +49,17 @@ pub struct Args {
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(120);
 
 pub fn run(args: Args) -> Result<bool> {
-    let serve = args.served.command(&["--log-level", "warning"]);
+    // A Responses store small enough to fill during the warm-up: what it keeps is memory the
+    // server means to hold, and its evictions are part of the run (a client chaining from an
+    // answer it let go of gets a 404).
+    let serve = args.served.command(&[
+        "--log-level",
+        "warning",
+        "--response-store-size",
+        "200",
+        "--response-store-bytes",
+        "4M",
+    ]);
     let server = serve.start()?;
     let address = server.address;
     let pid = server.pid();
@@ -91,6 +103,7 @@ pub fn run(args: Args) -> Result<bool> {
                 connection: None,
                 disconnect_share: args.disconnect_share,
                 monitors: monitors.clone(),
+                stored: None,
             };
             std::thread::spawn(move || client.run(started + run_time, &tally))
         })
@@ -132,7 +145,7 @@ pub fn run(args: Args) -> Result<bool> {
 
     tally.print();
     println!("RSS over the run: {}", rss_timeline(&samples));
-    let requests: u64 = ["ok", "left-mid-stream", "left-early"]
+    let requests: u64 = ["ok", "left-mid-stream", "left-early", "expired"]
         .iter()
         .map(|o| tally.total(o))
         .sum();
@@ -146,7 +159,15 @@ pub fn run(args: Args) -> Result<bool> {
         args.seconds,
         requests,
         requests as f64 / elapsed.as_secs_f64(),
-        tally.kind_total("chat-stream") + tally.kind_total("completion-stream"),
+        [
+            "chat-stream",
+            "completion-stream",
+            "messages-stream",
+            "responses-stream"
+        ]
+        .iter()
+        .map(|kind| tally.kind_total(kind))
+        .sum::<u64>(),
         tally.total("left-mid-stream"),
         tally.total("left-early"),
         tally.total("malformed"),
@@ -218,6 +239,16 @@ enum Action {
     Completion {
         stream: bool,
     },
+    /// Anthropic's `/v1/messages`.
+    Messages {
+        stream: bool,
+    },
+    /// `POST /v1/responses`, going on from the client's last stored answer now and then.
+    Responses {
+        stream: bool,
+    },
+    /// `GET /v1/responses/{id}` of the client's last stored answer.
+    StoredResponse,
     Models,
     Health,
     /// `/metrics` or `/stats`, as a monitor scrapes them.
@@ -231,6 +262,11 @@ impl Action {
             Action::Chat { stream: true } => "chat-stream",
             Action::Completion { stream: false } => "completion",
             Action::Completion { stream: true } => "completion-stream",
+            Action::Messages { stream: false } => "messages",
+            Action::Messages { stream: true } => "messages-stream",
+            Action::Responses { stream: false } => "responses",
+            Action::Responses { stream: true } => "responses-stream",
+            Action::StoredResponse => "stored-response",
             Action::Models => "models",
             Action::Health => "health",
             Action::Monitor => "metrics-stats",
@@ -246,6 +282,8 @@ struct Client {
     disconnect_share: f64,
     /// The monitoring endpoints this server has.
     monitors: Vec<&'static str>,
+    /// The id of the last answer the Responses API stored for this client.
+    stored: Option<String>,
 }
 
 /// A request's end that passes, or a failure and why.
@@ -260,6 +298,11 @@ impl Client {
                 Action::Chat { stream: true },
                 Action::Completion { stream: false },
                 Action::Completion { stream: true },
+                Action::Messages { stream: false },
+                Action::Messages { stream: true },
+                Action::Responses { stream: false },
+                Action::Responses { stream: true },
+                Action::StoredResponse,
                 Action::Models,
                 Action::Health,
                 Action::Monitor,
@@ -278,6 +321,7 @@ impl Client {
     }
 
     fn send(&mut self, action: Action) -> Outcome {
+        let stored_path;
         let (path, body, stream) = match action {
             Action::Chat { stream } => {
                 ("/v1/chat/completions", Some(self.chat_body(stream)), stream)
@@ -287,6 +331,19 @@ impl Client {
                 Some(self.completion_body(stream)),
                 stream,
             ),
+            Action::Messages { stream } => {
+                ("/v1/messages", Some(self.messages_body(stream)), stream)
+            }
+            Action::Responses { stream } => {
+                ("/v1/responses", Some(self.responses_body(stream)), stream)
+            }
+            Action::StoredResponse => match &self.stored {
+                Some(id) => {
+                    stored_path = format!("/v1/responses/{id}");
+                    (stored_path.as_str(), None, false)
+                }
+                None => ("/v1/models", None, false),
+            },
             Action::Models => ("/v1/models", None, false),
             Action::Health => ("/health", None, false),
             Action::Monitor => match self.monitors.choose(&mut self.rng) {
@@ -302,9 +359,24 @@ impl Client {
         if body.is_some() && !stream && self.rng.random_bool(0.05) {
             return self.leave_early(&bytes);
         }
+        // The store is bounded: an answer it has let go of is a 404, in the API's shape.
+        let chained = endpoint == Endpoint::StoredResponse
+            || body
+                .as_ref()
+                .is_some_and(|b| b.get("previous_response_id").is_some());
         let (mut connection, head) = self.send_for_head(&bytes)?;
         if head.status >= 500 {
             return Err(("5xx", format!("status {}", head.status)));
+        }
+        if chained && head.status == 404 {
+            let body = connection
+                .body(&head, false)
+                .and_then(|b| b.read_to_end())
+                .map_err(read_failure)?;
+            let response = http::Response { head, body };
+            openai::check_response(endpoint, &response, false).map_err(|why| ("malformed", why))?;
+            self.stored = None;
+            return Ok("expired");
         }
         if stream {
             return self.read_stream(connection, head, endpoint);
@@ -325,6 +397,10 @@ impl Client {
             ));
         }
         openai::check_response(endpoint, &response, false).map_err(|why| ("malformed", why))?;
+        if endpoint == Endpoint::Responses {
+            let value = openai::json_body(&response).map_err(|why| ("malformed", why))?;
+            self.stored = value["id"].as_str().map(str::to_owned);
+        }
         self.keep(connection, &response.head);
         Ok("ok")
     }
@@ -384,6 +460,21 @@ impl Client {
         if head.status != 200 || !head.is_event_stream() {
             return Err(("status", format!("status {} for a stream", head.status)));
         }
+        if matches!(endpoint, Endpoint::Messages | Endpoint::Responses) {
+            // Their events are named: the whole stream is read, then checked.
+            let body = connection
+                .body(&head, false)
+                .and_then(|b| b.read_to_end())
+                .map_err(read_failure)?;
+            return match openai::check_stream_body(endpoint, &body) {
+                Ok(StreamEnd::Finished(_)) => {
+                    self.keep(connection, &head);
+                    Ok("ok")
+                }
+                Ok(StreamEnd::Error(error)) => Err(("stream-error", error.to_string())),
+                Err(why) => Err(("malformed", why)),
+            };
+        }
         let mut check = StreamCheck::new(endpoint);
         let mut events = Events::new(connection.body(&head, false).map_err(read_failure)?);
         let mut data_events = 0;
@@ -417,6 +508,35 @@ impl Client {
         }
         let mut body = json!({"messages": messages, "stream": stream});
         self.sampling(&mut body);
+        body
+    }
+
+    fn messages_body(&mut self, stream: bool) -> Value {
+        let mut body = json!({
+            "model": "oxlm",
+            "max_tokens": self.rng.random_range(1..=32),
+            "messages": [{"role": "user", "content": self.prompt()}],
+            "stream": stream,
+        });
+        if self.rng.random_bool(0.3) {
+            body["system"] = json!("Answer briefly.");
+        }
+        if self.rng.random_bool(0.5) {
+            body["temperature"] = json!(0.8);
+        }
+        body
+    }
+
+    /// Going on from the last stored answer half the time there is one.
+    fn responses_body(&mut self, stream: bool) -> Value {
+        let mut body = json!({
+            "input": self.prompt(),
+            "max_output_tokens": self.rng.random_range(16..=32),
+            "stream": stream,
+        });
+        if let Some(id) = self.stored.clone().filter(|_| self.rng.random_bool(0.5)) {
+            body["previous_response_id"] = id.into();
+        }
         body
     }
 
