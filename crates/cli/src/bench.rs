@@ -284,6 +284,7 @@ fn decode_batch(
             prefill_step: lengths.iter().sum::<usize>().max(1),
             kv_cache: Some(kv_cache),
             kv_quantization: None,
+            max_kv_size: None,
         };
         let requester = Timed {
             times: times.clone(),

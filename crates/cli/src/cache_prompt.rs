@@ -107,6 +107,7 @@ pub fn run(args: Args) -> Result<()> {
         prefill_step: DEFAULT_PREFILL_STEP,
         kv_cache: args.kv_cache,
         kv_quantization,
+        max_kv_size: None,
     };
     let mut cache = options.new_cache(model)?;
     if let Some(quantization) = options

@@ -56,6 +56,7 @@ pub fn run(args: Args) -> Result<()> {
         prefill_step: args.prefill_step_size.max(1),
         kv_cache: args.kv.kv_cache,
         kv_quantization: args.kv.quantization(&dir, info.num_layers, 0, device)?,
+        max_kv_size: None,
     };
     let plan = MemoryPlan::new(model, &options)?;
 

@@ -89,6 +89,14 @@ pub struct Args {
     /// the prompt follows the cached one (with a chat template, as more of its message).
     #[arg(long)]
     prompt_cache_file: Option<PathBuf>,
+    /// Bound each layer's cache to a ring of this many positions that keeps the first 4, as
+    /// mlx-lm's --max-kv-size does: memory stops growing, and past it the model sees the
+    /// prompt's start and its most recent tokens. Only for the model types mlx-lm bounds (those
+    /// that build no cache of their own, such as qwen2, qwen3 and phi3; llama and mistral do);
+    /// elsewhere it is left unused, as in mlx-lm, with a note.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(5..),
+          conflicts_with_all = ["kv_bits", "prompt_cache_file"])]
+    max_kv_size: Option<u64>,
 }
 
 impl Args {
@@ -232,7 +240,15 @@ pub fn run(args: Args) -> Result<()> {
             quantized_kv_start,
             &args.device,
         )?,
+        max_kv_size: args.max_kv_size.map(|n| n as usize),
     };
+    let model_type = &model.info().model_type;
+    if options.max_kv_size.is_some() && !oxlm_models::takes_max_kv_size(model_type) {
+        eprintln!(
+            "note: --max-kv-size is left unused for `{model_type}`, whose mlx-lm model builds \
+             its own cache (mlx-lm leaves it unused too)"
+        );
+    }
     let mut cache = options.new_cache(model)?;
     if let Some(file) = &cache_file {
         // Before the report starts: a file that does not fit the model is refused here.

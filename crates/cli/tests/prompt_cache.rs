@@ -75,6 +75,7 @@ fn options(max_tokens: usize) -> GenerateOptions {
         prefill_step: 2048,
         kv_cache: Some(KvPrecision::F32),
         kv_quantization: None,
+        max_kv_size: None,
     }
 }
 

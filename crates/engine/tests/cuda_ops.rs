@@ -1233,8 +1233,9 @@ fn batched_kv_write_and_attention() {
     }
 }
 
-/// Moves between rings of f32 and of f16, and a ring turned into the other precision (an f16
-/// ring on the GPU rounds as the host's does), equal to the host's.
+/// Moves between rings of f32 and of f16 (to the same positions and to others), and a ring
+/// turned into the other precision (an f16 ring on the GPU rounds as the host's does), equal to
+/// the host's.
 #[test]
 fn kv_move_between_rings() {
     let Some((dev, _turn)) = gpu() else { return };
@@ -1248,6 +1249,14 @@ fn kv_move_between_rings() {
         let mut y = ring(&dev);
         ops::kv_move(&kg, 16, &mut y, 24, h, d, 27..40).unwrap();
         assert_eq!(y.to_vec().unwrap(), cpu.to_vec().unwrap(), "{precision:?}");
+        // From other positions: 30..34 of the source into 50..54.
+        ops::kv_copy(&kc, 16, 30, &mut cpu, 24, h, d, 50..54).unwrap();
+        ops::kv_copy(&kg, 16, 30, &mut y, 24, h, d, 50..54).unwrap();
+        assert_eq!(
+            y.to_vec().unwrap(),
+            cpu.to_vec().unwrap(),
+            "{precision:?} copied"
+        );
         let other = match precision {
             KvPrecision::F32 => KvPrecision::F16,
             _ => KvPrecision::F32,

@@ -13,6 +13,10 @@ pub use crate::recurrent_cache::RecurrentCache;
 pub use crate::rotating_cache::RotatingKvCache;
 use crate::TruncateError;
 
+/// The first positions of a sequence that mlx-lm's `--max-kv-size` cache keeps beside its
+/// window (`make_prompt_cache`'s `keep=4`).
+pub const MAX_KV_SIZE_KEEP: usize = 4;
+
 /// Keys and values grow in blocks of this many positions, as mlx-lm's `KVCache` does, so that
 /// decoding does not reallocate per token.
 const GROWTH_STEP: usize = 256;
@@ -59,6 +63,30 @@ impl KvRings {
             *buf = ring;
         }
         Ok(())
+    }
+
+    /// Copies positions from `first` on of these rings, of `capacity` slots, into positions
+    /// `positions` of `to`'s, of `to_capacity`.
+    pub(crate) fn copy_into(
+        &self,
+        (capacity, first): (usize, usize),
+        to: &mut KvRings,
+        to_capacity: usize,
+        (kv_heads, head_dim): (usize, usize),
+        positions: Range<usize>,
+    ) -> Result<(), EngineError> {
+        let (c, h, d, p) = (capacity, kv_heads, head_dim, positions);
+        ops::kv_copy(
+            &self.keys,
+            c,
+            first,
+            &mut to.keys,
+            to_capacity,
+            h,
+            d,
+            p.clone(),
+        )?;
+        ops::kv_copy(&self.values, c, first, &mut to.values, to_capacity, h, d, p)
     }
 
     /// Writes `[tokens, kv_heads · head_dim]` keys and values at `positions` of rings of
@@ -454,8 +482,9 @@ impl AttentionCache for KvCache {
         Ok(self.rings.target(self.capacity))
     }
 
-    fn advance(&mut self) {
+    fn advance(&mut self) -> Result<(), EngineError> {
         self.len += 1;
+        Ok(())
     }
 }
 
@@ -487,7 +516,7 @@ pub trait AttentionCache {
     fn reserve_next(&mut self) -> Result<ops::KvTarget<'_>, EngineError>;
 
     /// Counts the position written into the rings [`reserve_next`](Self::reserve_next) lent.
-    fn advance(&mut self);
+    fn advance(&mut self) -> Result<(), EngineError>;
 
     /// Appends the keys and values of the token at `positions` (one position, following the
     /// ones seen) that `write` puts into the rings it is lent, as one fused op does while
@@ -507,7 +536,7 @@ pub trait AttentionCache {
         }
         let written = write(self.reserve_next()?)?;
         if written.is_some() {
-            self.advance();
+            self.advance()?;
         }
         Ok(written)
     }
@@ -555,7 +584,7 @@ pub fn append_kv<C: AttentionCache>(
         positions,
     )?;
     for cache in caches.iter_mut() {
-        cache.advance();
+        cache.advance()?;
     }
     Ok(())
 }
@@ -685,6 +714,52 @@ impl Cache {
             layers,
             offset: self.offset,
         })
+    }
+
+    /// mlx-lm's `make_prompt_cache(model, max_kv_size)` for a fresh cache of plain attention
+    /// layers: each a ring of `max_kv_size` positions that also keeps the sequence's first
+    /// [`MAX_KV_SIZE_KEEP`] (`RotatingKVCache(max_kv_size, keep=4)`). Refused for a cache that
+    /// holds anything or has other kinds of layers (a sliding window, a recurrent state),
+    /// which mlx-lm's models that build their own caches never give this.
+    pub fn with_max_kv_size(self, max_kv_size: usize) -> Result<Cache, EngineError> {
+        if self.offset > 0 || max_kv_size <= MAX_KV_SIZE_KEEP {
+            return Err(EngineError::Unsupported(format!(
+                "a bounded cache of {max_kv_size} positions from one that holds {}: it must \
+                 be fresh and hold more than the {MAX_KV_SIZE_KEEP} it keeps",
+                self.offset
+            )));
+        }
+        let layers = (self.layers.into_iter())
+            .map(|l| match l {
+                LayerCache::Kv(kv) => {
+                    let (h, d) = kv.shape();
+                    let ring = RotatingKvCache::keeping(
+                        h,
+                        d,
+                        max_kv_size,
+                        MAX_KV_SIZE_KEEP,
+                        &kv.rings.device(),
+                    )?;
+                    let ring = ring.with_precision(kv.precision())?;
+                    Ok(LayerCache::Rotating(ring.with_mlx_form(kv.mlx_form())))
+                }
+                _ => Err(EngineError::Unsupported(
+                    "a bounded cache (--max-kv-size) for a model with sliding-window or \
+                     recurrent layers"
+                        .into(),
+                )),
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Cache { layers, offset: 0 })
+    }
+
+    /// Whether a layer keeps the sequence's first positions beside its window
+    /// ([`with_max_kv_size`](Self::with_max_kv_size)): its last prompt token then goes through
+    /// alone, as mlx-lm's `generate_step` puts it, since it sees them where a chunk's last
+    /// query would not.
+    pub fn keeps_first_positions(&self) -> bool {
+        (self.layers.iter())
+            .any(|l| matches!(l, LayerCache::Rotating(r) if r.keeps_first_positions()))
     }
 
     /// This cache with its attention layers' keys and values kept in `precision`: f32 for the

@@ -217,6 +217,36 @@ const REGISTRY: &[(&str, Constructor)] = &[
     ("joyai_llm_flash", deepseek_v3),
 ];
 
+/// The `model_type`s whose mlx-lm model builds no cache of its own, so that mlx-lm's
+/// `make_prompt_cache(model, max_kv_size)` bounds each layer's (see
+/// [`Cache::with_max_kv_size`]); for every other type mlx-lm leaves `--max-kv-size` unused.
+const MAX_KV_SIZE_TYPES: &[&str] = &[
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "smollm3",
+    "phi3",
+    "olmo2",
+    "granite",
+    "granitemoe",
+    "minicpm",
+    "glm4",
+    "glm4_moe",
+    "ernie4_5",
+    "ernie4_5_moe",
+    "hunyuan_v1_dense",
+    "seed_oss",
+    "mistral3",
+    "gemma2",
+    "olmoe",
+];
+
+/// Whether `--max-kv-size` bounds the cache of a `model_type` model, as it does in mlx-lm.
+pub fn takes_max_kv_size(model_type: &str) -> bool {
+    MAX_KV_SIZE_TYPES.contains(&model_type)
+}
+
 /// The `model_type`s this build can load.
 pub fn supported_model_types() -> Vec<&'static str> {
     let others = REGISTRY.iter().map(|(name, _)| *name);

@@ -1331,7 +1331,7 @@ impl Llama {
 
 impl Block {
     /// The heads' outputs over this layer's caches: plain ones for a global layer, rings for a
-    /// windowed one.
+    /// windowed one (or a global one's bounded by `--max-kv-size`).
     fn attend(
         &self,
         input: Input,
@@ -1348,7 +1348,9 @@ impl Block {
                 Ok(a.attend(input, positions, &mut kvs, lora)?)
             }
             LayerCaches::Rotating(mut rings)
-                if self.ring().is_some() && rings.iter().all(|c| fits(c.shape())) =>
+                if rings.iter().all(|c| {
+                    fits(c.shape()) && (self.ring().is_some() || c.keeps_first_positions())
+                }) =>
             {
                 Ok(a.attend(input, positions, &mut rings, lora)?)
             }

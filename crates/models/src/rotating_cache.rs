@@ -1,5 +1,6 @@
 //! The key/value cache of a sliding-window attention layer: a ring that keeps only the positions
-//! a query can still see, as mlx-lm's `RotatingKVCache` (with `keep = 0`) does.
+//! a query can still see, as mlx-lm's `RotatingKVCache` does; with `keep` (`--max-kv-size`), one
+//! that also keeps the sequence's first positions.
 
 use oxlm_engine::ops::{KvTarget, KvView};
 use oxlm_engine::{Device, EngineError, KvPrecision, Positions, Tensor};
@@ -29,6 +30,28 @@ pub struct RotatingKvCache {
     end: usize,
     rings: KvRings,
     mlx: MlxForm,
+    /// Boxed: most rings keep none.
+    kept: Option<Box<Kept>>,
+}
+
+/// The first positions of a sequence that a ring with `keep` holds beside its window.
+///
+/// mlx-lm's `RotatingKVCache(max_size, keep)` keeps them in its array's first slots, where the
+/// positions that leave the window would go, so that once the sequence is longer than the
+/// window a query sees them in place of the oldest `keep` positions of its window: one token
+/// sees the first `keep` positions and the last `window - keep` (its own among them); the
+/// queries of a chunk that starts past the window see them in place of the oldest `keep`
+/// positions of the first query's window, so that query `i` of the chunk sees the kept ones
+/// from the `i`-th on (its window slides past the others, as mlx-lm's mask over its array
+/// does). Here they are copied, in order, into the ring's slots of those positions before each
+/// pass.
+#[derive(Debug, Clone)]
+struct Kept {
+    count: usize,
+    /// Positions `0..count`, in slots of their own.
+    rings: KvRings,
+    /// The first position of the pass whose window they were last copied into.
+    placed_for: Option<usize>,
 }
 
 impl RotatingKvCache {
@@ -48,7 +71,79 @@ impl RotatingKvCache {
             end: 0,
             rings: KvRings::new(device)?,
             mlx: MlxForm::default(),
+            kept: None,
         })
+    }
+
+    /// A ring of `window` positions that also keeps the sequence's first `keep` (`keep` less
+    /// than `window`): mlx-lm's `RotatingKVCache(window, keep)`, which `--max-kv-size` makes
+    /// (see [`Kept`]).
+    pub fn keeping(
+        kv_heads: usize,
+        head_dim: usize,
+        window: usize,
+        keep: usize,
+        device: &Device,
+    ) -> Result<Self, EngineError> {
+        let cache = Self::new(kv_heads, head_dim, window, device)?;
+        if keep == 0 {
+            return Ok(cache);
+        }
+        if keep >= cache.window {
+            return Err(EngineError::Shape(format!(
+                "a ring of {window} positions cannot keep its first {keep}"
+            )));
+        }
+        let mut rings = KvRings::new(device)?;
+        rings.resize(0, keep, (kv_heads, head_dim), 0..0)?;
+        let kept = Kept {
+            count: keep,
+            rings,
+            placed_for: None,
+        };
+        Ok(RotatingKvCache {
+            kept: Some(Box::new(kept)),
+            ..cache
+        })
+    }
+
+    /// Whether it keeps the sequence's first positions beside its window.
+    pub fn keeps_first_positions(&self) -> bool {
+        self.kept.is_some()
+    }
+
+    /// Before a pass from position `first`: the kept positions go into the slots of the oldest
+    /// of its first query's window, once the sequence is longer than the window (see [`Kept`]).
+    fn place_kept(&mut self, first: usize) -> Result<(), EngineError> {
+        let shape = self.shape();
+        let Some(kept) = &mut self.kept else {
+            return Ok(());
+        };
+        if first < self.window || kept.placed_for == Some(first) {
+            return Ok(());
+        }
+        // In order: a chunk's later queries see the last kept ones only.
+        let oldest = first + 1 - self.window;
+        let slots = oldest..oldest + kept.count;
+        let from = (kept.count, 0);
+        (kept.rings).copy_into(from, &mut self.rings, self.capacity, shape, slots)?;
+        kept.placed_for = Some(first);
+        Ok(())
+    }
+
+    /// After positions `written` went into the ring: those among the first to keep are copied
+    /// aside.
+    fn keep_first(&mut self, written: std::ops::Range<usize>) -> Result<(), EngineError> {
+        let shape = self.shape();
+        let Some(kept) = &mut self.kept else {
+            return Ok(());
+        };
+        let first = written.start..written.end.min(kept.count);
+        if first.is_empty() {
+            return Ok(());
+        }
+        let from = (self.capacity, first.start);
+        (self.rings).copy_into(from, &mut kept.rings, kept.count, shape, first)
     }
 
     /// This cache, whose keys and values mlx-lm holds in `form`.
@@ -127,17 +222,21 @@ impl RotatingKvCache {
         let n = positions.len();
         crate::cache::check_follows(positions, self.end)?;
         self.make_room(n)?;
+        let first = self.end;
+        self.place_kept(first)?;
         let shape = self.shape();
         self.rings
             .write(keys, values, shape, self.capacity, positions)?;
         self.advance_by(n);
-        Ok(())
+        self.keep_first(first..first + n)
     }
 
     /// Whether [`truncate`](Self::truncate)`(len)` leaves every position the next token would
-    /// see: false once the ring has overwritten part of that window.
+    /// see: false once the ring has overwritten part of that window, or has put kept positions
+    /// in slots of its own.
     pub fn can_truncate(&self, len: usize) -> bool {
-        len >= self.end || self.start <= (len + 1).saturating_sub(self.window)
+        let placed = self.kept.as_ref().is_some_and(|k| k.placed_for.is_some());
+        len >= self.end || (!placed && self.start <= (len + 1).saturating_sub(self.window))
     }
 
     /// Forgets positions from `len` on (a prompt cache reusing a shared prefix). Positions that
@@ -175,7 +274,8 @@ impl RotatingKvCache {
 
     /// Bytes of device memory held.
     pub fn size_in_bytes(&self) -> usize {
-        self.rings.size_in_bytes()
+        let kept = self.kept.as_ref().map_or(0, |k| k.rings.size_in_bytes());
+        self.rings.size_in_bytes() + kept
     }
 
     /// How the keys and values are kept.
@@ -186,15 +286,31 @@ impl RotatingKvCache {
     /// The same positions with their keys and values kept in `precision` (see
     /// [`oxlm_engine::KvRing::into_precision`]).
     pub fn with_precision(self, precision: KvPrecision) -> Result<Self, EngineError> {
+        let kept = match self.kept {
+            Some(kept) => Some(Box::new(Kept {
+                rings: kept.rings.into_precision(precision, self.head_dim)?,
+                ..*kept
+            })),
+            None => None,
+        };
         Ok(RotatingKvCache {
             rings: self.rings.into_precision(precision, self.head_dim)?,
+            kept,
             ..self
         })
     }
 
     pub fn try_clone(&self) -> Result<Self, EngineError> {
+        let kept = match &self.kept {
+            Some(kept) => Some(Box::new(Kept {
+                rings: kept.rings.try_clone()?,
+                ..**kept
+            })),
+            None => None,
+        };
         Ok(RotatingKvCache {
             rings: self.rings.try_clone()?,
+            kept,
             ..*self
         })
     }
@@ -224,11 +340,13 @@ impl AttentionCache for RotatingKvCache {
 
     fn reserve_next(&mut self) -> Result<KvTarget<'_>, EngineError> {
         self.make_room(1)?;
+        self.place_kept(self.end)?;
         Ok(self.rings.target(self.capacity))
     }
 
-    fn advance(&mut self) {
+    fn advance(&mut self) -> Result<(), EngineError> {
         self.advance_by(1);
+        self.keep_first(self.end - 1..self.end)
     }
 }
 
@@ -290,6 +408,51 @@ mod tests {
             held(&cache),
             (100..700).map(|p| p as f32).collect::<Vec<_>>()
         );
+    }
+
+    /// What a query at `q` reads through the view: each position it sees, the key in that
+    /// position's slot (sorted).
+    fn seen(cache: &RotatingKvCache, q: usize) -> Vec<f32> {
+        let v = cache.view();
+        let keys = v.keys.to_vec().unwrap();
+        let from = v.start.max((q + 1).saturating_sub(v.window.unwrap()));
+        let mut seen: Vec<f32> = (from..=q.min(v.end - 1))
+            .map(|p| keys[p % v.capacity])
+            .collect();
+        seen.sort_by(f32::total_cmp);
+        seen
+    }
+
+    fn floats(r: std::ops::Range<usize>) -> Vec<f32> {
+        r.map(|p| p as f32).collect()
+    }
+
+    /// A ring of 16 keeping 4, fed in chunks of 7 then a token at a time: a token sees the
+    /// first 4 positions and the last 12; a chunk's query `i` sees the kept ones from the
+    /// `i`-th on in place of its window's oldest, as mlx-lm's `RotatingKVCache(16, keep=4)`.
+    #[test]
+    fn a_ring_that_keeps_the_first_positions() {
+        let mut cache = RotatingKvCache::keeping(1, 1, 16, 4, &Device::Cpu).unwrap();
+        for first in (0..42).step_by(7) {
+            push(&mut cache, first..first + 7);
+            if first == 21 {
+                // The chunk 21..28: query 21 sees kept 0..3 and 10..21, query 23 kept 2..3.
+                let mut want = floats(0..4);
+                want.extend(floats(10..22));
+                assert_eq!(seen(&cache, 21), want);
+                let mut want = floats(2..4);
+                want.extend(floats(10..24));
+                assert_eq!(seen(&cache, 23), want);
+                assert_eq!(seen(&cache, 27), floats(12..28));
+            }
+        }
+        push(&mut cache, 42..47);
+        for q in 47..60 {
+            push(&mut cache, q..q + 1);
+            let mut want = floats(0..4);
+            want.extend(floats(q - 11..q + 1));
+            assert_eq!(seen(&cache, q), want, "token {q}");
+        }
     }
 
     #[test]

@@ -32,15 +32,24 @@ pub struct GenerateOptions {
     /// `--kv-group-size` and `--quantized-kv-start`, or a checkpoint's `kv_config.json`):
     /// checked after each forward pass, as mlx-lm does.
     pub kv_quantization: Option<KvQuantization>,
+    /// mlx-lm's `--max-kv-size`: each layer's cache a ring of this many positions that keeps
+    /// the first 4, for the model types mlx-lm bounds ([`oxlm_models::takes_max_kv_size`]).
+    pub max_kv_size: Option<usize>,
 }
 
 impl GenerateOptions {
     /// A fresh cache for `model` in the precision these options ask for (not yet quantized:
     /// see [`quantize_when_due`](Self::quantize_when_due)).
     pub fn new_cache(&self, model: &dyn LanguageModel) -> Result<Cache, RuntimeError> {
-        Ok(match self.kv_cache {
+        let cache = match self.kv_cache {
             Some(precision) => model.new_cache_in(precision)?,
             None => model.new_cache()?,
+        };
+        Ok(match self.max_kv_size {
+            Some(size) if oxlm_models::takes_max_kv_size(&model.info().model_type) => {
+                cache.with_max_kv_size(size).map_err(ForwardError::from)?
+            }
+            _ => cache,
         })
     }
 
@@ -235,7 +244,7 @@ fn run_stream(
 /// [`prefill_reporting`], quantizing the cache where `options` ask, at the points where
 /// mlx-lm's `generate_step` does: after each chunk of all but the last prompt token, and after
 /// that token, which goes through alone (so it attends a cache quantized from a start the
-/// prompt reached before it).
+/// prompt reached before it, or a bounded cache as one token sees it).
 pub fn prefill_quantizing(
     model: &dyn LanguageModel,
     prompt: &[u32],
@@ -246,7 +255,8 @@ pub fn prefill_quantizing(
     let step = options.prefill_step;
     let after = |cache: &mut Cache| options.quantize_when_due(cache);
     let total = prompt.len();
-    if options.kv_quantization.is_none() || total < 2 {
+    let last_alone = options.kv_quantization.is_some() || cache.keeps_first_positions();
+    if !last_alone || total < 2 {
         return prefill_chunks(model, prompt, cache, step, (0, total), &after, on_event);
     }
     let (head, last) = prompt.split_at(total - 1);

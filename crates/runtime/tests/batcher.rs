@@ -253,6 +253,7 @@ fn job(tokenizer: &Tokenizer, a: &Ask) -> (Job, Log) {
             prefill_step: a.prefill_step,
             kv_cache: None,
             kv_quantization: None,
+            max_kv_size: None,
         },
         stream: StreamOptions {
             stop: Vec::new(),

@@ -49,6 +49,7 @@ fn options(max_tokens: usize) -> GenerateOptions {
         prefill_step: 16,
         kv_cache: None,
         kv_quantization: None,
+        max_kv_size: None,
     }
 }
 
@@ -232,4 +233,87 @@ fn a_prompt_past_the_context_is_refused_before_prefill() {
         }
     );
     assert_eq!((events, cache.offset), (0, 0));
+}
+
+/// `max_kv_size` bounds the cache of a model type mlx-lm bounds (qwen3) as mlx-lm's
+/// `generate_step(..., max_kv_size=16)` does, for a prompt three windows long: the greedy tokens
+/// and the top log-probabilities of mlx-lm's (`max_kv_size.json`, from
+/// scripts/oracle/make_max_kv_size_golden.py), with the prompt in one chunk and in chunks of 7.
+/// Every layer's cache stays at the window, keeping the first 4 positions.
+#[test]
+fn max_kv_size_bounds_the_cache_as_mlx_lm_does() {
+    let dir =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny/qwen3-8bit-g128");
+    let golden: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("max_kv_size.json")).unwrap())
+            .unwrap();
+    let loaded = LoadedModel::load(&dir).unwrap();
+    let model = loaded.model.as_ref();
+    let prompt: Vec<u32> = serde_json::from_value(golden["prompt_ids"].clone()).unwrap();
+    let max_kv_size = golden["max_kv_size"].as_u64().unwrap() as usize;
+    for run in golden["runs"].as_array().unwrap() {
+        let want: Vec<u32> = serde_json::from_value(run["tokens"].clone()).unwrap();
+        let opts = GenerateOptions {
+            max_tokens: want.len(),
+            prefill_step: run["prefill_step"].as_u64().unwrap() as usize,
+            kv_cache: Some(KvPrecision::F32),
+            max_kv_size: Some(max_kv_size),
+            ..options(0)
+        };
+        let mut cache = opts.new_cache(model).unwrap();
+        let stream = StreamOptions {
+            top_logprobs: 4,
+            ..StreamOptions::default()
+        };
+        let mut steps = Vec::new();
+        // No end-of-sequence stop: mlx-lm's generate_step has none.
+        let eos = Default::default();
+        let generation = generate_stream(
+            model,
+            &loaded.tokenizer,
+            &prompt,
+            &mut cache,
+            &eos,
+            &opts,
+            &stream,
+            &mut |event| {
+                if let Event::Token { id, top, .. } = event {
+                    steps.push((id, top.to_vec()));
+                }
+                ControlFlow::Continue(())
+            },
+        )
+        .unwrap();
+        let step = run["prefill_step"].clone();
+        assert_eq!(generation.tokens, want, "prefill step {step}");
+        for (i, row) in run["logprobs"].as_object().unwrap() {
+            let row: Vec<f32> = serde_json::from_value(row.clone()).unwrap();
+            let (_, top) = &steps[i.parse::<usize>().unwrap()];
+            for &(id, logprob) in top {
+                let d = (row[id as usize] - logprob).abs();
+                assert!(d < 1e-3, "prefill step {step}, step {i}, token {id}: {d}");
+            }
+        }
+        for layer in &cache.layers {
+            let LayerCache::Rotating(ring) = layer else {
+                panic!("a bounded cache's layers are rings")
+            };
+            assert!(
+                ring.keeps_first_positions() && ring.view().end - ring.view().start <= max_kv_size
+            );
+        }
+    }
+}
+
+/// Model types whose mlx-lm model builds its own cache (llama) leave `max_kv_size` unused, as
+/// mlx-lm does.
+#[test]
+fn max_kv_size_leaves_other_model_types_unbounded() {
+    let c = case("llama-8bit-g32");
+    let opts = GenerateOptions {
+        max_kv_size: Some(8),
+        ..options(4)
+    };
+    let cache = opts.new_cache(c.loaded.model.as_ref()).unwrap();
+    assert!(cache.layers.iter().all(|l| matches!(l, LayerCache::Kv(_))));
 }

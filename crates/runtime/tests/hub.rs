@@ -294,6 +294,7 @@ fn greedy(dir: &Path) -> Vec<u32> {
         prefill_step: 16,
         kv_cache: None,
         kv_quantization: None,
+        max_kv_size: None,
     };
     let model = loaded.model.as_ref();
     let generation = generate(

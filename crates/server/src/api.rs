@@ -489,6 +489,7 @@ pub(crate) async fn submit(
         prefill_step: state.settings.prefill_step,
         kv_cache: state.settings.kv_cache,
         kv_quantization: state.settings.kv_quantization(),
+        max_kv_size: None,
     };
     let stream = StreamOptions {
         stop: params.stop.clone(),

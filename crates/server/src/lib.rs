@@ -355,6 +355,7 @@ impl Server {
             prefill_step: settings.prefill_step,
             kv_cache: settings.kv_cache,
             kv_quantization: settings.kv_quantization(),
+            max_kv_size: None,
         };
         // Also refuses caches of a precision this model's heads cannot take, at start rather
         // than in every request.

@@ -22,6 +22,7 @@ fn plan(loaded: &LoadedModel, settings: &Settings) -> (MemoryPlan, usize) {
         prefill_step: settings.prefill_step,
         kv_cache: settings.kv_cache,
         kv_quantization: None,
+        max_kv_size: None,
     };
     let plan = MemoryPlan::new(loaded.model.as_ref(), &options).unwrap();
     (plan, weights_bytes(&loaded.dir).unwrap())

@@ -870,6 +870,7 @@ fn stacked_reference(golden: &Golden, dirs: &[&Path], max_tokens: usize) -> Stri
         prefill_step: 2048,
         kv_cache: None,
         kv_quantization: None,
+        max_kv_size: None,
     };
     let generation = generate(
         &model,

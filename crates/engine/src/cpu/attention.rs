@@ -898,10 +898,36 @@ pub fn kv_move<T: Copy>(
     head_dim: usize,
     positions: Range<usize>,
 ) {
+    let first = positions.start;
+    kv_copy(
+        src,
+        src_capacity,
+        first,
+        dst,
+        dst_capacity,
+        kv_heads,
+        head_dim,
+        positions,
+    );
+}
+
+/// [`kv_move`] from other positions: position `p` of `positions` in `dst` takes position
+/// `src_first + (p - positions.start)` of `src`.
+#[allow(clippy::too_many_arguments)]
+pub fn kv_copy<T: Copy>(
+    src: &[T],
+    src_capacity: usize,
+    src_first: usize,
+    dst: &mut [T],
+    dst_capacity: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    positions: Range<usize>,
+) {
     let d = head_dim;
     for h in 0..kv_heads {
-        for p in positions.clone() {
-            let from = (h * src_capacity + p % src_capacity) * d;
+        for (i, p) in positions.clone().enumerate() {
+            let from = (h * src_capacity + (src_first + i) % src_capacity) * d;
             let to = (h * dst_capacity + p % dst_capacity) * d;
             dst[to..to + d].copy_from_slice(&src[from..from + d]);
         }

@@ -53,11 +53,13 @@ pub fn kv_write_batch(
     Ok(())
 }
 
-/// Copies positions `p0..p1` between rings of different capacities (and one precision).
+/// Copies positions `p0..p1` of `dst` from `src`'s positions from `src_first` on, between rings
+/// of different capacities (and one precision).
 #[allow(clippy::too_many_arguments)]
 pub fn kv_move(
     src: &DeviceRing,
     src_capacity: usize,
+    src_first: usize,
     dst: &mut DeviceRing,
     dst_capacity: usize,
     kv_heads: usize,
@@ -69,9 +71,10 @@ pub fn kv_move(
         return Ok(());
     }
     let g = src.gpu().clone();
+    let shift = p0 as i64 - src_first as i64;
     launch!(&g, "kv_move", elements(&g, (p1 - p0) * kv_heads * d);
         src.ptr(), int(src_capacity)?, dst.ptr(), int(dst_capacity)?, int(kv_heads)?, int(d)?,
-        p0 as i64, p1 as i64, int(src.element_bytes())?);
+        p0 as i64, p1 as i64, shift, int(src.element_bytes())?);
     Ok(())
 }
 

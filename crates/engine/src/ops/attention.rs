@@ -193,34 +193,52 @@ pub fn kv_move(
     head_dim: usize,
     positions: std::ops::Range<usize>,
 ) -> Result<()> {
+    let first = positions.start;
+    let (h, d) = (kv_heads, head_dim);
+    kv_copy(src, src_capacity, first, dst, dst_capacity, h, d, positions)
+}
+
+/// [`kv_move`] from other positions: position `p` of `positions` in `dst` takes position
+/// `src_first + (p - positions.start)` of `src`.
+#[allow(clippy::too_many_arguments)]
+pub fn kv_copy(
+    src: &KvRing,
+    src_capacity: usize,
+    src_first: usize,
+    dst: &mut KvRing,
+    dst_capacity: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    positions: std::ops::Range<usize>,
+) -> Result<()> {
     let row = kv_heads * head_dim;
     check(
         src.len() == src_capacity * row && dst.len() == dst_capacity * row,
         || "kv_move between caches of other shapes".into(),
     )?;
-    let (h, d, p) = (kv_heads, head_dim, positions.clone());
+    let (h, d, p, f) = (kv_heads, head_dim, positions.clone(), src_first);
     match (&src.storage, &mut dst.storage) {
         (RingStorage::HostF32(s), RingStorage::HostF32(t)) => {
-            cpu::attention::kv_move(s, src_capacity, t, dst_capacity, h, d, p);
+            cpu::attention::kv_copy(s, src_capacity, f, t, dst_capacity, h, d, p);
             Ok(())
         }
         (RingStorage::HostF16(s), RingStorage::HostF16(t)) => {
-            cpu::attention::kv_move(s, src_capacity, t, dst_capacity, h, d, p);
+            cpu::attention::kv_copy(s, src_capacity, f, t, dst_capacity, h, d, p);
             Ok(())
         }
         (RingStorage::HostQuant(s), RingStorage::HostQuant(t)) if s.quant == t.quant => {
             let (bytes, groups) = (s.quant.row_bytes(d), d / s.quant.group);
             let (sc, dc) = (src_capacity, dst_capacity);
-            cpu::attention::kv_move(&s.codes, sc, &mut t.codes, dc, h, bytes, p.clone());
-            cpu::attention::kv_move(&s.scales, sc, &mut t.scales, dc, h, groups, p.clone());
-            cpu::attention::kv_move(&s.biases, sc, &mut t.biases, dc, h, groups, p);
+            cpu::attention::kv_copy(&s.codes, sc, f, &mut t.codes, dc, h, bytes, p.clone());
+            cpu::attention::kv_copy(&s.scales, sc, f, &mut t.scales, dc, h, groups, p.clone());
+            cpu::attention::kv_copy(&s.biases, sc, f, &mut t.biases, dc, h, groups, p);
             Ok(())
         }
         (RingStorage::Cuda(s), RingStorage::Cuda(t))
             if s.gpu().same(t.gpu()) && s.is_half() == t.is_half() =>
         {
             let (p0, p1) = (p.start, p.end);
-            cuda::attention::kv_move(s, src_capacity, t, dst_capacity, h, d, p0, p1)
+            cuda::attention::kv_move(s, src_capacity, f, t, dst_capacity, h, d, p0, p1)
         }
         _ => Err(mismatch("kv_move")),
     }

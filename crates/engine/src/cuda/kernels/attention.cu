@@ -38,9 +38,9 @@ extern "C" __global__ void kv_write_batch(const unsigned long long *rings, const
 }
 
 // Copies positions p0..p1 from one ring to another of a different capacity, elements of
-// `bytes` (4 or 2) as they are.
+// `bytes` (4 or 2) as they are; position p comes from the source's position p - shift.
 extern "C" __global__ void kv_move(const void *src, int src_capacity, void *dst, int dst_capacity,
-                                   int kv_heads, int d, i64 p0, i64 p1, int bytes) {
+                                   int kv_heads, int d, i64 p0, i64 p1, i64 shift, int bytes) {
     await_inputs();
     GRID_STRIDE(i, (p1 - p0) * kv_heads * d) {
         const int e = (int)(i % d);
@@ -48,7 +48,7 @@ extern "C" __global__ void kv_move(const void *src, int src_capacity, void *dst,
         const i64 p = p0 + hp % (p1 - p0);
         const i64 h = hp / (p1 - p0);
         const i64 to = (h * dst_capacity + p % dst_capacity) * d + e;
-        const i64 from = (h * src_capacity + p % src_capacity) * d + e;
+        const i64 from = (h * src_capacity + (p - shift) % src_capacity) * d + e;
         if (bytes == 2)
             static_cast<u16 *>(dst)[to] = static_cast<const u16 *>(src)[from];
         else
