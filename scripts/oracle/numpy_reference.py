@@ -85,7 +85,9 @@ def rope(x, periods, traditional):
     return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
 
 
-def forward(path, ids):
+def forward(path, ids, lora=None, dtype=np.float32):
+    """Logits [len(ids), vocab]. `lora`: ({module path: (lora_a [in, r], lora_b [r, out])}, scale), each adapted
+    layer adding scale * (x @ lora_a) @ lora_b as mlx-lm's LoRALinear does; `dtype`: the activations' type."""
     cfg = json.loads((path / "config.json").read_text())
     t = {k: np.array(v.astype(mx.float32) if v.dtype == mx.bfloat16 else v) for k, v in mx.load(str(path / "model.safetensors")).items()}
     q = cfg["quantization"]
@@ -96,13 +98,13 @@ def forward(path, ids):
     eps = cfg["rms_norm_eps"]
     trad = cfg.get("rope_traditional", False) if mt != "qwen3" else False
     periods = rope_periods(cfg, hd)
-    E = dequant(t, "model.embed_tokens", q)
+    E = dequant(t, "model.embed_tokens", q).astype(dtype)
     x = E[np.array(ids)]
     L = len(ids)
     mask = np.triu(np.full((L, L), -np.inf, dtype=np.float32), 1)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        lin = lambda n, h: h @ dequant(t, p + n, q).T + t.get(p + n + ".bias", 0)
+        lin = lambda n, h: linear(t, q, p + n, h, lora, dtype)
         h = rms_norm(x, t[p + "input_layernorm.weight"], eps)
         qh = lin("self_attn.q_proj", h).reshape(L, H, hd).transpose(1, 0, 2)
         kh = lin("self_attn.k_proj", h).reshape(L, KV, hd).transpose(1, 0, 2)
@@ -121,8 +123,16 @@ def forward(path, ids):
         g, u = lin("mlp.gate_proj", h), lin("mlp.up_proj", h)
         x = x + lin("mlp.down_proj", g / (1 + np.exp(-g)) * u)
     x = rms_norm(x, t["model.norm.weight"], eps)
-    head = E if cfg.get("tie_word_embeddings", True) else dequant(t, "lm_head", q)
+    head = E if cfg.get("tie_word_embeddings", True) else dequant(t, "lm_head", q).astype(dtype)
     return x @ head.T
+
+
+def linear(t, qcfg, name, h, lora, dtype):
+    y = h @ dequant(t, name, qcfg).astype(dtype).T + t.get(name + ".bias", 0)
+    if lora is not None and name in lora[0]:
+        a, b = lora[0][name]
+        y = y + lora[1] * ((h @ a) @ b)
+    return y
 
 
 def main():

@@ -1,5 +1,6 @@
 //! `oxlm lora`: a drop-in for `mlx_lm.lora`, fine-tuning LoRA adapters on a frozen model with
-//! its flags, defaults, data formats and report lines, plus a progress bar.
+//! its flags, defaults, data formats and report lines, plus a progress bar; and for
+//! mlx-lm-lora's preference training (`--train-mode dpo|orpo`, `--beta`).
 
 use std::fs::File;
 use std::io::Write;
@@ -12,8 +13,11 @@ use oxlm_models::checkpoint::Checkpoint;
 use oxlm_models::lora::{Adapters, LoraConfig, CONFIG_FILE, WEIGHTS_FILE};
 use oxlm_models::save::write_json;
 use oxlm_runtime::hub::resolve_model;
-use oxlm_runtime::lora::data::{Dataset, Encoder};
+use oxlm_runtime::lora::data::{Encoder, PreferenceSet, Splits};
 use oxlm_runtime::lora::np_random::NumpyRandom;
+use oxlm_runtime::lora::preference::{
+    evaluate_preference, PreferenceLoss, ReferenceScores, Rewards,
+};
 use oxlm_runtime::lora::trainer::{self, init_adapters, Event, TrainArgs};
 use oxlm_runtime::LoadedModel;
 use serde_json::{json, Map, Value};
@@ -34,13 +38,21 @@ pub struct Args {
     /// Train adapters.
     #[arg(long)]
     train: bool,
-    /// A directory with train.jsonl, valid.jsonl and test.jsonl (chat, completions or text)
-    /// [default: data].
+    /// A directory with train.jsonl, valid.jsonl and test.jsonl (chat, completions or text;
+    /// for --train-mode dpo or orpo, rows of `prompt`, `chosen`, `rejected` and an optional
+    /// `system`, each answer a string or a list of messages) [default: data].
     #[arg(long)]
     data: Option<PathBuf>,
     /// Only `lora` is supported [default: lora].
     #[arg(long)]
     fine_tune_type: Option<String>,
+    /// sft (mlx_lm.lora's loss), or mlx-lm-lora's preference losses: dpo (sigmoid, against
+    /// the model without adapters as the reference) or orpo [default: sft].
+    #[arg(long)]
+    train_mode: Option<String>,
+    /// β of the dpo and orpo losses [default: 0.1].
+    #[arg(long)]
+    beta: Option<f64>,
     /// adam, adamw, sgd, adafactor or muon, with mlx.optimizers' defaults; the config file's
     /// `optimizer_config.<name>` sets their parameters (betas, eps, weight_decay,
     /// bias_correction; momentum, weight_decay, dampening, nesterov; eps, clip_threshold,
@@ -114,7 +126,9 @@ pub struct Args {
     /// Write each training report and validation to this file as a JSON line (`event`
     /// `train`: iteration, train_loss, learning_rate, iterations_per_second,
     /// tokens_per_second, trained_tokens, peak_memory in GB; `event` `val`: iteration,
-    /// val_loss, val_time in seconds), flushed as it is written.
+    /// val_loss, val_time in seconds; preference runs add mlx-lm-lora's chosen_reward,
+    /// rejected_reward, accuracies and margins, prefixed with train_ or val_), flushed as it is
+    /// written.
     #[arg(long)]
     metrics_file: Option<PathBuf>,
 }
@@ -131,6 +145,8 @@ impl Args {
             ("train", switch(self.train)),
             ("data", path(&self.data)),
             ("fine_tune_type", value(&self.fine_tune_type)),
+            ("train_mode", value(&self.train_mode)),
+            ("beta", value(&self.beta)),
             ("optimizer", value(&self.optimizer)),
             ("mask_prompt", switch(self.mask_prompt)),
             ("num_layers", value(&self.num_layers)),
@@ -275,19 +291,27 @@ impl Ui {
                 iteration,
                 loss,
                 seconds,
+                rewards,
             } => {
                 if let Some(bar) = self.val.take() {
                     bar.finish_and_clear();
                     self.bars.remove(&bar);
                 }
-                self.line(format!("  {iteration:>4}    val {loss:>5.3}    {seconds:.2}s"));
+                let rewards_column = rewards.as_ref().map_or(String::new(), |r| {
+                    format!("    margin {:.3} · acc {:.3}", r.margin, r.accuracy)
+                });
+                self.line(format!(
+                    "  {iteration:>4}    val {loss:>5.3}    {seconds:.2}s{rewards_column}"
+                ));
                 if let Some(log) = &mut self.metrics {
-                    log.write(json!({
+                    let mut record = json!({
                         "event": "val",
                         "iteration": iteration,
                         "val_loss": loss,
                         "val_time": seconds,
-                    }));
+                    });
+                    add_rewards(&mut record, "val", rewards.as_ref());
+                    log.write(record);
                 }
             }
             Event::Step { .. } => self.train.inc(1),
@@ -298,8 +322,10 @@ impl Ui {
                     "▲"
                 };
                 self.prev_loss = Some(r.train_loss);
+                let rewards_columns = (r.rewards.as_ref())
+                    .map_or(String::new(), |r| format!("    {:>6.3}    {:>5.3}", r.margin, r.accuracy));
                 self.line(format!(
-                    "  {:>4}    {:>5.3} {arrow}    {:>5}    {:>5.1}k    {:>6.3}    {:.3} GB",
+                    "  {:>4}    {:>5.3} {arrow}    {:>5}    {:>5.1}k    {:>6.3}    {:.3} GB{rewards_columns}",
                     r.iteration,
                     r.train_loss,
                     thousands(r.tokens_per_second.round() as u64),
@@ -308,7 +334,7 @@ impl Ui {
                     r.peak_memory_gb
                 ));
                 if let Some(log) = &mut self.metrics {
-                    log.write(json!({
+                    let mut record = json!({
                         "event": "train",
                         "iteration": r.iteration,
                         "train_loss": r.train_loss,
@@ -317,7 +343,9 @@ impl Ui {
                         "tokens_per_second": r.tokens_per_second,
                         "trained_tokens": r.trained_tokens,
                         "peak_memory": r.peak_memory_gb,
-                    }));
+                    });
+                    add_rewards(&mut record, "train", r.rewards.as_ref());
+                    log.write(record);
                 }
             }
             Event::Saved(path) => self.line(format!(
@@ -325,6 +353,19 @@ impl Ui {
                 path.file_name().unwrap_or_default().to_string_lossy()
             )),
         }
+    }
+}
+
+/// A preference run's rewards in a metrics record, by mlx-lm-lora's names (`train_margins`).
+fn add_rewards(record: &mut Value, prefix: &str, rewards: Option<&Rewards>) {
+    let Some(r) = rewards else { return };
+    for (name, value) in [
+        ("chosen_reward", r.chosen),
+        ("rejected_reward", r.rejected),
+        ("accuracies", r.accuracy),
+        ("margins", r.margin),
+    ] {
+        record[format!("{prefix}_{name}")] = json!(value);
     }
 }
 
@@ -341,28 +382,79 @@ fn thousands(n: u64) -> String {
     out
 }
 
+/// The run's data sets: mlx-lm's formats, or preference rows.
+enum Data {
+    Sft(Splits),
+    Preference(Splits<PreferenceSet>),
+}
+
+impl Data {
+    /// Whether the train, valid and test sets are empty.
+    fn empty(&self) -> [bool; 3] {
+        match self {
+            Data::Sft(s) => [s.train.is_empty(), s.valid.is_empty(), s.test.is_empty()],
+            Data::Preference(s) => [s.train.is_empty(), s.valid.is_empty(), s.test.is_empty()],
+        }
+    }
+
+    fn test_len(&self) -> usize {
+        match self {
+            Data::Sft(s) => s.test.len(),
+            Data::Preference(s) => s.test.len(),
+        }
+    }
+}
+
 fn evaluate_test(
     loaded: &LoadedModel,
     adapters: &Adapters,
-    test: &Dataset,
+    data: &Data,
     args: &Settings,
     rng: &mut NumpyRandom,
 ) -> Result<()> {
-    let whole = test.len() / args.batch_size;
+    let whole = data.test_len() / args.batch_size;
     let total = usize::try_from(args.test_batches).map_or(whole, |n| n.min(whole));
     let bar = ProgressBar::new(total as u64).with_message("Calculating loss...");
-    let loss = trainer::evaluate(
-        loaded.model.as_ref(),
-        adapters,
-        test,
-        args.batch_size,
-        args.test_batches,
-        args.max_seq_length,
-        rng,
-        &mut || bar.inc(1),
-    )?;
-    bar.finish_and_clear();
-    say!("Test loss {loss:.3}, Test ppl {:.3}.", (loss as f64).exp());
+    let model = loaded.model.as_ref();
+    let (batch_size, batches, max) = (args.batch_size, args.test_batches, args.max_seq_length);
+    let on_batch = &mut || bar.inc(1);
+    match (data, args.preference) {
+        (Data::Preference(splits), Some(loss)) => {
+            let mut reference = ReferenceScores::default();
+            let tally = evaluate_preference(
+                model,
+                adapters,
+                &splits.test,
+                loss,
+                batch_size,
+                batches,
+                max,
+                &mut reference,
+                rng,
+                on_batch,
+            )?;
+            bar.finish_and_clear();
+            let r = tally.rewards();
+            say!(
+                "Test loss {:.3}, Test chosen reward {:.3}, Test rejected reward {:.3}, Test \
+                 accuracy {:.3}, Test margin {:.3}.",
+                tally.loss(),
+                r.chosen,
+                r.rejected,
+                r.accuracy,
+                r.margin
+            );
+        }
+        (Data::Sft(splits), _) => {
+            let test = &splits.test;
+            let loss = trainer::evaluate(
+                model, adapters, test, batch_size, batches, max, rng, on_batch,
+            )?;
+            bar.finish_and_clear();
+            say!("Test loss {loss:.3}, Test ppl {:.3}.", (loss as f64).exp());
+        }
+        (Data::Preference(_), None) => unreachable!("preference data is loaded for dpo and orpo"),
+    }
     Ok(())
 }
 
@@ -392,16 +484,20 @@ pub fn run(args: Args) -> Result<()> {
         template: loaded.chat_template.as_ref(),
         mask_prompt: args.mask_prompt,
     };
-    let splits = encoder.load_dir(&args.data)?;
-    if args.train && splits.train.is_empty() {
+    let data = match args.preference {
+        Some(_) => Data::Preference(encoder.load_preference_dir(&args.data)?),
+        None => Data::Sft(encoder.load_dir(&args.data)?),
+    };
+    let [no_train, no_valid, no_test] = data.empty();
+    if args.train && no_train {
         bail!("Training set not found or empty. Must provide training set for fine-tuning.");
     }
-    if args.train && splits.valid.is_empty() {
+    if args.train && no_valid {
         say!(
             "Warning: Validation set not found or empty. Training will proceed without validation."
         );
     }
-    if args.test && splits.test.is_empty() {
+    if args.test && no_test {
         bail!("Test set not found or empty. Must provide test set for evaluation.");
     }
 
@@ -420,15 +516,7 @@ pub fn run(args: Args) -> Result<()> {
             say!("Loading fine-tuned weights from {}", file.display());
             adapters.load_weights(file)?;
         }
-        train(
-            &args,
-            &loaded,
-            &mut adapters,
-            &config,
-            &splits.train,
-            &splits.valid,
-            &mut rng,
-        )?;
+        train(&args, &loaded, &mut adapters, &config, &data, &mut rng)?;
         adapters
     } else {
         Adapters::load(&args.adapter_path, model)
@@ -436,19 +524,26 @@ pub fn run(args: Args) -> Result<()> {
     };
     if args.test {
         say!("Testing");
-        evaluate_test(&loaded, &adapters, &splits.test, &args, &mut rng)?;
+        evaluate_test(&loaded, &adapters, &data, &args, &mut rng)?;
     }
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
+/// How the header names the loss.
+fn mode_label(preference: Option<PreferenceLoss>) -> String {
+    match preference {
+        None => "sft".into(),
+        Some(PreferenceLoss::Dpo { beta }) => format!("dpo (sigmoid) · β {beta}"),
+        Some(PreferenceLoss::Orpo { beta }) => format!("orpo · β {beta}"),
+    }
+}
+
 fn train(
     args: &Settings,
     loaded: &LoadedModel,
     adapters: &mut Adapters,
     config: &LoraConfig,
-    train_set: &Dataset,
-    valid_set: &Dataset,
+    data: &Data,
     rng: &mut NumpyRandom,
 ) -> Result<()> {
     let rows = [
@@ -460,6 +555,7 @@ fn train(
                 args.lora.num_layers, config.rank, config.scale
             ),
         ),
+        ("mode", mode_label(args.preference)),
         ("dataset", args.data.display().to_string()),
         (
             "optimizer",
@@ -513,16 +609,33 @@ fn train(
         .map(MetricsLog::create)
         .transpose()?;
     let mut ui = Ui::new(args.iters, metrics);
-    ui.line("  iter   train_loss     tok/s     tokens      it/s    peak mem".into());
-    trainer::train(
-        loaded.model.as_ref(),
-        adapters,
-        train_set,
-        valid_set,
-        &train_args,
-        rng,
-        &mut |e| ui.event(e),
-    )?;
+    let mut header = "  iter   train_loss     tok/s     tokens      it/s    peak mem".to_string();
+    if args.preference.is_some() {
+        header.push_str("    margin      acc");
+    }
+    ui.line(header);
+    let model = loaded.model.as_ref();
+    let on_event: &mut dyn FnMut(Event) = &mut |e| ui.event(e);
+    match (data, args.preference) {
+        (Data::Preference(splits), Some(loss)) => {
+            let (train, valid) = (&splits.train, &splits.valid);
+            trainer::train_preference(
+                model,
+                adapters,
+                train,
+                valid,
+                loss,
+                &train_args,
+                rng,
+                on_event,
+            )?
+        }
+        (Data::Sft(splits), _) => {
+            let (train, valid) = (&splits.train, &splits.valid);
+            trainer::train(model, adapters, train, valid, &train_args, rng, on_event)?
+        }
+        (Data::Preference(_), None) => unreachable!("preference data is loaded for dpo and orpo"),
+    }
     ui.train.finish();
     ui.metrics.map_or(Ok(()), MetricsLog::finish)
 }

@@ -1,6 +1,7 @@
 //! The real `oxlm lora` binary: learning rates that cannot train are refused before the model
 //! loads, a run that diverges ends with an error and no adapters of NaN, a `--config` file
-//! drives a run as mlx_lm.lora's does, and bad configs are refused naming the key.
+//! drives a run as mlx_lm.lora's does, and bad configs are refused naming the key; preference
+//! training (`--train-mode dpo|orpo`) lowers its loss, and its adapters load back and serve.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -290,6 +291,14 @@ fn bad_configs_are_refused_naming_the_key() {
         ),
         ("save_every: 0\n", "`save_every` must be at least 1"),
         (
+            "train_mode: kto\n",
+            "`train_mode` kto is not supported (supported: sft, dpo, orpo)",
+        ),
+        (
+            "train_mode: dpo\nbeta: -1\n",
+            "`beta` is -1: expected a finite number above 0",
+        ),
+        (
             "- a list\n",
             "a config must be a mapping of option names to values",
         ),
@@ -305,5 +314,150 @@ fn bad_configs_are_refused_naming_the_key() {
             !said.contains("Loading pretrained model"),
             "{config}: {said}"
         );
+    }
+}
+
+/// `oxlm lora` on the tiny llama with `args`.
+fn oxlm_lora(args: &[&str]) -> Output {
+    Command::new(OXLM)
+        .arg("lora")
+        .arg("--model")
+        .arg(fixtures().join("tiny/llama-4bit-g64"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// DPO and ORPO runs of three epochs over the preference fixture's 8 pairs (a report per
+/// epoch): the mean loss of the last epoch is below the first's, and the reports carry the
+/// rewards. DPO's first validation, before any update from fresh adapters (lora_b = 0: the
+/// trained model is the reference), is ln 2. The DPO adapters load back for `--test`, whose
+/// loss is the preference loss, and serve through `oxlm generate`.
+#[test]
+fn preference_training_lowers_its_loss_and_the_adapters_serve() {
+    let out = tempfile::tempdir().unwrap();
+    let data = fixtures().join("lora/data-preference");
+    for mode in ["dpo", "orpo"] {
+        let adapters = out.path().join(mode);
+        let metrics = out.path().join(format!("{mode}.jsonl"));
+        let output = oxlm_lora(&[
+            "--train",
+            "--train-mode",
+            mode,
+            "--data",
+            data.to_str().unwrap(),
+            "--adapter-path",
+            adapters.to_str().unwrap(),
+            "--metrics-file",
+            metrics.to_str().unwrap(),
+            "--num-layers",
+            "2",
+            "--batch-size",
+            "2",
+            "--iters",
+            "12",
+            "--steps-per-report",
+            "4",
+            "--steps-per-eval",
+            "12",
+            "--val-batches",
+            "-1",
+            "--learning-rate",
+            "1e-3",
+        ]);
+        assert!(output.status.success(), "{mode}: {}", stderr(&output));
+        let lines = read_lines(&metrics);
+        let train: Vec<_> = lines.iter().filter(|l| l["event"] == "train").collect();
+        let losses: Vec<f64> = (train.iter())
+            .map(|l| l["train_loss"].as_f64().unwrap())
+            .collect();
+        println!("{mode} epoch losses: {losses:?}");
+        assert_eq!(losses.len(), 3, "{mode}");
+        assert!(losses[2] < losses[0], "{mode}: {losses:?}");
+        for key in ["train_margins", "train_accuracies", "train_chosen_reward"] {
+            assert!(train[2][key].is_number(), "{mode} {key}: {}", train[2]);
+        }
+        let val: Vec<_> = lines.iter().filter(|l| l["event"] == "val").collect();
+        assert_eq!(val.len(), 2, "{mode}");
+        assert!(val[1]["val_margins"].is_number(), "{mode}: {}", val[1]);
+        let saved: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(adapters.join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(saved["train_mode"], mode);
+        assert_eq!(saved["beta"], 0.1);
+        if mode == "dpo" {
+            let first = val[0]["val_loss"].as_f64().unwrap();
+            assert!((first - std::f64::consts::LN_2).abs() < 1e-4, "{first}");
+        }
+    }
+
+    let adapters = out.path().join("dpo");
+    let test = oxlm_lora(&[
+        "--test",
+        "--train-mode",
+        "dpo",
+        "--data",
+        data.to_str().unwrap(),
+        "--adapter-path",
+        adapters.to_str().unwrap(),
+        "--batch-size",
+        "2",
+    ]);
+    assert!(test.status.success(), "{}", stderr(&test));
+    let said = String::from_utf8_lossy(&test.stdout);
+    let loss: f64 = (said.split("Test loss ").nth(1))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no test loss: {said}"));
+    assert!(loss.is_finite() && loss > 0.0, "{said}");
+    assert!(said.contains("Test margin"), "{said}");
+
+    let generate = Command::new(OXLM)
+        .arg("generate")
+        .arg("--model")
+        .arg(fixtures().join("tiny/llama-4bit-g64"))
+        .arg("--adapter-path")
+        .arg(&adapters)
+        .args(["--prompt", "Why?", "--max-tokens", "4"])
+        .output()
+        .unwrap();
+    assert!(generate.status.success(), "{}", stderr(&generate));
+}
+
+/// Preference data must be preference rows: chat data, or a row without `rejected`, is refused
+/// before training, naming the file, the line and the field.
+#[test]
+fn preference_training_refuses_rows_without_its_fields() {
+    let out = tempfile::tempdir().unwrap();
+    let rows = "{\"prompt\": \"Why?\", \"chosen\": \"Because.\", \"rejected\": \"No.\"}\n\
+                {\"prompt\": \"Why?\", \"chosen\": \"Because.\"}\n";
+    let mine = out.path().join("data");
+    std::fs::create_dir(&mine).unwrap();
+    std::fs::write(mine.join("train.jsonl"), rows).unwrap();
+    let chat = fixtures().join("lora/data");
+    for (data, message) in [
+        (
+            &mine,
+            "train.jsonl:2: `rejected` is missing or not of the expected type",
+        ),
+        (
+            &chat,
+            "train.jsonl:1: `prompt` is missing or not of the expected type",
+        ),
+    ] {
+        let output = oxlm_lora(&[
+            "--train",
+            "--train-mode",
+            "dpo",
+            "--data",
+            data.to_str().unwrap(),
+            "--adapter-path",
+            out.path().join("adapters").to_str().unwrap(),
+        ]);
+        let err = stderr(&output);
+        assert_eq!(output.status.code(), Some(1), "{err}");
+        assert!(err.contains(message), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
     }
 }

@@ -19,7 +19,9 @@ use oxlm_engine::{ops, Positions, Tensor};
 use crate::layers::{Attention, Linear, Mlp, OpResult, RmsNorm, Rope};
 use crate::lora::{Adapters, ModuleAdapters};
 use crate::lora_dropout::BatchDropout;
-use crate::lora_grad::{base_input_grad, linear_backward, AdapterGrads, Example, LossAndGrads};
+use crate::lora_grad::{
+    base_input_grad, linear_backward, AdapterGrads, Example, LossAndGrads, SumsAndGrads,
+};
 use crate::pass::Architecture;
 use crate::{check_tokens, ForwardError};
 
@@ -761,6 +763,111 @@ fn check_example(model: &dyn Decoder, ex: &Example) -> Result<(), ForwardError> 
     Ok(())
 }
 
+/// LoRA training runs on the host.
+fn check_cpu(model: &dyn Decoder) -> Result<(), ForwardError> {
+    if model.info().device.is_cpu() {
+        return Ok(());
+    }
+    Err(ForwardError::Engine(oxlm_engine::EngineError::Device(
+        "LoRA training runs on the CPU: load the model with the cpu device".into(),
+    )))
+}
+
+/// The first block with an adapter (the number of blocks when none has): the blocks below it
+/// run without keeping anything, and the backward pass stops there.
+fn lowest_adapted_block(model: &dyn Decoder, adapters: &Adapters) -> usize {
+    let layers = model.info().num_layers;
+    (0..layers)
+        .find(|&i| {
+            let prefix = format!("{}.", adapters.block_path(i));
+            let mut paths = adapters.layers.keys().chain(adapters.experts.keys());
+            paths.any(|p| p.starts_with(&prefix))
+        })
+        .unwrap_or(layers)
+}
+
+/// The adapters of block `i` of `blocks`.
+fn block_lora<'a>(blocks: &'a [DecoderBlock], adapters: &'a Adapters, i: usize) -> Lora<'a> {
+    let block = BlockAdapters {
+        adapters: Some(adapters),
+        block: i,
+    };
+    (block.module(blocks[i].mixer.module()), block)
+}
+
+/// One sequence's forward pass through the blocks: what each adapted block keeps for the
+/// backward pass, and the last block's output.
+struct SequencePass<'b> {
+    kept: Vec<Kept<'b>>,
+    h: Tensor,
+    tokens: usize,
+}
+
+impl<'b> SequencePass<'b> {
+    /// `blocks` (as the model runs them over `inputs`) over `inputs`' embeddings, adapted by
+    /// `adapters` from the block `lowest` up.
+    fn forward(
+        model: &dyn Decoder,
+        blocks: &'b [DecoderBlock],
+        inputs: &[u32],
+        adapters: &Adapters,
+        lowest: usize,
+        checkpoint: bool,
+    ) -> Result<Self, ForwardError> {
+        let mut h = model.embed(inputs)?;
+        for block in &blocks[..lowest] {
+            let none = (ModuleAdapters::NONE, BlockAdapters::NONE);
+            h = forward_block(block, h, none)?.1;
+        }
+        let mut kept = Vec::new();
+        for (i, block) in blocks.iter().enumerate().skip(lowest) {
+            let s;
+            (s, h) = forward_block(block, h, block_lora(blocks, adapters, i))?;
+            kept.push(if checkpoint {
+                Kept::Input(s.h_in)
+            } else {
+                Kept::All(Box::new(s))
+            });
+        }
+        Ok(SequencePass {
+            kept,
+            h,
+            tokens: inputs.len(),
+        })
+    }
+
+    /// Adds the adapters' gradients for `dh`, the gradient of the last block's output, into
+    /// `grads`; `blocks`, `adapters` and `lowest` as the forward pass had them.
+    fn backward(
+        self,
+        blocks: &'b [DecoderBlock],
+        adapters: &Adapters,
+        lowest: usize,
+        mut dh: Vec<f32>,
+        grads: &mut AdapterGrads,
+    ) -> Result<(), ForwardError> {
+        for (j, k) in self.kept.into_iter().enumerate().rev() {
+            let i = lowest + j;
+            let block = &blocks[i];
+            let s = match k {
+                Kept::All(s) => *s,
+                Kept::Input(h_in) => forward_block(block, h_in, block_lora(blocks, adapters, i))?.0,
+            };
+            let g = BlockGrads {
+                block: i,
+                tokens: self.tokens,
+                adapters,
+                grads: &mut *grads,
+            };
+            match backward_block(block, &s, dh, g, i == lowest) {
+                Some(d) => dh = d,
+                None => break,
+            }
+        }
+        Ok(())
+    }
+}
+
 /// See [`crate::lora::Adaptable::loss_and_grads`].
 pub(crate) fn loss_and_grads(
     model: &dyn Decoder,
@@ -769,76 +876,81 @@ pub(crate) fn loss_and_grads(
     dropout: Option<&BatchDropout>,
     checkpoint: bool,
 ) -> Result<LossAndGrads, ForwardError> {
-    if !model.info().device.is_cpu() {
-        return Err(ForwardError::Engine(oxlm_engine::EngineError::Device(
-            "LoRA training runs on the CPU: load the model with the cpu device".into(),
-        )));
-    }
+    check_cpu(model)?;
     for ex in examples {
         check_example(model, ex)?;
     }
     let tokens: usize = examples.iter().map(Example::scored).sum();
     let mut grads = AdapterGrads::zeros(adapters);
-    let layers = model.info().num_layers;
-    let lowest = (0..layers)
-        .find(|&i| {
-            let prefix = format!("{}.", adapters.block_path(i));
-            let mut paths = adapters.layers.keys().chain(adapters.experts.keys());
-            paths.any(|p| p.starts_with(&prefix))
-        })
-        .unwrap_or(layers);
+    let lowest = lowest_adapted_block(model, adapters);
     let dloss = 1.0 / tokens.max(1) as f32;
     let mut sum = 0.0f64;
     for (n, ex) in examples.iter().enumerate() {
         let dropped = dropout.map(|d| d.for_example(adapters, n));
         let adapters = dropped.as_ref().unwrap_or(adapters);
         let blocks = model.blocks(&ex.inputs)?;
-        let mut h = model.embed(&ex.inputs)?;
-        let lora = |i: usize| -> Lora {
-            let block = BlockAdapters {
-                adapters: Some(adapters),
-                block: i,
-            };
-            (block.module(blocks[i].mixer.module()), block)
-        };
-        for block in &blocks[..lowest] {
-            let none = (ModuleAdapters::NONE, BlockAdapters::NONE);
-            h = forward_block(block, h, none)?.1;
-        }
-        let mut kept = Vec::new();
-        for (i, block) in blocks.iter().enumerate().skip(lowest) {
-            let s;
-            (s, h) = forward_block(block, h, lora(i))?;
-            kept.push(if checkpoint {
-                Kept::Input(s.h_in)
-            } else {
-                Kept::All(Box::new(s))
-            });
-        }
-        let (loss, mut dh) = head_backward(model, &h, ex, dloss)?;
+        let pass = SequencePass::forward(model, &blocks, &ex.inputs, adapters, lowest, checkpoint)?;
+        let (loss, dh) = head_backward(model, &pass.h, ex, dloss)?;
         sum += loss;
-        for (j, k) in kept.into_iter().enumerate().rev() {
-            let i = lowest + j;
-            let block = &blocks[i];
-            let s = match k {
-                Kept::All(s) => *s,
-                Kept::Input(h_in) => forward_block(block, h_in, lora(i))?.0,
-            };
-            let g = BlockGrads {
-                block: i,
-                tokens: ex.inputs.len(),
-                adapters,
-                grads: &mut grads,
-            };
-            match backward_block(block, &s, dh, g, i == lowest) {
-                Some(d) => dh = d,
-                None => break,
-            }
-        }
+        pass.backward(&blocks, adapters, lowest, dh, &mut grads)?;
     }
     Ok(LossAndGrads {
         loss: (sum / tokens.max(1) as f64) as f32,
         tokens,
         grads,
     })
+}
+
+/// See [`crate::lora::Adaptable::grads_of_sums`].
+pub(crate) fn grads_of_sums(
+    model: &dyn Decoder,
+    groups: &[&[Example]],
+    adapters: &Adapters,
+    dropout: Option<&BatchDropout>,
+    checkpoint: bool,
+    weigh: &mut dyn FnMut(usize, &[f64]) -> Vec<f32>,
+) -> Result<SumsAndGrads, ForwardError> {
+    check_cpu(model)?;
+    for ex in groups.iter().copied().flatten() {
+        check_example(model, ex)?;
+    }
+    let mut grads = AdapterGrads::zeros(adapters);
+    let lowest = lowest_adapted_block(model, adapters);
+    let mut sums = Vec::with_capacity(groups.len());
+    // The place of each example among all the groups' examples, which its dropout masks follow.
+    let mut first = 0;
+    for (g, group) in groups.iter().enumerate() {
+        let places = first..first + group.len();
+        first = places.end;
+        let dropped: Vec<_> = places
+            .map(|n| dropout.map(|d| d.for_example(adapters, n)))
+            .collect();
+        let used: Vec<&Adapters> = (dropped.iter())
+            .map(|d| d.as_ref().unwrap_or(adapters))
+            .collect();
+        let blocks = (group.iter())
+            .map(|ex| model.blocks(&ex.inputs))
+            .collect::<Result<Vec<_>, _>>()?;
+        let (mut passes, mut group_sums) = (Vec::new(), Vec::new());
+        for ((ex, blocks), &adapters) in group.iter().zip(&blocks).zip(&used) {
+            let pass =
+                SequencePass::forward(model, blocks, &ex.inputs, adapters, lowest, checkpoint)?;
+            // The gradient is linear in the weight, not known yet: take it at 1 and scale it.
+            let (sum, dh) = head_backward(model, &pass.h, ex, 1.0)?;
+            group_sums.push(sum);
+            passes.push((pass, dh));
+        }
+        let weights = weigh(g, &group_sums);
+        assert_eq!(weights.len(), group.len(), "a weight for each example");
+        for (((pass, mut dh), weight), (blocks, &adapters)) in passes
+            .into_iter()
+            .zip(weights)
+            .zip(blocks.iter().zip(&used))
+        {
+            dh.iter_mut().for_each(|d| *d *= weight);
+            pass.backward(blocks, adapters, lowest, dh, &mut grads)?;
+        }
+        sums.push(group_sums);
+    }
+    Ok(SumsAndGrads { sums, grads })
 }

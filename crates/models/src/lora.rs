@@ -16,7 +16,7 @@ use crate::cache::Cache;
 use crate::checkpoint::{open_safetensors, read_json, Residency};
 use crate::decoder_grad::{self, Decoder};
 use crate::lora_dropout::{BatchDropout, InputDropout};
-use crate::lora_grad::{Example, LossAndGrads};
+use crate::lora_grad::{Example, LossAndGrads, SumsAndGrads};
 pub use crate::lora_rows::{AdaptedModel, LayerAdapter, PassAdapters, RowAdapters};
 use crate::pass::{forward_one, forward_rows, Architecture};
 use crate::save::{write_safetensors, SaveError, TensorBytes};
@@ -153,6 +153,26 @@ pub trait Adaptable: Architecture {
     ) -> Result<LossAndGrads, ForwardError> {
         let model = self.decoder();
         decoder_grad::loss_and_grads(model, examples, adapters, Some(dropout), checkpoint)
+    }
+
+    /// The summed cross-entropy of each example's scored positions (minus its scored targets'
+    /// log-probability), and the gradient with respect to every matrix of `adapters` of a loss
+    /// that depends on the examples only through those sums, as a preference loss depends on
+    /// the log-probabilities of a chosen and a rejected answer. The examples run group by group
+    /// (a group's examples are in memory together); once a group has run forward,
+    /// `weigh(group, sums)` gives the loss's derivative with respect to each of its sums, and the
+    /// backward pass takes it. With `dropout`, the examples of all the groups, in order, are
+    /// its batch's examples.
+    fn grads_of_sums(
+        &self,
+        groups: &[&[Example]],
+        adapters: &Adapters,
+        dropout: Option<&BatchDropout>,
+        checkpoint: bool,
+        weigh: &mut dyn FnMut(usize, &[f64]) -> Vec<f32>,
+    ) -> Result<SumsAndGrads, ForwardError> {
+        let model = self.decoder();
+        decoder_grad::grads_of_sums(model, groups, adapters, dropout, checkpoint, weigh)
     }
 }
 

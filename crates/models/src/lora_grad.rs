@@ -128,6 +128,15 @@ pub struct LossAndGrads {
     pub grads: AdapterGrads,
 }
 
+/// What [`crate::lora::Adaptable::grads_of_sums`] gives: the summed cross-entropy of each
+/// example's scored positions (minus the log-probability of its scored targets), by group, and
+/// the gradient of the loss made of them.
+#[derive(Debug, Clone)]
+pub struct SumsAndGrads {
+    pub sums: Vec<Vec<f64>>,
+    pub grads: AdapterGrads,
+}
+
 /// `dx[m, in] = dy[m, out] · W` for a layer's base weights.
 pub(crate) fn base_input_grad(weight: &Weight, dy: &[f32], m: usize) -> Vec<f32> {
     let mut dx = vec![0.0; m * weight.cols()];
@@ -201,20 +210,27 @@ pub fn loss_sum(
     model: &dyn LanguageModel,
     examples: &[Example],
 ) -> Result<(f64, usize), ForwardError> {
-    let vocab = model.info().vocab_size;
     let (mut sum, mut tokens) = (0.0f64, 0);
     for ex in examples {
-        // Scoring reads no cache back token by token: f32 keys cost nothing and keep the loss
-        // the one training computes.
-        let mut cache = model.new_cache_in(KvPrecision::F32)?;
-        let logits = model.forward(&ex.inputs, &mut cache, Logits::All)?;
-        for t in ex.loss_from..ex.inputs.len() {
-            let row = &logits.data()[t * vocab..(t + 1) * vocab];
-            sum += cross_entropy(row, ex.targets[t] as usize) as f64;
-        }
+        sum += scored_cross_entropy(model, ex)?;
         tokens += ex.scored();
     }
     Ok((sum, tokens))
+}
+
+/// The cross-entropy of `ex`'s scored positions under `model`, summed: minus the
+/// log-probability the model gives its scored targets.
+pub fn scored_cross_entropy(model: &dyn LanguageModel, ex: &Example) -> Result<f64, ForwardError> {
+    let vocab = model.info().vocab_size;
+    // Scoring reads no cache back token by token: f32 keys cost nothing and keep the loss the
+    // one training computes.
+    let mut cache = model.new_cache_in(KvPrecision::F32)?;
+    let logits = model.forward(&ex.inputs, &mut cache, Logits::All)?;
+    let rows = logits.data().chunks_exact(vocab).zip(&ex.targets);
+    let scored = rows.skip(ex.loss_from);
+    Ok(scored
+        .map(|(row, &target)| cross_entropy(row, target as usize) as f64)
+        .sum())
 }
 
 #[cfg(test)]

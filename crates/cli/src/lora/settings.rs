@@ -1,20 +1,22 @@
 //! The settings of a run as mlx_lm.lora gathers them: a flag given on the command line wins, a
 //! key of the `--config` YAML file fills what the command line left out, and mlx_lm.lora's
 //! defaults fill the rest. Keys the file has that oxlm does not use are kept, as mlx-lm keeps
-//! them, and written to adapter_config.json with the rest.
+//! them, and written to adapter_config.json with the rest. `train_mode` and `beta` are
+//! mlx-lm-lora's, for preference training.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use oxlm_models::lora::{LoraConfig, MAX_SCALE};
 use oxlm_runtime::lora::optimizer::OptimizerConfig;
+use oxlm_runtime::lora::preference::{PreferenceLoss, DEFAULT_BETA};
 use oxlm_runtime::lora::schedule::Schedule;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 /// mlx_lm.lora's `CONFIG_DEFAULTS` for the options oxlm takes, but `data` (oxlm fetches no
 /// Hugging Face dataset, so it defaults to a local `data` directory) and `model` (no default
-/// model is fetched: one must be named).
+/// model is fetched: one must be named); and mlx-lm-lora's `train_mode` and `beta`.
 fn defaults() -> Map<String, Value> {
     let Value::Object(map) = json!({
         "train": false,
@@ -43,6 +45,8 @@ fn defaults() -> Map<String, Value> {
         "lora_parameters": {"rank": 8, "dropout": 0.0, "scale": 20.0},
         "mask_prompt": false,
         "metrics_file": null,
+        "train_mode": "sft",
+        "beta": DEFAULT_BETA,
     }) else {
         unreachable!("an object")
     };
@@ -89,6 +93,8 @@ struct Typed {
     lr_schedule: Option<Value>,
     lora_parameters: LoraParameters,
     metrics_file: Option<PathBuf>,
+    train_mode: String,
+    beta: f64,
 }
 
 /// Everything a run needs, checked.
@@ -117,6 +123,8 @@ pub struct Settings {
     pub learning_rate_label: String,
     pub lora: LoraConfig,
     pub metrics_file: Option<PathBuf>,
+    /// The preference loss of `train_mode` dpo or orpo; `None` for sft.
+    pub preference: Option<PreferenceLoss>,
     /// Every setting by mlx-lm's name, unknown keys of the config file included: what
     /// adapter_config.json records.
     pub all: Map<String, Value>,
@@ -236,6 +244,20 @@ impl Settings {
                 params.dropout
             );
         }
+        let preference = match typed.train_mode.as_str() {
+            "sft" => None,
+            mode => {
+                let beta = typed.beta;
+                if !(beta.is_finite() && beta > 0.0) {
+                    bail!("`beta` is {beta}: expected a finite number above 0");
+                }
+                Some(match mode {
+                    "dpo" => PreferenceLoss::Dpo { beta },
+                    "orpo" => PreferenceLoss::Orpo { beta },
+                    _ => bail!("`train_mode` {mode} is not supported (supported: sft, dpo, orpo)"),
+                })
+            }
+        };
         let lora = LoraConfig {
             num_layers: typed.num_layers,
             rank: params.rank,
@@ -267,6 +289,7 @@ impl Settings {
             learning_rate_label,
             lora,
             metrics_file: typed.metrics_file,
+            preference,
             all,
         })
     }

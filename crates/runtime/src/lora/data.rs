@@ -6,9 +6,14 @@
 //!
 //! With `mask_prompt`, an item's offset is the length of everything before its last message, and
 //! only the tokens after it count towards the loss.
+//!
+//! Preference training reads another format, mlx-lm-lora's: `{"prompt": …, "chosen": …,
+//! "rejected": …, "system": …?}`, each answer a string (an assistant message) or a list of
+//! messages, each rendered after the prompt through the chat template.
 
 use std::path::{Path, PathBuf};
 
+use oxlm_models::lora_grad::Example;
 use serde_json::{json, Map, Value};
 use thiserror::Error;
 
@@ -58,13 +63,19 @@ pub struct Item {
     pub keys: usize,
 }
 
-/// The items of one file.
-#[derive(Debug, Clone, Default)]
-pub struct Dataset {
-    pub items: Vec<Item>,
+/// The items of one file: mlx-lm's, or preference items.
+#[derive(Debug, Clone)]
+pub struct Dataset<T = Item> {
+    pub items: Vec<T>,
 }
 
-impl Dataset {
+impl<T> Default for Dataset<T> {
+    fn default() -> Self {
+        Dataset { items: Vec::new() }
+    }
+}
+
+impl<T> Dataset<T> {
     pub fn len(&self) -> usize {
         self.items.len()
     }
@@ -75,11 +86,37 @@ impl Dataset {
 }
 
 /// The three splits; a missing file is an empty split.
-pub struct Splits {
-    pub train: Dataset,
-    pub valid: Dataset,
-    pub test: Dataset,
+pub struct Splits<D = Dataset> {
+    pub train: D,
+    pub valid: D,
+    pub test: D,
 }
+
+/// One tokenized preference item: the prompt with its chosen answer, and with its rejected one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PreferenceItem {
+    pub chosen: Vec<u32>,
+    pub rejected: Vec<u32>,
+    /// The prompt's tokens (through the generation prompt), which both answers start with and
+    /// which do not count towards the loss.
+    pub prompt_len: usize,
+}
+
+impl PreferenceItem {
+    /// The scored part of the chosen and of the rejected sequence, each cut at
+    /// `max_seq_length`: as mlx-lm-lora scores them, the answer's tokens after the prompt up to
+    /// its end (and no padding after it). `None` when either has nothing left to score.
+    pub fn examples(&self, max_seq_length: usize) -> Option<[Example; 2]> {
+        let answer = |tokens: &[u32]| {
+            let cut = &tokens[..tokens.len().min(max_seq_length)];
+            Example::from_padded(cut, self.prompt_len, cut.len())
+        };
+        Some([answer(&self.chosen)?, answer(&self.rejected)?])
+    }
+}
+
+/// The preference items of one file.
+pub type PreferenceSet = Dataset<PreferenceItem>;
 
 /// Turns JSON objects into tokens.
 pub struct Encoder<'a> {
@@ -168,32 +205,7 @@ impl Encoder<'_> {
 
     /// Reads and tokenizes one `.jsonl` file; a missing file is an empty set.
     pub fn load_file(&self, path: &Path) -> Result<Dataset, DataError> {
-        let text = match std::fs::read_to_string(path) {
-            Ok(text) => text,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Dataset::default()),
-            Err(source) => {
-                return Err(DataError::Io {
-                    path: path.to_path_buf(),
-                    source,
-                })
-            }
-        };
-        let mut objects = Vec::new();
-        for (i, line) in text
-            .lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty())
-        {
-            let bad = |reason: String| DataError::Item {
-                path: path.to_path_buf(),
-                line: i + 1,
-                reason,
-            };
-            match serde_json::from_str(line).map_err(|e| bad(e.to_string()))? {
-                Value::Object(obj) => objects.push((i + 1, obj)),
-                _ => return Err(bad("not a JSON object".into())),
-            }
-        }
+        let objects = read_objects(path)?;
         let Some((_, first)) = objects.first() else {
             return Ok(Dataset::default());
         };
@@ -214,28 +226,132 @@ impl Encoder<'_> {
         } else {
             return Err(DataError::Format(path.to_path_buf()));
         };
-        let mut items = Vec::with_capacity(objects.len());
-        for (line, obj) in &objects {
-            let (tokens, offset) = self.item(&format, obj).map_err(|e| DataError::Item {
-                path: path.to_path_buf(),
-                line: *line,
-                reason: e.to_string(),
-            })?;
-            items.push(Item {
+        let items = each_object(path, &objects, |obj| {
+            let (tokens, offset) = self.item(&format, obj)?;
+            Ok(Item {
                 tokens,
                 offset,
                 keys: obj.len(),
-            });
-        }
+            })
+        })?;
         Ok(Dataset { items })
+    }
+
+    /// One preference item, as mlx-lm-lora's `DPODataset` and `ORPODataset` make it.
+    fn preference_item(
+        &self,
+        template: &ChatTemplate,
+        obj: &Map<String, Value>,
+    ) -> Result<PreferenceItem, DataError> {
+        let mut prompt = Vec::new();
+        if let Some(system) = obj.get("system").filter(|s| !s.is_null()) {
+            let system = system
+                .as_str()
+                .ok_or_else(|| DataError::Field("system".into()))?;
+            prompt.push(json!({"role": "system", "content": system}));
+        }
+        let user = (obj.get("prompt").and_then(Value::as_str))
+            .ok_or_else(|| DataError::Field("prompt".into()))?;
+        prompt.push(json!({"role": "user", "content": user}));
+        let answer = |key: &str| -> Result<Vec<u32>, DataError> {
+            let mut messages = prompt.clone();
+            match obj.get(key) {
+                Some(Value::String(content)) => {
+                    messages.push(json!({"role": "assistant", "content": content}));
+                }
+                Some(Value::Array(turns)) if !turns.is_empty() => messages.extend(turns.clone()),
+                _ => return Err(DataError::Field(key.into())),
+            }
+            self.chat(template, &messages, None, false)
+        };
+        Ok(PreferenceItem {
+            chosen: answer("chosen")?,
+            rejected: answer("rejected")?,
+            prompt_len: self.chat(template, &prompt, None, true)?.len(),
+        })
+    }
+
+    /// Reads and tokenizes one `.jsonl` file of preference rows; a missing file is an empty set.
+    pub fn load_preference_file(&self, path: &Path) -> Result<PreferenceSet, DataError> {
+        let objects = read_objects(path)?;
+        if objects.is_empty() {
+            return Ok(PreferenceSet::default());
+        }
+        let template =
+            (self.template).ok_or_else(|| DataError::NoChatTemplate(path.to_path_buf()))?;
+        let items = each_object(path, &objects, |obj| self.preference_item(template, obj))?;
+        Ok(PreferenceSet { items })
     }
 
     /// `train.jsonl`, `valid.jsonl` and `test.jsonl` of `dir`.
     pub fn load_dir(&self, dir: &Path) -> Result<Splits, DataError> {
-        Ok(Splits {
-            train: self.load_file(&dir.join("train.jsonl"))?,
-            valid: self.load_file(&dir.join("valid.jsonl"))?,
-            test: self.load_file(&dir.join("test.jsonl"))?,
-        })
+        load_splits(dir, |path| self.load_file(path))
     }
+
+    /// `train.jsonl`, `valid.jsonl` and `test.jsonl` of `dir`, of preference rows.
+    pub fn load_preference_dir(&self, dir: &Path) -> Result<Splits<PreferenceSet>, DataError> {
+        load_splits(dir, |path| self.load_preference_file(path))
+    }
+}
+
+fn load_splits<D>(
+    dir: &Path,
+    load: impl Fn(&Path) -> Result<D, DataError>,
+) -> Result<Splits<D>, DataError> {
+    Ok(Splits {
+        train: load(&dir.join("train.jsonl"))?,
+        valid: load(&dir.join("valid.jsonl"))?,
+        test: load(&dir.join("test.jsonl"))?,
+    })
+}
+
+/// JSON objects, each with the number of the line it was read from.
+type NumberedObjects = Vec<(usize, Map<String, Value>)>;
+
+/// The JSON objects of a `.jsonl` file, blank lines skipped; a missing file has none.
+fn read_objects(path: &Path) -> Result<NumberedObjects, DataError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => {
+            return Err(DataError::Io {
+                path: path.to_path_buf(),
+                source,
+            })
+        }
+    };
+    let mut objects = Vec::new();
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let bad = |reason: String| DataError::Item {
+            path: path.to_path_buf(),
+            line: i + 1,
+            reason,
+        };
+        match serde_json::from_str(line).map_err(|e| bad(e.to_string()))? {
+            Value::Object(obj) => objects.push((i + 1, obj)),
+            _ => return Err(bad("not a JSON object".into())),
+        }
+    }
+    Ok(objects)
+}
+
+/// `make` of each object, an error naming the object's line.
+fn each_object<T>(
+    path: &Path,
+    objects: &NumberedObjects,
+    make: impl Fn(&Map<String, Value>) -> Result<T, DataError>,
+) -> Result<Vec<T>, DataError> {
+    (objects.iter())
+        .map(|(line, obj)| {
+            make(obj).map_err(|e| DataError::Item {
+                path: path.to_path_buf(),
+                line: *line,
+                reason: e.to_string(),
+            })
+        })
+        .collect()
 }

@@ -2,13 +2,14 @@
 //! every `steps_per_eval` steps and the last, optimizer updates (after every
 //! `grad_accumulation_steps` batches), reports every `steps_per_report` steps, and adapter
 //! checkpoints every `save_every` steps. Checkpoints are written atomically. With LoRA dropout,
-//! each step draws its masks from MLX's generator as mlx_lm.lora seeds it.
+//! each step draws its masks from MLX's generator as mlx_lm.lora seeds it. The same loop trains
+//! on a preference loss ([`train_preference`]), as mlx-lm-lora's DPO and ORPO trainers do.
 //! What happens is told through [`Event`]s, so the caller decides what to print.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use oxlm_models::lora::{AdaptedModel, AdapterError, Adapters, LoraConfig};
+use oxlm_models::lora::{Adaptable, AdaptedModel, AdapterError, Adapters, LoraConfig};
 use oxlm_models::lora_dropout::{BatchDropout, KeySequence};
 use oxlm_models::lora_grad::{loss_sum, AdapterGrads, LoraGrad};
 use oxlm_models::save::SaveError;
@@ -17,10 +18,13 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use thiserror::Error;
 
-use super::batches::{Batches, TooSmall};
-use super::data::Dataset;
+use super::batches::{Batch, Batches, PreferenceBatch, PreferenceBatches, TooSmall};
+use super::data::{Dataset, PreferenceSet};
 use super::np_random::NumpyRandom;
 use super::optimizer::{Optimizer, OptimizerConfig};
+use super::preference::{
+    evaluate_preference, preference_step, PreferenceLoss, PreferenceTally, ReferenceScores, Rewards,
+};
 use super::schedule::Schedule;
 use crate::memory::peak_resident_bytes;
 
@@ -87,6 +91,8 @@ pub struct Report {
     pub tokens_per_second: f64,
     pub trained_tokens: usize,
     pub peak_memory_gb: f64,
+    /// A preference run's mean rewards over the reported steps' pairs.
+    pub rewards: Option<Rewards>,
 }
 
 /// What the loop tells its caller, in order.
@@ -106,6 +112,8 @@ pub enum Event<'a> {
         iteration: usize,
         loss: f32,
         seconds: f64,
+        /// A preference run's mean rewards over the validation pairs.
+        rewards: Option<Rewards>,
     },
     /// One optimizer step is done.
     Step {
@@ -174,6 +182,201 @@ pub fn evaluate(
     Ok((sum / tokens as f64) as f32)
 }
 
+/// One training step's outcome.
+struct Step {
+    loss: f32,
+    /// Positions that counted towards the loss.
+    tokens: usize,
+    grads: AdapterGrads,
+    /// A preference step's pairs.
+    tally: Option<PreferenceTally>,
+}
+
+/// What a run trains the adapters for: its batches, a step's loss and gradients on one, and a
+/// validation.
+trait Objective {
+    type Batch;
+
+    /// The next training batch.
+    fn next_batch(&mut self, rng: &mut NumpyRandom) -> Self::Batch;
+
+    /// The longest sequence of `batch` before cutting, when it was cut.
+    fn truncated_from(batch: &Self::Batch) -> Option<usize>;
+
+    /// With `dropout_keys`, the step's dropout masks are drawn from them.
+    fn step(
+        &mut self,
+        batch: &Self::Batch,
+        adapters: &Adapters,
+        dropout_keys: Option<&mut KeySequence>,
+        checkpoint: bool,
+    ) -> Result<Step, TrainError>;
+
+    /// The validation loss, and a preference run's rewards.
+    fn validate(
+        &mut self,
+        adapters: &Adapters,
+        args: &TrainArgs,
+        rng: &mut NumpyRandom,
+        on_batch: &mut dyn FnMut(),
+    ) -> Result<(f32, Option<Rewards>), TrainError>;
+}
+
+/// Why a training batch is always drawn.
+const ENDLESS: &str = "training batches never run out";
+
+/// mlx-lm's loss: the mean cross-entropy of the scored tokens.
+struct Sft<'a> {
+    model: &'a dyn LanguageModel,
+    adaptable: &'a dyn Adaptable,
+    batches: Batches<'a>,
+    valid: &'a Dataset,
+}
+
+impl Objective for Sft<'_> {
+    type Batch = Batch;
+
+    fn next_batch(&mut self, rng: &mut NumpyRandom) -> Batch {
+        (self.batches.next_batch(rng)).expect(ENDLESS)
+    }
+
+    fn truncated_from(batch: &Batch) -> Option<usize> {
+        batch.truncated_from
+    }
+
+    fn step(
+        &mut self,
+        batch: &Batch,
+        adapters: &Adapters,
+        dropout_keys: Option<&mut KeySequence>,
+        checkpoint: bool,
+    ) -> Result<Step, TrainError> {
+        let step = match dropout_keys {
+            Some(keys) => {
+                let layout = batch.layout.clone();
+                let dropout = BatchDropout::draw(self.adaptable, adapters, layout, keys);
+                let examples = &batch.examples;
+                (self.adaptable)
+                    .loss_and_grads_with_dropout(examples, adapters, &dropout, checkpoint)?
+            }
+            None => (self.adaptable).loss_and_grads(&batch.examples, adapters, checkpoint)?,
+        };
+        Ok(Step {
+            loss: step.loss,
+            tokens: step.tokens,
+            grads: step.grads,
+            tally: None,
+        })
+    }
+
+    fn validate(
+        &mut self,
+        adapters: &Adapters,
+        args: &TrainArgs,
+        rng: &mut NumpyRandom,
+        on_batch: &mut dyn FnMut(),
+    ) -> Result<(f32, Option<Rewards>), TrainError> {
+        let (batch_size, batches, max) = (args.batch_size, args.val_batches, args.max_seq_length);
+        let loss = evaluate(
+            self.model, adapters, self.valid, batch_size, batches, max, rng, on_batch,
+        )?;
+        Ok((loss, None))
+    }
+}
+
+/// mlx-lm-lora's DPO or ORPO loss over pairs of answers.
+struct Preference<'a> {
+    model: &'a dyn LanguageModel,
+    adaptable: &'a dyn Adaptable,
+    loss: PreferenceLoss,
+    batches: PreferenceBatches<'a>,
+    valid: &'a PreferenceSet,
+    train_reference: ReferenceScores,
+    valid_reference: ReferenceScores,
+}
+
+impl Objective for Preference<'_> {
+    type Batch = PreferenceBatch;
+
+    fn next_batch(&mut self, rng: &mut NumpyRandom) -> PreferenceBatch {
+        (self.batches.next_batch(rng)).expect(ENDLESS)
+    }
+
+    fn truncated_from(batch: &PreferenceBatch) -> Option<usize> {
+        batch.truncated_from
+    }
+
+    fn step(
+        &mut self,
+        batch: &PreferenceBatch,
+        adapters: &Adapters,
+        dropout_keys: Option<&mut KeySequence>,
+        checkpoint: bool,
+    ) -> Result<Step, TrainError> {
+        let step = preference_step(
+            self.model,
+            self.adaptable,
+            adapters,
+            batch,
+            self.loss,
+            &mut self.train_reference,
+            dropout_keys,
+            checkpoint,
+        )?;
+        Ok(Step {
+            loss: step.tally.loss(),
+            tokens: batch.tokens(),
+            grads: step.grads,
+            tally: Some(step.tally),
+        })
+    }
+
+    fn validate(
+        &mut self,
+        adapters: &Adapters,
+        args: &TrainArgs,
+        rng: &mut NumpyRandom,
+        on_batch: &mut dyn FnMut(),
+    ) -> Result<(f32, Option<Rewards>), TrainError> {
+        let tally = evaluate_preference(
+            self.model,
+            adapters,
+            self.valid,
+            self.loss,
+            args.batch_size,
+            args.val_batches,
+            args.max_seq_length,
+            &mut self.valid_reference,
+            rng,
+            on_batch,
+        )?;
+        Ok((tally.loss(), Some(tally.rewards())))
+    }
+}
+
+/// The model's training interface, once `args` and the adapters' dropout are checked.
+fn trainable<'m>(
+    model: &'m dyn LanguageModel,
+    adapters: &Adapters,
+    args: &TrainArgs,
+) -> Result<&'m dyn Adaptable, TrainError> {
+    let adaptable = model
+        .adaptable()
+        .ok_or_else(|| AdapterError::UnsupportedModel(model.info().model_type.clone()))?;
+    if let Schedule::Constant(rate) = args.learning_rate {
+        if !(rate.is_finite() && rate > 0.0) {
+            return Err(TrainError::LearningRate(rate));
+        }
+    }
+    if args.grad_accumulation_steps == 0 {
+        return Err(TrainError::GradAccumulationSteps);
+    }
+    if !(0.0..1.0).contains(&adapters.config.dropout) {
+        return Err(TrainError::Dropout(adapters.config.dropout));
+    }
+    Ok(adaptable)
+}
+
 /// Trains `adapters` on `train` (validating on `valid` when it is not empty), saving them to
 /// `args.adapter_file` every `save_every` steps (beside a numbered copy) and at the end. A step
 /// whose loss or gradients are not finite ends training with an error before it changes them.
@@ -191,73 +394,91 @@ pub fn train(
     rng: &mut NumpyRandom,
     on_event: &mut dyn FnMut(Event),
 ) -> Result<(), TrainError> {
-    let adaptable = model
-        .adaptable()
-        .ok_or_else(|| AdapterError::UnsupportedModel(model.info().model_type.clone()))?;
-    if let Schedule::Constant(rate) = args.learning_rate {
-        if !(rate.is_finite() && rate > 0.0) {
-            return Err(TrainError::LearningRate(rate));
-        }
-    }
-    if args.grad_accumulation_steps == 0 {
-        return Err(TrainError::GradAccumulationSteps);
-    }
-    if !(0.0..1.0).contains(&adapters.config.dropout) {
-        return Err(TrainError::Dropout(adapters.config.dropout));
-    }
-    let mut batches = Batches::new(train, args.batch_size, args.max_seq_length, true)?;
+    let adaptable = trainable(model, adapters, args)?;
+    let mut objective = Sft {
+        model,
+        adaptable,
+        batches: Batches::new(train, args.batch_size, args.max_seq_length, true)?,
+        valid,
+    };
+    run(&mut objective, valid.len(), adapters, args, rng, on_event)
+}
+
+/// [`train`] on a preference loss over the pairs of `train` (validating on `valid` when it is
+/// not empty); the reports carry the rewards. The reference's scores (DPO's) are computed once
+/// for each item, the first time it is drawn.
+#[allow(clippy::too_many_arguments)]
+pub fn train_preference(
+    model: &dyn LanguageModel,
+    adapters: &mut Adapters,
+    train: &PreferenceSet,
+    valid: &PreferenceSet,
+    loss: PreferenceLoss,
+    args: &TrainArgs,
+    rng: &mut NumpyRandom,
+    on_event: &mut dyn FnMut(Event),
+) -> Result<(), TrainError> {
+    let adaptable = trainable(model, adapters, args)?;
+    let mut objective = Preference {
+        model,
+        adaptable,
+        loss,
+        batches: PreferenceBatches::new(train, args.batch_size, args.max_seq_length, true)?,
+        valid,
+        train_reference: ReferenceScores::default(),
+        valid_reference: ReferenceScores::default(),
+    };
+    run(&mut objective, valid.len(), adapters, args, rng, on_event)
+}
+
+/// The loop of [`train`] for any objective, validating when `valid_len` (the items of its
+/// validation set) is not 0.
+fn run<O: Objective>(
+    objective: &mut O,
+    valid_len: usize,
+    adapters: &mut Adapters,
+    args: &TrainArgs,
+    rng: &mut NumpyRandom,
+    on_event: &mut dyn FnMut(Event),
+) -> Result<(), TrainError> {
     let mut optimizer = Optimizer::new(args.optimizer.clone(), args.learning_rate.clone());
     let mut dropout_keys =
         (adapters.config.dropout > 0.0).then(|| keys_at_training_start(adapters, args.seed));
     let mut accumulated: Option<AdapterGrads> = None;
     let (mut losses, mut tokens, mut steps, mut trained_tokens) = (0.0f64, 0usize, 0usize, 0usize);
+    let mut tally: Option<PreferenceTally> = None;
     let mut train_time = 0.0f64;
     for it in 1..=args.iters {
         // As mlx-lm's loop, the batch is drawn before validation runs.
-        let batch = batches
-            .next_batch(rng)
-            .expect("training batches never run out");
-        if let Some(longest) = batch.truncated_from {
+        let batch = objective.next_batch(rng);
+        if let Some(longest) = O::truncated_from(&batch) {
             on_event(Event::Truncated {
                 longest,
                 max: args.max_seq_length,
             });
         }
         let mut tic = Instant::now();
-        if !valid.is_empty() && (it == 1 || it % args.steps_per_eval == 0 || it == args.iters) {
-            let whole = valid.len() / args.batch_size;
+        if valid_len > 0 && (it == 1 || it % args.steps_per_eval == 0 || it == args.iters) {
+            let whole = valid_len / args.batch_size;
             let total = usize::try_from(args.val_batches).map_or(whole, |n| n.min(whole));
             on_event(Event::ValStart {
                 iteration: it,
                 batches: total,
             });
             let start = Instant::now();
-            let loss = evaluate(
-                model,
-                adapters,
-                valid,
-                args.batch_size,
-                args.val_batches,
-                args.max_seq_length,
-                rng,
-                &mut || on_event(Event::ValBatch),
-            )?;
+            let on_batch = &mut || on_event(Event::ValBatch);
+            let (loss, rewards) = objective.validate(adapters, args, rng, on_batch)?;
             let seconds = start.elapsed().as_secs_f64();
             on_event(Event::Val {
                 iteration: it,
                 loss,
                 seconds,
+                rewards,
             });
             tic = Instant::now();
         }
-        let step = match &mut dropout_keys {
-            Some(keys) => {
-                let dropout = BatchDropout::draw(adaptable, adapters, batch.layout, keys);
-                let (examples, checkpoint) = (&batch.examples, args.grad_checkpoint);
-                adaptable.loss_and_grads_with_dropout(examples, adapters, &dropout, checkpoint)?
-            }
-            None => adaptable.loss_and_grads(&batch.examples, adapters, args.grad_checkpoint)?,
-        };
+        let keys = dropout_keys.as_mut();
+        let step = objective.step(&batch, adapters, keys, args.grad_checkpoint)?;
         if !step.loss.is_finite() {
             return Err(TrainError::NonFiniteLoss {
                 iteration: it,
@@ -288,6 +509,9 @@ pub fn train(
         }
         losses += step.loss as f64;
         tokens += step.tokens;
+        if let Some(pairs) = &step.tally {
+            tally.get_or_insert_default().merge(pairs);
+        }
         steps += 1;
         train_time += tic.elapsed().as_secs_f64();
         on_event(Event::Step { iteration: it });
@@ -302,6 +526,7 @@ pub fn train(
                 tokens_per_second: tokens as f64 / train_time,
                 trained_tokens,
                 peak_memory_gb: peak_resident_bytes().unwrap_or(0) as f64 / 1e9,
+                rewards: tally.take().map(|t| t.rewards()),
             };
             on_event(Event::Report(&report));
             (losses, tokens, steps, train_time) = (0.0, 0, 0, 0.0);

@@ -1,0 +1,169 @@
+"""Preference-training goldens for `oxlm lora --train-mode dpo|orpo`: a small preference data set, what
+mlx-lm-lora's DPODataset makes of it, and the DPO and ORPO losses of a fixed batch with the gradient of a few
+adapter entries, computed by the numpy forward of numpy_reference.py in float64.
+
+usage: PY=$(scripts/oracle/venv.sh); $PY scripts/oracle/make_preference_fixture.py [TINY_ROOT] [OUT_ROOT]
+  TINY_ROOT default tests/fixtures/tiny, OUT_ROOT default tests/fixtures/lora
+
+Writes
+  OUT_ROOT/data-preference/{train,valid,test}.jsonl   rows of prompt / chosen / rejected from GPL-3 sentences (one
+                                                     with a system turn, one whose answers are message lists)
+  OUT_ROOT/preference.json                           per file, each row as DPODataset tokenizes it: [chosen ids,
+                                                     rejected ids, prompt length]; and for train-llama-4bit-g64's
+                                                     starting adapter on llama-4bit-g64 and the batch of train
+                                                     rows PAIRS: each answer's summed log-probability under the
+                                                     adapters (policy) and without them (the reference: adapters at
+                                                     scale 0), the mean DPO (sigmoid) and ORPO losses at BETA, and
+                                                     their derivatives with respect to the entries GRAD_ENTRIES by
+                                                     central differences (step FD_STEP)
+
+The losses follow mlx-lm-lora 5.10.2 (trainer/dpo_trainer.py `dpo_loss` with loss_type sigmoid, scores summed
+over answer tokens; trainer/orpo_trainer.py `get_logps` and `orpo_loss`, log-probabilities averaged over answer
+tokens, preference_score 1); an answer's tokens are those after the rendered prompt (chat template with the
+generation prompt) up to the end of its sequence. A few seconds.
+"""
+import json
+import re
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm import load
+
+from numpy_reference import forward
+
+BETA = 0.1
+MODEL = "llama-4bit-g64"
+ADAPTER = "train-llama-4bit-g64/init"
+PAIRS = [0, 1, 2]
+FD_STEP = 1e-5
+GRAD_ENTRIES = [
+    ("model.layers.0.self_attn.q_proj.lora_a", (5, 2)),
+    ("model.layers.0.self_attn.k_proj.lora_b", (6, 9)),
+    ("model.layers.0.mlp.down_proj.lora_b", (3, 17)),
+    ("model.layers.1.self_attn.v_proj.lora_b", (1, 4)),
+    ("model.layers.1.self_attn.o_proj.lora_a", (7, 0)),
+    ("model.layers.1.mlp.gate_proj.lora_a", (40, 6)),
+]
+
+
+def sentences():
+    text = Path("/usr/share/common-licenses/GPL-3").read_text()
+    parts = [re.sub(r"\s+", " ", s).strip() for s in re.split(r"(?<=[.;:])\s+", text)]
+    return [s for s in parts if 20 <= len(s) <= 120]
+
+
+def make_rows():
+    """Prompt: a sentence; chosen: the one after it; rejected: a sentence from far away."""
+    s = sentences()
+    rows = []
+    for i in range(16):
+        row = {"prompt": s[2 * i], "chosen": s[2 * i + 1], "rejected": s[-1 - 3 * i]}
+        if i == 1:
+            row = {"system": "Continue the text.", **row}
+        if i == 2:
+            row["chosen"] = [{"role": "assistant", "content": row["chosen"]}]
+            row["rejected"] = [{"role": "assistant", "content": row["rejected"]}]
+        rows.append(row)
+    return {"train": rows[:8], "valid": rows[8:12], "test": rows[12:]}
+
+
+def template(tok, messages, generation_prompt):
+    return list(tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, return_dict=False))
+
+
+def tokenize(tok, row):
+    """DPODataset's item; an answer given as a message list follows the prompt as those messages (ORPODataset's
+    system-key branch)."""
+    prompt = ([{"role": "system", "content": row["system"]}] if "system" in row else []) + [
+        {"role": "user", "content": row["prompt"]}]
+
+    def answer(value):
+        turns = value if isinstance(value, list) else [{"role": "assistant", "content": value}]
+        return template(tok, prompt + turns, False)
+
+    return [answer(row["chosen"]), answer(row["rejected"]), len(template(tok, prompt, True))]
+
+
+def log_prob_sum(model_dir, ids, prompt_len, lora):
+    """The summed log-probability of ids[max(prompt_len, 1):] given what precedes each token."""
+    logits = forward(model_dir, ids[:-1], lora, np.float64)
+    logits = logits - logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    return sum(logp[t - 1, ids[t]] for t in range(max(prompt_len, 1), len(ids)))
+
+
+def log_sigmoid(x):
+    return -np.logaddexp(0.0, -x)
+
+
+def log1mexp(x):
+    x = min(x, -1e-7)
+    return np.log(-np.expm1(x)) if x > -np.log(2) else np.log1p(-np.exp(x))
+
+
+def dpo_loss(policy, reference):
+    return np.mean([-log_sigmoid(BETA * ((pc - pr) - (rc - rr))) for (pc, pr), (rc, rr) in zip(policy, reference)])
+
+
+def orpo_loss(policy, tokens):
+    losses = []
+    for (pc, pr), (nc, nr) in zip(policy, tokens):
+        c, r = pc / nc, pr / nr
+        log_odds = (c - r) - (log1mexp(c) - log1mexp(r))
+        losses.append(-c - BETA * log_sigmoid(log_odds))
+    return np.mean(losses)
+
+
+def main():
+    tiny = Path(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/tiny")
+    out = Path(sys.argv[2] if len(sys.argv) > 2 else "tests/fixtures/lora")
+    model_dir = tiny / MODEL
+    _, tok = load(str(model_dir))
+    golden = {"data": {}}
+    for split, rows in make_rows().items():
+        path = out / "data-preference" / f"{split}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        golden["data"][f"data-preference/{split}.jsonl"] = [tokenize(tok, r) for r in rows]
+    items = [golden["data"]["data-preference/train.jsonl"][i] for i in PAIRS]
+
+    config = json.loads((out / ADAPTER / "adapter_config.json").read_text())
+    weights = {k: np.array(v, np.float64) for k, v in mx.load(str(out / ADAPTER / "adapters.safetensors")).items()}
+    scale = config["lora_parameters"]["scale"]
+
+    def lora_of(w):
+        layers = {k[: -len(".lora_a")] for k in w if k.endswith(".lora_a")}
+        return {n: (w[n + ".lora_a"], w[n + ".lora_b"]) for n in layers}, scale
+
+    def policy_sums(w):
+        return [[log_prob_sum(model_dir, ids, p, lora_of(w)) for ids in (c, r)] for c, r, p in items]
+
+    reference = [[log_prob_sum(model_dir, ids, p, None) for ids in (c, r)] for c, r, p in items]
+    tokens = [[len(ids) - max(p, 1) for ids in (c, r)] for c, r, p in items]
+    policy = policy_sums(weights)
+    grads = []
+    for name, index in GRAD_ENTRIES:
+        slopes = []
+        for sign in (1, -1):
+            w = dict(weights)
+            w[name] = weights[name].copy()
+            w[name][index] += sign * FD_STEP
+            p = policy_sums(w)
+            slopes.append((dpo_loss(p, reference), orpo_loss(p, tokens)))
+        d = [(plus - minus) / (2 * FD_STEP) for plus, minus in zip(*slopes)]
+        grads.append({"array": name, "index": list(index), "dpo": d[0], "orpo": d[1]})
+        print(f"{name}{list(index)}: d dpo {d[0]:.6e}, d orpo {d[1]:.6e}")
+    golden.update({
+        "model": MODEL, "adapter": ADAPTER, "pairs": PAIRS, "beta": BETA, "fd_step": FD_STEP,
+        "policy_log_prob_sums": policy, "reference_log_prob_sums": reference, "answer_tokens": tokens,
+        "dpo_loss": dpo_loss(policy, reference), "orpo_loss": orpo_loss(policy, tokens), "grads": grads,
+    })
+    print(f"dpo {golden['dpo_loss']:.8f}, orpo {golden['orpo_loss']:.8f}")
+    lines = (f" {json.dumps(key)}: {json.dumps(value)}" for key, value in golden.items())
+    (out / "preference.json").write_text("{\n" + ",\n".join(lines) + "\n}\n")
+
+
+if __name__ == "__main__":
+    main()
