@@ -32,6 +32,8 @@ from mlx_lm import load
 from mlx_lm.tuner.utils import linear_to_lora_layers
 from mlx_lm.utils import dequantize_model, save, save_config
 
+from make_tiny_gemma import gemma3n_always_cached
+
 MESSAGES = [{"role": "user", "content": "Write one sentence about the sea, please. 12345"}]
 B_STD = 0.02
 
@@ -82,6 +84,16 @@ ADAPTERS = {
                              lora_parameters={"rank": 4, "dropout": 0.0, "scale": 8.0}),
     "glm4-4bit-g32-r4": dict(base="glm4-4bit-g32", seed=14, num_layers=-1,
                              lora_parameters={"rank": 4, "dropout": 0.0, "scale": 8.0}),
+    # Gemma 3n (the `gemma3n` wrapper: model.language_model.layers), every block: each layer an adapter can run in
+    # mlx-lm (its AltUp reads the coefficient layers' `weight`, which a LoRA layer has not, so its default keys
+    # fail): attention (the KV-shared layers' k/v projections too, which never run under a cache), the MLPs, AltUp's
+    # router, LAuReL and the per-layer input gates.
+    "gemma3n-4bit-g32-r4": dict(
+        base="gemma3n-4bit-g32", seed=15, num_layers=-1,
+        lora_parameters={"rank": 4, "dropout": 0.0, "scale": 8.0, "keys": [
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+            "mlp.up_proj", "mlp.down_proj", "altup.modality_router", "laurel.linear_left", "laurel.linear_right",
+            "per_layer_input_gate", "per_layer_projection"]}),
 }
 
 
@@ -129,6 +141,7 @@ def main():
     tiny = Path(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/tiny")
     root = Path(sys.argv[2] if len(sys.argv) > 2 else "tests/fixtures/lora")
     names = sys.argv[3:] or list(ADAPTERS)
+    gemma3n_always_cached()
     for name in names:
         spec = ADAPTERS[name]
         base, out = tiny / spec["base"], root / name

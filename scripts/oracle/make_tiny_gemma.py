@@ -1,4 +1,5 @@
-"""Seeded tiny Gemma 3 / Gemma 4 text models and their goldens, with make_tiny_models.build and make_goldens.golden.
+"""Seeded tiny Gemma 3 / Gemma 3n / Gemma 4 text models and their goldens, with make_tiny_models.build and
+make_goldens.golden.
 
 usage: PY=$(scripts/oracle/venv.sh); $PY scripts/oracle/make_tiny_gemma.py [OUT_ROOT] [NAME...]
   OUT_ROOT default tests/fixtures/tiny; NAME default: every model in MODELS
@@ -30,6 +31,28 @@ def gemma4_extras(path, v):
     return v
 
 
+def gemma3n_extras(path, v):
+    """Gemma 3n's AltUp output scale (zeros at init, which would silence the per-layer inputs) away from zero."""
+    if path.endswith("correct_output_scale"):
+        return 0.5 + mx.random.uniform(shape=v.shape)
+    return v
+
+
+def gemma3n_always_cached():
+    """mlx-lm's gemma3n run without a cache lets its KV-shared layers compute keys and values of their own, from
+    projections no generation reads (generate, the server and cache_prompt always pass a cache, and the shared
+    layers then read the earlier layers'): a cache-free forward gets a fresh cache, so that every golden is what
+    generation computes."""
+    from mlx_lm.models import gemma3n
+    forward = gemma3n.LanguageModel.__call__
+
+    def cached(self, inputs=None, cache=None, input_embeddings=None):
+        cache = self.make_cache() if cache is None else cache
+        return forward(self, inputs, cache=cache, input_embeddings=input_embeddings)
+
+    gemma3n.LanguageModel.__call__ = cached
+
+
 GEMMA3_TEXT = {
     "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "hidden_size": 128,
     "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -44,6 +67,13 @@ GEMMA4_TEXT = {
     "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32, "rms_norm_eps": 1e-6, "vocab_size": 512,
     "vocab_size_per_layer_input": 512, "sliding_window": 8, "max_position_embeddings": 4096,
     "final_logit_softcapping": 30.0, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+GEMMA3N_TEXT = {
+    "model_type": "gemma3n_text", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "rms_norm_eps": 1e-6, "vocab_size": 512, "sliding_window": 8, "max_position_embeddings": 4096,
+    "rope_local_base_freq": 10000.0, "rope_theta": 1000000.0, "final_logit_softcapping": 30.0,
+    "hidden_size_per_layer_input": 16, "altup_num_inputs": 4, "altup_active_idx": 0, "altup_correct_scale": True,
+    "query_pre_attn_scalar": 16, "rope_scaling": None, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 MODELS = {
     # Gemma-3-270M style: every 3rd layer global (S S G S), query_pre_attn_scalar != head_dim, tied head,
@@ -88,6 +118,19 @@ MODELS = {
                     hidden_size_per_layer_input=0, attention_k_eq_v=True, num_global_key_value_heads=1,
                     layer_types=["sliding_attention", "full_attention"] * 2, enable_moe_block=True,
                     num_experts=8, top_k_experts=2, moe_intermediate_size=64)),
+    # Gemma 3n E-series style inside its `gemma3n` wrapper (text_config, model.language_model.* weights): 4 AltUp
+    # streams (coefficients clipped to +-1), LAuReL rank 16 (its right projection dense: 16 % 32), per-layer inputs
+    # from a per-layer vocabulary of 448 < 512 (higher ids read row 0), S S F S S F with 2 KV-shared layers (layer 4
+    # reads layer 3's ring, layer 5 layer 2's cache), gaussian top-k (sparsity 0.95) on the first two MLPs, per-layer
+    # MLP widths, logit softcap 30, attention scale 1 (query_pre_attn_scalar is not read). 4-bit g32.
+    "gemma3n-4bit-g32": dict(
+        seed=0, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={}, shape_other=gemma3n_extras,
+        config={"model_type": "gemma3n", "architectures": ["Gemma3nForConditionalGeneration"],
+                "text_config": dict(
+                    GEMMA3N_TEXT, num_hidden_layers=6, num_kv_shared_layers=2, vocab_size_per_layer_input=448,
+                    intermediate_size=[128] * 4 + [192] * 2, laurel_rank=16, altup_coef_clip=1.0,
+                    activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0, 0.0, 0.0],
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)}),
 }
 
 
@@ -97,6 +140,7 @@ def main():
     tokdir = out_root / "tokenizer"
     assert (tokdir / "tokenizer.json").exists(), f"run make_tiny_tokenizer.py first ({tokdir})"
     rows = encodings(tokdir)
+    gemma3n_always_cached()
     for name in names:
         out = build(name, MODELS[name], out_root, tokdir)
         size, quantized, dense, bits_groups = describe(out)

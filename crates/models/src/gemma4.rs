@@ -118,7 +118,9 @@ struct KvProjections {
     v_norm: RmsNorm,
 }
 
-struct Attention {
+/// A layer's attention: q/k norms, an unscaled value norm and attention scale 1, over its own
+/// keys and values or (a KV-shared layer) those of an earlier layer. Gemma 3n's as well.
+pub(crate) struct Attention {
     q_proj: Linear,
     /// `None` in a KV-shared layer.
     kv: Option<KvProjections>,
@@ -131,7 +133,39 @@ struct Attention {
     sliding: bool,
 }
 
+/// What a layer's attention is made of, as [`Attention::load_layout`] reads it.
+pub(crate) struct AttentionLayout {
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub eps: f32,
+    pub rope: Rope,
+    pub sliding: bool,
+    /// It computes keys and values of its own (else it reads an earlier layer's).
+    pub own_kv: bool,
+    /// Its values are its keys' projection (no `v_proj`).
+    pub k_eq_v: bool,
+}
+
 impl Attention {
+    /// Block `layer`'s attention of `x`: its keys and values appended to its caches (where it
+    /// computes its own), then its queries over the caches of layer `source` (itself, or the
+    /// layer a KV-shared one reads).
+    pub(crate) fn run(
+        &self,
+        x: &Tensor,
+        positions: &Positions,
+        caches: &mut PassCaches,
+        (layer, source): (usize, usize),
+        lora: ModuleAdapters,
+    ) -> Result<Tensor, ForwardError> {
+        if let Some(kv) = &self.kv {
+            self.store_kv(kv, x, positions, caches.layer(layer)?, lora)?;
+        }
+        self.forward(x, positions, caches.layer(source)?, lora)
+    }
+
     /// Appends this layer's keys and values of `x` to its caches (not for KV-shared layers).
     fn store_kv(
         &self,
@@ -200,7 +234,7 @@ impl Attention {
 
     /// Its projections, as mlx-lm's default LoRA keys select them (a KV-shared layer has no
     /// keys and values of its own, a global `attention_k_eq_v` layer no value projection).
-    fn linears(&self) -> Vec<LinearShape> {
+    pub(crate) fn linears(&self) -> Vec<LinearShape> {
         let mut out = vec![linear_shape("self_attn.q_proj", &self.q_proj)];
         if let Some(kv) = &self.kv {
             out.push(linear_shape("self_attn.k_proj", &kv.k_proj));
@@ -217,17 +251,45 @@ impl Attention {
     /// The `self_attn` module of block `i`.
     fn load(a: &mut Scope, args: &Args, i: usize) -> Result<Self, LoadError> {
         let sliding = args.sliding[i];
-        let (hidden, heads, eps) = (args.hidden, args.heads, args.eps);
-        let d = if sliding {
-            args.head_dim
-        } else {
-            args.global_head_dim
-        };
         let k_eq_v = args.k_eq_v && !sliding;
-        let kv_heads = match args.global_kv_heads {
-            Some(g) if k_eq_v => g,
-            _ => args.kv_heads,
+        let layout = AttentionLayout {
+            hidden: args.hidden,
+            heads: args.heads,
+            kv_heads: match args.global_kv_heads {
+                Some(g) if k_eq_v => g,
+                _ => args.kv_heads,
+            },
+            head_dim: if sliding {
+                args.head_dim
+            } else {
+                args.global_head_dim
+            },
+            eps: args.eps,
+            rope: if sliding {
+                args.sliding_rope.clone()
+            } else {
+                args.global_rope.clone()
+            },
+            sliding,
+            own_kv: i < args.cached_layers,
+            k_eq_v,
         };
+        Self::load_layout(a, layout)
+    }
+
+    /// A `self_attn` module of `layout`.
+    pub(crate) fn load_layout(a: &mut Scope, layout: AttentionLayout) -> Result<Self, LoadError> {
+        let AttentionLayout {
+            hidden,
+            heads,
+            kv_heads,
+            head_dim: d,
+            eps,
+            rope,
+            sliding,
+            own_kv,
+            k_eq_v,
+        } = layout;
         if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             return Err(LoadError::Config(format!(
                 "{heads} attention heads cannot be grouped over {kv_heads} key/value heads"
@@ -235,7 +297,7 @@ impl Attention {
         }
         let mut linear =
             |name: &str, inputs, outputs| Linear::load(&mut a.pp(name), inputs, outputs, false);
-        let kv = if i < args.cached_layers {
+        let kv = if own_kv {
             Some(KvProjections {
                 k_proj: linear("k_proj", hidden, kv_heads * d)?,
                 v_proj: (!k_eq_v)
@@ -256,11 +318,7 @@ impl Attention {
             kv,
             o_proj: Linear::load(&mut a.pp("o_proj"), heads * d, hidden, false)?,
             q_norm: RmsNorm::load(&mut a.pp("q_norm"), d, eps)?,
-            rope: if sliding {
-                args.sliding_rope.clone()
-            } else {
-                args.global_rope.clone()
-            },
+            rope,
             heads,
             kv_heads,
             head_dim: d,
@@ -270,10 +328,66 @@ impl Attention {
 }
 
 /// The E-series gate that mixes a layer's slice of the per-layer inputs into the residual.
-struct PerLayerGate {
+pub(crate) struct PerLayerGate {
     per_layer_input_gate: Linear,
     per_layer_projection: Linear,
     post_per_layer_input_norm: RmsNorm,
+}
+
+impl PerLayerGate {
+    /// From the tensors of its block (its layers sit there).
+    pub(crate) fn load(
+        block: &mut Scope,
+        hidden: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<Self, LoadError> {
+        Ok(PerLayerGate {
+            per_layer_input_gate: Linear::load(
+                &mut block.pp("per_layer_input_gate"),
+                hidden,
+                dim,
+                false,
+            )?,
+            per_layer_projection: Linear::load(
+                &mut block.pp("per_layer_projection"),
+                dim,
+                hidden,
+                false,
+            )?,
+            post_per_layer_input_norm: RmsNorm::load(
+                &mut block.pp("post_per_layer_input_norm"),
+                hidden,
+                eps,
+            )?,
+        })
+    }
+
+    /// What it adds to the residual: `norm(projection(gelu(gate(h)) · input))`, `input` the
+    /// layer's slice of the per-layer inputs, with the layers the block's own adapters (`lora`)
+    /// name adapted.
+    pub(crate) fn forward(
+        &self,
+        h: &Tensor,
+        input: &Tensor,
+        lora: ModuleAdapters,
+    ) -> OpResult<Tensor> {
+        let input_gate = &self.per_layer_input_gate;
+        let mut g = input_gate.forward_adapted(h, lora.get("per_layer_input_gate"))?;
+        ops::gelu_approx_mul_inplace(&mut g, input)?;
+        let projection = &self.per_layer_projection;
+        let mut g = projection.forward_adapted(&g, lora.get("per_layer_projection"))?;
+        self.post_per_layer_input_norm.forward_inplace(&mut g)?;
+        Ok(g)
+    }
+
+    /// Its layers, as mlx-lm's default LoRA keys select them (at the block's top level).
+    pub(crate) fn linears(&self) -> [LinearShape; 2] {
+        [
+            linear_shape("per_layer_input_gate", &self.per_layer_input_gate),
+            linear_shape("per_layer_projection", &self.per_layer_projection),
+        ]
+    }
 }
 
 /// The 26B-A4B model's routed experts, run beside the dense MLP of every layer.
@@ -392,7 +506,7 @@ struct Block {
 }
 
 /// The per-layer input embeddings of the E-series models.
-struct PerLayerInputs {
+pub(crate) struct PerLayerInputs {
     embed_tokens_per_layer: Embedding,
     per_layer_model_projection: Linear,
     per_layer_projection_norm: RmsNorm,
@@ -402,7 +516,7 @@ struct PerLayerInputs {
 
 impl PerLayerInputs {
     /// `[tokens, layers * dim]`: each layer's input, from the token ids and the scaled embeddings `h`.
-    fn forward(&self, tokens: &[u32], h: &Tensor, hidden: usize) -> OpResult<Tensor> {
+    pub(crate) fn forward(&self, tokens: &[u32], h: &Tensor, hidden: usize) -> OpResult<Tensor> {
         let mut from_ids = self.embed_tokens_per_layer.forward(tokens)?;
         ops::scale_inplace(&mut from_ids, (self.dim as f64).sqrt() as f32)?;
         let mut projected = self.per_layer_model_projection.forward(h)?;
@@ -414,25 +528,31 @@ impl PerLayerInputs {
         Ok(projected)
     }
 
-    /// From the tensors of the model (they sit beside its blocks).
-    fn load(model: &mut Scope, args: &Args, dim: usize) -> Result<Self, LoadError> {
-        let width = args.layers() * dim;
+    /// From the tensors of the model (they sit beside its blocks): `dim` features for each of
+    /// `layers` layers, from an embedding of `vocab` rows and the `hidden`-wide embeddings.
+    pub(crate) fn load(
+        model: &mut Scope,
+        (vocab, hidden): (usize, usize),
+        (layers, dim): (usize, usize),
+        eps: f32,
+    ) -> Result<Self, LoadError> {
+        let width = layers * dim;
         Ok(PerLayerInputs {
             embed_tokens_per_layer: Embedding::load(
                 &mut model.pp("embed_tokens_per_layer"),
-                args.vocab_per_layer,
+                vocab,
                 width,
             )?,
             per_layer_model_projection: Linear::load(
                 &mut model.pp("per_layer_model_projection"),
-                args.hidden,
+                hidden,
                 width,
                 false,
             )?,
             per_layer_projection_norm: RmsNorm::load(
                 &mut model.pp("per_layer_projection_norm"),
                 dim,
-                args.eps,
+                eps,
             )?,
             dim,
         })
@@ -472,6 +592,79 @@ fn rope_for(
         None,
         device,
     )
+}
+
+/// Per layer, whether `layer_types` makes it a sliding-window layer (else global).
+pub(crate) fn sliding_layers(
+    layer_types: &[String],
+    layers: usize,
+) -> Result<Vec<bool>, LoadError> {
+    if layer_types.len() < layers {
+        return Err(LoadError::Config(format!(
+            "`layer_types` names {} of {layers} layers",
+            layer_types.len()
+        )));
+    }
+    layer_types[..layers]
+        .iter()
+        .map(|t| match t.as_str() {
+            "sliding_attention" => Ok(true),
+            "full_attention" => Ok(false),
+            other => Err(LoadError::Config(format!(
+                "layer type `{other}` is not supported"
+            ))),
+        })
+        .collect()
+}
+
+/// Per layer, the layer whose cache it attends over: itself among the first `cached_layers`,
+/// and for each later (KV-shared) layer the last cached layer of its kind (`sliding`).
+pub(crate) fn kv_sources(sliding: &[bool], cached_layers: usize) -> Result<Vec<usize>, LoadError> {
+    let mut sources: Vec<usize> = (0..sliding.len()).collect();
+    for j in cached_layers..sliding.len() {
+        sources[j] = (0..cached_layers)
+            .rev()
+            .find(|&i| sliding[i] == sliding[j])
+            .ok_or_else(|| {
+                let kind = match sliding[j] {
+                    true => "sliding_attention",
+                    false => "full_attention",
+                };
+                LoadError::Config(format!(
+                    "KV-shared layer {j} has no earlier {kind} to share with"
+                ))
+            })?;
+    }
+    Ok(sources)
+}
+
+/// A fresh cache for each of `attentions` (the layers that keep one): a ring of `window`
+/// positions for a sliding-window layer, else every position.
+pub(crate) fn attention_caches<'a>(
+    attentions: impl Iterator<Item = &'a Attention>,
+    window: usize,
+    device: &Device,
+) -> Result<Vec<LayerCache>, EngineError> {
+    attentions
+        .map(|a| {
+            Ok(if a.sliding {
+                LayerCache::Rotating(RotatingKvCache::new(
+                    a.kv_heads, a.head_dim, window, device,
+                )?)
+            } else {
+                LayerCache::Kv(KvCache::new(a.kv_heads, a.head_dim, device)?)
+            })
+        })
+        .collect()
+}
+
+/// Drops the tensors of a multimodal checkpoint's `towers` (at the top level or under
+/// `model.`), as its `sanitize` drops them.
+pub(crate) fn discard_towers(ckpt: &mut Checkpoint, towers: &[&str]) {
+    ckpt.discard_where(|name| {
+        let name = name.strip_prefix("model.").unwrap_or(name);
+        towers.iter().any(|t| name.starts_with(t))
+    });
 }
 
 #[derive(Clone, Copy)]
@@ -536,35 +729,9 @@ impl Args {
                 .collect(),
             None => return Err(bad("`sliding_window_pattern` must be positive".into())),
         };
-        if layer_types.len() < layers {
-            return Err(bad(format!(
-                "`layer_types` names {} of {layers} layers",
-                layer_types.len()
-            )));
-        }
-        let sliding = layer_types[..layers]
-            .iter()
-            .map(|t| match t.as_str() {
-                "sliding_attention" => Ok(true),
-                "full_attention" => Ok(false),
-                other => Err(bad(format!("layer type `{other}` is not supported"))),
-            })
-            .collect::<Result<Vec<bool>, LoadError>>()?;
-        // Each KV-shared layer reads the cache of the last earlier layer of its kind.
-        let kv_shared = c.num_kv_shared_layers;
-        let cached_layers = layers.saturating_sub(kv_shared);
-        let mut kv_sources: Vec<usize> = (0..layers).collect();
-        for j in cached_layers..layers {
-            kv_sources[j] = (0..cached_layers)
-                .rev()
-                .find(|&i| sliding[i] == sliding[j])
-                .ok_or_else(|| {
-                    bad(format!(
-                        "KV-shared layer {j} has no earlier {} to share with",
-                        layer_types[j]
-                    ))
-                })?;
-        }
+        let sliding = sliding_layers(&layer_types, layers)?;
+        let cached_layers = layers.saturating_sub(c.num_kv_shared_layers);
+        let kv_sources = kv_sources(&sliding, cached_layers)?;
         let missing = |key: &str| bad(format!("`{key}` is missing"));
         let moe = if c.enable_moe_block {
             let experts = c.num_experts.ok_or_else(|| missing("num_experts"))?;
@@ -651,24 +818,10 @@ impl Block {
         // KV-shared layers have a double-wide MLP.
         let kv_shared = i >= args.cached_layers && args.cached_layers > 0;
         let mlp_width = args.intermediate * if args.double_wide && kv_shared { 2 } else { 1 };
-        let per_layer = match args.per_layer_dim {
-            Some(dim) => Some(PerLayerGate {
-                per_layer_input_gate: Linear::load(
-                    &mut block.pp("per_layer_input_gate"),
-                    hidden,
-                    dim,
-                    false,
-                )?,
-                per_layer_projection: Linear::load(
-                    &mut block.pp("per_layer_projection"),
-                    dim,
-                    hidden,
-                    false,
-                )?,
-                post_per_layer_input_norm: norm(block, "post_per_layer_input_norm")?,
-            }),
-            None => None,
-        };
+        let per_layer = args
+            .per_layer_dim
+            .map(|dim| PerLayerGate::load(block, hidden, dim, eps))
+            .transpose()?;
         Ok(Block {
             input_layernorm: norm(block, "input_layernorm")?,
             self_attn: Attention::load(&mut block.pp("self_attn"), args, i)?,
@@ -704,11 +857,7 @@ impl Gemma4 {
         let model_type = ckpt.config.model_type()?.to_string();
         let (args, prefix) = if model_type == "gemma4" {
             // As `gemma4.py`'s `sanitize`: only the language model is kept.
-            let towers = NON_TEXT_MODULES;
-            ckpt.discard_where(|name| {
-                let name = name.strip_prefix("model.").unwrap_or(name);
-                towers.iter().any(|t| name.starts_with(t))
-            });
+            discard_towers(&mut ckpt, &NON_TEXT_MODULES);
             let text = wrapped_text_config(&ckpt.config, 262144, 8, 1)?;
             (Args::from_config(&text, &ckpt.device)?, "language_model.")
         } else {
@@ -724,7 +873,10 @@ impl Gemma4 {
         let embed_tokens = Embedding::load(&mut model.pp("embed_tokens"), vocab, hidden)?;
         let per_layer_inputs = args
             .per_layer_dim
-            .map(|dim| PerLayerInputs::load(&mut model, &args, dim))
+            .map(|dim| {
+                let (sizes, eps) = ((args.vocab_per_layer, hidden), args.eps);
+                PerLayerInputs::load(&mut model, sizes, (args.layers(), dim), eps)
+            })
             .transpose()?;
         let layers = (0..args.layers())
             .map(|i| Block::load(&mut model.pp(format_args!("layers.{i}")), &args, i))
@@ -766,23 +918,10 @@ impl Architecture for Gemma4 {
 
     /// Only the first `cached_layers` keep a cache; the KV-shared layers read theirs.
     fn layer_caches(&self) -> Result<Vec<LayerCache>, EngineError> {
-        let device = &self.info.device;
-        self.layers[..self.cached_layers]
+        let attentions = self.layers[..self.cached_layers]
             .iter()
-            .map(|b| {
-                let a = &b.self_attn;
-                Ok(if a.sliding {
-                    LayerCache::Rotating(RotatingKvCache::new(
-                        a.kv_heads,
-                        a.head_dim,
-                        self.sliding_window,
-                        device,
-                    )?)
-                } else {
-                    LayerCache::Kv(KvCache::new(a.kv_heads, a.head_dim, device)?)
-                })
-            })
-            .collect()
+            .map(|b| &b.self_attn);
+        attention_caches(attentions, self.sliding_window, &self.info.device)
     }
 
     /// Takes no adapters yet (not [`Adaptable`](crate::lora::Adaptable)).
@@ -803,13 +942,10 @@ impl Architecture for Gemma4 {
         };
         for (i, block) in self.layers.iter().enumerate() {
             let lora = |module| adapters.map_or(ModuleAdapters::NONE, |a| a.module(i, module));
-            let attn = &block.self_attn;
             let x = block.input_layernorm.forward(&h)?;
-            if let Some(kv) = &attn.kv {
-                attn.store_kv(kv, &x, &positions, caches.layer(i)?, lora("self_attn"))?;
-            }
-            let source = caches.layer(block.kv_source)?;
-            let mut r = attn.forward(&x, &positions, source, lora("self_attn"))?;
+            let layers = (i, block.kv_source);
+            let attn = &block.self_attn;
+            let mut r = attn.run(&x, &positions, &mut caches, layers, lora("self_attn"))?;
             block.post_attention_layernorm.forward_inplace(&mut r)?;
             ops::add_inplace(&mut h, &r)?;
 
@@ -823,14 +959,8 @@ impl Architecture for Gemma4 {
             ops::add_inplace(&mut h, &r)?;
 
             if let (Some(gate), Some((inputs, dim))) = (&block.per_layer, &per_layer_inputs) {
-                let own = lora("");
-                let input_gate = &gate.per_layer_input_gate;
-                let mut g = input_gate.forward_adapted(&h, own.get("per_layer_input_gate"))?;
                 let input = ops::columns(inputs, i * dim, *dim)?;
-                ops::gelu_approx_mul_inplace(&mut g, &input)?;
-                let projection = &gate.per_layer_projection;
-                let mut g = projection.forward_adapted(&g, own.get("per_layer_projection"))?;
-                gate.post_per_layer_input_norm.forward_inplace(&mut g)?;
+                let g = gate.forward(&h, &input, lora(""))?;
                 ops::add_inplace(&mut h, &g)?;
             }
             ops::scale_inplace(&mut h, block.layer_scalar)?;
@@ -872,10 +1002,7 @@ impl Adaptable for Gemma4 {
                     ]);
                 }
                 if let Some(gate) = &b.per_layer {
-                    let (input_gate, projection) =
-                        (&gate.per_layer_input_gate, &gate.per_layer_projection);
-                    linears.push(linear_shape("per_layer_input_gate", input_gate));
-                    linears.push(linear_shape("per_layer_projection", projection));
+                    linears.extend(gate.linears());
                 }
                 linears
             })

@@ -10,6 +10,7 @@ mod error;
 mod footprint;
 pub mod fuse;
 pub mod gemma3;
+pub mod gemma3n;
 pub mod gemma4;
 pub mod granitemoehybrid;
 pub mod kv_quantization;
@@ -184,6 +185,10 @@ fn gemma3(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
     Ok(Box::new(gemma3::Gemma3::load(ckpt)?))
 }
 
+fn gemma3n(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
+    Ok(Box::new(gemma3n::Gemma3n::load(ckpt)?))
+}
+
 fn gemma4(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
     Ok(Box::new(gemma4::Gemma4::load(ckpt)?))
 }
@@ -201,6 +206,7 @@ fn nemotron_h(ckpt: Checkpoint) -> Result<Box<dyn LanguageModel>, LoadError> {
 const REGISTRY: &[(&str, Constructor)] = &[
     ("gemma3_text", gemma3),
     ("gemma3", gemma3),
+    ("gemma3n", gemma3n),
     ("gemma4_text", gemma4),
     ("gemma4", gemma4),
     ("lfm2", lfm2),

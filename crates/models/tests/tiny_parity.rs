@@ -574,6 +574,12 @@ fn gemma4_moe_batched_decode_matches_one_by_one() {
     check_batch("gemma4-moe-4bit-g64");
 }
 
+/// With AltUp's streams mixed row by row and a gaussian top-k cut at each row's own statistics.
+#[test]
+fn gemma3n_batched_decode_matches_one_by_one() {
+    check_batch("gemma3n-4bit-g32");
+}
+
 /// Layers that differ from llama's: windowed layers with plain RoPE (OLMo 3), windowed and
 /// NoPE layers (EXAONE 4), routed experts beside a dense layer (Qwen3-MoE), fused projections
 /// with partial rotary (Phi-3), residual multipliers (Granite), grouped sigmoid routing
@@ -678,6 +684,7 @@ parity_tests! {
     gemma4_4bit_g32_per_layer_inputs_kv_shared => "gemma4-4bit-g32",
     gemma4_vlm_8bit_g64_k_eq_v => "gemma4-vlm-8bit-g64",
     gemma4_moe_4bit_g64_routed_experts => "gemma4-moe-4bit-g64",
+    gemma3n_4bit_g32_altup_laurel_sparse_mlps_kv_shared => "gemma3n-4bit-g32",
     qwen3_5_4bit_g64_hybrid_tied_text_config => "qwen3_5-4bit-g64",
     qwen3_5_8bit_g32_hybrid_flat_config_4bit_head => "qwen3_5-8bit-g32",
     qwen3_5_moe_4bit_g64_hybrid_experts => "qwen3_5_moe-4bit-g64",

@@ -14,7 +14,7 @@ pub const LOGIT_TOLERANCE: f32 = 2e-3;
 
 /// `(adapter fixture, base model)`: every architecture, the multimodal wrappers, the mixtures
 /// of experts and the float quantization modes.
-pub const CASES: [(&str, &str); 14] = [
+pub const CASES: [(&str, &str); 15] = [
     ("llama-4bit-g64-r4", "llama-4bit-g64"),
     ("qwen2-4bit-g64-keys", "qwen2-4bit-g64"),
     ("gemma3-4bit-g64-r4", "gemma3-4bit-g64"),
@@ -29,6 +29,7 @@ pub const CASES: [(&str, &str); 14] = [
     ("llama-mxfp4-g32-r4", "llama-mxfp4-g32"),
     ("phi3-4bit-g32-r4", "phi3-4bit-g32"),
     ("glm4-4bit-g32-r4", "glm4-4bit-g32"),
+    ("gemma3n-4bit-g32-r4", "gemma3n-4bit-g32"),
 ];
 
 pub fn fixtures() -> PathBuf {
