@@ -94,9 +94,20 @@ pub struct Args {
     /// prompt's start and its most recent tokens. Only for the model types mlx-lm bounds (those
     /// that build no cache of their own, such as qwen2, qwen3 and phi3; llama and mistral do);
     /// elsewhere it is left unused, as in mlx-lm, with a note.
-    #[arg(long, value_parser = clap::value_parser!(u64).range(5..),
+    #[arg(long, value_parser = parse_max_kv_size,
           conflicts_with_all = ["kv_bits", "prompt_cache_file"])]
-    max_kv_size: Option<u64>,
+    max_kv_size: Option<usize>,
+}
+
+/// `--max-kv-size`: more positions than the ring keeps from the start.
+fn parse_max_kv_size(value: &str) -> Result<usize, String> {
+    let keep = oxlm_models::cache::MAX_KV_SIZE_KEEP;
+    match value.parse::<usize>() {
+        Ok(size) if size > keep => Ok(size),
+        _ => Err(format!(
+            "`{value}`: a whole number of positions above the {keep} the cache keeps from the start"
+        )),
+    }
 }
 
 impl Args {
@@ -240,7 +251,7 @@ pub fn run(args: Args) -> Result<()> {
             quantized_kv_start,
             &args.device,
         )?,
-        max_kv_size: args.max_kv_size.map(|n| n as usize),
+        max_kv_size: args.max_kv_size,
     };
     let model_type = &model.info().model_type;
     if options.max_kv_size.is_some() && !oxlm_models::takes_max_kv_size(model_type) {

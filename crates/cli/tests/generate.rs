@@ -176,3 +176,31 @@ fn structured_output_holds_and_what_cannot_be_enforced_is_an_error() {
         stderr(&output)
     );
 }
+
+/// `--max-kv-size`: too small to keep its first 4 positions, or beside `--kv-bits` (mlx-lm cannot
+/// quantize a rotating cache), is refused before the model loads; on llama, whose mlx-lm model
+/// builds its own cache, it is left unused with a note, as mlx-lm leaves it.
+#[test]
+fn max_kv_size_is_refused_where_mlx_lm_cannot_use_it_and_noted_where_it_does_not() {
+    let output = generate(&["--max-kv-size", "4"]).output().unwrap();
+    assert_eq!(output.status.code(), Some(2), "{}", stderr(&output));
+    assert!(stderr(&output).contains("`4`"), "{}", stderr(&output));
+    let output = generate(&["--max-kv-size", "64", "--kv-bits", "4"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2), "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("cannot be used with"),
+        "{}",
+        stderr(&output)
+    );
+    let output = generate(&["--max-kv-size", "8", "--max-tokens", "4"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("--max-kv-size is left unused for `llama`"),
+        "{}",
+        stderr(&output)
+    );
+}
