@@ -518,7 +518,9 @@ pub fn run(args: Args) -> Result<()> {
         .transpose()?;
     let adapters: Vec<Arc<Adapter>> = (0..args.adapters.unwrap_or(0))
         .map(|i| {
-            let zeros = Adapters::zeros(LoraConfig::new(16), model.as_ref())?;
+            let mut zeros = Adapters::zeros(LoraConfig::new(16), model.as_ref())?;
+            // Where a loaded adapter's matrices would be: on the model's GPU.
+            zeros.place(&model.info().device)?;
             Ok(Arc::new(Adapter::unsaved(&format!("bench-{i}"), zeros)))
         })
         .collect::<Result<_>>()?;
