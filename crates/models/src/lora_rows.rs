@@ -150,22 +150,28 @@ impl<'a> AdaptedModel<'a> {
         base: &'a dyn LanguageModel,
         adapters: RowAdapters<'a>,
     ) -> Result<Self, AdapterError> {
-        if adapters.is_empty() {
-            return Ok(AdaptedModel {
-                base,
-                adaptable: None,
-                adapters,
-            });
-        }
         for set in adapters.sets() {
             set.check(base)?;
         }
-        let adaptable = base
-            .adaptable()
-            .ok_or_else(|| AdapterError::UnsupportedModel(base.info().model_type.clone()))?;
+        Self::of_checked(base, adapters)
+    }
+
+    /// [`by_rows`](Self::by_rows) for sets already checked against `base` (a batch's, each
+    /// checked as its job began): the check lists every layer the model has, too much work for
+    /// each decoding step.
+    pub fn of_checked(
+        base: &'a dyn LanguageModel,
+        adapters: RowAdapters<'a>,
+    ) -> Result<Self, AdapterError> {
+        let adaptable = if adapters.is_empty() {
+            None
+        } else {
+            let unsupported = || AdapterError::UnsupportedModel(base.info().model_type.clone());
+            Some(base.adaptable().ok_or_else(unsupported)?)
+        };
         Ok(AdaptedModel {
             base,
-            adaptable: Some(adaptable),
+            adaptable,
             adapters,
         })
     }

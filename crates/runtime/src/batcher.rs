@@ -674,6 +674,8 @@ impl<'a> Batcher<'a> {
             .info()
             .check_context(0, job.prompt.len())
             .map_err(RuntimeError::from)?;
+        // Its adapters, checked against the model once: its passes trust them.
+        AdaptedModel::by_rows(model, RowAdapters::stack(&job.stack()))?;
         let (cache, cached_tokens) = match self.prompt_cache.fetch(&job.key(), &job.prompt) {
             Some(hit) => (hit.cache, hit.tokens),
             None => (job.options.new_cache(model)?, 0),
@@ -747,7 +749,7 @@ impl<'a> Batcher<'a> {
         p: &mut Prompting,
         budget: &mut usize,
     ) -> Result<bool, JobError> {
-        let model = AdaptedModel::by_rows(model, RowAdapters::stack(&p.held.job.stack()))?;
+        let model = AdaptedModel::of_checked(model, RowAdapters::stack(&p.held.job.stack()))?;
         let prompt = &p.held.job.prompt;
         // Progress counts every uncached prompt token.
         let total = prompt.len() - p.cached_tokens;
@@ -827,7 +829,7 @@ impl<'a> Batcher<'a> {
             .collect();
         let adapted = RowAdapters::by_row(&stacks)
             .ok_or_else(|| "adapters of a mixture's experts cannot share a step".to_string())
-            .and_then(|rows| AdaptedModel::by_rows(model, rows).map_err(|e| e.to_string()));
+            .and_then(|rows| AdaptedModel::of_checked(model, rows).map_err(|e| e.to_string()));
         let adapted = match adapted {
             Ok(adapted) => adapted,
             Err(message) => return end_all(active, || JobError::Step(message.clone())),
