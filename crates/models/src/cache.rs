@@ -543,8 +543,9 @@ pub trait AttentionCache {
 }
 
 /// Appends a forward pass's keys and values (`[tokens, kv_heads · head_dim]`): every row to the
-/// one cache of `caches`, or (several caches) row `i`, at `positions[i]`, to `caches[i]`, which
-/// it follows. One write for all of them.
+/// one cache of `caches`; or (several caches, one token each) row `i`, at `positions[i]`, to
+/// `caches[i]`, which it follows, in one write for all of them; or (several caches, runs of
+/// equal length: [`PassCaches`](crate::pass::PassCaches)) run `i` to `caches[i]`.
 pub fn append_kv<C: AttentionCache>(
     caches: &mut [&mut C],
     keys: &Tensor,
@@ -554,6 +555,21 @@ pub fn append_kv<C: AttentionCache>(
     let (h, d) = match caches {
         [] => return Ok(()),
         [one] => return one.append(keys, values, positions),
+        many if positions.len() != many.len() => {
+            let per = run_length(positions.len(), many.len())?;
+            let device = keys.device();
+            let runs = positions.as_slice().chunks(per);
+            for (i, (cache, run)) in many.iter_mut().zip(runs).enumerate() {
+                let run_keys = ops::rows(keys, i * per, per)?;
+                let run_values = ops::rows(values, i * per, per)?;
+                cache.append(
+                    &run_keys,
+                    &run_values,
+                    &Positions::new(run.to_vec(), &device)?,
+                )?;
+            }
+            return Ok(());
+        }
         [first, ..] => first.shape(),
     };
     for (i, cache) in caches.iter().enumerate() {
@@ -590,7 +606,8 @@ pub fn append_kv<C: AttentionCache>(
 }
 
 /// Attention of a forward pass's queries (`[tokens, heads · head_dim]`) at `positions` over
-/// `caches`: all of them over the one cache, or (several caches) query `i` over `caches[i]`.
+/// `caches`: all of them over the one cache; or (several caches, one token each) query `i`
+/// over `caches[i]`; or (several caches, runs of equal length) run `i` over `caches[i]`.
 /// With a `chunk` (Llama 4's chunked attention) a query at `p` sees only the positions from
 /// `p - p % chunk` to its own: a view that starts there needs no mask of the engine's, and a
 /// prompt that spans chunks attends one chunk's queries at a time.
@@ -604,39 +621,59 @@ pub fn attend_kv<C: AttentionCache>(
     chunk: Option<usize>,
 ) -> Result<Tensor, EngineError> {
     let chunk = chunk.unwrap_or(usize::MAX);
-    fn within(view: KvView<'_>, p: usize, chunk: usize) -> KvView<'_> {
-        KvView {
-            start: view.start.max(p - p % chunk),
-            ..view
-        }
-    }
     let at = positions.as_slice();
-    let [one] = caches else {
+    if caches.len() > 1 && at.len() == caches.len() {
         let views: Vec<_> = caches
             .iter()
             .zip(at)
             .map(|(c, &p)| within(c.view(), p, chunk))
             .collect();
         return ops::attention_batch(q, heads, head_dim, positions, &views, options);
-    };
-    let runs: Vec<&[usize]> = at.chunk_by(|a, b| a / chunk == b / chunk).collect();
-    if let [_] | [] = runs[..] {
-        let view = within(one.view(), at.first().copied().unwrap_or(0), chunk);
+    }
+    let per = run_length(at.len(), caches.len())?;
+    // Each sequence's queries, split where a chunk of chunked attention starts, attend apart
+    // into their rows of the output: (cache, first row, positions) of each part.
+    let mut parts = Vec::new();
+    for (i, cache) in caches.iter().enumerate() {
+        let mut first = i * per;
+        for span in at[first..first + per].chunk_by(|a, b| a / chunk == b / chunk) {
+            parts.push((&**cache, first, span));
+            first += span.len();
+        }
+    }
+    if let [(cache, _, span)] = parts[..] {
+        let view = within(cache.view(), span[0], chunk);
         return ops::attention(q, heads, head_dim, positions, &view, options);
     }
     let device = q.device();
     let mut out = Tensor::zeros(q.shape().to_vec(), &device)?;
-    let mut first = 0;
-    for run in runs {
-        let rows: Vec<usize> = (first..first + run.len()).collect();
-        let queries = ops::rows(q, first, run.len())?;
-        let run_positions = Positions::new(run.to_vec(), &device)?;
-        let view = within(one.view(), run[0], chunk);
-        let part = ops::attention(&queries, heads, head_dim, &run_positions, &view, options)?;
+    for (cache, first, span) in parts {
+        let queries = ops::rows(q, first, span.len())?;
+        let span_positions = Positions::new(span.to_vec(), &device)?;
+        let view = within(cache.view(), span[0], chunk);
+        let part = ops::attention(&queries, heads, head_dim, &span_positions, &view, options)?;
+        let rows: Vec<usize> = (first..first + span.len()).collect();
         ops::scatter_add_rows(&mut out, &part, &rows, &vec![1.0; rows.len()])?;
-        first += run.len();
     }
     Ok(out)
+}
+
+/// `view` as a query at `p` sees it under chunked attention: from the start of `p`'s chunk.
+fn within(view: KvView<'_>, p: usize, chunk: usize) -> KvView<'_> {
+    KvView {
+        start: view.start.max(p - p % chunk),
+        ..view
+    }
+}
+
+/// The length of each run when `tokens` split into runs of equal length for `caches`.
+fn run_length(tokens: usize, caches: usize) -> Result<usize, EngineError> {
+    if tokens == 0 || caches == 0 || !tokens.is_multiple_of(caches) {
+        return Err(EngineError::Shape(format!(
+            "{tokens} positions do not split into runs for {caches} caches"
+        )));
+    }
+    Ok(tokens / caches)
 }
 
 /// Refuses keys for `positions` that do not start at `next`, the position a cache expects.

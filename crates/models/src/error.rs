@@ -62,6 +62,8 @@ pub enum ForwardError {
     CacheMismatch,
     #[error("a batch of {tokens} tokens for {caches} caches: one token per sequence is needed")]
     BatchMismatch { tokens: usize, caches: usize },
+    #[error("{tokens} tokens do not split into runs of equal length for {caches} caches")]
+    UnevenRuns { tokens: usize, caches: usize },
     /// A kernel or device failure (out of GPU memory, for one).
     #[error(transparent)]
     Engine(#[from] EngineError),

@@ -127,6 +127,19 @@ pub trait LanguageModel: Send + Sync {
         ))
     }
 
+    /// Several sequences' prompts in one pass: `tokens` holds `caches.len()` runs of equal
+    /// length, run `i` following what `caches[i]` holds. Returns every row's hidden state after
+    /// the final norm (each run's [`Logits::HiddenAll`], in order: `[tokens, hidden]`, on the
+    /// host). The architectures read each weight once for all the runs where no layer is
+    /// recurrent; this default, for a model that cannot, runs them one after another.
+    fn hidden_runs(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut Cache],
+    ) -> Result<Tensor, ForwardError> {
+        pass::hidden_runs_one_by_one(self, tokens, caches)
+    }
+
     /// The model as LoRA adapters attach to it; `None` when its architecture takes none yet.
     fn adaptable(&self) -> Option<&dyn lora::Adaptable> {
         None

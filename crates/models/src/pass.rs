@@ -1,12 +1,13 @@
 //! An architecture's pass, and the [`LanguageModel`] written once over it (see
 //! [`Architecture`]).
 //!
-//! The sequences of one forward pass: the tokens of one sequence, or one token of each of
-//! several sequences (a batched decoding step). Each architecture writes its forward pass once,
-//! over [`PassCaches`]: row-wise layers (norms, projections, MLPs, experts) run on all the rows
-//! alike, and the layers that read a sequence's state take the layer's caches from
-//! [`PassCaches::layer`], one or one per row, which the cache ops ([`crate::cache::append_kv`],
-//! [`crate::cache::attend_kv`], the recurrent ops) take either way.
+//! The sequences of one forward pass: the tokens of one sequence, one token of each of several
+//! sequences (a batched decoding step), or a run of equal length of each (several prompts
+//! prefilled together, where no layer is recurrent). Each architecture writes its forward pass
+//! once, over [`PassCaches`]: row-wise layers (norms, projections, MLPs, experts) run on all the
+//! rows alike, and the layers that read a sequence's state take the layer's caches from
+//! [`PassCaches::layer`], one or one per sequence, which the cache ops
+//! ([`crate::cache::append_kv`], [`crate::cache::attend_kv`], the recurrent ops) take either way.
 
 use oxlm_engine::{EngineError, Positions, Tensor};
 
@@ -71,9 +72,51 @@ impl<A: Adaptable> LanguageModel for A {
         })
     }
 
+    fn hidden_runs(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut Cache],
+    ) -> Result<Tensor, ForwardError> {
+        let recurrent = |c: &&mut Cache| {
+            c.layers
+                .iter()
+                .any(|l| matches!(l, LayerCache::Recurrent(_)))
+        };
+        if caches.len() < 2 || caches.iter().any(recurrent) {
+            return hidden_runs_one_by_one(self, tokens, caches);
+        }
+        let h = self.hidden_states(tokens, caches, None)?;
+        let (head, embed) = self.output();
+        Ok(head.forward(h, Logits::HiddenAll, embed)?)
+    }
+
     fn adaptable(&self) -> Option<&dyn Adaptable> {
         Some(self)
     }
+}
+
+/// [`LanguageModel::hidden_runs`] a run at a time: each run's [`Logits::HiddenAll`], stacked.
+pub(crate) fn hidden_runs_one_by_one(
+    model: &(impl LanguageModel + ?Sized),
+    tokens: &[u32],
+    caches: &mut [&mut Cache],
+) -> Result<Tensor, ForwardError> {
+    if caches.is_empty() || tokens.is_empty() || !tokens.len().is_multiple_of(caches.len()) {
+        return Err(ForwardError::UnevenRuns {
+            tokens: tokens.len(),
+            caches: caches.len(),
+        });
+    }
+    let per = tokens.len() / caches.len();
+    let mut rows = Vec::with_capacity(tokens.len() * model.info().hidden_size);
+    for (run, cache) in tokens.chunks(per).zip(caches.iter_mut()) {
+        let hidden = model.forward(run, cache, Logits::HiddenAll)?;
+        rows.extend(hidden.into_vec().map_err(ForwardError::from)?);
+    }
+    Ok(Tensor::new(
+        vec![tokens.len(), model.info().hidden_size],
+        rows,
+    ))
 }
 
 /// [`LanguageModel::forward`] of a pass, `run`, that gives the hidden states after the last
@@ -104,7 +147,8 @@ pub(crate) fn forward_rows(
 /// The caches of a forward pass.
 pub(crate) struct PassCaches<'p, 'c> {
     caches: &'p mut [&'c mut Cache],
-    /// Tokens each cache takes: all of them for one cache, else one each.
+    /// Tokens each cache takes: all of them for one cache, else a run of equal length each
+    /// (one, in a decoding step).
     per_cache: usize,
 }
 
@@ -126,13 +170,16 @@ impl<'p, 'c> PassCaches<'p, 'c> {
         caches: &'p mut [&'c mut Cache],
         layers: usize,
     ) -> Result<(Self, Positions), ForwardError> {
-        if caches.len() != 1 {
-            check_batch(tokens, caches)?;
-        }
         if tokens.is_empty() {
             return Err(ForwardError::EmptyInput);
         }
-        let per_cache = if caches.len() == 1 { tokens.len() } else { 1 };
+        if caches.is_empty() || !tokens.len().is_multiple_of(caches.len()) {
+            return Err(ForwardError::UnevenRuns {
+                tokens: tokens.len(),
+                caches: caches.len(),
+            });
+        }
+        let per_cache = tokens.len() / caches.len();
         for (tokens, cache) in tokens.chunks(per_cache).zip(caches.iter()) {
             check_tokens(info, tokens, cache.offset)?;
             if cache.layers.len() != layers {
@@ -141,7 +188,12 @@ impl<'p, 'c> PassCaches<'p, 'c> {
         }
         let positions = match &caches[..] {
             [one] => Positions::following(one.offset, per_cache, &info.device)?,
-            many => Positions::new(many.iter().map(|c| c.offset).collect(), &info.device)?,
+            many => Positions::new(
+                many.iter()
+                    .flat_map(|c| c.offset..c.offset + per_cache)
+                    .collect(),
+                &info.device,
+            )?,
         };
         Ok((PassCaches { caches, per_cache }, positions))
     }

@@ -621,6 +621,92 @@ fn lfm2_batched_decode_matches_one_by_one() {
     check_batch("lfm2_moe-4bit-g64");
 }
 
+/// Runs of several sequences in one pass (`hidden_runs`: prompts prefilled together) give each
+/// row the hidden state its sequence gives alone: caches that already hold 0, 5 and 10
+/// positions, then a run of 9 tokens each.
+fn check_runs(name: &str) {
+    let dir = fixtures().join(name);
+    let golden = read_golden(&dir);
+    let (devices, _turn) = devices();
+    for (label, device, tolerance) in devices {
+        let model = load_on(&dir, &device).unwrap();
+        let hidden = model.info().hidden_size;
+        let ids = |start: usize, n: usize| -> Vec<u32> {
+            (start..start + n)
+                .map(|i| golden.prompt_ids[i % golden.prompt_ids.len()])
+                .collect()
+        };
+        let mut batch_caches = Vec::new();
+        let mut alone = Vec::new();
+        let mut tokens = Vec::new();
+        for i in 0..3 {
+            let mut cache = model.new_cache_in(KvPrecision::F32).unwrap();
+            if i > 0 {
+                model
+                    .forward(&ids(i, 5 * i), &mut cache, Logits::Last)
+                    .unwrap();
+            }
+            let run = ids(3 * i + 1, 9);
+            let mut own = cache.try_clone().unwrap();
+            let rows = model.forward(&run, &mut own, Logits::HiddenAll).unwrap();
+            alone.extend(rows.into_vec().unwrap());
+            tokens.extend(run);
+            batch_caches.push(cache);
+        }
+        let mut refs: Vec<&mut oxlm_models::Cache> = batch_caches.iter_mut().collect();
+        let runs = model.hidden_runs(&tokens, &mut refs).unwrap();
+        assert_eq!(runs.shape(), &[27, hidden], "{name} on {label}");
+        let d = max_abs_diff(runs.data(), &alone);
+        assert!(
+            d < tolerance,
+            "{name} on {label}: runs differ from alone by {d}"
+        );
+        let offsets: Vec<usize> = batch_caches.iter().map(|c| c.offset).collect();
+        assert_eq!(offsets, [9, 14, 19], "{name} on {label}");
+        println!("{name} on {label}: runs within {d:.2e} of one by one");
+    }
+}
+
+/// Plain attention, sliding windows (Gemma 3's window of 8 is passed), layers attending over
+/// another's cache (Gemma 4, Gemma 3n), latent attention (DeepSeek-V3), chunked attention
+/// (Llama 4: runs that cross a chunk), attention sinks (gpt-oss); and recurrent layers, which
+/// take the runs one after another (Qwen3.5, LFM2).
+#[test]
+fn runs_of_several_sequences_match_one_by_one() {
+    for name in [
+        "llama-4bit-g64",
+        "qwen3-8bit-g128",
+        "gemma3-4bit-g64",
+        "gemma4-4bit-g32",
+        "gemma3n-4bit-g32",
+        "deepseek_v3-4bit-g32",
+        "llama4-4bit-g32",
+        "gpt_oss-mxfp4-q8",
+        "qwen3_5-4bit-g64",
+        "lfm2-4bit-g64",
+    ] {
+        check_runs(name);
+    }
+}
+
+#[test]
+fn runs_must_be_of_equal_length() {
+    let model = load_on(&fixtures().join("llama-4bit-g64"), &Device::Cpu).unwrap();
+    let mut a = model.new_cache_in(KvPrecision::F32).unwrap();
+    let mut b = model.new_cache_in(KvPrecision::F32).unwrap();
+    let err = model
+        .hidden_runs(&[1, 2, 3], &mut [&mut a, &mut b])
+        .unwrap_err();
+    assert_eq!(
+        err,
+        oxlm_models::ForwardError::UnevenRuns {
+            tokens: 3,
+            caches: 2
+        }
+    );
+    assert_eq!((a.offset, b.offset), (0, 0));
+}
+
 #[test]
 fn a_batch_needs_one_token_per_cache() {
     let model = load_on(&fixtures().join("llama-4bit-g64"), &Device::Cpu).unwrap();

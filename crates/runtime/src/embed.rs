@@ -5,10 +5,11 @@
 //! module, and prefixed with the instruction a prompt name picks from
 //! `config_sentence_transformers.json`.
 //!
-//! Each input runs through the model on its own, with a cache of its own: the models' batched
-//! pass takes one token of each sequence (a decoding step), and padding inputs to one length
-//! would move a causal model's last token and its positions. Each result is therefore exactly
-//! what the input gives alone.
+//! Inputs go through the model together: sorted by length, as many as a prefill chunk's worth
+//! of tokens in one pass ([`LanguageModel::hidden_runs`]), each in a cache of its own and padded
+//! at its end to the longest of them. A causal model's tokens see only those before them, so
+//! the padding changes no row that is pooled: each result is what the input gives alone, but
+//! for the rounding of products taken over more rows.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -212,19 +213,23 @@ impl Embedder {
         dimensions: Option<usize>,
     ) -> Result<Vec<Vec<f32>>, EmbedError> {
         self.check(model.info(), inputs, dimensions)?;
-        inputs
-            .iter()
-            .map(|ids| {
-                let mut vector = self.pool(model, ids)?;
+        let mut vectors = vec![Vec::new(); inputs.len()];
+        for group in passes(inputs) {
+            let pooled = match group[..] {
+                [one] => vec![self.pool(model, &inputs[one])?],
+                _ => self.pool_together(model, inputs, &group)?,
+            };
+            for (i, mut vector) in group.into_iter().zip(pooled) {
                 if let Some(dimensions) = dimensions {
                     vector.truncate(dimensions);
                 }
                 if self.normalize {
                     normalize(&mut vector);
                 }
-                Ok(vector)
-            })
-            .collect()
+                vectors[i] = vector;
+            }
+        }
+        Ok(vectors)
     }
 
     /// The pooled hidden state of `ids`, which go through the model a prefill step at a time.
@@ -242,19 +247,88 @@ impl Embedder {
             let output = model.forward(chunk, &mut cache, rows)?;
             states = output.into_vec().map_err(ForwardError::from)?;
             if self.pooling == Pooling::Mean {
-                for row in states.chunks_exact(hidden) {
-                    sum.iter_mut()
-                        .zip(row)
-                        .for_each(|(s, &x)| *s += f64::from(x));
-                }
+                add_rows(&mut sum, &states);
             }
         }
         Ok(match self.pooling {
             // The last chunk's last row.
             Pooling::LastToken => states,
-            Pooling::Mean => sum.iter().map(|s| (s / ids.len() as f64) as f32).collect(),
+            Pooling::Mean => mean(&sum, ids.len()),
         })
     }
+
+    /// The pooled hidden states of the inputs `group` picks, in one pass: each padded at its
+    /// end (with its last token) to the longest one's length.
+    fn pool_together(
+        &self,
+        model: &dyn LanguageModel,
+        inputs: &[Vec<u32>],
+        group: &[usize],
+    ) -> Result<Vec<Vec<f32>>, EmbedError> {
+        let length = group.iter().map(|&i| inputs[i].len()).max().unwrap_or(0);
+        let mut tokens = Vec::with_capacity(length * group.len());
+        for &i in group {
+            let ids = &inputs[i];
+            tokens.extend(ids);
+            tokens.extend(std::iter::repeat_n(ids[ids.len() - 1], length - ids.len()));
+        }
+        let mut caches = group
+            .iter()
+            .map(|_| model.new_cache_in(KvPrecision::F32))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut refs: Vec<_> = caches.iter_mut().collect();
+        let states = model.hidden_runs(&tokens, &mut refs)?;
+        let states = states.into_vec().map_err(ForwardError::from)?;
+        let hidden = model.info().hidden_size;
+        let runs = states.chunks_exact(length * hidden);
+        Ok(group
+            .iter()
+            .zip(runs)
+            .map(|(&i, run)| {
+                let rows = &run[..inputs[i].len() * hidden];
+                match self.pooling {
+                    Pooling::LastToken => rows[rows.len() - hidden..].to_vec(),
+                    Pooling::Mean => {
+                        let mut sum = vec![0f64; hidden];
+                        add_rows(&mut sum, rows);
+                        mean(&sum, inputs[i].len())
+                    }
+                }
+            })
+            .collect())
+    }
+}
+
+/// The inputs of each pass, by index: sorted by length (so that little is padding), as many
+/// as fit [`DEFAULT_PREFILL_STEP`] tokens once padded to the longest, so that a pass's transient
+/// memory is a prefill chunk's; an input longer than that goes alone, a chunk at a time.
+fn passes(inputs: &[Vec<u32>]) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..inputs.len()).collect();
+    order.sort_by_key(|&i| inputs[i].len());
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    for i in order {
+        match groups.last_mut() {
+            // Sorted: this input is the group's longest.
+            Some(group) if (group.len() + 1) * inputs[i].len() <= DEFAULT_PREFILL_STEP => {
+                group.push(i)
+            }
+            _ => groups.push(vec![i]),
+        }
+    }
+    groups
+}
+
+/// Adds each `hidden`-wide row of `rows` to `sum`.
+fn add_rows(sum: &mut [f64], rows: &[f32]) {
+    for row in rows.chunks_exact(sum.len()) {
+        sum.iter_mut()
+            .zip(row)
+            .for_each(|(s, &x)| *s += f64::from(x));
+    }
+}
+
+fn mean(sum: &[f64], count: usize) -> Vec<f32> {
+    sum.iter().map(|s| (s / count as f64) as f32).collect()
 }
 
 /// Scales `vector` to unit length (a zero vector stays zero, as torch's `normalize` leaves it).

@@ -147,8 +147,10 @@ async fn token_ids_embed_as_their_text_does() {
     let from_texts = server.vectors(json!({"input": texts})).await;
     let ids: Vec<&[u32]> = plain.iter().map(|input| input.ids.as_slice()).collect();
     assert_eq!(server.vectors(json!({"input": ids})).await, from_texts);
+    // Alone, an input's vector is the one it got in a pass with the others, but for the
+    // products' rounding over more rows.
     let one = server.vectors(json!({"input": plain[1].ids})).await;
-    assert_eq!(one, [from_texts[1].clone()]);
+    assert_within(&one[0], &from_texts[1], 1e-6, &plain[1].text);
 }
 
 /// Embeddings asked for while a generation decodes run between its steps, on the generation
