@@ -4,11 +4,12 @@ of it, on tiny models with fp32 activations (as make_goldens.py runs them).
 usage: PY=$(scripts/oracle/venv.sh); $PY scripts/oracle/make_prompt_cache_fixture.py   (from the repository root)
 
 Writes tests/fixtures/prompt_cache/
-  <name>.safetensors  for each model of GOLDEN but those of NO_FILE, and each of QUANTIZED (with mlx_lm.cache_prompt's
-                      --kv-bits): mlx_lm.cache_prompt's file for PROMPT (the procedure of
-                      cache_prompt.main: chat template with continue_final_message=True, make_prompt_cache,
-                      generate_step(max_tokens=0), save_prompt_cache with its metadata), the model loaded by
-                      its repository-relative path, which the file's `model` metadata names
+  <name>.safetensors  for each model of GOLDEN but those of NO_FILE, each of QUANTIZED (with mlx_lm.cache_prompt's
+                      --kv-bits) and each of MAX_KV_SIZE (with its --max-kv-size): mlx_lm.cache_prompt's file for
+                      PROMPT (the procedure of cache_prompt.main: chat template with continue_final_message=True,
+                      make_prompt_cache(model, max_kv_size), generate_step(max_tokens=0), save_prompt_cache with its
+                      metadata), the model loaded by its repository-relative path, which the file's `model`
+                      metadata names
   golden.json         per model: the cached prompt's ids, then generate.main's procedure with that file and
                       SECOND: the suffix text (the template's rendering from the `<query>` position on), its
                       ids, the greedy ids until an eos token (or STEPS) with each step's top1-top2 margin,
@@ -46,6 +47,11 @@ NO_FILE = ["qwen3_5-4bit-g64"]
 # cache is quantized after all but the last prompt token), on a model whose heads (32) take groups of 32; the
 # file is named <model>-kv<bits>-g<group>.
 QUANTIZED = [("qwen3-8bit-g128", 4, 32, 0)]
+# mlx-lm's RotatingKVCache(max_kv_size, keep=4) on every layer: cache_prompt.main with --max-kv-size, on a model type
+# whose mlx-lm model makes no caches of its own, for a window shorter than the cached prompt (44 tokens: the ring cut
+# to its first 4 positions and its last 12, wrapped past the kept slots) and one longer (the ring grown to the
+# window); the file is named <model>-max-kv<size>.
+MAX_KV_SIZE = [("qwen3-8bit-g128", 16), ("qwen3-8bit-g128", 48)]
 PROMPT = "Tell me about the sea. It is big and blue, and its waves are loud at night."
 SECOND = "Now write one sentence about it, please."
 STEPS = 24
@@ -78,8 +84,8 @@ def cached_prompt(tok, prompt):
     return tok.encode(prompt)
 
 
-def run_prompt(model, ids, **quantized):
-    cache = make_prompt_cache(model)
+def run_prompt(model, ids, max_kv_size=None, **quantized):
+    cache = make_prompt_cache(model, max_kv_size)
     for _ in generate_step(mx.array(ids), model, max_tokens=0, prompt_cache=cache, **quantized):
         pass
     return cache
@@ -129,12 +135,13 @@ def main():
               "versions": {p: version(p) for p in ("mlx", "mlx-lm", "transformers", "tokenizers")}}
     runs = [(name, name, {}) for name in GOLDEN] + [
         (f"{name}-kv{bits}-g{group}", name, dict(kv_bits=bits, kv_group_size=group, quantized_kv_start=start))
-        for name, bits, group, start in QUANTIZED]
-    for stem, name, quantized in runs:
+        for name, bits, group, start in QUANTIZED] + [
+        (f"{name}-max-kv{size}", name, dict(max_kv_size=size)) for name, size in MAX_KV_SIZE]
+    for stem, name, flags in runs:
         path = ROOT / name
         model, tok = load_fp32(path)
         ids = cached_prompt(tok, PROMPT)
-        cache = run_prompt(model, ids, **quantized)
+        cache = run_prompt(model, ids, **flags)
         file = OUT / f"{stem}.safetensors"
         if name in NO_FILE:
             file = Path(scratch.name) / file.name
@@ -145,7 +152,7 @@ def main():
         golden["models"][stem] = {
             "file": name not in NO_FILE, "cached_ids": list(ids), "suffix_text": text, "suffix_ids": second,
             "greedy_ids": out, "greedy_text": tok.decode(out), "margins": margins, "min_margin": min(margins),
-            **quantized,
+            **flags,
         }
         print(f"{stem}: {len(ids)} cached + {len(second)} tokens -> {out} {tok.decode(out)!r}"
               f" (min margin {min(margins):.4f}, {file.stat().st_size} bytes)", flush=True)

@@ -8,7 +8,7 @@ use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use oxlm_engine::KvQuant;
 use oxlm_models::lora::AdaptedModel;
 use oxlm_models::{KvQuantization, LanguageModel};
@@ -36,8 +36,13 @@ pub struct Args {
     /// it too.
     #[arg(long)]
     eos_token: Option<String>,
-    /// A rotating cache of this many positions: not supported.
-    #[arg(long)]
+    /// Bound each layer's cache to a ring of this many positions that keeps the first 4, as
+    /// mlx_lm.cache_prompt's --max-kv-size does: the file then holds mlx-lm's RotatingKVCache
+    /// layers (the prompt's first 4 positions and its last N - 4, as mlx-lm lays them out), which
+    /// `generate --prompt-cache-file` continues. Only for the model types mlx-lm bounds (those
+    /// that build no cache of their own, such as qwen2, qwen3 and phi3; llama and mistral do);
+    /// elsewhere it is left unused, as in mlx-lm, with a note.
+    #[arg(long, value_parser = crate::kv_cache::parse_max_kv_size, conflicts_with = "kv_bits")]
     max_kv_size: Option<usize>,
     /// The file to save the prompt cache in (safetensors).
     #[arg(long)]
@@ -70,9 +75,6 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    if args.max_kv_size.is_some() {
-        bail!("--max-kv-size is not supported (a rotating cache that drops the prompt's start)");
-    }
     if let Some(threads) = args.threads {
         oxlm_engine::cpu::pool::set_threads(threads);
     }
@@ -107,7 +109,9 @@ pub fn run(args: Args) -> Result<()> {
         prefill_step: DEFAULT_PREFILL_STEP,
         kv_cache: args.kv_cache,
         kv_quantization,
-        max_kv_size: None,
+        max_kv_size: args
+            .max_kv_size
+            .filter(|_| crate::kv_cache::max_kv_size_applies(&model.info().model_type)),
     };
     let mut cache = options.new_cache(model)?;
     if let Some(quantization) = options

@@ -93,21 +93,11 @@ pub struct Args {
     /// mlx-lm's --max-kv-size does: memory stops growing, and past it the model sees the
     /// prompt's start and its most recent tokens. Only for the model types mlx-lm bounds (those
     /// that build no cache of their own, such as qwen2, qwen3 and phi3; llama and mistral do);
-    /// elsewhere it is left unused, as in mlx-lm, with a note.
-    #[arg(long, value_parser = parse_max_kv_size,
-          conflicts_with_all = ["kv_bits", "prompt_cache_file"])]
+    /// elsewhere it is left unused, as in mlx-lm, with a note. With --prompt-cache-file, the
+    /// file's caches are used as it holds them (bounded where it was made with --max-kv-size),
+    /// and this is left unused, as in mlx-lm.
+    #[arg(long, value_parser = crate::kv_cache::parse_max_kv_size, conflicts_with = "kv_bits")]
     max_kv_size: Option<usize>,
-}
-
-/// `--max-kv-size`: more positions than the ring keeps from the start.
-fn parse_max_kv_size(value: &str) -> Result<usize, String> {
-    let keep = oxlm_models::cache::MAX_KV_SIZE_KEEP;
-    match value.parse::<usize>() {
-        Ok(size) if size > keep => Ok(size),
-        _ => Err(format!(
-            "`{value}`: a whole number of positions above the {keep} the cache keeps from the start"
-        )),
-    }
 }
 
 impl Args {
@@ -233,7 +223,7 @@ pub fn run(args: Args) -> Result<()> {
         Some(_) => DEFAULT_QUANTIZED_KV_START,
         None => 0,
     });
-    let options = GenerateOptions {
+    let mut options = GenerateOptions {
         max_tokens: args.max_tokens,
         sampler: SamplerConfig {
             temperature: args.temp,
@@ -253,17 +243,28 @@ pub fn run(args: Args) -> Result<()> {
         )?,
         max_kv_size: args.max_kv_size,
     };
-    let model_type = &model.info().model_type;
-    if options.max_kv_size.is_some() && !oxlm_models::takes_max_kv_size(model_type) {
-        eprintln!(
-            "note: --max-kv-size is left unused for `{model_type}`, whose mlx-lm model builds \
-             its own cache (mlx-lm leaves it unused too)"
-        );
+    if options.max_kv_size.is_some() {
+        if cache_file.is_some() {
+            // mlx-lm's generate_step makes no cache where it is given one.
+            eprintln!(
+                "note: --max-kv-size is left unused: the prompt cache's layers are used as the \
+                 file holds them (mlx-lm uses them as loaded too)"
+            );
+            options.max_kv_size = None;
+        } else if !crate::kv_cache::max_kv_size_applies(&model.info().model_type) {
+            options.max_kv_size = None;
+        }
     }
     let mut cache = options.new_cache(model)?;
     if let Some(file) = &cache_file {
         // Before the report starts: a file that does not fit the model is refused here.
         file.restore(&mut cache)?;
+        if cache.keeps_first_positions() && args.kv.kv_bits.is_some() {
+            bail!(
+                "--kv-bits cannot be used with a prompt cache made with --max-kv-size (mlx-lm \
+                 cannot quantize its RotatingKVCache layers)"
+            );
+        }
     }
     let reach = cache.offset + ids.len() + args.max_tokens;
     if let Some(quantization) = options

@@ -78,3 +78,27 @@ pub(crate) fn parse_kv_bits(spec: &str) -> Result<u8, String> {
         _ => Err(format!("`{spec}`: the cache takes 4 or 8 bits")),
     }
 }
+
+/// `--max-kv-size`: more positions than the ring keeps from the start.
+pub(crate) fn parse_max_kv_size(value: &str) -> Result<usize, String> {
+    let keep = oxlm_models::cache::MAX_KV_SIZE_KEEP;
+    match value.parse::<usize>() {
+        Ok(size) if size > keep => Ok(size),
+        _ => Err(format!(
+            "`{value}`: a whole number of positions above the {keep} the cache keeps from the start"
+        )),
+    }
+}
+
+/// Says on stderr that `--max-kv-size` is left unused for a `model_type` whose mlx-lm model
+/// builds its own cache, as mlx-lm leaves it; true where it bounds the cache.
+pub(crate) fn max_kv_size_applies(model_type: &str) -> bool {
+    let applies = oxlm_models::takes_max_kv_size(model_type);
+    if !applies {
+        eprintln!(
+            "note: --max-kv-size is left unused for `{model_type}`, whose mlx-lm model builds \
+             its own cache (mlx-lm leaves it unused too)"
+        );
+    }
+    applies
+}

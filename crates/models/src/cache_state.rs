@@ -8,6 +8,12 @@
 //! a `RotatingKVCache` keeps a ring whose slots depend on the chunks it was given. A file written
 //! here has the layout mlx-lm's own `cache_prompt` gives a prompt of the same length (chunks of
 //! 2048 tokens, then the last token alone), so that the two files hold the same arrays.
+//!
+//! `--max-kv-size` makes every layer a `RotatingKVCache(max_size, keep=4)` in mlx-lm (a
+//! [`RotatingKvCache::keeping`] here): its first `keep` slots hold the sequence's first
+//! positions once the ring has dropped any, and it wraps past them. Such a state is written with
+//! the kept positions in those slots, and read back into a layer that keeps all its positions as
+//! a ring of `max_size` keeping the first `keep`.
 
 use std::borrow::Cow;
 
@@ -243,6 +249,13 @@ impl Cache {
         for (i, (layer, state)) in self.layers.iter_mut().zip(states).enumerate() {
             refuse_unknown(i, &state.class)?;
             let tokens = match layer {
+                // A `--max-kv-size` ring (mlx-lm's `make_prompt_cache(model, max_kv_size)`) where
+                // the model keeps all positions: the layer becomes that ring.
+                LayerCache::Kv(kv) if state.class == "RotatingKVCache" => {
+                    let (ring, offset) = restore_bounded(i, kv, state)?;
+                    *layer = LayerCache::Rotating(ring);
+                    Some(offset)
+                }
                 LayerCache::Kv(kv) => Some(restore_kv(i, kv, state)?),
                 LayerCache::Rotating(ring) => Some(restore_rotating(i, ring, state)?),
                 LayerCache::Recurrent(r) => {
@@ -319,23 +332,26 @@ fn mlx_kv_capacity(tokens: usize) -> usize {
     capacity
 }
 
-/// A `RotatingKVCache` (`keep` 0) followed slot by slot: the position each slot holds (`None`:
-/// never written), the tokens seen and the next slot to write (`_idx`).
+/// A `RotatingKVCache` followed slot by slot: the position each slot holds (`None`: never
+/// written), the tokens seen, the next slot to write (`_idx`), and the first positions it
+/// keeps in its first slots (`keep`: 0 for a sliding window, 4 for `--max-kv-size`).
 struct MlxRing {
     slots: Vec<Option<usize>>,
     offset: usize,
     idx: usize,
     max_size: usize,
+    keep: usize,
 }
 
 impl MlxRing {
     /// The ring after a prompt of `tokens` tokens, given as `generate_step` gives them.
-    fn after_prompt(tokens: usize, max_size: usize) -> Self {
+    fn after_prompt(tokens: usize, max_size: usize, keep: usize) -> Self {
         let mut ring = MlxRing {
             slots: Vec::new(),
             offset: 0,
             idx: 0,
             max_size,
+            keep,
         };
         for n in mlx_prompt_updates(tokens) {
             if n == 1 {
@@ -347,28 +363,42 @@ impl MlxRing {
         ring
     }
 
-    /// `_temporal_order`: the slots oldest first, the unused tail cut.
+    /// `_temporal_order`: the slots oldest first (the kept ones first of all), the unused tail
+    /// cut.
     fn temporal_order(&self) -> Vec<usize> {
         let len = self.slots.len();
         if self.idx == len {
             (0..len).collect()
         } else if self.idx < self.offset {
-            (self.idx..len).chain(0..self.idx).collect()
+            let keep = self.keep.min(len);
+            (0..keep)
+                .chain(self.idx..len)
+                .chain(keep..self.idx)
+                .collect()
         } else {
             (0..self.idx).collect()
         }
     }
 
-    /// `_update_concat`: the held positions in order, all but the last `max_size - 1` dropped,
-    /// then `n` new ones.
+    /// `_trim`: the first `trim` slots after the kept ones dropped.
+    fn trim(&self, slots: &mut Vec<Option<usize>>, trim: usize) {
+        let keep = self.keep.min(slots.len());
+        let end = (keep + trim).min(slots.len());
+        slots.drain(keep..end);
+    }
+
+    /// `_update_concat`: the held positions in order, all but the kept ones and the last
+    /// `max_size - 1` dropped, then `n` new ones.
     fn update_concat(&mut self, n: usize) {
         let mut slots: Vec<Option<usize>> = self
             .temporal_order()
             .into_iter()
             .map(|s| self.slots[s])
             .collect();
-        let trim = (slots.len() + 1).saturating_sub(self.max_size);
-        slots.drain(..trim.min(slots.len()));
+        if !self.slots.is_empty() {
+            let trim = (slots.len() + 1).saturating_sub(self.max_size);
+            self.trim(&mut slots, trim);
+        }
         slots.extend((self.offset..self.offset + n).map(Some));
         self.slots = slots;
         self.offset += n;
@@ -376,7 +406,7 @@ impl MlxRing {
     }
 
     /// `_update_in_place` of one token: grows by up to a step while under `max_size`, cuts
-    /// down to `max_size`, wraps, and writes at `_idx`.
+    /// down to `max_size`, wraps (past the kept slots), and writes at `_idx`.
     fn update_in_place(&mut self) {
         let prev = self.offset;
         if self.slots.is_empty() || (prev >= self.slots.len() && self.slots.len() < self.max_size) {
@@ -386,11 +416,13 @@ impl MlxRing {
         }
         let trim = self.slots.len().saturating_sub(self.max_size);
         if trim > 0 {
-            self.slots.drain(..trim);
+            let mut slots = std::mem::take(&mut self.slots);
+            self.trim(&mut slots, trim);
+            self.slots = slots;
             self.idx = self.max_size;
         }
         if self.idx == self.max_size {
-            self.idx = 0;
+            self.idx = self.keep;
         }
         self.slots[self.idx] = Some(prev);
         self.offset += 1;
@@ -546,9 +578,9 @@ fn rotating_state(
         });
     }
     let view = ring.view();
-    let (held, capacity) = (view.start..view.end, view.capacity);
-    let mlx = MlxRing::after_prompt(ring.len(), ring.window());
-    if let Some(p) = mlx.slots.iter().flatten().find(|p| !held.contains(p)) {
+    let held = view.start..view.end;
+    let mlx = MlxRing::after_prompt(ring.len(), ring.window(), ring.keep());
+    if let Some(p) = mlx.slots.iter().flatten().find(|&&p| !ring.holds(p)) {
         return Err(invalid(
             layer,
             format!(
@@ -557,7 +589,8 @@ fn rotating_state(
             ),
         ));
     }
-    let arrays = kv_values(ring.rings(), ring.shape(), capacity, &mlx.slots)?;
+    let (keys, values) = ring.gather(&mlx.slots)?;
+    let arrays = (keys, values, ring_dtype(ring.precision()));
     let mut state = LayerState::new("RotatingKVCache");
     push_kv(
         &mut state,
@@ -567,7 +600,7 @@ fn rotating_state(
         ring.mlx_form(),
     );
     state.push("2", StateItem::Int(mlx.offset as i64));
-    state.push("3", StateItem::Int(0)); // keep
+    state.push("3", StateItem::Int(mlx.keep as i64));
     state.push("4", StateItem::Int(mlx.max_size as i64));
     state.push("5", StateItem::Int(mlx.idx as i64));
     Ok(state)
@@ -779,6 +812,114 @@ fn restore_quantized_kv(
     Ok(offset)
 }
 
+/// A `RotatingKVCache` state read and checked: its keys and values (`[1, kv_heads, slots,
+/// head_dim]`), its numbers, and the slots that hold positions, oldest first (`_temporal_order`,
+/// the kept ones first).
+struct RingState<'s, 'a> {
+    keys: &'s StateArray<'a>,
+    values: &'s StateArray<'a>,
+    offset: usize,
+    keep: usize,
+    max_size: usize,
+    order: Vec<usize>,
+}
+
+impl<'s, 'a> RingState<'s, 'a> {
+    /// Reads `state` for a layer of `shape` (`(kv_heads, head_dim)`, rows split as `split`),
+    /// refusing numbers that no `RotatingKVCache` arrives at: a window of no positions, one that
+    /// keeps all of them, an `_idx` past its slots, a ring that wrapped before it filled or
+    /// wrapped into its kept slots, more positions held than seen, or too few for the next
+    /// token. `keep_ok` checks `keep` and `max_size` against the layer first.
+    fn read(
+        layer: usize,
+        state: &'s LayerState<'a>,
+        shape: (usize, usize),
+        split: Option<usize>,
+        keep_ok: impl FnOnce(usize, usize) -> Result<(), CacheStateError>,
+    ) -> Result<Self, CacheStateError> {
+        state.expect_paths(layer, &["0", "1", "2", "3", "4", "5"])?;
+        let (keys, values) = checked_kv(layer, state, shape, split)?;
+        let (offset, keep) = (state.int(layer, "2")?, state.int(layer, "3")?);
+        let (max_size, idx) = (state.int(layer, "4")?, state.int(layer, "5")?);
+        keep_ok(keep, max_size)?;
+        let slots = keys.shape[2];
+        let fail = |reason: String| Err(invalid(layer, reason));
+        if max_size == 0 || keep >= max_size {
+            return fail(format!(
+                "a RotatingKVCache of max_size {max_size} that keeps its first {keep} positions"
+            ));
+        }
+        if idx > slots {
+            return fail(format!("_idx {idx} past its {slots} slots"));
+        }
+        if keep > slots {
+            return fail(format!(
+                "keep {keep} past its {slots} slots (max_size {max_size})"
+            ));
+        }
+        // Only a full ring wraps, and past its kept slots; only a prompt chunk makes it wider,
+        // written to its end.
+        let wrapped = idx < offset && idx < slots;
+        if wrapped && (slots != max_size || idx < keep) {
+            return fail(format!(
+                "_idx {idx} after {offset} tokens in {slots} slots, keep {keep}, max_size \
+                 {max_size}: no RotatingKVCache wraps there"
+            ));
+        }
+        if slots > max_size && idx != slots {
+            return fail(format!(
+                "{slots} slots, more than max_size {max_size}, written up to _idx {idx}"
+            ));
+        }
+        let mlx = MlxRing {
+            slots: vec![None; slots],
+            offset,
+            idx,
+            max_size,
+            keep,
+        };
+        let order = mlx.temporal_order();
+        // The positions held end at the offset; the next token attends to `max_size - 1` of them.
+        let needed = offset.min(max_size - 1);
+        if order.len() > offset || order.len() < needed {
+            return fail(format!(
+                "{} positions held after {offset} tokens in a window of {max_size}",
+                order.len()
+            ));
+        }
+        Ok(RingState {
+            keys,
+            values,
+            offset,
+            keep,
+            max_size,
+            order,
+        })
+    }
+
+    /// Puts the positions into `ring` (of this state's window and keep). A ring that has
+    /// dropped none holds positions `0..offset` in order. One that has dropped some holds, in
+    /// order, positions `0..keep` and then the last ones seen: here, as the ring looks after a
+    /// pass past its window, the first `keep` of them lie in the slots of the positions before
+    /// the last ones (those the pass's first query no longer sees).
+    fn restore_into(
+        &self,
+        layer: usize,
+        ring: &mut RotatingKvCache,
+    ) -> Result<(), CacheStateError> {
+        let form = ring.mlx_form();
+        let rows = |order: &[usize]| layer_rows(layer, self.keys, self.values, order, form);
+        let held = self.order.len();
+        let (k, v) = rows(&self.order)?;
+        ring.restore(self.offset - held, &k, &v)?;
+        if self.keep > 0 {
+            let (k, v) = rows(&self.order[..self.keep.min(held)])?;
+            ring.restore_kept(&k, &v, held < self.offset)?;
+        }
+        Ok(())
+    }
+}
+
 fn restore_rotating(
     layer: usize,
     ring: &mut RotatingKvCache,
@@ -794,52 +935,67 @@ fn restore_rotating(
             expected: "a RotatingKVCache",
         });
     }
-    state.expect_paths(layer, &["0", "1", "2", "3", "4", "5"])?;
-    let (keys, values) = checked_kv(layer, state, ring.shape(), None)?;
-    let (offset, keep) = (state.int(layer, "2")?, state.int(layer, "3")?);
-    let (max_size, idx) = (state.int(layer, "4")?, state.int(layer, "5")?);
-    if keep != 0 {
-        return Err(CacheStateError::Unsupported {
+    let window = ring.window();
+    let mlx = RingState::read(layer, state, ring.shape(), None, |keep, max_size| {
+        if keep != 0 {
+            return Err(CacheStateError::Unsupported {
+                layer,
+                class: format!("RotatingKVCache with keep={keep}"),
+                hint: " (a --max-kv-size cache) where this model's layer is a sliding window \
+                       (is the prompt cache from another model?)",
+            });
+        }
+        if max_size != window {
+            return Err(invalid(
+                layer,
+                format!(
+                    "a sliding window of {max_size} where this model's is {window} (is the \
+                     prompt cache from another model?)"
+                ),
+            ));
+        }
+        Ok(())
+    })?;
+    mlx.restore_into(layer, ring)?;
+    Ok(mlx.offset)
+}
+
+/// A layer that keeps all its positions, from the `RotatingKVCache(max_size, keep)` that
+/// mlx-lm's `make_prompt_cache(model, max_kv_size)` makes of it (`--max-kv-size`): a ring of
+/// `max_size` positions keeping the first `keep`, in the layer's precision and on its device,
+/// and the tokens seen.
+fn restore_bounded(
+    layer: usize,
+    kv: &KvCache,
+    state: &LayerState,
+) -> Result<(RotatingKvCache, usize), CacheStateError> {
+    // A plain sliding window (`keep` 0): no model here keeps one for a layer that sees all
+    // positions.
+    if !matches!(state.get(layer, "3"), Ok(StateItem::Int(keep)) if *keep > 0) {
+        return Err(CacheStateError::Class {
             layer,
-            class: format!("RotatingKVCache with keep={keep}"),
-            hint: " (a --max-kv-size cache)",
+            found: state.class.clone(),
+            expected: "a KVCache",
         });
     }
-    if max_size != ring.window() {
-        return Err(invalid(
-            layer,
-            format!(
-                "a sliding window of {max_size} where this model's is {} (is the prompt cache \
-                 from another model, or made with --max-kv-size?)",
-                ring.window()
-            ),
-        ));
-    }
-    let slots = keys.shape[2];
-    if idx > slots {
-        return Err(invalid(layer, format!("_idx {idx} past its {slots} slots")));
-    }
-    let mlx = MlxRing {
-        slots: vec![None; slots],
-        offset,
-        idx,
-        max_size,
-    };
-    let order = mlx.temporal_order();
-    // The positions held end at the offset; the next token attends to `window - 1` of them.
-    let needed = offset.min(max_size.saturating_sub(1));
-    if order.len() > offset || order.len() < needed {
-        return Err(invalid(
-            layer,
-            format!(
-                "{} positions held after {offset} tokens in a window of {max_size}",
-                order.len()
-            ),
-        ));
-    }
-    let (k, v) = layer_rows(layer, keys, values, &order, ring.mlx_form())?;
-    ring.restore(offset - order.len(), &k, &v)?;
-    Ok(offset)
+    let form = kv.mlx_form();
+    let mlx = RingState::read(layer, state, kv.shape(), None, |_, _| {
+        if form.split.is_some() {
+            return Err(invalid(
+                layer,
+                "a --max-kv-size RotatingKVCache where this model's layer keeps split rows \
+                 (is the prompt cache from another model?)"
+                    .into(),
+            ));
+        }
+        Ok(())
+    })?;
+    let (kv_heads, head_dim) = kv.shape();
+    let device = kv.rings().device();
+    let ring = RotatingKvCache::keeping(kv_heads, head_dim, mlx.max_size, mlx.keep, &device)?;
+    let mut ring = ring.with_precision(kv.precision())?.with_mlx_form(form);
+    mlx.restore_into(layer, &mut ring)?;
+    Ok((ring, mlx.offset))
 }
 
 /// A sliding-window layer from a whole `KVCache`, which mlx-lm keeps where a model does not make
@@ -930,11 +1086,11 @@ mod tests {
     #[test]
     fn rings_are_laid_out_as_mlx_lm_lays_them_out() {
         // 27 tokens, window 8: 26 at once (all kept), then the last cuts to 8 and wraps.
-        let ring = MlxRing::after_prompt(27, 8);
+        let ring = MlxRing::after_prompt(27, 8, 0);
         let want: Vec<Option<usize>> = [26, 19, 20, 21, 22, 23, 24, 25].map(Some).to_vec();
         assert_eq!((ring.slots, ring.offset, ring.idx), (want, 27, 1));
         // 5 tokens, window 8: 4 at once, then the last grows the ring to the window.
-        let ring = MlxRing::after_prompt(5, 8);
+        let ring = MlxRing::after_prompt(5, 8, 0);
         let want = [0, 1, 2, 3, 4]
             .map(Some)
             .into_iter()
@@ -942,14 +1098,14 @@ mod tests {
             .collect::<Vec<_>>();
         assert_eq!((ring.slots, ring.idx), (want, 5));
         assert_eq!(
-            MlxRing::after_prompt(5, 8).temporal_order(),
+            MlxRing::after_prompt(5, 8, 0).temporal_order(),
             [0, 1, 2, 3, 4]
         );
         // One token: a step of slots (the window here), the first written.
-        let ring = MlxRing::after_prompt(1, 600);
+        let ring = MlxRing::after_prompt(1, 600, 0);
         assert_eq!((ring.slots.len(), ring.idx), (256, 1));
         // Past one prefill step: the second chunk keeps the window - 1 positions before it.
-        let ring = MlxRing::after_prompt(3000, 8);
+        let ring = MlxRing::after_prompt(3000, 8, 0);
         assert_eq!(ring.slots.len(), 8);
         assert_eq!(ring.temporal_order().len(), 8);
         let order: Vec<_> = ring
@@ -958,6 +1114,158 @@ mod tests {
             .map(|&s| ring.slots[s])
             .collect();
         assert_eq!(order, (2992..3000).map(Some).collect::<Vec<_>>());
+    }
+
+    /// Rings that keep their first 4 positions (`--max-kv-size`), as mlx-lm's
+    /// `RotatingKVCache(max_size, keep=4)` leaves them after a prompt (read from mlx-lm's own
+    /// cache fed positions as keys).
+    #[test]
+    fn kept_rings_are_laid_out_as_mlx_lm_lays_them_out() {
+        let slots = |ring: &MlxRing| -> Vec<Option<usize>> { ring.slots.clone() };
+        // 44 tokens, window 16: 43 at once, then the last cuts to the kept 4 and the last 12
+        // and wraps past the kept slots.
+        let ring = MlxRing::after_prompt(44, 16, 4);
+        let mut want: Vec<Option<usize>> = [0, 1, 2, 3, 43].map(Some).to_vec();
+        want.extend((32..43).map(Some));
+        assert_eq!((slots(&ring), ring.offset, ring.idx), (want, 44, 5));
+        let order: Vec<_> = (ring.temporal_order().iter())
+            .map(|&s| ring.slots[s].unwrap())
+            .collect();
+        assert_eq!(
+            order,
+            [0, 1, 2, 3].into_iter().chain(32..44).collect::<Vec<_>>()
+        );
+        // 17 tokens: 16 at once fill the window, the last overwrites position 4.
+        let ring = MlxRing::after_prompt(17, 16, 4);
+        let mut want: Vec<Option<usize>> = [0, 1, 2, 3, 16].map(Some).to_vec();
+        want.extend((5..16).map(Some));
+        assert_eq!((slots(&ring), ring.idx), (want, 5));
+        // 44 tokens, window 48: all held, the ring grown to the window.
+        let ring = MlxRing::after_prompt(44, 48, 4);
+        let want: Vec<_> = (0..44).map(Some).chain([None; 4]).collect();
+        assert_eq!((slots(&ring), ring.idx), (want, 44));
+        // Past one prefill step: the second chunk keeps the first 4 and the window - 5 before
+        // it; the last token wraps.
+        let ring = MlxRing::after_prompt(2300, 8, 4);
+        let want: Vec<_> = [0, 1, 2, 3, 2299, 2296, 2297, 2298].map(Some).to_vec();
+        assert_eq!((slots(&ring), ring.idx), (want, 5));
+    }
+
+    /// The state a ring fed a prompt of `tokens` tokens saves, mlx-lm's `RotatingKVCache`'s
+    /// layout (one head of one element).
+    fn saved_state(ring: &RotatingKvCache, tokens: usize) -> LayerState<'static> {
+        let mlx = MlxRing::after_prompt(tokens, ring.window(), ring.keep());
+        let (keys, values) = ring.gather(&mlx.slots).unwrap();
+        let array = |x: Vec<f32>| {
+            let array = StateArray::from_f32(DType::F32, vec![1, 1, mlx.slots.len(), 1], &x);
+            StateItem::Array(array)
+        };
+        let mut state = LayerState::new("RotatingKVCache");
+        state.push("0", array(keys));
+        state.push("1", array(values));
+        for (path, n) in [("2", mlx.offset), ("3", mlx.keep), ("4", mlx.max_size)] {
+            state.push(path, StateItem::Int(n as i64));
+        }
+        state.push("5", StateItem::Int(mlx.idx as i64));
+        state
+    }
+
+    /// The keys a query at `q` sees through a ring's view (sorted).
+    fn seen(ring: &RotatingKvCache, q: usize) -> Vec<f32> {
+        let v = ring.view();
+        let keys = v.keys.to_vec().unwrap();
+        let from = v.start.max((q + 1).saturating_sub(v.window.unwrap()));
+        let mut seen: Vec<f32> = (from..=q).map(|p| keys[p % v.capacity]).collect();
+        seen.sort_by(f32::total_cmp);
+        seen
+    }
+
+    /// A ring saved after a prompt and restored (a `--max-kv-size` ring into a layer that keeps
+    /// all positions, a sliding window into its own) goes on as the ring saved: through chunks
+    /// and single tokens, every query sees the same keys. (Checked against mlx-lm's own
+    /// `RotatingKVCache` for windows of 5 to 300 and prompts of 1 to 4200 tokens.)
+    #[test]
+    fn restored_rings_go_on_as_the_rings_saved() {
+        let device = oxlm_engine::Device::Cpu;
+        let f32_kv = || {
+            let kv = KvCache::new(1, 1, &device).unwrap();
+            kv.with_precision(oxlm_engine::KvPrecision::F32).unwrap()
+        };
+        let cases = [
+            (44, 16, 4),
+            (17, 16, 4),
+            (6, 5, 4),
+            (10, 16, 4),
+            (2300, 8, 4),
+        ];
+        let cases = cases
+            .into_iter()
+            .chain([(27, 8, 0), (3000, 8, 0), (5, 8, 0)]);
+        for (tokens, window, keep) in cases {
+            let mut saved = fed_ring(tokens, window, keep);
+            let state = saved_state(&saved, tokens);
+            let mut restored = if keep == 0 {
+                let ring = RotatingKvCache::new(1, 1, window, &device).unwrap();
+                let mut ring = ring.with_precision(oxlm_engine::KvPrecision::F32).unwrap();
+                assert_eq!(restore_rotating(0, &mut ring, &state).unwrap(), tokens);
+                ring
+            } else {
+                let (ring, offset) = restore_bounded(0, &f32_kv(), &state).unwrap();
+                assert_eq!((offset, ring.keep(), ring.window()), (tokens, keep, window));
+                ring
+            };
+            let mut first = tokens;
+            for n in [1, 7, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 20, 1, 1] {
+                let x: Vec<f32> = (first..first + n).map(|p| p as f32 + 1.0).collect();
+                let x = oxlm_engine::Tensor::new(vec![n, 1], x);
+                let at = oxlm_engine::Positions::following(first, n, &device).unwrap();
+                saved.append(&x, &x, &at).unwrap();
+                restored.append(&x, &x, &at).unwrap();
+                for q in first..first + n {
+                    let case = format!("{tokens} tokens, window {window}, keep {keep}: {q}");
+                    assert_eq!(seen(&restored, q), seen(&saved, q), "{case}");
+                }
+                first += n;
+            }
+        }
+    }
+
+    /// A ring of one head of one element, fed a prompt of `tokens` tokens as `generate_step`
+    /// feeds it (chunks of 2048, the last token alone), each key and value its position + 1.
+    fn fed_ring(tokens: usize, window: usize, keep: usize) -> RotatingKvCache {
+        use oxlm_engine::{Device, Positions, Tensor};
+        let device = Device::Cpu;
+        let mut ring = RotatingKvCache::keeping(1, 1, window, keep, &device).unwrap();
+        ring = ring.with_precision(oxlm_engine::KvPrecision::F32).unwrap();
+        let mut first = 0;
+        for n in mlx_prompt_updates(tokens) {
+            let x: Vec<f32> = (first..first + n).map(|p| p as f32 + 1.0).collect();
+            let x = Tensor::new(vec![n, 1], x);
+            let at = Positions::following(first, n, &device).unwrap();
+            ring.append(&x, &x, &at).unwrap();
+            first += n;
+        }
+        ring
+    }
+
+    /// The ring here, fed as mlx-lm's is, holds every position mlx-lm's slots hold, the kept
+    /// ones among them.
+    #[test]
+    fn kept_rings_hold_what_mlx_lm_saves() {
+        for (tokens, window) in [(44, 16), (17, 16), (10, 16), (44, 48), (2300, 8)] {
+            let mlx = MlxRing::after_prompt(tokens, window, 4);
+            let ring = fed_ring(tokens, window, 4);
+            let (keys, values) = ring.gather(&mlx.slots).unwrap();
+            let held: Vec<Option<usize>> = keys
+                .iter()
+                .map(|&k| (k > 0.0).then(|| k as usize - 1))
+                .collect();
+            assert_eq!(
+                (held, keys),
+                (mlx.slots, values),
+                "{tokens} tokens, window {window}"
+            );
+        }
     }
 
     #[test]

@@ -112,6 +112,12 @@ impl RotatingKvCache {
         self.kept.is_some()
     }
 
+    /// How many of the sequence's first positions it keeps beside its window (mlx-lm's
+    /// `keep`): 0 for a plain sliding window.
+    pub fn keep(&self) -> usize {
+        self.kept.as_ref().map_or(0, |k| k.count)
+    }
+
     /// Before a pass from position `first`: the kept positions go into the slots of the oldest
     /// of its first query's window, once the sequence is longer than the window (see [`Kept`]).
     fn place_kept(&mut self, first: usize) -> Result<(), EngineError> {
@@ -252,13 +258,66 @@ impl RotatingKvCache {
             .view(self.kv_heads, self.capacity, held, Some(self.window))
     }
 
-    pub(crate) fn rings(&self) -> &KvRings {
-        &self.rings
+    /// Whether the keys and values of position `p` are still held: one of the first positions
+    /// it keeps, or one in the ring that neither left it nor lies where the kept ones were
+    /// last put (see [`Kept`]).
+    pub(crate) fn holds(&self, p: usize) -> bool {
+        if p >= self.end {
+            return false;
+        }
+        let Some(kept) = &self.kept else {
+            return p >= self.start;
+        };
+        if p < kept.count {
+            return true;
+        }
+        // Positions before the oldest of the last placement's window (and the ones it covered)
+        // may lie under kept positions.
+        let clear_from = kept
+            .placed_for
+            .map_or(0, |first| first + 1 - self.window + kept.count);
+        p >= self.start && p >= clear_from
+    }
+
+    /// `[kv_heads, slots, head_dim]` keys and values as f32: for each slot the position it
+    /// names, read from the ring or (one of the first positions it keeps) from where those are
+    /// kept; zeros where it names none. Every position named must be
+    /// [held](Self::holds).
+    pub(crate) fn gather(
+        &self,
+        slots: &[Option<usize>],
+    ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+        if let Some(p) = slots.iter().flatten().find(|&&p| !self.holds(p)) {
+            return Err(EngineError::Shape(format!(
+                "position {p} is no longer held by the ring"
+            )));
+        }
+        let shape = self.shape();
+        let Some(kept) = &self.kept else {
+            return self.rings.gather(shape, self.capacity, slots);
+        };
+        let count = kept.count;
+        let from_ring: Vec<_> = slots.iter().map(|s| s.filter(|&p| p >= count)).collect();
+        let from_kept: Vec<_> = slots.iter().map(|s| s.filter(|&p| p < count)).collect();
+        let (mut keys, mut values) = self.rings.gather(shape, self.capacity, &from_ring)?;
+        let (kept_keys, kept_values) = kept.rings.gather(shape, count, &from_kept)?;
+        let d = self.head_dim;
+        for head in 0..self.kv_heads {
+            for (s, p) in from_kept.iter().enumerate() {
+                if p.is_some() {
+                    let at = (head * slots.len() + s) * d;
+                    keys[at..at + d].copy_from_slice(&kept_keys[at..at + d]);
+                    values[at..at + d].copy_from_slice(&kept_values[at..at + d]);
+                }
+            }
+        }
+        Ok((keys, values))
     }
 
     /// Holds `keys` and `values` (`[kv_heads, n, head_dim]`) as positions `first..first + n`,
     /// the last ones seen, in place of what it held (a prompt cache read from a file). The ring
-    /// is as wide as what it holds; the next append sizes it as usual.
+    /// is as wide as what it holds; the next append sizes it as usual. A ring that keeps the
+    /// first positions is then given them with [`restore_kept`](Self::restore_kept).
     pub(crate) fn restore(
         &mut self,
         first: usize,
@@ -269,6 +328,38 @@ impl RotatingKvCache {
         let shape = self.shape();
         self.rings.restore(shape, n, first, keys, values)?;
         (self.capacity, self.start, self.end) = (n, first, first + n);
+        if let Some(kept) = &mut self.kept {
+            // Not yet put into the ring's slots: the next pass past the window puts them.
+            kept.placed_for = None;
+        }
+        Ok(())
+    }
+
+    /// Holds `keys` and `values` (`[kv_heads, m, head_dim]`) as the first `m` positions it
+    /// keeps (all of them, or fewer where the sequence is shorter), after
+    /// [`restore`](Self::restore). `placed`: the ring's oldest slots already hold them, as a
+    /// pass past the window leaves them (see [`Kept`]).
+    pub(crate) fn restore_kept(
+        &mut self,
+        keys: &[f32],
+        values: &[f32],
+        placed: bool,
+    ) -> Result<(), EngineError> {
+        let (shape, placed_for) = (self.shape(), self.start + self.window - 1);
+        let Some(kept) = &mut self.kept else {
+            return Err(EngineError::Shape(
+                "first positions restored into a ring that keeps none".into(),
+            ));
+        };
+        let m = keys.len() / (shape.0 * shape.1).max(1);
+        if m > kept.count || m > self.end {
+            return Err(EngineError::Shape(format!(
+                "{m} first positions restored into a ring that keeps {} of {}",
+                kept.count, self.end
+            )));
+        }
+        kept.rings.restore(shape, kept.count, 0, keys, values)?;
+        kept.placed_for = placed.then_some(placed_for);
         Ok(())
     }
 
