@@ -139,7 +139,7 @@ fn chat_request(
         top_logprobs: 0,
         adapter: None,
     };
-    let tool_choice = tool_choice(fields.get("tool_choice"))?;
+    let (tool_choice, parallel_tool_calls) = tool_choice(fields.get("tool_choice"))?;
     let tools = tools(fields.get("tools"))?
         .filter(|tools| !tools.is_empty() && tool_choice != ToolChoice::None)
         .map(Value::Array);
@@ -162,6 +162,7 @@ fn chat_request(
         tool_choice,
         response_format: Default::default(),
         reply_prefix,
+        parallel_tool_calls,
     })
 }
 
@@ -450,27 +451,31 @@ fn tools(value: Option<&Value>) -> Result<Option<Vec<Value>>, ApiError> {
         .map(Some)
 }
 
-/// Anthropic's `tool_choice` (`auto`, `any`, `tool` with a `name`, `none`) as OpenAI's.
-/// `disable_parallel_tool_use` is accepted; nothing here makes several calls at once.
-fn tool_choice(value: Option<&Value>) -> Result<ToolChoice, ApiError> {
+/// Anthropic's `tool_choice` (`auto`, `any`, `tool` with a `name`, `none`) as OpenAI's, and
+/// whether the reply may make several calls (not with `disable_parallel_tool_use`).
+fn tool_choice(value: Option<&Value>) -> Result<(ToolChoice, bool), ApiError> {
     let Some(choice) = value else {
-        return Ok(ToolChoice::Auto);
+        return Ok((ToolChoice::Auto, true));
     };
-    if let Value::Object(fields) = choice {
-        Fields(fields).bool("disable_parallel_tool_use")?;
-    }
-    match choice.get("type").and_then(Value::as_str) {
-        Some("auto") => Ok(ToolChoice::Auto),
-        Some("any") => Ok(ToolChoice::Required),
-        Some("none") => Ok(ToolChoice::None),
-        Some("tool") => Ok(ToolChoice::Function(
-            required_str(choice, "name", "tool_choice")?.to_owned(),
-        )),
-        _ => Err(invalid(
-            "tool_choice.type",
-            "must be \"auto\", \"any\", \"tool\" or \"none\"",
-        )),
-    }
+    let disable_parallel = match choice {
+        Value::Object(fields) => Fields(fields).bool("disable_parallel_tool_use")?,
+        _ => None,
+    };
+    let choice = match choice.get("type").and_then(Value::as_str) {
+        Some("auto") => ToolChoice::Auto,
+        Some("any") => ToolChoice::Required,
+        Some("none") => ToolChoice::None,
+        Some("tool") => {
+            ToolChoice::Function(required_str(choice, "name", "tool_choice")?.to_owned())
+        }
+        _ => {
+            return Err(invalid(
+                "tool_choice.type",
+                "must be \"auto\", \"any\", \"tool\" or \"none\"",
+            ))
+        }
+    };
+    Ok((choice, !disable_parallel.unwrap_or(false)))
 }
 
 /// The chat template's `enable_thinking` that `thinking` asks for. Templates only turn

@@ -1,5 +1,6 @@
 //! Routes, handlers and response shapes (OpenAI's, with mlx_lm.server's extras).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError};
 
 use axum::body::Bytes;
@@ -307,7 +308,10 @@ pub(crate) async fn start_chat(
         tokens,
     )
     .await?;
-    let reply = Reply::new(state, &req.params, tokens, Some(parser));
+    let mut reply = Reply::new(state, &req.params, tokens, Some(parser));
+    if !req.parallel_tool_calls && req.tools.is_some() {
+        reply.one_call = Some(running.ender());
+    }
     Ok((running, reply))
 }
 
@@ -521,6 +525,9 @@ pub(crate) struct Reply {
     pub(crate) cached_tokens: usize,
     /// Log-probabilities not yet sent.
     entries: Vec<Value>,
+    /// Set at the reply's first tool call where it may make only one: what follows it is
+    /// dropped, and the job ends (a [`Running`]'s [`ender`](Running::ender)).
+    one_call: Option<Arc<AtomicBool>>,
 }
 
 impl Reply {
@@ -537,16 +544,36 @@ impl Reply {
             tokens: tokens.clone(),
             cached_tokens: 0,
             entries: Vec::new(),
+            one_call: None,
         }
     }
 
     /// The pieces text released at the end of generation completes.
     pub(crate) fn text(&mut self, text: &str) -> Vec<Piece> {
-        match &mut self.parser {
+        let pieces = match &mut self.parser {
             Some(parser) => parser.push(text),
             None if text.is_empty() => Vec::new(),
             None => vec![Piece::Content(text.to_owned())],
+        };
+        self.up_to_one_call(pieces)
+    }
+
+    /// `pieces` up to the reply's first tool call where it may make only one; none after it.
+    fn up_to_one_call(&mut self, pieces: Vec<Piece>) -> Vec<Piece> {
+        let Some(ended) = &self.one_call else {
+            return pieces;
+        };
+        let mut kept = Vec::with_capacity(pieces.len());
+        for piece in pieces {
+            if ended.load(Ordering::Relaxed) {
+                break;
+            }
+            if matches!(piece, Piece::ToolCall(_)) {
+                ended.store(true, Ordering::Relaxed);
+            }
+            kept.push(piece);
         }
+        kept
     }
 
     /// Counts a generated token; the pieces its text completes.
@@ -568,10 +595,12 @@ impl Reply {
 
     /// What the parser still held once generation ended.
     pub(crate) fn finish(&mut self) -> Vec<Piece> {
-        self.parser
+        let pieces = self
+            .parser
             .as_mut()
             .map(OutputParser::finish)
-            .unwrap_or_default()
+            .unwrap_or_default();
+        self.up_to_one_call(pieces)
     }
 
     /// OpenAI's token entry, with mlx_lm.server's `id`.

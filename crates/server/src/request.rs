@@ -89,6 +89,9 @@ pub struct ChatRequest {
     /// The start of the reply, which the model continues (Anthropic's prefill: a last
     /// assistant message); the reply holds only what follows it.
     pub reply_prefix: Option<String>,
+    /// Whether the reply may make several tool calls (OpenAI's `parallel_tool_calls`, the
+    /// opposite of Anthropic's `disable_parallel_tool_use`); if not, it ends at its first.
+    pub parallel_tool_calls: bool,
 }
 
 /// OpenAI's `tool_choice` (Anthropic's `auto`/`any`/`tool`/`none` map onto it): what calls
@@ -193,6 +196,7 @@ pub fn chat_request(
         tool_choice,
         response_format: response_format(fields.get("response_format"))?,
         reply_prefix: None,
+        parallel_tool_calls: fields.bool("parallel_tool_calls")?.unwrap_or(true),
     })
 }
 

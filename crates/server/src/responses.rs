@@ -222,6 +222,7 @@ fn responses_request(
         tool_choice,
         response_format,
         reply_prefix: None,
+        parallel_tool_calls,
     };
     Ok(ResponsesRequest {
         chat,

@@ -91,7 +91,7 @@ fn reply_grammar(req: &ChatRequest, markup: &Markup, grammars: &Grammars) -> Gra
         .unwrap_or_default();
     let lark = Lark { grammars };
     let calls = match &req.tool_choice {
-        ToolChoice::Required => Some(lark.calls(markup.format, &tools, true)),
+        ToolChoice::Required => Some(lark.calls(markup.format, &tools, req.parallel_tool_calls)),
         ToolChoice::Function(name) => {
             let tool: Vec<&Value> = tools
                 .iter()
@@ -120,7 +120,8 @@ fn reply_grammar(req: &ChatRequest, markup: &Markup, grammars: &Grammars) -> Gra
         (Some(calls), _) => calls,
         // Free to call a tool instead of answering (`tool_choice: auto`), as OpenAI allows.
         (None, Some(content)) if !tools.is_empty() && req.tool_choice == ToolChoice::Auto => {
-            format!("{content} | {}", lark.calls(markup.format, &tools, true))
+            let calls = lark.calls(markup.format, &tools, req.parallel_tool_calls);
+            format!("{content} | {calls}")
         }
         (None, Some(content)) => content,
         (None, None) => unreachable!("reply_grammar is only asked of requests that enforce"),
@@ -573,9 +574,13 @@ mod tests {
         let mut required = tools.clone();
         required["tool_choice"] = json!("required");
         let required = request(required);
-        let mut named = tools;
+        let mut named = tools.clone();
         named["tool_choice"] = json!({"type": "function", "function": {"name": "get_time"}});
         let named = request(named);
+        let mut one_call = tools;
+        one_call["tool_choice"] = json!("required");
+        one_call["parallel_tool_calls"] = json!(false);
+        let one_call = request(one_call);
         let expected = [
             ("get_time".to_owned(), json!({"zone": 3})),
             (
@@ -627,8 +632,9 @@ mod tests {
             for reply in refused {
                 assert!(takes(&required, &markup, reply).is_err(), "{reply}");
             }
-            // A named function is called once.
+            // A named function is called once, and so is any without parallel calls.
             assert!(takes(&named, &markup, reply).is_err(), "{format:?}");
+            assert!(takes(&one_call, &markup, reply).is_err(), "{format:?}");
         }
     }
 
@@ -637,6 +643,7 @@ mod tests {
         let required = request(json!({"tool_choice": "required"}));
         let named =
             request(json!({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}));
+        let one_call = request(json!({"tool_choice": "required", "parallel_tool_calls": false}));
         let cases = [
             (
                 ToolFormat::Hermes,
@@ -681,6 +688,7 @@ mod tests {
             };
             takes(&required, &markup, reply).unwrap();
             takes(&named, &markup, reply).unwrap();
+            takes(&one_call, &markup, reply).unwrap();
             assert_eq!(
                 calls_read(&required, format, reply),
                 [("get_time".to_owned(), json!({"zone": 3}))],

@@ -13,7 +13,7 @@ use oxlm_models::LanguageModel;
 use oxlm_runtime::adapter_store::Adapter;
 use oxlm_runtime::batcher::{Batcher, BatcherSettings, Job, JobError, Requester, Update, Work};
 use oxlm_runtime::memory::MemoryPlan;
-use oxlm_runtime::{GenerateOptions, LoadedModel, StreamOptions};
+use oxlm_runtime::{FinishReason, GenerateOptions, LoadedModel, StreamOptions};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::watch;
 
@@ -52,6 +52,8 @@ impl Requester for Request {
 pub struct Running {
     updates: UnboundedReceiver<Update>,
     cancel: Arc<AtomicBool>,
+    /// Set when the reply is complete before the generation ends (see [`Running::ender`]).
+    complete: Arc<AtomicBool>,
     shutdown: watch::Receiver<bool>,
     /// This request among those not yet answered.
     _counted: Counted,
@@ -73,6 +75,10 @@ impl Running {
     /// [`JobError::ShuttingDown`] or [`JobError::DeadlineExceeded`] at once, whatever the
     /// generation thread is doing: a prompt's forward pass may hold it for longer.
     pub async fn next(&mut self) -> Option<Update> {
+        if self.complete.load(Ordering::Relaxed) {
+            self.cancel.store(true, Ordering::Relaxed);
+            return Some(Update::Done(Ok(FinishReason::Stop)));
+        }
         let deadline = async {
             match self.deadline {
                 Some(deadline) => tokio::time::sleep_until(deadline.into()).await,
@@ -90,6 +96,14 @@ impl Running {
                 Some(Update::Done(Err(JobError::DeadlineExceeded)))
             }
         }
+    }
+}
+
+impl Running {
+    /// A flag that, once set, ends the job: [`next`](Running::next) then gives its end, a
+    /// stop, whatever it has still to say (the reply was complete, at its one tool call).
+    pub fn ender(&self) -> Arc<AtomicBool> {
+        self.complete.clone()
     }
 }
 
@@ -219,6 +233,7 @@ impl Worker {
         let running = Running {
             updates: receiver,
             cancel,
+            complete: Arc::default(),
             shutdown: self.shutdown_watch.subscribe(),
             _counted: counted,
             deadline,

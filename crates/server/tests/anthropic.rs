@@ -215,6 +215,52 @@ async fn thinking_text_and_tool_use_streamed() {
     assert!(tool_start["id"].as_str().unwrap().starts_with("toolu_"));
 }
 
+/// `disable_parallel_tool_use`: the reply ends at its first tool_use, whatever the model writes
+/// after it; streamed, no second block starts.
+#[tokio::test]
+async fn disable_parallel_tool_use_ends_at_the_first_call() {
+    let second = "\n<tool_call>\n<function=get_weather>\n<parameter=city>\nLyon\n</parameter>\n\
+        </function>\n</tool_call>\nBoth asked.";
+    let served = start(&format!("{TOOL_REPLY}{second}")).await;
+    let base = &served.base;
+    let choice = |disable: bool| json!({"type": "auto", "disable_parallel_tool_use": disable});
+    let one = message(base, &request(json!({"tool_choice": choice(true)}))).await;
+    let both = message(base, &request(json!({"tool_choice": choice(false)}))).await;
+    let types = |reply: &Value| -> Vec<String> {
+        let blocks = reply["content"].as_array().unwrap();
+        blocks
+            .iter()
+            .map(|b| b["type"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(types(&one), ["thinking", "text", "tool_use"], "{one}");
+    assert_eq!(
+        one["content"][2]["input"],
+        json!({"city": "Paris", "days": 2})
+    );
+    assert_eq!(one["stop_reason"], "tool_use");
+    let output_tokens = served.tokenizer.encode(TOOL_REPLY, false).unwrap().len();
+    assert!(one["usage"]["output_tokens"].as_u64().unwrap() <= output_tokens as u64);
+    assert_eq!(
+        types(&both),
+        ["thinking", "text", "tool_use", "text", "tool_use", "text"],
+        "{both}"
+    );
+    let body = request(json!({"tool_choice": choice(true), "stream": true}));
+    let (status, text) = post_raw(base, "/v1/messages", body.to_string()).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let events = events(&text);
+    let started: Vec<&Value> = events
+        .iter()
+        .filter(|(name, _)| name == "content_block_start")
+        .map(|(_, data)| &data["content_block"]["type"])
+        .collect();
+    assert_eq!(started, ["thinking", "text", "tool_use"], "{text}");
+    let (last, delta) = (&events[events.len() - 1], &events[events.len() - 2]);
+    assert_eq!(last.0, "message_stop");
+    assert_eq!(delta.1["delta"]["stop_reason"], "tool_use", "{text}");
+}
+
 /// The reply goes back as history with the tool's result: the template shows both.
 #[tokio::test]
 async fn tool_use_and_tool_result_round_trip() {

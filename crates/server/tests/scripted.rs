@@ -74,6 +74,93 @@ async fn reasoning_and_tool_call_streamed() {
     assert_eq!(last["choices"][0]["finish_reason"], "tool_calls");
 }
 
+/// [`REPLY`] with a second call after the first, and text after that.
+const TWO_CALLS: &str =
+    "The user wants the weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n\
+    <parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n\
+    <function=get_weather>\n<parameter=city>\nLyon\n</parameter>\n</function>\n</tool_call>\n\
+    Both asked.";
+
+/// The cities of a message's (or its stream's) calls.
+fn cities(calls: &[&Value]) -> Vec<String> {
+    calls
+        .iter()
+        .map(|call| {
+            let arguments: Value =
+                serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+            arguments["city"].as_str().unwrap().to_owned()
+        })
+        .collect()
+}
+
+/// `parallel_tool_calls: false`: the reply ends at its first call, whatever the model writes
+/// after it (the generation stops there: fewer tokens are counted); by default both come.
+#[tokio::test]
+async fn without_parallel_calls_the_reply_ends_at_the_first() {
+    let base = start(&QWEN3_5, TWO_CALLS).await;
+    for stream in [false, true] {
+        let mut one = weather_request(stream);
+        one["parallel_tool_calls"] = json!(false);
+        one["stream_options"] = json!({"include_usage": true});
+        let mut both = weather_request(stream);
+        both["stream_options"] = json!({"include_usage": true});
+        let mut replies = Vec::new();
+        for body in [&one, &both] {
+            let text = chat(&base, body).await;
+            let (calls, finish, usage, content) = if stream {
+                let chunks = chunks(&text);
+                let deltas: Vec<Value> = chunks
+                    .iter()
+                    .map(|c| c["choices"][0]["delta"].clone())
+                    .collect();
+                let calls: Vec<Value> = deltas
+                    .iter()
+                    .filter_map(|d| d["tool_calls"].as_array())
+                    .flatten()
+                    .cloned()
+                    .collect();
+                let content: String = deltas
+                    .iter()
+                    .filter_map(|d| d["content"].as_str())
+                    .collect();
+                let finish = chunks
+                    .iter()
+                    .find_map(|c| c["choices"][0]["finish_reason"].as_str().map(str::to_owned));
+                (
+                    calls,
+                    finish.unwrap(),
+                    chunks.last().unwrap()["usage"].clone(),
+                    content,
+                )
+            } else {
+                let r: Value = serde_json::from_str(&text).unwrap();
+                let message = &r["choices"][0]["message"];
+                let calls = message["tool_calls"].as_array().unwrap().clone();
+                let finish = r["choices"][0]["finish_reason"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned();
+                let content = message["content"].as_str().unwrap_or("").to_owned();
+                (calls, finish, r["usage"].clone(), content)
+            };
+            assert_eq!(finish, "tool_calls", "{text}");
+            let calls: Vec<&Value> = calls.iter().collect();
+            replies.push((cities(&calls), usage["completion_tokens"].clone(), content));
+        }
+        let (one, both) = (&replies[0], &replies[1]);
+        assert_eq!(one.0, ["Paris"], "stream: {stream}");
+        assert_eq!(both.0, ["Paris", "Lyon"], "stream: {stream}");
+        assert_eq!(
+            (one.2.as_str(), both.2.as_str()),
+            ("\n\n", "\n\n\n\nBoth asked.")
+        );
+        assert!(
+            one.1.as_u64().unwrap() < both.1.as_u64().unwrap(),
+            "{one:?} {both:?}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn a_plain_answer_after_reasoning() {
     let base = start(&QWEN3_5, "Easy.</think>\n\nIt is sunny.").await;
