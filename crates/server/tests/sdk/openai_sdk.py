@@ -1,4 +1,4 @@
-"""Drives a real `oxlm serve` on a tiny fixture model with the official `openai` Python SDK.
+"""Drives a real `oxlm serve` on tiny fixture models with the official `openai` Python SDK.
 usage: openai_sdk.py OXLM_BINARY   (scripts/test.sh runs it in a venv that has `openai`)
 Prints one line per check and a closing 'N passed, N failed' line; exits 1 on any failure."""
 import json
@@ -21,6 +21,10 @@ def start(model, *flags):
 
 server, client = start(MODEL)
 adapter_server, adapter_client = start(ADAPTER_MODEL, "--adapters-dir", ADAPTERS)
+# The tiny Qwen3-Embedding and its golden vectors (scripts/oracle/make_embedding_fixture.py).
+EMBEDDING_MODEL = f"{serving.FIXTURES}/tiny/embedding/qwen3-embedding-8bit-g128"
+EMBEDDINGS = json.load(open(f"{EMBEDDING_MODEL}/embeddings.json"))["inputs"]
+embedding_server, embedding_client = start(EMBEDDING_MODEL)
 
 def chat_plain_and_stream():
     r = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=16, temperature=0)
@@ -90,11 +94,46 @@ def adapters_per_request():
     listed = adapter_client.models.list().data[0]
     assert "llama-4bit-g64-r4" in listed.adapters, listed
 
-with serving.Checks(server, adapter_server) as checks:
+def close(got, want, what, tolerance=1e-5):
+    worst = max(abs(a - b) for a, b in zip(got, want))
+    assert len(got) == len(want) and worst <= tolerance, (what, len(got), worst)
+
+def embeddings_as_the_oracle_gives():
+    plain = [e for e in EMBEDDINGS if e["prompt_name"] is None]
+    texts = [e["text"] for e in plain]
+    # The SDK asks for base64 unless told otherwise, and decodes it.
+    r = embedding_client.embeddings.create(model="m", input=texts)
+    assert r.object == "list" and [d.index for d in r.data] == list(range(len(texts))), r
+    for d, e in zip(r.data, plain):
+        close(d.embedding, e["last_token"], e["text"])
+    assert r.usage.prompt_tokens == sum(len(e["ids"]) for e in plain), r.usage
+    # JSON numbers are the f32 values written shortest, which Python reads as doubles.
+    as_floats = embedding_client.embeddings.create(model="m", input=texts, encoding_format="float")
+    for f, b in zip(as_floats.data, r.data):
+        close(f.embedding, b.embedding, "float against base64", 1e-7)
+    ids = embedding_client.embeddings.create(model="m", input=[e["ids"] for e in plain])
+    for d, e in zip(ids.data, plain):
+        close(d.embedding, e["last_token"], e["text"])
+    cut = embedding_client.embeddings.create(model="m", input=texts, dimensions=32)
+    for d, e in zip(cut.data, plain):
+        close(d.embedding, e["last_token_dimensions_32"], e["text"])
+    for e in EMBEDDINGS:
+        if e["prompt_name"] is not None:
+            one = embedding_client.embeddings.create(
+                model="m", input=e["text"], extra_body={"prompt_name": e["prompt_name"]})
+            close(one.data[0].embedding, e["last_token"], e["text"])
+    try:
+        client.embeddings.create(model="m", input="a causal model")
+        raise AssertionError("a model without embedding files embedded")
+    except openai.BadRequestError as e:
+        assert e.body["type"] == "invalid_request_error", e.body
+
+with serving.Checks(server, adapter_server, embedding_server) as checks:
     checks.run([("chat, plain and streamed", chat_plain_and_stream),
                 ("completions with logprobs", completions_and_logprobs),
                 ("stop string across tokens", stop_string_across_tokens),
                 ("prompt cache on a second turn", prompt_cache_second_turn),
                 ("errors as OpenAI objects", errors_are_openai_objects),
                 ("models list", models_list),
-                ("adapters chosen per request", adapters_per_request)])
+                ("adapters chosen per request", adapters_per_request),
+                ("embeddings as the oracle gives them", embeddings_as_the_oracle_gives)])
