@@ -1,6 +1,6 @@
 """Preference-training goldens for `oxlm lora --train-mode dpo|orpo`: a small preference data set, what
-mlx-lm-lora's DPODataset makes of it, and the DPO and ORPO losses of a fixed batch with the gradient of a few
-adapter entries, computed by the numpy forward of numpy_reference.py in float64.
+mlx-lm-lora's DPODataset makes of it, and the DPO (each --dpo-cpo-loss-type) and ORPO losses of a fixed batch
+with the gradient of a few adapter entries, computed by the numpy forward of numpy_reference.py in float64.
 
 usage: PY=$(scripts/oracle/venv.sh); $PY scripts/oracle/make_preference_fixture.py [TINY_ROOT] [OUT_ROOT]
   TINY_ROOT default tests/fixtures/tiny, OUT_ROOT default tests/fixtures/lora
@@ -15,12 +15,15 @@ Writes
                                                      adapters (policy) and without them (the reference: adapters at
                                                      scale 0), the mean DPO (sigmoid) and ORPO losses at BETA, and
                                                      their derivatives with respect to the entries GRAD_ENTRIES by
-                                                     central differences (step FD_STEP)
+                                                     central differences (step FD_STEP); and the same of DPO's
+                                                     other loss types (dpo_hinge, dpo_ipo, dpo_dpop at DELTA), in
+                                                     their own keys `{key}_loss` and `dpo_loss_type_grads`
 
-The losses follow mlx-lm-lora 5.10.2 (trainer/dpo_trainer.py `dpo_loss` with loss_type sigmoid, scores summed
-over answer tokens; trainer/orpo_trainer.py `get_logps` and `orpo_loss`, log-probabilities averaged over answer
-tokens, preference_score 1); an answer's tokens are those after the rendered prompt (chat template with the
-generation prompt) up to the end of its sequence. A few seconds.
+The losses follow mlx-lm-lora 5.10.2 (trainer/dpo_trainer.py `dpo_loss` with loss_type sigmoid, hinge, ipo and
+dpop, scores summed over answer tokens, for ipo divided by them (`compute_score`); trainer/orpo_trainer.py
+`get_logps` and `orpo_loss`, log-probabilities averaged over answer tokens, preference_score 1); an answer's
+tokens are those after the rendered prompt (chat template with the generation prompt) up to the end of its
+sequence; they are the tokens mlx-lm-lora's `mask[:, 1:]` counts. A few seconds.
 """
 import json
 import re
@@ -34,6 +37,8 @@ from mlx_lm import load
 from numpy_reference import forward
 
 BETA = 0.1
+DELTA = 50.0
+LOSS_TYPES = ["hinge", "ipo", "dpop"]  # DPO's but sigmoid
 MODEL = "llama-4bit-g64"
 ADAPTER = "train-llama-4bit-g64/init"
 PAIRS = [0, 1, 2]
@@ -107,6 +112,22 @@ def dpo_loss(policy, reference):
     return np.mean([-log_sigmoid(BETA * ((pc - pr) - (rc - rr))) for (pc, pr), (rc, rr) in zip(policy, reference)])
 
 
+def dpo_type_loss(loss_type, policy, reference, tokens):
+    """`dpo_loss` of `loss_type` over the scores `compute_score` makes: ipo's per scored token."""
+    losses = []
+    for (pc, pr), (rc, rr), (nc, nr) in zip(policy, reference, tokens):
+        if loss_type == "ipo":
+            pc, rc, pr, rr = pc / max(nc, 1), rc / max(nc, 1), pr / max(nr, 1), rr / max(nr, 1)
+        z = (pc - pr) - (rc - rr)
+        if loss_type == "hinge":
+            losses.append(max(1 - BETA * z, 0.0))
+        elif loss_type == "ipo":
+            losses.append((z - 1 / (2 * BETA)) ** 2)
+        elif loss_type == "dpop":
+            losses.append(-(log_sigmoid(BETA * z) - DELTA * max(0.0, rc - pc)))
+    return np.mean(losses)
+
+
 def orpo_loss(policy, tokens):
     losses = []
     for (pc, pr), (nc, nr) in zip(policy, tokens):
@@ -143,7 +164,7 @@ def main():
     reference = [[log_prob_sum(model_dir, ids, p, None) for ids in (c, r)] for c, r, p in items]
     tokens = [[len(ids) - max(p, 1) for ids in (c, r)] for c, r, p in items]
     policy = policy_sums(weights)
-    grads = []
+    grads, type_grads = [], []
     for name, index in GRAD_ENTRIES:
         slopes = []
         for sign in (1, -1):
@@ -151,16 +172,24 @@ def main():
             w[name] = weights[name].copy()
             w[name][index] += sign * FD_STEP
             p = policy_sums(w)
-            slopes.append((dpo_loss(p, reference), orpo_loss(p, tokens)))
+            slopes.append((dpo_loss(p, reference), orpo_loss(p, tokens),
+                           *(dpo_type_loss(t, p, reference, tokens) for t in LOSS_TYPES)))
         d = [(plus - minus) / (2 * FD_STEP) for plus, minus in zip(*slopes)]
         grads.append({"array": name, "index": list(index), "dpo": d[0], "orpo": d[1]})
-        print(f"{name}{list(index)}: d dpo {d[0]:.6e}, d orpo {d[1]:.6e}")
+        type_grads.append({"array": name, "index": list(index),
+                           **{f"dpo_{t}": v for t, v in zip(LOSS_TYPES, d[2:])}})
+        print(f"{name}{list(index)}: d dpo {d[0]:.6e}, d orpo {d[1]:.6e}, "
+              + ", ".join(f"d {t} {v:.6e}" for t, v in zip(LOSS_TYPES, d[2:])))
     golden.update({
         "model": MODEL, "adapter": ADAPTER, "pairs": PAIRS, "beta": BETA, "fd_step": FD_STEP,
         "policy_log_prob_sums": policy, "reference_log_prob_sums": reference, "answer_tokens": tokens,
-        "dpo_loss": dpo_loss(policy, reference), "orpo_loss": orpo_loss(policy, tokens), "grads": grads,
+        "dpo_loss": dpo_loss(policy, reference), "orpo_loss": orpo_loss(policy, tokens),
+        # The other loss types come before `grads`, so that the keys above stay as they were.
+        "delta": DELTA, **{f"dpo_{t}_loss": dpo_type_loss(t, policy, reference, tokens) for t in LOSS_TYPES},
+        "dpo_loss_type_grads": type_grads, "grads": grads,
     })
-    print(f"dpo {golden['dpo_loss']:.8f}, orpo {golden['orpo_loss']:.8f}")
+    print(f"dpo {golden['dpo_loss']:.8f}, orpo {golden['orpo_loss']:.8f}, "
+          + ", ".join(f"{t} {golden[f'dpo_{t}_loss']:.8f}" for t in LOSS_TYPES))
     lines = (f" {json.dumps(key)}: {json.dumps(value)}" for key, value in golden.items())
     (out / "preference.json").write_text("{\n" + ",\n".join(lines) + "\n}\n")
 

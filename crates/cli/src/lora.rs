@@ -1,6 +1,7 @@
 //! `oxlm lora`: a drop-in for `mlx_lm.lora`, fine-tuning LoRA adapters on a frozen model with
 //! its flags, defaults, data formats and report lines, plus a progress bar; and for
-//! mlx-lm-lora's preference training (`--train-mode dpo|orpo`, `--beta`).
+//! mlx-lm-lora's preference training (`--train-mode dpo|orpo`, `--beta`, and DPO's
+//! `--dpo-cpo-loss-type` and `--delta`).
 
 use std::fs::File;
 use std::io::Write;
@@ -16,7 +17,7 @@ use oxlm_runtime::hub::resolve_model;
 use oxlm_runtime::lora::data::{Encoder, PreferenceSet, Splits};
 use oxlm_runtime::lora::np_random::NumpyRandom;
 use oxlm_runtime::lora::preference::{
-    evaluate_preference, PreferenceLoss, ReferenceScores, Rewards,
+    evaluate_preference, DpoLossType, PreferenceLoss, ReferenceScores, Rewards, DPO_LOSS_TYPES,
 };
 use oxlm_runtime::lora::trainer::{self, init_adapters, Event, TrainArgs};
 use oxlm_runtime::LoadedModel;
@@ -46,13 +47,24 @@ pub struct Args {
     /// Only `lora` is supported [default: lora].
     #[arg(long)]
     fine_tune_type: Option<String>,
-    /// sft (mlx_lm.lora's loss), or mlx-lm-lora's preference losses: dpo (sigmoid, against
-    /// the model without adapters as the reference) or orpo [default: sft].
+    /// sft (mlx_lm.lora's loss), or mlx-lm-lora's preference losses: dpo (of
+    /// --dpo-cpo-loss-type, against the model without adapters as the reference) or orpo
+    /// [default: sft].
     #[arg(long)]
     train_mode: Option<String>,
     /// β of the dpo and orpo losses [default: 0.1].
     #[arg(long)]
     beta: Option<f64>,
+    /// The dpo loss of each pair's margin z = (πc − πr) − (ρc − ρr), π and ρ the answers'
+    /// log-probabilities under the adapters and the reference: sigmoid −log σ(βz), hinge
+    /// relu(1 − βz), ipo (z − 1/(2β))² over mean per-token log-probabilities, or dpop, sigmoid
+    /// plus δ·max(0, ρc − πc) [default: sigmoid].
+    #[arg(long, value_parser = DPO_LOSS_TYPES)]
+    dpo_cpo_loss_type: Option<String>,
+    /// δ of the dpop loss type, weighing the chosen answer's log-probability lost against the
+    /// reference [default: 50.0].
+    #[arg(long, allow_negative_numbers = true, value_parser = finite)]
+    delta: Option<f64>,
     /// adam, adamw, sgd, adafactor or muon, with mlx.optimizers' defaults; the config file's
     /// `optimizer_config.<name>` sets their parameters (betas, eps, weight_decay,
     /// bias_correction; momentum, weight_decay, dampening, nesterov; eps, clip_threshold,
@@ -147,6 +159,8 @@ impl Args {
             ("fine_tune_type", value(&self.fine_tune_type)),
             ("train_mode", value(&self.train_mode)),
             ("beta", value(&self.beta)),
+            ("dpo_cpo_loss_type", value(&self.dpo_cpo_loss_type)),
+            ("delta", value(&self.delta)),
             ("optimizer", value(&self.optimizer)),
             ("mask_prompt", switch(self.mask_prompt)),
             ("num_layers", value(&self.num_layers)),
@@ -187,6 +201,16 @@ fn positive(text: &str) -> Result<usize, String> {
     match text.parse::<usize>() {
         Ok(0) => Err("must be at least 1".into()),
         Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A number the losses can compute with: NaN or an infinity would make every loss NaN (and
+/// would reach the settings as null: not given).
+fn finite(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(x) if x.is_finite() => Ok(x),
+        Ok(_) => Err("expected a finite number".into()),
         Err(e) => Err(e.to_string()),
     }
 }
@@ -463,6 +487,9 @@ pub fn run(args: Args) -> Result<()> {
         say!("Loading configuration file {}", path.display());
     }
     let args = Settings::gather(args.given(), args.config.as_deref())?;
+    for note in &args.unused {
+        eprintln!("Note: {note}.");
+    }
     if !args.train && !args.test {
         bail!("Must provide at least one of --train or --test");
     }
@@ -533,7 +560,13 @@ pub fn run(args: Args) -> Result<()> {
 fn mode_label(preference: Option<PreferenceLoss>) -> String {
     match preference {
         None => "sft".into(),
-        Some(PreferenceLoss::Dpo { beta }) => format!("dpo (sigmoid) · β {beta}"),
+        Some(PreferenceLoss::Dpo {
+            beta,
+            loss_type: DpoLossType::Dpop { delta },
+        }) => format!("dpo (dpop · δ {delta}) · β {beta}"),
+        Some(PreferenceLoss::Dpo { beta, loss_type }) => {
+            format!("dpo ({}) · β {beta}", loss_type.name())
+        }
         Some(PreferenceLoss::Orpo { beta }) => format!("orpo · β {beta}"),
     }
 }

@@ -1,7 +1,8 @@
 //! The real `oxlm lora` binary: learning rates that cannot train are refused before the model
 //! loads, a run that diverges ends with an error and no adapters of NaN, a `--config` file
 //! drives a run as mlx_lm.lora's does, and bad configs are refused naming the key; preference
-//! training (`--train-mode dpo|orpo`) lowers its loss, and its adapters load back and serve.
+//! training (`--train-mode dpo|orpo`, DPO of each `--dpo-cpo-loss-type`) lowers its loss, and its
+//! adapters load back and serve.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -299,6 +300,10 @@ fn bad_configs_are_refused_naming_the_key() {
             "`beta` is -1: expected a finite number above 0",
         ),
         (
+            "train_mode: dpo\ndpo_cpo_loss_type: kto\n",
+            "`dpo_cpo_loss_type` kto is not supported (supported: sigmoid, hinge, ipo, dpop)",
+        ),
+        (
             "- a list\n",
             "a config must be a mapping of option names to values",
         ),
@@ -328,6 +333,73 @@ fn oxlm_lora(args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// A preference run of three epochs over the preference fixture's 8 pairs (a report per epoch,
+/// a validation before the first step and after the last), saving into `out/name` with the
+/// metrics in `out/name.jsonl`, with `extra` flags: the run's output, the epochs' mean losses
+/// (checked to fall from the first epoch to the last), its metrics and its adapter_config.json.
+fn preference_run(out: &Path, name: &str, extra: &[&str]) -> PreferenceRun {
+    let data = fixtures().join("lora/data-preference");
+    let adapters = out.join(name);
+    let metrics = out.join(format!("{name}.jsonl"));
+    let mut args = vec![
+        "--train",
+        "--data",
+        data.to_str().unwrap(),
+        "--adapter-path",
+        adapters.to_str().unwrap(),
+        "--metrics-file",
+        metrics.to_str().unwrap(),
+        "--num-layers",
+        "2",
+        "--batch-size",
+        "2",
+        "--iters",
+        "12",
+        "--steps-per-report",
+        "4",
+        "--steps-per-eval",
+        "12",
+        "--val-batches",
+        "-1",
+        "--learning-rate",
+        "1e-3",
+    ];
+    args.extend(extra);
+    let output = oxlm_lora(&args);
+    assert!(output.status.success(), "{name}: {}", stderr(&output));
+    let lines = read_lines(&metrics);
+    let train: Vec<_> = lines.iter().filter(|l| l["event"] == "train").collect();
+    let losses: Vec<f64> = (train.iter())
+        .map(|l| l["train_loss"].as_f64().unwrap())
+        .collect();
+    println!("{name} epoch losses: {losses:?}");
+    assert_eq!(losses.len(), 3, "{name}");
+    assert!(losses[2] < losses[0], "{name}: {losses:?}");
+    for key in ["train_margins", "train_accuracies", "train_chosen_reward"] {
+        assert!(train[2][key].is_number(), "{name} {key}: {}", train[2]);
+    }
+    let val: Vec<_> = lines.iter().filter(|l| l["event"] == "val").collect();
+    assert_eq!(val.len(), 2, "{name}");
+    assert!(val[1]["val_margins"].is_number(), "{name}: {}", val[1]);
+    let saved: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(adapters.join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    PreferenceRun {
+        output,
+        first_val_loss: val[0]["val_loss"].as_f64().unwrap(),
+        saved,
+    }
+}
+
+struct PreferenceRun {
+    output: Output,
+    /// The validation before the first step.
+    first_val_loss: f64,
+    /// adapter_config.json.
+    saved: serde_json::Value,
+}
+
 /// DPO and ORPO runs of three epochs over the preference fixture's 8 pairs (a report per
 /// epoch): the mean loss of the last epoch is below the first's, and the reports carry the
 /// rewards. DPO's first validation, before any update from fresh adapters (lora_b = 0: the
@@ -338,56 +410,11 @@ fn preference_training_lowers_its_loss_and_the_adapters_serve() {
     let out = tempfile::tempdir().unwrap();
     let data = fixtures().join("lora/data-preference");
     for mode in ["dpo", "orpo"] {
-        let adapters = out.path().join(mode);
-        let metrics = out.path().join(format!("{mode}.jsonl"));
-        let output = oxlm_lora(&[
-            "--train",
-            "--train-mode",
-            mode,
-            "--data",
-            data.to_str().unwrap(),
-            "--adapter-path",
-            adapters.to_str().unwrap(),
-            "--metrics-file",
-            metrics.to_str().unwrap(),
-            "--num-layers",
-            "2",
-            "--batch-size",
-            "2",
-            "--iters",
-            "12",
-            "--steps-per-report",
-            "4",
-            "--steps-per-eval",
-            "12",
-            "--val-batches",
-            "-1",
-            "--learning-rate",
-            "1e-3",
-        ]);
-        assert!(output.status.success(), "{mode}: {}", stderr(&output));
-        let lines = read_lines(&metrics);
-        let train: Vec<_> = lines.iter().filter(|l| l["event"] == "train").collect();
-        let losses: Vec<f64> = (train.iter())
-            .map(|l| l["train_loss"].as_f64().unwrap())
-            .collect();
-        println!("{mode} epoch losses: {losses:?}");
-        assert_eq!(losses.len(), 3, "{mode}");
-        assert!(losses[2] < losses[0], "{mode}: {losses:?}");
-        for key in ["train_margins", "train_accuracies", "train_chosen_reward"] {
-            assert!(train[2][key].is_number(), "{mode} {key}: {}", train[2]);
-        }
-        let val: Vec<_> = lines.iter().filter(|l| l["event"] == "val").collect();
-        assert_eq!(val.len(), 2, "{mode}");
-        assert!(val[1]["val_margins"].is_number(), "{mode}: {}", val[1]);
-        let saved: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(adapters.join("adapter_config.json")).unwrap(),
-        )
-        .unwrap();
-        assert_eq!(saved["train_mode"], mode);
-        assert_eq!(saved["beta"], 0.1);
+        let run = preference_run(out.path(), mode, &["--train-mode", mode]);
+        assert_eq!(run.saved["train_mode"], mode);
+        assert_eq!(run.saved["beta"], 0.1);
         if mode == "dpo" {
-            let first = val[0]["val_loss"].as_f64().unwrap();
+            let first = run.first_val_loss;
             assert!((first - std::f64::consts::LN_2).abs() < 1e-4, "{first}");
         }
     }
@@ -423,6 +450,87 @@ fn preference_training_lowers_its_loss_and_the_adapters_serve() {
         .output()
         .unwrap();
     assert!(generate.status.success(), "{}", stderr(&generate));
+}
+
+/// DPO's other loss types (mlx-lm-lora's --dpo-cpo-loss-type) each lower their loss over the
+/// same three epochs; dpop's type and δ come from the config file, and adapter_config.json
+/// records them. The first validation, from fresh adapters (z = 0), is each loss at z = 0:
+/// hinge 1, ipo (1/(2β))² = 25, dpop ln 2 (its penalty 0).
+#[test]
+fn dpo_loss_types_lower_their_loss() {
+    let out = tempfile::tempdir().unwrap();
+    let config = out.path().join("dpop.yaml");
+    std::fs::write(&config, "dpo_cpo_loss_type: dpop\ndelta: 20.0\n").unwrap();
+    for (name, extra, at_zero) in [
+        ("hinge", vec!["--dpo-cpo-loss-type", "hinge"], 1.0),
+        ("ipo", vec!["--dpo-cpo-loss-type", "ipo"], 25.0),
+        (
+            "dpop",
+            vec!["-c", config.to_str().unwrap()],
+            std::f64::consts::LN_2,
+        ),
+    ] {
+        let mut args = vec!["--train-mode", "dpo"];
+        args.extend(extra);
+        let run = preference_run(out.path(), name, &args);
+        let first = run.first_val_loss;
+        assert!((first - at_zero).abs() < 1e-4 * at_zero, "{name}: {first}");
+        assert_eq!(run.saved["dpo_cpo_loss_type"], name);
+        let delta = if name == "dpop" { 20.0 } else { 50.0 };
+        assert_eq!(run.saved["delta"], delta, "{name}");
+        let said = String::from_utf8_lossy(&run.output.stdout);
+        assert!(said.contains(&format!("dpo ({name}")), "{name}: {said}");
+        assert!(!stderr(&run.output).contains("Note:"), "{name}");
+    }
+}
+
+/// An unknown loss type is refused by the flag's parser, listing the choices, and a δ that is not
+/// finite (which would make every dpop loss NaN); ORPO (as in
+/// mlx-lm-lora) and sft leave DPO's loss type and δ unused, and say so when they are given
+/// other than their defaults, as does a DPO loss type other than dpop of δ.
+#[test]
+fn dpo_loss_type_flags_are_checked_and_unused_ones_noted() {
+    for (args, message) in [
+        (
+            ["--dpo-cpo-loss-type", "kto"],
+            "invalid value 'kto' for '--dpo-cpo-loss-type <DPO_CPO_LOSS_TYPE>'\n  \
+             [possible values: sigmoid, hinge, ipo, dpop]",
+        ),
+        (
+            ["--delta", "nan"],
+            "invalid value 'nan' for '--delta <DELTA>': expected a finite number",
+        ),
+    ] {
+        let output = oxlm_lora(&[&["--train"], &args[..]].concat());
+        assert_eq!(output.status.code(), Some(2), "{}", stderr(&output));
+        assert!(stderr(&output).contains(message), "{}", stderr(&output));
+    }
+    // Without --train or --test the run ends once its settings are gathered: after the notes.
+    for (args, notes) in [
+        (
+            vec!["--train-mode", "orpo", "--dpo-cpo-loss-type", "ipo", "--delta", "5"],
+            vec![
+                "Note: `dpo_cpo_loss_type` ipo is unused for train_mode orpo: only dpo reads it.",
+                "Note: `delta` 5 is unused for train_mode orpo: only dpo's dpop loss type reads it.",
+            ],
+        ),
+        (
+            vec!["--train-mode", "dpo", "--delta", "5"],
+            vec!["Note: `delta` 5 is unused for the dpo loss type sigmoid: only dpo's dpop loss \
+                  type reads it."],
+        ),
+        (vec!["--train-mode", "orpo", "--dpo-cpo-loss-type", "sigmoid", "--delta", "50"], vec![]),
+        (vec!["--train-mode", "dpo", "--dpo-cpo-loss-type", "dpop", "--delta", "5"], vec![]),
+    ] {
+        let output = oxlm_lora(&args);
+        let err = stderr(&output);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains("Must provide at least one of --train or --test"), "{err}");
+        for note in &notes {
+            assert!(err.contains(note), "{args:?}: {err}");
+        }
+        assert_eq!(err.matches("Note:").count(), notes.len(), "{args:?}: {err}");
+    }
 }
 
 /// Preference data must be preference rows: chat data, or a row without `rejected`, is refused

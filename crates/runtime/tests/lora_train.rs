@@ -5,8 +5,8 @@
 //! training options (optimizers, a schedule, gradient accumulation, dropout), its schedules'
 //! rates, and mlx.optimizers' updates one by one. Preference training (tests/fixtures/lora,
 //! from scripts/oracle/make_preference_fixture.py): the preference rows tokenized as
-//! mlx-lm-lora tokenizes them, and the DPO and ORPO losses of a fixed batch and their gradients
-//! against a float64 numpy reference.
+//! mlx-lm-lora tokenizes them, and the DPO (each loss type) and ORPO losses of a fixed batch and
+//! their gradients against a float64 numpy reference.
 
 use std::path::{Path, PathBuf};
 
@@ -22,7 +22,7 @@ use oxlm_runtime::lora::data::{DataError, Dataset, Encoder, PreferenceSet};
 use oxlm_runtime::lora::np_random::NumpyRandom;
 use oxlm_runtime::lora::optimizer::{Optimizer, OptimizerConfig};
 use oxlm_runtime::lora::preference::{
-    evaluate_preference, preference_step, PreferenceLoss, ReferenceScores,
+    evaluate_preference, preference_step, DpoLossType, PreferenceLoss, ReferenceScores,
 };
 use oxlm_runtime::lora::schedule::Schedule;
 use oxlm_runtime::lora::trainer::{evaluate, init_adapters, train, Event, TrainArgs, TrainError};
@@ -919,15 +919,18 @@ fn preference_rows_tokenize_as_mlx_lm_lora() {
 }
 
 /// Relative error of oxlm's (f32) DPO and ORPO losses against the float64 numpy reference:
-/// measured 7.7e-6 for DPO (its logit is a small difference of sums of about 500) and 3e-8 for
-/// ORPO; kept at 5e-5 for kernels that sum in another order.
+/// measured 7.7e-6 for DPO (its logit is a small difference of sums of about 500; its other
+/// loss types: hinge 6.5e-6, ipo 1.0e-6, dpop 7.8e-6) and 3e-8 for ORPO; kept at 5e-5 for
+/// kernels that sum in another order.
 const PREFERENCE_LOSS_TOLERANCE: f64 = 5e-5;
 /// The same of each checked gradient entry (numpy's by central differences in float64, exact to
-/// about 1e-9 at that step): measured at most 2.7e-5.
+/// about 1e-9 at that step): measured at most 2.7e-5 (ORPO), 8.4e-5 (ipo, on an entry whose
+/// gradient of 0.017 is a difference of larger terms).
 const PREFERENCE_GRAD_TOLERANCE: f64 = 5e-4;
 
-/// DPO (sigmoid, against the model without adapters) and ORPO at β 0.1 on three pairs of the
-/// preference fixture, from the llama run's starting adapter: the mean loss, and the gradient
+/// DPO (each loss type, against the model without adapters; dpop at the fixture's δ) and ORPO
+/// at β 0.1 on three pairs of the preference fixture, from the llama run's starting adapter
+/// (where hinge is active on one pair, and dpop's penalty on one): the mean loss, and the gradient
 /// of entries of lora_a and lora_b of both blocks, against scripts/oracle's numpy forward;
 /// with gradient checkpointing the same; with dropout another, finite; and the evaluation's
 /// loss (the serving forward pass) the same as the training step's.
@@ -958,9 +961,19 @@ fn preference_losses_and_gradients_match_numpy() {
         items: items.iter().map(|&i| train.items[i].clone()).collect(),
     };
     let beta = golden["beta"].as_f64().unwrap();
-    for (loss, key) in [
-        (PreferenceLoss::Dpo { beta }, "dpo"),
-        (PreferenceLoss::Orpo { beta }, "orpo"),
+    let delta = golden["delta"].as_f64().unwrap();
+    let dpo = |loss_type| PreferenceLoss::Dpo { beta, loss_type };
+    // Sigmoid's gradients are in `grads`, the other loss types' in `dpo_loss_type_grads`.
+    for (loss, key, grads) in [
+        (dpo(DpoLossType::Sigmoid), "dpo", "grads"),
+        (dpo(DpoLossType::Hinge), "dpo_hinge", "dpo_loss_type_grads"),
+        (dpo(DpoLossType::Ipo), "dpo_ipo", "dpo_loss_type_grads"),
+        (
+            dpo(DpoLossType::Dpop { delta }),
+            "dpo_dpop",
+            "dpo_loss_type_grads",
+        ),
+        (PreferenceLoss::Orpo { beta }, "orpo", "grads"),
     ] {
         let want = golden[format!("{key}_loss")].as_f64().unwrap();
         let mut reference = ReferenceScores::default();
@@ -985,7 +998,7 @@ fn preference_losses_and_gradients_match_numpy() {
             got.tally.loss()
         );
         assert!(rel < PREFERENCE_LOSS_TOLERANCE, "{key}: {rel:.1e}");
-        for entry in golden["grads"].as_array().unwrap() {
+        for entry in golden[grads].as_array().unwrap() {
             let array = entry["array"].as_str().unwrap();
             let (layer, matrix) = array.rsplit_once('.').unwrap();
             let [row, col]: [usize; 2] = serde_json::from_value(entry["index"].clone()).unwrap();
@@ -1073,5 +1086,50 @@ fn bad_preference_rows_are_refused_naming_the_line_and_field() {
         let err = load_preference_set(&path).unwrap_err().to_string();
         let want = format!("{}:3: {message}", path.display());
         assert!(err.starts_with(&want), "{bad}: {err}");
+    }
+}
+
+/// Fresh adapters (lora_b = 0) score every answer exactly as the reference does, as
+/// mlx-lm-lora's separately loaded reference model does: each pair's rewards are exactly 0, and
+/// dpop's first step carries its penalty's gradient (MLX's `maximum(0, ρc − πc)` passes it on at
+/// the tie), unlike sigmoid's.
+#[test]
+fn fresh_adapters_tie_with_the_reference() {
+    let model = load(&fixtures().join("tiny/llama-4bit-g64")).unwrap();
+    let adaptable = model.adaptable().unwrap();
+    let adapters = init_adapters(model.as_ref(), LoraConfig::new(2), 0).unwrap();
+    let train = load_preference_set(&fixtures().join("lora/data-preference/train.jsonl")).unwrap();
+    for item in 0..train.items.len() {
+        let batch = PreferenceBatch {
+            pairs: vec![train.items[item].examples(2048).unwrap()],
+            items: vec![item],
+            truncated_from: None,
+        };
+        let mut reference = ReferenceScores::default();
+        let mut step = |loss_type| {
+            let loss = PreferenceLoss::Dpo {
+                beta: 0.1,
+                loss_type,
+            };
+            preference_step(
+                model.as_ref(),
+                adaptable,
+                &adapters,
+                &batch,
+                loss,
+                &mut reference,
+                None,
+                false,
+            )
+            .unwrap()
+        };
+        let sigmoid = step(DpoLossType::Sigmoid);
+        let dpop = step(DpoLossType::Dpop { delta: 50.0 });
+        for tally in [&sigmoid.tally, &dpop.tally] {
+            let rewards = tally.rewards();
+            assert_eq!([rewards.chosen, rewards.rejected], [0.0, 0.0], "{item}");
+            assert_eq!(tally.loss(), std::f32::consts::LN_2, "{item}");
+        }
+        assert_ne!(dpop.grads, sigmoid.grads, "{item}");
     }
 }

@@ -1,22 +1,25 @@
 //! The settings of a run as mlx_lm.lora gathers them: a flag given on the command line wins, a
 //! key of the `--config` YAML file fills what the command line left out, and mlx_lm.lora's
 //! defaults fill the rest. Keys the file has that oxlm does not use are kept, as mlx-lm keeps
-//! them, and written to adapter_config.json with the rest. `train_mode` and `beta` are
-//! mlx-lm-lora's, for preference training.
+//! them, and written to adapter_config.json with the rest. `train_mode`, `beta`,
+//! `dpo_cpo_loss_type` and `delta` are mlx-lm-lora's, for preference training.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use oxlm_models::lora::{LoraConfig, MAX_SCALE};
 use oxlm_runtime::lora::optimizer::OptimizerConfig;
-use oxlm_runtime::lora::preference::{PreferenceLoss, DEFAULT_BETA};
+use oxlm_runtime::lora::preference::{
+    DpoLossType, PreferenceLoss, DEFAULT_BETA, DEFAULT_DELTA, DPO_LOSS_TYPES,
+};
 use oxlm_runtime::lora::schedule::Schedule;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 /// mlx_lm.lora's `CONFIG_DEFAULTS` for the options oxlm takes, but `data` (oxlm fetches no
 /// Hugging Face dataset, so it defaults to a local `data` directory) and `model` (no default
-/// model is fetched: one must be named); and mlx-lm-lora's `train_mode` and `beta`.
+/// model is fetched: one must be named); and mlx-lm-lora's `train_mode`, `beta`,
+/// `dpo_cpo_loss_type` and `delta`.
 fn defaults() -> Map<String, Value> {
     let Value::Object(map) = json!({
         "train": false,
@@ -47,6 +50,8 @@ fn defaults() -> Map<String, Value> {
         "metrics_file": null,
         "train_mode": "sft",
         "beta": DEFAULT_BETA,
+        "dpo_cpo_loss_type": DPO_LOSS_TYPES[0],
+        "delta": DEFAULT_DELTA,
     }) else {
         unreachable!("an object")
     };
@@ -95,6 +100,8 @@ struct Typed {
     metrics_file: Option<PathBuf>,
     train_mode: String,
     beta: f64,
+    dpo_cpo_loss_type: String,
+    delta: f64,
 }
 
 /// Everything a run needs, checked.
@@ -125,6 +132,8 @@ pub struct Settings {
     pub metrics_file: Option<PathBuf>,
     /// The preference loss of `train_mode` dpo or orpo; `None` for sft.
     pub preference: Option<PreferenceLoss>,
+    /// Settings given that the run does not use, to be told.
+    pub unused: Vec<String>,
     /// Every setting by mlx-lm's name, unknown keys of the config file included: what
     /// adapter_config.json records.
     pub all: Map<String, Value>,
@@ -156,6 +165,55 @@ pub fn check_learning_rate(rate: f64) -> Result<f64, String> {
     } else {
         Err("expected a finite number above 0".into())
     }
+}
+
+/// The preference loss of `train_mode`, and the notes on what it leaves unused.
+/// `dpo_cpo_loss_type` and `delta` are DPO's (`delta` its dpop loss type's only): of the modes
+/// oxlm has, mlx-lm-lora passes them to DPO alone (its ORPO trainer takes neither). Where unused
+/// neither is checked, and a value other than the default is noted. (mlx-lm-lora 5.10.2 itself never reads either from its config file:
+/// its argparse defaults shadow the file. They are read here as every other key is.)
+fn preference(
+    mode: &str,
+    beta: f64,
+    loss_type: &str,
+    delta: f64,
+) -> Result<(Option<PreferenceLoss>, Vec<String>)> {
+    let mut unused = Vec::new();
+    if mode != "dpo" && loss_type != DPO_LOSS_TYPES[0] {
+        unused.push(format!(
+            "`dpo_cpo_loss_type` {loss_type} is unused for train_mode {mode}: only dpo reads it"
+        ));
+    }
+    if delta != DEFAULT_DELTA && (mode != "dpo" || loss_type != "dpop") {
+        let user = if mode == "dpo" {
+            format!("the dpo loss type {loss_type}")
+        } else {
+            format!("train_mode {mode}")
+        };
+        unused.push(format!(
+            "`delta` {delta} is unused for {user}: only dpo's dpop loss type reads it"
+        ));
+    }
+    if mode == "sft" {
+        return Ok((None, unused));
+    }
+    if !(beta.is_finite() && beta > 0.0) {
+        bail!("`beta` is {beta}: expected a finite number above 0");
+    }
+    let loss = match mode {
+        "dpo" => {
+            let Some(loss_type) = DpoLossType::from_name(loss_type, delta) else {
+                bail!(
+                    "`dpo_cpo_loss_type` {loss_type} is not supported (supported: {})",
+                    DPO_LOSS_TYPES.join(", ")
+                );
+            };
+            PreferenceLoss::Dpo { beta, loss_type }
+        }
+        "orpo" => PreferenceLoss::Orpo { beta },
+        _ => bail!("`train_mode` {mode} is not supported (supported: sft, dpo, orpo)"),
+    };
+    Ok((Some(loss), unused))
 }
 
 impl Settings {
@@ -244,20 +302,12 @@ impl Settings {
                 params.dropout
             );
         }
-        let preference = match typed.train_mode.as_str() {
-            "sft" => None,
-            mode => {
-                let beta = typed.beta;
-                if !(beta.is_finite() && beta > 0.0) {
-                    bail!("`beta` is {beta}: expected a finite number above 0");
-                }
-                Some(match mode {
-                    "dpo" => PreferenceLoss::Dpo { beta },
-                    "orpo" => PreferenceLoss::Orpo { beta },
-                    _ => bail!("`train_mode` {mode} is not supported (supported: sft, dpo, orpo)"),
-                })
-            }
-        };
+        let (preference, unused) = preference(
+            &typed.train_mode,
+            typed.beta,
+            &typed.dpo_cpo_loss_type,
+            typed.delta,
+        )?;
         let lora = LoraConfig {
             num_layers: typed.num_layers,
             rank: params.rank,
@@ -290,6 +340,7 @@ impl Settings {
             lora,
             metrics_file: typed.metrics_file,
             preference,
+            unused,
             all,
         })
     }
