@@ -52,8 +52,8 @@ pub struct Args {
     /// [default: sft].
     #[arg(long)]
     train_mode: Option<String>,
-    /// β of the dpo and orpo losses [default: 0.1].
-    #[arg(long)]
+    /// β of the dpo and orpo losses, above 0 [default: 0.1].
+    #[arg(long, value_parser = above_zero)]
     beta: Option<f64>,
     /// The dpo loss of each pair's margin z = (πc − πr) − (ρc − ρr), π and ρ the answers'
     /// log-probabilities under the adapters and the reference: sigmoid −log σ(βz), hinge
@@ -212,6 +212,14 @@ fn finite(text: &str) -> Result<f64, String> {
         Ok(x) if x.is_finite() => Ok(x),
         Ok(_) => Err("expected a finite number".into()),
         Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A finite number above 0 (a NaN or infinity would reach the config as null, the default).
+fn above_zero(text: &str) -> Result<f64, String> {
+    match finite(text)? {
+        x if x > 0.0 => Ok(x),
+        _ => Err("expected a number above 0".into()),
     }
 }
 

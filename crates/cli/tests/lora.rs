@@ -484,8 +484,8 @@ fn dpo_loss_types_lower_their_loss() {
     }
 }
 
-/// An unknown loss type is refused by the flag's parser, listing the choices, and a δ that is not
-/// finite (which would make every dpop loss NaN); ORPO (as in
+/// An unknown loss type is refused by the flag's parser, listing the choices, a δ that is not
+/// finite (which would make every dpop loss NaN) and a β not above 0; ORPO (as in
 /// mlx-lm-lora) and sft leave DPO's loss type and δ unused, and say so when they are given
 /// other than their defaults, as does a DPO loss type other than dpop of δ.
 #[test]
@@ -499,6 +499,14 @@ fn dpo_loss_type_flags_are_checked_and_unused_ones_noted() {
         (
             ["--delta", "nan"],
             "invalid value 'nan' for '--delta <DELTA>': expected a finite number",
+        ),
+        (
+            ["--beta", "inf"],
+            "invalid value 'inf' for '--beta <BETA>': expected a finite number",
+        ),
+        (
+            ["--beta", "0"],
+            "invalid value '0' for '--beta <BETA>': expected a number above 0",
         ),
     ] {
         let output = oxlm_lora(&[&["--train"], &args[..]].concat());
