@@ -95,7 +95,37 @@ def peer_mistralrs(a):
     return [once(a.prompt, a.gen, r + 1) for r in range(a.repeats)]
 
 
+# llama.cpp's KV cache types by the name --kv-cache gives them (ggml_type ids).
+GGML_KV_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8}
+
+
+def peer_llamacpp_depths(a):
+    """Decode tok/s of `a.gen` tokens ending at each of `a.depths` tokens of context, the cache
+    in `a.kv_cache` (quantized values need flash attention, as llama-bench's -ctk/-ctv do)."""
+    from llama_cpp import Llama
+
+    depths = [int(d) for d in a.depths.split(",")]
+    kv = GGML_KV_TYPES[a.kv_cache]
+    out = []
+    for depth in depths:
+        n_ctx = depth + 16
+        # n_batch = n_ctx: llama-cpp-python keeps n_batch rows of logits, indexed by position.
+        llm = Llama(a.model, n_threads=a.threads, n_threads_batch=a.threads, n_ctx=n_ctx, n_batch=n_ctx,
+                    n_ubatch=512, type_k=kv, type_v=kv, flash_attn=True, verbose=False)
+        ids = prompt_ids(depth, llm.n_vocab(), 99)
+        llm.eval(ids[: depth - a.gen])
+        t = time.perf_counter()
+        for i in ids[depth - a.gen:]:
+            llm.eval([i])
+        out.append({"context": depth, "decode_tps": a.gen / (time.perf_counter() - t)})
+        del llm
+    return out
+
+
 def peer_main(a):
+    if a.depths:
+        print(json.dumps({"depths": peer_llamacpp_depths(a), "prefill_tps_runs": [0], "decode_tps_runs": [0]}))
+        return
     runs = peer_llamacpp(a) if a.peer == "llamacpp" else peer_mistralrs(a)
     print(json.dumps({"prefill_tps_runs": [r[0] for r in runs], "decode_tps_runs": [r[1] for r in runs],
                       "extra": [r[2:] for r in runs]}))
@@ -179,10 +209,19 @@ def main():
     ap.add_argument("--json-out", default=str(CACHE / "bench-results.json"))
     ap.add_argument("--merge", action="store_true", help="update the rows of an earlier --json-out")
     ap.add_argument("--bits", default="4,8")
+    ap.add_argument("--long-context", metavar="DEPTHS",
+                    help="instead: decode speed at these contexts (e.g. 1024,4096,16384) of the 4-bit "
+                         "synthetic llama, each KV cache type of oxlm and llama.cpp")
+    ap.add_argument("--long-caches", default="f16,q8,q4",
+                    help="with --long-context: oxlm's caches to run (each beside llama.cpp's of its bits)")
+    ap.add_argument("--depths", help=argparse.SUPPRESS)
+    ap.add_argument("--kv-cache", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.peer:
         a.threads = int(a.threads)
         return peer_main(a)
+    if a.long_context:
+        return long_context(a)
 
     ncpu = os.cpu_count()
     thread_counts = [int(t) for t in (a.threads or f"1,{ncpu}").split(",")]
@@ -233,6 +272,77 @@ def main():
                 if a.write:
                     write_section(Path(a.write), markdown(results, bw, a, thread_counts))
     print(markdown(results, bw, a, thread_counts))
+
+
+# The KV caches compared at long contexts: oxlm's (--kv-cache) beside llama.cpp's of the same
+# bits (-ctk/-ctv): f16; 8-bit (mlx-lm's groups of 64, llama.cpp's q8_0 blocks of 32); 4-bit.
+LONG_CACHES = [("f16", "f16"), ("q8", "q8_0"), ("q4", "q4_0")]
+
+
+def long_context(a):
+    """Decode tok/s at each context of `a.long_context` (the last `--gen` tokens before it timed;
+    each context prefilled afresh), the synthetic llama 0.85B at 4 bits, one thread count; the
+    share of the first context's speed each keeps. Written as the `long` section."""
+    depths = [int(d) for d in a.long_context.split(",")]
+    threads = int(a.threads or 1)
+    d = CACHE / "bench-models" / "llama-0.85b"
+    # The synthetic llama says 4,096 positions; its random weights learned no limit: a copy whose
+    # config says the longest context (llama.cpp only warns past the GGUF's).
+    mlx = CACHE / "bench-models" / "llama-0.85b-long"
+    mlx.mkdir(exist_ok=True)
+    for f in (d / "mlx-4bit").iterdir():
+        if f.name != "config.json" and not (mlx / f.name).exists():
+            (mlx / f.name).symlink_to(f)
+    config = json.loads((d / "mlx-4bit" / "config.json").read_text())
+    config["max_position_embeddings"] = max(depths)
+    (mlx / "config.json").write_text(json.dumps(config))
+    rows = []
+    for ours, theirs in [c for name in a.long_caches.split(",") for c in LONG_CACHES if c[0] == name]:
+        cmd = [a.oxlm, "bench", "--model", mlx, "--prompt-tokens", 16, "--gen-tokens", 4,
+               "--repeats", 1, "--threads", threads, "--depth-tokens", a.gen, "--kv-cache", ours]
+        for depth in depths:
+            cmd += ["--depth", depth]
+        o = child(cmd)
+        peer = child([sys.executable, __file__, "--peer", "llamacpp", "--model", d / "gguf-q4_0.gguf",
+                      "--threads", threads, "--gen", a.gen, "--depths", a.long_context,
+                      "--kv-cache", theirs])
+        row = {"oxlm": (o or {}).get("depths", []), "llamacpp": (peer or {}).get("depths", []),
+               "caches": (ours, theirs), "load": os.getloadavg()[0]}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    table = long_markdown(rows, depths, threads, a)
+    if a.write:
+        write_section(Path(a.write), table, "long")
+    print(table)
+
+
+def long_markdown(rows, depths, threads, a):
+    speed = lambda runs, depth: next((r["decode_tps"] for r in runs if r["context"] == depth), None)
+    f = lambda v: f"{v:.2f}" if v else "—"
+    head = " | ".join(f"{d:,}" for d in depths)
+    lines = [
+        f"Machine: {machine()}. Command: `benches/run.sh --long-context {a.long_context} --threads {threads} "
+        f"--gen {a.gen}`: the synthetic llama 0.85B, 4-bit (oxlm MLX g64, llama.cpp Q4_0), {threads} "
+        f"thread{'s' if threads > 1 else ''}; decode tok/s of the {a.gen} tokens that end at each context "
+        "(prefilled afresh); in brackets the share of the first context's speed kept; ×: oxlm ÷ llama.cpp "
+        "with the cache of the same bits (llama.cpp's with flash attention, which its quantized values need).",
+        "",
+        f"| cache (oxlm / llama.cpp) | engine | {head} | load |",
+        "|---|---|" + "---|" * len(depths) + "---|",
+    ]
+    for r in rows:
+        for engine, runs, name in [("oxlm", r["oxlm"], r["caches"][0]), ("llama.cpp", r["llamacpp"], r["caches"][1])]:
+            first = speed(runs, depths[0])
+            cells = []
+            for depth in depths:
+                v = speed(runs, depth)
+                kept = f" ({v / first:.0%})" if v and first and depth != depths[0] else ""
+                ratio_cell = ""
+                if engine == "oxlm":
+                    ratio_cell = f", {ratio(v, speed(r['llamacpp'], depth))}"
+                cells.append(f"{f(v)}{kept}{ratio_cell}")
+            lines.append(f"| {name} | {engine} | " + " | ".join(cells) + f" | {r['load']:.1f} |")
+    return "\n".join(lines)
 
 
 def summary(row, bw):
