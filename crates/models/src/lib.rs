@@ -158,6 +158,17 @@ pub(crate) fn check_batch(tokens: &[u32], caches: &[&mut Cache]) -> Result<(), F
     }
 }
 
+/// The length of each run when `tokens` split into runs of equal length, one per cache.
+pub(crate) fn run_length(tokens: &[u32], caches: &[&mut Cache]) -> Result<usize, ForwardError> {
+    if tokens.is_empty() || caches.is_empty() || !tokens.len().is_multiple_of(caches.len()) {
+        return Err(ForwardError::UnevenRuns {
+            tokens: tokens.len(),
+            caches: caches.len(),
+        });
+    }
+    Ok(tokens.len() / caches.len())
+}
+
 /// Rejects input that a forward pass cannot take.
 pub(crate) fn check_tokens(
     info: &ModelInfo,

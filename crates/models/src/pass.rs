@@ -14,7 +14,9 @@ use oxlm_engine::{EngineError, Positions, Tensor};
 use crate::cache::{Cache, KvCache, LayerCache, RecurrentCache, RotatingKvCache};
 use crate::layers::{Embedding, OutputHead};
 use crate::lora::{Adaptable, PassAdapters};
-use crate::{check_batch, check_tokens, ForwardError, LanguageModel, Logits, ModelInfo};
+use crate::{
+    check_batch, check_tokens, run_length, ForwardError, LanguageModel, Logits, ModelInfo,
+};
 
 /// What one architecture provides: its settings, the cache each layer keeps, its pass and its
 /// output head; with its adaptable layers ([`Adaptable`]), [`LanguageModel`] is written once
@@ -101,13 +103,7 @@ pub(crate) fn hidden_runs_one_by_one(
     tokens: &[u32],
     caches: &mut [&mut Cache],
 ) -> Result<Tensor, ForwardError> {
-    if caches.is_empty() || tokens.is_empty() || !tokens.len().is_multiple_of(caches.len()) {
-        return Err(ForwardError::UnevenRuns {
-            tokens: tokens.len(),
-            caches: caches.len(),
-        });
-    }
-    let per = tokens.len() / caches.len();
+    let per = run_length(tokens, caches)?;
     let mut rows = Vec::with_capacity(tokens.len() * model.info().hidden_size);
     for (run, cache) in tokens.chunks(per).zip(caches.iter_mut()) {
         let hidden = model.forward(run, cache, Logits::HiddenAll)?;
@@ -173,13 +169,7 @@ impl<'p, 'c> PassCaches<'p, 'c> {
         if tokens.is_empty() {
             return Err(ForwardError::EmptyInput);
         }
-        if caches.is_empty() || !tokens.len().is_multiple_of(caches.len()) {
-            return Err(ForwardError::UnevenRuns {
-                tokens: tokens.len(),
-                caches: caches.len(),
-            });
-        }
-        let per_cache = tokens.len() / caches.len();
+        let per_cache = run_length(tokens, caches)?;
         for (tokens, cache) in tokens.chunks(per_cache).zip(caches.iter()) {
             check_tokens(info, tokens, cache.offset)?;
             if cache.layers.len() != layers {
