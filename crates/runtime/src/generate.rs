@@ -11,6 +11,7 @@ use oxlm_models::{Cache, ForwardError, KvQuantization, LanguageModel, Logits};
 
 use crate::constraint::{AllowedTokens, TokenConstraint};
 use crate::detokenizer::StreamingDetokenizer;
+use crate::reasoning_budget::ReasoningBudget;
 use crate::sampler::{top_logprobs, Sampler, SamplerConfig};
 use crate::stop::StopMatcher;
 use crate::tokenizer::{Tokenizer, TokenizerError};
@@ -138,6 +139,8 @@ pub struct StreamOptions {
     /// The output continues text that ends the prompt (a prefilled reply), so a space it
     /// starts with is its own, not the detokenizer's to drop.
     pub continues_text: bool,
+    /// The most tokens the reply may reason for.
+    pub reasoning_budget: Option<ReasoningBudget>,
 }
 
 /// Progress reported by [`generate_stream`]; the callback answers whether to go on.
@@ -374,6 +377,7 @@ pub enum NextToken<'a> {
 pub struct Sequence {
     sampler: Sampler,
     constraint: Option<TokenConstraint>,
+    reasoning_budget: Option<ReasoningBudget>,
     /// `None`: token ids only, no text.
     detokenizer: Option<StreamingDetokenizer>,
     stop: StopMatcher,
@@ -414,6 +418,7 @@ impl Sequence {
         Ok(Sequence {
             sampler,
             constraint: stream.constraint.clone(),
+            reasoning_budget: stream.reasoning_budget.clone(),
             detokenizer: tokenizer.map(Tokenizer::detokenizer).transpose()?.map(|d| {
                 if stream.continues_text {
                     d.continuing()
@@ -457,10 +462,16 @@ impl Sequence {
     /// ended, or for a token that ends it. A batch advances its sequences' grammars side by
     /// side through it ([`TokenConstraint::accept_ahead`]) before each takes its token.
     pub fn grammar_advanced_by(&mut self, token: u32) -> Option<&mut TokenConstraint> {
-        if self.eos_ids.contains(&token) {
+        if self.eos_ids.contains(&token) || self.forced().is_some() {
             return None;
         }
         self.constraint_mut()
+    }
+
+    /// The token its next step must take, in place of the model's: the end of reasoning that
+    /// has spent its budget.
+    fn forced(&self) -> Option<u32> {
+        self.reasoning_budget.as_ref()?.forced()
     }
 
     /// The tokens its grammar allows next, for a greedy pick; `None` without a grammar, or
@@ -480,16 +491,25 @@ impl Sequence {
         if self.finish_reason.is_some() {
             return Ok(None);
         }
+        let forced = self.forced();
         let (token, logprob) = match next {
             NextToken::Pick(pick) => {
                 if let Some(constraint) = &mut self.constraint {
                     constraint.check_pick()?;
                 }
-                (pick.id, pick.logprob)
+                // A forced token is certain: its log-probability is 0.
+                forced.map_or((pick.id, pick.logprob), |token| (token, 0.0))
             }
             NextToken::Logits(logits) => {
                 if let Some(constraint) = &mut self.constraint {
                     constraint.mask(logits)?;
+                }
+                if let Some(token) = forced {
+                    for (id, logit) in logits.iter_mut().enumerate() {
+                        if id != token as usize {
+                            *logit = f32::NEG_INFINITY;
+                        }
+                    }
                 }
                 let token = self.sampler.sample(logits, &self.history);
                 if self.top_logprobs > 0 {
@@ -514,6 +534,9 @@ impl Sequence {
         } else {
             self.tokens.push(token);
             self.history.push(token);
+            if let Some(budget) = &mut self.reasoning_budget {
+                budget.took(&self.tokens);
+            }
             let mut text = self.detokenized(|d| d.push(token))?;
             if let Some(constraint) = &mut self.constraint {
                 grammar_complete = constraint.accept(token)?;

@@ -14,6 +14,7 @@ pub mod lora;
 pub mod memory;
 pub mod prompt_cache;
 pub mod prompt_cache_file;
+pub mod reasoning_budget;
 pub mod sampler;
 pub mod stop;
 pub mod tokenizer;

@@ -260,6 +260,7 @@ fn job(tokenizer: &Tokenizer, a: &Ask) -> (Job, Log) {
             top_logprobs: a.top_logprobs,
             constraint: a.constraint.clone(),
             continues_text: false,
+            reasoning_budget: None,
         },
         requester: Box::new(Logging {
             log: log.clone(),

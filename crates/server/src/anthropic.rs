@@ -145,7 +145,7 @@ fn chat_request(
         .map(Value::Array);
     check_tool_choice(&tool_choice, tools.as_ref(), "tool_choice")
         .map_err(|e| invalid("tool_choice", e.message))?;
-    let thinking = enable_thinking(fields.get("thinking"))?;
+    let (thinking, thinking_budget) = thinking_settings(fields.get("thinking"))?;
     let mut messages = template_messages(fields.get("system"), fields.get("messages"))?;
     let reply_prefix = reply_prefix(&mut messages, thinking, &tool_choice)?;
     let mut template_kwargs = Map::new();
@@ -163,6 +163,7 @@ fn chat_request(
         response_format: Default::default(),
         reply_prefix,
         parallel_tool_calls,
+        thinking_budget,
     })
 }
 
@@ -294,7 +295,7 @@ fn user_turn(
                     out.push(json!({"role": "user", "content": text}));
                 }
                 let id = required_str(block, "tool_use_id", &path)?;
-                let content = match block.get("content") {
+                let mut content = match block.get("content") {
                     None | Some(Value::Null) => String::new(),
                     Some(Value::String(text)) => text.clone(),
                     Some(Value::Array(blocks)) => {
@@ -307,6 +308,20 @@ fn user_turn(
                         ))
                     }
                 };
+                // No template has a place for a failed call: its result says so itself.
+                let is_error = match block.get("is_error") {
+                    None | Some(Value::Null) => false,
+                    Some(Value::Bool(is_error)) => *is_error,
+                    Some(_) => {
+                        return Err(invalid(&format!("{path}.is_error"), "must be a boolean"))
+                    }
+                };
+                if is_error {
+                    content = match content.as_str() {
+                        "" => "Error".to_owned(),
+                        _ => format!("Error: {content}"),
+                    };
+                }
                 let mut message = json!({"role": "tool", "tool_call_id": id, "content": content});
                 if let Some(name) = tool_names.get(id) {
                     message["name"] = name.as_str().into();
@@ -478,15 +493,31 @@ fn tool_choice(value: Option<&Value>) -> Result<(ToolChoice, bool), ApiError> {
     Ok((choice, !disable_parallel.unwrap_or(false)))
 }
 
-/// The chat template's `enable_thinking` that `thinking` asks for. Templates only turn
-/// thinking on or off: `budget_tokens` is accepted, not enforced.
-fn enable_thinking(value: Option<&Value>) -> Result<Option<bool>, ApiError> {
+/// The chat template's `enable_thinking` that `thinking` asks for, and the most tokens the
+/// thinking may take (`budget_tokens`, which `enabled` may give). Anthropic asks for 1,024 at
+/// least; a local model's reasoning may be held to less.
+fn thinking_settings(value: Option<&Value>) -> Result<(Option<bool>, Option<usize>), ApiError> {
     let Some(thinking) = value else {
-        return Ok(None);
+        return Ok((None, None));
     };
     match thinking.get("type").and_then(Value::as_str) {
-        Some("enabled" | "adaptive") => Ok(Some(true)),
-        Some("disabled") => Ok(Some(false)),
+        Some("enabled") => {
+            let budget = match thinking.get("budget_tokens") {
+                None | Some(Value::Null) => None,
+                Some(budget) => match budget.as_u64() {
+                    Some(n) if n >= 1 => Some(n as usize),
+                    _ => {
+                        return Err(invalid(
+                            "thinking.budget_tokens",
+                            "must be an integer of at least 1",
+                        ))
+                    }
+                },
+            };
+            Ok((Some(true), budget))
+        }
+        Some("adaptive") => Ok((Some(true), None)),
+        Some("disabled") => Ok((Some(false), None)),
         _ => Err(invalid(
             "thinking.type",
             "must be \"enabled\", \"adaptive\" or \"disabled\"",
@@ -809,7 +840,8 @@ mod tests {
                     {"role": "user", "content": [
                         {"type": "tool_result", "tool_use_id": "toolu_1",
                          "content": [{"type": "text", "text": "18C"}, {"type": "text", "text": ", sunny"}]},
-                        {"type": "tool_result", "tool_use_id": "toolu_0", "content": "unknown call"},
+                        {"type": "tool_result", "tool_use_id": "toolu_0", "content": "unknown call",
+                         "is_error": true},
                         {"type": "text", "text": "Thanks."}]}],
                 "tools": [{"name": "get_weather", "description": "Weather now",
                            "input_schema": {"type": "object"}, "cache_control": {"type": "ephemeral"}}],
@@ -828,7 +860,7 @@ mod tests {
                  "tool_calls": [{"id": "toolu_1", "type": "function",
                                  "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
                 {"role": "tool", "tool_call_id": "toolu_1", "name": "get_weather", "content": "18C, sunny"},
-                {"role": "tool", "tool_call_id": "toolu_0", "content": "unknown call"},
+                {"role": "tool", "tool_call_id": "toolu_0", "content": "Error: unknown call"},
                 {"role": "user", "content": "Thanks."},
             ])
         );
@@ -872,6 +904,10 @@ mod tests {
         assert_eq!((none.tool_choice, none.tools), (ToolChoice::None, None));
         let thinking = with(json!({"thinking": {"type": "enabled", "budget_tokens": 2048}}));
         assert_eq!(thinking.template_kwargs["enable_thinking"], true);
+        assert_eq!(thinking.thinking_budget, Some(2048));
+        let adaptive = with(json!({"thinking": {"type": "adaptive"}}));
+        assert_eq!(adaptive.template_kwargs["enable_thinking"], true);
+        assert_eq!(adaptive.thinking_budget, None);
         assert!(with(json!({})).template_kwargs.is_empty());
         // count_tokens bodies have no max_tokens.
         let count = parse(
@@ -902,6 +938,20 @@ mod tests {
             error(user(json!([{"type": "text", "text": 1}]))),
             "messages.0.content.0.text: must be a string"
         );
+        assert_eq!(
+            error(user(
+                json!([{"type": "tool_result", "tool_use_id": "t", "is_error": "yes"}])
+            )),
+            "messages.0.content.0.is_error: must be a boolean"
+        );
+        for budget in [json!(0), json!(-5), json!(1.5), json!("many")] {
+            let mut body = user(json!("hi"));
+            body["thinking"] = json!({"type": "enabled", "budget_tokens": budget});
+            assert_eq!(
+                error(body),
+                "thinking.budget_tokens: must be an integer of at least 1"
+            );
+        }
         assert_eq!(
             error(user(json!([]))),
             "messages.0.content: at least one content block is required"

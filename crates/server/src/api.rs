@@ -13,12 +13,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use oxlm_runtime::adapter_store::{Adapter, AdapterStore, AdapterStoreError};
-use oxlm_runtime::constraint::TokenConstraint;
+use oxlm_runtime::reasoning_budget::ReasoningBudget;
 use oxlm_runtime::{FinishReason, GenerateOptions, StreamOptions};
 use rand::Rng;
 use serde_json::{json, Map, Value};
 
 use crate::error::ApiError;
+use crate::harmony;
 use crate::log::{log_requests, TokenCounts};
 use crate::parsers::{OutputParser, Piece, ToolCall, ToolFormat};
 use crate::request::{self, Params, Prompt};
@@ -257,7 +258,8 @@ async fn completions(
         let st = state.clone();
         let prompt = req.prompt;
         let ids = blocking(move || text_prompt(&st, &prompt)).await?;
-        let running = submit(&state, &mut req.params, ids, "prompt", None, false, &tokens).await?;
+        let shaping = StreamOptions::default();
+        let running = submit(&state, &mut req.params, ids, "prompt", shaping, &tokens).await?;
         let reply = Reply::new(&state, &req.params, &tokens, None);
         let id = format!("cmpl-{}", uuid4());
         let exchange = Exchange::new(state, Kind::Text, id, req.params);
@@ -277,7 +279,7 @@ pub(crate) async fn start_chat(
 ) -> Result<(Running, Reply), ApiError> {
     let st = state.clone();
     let rendered = req.clone();
-    let (prompt, constraint) = blocking(move || {
+    let (prompt, shaping) = blocking(move || {
         let prompt = chat_prompt(&st, &rendered)?;
         let markup = Markup {
             format: st.tool_format,
@@ -289,7 +291,16 @@ pub(crate) async fn start_chat(
         } else {
             None
         };
-        Ok((prompt, constraint))
+        let reasoning_budget = rendered
+            .thinking_budget
+            .and_then(|budget| reasoning_budget(&st, budget, prompt.in_reasoning));
+        let shaping = StreamOptions {
+            constraint,
+            reasoning_budget,
+            continues_text: rendered.reply_prefix.is_some(),
+            ..StreamOptions::default()
+        };
+        Ok((prompt, shaping))
     })
     .await?;
     let parser = OutputParser::for_model(
@@ -303,8 +314,7 @@ pub(crate) async fn start_chat(
         &mut req.params,
         prompt.ids,
         "messages",
-        constraint,
-        req.reply_prefix.is_some(),
+        shaping,
         tokens,
     )
     .await?;
@@ -465,15 +475,33 @@ pub(crate) async fn adapters_for(
     .await
 }
 
+/// `budget` tokens of reasoning for the model's reasoning markers (none: it does not reason);
+/// `in_reasoning` when the prompt opened the block.
+fn reasoning_budget(
+    state: &AppState,
+    budget: usize,
+    in_reasoning: bool,
+) -> Option<ReasoningBudget> {
+    let harmony_markers = (state.tool_format == ToolFormat::Harmony).then_some(harmony::ANALYSIS);
+    let (open, close) = state.think.or(harmony_markers)?;
+    let encode = |marker: &str| state.model.tokenizer.encode(marker, false).ok();
+    Some(ReasoningBudget::new(
+        encode(open)?,
+        encode(close)?,
+        budget,
+        in_reasoning,
+    ))
+}
+
 /// Checks the prompt against the context (cutting `params.max_tokens` to what it holds) and
-/// queues it; `prompt_param` names the field an error about it points at.
+/// queues it; `prompt_param` names the field an error about it points at. `shaping` holds
+/// the reply beside `params` (a grammar, a reasoning budget, a prefilled start it continues).
 pub(crate) async fn submit(
     state: &Arc<AppState>,
     params: &mut Params,
     prompt: Vec<u32>,
     prompt_param: &str,
-    constraint: Option<TokenConstraint>,
-    continues_text: bool,
+    shaping: StreamOptions,
     tokens: &TokenCounts,
 ) -> Result<Running, ApiError> {
     if prompt.is_empty() {
@@ -498,8 +526,7 @@ pub(crate) async fn submit(
     let stream = StreamOptions {
         stop: params.stop.clone(),
         top_logprobs: params.top_logprobs,
-        constraint,
-        continues_text,
+        ..shaping
     };
     tokens.start(prompt.len());
     state.worker.submit(prompt, adapters, options, stream)

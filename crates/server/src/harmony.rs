@@ -20,6 +20,8 @@ pub(crate) const CHANNEL: &str = "<|channel|>";
 pub(crate) const CONSTRAIN: &str = "<|constrain|>";
 pub(crate) const RETURN: &str = "<|return|>";
 pub(crate) const CALL: &str = "<|call|>";
+/// What opens and closes the reasoning: a message on the analysis channel.
+pub(crate) const ANALYSIS: (&str, &str) = ("<|channel|>analysis<|message|>", END);
 
 /// Every marker of the format.
 const MARKERS: [&str; 7] = [START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL];

@@ -92,6 +92,9 @@ pub struct ChatRequest {
     /// Whether the reply may make several tool calls (OpenAI's `parallel_tool_calls`, the
     /// opposite of Anthropic's `disable_parallel_tool_use`); if not, it ends at its first.
     pub parallel_tool_calls: bool,
+    /// The most tokens the model may reason for (Anthropic's `thinking.budget_tokens`); the
+    /// end of its reasoning is all it may write next.
+    pub thinking_budget: Option<usize>,
 }
 
 /// OpenAI's `tool_choice` (Anthropic's `auto`/`any`/`tool`/`none` map onto it): what calls
@@ -197,6 +200,7 @@ pub fn chat_request(
         response_format: response_format(fields.get("response_format"))?,
         reply_prefix: None,
         parallel_tool_calls: fields.bool("parallel_tool_calls")?.unwrap_or(true),
+        thinking_budget: None,
     })
 }
 

@@ -223,6 +223,7 @@ fn responses_request(
         response_format,
         reply_prefix: None,
         parallel_tool_calls,
+        thinking_budget: None,
     };
     Ok(ResponsesRequest {
         chat,

@@ -305,72 +305,49 @@ async fn tool_use_and_tool_result_round_trip() {
     );
 }
 
+/// `budget_tokens` holds the reasoning to that many tokens: the model's next token is then the
+/// end of its reasoning, and its answer follows.
 #[tokio::test]
-async fn stop_reasons_and_stop_sequences() {
-    let served = start(TEXT_REPLY).await;
+async fn thinking_is_held_to_its_budget() {
+    let (thought, more) = ("Hmm, let me see.", " Maybe this, maybe that, or the other.");
+    let served = start(&format!("{thought}{more}</think>\n\nIt is sunny.")).await;
+    let budget = served.tokenizer.encode(thought, false).unwrap().len();
     let base = &served.base;
-    let reply = |extra: Value| {
-        let body = request(extra);
-        async move {
-            let reply = message(base, &body).await;
-            (
-                reply["content"].clone(),
-                reply["stop_reason"].clone(),
-                reply["stop_sequence"].clone(),
-            )
-        }
-    };
-    let thinking = json!({"type": "thinking", "thinking": "Easy.", "signature": ""});
-    let text = |text: &str| json!({"type": "text", "text": text});
+    // Greedy picks, and sampling (all but certain, from the scripted logits).
+    for temperature in [0.0, 0.1] {
+        let thinking = |budget: usize| {
+            let body = request(json!({"temperature": temperature,
+                "thinking": {"type": "enabled", "budget_tokens": budget}}));
+            async move {
+                let reply = message(base, &body).await;
+                (reply["content"].clone(), reply["stop_reason"].clone())
+            }
+        };
+        let blocks = |thought: &str| {
+            json!([{"type": "thinking", "thinking": thought, "signature": ""},
+                   {"type": "text", "text": "\n\nIt is sunny."}])
+        };
+        assert_eq!(thinking(budget).await, (blocks(thought), json!("end_turn")));
+        let whole = format!("{thought}{more}");
+        assert_eq!(
+            thinking(budget + 100).await,
+            (blocks(&whole), json!("end_turn"))
+        );
+    }
+    // Beside a grammar: a call the reply must make.
+    let call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n\
+                </function>\n</tool_call>";
+    let served = start(&format!("{thought}{more}</think>\n\n{call}")).await;
+    let body = request(json!({"tool_choice": {"type": "any"},
+        "thinking": {"type": "enabled", "budget_tokens": budget}}));
+    let reply = message(&served.base, &body).await;
     assert_eq!(
-        reply(json!({})).await,
-        (
-            json!([thinking, text("\n\nIt is sunny. Bye.")]),
-            json!("end_turn"),
-            Value::Null
-        )
+        reply["content"][0],
+        json!({"type": "thinking", "thinking": thought, "signature": ""})
     );
-    // The first to appear ends the reply, and is not part of it.
-    assert_eq!(
-        reply(json!({"stop_sequences": ["Bye", "sunny", "rain"]})).await,
-        (
-            json!([thinking, text("\n\nIt is ")]),
-            json!("stop_sequence"),
-            json!("sunny")
-        )
-    );
-    assert_eq!(
-        reply(json!({"stop_sequences": ["rain"]})).await,
-        (
-            json!([thinking, text("\n\nIt is sunny. Bye.")]),
-            json!("end_turn"),
-            Value::Null
-        )
-    );
-    let max_tokens = served
-        .tokenizer
-        .encode("Easy.</think>\n\nIt is", false)
-        .unwrap()
-        .len();
-    assert_eq!(
-        reply(json!({"max_tokens": max_tokens})).await,
-        (
-            json!([thinking, text("\n\nIt is")]),
-            json!("max_tokens"),
-            Value::Null
-        )
-    );
-    // Streamed, the stop sequence comes with the end.
-    let body = request(json!({"stream": true, "stop_sequences": ["sunny"]}));
-    let (_, stream) = post_raw(base, "/v1/messages", body.to_string()).await;
-    let end = events(&stream)
-        .into_iter()
-        .find(|(name, _)| name == "message_delta")
-        .unwrap();
-    assert_eq!(
-        end.1["delta"],
-        json!({"stop_reason": "stop_sequence", "stop_sequence": "sunny"})
-    );
+    assert_eq!(reply["content"][1], json!({"type": "text", "text": "\n\n"}));
+    assert_eq!(reply["content"][2]["input"], json!({"city": "Paris"}));
+    assert_eq!(reply["stop_reason"], "tool_use");
 }
 
 /// Each error in Anthropic's shape, with its status; the server answers on afterwards.

@@ -28,12 +28,16 @@ pub fn weather_request(stream: bool) -> Value {
 /// `<|im_end|>` in the tiny tokenizer.
 pub const EOS: u32 = 2;
 
-/// Answers `script`, then end-of-sequence, whatever the prompt.
+/// Answers `script`, then end-of-sequence, whatever the prompt. Made to take another token than
+/// the script's (a reasoning budget closing the reasoning), it goes on after that token's next
+/// place in the script.
 struct Scripted {
     info: ModelInfo,
     script: Vec<u32>,
     /// The prompt of the sequence being generated.
     prompt: Arc<Mutex<Vec<u32>>>,
+    /// Script tokens passed over, for tokens it was made to take.
+    skipped: Mutex<usize>,
 }
 
 impl LanguageModel for Scripted {
@@ -52,13 +56,22 @@ impl LanguageModel for Scripted {
         _: Logits,
     ) -> Result<Tensor, ForwardError> {
         let mut prompt = self.prompt.lock().unwrap();
+        let mut skipped = self.skipped.lock().unwrap();
         if cache.offset == 0 {
             *prompt = tokens.to_vec();
+            *skipped = 0;
+        } else {
+            // A decoding step: its token is the one taken after what the script said.
+            let said = cache.offset - prompt.len() + *skipped;
+            let rest = self.script.get(said..).unwrap_or_default();
+            if let Some(further) = rest.iter().position(|&t| t == tokens[0]) {
+                *skipped += further;
+            }
         }
         cache.offset += tokens.len();
         let next = self
             .script
-            .get(cache.offset - prompt.len())
+            .get(cache.offset - prompt.len() + *skipped)
             .copied()
             .unwrap_or(EOS);
         let mut logits = vec![0.0; self.info.vocab_size];
@@ -159,6 +172,7 @@ pub async fn serve(family: &Family, reply: &str, settings: Settings) -> Served {
         },
         script: tokenizer.encode(reply, false).unwrap(),
         prompt: Arc::default(),
+        skipped: Mutex::default(),
     };
     let prompt = model.prompt.clone();
     let loaded = LoadedModel {
