@@ -97,9 +97,7 @@ impl Running {
             }
         }
     }
-}
 
-impl Running {
     /// A flag that, once set, ends the job: [`next`](Running::next) then gives its end, a
     /// stop, whatever it has still to say (the reply was complete, at its one tool call).
     pub fn ender(&self) -> Arc<AtomicBool> {
