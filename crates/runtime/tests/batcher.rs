@@ -16,6 +16,7 @@ use oxlm_runtime::batcher::{
     Batcher, BatcherSettings, BatcherSnapshot, BatcherStats, Job, JobError, Requester, Update,
 };
 use oxlm_runtime::constraint::{Grammar, Grammars, TokenConstraint};
+use oxlm_runtime::reasoning_budget::ReasoningBudget;
 use oxlm_runtime::sampler::SamplerConfig;
 use oxlm_runtime::tokenizer::Tokenizer;
 use oxlm_runtime::{FinishReason, GenerateOptions, RuntimeError, StreamOptions};
@@ -164,6 +165,7 @@ struct Ask {
     /// Bytes charged against the run's memory budget.
     memory: usize,
     constraint: Option<TokenConstraint>,
+    reasoning_budget: Option<ReasoningBudget>,
 }
 
 fn ask(prompt: &str, max_tokens: usize) -> Ask {
@@ -178,6 +180,7 @@ fn ask(prompt: &str, max_tokens: usize) -> Ask {
         deadline: None,
         memory: 0,
         constraint: None,
+        reasoning_budget: None,
     }
 }
 
@@ -260,7 +263,7 @@ fn job(tokenizer: &Tokenizer, a: &Ask) -> (Job, Log) {
             top_logprobs: a.top_logprobs,
             constraint: a.constraint.clone(),
             continues_text: false,
-            reasoning_budget: None,
+            reasoning_budget: a.reasoning_budget.clone(),
         },
         requester: Box::new(Logging {
             log: log.clone(),
@@ -482,6 +485,90 @@ fn greedy_jobs_held_to_a_grammar_pick_as_the_host_masks() {
             assert_eq!(picked.end, host.end, "job {i}");
             for (p, h) in picked.logprobs.iter().zip(&host.logprobs) {
                 assert!((p.0 - h.0).abs() < 1e-5, "job {i}: {} against {}", p.0, h.0);
+            }
+        }
+    }
+}
+
+/// Reasoning budgets in a batch: each job's first tokens are what it picks unheld, then the
+/// close marker's tokens in place of its picks, whether it goes alone or with others, greedy or
+/// sampled, with a grammar (advanced by the forced tokens, not by the picks, beside other
+/// grammars) or without.
+#[test]
+fn reasoning_budgets_close_the_reasoning_alone_and_together() {
+    let (tokenizer, model) = load("llama-4bit-g64");
+    let eos = tokenizer.eos_token_id().unwrap();
+    let grammars = Grammars::new(&tokenizer, &[eos], model.info().vocab_size).unwrap();
+    let any_text = || {
+        Some(
+            grammars
+                .constraint(&Grammar::Regex("(.|\n)*".into()))
+                .unwrap(),
+        )
+    };
+    // A marker of several tokens in this vocabulary.
+    let close = tokenizer.encode("</think>", false).unwrap();
+    assert!(close.len() > 1);
+    let budget = |tokens| Some(ReasoningBudget::new(vec![eos], close.clone(), tokens, true));
+    let sampled = SamplerConfig {
+        temperature: 0.8,
+        seed: Some(9),
+        ..SamplerConfig::default()
+    };
+    // With a sampled job, the batch's steps give logits; without, greedy picks, which the
+    // grammars advance by side by side.
+    for sampling in [false, true] {
+        let asks = |held: bool| {
+            let budget = |tokens| if held { budget(tokens) } else { None };
+            vec![
+                Ask {
+                    constraint: any_text(),
+                    reasoning_budget: budget(3),
+                    ..ask("The history of the city begins", 16)
+                },
+                Ask {
+                    constraint: any_text(),
+                    reasoning_budget: budget(5),
+                    ..ask("Once upon a time", 16)
+                },
+                Ask {
+                    constraint: any_text(),
+                    ..ask("The capital of", 16)
+                },
+                Ask {
+                    reasoning_budget: budget(2),
+                    sampler: if sampling {
+                        sampled.clone()
+                    } else {
+                        SamplerConfig::default()
+                    },
+                    ..ask("Numbers: one, two,", 16)
+                },
+            ]
+        };
+        let free: Vec<Served> = serve(&tokenizer, &model, &asks(false), ALONE)
+            .iter()
+            .map(served)
+            .collect();
+        for run in [ALONE, TOGETHER] {
+            let together = run.capacity > 1;
+            let held: Vec<Served> = serve(&tokenizer, &model, &asks(true), run)
+                .iter()
+                .map(served)
+                .collect();
+            if together {
+                assert!(batches(&model.calls()).contains(&4));
+            }
+            let spent = [3, 5, 16, 2];
+            for (i, (held, free)) in held.iter().zip(&free).enumerate() {
+                let (at, case) = (spent[i], (i, sampling, together));
+                assert_eq!(held.end, Ok(FinishReason::Length), "{case:?}");
+                assert_eq!(held.tokens[..at], free.tokens[..at], "{case:?}");
+                if at < 16 {
+                    assert_eq!(held.tokens[at..at + close.len()], close[..], "{case:?}");
+                } else {
+                    assert_eq!(held.tokens, free.tokens, "{case:?}");
+                }
             }
         }
     }
