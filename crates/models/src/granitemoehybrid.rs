@@ -376,11 +376,9 @@ impl Architecture for GraniteMoeHybrid {
         adapters: Option<PassAdapters>,
     ) -> Result<Tensor, ForwardError> {
         let (mut caches, positions) =
-            PassCaches::new(&self.info, tokens, caches, self.layers.len())?;
-        // Checked before any layer runs, so that a wrong cache is left untouched.
-        if !caches.iter().all(|c| caches_fit(self.cached(), c)) {
-            return Err(ForwardError::CacheMismatch);
-        }
+            PassCaches::fitting(&self.info, tokens, caches, self.layers.len(), |c| {
+                caches_fit(self.cached(), c)
+            })?;
         let mut h = self.embed(tokens)?;
         for (i, block) in self.layers.iter().enumerate() {
             let lora = |module| adapters.map_or(ModuleAdapters::NONE, |a| a.module(i, module));

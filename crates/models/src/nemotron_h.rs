@@ -437,11 +437,9 @@ impl Architecture for NemotronH {
         adapters: Option<PassAdapters>,
     ) -> Result<Tensor, ForwardError> {
         let (mut caches, positions) =
-            PassCaches::new(&self.info, tokens, caches, self.cached().count())?;
-        // Checked before any layer runs, so that a wrong cache is left untouched.
-        if !caches.iter().all(|c| caches_fit(self.cached(), c)) {
-            return Err(ForwardError::CacheMismatch);
-        }
+            PassCaches::fitting(&self.info, tokens, caches, self.cached().count(), |c| {
+                caches_fit(self.cached(), c)
+            })?;
         let mut h = self.embeddings.forward(tokens)?;
         let mut cache_layer = 0;
         for (i, block) in self.layers.iter().enumerate() {

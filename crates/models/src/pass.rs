@@ -166,13 +166,25 @@ impl<'p, 'c> PassCaches<'p, 'c> {
         caches: &'p mut [&'c mut Cache],
         layers: usize,
     ) -> Result<(Self, Positions), ForwardError> {
+        Self::fitting(info, tokens, caches, layers, |_| true)
+    }
+
+    /// [`new`](Self::new), each cache also passing `fits` (an architecture's check of its
+    /// layers' kinds and shapes).
+    pub fn fitting(
+        info: &ModelInfo,
+        tokens: &[u32],
+        caches: &'p mut [&'c mut Cache],
+        layers: usize,
+        fits: impl Fn(&Cache) -> bool,
+    ) -> Result<(Self, Positions), ForwardError> {
         if tokens.is_empty() {
             return Err(ForwardError::EmptyInput);
         }
         let per_cache = run_length(tokens, caches)?;
         for (tokens, cache) in tokens.chunks(per_cache).zip(caches.iter()) {
             check_tokens(info, tokens, cache.offset)?;
-            if cache.layers.len() != layers {
+            if cache.layers.len() != layers || !fits(cache) {
                 return Err(ForwardError::CacheMismatch);
             }
         }
@@ -209,11 +221,6 @@ impl<'p, 'c> PassCaches<'p, 'c> {
                 })?)
             }
         })
-    }
-
-    /// The pass's caches, for checks an architecture makes before any layer runs.
-    pub fn iter(&self) -> impl Iterator<Item = &Cache> {
-        self.caches.iter().map(|c| &**c)
     }
 
     /// Counts the pass's tokens into its caches' offsets, once every layer has taken them.

@@ -711,11 +711,9 @@ impl Architecture for Qwen3_5 {
         adapters: Option<PassAdapters>,
     ) -> Result<Tensor, ForwardError> {
         let (mut caches, positions) =
-            PassCaches::new(&self.info, tokens, caches, self.layers.len())?;
-        // Checked before any layer runs, so that a wrong cache is left untouched.
-        if !caches.iter().all(|c| self.fits(c)) {
-            return Err(ForwardError::CacheMismatch);
-        }
+            PassCaches::fitting(&self.info, tokens, caches, self.layers.len(), |c| {
+                self.fits(c)
+            })?;
         let mut h = self.embed_tokens.forward(tokens)?;
         for (i, block) in self.layers.iter().enumerate() {
             let lora = |module| adapters.map_or(ModuleAdapters::NONE, |a| a.module(i, module));
