@@ -504,19 +504,23 @@ impl Sequence {
                 if let Some(constraint) = &mut self.constraint {
                     constraint.mask(logits)?;
                 }
-                if let Some(token) = forced {
-                    for (id, logit) in logits.iter_mut().enumerate() {
-                        if id != token as usize {
-                            *logit = f32::NEG_INFINITY;
+                match forced {
+                    // Not sampled: a grammar that refuses the token says so as it advances.
+                    Some(token) => {
+                        if self.top_logprobs > 0 {
+                            self.top = vec![(token, 0.0)];
                         }
+                        (token, 0.0)
+                    }
+                    None => {
+                        let token = self.sampler.sample(logits, &self.history);
+                        if self.top_logprobs > 0 {
+                            self.top = top_logprobs(logits, self.top_logprobs);
+                        }
+                        let logprob = logits.get(token as usize).copied();
+                        (token, logprob.unwrap_or(f32::NEG_INFINITY))
                     }
                 }
-                let token = self.sampler.sample(logits, &self.history);
-                if self.top_logprobs > 0 {
-                    self.top = top_logprobs(logits, self.top_logprobs);
-                }
-                let logprob = logits.get(token as usize).copied();
-                (token, logprob.unwrap_or(f32::NEG_INFINITY))
             }
         };
         if self.tokens.is_empty() {

@@ -574,6 +574,32 @@ fn reasoning_budgets_close_the_reasoning_alone_and_together() {
     }
 }
 
+/// A budget whose close marker the grammar refuses ends the job with the grammar's error, picked
+/// or sampled, rather than a token outside it.
+#[test]
+fn a_forced_token_the_grammar_refuses_is_an_error() {
+    let (tokenizer, model) = load("llama-4bit-g64");
+    let eos = tokenizer.eos_token_id().unwrap();
+    let grammars = Grammars::new(&tokenizer, &[eos], model.info().vocab_size).unwrap();
+    let close = tokenizer.encode("</think>", false).unwrap();
+    for top_logprobs in [0, 1] {
+        let asks = [Ask {
+            constraint: Some(
+                grammars
+                    .constraint(&Grammar::Regex("[a-z ]*".into()))
+                    .unwrap(),
+            ),
+            reasoning_budget: Some(ReasoningBudget::new(vec![eos], close.clone(), 2, true)),
+            top_logprobs,
+            ..ask("The history of the city begins", 8)
+        }];
+        let held = served(&serve(&tokenizer, &model, &asks, ALONE)[0]);
+        assert_eq!(held.tokens.len(), 2, "{held:?}");
+        let error = held.end.unwrap_err();
+        assert!(error.contains("constrained decoding failed"), "{error}");
+    }
+}
+
 /// The tiny llama's fixture adapter, its `lora_parameters.scale` replaced by `scale` where
 /// given (another adapter of the same shape), loaded from a copy in `dir`.
 fn llama_adapter(model: &Recording, dir: &Path, scale: Option<f64>) -> Arc<Adapter> {
