@@ -12,9 +12,16 @@ pub struct ReasoningBudget {
     /// Reasoning tokens allowed, and those taken so far (markers aside).
     budget: usize,
     spent: usize,
-    reasoning: bool,
-    /// How many of the close marker's tokens have been forced, while they are being.
-    closing: Option<usize>,
+    state: State,
+}
+
+/// Where the reply stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Answering,
+    Reasoning,
+    /// The budget is spent: this many of the close marker's tokens have been forced.
+    Closing(usize),
 }
 
 impl ReasoningBudget {
@@ -26,43 +33,41 @@ impl ReasoningBudget {
             close,
             budget,
             spent: 0,
-            reasoning: in_reasoning,
-            closing: None,
+            state: match in_reasoning {
+                true => State::Reasoning,
+                false => State::Answering,
+            },
         }
     }
 
     /// The token the next step must take, where the budget forces one.
     pub fn forced(&self) -> Option<u32> {
-        match self.closing {
-            Some(done) => self.close.get(done).copied(),
-            None if self.reasoning && self.spent >= self.budget => self.close.first().copied(),
-            None => None,
+        match self.state {
+            State::Closing(done) => self.close.get(done).copied(),
+            State::Reasoning if self.spent >= self.budget => self.close.first().copied(),
+            State::Reasoning | State::Answering => None,
         }
     }
 
     /// Counts the token just taken, `taken` ending with it.
     pub fn took(&mut self, taken: &[u32]) {
-        if let Some(done) = self.closing {
-            let done = done + 1;
-            if done < self.close.len() {
-                self.closing = Some(done);
-            } else {
-                self.closing = None;
-                self.reasoning = false;
-            }
-        } else if self.reasoning && self.spent >= self.budget {
+        // The close marker's tokens forced so far, the one just taken among them.
+        let closed = |done: usize| match done < self.close.len() {
+            true => State::Closing(done),
+            false => State::Answering,
+        };
+        self.state = match self.state {
+            State::Closing(done) => closed(done + 1),
             // The first of the close marker's tokens went in place of the model's.
-            self.closing = Some(0);
-            self.took(taken);
-        } else if self.reasoning {
-            if ends_with(taken, &self.close) {
-                self.reasoning = false;
-            } else {
+            State::Reasoning if self.spent >= self.budget => closed(1),
+            State::Reasoning if ends_with(taken, &self.close) => State::Answering,
+            State::Reasoning => {
                 self.spent += 1;
+                State::Reasoning
             }
-        } else if ends_with(taken, &self.open) {
-            self.reasoning = true;
-        }
+            State::Answering if ends_with(taken, &self.open) => State::Reasoning,
+            State::Answering => State::Answering,
+        };
     }
 }
 
