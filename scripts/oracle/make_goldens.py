@@ -83,9 +83,16 @@ def top2_margin(row):
     return float(s[-1] - s[-2])
 
 
+def flat_rope(cfg):
+    """The flat `rope_theta` mlx-lm's llama reads, where transformers 5 keys `rope_parameters` by layer type."""
+    full = (cfg.get("rope_parameters") or {}).get("full_attention")
+    return {"rope_theta": full["rope_theta"]} if full and "rope_theta" not in cfg else {}
+
+
 def golden(path, rows):
     try:
-        model, tok = load(str(path))
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        model, tok = load(str(path), model_config=flat_rope(cfg))
     except TypeError:
         # transformers' own config class rejects some of mlx-lm's keys (EXAONE 4's string
         # `sliding_window_pattern`): the model alone, with the shared tokenizer's own directory

@@ -12,7 +12,8 @@ spec's `init(path, value)`, if it has one) ->
 1 + 0.2*N(0,1) (so that a runtime ignoring them fails) -> every float parameter cast to bf16 (except those the
 model's cast_predicate keeps) -> mlx_lm.utils.quantize_model (affine unless the spec names a float `mode`, optional
 per-module overrides through quant_predicate returning a dict (which may name another mode), else the model's own
-quant_predicate) -> mlx_lm.utils.save_model + save_config.
+quant_predicate) -> mlx_lm.utils.save_model + save_config (of the config as the spec's `on_disk` rewrites it, if it has
+one: a form mlx-lm does not read, which make_goldens.py gives it as it does).
 """
 import json
 import shutil
@@ -219,6 +220,22 @@ MODELS = {
             "rms_norm_eps": 1e-5, "vocab_size": 512, "max_position_embeddings": 4096, "rope_theta": 10000.0,
             "dim_model_base": 16, "scale_depth": 1.4, "scale_emb": 4.0, "tie_word_embeddings": False,
             "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
+    # MiniCPM5 as it ships, under model_type llama: transformers-5 `rope_parameters` keyed by layer type (the
+    # theta only in `full_attention`'s, no flat `rope_theta`: written so by `on_disk`; mlx-lm's llama reads a flat
+    # theta only, so make_goldens.py hands it that one), `layer_types`, head_dim 32 wider than hidden / heads,
+    # MQA 4/1, untied head, 4-bit g64.
+    "minicpm5-4bit-g64": dict(
+        seed=8, gain=4.0, embed_gain=1.0, group_size=64, bits=4, overrides={},
+        on_disk=lambda c: {**{k: v for k, v in c.items() if k != "rope_theta"},
+                           "rope_parameters": {"full_attention": {"rope_type": "default",
+                                                                  "rope_theta": c["rope_theta"]}}},
+        config={
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+            "head_dim": 32, "hidden_act": "silu", "rms_norm_eps": 1e-6, "vocab_size": 512,
+            "max_position_embeddings": 32768, "rope_theta": 5000000.0,
+            "layer_types": ["full_attention", "full_attention"], "attention_bias": False, "mlp_bias": False,
+            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}),
     # GLM-4: norms before and after each branch, fused gate_up_proj, q/k/v biases, partial interleaved rotary.
     "glm4-4bit-g32": dict(
         seed=15, gain=4.0, embed_gain=1.0, group_size=32, bits=4, overrides={},
@@ -566,7 +583,7 @@ def build(name, spec, out_root, tokdir):
             if f.name.startswith("model") or f.name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
                 f.unlink()
     save_model(out, model)
-    save_config(qcfg, out / "config.json")
+    save_config(spec.get("on_disk", lambda c: c)(qcfg), out / "config.json")
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(tokdir) / f, out / f)
     return out

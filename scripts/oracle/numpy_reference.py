@@ -57,7 +57,9 @@ def rms_norm(x, w, eps):
 
 def rope_periods(cfg, head_dim):
     """Per-pair periods f_i (angle = position / f_i), as mlx-lm builds them (float32)."""
-    base = np.float32(cfg.get("rope_theta", 10000.0))
+    # transformers 5 keys `rope_parameters` by layer type where layers differ: full attention's here
+    nested = (cfg.get("rope_parameters") or {}).get("full_attention") or {}
+    base = np.float32(cfg.get("rope_theta", nested.get("rope_theta", 10000.0)))
     f = base ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))
     sc = cfg.get("rope_scaling") or {}
     if (sc.get("rope_type") or sc.get("type")) == "llama3":

@@ -46,7 +46,8 @@ struct Args {
     max_position_embeddings: Option<usize>,
     rope_theta: Option<f32>,
     rope_scaling: Option<Value>,
-    /// transformers ≥ 5 nests `rope_theta` and the scaling here.
+    /// transformers ≥ 5 nests `rope_theta` and the scaling here (by layer type, at times: see
+    /// [`Args::model_wide_rope`]).
     rope_parameters: Option<Value>,
     rope_traditional: Option<bool>,
     partial_rotary_factor: Option<f32>,
@@ -119,6 +120,30 @@ impl Args {
     fn head_dim(&self) -> usize {
         self.head_dim
             .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// `rope_parameters` as one section for every layer. transformers 5 keys it by layer type
+    /// where layers could differ (MiniCPM5's `{"full_attention": {"rope_theta": ...}}`); these
+    /// models rotate every layer alike (as mlx-lm's and llama.cpp's do), so the sections are
+    /// `full_attention`'s, and a `sliding_attention` section unlike it is refused rather than
+    /// run wrong.
+    fn model_wide_rope(&self) -> Result<Option<Value>, LoadError> {
+        let Some(params) = &self.rope_parameters else {
+            return Ok(None);
+        };
+        let (full, sliding) = (
+            params.get("full_attention"),
+            params.get("sliding_attention"),
+        );
+        match (full, sliding) {
+            (None, None) => Ok(Some(params.clone())),
+            (Some(full), Some(sliding)) if full != sliding => Err(LoadError::Config(
+                "`rope_parameters` gives sliding_attention layers a RoPE of their own, which this \
+                 architecture does not have"
+                    .into(),
+            )),
+            (Some(section), _) | (None, Some(section)) => Ok(Some(section.clone())),
+        }
     }
 }
 
@@ -1082,7 +1107,8 @@ impl Llama {
             found: model_type.clone(),
             supported: member_types().collect(),
         })?;
-        let c: Args = ckpt.config.args()?;
+        let mut c: Args = ckpt.config.args()?;
+        c.rope_parameters = c.model_wide_rope()?;
         let s = member(&c)?;
         let (hidden, n_layers, intermediate) =
             (c.hidden_size, c.num_hidden_layers, c.intermediate_size);

@@ -155,6 +155,23 @@ fn an_unknown_layer_type_is_named() {
     );
 }
 
+/// RoPE settings keyed by layer type that differ between the types: this architecture rotates
+/// every layer alike, so it refuses them rather than run one kind wrong.
+#[test]
+fn a_rope_of_their_own_for_sliding_layers_is_refused() {
+    let dir = copy_of("minicpm5-4bit-g64");
+    edit_config(dir.path(), |c| {
+        let local = serde_json::json!({"rope_type": "default", "rope_theta": 10000.0});
+        c["rope_parameters"]["sliding_attention"] = local;
+    });
+    let err = load_err(dir.path()).to_string();
+    assert_eq!(
+        err,
+        "config.json: `rope_parameters` gives sliding_attention layers a RoPE of their own, which \
+         this architecture does not have"
+    );
+}
+
 /// Hybrids' block kinds: unknown ones are named, a mixture block needs its settings, and a
 /// Mamba-2 mixer whose heads its groups do not divide is refused before its weights are read.
 #[test]

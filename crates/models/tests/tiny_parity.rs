@@ -783,6 +783,7 @@ parity_tests! {
     olmo3_8bit_g32_sliding_window => "olmo3-8bit-g32",
     granite_4bit_g32_multipliers => "granite-4bit-g32",
     minicpm_4bit_g64_scaled_depth => "minicpm-4bit-g64",
+    minicpm5_4bit_g64_rope_parameters_by_layer_type => "minicpm5-4bit-g64",
     glm4_4bit_g32_sandwich_norms_interleaved_partial_rotary => "glm4-4bit-g32",
     exaone4_4bit_g64_windowed_and_nope_layers => "exaone4-4bit-g64",
     ernie4_5_8bit_g64_biases_everywhere => "ernie4_5-8bit-g64",
