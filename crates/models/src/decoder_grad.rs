@@ -16,7 +16,7 @@ use oxlm_engine::ops::Activation;
 use oxlm_engine::params::Heads;
 use oxlm_engine::{ops, Positions, Tensor};
 
-use crate::layers::{Attention, Linear, Mlp, OpResult, RmsNorm, Rope};
+use crate::layers::{Attention, Linear, Mlp, OpResult, RmsNorm, Rope, Weight};
 use crate::lora::{Adapters, ModuleAdapters};
 use crate::lora_dropout::BatchDropout;
 use crate::lora_grad::{
@@ -700,9 +700,43 @@ fn backward_block(
     Some(add(dh_in, &dh_mid))
 }
 
-/// The final norm, the head (and its soft-cap, where there is one) and the loss over the scored
-/// positions of `h`; returns the loss summed over them and adds `dloss · ∂loss/∂h` into a new
-/// `dh`.
+/// Rows `start..start + rows` of `h` (the last block's output), and the logits the final norm
+/// and the head (soft-capped, where the model caps them) make of them, with the head's weight.
+fn head_logits<'m>(
+    model: &'m dyn Decoder,
+    h: &Tensor,
+    start: usize,
+    rows: usize,
+) -> OpResult<(Tensor, Vec<f32>, &'m Weight)> {
+    let (head, embed) = model.output();
+    let hs = ops::rows(h, start, rows)?;
+    let normed = head.norm.forward(&hs)?;
+    let (mut logits, weight) = match &head.lm_head {
+        Some(head) => (head.forward(&normed)?, &head.weight),
+        None => (embed.as_linear(&normed)?, &embed.weight),
+    };
+    if let Some(cap) = head.softcap {
+        ops::softcap_inplace(&mut logits, cap)?;
+    }
+    Ok((hs, logits.into_vec()?, weight))
+}
+
+/// The loss over the scored positions of `h` (the last block's output), summed.
+fn head_sum(model: &dyn Decoder, h: &Tensor, ex: &Example) -> OpResult<f64> {
+    let vocab = model.info().vocab_size;
+    let n = ex.inputs.len();
+    let mut sum = 0.0f64;
+    for start in (ex.loss_from..n).step_by(HEAD_ROWS) {
+        let rows = HEAD_ROWS.min(n - start);
+        let (_, logits, _) = head_logits(model, h, start, rows)?;
+        for (t, row) in logits.chunks_exact(vocab).enumerate() {
+            sum += cross_entropy(row, ex.targets[start + t] as usize) as f64;
+        }
+    }
+    Ok(sum)
+}
+
+/// [`head_sum`], and `dloss · ∂loss/∂h` in a new `dh`.
 fn head_backward(
     model: &dyn Decoder,
     h: &Tensor,
@@ -711,25 +745,16 @@ fn head_backward(
 ) -> OpResult<(f64, Vec<f32>)> {
     let info = model.info();
     let (dim, vocab) = (info.hidden_size, info.vocab_size);
-    let (head, embed) = model.output();
+    let norm = &model.output().0.norm;
+    let softcap = model.output().0.softcap;
     let mut dh = vec![0.0; h.len()];
     let mut sum = 0.0f64;
     let n = ex.inputs.len();
-    let norm = &head.norm;
     for start in (ex.loss_from..n).step_by(HEAD_ROWS) {
         let rows = HEAD_ROWS.min(n - start);
-        let hs = ops::rows(h, start, rows)?;
-        let normed = norm.forward(&hs)?;
-        let (mut logits, weight) = match &head.lm_head {
-            Some(head) => (head.forward(&normed)?, &head.weight),
-            None => (embed.as_linear(&normed)?, &embed.weight),
-        };
-        if let Some(cap) = head.softcap {
-            ops::softcap_inplace(&mut logits, cap)?;
-        }
-        let mut logits = logits.into_vec()?;
+        let (hs, mut logits, weight) = head_logits(model, h, start, rows)?;
         // cap · tanh(z / cap) has the derivative 1 - tanh², from the capped logits.
-        let slopes: Option<Vec<f32>> = head.softcap.map(|cap| {
+        let slopes: Option<Vec<f32>> = softcap.map(|cap| {
             let slope = |l: &f32| 1.0 - (l / cap) * (l / cap);
             logits.iter().map(slope).collect()
         });
@@ -899,6 +924,25 @@ pub(crate) fn loss_and_grads(
         tokens,
         grads,
     })
+}
+
+/// See [`crate::lora::Adaptable::sums`].
+pub(crate) fn sums(
+    model: &dyn Decoder,
+    examples: &[Example],
+    adapters: &Adapters,
+) -> Result<Vec<f64>, ForwardError> {
+    check_cpu(model)?;
+    let lowest = lowest_adapted_block(model, adapters);
+    let mut sums = Vec::with_capacity(examples.len());
+    for ex in examples {
+        check_example(model, ex)?;
+        let blocks = model.blocks(&ex.inputs)?;
+        // No backward pass follows: the blocks need keep only their inputs.
+        let pass = SequencePass::forward(model, &blocks, &ex.inputs, adapters, lowest, true)?;
+        sums.push(head_sum(model, &pass.h, ex)?);
+    }
+    Ok(sums)
 }
 
 /// See [`crate::lora::Adaptable::grads_of_sums`].

@@ -129,6 +129,13 @@ pub trait Adaptable: Architecture {
     /// The model as the backward pass sees it.
     fn decoder(&self) -> &dyn Decoder;
 
+    /// The cross-entropy of each example's scored positions, summed, by the forward pass that
+    /// [`grads_of_sums`](Self::grads_of_sums) takes (so that its sums and these agree to the
+    /// last bit where the adapters' updates do), with no gradient.
+    fn sums(&self, examples: &[Example], adapters: &Adapters) -> Result<Vec<f64>, ForwardError> {
+        decoder_grad::sums(self.decoder(), examples, adapters)
+    }
+
     /// mlx-lm's training loss over `examples` (the mean cross-entropy of their scored positions)
     /// and its gradient with respect to every matrix of `adapters`, without dropout. With
     /// `checkpoint`, blocks keep only their inputs and run again during the backward pass (less
@@ -741,6 +748,21 @@ impl Adapters {
                 .map_err(|e| AdapterError::Device(e.to_string()))?;
         }
         Ok(())
+    }
+
+    /// The same layers, each update scaled by `scale` in place of its own: at 0, the base
+    /// model's outputs through the adapted layers' path (the reference preference training
+    /// compares against).
+    pub fn at_scale(&self, scale: f32) -> Adapters {
+        let mut scaled = self.clone();
+        let experts = scaled.experts.values_mut().flatten();
+        for layer in (scaled.layers.values_mut())
+            .chain(experts)
+            .chain(scaled.parts.values_mut())
+        {
+            layer.scale = scale;
+        }
+        scaled
     }
 
     /// Every layer `config` adapts in `model`, with both matrices zero (training fills `a`).

@@ -979,14 +979,7 @@ fn preference_losses_and_gradients_match_numpy() {
         let mut reference = ReferenceScores::default();
         let step = |checkpoint, reference: &mut ReferenceScores| {
             preference_step(
-                model.as_ref(),
-                adaptable,
-                &adapters,
-                &batch,
-                loss,
-                reference,
-                None,
-                checkpoint,
+                adaptable, &adapters, &batch, loss, reference, None, checkpoint,
             )
             .unwrap()
         };
@@ -1018,7 +1011,6 @@ fn preference_losses_and_gradients_match_numpy() {
         let mut dropping = adapters.clone();
         dropping.config.dropout = 0.3;
         let dropped = preference_step(
-            model.as_ref(),
             adaptable,
             &dropping,
             &batch,
@@ -1112,7 +1104,6 @@ fn fresh_adapters_tie_with_the_reference() {
                 loss_type,
             };
             preference_step(
-                model.as_ref(),
                 adaptable,
                 &adapters,
                 &batch,

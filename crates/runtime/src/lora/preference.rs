@@ -272,21 +272,23 @@ pub struct ReferenceScores {
 }
 
 impl ReferenceScores {
-    /// The scores of `batch`'s pairs under `model` without adapters.
-    fn of(
+    /// The scores of `batch`'s pairs where `loss` reads them (zeros elsewhere), each computed
+    /// once by `score`.
+    fn for_loss(
         &mut self,
-        model: &dyn LanguageModel,
+        loss: PreferenceLoss,
         batch: &PreferenceBatch,
+        mut score: impl FnMut(&Example) -> Result<f64, ForwardError>,
     ) -> Result<Vec<[f64; 2]>, ForwardError> {
+        if !loss.needs_reference() {
+            return Ok(vec![[0.0; 2]; batch.pairs.len()]);
+        }
         let mut out = Vec::with_capacity(batch.pairs.len());
         for (&item, pair) in batch.items.iter().zip(&batch.pairs) {
             let scores = match self.by_item.get(&item) {
                 Some(&scores) => scores,
                 None => {
-                    let scores = [
-                        scored_cross_entropy(model, &pair[0])?,
-                        scored_cross_entropy(model, &pair[1])?,
-                    ];
+                    let scores = [score(&pair[0])?, score(&pair[1])?];
                     self.by_item.insert(item, scores);
                     scores
                 }
@@ -294,20 +296,6 @@ impl ReferenceScores {
             out.push(scores);
         }
         Ok(out)
-    }
-
-    /// The reference's scores where `loss` reads them, zeros elsewhere.
-    fn for_loss(
-        &mut self,
-        loss: PreferenceLoss,
-        model: &dyn LanguageModel,
-        batch: &PreferenceBatch,
-    ) -> Result<Vec<[f64; 2]>, ForwardError> {
-        if loss.needs_reference() {
-            self.of(model, batch)
-        } else {
-            Ok(vec![[0.0; 2]; batch.pairs.len()])
-        }
     }
 }
 
@@ -322,12 +310,10 @@ pub struct PreferenceStep {
     pub grads: AdapterGrads,
 }
 
-/// The loss of `batch` under `model` adapted by `adapters` (the reference's scores taken from,
-/// or added to, `reference`), and its gradient. With `dropout_keys`, the trained adapters'
-/// inputs are dropped with masks drawn from them over the batch's sequences.
-#[allow(clippy::too_many_arguments)]
+/// The loss of `batch` under the model `adaptable` adapted by `adapters` (the reference's
+/// scores taken from, or added to, `reference`), and its gradient. With `dropout_keys`, the
+/// trained adapters' inputs are dropped with masks drawn from them over the batch's sequences.
 pub fn preference_step(
-    model: &dyn LanguageModel,
     adaptable: &dyn Adaptable,
     adapters: &Adapters,
     batch: &PreferenceBatch,
@@ -336,7 +322,12 @@ pub fn preference_step(
     dropout_keys: Option<&mut KeySequence>,
     checkpoint: bool,
 ) -> Result<PreferenceStep, TrainError> {
-    let references = reference.for_loss(loss, model, batch)?;
+    // The reference runs the policy's own passes at adapter scale 0: fresh adapters (b = 0)
+    // then tie with it to the last bit, as mlx-lm-lora's separately loaded reference does.
+    let at_zero = adapters.at_scale(0.0);
+    let references = reference.for_loss(loss, batch, |ex| {
+        Ok(adaptable.sums(std::slice::from_ref(ex), &at_zero)?[0])
+    })?;
     let dropout =
         dropout_keys.map(|keys| BatchDropout::draw(adaptable, adapters, batch.layout(), keys));
     let groups: Vec<&[Example]> = batch.pairs.iter().map(|p| p.as_slice()).collect();
@@ -377,6 +368,8 @@ pub fn evaluate_preference(
     on_batch: &mut dyn FnMut(),
 ) -> Result<PreferenceTally, TrainError> {
     let adapted = AdaptedModel::new(model, adapters)?;
+    let at_zero = adapters.at_scale(0.0);
+    let reference_model = AdaptedModel::new(model, &at_zero)?;
     let mut batches = PreferenceBatches::new(data, batch_size, max_seq_length, false)?;
     let limit = usize::try_from(num_batches).unwrap_or(usize::MAX);
     let mut tally = PreferenceTally::default();
@@ -384,7 +377,9 @@ pub fn evaluate_preference(
         let Some(batch) = batches.next_batch(rng) else {
             break;
         };
-        let references = reference.for_loss(loss, model, &batch)?;
+        let references = reference.for_loss(loss, &batch, |ex| {
+            scored_cross_entropy(&reference_model, ex)
+        })?;
         for (pair, reference) in batch.pairs.iter().zip(references) {
             let policy = [
                 scored_cross_entropy(&adapted, &pair[0])?,

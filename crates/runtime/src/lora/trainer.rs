@@ -314,7 +314,6 @@ impl Objective for Preference<'_> {
         checkpoint: bool,
     ) -> Result<Step, TrainError> {
         let step = preference_step(
-            self.model,
             self.adaptable,
             adapters,
             batch,
