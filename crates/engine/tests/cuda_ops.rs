@@ -739,6 +739,83 @@ fn dense_matmul_and_rows() {
     }
 }
 
+/// Low-rank updates on the GPU against the host's: three updates of ranks 4, 8 and 12 (a rank
+/// chunk and a remainder), one for every row and two for some rows each (a row with two
+/// updates, one with none of those), on a few rows (the kernels) and on many (the products).
+/// The steps run as decoding steps do, replayed after the first, each on other rows of
+/// `inputs` and `outputs` (looked up by staged ids) and with other rows updated.
+#[test]
+fn low_rank_updates_by_row() {
+    let Some((dev, _turn)) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(21);
+    let (inputs, outputs, steps) = (300, 130, 4);
+    let placed = |m: &FloatMatrix| {
+        let mut m = m.clone();
+        m.place(&dev).unwrap();
+        m
+    };
+    let matrices: Vec<(FloatMatrix, FloatMatrix)> = [4, 8, 12]
+        .iter()
+        .map(|&rank| {
+            let down = random_vec(&mut rng, rank * inputs);
+            let up = random_vec(&mut rng, outputs * rank);
+            (
+                FloatMatrix::from_f32(rank, inputs, &down).unwrap(),
+                FloatMatrix::from_f32(outputs, rank, &up).unwrap(),
+            )
+        })
+        .collect();
+    let on_gpu: Vec<(FloatMatrix, FloatMatrix)> = (matrices.iter())
+        .map(|(d, u)| (placed(d), placed(u)))
+        .collect();
+    fn updates<'a>(
+        matrices: &'a [(FloatMatrix, FloatMatrix)],
+        rows: [Option<&'a [usize]>; 3],
+    ) -> Vec<ops::LowRankUpdate<'a>> {
+        (matrices.iter().zip(rows).zip([0.5, -2.0, 1.5]))
+            .map(|(((down, up), rows), scale)| ops::LowRankUpdate {
+                down,
+                up,
+                scale,
+                rows,
+            })
+            .collect()
+    }
+    for m in [5, 70] {
+        let mut table = |cols| {
+            let values = random_vec(&mut rng, steps * m * cols);
+            FloatMatrix::from_f32(steps * m, cols, &values).unwrap()
+        };
+        let (x_table, y_table) = (table(inputs), table(outputs));
+        let (x_on_gpu, y_on_gpu) = (placed(&x_table), placed(&y_table));
+        let mut decode = DecodeSteps::new(&dev);
+        for step in 0..steps {
+            let ids: Vec<usize> = (step * m..(step + 1) * m).collect();
+            let first = [(4 + step) % m, step % m, (2 + step) % m];
+            let second = [m - 1 - step % 2, 2];
+            let rows = [None, Some(&first[..]), Some(&second[..])];
+            let x = ops::matrix_rows(&x_table, &ids, &Device::Cpu).unwrap();
+            let mut cpu = ops::matrix_rows(&y_table, &ids, &Device::Cpu).unwrap();
+            ops::add_low_rank(&x, &updates(&matrices, rows), &mut cpu).unwrap();
+            let gpu_updates = updates(&on_gpu, rows);
+            let y = decode
+                .run(|| {
+                    let x = ops::matrix_rows(&x_on_gpu, &ids, &dev)?;
+                    let mut y = ops::matrix_rows(&y_on_gpu, &ids, &dev)?;
+                    ops::add_low_rank(&x, &gpu_updates, &mut y)?;
+                    y.to_vec()
+                })
+                .unwrap();
+            let y = Tensor::new(vec![m, outputs], y);
+            let tol = if m > 8 { TF32 } else { EXACT };
+            assert_close(&format!("{m} rows, step {step}"), &y, &cpu, tol);
+        }
+        if m == 5 {
+            assert!(decode.replayed() > 0, "no step was replayed");
+        }
+    }
+}
+
 #[test]
 fn element_wise_norms_and_copies() {
     let Some((dev, _turn)) = gpu() else { return };

@@ -342,17 +342,22 @@ impl Linear {
         self.forward_adapted(x, None)
     }
 
-    /// `residual += layer(x)` (with the adapter's update, if any), in one pass where it can be.
+    /// `residual += layer(x)` (with the adapter's update, if any), in one pass where it can be:
+    /// the product, then the update, summed into `residual` in place.
     pub fn add_forward(
         &self,
         x: &Tensor,
         adapter: Option<LayerAdapter>,
         residual: &mut Tensor,
     ) -> OpResult<()> {
-        if self.bias.is_none() && adapter.is_none() {
-            return self.weight.matmul_add(x, residual);
+        if self.bias.is_some() {
+            return ops::add_inplace(residual, &self.forward_adapted(x, adapter)?);
         }
-        ops::add_inplace(residual, &self.forward_adapted(x, adapter)?)
+        self.weight.matmul_add(x, residual)?;
+        match adapter {
+            Some(adapter) => adapter.add_to_tensor(x, residual),
+            None => Ok(()),
+        }
     }
 
     /// [`Linear::forward`] plus a LoRA adapter's low-rank update, when one is given.

@@ -8,7 +8,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use oxlm_engine::{ops, Device, EngineError, FloatMatrix, Tensor};
+use oxlm_engine::ops::LowRankUpdate;
+use oxlm_engine::{Device, EngineError, FloatMatrix, Tensor};
 use serde_json::{json, Value};
 use thiserror::Error;
 
@@ -380,7 +381,7 @@ impl LoraLinear {
     }
 
     /// Copies the matrices, transposed, to `device`'s memory for
-    /// [`add_on_device`](Self::add_on_device).
+    /// [`placed_update`](Self::placed_update).
     fn place(&mut self, device: &Device) -> Result<(), EngineError> {
         let (r, inputs, outputs) = (self.rank, self.in_features, self.out_features);
         let mut down = FloatMatrix::from_f32(r, inputs, &transpose(&self.a, inputs, r))?;
@@ -391,38 +392,19 @@ impl LoraLinear {
         Ok(())
     }
 
-    /// Whether [`add_on_device`](Self::add_on_device) can apply it: placed on a GPU, and no
-    /// training dropout (which the host draws).
-    pub fn runs_on_device(&self) -> bool {
-        self.placed.is_some() && self.dropout.is_none()
-    }
-
-    /// `y += scale · (x·A)·B` on the rows `rows` of `x` and `y` (`None`: all of them), where
-    /// they are, through the copies [`place`](Self::place) made (see
-    /// [`runs_on_device`](Self::runs_on_device)).
-    pub fn add_on_device(
-        &self,
-        x: &Tensor,
-        rows: Option<&[usize]>,
-        y: &mut Tensor,
-    ) -> Result<(), EngineError> {
+    /// Its update of the rows `rows` (`None`: all of them) through the copies
+    /// [`place`](Self::place) made, for [`oxlm_engine::ops::add_low_rank`]: `None` where it has
+    /// none, or a training dropout (which the host draws).
+    pub fn placed_update<'s>(&'s self, rows: Option<&'s [usize]>) -> Option<LowRankUpdate<'s>> {
         let (Some(placed), None) = (&self.placed, &self.dropout) else {
-            let what = "a LoRA update off the host for a layer not placed there, or with dropout";
-            return Err(EngineError::Unsupported(what.into()));
+            return None;
         };
-        let low_rank = |x: &Tensor| -> Result<Tensor, EngineError> {
-            let mut u = ops::matmul(&placed.down, x)?;
-            ops::scale_inplace(&mut u, self.scale)?;
-            Ok(u)
-        };
-        match rows {
-            None => ops::matmul_add(&placed.up, &low_rank(x)?, y)?,
-            Some(rows) => {
-                let update = ops::matmul(&placed.up, &low_rank(&ops::gather_rows(x, rows)?)?)?;
-                ops::scatter_add_rows(y, &update, rows, &vec![1.0; rows.len()])?;
-            }
-        }
-        Ok(())
+        Some(LowRankUpdate {
+            down: &placed.down,
+            up: &placed.up,
+            scale: self.scale,
+            rows,
+        })
     }
 
     /// `x` as the low-rank path reads it: through the dropout, where there is one.
@@ -521,11 +503,12 @@ impl<'a> ModuleAdapters<'a> {
     }
 
     fn lookup(&self, set: &'a Adapters, name: &str) -> Option<&'a LoraLinear> {
-        let block = set.block_path(self.block);
+        // One string for each of a decoding step's layers and sets: it runs on every step.
+        let (blocks, block) = (set.blocks_path, self.block);
         let path = match self.module {
             // The block's own layers (Gemma 4's per-layer input gate).
-            "" => format!("{block}.{name}"),
-            module => format!("{block}.{module}.{name}"),
+            "" => format!("{blocks}.{block}.{name}"),
+            module => format!("{blocks}.{block}.{module}.{name}"),
         };
         match self.expert {
             Some(e) => set.experts.get(&path)?.get(e),
@@ -905,10 +888,12 @@ impl Adapters {
 
 #[cfg(test)]
 mod tests {
+    use oxlm_engine::ops;
+
     use super::*;
 
-    /// The update as a GPU computes it (products by the transposed matrices, the rows of a
-    /// batch gathered and scattered back) is the host's, here on host tensors.
+    /// The update through the placed matrices (as a GPU computes it, by products with the
+    /// transposed matrices) is the host's, here on host tensors.
     #[test]
     fn the_update_through_placed_matrices_is_the_hosts() {
         let values = |n: usize, k: f32| (0..n).map(|i| (i as f32 * k).sin()).collect();
@@ -936,7 +921,8 @@ mod tests {
         let mut want = base.data().to_vec();
         layer.add_to(x.data(), 4, &mut want);
         let mut y = base.clone();
-        layer.add_on_device(&x, None, &mut y).unwrap();
+        let all = [layer.placed_update(None).unwrap()];
+        ops::add_low_rank(&x, &all, &mut y).unwrap();
         near(&y, &want);
         // Rows 3 and 1 only.
         let mut want = base.data().to_vec();
@@ -944,7 +930,8 @@ mod tests {
             layer.add_to(&x.data()[r * 6..][..6], 1, &mut want[r * 5..][..5]);
         }
         let mut y = base.clone();
-        layer.add_on_device(&x, Some(&[3, 1]), &mut y).unwrap();
+        let some = [layer.placed_update(Some(&[3, 1])).unwrap()];
+        ops::add_low_rank(&x, &some, &mut y).unwrap();
         near(&y, &want);
         assert_ne!(y.data(), base.data());
     }

@@ -20,11 +20,13 @@ impl LayerAdapter<'_> {
     /// its GPU (see [`Adapters::place`]); otherwise on the host (a rank-r product is small), the
     /// input coming down from a GPU and the update going up.
     pub fn add_to_tensor(&self, x: &Tensor, y: &mut Tensor) -> Result<(), EngineError> {
-        if !x.is_host() && self.parts.iter().all(|(a, _)| a.runs_on_device()) {
-            for (adapter, rows) in &self.parts {
-                adapter.add_on_device(x, *rows, y)?;
+        if !x.is_host() {
+            let placed: Option<Vec<_>> = (self.parts.iter())
+                .map(|(adapter, rows)| adapter.placed_update(*rows))
+                .collect();
+            if let Some(updates) = placed {
+                return oxlm_engine::ops::add_low_rank(x, &updates, y);
             }
-            return Ok(());
         }
         let m = x.rows();
         let add = |x: &[f32], y: &mut [f32]| {

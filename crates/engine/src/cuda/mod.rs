@@ -12,6 +12,7 @@ mod launch;
 pub(crate) mod attention;
 mod compile;
 pub(crate) mod elementwise;
+pub(crate) mod low_rank;
 pub(crate) mod matmul;
 pub(crate) mod norm;
 pub(crate) mod recurrent;
@@ -41,6 +42,7 @@ const KERNELS: &str = concat!(
     include_str!("kernels/prelude.cu"),
     include_str!("kernels/trace.cu"),
     include_str!("kernels/matmul.cu"),
+    include_str!("kernels/low_rank.cu"),
     include_str!("kernels/elementwise.cu"),
     include_str!("kernels/norm.cu"),
     include_str!("kernels/attention.cu"),
@@ -93,6 +95,8 @@ fn shared_constants() -> String {
     [
         ("INT_RING_STAGES", matmul::INT_RING_STAGES),
         ("MMA_TURN_RUNS", matmul::MMA_TURN_RUNS),
+        ("LOW_RANK_THREADS", low_rank::LOW_RANK_THREADS),
+        ("LOW_RANK_SLICE", low_rank::LOW_RANK_SLICE),
     ]
     .iter()
     .map(|(name, value)| format!("#define {name} {value}\n"))

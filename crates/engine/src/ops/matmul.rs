@@ -6,9 +6,12 @@ use crate::cuda::{self, Buffer};
 use crate::kv::{KvRing, RingStorage};
 use crate::quant::QuantizedParts;
 use crate::tensor::Storage;
-use crate::{Device, FloatMatrix, Positions, QuantizedMatrix, Tensor};
+use crate::{DType, Device, FloatMatrix, Positions, QuantizedMatrix, Tensor};
 
-use super::{add_inplace, check, glu_inplace, mismatch, rms_norm, with_last, Heads, Result};
+use super::{
+    add_inplace, check, gather_rows, glu_inplace, mismatch, rms_norm, scale_inplace,
+    scatter_add_rows, with_last, Heads, Result,
+};
 
 /// A weight matrix the matmul and row-lookup ops take: MLX-quantized or float.
 pub trait WeightMatrix {
@@ -214,6 +217,93 @@ pub fn matmul_add(w: &impl WeightMatrix, x: &Tensor, residual: &mut Tensor) -> R
         }
         _ => add_inplace(residual, &matmul(w, x)?),
     }
+}
+
+/// A low-rank update of a linear layer's output, as a LoRA adapter adds it:
+/// `y += scale · (x · downᵀ) · upᵀ` on the rows `rows` of `x` and `y` (every row where `None`).
+#[derive(Clone, Copy)]
+pub struct LowRankUpdate<'a> {
+    /// `[rank, in]`, f32 (placed on the GPU for a pass there).
+    pub down: &'a FloatMatrix,
+    /// `[out, rank]`, f32.
+    pub up: &'a FloatMatrix,
+    pub scale: f32,
+    pub rows: Option<&'a [usize]>,
+}
+
+/// Up to this many rows a GPU adds low-rank updates by two kernels that take every row's updates
+/// at once (a decoding step, whichever adapters its sequences run through), replayed with the
+/// step; more rows (a prompt) take each update's two products on the tensor cores.
+const LOW_RANK_KERNEL_MAX_ROWS: usize = 64;
+
+/// `y += ` each of `updates`, in order, on the rows of `x` it applies to.
+pub fn add_low_rank(x: &Tensor, updates: &[LowRankUpdate], y: &mut Tensor) -> Result<()> {
+    let (m, outputs) = (x.rows(), y.cols());
+    for u in updates {
+        let fits = u.down.cols == x.cols()
+            && u.up.rows == outputs
+            && u.up.cols == u.down.rows
+            && y.rows() == m
+            && u.rows.is_none_or(|rows| rows.iter().all(|&r| r < m));
+        check(fits, || {
+            format!(
+                "low-rank update [{}, {}]ᵀ·[{}, {}]ᵀ of {:?} into {:?}",
+                u.down.rows,
+                u.down.cols,
+                u.up.rows,
+                u.up.cols,
+                x.shape(),
+                y.shape()
+            )
+        })?;
+        check(
+            u.down.dtype == DType::F32 && u.up.dtype == DType::F32,
+            || format!("low-rank update in {} (f32 only)", u.down.dtype),
+        )?;
+    }
+    if let (Storage::Cuda(xb), Storage::Cuda(yb)) = (&x.storage, &mut y.storage) {
+        if m <= LOW_RANK_KERNEL_MAX_ROWS {
+            if !xb.gpu().same(yb.gpu()) {
+                return Err(mismatch("add_low_rank"));
+            }
+            let g = xb.gpu();
+            let weights = (updates.iter())
+                .map(|u| {
+                    Ok(cuda::low_rank::LowRankWeights {
+                        down: u.down.on_gpu(g)?,
+                        up: u.up.on_gpu(g)?,
+                        rank: u.down.rows,
+                        scale: u.scale,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let mut pairs = Vec::new();
+            for (i, u) in updates.iter().enumerate() {
+                match u.rows {
+                    None => pairs.extend((0..m).map(|r| (r, i))),
+                    Some(rows) => pairs.extend(rows.iter().map(|&r| (r, i))),
+                }
+            }
+            // Stable: each row's updates stay in their order.
+            pairs.sort_by_key(|&(row, _)| row);
+            return cuda::low_rank::add_low_rank(xb, x.cols(), &weights, &pairs, yb, outputs);
+        }
+    }
+    for u in updates {
+        let low_rank = |x: &Tensor| -> Result<Tensor> {
+            let mut t = matmul(u.down, x)?;
+            scale_inplace(&mut t, u.scale)?;
+            Ok(t)
+        };
+        match u.rows {
+            None => matmul_add(u.up, &low_rank(x)?, y)?,
+            Some(rows) => {
+                let update = matmul(u.up, &low_rank(&gather_rows(x, rows)?)?)?;
+                scatter_add_rows(y, &update, rows, &vec![1.0; rows.len()])?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The activation between the gate and up projections of a gated MLP.
