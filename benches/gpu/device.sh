@@ -50,6 +50,10 @@
 #   structured      constrained decoding's cost (`bench --json-schema`): that model, 1 and 32
 #                   sequences decoding 128 tokens after 512-token prompts, free and with every
 #                   sequence held to benches/structured_schema.json, in turn
+#   adapters        LoRA adapters in batched decode (`bench --adapters 8`): the 0.85B 4-bit llama,
+#                   8 and 32 sequences decoding 128 tokens after 512-token prompts, free, every
+#                   one through one adapter (rank 8 on every linear layer), then spread over 8,
+#                   in turn; the adapter runs' steps (replayed, host and GPU time) in the JSON
 #   arrivals        that server under requests arriving at random (serve_bench.py --arrivals):
 #                   4 seconds of them at 150 a second, then at 50 (RATES="150 50"), each asking for
 #                   32 to 128 tokens
@@ -229,6 +233,14 @@ run_structured() {
     | tee -a "$OUT/structured.jsonl"
 }
 
+run_adapters() {
+  set -- ${MODELS[0]}
+  dir=/tmp/models/$1-4
+  write_model 4 "$@"
+  builds .device/oxlm bench --device cuda --model "$dir" --prompt-tokens 512 --gen-tokens 128 \
+    --batch 8 --batch 32 --adapters 8 --repeats 2 | tee -a "$OUT/adapters.jsonl"
+}
+
 run_arrivals() {
   local dir rate
   dir=$(serve_model) || return
@@ -389,6 +401,7 @@ for stage in "$@"; do
     trace) run_trace ;;
     serve) run_serve ;;
     structured) run_structured ;;
+    adapters) run_adapters ;;
     arrivals) run_arrivals ;;
     archs) run_archs ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;

@@ -14,7 +14,7 @@ use oxlm_engine::cuda::{
     TracedLaunch, TRACE_DONE, TRACE_FIRST_READY, TRACE_STAGES, TRACE_STAGE_NAMES,
 };
 use oxlm_engine::{ops, DecodeSteps, KvPrecision, KvQuant};
-use oxlm_models::lora::{Adapters, LoraConfig};
+use oxlm_models::lora::{AdaptedModel, Adapters, LoraConfig};
 use oxlm_models::{Cache, LanguageModel, Logits};
 use oxlm_runtime::adapter_store::Adapter;
 use oxlm_runtime::batcher::{Batcher, BatcherSettings, Job, Requester, Update};
@@ -347,6 +347,15 @@ fn decode_batch(
     })
 }
 
+/// A batch run's steps: how many were replayed, and the host's and the GPU's time per step.
+fn steps_json(decoded: &Decoded) -> serde_json::Value {
+    json!({
+        "replayed_steps": decoded.replayed,
+        "host_us_per_step": decoded.host_us,
+        "gpu_us_per_step": decoded.gpu_us,
+    })
+}
+
 /// A grammar every sequence of a constrained batch follows.
 struct Constrained {
     grammars: Grammars,
@@ -586,22 +595,30 @@ pub fn run(args: Args) -> Result<()> {
             }
             None => None,
         };
-        // One adapter and the mix in turn, likewise.
-        let adapter_tps = match adapters.first() {
+        // One adapter and the mix in turn, likewise; the steps of the last of each as the free
+        // run's are reported.
+        let (mut adapter_tps, mut adapter_steps) = (None, None);
+        if let Some(first) = adapters.first() {
+            let one = std::slice::from_ref(first);
+            run_with(None, one)?;
+            run_with(None, &adapters)?;
+            let mut runs = Vec::new();
+            for _ in 0..args.repeats.max(1) {
+                let (single, mixed) = (run_with(None, one)?, run_with(None, &adapters)?);
+                runs.push((tps(&single), tps(&mixed)));
+                adapter_steps =
+                    Some(json!({"one": steps_json(&single), "mixed": steps_json(&mixed)}));
+            }
+            adapter_tps = Some(runs);
+        }
+        let trace = traced_decode(model.as_ref(), kv_cache, &lengths, args.gen_tokens)?;
+        let adapter_trace = match adapters.first() {
             Some(first) => {
-                let one = std::slice::from_ref(first);
-                run_with(None, one)?;
-                run_with(None, &adapters)?;
-                let mut runs = Vec::new();
-                for _ in 0..args.repeats.max(1) {
-                    let single = tps(&run_with(None, one)?);
-                    runs.push((single, tps(&run_with(None, &adapters)?)));
-                }
-                Some(runs)
+                let adapted = AdaptedModel::new(model.as_ref(), &first.adapters)?;
+                traced_decode(&adapted, kv_cache, &lengths, args.gen_tokens)?
             }
             None => None,
         };
-        let trace = traced_decode(model.as_ref(), kv_cache, &lengths, args.gen_tokens)?;
         batches.push(json!({
             "sequences": sequences,
             "decode_tps": tps(&decoded),
@@ -615,10 +632,13 @@ pub fn run(args: Args) -> Result<()> {
             "mixed_adapter_overhead": adapter_tps.as_ref().map(|runs| {
                 median(runs.iter().map(|(one, mixed)| 1.0 - mixed / one).collect())
             }),
+            "adapter_steps": adapter_steps,
             "replayed_steps": decoded.replayed,
             "host_us_per_step": decoded.host_us,
             "gpu_us_per_step": decoded.gpu_us,
             "trace": trace,
+            // Every sequence through the first adapter.
+            "adapter_trace": adapter_trace,
         }));
     }
     let report = json!({
