@@ -741,39 +741,41 @@ fn dense_matmul_and_rows() {
 
 /// Low-rank updates on the GPU against the host's: three updates of ranks 4, 8 and 12 (a rank
 /// chunk and a remainder), one for every row and two for some rows each (a row with two
-/// updates, one with none of those), on a few rows (the kernels) and on many (the products).
-/// The steps run as decoding steps do, replayed after the first, each on other rows of
-/// `inputs` and `outputs` (looked up by staged ids) and with other rows updated.
+/// updates, one with none of those), beside a second, narrower layer of the same input with an
+/// update of its own (one launch pair for both), over inputs three slices wide (the last
+/// partial); on a few rows (the kernels) and on many (the products). The steps run as decoding
+/// steps do, replayed after the first, each on other rows of the inputs and outputs (looked up
+/// by staged ids) and with other rows updated.
 #[test]
 fn low_rank_updates_by_row() {
     let Some((dev, _turn)) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(21);
-    let (inputs, outputs, steps) = (300, 130, 4);
+    let (inputs, outputs, narrow, steps) = (2100, 130, 70, 4);
     let placed = |m: &FloatMatrix| {
         let mut m = m.clone();
         m.place(&dev).unwrap();
         m
     };
-    let matrices: Vec<(FloatMatrix, FloatMatrix)> = [4, 8, 12]
-        .iter()
-        .map(|&rank| {
-            let down = random_vec(&mut rng, rank * inputs);
-            let up = random_vec(&mut rng, outputs * rank);
-            (
-                FloatMatrix::from_f32(rank, inputs, &down).unwrap(),
-                FloatMatrix::from_f32(outputs, rank, &up).unwrap(),
-            )
-        })
-        .collect();
-    let on_gpu: Vec<(FloatMatrix, FloatMatrix)> = (matrices.iter())
-        .map(|(d, u)| (placed(d), placed(u)))
-        .collect();
+    let mut pair = |rank: usize, width: usize| {
+        let down = random_vec(&mut rng, rank * inputs);
+        let up = random_vec(&mut rng, width * rank);
+        (
+            FloatMatrix::from_f32(rank, inputs, &down).unwrap(),
+            FloatMatrix::from_f32(width, rank, &up).unwrap(),
+        )
+    };
+    let matrices = [pair(4, outputs), pair(8, outputs), pair(12, outputs)];
+    let narrow_layer = [pair(8, narrow)];
+    let on_gpu = |ms: &[(FloatMatrix, FloatMatrix)]| -> Vec<(FloatMatrix, FloatMatrix)> {
+        ms.iter().map(|(d, u)| (placed(d), placed(u))).collect()
+    };
+    let (wide_on_gpu, narrow_on_gpu) = (on_gpu(&matrices), on_gpu(&narrow_layer));
     fn updates<'a>(
         matrices: &'a [(FloatMatrix, FloatMatrix)],
-        rows: [Option<&'a [usize]>; 3],
+        rows: &[Option<&'a [usize]>],
     ) -> Vec<ops::LowRankUpdate<'a>> {
         (matrices.iter().zip(rows).zip([0.5, -2.0, 1.5]))
-            .map(|(((down, up), rows), scale)| ops::LowRankUpdate {
+            .map(|(((down, up), &rows), scale)| ops::LowRankUpdate {
                 down,
                 up,
                 scale,
@@ -786,29 +788,35 @@ fn low_rank_updates_by_row() {
             let values = random_vec(&mut rng, steps * m * cols);
             FloatMatrix::from_f32(steps * m, cols, &values).unwrap()
         };
-        let (x_table, y_table) = (table(inputs), table(outputs));
-        let (x_on_gpu, y_on_gpu) = (placed(&x_table), placed(&y_table));
+        let tables = [table(inputs), table(outputs), table(narrow)];
+        let [x_on_gpu, y_on_gpu, z_on_gpu] = tables.each_ref().map(placed);
         let mut decode = DecodeSteps::new(&dev);
         for step in 0..steps {
             let ids: Vec<usize> = (step * m..(step + 1) * m).collect();
             let first = [(4 + step) % m, step % m, (2 + step) % m];
             let second = [m - 1 - step % 2, 2];
             let rows = [None, Some(&first[..]), Some(&second[..])];
-            let x = ops::matrix_rows(&x_table, &ids, &Device::Cpu).unwrap();
-            let mut cpu = ops::matrix_rows(&y_table, &ids, &Device::Cpu).unwrap();
-            ops::add_low_rank(&x, &updates(&matrices, rows), &mut cpu).unwrap();
-            let gpu_updates = updates(&on_gpu, rows);
-            let y = decode
+            let narrow_rows = [Some(&second[..])];
+            let host = |t: &FloatMatrix| ops::matrix_rows(t, &ids, &Device::Cpu).unwrap();
+            let (x, mut y, mut z) = (host(&tables[0]), host(&tables[1]), host(&tables[2]));
+            ops::add_low_rank(&x, &updates(&matrices, &rows), &mut y).unwrap();
+            ops::add_low_rank(&x, &updates(&narrow_layer, &narrow_rows), &mut z).unwrap();
+            let wide = updates(&wide_on_gpu, &rows);
+            let narrowed = updates(&narrow_on_gpu, &narrow_rows);
+            let (gpu_y, gpu_z) = decode
                 .run(|| {
                     let x = ops::matrix_rows(&x_on_gpu, &ids, &dev)?;
                     let mut y = ops::matrix_rows(&y_on_gpu, &ids, &dev)?;
-                    ops::add_low_rank(&x, &gpu_updates, &mut y)?;
-                    y.to_vec()
+                    let mut z = ops::matrix_rows(&z_on_gpu, &ids, &dev)?;
+                    ops::add_low_ranks(&x, &mut [(&wide, &mut y), (&narrowed, &mut z)])?;
+                    Ok::<_, oxlm_engine::EngineError>((y.to_vec()?, z.to_vec()?))
                 })
                 .unwrap();
-            let y = Tensor::new(vec![m, outputs], y);
             let tol = if m > 8 { TF32 } else { EXACT };
-            assert_close(&format!("{m} rows, step {step}"), &y, &cpu, tol);
+            let gpu_y = Tensor::new(vec![m, outputs], gpu_y);
+            assert_close(&format!("{m} rows, step {step}"), &gpu_y, &y, tol);
+            let gpu_z = Tensor::new(vec![m, narrow], gpu_z);
+            assert_close(&format!("{m} rows, step {step}, narrow"), &gpu_z, &z, tol);
         }
         if m == 5 {
             assert!(decode.replayed() > 0, "no step was replayed");

@@ -870,11 +870,20 @@ impl Attention {
             .collect();
         if quantized.len() < 3 {
             let x = &*input.tensor()?;
-            return Ok((
-                self.q_proj.forward_adapted(x, lora.get("q_proj"))?,
-                self.k_proj.forward_adapted(x, lora.get("k_proj"))?,
-                self.v_proj.forward_adapted(x, lora.get("v_proj"))?,
-            ));
+            let (mut q, mut k, mut v) = (
+                self.q_proj.forward(x)?,
+                self.k_proj.forward(x)?,
+                self.v_proj.forward(x)?,
+            );
+            LayerAdapter::add_all(
+                x,
+                &mut [
+                    (lora.get("q_proj"), &mut q),
+                    (lora.get("k_proj"), &mut k),
+                    (lora.get("v_proj"), &mut v),
+                ],
+            )?;
+            return Ok((q, k, v));
         }
         let (x, norm) = input.parts();
         let mut out = ops::quantized_matmul_group(&quantized, x, norm)?;
@@ -966,8 +975,8 @@ impl Mlp {
             return ops::quantized_glu(gw, uw, x, norm, act);
         }
         let x = &*input.tensor()?;
-        let mut h = g.forward_adapted(x, ga)?;
-        let up = u.forward_adapted(x, ua)?;
+        let (mut h, mut up) = (g.forward(x)?, u.forward(x)?);
+        LayerAdapter::add_all(x, &mut [(ga, &mut h), (ua, &mut up)])?;
         ops::glu_inplace(&mut h, &up, act)?;
         Ok(h)
     }

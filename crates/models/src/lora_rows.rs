@@ -2,6 +2,7 @@
 //! sequences run through sets of their own (requests naming different adapters share a
 //! decoding step), over one shared base model.
 
+use oxlm_engine::ops::{self, LowRankUpdate};
 use oxlm_engine::{EngineError, Tensor};
 
 use crate::cache::Cache;
@@ -20,13 +21,8 @@ impl LayerAdapter<'_> {
     /// its GPU (see [`Adapters::place`]); otherwise on the host (a rank-r product is small), the
     /// input coming down from a GPU and the update going up.
     pub fn add_to_tensor(&self, x: &Tensor, y: &mut Tensor) -> Result<(), EngineError> {
-        if !x.is_host() {
-            let placed: Option<Vec<_>> = (self.parts.iter())
-                .map(|(adapter, rows)| adapter.placed_update(*rows))
-                .collect();
-            if let Some(updates) = placed {
-                return oxlm_engine::ops::add_low_rank(x, &updates, y);
-            }
+        if let (false, Some(updates)) = (x.is_host(), self.placed()) {
+            return ops::add_low_rank(x, &updates, y);
         }
         let m = x.rows();
         let add = |x: &[f32], y: &mut [f32]| {
@@ -45,6 +41,42 @@ impl LayerAdapter<'_> {
         add(&x.to_vec()?, &mut update);
         let update = Tensor::from_slice(y.shape().to_vec(), &update, &y.device())?;
         oxlm_engine::ops::add_inplace(y, &update)
+    }
+}
+
+impl<'a> LayerAdapter<'a> {
+    /// Its updates through the copies placed on a GPU, where every part has them.
+    fn placed(&self) -> Option<Vec<LowRankUpdate<'a>>> {
+        (self.parts.iter())
+            .map(|(adapter, rows)| adapter.placed_update(*rows))
+            .collect()
+    }
+
+    /// [`add_to_tensor`](Self::add_to_tensor) for layers that read the same input `x` (a
+    /// block's q, k and v projections), each output with its layer's adapter if it has one: on
+    /// a GPU in one pair of launches for them all.
+    pub fn add_all(
+        x: &Tensor,
+        outputs: &mut [(Option<LayerAdapter<'a>>, &mut Tensor)],
+    ) -> Result<(), EngineError> {
+        if !x.is_host() {
+            let placed: Option<Vec<Vec<LowRankUpdate>>> = (outputs.iter())
+                .map(|(adapter, _)| adapter.as_ref().map_or(Some(Vec::new()), |a| a.placed()))
+                .collect();
+            if let Some(placed) = placed {
+                let mut each: Vec<(&[LowRankUpdate], &mut Tensor)> = (placed.iter())
+                    .zip(outputs.iter_mut())
+                    .map(|(updates, (_, y))| (updates.as_slice(), &mut **y))
+                    .collect();
+                return ops::add_low_ranks(x, &mut each);
+            }
+        }
+        for (adapter, y) in outputs.iter_mut() {
+            if let Some(adapter) = adapter {
+                adapter.add_to_tensor(x, y)?;
+            }
+        }
+        Ok(())
     }
 }
 

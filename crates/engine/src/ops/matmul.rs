@@ -238,68 +238,80 @@ const LOW_RANK_KERNEL_MAX_ROWS: usize = 64;
 
 /// `y += ` each of `updates`, in order, on the rows of `x` it applies to.
 pub fn add_low_rank(x: &Tensor, updates: &[LowRankUpdate], y: &mut Tensor) -> Result<()> {
-    let (m, outputs) = (x.rows(), y.cols());
-    for u in updates {
-        let fits = u.down.cols == x.cols()
-            && u.up.rows == outputs
-            && u.up.cols == u.down.rows
-            && y.rows() == m
-            && u.rows.is_none_or(|rows| rows.iter().all(|&r| r < m));
-        check(fits, || {
-            format!(
-                "low-rank update [{}, {}]ᵀ·[{}, {}]ᵀ of {:?} into {:?}",
-                u.down.rows,
-                u.down.cols,
-                u.up.rows,
-                u.up.cols,
-                x.shape(),
-                y.shape()
-            )
-        })?;
-        check(
-            u.down.dtype == DType::F32 && u.up.dtype == DType::F32,
-            || format!("low-rank update in {} (f32 only)", u.down.dtype),
-        )?;
+    add_low_ranks(x, &mut [(updates, y)])
+}
+
+/// [`add_low_rank`] into each of `outputs`, layers that read the same input `x` (a block's q, k
+/// and v projections): on a GPU, for a few rows, in one pair of launches for them all.
+pub fn add_low_ranks(x: &Tensor, outputs: &mut [(&[LowRankUpdate], &mut Tensor)]) -> Result<()> {
+    let m = x.rows();
+    for (updates, y) in outputs.iter() {
+        for u in *updates {
+            let fits = u.down.cols == x.cols()
+                && u.up.rows == y.cols()
+                && u.up.cols == u.down.rows
+                && y.rows() == m
+                && u.rows.is_none_or(|rows| rows.iter().all(|&r| r < m));
+            check(fits, || {
+                format!(
+                    "low-rank update [{}, {}]ᵀ·[{}, {}]ᵀ of {:?} into {:?}",
+                    u.down.rows,
+                    u.down.cols,
+                    u.up.rows,
+                    u.up.cols,
+                    x.shape(),
+                    y.shape()
+                )
+            })?;
+            check(
+                u.down.dtype == DType::F32 && u.up.dtype == DType::F32,
+                || format!("low-rank update in {} (f32 only)", u.down.dtype),
+            )?;
+        }
     }
-    if let (Storage::Cuda(xb), Storage::Cuda(yb)) = (&x.storage, &mut y.storage) {
+    if let Storage::Cuda(xb) = &x.storage {
         if m <= LOW_RANK_KERNEL_MAX_ROWS {
-            if !xb.gpu().same(yb.gpu()) {
-                return Err(mismatch("add_low_rank"));
-            }
             let g = xb.gpu();
-            let weights = (updates.iter())
-                .map(|u| {
-                    Ok(cuda::low_rank::LowRankWeights {
+            let (mut weights, mut pairs, mut ys) = (Vec::new(), Vec::new(), Vec::new());
+            for (output, (updates, y)) in outputs.iter_mut().enumerate() {
+                for u in updates.iter() {
+                    let i = weights.len();
+                    match u.rows {
+                        None => pairs.extend((0..m).map(|r| (r, i))),
+                        Some(rows) => pairs.extend(rows.iter().map(|&r| (r, i))),
+                    }
+                    weights.push(cuda::low_rank::LowRankWeights {
                         down: u.down.on_gpu(g)?,
                         up: u.up.on_gpu(g)?,
                         rank: u.down.rows,
                         scale: u.scale,
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let mut pairs = Vec::new();
-            for (i, u) in updates.iter().enumerate() {
-                match u.rows {
-                    None => pairs.extend((0..m).map(|r| (r, i))),
-                    Some(rows) => pairs.extend(rows.iter().map(|&r| (r, i))),
+                        output,
+                    });
+                }
+                let width = y.cols();
+                match &mut y.storage {
+                    Storage::Cuda(yb) if yb.gpu().same(g) => ys.push((yb, width)),
+                    _ => return Err(mismatch("add_low_rank")),
                 }
             }
             // Stable: each row's updates stay in their order.
             pairs.sort_by_key(|&(row, _)| row);
-            return cuda::low_rank::add_low_rank(xb, x.cols(), &weights, &pairs, yb, outputs);
+            return cuda::low_rank::add_low_rank(xb, x.cols(), &weights, &pairs, &mut ys);
         }
     }
-    for u in updates {
-        let low_rank = |x: &Tensor| -> Result<Tensor> {
-            let mut t = matmul(u.down, x)?;
-            scale_inplace(&mut t, u.scale)?;
-            Ok(t)
-        };
-        match u.rows {
-            None => matmul_add(u.up, &low_rank(x)?, y)?,
-            Some(rows) => {
-                let update = matmul(u.up, &low_rank(&gather_rows(x, rows)?)?)?;
-                scatter_add_rows(y, &update, rows, &vec![1.0; rows.len()])?;
+    for (updates, y) in outputs.iter_mut() {
+        for u in updates.iter() {
+            let low_rank = |x: &Tensor| -> Result<Tensor> {
+                let mut t = matmul(u.down, x)?;
+                scale_inplace(&mut t, u.scale)?;
+                Ok(t)
+            };
+            match u.rows {
+                None => matmul_add(u.up, &low_rank(x)?, y)?,
+                Some(rows) => {
+                    let update = matmul(u.up, &low_rank(&gather_rows(x, rows)?)?)?;
+                    scatter_add_rows(y, &update, rows, &vec![1.0; rows.len()])?;
+                }
             }
         }
     }

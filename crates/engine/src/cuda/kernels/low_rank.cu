@@ -1,18 +1,27 @@
 
 // ---- low-rank updates ----------------------------------------------------------------------
 
-// LoRA adapters' updates of a linear layer's output, `y += scale · (x · downᵀ) · upᵀ`, for a
+// LoRA adapters' updates of linear layers' outputs, `y += scale · (x · downᵀ) · upᵀ`, for a
 // few rows (a decoding step) where each row may take updates of its own: the (row, update)
 // pairs of a step run in one launch of each kernel, whichever adapters they belong to (as
 // Punica's and S-LoRA's segmented products do), so that a batch of requests through different
-// adapters costs what one adapter does.
+// adapters costs what one adapter does; and so do the pairs of layers that read one input.
 
-// An update as the launcher packs it: three 8-byte words.
+// An update as the launcher packs it: four 8-byte words.
 struct LowRankUpdate {
     const float *down;  // [rank, inputs]
-    const float *up;    // [outputs, rank]
+    const float *up;    // [width of its output, rank]
     int rank;
     float scale;
+    int output;  // which of the launch's outputs it adds to
+    int unused;
+};
+
+// One of the outputs of a launch (layers that read the same input: a block's q, k and v).
+struct LowRankOutput {
+    float *y;  // [rows, width]
+    int width;
+    int unused;
 };
 
 // Ranks a thread sums at once in `low_rank_down`.
@@ -68,20 +77,25 @@ extern "C" __global__ void low_rank_down(const float *x, const LowRankUpdate *up
     }
 }
 
-// y[r, j] += Σ_p Σ_k u[p, k] · up_p[j, k] over the pairs p of row r (row_start[r] up to
-// row_start[r + 1], in the order the updates add up), u[p, k] being scale_p times the sum over
-// the `slices` partial products of `low_rank_down`, summed once a block into shared memory
-// (max_rank floats): a thread per output column, a block row (blockIdx.y) per activation row.
-extern "C" __global__ void low_rank_up(float *y, const float *partial, const LowRankUpdate *updates,
-                                       const int *row_start, const int *pair_update, int outputs,
-                                       int max_rank, int slices) {
+// y_o[r, j] += Σ_p Σ_k u[p, k] · up_p[j, k] over the pairs p of row r (row_start[r] up to
+// row_start[r + 1], in the order the updates add up) whose update adds to output o, u[p, k]
+// being scale_p times the sum over the `slices` partial products of `low_rank_down`, summed
+// once a block into shared memory (max_rank floats): a thread per output column, a block row
+// (blockIdx.y) per activation row, a block layer (blockIdx.z) per output.
+extern "C" __global__ void low_rank_up(const LowRankOutput *outputs, const float *partial,
+                                       const LowRankUpdate *updates, const int *row_start,
+                                       const int *pair_update, int max_rank, int slices) {
     extern __shared__ float u[];
     await_inputs();
-    const int r = blockIdx.y, j = blockIdx.x * blockDim.x + threadIdx.x;
+    const int o = blockIdx.z, r = blockIdx.y, j = blockIdx.x * blockDim.x + threadIdx.x;
+    const LowRankOutput out = outputs[o];
     const int begin = row_start[r], end = row_start[r + 1];
     float acc = 0.f;
+    bool updated = false;
     for (int p = begin; p < end; p++) {
         const LowRankUpdate update = updates[pair_update[p]];
+        if (update.output != o) continue;  // the same for the whole block
+        updated = true;
         const float *pp = partial + (i64)p * slices * max_rank;
         for (int k = threadIdx.x; k < update.rank; k += blockDim.x) {
             float sum = 0.f;
@@ -89,11 +103,11 @@ extern "C" __global__ void low_rank_up(float *y, const float *partial, const Low
             u[k] = update.scale * sum;
         }
         __syncthreads();
-        if (j < outputs) {
+        if (j < out.width) {
             const float *w = update.up + (i64)j * update.rank;
             for (int k = 0; k < update.rank; k++) acc += u[k] * w[k];
         }
         __syncthreads();
     }
-    if (j < outputs && begin < end) y[(i64)r * outputs + j] += acc;
+    if (j < out.width && updated) out.y[(i64)r * out.width + j] += acc;
 }
