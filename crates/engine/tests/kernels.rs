@@ -644,7 +644,15 @@ fn group_attention_matches_the_reference() {
     }
 
     let mut rng = StdRng::seed_from_u64(9);
-    for (d, group) in [(64, 4), (36, 2), (128, 1), (80, 3), (256, 5), (16, 4)] {
+    for (d, group) in [
+        (64, 4),
+        (64, 3),
+        (36, 2),
+        (128, 1),
+        (80, 3),
+        (256, 5),
+        (16, 4),
+    ] {
         for len in [1, 7, 8, 63, 65, 200, 1000] {
             let queries = random_vec(&mut rng, group * d);
             let keys = random_vec(&mut rng, len * d);

@@ -32,9 +32,12 @@ const F16_CACHE_TOLERANCE: f32 = 0.02;
 const Q8_CACHE_TOLERANCE: f32 = 0.8;
 
 /// The same with 4-bit caches, whose codes' steps are 17 times as large, so that each flip
-/// weighs that much more (measured: 4.4 in the first step, 5.1 without the integer kernels;
-/// mlx-lm's own 4-bit cache is 3.4 to 7.0 from its unquantized one).
-const Q4_CACHE_TOLERANCE: f32 = 8.0;
+/// weighs that much more: mlx-lm's own 4-bit cache is 3.4 to 7.0 from its unquantized one, and
+/// two such caches whose keys differ in their last bits flip different codes, so they may be
+/// up to about twice that from each other. Measured in the first step: 4.4 (AMD EPYC), 9.5 (a
+/// Xeon with AMX), 5.1 on either without the integer kernels; the picks that must agree (80 of
+/// 96, 84 to 87 measured) hold the cache to the oracle.
+const Q4_CACHE_TOLERANCE: f32 = 14.0;
 
 fn model_dir(name: &str) -> Option<PathBuf> {
     let dir = oxlm_runtime::hub::cache_root()?.join("models").join(name);
