@@ -745,8 +745,8 @@ fn head_backward(
 ) -> OpResult<(f64, Vec<f32>)> {
     let info = model.info();
     let (dim, vocab) = (info.hidden_size, info.vocab_size);
-    let norm = &model.output().0.norm;
-    let softcap = model.output().0.softcap;
+    let (head, _) = model.output();
+    let (norm, softcap) = (&head.norm, head.softcap);
     let mut dh = vec![0.0; h.len()];
     let mut sum = 0.0f64;
     let n = ex.inputs.len();

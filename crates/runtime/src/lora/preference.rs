@@ -323,10 +323,12 @@ pub fn preference_step(
     checkpoint: bool,
 ) -> Result<PreferenceStep, TrainError> {
     // The reference runs the policy's own passes at adapter scale 0: fresh adapters (b = 0)
-    // then tie with it to the last bit, as mlx-lm-lora's separately loaded reference does.
-    let at_zero = adapters.at_scale(0.0);
+    // then tie with it to the last bit, as mlx-lm-lora's separately loaded reference does. The
+    // copy at scale 0 is made only for items not scored yet: most steps find theirs.
+    let mut at_zero = None;
     let references = reference.for_loss(loss, batch, |ex| {
-        Ok(adaptable.sums(std::slice::from_ref(ex), &at_zero)?[0])
+        let at_zero = at_zero.get_or_insert_with(|| adapters.at_scale(0.0));
+        Ok(adaptable.sums(std::slice::from_ref(ex), at_zero)?[0])
     })?;
     let dropout =
         dropout_keys.map(|keys| BatchDropout::draw(adaptable, adapters, batch.layout(), keys));
