@@ -499,3 +499,51 @@ fn on_gpu_with_bias<'a>(
     };
     Ok((w.on_gpu(gpu)?, w.shape(), bias))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Bytes;
+
+    /// Updates add in order on their rows: `y += scale · (x · downᵀ) · upᵀ`, worked by hand.
+    /// Matrices that do not fit `x` and `y`, rows past `x`'s and matrices not in f32 are
+    /// refused with what was asked.
+    #[test]
+    fn low_rank_updates_add_on_their_rows_and_refuse_what_does_not_fit() {
+        // Rank 1: down [1, 2], up [3, 1].
+        let down = FloatMatrix::from_f32(1, 2, &[1.0, 2.0]).unwrap();
+        let up = FloatMatrix::from_f32(3, 1, &[1.0, 0.0, -1.0]).unwrap();
+        let x = Tensor::new(vec![2, 2], vec![1.0, 1.0, 2.0, 0.0]);
+        let mut y = Tensor::new(vec![2, 3], vec![0.0; 6]);
+        let all = LowRankUpdate {
+            down: &down,
+            up: &up,
+            scale: 2.0,
+            rows: None,
+        };
+        let second = LowRankUpdate {
+            scale: 0.5,
+            rows: Some(&[1]),
+            ..all
+        };
+        add_low_rank(&x, &[all, second], &mut y).unwrap();
+        // Row 0: x·down = 3, times 2; row 1: x·down = 2, times 2 + 0.5.
+        assert_eq!(y.data(), [6.0, 0.0, -6.0, 5.0, 0.0, -5.0]);
+
+        let wide = FloatMatrix::from_f32(1, 3, &[1.0; 3]).unwrap();
+        let mut err = |u: LowRankUpdate| add_low_rank(&x, &[u], &mut y).unwrap_err().to_string();
+        let mismatched = err(LowRankUpdate { down: &wide, ..all });
+        assert!(
+            mismatched.contains("low-rank update [1, 3]"),
+            "{mismatched}"
+        );
+        let past = err(LowRankUpdate {
+            rows: Some(&[2]),
+            ..all
+        });
+        assert!(past.contains("into [2, 3]"), "{past}");
+        let half = FloatMatrix::new(1, 2, DType::F16, Bytes::from_values(&[0u16; 2])).unwrap();
+        let f16 = err(LowRankUpdate { down: &half, ..all });
+        assert!(f16.contains("f32 only"), "{f16}");
+    }
+}
