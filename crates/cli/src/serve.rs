@@ -172,7 +172,13 @@ pub fn run(args: Args) -> Result<()> {
         max_queued_requests: args.max_queued_requests,
         request_timeout: args.request_timeout.map(Duration::from_secs_f64),
         kv_cache: args.kv.kv_cache,
-        kv_quantization: None,
+        // --kv-bits for every layer; else the server reads the checkpoint's kv_config.json.
+        kv_quantization: args
+            .kv
+            .kv_bits
+            .map(|bits| oxlm_engine::KvQuant::new(bits, args.kv.kv_group_size))
+            .transpose()?
+            .map(oxlm_models::QuantizedLayers::All),
         kv_config: !args.kv.no_kv_config,
         memory_budget: args.memory_budget,
         adapter_path: args.adapter_path,

@@ -280,8 +280,9 @@ fn the_kv_cache_flag_reaches_generate_and_serve() {
 /// A checkpoint's `kv_config.json` quantizes the layers it lists, in `generate` as in `serve`:
 /// listing every layer at 4 bits in groups of 32 (the tiny Gemma 3's heads of 32, sliding-window
 /// layers and full ones) gives what `--kv-bits 4 --kv-group-size 32 --quantized-kv-start 0`
-/// gives, and not what the unquantized cache gives; `--no-kv-config` leaves it unused; a
-/// file that names a layer the model does not have is refused with what is wrong.
+/// gives, and not what the unquantized cache gives; `--no-kv-config` leaves it unused; `serve
+/// --kv-bits` quantizes as the file does; a file that names a layer the model does not have is
+/// refused with what is wrong.
 #[test]
 fn a_checkpoints_kv_config_quantizes_its_layers() {
     let dir = tempfile::tempdir().unwrap();
@@ -328,6 +329,11 @@ fn a_checkpoints_kv_config_quantizes_its_layers() {
     assert_eq!(generated_by(dir.path(), &unused), plain);
 
     let serve = Serve::start_on(dir.path(), &f32_cache);
+    let (status, r) = serve.chat(&chat_request(json!({"max_tokens": 24})));
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["choices"][0]["message"]["content"], by_flags_from_0);
+    let bits = ["--kv-bits", "4", "--kv-group-size", "32"];
+    let serve = Serve::start_on(&tiny, &[&f32_cache[..], &bits].concat());
     let (status, r) = serve.chat(&chat_request(json!({"max_tokens": 24})));
     assert_eq!(status, 200, "{r}");
     assert_eq!(r["choices"][0]["message"]["content"], by_flags_from_0);
