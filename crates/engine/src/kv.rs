@@ -1,8 +1,10 @@
 //! Storage for cached keys and values. Activations are f32 everywhere, but a long context's
 //! cache is what decoding reads most of after the weights, so it is kept in f16 by default:
 //! half the bytes per position, as llama.cpp's cache and mlx-lm's (in an f16 model's dtype)
-//! keep it; or, asked, in f32, or on the host as 4- or 8-bit affine codes (mlx-lm's
-//! `--kv-bits`), an eighth or a quarter of f32's.
+//! keep it; or, asked, in f32, or as 4- or 8-bit affine codes (mlx-lm's `--kv-bits`), an eighth
+//! or a quarter of f32's, which attention reads as they are on either device.
+
+use std::borrow::Cow;
 
 use half::f16;
 
@@ -62,8 +64,8 @@ pub enum KvPrecision {
     #[default]
     F16,
     /// Affine codes as mlx-lm's quantized cache keeps them (`mx.quantize` of each group of a
-    /// head's features). Head dims must be multiples of the group size. On the host only: a
-    /// GPU keeps f16 instead.
+    /// head's features; a GPU quantizes as the host does, to the same codes). Head dims must be
+    /// multiples of the group size.
     Quantized(KvQuant),
 }
 
@@ -145,15 +147,14 @@ impl KvRing {
     /// Whether the ring can hold heads of `head_dim` elements: a quantized ring's groups
     /// must not straddle two heads.
     pub fn check_head_dim(&self, head_dim: usize) -> Result<(), EngineError> {
-        match &self.storage {
-            RingStorage::HostQuant(q) => check_quantized_head_dim(q.quant, head_dim),
+        match self.precision() {
+            KvPrecision::Quantized(quant) => check_quantized_head_dim(quant, head_dim),
             _ => Ok(()),
         }
     }
 
-    /// `len` zeros on `device`. A GPU ring asked for codes keeps f16, the narrowest its
-    /// kernels read. A quantized ring holds whole groups (rows of heads of a multiple of the
-    /// group size).
+    /// `len` zeros on `device`. A quantized ring holds whole groups (rows of heads of a multiple
+    /// of the group size).
     pub fn zeros(
         len: usize,
         precision: KvPrecision,
@@ -166,7 +167,7 @@ impl KvRing {
                 RingStorage::HostQuant(QuantRing::zeros(len, quant))
             }
             (Device::Cuda(gpu), precision) => {
-                RingStorage::Cuda(DeviceRing::zeros(gpu, len, precision != KvPrecision::F32)?)
+                RingStorage::Cuda(DeviceRing::zeros(gpu, len, precision)?)
             }
         };
         Ok(KvRing { storage })
@@ -190,8 +191,8 @@ impl KvRing {
         match &self.storage {
             RingStorage::HostF16(_) => KvPrecision::F16,
             RingStorage::HostQuant(q) => KvPrecision::Quantized(q.quant),
-            RingStorage::Cuda(r) if r.is_half() => KvPrecision::F16,
-            RingStorage::HostF32(_) | RingStorage::Cuda(_) => KvPrecision::F32,
+            RingStorage::Cuda(r) => r.precision(),
+            RingStorage::HostF32(_) => KvPrecision::F32,
         }
     }
 
@@ -210,6 +211,48 @@ impl KvRing {
             RingStorage::HostQuant(q) => Some(q.rows()),
             _ => None,
         }
+    }
+
+    /// A quantized ring's codes, scales and biases on the host (copied from a GPU); `None` for
+    /// a ring of elements.
+    pub fn host_codes(&self) -> Result<Option<Cow<'_, QuantRing>>, EngineError> {
+        Ok(match &self.storage {
+            RingStorage::HostQuant(q) => Some(Cow::Borrowed(q)),
+            RingStorage::Cuda(r) => r.download_codes()?.map(Cow::Owned),
+            _ => None,
+        })
+    }
+
+    /// This ring on `device`, in its precision: codes go between the host and a GPU as they
+    /// are, elements through f32.
+    pub fn to_device(self, device: &Device) -> Result<KvRing, EngineError> {
+        let precision = self.precision();
+        let storage = match (self.storage, device) {
+            (RingStorage::Cuda(r), Device::Cuda(gpu)) if r.gpu().same(gpu) => RingStorage::Cuda(r),
+            (RingStorage::HostQuant(q), Device::Cuda(gpu)) => {
+                RingStorage::Cuda(DeviceRing::upload_codes(gpu, q.rows())?)
+            }
+            (RingStorage::Cuda(r), Device::Cpu) => match r.download_codes()? {
+                Some(codes) => RingStorage::HostQuant(codes),
+                None => {
+                    let values = RingStorage::HostF32(r.download()?);
+                    return KvRing { storage: values }.into_precision(precision);
+                }
+            },
+            (storage, device) => {
+                let values = KvRing { storage }.to_vec()?;
+                return match device {
+                    Device::Cpu => KvRing {
+                        storage: RingStorage::HostF32(values),
+                    }
+                    .into_precision(precision),
+                    Device::Cuda(gpu) => Ok(KvRing {
+                        storage: RingStorage::Cuda(DeviceRing::upload(gpu, &values, precision)?),
+                    }),
+                };
+            }
+        };
+        Ok(KvRing { storage })
     }
 
     /// A host ring of these codes (`scales` and `biases` one per group of `codes`), as
@@ -249,9 +292,7 @@ impl KvRing {
             RingStorage::HostF32(_) => len * 4,
             RingStorage::HostF16(_) => len * 2,
             RingStorage::HostQuant(q) => q.quant.bytes_for(len),
-            // f16 elements are packed two to a 32-bit word.
-            RingStorage::Cuda(r) if r.is_half() => len.div_ceil(2) * 4,
-            RingStorage::Cuda(_) => len * 4,
+            RingStorage::Cuda(r) => DeviceRing::bytes_for(len, r.precision()),
         }
     }
 
@@ -276,9 +317,8 @@ impl KvRing {
     }
 
     /// These elements in `precision`: rounded to f16, quantized or widened to f32 (through f32
-    /// where both ends are narrower). A GPU ring asked for codes keeps f16, and a host ring of
-    /// elements that are not whole groups stays f32. Fails only when a GPU
-    /// runs out of memory for the new ring.
+    /// where both ends are narrower). A ring of elements that are not whole groups stays f32
+    /// where codes are asked. Fails only when a GPU runs out of memory for the new ring.
     pub fn into_precision(self, precision: KvPrecision) -> Result<KvRing, EngineError> {
         if self.precision() == precision {
             return Ok(self);
@@ -288,14 +328,14 @@ impl KvRing {
             RingStorage::HostF16(v) => v.into_iter().map(f16::to_f32).collect(),
             RingStorage::HostQuant(q) => q.to_vec(),
             RingStorage::Cuda(ring) => {
-                let half = precision != KvPrecision::F32;
-                if ring.is_half() == half {
-                    return Ok(KvRing {
-                        storage: RingStorage::Cuda(ring),
-                    });
-                }
                 let values = ring.download()?;
-                let converted = DeviceRing::upload(ring.gpu(), &values, half)?;
+                let precision = match precision {
+                    KvPrecision::Quantized(q) if !values.len().is_multiple_of(q.group) => {
+                        KvPrecision::F32
+                    }
+                    precision => precision,
+                };
+                let converted = DeviceRing::upload(ring.gpu(), &values, precision)?;
                 return Ok(KvRing {
                     storage: RingStorage::Cuda(converted),
                 });

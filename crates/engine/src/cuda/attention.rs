@@ -9,12 +9,12 @@ use cudarc::driver::LaunchConfig;
 use super::launch::{blocks, elements, int, sliced_warps, Result};
 use super::matmul::compute_type;
 use super::{err, Arg, Buffer, DeviceRing, Gpu, GpuPositions, Memory, UNASKED_SHARED_BYTES};
-use crate::EngineError;
+use crate::{EngineError, KvPrecision};
 
 /// Writes `src[0]` and `src[1]` (keys and values, `[tokens, kv_heads, d]` each) at `positions`
 /// (consecutive) of the rings `cache[0]` and `cache[1]` of `capacity` slots (of one precision);
 /// the first position is read on the device, so that a replayed decode step writes where its
-/// own token goes.
+/// own token goes. Code rings take a warp per group of each head's features.
 pub fn kv_write(
     cache: [&mut DeviceRing; 2],
     src: [&Buffer; 2],
@@ -25,19 +25,30 @@ pub fn kv_write(
 ) -> Result<()> {
     let g = cache[0].gpu().clone();
     let tokens = src[0].len() / (kv_heads * d);
-    launch!(&g, "kv_write", elements(&g, src[0].len());
-        cache[0].ptr(), cache[1].ptr(), src[0].ptr(), src[1].ptr(), int(tokens)?, int(kv_heads)?,
-        int(d)?, int(capacity)?, positions.ptr(), cache[0].is_half() as i32);
+    let (keys, values) = (cache[0].ptr(), cache[1].ptr());
+    match cache[0].precision() {
+        KvPrecision::Quantized(q) => {
+            let kernel = format!("kv_write_{}", cache[0].suffix());
+            launch!(&g, &kernel, elements(&g, 32 * 2 * tokens * kv_heads * (d / q.group));
+                keys, values, src[0].ptr(), src[1].ptr(), int(tokens)?, int(kv_heads)?, int(d)?,
+                int(capacity)?, positions.ptr(), cache[0].group_shift());
+        }
+        precision => {
+            launch!(&g, "kv_write", elements(&g, src[0].len());
+                keys, values, src[0].ptr(), src[1].ptr(), int(tokens)?, int(kv_heads)?, int(d)?,
+                int(capacity)?, positions.ptr(), (precision == KvPrecision::F16) as i32);
+        }
+    }
     Ok(())
 }
 
 /// [`kv_write`] of one token for each of several sequences: row `s` of the keys `src[0]` and
-/// values `src[1]` into the rings at `rings[s]` and `rings[n + s]` (`capacities[s]` slots, f16
-/// elements if `half`, else f32) at `positions[s]`.
+/// values `src[1]` into the rings at `rings[s]` and `rings[n + s]` (`capacities[s]` slots, all
+/// in `precision`) at `positions[s]`.
 #[allow(clippy::too_many_arguments)]
 pub fn kv_write_batch(
     rings: &[u64],
-    half: bool,
+    precision: KvPrecision,
     capacities: &[usize],
     src: [&Buffer; 2],
     kv_heads: usize,
@@ -47,14 +58,27 @@ pub fn kv_write_batch(
     let g = src[0].gpu().clone();
     let ptrs = g.addresses(rings)?;
     let caps = g.indices(capacities.iter().copied())?;
-    launch!(&g, "kv_write_batch", elements(&g, src[0].len());
-        ptrs.ptr(), src[0].ptr(), src[1].ptr(), int(capacities.len())?, int(kv_heads)?, int(d)?,
-        caps.ptr(), positions.ptr(), half as i32);
+    let seqs = int(capacities.len())?;
+    match precision {
+        KvPrecision::Quantized(q) => {
+            let kernel = format!("kv_write_batch_q{}", q.bits);
+            let warps = 2 * capacities.len() * kv_heads * (d / q.group);
+            launch!(&g, &kernel, elements(&g, 32 * warps);
+                ptrs.ptr(), src[0].ptr(), src[1].ptr(), seqs, int(kv_heads)?, int(d)?, caps.ptr(),
+                positions.ptr(), q.group.trailing_zeros() as i32);
+        }
+        precision => {
+            launch!(&g, "kv_write_batch", elements(&g, src[0].len());
+                ptrs.ptr(), src[0].ptr(), src[1].ptr(), seqs, int(kv_heads)?, int(d)?, caps.ptr(),
+                positions.ptr(), (precision == KvPrecision::F16) as i32);
+        }
+    }
     Ok(())
 }
 
 /// Copies positions `p0..p1` of `dst` from `src`'s positions from `src_first` on, between rings
-/// of different capacities (and one precision).
+/// of different capacities (and one precision): each part of a row (a code ring's codes and
+/// pairs) as it is.
 #[allow(clippy::too_many_arguments)]
 pub fn kv_move(
     src: &DeviceRing,
@@ -72,9 +96,11 @@ pub fn kv_move(
     }
     let g = src.gpu().clone();
     let shift = p0 as i64 - src_first as i64;
-    launch!(&g, "kv_move", elements(&g, (p1 - p0) * kv_heads * d);
-        src.ptr(), int(src_capacity)?, dst.ptr(), int(dst_capacity)?, int(kv_heads)?, int(d)?,
-        p0 as i64, p1 as i64, shift, int(src.element_bytes())?);
+    for ((from, width, bytes), (to, ..)) in src.row_parts(d).into_iter().zip(dst.row_parts(d)) {
+        launch!(&g, "kv_move", elements(&g, (p1 - p0) * kv_heads * width);
+            from, int(src_capacity)?, to, int(dst_capacity)?, int(kv_heads)?, int(width)?,
+            p0 as i64, p1 as i64, shift, int(bytes)?);
+    }
     Ok(())
 }
 
@@ -146,7 +172,7 @@ pub fn attention(
         q.ptr(), kv.keys.ptr(), kv.values.ptr(), positions.ptr(), out.ptr(), part.ptr(),
         g.split_counters(), int(heads)?, int(kv.kv_heads)?, int(d)?, int(kv.capacity)?,
         kv.start as i64, window, options.scale, options.softcap(), options.sinks(), int(splits)?,
-        int(per_split)?);
+        int(per_split)?, kv.keys.group_shift());
     Ok(out)
 }
 
@@ -177,12 +203,12 @@ pub fn attention_batch(
     let Some(first) = kvs.first() else {
         return Err(EngineError::Shape("attention over no caches".into()));
     };
-    let half = first.keys.is_half();
+    let precision = first.keys.precision();
     if kvs.iter().any(|kv| {
         kv.kv_heads != first.kv_heads
             || kv.window != first.window
-            || kv.keys.is_half() != half
-            || kv.values.is_half() != half
+            || kv.keys.precision() != precision
+            || kv.values.precision() != precision
     }) {
         return Err(EngineError::Shape(
             "a batch's caches differ in heads, window or precision".into(),
@@ -202,7 +228,7 @@ pub fn attention_batch(
         "attention_batch_{per_lane}_{per_warp}_{}",
         first.keys.suffix()
     );
-    let (stages, units, shared) = kv_tile_stages(d, first.keys.element_bytes());
+    let (stages, units, shared) = kv_tile_stages(first.keys.staged_row_bytes(d));
     let resident = g.resident_blocks(&kernel, 32, shared)?;
     let splits = batch_splits(&g, resident, warps, span);
     let per_split = span.div_ceil(splits).div_ceil(32) * 32;
@@ -227,18 +253,18 @@ pub fn attention_batch(
         q.ptr(), keys, values, positions.ptr(), out.ptr(), part.ptr(),
         g.split_counters(), int(heads)?, int(first.kv_heads)?, int(d)?, capacities.ptr(),
         starts.ptr(), window, options.scale, options.softcap(), options.sinks(), int(splits)?,
-        int(per_split)?, int(stages)?, int(units)?);
+        int(per_split)?, int(stages)?, int(units)?, first.keys.group_shift());
     Ok(out)
 }
 
 /// Shared memory for the batched attention's tiles of 32 keys' rows (`stage_kv_rows` in the
-/// kernels): rows of `d` elements of `bytes` each, in 16-byte units, an odd count of them (so
-/// that eight lanes reading a unit each of eight rows fall on distinct banks), keys then values.
-/// Two tiles, so that one goes up while the other is summed, where they fit the 48 KiB a kernel
-/// takes unasked; else one (head dims of 256 and more). Returns the tiles, a row's units and the
-/// bytes.
-fn kv_tile_stages(d: usize, bytes: usize) -> (usize, usize, u32) {
-    let units = (d * bytes).div_ceil(16) | 1;
+/// kernels): rows of `row_bytes` each, in 16-byte units, an odd count of them (so that eight
+/// lanes reading a unit each of eight rows fall on distinct banks), keys then values. Two tiles,
+/// so that one goes up while the other is summed, where they fit the 48 KiB a kernel takes
+/// unasked; else one (f32 or f16 head dims of 256 and more). Returns the tiles, a row's units
+/// and the bytes.
+fn kv_tile_stages(row_bytes: usize) -> (usize, usize, u32) {
+    let units = row_bytes.div_ceil(16) | 1;
     let tile = 2 * 32 * units * 16;
     let stages = if 2 * tile <= UNASKED_SHARED_BYTES {
         2
@@ -328,16 +354,22 @@ fn attention_gemm(
     let out = g.output(tokens * heads * d)?;
     let chunk = (SCORE_BYTES / (4 * heads * slots.max(1))).clamp(1, tokens);
     let compute = compute_type(&g);
-    // The products read f32: an f16 cache's visible slots are widened first.
+    // The products read f32: an f16 or code cache's visible slots are widened first.
     let widened = |ring: &DeviceRing| -> Result<Memory> {
         let wide = g.scratch(4 * kv.kv_heads * slots * d)?;
-        launch!(&g, "kv_widen", elements(&g, kv.kv_heads * slots * d);
-            ring.ptr(), wide.ptr(), int(kv.kv_heads)?, int(kv.capacity)?, int(slots)?, int(d)?);
+        let cfg = elements(&g, kv.kv_heads * slots * d);
+        let (h, capacity, slots, d) = (int(kv.kv_heads)?, int(kv.capacity)?, int(slots)?, int(d)?);
+        match ring.precision() {
+            KvPrecision::Quantized(_) => {
+                let kernel = format!("kv_widen_{}", ring.suffix());
+                launch!(&g, &kernel, cfg;
+                    ring.ptr(), wide.ptr(), h, capacity, slots, d, ring.group_shift());
+            }
+            _ => launch!(&g, "kv_widen", cfg; ring.ptr(), wide.ptr(), h, capacity, slots, d),
+        }
         Ok(wide)
     };
-    let widened_rings = kv
-        .keys
-        .is_half()
+    let widened_rings = (kv.keys.precision() != KvPrecision::F32)
         .then(|| Ok((widened(kv.keys)?, widened(kv.values)?)))
         .transpose()?;
     let (keys, values, ring_stride) = match &widened_rings {

@@ -19,6 +19,7 @@ use super::{
     err, Arg, Buffer, DenseWeights, DeviceRing, Gpu, GpuPositions, Memory, QuantizedWeights,
 };
 use crate::params::QuantMode;
+use crate::KvPrecision;
 
 /// Up to this many activation rows a matmul may be a GEMV that streams each weight once; more
 /// go to the tensor cores: straight from 4- and 8-bit weights up to [`MMA_MAX_ROWS`] (batched
@@ -614,7 +615,7 @@ pub fn qkv_rope_write(
         Arg::from(int(shape.kv_heads)?),
         Arg::from(int(shape.head_dim)?),
         Arg::from(traditional as i32),
-        Arg::from(keys.is_half() as i32),
+        Arg::from((keys.precision() == KvPrecision::F16) as i32),
     ]);
     let cfg = LaunchConfig {
         shared_mem_bytes: shared,

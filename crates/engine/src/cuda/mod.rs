@@ -34,6 +34,8 @@ use step::{Op, StepState};
 use trace::tracing;
 pub use trace::{TracedLaunch, TRACE_DONE, TRACE_FIRST_READY, TRACE_STAGES, TRACE_STAGE_NAMES};
 
+use crate::cpu::attention::{KvRows, QuantRows};
+use crate::kv::{KvPrecision, KvQuant, QuantRing};
 use crate::EngineError;
 
 /// The kernels' CUDA C source: one file per op family under `kernels/`, joined in this order
@@ -718,44 +720,104 @@ impl Buffer {
     }
 }
 
-/// One ring of a key/value cache in device memory: `len` elements of f32, or of f16 (`half`),
-/// in a lasting allocation of whole f32 words.
+/// One ring of a key/value cache in device memory, `len` elements in a lasting allocation of
+/// whole f32 words: f32 or f16 elements, or codes (`kernels/attention.cu` lays them out: the
+/// codes, then from the next 16-byte boundary a (scale, bias) pair of f32 per group).
 pub struct DeviceRing {
     words: Buffer,
     len: usize,
-    half: bool,
+    precision: KvPrecision,
 }
 
 impl DeviceRing {
     /// `len` zeros.
-    pub(crate) fn zeros(gpu: &Gpu, len: usize, half: bool) -> Result<DeviceRing, EngineError> {
-        let words = if half { len.div_ceil(2) } else { len };
+    pub(crate) fn zeros(
+        gpu: &Gpu,
+        len: usize,
+        precision: KvPrecision,
+    ) -> Result<DeviceRing, EngineError> {
         Ok(DeviceRing {
-            words: gpu.zeros(words)?,
+            words: gpu.zeros(Self::bytes_for(len, precision).div_ceil(4))?,
             len,
-            half,
+            precision,
         })
     }
 
-    /// `values` in a new ring, rounded to f16 (as `kv_store` in the kernels rounds) if `half`.
-    pub(crate) fn upload(gpu: &Gpu, values: &[f32], half: bool) -> Result<DeviceRing, EngineError> {
+    /// Bytes of device memory a ring of `len` elements in `precision` takes.
+    pub(crate) fn bytes_for(len: usize, precision: KvPrecision) -> usize {
+        match precision {
+            KvPrecision::F32 => len * 4,
+            // f16 elements are packed two to a 32-bit word.
+            KvPrecision::F16 => len.div_ceil(2) * 4,
+            KvPrecision::Quantized(q) => Self::pairs_at(len, q) + len.div_ceil(q.group) * 8,
+        }
+    }
+
+    /// Where a ring of `len` codes keeps its groups' pairs (`code_pairs_at` in the kernels).
+    fn pairs_at(len: usize, quant: KvQuant) -> usize {
+        quant.row_bytes(len).next_multiple_of(16)
+    }
+
+    /// `values` in a new ring, rounded to f16 (as `kv_store` in the kernels rounds) or quantized
+    /// (as `quantize_group` does) as `precision` asks. Codes take whole groups: other lengths
+    /// are refused.
+    pub(crate) fn upload(
+        gpu: &Gpu,
+        values: &[f32],
+        precision: KvPrecision,
+    ) -> Result<DeviceRing, EngineError> {
         use crate::cpu::attention::KvElem;
-        let words = if half {
-            let bits =
-                |v: Option<&f32>| v.map_or(0, |&v| <half::f16 as KvElem>::from_f32(v).to_bits());
-            // Two elements a word, the first in its low half (little-endian, as the kernels read).
-            let words: Vec<f32> = values
-                .chunks(2)
-                .map(|p| f32::from_bits(bits(p.first()) as u32 | (bits(p.get(1)) as u32) << 16))
-                .collect();
-            gpu.upload(&words)?
-        } else {
-            gpu.upload(values)?
+        let words = match precision {
+            KvPrecision::F32 => gpu.upload(values)?,
+            KvPrecision::F16 => {
+                let bits = |v: Option<&f32>| {
+                    v.map_or(0, |&v| <half::f16 as KvElem>::from_f32(v).to_bits())
+                };
+                // Two elements a word, the first in its low half (little-endian, as the kernels
+                // read).
+                let words: Vec<f32> = values
+                    .chunks(2)
+                    .map(|p| f32::from_bits(bits(p.first()) as u32 | (bits(p.get(1)) as u32) << 16))
+                    .collect();
+                gpu.upload(&words)?
+            }
+            KvPrecision::Quantized(quant) => {
+                let ring = QuantRing::quantized(values, quant).ok_or_else(|| {
+                    EngineError::Shape(format!(
+                        "{} elements are not whole groups of {}",
+                        values.len(),
+                        quant.group
+                    ))
+                })?;
+                return Self::upload_codes(gpu, ring.rows());
+            }
         };
         Ok(DeviceRing {
             words,
             len: values.len(),
-            half,
+            precision,
+        })
+    }
+
+    /// A new ring holding these codes as they are.
+    pub(crate) fn upload_codes(gpu: &Gpu, rows: QuantRows) -> Result<DeviceRing, EngineError> {
+        let (quant, len) = (rows.quant, rows.elements());
+        let mut bytes = vec![0u8; Self::bytes_for(len, KvPrecision::Quantized(quant))];
+        bytes[..rows.codes.len()].copy_from_slice(rows.codes);
+        let pairs = bytes[Self::pairs_at(len, quant)..].chunks_exact_mut(8);
+        for (pair, (scale, bias)) in pairs.zip(rows.scales.iter().zip(rows.biases)) {
+            pair[..4].copy_from_slice(&scale.to_le_bytes());
+            pair[4..].copy_from_slice(&bias.to_le_bytes());
+        }
+        bytes.resize(bytes.len().next_multiple_of(4), 0);
+        let words: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|w| f32::from_le_bytes(w.try_into().unwrap()))
+            .collect();
+        Ok(DeviceRing {
+            words: gpu.upload(&words)?,
+            len,
+            precision: KvPrecision::Quantized(quant),
         })
     }
 
@@ -767,17 +829,25 @@ impl DeviceRing {
         self.len == 0
     }
 
-    /// Whether the elements are f16.
-    pub fn is_half(&self) -> bool {
-        self.half
+    pub fn precision(&self) -> KvPrecision {
+        self.precision
     }
 
-    /// Bytes of one element: 2 (f16) or 4 (f32).
-    pub(crate) fn element_bytes(&self) -> usize {
-        if self.half {
-            2
-        } else {
-            4
+    /// Bytes of one row of `d` elements as the batched attention stages it: the elements, or
+    /// the codes and their groups' pairs.
+    pub(crate) fn staged_row_bytes(&self, d: usize) -> usize {
+        match self.precision {
+            KvPrecision::F32 => 4 * d,
+            KvPrecision::F16 => 2 * d,
+            KvPrecision::Quantized(q) => q.row_bytes(d) + d / q.group * 8,
+        }
+    }
+
+    /// log2 of a code ring's group size, as the kernels take it; 0 for other rings.
+    pub(crate) fn group_shift(&self) -> i32 {
+        match self.precision {
+            KvPrecision::Quantized(q) => q.group.trailing_zeros() as i32,
+            _ => 0,
         }
     }
 
@@ -790,10 +860,15 @@ impl DeviceRing {
         self.words.gpu()
     }
 
-    /// The elements as f32, copied to the host.
+    /// The elements as f32, copied to the host (codes dequantized).
     pub(crate) fn download(&self) -> Result<Vec<f32>, EngineError> {
+        if let Some(codes) = self.download_codes()? {
+            let mut out = vec![0.0; self.len];
+            crate::cpu::attention::dequantize(crate::cpu::Isa::best(), codes.rows(), &mut out);
+            return Ok(out);
+        }
         let words = self.words.download()?;
-        if !self.half {
+        if self.precision == KvPrecision::F32 {
             return Ok(words);
         }
         let halves: &[u16] = bytemuck::cast_slice(&words);
@@ -803,12 +878,30 @@ impl DeviceRing {
             .collect())
     }
 
+    /// A code ring's codes, scales and biases, copied to the host; `None` for other rings.
+    pub(crate) fn download_codes(&self) -> Result<Option<QuantRing>, EngineError> {
+        let KvPrecision::Quantized(quant) = self.precision else {
+            return Ok(None);
+        };
+        let words = self.words.download()?;
+        let bytes: &[u8] = bytemuck::cast_slice(&words);
+        let groups = self.len.div_ceil(quant.group);
+        let pairs = &bytes[Self::pairs_at(self.len, quant)..][..groups * 8];
+        let float = |b: &[u8]| f32::from_le_bytes(b.try_into().unwrap());
+        Ok(Some(QuantRing {
+            quant,
+            codes: bytes[..quant.row_bytes(self.len)].to_vec(),
+            scales: pairs.chunks_exact(8).map(|p| float(&p[..4])).collect(),
+            biases: pairs.chunks_exact(8).map(|p| float(&p[4..])).collect(),
+        }))
+    }
+
     /// A copy in a new, lasting allocation.
     pub(crate) fn try_clone(&self) -> Result<DeviceRing, EngineError> {
         Ok(DeviceRing {
             words: self.words.try_clone()?,
             len: self.len,
-            half: self.half,
+            precision: self.precision,
         })
     }
 
@@ -817,12 +910,30 @@ impl DeviceRing {
         self.words.ptr()
     }
 
+    /// The parts a row of `d` elements has in this ring, which moves copy as they are, each as
+    /// (address, units a row, bytes a unit): the elements, or the codes and the pairs.
+    pub(crate) fn row_parts(&self, d: usize) -> Vec<(u64, usize, usize)> {
+        match self.precision {
+            KvPrecision::F32 => vec![(self.ptr(), d, 4)],
+            KvPrecision::F16 => vec![(self.ptr(), d, 2)],
+            KvPrecision::Quantized(q) => vec![
+                (self.ptr(), q.row_bytes(d) / 4, 4),
+                (
+                    self.ptr() + Self::pairs_at(self.len, q) as u64,
+                    2 * d / q.group,
+                    4,
+                ),
+            ],
+        }
+    }
+
     /// The ring's element type as the attention kernels' names spell it.
     pub(crate) fn suffix(&self) -> &'static str {
-        if self.half {
-            "f16"
-        } else {
-            "f32"
+        match self.precision {
+            KvPrecision::F32 => "f32",
+            KvPrecision::F16 => "f16",
+            KvPrecision::Quantized(KvQuant { bits: 8, .. }) => "q8",
+            KvPrecision::Quantized(_) => "q4",
         }
     }
 }

@@ -2,7 +2,7 @@
 
 use crate::cpu;
 use crate::cuda::{self, Buffer};
-use crate::kv::{KvPrecision, KvRing, RingStorage};
+use crate::kv::{KvRing, RingStorage};
 use crate::tensor::Storage;
 use crate::{Positions, Tensor};
 
@@ -86,9 +86,10 @@ pub fn kv_write(
             write_host_ring(cache.1, v, kv_heads, head_dim, capacity, p[0])
         }
         (Storage::Cuda(k), Storage::Cuda(v)) => {
+            cache.0.check_head_dim(head_dim)?;
             match (&mut cache.0.storage, &mut cache.1.storage) {
                 (RingStorage::Cuda(kc), RingStorage::Cuda(vc))
-                    if kc.is_half() == vc.is_half()
+                    if kc.precision() == vc.precision()
                         && [vc.gpu(), k.gpu(), v.gpu()]
                             .iter()
                             .all(|g| kc.gpu().same(g)) =>
@@ -155,22 +156,26 @@ pub fn kv_write_batch(
             Ok(())
         }
         (Storage::Cuda(kb), Storage::Cuda(vb)) if kb.gpu().same(vb.gpu()) => {
+            if let Some(ring) = key_rings.first() {
+                ring.check_head_dim(head_dim)?;
+            }
             // Key rings' addresses, then value rings', all of one precision.
-            let half = key_rings.first().map(|r| r.precision() == KvPrecision::F16);
+            let precision = key_rings.first().map(|r| r.precision());
             let ptrs = key_rings
                 .iter()
                 .chain(value_rings.iter())
                 .map(|c| match &c.storage {
-                    RingStorage::Cuda(r) if r.gpu().same(kb.gpu()) && Some(r.is_half()) == half => {
+                    RingStorage::Cuda(r)
+                        if r.gpu().same(kb.gpu()) && Some(r.precision()) == precision =>
+                    {
                         Ok(r.ptr())
                     }
                     _ => Err(mismatch("kv_write_batch")),
                 })
                 .collect::<Result<Vec<u64>>>()?;
-            let half = half.unwrap_or(false);
             cuda::attention::kv_write_batch(
                 &ptrs,
-                half,
+                precision.unwrap_or_default(),
                 capacities,
                 [kb, vb],
                 kv_heads,
@@ -235,7 +240,7 @@ pub fn kv_copy(
             Ok(())
         }
         (RingStorage::Cuda(s), RingStorage::Cuda(t))
-            if s.gpu().same(t.gpu()) && s.is_half() == t.is_half() =>
+            if s.gpu().same(t.gpu()) && s.precision() == t.precision() =>
         {
             let (p0, p1) = (p.start, p.end);
             cuda::attention::kv_move(s, src_capacity, f, t, dst_capacity, h, d, p0, p1)
@@ -485,7 +490,7 @@ fn check_kv(q: &Tensor, tokens: usize, heads: usize, head_dim: usize, kv: &KvVie
 fn kv_ring<'a>(q: &Buffer, kv: &KvView<'a>) -> Result<cuda::attention::KvView<'a>> {
     match (&kv.keys.storage, &kv.values.storage) {
         (RingStorage::Cuda(k), RingStorage::Cuda(v))
-            if q.gpu().same(k.gpu()) && q.gpu().same(v.gpu()) && k.is_half() == v.is_half() =>
+            if q.gpu().same(k.gpu()) && q.gpu().same(v.gpu()) && k.precision() == v.precision() =>
         {
             Ok(cuda::attention::KvView {
                 keys: k,

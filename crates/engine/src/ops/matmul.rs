@@ -3,7 +3,7 @@
 
 use crate::cpu;
 use crate::cuda::{self, Buffer};
-use crate::kv::{KvRing, RingStorage};
+use crate::kv::{KvPrecision, KvRing, RingStorage};
 use crate::quant::QuantizedParts;
 use crate::tensor::Storage;
 use crate::{DType, Device, FloatMatrix, Positions, QuantizedMatrix, Tensor};
@@ -448,14 +448,16 @@ pub fn qkv_rope_write(
         return Ok(None);
     };
     let whole_heads = 2 * freqs.len() == head_dim && rope.amplitude == 1.0;
-    if x.rows() != 1 || positions.len() != 1 || !whole_heads {
+    // The fused kernel stores elements; code rings take their own write.
+    let codes = matches!(keys.precision(), KvPrecision::Quantized(_));
+    if x.rows() != 1 || positions.len() != 1 || !whole_heads || codes {
         return Ok(None);
     }
     let ring = cache.capacity * rows[1];
     check(keys.len() == ring && values.len() == ring, || {
         format!("a cache of {} slots × {}", cache.capacity, rows[1])
     })?;
-    if keys.is_half() != values.is_half()
+    if keys.precision() != values.precision()
         || ![freqs.gpu(), keys.gpu(), values.gpu()]
             .iter()
             .all(|g| xb.gpu().same(g))

@@ -69,6 +69,231 @@ extern "C" __global__ void kv_widen(const u16 *ring, float *out, int kv_heads, i
     }
 }
 
+// ---- quantized key/value caches ------------------------------------------------------------
+
+// A ring of BITS-bit codes (mlx-lm's quantized cache, `mx.quantize` of each group of a head's
+// features) is one allocation: the codes of its `len` elements, element e in bits (e·BITS) mod 8
+// of byte e·BITS/8, then at the next 16-byte boundary one (scale, bias) pair per group. Groups are
+// 32, 64 or 128 elements (1 << gshift), never straddling two rows.
+__device__ __forceinline__ i64 code_pairs_at(i64 len, int bits) {
+    return (len * bits / 8 + 15) & ~(i64)15;
+}
+
+// Quantizes the `group` values at src as mx.quantize does (the host's `affine_group` and
+// `affine_code`, so that both devices keep the same codes), one warp: lane l takes elements
+// l·k.. of k = group / 32.
+template <int BITS>
+__device__ __forceinline__ void quantize_group(const float *src, int group, unsigned char *codes,
+                                               float2 *pair) {
+    const int lane = threadIdx.x & 31, k = group >> 5;
+    const float levels = (float)((1 << BITS) - 1);
+    float v[4], lo = INFINITY, hi = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        v[i] = i < k ? src[lane * k + i] : 0.f;
+        if (i < k) lo = fminf(lo, v[i]), hi = fmaxf(hi, v[i]);
+    }
+    lo = -warp_max(-lo);
+    hi = warp_max(hi);
+    float scale = fmaxf((hi - lo) / levels, 1e-7f), edge = lo;
+    if (!(fabsf(lo) > fabsf(hi))) scale = -scale, edge = hi;
+    const float q0 = rintf(edge / scale);
+    float bias = 0.f;
+    if (q0 != 0.f) scale = edge / q0, bias = edge;
+    auto code = [&](float x) { return (u32)fminf(fmaxf(rintf((x - bias) / scale), 0.f), levels); };
+    if (BITS == 8) {
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            if (i < k) codes[lane * k + i] = (unsigned char)code(v[i]);
+    } else if (k == 1) {
+        // A byte holds two lanes' codes, the even lane's in its low half.
+        const u32 c = code(v[0]), next = __shfl_down_sync(0xffffffffu, c, 1);
+        if ((lane & 1) == 0) codes[lane >> 1] = (unsigned char)(c | next << 4);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; i += 2)
+            if (i < k) codes[(lane * k + i) >> 1] = (unsigned char)(code(v[i]) | code(v[i + 1]) << 4);
+    }
+    if (lane == 0) *pair = make_float2(scale, bias);
+}
+
+// Where a row of new keys and values goes: the ring (keys' or values'), its capacity and the
+// row's position.
+struct CodeRow {
+    void *ring;
+    int capacity;
+    i64 position;
+};
+
+// Quantizes `rows` rows of new keys and values ([rows, kv_heads, d] each) into code rings, one
+// warp per (row, head, group) of each: row r's keys go where row_at(r, false) says, its values
+// where row_at(r, true) does.
+template <int BITS, class RowAt>
+__device__ void write_code_rows(const float *new_keys, const float *new_values, i64 rows,
+                                int kv_heads, int d, int gshift, RowAt row_at) {
+    await_inputs();
+    const int groups = d >> gshift;
+    const i64 warps = 2 * rows * kv_heads * groups;
+    const i64 stride = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 w = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5; w < warps; w += stride) {
+        const bool value = w & 1;
+        const i64 rg = w >> 1, r = rg / groups / kv_heads;
+        const int g = (int)(rg % groups), h = (int)(rg / groups % kv_heads);
+        const CodeRow at = row_at(r, value);
+        const i64 e = ((i64)h * at.capacity + at.position % at.capacity) * d + (g << gshift);
+        unsigned char *base = static_cast<unsigned char *>(at.ring);
+        const i64 len = (i64)kv_heads * at.capacity * d;
+        float2 *pair = reinterpret_cast<float2 *>(base + code_pairs_at(len, BITS)) + (e >> gshift);
+        const float *src = (value ? new_values : new_keys) + (r * kv_heads + h) * d + (g << gshift);
+        quantize_group<BITS>(src, 1 << gshift, base + e * BITS / 8, pair);
+    }
+}
+
+// kv_widen of a code ring: its first `slots` slots of each head, dequantized.
+template <int BITS>
+__device__ void kv_widen_codes(const unsigned char *ring, float *out, int kv_heads, int capacity,
+                               int slots, int d, int gshift) {
+    await_inputs();
+    const float2 *pairs =
+        reinterpret_cast<const float2 *>(ring + code_pairs_at((i64)kv_heads * capacity * d, BITS));
+    GRID_STRIDE(i, (i64)kv_heads * slots * d) {
+        const int f = (int)(i % d);
+        const i64 hj = i / d;
+        const i64 e = (hj / slots * capacity + hj % slots) * d + f;
+        const u32 c = BITS == 8 ? ring[e] : (ring[e >> 1] >> ((e & 1) * 4)) & 15;
+        const float2 sb = pairs[e >> gshift];
+        out[i] = fmaf((float)c, sb.x, sb.y);
+    }
+}
+
+// kv_write and kv_write_batch into code rings, and kv_widen of one.
+#define CODE_CACHE_KERNELS(BITS)                                                                \
+    extern "C" __global__ void kv_write_q##BITS(void *keys, void *values, const float *nk,      \
+                                                const float *nv, int tokens, int kv_heads,      \
+                                                int d, int capacity, const int *positions,      \
+                                                int gshift) {                                   \
+        write_code_rows<BITS>(nk, nv, tokens, kv_heads, d, gshift, [&](i64 t, bool value) {     \
+            return CodeRow{value ? values : keys, capacity, positions[0] + t};                  \
+        });                                                                                     \
+    }                                                                                           \
+    extern "C" __global__ void kv_write_batch_q##BITS(                                          \
+        const unsigned long long *rings, const float *nk, const float *nv, int seqs,            \
+        int kv_heads, int d, const int *capacities, const int *positions, int gshift) {         \
+        write_code_rows<BITS>(nk, nv, seqs, kv_heads, d, gshift, [&](i64 s, bool value) {       \
+            void *ring = reinterpret_cast<void *>(rings[value ? seqs + s : s]);                 \
+            return CodeRow{ring, capacities[s], positions[s]};                                  \
+        });                                                                                     \
+    }                                                                                           \
+    extern "C" __global__ void kv_widen_q##BITS(const unsigned char *ring, float *out,          \
+                                                int kv_heads, int capacity, int slots, int d,   \
+                                                int gshift) {                                   \
+        kv_widen_codes<BITS>(ring, out, kv_heads, capacity, slots, d, gshift);                  \
+    }
+CODE_CACHE_KERNELS(8)
+CODE_CACHE_KERNELS(4)
+
+// ---- how attention reads a ring ---------------------------------------------------------------
+
+// The attention kernels read a ring through R: `R::P` is a place in it (element e of the ring
+// at `ring(base, len, gshift) + e`), `load(p, i)` element i from there and `load4(p, i)` elements
+// 4i..4i+3, `prefetch(row, d)` a row into L2. Rows staged in shared memory (`stage_kv_rows`)
+// take `units(d)` 16-byte units of elements, read with `unpack_row` (unit u's PER_UNIT elements)
+// and `load_row` (one element).
+
+// A ring of f32 or f16 elements (F = F32 or F16): a place in it is a pointer, which nothing the
+// kernels write aliases.
+template <class F>
+struct FloatRing {
+    typedef typename F::T T;
+    typedef const T *__restrict__ P;
+    static constexpr bool CODES = false;
+    static constexpr int PER_UNIT = F::PER_UNIT;
+    static __device__ __forceinline__ P ring(const void *base, i64, int) {
+        return static_cast<P>(base);
+    }
+    static __device__ __forceinline__ float load(P p, i64 i) { return F::load(p, i); }
+    static __device__ __forceinline__ float4 load4(P p, int i) { return F::load4(p, i); }
+    static __device__ __forceinline__ void prefetch(P row, int d) {
+        for (int f = 0; f < d; f += 128 / (int)sizeof(T)) l2_prefetch(row + f);
+    }
+    static __device__ __forceinline__ int units(int d) { return (d * (int)sizeof(T) + 15) / 16; }
+    static __device__ __forceinline__ void unpack_row(const uint4 *row, int u, int, int,
+                                                      float (&v)[PER_UNIT]) {
+        F::unpack(row[u], v);
+    }
+    static __device__ __forceinline__ float load_row(const unsigned char *row, int f, int, int) {
+        return F::load(reinterpret_cast<const T *>(row), f);
+    }
+};
+
+// A place in a ring of BITS-bit codes: element e's byte and its group's (scale, bias).
+template <int BITS>
+struct CodePlace {
+    const unsigned char *codes;
+    const float2 *pairs;
+    int gshift;
+    __device__ __forceinline__ CodePlace operator+(i64 e) const {
+        return {codes + e * BITS / 8, pairs + (e >> gshift), gshift};
+    }
+};
+
+// A ring of BITS-bit codes. A staged row is its codes (whole 16-byte units: rows are whole
+// groups of 32 or more) followed by its groups' pairs.
+template <int BITS>
+struct CodeRing {
+    typedef CodePlace<BITS> P;
+    static constexpr bool CODES = true;
+    static constexpr int PER_UNIT = 128 / BITS;
+    static constexpr u32 MASK = (1u << BITS) - 1;
+    static __device__ __forceinline__ P ring(const void *base, i64 len, int gshift) {
+        const unsigned char *b = static_cast<const unsigned char *>(base);
+        return {b, reinterpret_cast<const float2 *>(b + code_pairs_at(len, BITS)), gshift};
+    }
+    static __device__ __forceinline__ u32 code(const unsigned char *codes, i64 i) {
+        return BITS == 8 ? codes[i] : (codes[i >> 1] >> ((i & 1) * 4)) & 15;
+    }
+    static __device__ __forceinline__ float load(P p, i64 i) {
+        const float2 sb = p.pairs[i >> p.gshift];
+        return fmaf((float)code(p.codes, i), sb.x, sb.y);
+    }
+    static __device__ __forceinline__ float4 load4(P p, int i) {
+        const u32 w = BITS == 8 ? reinterpret_cast<const u32 *>(p.codes)[i]
+                                : reinterpret_cast<const u16 *>(p.codes)[i];
+        const float2 sb = p.pairs[(4 * i) >> p.gshift];
+        float4 v;
+        v.x = fmaf((float)(w & MASK), sb.x, sb.y);
+        v.y = fmaf((float)(w >> BITS & MASK), sb.x, sb.y);
+        v.z = fmaf((float)(w >> 2 * BITS & MASK), sb.x, sb.y);
+        v.w = fmaf((float)(w >> 3 * BITS & MASK), sb.x, sb.y);
+        return v;
+    }
+    static __device__ __forceinline__ void prefetch(P row, int d) {
+        for (int b = 0; b < d * BITS / 8; b += 128) l2_prefetch(row.codes + b);
+        l2_prefetch(row.pairs);
+    }
+    static __device__ __forceinline__ int units(int d) { return d * BITS / 128; }
+    static __device__ __forceinline__ const float2 *row_pairs(const void *row, int d) {
+        return reinterpret_cast<const float2 *>(static_cast<const unsigned char *>(row) +
+                                                d * BITS / 8);
+    }
+    static __device__ __forceinline__ void unpack_row(const uint4 *row, int u, int d, int gshift,
+                                                      float (&v)[PER_UNIT]) {
+        const uint4 c = row[u];
+        const float2 sb = row_pairs(row, d)[(u * PER_UNIT) >> gshift];
+        const u32 w[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int j = 0; j < 32 / BITS; j++)
+                v[i * (32 / BITS) + j] = fmaf((float)(w[i] >> (BITS * j) & MASK), sb.x, sb.y);
+    }
+    static __device__ __forceinline__ float load_row(const unsigned char *row, int f, int d,
+                                                     int gshift) {
+        const float2 sb = row_pairs(row, d)[f >> gshift];
+        return fmaf((float)code(row, f), sb.x, sb.y);
+    }
+};
+
 // ---- attention -------------------------------------------------------------------------------
 
 // One warp per (query token, head, split of the visible keys), E = ceil(head_dim / 32) output
@@ -195,19 +420,20 @@ __device__ __noinline__ void combine_splits_call(const float *pp, float *out_row
 }
 
 template <int E, class K>
-__device__ void attention_split(const float *__restrict__ q, const typename K::T *__restrict__ keys,
-                                const typename K::T *__restrict__ values,
+__device__ void attention_split(const float *__restrict__ q, typename K::P keys,
+                                typename K::P values,
                                 const int *__restrict__ positions,
                                 float *__restrict__ out, float *__restrict__ part,
                                 unsigned *__restrict__ counters, int heads, int kv_heads, int d,
                                 int capacity, i64 start, i64 window, float scale, float softcap,
                                 const float *__restrict__ sinks, int splits, int per_split,
                                 int th, int split) {
+    typedef typename K::P P;
     const int lane = threadIdx.x;
     const int t = th / heads, h = th % heads;
     const int kvh = h / (heads / kv_heads);
-    const typename K::T *kh = keys + (i64)kvh * capacity * d;
-    const typename K::T *vh = values + (i64)kvh * capacity * d;
+    const P kh = keys + (i64)kvh * capacity * d;
+    const P vh = values + (i64)kvh * capacity * d;
     // The positions went up before the step's first kernel, and the keys and values before
     // the query's own were (mostly) written by earlier steps: while the kernel before finishes,
     // the split's rows are fetched into L2 (a hint: the loads after the wait read what is
@@ -218,17 +444,15 @@ __device__ void attention_split(const float *__restrict__ q, const typename K::T
     if (has_keys) {
         for (i64 p = sk.s0 + lane; p < min(sk.s1, pos); p += 32) {
             const i64 row = p % capacity * d;
-            for (int f = 0; f < d; f += 128 / (int)sizeof(typename K::T)) {
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(kh + row + f));
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(vh + row + f));
-            }
+            K::prefetch(kh + row, d);
+            K::prefetch(vh + row, d);
         }
     }
     await_inputs();
     if (!has_keys) return;
     // The lane's E features of the query and of each key: lane·E.. (zeros past d).
     const float *qv = q + (i64)th * d;
-    auto key_share = [&](const typename K::T *kr, float(&v)[E]) {
+    auto key_share = [&](P kr, float(&v)[E]) {
         const int f0 = lane * E;
         if constexpr (E >= 4) {
             if ((d & 3) == 0) {
@@ -271,7 +495,7 @@ __device__ void attention_split(const float *__restrict__ q, const typename K::T
         };
         // The lane's features lane + 32e of key j's value row (zeros past d).
         auto value_share = [&](int j, float(&v)[E]) {
-            const typename K::T *vr = vh + (i64)slot_of(j) * d;
+            const P vr = vh + (i64)slot_of(j) * d;
 #pragma unroll
             for (int e = 0; e < E; e++) {
                 const int f = lane + 32 * e;
@@ -366,18 +590,24 @@ __device__ void attention_split(const float *__restrict__ q, const typename K::T
     TRACE_WARP(TRACE_DONE);
 }
 
-// `attention_E_f32` over f32 rings, `attention_E_f16` over f16 ones.
+// `attention_E_f32` over f32 rings, `_f16` over f16 ones, `_q8` and `_q4` over codes (in groups
+// of 1 << gshift).
 #define ATTENTION(E, K, NAME)                                                                   \
     extern "C" __global__ void attention_##E##_##NAME(                                          \
-        const float *q, const K::T *keys, const K::T *values, const int *positions, float *out, \
+        const float *q, const void *keys, const void *values, const int *positions, float *out, \
         float *part, unsigned *counters, int heads, int kv_heads, int d, int capacity,          \
         i64 start, i64 window, float scale, float softcap, const float *sinks, int splits,      \
-        int per_split) {                                                                        \
-        attention_split<E, K>(q, keys, values, positions, out, part, counters, heads, kv_heads, \
-                              d, capacity, start, window, scale, softcap, sinks, splits,        \
-                              per_split, blockIdx.x, blockIdx.y);                               \
+        int per_split, int gshift) {                                                            \
+        const i64 len = (i64)kv_heads * capacity * d;                                           \
+        attention_split<E, K>(q, K::ring(keys, len, gshift), K::ring(values, len, gshift),      \
+                              positions, out, part, counters, heads, kv_heads, d, capacity,     \
+                              start, window, scale, softcap, sinks, splits, per_split,          \
+                              blockIdx.x, blockIdx.y);                                          \
     }
-#define ATTENTION_RINGS(E) ATTENTION(E, F32, f32) ATTENTION(E, F16, f16)
+#define ATTENTION_RINGS(E)                                                                      \
+    ATTENTION(E, FloatRing<F32>, f32)                                                           \
+    ATTENTION(E, FloatRing<F16>, f16)                                                           \
+    ATTENTION(E, CodeRing<8>, q8) ATTENTION(E, CodeRing<4>, q4)
 
 ATTENTION_RINGS(1)
 ATTENTION_RINGS(2)
@@ -389,46 +619,62 @@ ATTENTION_RINGS(20)
 
 // The batched attention stages tiles of 32 keys' rows (their keys, then their values) in shared
 // memory with cp.async, so that a tile's loads are in flight while the tile before is summed and
-// hold no registers. A row's d elements take `kv_units(d)` 16-byte units (the last one partly),
-// and its place in a tile `units`, which the launch gives (`kv_tile_stages` in cuda/attention.rs, with the
-// shared memory's size): one unit more where that count is even, so that eight lanes reading a
-// unit each of eight rows fall on distinct banks.
-template <class K>
-__device__ __forceinline__ int kv_units(int d) {
-    return (d * (int)sizeof(typename K::T) + 15) / 16;
-}
+// hold no registers. A row's d elements take `K::units(d)` 16-byte units (the last one partly;
+// a code ring's row then has its groups' pairs), and its place in a tile `units`, which the
+// launch gives (`kv_tile_stages` in cuda/attention.rs, with the shared memory's size): one unit
+// more where that count is even, so that eight lanes reading a unit each of eight rows fall on
+// distinct banks.
 
 // Copies into `tile` (keys' rows, then values' rows, 32 each of `units` 16-byte units) the rows
 // of the tile of positions p0.. whose positions lie in [from, to): ring slot (p0 % capacity) + r,
 // wrapping. Rows whose bytes are not whole 16-byte units (odd head dims) go through registers,
 // zero-padded to their last unit, so that the padding meets the queries' zeros as zeros.
 template <class K>
-__device__ __forceinline__ void stage_kv_rows(unsigned char *tile, const typename K::T *keys,
-                                              const typename K::T *values, int d, int units,
+__device__ __forceinline__ void stage_kv_rows(unsigned char *tile, typename K::P keys,
+                                              typename K::P values, int d, int units,
                                               int capacity, i64 p0, i64 from, i64 to) {
-    typedef typename K::T T;
     const int lane = threadIdx.x & 31;
     const int r0 = (int)max((i64)0, from - p0), r1 = (int)min((i64)32, to - p0);
     if (r0 >= r1) return;
-    const int slot0 = (int)(p0 % capacity), per_row = kv_units<K>(d);
+    const int slot0 = (int)(p0 % capacity), per_row = K::units(d);
     unsigned char *vtile = tile + 32 * units * 16;
     auto slot_of = [&](int r) { return slot0 + r < capacity ? slot0 + r : slot0 + r - capacity; };
-    if ((d * sizeof(T)) % 16 == 0) {
-        const unsigned char *kb = reinterpret_cast<const unsigned char *>(keys);
-        const unsigned char *vb = reinterpret_cast<const unsigned char *>(values);
-        for (int x = r0 * per_row + lane; x < r1 * per_row; x += 32) {
-            const int r = x / per_row, u = x % per_row;
-            const i64 at = (i64)slot_of(r) * d * sizeof(T) + u * 16;
-            cp_async16(tile + (r * units + u) * 16, kb + at);
-            cp_async16(vtile + (r * units + u) * 16, vb + at);
+    if constexpr (K::CODES) {
+        // The codes' units, then a piece of 8 bytes for each group's pair.
+        const int pieces = per_row + (d >> keys.gshift);
+        for (int x = r0 * pieces + lane; x < r1 * pieces; x += 32) {
+            const int r = x / pieces, u = x % pieces;
+            const i64 e = (i64)slot_of(r) * d;
+            const typename K::P kr = keys + e, vr = values + e;
+            unsigned char *kt = tile + r * units * 16, *vt = vtile + r * units * 16;
+            if (u < per_row) {
+                cp_async16(kt + u * 16, kr.codes + u * 16);
+                cp_async16(vt + u * 16, vr.codes + u * 16);
+            } else {
+                const int g = u - per_row;
+                cp_async8(kt + per_row * 16 + g * 8, kr.pairs + g);
+                cp_async8(vt + per_row * 16 + g * 8, vr.pairs + g);
+            }
         }
     } else {
-        const int padded = per_row * 16 / (int)sizeof(T);
-        for (int x = r0 * padded + lane; x < r1 * padded; x += 32) {
-            const int r = x / padded, f = x % padded;
-            const i64 at = (i64)slot_of(r) * d + f;
-            reinterpret_cast<T *>(tile + r * units * 16)[f] = f < d ? keys[at] : (T)0;
-            reinterpret_cast<T *>(vtile + r * units * 16)[f] = f < d ? values[at] : (T)0;
+        typedef typename K::T T;
+        if ((d * sizeof(T)) % 16 == 0) {
+            const unsigned char *kb = reinterpret_cast<const unsigned char *>(keys);
+            const unsigned char *vb = reinterpret_cast<const unsigned char *>(values);
+            for (int x = r0 * per_row + lane; x < r1 * per_row; x += 32) {
+                const int r = x / per_row, u = x % per_row;
+                const i64 at = (i64)slot_of(r) * d * sizeof(T) + u * 16;
+                cp_async16(tile + (r * units + u) * 16, kb + at);
+                cp_async16(vtile + (r * units + u) * 16, vb + at);
+            }
+        } else {
+            const int padded = per_row * 16 / (int)sizeof(T);
+            for (int x = r0 * padded + lane; x < r1 * padded; x += 32) {
+                const int r = x / padded, f = x % padded;
+                const i64 at = (i64)slot_of(r) * d + f;
+                reinterpret_cast<T *>(tile + r * units * 16)[f] = f < d ? keys[at] : (T)0;
+                reinterpret_cast<T *>(vtile + r * units * 16)[f] = f < d ? values[at] : (T)0;
+            }
         }
     }
 }
@@ -444,15 +690,13 @@ __device__ __forceinline__ void stage_kv_rows(unsigned char *tile, const typenam
 // the end, and the weights of a tile go through shared memory, [key][head], so that one load
 // gives a key's weight for every head.
 template <int E, int G, class K>
-__device__ void attention_group(const float *__restrict__ q,
-                                const typename K::T *__restrict__ keys,
-                                const typename K::T *__restrict__ values, i64 pos,
-                                float *__restrict__ out, float *__restrict__ part,
-                                unsigned *__restrict__ counter, int heads, int d, int capacity,
-                                i64 start, i64 window, float scale, float softcap,
-                                const float *__restrict__ sinks, int splits, int per_split,
-                                int split, int stages, int units) {
-    typedef typename K::T T;
+__device__ void attention_group(const float *__restrict__ q, typename K::P keys,
+                                typename K::P values, i64 pos, float *__restrict__ out,
+                                float *__restrict__ part, unsigned *__restrict__ counter,
+                                int heads, int d, int capacity, i64 start, i64 window,
+                                float scale, float softcap, const float *__restrict__ sinks,
+                                int splits, int per_split, int split, int stages, int units,
+                                int gshift) {
     extern __shared__ __align__(16) unsigned char kv_tiles[];
     __shared__ __align__(16) float qs[G][E * 32];
     __shared__ __align__(16) float ps[32][G];
@@ -486,7 +730,7 @@ __device__ void attention_group(const float *__restrict__ q,
 #pragma unroll
         for (int e = 0; e < E; e++) acc[g][e] = 0.f;
     }
-    const int tiles = (int)((s1 - s0 + 31) / 32), per_row = kv_units<K>(d);
+    const int tiles = (int)((s1 - s0 + 31) / 32), per_row = K::units(d);
     for (int t = 0; t < tiles; t++) {
         const i64 p0 = s0 + (i64)t * 32;
         // With two stages the next tile goes up while this one is summed; with one (rows too
@@ -518,7 +762,7 @@ __device__ void attention_group(const float *__restrict__ q,
 #pragma unroll 2
             for (int u = 0; u < per_row; u++) {
                 float k[K::PER_UNIT];
-                K::unpack(kr[u], k);
+                K::unpack_row(kr, u, d, gshift, k);
 #pragma unroll
                 for (int g = 0; g < G; g++)
 #pragma unroll
@@ -542,14 +786,14 @@ __device__ void attention_group(const float *__restrict__ q,
         __syncwarp();
         // Rows past `count` were not staged: they are not read.
         for (int j = 0; j < count; j++) {
-            const T *vr = reinterpret_cast<const T *>(vt + j * units * 16);
+            const unsigned char *vr = vt + j * units * 16;
             float pj[G];
 #pragma unroll
             for (int g = 0; g < G; g++) pj[g] = ps[j][g];
 #pragma unroll
             for (int e = 0; e < E; e++) {
                 const int f = lane + 32 * e;
-                const float v = f < d ? K::load(vr, f) : 0.f;
+                const float v = f < d ? K::load_row(vr, f, d, gshift) : 0.f;
 #pragma unroll
                 for (int g = 0; g < G; g++) acc[g][e] += pj[g] * v;
             }
@@ -607,28 +851,34 @@ __device__ void attention_group(const float *__restrict__ q,
 // · chunks + chunk, blockIdx.y the split. The last chunk of a group that G does not divide has
 // fewer heads. The tables (positions, rings, capacities, starts) went up before the step's
 // first kernel that read them, so they are read before the wait. At most 128 registers a
-// thread. Rings of f32 (`attention_batch_E_G_f32`) or f16 (`_f16`).
+// thread. Rings of f32 (`attention_batch_E_G_f32`), f16 (`_f16`) or codes (`_q8`, `_q4`, in
+// groups of 1 << gshift).
 #define ATTENTION_BATCH(E, G, K, NAME)                                                          \
     extern "C" __global__ void __launch_bounds__(32, 16) attention_batch_##E##_##G##_##NAME(    \
         const float *q, const unsigned long long *keys, const unsigned long long *values,       \
         const int *positions, float *out, float *part, unsigned *counters, int heads,           \
         int kv_heads, int d, const int *capacities, const int *starts, i64 window, float scale, \
-        float softcap, const float *sinks, int splits, int per_split, int stages, int units) {  \
+        float softcap, const float *sinks, int splits, int per_split, int stages, int units,    \
+        int gshift) {                                                                           \
         const int group = heads / kv_heads, chunks = (group + G - 1) / G;                       \
         const int s = blockIdx.x / (kv_heads * chunks), kvh = blockIdx.x / chunks % kv_heads;   \
         const int chunk = blockIdx.x % chunks;                                                  \
         const int head = kvh * group + chunk * G;                                               \
         const i64 first = (i64)s * heads + head;                                                \
-        const i64 ring = (i64)kvh * capacities[s] * d;                                          \
-        attention_group<E, G, K>(q + first * d, reinterpret_cast<const K::T *>(keys[s]) + ring, \
-                                 reinterpret_cast<const K::T *>(values[s]) + ring,              \
-                                 positions[s], out + first * d,                                 \
+        const i64 len = (i64)kv_heads * capacities[s] * d, ring = (i64)kvh * capacities[s] * d; \
+        const void *k = reinterpret_cast<const void *>(keys[s]);                                \
+        const void *v = reinterpret_cast<const void *>(values[s]);                              \
+        attention_group<E, G, K>(q + first * d, K::ring(k, len, gshift) + ring,                 \
+                                 K::ring(v, len, gshift) + ring, positions[s], out + first * d, \
                                  part + first * splits * (d + 2), counters + blockIdx.x,        \
                                  min(G, group - chunk * G), d, capacities[s], starts[s],        \
                                  window, scale, softcap, sinks ? sinks + head : nullptr,        \
-                                 splits, per_split, blockIdx.y, stages, units);                 \
+                                 splits, per_split, blockIdx.y, stages, units, gshift);         \
     }
-#define ATTENTION_BATCH_RINGS(E, G) ATTENTION_BATCH(E, G, F32, f32) ATTENTION_BATCH(E, G, F16, f16)
+#define ATTENTION_BATCH_RINGS(E, G)                                                             \
+    ATTENTION_BATCH(E, G, FloatRing<F32>, f32)                                                  \
+    ATTENTION_BATCH(E, G, FloatRing<F16>, f16)                                                  \
+    ATTENTION_BATCH(E, G, CodeRing<8>, q8) ATTENTION_BATCH(E, G, CodeRing<4>, q4)
 // G · E <= 16: at most sixteen accumulators a lane (but for latent attention's rows of 576).
 ATTENTION_BATCH_RINGS(1, 1)
 ATTENTION_BATCH_RINGS(1, 2)

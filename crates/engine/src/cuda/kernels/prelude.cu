@@ -163,7 +163,7 @@ __device__ __forceinline__ void l2_prefetch(const void *p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-// Copies of 16 and 4 bytes from global into shared memory that the thread does not wait for
+// Copies of 16, 8 and 4 bytes from global into shared memory that the thread does not wait for
 // (`.cg`: the 16 bytes bypass L1), in groups it waits for with cp_async_wait.
 __device__ __forceinline__ void cp_async16(void *smem, const void *global) {
     const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
@@ -173,6 +173,11 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *global) {
 __device__ __forceinline__ void cp_async4(void *smem, const void *global) {
     const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(global) : "memory");
+}
+
+__device__ __forceinline__ void cp_async8(void *smem, const void *global) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(global) : "memory");
 }
 
 __device__ __forceinline__ void cp_async_commit() {
