@@ -55,7 +55,7 @@ pub fn run(args: Args) -> Result<()> {
         sampler: Default::default(),
         prefill_step: args.prefill_step_size.max(1),
         kv_cache: args.kv.kv_cache,
-        kv_quantization: args.kv.quantization(&dir, info.num_layers, 0, device)?,
+        kv_quantization: args.kv.quantization(&dir, info.num_layers, 0)?,
         max_kv_size: None,
     };
     let plan = MemoryPlan::new(model, &options)?;

@@ -239,7 +239,6 @@ pub fn run(args: Args) -> Result<()> {
             &loaded.dir,
             model.info().num_layers,
             quantized_kv_start,
-            &args.device,
         )?,
         max_kv_size: args.max_kv_size,
     };

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use anyhow::Result;
-use oxlm_engine::{Device, KvPrecision, KvQuant};
+use oxlm_engine::{KvPrecision, KvQuant};
 use oxlm_models::{KvQuantization, QuantizedLayers};
 
 const KV_CACHE_HELP: &str = "How the cache keeps keys and values before (or without) \
@@ -18,7 +18,7 @@ pub struct KvCacheArgs {
     /// Keep every attention layer's keys and values as 4- or 8-bit affine codes, as mlx-lm's
     /// quantized cache does (in groups of 64: 31% or 56% of f16's memory, at a small cost in
     /// accuracy); head dims must be multiples of --kv-group-size. Overrides the checkpoint's
-    /// kv_config.json. On the CPU only: a GPU keeps f16.
+    /// kv_config.json.
     #[arg(long, value_parser = parse_kv_bits)]
     pub kv_bits: Option<u8>,
     /// Features per scale and bias of a quantized cache: 32, 64 or 128.
@@ -44,20 +44,14 @@ impl KvCacheArgs {
         Ok(KvQuantization::from_kv_config(dir, layers, 0)?.map(|q| q.layers))
     }
 
-    /// [`quantized_layers`](Self::quantized_layers) from `start` tokens on; none, with a note on
-    /// stderr, where the device keeps f16 instead.
+    /// [`quantized_layers`](Self::quantized_layers) from `start` tokens on.
     pub fn quantization(
         &self,
         dir: &Path,
         layers: usize,
         start: usize,
-        device: &Device,
     ) -> Result<Option<KvQuantization>> {
         let quantized = self.quantized_layers(dir, layers)?;
-        if quantized.is_some() && !device.is_cpu() {
-            eprintln!("note: a GPU keeps its KV cache in f16; the cache is not quantized");
-            return Ok(None);
-        }
         Ok(quantized.map(|layers| KvQuantization { layers, start }))
     }
 }

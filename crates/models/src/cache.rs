@@ -1,11 +1,13 @@
 //! Per-layer state carried between forward passes.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use oxlm_engine::cpu::attention::{kv_move, QuantRows};
-use oxlm_engine::cpu::Isa;
 use oxlm_engine::ops::{self, KvView};
-use oxlm_engine::{Device, EngineError, KvPrecision, KvQuant, KvRing, Positions, Tensor};
+use oxlm_engine::{
+    Device, EngineError, KvPrecision, KvQuant, KvRing, Positions, QuantRing, Tensor,
+};
 
 pub use crate::footprint::{CacheFootprint, LayerFootprint};
 use crate::kv_quantization::KvQuantization;
@@ -169,13 +171,18 @@ impl KvRings {
         Ok((pick(&self.keys)?, pick(&self.values)?))
     }
 
-    /// The codes of quantized host rings: keys', then values'.
-    pub(crate) fn codes(&self) -> Option<(QuantRows<'_>, QuantRows<'_>)> {
-        Some((self.keys.codes()?, self.values.codes()?))
+    /// The codes of quantized rings on the host (copied from a GPU): keys', then values'.
+    pub(crate) fn codes(&self) -> Result<Option<[Cow<'_, QuantRing>; 2]>, EngineError> {
+        let (Some(keys), Some(values)) = (self.keys.host_codes()?, self.values.host_codes()?)
+        else {
+            return Ok(None);
+        };
+        Ok(Some([keys, values]))
     }
 
-    /// New host rings of `capacity` slots holding `keys` and `values` (codes of `[kv_heads,
-    /// n, head_dim]` elements, in `quant`) as positions `0..n`; rows past them are zeros.
+    /// New rings of `capacity` slots, on this device, holding `keys` and `values` (codes of
+    /// `[kv_heads, n, head_dim]` elements, in `quant`) as positions `0..n`; rows past them are
+    /// zeros.
     pub(crate) fn restore_codes(
         &mut self,
         (kv_heads, head_dim): (usize, usize),
@@ -194,9 +201,11 @@ impl KvRings {
         }
         type Rows = (usize, usize, usize);
         let at = (kv_heads, n, capacity);
+        let device = self.keys.device();
         let ring = |rows: QuantRows| {
             let (codes, scales) = (slots(rows.codes, at, bytes), slots(rows.scales, at, groups));
-            KvRing::from_codes(quant, codes, scales, slots(rows.biases, at, groups))
+            KvRing::from_codes(quant, codes, scales, slots(rows.biases, at, groups))?
+                .to_device(&device)
         };
         self.keys = ring(keys)?;
         self.values = ring(values)?;
@@ -342,8 +351,7 @@ impl KvCache {
     }
 
     /// [`restore`](Self::restore) from codes (`[kv_heads, len, head_dim]` elements in
-    /// `quant`), kept as they are: the cache's keys and values are then quantized. On a GPU,
-    /// which keeps f16, the values the codes stand for.
+    /// `quant`), kept as they are: the cache's keys and values are then quantized.
     pub(crate) fn restore_codes(
         &mut self,
         len: usize,
@@ -351,14 +359,6 @@ impl KvCache {
         keys: QuantRows,
         values: QuantRows,
     ) -> Result<(), EngineError> {
-        if !self.rings.device().is_cpu() {
-            let widen = |rows: QuantRows| {
-                let mut out = vec![0.0; rows.scales.len() * quant.group];
-                oxlm_engine::cpu::attention::dequantize(Isa::best(), rows, &mut out);
-                out
-            };
-            return self.restore(len, &widen(keys), &widen(values));
-        }
         oxlm_engine::check_quantized_head_dim(quant, self.head_dim)?;
         let capacity = len.div_ceil(GROWTH_STEP) * GROWTH_STEP;
         self.rings

@@ -492,8 +492,8 @@ fn push_kv(
 }
 
 fn kv_state(kv: &KvCache) -> Result<LayerState<'static>, CacheStateError> {
-    if let Some((keys, values)) = kv.rings().codes() {
-        return quantized_kv_state(kv, keys, values);
+    if let Some([keys, values]) = kv.rings().codes()? {
+        return quantized_kv_state(kv, keys.rows(), values.rows());
     }
     let (len, capacity) = (kv.len(), kv.view().capacity);
     let slots: Vec<Option<usize>> = (0..mlx_kv_capacity(len))

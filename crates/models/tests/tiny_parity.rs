@@ -13,7 +13,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
-use oxlm_engine::{cuda, ops, Device, KvPrecision, Tensor};
+use oxlm_engine::{cuda, ops, Device, KvPrecision, KvQuant, Tensor};
 use oxlm_models::{load_on, LanguageModel, Logits};
 
 /// Largest |Δlogit| allowed: both sides compute in f32, differing only in summation order.
@@ -124,13 +124,13 @@ fn margin(v: &[f32]) -> f32 {
 /// other way (one f16 step, a thousandth of the value), which these models amplify.
 const F16_CACHE_LOGIT_TOLERANCE: f32 = 2e-2;
 
-/// The prompt's last logits and 32 greedy steps' (fed the golden tokens) with f16 caches (the
-/// default) on `device`.
-fn f16_cache_run(name: &str, device: &Device) -> Vec<Vec<f32>> {
+/// The prompt's last logits and 32 greedy steps' (fed the golden tokens) with caches in
+/// `precision` on `device`.
+fn cache_run(name: &str, device: &Device, precision: KvPrecision) -> Vec<Vec<f32>> {
     let dir = fixtures().join(name);
     let golden = read_golden(&dir);
     let model = load_on(&dir, device).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let mut cache = model.new_cache_in(KvPrecision::F16).unwrap();
+    let mut cache = model.new_cache_in(precision).unwrap();
     let mut out = vec![model
         .forward(&golden.prompt_ids, &mut cache, Logits::Last)
         .unwrap()
@@ -146,35 +146,60 @@ fn f16_cache_run(name: &str, device: &Device) -> Vec<Vec<f32>> {
     out
 }
 
-/// The exact GPU's run with f16 caches against the host's: the same logits within
-/// [`F16_CACHE_LOGIT_TOLERANCE`], and the same greedy picks wherever the margin allows.
-fn check_f16_cache(name: &str, gpu: &Device) {
-    let host = f16_cache_run(name, &Device::Cpu);
-    let ours = f16_cache_run(name, gpu);
+/// The exact GPU's run with caches in `precision` against the host's: the same logits within
+/// `tolerance`, and the same greedy picks wherever the margin allows.
+fn check_cache(name: &str, gpu: &Device, precision: KvPrecision, tolerance: f32) {
+    let host = cache_run(name, &Device::Cpu, precision);
+    let ours = cache_run(name, gpu, precision);
     let mut diff = 0.0f32;
     for (step, (h, g)) in host.iter().zip(&ours).enumerate() {
         let d = max_abs_diff(g, h);
         diff = diff.max(d);
         assert!(
-            d < F16_CACHE_LOGIT_TOLERANCE,
-            "{name}: f16 cache, step {step} logits differ by {d}"
+            d < tolerance,
+            "{name}: {precision:?} cache, step {step} logits differ by {d}"
         );
-        if margin(h) > 2.0 * F16_CACHE_LOGIT_TOLERANCE {
+        if margin(h) > 2.0 * tolerance {
             assert_eq!(
                 ops::argmax(g),
                 ops::argmax(h),
-                "{name}: f16 cache, step {step}"
+                "{name}: {precision:?} cache, step {step}"
             );
         }
     }
-    println!("{name} on cuda exact, f16 caches: within {diff:.2e} of the host's");
+    println!("{name} on cuda exact, {precision:?} caches: within {diff:.2e} of the host's");
+}
+
+/// Caches of codes in groups of 32 (the tiny models' heads of 32 take no larger ones), 8 and 4
+/// bits.
+const CODE_CACHES: [KvPrecision; 2] = [
+    KvPrecision::Quantized(KvQuant { bits: 8, group: 32 }),
+    KvPrecision::Quantized(KvQuant { bits: 4, group: 32 }),
+];
+
+/// Largest |Δlogit| between the host's and the exact GPU's runs with code caches. Both quantize
+/// to the same codes from the same keys (cuda_ops holds the GPU's to the host's bits), but the
+/// keys themselves differ in their last bits between the devices, and now and then one rounds
+/// to a neighbouring code, a step of 1/15 or 1/255 of its group's range.
+const CODE_CACHE_LOGIT_TOLERANCE: f32 = 0.1;
+
+/// Code caches decode on the GPU as on the host, alone and batched (where the host's attention
+/// takes codes in groups of 32 as exact sums, and the GPU's the same).
+fn check_code_caches(name: &str) {
+    let (devices, _turn) = devices();
+    let Some((_, gpu, _)) = devices.iter().find(|(label, ..)| label == "cuda exact") else {
+        return;
+    };
+    for precision in CODE_CACHES {
+        check_cache(name, gpu, precision, CODE_CACHE_LOGIT_TOLERANCE);
+    }
 }
 
 /// Every device's run is made (and its figures printed) before the first failure is reported.
 fn check_model(name: &str) {
     let (devices, _turn) = devices();
     if let Some((_, gpu, _)) = devices.iter().find(|(label, ..)| label == "cuda exact") {
-        check_f16_cache(name, gpu);
+        check_cache(name, gpu, KvPrecision::F16, F16_CACHE_LOGIT_TOLERANCE);
     }
     let failures: Vec<String> = devices
         .into_iter()
@@ -479,13 +504,17 @@ fn a_gpu_model_runs_on_another_thread() {
 /// sequences of different lengths (so different positions and cache sizes), prefilled apart,
 /// then stepped together; with f32 caches and with f16 ones.
 fn check_batch(name: &str) {
+    check_batch_in(name, &[KvPrecision::F32, KvPrecision::F16]);
+}
+
+/// [`check_batch`] with caches in each of `precisions`.
+fn check_batch_in(name: &str, precisions: &[KvPrecision]) {
     let dir = fixtures().join(name);
     let golden = read_golden(&dir);
     let (devices, _turn) = devices();
-    let precisions = [KvPrecision::F32, KvPrecision::F16];
     let runs = devices
         .into_iter()
-        .flat_map(|d| precisions.map(|p| (d.clone(), p)));
+        .flat_map(|d| precisions.iter().map(move |&p| (d.clone(), p)));
     for ((label, device, tolerance), precision) in runs {
         let label = format!("{label}, {precision:?} caches");
         let model = load_on(&dir, &device).unwrap();
@@ -560,6 +589,17 @@ fn qwen3_5_moe_batched_decode_matches_one_by_one() {
 #[test]
 fn gemma3_batched_decode_matches_one_by_one() {
     check_batch("gemma3-4bit-g64");
+}
+
+/// Caches of 8- and 4-bit codes: the GPU's runs against the host's, and batched decoding against
+/// one by one on each device, for full attention (the MiniCPM5 llama) and sliding windows
+/// (Gemma 3), both with heads of 32.
+#[test]
+fn code_caches_decode_alike_on_both_devices_and_batched() {
+    for name in ["minicpm5-4bit-g64", "gemma3-4bit-g64"] {
+        check_code_caches(name);
+        check_batch_in(name, &CODE_CACHES);
+    }
 }
 
 /// With per-layer inputs and layers that attend over an earlier layer's caches.
