@@ -224,14 +224,11 @@ impl KvRing {
     }
 
     /// This ring on `device`, in its precision: codes go between the host and a GPU as they
-    /// are, elements through f32.
+    /// are, elements through f32; a ring already there stays as it is.
     pub fn to_device(self, device: &Device) -> Result<KvRing, EngineError> {
         let precision = self.precision();
         let storage = match (self.storage, device) {
             (RingStorage::Cuda(r), Device::Cuda(gpu)) if r.gpu().same(gpu) => RingStorage::Cuda(r),
-            (RingStorage::HostQuant(q), Device::Cuda(gpu)) => {
-                RingStorage::Cuda(DeviceRing::upload_codes(gpu, q.rows())?)
-            }
             (RingStorage::Cuda(r), Device::Cpu) => match r.download_codes()? {
                 Some(codes) => RingStorage::HostQuant(codes),
                 None => {
@@ -239,17 +236,13 @@ impl KvRing {
                     return KvRing { storage: values }.into_precision(precision);
                 }
             },
-            (storage, device) => {
+            (host, Device::Cpu) => host,
+            (RingStorage::HostQuant(q), Device::Cuda(gpu)) => {
+                RingStorage::Cuda(DeviceRing::upload_codes(gpu, q.rows())?)
+            }
+            (storage, Device::Cuda(gpu)) => {
                 let values = KvRing { storage }.to_vec()?;
-                return match device {
-                    Device::Cpu => KvRing {
-                        storage: RingStorage::HostF32(values),
-                    }
-                    .into_precision(precision),
-                    Device::Cuda(gpu) => Ok(KvRing {
-                        storage: RingStorage::Cuda(DeviceRing::upload(gpu, &values, precision)?),
-                    }),
-                };
+                RingStorage::Cuda(DeviceRing::upload(gpu, &values, precision)?)
             }
         };
         Ok(KvRing { storage })
