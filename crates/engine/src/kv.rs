@@ -130,7 +130,7 @@ impl QuantRing {
         self.rows().elements()
     }
 
-    fn to_vec(&self) -> Vec<f32> {
+    pub(crate) fn to_vec(&self) -> Vec<f32> {
         let mut out = vec![0.0; self.len()];
         attention::dequantize(crate::cpu::Isa::best(), self.rows(), &mut out);
         out

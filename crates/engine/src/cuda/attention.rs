@@ -8,7 +8,10 @@ use cudarc::driver::LaunchConfig;
 
 use super::launch::{blocks, elements, int, sliced_warps, Result};
 use super::matmul::compute_type;
-use super::{err, Arg, Buffer, DeviceRing, Gpu, GpuPositions, Memory, UNASKED_SHARED_BYTES};
+use super::{
+    err, group_shift, ring_suffix, Arg, Buffer, DeviceRing, Gpu, GpuPositions, Memory,
+    UNASKED_SHARED_BYTES,
+};
 use crate::{EngineError, KvPrecision};
 
 /// Writes `src[0]` and `src[1]` (keys and values, `[tokens, kv_heads, d]` each) at `positions`
@@ -61,11 +64,11 @@ pub fn kv_write_batch(
     let seqs = int(capacities.len())?;
     match precision {
         KvPrecision::Quantized(q) => {
-            let kernel = format!("kv_write_batch_q{}", q.bits);
+            let kernel = format!("kv_write_batch_{}", ring_suffix(precision));
             let warps = 2 * capacities.len() * kv_heads * (d / q.group);
             launch!(&g, &kernel, elements(&g, 32 * warps);
                 ptrs.ptr(), src[0].ptr(), src[1].ptr(), seqs, int(kv_heads)?, int(d)?, caps.ptr(),
-                positions.ptr(), q.group.trailing_zeros() as i32);
+                positions.ptr(), group_shift(precision));
         }
         precision => {
             launch!(&g, "kv_write_batch", elements(&g, src[0].len());

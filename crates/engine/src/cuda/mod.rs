@@ -845,10 +845,7 @@ impl DeviceRing {
 
     /// log2 of a code ring's group size, as the kernels take it; 0 for other rings.
     pub(crate) fn group_shift(&self) -> i32 {
-        match self.precision {
-            KvPrecision::Quantized(q) => q.group.trailing_zeros() as i32,
-            _ => 0,
-        }
+        group_shift(self.precision)
     }
 
     /// Bytes of device memory the elements take.
@@ -863,9 +860,7 @@ impl DeviceRing {
     /// The elements as f32, copied to the host (codes dequantized).
     pub(crate) fn download(&self) -> Result<Vec<f32>, EngineError> {
         if let Some(codes) = self.download_codes()? {
-            let mut out = vec![0.0; self.len];
-            crate::cpu::attention::dequantize(crate::cpu::Isa::best(), codes.rows(), &mut out);
-            return Ok(out);
+            return Ok(codes.to_vec());
         }
         let words = self.words.download()?;
         if self.precision == KvPrecision::F32 {
@@ -929,12 +924,25 @@ impl DeviceRing {
 
     /// The ring's element type as the attention kernels' names spell it.
     pub(crate) fn suffix(&self) -> &'static str {
-        match self.precision {
-            KvPrecision::F32 => "f32",
-            KvPrecision::F16 => "f16",
-            KvPrecision::Quantized(KvQuant { bits: 8, .. }) => "q8",
-            KvPrecision::Quantized(_) => "q4",
-        }
+        ring_suffix(self.precision)
+    }
+}
+
+/// A ring precision's element type as the cache and attention kernels' names spell it.
+pub(crate) fn ring_suffix(precision: KvPrecision) -> &'static str {
+    match precision {
+        KvPrecision::F32 => "f32",
+        KvPrecision::F16 => "f16",
+        KvPrecision::Quantized(KvQuant { bits: 8, .. }) => "q8",
+        KvPrecision::Quantized(_) => "q4",
+    }
+}
+
+/// log2 of a code ring's group size, as the kernels take it; 0 for other precisions.
+pub(crate) fn group_shift(precision: KvPrecision) -> i32 {
+    match precision {
+        KvPrecision::Quantized(q) => q.group.trailing_zeros() as i32,
+        _ => 0,
     }
 }
 

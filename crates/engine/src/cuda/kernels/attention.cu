@@ -149,49 +149,6 @@ __device__ void write_code_rows(const float *new_keys, const float *new_values, 
     }
 }
 
-// kv_widen of a code ring: its first `slots` slots of each head, dequantized.
-template <int BITS>
-__device__ void kv_widen_codes(const unsigned char *ring, float *out, int kv_heads, int capacity,
-                               int slots, int d, int gshift) {
-    await_inputs();
-    const float2 *pairs =
-        reinterpret_cast<const float2 *>(ring + code_pairs_at((i64)kv_heads * capacity * d, BITS));
-    GRID_STRIDE(i, (i64)kv_heads * slots * d) {
-        const int f = (int)(i % d);
-        const i64 hj = i / d;
-        const i64 e = (hj / slots * capacity + hj % slots) * d + f;
-        const u32 c = BITS == 8 ? ring[e] : (ring[e >> 1] >> ((e & 1) * 4)) & 15;
-        const float2 sb = pairs[e >> gshift];
-        out[i] = fmaf((float)c, sb.x, sb.y);
-    }
-}
-
-// kv_write and kv_write_batch into code rings, and kv_widen of one.
-#define CODE_CACHE_KERNELS(BITS)                                                                \
-    extern "C" __global__ void kv_write_q##BITS(void *keys, void *values, const float *nk,      \
-                                                const float *nv, int tokens, int kv_heads,      \
-                                                int d, int capacity, const int *positions,      \
-                                                int gshift) {                                   \
-        write_code_rows<BITS>(nk, nv, tokens, kv_heads, d, gshift, [&](i64 t, bool value) {     \
-            return CodeRow{value ? values : keys, capacity, positions[0] + t};                  \
-        });                                                                                     \
-    }                                                                                           \
-    extern "C" __global__ void kv_write_batch_q##BITS(                                          \
-        const unsigned long long *rings, const float *nk, const float *nv, int seqs,            \
-        int kv_heads, int d, const int *capacities, const int *positions, int gshift) {         \
-        write_code_rows<BITS>(nk, nv, seqs, kv_heads, d, gshift, [&](i64 s, bool value) {       \
-            void *ring = reinterpret_cast<void *>(rings[value ? seqs + s : s]);                 \
-            return CodeRow{ring, capacities[s], positions[s]};                                  \
-        });                                                                                     \
-    }                                                                                           \
-    extern "C" __global__ void kv_widen_q##BITS(const unsigned char *ring, float *out,          \
-                                                int kv_heads, int capacity, int slots, int d,   \
-                                                int gshift) {                                   \
-        kv_widen_codes<BITS>(ring, out, kv_heads, capacity, slots, d, gshift);                  \
-    }
-CODE_CACHE_KERNELS(8)
-CODE_CACHE_KERNELS(4)
-
 // ---- how attention reads a ring ---------------------------------------------------------------
 
 // The attention kernels read a ring through R: `R::P` is a place in it (element e of the ring
@@ -293,6 +250,45 @@ struct CodeRing {
         return fmaf((float)code(row, f), sb.x, sb.y);
     }
 };
+
+// kv_widen of a code ring: its first `slots` slots of each head, dequantized.
+template <int BITS>
+__device__ void kv_widen_codes(const unsigned char *ring, float *out, int kv_heads, int capacity,
+                               int slots, int d, int gshift) {
+    await_inputs();
+    typedef CodeRing<BITS> R;
+    const typename R::P codes = R::ring(ring, (i64)kv_heads * capacity * d, gshift);
+    GRID_STRIDE(i, (i64)kv_heads * slots * d) {
+        const i64 hj = i / d;
+        out[i] = R::load(codes, (hj / slots * capacity + hj % slots) * d + i % d);
+    }
+}
+
+// kv_write and kv_write_batch into code rings, and kv_widen of one.
+#define CODE_CACHE_KERNELS(BITS)                                                                \
+    extern "C" __global__ void kv_write_q##BITS(void *keys, void *values, const float *nk,      \
+                                                const float *nv, int tokens, int kv_heads,      \
+                                                int d, int capacity, const int *positions,      \
+                                                int gshift) {                                   \
+        write_code_rows<BITS>(nk, nv, tokens, kv_heads, d, gshift, [&](i64 t, bool value) {     \
+            return CodeRow{value ? values : keys, capacity, positions[0] + t};                  \
+        });                                                                                     \
+    }                                                                                           \
+    extern "C" __global__ void kv_write_batch_q##BITS(                                          \
+        const unsigned long long *rings, const float *nk, const float *nv, int seqs,            \
+        int kv_heads, int d, const int *capacities, const int *positions, int gshift) {         \
+        write_code_rows<BITS>(nk, nv, seqs, kv_heads, d, gshift, [&](i64 s, bool value) {       \
+            void *ring = reinterpret_cast<void *>(rings[value ? seqs + s : s]);                 \
+            return CodeRow{ring, capacities[s], positions[s]};                                  \
+        });                                                                                     \
+    }                                                                                           \
+    extern "C" __global__ void kv_widen_q##BITS(const unsigned char *ring, float *out,          \
+                                                int kv_heads, int capacity, int slots, int d,   \
+                                                int gshift) {                                   \
+        kv_widen_codes<BITS>(ring, out, kv_heads, capacity, slots, d, gshift);                  \
+    }
+CODE_CACHE_KERNELS(8)
+CODE_CACHE_KERNELS(4)
 
 // ---- attention -------------------------------------------------------------------------------
 
