@@ -205,14 +205,6 @@ impl KvRing {
         }
     }
 
-    /// A quantized host ring's codes, scales and biases; `None` for any other ring.
-    pub fn codes(&self) -> Option<QuantRows<'_>> {
-        match &self.storage {
-            RingStorage::HostQuant(q) => Some(q.rows()),
-            _ => None,
-        }
-    }
-
     /// A quantized ring's codes, scales and biases on the host (copied from a GPU); `None` for
     /// a ring of elements.
     pub fn host_codes(&self) -> Result<Option<Cow<'_, QuantRing>>, EngineError> {
@@ -249,7 +241,7 @@ impl KvRing {
     }
 
     /// A host ring of these codes (`scales` and `biases` one per group of `codes`), as
-    /// [`codes`](Self::codes) gives them.
+    /// [`host_codes`](Self::host_codes) gives them.
     pub fn from_codes(
         quant: KvQuant,
         codes: Vec<u8>,

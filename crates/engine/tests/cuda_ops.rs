@@ -1391,7 +1391,7 @@ fn kv_move_between_rings() {
             assert_eq!(there.precision(), precision);
             let back = there.to_device(&Device::Cpu).unwrap();
             assert_eq!(
-                back.codes().unwrap().codes,
+                back.host_codes().unwrap().unwrap().rows().codes,
                 host.codes,
                 "{precision:?} round trip"
             );
