@@ -1349,6 +1349,41 @@ fn batched_kv_write_and_attention() {
     }
 }
 
+/// A GPU code ring refuses heads that are not whole groups, one sequence's write and a
+/// batch's alike, with the host's error.
+#[test]
+fn code_rings_refuse_heads_of_part_groups() {
+    let Some((dev, _turn)) = gpu() else { return };
+    let (kv_heads, d, capacity) = (2, 16, 8);
+    let ring = || KvRing::zeros(kv_heads * capacity * d, KvPrecision::Q8, &dev).unwrap();
+    let (mut keys, mut values) = (ring(), ring());
+    let row = on(&dev, vec![1, kv_heads * d], &vec![0.5; kv_heads * d]);
+    let at = Positions::new(vec![0], &dev).unwrap();
+    let one = ops::kv_write(
+        (&mut keys, &mut values),
+        &row,
+        &row,
+        kv_heads,
+        d,
+        capacity,
+        &at,
+    );
+    let batch = ops::kv_write_batch(
+        &mut [&mut keys],
+        &mut [&mut values],
+        &[capacity],
+        &row,
+        &row,
+        kv_heads,
+        d,
+        &at,
+    );
+    for err in [one, batch] {
+        let err = err.unwrap_err().to_string();
+        assert!(err.contains("multiples of 64"), "{err}");
+    }
+}
+
 /// Moves between rings of f32, f16 and codes (to the same positions and to others), and a ring
 /// turned into another precision (an f16 ring on the GPU rounds as the host's does, a code ring
 /// quantizes to the host's codes), equal to the host's; a code ring's codes, scales and biases
