@@ -301,6 +301,43 @@ fn dot_matches_the_reference_at_every_length() {
     }
 }
 
+/// Attention's softmax against f64 at every length past the vectors' tails, with the largest
+/// score at each position (a max that passed it over would overflow `exp`), with and without a
+/// sink.
+#[test]
+fn softmax_matches_the_reference_with_its_largest_anywhere() {
+    use oxlm_engine::cpu::attention;
+    let mut rng = StdRng::seed_from_u64(12);
+    for n in (1..70).chain([1000, 4099]) {
+        let base: Vec<f32> = random_vec(&mut rng, n).iter().map(|v| 20.0 * v).collect();
+        let tops: Vec<usize> = if n < 70 {
+            (0..n).collect()
+        } else {
+            vec![0, n / 2, n - 1]
+        };
+        for top in tops {
+            let mut x = base.clone();
+            x[top] = 200.0;
+            for sink in [None, Some(199.0f32)] {
+                let max = sink.map_or(200.0, |s| s.max(200.0)) as f64;
+                let e: Vec<f64> = x.iter().map(|&v| (v as f64 - max).exp()).collect();
+                let total = e.iter().sum::<f64>() + sink.map_or(0.0, |s| (s as f64 - max).exp());
+                for isa in Isa::available() {
+                    let mut got = x.clone();
+                    attention::softmax(isa, &mut got, sink);
+                    for (i, (&g, &w)) in got.iter().zip(&e).enumerate() {
+                        let w = w / total;
+                        assert!(
+                            (g as f64 - w).abs() <= 1e-6,
+                            "{isa:?} n={n} top={top} sink={sink:?} [{i}]: {g} vs {w}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// A softmax's weights and their sum against f64 `exp`: each within the rounding of its f32
 /// argument (an ulp of `scale · x − shift` moves `exp` by that much relatively) and a few ulp of
 /// its own, filtered (−∞) entries exactly 0, at every length past the vectors' tails.

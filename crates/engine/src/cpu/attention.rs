@@ -672,26 +672,26 @@ fn widen<'a>(rows: FloatSlice<'a>, scratch: &'a mut [f32]) -> &'a [f32] {
 /// Numerically stable softmax in place; the AVX2 version computes `exp` in vectors (within a
 /// few ulp of libm's). A `sink` logit joins the denominator (its weight is left out of `x`).
 pub fn softmax(isa: Isa, x: &mut [f32], sink: Option<f32>) {
-    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let max = sink.map_or(max, |s| max.max(s));
-    let sum = match isa {
+    let with_sink = |max: f32| sink.map_or(max, |s| max.max(s));
+    let sink_term = |max: f32| sink.map_or(0.0, |s| (s - max).exp());
+    #[cfg(target_arch = "x86_64")]
+    if isa >= Isa::Avx2 {
         // SAFETY: the caller checked the processor.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 | Isa::Amx => unsafe { super::avx2::exp_sub_sum(x, max) },
-        _ => {
-            let mut sum = 0.0;
-            for v in x.iter_mut() {
-                *v = (*v - max).exp();
-                sum += *v;
-            }
-            sum
+        unsafe {
+            let max = with_sink(super::avx2::max(x));
+            let sum = super::avx2::exp_sub_sum(x, max) + sink_term(max);
+            super::avx2::scale(x, 1.0 / sum);
         }
-    };
-    let sum = sink.map_or(sum, |s| sum + (s - max).exp());
-    let inv = 1.0 / sum;
-    for v in x.iter_mut() {
-        *v *= inv;
+        return;
     }
+    let max = with_sink(x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)));
+    let mut sum = 0.0;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / (sum + sink_term(max));
+    x.iter_mut().for_each(|v| *v *= inv);
 }
 
 /// Keys and values of one layer as attention reads them: `[kv_heads, capacity, head_dim]` each,

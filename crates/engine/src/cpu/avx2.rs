@@ -767,6 +767,44 @@ pub(super) unsafe fn exp_scaled_sum(x: &[f32], scale: f32, shift: f32, out: &mut
     sum
 }
 
+/// The largest of `x` (NaNs passed over, as `f32::max` does; `-inf` if empty).
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn max(x: &[f32]) -> f32 {
+    // Four chains, so that each max waits on one of its own four steps back.
+    let mut acc = [_mm256_set1_ps(f32::NEG_INFINITY); 4];
+    let mut chunks = x.chunks_exact(32);
+    for c in &mut chunks {
+        for (i, a) in acc.iter_mut().enumerate() {
+            // `max_ps` returns its second operand where either is NaN.
+            *a = _mm256_max_ps(_mm256_loadu_ps(c.as_ptr().add(8 * i)), *a);
+        }
+    }
+    let v = _mm256_max_ps(_mm256_max_ps(acc[0], acc[1]), _mm256_max_ps(acc[2], acc[3]));
+    let mut lanes = [0.0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), v);
+    let rest = chunks.remainder().iter();
+    lanes
+        .iter()
+        .chain(rest)
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v))
+}
+
+/// `x[i] *= s`.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn scale(x: &mut [f32], s: f32) {
+    let sv = _mm256_set1_ps(s);
+    let mut chunks = x.chunks_exact_mut(8);
+    for c in &mut chunks {
+        _mm256_storeu_ps(
+            c.as_mut_ptr(),
+            _mm256_mul_ps(_mm256_loadu_ps(c.as_ptr()), sv),
+        );
+    }
+    for v in chunks.into_remainder() {
+        *v *= s;
+    }
+}
+
 /// `x[i] = exp(x[i] - max)`, returning the sum.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn exp_sub_sum(x: &mut [f32], max: f32) -> f32 {
