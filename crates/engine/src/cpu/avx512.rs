@@ -447,20 +447,17 @@ impl IntCodes {
             let hi = _mm512_cvtepu8_epi16(_mm256_loadu_si256(c.add(32).cast()));
             return (lo, hi);
         }
-        // Byte j holds features 2j (low half) and 2j + 1; interleaving the halves works within
-        // 128-bit lanes, so the lanes are put back in order after.
-        let x = _mm256_loadu_si256(self.codes.codes.add((row * d + g * 64) / 2).cast());
-        let low = _mm256_set1_epi8(15);
-        let even = _mm256_and_si256(x, low);
-        let odd = _mm256_and_si256(_mm256_srli_epi16::<4>(x), low);
-        let (a, b) = (
-            _mm256_unpacklo_epi8(even, odd),
-            _mm256_unpackhi_epi8(even, odd),
-        );
-        (
-            _mm512_cvtepu8_epi16(_mm256_permute2x128_si256::<0x20>(a, b)),
-            _mm512_cvtepu8_epi16(_mm256_permute2x128_si256::<0x31>(a, b)),
-        )
+        // Byte j holds features 2j (low half) and 2j + 1: widened to 32 bits and shifted up
+        // twelve, its high half lands at bit 16, and masking keeps each int16's low four bits.
+        let c = self.codes.codes.add((row * d + g * 64) / 2);
+        let half = |at: *const u8| {
+            let x = _mm512_cvtepu8_epi32(_mm_loadu_si128(at.cast()));
+            _mm512_and_si512(
+                _mm512_or_si512(x, _mm512_slli_epi32::<12>(x)),
+                _mm512_set1_epi32(0x000f_000f),
+            )
+        };
+        (half(c), half(c.add(16)))
     }
 
     #[inline(always)]
