@@ -165,6 +165,11 @@ struct FloatRing {
     typedef const T *__restrict__ P;
     static constexpr bool CODES = false;
     static constexpr int PER_UNIT = F::PER_UNIT;
+    // Rows of floats are read element by element (see CodeRing::whole).
+    template <int N>
+    static __host__ __device__ constexpr bool whole() {
+        return false;
+    }
     static __device__ __forceinline__ P ring(const void *base, i64, int) {
         return static_cast<P>(base);
     }
@@ -223,6 +228,33 @@ struct CodeRing {
         v.z = fmaf((float)(w >> 2 * BITS & MASK), sb.x, sb.y);
         v.w = fmaf((float)(w >> 3 * BITS & MASK), sb.x, sb.y);
         return v;
+    }
+    // Whether `load_n<N>` takes N elements at once: a power of two of at least a byte that
+    // divides every group (32 or more), so that the N share one pair.
+    template <int N>
+    static __host__ __device__ constexpr bool whole() {
+        return N * BITS >= 8 && N <= 32 && (N & (N - 1)) == 0;
+    }
+    // Elements f0..f0 + N (f0 a multiple of N, whole<N>()): their codes in one load of N·BITS
+    // bits (two of 64 for 128) and their group's pair in another.
+    template <int N>
+    static __device__ __forceinline__ void load_n(P p, int f0, float (&v)[N]) {
+        constexpr int BYTES = N * BITS / 8;
+        const unsigned char *c = p.codes + f0 * BITS / 8;
+        const float2 sb = p.pairs[f0 >> p.gshift];
+        u32 w[BYTES >= 4 ? BYTES / 4 : 1];
+        if constexpr (BYTES == 1) {
+            w[0] = *c;
+        } else if constexpr (BYTES == 2) {
+            w[0] = *reinterpret_cast<const u16 *>(c);
+        } else {
+#pragma unroll
+            for (int i = 0; i < BYTES / 4; i++) w[i] = reinterpret_cast<const u32 *>(c)[i];
+        }
+        constexpr int PER_WORD = BYTES >= 4 ? 32 / BITS : N;
+#pragma unroll
+        for (int i = 0; i < N; i++)
+            v[i] = fmaf((float)(w[i / PER_WORD] >> (BITS * (i % PER_WORD)) & MASK), sb.x, sb.y);
     }
     static __device__ __forceinline__ void prefetch(P row, int d) {
         for (int b = 0; b < d * BITS / 8; b += 128) l2_prefetch(row.codes + b);
@@ -448,22 +480,38 @@ __device__ void attention_split(const float *__restrict__ q, typename K::P keys,
     if (!has_keys) return;
     // The lane's E features of the query and of each key: lane·E.. (zeros past d).
     const float *qv = q + (i64)th * d;
+    // A code ring's rows are read E elements a lane (one load of codes and one of their pair):
+    // the value features too are then the lane's lane·E.., where a float ring's are lane + 32e,
+    // whose loads across the warp are one run of bytes.
+    constexpr bool SHARES = K::CODES && K::template whole<E>();
+    auto feature = [&](int e) { return SHARES ? lane * E + e : lane + 32 * e; };
     auto key_share = [&](P kr, float(&v)[E]) {
         const int f0 = lane * E;
-        if constexpr (E >= 4) {
-            if ((d & 3) == 0) {
+        if constexpr (SHARES) {
+            // Rows of codes are whole groups of 32 or more: a lane's E lie all within d or
+            // all past it.
+            if (f0 < d) {
+                K::template load_n<E>(kr, f0, v);
+            } else {
 #pragma unroll
-                for (int c = 0; c < E / 4; c++) {
-                    const bool in = f0 + 4 * c < d;
-                    const float4 a = K::load4(kr, in ? f0 / 4 + c : 0);
-                    v[4 * c] = in ? a.x : 0.f, v[4 * c + 1] = in ? a.y : 0.f;
-                    v[4 * c + 2] = in ? a.z : 0.f, v[4 * c + 3] = in ? a.w : 0.f;
-                }
-                return;
+                for (int i = 0; i < E; i++) v[i] = 0.f;
             }
-        }
+        } else {
+            if constexpr (E >= 4) {
+                if ((d & 3) == 0) {
 #pragma unroll
-        for (int i = 0; i < E; i++) v[i] = f0 + i < d ? K::load(kr, f0 + i) : 0.f;
+                    for (int c = 0; c < E / 4; c++) {
+                        const bool in = f0 + 4 * c < d;
+                        const float4 a = K::load4(kr, in ? f0 / 4 + c : 0);
+                        v[4 * c] = in ? a.x : 0.f, v[4 * c + 1] = in ? a.y : 0.f;
+                        v[4 * c + 2] = in ? a.z : 0.f, v[4 * c + 3] = in ? a.w : 0.f;
+                    }
+                    return;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < E; i++) v[i] = f0 + i < d ? K::load(kr, f0 + i) : 0.f;
+        }
     };
     float qr[E];
 #pragma unroll
@@ -489,13 +537,17 @@ __device__ void attention_split(const float *__restrict__ q, typename K::P keys,
             int slot = slot0 + (j < count ? j : 0);
             return slot >= capacity ? slot - capacity : slot;
         };
-        // The lane's features lane + 32e of key j's value row (zeros past d).
+        // The lane's features `feature(e)` of key j's value row (zeros past d).
         auto value_share = [&](int j, float(&v)[E]) {
             const P vr = vh + (i64)slot_of(j) * d;
+            if constexpr (SHARES) {
+                key_share(vr, v);
+            } else {
 #pragma unroll
-            for (int e = 0; e < E; e++) {
-                const int f = lane + 32 * e;
-                v[e] = f < d ? K::load(vr, f) : 0.f;
+                for (int e = 0; e < E; e++) {
+                    const int f = feature(e);
+                    v[e] = f < d ? K::load(vr, f) : 0.f;
+                }
             }
         };
         float vfirst[VB][E];
@@ -556,7 +608,7 @@ __device__ void attention_split(const float *__restrict__ q, typename K::P keys,
         const float inv = softmax_norm(m, l, sink_of(sinks, h));
 #pragma unroll
         for (int e = 0; e < E; e++) {
-            const int f = lane + 32 * e;
+            const int f = feature(e);
             if (f < d) out[(i64)th * d + f] = acc[e] * inv;
         }
     } else {
@@ -567,7 +619,7 @@ __device__ void attention_split(const float *__restrict__ q, typename K::P keys,
         }
 #pragma unroll
         for (int e = 0; e < E; e++) {
-            const int f = lane + 32 * e;
+            const int f = feature(e);
             if (f < d) pp[2 + f] = acc[e];
         }
         // Every lane's partials visible before the count, so that the last split reads them all.
