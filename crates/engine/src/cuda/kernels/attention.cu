@@ -132,15 +132,17 @@ template <int BITS, class RowAt>
 __device__ void write_code_rows(const float *new_keys, const float *new_values, i64 rows,
                                 int kv_heads, int d, int gshift, RowAt row_at) {
     await_inputs();
+    // 32-bit indices: a 64-bit division is a long call, and a step's few warps wait on it.
     const int groups = d >> gshift;
-    const i64 warps = 2 * rows * kv_heads * groups;
-    const i64 stride = ((i64)gridDim.x * blockDim.x) >> 5;
-    for (i64 w = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5; w < warps; w += stride) {
+    const int warps = (int)(2 * rows * kv_heads * groups);
+    const int stride = (gridDim.x * blockDim.x) >> 5;
+    for (int w = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < warps; w += stride) {
         const bool value = w & 1;
-        const i64 rg = w >> 1, r = rg / groups / kv_heads;
-        const int g = (int)(rg % groups), h = (int)(rg / groups % kv_heads);
+        const int rg = w >> 1, r = rg / groups / kv_heads;
+        const int g = rg % groups, h = rg / groups % kv_heads;
         const CodeRow at = row_at(r, value);
-        const i64 e = ((i64)h * at.capacity + at.position % at.capacity) * d + (g << gshift);
+        const int slot = (int)at.position % at.capacity;
+        const i64 e = ((i64)h * at.capacity + slot) * d + (g << gshift);
         unsigned char *base = static_cast<unsigned char *>(at.ring);
         const i64 len = (i64)kv_heads * at.capacity * d;
         float2 *pair = reinterpret_cast<float2 *>(base + code_pairs_at(len, BITS)) + (e >> gshift);
@@ -195,7 +197,7 @@ struct CodePlace {
     const float2 *pairs;
     int gshift;
     __device__ __forceinline__ CodePlace operator+(i64 e) const {
-        return {codes + e * BITS / 8, pairs + (e >> gshift), gshift};
+        return {codes + ((e * BITS) >> 3), pairs + (e >> gshift), gshift};
     }
 };
 
@@ -240,7 +242,7 @@ struct CodeRing {
     template <int N>
     static __device__ __forceinline__ void load_n(P p, int f0, float (&v)[N]) {
         constexpr int BYTES = N * BITS / 8;
-        const unsigned char *c = p.codes + f0 * BITS / 8;
+        const unsigned char *c = p.codes + ((f0 * BITS) >> 3);
         const float2 sb = p.pairs[f0 >> p.gshift];
         u32 w[BYTES >= 4 ? BYTES / 4 : 1];
         if constexpr (BYTES == 1) {
