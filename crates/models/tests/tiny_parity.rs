@@ -180,8 +180,7 @@ const CODE_CACHES: [KvPrecision; 2] = [
 /// Largest |Δlogit| between the host's and the exact GPU's runs with code caches. Both quantize
 /// to the same codes from the same keys (cuda_ops holds the GPU's to the host's bits), but the
 /// keys themselves differ in their last bits between the devices, and now and then one rounds
-/// to a neighbouring code, a step of 1/15 or 1/255 of its group's range (on an H100 at most
-/// 1.2e-2, Gemma 3's 8-bit run; the others within 6e-5).
+/// to a neighbouring code, a step of 1/15 or 1/255 of its group's range.
 const CODE_CACHE_LOGIT_TOLERANCE: f32 = 0.1;
 
 /// Code caches decode on the GPU as on the host, alone and batched (where the host's attention

@@ -690,8 +690,7 @@ pub fn softmax(isa: Isa, x: &mut [f32], sink: Option<f32>) {
         *v = (*v - max).exp();
         sum += *v;
     }
-    let inv = 1.0 / (sum + sink_term(max));
-    x.iter_mut().for_each(|v| *v *= inv);
+    super::elementwise::scale_inplace(x, 1.0 / (sum + sink_term(max)));
 }
 
 /// Keys and values of one layer as attention reads them: `[kv_heads, capacity, head_dim]` each,

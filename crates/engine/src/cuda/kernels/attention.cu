@@ -238,7 +238,7 @@ struct CodeRing {
         return N * BITS >= 8 && N <= 32 && (N & (N - 1)) == 0;
     }
     // Elements f0..f0 + N (f0 a multiple of N, whole<N>()): their codes in one load of N·BITS
-    // bits (two of 64 for 128) and their group's pair in another.
+    // bits (32-bit words past four bytes) and their group's pair in another.
     template <int N>
     static __device__ __forceinline__ void load_n(P p, int f0, float (&v)[N]) {
         constexpr int BYTES = N * BITS / 8;
