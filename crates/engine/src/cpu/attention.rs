@@ -245,13 +245,6 @@ impl<'a> Options<'a> {
     }
 }
 
-/// `cap · tanh(s / cap)` of each score in place.
-pub fn softcap_inplace(scores: &mut [f32], cap: f32) {
-    for s in scores {
-        *s = cap * (*s / cap).tanh();
-    }
-}
-
 /// One key/value head's rows (`[slots, head_dim]`) and the group's queries (`[group,
 /// head_dim]`).
 pub struct GroupAttention<'a, R> {
@@ -354,7 +347,7 @@ impl<R: KvRows> GroupAttention<'_, R> {
             );
         }
         if let Some(cap) = self.softcap {
-            softcap_inplace(&mut scores[..group * n], cap);
+            super::elementwise::softcap_inplace(&mut scores[..group * n], cap);
         }
         for (h, s) in scores[..group * n].chunks_exact_mut(n).enumerate() {
             softmax(isa, s, self.sinks.map(|sinks| sinks[h]));
