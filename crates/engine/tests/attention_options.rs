@@ -389,6 +389,7 @@ fn group_attention_with_softcap_and_sinks_on_every_isa() {
                     scale,
                     softcap: extras.softcap,
                     sinks: s,
+                    visible: None,
                 };
                 for isa in Isa::available() {
                     let mut out = vec![f32::NAN; group * d];

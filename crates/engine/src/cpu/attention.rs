@@ -260,6 +260,10 @@ pub struct GroupAttention<'a, R> {
     pub softcap: Option<f32>,
     /// The group's query heads' sink logits (see [`Options::sinks`]), one per head.
     pub sinks: Option<&'a [f32]>,
+    /// `Some(counts)`: query row `r` attends only the first `counts[r]` of the runs' rows (the
+    /// queries of several tokens stacked, each seeing the positions up to its own); `None`:
+    /// every row attends them all.
+    pub visible: Option<&'a [usize]>,
 }
 
 /// Keys per block: a block's scores and values stay in L1 while every query head of the group
@@ -326,6 +330,9 @@ impl<R: KvRows> GroupAttention<'_, R> {
         let group = self.queries.len() / d;
         assert!(
             self.sinks.is_none_or(|s| s.len() == group)
+                && self
+                    .visible
+                    .is_none_or(|v| v.len() == group && v.iter().all(|&c| c <= n))
                 && self.runs.iter().all(|r| r.end * d <= self.keys.elements())
                 && self.keys.elements() == self.values.elements()
                 && scores.len() >= group * n
@@ -350,7 +357,10 @@ impl<R: KvRows> GroupAttention<'_, R> {
             super::elementwise::softcap_inplace(&mut scores[..group * n], cap);
         }
         for (h, s) in scores[..group * n].chunks_exact_mut(n).enumerate() {
-            softmax(isa, s, self.sinks.map(|sinks| sinks[h]));
+            // Rows a query does not see weigh exactly 0, adding nothing to its values' sums.
+            let seen = self.visible.map_or(n, |v| v[h]);
+            softmax(isa, &mut s[..seen], self.sinks.map(|sinks| sinks[h]));
+            s[seen..].fill(0.0);
         }
         out[..group * d].fill(0.0);
         for (j0, rows) in self.blocks() {
@@ -718,12 +728,22 @@ impl<R> KvView<R> {
         KvView { window, ..self }
     }
 
+    /// The positions a query at `pos` attends.
+    fn span(&self, pos: usize) -> Range<usize> {
+        let hi = (pos + 1).min(self.end);
+        let reach = self.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        reach.max(self.start).min(hi)..hi
+    }
+
     /// The slots a query at `pos` attends, in position order: one run, or two where the ring
     /// wraps.
     fn runs(&self, pos: usize) -> [Range<usize>; 2] {
-        let hi = (pos + 1).min(self.end);
-        let reach = self.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        let lo = reach.max(self.start).min(hi);
+        self.slots(self.span(pos))
+    }
+
+    /// The slots of `positions` (kept ones), in their order.
+    fn slots(&self, positions: Range<usize>) -> [Range<usize>; 2] {
+        let (lo, hi) = (positions.start, positions.end);
         let first = lo % self.capacity;
         let tail = (first + hi - lo).saturating_sub(self.capacity);
         [first..first + (hi - lo) - tail, 0..tail]
@@ -743,6 +763,9 @@ pub fn attention<R: KvRows>(
     options: Options,
     out: &mut [f32],
 ) {
+    if positions.len() > 1 {
+        return attend_stacked(q, heads, head_dim, positions, kv, options, out);
+    }
     attend_tokens(
         q,
         heads,
@@ -753,6 +776,85 @@ pub fn attention<R: KvRows>(
         options,
         out,
     );
+}
+
+/// Query rows a task of [`attend_stacked`] takes (its tokens' query heads of one key/value
+/// head): each block of keys and values meets them all while it is in L1, and their scores
+/// (rows × attended positions) stay within L2 up to 16,384 positions.
+const STACKED_ROWS: usize = 32;
+
+/// [`attend_tokens`] for several tokens over one cache (a prompt): the tokens whose attended
+/// positions start at the same place (all of a causal prompt's; a sliding window's move on by
+/// one a token) go in runs of up to [`STACKED_ROWS`] query rows, whose queries are stacked and
+/// each masked to the positions up to its own, so that a run reads the cache once rather than
+/// once a token. A row's sums are the ones its token alone would take: the rows past its own
+/// weigh exactly 0.
+fn attend_stacked<R: KvRows>(
+    q: &[f32],
+    heads: usize,
+    d: usize,
+    positions: &[usize],
+    kv: &KvView<R>,
+    options: Options,
+    out: &mut [f32],
+) {
+    assert!(
+        options.sinks.is_none_or(|s| s.len() == heads),
+        "attention sinks for other than {heads} heads"
+    );
+    let (kv_heads, group) = (kv.kv_heads, heads / kv.kv_heads);
+    let per_run = (STACKED_ROWS / group).max(1);
+    let mut runs: Vec<Range<usize>> = Vec::new();
+    for (t, &pos) in positions.iter().enumerate() {
+        match runs.last_mut() {
+            Some(run)
+                if run.len() < per_run
+                    && kv.span(positions[run.start]).start == kv.span(pos).start =>
+            {
+                run.end = t + 1
+            }
+            _ => runs.push(t..t + 1),
+        }
+    }
+    let isa = Isa::best();
+    let out = SharedMut::new(&mut out[..positions.len() * heads * d]);
+    pool::parallel_for(runs.len() * kv_heads, &|task| {
+        let (tokens, kvh) = (runs[task / kv_heads].clone(), task % kv_heads);
+        let spans: Vec<Range<usize>> = tokens.clone().map(|t| kv.span(positions[t])).collect();
+        let lo = spans[0].start;
+        let hi = spans.iter().map(|s| s.end).max().unwrap_or(lo);
+        let first = |t: usize| (t * heads + kvh * group) * d;
+        let queries: Vec<f32> = tokens
+            .clone()
+            .flat_map(|t| &q[first(t)..first(t) + group * d])
+            .copied()
+            .collect();
+        let visible: Vec<usize> = spans
+            .iter()
+            .flat_map(|s| std::iter::repeat_n(s.end - lo, group))
+            .collect();
+        let sinks: Option<Vec<f32>> = options
+            .sinks
+            .map(|s| s[kvh * group..(kvh + 1) * group].repeat(tokens.len()));
+        let head = kvh * kv.capacity..(kvh + 1) * kv.capacity;
+        let job = GroupAttention {
+            queries: &queries,
+            keys: kv.keys.rows(head.clone(), d),
+            values: kv.values.rows(head, d),
+            head_dim: d,
+            runs: kv.slots(lo..hi),
+            scale: options.scale,
+            softcap: options.softcap,
+            sinks: sinks.as_deref(),
+            visible: Some(&visible),
+        };
+        let mut stacked = vec![0.0; queries.len()];
+        job.run(isa, &mut stacked);
+        for (t, rows) in tokens.zip(stacked.chunks_exact(group * d)) {
+            // SAFETY: each task writes its own tokens' groups of heads.
+            unsafe { out.range(first(t), group * d) }.copy_from_slice(rows);
+        }
+    });
 }
 
 /// [`attention`] of one query token for each of several sequences: token `s` (row `s` of `q`)
@@ -820,6 +922,7 @@ fn attend_tokens<'k, R: KvRows + 'k>(
             scale: options.scale,
             softcap: options.softcap,
             sinks: options.sinks.map(|s| &s[kvh * group..(kvh + 1) * group]),
+            visible: None,
         };
         // SAFETY: each task writes its own token's group of heads.
         job.run(isa, unsafe { out.range(first, group * d) });
