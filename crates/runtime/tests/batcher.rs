@@ -902,7 +902,8 @@ fn a_short_prompt_does_not_wait_for_a_long_one() {
 
 /// With a prefill pause, a long prompt goes through in chunks that take about that long at the
 /// speed measured on the chunk before (here at most 0.5 ms a token, so at most 120 tokens in
-/// 60 ms), from a first chunk of 256 tokens, whatever the prefill step.
+/// 60 ms, and at least the batcher's 16 however slow a loaded machine makes them), from a first
+/// chunk of 256 tokens, whatever the prefill step.
 #[test]
 fn a_prefill_pause_sizes_the_chunks_by_the_measured_speed() {
     let (tokenizer, mut model) = load("llama-8bit-g32");
@@ -927,8 +928,10 @@ fn a_prefill_pause_sizes_the_chunks_by_the_measured_speed() {
         .collect();
     assert_eq!(chunks[0], 256);
     assert!(chunks.len() > 2, "{chunks:?}");
+    // The last chunk is what the others left, however little.
+    let (last, middle) = chunks[1..].split_last().unwrap();
     assert!(
-        chunks[1..].iter().all(|c| (16..=120).contains(c)),
+        middle.iter().all(|c| (16..=120).contains(c)) && *last <= 120,
         "{chunks:?}"
     );
     assert_eq!(chunks.iter().sum::<usize>(), n);
