@@ -578,7 +578,8 @@ fn quantized_matmul_group_in_one_launch() {
 
 /// Attention's projections (with and without biases), RoPE and the cache write of one token in
 /// one launch, against those steps on the CPU: the queries, and both rings whole (the token's
-/// slot, wrapped round the ring, and the zeros beside it). Where it does not apply (two tokens,
+/// slot, wrapped round the ring, and the zeros beside it), of f32, f16 or codes (whose groups
+/// the heads' last warps quantize). Where it does not apply (two tokens,
 /// an exact handle) it writes nothing and says so.
 #[test]
 fn fused_projection_rotation_and_cache_write() {
@@ -614,6 +615,8 @@ fn fused_projection_rotation_and_cache_write() {
             (false, true, true, KvPrecision::F16),
             (true, false, true, KvPrecision::F16),
             (true, true, false, KvPrecision::F32),
+            (false, true, true, CODES[0]),
+            (true, false, false, CODES[1]),
         ] {
             let what = format!(
                 "{bits}-bit traditional={traditional} norm={with_norm} biased={biased} \
@@ -623,9 +626,11 @@ fn fused_projection_rotation_and_cache_write() {
             let ring = |device: &Device| {
                 KvRing::zeros(kv_heads * capacity * d, precision, device).unwrap()
             };
-            // An f16 ring's elements may round the other way from sums a little apart.
+            // An f16 ring's elements may round the other way from sums a little apart, and a
+            // code to the next level: a step is at most 2 / levels of a group's largest value.
             let ring_tolerance = match precision {
                 KvPrecision::F16 => INT16 + 1e-3,
+                KvPrecision::Quantized(q) => INT16 + 2.0 / ((1 << q.bits) - 1) as f32,
                 _ => INT16,
             };
 

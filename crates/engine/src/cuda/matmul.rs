@@ -589,7 +589,7 @@ pub fn qkv_rope_write(
     let half = shape.head_dim / 2;
     let grid = (shape.heads * half).div_ceil(warps) + 2 * (shape.kv_heads * half).div_ceil(warps);
     let q = g.output(shape.heads * shape.head_dim)?;
-    let mut args = Vec::with_capacity(27);
+    let mut args = Vec::with_capacity(31);
     for (w, _, bias) in ws {
         args.extend([
             Arg::from(addr(&g, &w.packed)),
@@ -617,6 +617,24 @@ pub fn qkv_rope_write(
         Arg::from(traditional as i32),
         Arg::from((keys.precision() == KvPrecision::F16) as i32),
     ]);
+    // Code rings: the features staged for the heads' last warps to quantize.
+    match keys.precision() {
+        KvPrecision::Quantized(quant) => {
+            let staged = g.output(2 * shape.kv_heads * shape.head_dim)?;
+            args.extend([
+                Arg::from(i32::from(quant.bits)),
+                Arg::from(keys.group_shift()),
+                Arg::from(staged.ptr()),
+                Arg::from(g.code_arrivals()),
+            ]);
+        }
+        _ => args.extend([
+            Arg::from(0i32),
+            Arg::from(0i32),
+            Arg::from(0u64),
+            Arg::from(0u64),
+        ]),
+    }
     let cfg = LaunchConfig {
         shared_mem_bytes: shared,
         ..blocks(grid, threads)

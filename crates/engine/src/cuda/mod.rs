@@ -43,6 +43,7 @@ use crate::EngineError;
 const KERNELS: &str = concat!(
     include_str!("kernels/prelude.cu"),
     include_str!("kernels/trace.cu"),
+    include_str!("kernels/kv_codes.cu"),
     include_str!("kernels/matmul.cu"),
     include_str!("kernels/low_rank.cu"),
     include_str!("kernels/elementwise.cu"),
@@ -116,6 +117,10 @@ pub struct Gpu {
 /// Shared memory a block may take without its kernel being allowed more (`Gpu::allow_shared`).
 pub(crate) const UNASKED_SHARED_BYTES: usize = 48 << 10;
 
+/// Key/value heads up to which the fused projection writes code rings itself (`code_arrivals`
+/// holds two counts for each); more take the separate write.
+pub(crate) const CODE_WRITE_KV_HEADS: usize = 256;
+
 /// Blocks a kernel runs at once, by its threads and dynamic shared memory.
 type ResidentBlocks = HashMap<(u32, u32), usize>;
 
@@ -143,6 +148,10 @@ struct Inner {
     /// One count per (token, head) of a split attention launch, of the splits that finished;
     /// the last resets it. Zeroed once, lasting, so captured step graphs can name it.
     split_counters: CudaSlice<u32>,
+    /// One count per (keys or values, key/value head) of the fused projection's cache write
+    /// into code rings, of the warps that staged their features; the last resets it. Zeroed
+    /// once, lasting, as `split_counters`.
+    code_arrivals: CudaSlice<u32>,
     /// With `OXLM_TRACE` set: the kernels launched since the last [`Gpu::take_trace`], in order.
     traced: Option<Mutex<Vec<String>>>,
 }
@@ -239,6 +248,7 @@ impl Gpu {
         let split_counters = stream
             .alloc_zeros(attention::SPLIT_QUERY_HEADS_PER_SM * multiprocessors)
             .map_err(err)?;
+        let code_arrivals = stream.alloc_zeros(2 * CODE_WRITE_KV_HEADS).map_err(err)?;
         Ok(Gpu {
             inner: Arc::new(Inner {
                 ordinal,
@@ -254,6 +264,7 @@ impl Gpu {
                 step: Mutex::new(StepState::new()),
                 early_start: major >= 9,
                 split_counters,
+                code_arrivals,
                 traced: tracing.then(Mutex::default),
             }),
             exact_math: false,
@@ -305,6 +316,11 @@ impl Gpu {
 
     pub(crate) fn multiprocessors(&self) -> usize {
         self.inner.multiprocessors
+    }
+
+    /// The device address of the fused cache write's counts (see `Inner::code_arrivals`).
+    pub(crate) fn code_arrivals(&self) -> u64 {
+        self.inner.code_arrivals.device_ptr(&self.inner.stream).0
     }
 
     /// The device address of the split attention's counters (see `Inner::split_counters`).

@@ -433,6 +433,7 @@ pub fn qkv_rope_write(
         }),
         || format!("q/k/v projections of {:?} into {shape:?}", x.shape()),
     )?;
+    cache.keys.check_head_dim(head_dim)?;
     let (
         Storage::Cuda(xb),
         Storage::Cuda(freqs),
@@ -448,9 +449,13 @@ pub fn qkv_rope_write(
         return Ok(None);
     };
     let whole_heads = 2 * freqs.len() == head_dim && rope.amplitude == 1.0;
-    // The fused kernel stores elements; code rings take their own write.
+    // Code rings count each head's warps in a table of CODE_WRITE_KV_HEADS.
     let codes = matches!(keys.precision(), KvPrecision::Quantized(_));
-    if x.rows() != 1 || positions.len() != 1 || !whole_heads || codes {
+    if x.rows() != 1
+        || positions.len() != 1
+        || !whole_heads
+        || (codes && kv_heads > cuda::CODE_WRITE_KV_HEADS)
+    {
         return Ok(None);
     }
     let ring = cache.capacity * rows[1];

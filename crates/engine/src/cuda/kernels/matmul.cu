@@ -1354,11 +1354,15 @@ __device__ void qgemv_int(const u32 *__restrict__ w, const typename S::T *__rest
 // (`heads` · d rows of wq), keys and values (`kv_heads` · d rows of wk, wv) from x (RMS-normed
 // with `norm` if non-null); queries and keys rotated at positions[0] as the rope kernel rotates
 // them (d/2 frequencies), queries into q_out, keys and values into the rings at slot
-// positions[0] % capacity (laid out as kv_write's, f16 if `half_cache`); each projection's
-// bias (addq, addk, addv: f32, null for none) is added to its sums before the rotation. Each
-// warp takes the two rows that one rotation pairs (features i and i + d/2 of a head, or 2i and
-// 2i + 1 with `traditional`), so that it holds both sums; the blocks take the queries, then
-// the keys, then the values.
+// positions[0] % capacity (laid out as kv_write's, f16 if `half_cache`, or `code_bits`-bit
+// codes in groups of 1 << gshift when that is not 0); each projection's bias (addq, addk, addv:
+// f32, null for none) is added to its sums before the rotation. Each warp takes the two rows
+// that one rotation pairs (features i and i + d/2 of a head, or 2i and 2i + 1 with
+// `traditional`), so that it holds both sums; the blocks take the queries, then the keys, then
+// the values. A group of codes needs every feature of its head, which warps of several blocks
+// hold: they put their features in `staged` ([2, kv_heads, d]: keys, values) and count
+// themselves in `arrivals` (2 · kv_heads, zero between launches), and the head's last warp
+// quantizes the head's groups and sets its count back to 0.
 template <int BITS, class S>
 __device__ void qkv_rope(const u32 *wq, const typename S::T *sq, const typename S::T *bq,
                          const float *addq, const u32 *wk, const typename S::T *sk,
@@ -1369,7 +1373,9 @@ __device__ void qkv_rope(const u32 *wq, const typename S::T *sq, const typename 
                          float *__restrict__ q_out, void *__restrict__ keys,
                          void *__restrict__ values, int capacity,
                          const int *__restrict__ positions, const float *__restrict__ inv_freqs,
-                         int heads, int kv_heads, int d, int traditional, int half_cache) {
+                         int heads, int kv_heads, int d, int traditional, int half_cache,
+                         int code_bits, int gshift, float *__restrict__ staged,
+                         unsigned *__restrict__ arrivals) {
     const int warps = blockDim.x >> 5, half = d >> 1;
     const int q_pairs = heads * half, kv_pairs = kv_heads * half;
     const int q_blocks = (q_pairs + warps - 1) / warps, kv_blocks = (kv_pairs + warps - 1) / warps;
@@ -1398,29 +1404,53 @@ __device__ void qkv_rope(const u32 *wq, const typename S::T *sq, const typename 
     };
     qdot_jobs<BITS, S, 2, 1, false>(src, both, sums, [] {}, 1, x, k, group, 1, norm, eps, 0, 1);
     TRACE_WARP(TRACE_DONE);
-    if ((threadIdx.x & 31) != 0 || pair >= pairs) return;
+    const int lane = threadIdx.x & 31;
+    if (pair >= pairs) return;
     if (add) {
         v0 += add[rows[0]];
         v1 += add[rows[1]];
     }
     const int pos = positions[0];
-    const i64 slot = ((i64)head * capacity + pos % capacity) * d;
     const int e0 = rows[0] - head * d, e1 = rows[1] - head * d;
-    if (which == 2) {
-        kv_store(values, slot + e0, v0, half_cache);
-        kv_store(values, slot + e1, v1, half_cache);
+    float r0 = v0, r1 = v1;
+    if (which < 2) {
+        float sn, cs;
+        sincosf((float)pos * inv_freqs[i], &sn, &cs);
+        r0 = v0 * cs - v1 * sn, r1 = v0 * sn + v1 * cs;
+    }
+    if (which == 0) {
+        if (lane == 0) q_out[rows[0]] = r0, q_out[rows[1]] = r1;
         return;
     }
-    float sn, cs;
-    sincosf((float)pos * inv_freqs[i], &sn, &cs);
-    const float r0 = v0 * cs - v1 * sn, r1 = v0 * sn + v1 * cs;
-    if (which == 0) {
-        q_out[rows[0]] = r0;
-        q_out[rows[1]] = r1;
-    } else {
-        kv_store(keys, slot + e0, r0, half_cache);
-        kv_store(keys, slot + e1, r1, half_cache);
+    void *ring = which == 1 ? keys : values;
+    if (code_bits == 0) {
+        const i64 slot = ((i64)head * capacity + pos % capacity) * d;
+        if (lane == 0) {
+            kv_store(ring, slot + e0, r0, half_cache);
+            kv_store(ring, slot + e1, r1, half_cache);
+        }
+        return;
     }
+    const int row = (which - 1) * kv_heads + head;
+    float *features = staged + (i64)row * d;
+    unsigned arrived = 0;
+    if (lane == 0) {
+        features[e0] = r0;
+        features[e1] = r1;
+        // The features visible to whichever warp counts last.
+        __threadfence();
+        arrived = atomicAdd(arrivals + row, 1u);
+    }
+    if (__shfl_sync(0xffffffffu, arrived, 0) != (unsigned)half - 1) return;
+    __threadfence();
+    for (int g = 0; g < d >> gshift; g++) {
+        const float *src = features + (g << gshift);
+        if (code_bits == 8)
+            write_code_group<8>(src, ring, capacity, pos, kv_heads, head, g, d, gshift);
+        else
+            write_code_group<4>(src, ring, capacity, pos, kv_heads, head, g, d, gshift);
+    }
+    if (lane == 0) arrivals[row] = 0;
 }
 
 // The gated MLP's first half (see qglu) on int16 activations: each warp takes one row of the
@@ -1512,10 +1542,12 @@ __device__ void qglu_int(const u32 *__restrict__ gw, const typename S::T *__rest
         const S::T *sk, const S::T *bk, const float *addk, const u32 *wv, const S::T *sv,         \
         const S::T *bv, const float *addv, const float *x, int k, int g, const float *norm,       \
         float eps, float *q_out, void *keys, void *values, int capacity, const int *positions,    \
-        const float *inv_freqs, int heads, int kv_heads, int d, int traditional, int half_cache) {\
+        const float *inv_freqs, int heads, int kv_heads, int d, int traditional,                  \
+        int half_cache, int code_bits, int gshift, float *staged, unsigned *arrivals) {           \
         qkv_rope<BITS, S>(wq, sq, bq, addq, wk, sk, bk, addk, wv, sv, bv, addv, x, k, g, norm,    \
                           eps, q_out, keys, values, capacity, positions, inv_freqs, heads,        \
-                          kv_heads, d, traditional, half_cache);                                  \
+                          kv_heads, d, traditional, half_cache, code_bits, gshift, staged,        \
+                          arrivals);                                                              \
     }
 
 FOR_INT_FORMATS(QUANTIZED_INT_WIDTHS)
