@@ -1122,7 +1122,8 @@ fn extras(
 }
 
 /// Every attention path of one sequence against the CPU: decode's one warp per (token, head)
-/// with and without splits of the keys and their merge, and from 16 queries the products with
+/// with and without splits of the keys and their merge, over long spans a block of warps per
+/// (token, key/value head) splitting each split's tiles, and from 16 queries the products with
 /// the masked softmax between them, in slices of queries where their scores would pass
 /// `SCORE_BYTES` (the last case: 600 queries of 32 heads over 4096 slots); each with every
 /// option of `EXTRAS`.
@@ -1157,6 +1158,15 @@ fn attention_full_sliding_and_split() {
         case(8, 1, 576, 512, 300, None, vec![299]),
         case(4, 2, 80, 16, 40, Some(10), vec![39]),
         case(6, 3, 16, 24, 30, Some(8), (20..30).collect()),
+        // Splits of 5 tiles and more: a block of warps for a key/value head's query heads,
+        // four to a warp (the 0.85B's 32 over 8; 8 tiles, two a warp), a chunk of 3 (14 over
+        // 2: 4 and 3; 6 tiles, two or one a warp), ten tokens (f32 rows of 128: one warp a
+        // block), a wrapped sliding window, and latent rows of 576 (one head a warp).
+        case(32, 8, 64, 16384, 12000, None, vec![11999]),
+        case(14, 2, 64, 12288, 9000, None, vec![8999]),
+        case(12, 4, 128, 16384, 5000, None, (4990..5000).collect()),
+        case(8, 2, 64, 16384, 20000, Some(12000), vec![19999]),
+        case(8, 1, 576, 12288, 9000, None, vec![8999]),
         // From 16 queries on attention runs as matrix products.
         case(8, 2, 64, 256, 100, None, (60..100).collect()),
         case(4, 2, 32, 48, 70, Some(16), (50..70).collect()),

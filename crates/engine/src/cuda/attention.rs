@@ -6,7 +6,7 @@
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::LaunchConfig;
 
-use super::launch::{blocks, elements, int, sliced_warps, Result};
+use super::launch::{blocks, elements, int, sliced_blocks, sliced_warps, Result};
 use super::matmul::compute_type;
 use super::{
     err, group_shift, ring_suffix, Arg, Buffer, DeviceRing, Gpu, GpuPositions, Memory,
@@ -170,6 +170,33 @@ pub fn attention(
     let per_split = span.div_ceil(splits).div_ceil(32) * 32;
     let (out, part) = split_outputs(&g, tokens * heads, d, splits)?;
     let window = kv.window.min(i64::MAX as usize) as i64;
+    if per_split / 32 >= GROUPED_MIN_TILES {
+        // Long splits: the query heads of a key/value head together, the split's tiles shared
+        // among a block's warps.
+        let tiles = per_split / 32;
+        let group = heads / kv.kv_heads;
+        let per_warp = group_heads(group).min((16 / per_lane).max(1));
+        let row = kv.keys.staged_row_bytes(d);
+        let warps = tiles
+            .min(GROUP_WARPS)
+            .min((UNASKED_SHARED_BYTES / kv_tile(row).1).max(1));
+        let (stages, units, shared) = kv_tile_stages(row, warps);
+        let kernel = format!("attention_heads_{per_lane}_{per_warp}_{}", kv.keys.suffix());
+        let cfg = LaunchConfig {
+            shared_mem_bytes: shared,
+            ..sliced_blocks(
+                tokens * kv.kv_heads * group.div_ceil(per_warp),
+                splits,
+                32 * warps as u32,
+            )
+        };
+        launch!(&g, &kernel, cfg;
+            q.ptr(), kv.keys.ptr(), kv.values.ptr(), positions.ptr(), out.ptr(), part.ptr(),
+            g.split_counters(), int(heads)?, int(kv.kv_heads)?, int(d)?, int(kv.capacity)?,
+            kv.start as i64, window, options.scale, options.softcap(), options.sinks(),
+            int(splits)?, int(per_split)?, int(stages)?, int(units)?, kv.keys.group_shift());
+        return Ok(out);
+    }
     let kernel = format!("attention_{per_lane}_{}", kv.keys.suffix());
     launch!(&g, &kernel, sliced_warps(tokens * heads, splits);
         q.ptr(), kv.keys.ptr(), kv.values.ptr(), positions.ptr(), out.ptr(), part.ptr(),
@@ -231,7 +258,7 @@ pub fn attention_batch(
         "attention_batch_{per_lane}_{per_warp}_{}",
         first.keys.suffix()
     );
-    let (stages, units, shared) = kv_tile_stages(first.keys.staged_row_bytes(d));
+    let (stages, units, shared) = kv_tile_stages(first.keys.staged_row_bytes(d), 1);
     let resident = g.resident_blocks(&kernel, 32, shared)?;
     let splits = batch_splits(&g, resident, warps, span);
     let per_split = span.div_ceil(splits).div_ceil(32) * 32;
@@ -260,21 +287,47 @@ pub fn attention_batch(
     Ok(out)
 }
 
-/// Shared memory for the batched attention's tiles of 32 keys' rows (`stage_kv_rows` in the
-/// kernels): rows of `row_bytes` each, in 16-byte units, an odd count of them (so that eight
-/// lanes reading a unit each of eight rows fall on distinct banks), keys then values. Two tiles,
-/// so that one goes up while the other is summed, where they fit the 48 KiB a kernel takes
-/// unasked; else one (f32 or f16 head dims of 256 and more). Returns the tiles, a row's units
-/// and the bytes.
-fn kv_tile_stages(row_bytes: usize) -> (usize, usize, u32) {
+/// Warps a block of the long-split decode attention (`attention_heads_E_G`) takes at most: the
+/// kernels' `GROUP_WARPS`.
+const GROUP_WARPS: usize = 4;
+
+/// Tiles of 32 keys a split holds from which decode takes the grouped attention: on an H100
+/// decoding the 0.85B (32 query heads over 8), splits of 8 and 16 tiles (16,384 and 32,768
+/// positions) decode 1.3 to 2.1 times as fast as one warp per query head, splits of 2 (4,096)
+/// 5 to 17% slower.
+const GROUPED_MIN_TILES: usize = 5;
+
+/// A tile of 32 keys' rows and their values' as the grouped attention stages them in shared
+/// memory (`stage_kv_rows` in the kernels): rows of `row_bytes` each, in 16-byte units, an odd
+/// count of them (so that eight lanes reading a unit each of eight rows fall on distinct banks),
+/// keys then values. Returns a row's units and the tile's bytes.
+fn kv_tile(row_bytes: usize) -> (usize, usize) {
     let units = row_bytes.div_ceil(16) | 1;
-    let tile = 2 * 32 * units * 16;
-    let stages = if 2 * tile <= UNASKED_SHARED_BYTES {
+    (units, 2 * 32 * units * 16)
+}
+
+/// Shared memory for `warps` warps of the grouped attention, each with its own tiles
+/// ([`kv_tile`]): two each, so that one goes up while the other is summed, where they fit the
+/// 48 KiB a kernel takes unasked; else one (f32 or f16 head dims of 256 and more, or several
+/// warps). Returns the tiles a warp, a row's units and the bytes.
+fn kv_tile_stages(row_bytes: usize, warps: usize) -> (usize, usize, u32) {
+    let (units, tile) = kv_tile(row_bytes);
+    let stages = if 2 * warps * tile <= UNASKED_SHARED_BYTES {
         2
     } else {
         1
     };
-    (stages, units, (stages * tile) as u32)
+    (stages, units, (warps * stages * tile) as u32)
+}
+
+/// Query heads of a group that shares a key/value head that one warp of the grouped attention
+/// takes at most: it loads each key and value once for all of them.
+fn group_heads(group: usize) -> usize {
+    match group {
+        1 => 1,
+        2 => 2,
+        _ => 4,
+    }
 }
 
 /// Query heads one warp of the batched attention takes of a group that shares a key/value
@@ -285,11 +338,7 @@ fn kv_tile_stages(row_bytes: usize) -> (usize, usize, u32) {
 /// warp wins while the pairs are under an eighth of the multiprocessors, two while they are no
 /// more than the multiprocessors; four, at so few pairs, lose up to a tenth.
 fn query_heads_per_warp(group: usize, pairs: usize, multiprocessors: usize) -> usize {
-    let most = match group {
-        1 => 1,
-        2 => 2,
-        _ => 4,
-    };
+    let most = group_heads(group);
     if 8 * pairs <= multiprocessors {
         1
     } else if pairs <= multiprocessors {

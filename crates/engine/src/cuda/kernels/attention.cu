@@ -679,16 +679,18 @@ __device__ __forceinline__ void stage_kv_rows(unsigned char *tile, typename K::P
 }
 
 // One query token of a sequence for `heads` (at most G) of the query heads that share one
-// key/value head, in one warp: each key and value is loaded once for all of them, where one
-// warp per head loads it once per head (grouped-query attention: 4 times for 32 heads over 8).
-// `q`, `out` and `part` start at the first head's row, `keys` and `values` at the key/value
-// head's ring; `counter` counts this warp's splits. Visible keys, splits and the merge as in
-// attention_split. The keys and values go through shared memory a tile of 32 at a time
-// (`stage_kv_rows`, `stages` buffers of the launch's dynamic shared memory, rows of `units`
-// 16-byte units). Each lane keeps its own share of every head's softmax sum, added up once at
-// the end, and the weights of a tile go through shared memory, [key][head], so that one load
-// gives a key's weight for every head.
-template <int E, int G, class K>
+// key/value head, in one block of up to W warps: each key and value is loaded once for all of
+// them, where one warp per head loads it once per head (grouped-query attention: 4 times for 32
+// heads over 8). `q`, `out` and `part` start at the first head's row, `keys` and `values` at the
+// key/value head's ring; `counter` counts this block's splits. Visible keys, splits and the
+// merge as in attention_split. The keys and values go through shared memory a tile of 32 at a
+// time (`stage_kv_rows`, `stages` buffers of rows of `units` 16-byte units for each warp in the
+// launch's dynamic shared memory). The block's warps take the split's tiles in turn, so that a
+// long split is a short chain of tiles for each, and merge their softmaxes through shared memory
+// at the end, where warp 0 goes on alone. Each lane keeps its own share of every head's softmax
+// sum, added up once at the end, and the weights of a tile go through shared memory, [key][head],
+// so that one load gives a key's weight for every head.
+template <int E, int G, int W, class K>
 __device__ void attention_group(const float *__restrict__ q, typename K::P keys,
                                 typename K::P values, i64 pos, float *__restrict__ out,
                                 float *__restrict__ part, unsigned *__restrict__ counter,
@@ -698,28 +700,35 @@ __device__ void attention_group(const float *__restrict__ q, typename K::P keys,
                                 int gshift) {
     extern __shared__ __align__(16) unsigned char kv_tiles[];
     __shared__ __align__(16) float qs[G][E * 32];
-    __shared__ __align__(16) float ps[32][G];
+    __shared__ __align__(16) float ps[W][32][G];
     // The heads' sinks wait here for the end, rather than hold registers through the loop.
     __shared__ float sink_s[G];
-    const int lane = threadIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int stage_bytes = 2 * 32 * units * 16;
+    unsigned char *own = kv_tiles + warp * stages * stage_bytes;
     SplitKeys sk;
     const bool has_keys = split_keys(pos, start, window, splits, per_split, split, sk);
     const i64 s0 = sk.s0, s1 = sk.s1;
-    // The first tile's rows that earlier steps wrote go up while the kernel before finishes (the
-    // one before it wrote this step's row, at `pos`); the rest of the tile after the wait.
-    if (has_keys)
-        stage_kv_rows<K>(kv_tiles, keys, values, d, units, capacity, s0, s0, min(s1, pos));
+    const int tiles = has_keys ? (int)((s1 - s0 + 31) / 32) : 0;
+    // The warp's first tile's rows that earlier steps wrote go up while the kernel before
+    // finishes (the one before it wrote this step's row, at `pos`); the rest of the tile after
+    // the wait.
+    const i64 first = s0 + (i64)warp * 32;
+    if (warp < tiles)
+        stage_kv_rows<K>(own, keys, values, d, units, capacity, first, first, min(s1, pos));
     cp_async_commit();
     await_inputs();
     if (!has_keys) return;
-    stage_kv_rows<K>(kv_tiles, keys, values, d, units, capacity, s0, max(s0, pos), s1);
+    if (warp < tiles)
+        stage_kv_rows<K>(own, keys, values, d, units, capacity, first, max(first, pos), s1);
     cp_async_commit();
-    for (int i = lane; i < G * E * 32; i += 32) {
+    for (int i = threadIdx.x; i < G * E * 32; i += blockDim.x) {
         const int g = i / (E * 32), f = i % (E * 32);
         qs[g][f] = g < heads && f < d ? q[(i64)g * d + f] : 0.f;
     }
-    if (lane < G) sink_s[lane] = lane < heads ? sink_of(sinks, lane) : -INFINITY;
+    if (threadIdx.x < G)
+        sink_s[threadIdx.x] = threadIdx.x < heads ? sink_of(sinks, threadIdx.x) : -INFINITY;
+    __syncthreads();
     const int used = sk.used;
     float m[G], l[G], acc[G][E];
 #pragma unroll
@@ -729,24 +738,25 @@ __device__ void attention_group(const float *__restrict__ q, typename K::P keys,
 #pragma unroll
         for (int e = 0; e < E; e++) acc[g][e] = 0.f;
     }
-    const int tiles = (int)((s1 - s0 + 31) / 32), per_row = K::units(d);
-    for (int t = 0; t < tiles; t++) {
-        const i64 p0 = s0 + (i64)t * 32;
+    const int per_row = K::units(d);
+    // The warp's i-th tile is the split's tile warp + i·warps.
+    for (int t = warp, i = 0; t < tiles; t += warps, i++) {
+        const i64 p0 = s0 + (i64)t * 32, next = p0 + 32 * warps;
         // With two stages the next tile goes up while this one is summed; with one (rows too
         // long for two in shared memory) it goes up now.
         if (stages > 1) {
-            if (t + 1 < tiles)
-                stage_kv_rows<K>(kv_tiles + (t + 1) % 2 * stage_bytes, keys, values, d, units,
-                                 capacity, p0 + 32, p0 + 32, s1);
+            if (t + warps < tiles)
+                stage_kv_rows<K>(own + (i + 1) % 2 * stage_bytes, keys, values, d, units,
+                                 capacity, next, next, s1);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
-            if (t > 0) stage_kv_rows<K>(kv_tiles, keys, values, d, units, capacity, p0, p0, s1);
+            if (i > 0) stage_kv_rows<K>(own, keys, values, d, units, capacity, p0, p0, s1);
             cp_async_commit();
             cp_async_wait<0>();
         }
         __syncwarp();
-        const unsigned char *kt = kv_tiles + (stages > 1 ? t % 2 : 0) * stage_bytes;
+        const unsigned char *kt = own + (stages > 1 ? i % 2 : 0) * stage_bytes;
         const unsigned char *vt = kt + 32 * units * 16;
         const int count = (int)min((i64)32, s1 - p0);
         float s[G];
@@ -779,7 +789,7 @@ __device__ void attention_group(const float *__restrict__ q, typename K::P keys,
             l[g] = l[g] * correction + pr;
 #pragma unroll
             for (int e = 0; e < E; e++) acc[g][e] *= correction;
-            ps[lane][g] = pr;
+            ps[warp][lane][g] = pr;
             m[g] = m_new;
         }
         __syncwarp();
@@ -788,7 +798,7 @@ __device__ void attention_group(const float *__restrict__ q, typename K::P keys,
             const unsigned char *vr = vt + j * units * 16;
             float pj[G];
 #pragma unroll
-            for (int g = 0; g < G; g++) pj[g] = ps[j][g];
+            for (int g = 0; g < G; g++) pj[g] = ps[warp][j][g];
 #pragma unroll
             for (int e = 0; e < E; e++) {
                 const int f = lane + 32 * e;
@@ -802,8 +812,40 @@ __device__ void attention_group(const float *__restrict__ q, typename K::P keys,
     }
 #pragma unroll
     for (int g = 0; g < G; g++) l[g] = warp_sum(l[g]);
-    // The sinks visible to every lane (a split without keys has had no tile's __syncwarp).
-    __syncwarp();
+    if constexpr (W > 1) {
+        // The other warps' softmaxes go to warp 0 through their own tiles' buffers, free once
+        // every warp is past its last tile; they hold each head's (max, sum, d outputs): 64
+        // rows of at least d / 2 bytes each take more than G · (d + 2) floats.
+        const int stride = E * 32 + 2;
+        float *mine = reinterpret_cast<float *>(own);
+        __syncthreads();
+        if (warp > 0) {
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                if (lane == 0) mine[g * stride] = m[g], mine[g * stride + 1] = l[g];
+#pragma unroll
+                for (int e = 0; e < E; e++) mine[g * stride + 2 + lane + 32 * e] = acc[g][e];
+            }
+        }
+        __syncthreads();
+        if (warp > 0) return;
+        for (int w = 1; w < warps; w++) {
+            const float *theirs =
+                reinterpret_cast<const float *>(kv_tiles + w * stages * stage_bytes);
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                const float mw = theirs[g * stride], m_new = fmaxf(m[g], mw);
+                // A warp without keys (or none yet) has a max of -inf and weighs nothing.
+                const float a = m[g] > -INFINITY ? expf(m[g] - m_new) : 0.f;
+                const float b = mw > -INFINITY ? expf(mw - m_new) : 0.f;
+                l[g] = l[g] * a + theirs[g * stride + 1] * b;
+#pragma unroll
+                for (int e = 0; e < E; e++)
+                    acc[g][e] = acc[g][e] * a + theirs[g * stride + 2 + lane + 32 * e] * b;
+                m[g] = m_new;
+            }
+        }
+    }
     if (used == 1) {
 #pragma unroll
         for (int g = 0; g < G; g++) {
@@ -867,31 +909,63 @@ __device__ void attention_group(const float *__restrict__ q, typename K::P keys,
         const i64 len = (i64)kv_heads * capacities[s] * d, ring = (i64)kvh * capacities[s] * d; \
         const void *k = reinterpret_cast<const void *>(keys[s]);                                \
         const void *v = reinterpret_cast<const void *>(values[s]);                              \
-        attention_group<E, G, K>(q + first * d, K::ring(k, len, gshift) + ring,                 \
-                                 K::ring(v, len, gshift) + ring, positions[s], out + first * d, \
-                                 part + first * splits * (d + 2), counters + blockIdx.x,        \
-                                 min(G, group - chunk * G), d, capacities[s], starts[s],        \
-                                 window, scale, softcap, sinks ? sinks + head : nullptr,        \
-                                 splits, per_split, blockIdx.y, stages, units, gshift);         \
+        attention_group<E, G, 1, K>(q + first * d, K::ring(k, len, gshift) + ring,              \
+                                    K::ring(v, len, gshift) + ring, positions[s],               \
+                                    out + first * d, part + first * splits * (d + 2),           \
+                                    counters + blockIdx.x, min(G, group - chunk * G), d,        \
+                                    capacities[s], starts[s], window, scale, softcap,           \
+                                    sinks ? sinks + head : nullptr, splits, per_split,          \
+                                    blockIdx.y, stages, units, gshift);                         \
     }
-#define ATTENTION_BATCH_RINGS(E, G)                                                             \
-    ATTENTION_BATCH(E, G, FloatRing<F32>, f32)                                                  \
-    ATTENTION_BATCH(E, G, FloatRing<F16>, f16)                                                  \
-    ATTENTION_BATCH(E, G, CodeRing<8>, q8) ATTENTION_BATCH(E, G, CodeRing<4>, q4)
+
+// Warps a block of `attention_heads` takes at most (`GROUP_WARPS` in cuda/attention.rs).
+constexpr int GROUP_WARPS = 4;
+
+// Decode over long spans: the query tokens of one sequence (a few, as attention_split takes),
+// one block of up to GROUP_WARPS warps per (token, key/value head, chunk of G of its query heads,
+// split): blockIdx.x = (t · kv_heads + kv head) · chunks + chunk, blockIdx.y the split. Where
+// attention_split reads a key/value head's rows once for each of its query heads in a chain of
+// per_split / 32 tiles, this reads them once for the chunk, the block's warps sharing the
+// chain. At most 128 registers a thread. Rings as attention_batch's.
+#define ATTENTION_HEADS(E, G, K, NAME)                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * GROUP_WARPS, 16 / GROUP_WARPS)            \
+        attention_heads_##E##_##G##_##NAME(                                                     \
+            const float *q, const void *keys, const void *values, const int *positions,        \
+            float *out, float *part, unsigned *counters, int heads, int kv_heads, int d,        \
+            int capacity, i64 start, i64 window, float scale, float softcap,                    \
+            const float *sinks, int splits, int per_split, int stages, int units, int gshift) { \
+        const int group = heads / kv_heads, chunks = (group + G - 1) / G;                       \
+        const int t = blockIdx.x / (kv_heads * chunks), kvh = blockIdx.x / chunks % kv_heads;   \
+        const int chunk = blockIdx.x % chunks;                                                  \
+        const int head = kvh * group + chunk * G;                                               \
+        const i64 first = (i64)t * heads + head;                                                \
+        const i64 len = (i64)kv_heads * capacity * d, ring = (i64)kvh * capacity * d;           \
+        attention_group<E, G, GROUP_WARPS, K>(                                                  \
+            q + first * d, K::ring(keys, len, gshift) + ring, K::ring(values, len, gshift) + ring, \
+            positions[t], out + first * d, part + first * splits * (d + 2),                     \
+            counters + blockIdx.x, min(G, group - chunk * G), d, capacity, start, window,       \
+            scale, softcap, sinks ? sinks + head : nullptr, splits, per_split, blockIdx.y,      \
+            stages, units, gshift);                                                             \
+    }
+#define ATTENTION_GROUP(E, G, K, NAME) ATTENTION_BATCH(E, G, K, NAME) ATTENTION_HEADS(E, G, K, NAME)
+#define ATTENTION_GROUP_RINGS(E, G)                                                             \
+    ATTENTION_GROUP(E, G, FloatRing<F32>, f32)                                                  \
+    ATTENTION_GROUP(E, G, FloatRing<F16>, f16)                                                  \
+    ATTENTION_GROUP(E, G, CodeRing<8>, q8) ATTENTION_GROUP(E, G, CodeRing<4>, q4)
 // G · E <= 16: at most sixteen accumulators a lane (but for latent attention's rows of 576).
-ATTENTION_BATCH_RINGS(1, 1)
-ATTENTION_BATCH_RINGS(1, 2)
-ATTENTION_BATCH_RINGS(1, 4)
-ATTENTION_BATCH_RINGS(2, 1)
-ATTENTION_BATCH_RINGS(2, 2)
-ATTENTION_BATCH_RINGS(2, 4)
-ATTENTION_BATCH_RINGS(4, 1)
-ATTENTION_BATCH_RINGS(4, 2)
-ATTENTION_BATCH_RINGS(4, 4)
-ATTENTION_BATCH_RINGS(8, 1)
-ATTENTION_BATCH_RINGS(8, 2)
-ATTENTION_BATCH_RINGS(16, 1)
-ATTENTION_BATCH_RINGS(20, 1)
+ATTENTION_GROUP_RINGS(1, 1)
+ATTENTION_GROUP_RINGS(1, 2)
+ATTENTION_GROUP_RINGS(1, 4)
+ATTENTION_GROUP_RINGS(2, 1)
+ATTENTION_GROUP_RINGS(2, 2)
+ATTENTION_GROUP_RINGS(2, 4)
+ATTENTION_GROUP_RINGS(4, 1)
+ATTENTION_GROUP_RINGS(4, 2)
+ATTENTION_GROUP_RINGS(4, 4)
+ATTENTION_GROUP_RINGS(8, 1)
+ATTENTION_GROUP_RINGS(8, 2)
+ATTENTION_GROUP_RINGS(16, 1)
+ATTENTION_GROUP_RINGS(20, 1)
 
 // Attention of many queries (prefill) as two batched matrix products with the scores between
 // them: heads_first lays queries out per head, masked_softmax turns each head's scores into
