@@ -170,12 +170,12 @@ pub fn attention(
     let per_split = span.div_ceil(splits).div_ceil(32) * 32;
     let (out, part) = split_outputs(&g, tokens * heads, d, splits)?;
     let window = kv.window.min(i64::MAX as usize) as i64;
-    if per_split / 32 >= GROUPED_MIN_TILES {
+    let tiles = per_split / 32;
+    if tiles >= GROUPED_MIN_TILES {
         // Long splits: the query heads of a key/value head together, the split's tiles shared
         // among a block's warps.
-        let tiles = per_split / 32;
         let group = heads / kv.kv_heads;
-        let per_warp = group_heads(group).min((16 / per_lane).max(1));
+        let per_warp = group_heads(group, per_lane);
         let row = kv.keys.staged_row_bytes(d);
         let warps = tiles
             .min(GROUP_WARPS)
@@ -251,8 +251,11 @@ pub fn attention_batch(
         .max()
         .unwrap_or(1);
     let group = heads / first.kv_heads;
-    let per_warp = query_heads_per_warp(group, seqs * first.kv_heads, g.multiprocessors())
-        .min((16 / per_lane).max(1));
+    let per_warp = query_heads_per_warp(
+        group_heads(group, per_lane),
+        seqs * first.kv_heads,
+        g.multiprocessors(),
+    );
     let warps = seqs * first.kv_heads * group.div_ceil(per_warp);
     let kernel = format!(
         "attention_batch_{per_lane}_{per_warp}_{}",
@@ -321,24 +324,26 @@ fn kv_tile_stages(row_bytes: usize, warps: usize) -> (usize, usize, u32) {
 }
 
 /// Query heads of a group that shares a key/value head that one warp of the grouped attention
-/// takes at most: it loads each key and value once for all of them.
-fn group_heads(group: usize) -> usize {
-    match group {
+/// takes at most, with `per_lane` output features a lane: it loads each key and value once for
+/// all of them, up to four, holding at most sixteen accumulators a lane (the kernels' G · E <=
+/// 16; one head for latent attention's rows of 576).
+fn group_heads(group: usize, per_lane: usize) -> usize {
+    let most = match group {
         1 => 1,
         2 => 2,
         _ => 4,
-    }
+    };
+    most.min((16 / per_lane).max(1))
 }
 
 /// Query heads one warp of the batched attention takes of a group that shares a key/value
-/// head (`attention_batch_E_G`'s G): it loads each key and value once for all of them, up to
-/// four; fewer while the (sequence, key/value head) `pairs` are few beside the GPU's
+/// head (`attention_batch_E_G`'s G), of the `most` [`group_heads`] allows: fewer while the
+/// (sequence, key/value head) `pairs` are few beside the GPU's
 /// `multiprocessors`, so that more warps share the work, each merging its heads' splits with
 /// fewer rounds. On an H200 decoding llamas with groups of 4 over 8 key/value heads, one head a
 /// warp wins while the pairs are under an eighth of the multiprocessors, two while they are no
 /// more than the multiprocessors; four, at so few pairs, lose up to a tenth.
-fn query_heads_per_warp(group: usize, pairs: usize, multiprocessors: usize) -> usize {
-    let most = group_heads(group);
+fn query_heads_per_warp(most: usize, pairs: usize, multiprocessors: usize) -> usize {
     if 8 * pairs <= multiprocessors {
         1
     } else if pairs <= multiprocessors {

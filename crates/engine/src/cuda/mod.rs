@@ -119,7 +119,7 @@ pub(crate) const UNASKED_SHARED_BYTES: usize = 48 << 10;
 
 /// Key/value heads up to which the fused projection writes code rings itself (`code_arrivals`
 /// holds two counts for each); more take the separate write.
-pub(crate) const CODE_WRITE_KV_HEADS: usize = 256;
+pub const CODE_WRITE_KV_HEADS: usize = 256;
 
 /// Blocks a kernel runs at once, by its threads and dynamic shared memory.
 type ResidentBlocks = HashMap<(u32, u32), usize>;

@@ -410,8 +410,9 @@ pub struct KvTarget<'a> {
 /// [`add_row_inplace`], [`rope_pair_inplace`] and [`kv_write`] in turn. Returns the rotated
 /// queries, or `None` where the fused kernel does not apply (the host, more than one token,
 /// widths other than 4 and 8 bits or modes other than affine, an exact GPU handle, a rotation
-/// of part of each head or with an amplitude, code rings of more than 256 key/value heads),
-/// having written nothing: the caller then takes those steps.
+/// of part of each head or with an amplitude, code rings of more than
+/// [`cuda::CODE_WRITE_KV_HEADS`] key/value heads), having written nothing: the caller then
+/// takes those steps.
 pub fn qkv_rope_write(
     ws: [(&QuantizedMatrix, Option<&Tensor>); 3],
     x: &Tensor,
