@@ -44,6 +44,7 @@ const KERNELS: &str = concat!(
     include_str!("kernels/prelude.cu"),
     include_str!("kernels/trace.cu"),
     include_str!("kernels/kv_codes.cu"),
+    include_str!("kernels/affine_rows.cu"),
     include_str!("kernels/matmul.cu"),
     include_str!("kernels/low_rank.cu"),
     include_str!("kernels/elementwise.cu"),
