@@ -365,3 +365,57 @@ impl DeltaRuleDims {
         self.v_heads * self.v_dim * self.k_dim
     }
 }
+
+/// How a mixture of experts picks each token's experts from its router's logits: the `top_k`
+/// best of `experts` by their scores (softmax, or each expert's sigmoid), plus a correction bias
+/// where the caller gives one and only within the best [`ExpertGroups`] where those apply;
+/// weighted by their scores, renormalized to sum to 1 where [`ExpertChoice::renormalizes`],
+/// times `scale`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ExpertChoice {
+    pub experts: usize,
+    pub top_k: usize,
+    /// The chosen weights are divided by their sum (`norm_topk_prob`); a sigmoid router's one
+    /// choice keeps its score.
+    pub norm_topk_prob: bool,
+    pub scoring: Scoring,
+    pub groups: Option<ExpertGroups>,
+    pub scale: f32,
+}
+
+impl ExpertChoice {
+    /// The top `top_k` of `experts` by a softmax of the logits, renormalized where
+    /// `norm_topk_prob`, with no groups and a scale of 1.
+    pub fn softmax(experts: usize, top_k: usize, norm_topk_prob: bool) -> Self {
+        ExpertChoice {
+            experts,
+            top_k,
+            norm_topk_prob,
+            scoring: Scoring::Softmax,
+            groups: None,
+            scale: 1.0,
+        }
+    }
+
+    /// Whether the chosen weights are divided by their sum: `norm_topk_prob`, except for one
+    /// choice by sigmoid (mlx-lm renormalizes a softmax's single choice to 1).
+    pub fn renormalizes(&self) -> bool {
+        self.norm_topk_prob && (self.scoring == Scoring::Softmax || self.top_k > 1)
+    }
+}
+
+/// What a router's logits become before the top-k choice.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Scoring {
+    Softmax,
+    /// Each expert's own sigmoid (DeepSeek-V3, GLM-4.5).
+    Sigmoid,
+}
+
+/// Group-limited routing: the experts fall into `count` groups, and only those of the `keep`
+/// groups whose two best scores sum highest can be chosen.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ExpertGroups {
+    pub count: usize,
+    pub keep: usize,
+}

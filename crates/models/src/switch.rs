@@ -4,7 +4,8 @@
 
 pub(crate) mod grad;
 
-use oxlm_engine::cpu::elementwise::softmax_inplace;
+use oxlm_engine::cpu::experts;
+use oxlm_engine::params::{ExpertChoice, ExpertGroups, Scoring};
 use oxlm_engine::{ops, FloatMatrix, Tensor};
 
 use crate::checkpoint::{RawTensor, Scope};
@@ -447,18 +448,13 @@ impl SparseMoe {
         shared: Option<Shared>,
     ) -> Result<Self, LoadError> {
         let vb = &mut block.pp(names.module);
-        let experts = routing.experts;
-        let ExpertMlps {
-            intermediate,
-            activation,
-            biased,
-        } = mlps;
-        let mlps = load_experts(
+        let experts = routing.choice.experts;
+        let experts_mlps = load_experts(
             &mut vb.pp(names.experts),
             experts,
             dim,
-            intermediate,
-            biased,
+            mlps.intermediate,
+            mlps.biased,
         )?;
         let shared = shared
             .map(
@@ -486,8 +482,8 @@ impl SparseMoe {
         Ok(SparseMoe {
             gate: Linear::load(&mut gate_scope, dim, experts, routing.router_bias)?,
             correction_bias,
-            experts: mlps,
-            activation,
+            experts: experts_mlps,
+            activation: mlps.activation,
             routing,
             shared,
             names,
@@ -507,7 +503,7 @@ impl SparseMoe {
         let experts = lora(self.names.experts_key);
         let mut scores = self.gate.forward_adapted(x, router)?.into_vec()?;
         let chosen = self.route(&mut scores);
-        let routed = by_expert(&chosen, self.routing.top_k, self.experts.len());
+        let routed = by_expert(&chosen, self.routing.top_k(), self.experts.len());
         let run_expert = |e: usize, rows: &Tensor| {
             self.experts[e].forward_with(rows, experts.expert(e), self.activation)
         };
@@ -526,105 +522,22 @@ impl SparseMoe {
     }
 }
 
-/// Turns each token's router logits (`[n, experts]`) into scores (softmax or sigmoid), in place,
-/// and returns its `top_k` experts, best first, with their weights: `[n, top_k]`. The
-/// `correction_bias` joins the scores that choose, not the weights.
+/// Each token's `top_k` experts, best first, with their weights, from its router logits
+/// (`[n, experts]`, turned into scores in place), as `routing` chooses them with the
+/// `correction_bias`.
 pub(crate) fn route(
     routing: &Routing,
     correction_bias: Option<&[f32]>,
     scores: &mut [f32],
 ) -> Vec<(usize, f32)> {
-    let Routing {
-        experts: count,
-        top_k,
-        norm_topk_prob,
-        scoring,
-        groups,
-        scale,
-        ..
-    } = *routing;
-    let mut chosen = Vec::with_capacity(scores.len() / count * top_k);
-    let mut order: Vec<usize> = Vec::with_capacity(count);
-    let mut picking = vec![0.0f32; count];
-    for p in scores.chunks_exact_mut(count) {
-        match scoring {
-            Scoring::Softmax => softmax_inplace(p),
-            Scoring::Sigmoid => p.iter_mut().for_each(|v| *v = sigmoid(*v)),
-        }
-        picking.copy_from_slice(p);
-        if let Some(bias) = correction_bias {
-            picking.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
-        }
-        if let Some(groups) = groups {
-            groups.keep_best(&mut picking);
-        }
-        order.clear();
-        order.extend(0..count);
-        order.sort_by(|&a, &b| picking[b].total_cmp(&picking[a]).then(a.cmp(&b)));
-        let top = &order[..top_k];
-        let total: f32 = top.iter().map(|&e| p[e]).sum();
-        let renorm = norm_topk_prob && (scoring == Scoring::Softmax || top_k > 1);
-        chosen.extend(top.iter().map(|&e| {
-            let weight = if renorm { p[e] / total } else { p[e] };
-            (e, weight * scale)
-        }));
-    }
-    chosen
+    experts::choose(&routing.choice, correction_bias, scores)
 }
 
-/// What a router's logits become before the top-k choice.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Scoring {
-    Softmax,
-    /// Each expert's own sigmoid (DeepSeek-V3, GLM-4.5).
-    Sigmoid,
-}
-
-/// Group-limited routing: the experts fall into `count` groups, and only those of the `keep`
-/// groups whose two best scores sum highest can be chosen.
-#[derive(Debug, Clone, Copy)]
-pub struct ExpertGroups {
-    count: usize,
-    keep: usize,
-}
-
-impl ExpertGroups {
-    /// As mlx-lm does, the other groups' scores become 0 (not -∞: an expert of a dropped group
-    /// can still beat one whose corrected score is negative).
-    fn keep_best(&self, scores: &mut [f32]) {
-        let size = scores.len() / self.count;
-        let best_two = |g: &[f32]| {
-            let (mut first, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
-            for &v in g {
-                if v > first {
-                    (first, second) = (v, first);
-                } else if v > second {
-                    second = v;
-                }
-            }
-            first + second
-        };
-        let group_scores: Vec<f32> = scores.chunks_exact(size).map(best_two).collect();
-        let mut order: Vec<usize> = (0..self.count).collect();
-        order.sort_by(|&a, &b| group_scores[a].total_cmp(&group_scores[b]).then(a.cmp(&b)));
-        for &g in &order[..self.count - self.keep] {
-            scores[g * size..][..size].fill(0.0);
-        }
-    }
-}
-
-/// How a mixture picks experts: each token's `top_k` best of `experts` by the router's scores
-/// (plus the correction bias, within the best groups, where those apply), weighted by their
-/// scores, renormalized to sum to 1 where `norm_topk_prob` (mixtral's softmax over the chosen
-/// logits is the same thing), times `scale`.
+/// How a mixture picks experts (the engine's [`ExpertChoice`]), and where its router's inputs
+/// and outputs differ from the plain top-k.
 #[derive(Debug, Clone, Copy)]
 pub struct Routing {
-    experts: usize,
-    top_k: usize,
-    norm_topk_prob: bool,
-    scoring: Scoring,
-    groups: Option<ExpertGroups>,
-    scale: f32,
+    pub(crate) choice: ExpertChoice,
     /// The router has a bias (gpt-oss's).
     router_bias: bool,
     /// The router's `e_score_correction_bias` joins the scores that choose.
@@ -642,12 +555,7 @@ impl Routing {
             )));
         }
         Ok(Routing {
-            experts,
-            top_k,
-            norm_topk_prob,
-            scoring: Scoring::Softmax,
-            groups: None,
-            scale: 1.0,
+            choice: ExpertChoice::softmax(experts, top_k, norm_topk_prob),
             router_bias: false,
             corrected: false,
             weigh_inputs: false,
@@ -657,8 +565,11 @@ impl Routing {
     /// Llama 4's: the sigmoid of each chosen expert's logit weighs the token's input to it.
     pub fn weighing_inputs(self) -> Self {
         Routing {
-            scoring: Scoring::Sigmoid,
-            norm_topk_prob: false,
+            choice: ExpertChoice {
+                scoring: Scoring::Sigmoid,
+                norm_topk_prob: false,
+                ..self.choice
+            },
             weigh_inputs: true,
             ..self
         }
@@ -666,7 +577,7 @@ impl Routing {
 
     /// The experts each token goes to.
     pub fn top_k(&self) -> usize {
-        self.top_k
+        self.choice.top_k
     }
 
     /// A router with a bias.
@@ -685,22 +596,24 @@ impl Routing {
         keep: usize,
         scale: f32,
     ) -> Result<Self, LoadError> {
-        let fits =
-            groups >= 1 && keep >= 1 && keep <= groups && self.experts.is_multiple_of(groups);
-        if !fits || keep * (self.experts / groups) < self.top_k {
+        let ExpertChoice { experts, top_k, .. } = self.choice;
+        let fits = groups >= 1 && keep >= 1 && keep <= groups && experts.is_multiple_of(groups);
+        if !fits || keep * (experts / groups) < top_k {
             return Err(LoadError::Config(format!(
-                "{keep} of {groups} expert groups for {} of {} experts",
-                self.top_k, self.experts
+                "{keep} of {groups} expert groups for {top_k} of {experts} experts"
             )));
         }
         Ok(Routing {
-            scoring: Scoring::Sigmoid,
+            choice: ExpertChoice {
+                scoring: Scoring::Sigmoid,
+                groups: (groups > 1).then_some(ExpertGroups {
+                    count: groups,
+                    keep,
+                }),
+                scale,
+                ..self.choice
+            },
             corrected: true,
-            groups: (groups > 1).then_some(ExpertGroups {
-                count: groups,
-                keep,
-            }),
-            scale,
             ..self
         })
     }

@@ -9,8 +9,9 @@
 //! By op family, as in [`crate::ops`]: [`matmul`] (affine-quantized weights; float-quantized
 //! ones in [`fp`], float weights in [`dense`], the integer GEMVs in [`qint`], the blocked GEMM in
 //! `gemm` and `amx`, backward products in [`transposed`]), [`attention`] (with the caches'
-//! rings), [`norm`], [`elementwise`] and [`recurrent`]. `avx2`, `avx512` and `x86_int` hold each instruction set's primitives that
-//! the families share.
+//! rings), [`norm`], [`elementwise`], [`recurrent`] and [`experts`] (a mixture's routing).
+//! `avx2`, `avx512` and `x86_int` hold each instruction set's primitives that the families
+//! share.
 
 #[cfg(target_arch = "x86_64")]
 /// `$f::<$g.., H>(args)` with `H = $heads` (1 to 4; more take 4): the attention kernels hold a
@@ -34,6 +35,7 @@ mod avx2;
 mod avx512;
 pub mod dense;
 pub mod elementwise;
+pub mod experts;
 pub mod fp;
 mod gemm;
 pub mod matmul;

@@ -156,7 +156,7 @@ impl MlpGrad for &SparseMoe {
             moe.activation,
             x,
             &chosen,
-            moe.routing.top_k,
+            moe.routing.top_k(),
             switch,
         )?;
         let shared = match &moe.shared {
@@ -184,9 +184,9 @@ impl MoeSaved<'_> {
     /// weight, through the scale, the top-k normalization (where there is one) and the softmax
     /// or sigmoid (the correction bias and the groups only choose).
     fn router_grad(&self, d_weights: &[f32]) -> Vec<f32> {
-        let routing = &self.moe.routing;
+        let routing = &self.moe.routing.choice;
         let (count, k, scale) = (routing.experts, routing.top_k, routing.scale);
-        let renorm = routing.norm_topk_prob && (routing.scoring == Scoring::Softmax || k > 1);
+        let renorm = routing.renormalizes();
         let mut d_logits = vec![0.0; self.probs.len()];
         let mut dp = vec![0.0; count];
         for (t, p) in self.probs.chunks_exact(count).enumerate() {
