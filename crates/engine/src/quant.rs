@@ -208,6 +208,11 @@ impl QuantizedMatrix {
         Ok(())
     }
 
+    /// The copy that [`place`](Self::place) made, on whichever GPU.
+    pub(crate) fn placed(&self) -> Option<&Arc<QuantizedWeights>> {
+        self.gpu.as_ref()
+    }
+
     /// The copy on `gpu` that [`place`](Self::place) made.
     pub(crate) fn on_gpu(&self, gpu: &Gpu) -> Result<&QuantizedWeights, EngineError> {
         match &self.gpu {

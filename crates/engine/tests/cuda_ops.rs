@@ -16,10 +16,11 @@ use std::sync::{Mutex, MutexGuard};
 
 use common::{random_float_quantized, random_quantized, random_vec};
 use oxlm_engine::ops::recurrent::{self, DeltaRuleDims};
+use oxlm_engine::params::{ExpertChoice, ExpertGroups, Scoring};
 use oxlm_engine::quant::{QuantMode, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES};
 use oxlm_engine::{
-    cuda, ops, DType, DecodeSteps, Device, FloatMatrix, KvPrecision, KvQuant, KvRing, Positions,
-    QuantizedMatrix, Tensor,
+    cpu, cuda, ops, DType, DecodeSteps, Device, FloatMatrix, KvPrecision, KvQuant, KvRing,
+    Positions, QuantizedMatrix, Tensor,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -736,6 +737,140 @@ fn gated_mlp_in_one_pass() {
                 let tol = product_tolerance(bits, m, false);
                 assert_close(&format!("{bits}-bit {act:?} m={m}"), &y, &cpu, tol);
             }
+        }
+    }
+}
+
+/// A mixture's routing, experts and weighted sums on the device against the host's choice and
+/// each chosen expert's MLP: softmax and sigmoid routers, renormalized or not, expert groups and
+/// a correction bias, shared experts gated and not, and enough tokens that an expert takes more
+/// than 8 rows.
+#[test]
+fn mixtures_route_and_run_their_experts_on_the_device() {
+    let Some((dev, _turn)) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(11);
+    struct Case {
+        choice: ExpertChoice,
+        correction: bool,
+        shared: Option<bool>,
+        act: ops::Activation,
+        format: (u32, usize, DType),
+        dims: (usize, usize),
+    }
+    let softmax = ExpertChoice::softmax;
+    let cases = [
+        Case {
+            choice: softmax(8, 2, true),
+            correction: false,
+            shared: None,
+            act: ops::Activation::Silu,
+            format: (4, 64, DType::BF16),
+            dims: (256, 192),
+        },
+        Case {
+            choice: ExpertChoice {
+                scoring: Scoring::Sigmoid,
+                groups: Some(ExpertGroups { count: 4, keep: 2 }),
+                scale: 2.5,
+                ..softmax(16, 4, true)
+            },
+            correction: true,
+            shared: Some(false),
+            act: ops::Activation::GeluApprox,
+            format: (8, 32, DType::F16),
+            dims: (224, 160),
+        },
+        Case {
+            choice: softmax(32, 4, false),
+            correction: false,
+            shared: Some(true),
+            act: ops::Activation::Silu,
+            format: (3, 128, DType::F32),
+            dims: (256, 128),
+        },
+        Case {
+            choice: ExpertChoice {
+                scoring: Scoring::Sigmoid,
+                ..softmax(4, 1, true)
+            },
+            correction: false,
+            shared: None,
+            act: ops::Activation::Silu,
+            format: (4, 32, DType::F16),
+            dims: (128, 96),
+        },
+    ];
+    for case in cases {
+        let (bits, group, dtype) = case.format;
+        let (dim, hidden) = case.dims;
+        let choice = case.choice;
+        let host: Vec<[QuantizedMatrix; 3]> = (0..choice.experts)
+            .map(|_| {
+                [(hidden, dim), (hidden, dim), (dim, hidden)]
+                    .map(|(r, c)| random_quantized(&mut rng, r, c, bits, group, dtype))
+            })
+            .collect();
+        let placed: Vec<[QuantizedMatrix; 3]> = host
+            .iter()
+            .map(|e| {
+                e.clone().map(|mut w| {
+                    w.place(&dev).unwrap();
+                    w
+                })
+            })
+            .collect();
+        let refs: Vec<[&QuantizedMatrix; 3]> = placed.iter().map(|[g, u, d]| [g, u, d]).collect();
+        let stack = ops::experts::ExpertStack::new(&refs, case.act)
+            .unwrap()
+            .expect("affine experts of one format on one GPU");
+        let correction = case
+            .correction
+            .then(|| random_vec(&mut rng, choice.experts));
+        for n in [1, 3, 40] {
+            let what = format!("{choice:?} {bits}-bit n={n}");
+            let x = random_vec(&mut rng, n * dim);
+            let logits: Vec<f32> = random_vec(&mut rng, n * choice.experts)
+                .iter()
+                .map(|v| 4.0 * v)
+                .collect();
+            let shared_out = random_vec(&mut rng, n * dim);
+            let shared_gate = random_vec(&mut rng, n);
+            let mut scores = logits.clone();
+            let chosen = cpu::experts::choose(&choice, correction.as_deref(), &mut scores);
+            let mut expected = vec![0.0f32; n * dim];
+            for (slot, &(e, weight)) in chosen.iter().enumerate() {
+                let t = slot / choice.top_k;
+                let row = Tensor::new(vec![1, dim], x[t * dim..][..dim].to_vec());
+                let [gate, up, down] = &host[e];
+                let h = ops::quantized_glu(gate, up, &row, None, case.act).unwrap();
+                let out = ops::matmul(down, &h).unwrap().to_vec().unwrap();
+                for (y, o) in expected[t * dim..][..dim].iter_mut().zip(out) {
+                    *y += weight * o;
+                }
+            }
+            if let Some(gated) = case.shared {
+                for (i, y) in expected.iter_mut().enumerate() {
+                    let g = shared_gate[i / dim];
+                    *y += if gated { 1.0 / (1.0 + (-g).exp()) } else { 1.0 } * shared_out[i];
+                }
+            }
+            let correction = correction.as_ref().map(|c| on(&dev, vec![c.len()], c));
+            let shared_out = on(&dev, vec![n, dim], &shared_out);
+            let shared_gate = on(&dev, vec![n, 1], &shared_gate);
+            let shared = case
+                .shared
+                .map(|gated| (&shared_out, gated.then_some(&shared_gate)));
+            assert!(ops::experts::mixture_applies(n, &choice), "{what}");
+            let y = ops::experts::mixture(
+                &stack,
+                &choice,
+                &on(&dev, vec![n, dim], &x),
+                &on(&dev, vec![n, choice.experts], &logits),
+                correction.as_ref(),
+                shared,
+            )
+            .unwrap();
+            assert_close(&what, &y, &Tensor::new(vec![n, dim], expected), INT16);
         }
     }
 }

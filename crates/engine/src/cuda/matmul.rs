@@ -85,7 +85,7 @@ impl QuantShape {
 
 /// Threads per block of the quantized GEMVs: one run of 32 weights each across a row of `cols`,
 /// from 32 to 256.
-fn row_threads(cols: usize) -> u32 {
+pub(super) fn row_threads(cols: usize) -> u32 {
     (cols / 32).next_power_of_two().clamp(32, 256) as u32
 }
 

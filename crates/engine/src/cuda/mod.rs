@@ -12,6 +12,7 @@ mod launch;
 pub(crate) mod attention;
 mod compile;
 pub(crate) mod elementwise;
+pub(crate) mod experts;
 pub(crate) mod low_rank;
 pub(crate) mod matmul;
 pub(crate) mod norm;
@@ -46,6 +47,7 @@ const KERNELS: &str = concat!(
     include_str!("kernels/kv_codes.cu"),
     include_str!("kernels/affine_rows.cu"),
     include_str!("kernels/matmul.cu"),
+    include_str!("kernels/experts.cu"),
     include_str!("kernels/low_rank.cu"),
     include_str!("kernels/elementwise.cu"),
     include_str!("kernels/norm.cu"),

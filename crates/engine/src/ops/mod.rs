@@ -4,6 +4,7 @@
 
 mod attention;
 mod elementwise;
+pub mod experts;
 mod matmul;
 mod norm;
 pub mod recurrent;

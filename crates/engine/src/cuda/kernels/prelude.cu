@@ -15,6 +15,7 @@
 
 typedef unsigned short u16;
 typedef unsigned int u32;
+typedef unsigned long long u64;
 typedef long long i64;
 
 #define INFINITY __int_as_float(0x7f800000)
