@@ -90,6 +90,14 @@ impl Weight {
         Ok(Weight::Quantized(quantized))
     }
 
+    /// The quantized matrix, where the weights are one.
+    pub fn quantized(&self) -> Option<&QuantizedMatrix> {
+        match self {
+            Weight::Quantized(w) => Some(w),
+            Weight::Dense(_) => None,
+        }
+    }
+
     /// Copies the weights to `device`'s memory (for matrices made outside a checkpoint).
     pub fn place(&mut self, device: &Device) -> OpResult<()> {
         match self {
@@ -863,10 +871,7 @@ impl Attention {
             .iter()
             .zip(names)
             .filter(|(_, name)| lora.get(name).is_none())
-            .filter_map(|(p, _)| match &p.weight {
-                Weight::Quantized(w) => Some(w),
-                Weight::Dense(_) => None,
-            })
+            .filter_map(|(p, _)| p.weight.quantized())
             .collect();
         if quantized.len() < 3 {
             let x = &*input.tensor()?;

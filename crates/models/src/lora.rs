@@ -474,6 +474,11 @@ impl<'a> ModuleAdapters<'a> {
         expert: None,
     };
 
+    /// Whether the pass has no adapters at all.
+    pub fn is_empty(&self) -> bool {
+        self.set.is_none()
+    }
+
     /// The adapters of expert `e` of the stacked layers of this module (`switch_mlp`).
     pub fn expert(self, e: usize) -> Self {
         ModuleAdapters {

@@ -5,8 +5,9 @@
 pub(crate) mod grad;
 
 use oxlm_engine::cpu::experts;
+use oxlm_engine::ops::experts::ExpertStack;
 use oxlm_engine::params::{ExpertChoice, ExpertGroups, Scoring};
-use oxlm_engine::{ops, FloatMatrix, Tensor};
+use oxlm_engine::{ops, Device, FloatMatrix, Tensor};
 
 use crate::checkpoint::{RawTensor, Scope};
 use crate::decoder_grad::{GatedMlpGrad, MlpGrad};
@@ -315,6 +316,58 @@ pub struct SparseMoe {
     routing: Routing,
     shared: Option<SharedExpert>,
     names: MoeNames,
+    /// The experts as the GPU routes and runs them in one op, where it can.
+    on_device: Option<DeviceExperts>,
+}
+
+/// A mixture on the GPU: its experts' stacked tables and the correction bias there.
+struct DeviceExperts {
+    stack: ExpertStack,
+    correction_bias: Option<Tensor>,
+}
+
+impl DeviceExperts {
+    /// `None` where the GPU op does not take the mixture (on the host, experts with biases or
+    /// gpt-oss's clamped gate, float-mode weights) or its routing (inputs weighed by Llama 4's).
+    fn new(
+        experts: &[Mlp],
+        mlps: ExpertMlps,
+        routing: &Routing,
+        correction_bias: Option<&[f32]>,
+        device: &Device,
+    ) -> Result<Option<Self>, LoadError> {
+        if mlps.biased || routing.weigh_inputs || !matches!(device, Device::Cuda(_)) {
+            return Ok(None);
+        }
+        let projections: Option<Vec<_>> = experts
+            .iter()
+            .map(|m| {
+                Some([
+                    m.gate_proj.weight.quantized()?,
+                    m.up_proj.weight.quantized()?,
+                    m.down_proj.weight.quantized()?,
+                ])
+            })
+            .collect();
+        let engine_err = |source| LoadError::Engine {
+            name: "experts".into(),
+            source,
+        };
+        let Some(projections) = projections else {
+            return Ok(None);
+        };
+        let Some(stack) = ExpertStack::new(&projections, mlps.activation).map_err(engine_err)?
+        else {
+            return Ok(None);
+        };
+        let correction_bias = correction_bias
+            .map(|b| place_vector(b, device, "e_score_correction_bias"))
+            .transpose()?;
+        Ok(Some(DeviceExperts {
+            stack,
+            correction_bias,
+        }))
+    }
 }
 
 /// An expert every token goes through: Qwen's `shared_expert`, weighted by a sigmoid gate of its
@@ -448,6 +501,7 @@ impl SparseMoe {
         shared: Option<Shared>,
     ) -> Result<Self, LoadError> {
         let vb = &mut block.pp(names.module);
+        let device = vb.device().clone();
         let experts = routing.choice.experts;
         let experts_mlps = load_experts(
             &mut vb.pp(names.experts),
@@ -479,6 +533,13 @@ impl SparseMoe {
             .corrected
             .then(|| load_host_vector(&mut gate_scope, "e_score_correction_bias", experts))
             .transpose()?;
+        let on_device = DeviceExperts::new(
+            &experts_mlps,
+            mlps,
+            &routing,
+            correction_bias.as_deref(),
+            &device,
+        )?;
         Ok(SparseMoe {
             gate: Linear::load(&mut gate_scope, dim, experts, routing.router_bias)?,
             correction_bias,
@@ -487,6 +548,7 @@ impl SparseMoe {
             routing,
             shared,
             names,
+            on_device,
         })
     }
 
@@ -498,6 +560,13 @@ impl SparseMoe {
         x: &Tensor,
         lora: impl Fn(&'static str) -> ModuleAdapters<'a>,
     ) -> OpResult<Tensor> {
+        if let Some(device) = &self.on_device {
+            if ops::experts::mixture_applies(x.rows(), &self.routing.choice)
+                && lora(self.names.module).is_empty()
+            {
+                return self.forward_on_device(device, x);
+            }
+        }
         let (router_module, router) = self.names.router_key;
         let router = lora(router_module).get(router);
         let experts = lora(self.names.experts_key);
@@ -514,6 +583,27 @@ impl SparseMoe {
         let out = expert.mlp.forward_adapted(x, lora(expert.names.path))?;
         expert.add_gated(x, &out, lora(self.names.module), &mut y)?;
         Ok(y)
+    }
+
+    /// [`SparseMoe::forward`] without adapters as one op on the GPU, routing there too.
+    fn forward_on_device(&self, device: &DeviceExperts, x: &Tensor) -> OpResult<Tensor> {
+        let logits = self.gate.forward(x)?;
+        let shared = match &self.shared {
+            Some(expert) => {
+                let out = expert.mlp.forward_adapted(x, ModuleAdapters::NONE)?;
+                let gate = expert.gate.as_ref().map(|g| g.forward(x)).transpose()?;
+                Some((out, gate))
+            }
+            None => None,
+        };
+        ops::experts::mixture(
+            &device.stack,
+            &self.routing.choice,
+            x,
+            &logits,
+            device.correction_bias.as_ref(),
+            shared.as_ref().map(|(out, gate)| (out, gate.as_ref())),
+        )
     }
 
     /// [`route`] with this mixture's routing and correction bias.

@@ -21,12 +21,14 @@ const LOGIT_TOLERANCE: f32 = 2e-3;
 
 /// Largest |Δlogit| allowed in the prompt logits where the GPU prefill rounds operands to TF32
 /// (10-bit mantissas). These random models amplify rounding: mlx-lm's own bf16 run of them
-/// drifts from its fp32 one by 0.8 (qwen3) to 13 (qwen3_5); TF32 stays under 0.34 on all of
-/// them (on an H200). Decode steps are checked on the exact run; here they also round
+/// drifts from its fp32 one by 0.8 (qwen3) to 13 (qwen3_5); TF32 stays under 0.35 on all of
+/// them but Qwen3-Next's, whose prompt drifts by 0.40 to 0.52 (H100) depending on which of its
+/// products round to TF32 (its mixtures' prompts of up to 64 tokens run in f32, longer ones on
+/// the tensor cores). Decode steps are checked on the exact run; here they also round
 /// activations to int16 (cuda_ops holds those kernels to 1e-4 relative), and a rounding-sized
 /// change of the prefilled cache can flip a mixture-of-experts route later on, which no
 /// tolerance bounds.
-const TF32_LOGIT_TOLERANCE: f32 = 0.5;
+const TF32_LOGIT_TOLERANCE: f32 = 0.75;
 
 /// This test's turn on the GPU, held while it runs there: the tests take turns, because a GPU
 /// handle has one stream for every thread (a step captured into a graph on one thread would
@@ -789,6 +791,16 @@ fn lfm2_decode_steps_replay_as_graphs() {
 fn mamba2_hybrids_decode_steps_replay_as_graphs() {
     check_replay("granitemoehybrid-dense-8bit-g64");
     check_replay("nemotron_h-4bit-g32");
+}
+
+/// Mixtures of experts route and run their experts on the device, so their steps replay too:
+/// softmax routing (Qwen3-MoE), grouped sigmoid routing with a correction bias and a shared
+/// expert (GLM-4.5), a gated shared expert beside DeltaNet layers (Qwen3-Next).
+#[test]
+fn mixtures_decode_steps_replay_as_graphs() {
+    check_replay("qwen3_moe-4bit-g32");
+    check_replay("glm4_moe-4bit-g32");
+    check_replay("qwen3_next-4bit-g32");
 }
 
 macro_rules! parity_tests {
