@@ -61,8 +61,8 @@ impl ExpertStack {
         let (Some(gate), Some(up), Some(down)) = (table(0)?, table(1)?, table(2)?) else {
             return Ok(None);
         };
-        let (g, u, d) = (experts[0][0], experts[0][1], experts[0][2]);
-        let fits = (g.rows, g.cols) == (u.rows, u.cols) && (d.rows, d.cols) == (g.cols, g.rows);
+        let (g, d) = (experts[0][0], experts[0][2]);
+        let fits = gate.same_format(&up) && (d.rows, d.cols) == (g.cols, g.rows);
         Ok(fits.then_some(ExpertStack {
             gate,
             up,
