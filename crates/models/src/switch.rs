@@ -4,6 +4,7 @@
 
 pub(crate) mod grad;
 
+use oxlm_engine::cpu::elementwise::sigmoid;
 use oxlm_engine::cpu::experts;
 use oxlm_engine::ops::experts::ExpertStack;
 use oxlm_engine::params::{ExpertChoice, ExpertGroups, Scoring};
@@ -179,10 +180,6 @@ fn dispatch_weighing(
         ops::scatter_add_rows(&mut y, &out, &rows, &weights)?;
     }
     Ok(y)
-}
-
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
 }
 
 /// A block's feed-forward part: a SwiGLU MLP, or a mixture of experts in its place.

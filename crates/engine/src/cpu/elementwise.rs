@@ -131,9 +131,14 @@ pub fn silu_inplace(x: &mut [f32]) {
     }
 }
 
+/// The logistic function `1 / (1 + e^-x)`.
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
 /// `x = x · sigmoid(gate)`.
 pub fn sigmoid_mul_inplace(x: &mut [f32], gate: &[f32]) {
     for (v, &g) in x.iter_mut().zip(gate) {
-        *v *= 1.0 / (1.0 + (-g).exp());
+        *v *= sigmoid(g);
     }
 }

@@ -1,11 +1,7 @@
 //! A mixture of experts' routing on the host: each token's top-k experts and their weights.
 
-use crate::cpu::elementwise::softmax_inplace;
+use crate::cpu::elementwise::{sigmoid, softmax_inplace};
 use crate::params::{ExpertChoice, ExpertGroups, Scoring};
-
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
 
 /// Turns each token's router logits (`[n, experts]`) into scores (softmax or sigmoid), in place,
 /// and returns its `top_k` experts, best first (ties to the lower expert), with their weights:
@@ -17,6 +13,7 @@ pub fn choose(
 ) -> Vec<(usize, f32)> {
     let count = choice.experts;
     let top_k = choice.top_k;
+    let renormalize = choice.renormalizes();
     let mut chosen = Vec::with_capacity(scores.len() / count * top_k);
     let mut order: Vec<usize> = Vec::with_capacity(count);
     let mut picking = vec![0.0f32; count];
@@ -38,11 +35,7 @@ pub fn choose(
         let top = &order[..top_k];
         let total: f32 = top.iter().map(|&e| p[e]).sum();
         chosen.extend(top.iter().map(|&e| {
-            let weight = if choice.renormalizes() {
-                p[e] / total
-            } else {
-                p[e]
-            };
+            let weight = if renormalize { p[e] / total } else { p[e] };
             (e, weight * choice.scale)
         }));
     }

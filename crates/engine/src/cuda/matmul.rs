@@ -68,7 +68,7 @@ const DEQUANT_MAX_BYTES: usize = 128 << 20;
 const GEMM_TILE: usize = 128;
 
 /// The shape and format of an MLX-quantized matrix.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq)]
 pub struct QuantShape {
     pub rows: usize,
     pub cols: usize,

@@ -36,15 +36,11 @@ impl ExpertStack {
             let Some(home) = first.placed() else {
                 return Ok(None);
             };
-            let format = |w: &QuantizedMatrix| {
-                let s = w.shape();
-                (s.rows, s.cols, s.mode, s.bits, s.group_size)
-            };
             let placed: Option<Vec<_>> = experts
                 .iter()
                 .map(|e| e[kind])
                 .map(|w| match w.placed() {
-                    Some(p) if format(w) == format(first) && p.gpu.same(&home.gpu) => {
+                    Some(p) if w.shape() == first.shape() && p.gpu.same(&home.gpu) => {
                         Some(p.clone())
                     }
                     _ => None,
@@ -127,23 +123,21 @@ pub fn mixture(
         || "mixture: a shared expert's output of another shape than the input".into(),
     )?;
     let x_buffer = buffer(x)?;
-    let same = |t: &Tensor| -> Result<()> {
-        match buffer(t)?.gpu().same(x_buffer.gpu()) {
-            true => Ok(()),
+    // The buffer of an operand on x's GPU.
+    let beside_x = |t| -> Result<&Buffer> {
+        let b = buffer(t)?;
+        match b.gpu().same(x_buffer.gpu()) {
+            true => Ok(b),
             false => Err(mismatch("mixture")),
         }
     };
-    same(logits)?;
-    let correction = correction.map(|c| same(c).and(buffer(c))).transpose()?;
+    let logits = beside_x(logits)?;
+    let correction = correction.map(beside_x).transpose()?;
     let shared = match shared {
-        Some((out, gate)) => {
-            same(out)?;
-            let gate = gate.map(|g| same(g).and(buffer(g))).transpose()?;
-            Some(experts::SharedOutput {
-                out: buffer(out)?,
-                gate,
-            })
-        }
+        Some((out, gate)) => Some(experts::SharedOutput {
+            out: beside_x(out)?,
+            gate: gate.map(beside_x).transpose()?,
+        }),
         None => None,
     };
     let mlps = experts::ExpertMlps {
@@ -152,14 +146,6 @@ pub fn mixture(
         down: &stack.down,
         act: stack.act,
     };
-    let y = experts::mixture(
-        &mlps,
-        choice,
-        x_buffer,
-        n,
-        buffer(logits)?,
-        correction,
-        shared,
-    )?;
+    let y = experts::mixture(&mlps, choice, x_buffer, n, logits, correction, shared)?;
     Ok(Tensor::on_gpu(x.shape().to_vec(), y))
 }

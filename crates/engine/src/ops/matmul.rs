@@ -339,8 +339,7 @@ pub fn quantized_glu(
     norm: Option<InputNorm>,
     act: Activation,
 ) -> Result<Tensor> {
-    let format = |w: &QuantizedMatrix| (w.rows, w.cols, w.mode, w.bits, w.group_size);
-    let same_format = format(gate) == format(up);
+    let same_format = gate.shape() == up.shape();
     let gpu = match &x.storage {
         Storage::Cuda(b) if same_format && x.cols() == gate.cols => {
             foldable(b, x.cols(), norm).map(|folded| (b, folded))
