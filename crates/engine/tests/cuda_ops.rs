@@ -19,8 +19,8 @@ use oxlm_engine::ops::recurrent::{self, DeltaRuleDims};
 use oxlm_engine::params::{ExpertChoice, ExpertGroups, Scoring};
 use oxlm_engine::quant::{QuantMode, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES};
 use oxlm_engine::{
-    cpu, cuda, ops, DType, DecodeSteps, Device, FloatMatrix, KvPrecision, KvQuant, KvRing,
-    Positions, QuantizedMatrix, Tensor,
+    cpu, cuda, ops, DType, DecodeSteps, Device, EngineError, FloatMatrix, KvPrecision, KvQuant,
+    KvRing, Positions, QuantizedMatrix, Tensor,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -871,6 +871,14 @@ fn mixtures_route_and_run_their_experts_on_the_device() {
             )
             .unwrap();
             assert_close(&what, &y, &Tensor::new(vec![n, dim], expected), INT16);
+            // Logits for one expert too few, and logits left on the host: refused, not read.
+            let x = on(&dev, vec![n, dim], &x);
+            let short = on(&dev, vec![n * choice.experts - 1], &logits);
+            let err = ops::experts::mixture(&stack, &choice, &x, &short, None, None).unwrap_err();
+            assert!(matches!(err, EngineError::Shape(_)), "{what}: {err}");
+            let host = Tensor::new(vec![n, choice.experts], logits);
+            let err = ops::experts::mixture(&stack, &choice, &x, &host, None, None).unwrap_err();
+            assert!(matches!(err, EngineError::Device(_)), "{what}: {err}");
         }
     }
 }
